@@ -1,0 +1,27 @@
+"""durable-capabilities: pydantic-ai agents built from on-demand capabilities, durable on Temporal, DBOS and Prefect.
+
+The public API is re-exported here; every other name is private.
+"""
+
+from .agent import DurableAgent, validate_together
+from .ids import MAX_ID_LENGTH, id_syntax_error, redact_url
+from .runbook import RunbookRequired
+from .skills import InvalidSkill, load_skill, load_skills
+from .validation import CODES, DurableConfigError, Problem, Report
+
+__all__ = [
+    'CODES',
+    'MAX_ID_LENGTH',
+    'DurableAgent',
+    'DurableConfigError',
+    'InvalidSkill',
+    'Problem',
+    'Report',
+    'RunbookRequired',
+    'id_syntax_error',
+    'load_skill',
+    'load_skills',
+    'redact_url',
+    'validate_together',
+]
+__version__ = '0.1.0'

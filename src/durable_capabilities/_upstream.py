@@ -1,0 +1,74 @@
+"""The only module that touches private pydantic-ai names.
+
+pydantic-ai-slim 2.68 exposes no public way to ask whether a toolset's `id` was chosen or derived,
+to give an existing `FunctionToolset` an `id` without rebuilding it, or to read the source an `MCP`
+capability derived its `id` from. Each of those is wrapped here, once, and
+`tests/test_upstream_contract.py` fails loudly when upstream renames or changes one of them.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from pydantic_ai.capabilities import AbstractCapability
+from pydantic_ai.toolsets import AbstractToolset, FunctionToolset
+from pydantic_ai.toolsets._deferred_capability_loader import LOAD_CAPABILITY_TOOL_NAME
+from pydantic_ai.toolsets._dynamic import DynamicToolset
+
+__all__ = [
+    'LOAD_CAPABILITY_TOOL_NAME',
+    'DynamicToolset',
+    'capability_url_derived_id',
+    'derived_id_source',
+    'explicit_toolset_id',
+    'toolset_with_id',
+]
+
+
+def explicit_toolset_id(toolset: AbstractToolset[Any]) -> str | None:
+    """The `id` chosen for `toolset`, or `None` when it has none or only a URL-derived one.
+
+    Upstream's durability capabilities name durable units only after this value
+    (`BaseDurabilityCapability._wrap_and_register_leaf` reads `_explicit_id`).
+    """
+    return toolset._explicit_id  # pyright: ignore[reportPrivateUsage]
+
+
+def toolset_with_id(toolset: AbstractToolset[Any], new_id: str) -> AbstractToolset[Any] | None:
+    """A copy of leaf `toolset` carrying the explicit id `new_id`; the original is left untouched.
+
+    Returns `None` for a leaf kind we do not know how to copy (the caller reports it).
+    The copy of a `FunctionToolset` shares the original's `tools` dict, so tools registered on a
+    module-level toolset after the agent was defined stay visible through every copy.
+    """
+    from pydantic_ai.mcp import MCPToolset
+
+    if isinstance(toolset, FunctionToolset):
+        clone = copy.copy(toolset)
+        clone._id = new_id  # pyright: ignore[reportPrivateUsage]
+        return clone
+    if isinstance(toolset, DynamicToolset):
+        return DynamicToolset(toolset.toolset_func, per_run_step=toolset.per_run_step, id=new_id)
+    if isinstance(toolset, MCPToolset):
+        clone = copy.copy(toolset)
+        clone.id = new_id  # public setter; marks the id explicit
+        return clone
+    return None
+
+
+def derived_id_source(capability: AbstractCapability[Any]) -> str | None:
+    """The normalized server URL an `MCP` capability derived its id from, or `None` when the id was chosen.
+
+    Upstream compares these to tell two servers that derive the same host id apart from the same
+    server listed twice (`AbstractCapability._derived_id_source`).
+    """
+    return capability._derived_id_source()  # pyright: ignore[reportPrivateUsage]
+
+
+def capability_url_derived_id(capability: AbstractCapability[Any]) -> str | None:
+    """The id an `MCP(url=...)` capability derived from its URL (the hostname in 2.68), or `None`.
+
+    Set even for a deferred `MCP`, whose `id` upstream leaves `None`: it is what the id *would* be.
+    """
+    return getattr(capability, '_telemetry_url_derived_id', None)

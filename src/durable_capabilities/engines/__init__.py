@@ -1,0 +1,62 @@
+"""Engine adapters: one declarative spec per engine; differences are data, not branches.
+
+Each `EngineSpec` names the upstream durability capability and the words the engine uses for its
+durable unit and container. `build_agent` is the one place a `pydantic_ai.Agent` is constructed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+EngineName = Literal['local', 'temporal', 'dbos', 'prefect']
+DURABLE_ENGINES: tuple[str, ...] = ('temporal', 'dbos', 'prefect')
+ALL_ENGINES: tuple[str, ...] = ('local', *DURABLE_ENGINES)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What differs between engines, as data.
+
+    Attributes:
+        name: `'local' | 'temporal' | 'dbos' | 'prefect'`.
+        module: Upstream module holding the durability capability (`None` for local).
+        durability: Class name of upstream's durability capability in `module`.
+        extra: The `durable-capabilities[...]` extra that installs the engine.
+        unit: The engine's word for a durable unit (activity, step, task).
+        container: The engine's word for the durable container (workflow, flow).
+    """
+
+    name: str
+    module: str | None
+    durability: str | None
+    extra: str | None
+    unit: str
+    container: str
+
+    def durability_class(self) -> Callable[..., Any] | None:
+        """Import upstream's durability capability class; raises ImportError when the extra is missing."""
+        if self.module is None or self.durability is None:
+            return None
+        return getattr(importlib.import_module(self.module), self.durability)
+
+    def available(self) -> bool:
+        try:
+            self.durability_class()
+        except ImportError:
+            return False
+        return True
+
+
+ENGINES: dict[str, EngineSpec] = {
+    'local': EngineSpec('local', None, None, None, 'call', 'run'),
+    'temporal': EngineSpec(
+        'temporal', 'pydantic_ai.durable_exec.temporal', 'TemporalDurability', 'temporal', 'activity', 'workflow'
+    ),
+    'dbos': EngineSpec('dbos', 'pydantic_ai.durable_exec.dbos', 'DBOSDurability', 'dbos', 'step', 'workflow'),
+    'prefect': EngineSpec(
+        'prefect', 'pydantic_ai.durable_exec.prefect', 'PrefectDurability', 'prefect', 'task', 'flow'
+    ),
+}
