@@ -212,3 +212,39 @@ def workflow(agent: DurableAgent[Any, Any], *, name: str | None = None, **dbos_w
         return DBOS.workflow(name=name or func.__qualname__, **dbos_workflow_kwargs)(body)
 
     return decorate
+
+
+_WORKFLOWS: dict[str, Any] = {}
+
+
+def agent_workflow(agent: DurableAgent[Any, Any]) -> Callable[..., Awaitable[dict[str, Any]]]:
+    """A DBOS workflow named `durcap.{agent name}` that runs `agent` once (registered on first call).
+
+    Call before `DBOS.launch()`. Arguments: `prompt: str | None`, `deps: dict | None` (validated into
+    `deps_type`), `message_history: list[dict] | None` (pydantic-ai message JSON). Returns
+    `{'output', 'new_messages', 'usage'}` as JSON-compatible data.
+    """
+    existing = _WORKFLOWS.get(agent.name)
+    if existing is not None:
+        return existing
+    from pydantic import TypeAdapter
+    from pydantic_ai.messages import ModelMessagesTypeAdapter
+    from pydantic_core import to_jsonable_python
+
+    bound = BoundAgent(agent)
+    deps_adapter: TypeAdapter[Any] = TypeAdapter(agent.deps_type)
+
+    async def run_agent(prompt: str | None, deps: Any = None, message_history: Any = None) -> dict[str, Any]:
+        history = ModelMessagesTypeAdapter.validate_python(message_history) if message_history else None
+        result = await bound.run(
+            prompt, deps=deps_adapter.validate_python(deps) if deps is not None else None, message_history=history
+        )
+        return {
+            'output': to_jsonable_python(result.output),
+            'new_messages': ModelMessagesTypeAdapter.dump_python(result.new_messages(), mode='json'),
+            'usage': to_jsonable_python(result.usage),
+        }
+
+    registered = DBOS.workflow(name=f'durcap.{agent.name}')(run_agent)
+    _WORKFLOWS[agent.name] = registered
+    return registered

@@ -1,13 +1,171 @@
-"""Prefect: a flow per `DurableAgent`, schedules and deployments. (Filled in below.)"""
+"""Prefect: a flow per `DurableAgent`, deterministic task cache keys, schedules and deployments.
+
+Upstream `PrefectDurability` runs model requests, tools and MCP calls as tasks whose cache key is
+their inputs plus the task source plus the flow run id, so a retried flow run replays finished
+tasks. Its model-request key hashes `ModelRequestParameters`, whose `revealed_tool_names`,
+`introduced_tool_names` and `deferred_capability_ids` are Python sets: Prefect's JSON hashing keeps
+their iteration order, which changes with `PYTHONHASHSEED`, so a flow run resumed in another process
+missed the cache for every request made after a capability was loaded and ran it again.
+`DeterministicInputs` sorts every set before hashing.
+"""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import re
 from typing import TYPE_CHECKING, Any
+
+from prefect import flow
+from prefect.cache_policies import CachePolicy
+from pydantic import TypeAdapter
+from pydantic_ai.durable_exec.prefect import DEFAULT_PYDANTIC_AI_CACHE_POLICY, TaskConfig
+from pydantic_ai.messages import ModelMessagesTypeAdapter
+from pydantic_ai.tools import RunContext
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
 
+FLOW_NAME_PREFIX = 'durcap-'
+"""Flow name: `durcap-{agent name}`."""
+
+
+def _sorted_sets(value: Any, memo: dict[int, Any]) -> Any:
+    """A copy of `value` with every set inside (containers, pydantic-ai dataclasses) as a sorted list."""
+    key = id(value)
+    if key in memo:
+        return memo[key]
+    if isinstance(value, (set, frozenset)):
+        result: Any = sorted(value, key=repr)
+    elif isinstance(value, list):
+        result = [_sorted_sets(v, memo) for v in value]
+    elif isinstance(value, tuple):
+        result = tuple(_sorted_sets(v, memo) for v in value)
+    elif isinstance(value, dict):
+        result = {k: _sorted_sets(v, memo) for k, v in value.items()}
+    elif (
+        dataclasses.is_dataclass(value)
+        and not isinstance(value, type)
+        and not isinstance(value, RunContext)  # upstream projects it, sorting its sets itself
+        and type(value).__module__.startswith('pydantic_ai')
+    ):
+        memo[key] = value
+        changed = {}
+        for f in dataclasses.fields(value):
+            current = getattr(value, f.name)
+            normalized = _sorted_sets(current, memo)
+            if normalized is not current:
+                changed[f.name] = normalized
+        if not changed:
+            return value
+        result = copy.copy(value)
+        for name, normalized in changed.items():
+            object.__setattr__(result, name, normalized)
+    else:
+        return value
+    memo[key] = result
+    return result
+
+
+@dataclasses.dataclass
+class DeterministicInputs(CachePolicy):
+    """Upstream's default cache policy with every set in the inputs sorted first.
+
+    Attributes:
+        inner: The policy to delegate to (default: `DEFAULT_PYDANTIC_AI_CACHE_POLICY`, which is
+            inputs + task source + flow run id).
+    """
+
+    inner: CachePolicy = dataclasses.field(default_factory=lambda: DEFAULT_PYDANTIC_AI_CACHE_POLICY)
+
+    def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any) -> str | None:
+        return self.inner.compute_key(task_ctx, _sorted_sets(inputs, {}), flow_parameters, **kwargs)
+
+
+DEFAULT_TOOL_RETRIES = 2
+"""Retries for a function-tool task (3 attempts in all), 1 s apart."""
+
 
 def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-    """`PrefectDurability(...)` keyword arguments; no extra capability yet."""
-    return dict(options), []
+    """`PrefectDurability(...)` keyword arguments: deterministic cache keys for model, tool and MCP tasks,
+    tool retries, merged with `options` (the user's keys win)."""
+    options = dict(options)
+    policy = DeterministicInputs()
+    defaults: dict[str, TaskConfig] = {
+        'model_task_config': TaskConfig(cache_policy=policy),
+        'tool_task_config': TaskConfig(cache_policy=policy, retries=DEFAULT_TOOL_RETRIES, retry_delay_seconds=1.0),
+        'mcp_task_config': TaskConfig(cache_policy=policy),
+    }
+    for key, config in defaults.items():
+        options[key] = TaskConfig(**{**config, **(options.get(key) or {})})  # type: ignore[typeddict-item]
+    return options, []
+
+
+def flow_name(agent: DurableAgent[Any, Any]) -> str:
+    return f'{FLOW_NAME_PREFIX}{agent.name}'
+
+
+_FLOWS: dict[str, Any] = {}
+
+
+def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
+    """The Prefect flow that runs `agent` (one per agent name and process).
+
+    Flow parameters (JSON, so deployments and schedules can carry them): `prompt: str | None`,
+    `deps: dict | None` (validated into `deps_type`), `message_history: list[dict] | None`
+    (pydantic-ai's message JSON), `conversation_id: str | None`. Returns
+    `{'output': ..., 'new_messages': [...], 'usage': {...}}` as JSON-compatible data.
+    """
+    existing = _FLOWS.get(agent.name)
+    if existing is not None and existing.__durcap_agent__ is agent:
+        return existing
+    built = agent.build('prefect')
+    deps_adapter: TypeAdapter[Any] = TypeAdapter(agent.deps_type)
+
+    async def run_agent(
+        prompt: str | None = None,
+        deps: dict[str, Any] | None = None,
+        message_history: list[dict[str, Any]] | None = None,
+        conversation_id: str | None = None,
+    ) -> dict[str, Any]:
+        from pydantic_core import to_jsonable_python
+
+        history = ModelMessagesTypeAdapter.validate_python(message_history) if message_history else None
+        result = await built.run(
+            prompt, deps=deps_adapter.validate_python(deps) if deps is not None else None, message_history=history
+        )
+        return {
+            'output': to_jsonable_python(result.output),
+            'new_messages': ModelMessagesTypeAdapter.dump_python(result.new_messages(), mode='json'),
+            'usage': to_jsonable_python(result.usage),
+        }
+
+    run_agent.__name__ = re.sub(r'\W', '_', f'run_{agent.name}')
+    decorated = flow(name=flow_name(agent), persist_result=True)(run_agent)
+    decorated.__durcap_agent__ = agent  # type: ignore[attr-defined]
+    _FLOWS[agent.name] = decorated
+    return decorated
+
+
+def serve(
+    agent: DurableAgent[Any, Any],
+    *,
+    prompt: str,
+    cron: str | None = None,
+    interval_seconds: float | None = None,
+    deps: dict[str, Any] | None = None,
+    deployment_name: str | None = None,
+) -> None:
+    """Serve the agent's flow with a schedule (Prefect `flow.serve`); blocks until interrupted.
+
+    Raises:
+        ValueError: neither or both of `cron` and `interval_seconds` given.
+    """
+    if (cron is None) == (interval_seconds is None):
+        raise ValueError('give exactly one of cron or interval_seconds')
+    agent_flow(agent).serve(
+        name=deployment_name or f'{agent.name}-scheduled',
+        cron=cron,
+        interval=interval_seconds,
+        parameters={'prompt': prompt, 'deps': deps},
+    )
