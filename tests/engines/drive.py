@@ -1,0 +1,116 @@
+"""Subprocess driver for engine tests: `python -m tests.engines.drive ENGINE ACTION [options]`.
+
+Each engine keeps global state (DBOS's registry, Prefect's settings, a Temporal worker), so tests
+run each engine in its own process, and crash tests kill that process with SIGKILL.
+
+Actions:
+- `temporal worker --address A --task-queue Q --target MOD:ATTR`: serve until SIGTERM.
+- `dbos run --db URL --workflow-id ID --target MOD:ATTR --prompt P`: launch DBOS (which recovers
+  pending workflows of this app version), start or await workflow ID, print the JSON report.
+- `prefect run --target MOD:ATTR --prompt P [--flow-run-id ID]`: run the agent's flow (a new flow run,
+  or run an existing one again), print the JSON report.
+Reports are printed as one JSON line prefixed with `REPORT `.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import sys
+from typing import Any
+
+from pydantic_ai.messages import ModelMessagesTypeAdapter
+from pydantic_core import to_jsonable_python
+
+
+def load(target: str) -> Any:
+    module, _, attr = target.partition(':')
+    return getattr(importlib.import_module(module), attr)
+
+
+def emit(report: dict[str, Any]) -> None:
+    print('REPORT ' + json.dumps(to_jsonable_python(report)), flush=True)
+
+
+async def temporal_worker(args: argparse.Namespace) -> None:
+    from durable_capabilities.engines import temporal
+
+    ready = asyncio.Event()
+    task = asyncio.create_task(
+        temporal.run_worker([load(args.target)], task_queue=args.task_queue, address=args.address, ready=ready)
+    )
+    await ready.wait()
+    print('WORKER READY', flush=True)
+    await task
+
+
+async def dbos_run(args: argparse.Namespace) -> None:
+    from dbos import DBOS, SetWorkflowID
+
+    from durable_capabilities.engines import dbos as dbos_engine
+
+    agent = load(args.target)
+    workflow = dbos_engine.agent_workflow(agent)
+    dbos_engine.launch('durcap-tests', system_database_url_=args.db)
+    try:
+        status = await DBOS.get_workflow_status_async(args.workflow_id)
+        if status is None:
+            with SetWorkflowID(args.workflow_id):
+                handle = await DBOS.start_workflow_async(workflow, args.prompt, None, None)
+        else:
+            handle = await DBOS.retrieve_workflow_async(args.workflow_id)
+        print('DBOS STARTED', flush=True)
+        payload = await handle.get_result()
+        steps = await DBOS.list_workflow_steps_async(args.workflow_id)
+        emit({'output': payload['output'], 'units': [s['function_name'] for s in steps],
+              'new_messages': payload['new_messages']})
+    finally:
+        DBOS.destroy()
+
+
+async def prefect_run(args: argparse.Namespace) -> None:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.flow_engine import run_flow_async
+    from prefect.states import Scheduled
+
+    from durable_capabilities.engines import prefect as prefect_engine
+
+    agent = load(args.target)
+    flow = prefect_engine.agent_flow(agent)
+    async with get_client() as client:
+        if args.flow_run_id:
+            flow_run = await client.read_flow_run(args.flow_run_id)
+            # The killed process left the run Running; hand it back to the engine to run again.
+            await client.set_flow_run_state(flow_run.id, Scheduled(), force=True)
+        else:
+            flow_run = await client.create_flow_run(flow, parameters={'prompt': args.prompt})
+        print(f'PREFECT FLOW RUN {flow_run.id}', flush=True)
+        flow_run = await client.read_flow_run(flow_run.id)
+        state = await run_flow_async(flow, flow_run=flow_run, parameters={'prompt': args.prompt}, return_type='state')
+        payload = await state.result()
+        task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
+    emit({'output': payload['output'], 'units': sorted(t.name for t in task_runs), 'new_messages': payload['new_messages'],
+          'flow_run_id': str(flow_run.id)})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument('engine')
+    parser.add_argument('action')
+    parser.add_argument('--target', required=True)
+    parser.add_argument('--address')
+    parser.add_argument('--task-queue')
+    parser.add_argument('--db')
+    parser.add_argument('--workflow-id')
+    parser.add_argument('--prompt', default='charge order A-1 and export')
+    parser.add_argument('--flow-run-id')
+    args = parser.parse_args()
+    action = {('temporal', 'worker'): temporal_worker, ('dbos', 'run'): dbos_run, ('prefect', 'run'): prefect_run}
+    asyncio.run(action[(args.engine, args.action)](args))
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Crash tests: SIGKILL the process during a slow capability tool that follows a counted side effect.
+
+Model: the scripted `FunctionModel` of `tests/engines/crash_agent.py`. Real servers: Temporal dev
+server, DBOS on SQLite and on PostgreSQL, Prefect server. On every engine the run completes after a
+restart, the `charge` tool ran exactly once, and no model request from before the crash ran again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TARGET = 'tests.engines.crash_agent:agent'
+
+
+def crash_env(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    crash_dir = tmp_path / 'crash'
+    return {'DURCAP_CRASH_DIR': str(crash_dir), 'DURCAP_CRASH_AGENT': f'crashy-{uuid.uuid4().hex[:8]}'}, crash_dir
+
+
+def wait_file(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise AssertionError(f'{path} did not appear within {timeout} s')
+        time.sleep(0.05)
+
+
+def assert_exactly_once(crash_dir: Path) -> None:
+    assert (crash_dir / 'charges').read_text().splitlines() == ['A-1'], 'the charge side effect ran more than once'
+    requests = (crash_dir / 'model-requests').read_text().splitlines()
+    assert requests == ['0', '1', '2', '3'], f'a model request ran again after the crash: {requests}'
+
+
+def test_temporal_worker_killed_mid_tool_recovers_within_15s(temporal_address: str, spawn, tmp_path: Path) -> None:
+    from durable_capabilities.engines.temporal import AgentRunInput, AgentRunOutput, connect
+
+    env, crash_dir = crash_env(tmp_path)
+    queue = f'crash-{uuid.uuid4().hex[:8]}'
+    args = ('temporal', 'worker', '--target', TARGET, '--address', temporal_address, '--task-queue', queue)
+    first = spawn(*args, env=env)
+    first.wait_for('WORKER READY', 90)
+
+    async def scenario() -> tuple[AgentRunOutput, float]:
+        client = await connect(temporal_address)
+        handle = await client.start_workflow(
+            f'durcap.{env["DURCAP_CRASH_AGENT"]}', AgentRunInput(prompt='charge order A-1 and export'),
+            id=f'crash-{uuid.uuid4()}', task_queue=queue, result_type=AgentRunOutput,
+        )
+        await asyncio.to_thread(wait_file, crash_dir / 'slow-started', 60)
+        first.kill9()
+        killed_at = time.monotonic()
+        second = spawn(*args, env=env)
+        await asyncio.to_thread(second.wait_for, 'WORKER READY', 90)
+        result = await asyncio.wait_for(handle.result(), 60)
+        return result, time.monotonic() - killed_at
+
+    result, recovery_seconds = asyncio.run(scenario())
+    assert result.output == 'charged and exported'
+    assert_exactly_once(crash_dir)
+    assert recovery_seconds <= 15, f'recovery took {recovery_seconds:.1f} s'
+
+
+@pytest.mark.parametrize('backend', ['sqlite', 'postgres'])
+def test_dbos_process_killed_mid_tool_recovers(backend: str, spawn, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    db = f'sqlite:///{tmp_path / "dbos.sqlite"}' if backend == 'sqlite' else request.getfixturevalue('postgres_url')
+    env, crash_dir = crash_env(tmp_path)
+    args = ('dbos', 'run', '--target', TARGET, '--db', db, '--workflow-id', f'crash-{uuid.uuid4()}')
+    first = spawn(*args, env=env)
+    wait_file(crash_dir / 'slow-started', 90)
+    first.kill9()
+    second = spawn(*args, env=env)
+    report = second.report(timeout=120)
+    assert report['output'] == 'charged and exported'
+    assert_exactly_once(crash_dir)
+    name = env['DURCAP_CRASH_AGENT']
+    assert f'{name}__function_toolset__ops.call_tool' in report['units']
+    assert report['units'].count(f'{name}__model.request') == 4
+
+
+def test_prefect_process_killed_mid_tool_resumes_flow_run(prefect_api_url: str, spawn, tmp_path: Path) -> None:
+    env, crash_dir = crash_env(tmp_path)
+    env |= {
+        'PREFECT_API_URL': prefect_api_url,
+        'PREFECT_HOME': str(tmp_path / 'prefect-home'),
+        'PREFECT_LOCAL_STORAGE_PATH': str(tmp_path / 'prefect-results'),
+    }
+    first = spawn('prefect', 'run', '--target', TARGET, env=env)
+    flow_run_id = first.wait_for('PREFECT FLOW RUN', 90).split()[-1]
+    wait_file(crash_dir / 'slow-started', 90)
+    first.kill9()
+    second = spawn('prefect', 'run', '--target', TARGET, '--flow-run-id', flow_run_id, env=env)
+    report = second.report(timeout=180)
+    assert report['output'] == 'charged and exported'
+    assert report['flow_run_id'] == flow_run_id
+    assert_exactly_once(crash_dir)
