@@ -248,7 +248,15 @@ class DurableAgent(Generic[DepsT, OutputT]):
             )
         for skill in self._invalid_skills:
             report.add(skill.problem)
-        report.extend(p if p.engines else _with_engines(p, durable) for p in self._stabilized.problems)
+        # A deferred capability without an id gets DC001 below; its DC015 (no id for its leaves) is the same fix.
+        deferred_without_id = {
+            describe_capability(user, None) for cid, user in self._registered() if user.defer_loading and cid is None
+        }
+        report.extend(
+            p if p.engines else _with_engines(p, durable)
+            for p in self._stabilized.problems
+            if not (p.code == 'DC015' and p.where in deferred_without_id)
+        )
 
         registered = self._registered()
         by_id: dict[str, list[AbstractCapability[Any]]] = defaultdict(list)
@@ -316,9 +324,11 @@ class DurableAgent(Generic[DepsT, OutputT]):
                         durable,
                     )
                 )
+        duplicated_ids: set[str] = set()
         for cap_id, users in by_id.items():
             distinct = list({id(u): u for u in users}.values())
             if len(distinct) > 1:
+                duplicated_ids.add(cap_id)
                 classes = ', '.join(type(u).__name__ for u in distinct)
                 report.add(
                     Problem(
@@ -335,7 +345,8 @@ class DurableAgent(Generic[DepsT, OutputT]):
         for user, scope, plans in self._stabilized.leaves:
             for plan in plans:
                 leaf_owner[plan.toolset_id].append(describe_capability(user, scope))
-                if (reason := id_syntax_error(plan.toolset_id)) is not None and plan.source != 'capability':
+                # A leaf named after its capability repeats the capability id's DC002; report it once.
+                if (reason := id_syntax_error(plan.toolset_id)) is not None and plan.toolset_id != scope:
                     report.add(
                         Problem(
                             'DC002',
@@ -347,7 +358,8 @@ class DurableAgent(Generic[DepsT, OutputT]):
                         )
                     )
         for toolset_id, owners in leaf_owner.items():
-            if len(owners) > 1:
+            # Leaves named after a duplicated capability id repeat DC003; report it once.
+            if len(owners) > 1 and toolset_id not in duplicated_ids:
                 report.add(
                     Problem(
                         'DC004',

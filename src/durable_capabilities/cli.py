@@ -135,7 +135,8 @@ def load_target(target: str) -> tuple[list[DurableAgent[Any, Any]], bool]:
         return [value], False
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, DurableAgent) for v in value):
         return list(value), True
-    kind = 'an empty list' if isinstance(value, (list, tuple)) and not value else f'a {type(value).__name__}'
+    name = type(value).__name__
+    kind = 'an empty list' if isinstance(value, (list, tuple)) and not value else f'{"an" if name[0] in "aeiouAEIOU" else "a"} {name}'
     raise UnusableTarget(f'{target} is {kind}, not a DurableAgent or a list of DurableAgents')
 
 
@@ -183,7 +184,7 @@ def check(
         _unusable(str(exc))
     except DurableConfigError as exc:
         report = exc.report
-        subject = str(exc).splitlines()[0].split(' has ')[0]
+        subject = exc.subject
     if engine:
         wanted = {e.value for e in engine}
         report = Report([p for p in report if not p.engines or wanted.intersection(p.engines)])

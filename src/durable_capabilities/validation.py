@@ -120,10 +120,17 @@ class Report:
             file_part = ''
             if ':' in p.where and p.where.split(':')[-1].isdigit() and p.where.endswith(tuple('0123456789')):
                 path, _, line = p.where.rpartition(':')
-                file_part = f'file={path},line={line},'
+                file_part = f'file={_escape_property(path)},line={line},'
             text = f'{p.where}: {p.message} Fix: {p.fix}'.replace('%', '%25').replace('\r', '%0D').replace('\n', '%0A')
             lines.append(f'::{level[p.severity]} {file_part}title={p.code}::{text}')
         return '\n'.join(lines)
+
+
+def _escape_property(value: str) -> str:
+    """Escape a GitHub workflow-command property value (`%`, CR, LF, `:` and `,`)."""
+    return (
+        value.replace('%', '%25').replace('\r', '%0D').replace('\n', '%0A').replace(':', '%3A').replace(',', '%2C')
+    )
 
 
 class DurableConfigError(ValueError):
@@ -134,6 +141,7 @@ class DurableConfigError(ValueError):
 
     def __init__(self, report: Report, subject: str = 'definition'):
         self.report = report
+        self.subject = subject
         errors = report.errors
         head = f'{subject} has {len(errors)} error(s):'
         super().__init__('\n'.join([head, *(f'  {p.format()}' for p in errors)]))

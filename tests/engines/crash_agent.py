@@ -69,4 +69,15 @@ async def slow_export() -> str:
     return 'exported'
 
 
-agent = DurableAgent(os.environ.get('DURCAP_CRASH_AGENT', 'crashy'), FunctionModel(script), capabilities=[ops])
+def _engine_options() -> dict:
+    if not os.environ.get('DURCAP_CRASH_UPSTREAM_PREFECT_CACHE'):
+        return {}
+    # Upstream's own cache policy for model requests, to show the gap `DeterministicInputs` closes.
+    from pydantic_ai.durable_exec.prefect import DEFAULT_PYDANTIC_AI_CACHE_POLICY
+
+    return {'prefect': {'model_task_config': {'cache_policy': DEFAULT_PYDANTIC_AI_CACHE_POLICY}}}
+
+
+agent = DurableAgent(
+    os.environ.get('DURCAP_CRASH_AGENT', 'crashy'), FunctionModel(script), capabilities=[ops], engine_options=_engine_options()
+)

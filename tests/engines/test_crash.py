@@ -84,19 +84,57 @@ def test_dbos_process_killed_mid_tool_recovers(backend: str, spawn, tmp_path: Pa
     assert report['units'].count(f'{name}__model.request') == 4
 
 
-def test_prefect_process_killed_mid_tool_resumes_flow_run(prefect_api_url: str, spawn, tmp_path: Path) -> None:
+def _seeds_with_different_set_order() -> tuple[str, str]:
+    """Two PYTHONHASHSEED values under which `{'charge', 'slow_export'}` iterates in different orders."""
+    import subprocess
+    import sys
+
+    orders = {}
+    for seed in range(32):
+        out = subprocess.run(
+            [sys.executable, '-c', "print(list({'charge', 'slow_export'}))"],
+            env={'PYTHONHASHSEED': str(seed)}, capture_output=True, text=True, check=True,
+        ).stdout
+        orders.setdefault(out, str(seed))
+        if len(orders) == 2:
+            return tuple(orders.values())  # type: ignore[return-value]
+    raise AssertionError('no two seeds gave different orders')
+
+
+def _prefect_crash(prefect_api_url: str, spawn, tmp_path: Path, extra_env: dict[str, str]) -> tuple[dict, Path]:
     env, crash_dir = crash_env(tmp_path)
     env |= {
         'PREFECT_API_URL': prefect_api_url,
         'PREFECT_HOME': str(tmp_path / 'prefect-home'),
         'PREFECT_LOCAL_STORAGE_PATH': str(tmp_path / 'prefect-results'),
+        **extra_env,
     }
-    first = spawn('prefect', 'run', '--target', TARGET, env=env)
+    first_seed, second_seed = _seeds_with_different_set_order()
+    first = spawn('prefect', 'run', '--target', TARGET, env=env | {'PYTHONHASHSEED': first_seed})
     flow_run_id = first.wait_for('PREFECT FLOW RUN', 90).split()[-1]
     wait_file(crash_dir / 'slow-started', 90)
     first.kill9()
-    second = spawn('prefect', 'run', '--target', TARGET, '--flow-run-id', flow_run_id, env=env)
+    second = spawn(
+        'prefect', 'run', '--target', TARGET, '--flow-run-id', flow_run_id, env=env | {'PYTHONHASHSEED': second_seed}
+    )
     report = second.report(timeout=180)
     assert report['output'] == 'charged and exported'
     assert report['flow_run_id'] == flow_run_id
-    assert_exactly_once(crash_dir)
+    return report, crash_dir
+
+
+def test_prefect_process_killed_mid_tool_resumes_flow_run(prefect_api_url: str, spawn, tmp_path: Path) -> None:
+    """The resumed process runs under another hash seed, so set iteration order differs from the first."""
+    _prefect_crash(prefect_api_url, spawn, tmp_path, {})
+    assert_exactly_once(tmp_path / 'crash')
+
+
+def test_prefect_upstream_cache_policy_repeats_requests_after_a_load(prefect_api_url: str, spawn, tmp_path: Path) -> None:
+    """The gap we close, shown on upstream's own policy: the model requests made after `ops` was loaded
+    (their parameters hold a set of revealed tool names) miss the cache in the resumed process and run again."""
+    _, crash_dir = _prefect_crash(prefect_api_url, spawn, tmp_path, {'DURCAP_CRASH_UPSTREAM_PREFECT_CACHE': '1'})
+    requests = (crash_dir / 'model-requests').read_text().splitlines()
+    assert requests.count('0') == 1, requests  # made before the load: its key holds no set
+    assert requests.count('1') + requests.count('2') > 2, f'expected repeated requests, got {requests}'
+    # The repeated requests give the tool calls new ids, so even the side effect may run again (seen: twice).
+    assert len((crash_dir / 'charges').read_text().splitlines()) >= 1

@@ -1,0 +1,287 @@
+"""`durcap check` and `durcap savings`, run as real subprocesses against fixtures in tests/fixtures/."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = 'tests/fixtures'
+GOOD = f'{FIXTURES}/good_agent.py'
+BAD = f'{FIXTURES}/bad_agent.py:bad'
+COUNTING = f'{FIXTURES}/counting_agent.py'
+
+# The five mistakes built into bad_agent.py, plus what they imply (DC015: the id-less capability's
+# toolset; DC004: the two 'orders' capabilities' toolsets share an id).
+BAD_CODES = {'DC001', 'DC002', 'DC003', 'DC008', 'DC009'}
+
+
+def durcap(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, '-m', 'durable_capabilities.cli', *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+# ---- check ------------------------------------------------------------------------------------
+
+
+def test_clean_target_exits_0() -> None:
+    result = durcap('check', f'{GOOD}:good')
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert 'no problems found' in result.stdout
+    assert result.stderr == ''
+
+
+def test_installed_script_and_module_target() -> None:
+    """The `durcap` console script, with a dotted module target importable from the working directory."""
+    script = Path(sys.executable).with_name('durcap')
+    result = subprocess.run(
+        [str(script), 'check', 'good_agent:agents'], cwd=ROOT / FIXTURES, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "'good', 'second'" in result.stdout
+
+
+def test_bad_fixture_prints_every_problem_and_exits_1() -> None:
+    result = durcap('check', BAD)
+    assert result.returncode == 1
+    lines = [line for line in result.stdout.splitlines() if line.startswith('error')]
+    assert {line.split()[1] for line in lines} == BAD_CODES
+    assert len(lines) == 5  # one problem per mistake
+    for line in lines:
+        assert 'Fix:' in line
+    assert "'refund policy'" in result.stdout and "'refund-runbook'" in result.stdout
+    assert '5 error(s)' in result.stdout
+    assert 'Traceback' not in result.stderr
+
+
+def test_bad_fixture_json_lists_every_code() -> None:
+    result = durcap('check', BAD, '--format', 'json')
+    assert result.returncode == 1
+    payload = json.loads(result.stdout)
+    assert payload['ok'] is False
+    assert payload['errors'] == 5
+    assert {p['code'] for p in payload['problems']} == BAD_CODES
+    for problem in payload['problems']:
+        assert set(problem) >= {'code', 'severity', 'where', 'message', 'fix', 'engines'}
+
+
+def test_bad_fixture_github_annotations() -> None:
+    result = durcap('check', BAD, '--format', 'github')
+    assert result.returncode == 1
+    lines = result.stdout.splitlines()
+    assert len(lines) == 5
+    assert all(line.startswith('::error title=DC') for line in lines)
+    assert {line.split('title=')[1].split('::')[0] for line in lines} == BAD_CODES
+
+
+def test_clean_target_json_and_github() -> None:
+    result = durcap('check', f'{GOOD}:good', '--format', 'json')
+    assert result.returncode == 0
+    assert json.loads(result.stdout)['problems'] == []
+    result = durcap('check', f'{GOOD}:good', '--format', 'github')
+    assert result.returncode == 0
+    assert '::error' not in result.stdout
+
+
+def test_list_target_reports_duplicate_agent_names() -> None:
+    result = durcap('check', f'{GOOD}:same_name', '--format', 'json')
+    assert result.returncode == 1
+    assert [p['code'] for p in json.loads(result.stdout)['problems']] == ['DC011']
+    assert durcap('check', f'{GOOD}:agents').returncode == 0
+
+
+def test_engine_filter_keeps_engine_neutral_problems(tmp_path: Path) -> None:
+    """Problems scoped to other engines are dropped; problems with no engines (DC011) always stay."""
+    (tmp_path / 'scoped.py').write_text(
+        'from pydantic_ai.capabilities import Capability\n'
+        'from pydantic_ai.models.test import TestModel\n'
+        'from pydantic_ai.toolsets import FunctionToolset\n'
+        'from durable_capabilities import DurableAgent\n'
+        '# two anonymous toolsets: positional leaf ids, warning DC013 (tagged with the agent engines)\n'
+        "cap = Capability(id='x', toolsets=[FunctionToolset(), FunctionToolset()])\n"
+        "a = DurableAgent('a', TestModel(), engines=['temporal'], capabilities=[cap])\n"
+        "b = DurableAgent('a', TestModel(), engines=['temporal'])\n"
+        'both = [a, b]\n'
+    )
+    target = f'{tmp_path}/scoped.py:both'
+    unfiltered = json.loads(durcap('check', target, '--format', 'json').stdout)['problems']
+    assert {p['code'] for p in unfiltered} == {'DC013', 'DC011'}
+    assert all(p['engines'] == ['temporal'] for p in unfiltered if p['code'] == 'DC013')
+    result = durcap('check', target, '--engine', 'dbos', '--format', 'json')
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert [p['code'] for p in json.loads(result.stdout)['problems']] == ['DC011']
+    both = json.loads(durcap('check', target, '-e', 'dbos', '-e', 'temporal', '--format', 'json').stdout)
+    assert {p['code'] for p in both['problems']} == {'DC013', 'DC011'}
+    # The bad fixture's problems are tagged with all three engines: a filter on one keeps them all.
+    result = durcap('check', BAD, '--engine', 'prefect', '--format', 'json')
+    assert json.loads(result.stdout)['errors'] == 5
+    assert durcap('check', BAD, '--engine', 'nonsense').returncode == 2
+
+
+@pytest.mark.parametrize(
+    ('target', 'expected'),
+    [
+        ('no_such_package.agents:support', 'no module named'),
+        (f'{GOOD}:missing', "no attribute 'missing'"),
+        (f'{GOOD}:not_an_agent', 'not a DurableAgent'),
+        (f'{GOOD}:no_agents', 'empty list'),
+        (GOOD, 'must be `pkg.module:attr`'),
+        ('tests/fixtures/no_such_file.py:agent', 'no such file'),
+    ],
+)
+def test_unusable_targets_exit_2_with_one_line(target: str, expected: str) -> None:
+    result = durcap('check', target)
+    assert result.returncode == 2
+    assert result.stdout == ''
+    assert 'Traceback' not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert expected in result.stderr
+
+
+@pytest.mark.parametrize(
+    ('source', 'expected'),
+    [
+        ('agent = (\n', 'syntax error in'),
+        ('import not_installed_dependency_xyz\n', "No module named 'not_installed_dependency_xyz'"),
+        ('raise RuntimeError("boom\\nmore")\n', 'raised RuntimeError: boom'),
+    ],
+)
+def test_modules_that_do_not_import_exit_2(tmp_path: Path, source: str, expected: str) -> None:
+    (tmp_path / 'target_module.py').write_text(source)
+    for command in ('check', 'savings'):
+        result = durcap(command, f'{tmp_path}/target_module.py:agent')
+        assert result.returncode == 2
+        assert 'Traceback' not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert expected in result.stderr
+
+
+def test_file_inside_a_package_is_imported_under_its_package_name(tmp_path: Path) -> None:
+    """`pkg/sub/agent.py` with `__init__.py` files is imported as `pkg.sub.agent`, so relative imports work."""
+    sub = tmp_path / 'pkg' / 'sub'
+    sub.mkdir(parents=True)
+    (tmp_path / 'pkg' / '__init__.py').write_text('')
+    (sub / '__init__.py').write_text('')
+    (sub / 'models.py').write_text('from pydantic_ai.models.test import TestModel\nMODEL = TestModel()\n')
+    (sub / 'agent.py').write_text(
+        'from durable_capabilities import DurableAgent\nfrom .models import MODEL\nsupport = DurableAgent("pkg-agent", MODEL)\n'
+    )
+    elsewhere = tmp_path / 'elsewhere'
+    elsewhere.mkdir()
+    result = durcap('check', str(sub / 'agent.py') + ':support', cwd=elsewhere)
+    assert result.returncode == 0, result.stderr
+    assert "'pkg-agent'" in result.stdout
+
+
+def test_support_example() -> None:
+    # TEMPORARY SKIP: examples/support/agent.py is being written by another helper; the lead removes this skip.
+    if not (ROOT / 'examples/support/agent.py').is_file():
+        pytest.skip('examples/support/agent.py does not exist yet')
+    result = durcap('check', 'examples/support/agent.py:support')
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ---- savings ----------------------------------------------------------------------------------
+
+
+def test_savings_text_rows_totals_and_estimated_label() -> None:
+    result = durcap('savings', f'{GOOD}:good')
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert '(tokens, estimated)' in out
+    assert 'ceil(UTF-8 bytes / 4)' in out
+    rows = {line.split('│')[1].strip(): line for line in out.splitlines() if line.startswith('│')}
+    assert list(rows) == ['orders', 'refunds', 'refund-policy', 'search', 'TOTAL']  # 'greeting' is always on
+    assert 'unknown (dynamic)' in out
+    assert 'dynamic instructions (refund_rules)' in out
+
+
+def test_savings_json_estimate_matches_documented_formula() -> None:
+    result = durcap('savings', f'{GOOD}:good', '--format', 'json')
+    assert result.returncode == 0, result.stderr
+    [agent] = json.loads(result.stdout)['agents']
+    assert agent['estimated'] is True and agent['unit'] == 'tokens'
+    assert agent['complete'] is False
+    rows = {row['id']: row for row in agent['capabilities']}
+    policy = rows['refund-policy']
+    text = 'Refunds are allowed within 30 days of delivery, to the original payment method only.'
+    assert policy['instruction_tokens'] == -(-len(text.encode()) // 4)
+    assert policy['catalog_entry'] == '- refund-policy: The refund policy: read before any refund.'
+    assert policy['tool_count'] == 0 and policy['tool_schema_tokens'] == 0
+    assert rows['orders']['tool_count'] == 2 and rows['orders']['tool_schema_tokens'] > 0
+    assert rows['search']['tool_schema_tokens'] is None and rows['search']['tools'] == 'unknown (dynamic)'
+    totals = agent['totals']
+    for key in ('instruction_tokens', 'catalog_tokens', 'saved_tokens', 'always_on_tokens'):
+        assert totals[key] == sum(row[key] for row in agent['capabilities'])
+    assert totals['saved_tokens'] == totals['always_on_tokens'] - totals['catalog_tokens']
+
+
+def test_savings_uses_the_models_own_counter() -> None:
+    result = durcap('savings', f'{COUNTING}:counted', '--format', 'json')
+    assert result.returncode == 0, result.stderr
+    [agent] = json.loads(result.stdout)['agents']
+    assert agent['estimated'] is False
+    assert agent['method'] == 'WordCountModel.count_tokens'
+    [notes] = agent['capabilities']
+    assert notes['instruction_tokens'] == 7  # 'Write one short note per customer request.'
+    assert notes['catalog_tokens'] == 6  # '- notes: Take and read notes.'
+    text = durcap('savings', f'{COUNTING}:counted').stdout
+    assert 'estimated' not in text and 'counted by the model' in text
+    forced = json.loads(durcap('savings', f'{COUNTING}:counted', '--estimate', '--format', 'json').stdout)
+    assert forced['agents'][0]['estimated'] is True
+
+
+def test_savings_falls_back_without_credentials() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.endswith('_API_KEY')}
+    result = durcap('savings', f'{COUNTING}:unreachable', '--format', 'json', env=env)
+    assert result.returncode == 0, result.stderr
+    [agent] = json.loads(result.stdout)['agents']
+    assert agent['estimated'] is True
+    assert "openai-responses:gpt-5.4" in agent['fallback_reason']
+
+
+def test_savings_on_a_broken_definition_exits_1() -> None:
+    result = durcap('savings', BAD)
+    assert result.returncode == 1
+    assert 'durcap check' in result.stderr and 'Traceback' not in result.stderr
+
+
+def test_catalog_entries_match_what_pydantic_ai_sends() -> None:
+    """Each `catalog_entry` is a line of the catalog upstream really puts in the instructions."""
+    from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart
+    from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+    sys.path.insert(0, str(ROOT / FIXTURES))
+    try:
+        import good_agent
+    finally:
+        sys.path.remove(str(ROOT / FIXTURES))
+    from durable_capabilities import DurableAgent
+    from durable_capabilities.savings import measure_savings
+
+    seen: list[str] = []
+
+    def capture(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        seen.append(info.instructions or '')
+        return ModelResponse(parts=[TextPart('ok')])
+
+    agent = DurableAgent(
+        'catalog', FunctionModel(capture), capabilities=[good_agent.orders, good_agent.refunds, good_agent.refund_policy]
+    )
+    agent.build('local').run_sync('hello')
+    sent_lines = seen[0].splitlines()
+    report = measure_savings(agent, use_model=False)
+    assert [c.id for c in report.capabilities] == ['orders', 'refunds', 'refund-policy']
+    for row in report.capabilities:
+        assert row.catalog_entry in sent_lines
