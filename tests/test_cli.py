@@ -185,9 +185,6 @@ def test_file_inside_a_package_is_imported_under_its_package_name(tmp_path: Path
 
 
 def test_support_example() -> None:
-    # TEMPORARY SKIP: examples/support/agent.py is being written by another helper; the lead removes this skip.
-    if not (ROOT / 'examples/support/agent.py').is_file():
-        pytest.skip('examples/support/agent.py does not exist yet')
     result = durcap('check', 'examples/support/agent.py:support')
     assert result.returncode == 0, result.stdout + result.stderr
 

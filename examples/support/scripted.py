@@ -195,6 +195,7 @@ class SupportScript:
     """
 
     requests: list[SeenRequest] = field(default_factory=list)
+    model: FunctionModel = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.model = FunctionModel(self.respond, stream_function=self.stream, model_name=SCRIPTED_MODEL_NAME)

