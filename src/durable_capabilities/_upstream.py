@@ -22,6 +22,7 @@ __all__ = [
     'capability_url_derived_id',
     'derived_id_source',
     'explicit_toolset_id',
+    'temporal_activity_name',
     'toolset_with_id',
 ]
 
@@ -72,3 +73,13 @@ def capability_url_derived_id(capability: AbstractCapability[Any]) -> str | None
     Set even for a deferred `MCP`, whose `id` upstream leaves `None`: it is what the id *would* be.
     """
     return getattr(capability, '_telemetry_url_derived_id', None)
+
+
+def temporal_activity_name(fn: Any) -> str:
+    """The activity type name temporalio registers `fn` under (`@activity.defn(name=...)`).
+
+    temporalio has no public accessor; its worker reads the same private definition.
+    """
+    from temporalio import activity
+
+    return activity._Definition.must_from_callable(fn).name  # pyright: ignore[reportPrivateUsage]

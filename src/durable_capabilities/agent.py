@@ -11,6 +11,7 @@ from pydantic_ai.capabilities import MCP, AbstractCapability
 from pydantic_ai.toolsets import AbstractToolset, CombinedToolset, FunctionToolset
 
 from . import _upstream
+from .aliases import CapabilityAliases, rewrite_history
 from .engines import ALL_ENGINES, DURABLE_ENGINES, ENGINES
 from .ids import LeafPlan, StableIdCapability, id_syntax_error, redact_url, stabilize
 from .runbook import runbook_requirements
@@ -40,6 +41,11 @@ class DurableAgent(Generic[DepsT, OutputT]):
         engine_options: Per engine, keyword arguments for upstream's durability capability
             (`{'temporal': {'toolset_activity_config': {...}}}`), plus ours: `{'dbos': {'tool_steps':
             ToolStepConfig(...) | False}}`.
+        aliases: `{current capability or MCP id: previous id}` for renamed capabilities: their leaf
+            toolsets keep the ids, and so the durable unit names, they had, so runs recorded under the
+            old names still recover (see docs/concepts/lockfile.md).
+        previous_names: Earlier names of this agent, newest first. Durable units keep the first one's
+            names and the workflow / flow is also registered under each, so runs in flight recover.
         agent_kwargs: Any other `pydantic_ai.Agent` keyword argument (`retries`, `model_settings`, ...).
 
     Raises:
@@ -58,6 +64,8 @@ class DurableAgent(Generic[DepsT, OutputT]):
         output_type: Any = str,
         engines: Iterable[str] = DURABLE_ENGINES,
         engine_options: dict[str, dict[str, Any]] | None = None,
+        aliases: dict[str, str] | None = None,
+        previous_names: Sequence[str] = (),
         **agent_kwargs: Any,
     ) -> None:
         self.name = name
@@ -69,9 +77,11 @@ class DurableAgent(Generic[DepsT, OutputT]):
         self.engines = tuple(engines)
         self.agent_kwargs = agent_kwargs
         self.engine_options = {k: dict(v) for k, v in (engine_options or {}).items()}
+        self.aliases = dict(aliases or {})
+        self.previous_names = list(previous_names)
         self._invalid_skills = [c for c in capabilities if isinstance(c, InvalidSkill)]
         self.user_capabilities = [c for c in capabilities if not isinstance(c, InvalidSkill)]
-        self._stabilized = stabilize(self.user_capabilities)
+        self._stabilized = stabilize(self.user_capabilities, self.aliases)
         self._built: dict[str, Agent[Any, Any]] = {}
         self._report = self._validate()
         if not self._report.ok:
@@ -107,6 +117,20 @@ class DurableAgent(Generic[DepsT, OutputT]):
                 result.setdefault(scope, []).extend(plans)
         return result
 
+    @property
+    def durable_name(self) -> str:
+        """The name durable units are named after: the oldest-kept previous name if any, else `name`."""
+        return self.previous_names[0] if self.previous_names else self.name
+
+    def static_tool_names(self) -> list[str]:
+        """Tool names known without running anything (agent tools and function toolsets), sorted."""
+        names = set(FunctionToolset(self.tools).tools)
+        for _, user in self._registered():
+            toolset = user.get_toolset()
+            if isinstance(toolset, AbstractToolset):
+                names.update(_static_tool_names(toolset) or [])
+        return sorted(names)
+
     def capability_ids(self) -> list[str]:
         """Ids of every registered capability (groups and members), in definition order."""
         return [cid for cid, _ in self._registered() if cid is not None]
@@ -132,8 +156,11 @@ class DurableAgent(Generic[DepsT, OutputT]):
         spec = ENGINES[engine]
         durability_cls = spec.durability_class()
         capabilities: list[Any] = list(self._stabilized.capabilities)
+        if self.aliases:
+            capabilities.append(CapabilityAliases(aliases=self.aliases))
         if durability_cls is not None:
             kwargs, extra = spec.parts(self, self.engine_options.get(engine, {}))
+            kwargs.setdefault('name', self.durable_name)
             capabilities.extend(extra)
             capabilities.append(durability_cls(**kwargs))
         agent: Agent[Any, Any] = Agent(
@@ -191,7 +218,9 @@ class DurableAgent(Generic[DepsT, OutputT]):
             DurableConfigError: capabilities passed per run (DC012).
         """
         self.check_run_capabilities(capabilities)
-        return await self.build('local').run(prompt, deps=deps, message_history=message_history, **kwargs)
+        return await self.build('local').run(
+            prompt, deps=deps, message_history=rewrite_history(message_history, self.aliases), **kwargs
+        )
 
     # ---- validation -------------------------------------------------------------------------
 

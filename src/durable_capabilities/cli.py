@@ -8,6 +8,7 @@ prints one line on stderr, never a traceback.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -22,7 +23,7 @@ from rich.text import Text
 
 from .agent import DurableAgent, validate_together
 from .savings import UNKNOWN_TOOLS, SavingsReport, measure_savings
-from .validation import DurableConfigError, Report
+from .validation import DurableConfigError, Problem, Report
 
 app = typer.Typer(
     name='durcap',
@@ -173,6 +174,7 @@ def check(
         list[Engine] | None, typer.Option('--engine', '-e', help='Only problems affecting these engines (repeatable).')
     ] = None,
     format: Annotated[CheckFormat, typer.Option('--format', '-f', help='Output format.')] = CheckFormat.text,
+    lock: Annotated[Path | None, typer.Option('--lock', help='Compare durable unit names with this lockfile.')] = None,
 ) -> None:
     """Print every problem of TARGET's definitions; exit 1 on errors, 2 when TARGET is unusable."""
     subject = target
@@ -185,6 +187,9 @@ def check(
     except DurableConfigError as exc:
         report = exc.report
         subject = exc.subject
+    else:
+        if lock is not None:
+            report.extend(_lock_diff(lock, agents))
     if engine:
         wanted = {e.value for e in engine}
         report = Report([p for p in report if not p.engines or wanted.intersection(p.engines)])
@@ -417,8 +422,11 @@ def worker_temporal(
     address: Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS or 127.0.0.1:7233).')] = None,
     namespace: Annotated[str, typer.Option(help='Temporal namespace.')] = 'default',
     graceful_shutdown: Annotated[float, typer.Option(help='Seconds in-flight activities get to finish after SIGTERM.')] = 30.0,
+    lock: Annotated[Path | None, typer.Option('--lock', help='Lockfile to check against (default: durable.lock beside TARGET).')] = None,
+    allow_drift: Annotated[bool, typer.Option('--allow-drift', help='Start even when durable unit names differ from the lockfile.')] = False,
 ) -> None:
-    """Validate TARGET and serve its workflows and activities; refuse to start on any error; drain on SIGTERM."""
+    """Validate TARGET and serve its workflows and activities; refuse to start on any error or lockfile drift;
+    drain on SIGTERM."""
     import asyncio
 
     from .engines import temporal
@@ -432,9 +440,10 @@ def worker_temporal(
         _err.print('worker not started: fix the errors above')
         raise typer.Exit(1) from None
     report = validate_together(agents)
+    check_drift(target, agents, lock, allow_drift, report)
     if not report.ok:
         _print_text(report, ', '.join(repr(a.name) for a in agents))
-        _err.print('worker not started: fix the errors above')
+        _err.print('worker not started: fix the errors above' + ('' if allow_drift else ' (or pass --allow-drift)'))
         raise typer.Exit(1)
     address = _temporal_address(address) or '127.0.0.1:7233'
 
@@ -504,6 +513,118 @@ def schedule_prefect(
     deps = json.loads(deps_json) if deps_json else None
     _deps(agent, deps_json)  # validates
     prefect.serve(agent, prompt=prompt, cron=cron, interval_seconds=interval, deps=deps, deployment_name=name)
+
+
+def _lock_diff(lock: Path, agents: list[DurableAgent[Any, Any]]) -> Report:
+    from .lockfile import LockfileError, diff_lock, read_lock
+
+    try:
+        return diff_lock(read_lock(lock), agents)
+    except LockfileError as exc:
+        _unusable(str(exc))
+
+
+@app.command()
+def lock(
+    target: Annotated[str, typer.Argument(help=TARGET_HELP)],
+    output: Annotated[Path, typer.Option('--output', '-o', help='Lockfile to write.')] = Path('durable.lock'),
+) -> None:
+    """Write every durable unit name of TARGET (per engine), capability and leaf ids, tool names and versions."""
+    from .lockfile import write_lock
+
+    agents = _valid_agents(target)
+    path = write_lock(agents, output)
+    _err.print(f'wrote {path} ({", ".join(a.name for a in agents)})')
+
+
+def target_file(target: str) -> Path | None:
+    """The file a TARGET's module lives in, for finding the lockfile beside it."""
+    module = target.rpartition(':')[0]
+    if module.endswith('.py'):
+        return Path(module)
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    return Path(spec.origin) if spec is not None and spec.origin else None
+
+
+def check_drift(target: str, agents: list[DurableAgent[Any, Any]], lock: Path | None, allow_drift: bool, report: Report) -> None:
+    """Add the lockfile diff to `report` (as warnings when `allow_drift`); the lock is `lock` or the one beside TARGET."""
+    from .lockfile import find_lock
+
+    path = lock or find_lock(target_file(target))
+    if path is None:
+        return
+    for problem in _lock_diff(path, agents):
+        if allow_drift and problem.severity == 'error':
+            problem = Problem(problem.code, 'warning', problem.where, problem.message, problem.fix, problem.engines)
+        report.add(problem)
+
+
+def _valid_agents(target: str) -> list[DurableAgent[Any, Any]]:
+    """Load TARGET's definitions; print the problems and exit 1 when any has an error."""
+    try:
+        agents, _ = load_target(target)
+    except UnusableTarget as exc:
+        _unusable(str(exc))
+    except DurableConfigError as exc:
+        _print_text(exc.report, exc.subject)
+        raise typer.Exit(1) from None
+    report = validate_together(agents)
+    if not report.ok:
+        _print_text(report, ', '.join(repr(a.name) for a in agents))
+        raise typer.Exit(1)
+    return agents
+
+
+history_app = typer.Typer(help='Conversation and workflow histories.', no_args_is_help=True)
+app.add_typer(history_app, name='history')
+
+
+@history_app.command('export')
+def history_export(
+    workflow_id: Annotated[str, typer.Option('--workflow-id', help='The Temporal workflow id.')],
+    output: Annotated[Path, typer.Option('--output', '-o', help='JSON file to write.')],
+    address: Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS or 127.0.0.1:7233).')] = None,
+    namespace: Annotated[str, typer.Option(help='Temporal namespace.')] = 'default',
+) -> None:
+    """Write a Temporal workflow's history to a JSON file, for `durcap replay` and replay tests."""
+    import asyncio
+
+    from .engines.temporal import connect
+    from .replay import export_history
+
+    async def export() -> Path:
+        client = await connect(_temporal_address(address) or '127.0.0.1:7233', namespace)
+        return await export_history(client, workflow_id, output)
+
+    try:
+        path = asyncio.run(export())
+    except Exception as exc:  # noqa: BLE001 - one line for the user, whatever the client raised
+        _unusable(f'cannot export {workflow_id!r}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ""}')
+    _err.print(f'wrote {path}')
+
+
+@app.command()
+def replay(
+    files: Annotated[list[Path], typer.Argument(help='History JSON files (`durcap history export`).')],
+    target: Annotated[str, typer.Option('--target', help=TARGET_HELP)],
+) -> None:
+    """Replay recorded Temporal histories against TARGET; exit 1 naming what changed when one does not replay."""
+    import asyncio
+
+    from .replay import replay_histories
+
+    agents = _valid_agents(target)
+    try:
+        failures = asyncio.run(replay_histories(files, agents))
+    except ValueError as exc:
+        _unusable(str(exc))
+    for failure in failures:
+        _out.print(f'[red]nondeterminism[/red] {failure.format()}', markup=True)
+    _err.print(f'{len(files) - len(failures)} of {len(files)} histories replay')
+    raise typer.Exit(1 if failures else 0)
 
 
 def main() -> None:

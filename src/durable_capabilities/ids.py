@@ -101,7 +101,7 @@ class LeafPlan:
 
     toolset_id: str
     kind: str  # class name of the leaf toolset
-    source: str  # 'explicit' | 'capability' | 'name' | 'position'
+    source: str  # 'explicit' | 'capability' | 'name' | 'position' | 'alias'
 
 
 def _leaf_name(leaf: AbstractToolset[Any]) -> str | None:
@@ -118,15 +118,22 @@ def _leaf_name(leaf: AbstractToolset[Any]) -> str | None:
 
 
 def plan_leaf_ids(
-    scope: str | None, leaves: list[AbstractToolset[Any]]
+    scope: str | None, leaves: list[AbstractToolset[Any]], renamed_from: str | None = None
 ) -> tuple[dict[int, str], list[LeafPlan], list[tuple[str, str]]]:
     """Choose ids for `leaves` (in traversal order) owned by a capability whose id (scope) is `scope`.
+
+    `renamed_from` is the capability's previous id (an alias): leaves then keep the ids they had under
+    it, explicit ids upstream derived from the new id included (`new` -> `old`, `new_0` -> `old_0`),
+    so durable unit names do not change with the rename.
 
     Returns `(assignments, plans, issues)`: `assignments` maps `id(leaf)` to the new id for each
     anonymous leaf; `plans` lists every leaf's final id in order; `issues` lists `(code, detail)` pairs
     for DC013 (positional id), DC014 (uncopyable leaf) and DC015 (no scope).
     """
     explicit = [_upstream.explicit_toolset_id(leaf) for leaf in leaves]
+    new_scope = None
+    if renamed_from is not None and scope is not None:
+        new_scope, scope = scope, renamed_from
     anonymous = [i for i, e in enumerate(explicit) if e is None]
     taken = {e for e in explicit if e is not None}
     assignments: dict[int, str] = {}
@@ -134,8 +141,16 @@ def plan_leaf_ids(
     issues: list[tuple[str, str]] = []
     for index, leaf in enumerate(leaves):
         kind = type(leaf).__name__
-        if explicit[index] is not None:
-            plans.append(LeafPlan(explicit[index], kind, 'explicit'))  # type: ignore[arg-type]
+        current = explicit[index]
+        if current is not None and new_scope is not None and (current == new_scope or current.startswith(f'{new_scope}_')):
+            old_id = scope + current[len(new_scope):]  # type: ignore[operator]
+            if _upstream.toolset_with_id(leaf, old_id) is not None:
+                assignments[id(leaf)] = old_id
+                taken.add(old_id)
+                plans.append(LeafPlan(old_id, kind, 'alias'))
+                continue
+        if current is not None:
+            plans.append(LeafPlan(current, kind, 'explicit'))
             continue
         if scope is None:
             issues.append(('DC015', kind))
@@ -182,6 +197,7 @@ class StableIdCapability(WrapperCapability[Any]):
     """
 
     scope: str | None = None
+    renamed_from: str | None = None
     _copies: dict[int, tuple[AbstractToolset[Any], AbstractToolset[Any]]] = field(
         default_factory=dict, repr=False, compare=False
     )
@@ -201,7 +217,7 @@ class StableIdCapability(WrapperCapability[Any]):
                 cached = (toolset, _upstream.DynamicToolset(toolset, per_run_step=True, id=None))
                 self._copies[key] = cached
             toolset = cached[1]
-        assignments, _, _ = plan_leaf_ids(self.scope, collect_leaves(toolset))
+        assignments, _, _ = plan_leaf_ids(self.scope, collect_leaves(toolset), self.renamed_from)
         if not assignments:
             return toolset
 
@@ -269,11 +285,13 @@ class Stabilized:
     problems: list[Problem]
 
 
-def stabilize(capabilities: list[AbstractCapability[Any]]) -> Stabilized:
+def stabilize(capabilities: list[AbstractCapability[Any]], aliases: dict[str, str] | None = None) -> Stabilized:
     """Wrap every leaf capability of `capabilities` in `StableIdCapability` and plan its leaf ids.
 
     Args:
         capabilities: The user's capabilities (already instances, not callables).
+        aliases: `{current capability id: previous id}`; leaves of a renamed capability keep the ids
+            (and so the durable unit names) they had under the previous id.
 
     Returns:
         A `Stabilized`; never raises for a bad definition (problems are returned instead).
@@ -288,7 +306,7 @@ def stabilize(capabilities: list[AbstractCapability[Any]]) -> Stabilized:
         if isinstance(capability, StableIdCapability) or not _is_leaf_capability(capability):
             return capability
         scope = scopes.get(id(capability), _Scope(capability.id, capability.id, False)).scope
-        stable = StableIdCapability(wrapped=capability, scope=scope)
+        stable = StableIdCapability(wrapped=capability, scope=scope, renamed_from=(aliases or {}).get(scope or ''))
         wrapped_list.append(stable)
         return stable
 
@@ -306,7 +324,7 @@ def stabilize(capabilities: list[AbstractCapability[Any]]) -> Stabilized:
             continue
         if not isinstance(toolset, AbstractToolset):
             toolset = _upstream.DynamicToolset(toolset)
-        _, plans, issues = plan_leaf_ids(stable.scope, collect_leaves(toolset))
+        _, plans, issues = plan_leaf_ids(stable.scope, collect_leaves(toolset), stable.renamed_from)
         user_cap = stable.wrapped
         where = describe_capability(user_cap, stable.scope)
         scope_info = scopes.get(id(user_cap), _Scope(stable.scope, stable.scope, False))

@@ -32,6 +32,11 @@ CODES: dict[str, str] = {
     'DC015': 'A capability owns leaf toolsets but has no id to derive theirs from.',
     'DC016': 'A skill file is malformed.',
     'DC017': 'An engine name is unknown or its extra is not installed.',
+    'DC018': 'A stored history loaded a capability id the definition no longer has.',
+    'DC019': 'A stored history called a tool the definition no longer has.',
+    'DC020': 'Durable unit names in the lockfile are no longer produced (a rename or removal).',
+    'DC021': 'An agent in the lockfile is no longer defined.',
+    'DC022': 'A durable unit name is new since the lockfile.',
 }
 """Every code with a one-line summary. `docs/errors.md` gives a wrong and a right example of each."""
 

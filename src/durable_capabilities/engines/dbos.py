@@ -25,6 +25,8 @@ from pydantic_ai.durable_exec.dbos import DBOSOperationNamer
 from pydantic_ai.exceptions import ApprovalRequired, CallDeferred, ModelRetry
 from pydantic_ai.toolsets import AbstractToolset, FunctionToolset, WrapperToolset
 
+from ..aliases import rewrite_history
+
 if TYPE_CHECKING:
     from ..agent import DurableAgent
 
@@ -131,7 +133,7 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     """
     options = dict(options)
     tool_steps = options.pop('tool_steps', ToolStepConfig())
-    extra = [] if tool_steps is False else [DBOSToolSteps(agent_name=agent.name, config=tool_steps)]
+    extra = [] if tool_steps is False else [DBOSToolSteps(agent_name=agent.durable_name, config=tool_steps)]
     return options, extra
 
 
@@ -237,6 +239,7 @@ def agent_workflow(agent: DurableAgent[Any, Any]) -> Callable[..., Awaitable[dic
 
     async def run_agent(prompt: str | None, deps: Any = None, message_history: Any = None) -> dict[str, Any]:
         history = ModelMessagesTypeAdapter.validate_python(message_history) if message_history else None
+        history = rewrite_history(history, agent.aliases)
         result = await bound.run(
             prompt, deps=deps_adapter.validate_python(deps) if deps is not None else None, message_history=history
         )
@@ -247,5 +250,11 @@ def agent_workflow(agent: DurableAgent[Any, Any]) -> Callable[..., Awaitable[dic
         }
 
     registered = DBOS.workflow(name=f'durcap.{agent.name}')(run_agent)
+    for previous in agent.previous_names:
+        # Workflows recorded under an earlier agent name recover through the same body.
+        async def run_previous(prompt: str | None, deps: Any = None, message_history: Any = None) -> dict[str, Any]:
+            return await run_agent(prompt, deps, message_history)
+
+        DBOS.workflow(name=f'durcap.{previous}')(run_previous)
     _WORKFLOWS[agent.name] = registered
     return registered

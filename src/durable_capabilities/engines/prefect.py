@@ -23,6 +23,8 @@ from pydantic_ai.durable_exec.prefect import DEFAULT_PYDANTIC_AI_CACHE_POLICY, T
 from pydantic_ai.messages import ModelMessagesTypeAdapter
 from pydantic_ai.tools import RunContext
 
+from ..aliases import rewrite_history
+
 if TYPE_CHECKING:
     from ..agent import DurableAgent
 
@@ -131,6 +133,7 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
         from pydantic_core import to_jsonable_python
 
         history = ModelMessagesTypeAdapter.validate_python(message_history) if message_history else None
+        history = rewrite_history(history, agent.aliases)
         result = await built.run(
             prompt, deps=deps_adapter.validate_python(deps) if deps is not None else None, message_history=history
         )

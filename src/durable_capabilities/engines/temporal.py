@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter
+from pydantic_ai.durable_exec.temporal import PydanticAIPlugin, PydanticAIWorkflow
 from pydantic_ai.messages import ModelMessage
 from pydantic_ai.usage import RunUsage
 from temporalio import workflow
@@ -31,7 +32,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
-from pydantic_ai.durable_exec.temporal import PydanticAIPlugin, PydanticAIWorkflow
+from ..aliases import rewrite_history
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
@@ -84,25 +85,31 @@ def _class_name(agent_name: str) -> str:
     return 'DurcapWorkflow_' + re.sub(r'[^A-Za-z0-9_]', '_', agent_name)
 
 
-def workflow_class(agent: DurableAgent[Any, Any]) -> type:
-    """The Temporal workflow class that runs `agent` (created once per agent name and process).
+def workflow_class(agent: DurableAgent[Any, Any], registered_name: str | None = None) -> type:
+    """The Temporal workflow class that runs `agent` (created once per workflow name and process).
 
-    Input `AgentRunInput`, output `AgentRunOutput`. Raises `ValueError` when another definition with
-    the same name already has a workflow class in this process (duplicate agent names, DC011).
+    Input `AgentRunInput`, output `AgentRunOutput`. `registered_name` is an earlier agent name (from
+    `previous_names`) to register the same workflow under, so runs started under it recover.
+
+    Raises:
+        ValueError: another definition with the same name already has a workflow class in this process
+            (duplicate agent names, DC011).
     """
     module = sys.modules[__name__]
-    name = _class_name(agent.name)
+    agent_name = registered_name or agent.name
+    name = _class_name(agent_name)
     existing = getattr(module, name, None)
     if existing is not None:
         if getattr(existing, '__durcap_agent__', None) is agent:
             return existing
-        raise ValueError(f'another DurableAgent named {agent.name!r} already has a Temporal workflow in this process')
+        raise ValueError(f'another DurableAgent named {agent_name!r} already has a Temporal workflow in this process')
     built = agent.build('temporal')
     deps_adapter: TypeAdapter[Any] = TypeAdapter(agent.deps_type)
 
     async def run(self: Any, params: AgentRunInput) -> AgentRunOutput:
         deps = deps_adapter.validate_python(params.deps) if params.deps is not None else None
-        result = await built.run(params.prompt, deps=deps, message_history=params.message_history)
+        history = rewrite_history(params.message_history, agent.aliases)
+        result = await built.run(params.prompt, deps=deps, message_history=history)
         return AgentRunOutput(result.output, result.new_messages(), result.usage)
 
     # Temporal rejects run methods of local classes because it looks classes up by name; this one is
@@ -115,9 +122,14 @@ def workflow_class(agent: DurableAgent[Any, Any]) -> type:
         (PydanticAIWorkflow,),
         {'run': workflow.run(run), '__pydantic_ai_agents__': [built], '__durcap_agent__': agent, '__module__': __name__},
     )
-    defined = workflow.defn(name=workflow_name(agent))(cls)
+    defined = workflow.defn(name=f'{WORKFLOW_NAME_PREFIX}{agent_name}')(cls)
     setattr(module, name, defined)
     return defined
+
+
+def workflow_classes(agent: DurableAgent[Any, Any]) -> list[type]:
+    """The agent's workflow class plus one per previous name (see `DurableAgent(previous_names=...)`)."""
+    return [workflow_class(agent), *(workflow_class(agent, previous) for previous in agent.previous_names)]
 
 
 def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
@@ -164,7 +176,7 @@ def make_worker(client: Client, agents: Sequence[DurableAgent[Any, Any]], task_q
     return Worker(
         client,
         task_queue=task_queue,
-        workflows=[workflow_class(agent) for agent in agents],
+        workflows=[cls for agent in agents for cls in workflow_classes(agent)],
         **worker_kwargs,
     )
 

@@ -1,0 +1,261 @@
+"""The operation-name lockfile (`durable.lock`): durable unit names are compatibility data.
+
+A renamed capability id, agent name or MCP host changes activity / step / task names, and runs in
+flight then fail to recover (Temporal: `NondeterminismError` on replay; DBOS:
+`DBOSUnexpectedStepError` on recovery; Prefect: every task misses its cache and runs again).
+`durcap lock` writes every name per engine; `durcap check --lock` and worker start compare the
+current definition against it, so such a change is seen before it ships.
+
+The file is YAML with sorted keys and sorted lists: one name per line, so `git diff` shows exactly
+what changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .agent import DurableAgent
+from .validation import Problem, Report
+
+LOCK_VERSION = 1
+DEFAULT_LOCK_NAME = 'durable.lock'
+
+_KIND_BY_CLASS = {'FunctionToolset': 'function', 'MCPToolset': 'mcp', 'DynamicToolset': 'dynamic'}
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def _leaf_kinds(agent: DurableAgent[Any, Any]) -> list[tuple[str, str]]:
+    """`(kind, toolset id)` for every leaf toolset of the definition (kind: function | mcp | dynamic)."""
+    return [
+        (_KIND_BY_CLASS.get(plan.kind, 'function'), plan.toolset_id)
+        for plans in agent.leaf_plans().values()
+        for plan in plans
+    ]
+
+
+def _temporal_names(agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
+    from pydantic_ai.durable_exec.temporal import TemporalDurability, worker_registrations
+
+    from ._upstream import temporal_activity_name
+    from .engines import temporal
+
+    durability = TemporalDurability.from_agent(agent.build('temporal'))
+    assert durability is not None
+    activities, child_workflows = worker_registrations(durability)
+    names = sorted(temporal_activity_name(fn) for fn in activities)
+    workflows = [temporal.workflow_name(agent), *(f'{temporal.WORKFLOW_NAME_PREFIX}{n}' for n in agent.previous_names)]
+    return {'workflows': sorted(workflows), 'activities': names}
+
+
+def _journal_names(agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
+    from pydantic_ai.durable_exec import (
+        ModelCancelSuspendedResponseId,
+        ModelCompactMessagesId,
+        ModelRequestId,
+        ToolsetCallToolId,
+        ToolsetGetInstructionsId,
+        ToolsetGetToolsId,
+    )
+    from pydantic_ai.durable_exec.dbos import DBOSOperationNamer
+
+    namer = DBOSOperationNamer(agent.durable_name)
+    ids: list[Any] = [
+        ModelRequestId(None, streaming=False, model_name='default'),
+        ModelRequestId(None, streaming=True, model_name='default'),
+        ModelCompactMessagesId(None, model_name='default'),
+        ModelCancelSuspendedResponseId(None, model_name='default'),
+        ToolsetCallToolId('function', toolset_id='<agent>'),
+    ]
+    for kind, toolset_id in _leaf_kinds(agent):
+        ids.append(ToolsetCallToolId(kind, toolset_id=toolset_id))  # type: ignore[arg-type]
+        if kind in ('mcp', 'dynamic'):
+            ids.append(ToolsetGetToolsId(kind, toolset_id=toolset_id))  # type: ignore[arg-type]
+        if kind == 'mcp':
+            ids.append(ToolsetGetInstructionsId(toolset_id))
+    workflows = [f'durcap.{agent.name}', *(f'durcap.{n}' for n in agent.previous_names)]
+    return {'workflows': sorted(workflows), 'steps': sorted({namer.operation_name(i) for i in ids})}
+
+
+def _prefect_names(agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
+    from .engines import prefect
+
+    tasks = {'Model Request'} | {f'Call Tool: {tool}' for tool in agent.static_tool_names()}
+    for kind, toolset_id in _leaf_kinds(agent):
+        if kind == 'mcp':
+            tasks |= {f'Get MCP Tools: {toolset_id}', f'Get MCP Instructions: {toolset_id}', 'Call MCP Tool'}
+        elif kind == 'dynamic':
+            tasks.add(f'Discover Tools: {toolset_id}')
+    # Prefect identifies a task run by its cache key, which holds the toolset id (not the task name).
+    return {
+        'flows': sorted([prefect.flow_name(agent), *(f'{prefect.FLOW_NAME_PREFIX}{n}' for n in agent.previous_names)]),
+        'tasks': sorted(tasks),
+        'cache_toolset_ids': sorted({toolset_id for _, toolset_id in _leaf_kinds(agent)}),
+    }
+
+
+_ENGINE_NAMES = {'temporal': _temporal_names, 'dbos': _journal_names, 'prefect': _prefect_names}
+
+
+def lock_data(agents: Sequence[DurableAgent[Any, Any]]) -> dict[str, Any]:
+    """The lockfile content for `agents` as plain data (see `write_lock`).
+
+    Per agent: capability ids, leaf toolset ids per capability, static tool names and, per engine the
+    definition lists, every durable unit name; plus the versions of pydantic-ai and the engines.
+    """
+    data: dict[str, Any] = {
+        'lock_version': LOCK_VERSION,
+        'generated_by': {
+            name: _package_version(name)
+            for name in ('durable-capabilities', 'pydantic-ai-slim', 'temporalio', 'dbos', 'prefect')
+            if _package_version(name) is not None
+        },
+        'agents': {},
+    }
+    for agent in agents:
+        entry: dict[str, Any] = {
+            'capabilities': sorted(agent.capability_ids()),
+            'leaf_toolsets': {cap: sorted(ids) for cap, ids in sorted(agent.leaf_ids().items())},
+            'tools': sorted(agent.static_tool_names()),
+        }
+        if agent.previous_names:
+            entry['previous_names'] = sorted(agent.previous_names)
+        if agent.aliases:
+            entry['aliases'] = dict(sorted(agent.aliases.items()))
+        for engine in sorted(agent.engines):
+            if engine in _ENGINE_NAMES:
+                entry[engine] = _ENGINE_NAMES[engine](agent)
+        data['agents'][agent.name] = entry
+    return data
+
+
+def dump_lock(data: dict[str, Any]) -> str:
+    return '# durable.lock: durable unit names are compatibility data. Regenerate with `durcap lock`.\n' + yaml.safe_dump(
+        data, sort_keys=True, default_flow_style=False, width=200
+    )
+
+
+def write_lock(agents: Sequence[DurableAgent[Any, Any]], path: str | Path = DEFAULT_LOCK_NAME) -> Path:
+    """Write the lockfile for `agents` to `path`; returns the path."""
+    path = Path(path)
+    path.write_text(dump_lock(lock_data(agents)), encoding='utf-8')
+    return path
+
+
+class LockfileError(ValueError):
+    """The lockfile cannot be read (missing, not YAML, or written by a newer lock format)."""
+
+
+def read_lock(path: str | Path) -> dict[str, Any]:
+    """Parse a lockfile.
+
+    Raises:
+        LockfileError: missing file, invalid YAML, wrong shape, or `lock_version` newer than this package.
+    """
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding='utf-8'))
+    except FileNotFoundError:
+        raise LockfileError(f'{path}: no such lockfile; create it with `durcap lock`') from None
+    except yaml.YAMLError as exc:
+        raise LockfileError(f'{path}: not valid YAML ({str(exc).splitlines()[0]})') from None
+    if not isinstance(data, dict) or not isinstance(data.get('agents'), dict):
+        raise LockfileError(f'{path}: not a durable.lock file (no `agents` mapping)')
+    if not isinstance(data.get('lock_version'), int) or data['lock_version'] > LOCK_VERSION:
+        raise LockfileError(f'{path}: lock_version {data.get("lock_version")!r} is not supported by this version')
+    return data
+
+
+_SINGULAR = {
+    'workflows': 'workflow', 'activities': 'activity', 'steps': 'step', 'flows': 'flow', 'tasks': 'task',
+    'cache_toolset_ids': 'cache toolset id',
+}
+_SECTIONS = {
+    'temporal': ('workflows', 'activities'),
+    'dbos': ('workflows', 'steps'),
+    'prefect': ('flows', 'tasks', 'cache_toolset_ids'),
+}
+
+
+def _owner_hint(name: str, old_agent: dict[str, Any], agent_name: str) -> str:
+    """Which capability, toolset or agent a durable unit name belongs to."""
+    for cap, leaves in sorted(old_agent.get('leaf_toolsets', {}).items()):
+        for leaf in leaves:
+            if f'__{leaf}__' in name or f'__{leaf}.' in name or name.endswith(f': {leaf}') or name == leaf:
+                return f"capability {cap!r} (leaf toolset {leaf!r})"
+    return f'agent {agent_name!r}'
+
+
+def diff_lock(locked: dict[str, Any], agents: Sequence[DurableAgent[Any, Any]]) -> Report:
+    """Compare the definitions with a lockfile.
+
+    A durable unit name (or workflow / flow name, or Prefect cache toolset id) in the lock but no longer
+    produced is an error DC020 naming the capability, toolset or agent it belonged to and the engines
+    affected; a whole agent missing is DC021; a name added is info DC022.
+    """
+    report = Report()
+    current = lock_data(agents)['agents']
+    for agent_name, old in sorted(locked['agents'].items()):
+        new = current.get(agent_name)
+        if new is None:
+            renamed_to = [n for n, e in current.items() if agent_name in e.get('previous_names', [])]
+            if renamed_to:
+                continue  # declared as previous name of a current agent: its names are still produced
+            report.add(Problem(
+                'DC021', 'error', f'agent {agent_name!r}',
+                f'the lockfile has agent {agent_name!r} but the target defines no agent of that name; runs in '
+                'flight under it can no longer recover.',
+                f"If it was renamed, declare it: `DurableAgent('<new name>', ..., previous_names=['{agent_name}'])`; "
+                'if it is gone for good and nothing is in flight, regenerate the lock with `durcap lock`.',
+            ))
+            continue
+        removed: dict[str, dict[str, list[str]]] = {}  # owner -> engine -> names
+        for engine, sections in _SECTIONS.items():
+            if engine not in old:
+                continue
+            for section in sections:
+                before = set(old[engine].get(section, []))
+                after = set(new.get(engine, {}).get(section, []))
+                for name in sorted(before - after):
+                    owner = _owner_hint(name, old, agent_name)
+                    removed.setdefault(owner, {}).setdefault(engine, []).append(f'{_SINGULAR[section]} {name!r}')
+                for name in sorted(after - before):
+                    report.add(Problem(
+                        'DC022', 'info', f'agent {agent_name!r}',
+                        f'{engine} {_SINGULAR[section]} {name!r} is new since the lockfile.',
+                        'Run `durcap lock` to record it.', (engine,),
+                    ))
+        for owner, by_engine in removed.items():
+            listed = '; '.join(f'{engine}: {", ".join(names)}' for engine, names in by_engine.items())
+            report.add(Problem(
+                'DC020', 'error', owner,
+                f'durable unit names in the lockfile are no longer produced (renamed or removed) - {listed}. '
+                'Runs in flight that used them will not recover.',
+                'Keep the old names with an alias (`DurableAgent(..., aliases={new_id: old_id})` for a capability or '
+                'MCP id, `previous_names=[...]` for the agent), or regenerate the lock with `durcap lock` once no run '
+                'is in flight.',
+                tuple(by_engine),
+            ))
+    for agent_name in sorted(set(current) - set(locked['agents'])):
+        report.add(Problem('DC022', 'info', f'agent {agent_name!r}', f'agent {agent_name!r} is not in the lockfile.',
+                           'Run `durcap lock` to record it.'))
+    return report
+
+
+def find_lock(target_file: str | Path | None) -> Path | None:
+    """The `durable.lock` beside a target file (or in the current directory), if one exists."""
+    candidates = []
+    if target_file is not None:
+        candidates.append(Path(target_file).resolve().parent / DEFAULT_LOCK_NAME)
+    candidates.append(Path.cwd() / DEFAULT_LOCK_NAME)
+    return next((c for c in candidates if c.is_file()), None)
