@@ -14,7 +14,7 @@ from typing import Any
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.toolsets import AbstractToolset, FunctionToolset
 from pydantic_ai.toolsets._deferred_capability_loader import LOAD_CAPABILITY_TOOL_NAME
-from pydantic_ai.toolsets._dynamic import DynamicToolset
+from pydantic_ai.toolsets import DynamicToolset
 
 __all__ = [
     'LOAD_CAPABILITY_TOOL_NAME',

@@ -338,9 +338,10 @@ class DurableAgent(Generic[DepsT, OutputT]):
             else:
                 by_id[cap_id].append(user)
 
+        collided: set[str] = set()
         for cap_id, users in derived.items():
-            sources = {_upstream.derived_id_source(u) for u in users}
-            if len(sources) > 1 or cap_id in by_id:
+            if len(users) > 1 or cap_id in by_id:
+                collided.add(cap_id)
                 urls = ', '.join(sorted({redact_url(u.url or '') for u in users}))  # type: ignore[attr-defined]
                 report.add(
                     Problem(
@@ -388,7 +389,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
                     )
         for toolset_id, owners in leaf_owner.items():
             # Leaves named after a duplicated capability id repeat DC003; report it once.
-            if len(owners) > 1 and toolset_id not in duplicated_ids:
+            if len(owners) > 1 and toolset_id not in duplicated_ids and toolset_id not in collided:
                 report.add(
                     Problem(
                         'DC004',
@@ -406,15 +407,16 @@ class DurableAgent(Generic[DepsT, OutputT]):
 
     def _tool_checks(self, registered: list[tuple[str | None, AbstractCapability[Any]]], durable: tuple[str, ...]) -> list[Problem]:
         problems: list[Problem] = []
-        owners: dict[str, list[str]] = defaultdict(list)
+        # First owner per tool name; a list only for names seen twice (10,000 tools stay linear).
+        first: dict[str, tuple[str | None, AbstractCapability[Any] | None]] = {}
+        owners: dict[str, list[str]] = {}
         all_static = True
-        agent_tools = FunctionToolset(self.tools)
-        for tool_name in agent_tools.tools:
-            owners[tool_name].append(_AGENT_TOOLS)
+        for tool_name in FunctionToolset(self.tools).tools:
+            first[tool_name] = (_AGENT_TOOLS, None)
         for cap_id, user in registered:
             try:
                 toolset = user.get_toolset()
-            except Exception:  # noqa: BLE001 - a capability that fails here fails in Agent() with its own error
+            except Exception:  # noqa: BLE001 - reported as DC023 by stabilize
                 toolset = None
             if toolset is None:
                 continue
@@ -422,25 +424,30 @@ class DurableAgent(Generic[DepsT, OutputT]):
             if names is None:
                 all_static = False
                 continue
-            label = describe_capability(user, cap_id)
             for tool_name in names:
-                if label not in owners[tool_name]:
-                    owners[tool_name].append(label)
-        for tool_name, labels in owners.items():
-            where = labels[0] if labels[0] != _AGENT_TOOLS else f'agent {self.name!r} tools'
-            if tool_name == _upstream.LOAD_CAPABILITY_TOOL_NAME:
-                problems.append(
-                    Problem(
-                        'DC008',
-                        'error',
-                        where,
-                        '`load_capability` is reserved: pydantic-ai adds it whenever a capability is deferred.',
-                        'Rename the tool (`@toolset.tool(name=...)` or rename the function).',
-                        durable,
-                    )
+                seen = first.get(tool_name)
+                if seen is None:
+                    first[tool_name] = (cap_id, user)
+                elif seen[1] is not user:
+                    label = describe_capability(user, cap_id)
+                    shown = owners.setdefault(tool_name, [_label(seen, self.name)])
+                    if label not in shown:
+                        shown.append(label)
+        reserved = _upstream.LOAD_CAPABILITY_TOOL_NAME
+        if reserved in first:
+            problems.append(
+                Problem(
+                    'DC008',
+                    'error',
+                    _label(first[reserved], self.name),
+                    '`load_capability` is reserved: pydantic-ai adds it whenever a capability is deferred.',
+                    'Rename the tool (`@toolset.tool(name=...)` or rename the function).',
+                    durable,
                 )
+            )
+        for tool_name, labels in owners.items():
             if len(labels) > 1:
-                shown = ', '.join(lbl if lbl != _AGENT_TOOLS else f'agent {self.name!r} tools' for lbl in labels)
+                shown = ', '.join(labels)
                 problems.append(
                     Problem(
                         'DC007',
@@ -470,7 +477,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
                             durable,
                         )
                     )
-                if tool_name not in owners:
+                if tool_name not in first:
                     problems.append(
                         Problem(
                             'DC010',
@@ -484,6 +491,11 @@ class DurableAgent(Generic[DepsT, OutputT]):
                         )
                     )
         return problems
+
+
+def _label(seen: tuple[str | None, AbstractCapability[Any] | None], agent_name: str) -> str:
+    cap_id, user = seen
+    return f'agent {agent_name!r} tools' if user is None else describe_capability(user, cap_id)
 
 
 def _with_engines(problem: Problem, engines: tuple[str, ...]) -> Problem:

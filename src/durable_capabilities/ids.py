@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic_ai.capabilities import AbstractCapability, CombinedCapability, WrapperCapability
+from pydantic_ai.capabilities import AbstractCapability, Capability, CombinedCapability, WrapperCapability
 from pydantic_ai.toolsets import AbstractToolset
 
 from . import _upstream
@@ -56,6 +56,8 @@ def id_syntax_error(value: object) -> str | None:
     """
     if not isinstance(value, str):
         return f'is {type(value).__name__}, not a string'
+    if len(value) <= MAX_ID_LENGTH and '__' not in value and _ID_RE.fullmatch(value):
+        return None  # the common case, decided in one match
     if value == '':
         return 'is empty'
     if value != value.strip() or any(ch.isspace() for ch in value):
@@ -74,7 +76,7 @@ def id_syntax_error(value: object) -> str | None:
 
 def sanitize_name(value: str) -> str:
     """Turn a free-form name into an id fragment: unsafe characters become `-`, runs collapse."""
-    cleaned = _UNSAFE_CHARS_RE.sub('-', value).replace('__', '_')
+    cleaned = re.sub(r'_{2,}', '_', _UNSAFE_CHARS_RE.sub('-', value))
     cleaned = re.sub(r'-{2,}', '-', cleaned).strip('-_.')
     return cleaned or 'x'
 
@@ -92,7 +94,9 @@ def redact_url(url: str) -> str:
         port = f':{parts.port}' if parts.port else ''
     except ValueError:
         return '<unparseable URL>'
-    return urlunsplit((parts.scheme, f'{host}{port}', parts.path, '', ''))
+    redacted = urlunsplit((parts.scheme, f'{host}{port}', parts.path, '', ''))
+    # Without a scheme nothing parses as a host, and user info would stay in the path.
+    return '<redacted URL>' if '@' in redacted else redacted
 
 
 @dataclass(frozen=True)
@@ -112,8 +116,9 @@ def _leaf_name(leaf: AbstractToolset[Any]) -> str | None:
         name = getattr(leaf.toolset_func, '__name__', None)
         if name and name != '<lambda>':
             return sanitize_name(name)
-    if isinstance(leaf, MCPToolset) and leaf.id:
-        return sanitize_name(leaf.id)
+    if isinstance(leaf, MCPToolset) and _upstream.explicit_toolset_id(leaf) is not None:
+        return sanitize_name(leaf.id or '')
+    # An MCP server's host-derived id is not used: it would put the host in durable unit names.
     return None
 
 
@@ -319,7 +324,19 @@ def stabilize(capabilities: list[AbstractCapability[Any]], aliases: dict[str, st
     leaves: list[tuple[AbstractCapability[Any], str | None, list[LeafPlan]]] = []
     problems: list[Problem] = []
     for stable in wrapped_list:
-        toolset = stable.wrapped.get_toolset()
+        try:
+            toolset = stable.wrapped.get_toolset()
+        except Exception as exc:  # noqa: BLE001 - the user's code; reported, never raised half-way
+            problems.append(
+                Problem(
+                    'DC023',
+                    'error',
+                    describe_capability(stable.wrapped, stable.scope),
+                    f'`get_toolset()` raised {type(exc).__name__}: {exc}',
+                    'Fix the capability\'s `get_toolset()`; it is called once when the agent is built.',
+                )
+            )
+            continue
         if toolset is None:
             continue
         if not isinstance(toolset, AbstractToolset):
@@ -373,5 +390,18 @@ def stabilize(capabilities: list[AbstractCapability[Any]], aliases: dict[str, st
                         f'Construct it as `{type(user_cap).__name__}(id=...)`.',
                     )
                 )
+        callables = [t for t in getattr(user_cap, 'toolsets', None) or [] if not isinstance(t, AbstractToolset)]
+        # Upstream numbers callables only under a capability with its own id.
+        if isinstance(user_cap, Capability) and user_cap.id and callables and len(user_cap.toolsets) > 1:
+            problems.append(
+                Problem(
+                    'DC013',
+                    'warning',
+                    where,
+                    f"toolset functions in `toolsets=` get the ids '{stable.scope}_<position>' from pydantic-ai; "
+                    'reordering the list renames their durable units and strands in-flight runs.',
+                    "Wrap each function with its own id: `DynamicToolset(func, id='...')`.",
+                )
+            )
         leaves.append((user_cap, scope_info.owner, plans))
     return Stabilized(result, leaves, problems)

@@ -37,6 +37,7 @@ CODES: dict[str, str] = {
     'DC020': 'Durable unit names in the lockfile are no longer produced (a rename or removal).',
     'DC021': 'An agent in the lockfile is no longer defined.',
     'DC022': 'A durable unit name is new since the lockfile.',
+    'DC023': "A capability's `get_toolset()` raised while the agent was being built.",
 }
 """Every code with a one-line summary. `docs/errors.md` gives a wrong and a right example of each."""
 

@@ -1,0 +1,331 @@
+"""The private pydantic-ai names `durable_capabilities._upstream` relies on, and the behaviour behind each.
+
+Every assertion says what changed upstream when it fails. When one fails after a pydantic-ai upgrade, fix
+`_upstream.py` (and only it), then this file.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import dataclasses
+import importlib
+import inspect
+from typing import Any
+
+import pydantic_ai
+import pytest
+from pydantic_ai import Agent, RunContext
+from pydantic_ai.capabilities import MCP, AbstractCapability, Capability
+from pydantic_ai.exceptions import UserError
+from pydantic_ai.mcp import MCPToolset
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart, ToolReturnPart
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+from pydantic_ai.toolsets import AbstractToolset, FunctionToolset
+
+from durable_capabilities import _upstream
+
+UPGRADE_HINT = 'pydantic-ai {version}: {what} -- update durable_capabilities/_upstream.py'
+
+
+def changed(what: str) -> str:
+    return UPGRADE_HINT.format(version=pydantic_ai.__version__, what=what)
+
+
+def temporal_activity_names(agent: Agent[Any, Any]) -> list[str]:
+    from pydantic_ai.durable_exec.temporal import TemporalDurability
+
+    durability = TemporalDurability.from_agent(agent)
+    assert durability is not None
+    return [_upstream.temporal_activity_name(fn) for fn in durability.temporal_activities]
+
+
+def temporal() -> Any:
+    from pydantic_ai.durable_exec.temporal import TemporalDurability
+
+    return TemporalDurability()
+
+
+def ping(x: int) -> str:
+    """Ping."""
+    return f'pong {x}'
+
+
+def call_then_answer(tool: str, args: dict[str, Any], seen_tools: list[list[str]] | None = None) -> FunctionModel:
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if seen_tools is not None:
+            seen_tools.append([t.name for t in info.function_tools])
+        returns = [p for m in messages for p in m.parts if isinstance(p, ToolReturnPart)]
+        if not returns:
+            return ModelResponse(parts=[ToolCallPart(tool, args)])
+        return ModelResponse(parts=[TextPart(str(returns[-1].content))])
+
+    return FunctionModel(respond)
+
+
+# ---- pydantic_ai.toolsets._deferred_capability_loader.LOAD_CAPABILITY_TOOL_NAME ------------------------------------
+
+
+def test_load_capability_tool_name_is_importable_and_unchanged() -> None:
+    try:
+        module = importlib.import_module('pydantic_ai.toolsets._deferred_capability_loader')
+    except ImportError as exc:  # pragma: no cover - only on an upstream change
+        pytest.fail(changed(f'module pydantic_ai.toolsets._deferred_capability_loader is gone ({exc})'))
+    assert getattr(module, 'LOAD_CAPABILITY_TOOL_NAME', None) == 'load_capability', changed(
+        'LOAD_CAPABILITY_TOOL_NAME was renamed or no longer names the tool `load_capability`'
+    )
+    assert _upstream.LOAD_CAPABILITY_TOOL_NAME == 'load_capability'
+
+
+def test_load_capability_is_the_tool_upstream_adds_and_reserves() -> None:
+    deferred = Capability(id='orders', description='Orders.', instructions='Quote ids.', defer_loading=True)
+    seen_tools: list[list[str]] = []
+    agent = Agent(call_then_answer(_upstream.LOAD_CAPABILITY_TOOL_NAME, {'id': 'orders'}, seen_tools), capabilities=[deferred])
+    result = asyncio.run(agent.run('go'))
+    assert _upstream.LOAD_CAPABILITY_TOOL_NAME in seen_tools[0], changed(
+        f'the tool added for deferred capabilities is no longer {_upstream.LOAD_CAPABILITY_TOOL_NAME!r}: {seen_tools[0]}'
+    )
+    assert 'orders' in result.output
+
+    def load_capability(name: str) -> str:
+        """A user tool that takes the reserved name."""
+        return name
+
+    clashing = Agent(call_then_answer('load_capability', {'name': 'x'}), capabilities=[deferred], tools=[load_capability])
+    with pytest.raises(UserError, match='reserved'):
+        asyncio.run(clashing.run('go'))
+
+
+# ---- pydantic_ai.toolsets._dynamic.DynamicToolset --------------------------------------------------------------------
+
+
+def test_dynamic_toolset_private_path_and_constructor() -> None:
+    try:
+        from pydantic_ai.toolsets._dynamic import DynamicToolset
+    except ImportError as exc:  # pragma: no cover
+        pytest.fail(changed(f'pydantic_ai.toolsets._dynamic.DynamicToolset is gone ({exc})'))
+    assert _upstream.DynamicToolset is DynamicToolset
+    from pydantic_ai.toolsets import DynamicToolset as public
+
+    assert public is DynamicToolset, changed('the public DynamicToolset is no longer the one in toolsets._dynamic')
+
+    params = inspect.signature(DynamicToolset).parameters
+    assert list(params)[:1] == ['toolset_func'], changed(f'DynamicToolset signature is now {list(params)}')
+    assert params['per_run_step'].default is True, changed('DynamicToolset(per_run_step=...) default changed')
+    assert params['id'].default is None, changed('DynamicToolset(id=...) default changed')
+
+    def factory(ctx: RunContext[Any]) -> None:
+        return None
+
+    toolset = DynamicToolset(factory, per_run_step=False, id='dyn')
+    assert (toolset.toolset_func, toolset.per_run_step, toolset.id) == (factory, False, 'dyn'), changed(
+        'DynamicToolset no longer exposes toolset_func / per_run_step / id as given'
+    )
+    assert toolset._explicit_id == 'dyn'  # pyright: ignore[reportPrivateUsage]
+
+    copy_ = _upstream.toolset_with_id(DynamicToolset(factory, per_run_step=False), 'new')
+    assert isinstance(copy_, DynamicToolset)
+    assert (copy_.toolset_func, copy_.per_run_step, copy_.id) == (factory, False, 'new')
+
+
+def test_capability_toolset_function_is_re_evaluated_every_step() -> None:
+    """`StableIdCapability` wraps a toolset *function* like upstream does: `DynamicToolset(func)`, per run step."""
+    calls: list[int] = []
+
+    def tools_for_step(ctx: RunContext[Any]) -> FunctionToolset[Any]:
+        calls.append(ctx.run_step)
+        return FunctionToolset([ping])
+
+    class FunctionToolsetCapability(AbstractCapability[Any]):
+        def get_toolset(self) -> Any:
+            return tools_for_step
+
+    agent = Agent(call_then_answer('ping', {'x': 1}), capabilities=[FunctionToolsetCapability()])
+    result = asyncio.run(agent.run('go'))
+    assert result.output == 'pong 1'
+    assert len(set(calls)) >= 2, changed(
+        f'a capability toolset function is no longer evaluated per run step (steps seen: {calls}); '
+        'ids.StableIdCapability must wrap it with the same per_run_step'
+    )
+
+
+# ---- AbstractToolset._explicit_id --------------------------------------------------------------------------------------
+
+
+def test_explicit_id_property_semantics() -> None:
+    assert isinstance(inspect.getattr_static(AbstractToolset, '_explicit_id', None), property), changed(
+        'AbstractToolset._explicit_id is no longer a property'
+    )
+    assert _upstream.explicit_toolset_id(FunctionToolset(id='x')) == 'x'
+    assert _upstream.explicit_toolset_id(FunctionToolset()) is None
+
+    derived = MCPToolset('http://mcp.internal:8001/mcp')
+    assert derived.id == 'mcp.internal', changed(f'MCPToolset derives id {derived.id!r}, not the hostname')
+    assert _upstream.explicit_toolset_id(derived) is None, changed('a URL-derived MCPToolset id now counts as explicit')
+    assert _upstream.explicit_toolset_id(MCPToolset('http://mcp.internal/mcp', id='kb')) == 'kb'
+
+
+def test_durability_names_units_after_the_explicit_id_only() -> None:
+    with pytest.raises(UserError, match='unique `id`'):
+        Agent('test', name='contract-derived', toolsets=[MCPToolset('http://mcp.internal/mcp')], capabilities=[temporal()])
+    agent = Agent(
+        'test', name='contract-explicit', toolsets=[MCPToolset('http://mcp.internal/mcp', id='kb')], capabilities=[temporal()]
+    )
+    assert 'agent__contract-explicit__mcp_server__kb__call_tool' in temporal_activity_names(agent), changed(
+        'Temporal activity names no longer follow agent__{name}__mcp_server__{explicit id}__call_tool'
+    )
+
+
+# ---- FunctionToolset._id -----------------------------------------------------------------------------------------------
+
+
+def test_function_toolset_id_lives_in_underscore_id_only() -> None:
+    toolset = FunctionToolset([ping], id='zz-marker-id')
+    holders = [name for name, value in vars(toolset).items() if value == 'zz-marker-id']
+    assert holders == ['_id'], changed(f'FunctionToolset keeps its id in {holders}, not only `_id`')
+
+
+def test_function_toolset_copy_with_new_id() -> None:
+    original = FunctionToolset[Any]()
+    clone = _upstream.toolset_with_id(original, 'copied')
+    assert isinstance(clone, FunctionToolset)
+    assert clone.id == 'copied' and _upstream.explicit_toolset_id(clone) == 'copied', changed(
+        'setting FunctionToolset._id no longer sets its id'
+    )
+    assert original.id is None and _upstream.explicit_toolset_id(original) is None
+    assert clone.tools is original.tools, changed('copy.copy(FunctionToolset) no longer shares the tools dict')
+
+    @original.tool_plain
+    def registered_later(x: int) -> str:
+        """Registered on the original after copying."""
+        return f'later {x}'
+
+    agent = Agent(call_then_answer('registered_later', {'x': 2}), toolsets=[clone])
+    assert asyncio.run(agent.run('go')).output == 'later 2'
+
+    durable = Agent('test', name='contract-copy', toolsets=[clone], capabilities=[temporal()])
+    assert 'agent__contract-copy__toolset__copied__call_tool' in temporal_activity_names(durable)
+
+
+# ---- MCPToolset.id setter (public, but we rely on it marking the id explicit) --------------------------------------------
+
+
+def test_mcp_toolset_copy_with_new_id() -> None:
+    original = MCPToolset('http://mcp.internal/mcp')
+    clone = _upstream.toolset_with_id(original, 'kb')
+    assert isinstance(clone, MCPToolset)
+    assert clone.id == 'kb' and _upstream.explicit_toolset_id(clone) == 'kb', changed(
+        'assigning MCPToolset.id no longer marks the id explicit'
+    )
+    assert original.id == 'mcp.internal' and _upstream.explicit_toolset_id(original) is None, changed(
+        'copy.copy(MCPToolset) shares id state with the original'
+    )
+
+
+# ---- AbstractCapability._derived_id_source() ----------------------------------------------------------------------------
+
+
+def test_derived_id_source_semantics() -> None:
+    assert callable(getattr(AbstractCapability, '_derived_id_source', None)), changed(
+        'AbstractCapability._derived_id_source() is gone'
+    )
+    assert _upstream.derived_id_source(Capability(id='x')) is None
+
+    port_1 = _upstream.derived_id_source(MCP(url='http://u:s3cret@mcp.internal:8001/mcp'))
+    port_2 = _upstream.derived_id_source(MCP(url='http://mcp.internal:8002/mcp'))
+    other_path = _upstream.derived_id_source(MCP(url='http://mcp.internal:8001/other'))
+    rotated = _upstream.derived_id_source(MCP(url='http://u:n3w@mcp.internal:8001/mcp'))
+    assert isinstance(port_1, str) and 'mcp.internal' in port_1, changed(f'derived source is {port_1!r}')
+    assert 's3cret' not in port_1, changed('the derived source now keeps URL credentials')
+    assert len({port_1, port_2, other_path}) == 3, changed('derived sources no longer tell ports/paths apart')
+    assert port_1 == rotated, changed('derived sources now differ by credentials only')
+    assert _upstream.derived_id_source(MCP(url='http://mcp.internal/mcp', id='kb')) is None
+    assert _upstream.derived_id_source(MCP(url='http://mcp.internal/mcp', description='d', defer_loading=True)) is None
+
+
+def test_upstream_rejects_derived_ids_from_different_sources() -> None:
+    """What DC005 mirrors: one derived id from two sources is an error at `Agent(...)`."""
+    with pytest.raises(UserError, match='derived it from their configuration'):
+        Agent('test', capabilities=[MCP(url='http://mcp.internal:8001/mcp'), MCP(url='http://mcp.internal:8002/mcp')])
+    Agent('test', capabilities=[MCP(url='http://alpha.internal/mcp'), MCP(url='http://beta.internal/mcp')])
+
+
+# ---- temporalio.activity._Definition (not pydantic-ai, but private all the same) ------------------------------------------
+
+
+def test_temporal_activity_name_reads_the_registered_name() -> None:
+    from temporalio import activity
+
+    assert hasattr(activity, '_Definition') and hasattr(activity._Definition, 'must_from_callable'), (  # pyright: ignore[reportPrivateUsage]
+        'temporalio changed: activity._Definition.must_from_callable is gone -- update _upstream.temporal_activity_name'
+    )
+
+    @activity.defn(name='contract-named-activity')
+    async def named() -> None:
+        return None
+
+    @activity.defn
+    async def unnamed() -> None:
+        return None
+
+    assert _upstream.temporal_activity_name(named) == 'contract-named-activity'
+    assert _upstream.temporal_activity_name(unnamed) == 'unnamed'
+    with pytest.raises(TypeError):
+        _upstream.temporal_activity_name(ping)  # not an activity
+
+    agent = Agent('test', name='contract-names', toolsets=[FunctionToolset([ping], id='pings')], capabilities=[temporal()])
+    names = temporal_activity_names(agent)
+    assert 'agent__contract-names__toolset__pings__call_tool' in names
+    assert 'agent__contract-names__model_request' in names
+
+
+# ---- MCP._telemetry_url_derived_id ----------------------------------------------------------------------------------------
+
+
+def test_telemetry_url_derived_id_semantics() -> None:
+    # `_upstream.capability_url_derived_id` reads it with a default, so a rename would silently return None: check presence.
+    deferred = MCP(url='http://u:s3cret@mcp.internal:8001/mcp', description='d', defer_loading=True)
+    assert '_telemetry_url_derived_id' in {f.name for f in dataclasses.fields(MCP)}, changed(
+        'MCP._telemetry_url_derived_id is gone'
+    )
+    assert deferred.id is None, changed('a deferred MCP without id now derives one')
+    assert _upstream.capability_url_derived_id(deferred) == 'mcp.internal', changed(
+        'MCP._telemetry_url_derived_id no longer holds the hostname a deferred MCP would derive'
+    )
+    eager = MCP(url='http://mcp.internal/mcp')
+    assert _upstream.capability_url_derived_id(eager) == eager.id == 'mcp.internal'
+    assert _upstream.capability_url_derived_id(MCP(url='http://mcp.internal/mcp', id='kb')) is None
+    assert _upstream.capability_url_derived_id(Capability(id='x')) is None
+
+
+def test_upstream_module_exports_are_all_covered() -> None:
+    """A new private dependency in `_upstream.py` needs a contract test here."""
+    covered = {
+        'LOAD_CAPABILITY_TOOL_NAME',
+        'DynamicToolset',
+        'capability_url_derived_id',
+        'derived_id_source',
+        'explicit_toolset_id',
+        'temporal_activity_name',
+        'toolset_with_id',
+    }
+    assert set(_upstream.__all__) == covered
+    tree = ast.parse(inspect.getsource(_upstream))
+    private: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith('_') and not node.attr.startswith('__'):
+            private.add(node.attr)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            private.update(part for part in node.module.split('.') if part.startswith('_') and not part.startswith('__'))
+        elif isinstance(node, ast.Call) and getattr(node.func, 'id', None) in ('getattr', 'hasattr', 'setattr'):
+            private.update(
+                a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith('_')
+            )
+    assert sorted(private) == [
+        '_Definition',
+        '_deferred_capability_loader',
+        '_derived_id_source',
+        '_explicit_id',
+        '_id',
+        '_telemetry_url_derived_id',
+    ], f'_upstream.py now touches {sorted(private)}; add contract tests for the new ones'
