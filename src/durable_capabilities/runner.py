@@ -94,7 +94,7 @@ async def run_temporal(
             async for event in handle.fetch_history_events()
             if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
         ]
-    return RunReport('temporal', workflow_id, result.output, result.new_messages, result.usage, units)
+    return RunReport('temporal', workflow_id, result.output, result.messages(), result.usage, units)
 
 
 async def run_dbos(
@@ -127,10 +127,36 @@ async def run_dbos(
     )
 
 
-async def run_prefect(agent: DurableAgent[Any, Any], prompt: str, *, deps: Any = None, message_history: Any = None) -> RunReport:
+async def _settled_task_runs(flow_run_id: Any, model_requests: int, timeout: float = 30.0) -> list[Any]:
+    """The flow run's task runs once Prefect has recorded them all.
+
+    Prefect 3 records task runs from events, asynchronously: listed right after the flow returns, the
+    last ones can be missing. Poll (up to `timeout` seconds) until every task run is final, there is a
+    `Model Request` task per model response, and the list has not changed for a second.
+    """
+    import asyncio
+    import time
+
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    deadline = time.monotonic() + timeout
+    previous: list[tuple[str, str]] = []
+    stable_since = time.monotonic()
+    async with get_client() as client:
+        while True:
+            runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            snapshot = sorted((str(r.id), str(r.state_type)) for r in runs)
+            if snapshot != previous:
+                previous, stable_since = snapshot, time.monotonic()
+            done = all(r.state is not None and r.state.is_final() for r in runs)
+            enough = sum(1 for r in runs if r.name.startswith('Model Request')) >= model_requests
+            if (done and enough and time.monotonic() - stable_since >= 1.0) or time.monotonic() > deadline:
+                return list(runs)
+            await asyncio.sleep(0.2)
+
+
+async def run_prefect(agent: DurableAgent[Any, Any], prompt: str, *, deps: Any = None, message_history: Any = None) -> RunReport:
     from .engines import prefect as prefect_engine
 
     flow = prefect_engine.agent_flow(agent)
@@ -141,8 +167,8 @@ async def run_prefect(agent: DurableAgent[Any, Any], prompt: str, *, deps: Any =
     )
     payload = await state.result()
     flow_run_id = state.state_details.flow_run_id
-    async with get_client() as client:
-        task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    model_requests = sum(1 for m in payload['new_messages'] if m.get('kind') == 'response')
+    task_runs = await _settled_task_runs(flow_run_id, model_requests)
     units = [t.name for t in sorted(task_runs, key=lambda t: (t.expected_start_time or t.created, t.name))]
     return RunReport(
         'prefect', str(flow_run_id), payload['output'], ModelMessagesTypeAdapter.validate_python(payload['new_messages']),

@@ -1,6 +1,7 @@
 """Run the seed's examples on one engine in this process and print what the model saw, as JSON.
 
-    python -m tests.engines.seed_driver ENGINE --out-dir DIR [--examples a,b] [--address HOST:PORT] [--db URL]
+    python -m tests.engines.seed_driver ENGINE --out-dir DIR [--examples a,b] [--prefix NAME]
+        [--address HOST:PORT] [--db URL] [--prefect-event-delay SECONDS]
 
 ENGINE is `local`, `temporal`, `dbos` or `prefect`. The seed (docs "On-Demand Capabilities") examples:
 
@@ -12,7 +13,8 @@ ENGINE is `local`, `temporal`, `dbos` or `prefect`. The seed (docs "On-Demand Ca
 
 Every run goes through `durable_capabilities.runner` (what `durcap run` uses): Temporal with the worker
 inline in this process (`inline_worker=True`), so the model-request activities run here and the
-scripted model's records (`SupportScript.requests`) are this process's; DBOS launched on the URL given
+scripted model's records (`SupportScript.requests`, plus the message parts it received, see
+`Recorder`) are this process's; DBOS launched on the URL given
 (`--db`) and destroyed after each run; Prefect against `PREFECT_API_URL`. Each example also runs on the
 local engine (no durability) in this process, as the baseline the engine run must match.
 
@@ -23,9 +25,14 @@ DBOS and in flow code on Prefect; their evidence is what the model saw (a `Model
 
 The report is one line, `REPORT {json}`: `{'engine', 'startup_seconds', 'examples': {example:
 {'name', 'engine': [run...], 'local': [run...], 'error'}}}` with, per run, `label`, `prompt`,
-`output`, `units` (activity types / step names / task run names, in order), `requests` (one
-`SeenRequest` per model request: tools, instructions, model settings, capability instructions
-delivered, response), `new_messages` (pydantic-ai JSON), `ledger` and `seconds`.
+`output`, `units` (what the runner reported: activity types / step names / task run names, in
+order), `settled_units` (Prefect: the flow run's task runs once the server has recorded them all; the
+same as `units` elsewhere), `requests` (one `SeenRequest` per model request: tools, instructions, model
+settings, capability instructions delivered, response, plus `parts`), `new_messages` (pydantic-ai
+JSON), `loaded`, `ledger` and `seconds`. Agent names are `{prefix}-{example}`.
+
+`--prefect-event-delay` makes Prefect's client emit each event late (a loaded events pipeline), which
+shows deterministically that `runner.run_prefect` lists task runs before the server has recorded them.
 """
 
 from __future__ import annotations
@@ -46,18 +53,57 @@ from typing import Any
 
 _STARTED = time.monotonic()
 
-from pydantic_ai import RunContext  # noqa: E402
-from pydantic_ai.capabilities import Capability  # noqa: E402
-from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, TextPart, ToolCallPart  # noqa: E402
-from pydantic_core import to_jsonable_python  # noqa: E402
+from pydantic_ai import RunContext
+from pydantic_ai.capabilities import Capability
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelMessagesTypeAdapter,
+    TextPart,
+    ToolCallPart,
+)
+from pydantic_core import to_jsonable_python
 
-from durable_capabilities import DurableAgent, RunbookRequired, load_skills  # noqa: E402
-from durable_capabilities import runner  # noqa: E402
-from examples.support.agent import SKILLS_DIR, Store, make_store, make_support, refund_policy  # noqa: E402
-from examples.support.scripted import LOAD, SupportScript  # noqa: E402
+from durable_capabilities import (
+    DurableAgent,
+    RunbookRequired,
+    load_skills,
+    runner,
+)
+from examples.support.agent import (
+    SKILLS_DIR,
+    Store,
+    make_store,
+    make_support,
+    refund_policy,
+)
+from examples.support.scripted import LOAD, SupportScript
 
 EXAMPLES: tuple[str, ...] = ('capability', 'account-security', 'orders-security', 'runbook', 'skills')
 ENGINES: tuple[str, ...] = ('local', 'temporal', 'dbos', 'prefect')
+
+# ---- what the model saw, beyond `SeenRequest`: the message parts it received -------------------
+
+
+def _part_label(part: Any) -> str:
+    label = part.part_kind
+    if getattr(part, 'tool_name', None):
+        label += f':{part.tool_name}'
+    if 'instruction' in part.part_kind and getattr(part, 'id', None) is not None:
+        label += f'@{part.id}'
+    return label
+
+
+@dataclass
+class Recorder(SupportScript):
+    """`SupportScript` that also records, per request, the kinds of the message parts the model received
+    (`user-prompt`, `tool-return:order_status`, `instruction-delta@capability:orders`, ...)."""
+
+    parts: list[list[str]] = field(default_factory=list)
+
+    def respond(self, messages: list[ModelMessage], info: Any) -> Any:
+        self.parts.append([_part_label(p) for m in messages for p in m.parts])
+        return super().respond(messages, info)
+
 
 # ---- the ledger: one JSON line per tool execution, wherever the tool ran ----------------------
 
@@ -101,7 +147,8 @@ def refund_eligibility(ctx: RunContext[None], order_id: str) -> str:
     return f'Order {order_id} is eligible for a refund (step {ctx.run_step}, loaded: {", ".join(loaded)}).'
 
 
-class RefundsScript(SupportScript):
+@dataclass
+class RefundsScript(Recorder):
     """The support script's recorder with its own plan: load `refunds`, call both tools, answer."""
 
     def _decide(self, turn: Any, tools: list[str]) -> list[TextPart | ToolCallPart]:
@@ -192,8 +239,8 @@ class Step:
 
 @dataclass
 class Example:
-    build: Callable[[str, SupportScript, Path], DurableAgent[Any, Any]]
-    script: Callable[[], SupportScript]
+    build: Callable[[str, Recorder, Path], DurableAgent[Any, Any]]
+    script: Callable[[], Recorder]
     steps: list[Step] = field(default_factory=list)
 
 
@@ -209,22 +256,22 @@ PLANS: dict[str, Example] = {
         [Step('main', 'Has the refund for order ABC-123 gone through, and is it still eligible?')],
     ),
     'account-security': Example(
-        lambda name, script, _: make_support(script, name=name), SupportScript,
+        lambda name, script, _: make_support(script, name=name), Recorder,
         [Step('approved', SECURITY_PROMPT, make_store), Step('denied', SECURITY_PROMPT, _denied_store)],
     ),
     'orders-security': Example(
-        lambda name, script, _: make_support(script, name=name), SupportScript,
+        lambda name, script, _: make_support(script, name=name), Recorder,
         [
             Step('order', 'Where is order XYZ-321?', orders_store),
             Step('security', SECURITY_PROMPT, orders_store, history_from='order'),
         ],
     ),
     'runbook': Example(
-        lambda name, script, _: _runbook_agent(name, script), SupportScript,
+        lambda name, script, _: _runbook_agent(name, script), Recorder,
         [Step('refund', 'Please refund $40 for order ABC-123.'), Step('over-limit', 'Please refund $900 for order ABC-123.')],
     ),
     'skills': Example(
-        _skills_agent, SupportScript,
+        _skills_agent, Recorder,
         [Step('warranty', 'The espresso machine from order GHI-789 stopped working.')],
     ),
 }
@@ -256,8 +303,48 @@ async def run_step(engine: str, agent: DurableAgent[Any, Any], prompt: str, deps
     raise ValueError(f'unknown engine {engine!r}')
 
 
+async def prefect_task_runs(flow_run_id: str, responses: int, timeout: float = 60.0) -> list[str]:
+    """The flow run's task run names once the server has recorded them all.
+
+    Prefect 3 records task runs from the events a flow run emits, asynchronously: right after the
+    flow returns, the server may not list its last task runs yet. Wait until it lists one model-request
+    task per model response, every task run is in a final state, and the list has not changed for 1 s.
+    """
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    deadline = time.monotonic() + timeout
+    previous: list[str] | None = None
+    stable_since = time.monotonic()
+    async with get_client() as client:
+        while True:
+            task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            ordered = sorted(task_runs, key=lambda t: (t.expected_start_time or t.created, t.name))
+            names = [t.name for t in ordered]
+            final = all(t.state is not None and t.state.is_final() for t in ordered)
+            if names != previous:
+                previous, stable_since = names, time.monotonic()
+            requests = sum(n.startswith('Model Request: ') for n in names)
+            if (final and requests >= responses and time.monotonic() - stable_since >= 1.0) or time.monotonic() > deadline:
+                return names
+            await asyncio.sleep(0.2)
+
+
+def delay_prefect_events(seconds: float) -> None:
+    """Make Prefect's client emit each event `seconds` late: a slow events pipeline, as under load."""
+    from prefect.events.worker import EventsWorker
+
+    original = EventsWorker._handle
+
+    async def handle(self: Any, event: Any) -> None:
+        await asyncio.sleep(seconds)
+        await original(self, event)
+
+    EventsWorker._handle = handle  # type: ignore[method-assign]
+
+
 async def run_example(
-    engine: str, example: str, agent: DurableAgent[Any, Any], script: SupportScript, options: Options, tag: str
+    engine: str, example: str, agent: DurableAgent[Any, Any], script: Recorder, options: Options, tag: str
 ) -> list[dict[str, Any]]:
     """Run every step of `example` on `engine`; one dict per run. `tag` names its ledger files."""
     runs: list[dict[str, Any]] = []
@@ -274,19 +361,28 @@ async def run_example(
             report = await run_step(engine, agent, step.prompt, step.deps(), history, options)
         finally:
             _LEDGER['path'] = None
+        seconds = time.monotonic() - started
         messages[step.label] = [*(history or []), *report.new_messages]
+        settled = report.durable_units
+        if engine == 'prefect':
+            responses = sum(m.kind == 'response' for m in report.new_messages)
+            settled = await prefect_task_runs(str(report.run_id), responses)
         runs.append(
             {
                 'label': step.label,
                 'prompt': step.prompt,
                 'output': to_jsonable_python(report.output),
                 'units': report.durable_units,
+                'settled_units': settled,
                 'run_id': report.run_id,
-                'requests': [dataclasses.asdict(r) for r in script.requests[seen_before:]],
+                'requests': [
+                    {**dataclasses.asdict(r), 'parts': parts}
+                    for r, parts in zip(script.requests[seen_before:], script.parts[seen_before:], strict=True)
+                ],
                 'new_messages': ModelMessagesTypeAdapter.dump_python(report.new_messages, mode='json'),
                 'loaded': report.loaded_capabilities(),
                 'ledger': _read_ledger(ledger),
-                'seconds': round(time.monotonic() - started, 3),
+                'seconds': round(seconds, 3),
             }
         )
     return runs
@@ -296,7 +392,7 @@ async def run_all(engine: str, examples: list[str], prefix: str, options: Option
     """Build every example's agent first (DBOS needs every workflow registered before `DBOS.launch()`),
     then run each on `engine` and on the local engine."""
     options.out_dir.mkdir(parents=True, exist_ok=True)
-    built: dict[str, tuple[DurableAgent[Any, Any], SupportScript, DurableAgent[Any, Any], SupportScript]] = {}
+    built: dict[str, tuple[DurableAgent[Any, Any], Recorder, DurableAgent[Any, Any], Recorder]] = {}
     for example in examples:
         plan = PLANS[example]
         name = f'{prefix}-{example}'
@@ -334,6 +430,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument('--prefix', default=None, help='agent name prefix (default: seed-<random>)')
     parser.add_argument('--address', help='Temporal frontend address')
     parser.add_argument('--db', help='DBOS system database URL')
+    parser.add_argument('--prefect-event-delay', type=float, default=0.0, help='emit each Prefect event this late')
     args = parser.parse_args(argv)
     examples = [e for e in args.examples.split(',') if e]
     unknown = set(examples) - set(PLANS)
@@ -342,6 +439,8 @@ def main(argv: list[str] | None = None) -> None:
     prefix = args.prefix or f'seed-{uuid.uuid4().hex[:8]}'
     startup = time.monotonic() - _STARTED
     options = Options(args.out_dir, args.address, args.db)
+    if args.prefect_event_delay:
+        delay_prefect_events(args.prefect_event_delay)
     results = asyncio.run(run_all(args.engine, examples, prefix, options))
     report = {'engine': args.engine, 'startup_seconds': round(startup, 3),
               'total_seconds': round(time.monotonic() - _STARTED, 3), 'examples': results}

@@ -3,7 +3,7 @@
 Upstream `DBOSDurability` checkpoints model requests and MCP / dynamic toolsets as steps but runs
 function tools inline in workflow code: after a crash a finished tool runs again, and a one-off tool
 error fails the workflow. `DBOSToolSteps` closes that gap: every call to a function-toolset tool
-inside a DBOS workflow runs as one step named `{agent}__toolset__{toolset id}.call_tool` (the name
+inside a DBOS workflow runs as one step named `{agent}__function_toolset__{toolset id}.call_tool` (the name
 upstream's `DBOSOperationNamer` gives the same operation) with DBOS's retry policy.
 
 Control-flow exceptions a tool raises on purpose (`ModelRetry`, `ApprovalRequired`, `CallDeferred`)
@@ -134,6 +134,9 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     options = dict(options)
     tool_steps = options.pop('tool_steps', ToolStepConfig())
     extra = [] if tool_steps is False else [DBOSToolSteps(agent_name=agent.durable_name, config=tool_steps)]
+    from . import _mcp  # MCP: bounded `mcp_step_config` retries, and the guard (see _mcp.py)
+
+    extra += _mcp.dbos_defaults(agent, options)
     return options, extra
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter
 from pydantic_ai.durable_exec.temporal import PydanticAIPlugin, PydanticAIWorkflow
-from pydantic_ai.messages import ModelMessage
+from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
 from pydantic_ai.usage import RunUsage
 from temporalio import workflow
 from temporalio.client import Client
@@ -59,22 +59,30 @@ class AgentRunInput:
         prompt: The user prompt (`None` to continue from `message_history` alone).
         conversation_id: Conversation to load from / append to (see the conversation store).
         deps: The run dependencies as JSON-compatible data; validated into the agent's `deps_type`.
-        message_history: Prior messages (pydantic-ai's own types).
+        message_history: Prior messages as pydantic-ai's message JSON (`ModelMessagesTypeAdapter`).
+            Not typed as `ModelMessage`: Temporal's payload converter serializes those without their
+            field serializers, which turns `capability:` instruction ids into `toolset:` ones and makes
+            a resumed run re-send every loaded capability's instructions.
     """
 
     prompt: str | None = None
     conversation_id: str | None = None
     deps: Any = None
-    message_history: list[ModelMessage] | None = None
+    message_history: list[dict[str, Any]] | None = None
 
 
 @dataclass
 class AgentRunOutput:
-    """Workflow result: the output, the messages this run added, and its usage (tokens, requests)."""
+    """Workflow result: the output, the messages this run added (pydantic-ai message JSON, see
+    `AgentRunInput`), and its usage (tokens, requests)."""
 
     output: Any
-    new_messages: list[ModelMessage] = field(default_factory=list)
+    new_messages: list[dict[str, Any]] = field(default_factory=list)
     usage: RunUsage = field(default_factory=RunUsage)
+
+    def messages(self) -> list[ModelMessage]:
+        """`new_messages` as pydantic-ai message objects."""
+        return ModelMessagesTypeAdapter.validate_python(self.new_messages)
 
 
 def workflow_name(agent: DurableAgent[Any, Any]) -> str:
@@ -108,9 +116,11 @@ def workflow_class(agent: DurableAgent[Any, Any], registered_name: str | None = 
 
     async def run(self: Any, params: AgentRunInput) -> AgentRunOutput:
         deps = deps_adapter.validate_python(params.deps) if params.deps is not None else None
-        history = rewrite_history(params.message_history, agent.aliases)
-        result = await built.run(params.prompt, deps=deps, message_history=history)
-        return AgentRunOutput(result.output, result.new_messages(), result.usage)
+        history = ModelMessagesTypeAdapter.validate_python(params.message_history) if params.message_history else None
+        result = await built.run(params.prompt, deps=deps, message_history=rewrite_history(history, agent.aliases))
+        return AgentRunOutput(
+            result.output, ModelMessagesTypeAdapter.dump_python(result.new_messages(), mode='json'), result.usage
+        )
 
     # Temporal rejects run methods of local classes because it looks classes up by name; this one is
     # published under `name` in this module below, so give the method the qualified name it will have.
@@ -143,7 +153,10 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     }
     for leaf, config in (options.pop('toolset_activity_config', None) or {}).items():
         configs[leaf] = {**configs.get(leaf, {}), **config}
-    return {'toolset_activity_config': configs, **options}, []
+    from . import _mcp  # MCP: bounded retry policy per MCP leaf, and the guard (see _mcp.py)
+
+    extra = _mcp.temporal_defaults(agent, options, configs)
+    return {'toolset_activity_config': configs, **options}, extra
 
 
 def sandbox_runner() -> SandboxedWorkflowRunner:
@@ -224,7 +237,7 @@ async def start_run(
         prompt=prompt,
         conversation_id=conversation_id,
         deps=to_jsonable_python(deps) if deps is not None else None,
-        message_history=message_history,
+        message_history=ModelMessagesTypeAdapter.dump_python(message_history, mode='json') if message_history else None,
     )
     return await client.start_workflow(
         workflow_name(agent), params, id=workflow_id, task_queue=task_queue, result_type=AgentRunOutput
