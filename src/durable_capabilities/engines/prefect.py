@@ -100,7 +100,9 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     }
     for key, config in defaults.items():
         options[key] = TaskConfig(**{**config, **(options.get(key) or {})})  # type: ignore[typeddict-item]
-    return options, []
+    from . import _mcp  # MCP: bounded `mcp_task_config` retries, and the guard (see _mcp.py)
+
+    return options, _mcp.prefect_defaults(agent, options)
 
 
 def flow_name(agent: DurableAgent[Any, Any]) -> str:
