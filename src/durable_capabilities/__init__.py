@@ -7,10 +7,22 @@ from .agent import DurableAgent, validate_together
 from .ids import MAX_ID_LENGTH, id_syntax_error, redact_url
 from .runbook import RunbookRequired
 from .skills import InvalidSkill, load_skill, load_skills
+from .store import (
+    ConversationConflictError,
+    ConversationNotFoundError,
+    SQLConversationStore,
+    StoreError,
+    drift,
+)
 from .validation import CODES, DurableConfigError, Problem, Report
 
 __all__ = [
     'CODES',
+    'ConversationConflictError',
+    'ConversationNotFoundError',
+    'SQLConversationStore',
+    'StoreError',
+    'drift',
     'MAX_ID_LENGTH',
     'DurableAgent',
     'DurableConfigError',

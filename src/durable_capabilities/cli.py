@@ -578,7 +578,8 @@ def _valid_agents(target: str) -> list[DurableAgent[Any, Any]]:
     return agents
 
 
-history_app = typer.Typer(help='Conversation and workflow histories.', no_args_is_help=True)
+from .cli_history import history_app  # noqa: E402 - `durcap history show` (conversation store)
+
 app.add_typer(history_app, name='history')
 
 

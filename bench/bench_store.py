@@ -1,0 +1,142 @@
+"""Benchmark: resuming a stored conversation of 1,000 and 10,000 messages from `SQLConversationStore`.
+
+    python bench/bench_store.py                       # SQLite in a temporary folder, 15 interleaved repetitions
+    python bench/bench_store.py --reps 31
+    python bench/bench_store.py --url postgresql://postgres@127.0.0.1:5432/bench   # an existing, empty database
+    python bench/bench_store.py --json
+
+What is timed ("resume"): `await store.read(conversation_id)` (one read transaction: the conversation row and
+its history's entry rows, linked up from the head, decoded with pydantic-ai's `ModelMessagesTypeAdapter`) plus
+`loaded_capability_ids(messages)` (which capabilities the history loaded: what upstream rebuilds on resume).
+
+Baseline, side by side: `ModelMessagesTypeAdapter.validate_json` of the same messages as one JSON array, i.e.
+upstream's own decoding of the history with no database at all. The store cannot resume faster than that.
+
+The messages are real: the scripted 6-request run of `bench/_common.py` (a `load_capability` call, four tool
+calls and an answer) run by a `DurableAgent` on the local engine, then a second turn continuing it, repeated
+until the conversation holds N messages. They are stored with `append` in chunks of 500 (not timed).
+Repetitions are interleaved (1,000 then 10,000, store then baseline), with `gc.collect()` before each.
+
+Targets (issue 4): <= 0.1 s at 10,000 messages, growth linear (10,000 / 1,000 ~ 10x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import INSTRUCTIONS, PROMPT, make_capability, make_model
+from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
+
+from durable_capabilities import DurableAgent
+from durable_capabilities.store import SQLConversationStore, loaded_capability_ids
+
+SIZES = (1_000, 10_000)
+TARGET_SECONDS = 0.1
+CHUNK = 500
+
+
+async def conversation(n: int) -> list[ModelMessage]:
+    """`n` messages: a scripted first run (it loads capability `ops`), then second turns repeated."""
+    agent = DurableAgent('bench-store', make_model(), instructions=INSTRUCTIONS, capabilities=[make_capability()], engines=())
+    first = await agent.run(PROMPT)
+    history = first.all_messages()
+    second = await agent.run('And order A-2?', message_history=history)
+    turn = second.new_messages()
+    messages = list(history)
+    while len(messages) < n:
+        messages.extend(turn)
+    return messages[:n]
+
+
+async def fill(store: SQLConversationStore, conversation_id: str, messages: list[ModelMessage]) -> None:
+    revision = None
+    for start in range(0, len(messages), CHUNK):
+        result = await store.append(conversation_id, messages[start : start + CHUNK], expected_revision=revision)
+        revision = result.revision
+
+
+async def resume(store: SQLConversationStore, conversation_id: str) -> tuple[int, list[str]]:
+    stored = await store.read(conversation_id)
+    return len(stored.messages), loaded_capability_ids(stored.messages)
+
+
+def timed(fn: Any) -> float:
+    gc.collect()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--reps', type=int, default=15)
+    parser.add_argument('--url', help='store URL (default: SQLite in a temporary folder)')
+    parser.add_argument('--json', action='store_true', help='print the figures as JSON')
+    args = parser.parse_args()
+
+    loop = asyncio.new_event_loop()
+    with tempfile.TemporaryDirectory() as tmp:
+        url = args.url or f'sqlite:///{tmp}/conversations.db'
+        store = SQLConversationStore(url)
+        histories = {n: loop.run_until_complete(conversation(n)) for n in SIZES}
+        arrays = {n: ModelMessagesTypeAdapter.dump_json(histories[n]) for n in SIZES}
+        for n in SIZES:
+            loop.run_until_complete(fill(store, f'bench-{n}', histories[n]))
+            count, loaded = loop.run_until_complete(resume(store, f'bench-{n}'))
+            assert count == n and loaded == ['ops'], (count, loaded)
+        seconds: dict[str, dict[int, list[float]]] = {'store': {n: [] for n in SIZES}, 'baseline': {n: [] for n in SIZES}}
+        for _ in range(args.reps):
+            for n in SIZES:
+                seconds['store'][n].append(timed(lambda n=n: loop.run_until_complete(resume(store, f'bench-{n}'))))
+                seconds['baseline'][n].append(timed(lambda n=n: ModelMessagesTypeAdapter.validate_json(arrays[n])))
+        store.close()
+    loop.close()
+
+    med = {side: {n: statistics.median(v) for n, v in per.items()} for side, per in seconds.items()}
+    low = {side: {n: min(v) for n, v in per.items()} for side, per in seconds.items()}
+    small, large = SIZES
+    figures = {
+        'url': 'sqlite (temporary file)' if not args.url else args.url,
+        'reps': args.reps,
+        'json_megabytes': {n: round(len(arrays[n]) / 1e6, 2) for n in SIZES},
+        'resume_median_s': med['store'],
+        'resume_min_s': low['store'],
+        'baseline_median_s': med['baseline'],
+        'baseline_min_s': low['baseline'],
+        'growth_resume': med['store'][large] / med['store'][small],
+        'growth_baseline': med['baseline'][large] / med['baseline'][small],
+        'ratio_to_baseline': {n: med['store'][n] / med['baseline'][n] for n in SIZES},
+        'target_s': TARGET_SECONDS,
+        'target_met': med['store'][large] <= TARGET_SECONDS,
+    }
+    if args.json:
+        print(json.dumps(figures, indent=2))
+        return
+    print(f'store: {figures["url"]}, {args.reps} interleaved repetitions, median (min)')
+    print(f'{"messages":>9}  {"JSON":>8}  {"resume (read + loaded ids)":>28}  {"baseline (validate_json)":>26}  {"ratio":>6}')
+    for n in SIZES:
+        print(
+            f'{n:>9,}  {figures["json_megabytes"][n]:>6} MB  {med["store"][n]:>17.4f} s ({low["store"][n]:.4f})'
+            f'  {med["baseline"][n]:>15.4f} s ({low["baseline"][n]:.4f})  {figures["ratio_to_baseline"][n]:>5.2f}x'
+        )
+    print(
+        f'growth {large:,} / {small:,}: resume {figures["growth_resume"]:.2f}x, baseline {figures["growth_baseline"]:.2f}x '
+        f'(linear = {large // small}x)'
+    )
+    verdict = 'met' if figures['target_met'] else 'MISSED'
+    print(f'target <= {TARGET_SECONDS} s at {large:,} messages: {verdict} ({med["store"][large]:.4f} s)')
+
+
+if __name__ == '__main__':
+    main()

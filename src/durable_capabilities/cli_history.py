@@ -1,0 +1,178 @@
+"""`durcap history`: look at a stored conversation.
+
+Registered by `cli.py` as `app.add_typer(history_app, name='history')`.
+
+Exit codes: 0 shown; 2 unusable input (bad store URL, no store there, unknown conversation, a row that
+does not decode, a schema newer than this code), with one line on stderr and no traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from enum import Enum
+from typing import Annotated, Any, NoReturn
+
+import typer
+from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ModelResponse
+from pydantic_ai.usage import RequestUsage
+from pydantic_core import to_jsonable_python
+
+from .store import (
+    DEFAULT_URL,
+    SQLConversationStore,
+    StoredConversation,
+    StoreError,
+    WriteRecord,
+    loaded_capability_ids,
+    tools_called,
+)
+
+history_app = typer.Typer(
+    name='history',
+    help='Look at conversations in the conversation store.',
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+_TEXT_WIDTH = 100
+
+
+class HistoryFormat(str, Enum):
+    text = 'text'
+    json = 'json'
+
+
+@history_app.callback()
+def _history() -> None:
+    """Look at conversations in the conversation store."""
+
+
+@history_app.command('show')
+def show(
+    conversation_id: Annotated[str, typer.Argument(metavar='ID', help='The conversation id.')],
+    store: Annotated[
+        str,
+        typer.Option(
+            '--store', envvar='DURCAP_STORE', help=f'Store URL: sqlite:///path.db or postgresql://... (default {DEFAULT_URL}).'
+        ),
+    ] = DEFAULT_URL,
+    format: Annotated[HistoryFormat, typer.Option('--format', help='text or json.')] = HistoryFormat.text,
+) -> None:
+    """Show a conversation: its messages, the capabilities its history loaded, the tools called, the usage and the writes."""
+    try:
+        stored, writes = asyncio.run(_read(store, conversation_id))
+    except StoreError as exc:
+        _unusable(str(exc))
+    summary = summarize(stored, writes)
+    if format is HistoryFormat.json:
+        typer.echo(json.dumps(summary, indent=2))
+    else:
+        typer.echo(_text(summary, stored.messages))
+
+
+async def _read(url: str, conversation_id: str) -> tuple[StoredConversation, list[WriteRecord]]:
+    with SQLConversationStore(url, create=False) as store:
+        stored = await store.read(conversation_id)
+        writes = await store.writes(conversation_id)
+    return stored, writes
+
+
+def summarize(stored: StoredConversation, writes: list[WriteRecord]) -> dict[str, Any]:
+    """What `show --format json` prints.
+
+    Returns:
+        `{conversation_id, revision, message_count, scope, updated_at, loaded_capabilities (ids in load
+        order), tools_called ({name: calls}), usage (summed over the model responses, `requests` = number
+        of responses), stored_usage (the record's running total, tool calls included), writes (the write
+        log), messages (pydantic-ai message JSON)}`.
+    """
+    usage = RequestUsage()
+    responses = 0
+    for message in stored.messages:
+        if isinstance(message, ModelResponse):
+            usage = usage + message.usage
+            responses += 1
+    return {
+        'conversation_id': stored.conversation_id,
+        'revision': stored.revision,
+        'message_count': stored.message_count,
+        'scope': stored.record.scope,
+        'updated_at': stored.record.updated_at.isoformat(),
+        'loaded_capabilities': loaded_capability_ids(stored.messages),
+        'tools_called': tools_called(stored.messages),
+        'usage': {'requests': responses, **_nonzero(to_jsonable_python(usage))},
+        'stored_usage': _nonzero(to_jsonable_python(stored.record.usage)),
+        'writes': [
+            {
+                'revision': w.revision,
+                'operation': w.operation,
+                'append_id': w.append_id,
+                'first_position': w.first_position,
+                'messages': len(w.entry_ids),
+                'written_at': w.written_at.isoformat(),
+                'writer': w.writer,
+            }
+            for w in writes
+        ],
+        'messages': ModelMessagesTypeAdapter.dump_python(stored.messages, mode='json'),
+    }
+
+
+def _nonzero(usage: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in usage.items() if v not in (0, 0.0, None, {}, [])}
+
+
+def _text(summary: dict[str, Any], messages: list[ModelMessage]) -> str:
+    usage = ', '.join(f'{k.replace("_", " ")} {v}' for k, v in summary['usage'].items())
+    tools = ', '.join(f'{name} x{count}' for name, count in summary['tools_called'].items()) or 'none'
+    lines = [
+        f'conversation {summary["conversation_id"]}: revision {summary["revision"]}, {summary["message_count"]} messages, '
+        f'updated {summary["updated_at"]}' + (f', scope {summary["scope"]}' if summary['scope'] else ''),
+        f'loaded capabilities: {", ".join(summary["loaded_capabilities"]) or "none"}',
+        f'tools called: {tools}',
+        f'usage (summed over responses): {usage}',
+        'writes:',
+    ]
+    for w in summary['writes']:
+        span = (
+            f'messages {w["first_position"]}-{w["first_position"] + w["messages"] - 1}' if w['messages'] else 'no messages'
+        )
+        key = f' append_id {w["append_id"]}' if w['append_id'] else ''
+        lines.append(f'  r{w["revision"]} {w["operation"]}{key}: {span} at {w["written_at"]}')
+    lines.append('messages:')
+    first = summary['message_count'] - len(messages) + 1
+    for position, message in enumerate(messages, start=first):
+        for index, part in enumerate(message.parts):
+            head = f'{position:>5} {message.kind:<8}' if index == 0 else ' ' * 14
+            lines.append(f'{head} {_clip(_describe(part))}')
+    return '\n'.join(lines)
+
+
+def _describe(part: Any) -> str:
+    kind = getattr(part, 'part_kind', type(part).__name__)
+    tool = getattr(part, 'tool_name', None)
+    if kind == 'tool-call':
+        return f'tool-call {tool}({json.dumps(part.args_as_dict(), default=str)})'
+    if kind == 'tool-return':
+        return f'tool-return {tool}: {_flat(part.model_response_str())}'
+    content = getattr(part, 'content', None)
+    if isinstance(content, str):
+        return f'{kind}: {_flat(content)}'
+    if kind == 'tool-availability-delta':
+        return f'{kind}: +{", +".join(part.tools_added)}'
+    return kind
+
+
+def _flat(text: str) -> str:
+    return ' '.join(text.split())
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _TEXT_WIDTH else text[: _TEXT_WIDTH - 3] + '...'
+
+
+def _unusable(message: str) -> NoReturn:
+    typer.echo(f'error: {_flat(message)}', err=True)
+    raise typer.Exit(2)
