@@ -46,6 +46,10 @@ class DurableAgent(Generic[DepsT, OutputT]):
             old names still recover (see docs/concepts/lockfile.md).
         previous_names: Earlier names of this agent, newest first. Durable units keep the first one's
             names and the workflow / flow is also registered under each, so runs in flight recover.
+        conversation_store: Store URL for runs given a `conversation_id` (default: `$DURCAP_STORE`,
+            else SQLite at `.durcap/conversations.db`, resolved where the durable unit runs).
+        drift: `'error'` (refuse to resume a conversation whose history loaded a capability or called a
+            tool this definition no longer has: DC018 / DC019) or `'warning'` (resume and log it).
         agent_kwargs: Any other `pydantic_ai.Agent` keyword argument (`retries`, `model_settings`, ...).
 
     Raises:
@@ -66,6 +70,8 @@ class DurableAgent(Generic[DepsT, OutputT]):
         engine_options: dict[str, dict[str, Any]] | None = None,
         aliases: dict[str, str] | None = None,
         previous_names: Sequence[str] = (),
+        conversation_store: str | None = None,
+        drift: str = 'error',
         **agent_kwargs: Any,
     ) -> None:
         self.name = name
@@ -79,6 +85,10 @@ class DurableAgent(Generic[DepsT, OutputT]):
         self.engine_options = {k: dict(v) for k, v in (engine_options or {}).items()}
         self.aliases = dict(aliases or {})
         self.previous_names = list(previous_names)
+        self.conversation_store = conversation_store
+        if drift not in ('error', 'warning'):
+            raise ValueError(f"drift must be 'error' or 'warning', not {drift!r}")
+        self.drift = drift
         self._invalid_skills = [c for c in capabilities if isinstance(c, InvalidSkill)]
         self.user_capabilities = [c for c in capabilities if not isinstance(c, InvalidSkill)]
         self._stabilized = stabilize(self.user_capabilities, self.aliases)
@@ -158,7 +168,13 @@ class DurableAgent(Generic[DepsT, OutputT]):
         capabilities: list[Any] = list(self._stabilized.capabilities)
         if self.aliases:
             capabilities.append(CapabilityAliases(aliases=self.aliases))
-        if durability_cls is not None:
+        if durability_cls is None:
+            from .engines import _mcp
+
+            # No engine: deferred MCP servers still must not be listed before they are loaded.
+            if (guard := _mcp.guard(self, 'local', lambda leaf: None)) is not None:
+                capabilities.append(guard)
+        else:
             kwargs, extra = spec.parts(self, self.engine_options.get(engine, {}))
             kwargs.setdefault('name', self.durable_name)
             capabilities.extend(extra)
@@ -209,18 +225,41 @@ class DurableAgent(Generic[DepsT, OutputT]):
         *,
         deps: Any = None,
         message_history: Any = None,
+        conversation_id: str | None = None,
         capabilities: Sequence[Any] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Run in-process on the local engine (no durability); returns upstream's `AgentRunResult`.
 
+        With `conversation_id`, the stored history is loaded first (and checked for drift) and the new
+        messages are appended after the run; `message_history` is then ignored.
+
         Raises:
-            DurableConfigError: capabilities passed per run (DC012).
+            DurableConfigError: capabilities passed per run (DC012); drift in the stored history (DC018/DC019).
+            ConversationConflictError: another run appended to the conversation meanwhile.
         """
+        import uuid
+
+        from pydantic_ai.messages import ModelMessagesTypeAdapter
+        from pydantic_core import to_jsonable_python
+
+        from .conversations import append_conversation, load_conversation
+
         self.check_run_capabilities(capabilities)
-        return await self.build('local').run(
+        revision = None
+        if conversation_id is not None:
+            loaded = await load_conversation(self, conversation_id)
+            message_history = ModelMessagesTypeAdapter.validate_python(loaded.messages) or None
+            revision = loaded.revision
+        result = await self.build('local').run(
             prompt, deps=deps, message_history=rewrite_history(message_history, self.aliases), **kwargs
         )
+        if conversation_id is not None:
+            await append_conversation(
+                self, conversation_id, ModelMessagesTypeAdapter.dump_python(result.new_messages(), mode='json'),
+                expected_revision=revision, append_id=f'local:{uuid.uuid4()}', usage=to_jsonable_python(result.usage),
+            )
+        return result
 
     # ---- validation -------------------------------------------------------------------------
 

@@ -320,18 +320,18 @@ def _temporal_address(address: str | None) -> str | None:
 
 async def _run_on(
     agent: DurableAgent[Any, Any], prompt: str, engine: str, deps: Any, *, address: str | None, task_queue: str,
-    db: str | None, inline_worker: bool,
+    db: str | None, inline_worker: bool, conversation_id: str | None = None,
 ) -> Any:
     from . import runner
 
     if engine == 'local':
-        return await runner.run_local(agent, prompt, deps=deps)
+        return await runner.run_local(agent, prompt, deps=deps, conversation_id=conversation_id)
     if engine == 'dbos':
-        return await runner.run_dbos(agent, prompt, deps=deps, system_database_url=db)
+        return await runner.run_dbos(agent, prompt, deps=deps, system_database_url=db, conversation_id=conversation_id)
     if engine == 'prefect':
         # Without PREFECT_API_URL, Prefect starts a temporary local server; keep it from phoning home.
         os.environ.setdefault('PREFECT_SERVER_ANALYTICS_ENABLED', 'false')
-        return await runner.run_prefect(agent, prompt, deps=deps)
+        return await runner.run_prefect(agent, prompt, deps=deps, conversation_id=conversation_id)
     from ._servers import start_temporal_dev_server
 
     server = None
@@ -341,7 +341,8 @@ async def _run_on(
         address, inline_worker = server.address, True
     try:
         return await runner.run_temporal(
-            agent, prompt, address=address, task_queue=task_queue, deps=deps, inline_worker=inline_worker
+            agent, prompt, address=address, task_queue=task_queue, deps=deps, inline_worker=inline_worker,
+            conversation_id=conversation_id,
         )
     finally:
         if server is not None:
@@ -371,13 +372,29 @@ def run(
     task_queue: Annotated[str, typer.Option(help='Temporal task queue.')] = 'durcap',
     inline_worker: Annotated[bool, typer.Option(help='Serve the Temporal task queue from this process for the run.')] = False,
     db: Annotated[str | None, typer.Option(help='DBOS system database URL (default: SQLite .durcap/dbos.sqlite).')] = None,
+    conversation: Annotated[str | None, typer.Option('--conversation', help='Conversation id: resume its stored history '
+                                                     'and append this run to it (any engine).')] = None,
+    store: Annotated[str | None, typer.Option('--store', help='Conversation store URL (default: $DURCAP_STORE or '
+                                              'sqlite:///.durcap/conversations.db).')] = None,
 ) -> None:
     """Run TARGET once on ENGINE and print the answer, loaded capabilities and durable units."""
     import asyncio
 
+    from .store import StoreError
+
     agent = _one_agent(target)
-    report = asyncio.run(_run_on(agent, prompt, engine.value, _deps(agent, deps_json), address=_temporal_address(address),
-                                 task_queue=task_queue, db=db, inline_worker=inline_worker))
+    if store:
+        os.environ['DURCAP_STORE'] = store  # read where the store I/O runs (this process, or an inline worker)
+    try:
+        report = asyncio.run(_run_on(
+            agent, prompt, engine.value, _deps(agent, deps_json), address=_temporal_address(address),
+            task_queue=task_queue, db=db, inline_worker=inline_worker, conversation_id=conversation,
+        ))
+    except DurableConfigError as exc:
+        _print_text(exc.report, exc.subject)
+        raise typer.Exit(1) from None
+    except StoreError as exc:
+        _unusable(str(exc).splitlines()[0])
     _print_run(report)
 
 

@@ -58,8 +58,11 @@ class RunReport:
         return loaded
 
 
-async def run_local(agent: DurableAgent[Any, Any], prompt: str, *, deps: Any = None, message_history: Any = None) -> RunReport:
-    result = await agent.run(prompt, deps=deps, message_history=message_history)
+async def run_local(
+    agent: DurableAgent[Any, Any], prompt: str, *, deps: Any = None, message_history: Any = None,
+    conversation_id: str | None = None,
+) -> RunReport:
+    result = await agent.run(prompt, deps=deps, message_history=message_history, conversation_id=conversation_id)
     return RunReport('local', None, result.output, result.new_messages(), result.usage)
 
 
@@ -73,6 +76,7 @@ async def run_temporal(
     message_history: Any = None,
     inline_worker: bool = False,
     workflow_id: str | None = None,
+    conversation_id: str | None = None,
 ) -> RunReport:
     from contextlib import AsyncExitStack
 
@@ -86,7 +90,8 @@ async def run_temporal(
         if inline_worker:
             await stack.enter_async_context(temporal.make_worker(client, [agent], task_queue))
         handle = await temporal.start_run(
-            client, agent, prompt, task_queue=task_queue, workflow_id=workflow_id, deps=deps, message_history=message_history
+            client, agent, prompt, task_queue=task_queue, workflow_id=workflow_id, deps=deps,
+            message_history=message_history, conversation_id=conversation_id,
         )
         result = await handle.result()
         units = [
@@ -105,6 +110,7 @@ async def run_dbos(
     message_history: Any = None,
     system_database_url: str | None = None,
     workflow_id: str | None = None,
+    conversation_id: str | None = None,
 ) -> RunReport:
     from dbos import DBOS, SetWorkflowID
 
@@ -116,7 +122,7 @@ async def run_dbos(
         workflow_id = workflow_id or f'{agent.name}-{uuid.uuid4()}'
         history = ModelMessagesTypeAdapter.dump_python(message_history, mode='json') if message_history else None
         with SetWorkflowID(workflow_id):
-            payload = await workflow(prompt, to_jsonable_python(deps) if deps is not None else None, history)
+            payload = await workflow(prompt, to_jsonable_python(deps) if deps is not None else None, history, conversation_id)
         steps = await DBOS.list_workflow_steps_async(workflow_id)
         units = [step['function_name'] for step in steps]
     finally:
@@ -156,14 +162,17 @@ async def _settled_task_runs(flow_run_id: Any, model_requests: int, timeout: flo
             await asyncio.sleep(0.2)
 
 
-async def run_prefect(agent: DurableAgent[Any, Any], prompt: str, *, deps: Any = None, message_history: Any = None) -> RunReport:
+async def run_prefect(
+    agent: DurableAgent[Any, Any], prompt: str, *, deps: Any = None, message_history: Any = None,
+    conversation_id: str | None = None,
+) -> RunReport:
     from .engines import prefect as prefect_engine
 
     flow = prefect_engine.agent_flow(agent)
     history = ModelMessagesTypeAdapter.dump_python(message_history, mode='json') if message_history else None
     state = await flow(
         prompt=prompt, deps=to_jsonable_python(deps) if deps is not None else None, message_history=history,
-        return_state=True,
+        conversation_id=conversation_id, return_state=True,
     )
     payload = await state.result()
     flow_run_id = state.state_details.flow_run_id

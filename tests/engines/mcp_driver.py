@@ -5,12 +5,14 @@ One process runs one agent run on one engine and prints one `REPORT {json}` line
   awaited for at most `--wait` seconds. On timeout the report holds what Temporal was doing (pending
   activity attempts, failed workflow tasks) and the workflow is terminated.
 - `dbos --db URL`: DBOS on that system database; the workflow is awaited for at most `--wait` seconds.
+  Every finished history is replayed against the definition (`report['replay']`: `'ok'` or the
+  nondeterminism found); `--dump-history FILE` saves it, `--replay-history FILE` only replays one.
 - `prefect` (against `$PREFECT_API_URL`): the agent's flow runs in this process.
 
 The agent (built here from environment variables, so every test gets its own name and servers):
 - `DURCAP_MCP_AGENT`: agent name;
 - `DURCAP_MCP_SERVERS`: JSON `{capability id: url}`; each becomes `MCP(url=..., id=..., defer_loading=True)`
-  (`"<no id>"`-prefixed keys build `MCP(url=...)` without an id);
+  (`"+id"` builds an always-on `MCP(url=..., id='id')`, `"<no id>"`-prefixed keys `MCP(url=...)` without an id);
 - `DURCAP_MCP_PLAN`: JSON list of model actions, one per model response: `{"load": "<capability id>"}`
   or `{"call": "<tool>", "args": {...}}`; after the last action the model answers
   `done: <tool return contents>`;
@@ -73,10 +75,24 @@ def build_agent() -> DurableAgent[Any, Any]:
     capabilities = [
         MCP(url=url)
         if cap_id.startswith(NO_ID)
+        else MCP(url=url, id=cap_id[1:])
+        if cap_id.startswith('+')
         else MCP(url=url, id=cap_id, defer_loading=True, description=f'Use {cap_id} to add numbers.')
         for cap_id, url in servers.items()
     ]
-    return DurableAgent(os.environ['DURCAP_MCP_AGENT'], FunctionModel(script), capabilities=capabilities)
+    options = {}
+    if os.environ.get('DURCAP_MCP_UPSTREAM'):
+        # Upstream's MCP handling, to show the gap the guard closes: no guard, no retry bounds.
+        options = {engine: {'mcp_guard': False} for engine in ('temporal', 'dbos', 'prefect')}
+    return DurableAgent(
+        os.environ['DURCAP_MCP_AGENT'], FunctionModel(script), capabilities=capabilities, engine_options=options
+    )
+
+
+def leaks(texts: list[str]) -> list[str]:
+    """Which of `DURCAP_MCP_SECRETS` (JSON list) appear in what the engine recorded."""
+    needles = json.loads(os.environ.get('DURCAP_MCP_SECRETS', '[]'))
+    return sorted({needle for needle in needles for text in texts if needle in text})
 
 
 def error_chain(error: BaseException) -> list[dict[str, str]]:
@@ -91,12 +107,31 @@ def error_chain(error: BaseException) -> list[dict[str, str]]:
     return chain
 
 
-async def temporal_run(args: argparse.Namespace, agent: DurableAgent[Any, Any]) -> dict[str, Any]:
-    from temporalio.api.enums.v1 import EventType
-    from temporalio.client import WorkflowFailureError
+async def temporal_replay(agent: DurableAgent[Any, Any], history: Any) -> str:
+    """Replay `history` against the current definition: `'ok'`, or the nondeterminism Temporal found."""
+    from pydantic_ai.durable_exec.temporal import PydanticAIPlugin
+    from temporalio.worker import Replayer
 
     from durable_capabilities.engines import temporal
 
+    replayer = Replayer(
+        workflows=[temporal.workflow_class(agent)], plugins=[PydanticAIPlugin()], workflow_runner=temporal.sandbox_runner()
+    )
+    result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
+    failure = result.replay_failure
+    return 'ok' if failure is None else f'{type(failure).__name__}: {failure}'
+
+
+async def temporal_run(args: argparse.Namespace, agent: DurableAgent[Any, Any]) -> dict[str, Any]:
+    from temporalio.api.enums.v1 import EventType
+    from temporalio.client import WorkflowFailureError, WorkflowHistory
+
+    from durable_capabilities.engines import temporal
+
+    if args.replay_history:
+        data = json.loads(Path(args.replay_history).read_text())
+        history = WorkflowHistory.from_json(data['workflow_id'], data['history'])
+        return {'status': 'replayed', 'replay': await temporal_replay(agent, history)}
     client = await temporal.connect(args.address)
     queue = f'mcp-{uuid.uuid4().hex[:8]}'
     report: dict[str, Any] = {}
@@ -120,12 +155,27 @@ async def temporal_run(args: argparse.Namespace, agent: DurableAgent[Any, Any]) 
             await handle.terminate('mcp test: gave up waiting')
         units: list[str] = []
         task_failures: list[str] = []
+        recorded: list[str] = []
+        scheduled: dict[int, str] = {}
+        attempts: dict[str, int] = {}
         async for event in handle.fetch_history_events():
+            recorded.append(str(event))
             if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
                 units.append(event.activity_task_scheduled_event_attributes.activity_type.name)
+                scheduled[event.event_id] = units[-1]
+            elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:
+                started = event.activity_task_started_event_attributes
+                name = scheduled.get(started.scheduled_event_id, '?')
+                attempts[name] = max(attempts.get(name, 0), started.attempt)
             elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED:
                 task_failures.append(event.workflow_task_failed_event_attributes.failure.message)
-        report |= {'units': units, 'workflow_task_failures': task_failures}
+        report |= {'units': units, 'workflow_task_failures': task_failures, 'leaked': leaks(recorded),
+                   'attempts': attempts}
+        if report['status'] != 'timeout':
+            history = await handle.fetch_history()
+            report['replay'] = await temporal_replay(agent, history)
+            if args.dump_history:
+                Path(args.dump_history).write_text(json.dumps({'workflow_id': handle.id, 'history': history.to_json_dict()}))
     return report
 
 
@@ -152,6 +202,8 @@ async def dbos_run(args: argparse.Namespace, agent: DurableAgent[Any, Any]) -> d
         steps = await DBOS.list_workflow_steps_async(workflow_id)
         report['units'] = [s['function_name'] for s in steps]
         report['step_errors'] = [str(s['error']) for s in steps if s.get('error') is not None]
+        status = await DBOS.get_workflow_status_async(workflow_id)
+        report['leaked'] = leaks([repr(steps), repr(status)])
     finally:
         DBOS.destroy()
     return report
@@ -185,6 +237,7 @@ async def prefect_run(args: argparse.Namespace, agent: DurableAgent[Any, Any]) -
                 except Exception as error:  # noqa: BLE001 - reported to the test
                     report |= {'status': 'failed', 'errors': error_chain(error)}
         # Prefect records task runs through its event stream, so they reach the API shortly after the flow ends.
+        flow_run_state = (await client.read_flow_run(flow_run.id)).state
         task_runs: list[Any] = []
         previous = None
         for _ in range(60):
@@ -198,6 +251,7 @@ async def prefect_run(args: argparse.Namespace, agent: DurableAgent[Any, Any]) -
     report['units'] = [t.name.rsplit('-', 1)[0] for t in ordered]
     report['task_states'] = [f'{t.name}: {t.state.type.value if t.state else None}' for t in ordered]
     report['task_run_count'] = {t.name: t.run_count for t in ordered}
+    report['leaked'] = leaks([f'{t.state!r} {t.state.message if t.state else ""}' for t in ordered] + [repr(flow_run_state)])
     return report
 
 
@@ -207,6 +261,8 @@ def main() -> None:
     parser.add_argument('--address')
     parser.add_argument('--db')
     parser.add_argument('--wait', type=float, default=60.0)
+    parser.add_argument('--dump-history', help='temporal: write the finished workflow history (JSON) here')
+    parser.add_argument('--replay-history', help='temporal: only replay this history against the current definition')
     args = parser.parse_args()
     started = time.monotonic()
     try:
@@ -228,7 +284,13 @@ def main() -> None:
     except Exception as error:  # noqa: BLE001 - the driver itself failed: say how
         report = {'status': 'driver-error', 'errors': error_chain(error), 'traceback': traceback.format_exc()}
     report['elapsed'] = time.monotonic() - started
+    report['agent'] = agent.name
     emit(report)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Every engine resource was released above (worker stopped, DBOS destroyed, Prefect client closed);
+    # skip interpreter teardown, where Prefect's background threads occasionally abort the process.
+    os._exit(0)
 
 
 if __name__ == '__main__':

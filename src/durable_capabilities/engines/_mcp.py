@@ -23,14 +23,20 @@ MCP leaf of the agent (the durable wrapper upstream put around it, or the bare `
 The retry bounds themselves are engine configuration (see `temporal_activity_config`,
 `dbos_step_config`, `prefect_task_config`), merged in each engine's `durability_parts`.
 
-Tool visibility is unchanged: upstream treats a loaded deferred capability's own tools as revealed
-by the load itself (`RunContext.is_tool_available`), so listing them from the step after the load
-shows the model the same tools as before (the load return no longer lists their names, because
-they were not listed when the load ran).
+What the model sees is unchanged: upstream treats a loaded deferred capability's own tools as
+revealed by the load itself (`RunContext.is_tool_available`), so listing them from the step after
+the load shows the model the same tools on the same request as before. The history differs in one
+detail: the `load_capability` return carries no `ToolAvailabilityDeltaPart` (nothing was listed when
+the load ran); upstream records the newcomers with its ordinary mid-run delta on the next request
+instead (`tests/test_upstream_mcp_contract.py` pins the visibility).
+
+Temporal histories recorded before the guard existed keep upstream's schedule on replay (a
+`workflow.patched(TEMPORAL_PATCH_ID)` check), so in-flight workflows survive the upgrade.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import re
@@ -204,6 +210,7 @@ class _EntryState:
     """Whether this run entered the wrapped toolset (shared by the copies `for_run_step` makes)."""
 
     entered: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # tools and instructions may be resolved concurrently
 
 
 class GuardedMCPToolset(WrapperToolset[Any]):
@@ -255,10 +262,11 @@ class GuardedMCPToolset(WrapperToolset[Any]):
         return self.leaf.capability_id in ctx.active_capability_ids
 
     async def _enter(self) -> None:
-        if not self._state.entered:
-            with self._errors('connect'):
-                await self.wrapped.__aenter__()
-            self._state.entered = True
+        async with self._state.lock:
+            if not self._state.entered:
+                with self._errors('connect'):
+                    await self.wrapped.__aenter__()
+                self._state.entered = True
 
     async def __aenter__(self) -> GuardedMCPToolset:
         if not self.leaf.gated:
@@ -481,7 +489,7 @@ def temporal_defaults(agent: DurableAgent[Any, Any], options: dict[str, Any], co
 
 def dbos_defaults(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> list[Any]:
     """Set `options['mcp_step_config']` to bounded retries unless the user gave one; return the guard."""
-    if options.pop(GUARD_OPTION, True) is False:
+    if options.pop(GUARD_OPTION, True) is False or not mcp_leaves(agent):
         return []
     config = options.setdefault('mcp_step_config', dbos_step_config())
     tries = (config.get('max_attempts') or DEFAULT_MCP_ATTEMPTS) if config.get('retries_allowed') else 1
@@ -491,7 +499,7 @@ def dbos_defaults(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> lis
 
 def prefect_defaults(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> list[Any]:
     """Add bounded retries to `options['mcp_task_config']` where the user set none; return the guard."""
-    if options.pop(GUARD_OPTION, True) is False:
+    if options.pop(GUARD_OPTION, True) is False or not mcp_leaves(agent):
         return []
     config = dict(options.get('mcp_task_config') or {})
     for key, value in prefect_task_config().items():

@@ -227,36 +227,61 @@ def agent_workflow(agent: DurableAgent[Any, Any]) -> Callable[..., Awaitable[dic
     """A DBOS workflow named `durcap.{agent name}` that runs `agent` once (registered on first call).
 
     Call before `DBOS.launch()`. Arguments: `prompt: str | None`, `deps: dict | None` (validated into
-    `deps_type`), `message_history: list[dict] | None` (pydantic-ai message JSON). Returns
+    `deps_type`), `message_history: list[dict] | None` (pydantic-ai message JSON), `conversation_id`
+    (load the stored history in step `durcap__{name}__conversation.load`, append the new messages in
+    step `...append`, idempotent by workflow id). Returns
     `{'output', 'new_messages', 'usage'}` as JSON-compatible data.
     """
     existing = _WORKFLOWS.get(agent.name)
     if existing is not None:
         return existing
+    import functools
+
     from pydantic import TypeAdapter
     from pydantic_ai.messages import ModelMessagesTypeAdapter
     from pydantic_core import to_jsonable_python
 
+    from ..conversations import append_conversation, load_conversation
+
     bound = BoundAgent(agent)
     deps_adapter: TypeAdapter[Any] = TypeAdapter(agent.deps_type)
 
-    async def run_agent(prompt: str | None, deps: Any = None, message_history: Any = None) -> dict[str, Any]:
+    step_prefix = f'durcap__{agent.durable_name}__conversation'
+
+    async def run_agent(
+        prompt: str | None, deps: Any = None, message_history: Any = None, conversation_id: str | None = None
+    ) -> dict[str, Any]:
+        revision = None
+        if conversation_id is not None:
+            # Store I/O runs as steps: recovery returns the recorded history instead of reading again.
+            loaded = await DBOS.run_step_async(
+                {'name': f'{step_prefix}.load'}, load_conversation, agent, conversation_id
+            )
+            message_history, revision = loaded.messages or None, loaded.revision
         history = ModelMessagesTypeAdapter.validate_python(message_history) if message_history else None
         history = rewrite_history(history, agent.aliases)
         result = await bound.run(
             prompt, deps=deps_adapter.validate_python(deps) if deps is not None else None, message_history=history
         )
-        return {
-            'output': to_jsonable_python(result.output),
-            'new_messages': ModelMessagesTypeAdapter.dump_python(result.new_messages(), mode='json'),
-            'usage': to_jsonable_python(result.usage),
-        }
+        new_messages = ModelMessagesTypeAdapter.dump_python(result.new_messages(), mode='json')
+        usage = to_jsonable_python(result.usage)
+        if conversation_id is not None:
+            await DBOS.run_step_async(
+                {'name': f'{step_prefix}.append', 'retries_allowed': True, 'max_attempts': 3},
+                functools.partial(
+                    append_conversation, agent, conversation_id, new_messages, expected_revision=revision,
+                    append_id=f'dbos:{DBOS.workflow_id}', usage=usage,
+                ),
+            )
+        return {'output': to_jsonable_python(result.output), 'new_messages': new_messages, 'usage': usage}
 
     registered = DBOS.workflow(name=f'durcap.{agent.name}')(run_agent)
     for previous in agent.previous_names:
         # Workflows recorded under an earlier agent name recover through the same body.
-        async def run_previous(prompt: str | None, deps: Any = None, message_history: Any = None) -> dict[str, Any]:
-            return await run_agent(prompt, deps, message_history)
+        async def run_previous(
+            prompt: str | None, deps: Any = None, message_history: Any = None, conversation_id: str | None = None
+        ) -> dict[str, Any]:
+            return await run_agent(prompt, deps, message_history, conversation_id)
 
         DBOS.workflow(name=f'durcap.{previous}')(run_previous)
     _WORKFLOWS[agent.name] = registered

@@ -126,30 +126,66 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
     built = agent.build('prefect')
     deps_adapter: TypeAdapter[Any] = TypeAdapter(agent.deps_type)
 
+    load_task, append_task = _conversation_tasks(agent)
+
     async def run_agent(
         prompt: str | None = None,
         deps: dict[str, Any] | None = None,
         message_history: list[dict[str, Any]] | None = None,
         conversation_id: str | None = None,
     ) -> dict[str, Any]:
+        from prefect.runtime import flow_run
         from pydantic_core import to_jsonable_python
 
+        revision = None
+        if conversation_id is not None:
+            loaded = await load_task(conversation_id)
+            message_history, revision = loaded.messages or None, loaded.revision
         history = ModelMessagesTypeAdapter.validate_python(message_history) if message_history else None
         history = rewrite_history(history, agent.aliases)
         result = await built.run(
             prompt, deps=deps_adapter.validate_python(deps) if deps is not None else None, message_history=history
         )
-        return {
-            'output': to_jsonable_python(result.output),
-            'new_messages': ModelMessagesTypeAdapter.dump_python(result.new_messages(), mode='json'),
-            'usage': to_jsonable_python(result.usage),
-        }
+        new_messages = ModelMessagesTypeAdapter.dump_python(result.new_messages(), mode='json')
+        usage = to_jsonable_python(result.usage)
+        if conversation_id is not None:
+            await append_task(conversation_id, new_messages, revision, f'prefect:{flow_run.id}', usage)
+        return {'output': to_jsonable_python(result.output), 'new_messages': new_messages, 'usage': usage}
 
     run_agent.__name__ = re.sub(r'\W', '_', f'run_{agent.name}')
     decorated = flow(name=flow_name(agent), persist_result=True)(run_agent)
     decorated.__durcap_agent__ = agent  # type: ignore[attr-defined]
     _FLOWS[agent.name] = decorated
     return decorated
+
+
+def _conversation_tasks(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
+    """Prefect tasks `Load Conversation` and `Append Conversation` (store I/O only runs in tasks).
+
+    Cached on their inputs and the flow run id, so a flow run resumed after a crash replays them
+    instead of reading or appending again; the append is also idempotent by its append id.
+    """
+    from prefect import task
+    from prefect.cache_policies import INPUTS, RUN_ID
+
+    from ..conversations import LoadedConversation, append_conversation, load_conversation
+
+    async def load(conversation_id: str) -> LoadedConversation:
+        return await load_conversation(agent, conversation_id)
+
+    async def append(
+        conversation_id: str, messages: list[dict[str, Any]], expected_revision: int | None, append_id: str,
+        usage: dict[str, Any] | None,
+    ) -> int:
+        return await append_conversation(
+            agent, conversation_id, messages, expected_revision=expected_revision, append_id=append_id, usage=usage
+        )
+
+    options: dict[str, Any] = {'cache_policy': INPUTS + RUN_ID, 'persist_result': True}
+    return (
+        task(name='Load Conversation', **options)(load),
+        task(name='Append Conversation', retries=2, retry_delay_seconds=1.0, **options)(append),
+    )
 
 
 def serve(

@@ -19,6 +19,7 @@ import re
 import signal
 import sys
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -27,12 +28,15 @@ from pydantic import TypeAdapter
 from pydantic_ai.durable_exec.temporal import PydanticAIPlugin, PydanticAIWorkflow
 from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
 from pydantic_ai.usage import RunUsage
-from temporalio import workflow
+from pydantic_core import to_jsonable_python
+from temporalio import activity, workflow
 from temporalio.client import Client
+from temporalio.common import RetryPolicy
 from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from ..aliases import rewrite_history
+from ..conversations import LoadedConversation
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
@@ -113,14 +117,33 @@ def workflow_class(agent: DurableAgent[Any, Any], registered_name: str | None = 
         raise ValueError(f'another DurableAgent named {agent_name!r} already has a Temporal workflow in this process')
     built = agent.build('temporal')
     deps_adapter: TypeAdapter[Any] = TypeAdapter(agent.deps_type)
+    load_name, append_name = conversation_activity_names(agent)
 
     async def run(self: Any, params: AgentRunInput) -> AgentRunOutput:
         deps = deps_adapter.validate_python(params.deps) if params.deps is not None else None
-        history = ModelMessagesTypeAdapter.validate_python(params.message_history) if params.message_history else None
-        result = await built.run(params.prompt, deps=deps, message_history=rewrite_history(history, agent.aliases))
-        return AgentRunOutput(
-            result.output, ModelMessagesTypeAdapter.dump_python(result.new_messages(), mode='json'), result.usage
-        )
+        history_json = params.message_history
+        revision: int | None = None
+        if params.conversation_id is not None:
+            loaded = await workflow.execute_activity(
+                load_name, params.conversation_id, result_type=LoadedConversation, **_STORE_ACTIVITY_OPTIONS
+            )
+            history_json, revision = loaded.messages or None, loaded.revision
+        history = ModelMessagesTypeAdapter.validate_python(history_json) if history_json else None
+        token = _current_run.set(_RunState(params, revision, len(history or [])))
+        try:
+            result = await built.run(params.prompt, deps=deps, message_history=rewrite_history(history, agent.aliases))
+        finally:
+            _current_run.reset(token)
+        new_messages = ModelMessagesTypeAdapter.dump_python(result.new_messages(), mode='json')
+        if params.conversation_id is not None:
+            info = workflow.info()
+            await workflow.execute_activity(
+                append_name,
+                AppendInput(params.conversation_id, new_messages, revision, f'{info.workflow_id}:{info.run_id}',
+                            to_jsonable_python(result.usage)),
+                result_type=int, **_STORE_ACTIVITY_OPTIONS,
+            )
+        return AgentRunOutput(result.output, new_messages, result.usage)
 
     # Temporal rejects run methods of local classes because it looks classes up by name; this one is
     # published under `name` in this module below, so give the method the qualified name it will have.
@@ -137,6 +160,98 @@ def workflow_class(agent: DurableAgent[Any, Any], registered_name: str | None = 
     return defined
 
 
+@dataclass
+class AppendInput:
+    """Input of the conversation-append activity (message JSON, see `AgentRunInput`)."""
+
+    conversation_id: str
+    messages: list[dict[str, Any]]
+    expected_revision: int | None
+    append_id: str
+    usage: dict[str, Any] | None = None
+
+
+@dataclass
+class _RunState:
+    """What the continue-as-new handler needs of the workflow run it is called in."""
+
+    params: AgentRunInput
+    revision: int | None
+    loaded_count: int
+
+
+_current_run: ContextVar[_RunState | None] = ContextVar('durcap_temporal_run', default=None)
+
+_STORE_ACTIVITY_OPTIONS: dict[str, Any] = {
+    'start_to_close_timeout': timedelta(seconds=60),
+    'retry_policy': RetryPolicy(
+        maximum_attempts=5,
+        non_retryable_error_types=['DurableConfigError', 'ConversationConflictError', 'CorruptedRowError',
+                                   'NewerHistoryError', 'SchemaVersionError', 'StoreURLError'],
+    ),
+}
+
+
+def conversation_activity_names(agent: DurableAgent[Any, Any]) -> tuple[str, str]:
+    """Activity type names of the conversation load and append: `agent__{name}__conversation_load` / `_append`."""
+    return f'agent__{agent.durable_name}__conversation_load', f'agent__{agent.durable_name}__conversation_append'
+
+
+_ACTIVITIES: dict[str, list[Any]] = {}
+
+
+def conversation_activities(agent: DurableAgent[Any, Any]) -> list[Any]:
+    """The activities that read and append the agent's conversations (store I/O runs only in activities)."""
+    if agent.durable_name in _ACTIVITIES:
+        return _ACTIVITIES[agent.durable_name]
+    from ..conversations import append_conversation, load_conversation
+
+    load_name, append_name = conversation_activity_names(agent)
+
+    @activity.defn(name=load_name)
+    async def load(conversation_id: str) -> LoadedConversation:
+        return await load_conversation(agent, conversation_id)
+
+    @activity.defn(name=append_name)
+    async def append(params: AppendInput) -> int:
+        return await append_conversation(
+            agent, params.conversation_id, params.messages, expected_revision=params.expected_revision,
+            append_id=params.append_id, usage=params.usage,
+        )
+
+    _ACTIVITIES[agent.durable_name] = [load, append]
+    return _ACTIVITIES[agent.durable_name]
+
+
+def continue_as_new_handler(agent: DurableAgent[Any, Any]) -> Any:
+    """Continue the workflow as new when Temporal suggests it (history near 51,200 events / 50 MB).
+
+    Called by upstream `TemporalDurability` before a model request. With a conversation id, the
+    messages so far are appended to the store (in an activity) and the new run starts from the
+    conversation id alone; without one, the history so far rides in the new run's input.
+    """
+
+    async def handler(ctx: Any) -> None:
+        state = _current_run.get()
+        if state is None:
+            return
+        params = state.params
+        messages = ModelMessagesTypeAdapter.dump_python(list(ctx.messages), mode='json')
+        if params.conversation_id is None:
+            workflow.continue_as_new(AgentRunInput(None, None, params.deps, messages))
+        info = workflow.info()
+        _, append_name = conversation_activity_names(agent)
+        await workflow.execute_activity(
+            append_name,
+            AppendInput(params.conversation_id, messages[state.loaded_count:], state.revision,
+                        f'{info.workflow_id}:{info.run_id}:continue-as-new', to_jsonable_python(ctx.usage)),
+            result_type=int, **_STORE_ACTIVITY_OPTIONS,
+        )
+        workflow.continue_as_new(AgentRunInput(None, params.conversation_id, params.deps, None))
+
+    return handler
+
+
 def workflow_classes(agent: DurableAgent[Any, Any]) -> list[type]:
     """The agent's workflow class plus one per previous name (see `DurableAgent(previous_names=...)`)."""
     return [workflow_class(agent), *(workflow_class(agent, previous) for previous in agent.previous_names)]
@@ -144,7 +259,7 @@ def workflow_classes(agent: DurableAgent[Any, Any]) -> list[type]:
 
 def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
     """`TemporalDurability(...)` keyword arguments: ours (a heartbeat timeout for every tool activity)
-    merged with `options` (the user's win, per toolset id), and no extra capability."""
+    merged with `options` (the user's win, per toolset id), and the MCP guard (`_mcp.py`) when there are MCP leaves."""
     options = dict(options)
     configs: dict[str, Any] = {
         leaf: {'heartbeat_timeout': DEFAULT_TOOL_HEARTBEAT_TIMEOUT, 'start_to_close_timeout': timedelta(seconds=60)}
@@ -156,6 +271,7 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     from . import _mcp  # MCP: bounded retry policy per MCP leaf, and the guard (see _mcp.py)
 
     extra = _mcp.temporal_defaults(agent, options, configs)
+    options.setdefault('continue_as_new', continue_as_new_handler(agent))
     return {'toolset_activity_config': configs, **options}, extra
 
 
@@ -186,10 +302,13 @@ def make_worker(client: Client, agents: Sequence[DurableAgent[Any, Any]], task_q
     """
     worker_kwargs.setdefault('sticky_queue_schedule_to_start_timeout', DEFAULT_STICKY_SCHEDULE_TO_START)
     worker_kwargs.setdefault('workflow_runner', sandbox_runner())
+    activities = [fn for agent in agents for fn in conversation_activities(agent)]
+    activities += worker_kwargs.pop('activities', [])
     return Worker(
         client,
         task_queue=task_queue,
         workflows=[cls for agent in agents for cls in workflow_classes(agent)],
+        activities=activities,
         **worker_kwargs,
     )
 
@@ -231,7 +350,6 @@ async def start_run(
     message_history: list[ModelMessage] | None = None,
 ) -> Any:
     """Start the agent's workflow; returns the `WorkflowHandle` (await `handle.result()` for `AgentRunOutput`)."""
-    from pydantic_core import to_jsonable_python
 
     params = AgentRunInput(
         prompt=prompt,
