@@ -53,7 +53,7 @@ def _temporal_names(agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
     durability = TemporalDurability.from_agent(agent.build('temporal'))
     assert durability is not None
     activities, child_workflows = worker_registrations(durability)
-    names = sorted(temporal_activity_name(fn) for fn in activities)
+    names = sorted([*(temporal_activity_name(fn) for fn in activities), *temporal.conversation_activity_names(agent)])
     workflows = [temporal.workflow_name(agent), *(f'{temporal.WORKFLOW_NAME_PREFIX}{n}' for n in agent.previous_names)]
     return {'workflows': sorted(workflows), 'activities': names}
 
@@ -84,13 +84,15 @@ def _journal_names(agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
         if kind == 'mcp':
             ids.append(ToolsetGetInstructionsId(toolset_id))
     workflows = [f'durcap.{agent.name}', *(f'durcap.{n}' for n in agent.previous_names)]
-    return {'workflows': sorted(workflows), 'steps': sorted({namer.operation_name(i) for i in ids})}
+    conversation = [f'durcap__{agent.durable_name}__conversation.load', f'durcap__{agent.durable_name}__conversation.append']
+    return {'workflows': sorted(workflows), 'steps': sorted({namer.operation_name(i) for i in ids} | set(conversation))}
 
 
 def _prefect_names(agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
     from .engines import prefect
 
-    tasks = {'Model Request'} | {f'Call Tool: {tool}' for tool in agent.static_tool_names()}
+    tasks = {'Model Request', 'Load Conversation', 'Append Conversation'}
+    tasks |= {f'Call Tool: {tool}' for tool in agent.static_tool_names()}
     for kind, toolset_id in _leaf_kinds(agent):
         if kind == 'mcp':
             tasks |= {f'Get MCP Tools: {toolset_id}', f'Get MCP Instructions: {toolset_id}', 'Call MCP Tool'}
