@@ -406,6 +406,9 @@ def demo(
     prompt: Annotated[str, typer.Option(help='The customer message.')] = 'Where is my order ABC-123? It should have arrived by now.',
     address: Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: start the embedded dev server).')] = None,
     db: Annotated[str | None, typer.Option(help='DBOS system database URL (default: SQLite .durcap/dbos.sqlite).')] = None,
+    task_queue: Annotated[str, typer.Option(help='Temporal task queue.')] = 'durcap-demo',
+    inline_worker: Annotated[bool, typer.Option(help='Serve the Temporal task queue from this process (off: use a '
+                                                     'running `durcap worker temporal`).')] = True,
 ) -> None:
     """Run the support example durably and show what deferral saved on the first request.
 
@@ -422,7 +425,7 @@ def demo(
     _out.print(f'[bold]support demo[/bold] on {engine.value}, model: {model or "scripted FunctionModel (no provider)"}')
     _out.print(f'customer: {prompt}')
     report = asyncio.run(_run_on(agent, prompt, engine.value, make_store(), address=_temporal_address(address),
-                                 task_queue='durcap-demo', db=db, inline_worker=True))
+                                 task_queue=task_queue, db=db, inline_worker=inline_worker))
     _print_run(report)
     first = asyncio.run(compare_first_request(agent, prompt, deps=make_store()))
     _out.print(
@@ -480,6 +483,12 @@ def worker_temporal(
         asyncio.run(serve())
     except (OSError, RuntimeError) as exc:
         _unusable(f'cannot serve {address}: {exc}')
+    _err.print('worker drained and stopped')
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # temporalio's core runtime can abort the interpreter while it shuts down (sdk-python#300);
+    # everything is drained and closed at this point, so leave without running finalizers.
+    os._exit(0)
 
 
 @dev_app.command('temporal')
@@ -529,7 +538,8 @@ def schedule_prefect(
     agent = _one_agent(target)
     deps = json.loads(deps_json) if deps_json else None
     _deps(agent, deps_json)  # validates
-    prefect.serve(agent, prompt=prompt, cron=cron, interval_seconds=interval, deps=deps, deployment_name=name)
+    prefect.serve(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval, deps=deps,
+                  deployment_name=name)
 
 
 def _lock_diff(lock: Path, agents: list[DurableAgent[Any, Any]]) -> Report:

@@ -19,7 +19,10 @@ from typing import TYPE_CHECKING, Any
 from prefect import flow
 from prefect.cache_policies import CachePolicy
 from pydantic import TypeAdapter
-from pydantic_ai.durable_exec.prefect import DEFAULT_PYDANTIC_AI_CACHE_POLICY, TaskConfig
+from pydantic_ai.durable_exec.prefect import (
+    DEFAULT_PYDANTIC_AI_CACHE_POLICY,
+    TaskConfig,
+)
 from pydantic_ai.messages import ModelMessagesTypeAdapter
 from pydantic_ai.tools import RunContext
 
@@ -100,7 +103,9 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     }
     for key, config in defaults.items():
         options[key] = TaskConfig(**{**config, **(options.get(key) or {})})  # type: ignore[typeddict-item]
-    from . import _mcp  # MCP: bounded `mcp_task_config` retries, and the guard (see _mcp.py)
+    from . import (
+        _mcp,  # MCP: bounded `mcp_task_config` retries, and the guard (see _mcp.py)
+    )
 
     return options, _mcp.prefect_defaults(agent, options)
 
@@ -168,7 +173,11 @@ def _conversation_tasks(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
     from prefect import task
     from prefect.cache_policies import INPUTS, RUN_ID
 
-    from ..conversations import LoadedConversation, append_conversation, load_conversation
+    from ..conversations import (
+        LoadedConversation,
+        append_conversation,
+        load_conversation,
+    )
 
     async def load(conversation_id: str) -> LoadedConversation:
         return await load_conversation(agent, conversation_id)
@@ -191,22 +200,39 @@ def _conversation_tasks(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
 def serve(
     agent: DurableAgent[Any, Any],
     *,
+    target: str,
     prompt: str,
     cron: str | None = None,
     interval_seconds: float | None = None,
     deps: dict[str, Any] | None = None,
     deployment_name: str | None = None,
 ) -> None:
-    """Serve the agent's flow with a schedule (Prefect `flow.serve`); blocks until interrupted.
+    """Serve the agent's flow as a scheduled deployment (Prefect `serve`); blocks until interrupted.
+
+    Args:
+        agent: The definition (already validated).
+        target: Where flow-run processes load it from (`pkg.module:attr` or `path/to/file.py:attr`):
+            Prefect starts each scheduled run in a new process from the deployment's entrypoint.
+        prompt: The prompt of every run. cron / interval_seconds: the schedule (exactly one).
+        deps: JSON deps of every run. deployment_name: default `<agent>-scheduled`.
 
     Raises:
         ValueError: neither or both of `cron` and `interval_seconds` given.
     """
+    import os
+
+    from prefect import serve as prefect_serve
+
+    from .prefect_entry import TARGET_ENV, entrypoint
+
     if (cron is None) == (interval_seconds is None):
         raise ValueError('give exactly one of cron or interval_seconds')
-    agent_flow(agent).serve(
+    os.environ[TARGET_ENV] = target  # inherited by the processes that run each flow run
+    deployment = agent_flow(agent).to_deployment(
         name=deployment_name or f'{agent.name}-scheduled',
         cron=cron,
         interval=interval_seconds,
         parameters={'prompt': prompt, 'deps': deps},
     )
+    deployment.entrypoint = entrypoint(agent.name)
+    prefect_serve(deployment, print_starting_message=False)

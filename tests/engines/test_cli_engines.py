@@ -1,0 +1,145 @@
+"""The entry points users know, run as real processes: `durcap worker temporal` (and its SIGTERM drain),
+`durcap run`, a DBOS user's decorated workflow, `durcap schedule prefect`, and `durcap demo`.
+
+Model: the scripted support `FunctionModel` (examples/support/scripted.py). Servers: the session's
+Temporal dev server and Prefect server; DBOS on SQLite. Every process is stopped by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, 'PYTHONPATH': str(ROOT)}
+DURCAP = [sys.executable, '-m', 'durable_capabilities.cli']
+
+
+def start(args: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.Popen[bytes]:
+    handle = open(log, 'wb')
+    proc = subprocess.Popen(args, cwd=cwd, env={**ENV, **(env or {})}, stdout=handle, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    handle.close()
+    return proc
+
+
+def wait_for(log: Path, needle: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if needle in log.read_text(errors='replace'):
+            return
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise AssertionError(f'{needle!r} not seen (exit {proc.poll()}):\n{log.read_text(errors="replace")[-3000:]}')
+
+
+def kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def test_worker_serves_runs_and_drains_on_sigterm(temporal_address: str, tmp_path: Path) -> None:
+    queue = f'cli-{uuid.uuid4().hex[:8]}'
+    worker = start([*DURCAP, 'worker', 'temporal', 'examples.support.agent:support', '--task-queue', queue,
+                    '--address', temporal_address], tmp_path / 'worker.log')
+    try:
+        wait_for(tmp_path / 'worker.log', 'worker ready', worker, 90)
+        run = subprocess.run(
+            [*DURCAP, 'run', 'examples.support.agent:support', 'Where is my order ABC-123?', '--engine', 'temporal',
+             '--address', temporal_address, '--task-queue', queue,
+             '--deps-json', json.dumps({'orders': {'ABC-123': 'Blue jacket: shipped'}})],
+            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120,
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert 'answer (temporal): Order ABC-123: Blue jacket: shipped' in run.stdout
+        assert 'agent__support__toolset__orders__call_tool' in run.stdout
+        os.killpg(worker.pid, signal.SIGTERM)
+        assert worker.wait(timeout=60) == 0, (tmp_path / 'worker.log').read_text()
+    finally:
+        kill(worker)
+
+
+def test_worker_refuses_to_start_on_errors(tmp_path: Path) -> None:
+    result = subprocess.run([*DURCAP, 'worker', 'temporal', 'tests/fixtures/bad_agent.py:bad'], cwd=ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert 'DC001' in result.stdout and 'Traceback' not in result.stderr
+
+
+def test_dbos_users_decorated_workflow_checkpoints_each_step(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, '-m', 'tests.engines.dbos_user_app', f'sqlite:///{tmp_path / "app.sqlite"}'],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.split('REPORT ', 1)[1].splitlines()[0])
+    name = report['name']
+    assert report['answer'].startswith('Revoked sessions for acct-42')
+    assert report['workflow'] == 'handle_ticket'
+    assert report['steps'] == [f'{name}__model.request', f'{name}__model.request',
+                               f'{name}__function_toolset__account-security.call_tool', f'{name}__model.request']
+
+
+def test_schedule_prefect_serves_a_deployment_whose_runs_complete(prefect_api_url: str, tmp_path: Path) -> None:
+    import httpx
+
+    deployment = f'support-every-5s-{uuid.uuid4().hex[:6]}'
+    env = {'PREFECT_API_URL': prefect_api_url, 'PREFECT_HOME': str(tmp_path / 'prefect-home')}
+    serve = start([*DURCAP, 'schedule', 'prefect', 'examples.support.agent:support', '--interval', '5',
+                   '--prompt', 'Where is my order ABC-123?', '--name', deployment,
+                   '--deps-json', json.dumps({'orders': {'ABC-123': 'jacket'}})], tmp_path / 'serve.log', env)
+
+    def completed_runs() -> list[dict]:
+        # Prefect's REST API directly: this test process's Prefect settings point elsewhere.
+        found = httpx.post(f'{prefect_api_url}/deployments/filter',
+                           json={'deployments': {'name': {'any_': [deployment]}}}, timeout=10).json()
+        if not found:
+            return []
+        runs = httpx.post(f'{prefect_api_url}/flow_runs/filter',
+                          json={'flow_runs': {'deployment_id': {'any_': [found[0]['id']]}}}, timeout=10).json()
+        return [r for r in runs if r['state_type'] == 'COMPLETED']
+
+    try:
+        deadline = time.monotonic() + 150
+        done: list[dict] = []
+        while time.monotonic() < deadline and not done:
+            assert serve.poll() is None, (tmp_path / 'serve.log').read_text()[-3000:]
+            done = completed_runs()
+            time.sleep(2)
+        assert done, (tmp_path / 'serve.log').read_text()[-3000:]
+        assert done[0]['parameters']['prompt'] == 'Where is my order ABC-123?'
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGTERM)
+            try:
+                serve.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                kill(serve)
+
+
+@pytest.mark.parametrize('engine', ['dbos', 'temporal'])
+def test_demo_runs_in_an_empty_folder_and_leaves_no_server(engine: str, tmp_path: Path) -> None:
+    """The main job: `durcap demo` with nothing started first (DBOS on SQLite; Temporal starts its own dev server)."""
+    result = subprocess.run([*DURCAP, 'demo', '--engine', engine], cwd=tmp_path, env={**ENV, 'DURCAP_TEMPORAL_ADDRESS': ''},
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert 'Order ABC-123: Blue denim jacket' in result.stdout
+    assert 'capabilities loaded: orders' in result.stdout
+    assert 'with deferred capabilities vs' in result.stdout
+    if engine == 'temporal':
+        assert 'agent__support__toolset__orders__call_tool' in result.stdout
+        leftover = subprocess.run(['pgrep', '-f', f'{tmp_path}'], capture_output=True, text=True).stdout.strip()
+        assert not leftover, f'processes left behind: {leftover}'
+    else:
+        assert 'support__function_toolset__orders.call_tool' in result.stdout
+        assert (tmp_path / '.durcap' / 'dbos.sqlite').exists()
