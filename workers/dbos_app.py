@@ -29,20 +29,19 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 if __name__ == '__main__':
     # Until this worker installs its own handler, SIGTERM ends it at once with status 0: nothing is
     # connected or written yet, and a SystemExit raised inside an import would be reported as a broken target.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
 
+from _common import DEFAULT_TARGET
+from _common import load_agents as _load_agents
 from dbos import DBOS
 
-from durable_capabilities import validate_together
-from durable_capabilities.cli import UnusableTarget, load_target
 from durable_capabilities.engines.dbos import agent_workflow, launch
-from durable_capabilities.validation import DurableConfigError
 
-DEFAULT_TARGET = 'examples.support.agent:support'
 APP_NAME = 'durcap'
 """The DBOS application name `durcap run --engine dbos` and `durcap demo` use too: one application."""
 
@@ -51,21 +50,8 @@ def log(message: str) -> None:
     print(f'dbos_app: {message}', file=sys.stderr, flush=True)
 
 
-def load_agents(target: str) -> list:
-    """The valid agents of `target`; exits 2 (unusable target) or 1 (definition errors) otherwise."""
-    try:
-        agents, _ = load_target(target)
-    except UnusableTarget as exc:
-        log(f'error: {exc}')
-        raise SystemExit(2) from None
-    except DurableConfigError as exc:
-        log(f'not started, {target} has errors:\n{exc}')
-        raise SystemExit(1) from None
-    report = validate_together(agents)
-    if not report.ok:
-        log(f'not started, {target} has errors:\n' + '\n'.join(f'  {p.code} {p.where}: {p.message}' for p in report.errors))
-        raise SystemExit(1)
-    return agents
+def load_agents(target: str) -> list[Any]:
+    return _load_agents(target, log)
 
 
 def main() -> None:

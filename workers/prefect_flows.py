@@ -41,13 +41,12 @@ if __name__ == '__main__':
     # connected or written yet, and a SystemExit raised inside an import would be reported as a broken target.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
 
-from durable_capabilities import validate_together
-from durable_capabilities.cli import UnusableTarget, load_target
+from _common import DEFAULT_TARGET
+from _common import load_agents as _load_agents
+
 from durable_capabilities.engines.prefect import agent_flow
 from durable_capabilities.engines.prefect_entry import TARGET_ENV, entrypoint
-from durable_capabilities.validation import DurableConfigError
 
-DEFAULT_TARGET = 'examples.support.agent:support'
 CONNECT_RETRY_SECONDS = 120.0
 
 
@@ -56,20 +55,7 @@ def log(message: str) -> None:
 
 
 def load_agents(target: str) -> list[Any]:
-    """The valid agents of `target`; exits 2 (unusable target) or 1 (definition errors) otherwise."""
-    try:
-        agents, _ = load_target(target)
-    except UnusableTarget as exc:
-        log(f'error: {exc}')
-        raise SystemExit(2) from None
-    except DurableConfigError as exc:
-        log(f'not started, {target} has errors:\n{exc}')
-        raise SystemExit(1) from None
-    report = validate_together(agents)
-    if not report.ok:
-        log(f'not started, {target} has errors:\n' + '\n'.join(f'  {p.code} {p.where}: {p.message}' for p in report.errors))
-        raise SystemExit(1)
-    return agents
+    return _load_agents(target, log)
 
 
 def _registrations(names: list[str]) -> dict[str, Any]:

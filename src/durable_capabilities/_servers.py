@@ -136,8 +136,18 @@ def start_temporal_dev_server(
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
     server = ServerProcess('temporal', process, f'127.0.0.1:{port}', log_path)
+    def healthy() -> bool:
+        # The frontend port opens before the server serves; ask it (`temporal operator cluster health`).
+        if not port_open('127.0.0.1', port):
+            return False
+        check = subprocess.run(
+            [temporal_cli(), 'operator', 'cluster', 'health', '--address', f'127.0.0.1:{port}'],
+            capture_output=True, text=True, timeout=10,
+        )
+        return check.returncode == 0 and 'SERVING' in check.stdout
+
     try:
-        _wait(lambda: port_open('127.0.0.1', port), process, timeout, 'temporal dev server', log_path)
+        _wait(healthy, process, timeout, 'temporal dev server', log_path)
     except BaseException:
         server.stop()
         raise

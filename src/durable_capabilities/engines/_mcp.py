@@ -46,7 +46,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlsplit
 
-from pydantic_ai.capabilities import MCP, AbstractCapability, CombinedCapability, WrapperCapability
+from pydantic_ai.capabilities import (
+    MCP,
+    AbstractCapability,
+    CombinedCapability,
+    WrapperCapability,
+)
 from pydantic_ai.exceptions import (
     AgentRunError,
     ApprovalRequired,

@@ -18,15 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from prefect import flow
 from prefect.cache_policies import CachePolicy
-from pydantic import TypeAdapter
 from pydantic_ai.durable_exec.prefect import (
     DEFAULT_PYDANTIC_AI_CACHE_POLICY,
     TaskConfig,
 )
-from pydantic_ai.messages import ModelMessagesTypeAdapter
 from pydantic_ai.tools import RunContext
 
-from ..aliases import rewrite_history
+from ..conversations import run_turn
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
@@ -129,9 +127,12 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
     if existing is not None and existing.__durcap_agent__ is agent:
         return existing
     built = agent.build('prefect')
-    deps_adapter: TypeAdapter[Any] = TypeAdapter(agent.deps_type)
-
     load_task, append_task = _conversation_tasks(agent)
+
+    async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> Any:
+        from prefect.runtime import flow_run
+
+        return await append_task(conversation_id, messages, revision, f'prefect:{flow_run.id}', usage)
 
     async def run_agent(
         prompt: str | None = None,
@@ -139,23 +140,10 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
         message_history: list[dict[str, Any]] | None = None,
         conversation_id: str | None = None,
     ) -> dict[str, Any]:
-        from prefect.runtime import flow_run
-        from pydantic_core import to_jsonable_python
-
-        revision = None
-        if conversation_id is not None:
-            loaded = await load_task(conversation_id)
-            message_history, revision = loaded.messages or None, loaded.revision
-        history = ModelMessagesTypeAdapter.validate_python(message_history) if message_history else None
-        history = rewrite_history(history, agent.aliases)
-        result = await built.run(
-            prompt, deps=deps_adapter.validate_python(deps) if deps is not None else None, message_history=history
+        return await run_turn(
+            agent, built.run, prompt=prompt, deps=deps, message_history=message_history,
+            conversation_id=conversation_id, load=load_task, append=append,
         )
-        new_messages = ModelMessagesTypeAdapter.dump_python(result.new_messages(), mode='json')
-        usage = to_jsonable_python(result.usage)
-        if conversation_id is not None:
-            await append_task(conversation_id, new_messages, revision, f'prefect:{flow_run.id}', usage)
-        return {'output': to_jsonable_python(result.output), 'new_messages': new_messages, 'usage': usage}
 
     run_agent.__name__ = re.sub(r'\W', '_', f'run_{agent.name}')
     decorated = flow(name=flow_name(agent), persist_result=True)(run_agent)

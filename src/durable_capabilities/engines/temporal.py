@@ -33,7 +33,10 @@ from temporalio import activity, workflow
 from temporalio.client import Client
 from temporalio.common import RetryPolicy
 from temporalio.worker import Worker
-from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
+from temporalio.worker.workflow_sandbox import (
+    SandboxedWorkflowRunner,
+    SandboxRestrictions,
+)
 
 from ..aliases import rewrite_history
 from ..conversations import LoadedConversation
@@ -268,7 +271,9 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     }
     for leaf, config in (options.pop('toolset_activity_config', None) or {}).items():
         configs[leaf] = {**configs.get(leaf, {}), **config}
-    from . import _mcp  # MCP: bounded retry policy per MCP leaf, and the guard (see _mcp.py)
+    from . import (
+        _mcp,  # MCP: bounded retry policy per MCP leaf, and the guard (see _mcp.py)
+    )
 
     extra = _mcp.temporal_defaults(agent, options, configs)
     options.setdefault('continue_as_new', continue_as_new_handler(agent))
