@@ -251,7 +251,7 @@ def test_demo_runs_against_the_stack(stack: Stack, engine: str) -> None:
     stack.observe()
     assert result.returncode == 0, result.stdout + result.stderr
     assert f'answer ({engine}): {ANSWER}' in result.stdout
-    assert 'capabilities loaded: orders' in result.stdout
+    assert 'capabilities loaded in this run: orders' in result.stdout
     assert DEMO_UNITS[engine] in result.stdout
     assert 'starting the embedded dev server' not in result.stderr  # the stack's server, not a new one
     a = stack.addresses

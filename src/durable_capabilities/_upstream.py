@@ -12,9 +12,8 @@ import copy
 from typing import Any
 
 from pydantic_ai.capabilities import AbstractCapability
-from pydantic_ai.toolsets import AbstractToolset, FunctionToolset
+from pydantic_ai.toolsets import AbstractToolset, DynamicToolset, FunctionToolset
 from pydantic_ai.toolsets._deferred_capability_loader import LOAD_CAPABILITY_TOOL_NAME
-from pydantic_ai.toolsets import DynamicToolset
 
 __all__ = [
     'LOAD_CAPABILITY_TOOL_NAME',

@@ -45,7 +45,8 @@ class DurableAgent(Generic[DepsT, OutputT]):
             toolsets keep the ids, and so the durable unit names, they had, so runs recorded under the
             old names still recover (see docs/concepts/lockfile.md).
         previous_names: Earlier names of this agent, newest first. Durable units keep the first one's
-            names and the workflow / flow is also registered under each, so runs in flight recover.
+            names, and the Temporal and DBOS workflows are also registered under each, so runs in flight
+            recover (a Prefect flow run is identified by its cache keys, which the kept names preserve).
         conversation_store: Store URL for runs given a `conversation_id` (default: `$DURCAP_STORE`,
             else SQLite at `.durcap/conversations.db`, resolved where the durable unit runs).
         drift: `'error'` (refuse to resume a conversation whose history loaded a capability or called a

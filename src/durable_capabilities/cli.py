@@ -1,4 +1,4 @@
-"""`durcap`: check a definition for every problem, and show what deferral saves.
+"""`durcap`: check and lock definitions, run them on any engine, resume conversations, replay histories.
 
 Exit codes (every command): 0 clean, 1 the definition has errors, 2 the target is unusable (malformed
 TARGET, the module does not import, the attribute is missing or of the wrong type). An unusable target
@@ -23,11 +23,12 @@ from rich.text import Text
 
 from .agent import DurableAgent, validate_together
 from .savings import UNKNOWN_TOOLS, SavingsReport, measure_savings
-from .validation import DurableConfigError, Problem, Report
+from .validation import DurableConfigError, Report
 
 app = typer.Typer(
     name='durcap',
-    help='Durable on-demand capabilities: check definitions, measure what deferral saves.',
+    help='Durable on-demand capabilities: check and lock definitions, run them on Temporal, DBOS and Prefect, '
+    'resume conversations, replay histories.',
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -351,7 +352,7 @@ async def _run_on(
 
 def _print_run(report: Any) -> None:
     _out.print(f'[bold]answer[/bold] ({report.engine}): {report.output}')
-    _out.print(f'capabilities loaded: {", ".join(report.loaded_capabilities()) or "none"}')
+    _out.print(f'capabilities loaded in this run: {", ".join(report.loaded_capabilities()) or "none"}')
     if report.durable_units:
         unit = {'temporal': 'activities', 'dbos': 'steps', 'prefect': 'tasks'}[report.engine]
         _out.print(f'durable units recorded ({unit}, in order):')
@@ -527,8 +528,11 @@ def schedule_prefect(
     interval: Annotated[float | None, typer.Option(help='Seconds between runs.')] = None,
     deps_json: Annotated[str | None, typer.Option('--deps-json', help='Deps as JSON for every run.')] = None,
     name: Annotated[str | None, typer.Option(help='Deployment name (default: <agent>-scheduled).')] = None,
+    lock: Annotated[Path | None, typer.Option('--lock', help='Lockfile to check against (default: durable.lock beside TARGET).')] = None,
+    allow_drift: Annotated[bool, typer.Option('--allow-drift', help='Serve even when durable unit names differ from the lockfile.')] = False,
 ) -> None:
-    """Serve TARGET's flow with a schedule (Prefect `flow.serve`) until interrupted."""
+    """Serve TARGET's flow as a scheduled Prefect deployment (`prefect.serve`) until interrupted;
+    refuse to start on errors or lockfile drift."""
     from .engines import prefect
 
     if (cron is None) == (interval is None):
@@ -536,8 +540,16 @@ def schedule_prefect(
     if interval is not None and interval <= 0:
         _unusable('--interval must be a positive number of seconds')
     agent = _one_agent(target)
+    report = Report()
+    check_drift(target, [agent], lock, allow_drift, report)
+    if not report.ok:
+        _print_text(report, repr(agent.name))
+        _err.print('not serving: fix the errors above (or pass --allow-drift)')
+        raise typer.Exit(1)
     deps = json.loads(deps_json) if deps_json else None
     _deps(agent, deps_json)  # validates
+    _err.print(f'serving deployment {name or agent.name + "-scheduled"!r} of flow durcap-{agent.name} '
+               f'({"cron " + cron if cron else f"every {interval:g} s"}); Ctrl-C or SIGTERM to stop')
     prefect.serve(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval, deps=deps,
                   deployment_name=name)
 
@@ -578,15 +590,14 @@ def target_file(target: str) -> Path | None:
 
 def check_drift(target: str, agents: list[DurableAgent[Any, Any]], lock: Path | None, allow_drift: bool, report: Report) -> None:
     """Add the lockfile diff to `report` (as warnings when `allow_drift`); the lock is `lock` or the one beside TARGET."""
-    from .lockfile import find_lock
+    from .lockfile import LockfileError, enforce_lock
 
-    path = lock or find_lock(target_file(target))
-    if path is None:
-        return
-    for problem in _lock_diff(path, agents):
-        if allow_drift and problem.severity == 'error':
-            problem = Problem(problem.code, 'warning', problem.where, problem.message, problem.fix, problem.engines)
-        report.add(problem)
+    try:
+        report.extend(enforce_lock(agents, lock, target_file=target_file(target), allow_drift=allow_drift))
+    except DurableConfigError as exc:
+        report.extend(exc.report)
+    except LockfileError as exc:
+        _unusable(str(exc))
 
 
 def _valid_agents(target: str) -> list[DurableAgent[Any, Any]]:

@@ -31,7 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic_ai.capabilities import AbstractCapability, Capability, CombinedCapability, WrapperCapability
+from pydantic_ai.capabilities import (
+    AbstractCapability,
+    Capability,
+    CombinedCapability,
+    WrapperCapability,
+)
 from pydantic_ai.toolsets import AbstractToolset
 
 from . import _upstream

@@ -45,7 +45,10 @@ def _leaf_kinds(agent: DurableAgent[Any, Any]) -> list[tuple[str, str]]:
 
 
 def _temporal_names(agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
-    from pydantic_ai.durable_exec.temporal import TemporalDurability, worker_registrations
+    from pydantic_ai.durable_exec.temporal import (
+        TemporalDurability,
+        worker_registrations,
+    )
 
     from ._upstream import temporal_activity_name
     from .engines import temporal
@@ -100,7 +103,7 @@ def _prefect_names(agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
             tasks.add(f'Discover Tools: {toolset_id}')
     # Prefect identifies a task run by its cache key, which holds the toolset id (not the task name).
     return {
-        'flows': sorted([prefect.flow_name(agent), *(f'{prefect.FLOW_NAME_PREFIX}{n}' for n in agent.previous_names)]),
+        'flows': [prefect.flow_name(agent)],
         'tasks': sorted(tasks),
         'cache_toolset_ids': sorted({toolset_id for _, toolset_id in _leaf_kinds(agent)}),
     }
@@ -261,3 +264,36 @@ def find_lock(target_file: str | Path | None) -> Path | None:
         candidates.append(Path(target_file).resolve().parent / DEFAULT_LOCK_NAME)
     candidates.append(Path.cwd() / DEFAULT_LOCK_NAME)
     return next((c for c in candidates if c.is_file()), None)
+
+
+def enforce_lock(
+    agents: Sequence[DurableAgent[Any, Any]],
+    lock: str | Path | None = None,
+    *,
+    target_file: str | Path | None = None,
+    allow_drift: bool = False,
+) -> Report:
+    """What worker start runs: compare `agents` with `lock` (or the `durable.lock` beside `target_file`,
+    or in the current directory) and refuse on drift.
+
+    Returns:
+        The lock diff (errors downgraded to warnings when `allow_drift`); empty when there is no lockfile.
+
+    Raises:
+        DurableConfigError: a locked name is no longer produced (DC020 / DC021) and not `allow_drift`.
+        LockfileError: `lock` was given but cannot be read.
+    """
+    from .validation import DurableConfigError
+
+    path = Path(lock) if lock is not None else find_lock(target_file)
+    if path is None:
+        return Report()
+    report = diff_lock(read_lock(path), agents)
+    if allow_drift:
+        return Report([
+            Problem(p.code, 'warning', p.where, p.message, p.fix, p.engines) if p.severity == 'error' else p
+            for p in report
+        ])
+    if not report.ok:
+        raise DurableConfigError(report, f'lockfile {path}')
+    return report

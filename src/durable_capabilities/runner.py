@@ -94,11 +94,17 @@ async def run_temporal(
             message_history=message_history, conversation_id=conversation_id,
         )
         result = await handle.result()
-        units = [
-            event.activity_task_scheduled_event_attributes.activity_type.name
-            async for event in handle.fetch_history_events()
-            if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
-        ]
+        # Walk every run of the chain: continue-as-new starts a new run with its own history.
+        units: list[str] = []
+        run_id: str | None = handle.first_execution_run_id or handle.result_run_id
+        while run_id:
+            run_handle = client.get_workflow_handle(workflow_id, run_id=run_id)
+            run_id = None
+            async for event in run_handle.fetch_history_events():
+                if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+                    units.append(event.activity_task_scheduled_event_attributes.activity_type.name)
+                elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW:
+                    run_id = event.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
     return RunReport('temporal', workflow_id, result.output, result.messages(), result.usage, units)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 Severity = Literal['error', 'warning', 'info']
 
@@ -151,6 +151,10 @@ class DurableConfigError(ValueError):
         errors = report.errors
         head = f'{subject} has {len(errors)} error(s):'
         super().__init__('\n'.join([head, *(f'  {p.format()}' for p in errors)]))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled by engines that record failures (DBOS): rebuild from the report, not the message.
+        return (type(self), (self.report, self.subject))
 
 
 def describe_capability(capability: object, cap_id: str | None) -> str:

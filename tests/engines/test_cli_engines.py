@@ -134,7 +134,7 @@ def test_demo_runs_in_an_empty_folder_and_leaves_no_server(engine: str, tmp_path
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert 'Order ABC-123: Blue denim jacket' in result.stdout
-    assert 'capabilities loaded: orders' in result.stdout
+    assert 'capabilities loaded in this run: orders' in result.stdout
     assert 'with deferred capabilities vs' in result.stdout
     if engine == 'temporal':
         assert 'agent__support__toolset__orders__call_tool' in result.stdout

@@ -1,7 +1,7 @@
 """Engine adapters: one declarative spec per engine; differences are data, not branches.
 
 Each `EngineSpec` names the upstream durability capability and the words the engine uses for its
-durable unit and container. `build_agent` is the one place a `pydantic_ai.Agent` is constructed.
+durable unit and container. `DurableAgent.build` is the one place a `pydantic_ai.Agent` is constructed.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ them as failures; recovery replays them as they happened.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 import sqlite3
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,7 +118,7 @@ class DBOSToolSteps(AbstractCapability[Any]):
 
         def wrap(leaf: AbstractToolset[Any]) -> AbstractToolset[Any]:
             if isinstance(leaf, FunctionToolset):
-                toolset_id = leaf.id or 'agent-tools'
+                toolset_id = leaf.id or '<agent>'  # upstream's id for the agent's own tools
                 step = namer.operation_name(ToolsetCallToolId('function', toolset_id=toolset_id))
                 return StepToolset(leaf, step, self.config)
             return leaf
@@ -154,17 +154,32 @@ def system_database_url(url: str | None = None) -> str:
     return f'sqlite:///{DEFAULT_SQLITE_PATH.resolve()}'
 
 
-def launch(name: str = 'durcap', *, system_database_url_: str | None = None, **config: Any) -> DBOS:
+def launch(
+    name: str = 'durcap',
+    *,
+    system_database_url_: str | None = None,
+    agents: Sequence[DurableAgent[Any, Any]] = (),
+    lock: str | Path | None = None,
+    allow_drift: bool = False,
+    **config: Any,
+) -> DBOS:
     """Configure and launch DBOS (call after every agent was built and every workflow decorated).
 
     Args:
         name: DBOS application name.
         system_database_url_: PostgreSQL or SQLite URL; default SQLite at `.durcap/dbos.sqlite`.
+        agents: The definitions this app serves; checked against `lock` (or `./durable.lock`) first, so a
+            rename cannot strand workflows DBOS would recover at launch.
+        lock / allow_drift: See `lockfile.enforce_lock`.
         config: Other `DBOSConfig` keys (`log_level` defaults to `'WARNING'`).
 
     Returns:
         The `DBOS` instance.
     """
+    if agents:
+        from ..lockfile import enforce_lock
+
+        enforce_lock(agents, lock, allow_drift=allow_drift)
     config.setdefault('log_level', 'WARNING')
     dbos = DBOS(config={'name': name, 'system_database_url': system_database_url(system_database_url_), **config})  # type: ignore[typeddict-item]
     DBOS.launch()
@@ -188,7 +203,11 @@ class BoundAgent:
         Raises:
             DurableConfigError: capabilities passed per run (DC012).
         """
+        from ..aliases import rewrite_history
+
         self.definition.check_run_capabilities(kwargs.pop('capabilities', None))
+        if kwargs.get('message_history') is not None:
+            kwargs['message_history'] = rewrite_history(kwargs['message_history'], self.definition.aliases)
         return await self.agent.run(prompt, **kwargs)
 
 

@@ -76,6 +76,20 @@ class AgentRunInput:
     conversation_id: str | None = None
     deps: Any = None
     message_history: list[dict[str, Any]] | None = None
+    continued: ContinuedRun | None = None
+
+
+@dataclass
+class ContinuedRun:
+    """Carried by continue-as-new so the final result covers the whole run, not only its last part.
+
+    Attributes:
+        new_from: Index in the new run's starting history where this agent run's own messages begin.
+        usage: Usage of the earlier parts.
+    """
+
+    new_from: int = 0
+    usage: RunUsage = field(default_factory=RunUsage)
 
 
 @dataclass
@@ -138,6 +152,11 @@ def workflow_class(agent: DurableAgent[Any, Any], registered_name: str | None = 
         finally:
             _current_run.reset(token)
         new_messages = ModelMessagesTypeAdapter.dump_python(result.new_messages(), mode='json')
+        output_messages, usage = new_messages, result.usage
+        if params.continued is not None:
+            # Continued as new: report the whole agent run, earlier parts included.
+            output_messages = [*(history_json or [])[params.continued.new_from:], *new_messages]
+            usage = params.continued.usage + result.usage
         if params.conversation_id is not None:
             info = workflow.info()
             await workflow.execute_activity(
@@ -146,7 +165,7 @@ def workflow_class(agent: DurableAgent[Any, Any], registered_name: str | None = 
                             to_jsonable_python(result.usage)),
                 result_type=int, **_STORE_ACTIVITY_OPTIONS,
             )
-        return AgentRunOutput(result.output, new_messages, result.usage)
+        return AgentRunOutput(result.output, output_messages, usage)
 
     # Temporal rejects run methods of local classes because it looks classes up by name; this one is
     # published under `name` in this module below, so give the method the qualified name it will have.
@@ -186,7 +205,8 @@ class _RunState:
 _current_run: ContextVar[_RunState | None] = ContextVar('durcap_temporal_run', default=None)
 
 _STORE_ACTIVITY_OPTIONS: dict[str, Any] = {
-    'start_to_close_timeout': timedelta(seconds=60),
+    # Short: a store call takes milliseconds, and a killed worker's call is retried once this expires.
+    'start_to_close_timeout': timedelta(seconds=15),
     'retry_policy': RetryPolicy(
         maximum_attempts=5,
         non_retryable_error_types=['DurableConfigError', 'ConversationConflictError', 'CorruptedRowError',
@@ -240,8 +260,12 @@ def continue_as_new_handler(agent: DurableAgent[Any, Any]) -> Any:
             return
         params = state.params
         messages = ModelMessagesTypeAdapter.dump_python(list(ctx.messages), mode='json')
+        earlier = params.continued
+        continued = ContinuedRun(
+            earlier.new_from if earlier else state.loaded_count, (earlier.usage if earlier else RunUsage()) + ctx.usage
+        )
         if params.conversation_id is None:
-            workflow.continue_as_new(AgentRunInput(None, None, params.deps, messages))
+            workflow.continue_as_new(AgentRunInput(None, None, params.deps, messages, continued))
         info = workflow.info()
         _, append_name = conversation_activity_names(agent)
         await workflow.execute_activity(
@@ -250,7 +274,7 @@ def continue_as_new_handler(agent: DurableAgent[Any, Any]) -> Any:
                         f'{info.workflow_id}:{info.run_id}:continue-as-new', to_jsonable_python(ctx.usage)),
             result_type=int, **_STORE_ACTIVITY_OPTIONS,
         )
-        workflow.continue_as_new(AgentRunInput(None, params.conversation_id, params.deps, None))
+        workflow.continue_as_new(AgentRunInput(None, params.conversation_id, params.deps, None, continued))
 
     return handler
 
