@@ -21,7 +21,6 @@ import json
 import sys
 from typing import Any
 
-from pydantic_ai.messages import ModelMessagesTypeAdapter
 from pydantic_core import to_jsonable_python
 
 
