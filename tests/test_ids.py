@@ -29,12 +29,25 @@ from pydantic_ai.capabilities import (
 )
 from pydantic_ai.exceptions import UserError
 from pydantic_ai.mcp import MCPToolset
-from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart, ToolReturnPart
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelResponse,
+    TextPart,
+    ToolCallPart,
+    ToolReturnPart,
+)
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.toolsets import CombinedToolset, DynamicToolset, FunctionToolset
 
-from durable_capabilities import _upstream
-from durable_capabilities import MAX_ID_LENGTH, DurableAgent, DurableConfigError, id_syntax_error, load_skills, redact_url
+from durable_capabilities import (
+    MAX_ID_LENGTH,
+    DurableAgent,
+    DurableConfigError,
+    _upstream,
+    id_syntax_error,
+    load_skills,
+    redact_url,
+)
 
 ENGINES = ('local', 'temporal', 'dbos', 'prefect')
 MCP_URL = 'http://127.0.0.1:8931/mcp'  # building never connects; nothing needs to listen here

@@ -29,7 +29,13 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from durable_capabilities import DurableAgent, DurableConfigError, InvalidSkill, load_skill, load_skills
+from durable_capabilities import (
+    DurableAgent,
+    DurableConfigError,
+    InvalidSkill,
+    load_skill,
+    load_skills,
+)
 
 EXAMPLE_SKILLS = Path(__file__).resolve().parents[1] / 'examples' / 'support' / 'skills'
 

@@ -614,6 +614,6 @@ def test_zz_every_code_is_exercised(request: pytest.FixtureRequest) -> None:
         pytest.skip('only meaningful when the whole module runs')
     unreachable = set(CODES) - codes_with_a_producer()  # declared, but no module ever writes them
     assert unreachable <= {'DC018', 'DC019'}, f'codes nothing produces: {sorted(unreachable)}'
-    elsewhere = {'DC018', 'DC019'}  # history drift: produced by store.py, exercised in tests/test_store.py
+    elsewhere = {'DC018', 'DC019'}  # history drift: produced by history.py, exercised in tests/test_store.py
     missing = set(CODES) - SEEN_CODES - unreachable - elsewhere
     assert not missing, f'codes no test produced: {sorted(missing)}'

@@ -142,6 +142,31 @@ class DurableAgent(Generic[DepsT, OutputT]):
                 names.update(_static_tool_names(toolset) or [])
         return sorted(names)
 
+    def tool_names_by_capability(self) -> tuple[dict[str, set[str]], set[str]]:
+        """`({tool name: ids of the capabilities defining it}, ids of capabilities whose tools are only known at run time)`.
+
+        Tool names as `static_tool_names` finds them, per registered capability that has an id; agent-level
+        tools are not listed. A capability without a toolset (or whose `get_toolset()` raises) is in neither.
+        """
+        tools: dict[str, set[str]] = {}
+        unknown: set[str] = set()
+        for cap_id, user in self._registered():
+            if cap_id is None:
+                continue
+            try:
+                toolset = user.get_toolset()
+            except Exception:  # noqa: BLE001 - reported as DC023 by stabilize
+                continue
+            if toolset is None:
+                continue
+            names = _static_tool_names(toolset) if isinstance(toolset, AbstractToolset) else None
+            if names is None:  # MCP, a toolset function or another dynamic toolset
+                unknown.add(cap_id)
+                continue
+            for name in names:
+                tools.setdefault(name, set()).add(cap_id)
+        return tools, unknown
+
     def capability_ids(self) -> list[str]:
         """Ids of every registered capability (groups and members), in definition order."""
         return [cid for cid, _ in self._registered() if cid is not None]

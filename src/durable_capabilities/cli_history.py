@@ -1,6 +1,6 @@
 """`durcap history`: look at a stored conversation.
 
-Registered by `cli.py` as `app.add_typer(history_app, name='history')`.
+Registered by `cli_engines.py` as `app.add_typer(history_app, name='history')`, beside `history export`.
 
 Exit codes: 0 shown; 2 unusable input (bad store URL, no store there, unknown conversation, a row that
 does not decode, a schema newer than this code), with one line on stderr and no traceback.

@@ -22,7 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from durable_capabilities._servers import start_prefect_server, start_temporal_dev_server
+from durable_capabilities._servers import (
+    start_prefect_server,
+    start_temporal_dev_server,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 

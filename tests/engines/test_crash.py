@@ -39,7 +39,11 @@ def assert_exactly_once(crash_dir: Path) -> None:
 
 
 def test_temporal_worker_killed_mid_tool_recovers_within_15s(temporal_address: str, spawn, tmp_path: Path) -> None:
-    from durable_capabilities.engines.temporal import AgentRunInput, AgentRunOutput, connect
+    from durable_capabilities.engines.temporal import (
+        AgentRunInput,
+        AgentRunOutput,
+        connect,
+    )
 
     env, crash_dir = crash_env(tmp_path)
     queue = f'crash-{uuid.uuid4().hex[:8]}'

@@ -37,7 +37,11 @@ def base_env(tmp_path: Path) -> dict[str, str]:
 @pytest.fixture
 def recorded_history(temporal_address: str, spawn, tmp_path: Path, base_env: dict[str, str]) -> Path:
     """A finished v1 workflow's history, exported with `durcap history export`."""
-    from durable_capabilities.engines.temporal import AgentRunInput, AgentRunOutput, connect
+    from durable_capabilities.engines.temporal import (
+        AgentRunInput,
+        AgentRunOutput,
+        connect,
+    )
 
     queue = f'rename-{uuid.uuid4().hex[:8]}'
     env = base_env | {'DURCAP_RENAME_VARIANT': 'v1'}

@@ -1,0 +1,231 @@
+"""The conversation store's tables, and how their rows map to and from pydantic-ai objects.
+
+`_store_sql._SQLBackend` runs the SQL; this module holds what it stores: the schema DDL per version
+(`_MIGRATIONS`), the column lists, the JSON codecs of the columns, and the decoding of rows back into
+records and messages, with the error naming the row that does not decode. See `store.py`'s docstring
+for the tables.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import pydantic
+from pydantic_ai import __version__ as _PYDANTIC_AI_VERSION
+from pydantic_ai.conversation_store import ConversationRecord
+from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
+from pydantic_ai.tools import DeferredToolRequests
+from pydantic_ai.usage import RunUsage
+
+from .store import CorruptedRowError, NewerHistoryError
+
+_WRITER = f'pydantic-ai-slim {_PYDANTIC_AI_VERSION}'
+"""Recorded in every row's `writer` column."""
+
+
+# ---- schema -----------------------------------------------------------------------------------
+
+_MIGRATIONS: dict[int, list[str]] = {
+    1: [
+        """CREATE TABLE durcap_conversations (
+            conversation_id TEXT PRIMARY KEY,
+            revision BIGINT NOT NULL,
+            token TEXT NOT NULL,
+            head_id TEXT,
+            message_count BIGINT NOT NULL,
+            usage TEXT NOT NULL,
+            deferred_tool_requests TEXT,
+            scope TEXT,
+            forked_from TEXT,
+            forked_at TEXT,
+            branches TEXT NOT NULL,
+            format_version INTEGER NOT NULL,
+            deleted INTEGER NOT NULL,
+            updated_at TEXT NOT NULL,
+            writer TEXT NOT NULL
+        )""",
+        'CREATE INDEX durcap_conversations_updated ON durcap_conversations (updated_at)',
+        """CREATE TABLE durcap_entries (
+            entry_id TEXT PRIMARY KEY,
+            parent_id TEXT,
+            conversation_id TEXT NOT NULL,
+            position BIGINT NOT NULL,
+            kind TEXT NOT NULL,
+            message TEXT NOT NULL,
+            writer TEXT NOT NULL,
+            created_at TEXT NOT NULL
+        )""",
+        'CREATE INDEX durcap_entries_position ON durcap_entries (conversation_id, position)',
+        """CREATE TABLE durcap_writes (
+            conversation_id TEXT NOT NULL,
+            revision BIGINT NOT NULL,
+            operation TEXT NOT NULL,
+            append_id TEXT,
+            digest TEXT,
+            first_position BIGINT,
+            entry_ids TEXT NOT NULL,
+            written_at TEXT NOT NULL,
+            writer TEXT NOT NULL,
+            PRIMARY KEY (conversation_id, revision)
+        )""",
+        'CREATE UNIQUE INDEX durcap_writes_append_id ON durcap_writes (conversation_id, append_id)',
+    ],
+}
+"""`{version: DDL statements}`: applying version N's statements to a version N-1 database gives version N.
+
+Append a version for every schema change (and raise `store.SCHEMA_VERSION` to it); never edit one that shipped.
+"""
+
+_VERSION_TABLE = (
+    'CREATE TABLE IF NOT EXISTS durcap_schema_version '
+    '(version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL, writer TEXT NOT NULL)'
+)
+
+_CONVERSATION_COLUMNS = (
+    'conversation_id, revision, token, head_id, message_count, usage, deferred_tool_requests, scope, '
+    'forked_from, forked_at, branches, format_version, deleted, updated_at, writer'
+)
+_ENTRY_SELECT = 'SELECT entry_id, parent_id, conversation_id, position, kind, message, writer FROM durcap_entries'
+
+_USAGE = pydantic.TypeAdapter(RunUsage)
+_DEFERRED = pydantic.TypeAdapter(DeferredToolRequests)
+_BRANCHES = pydantic.TypeAdapter(list[str])
+
+
+def _encode(message: ModelMessage) -> str:
+    """One message as pydantic-ai's JSON (an element of `ModelMessagesTypeAdapter.dump_json`)."""
+    return ModelMessagesTypeAdapter.dump_json([message])[1:-1].decode()
+
+
+def _digest(encoded: Sequence[str]) -> str:
+    return hashlib.sha256('\x1e'.join(encoded).encode()).hexdigest()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(getattr(exc, 'orig', None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# ---- decoding rows ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Row:
+    """A decoded `durcap_conversations` row."""
+
+    record: ConversationRecord
+    revision: int
+    message_count: int
+    deleted: bool
+
+
+def _decode_row(row: Any) -> _Row:
+    """A `durcap_conversations` row as a `_Row`.
+
+    Raises:
+        CorruptedRowError: a JSON column or the timestamp does not parse.
+        NewerHistoryError: the record's upstream format version is newer than this pydantic-ai's.
+    """
+    cid = row.conversation_id
+    if row.format_version != 1:
+        raise NewerHistoryError(
+            f'conversation {cid!r}: its durcap_conversations row is in upstream storage format {row.format_version} '
+            f'(written by {row.writer}); this pydantic-ai ({_PYDANTIC_AI_VERSION}) reads format 1. Upgrade '
+            'pydantic-ai-slim here. Nothing was changed.',
+            conversation_id=cid, row=cid, position=None, tag=f'format_version={row.format_version}', written_by=row.writer,
+        )
+    column = 'usage'
+    try:
+        usage = _USAGE.validate_json(row.usage)
+        column = 'deferred_tool_requests'
+        deferred = None if row.deferred_tool_requests is None else _DEFERRED.validate_json(row.deferred_tool_requests)
+        column = 'branches'
+        branches = _BRANCHES.validate_json(row.branches)
+        column = 'updated_at'
+        updated_at = datetime.fromisoformat(row.updated_at)
+    except (pydantic.ValidationError, ValueError, TypeError) as exc:
+        raise CorruptedRowError(
+            f'conversation {cid!r}: column {column} of its durcap_conversations row does not decode '
+            f'({_first_line(exc)}). Nothing was changed; restore the row from a backup.',
+            conversation_id=cid, table='durcap_conversations', row=cid,
+        ) from None
+    record = ConversationRecord(
+        conversation_id=cid,
+        head_id=row.head_id,
+        usage=usage,
+        deferred_tool_requests=deferred,
+        scope=row.scope,
+        forked_from=row.forked_from,
+        forked_at=row.forked_at,
+        branches=branches,
+        revision=row.token,
+        updated_at=updated_at,
+    )
+    return _Row(record, int(row.revision), int(row.message_count), bool(row.deleted))
+
+
+def _decode_messages(rows: Sequence[Any], conversation_id: str | None) -> list[ModelMessage]:
+    """The messages of entry rows, validated in one call; a failure is traced to its row.
+
+    Raises:
+        CorruptedRowError: a row is not valid JSON or not one pydantic-ai message.
+        NewerHistoryError: a row has a message kind or part kind this pydantic-ai does not know, or an
+            entry kind other than `'message'`.
+    """
+    for row in rows:
+        if row.kind != 'message':
+            _raise_newer(row, conversation_id, f'entry kind {row.kind!r}')
+    if not rows:
+        return []
+    try:
+        messages = ModelMessagesTypeAdapter.validate_json('[' + ','.join(row.message for row in rows) + ']')
+        if len(messages) == len(rows):
+            return messages
+    except (pydantic.ValidationError, ValueError):
+        pass
+    for row in rows:  # slow path: find the bad row
+        _decode_one(row, conversation_id)
+    raise AssertionError('a history that fails to decode as a whole decoded row by row')  # pragma: no cover
+
+
+def _decode_one(row: Any, conversation_id: str | None) -> ModelMessage:
+    cid = conversation_id or row.conversation_id
+    where = f'conversation {cid!r}: entry {row.entry_id!r} (message {row.position}) in durcap_entries'
+    fix = ' Nothing was changed; restore the row from a backup, or branch the conversation before it.'
+    try:
+        json.loads(row.message)
+    except (ValueError, TypeError) as exc:
+        raise CorruptedRowError(
+            f'{where} is not valid JSON ({exc}).{fix}', conversation_id=cid, table='durcap_entries', row=row.entry_id,
+            position=row.position,
+        ) from None
+    try:
+        messages = ModelMessagesTypeAdapter.validate_json('[' + row.message + ']')
+    except pydantic.ValidationError as exc:
+        for error in exc.errors():
+            if error['type'] == 'union_tag_invalid':
+                ctx = error.get('ctx') or {}
+                _raise_newer(row, conversation_id, f'{"message" if len(error["loc"]) == 1 else "part"} kind {ctx.get("tag")!r}')
+        error = exc.errors()[0]
+        loc = '.'.join(str(p) for p in error['loc'][1:])
+        raise CorruptedRowError(
+            f'{where} is not a pydantic-ai message ({loc}: {error["msg"]}).{fix}', conversation_id=cid,
+            table='durcap_entries', row=row.entry_id, position=row.position,
+        ) from None
+    return messages[0]  # one JSON value, so one message
+
+
+def _raise_newer(row: Any, conversation_id: str | None, what: str) -> None:
+    cid = conversation_id or row.conversation_id
+    raise NewerHistoryError(
+        f'conversation {cid!r}: entry {row.entry_id!r} (message {row.position}) in durcap_entries, written by '
+        f'{row.writer}, has {what}, which this pydantic-ai ({_PYDANTIC_AI_VERSION}) does not know: a newer '
+        'pydantic-ai wrote it. Upgrade pydantic-ai-slim here to read it. Nothing was changed.',
+        conversation_id=cid, row=row.entry_id, position=row.position, tag=what.split(' ', 2)[-1].strip("'"),
+        written_by=row.writer,
+    )

@@ -1,0 +1,611 @@
+"""The conversation store's SQL work, synchronous: connecting to SQLite or PostgreSQL, migrating, reading, writing.
+
+`store.SQLConversationStore` validates its arguments and runs `_SQLBackend` in a worker thread; the tables
+and the decoding of their rows are in `_store_schema`. `store.SCHEMA_VERSION` is read from `store` where it
+is used, not imported: it is the public name (and tests patch it there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import sqlalchemy as sa
+from pydantic_ai.conversation_store import ConversationEntry, ConversationRecord
+from pydantic_ai.tools import DeferredToolRequests
+from pydantic_ai.usage import RunUsage
+
+from . import store
+from ._store_schema import (
+    _BRANCHES,
+    _CONVERSATION_COLUMNS,
+    _DEFERRED,
+    _ENTRY_SELECT,
+    _MIGRATIONS,
+    _USAGE,
+    _VERSION_TABLE,
+    _WRITER,
+    _decode_messages,
+    _decode_row,
+    _digest,
+    _first_line,
+    _Row,
+)
+from .store import (
+    AppendIdReuseError,
+    AppendResult,
+    ConversationConflictError,
+    ConversationNotFoundError,
+    CorruptedRowError,
+    SchemaVersionError,
+    StoredConversation,
+    StoreUnavailableError,
+    StoreURLError,
+    WriteRecord,
+)
+
+_NO_LIMIT = 2**62
+_PG_MIGRATION_LOCK = 0x6475726361700001  # 'durcap' + 1: serializes migrations across processes
+
+
+# ---- URLs and engines -------------------------------------------------------------------------
+
+
+def _parse_url(url: str) -> sa.URL:
+    """The SQLAlchemy URL for `url`, with PostgreSQL pinned to psycopg 3.
+
+    Raises:
+        StoreURLError: unparsable, or a scheme other than `sqlite` / `postgresql` (`postgres`).
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise StoreURLError(f'store URL must be a non-empty string, got {url!r}')
+    try:
+        parsed = sa.make_url(url.replace('postgres://', 'postgresql://', 1) if url.startswith('postgres://') else url)
+    except sa.exc.ArgumentError:
+        raise StoreURLError(
+            f'store URL {url!r} is not a database URL; use sqlite:///path/to/file.db or '
+            'postgresql://user@host:5432/database'
+        ) from None
+    backend, _, driver = parsed.drivername.partition('+')
+    if backend == 'sqlite' and driver in ('', 'pysqlite'):
+        return parsed.set(drivername='sqlite')
+    if backend == 'postgresql' and driver in ('', 'psycopg'):
+        return parsed.set(drivername='postgresql+psycopg')
+    raise StoreURLError(
+        f'store URL scheme {parsed.drivername!r} is not supported; use sqlite:///path/to/file.db or '
+        'postgresql://user@host:5432/database (psycopg 3)'
+    )
+
+
+def _utcnow() -> str:
+    return datetime.now(UTC).isoformat(timespec='microseconds')
+
+
+def _iso(value: datetime) -> str:
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return value.astimezone(UTC).isoformat(timespec='microseconds')
+
+
+# ---- the synchronous implementation -----------------------------------------------------------
+
+
+class _SQLBackend:
+    """The SQL work, synchronous; `SQLConversationStore` runs it in a worker thread."""
+
+    def __init__(self, url: sa.URL, *, create: bool) -> None:
+        self.url = url
+        self.create = create
+        self.display_url = url.render_as_string(hide_password=True)
+        self.is_pg = url.get_backend_name() == 'postgresql'
+        self._ready = False
+        self._lock = threading.Lock()
+        if self.is_pg:
+            try:
+                self.engine = sa.create_engine(url, pool_pre_ping=True)
+            except ImportError:
+                raise StoreURLError(
+                    f'{self.display_url} needs psycopg 3: pip install "durable-capabilities[postgres]"'
+                ) from None
+        else:
+            memory = url.database in (None, '', ':memory:')
+            self.engine = sa.create_engine(
+                url,
+                connect_args={'timeout': 60, 'check_same_thread': False},
+                **({'poolclass': sa.pool.StaticPool} if memory else {}),
+            )
+            # Take transactions out of pysqlite's hands so a write can begin with BEGIN IMMEDIATE: the
+            # revision it reads is then the one it writes after, across processes.
+            sa.event.listen(self.engine, 'connect', _sqlite_connect)
+            sa.event.listen(self.engine, 'begin', _sqlite_begin)
+
+    # ---- connections and schema ---------------------------------------------------------------
+
+    @contextmanager
+    def _txn(self, *, write: bool) -> Iterator[sa.Connection]:
+        self._ensure_ready()
+        try:
+            conn = self.engine.connect()
+        except sa.exc.OperationalError as exc:
+            raise StoreUnavailableError(f'cannot connect to the conversation store {self.display_url}: {_first_line(exc)}') from None
+        with conn:
+            if write:
+                conn.execution_options(durcap_write=True)
+            with conn.begin():
+                yield conn
+
+    def _ensure_ready(self) -> None:
+        if self._ready:
+            return
+        with self._lock:
+            if self._ready:
+                return
+            if not self.is_pg and self.url.database not in (None, '', ':memory:'):
+                path = Path(self.url.database)  # type: ignore[arg-type]
+                if not path.exists():
+                    if not self.create:
+                        raise StoreUnavailableError(f'no conversation store at {self.display_url} (file {path} does not exist)')
+                    path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self._migrate()
+            except sa.exc.DBAPIError as exc:
+                raise StoreUnavailableError(f'cannot use the conversation store {self.display_url}: {_first_line(exc)}') from None
+            self._ready = True
+
+    def _current_version(self, conn: sa.Connection) -> tuple[int, str | None]:
+        row = conn.execute(
+            sa.text('SELECT version, writer FROM durcap_schema_version ORDER BY version DESC LIMIT 1')
+        ).first()
+        return (0, None) if row is None else (int(row[0]), row[1])
+
+    def _migrate(self) -> None:
+        with self.engine.connect() as conn:
+            with conn.begin():
+                exists = sa.inspect(conn).has_table('durcap_schema_version')
+                version, writer = self._current_version(conn) if exists else (0, None)
+            if exists:
+                self._refuse_newer(version, writer)
+                if version == store.SCHEMA_VERSION:
+                    return
+            elif not self.create:
+                raise StoreUnavailableError(f'{self.display_url} holds no conversation store (no durcap_schema_version table)')
+            conn.execution_options(durcap_write=True)
+            with conn.begin():
+                if self.is_pg:
+                    conn.execute(sa.text('SELECT pg_advisory_xact_lock(:key)'), {'key': _PG_MIGRATION_LOCK})
+                conn.exec_driver_sql(_VERSION_TABLE)
+                version, writer = self._current_version(conn)
+                self._refuse_newer(version, writer)
+                for target in sorted(v for v in _MIGRATIONS if v > version):
+                    for statement in _MIGRATIONS[target]:
+                        conn.exec_driver_sql(statement)
+                    conn.execute(
+                        sa.text('INSERT INTO durcap_schema_version (version, applied_at, writer) VALUES (:v, :at, :w)'),
+                        {'v': target, 'at': _utcnow(), 'w': f'durable-capabilities ({_WRITER})'},
+                    )
+
+    def _refuse_newer(self, version: int, writer: str | None) -> None:
+        supported = store.SCHEMA_VERSION
+        if version > supported:
+            raise SchemaVersionError(
+                f'the conversation store {self.display_url} has schema version {version} (written by {writer}); this '
+                f'durable-capabilities knows versions up to {supported}. Upgrade durable-capabilities here; the '
+                'store was not changed.',
+                found=version,
+                supported=supported,
+            )
+
+    # ---- reading ------------------------------------------------------------------------------
+
+    def _conversation_row(self, conn: sa.Connection, conversation_id: str, *, lock: bool = False) -> _Row | None:
+        sql = f'SELECT {_CONVERSATION_COLUMNS} FROM durcap_conversations WHERE conversation_id = :cid'
+        if lock and self.is_pg:
+            sql += ' FOR UPDATE'
+        row = conn.execute(sa.text(sql), {'cid': conversation_id}).first()
+        return None if row is None else _decode_row(row)
+
+    def read_record(self, conversation_id: str) -> ConversationRecord | None:
+        with self._txn(write=False) as conn:
+            row = self._conversation_row(conn, conversation_id)
+        return None if row is None or row.deleted else row.record
+
+    def read_records(self, scope: str | None, limit: int | None) -> list[ConversationRecord]:
+        sql = f'SELECT {_CONVERSATION_COLUMNS} FROM durcap_conversations WHERE deleted = 0'
+        params: dict[str, Any] = {}
+        if scope is not None:
+            sql += ' AND scope = :scope'
+            params['scope'] = scope
+        sql += ' ORDER BY updated_at DESC, conversation_id'
+        if limit is not None:
+            sql += ' LIMIT :limit'
+            params['limit'] = limit
+        with self._txn(write=False) as conn:
+            rows = conn.execute(sa.text(sql), params).all()
+        return [_decode_row(row).record for row in rows]
+
+    def _history_rows(self, conn: sa.Connection, head_id: str, limit: int | None, conversation_id: str | None) -> list[Any]:
+        """The entry rows from the first (or the `limit`-th last) up to `head_id`, oldest first.
+
+        Positions along a history go down by one from child to parent, so the rows are read a range of
+        positions at a time from the conversation that wrote them and linked up in memory: one range for
+        a conversation's own history, one more for each fork it descends from. A range holding one line
+        of entries (no branch) is taken whole after checking its links.
+
+        Raises:
+            CorruptedRowError: an entry on the way is missing or its position does not fit its parent's.
+        """
+        want = _NO_LIMIT if limit is None else limit
+        whose = f'conversation {conversation_id!r}: ' if conversation_id else ''
+        chain: list[Any] = []  # newest first
+        next_id: str | None = head_id
+        child: Any = None  # the oldest row taken so far
+        while next_id is not None and len(chain) < want:
+            anchor = conn.execute(sa.text(f'{_ENTRY_SELECT} WHERE entry_id = :id'), {'id': next_id}).first()
+            if anchor is None:
+                what = f'the head entry {next_id!r}' if child is None else (
+                    f'entry {next_id!r}, the parent of entry {child.entry_id!r} (message {child.position}),'
+                )
+                raise CorruptedRowError(
+                    f'{whose}{what} is missing from durcap_entries. Nothing was changed; restore it from a backup.',
+                    conversation_id=conversation_id, table='durcap_entries',
+                    row=next_id if child is None else child.entry_id, position=None if child is None else child.position,
+                )
+            if child is not None and anchor.position != child.position - 1:
+                raise _misplaced(whose, conversation_id, child, anchor)
+            low = max(1, anchor.position - (want - len(chain)) + 1)
+            rows = conn.execute(
+                sa.text(
+                    f'{_ENTRY_SELECT} WHERE conversation_id = :owner AND position >= :low AND position < :high '
+                    'ORDER BY position'
+                ),
+                {'owner': anchor.conversation_id, 'low': low, 'high': anchor.position},
+            ).all()
+            if _is_line(rows, anchor, low):
+                chain.append(anchor)
+                chain.extend(reversed(rows))
+                child = chain[-1]
+                next_id = child.parent_id if len(chain) < want else None
+                continue
+            by_id = {row.entry_id: row for row in rows}
+            row, next_id = anchor, None
+            while True:
+                chain.append(row)
+                child = row
+                if row.parent_id is None or len(chain) >= want:
+                    break
+                if row.parent_id not in by_id:
+                    next_id = row.parent_id  # written by another conversation (a fork): read its range
+                    break
+                row = by_id[row.parent_id]
+                if row.position != child.position - 1:
+                    raise _misplaced(whose, conversation_id, child, row)
+        chain.reverse()
+        return chain
+
+    def read(self, conversation_id: str, limit: int | None, scope: str | None) -> StoredConversation:
+        with self._txn(write=False) as conn:
+            row = self._conversation_row(conn, conversation_id)
+            if row is None or row.deleted:
+                raise ConversationNotFoundError(conversation_id, ' (it was deleted)' if row is not None else '')
+            if scope is not None and row.record.scope != scope:
+                raise ConversationNotFoundError(conversation_id, f' with scope {scope!r}')
+            head = row.record.head_id
+            rows = [] if head is None else self._history_rows(conn, head, limit, conversation_id)
+        messages = _decode_messages(rows, conversation_id)
+        return StoredConversation(
+            conversation_id=conversation_id,
+            messages=messages,
+            revision=row.revision,
+            record=row.record,
+            entry_ids=[r.entry_id for r in rows],
+            first_position=rows[0].position if rows else row.message_count + 1,
+        )
+
+    def read_history(self, head_id: str, limit: int | None) -> list[ConversationEntry]:
+        with self._txn(write=False) as conn:
+            rows = self._history_rows(conn, head_id, limit, None)
+        messages = _decode_messages(rows, None)
+        return [ConversationEntry(id=r.entry_id, parent_id=r.parent_id, message=m) for r, m in zip(rows, messages)]
+
+    def read_entry(self, entry_id: str) -> ConversationEntry:
+        with self._txn(write=False) as conn:
+            row = conn.execute(sa.text(f'{_ENTRY_SELECT} WHERE entry_id = :id'), {'id': entry_id}).first()
+        if row is None:
+            raise KeyError(entry_id)
+        return ConversationEntry(id=row.entry_id, parent_id=row.parent_id, message=_decode_messages([row], None)[0])
+
+    def writes(self, conversation_id: str) -> list[WriteRecord]:
+        with self._txn(write=False) as conn:
+            rows = conn.execute(
+                sa.text(
+                    'SELECT revision, operation, append_id, first_position, entry_ids, written_at, writer '
+                    'FROM durcap_writes WHERE conversation_id = :cid ORDER BY revision'
+                ),
+                {'cid': conversation_id},
+            ).all()
+        result = []
+        for row in rows:
+            try:
+                entry_ids = _BRANCHES.validate_json(row.entry_ids)
+                written_at = datetime.fromisoformat(row.written_at)
+            except (pydantic.ValidationError, ValueError) as exc:
+                raise CorruptedRowError(
+                    f'conversation {conversation_id!r}: durcap_writes row revision {row.revision} does not decode '
+                    f'({_first_line(exc)}). Nothing was changed.',
+                    conversation_id=conversation_id, table='durcap_writes', row=str(row.revision),
+                ) from None
+            result.append(
+                WriteRecord(int(row.revision), row.operation, row.append_id, row.first_position, entry_ids, written_at, row.writer)
+            )
+        return result
+
+    # ---- writing ------------------------------------------------------------------------------
+
+    def _insert_entries(self, conn: sa.Connection, conversation_id: str, rows: list[dict[str, Any]]) -> None:
+        if rows:
+            conn.execute(
+                sa.text(
+                    'INSERT INTO durcap_entries (entry_id, parent_id, conversation_id, position, kind, message, writer, '
+                    'created_at) VALUES (:entry_id, :parent_id, :cid, :position, :kind, :message, :writer, :at)'
+                ),
+                [row | {'cid': conversation_id, 'writer': _WRITER} for row in rows],
+            )
+
+    def _store_row(
+        self, conn: sa.Connection, old: _Row | None, record: ConversationRecord, *, message_count: int, token: str
+    ) -> int:
+        """Insert or update the conversation row; returns the new integer revision."""
+        revision = (old.revision if old is not None else 0) + 1
+        values = {
+            'cid': record.conversation_id,
+            'revision': revision,
+            'token': token,
+            'head_id': record.head_id,
+            'message_count': message_count,
+            'usage': _USAGE.dump_json(record.usage).decode(),
+            'deferred': None if record.deferred_tool_requests is None else _DEFERRED.dump_json(record.deferred_tool_requests).decode(),
+            'scope': record.scope,
+            'forked_from': record.forked_from,
+            'forked_at': record.forked_at,
+            'branches': json.dumps(list(record.branches)),
+            'format_version': record.format_version,
+            'updated_at': _iso(record.updated_at),
+            'writer': _WRITER,
+        }
+        if old is None:
+            conn.execute(
+                sa.text(
+                    f'INSERT INTO durcap_conversations ({_CONVERSATION_COLUMNS}) VALUES (:cid, :revision, :token, '
+                    ':head_id, :message_count, :usage, :deferred, :scope, :forked_from, :forked_at, :branches, '
+                    ':format_version, 0, :updated_at, :writer)'
+                ),
+                values,
+            )
+        else:
+            done = conn.execute(
+                sa.text(
+                    'UPDATE durcap_conversations SET revision = :revision, token = :token, head_id = :head_id, '
+                    'message_count = :message_count, usage = :usage, deferred_tool_requests = :deferred, '
+                    'scope = :scope, forked_from = :forked_from, forked_at = :forked_at, branches = :branches, '
+                    'format_version = :format_version, deleted = 0, updated_at = :updated_at, writer = :writer '
+                    'WHERE conversation_id = :cid AND revision = :old_revision'
+                ),
+                values | {'old_revision': old.revision},
+            )
+            if done.rowcount != 1:  # cannot happen under the row lock; never overwrite if it does
+                raise ConversationConflictError(record.conversation_id, expected=old.revision, stored=None)
+        return revision
+
+    def _log_write(
+        self,
+        conn: sa.Connection,
+        conversation_id: str,
+        revision: int,
+        operation: str,
+        *,
+        entry_ids: list[str],
+        first_position: int | None,
+        append_id: str | None = None,
+        digest: str | None = None,
+    ) -> None:
+        conn.execute(
+            sa.text(
+                'INSERT INTO durcap_writes (conversation_id, revision, operation, append_id, digest, first_position, '
+                'entry_ids, written_at, writer) VALUES (:cid, :revision, :op, :append_id, :digest, :first, :ids, :at, :w)'
+            ),
+            {
+                'cid': conversation_id, 'revision': revision, 'op': operation, 'append_id': append_id, 'digest': digest,
+                'first': first_position, 'ids': json.dumps(entry_ids), 'at': _utcnow(), 'w': _WRITER,
+            },
+        )
+
+    def _retrying_creation(self, attempt: Any) -> Any:
+        """Run a write; if two writers created the same conversation at once, run it again (it then sees the row)."""
+        for tries in range(3):
+            try:
+                return attempt()
+            except sa.exc.IntegrityError:
+                if tries == 2:
+                    raise
+        raise AssertionError('unreachable')
+
+    def append(
+        self,
+        conversation_id: str,
+        encoded: list[str],
+        expected: int | None,
+        append_id: str | None,
+        usage: RunUsage | None,
+        deferred: DeferredToolRequests | None,
+        scope: str | None,
+    ) -> AppendResult:
+        digest = _digest(encoded)
+
+        def attempt() -> AppendResult:
+            with self._txn(write=True) as conn:
+                old = self._conversation_row(conn, conversation_id, lock=True)
+                if append_id is not None:
+                    earlier = conn.execute(
+                        sa.text(
+                            'SELECT revision, digest, first_position, entry_ids FROM durcap_writes '
+                            'WHERE conversation_id = :cid AND append_id = :aid'
+                        ),
+                        {'cid': conversation_id, 'aid': append_id},
+                    ).first()
+                    if earlier is not None:
+                        ids = json.loads(earlier.entry_ids)
+                        if len(ids) != len(encoded):
+                            raise AppendIdReuseError(
+                                f'conversation {conversation_id!r}: append_id {append_id!r} was stored at revision '
+                                f'{earlier.revision} with {len(ids)} message(s), and now comes with {len(encoded)}; '
+                                'nothing was written. Give each append its own id.'
+                            )
+                        return AppendResult(
+                            conversation_id, int(earlier.revision), ids, int(earlier.first_position),
+                            int(earlier.first_position) - 1 + len(ids), replayed=True,
+                            replayed_differently=earlier.digest != digest,
+                        )
+                live = old is not None and not old.deleted
+                stored = old.revision if live else None  # type: ignore[union-attr]
+                if stored != expected:
+                    raise ConversationConflictError(conversation_id, expected=expected, stored=stored)
+                if live and scope is not None and old.record.scope != scope:  # type: ignore[union-attr]
+                    raise ConversationConflictError(
+                        conversation_id, expected=expected, stored=stored,
+                        reason=f', saved with scope {old.record.scope!r}, not {scope!r}',  # type: ignore[union-attr]
+                    )
+                base = old.record if live else ConversationRecord(conversation_id=conversation_id, head_id=None, scope=scope)  # type: ignore[union-attr]
+                count = old.message_count if live else 0  # type: ignore[union-attr]
+                parent = base.head_id
+                rows = []
+                for offset, message in enumerate(encoded):
+                    entry_id = str(uuid.uuid4())
+                    rows.append({
+                        'entry_id': entry_id, 'parent_id': parent, 'position': count + offset + 1,
+                        'kind': 'message', 'message': message, 'at': _utcnow(),
+                    })
+                    parent = entry_id
+                self._insert_entries(conn, conversation_id, rows)
+                record = dataclasses.replace(
+                    base,
+                    head_id=parent,
+                    usage=base.usage + usage if usage is not None else base.usage,
+                    deferred_tool_requests=deferred,
+                    updated_at=datetime.now(UTC),
+                )
+                revision = self._store_row(conn, old, record, message_count=count + len(encoded), token=str(uuid.uuid4()))
+                ids = [row['entry_id'] for row in rows]
+                self._log_write(
+                    conn, conversation_id, revision, 'append', entry_ids=ids, first_position=count + 1,
+                    append_id=append_id, digest=digest,
+                )
+                return AppendResult(conversation_id, revision, ids, count + 1, count + len(encoded))
+
+        return self._retrying_creation(attempt)
+
+    def write_record(self, record: ConversationRecord, encoded: list[tuple[ConversationEntry, str]], expected: str | None) -> None:
+        cid = record.conversation_id
+
+        def attempt() -> None:
+            with self._txn(write=True) as conn:
+                old = self._conversation_row(conn, cid, lock=True)
+                live = old is not None and not old.deleted
+                stored = old.record.revision if live else None  # type: ignore[union-attr]
+                if stored != expected:
+                    raise ConversationConflictError(cid, expected=expected, stored=stored)
+                positions: dict[str, int] = {}
+                rows = []
+                for entry, message in encoded:
+                    if entry.parent_id is None:
+                        position = 1
+                    elif entry.parent_id in positions:
+                        position = positions[entry.parent_id] + 1
+                    else:
+                        parent_position = self._entry_position(conn, entry.parent_id)
+                        if parent_position is None:
+                            raise ConversationConflictError(
+                                cid, expected=expected, stored=stored, reason=f'; entry {entry.parent_id!r} is gone'
+                            )
+                        position = parent_position + 1
+                    positions[entry.id] = position
+                    rows.append({
+                        'entry_id': entry.id, 'parent_id': entry.parent_id, 'position': position,
+                        'kind': entry.kind, 'message': message, 'at': _utcnow(),
+                    })
+                head = record.head_id
+                if head is None:
+                    count = 0
+                elif head in positions:
+                    count = positions[head]
+                else:
+                    found = self._entry_position(conn, head)
+                    if found is None:
+                        raise ConversationConflictError(cid, expected=expected, stored=stored, reason=f'; entry {head!r} is gone')
+                    count = found
+                self._insert_entries(conn, cid, rows)
+                revision = self._store_row(conn, old, record, message_count=count, token=record.revision)
+                self._log_write(
+                    conn, cid, revision, 'save', entry_ids=[r['entry_id'] for r in rows],
+                    first_position=rows[0]['position'] if rows else count + 1,
+                )
+
+        self._retrying_creation(attempt)
+
+    def _entry_position(self, conn: sa.Connection, entry_id: str) -> int | None:
+        row = conn.execute(sa.text('SELECT position FROM durcap_entries WHERE entry_id = :id'), {'id': entry_id}).first()
+        return None if row is None else int(row[0])
+
+    def delete_record(self, conversation_id: str, expected: str) -> None:
+        with self._txn(write=True) as conn:
+            old = self._conversation_row(conn, conversation_id, lock=True)
+            if old is None or old.deleted or old.record.revision != expected:
+                stored = old.record.revision if old is not None and not old.deleted else None
+                raise ConversationConflictError(conversation_id, expected=expected, stored=stored)
+            revision = old.revision + 1
+            conn.execute(
+                sa.text(
+                    'UPDATE durcap_conversations SET deleted = 1, revision = :revision, token = :token, '
+                    'updated_at = :at, writer = :w WHERE conversation_id = :cid AND revision = :old'
+                ),
+                {'revision': revision, 'token': str(uuid.uuid4()), 'at': _utcnow(), 'w': _WRITER,
+                 'cid': conversation_id, 'old': old.revision},
+            )
+            self._log_write(conn, conversation_id, revision, 'delete', entry_ids=[], first_position=None)
+
+
+def _is_line(rows: Sequence[Any], anchor: Any, low: int) -> bool:
+    """Whether `rows` (ordered by position, from `low` up to the anchor's) are one line of entries ending at `anchor`."""
+    if len(rows) != anchor.position - low:
+        return False
+    if not rows:
+        return True
+    if anchor[1] != rows[-1][0] or rows[0][3] != low:
+        return False
+    return all(older[0] == newer[1] for older, newer in itertools.pairwise(rows))
+
+
+def _misplaced(whose: str, conversation_id: str | None, child: Any, parent: Any) -> CorruptedRowError:
+    return CorruptedRowError(
+        f'{whose}entry {child.entry_id!r} is at position {child.position} but its parent {parent.entry_id!r} is at '
+        f'{parent.position}. Nothing was changed; restore the rows from a backup.',
+        conversation_id=conversation_id, table='durcap_entries', row=child.entry_id, position=child.position,
+    )
+
+
+def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
+    dbapi_connection.isolation_level = None
+    # Readers do not block the writer nor the writer readers; a no-op once set, 'memory' for :memory:.
+    dbapi_connection.execute('PRAGMA journal_mode=WAL')
+
+
+def _sqlite_begin(conn: sa.Connection) -> None:
+    conn.exec_driver_sql('BEGIN IMMEDIATE' if conn.get_execution_options().get('durcap_write') else 'BEGIN')

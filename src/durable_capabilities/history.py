@@ -1,0 +1,223 @@
+"""What a stored history says: the capabilities it loaded, the tools it called, and its drift from a definition.
+
+`loaded_capability_ids` and `tools_called` read a history; `drift` compares one with the `DurableAgent` it
+will resume with (problems DC018 and DC019). All three are re-exported by `durable_capabilities.store`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic_ai.messages import (
+    CapabilityLoadDeltaPart,
+    LoadCapabilityCallPart,
+    LoadCapabilityReturnPart,
+    ModelMessage,
+    ModelResponse,
+    ToolAvailabilityDeltaPart,
+    ToolCallPart,
+    ToolSearchCallPart,
+    post_compaction_window,
+)
+
+from .validation import Problem
+
+if TYPE_CHECKING:
+    from .agent import DurableAgent
+
+__all__ = ['drift', 'loaded_capability_ids', 'tools_called']
+
+
+def loaded_capability_ids(messages: Sequence[ModelMessage]) -> list[str]:
+    """The capability ids a history loaded, in the order first loaded.
+
+    The same rule upstream applies when a run starts from `message_history` (pydantic-ai 2.68 keeps
+    it private, `_deferred_capabilities.parse_loaded_capabilities`), written with public names: only
+    the messages after the last compaction (`post_compaction_window`) count; a capability is loaded by
+    a `load_capability` return that completes its call, or by a `CapabilityLoadDeltaPart` naming it
+    (`ctx.load_capability()` from a tool). A failed load loads nothing. Upstream then narrows the set to
+    the capabilities the agent registers; `drift` reports the ones it would drop.
+
+    Args:
+        messages: A history, oldest first.
+
+    Returns:
+        Capability ids, without repeats.
+    """
+    return list(_loads(post_compaction_window(messages)))
+
+
+@dataclass
+class _Load:
+    position: int  # 1-based message position of the load
+    tools: set[str] = field(default_factory=set)  # tools revealed by the load
+
+
+def _loads(window: Sequence[ModelMessage], offset: int = 0) -> dict[str, _Load]:
+    """`{capability id: where it was loaded and the tools its load revealed}`, in load order."""
+    calls: dict[str, str] = {}
+    by_call: dict[str | None, list[str]] = {}
+    loads: dict[str, _Load] = {}
+    for index, message in enumerate(window, start=offset + 1):
+        for part in message.parts:
+            if isinstance(part, LoadCapabilityCallPart):
+                if part.capability_id is not None:
+                    calls[part.tool_call_id] = part.capability_id
+                continue
+            if isinstance(part, ToolAvailabilityDeltaPart):
+                for capability_id in by_call.get(part.tool_call_id, []):
+                    loads[capability_id].tools.update(part.tools_added)
+                continue
+            if isinstance(part, CapabilityLoadDeltaPart):
+                ids, call_id = list(part.loaded), part.tool_call_id
+            elif isinstance(part, LoadCapabilityReturnPart) and part.tool_call_id in calls:
+                ids, call_id = [calls[part.tool_call_id]], part.tool_call_id
+            else:
+                continue
+            for capability_id in ids:
+                loads.setdefault(capability_id, _Load(index))
+                by_call.setdefault(call_id, []).append(capability_id)
+    return loads
+
+
+def tools_called(messages: Sequence[ModelMessage]) -> dict[str, int]:
+    """`{tool name: number of calls}` over the model's tool calls, first call first.
+
+    `load_capability` and tool-search calls are counted too; provider-native (builtin) tools are not.
+    """
+    counts: dict[str, int] = {}
+    for message in messages:
+        if isinstance(message, ModelResponse):
+            for part in message.parts:
+                if isinstance(part, ToolCallPart):
+                    counts[part.tool_name] = counts.get(part.tool_name, 0) + 1
+    return counts
+
+
+def drift(
+    history: Sequence[ModelMessage],
+    definition: DurableAgent[Any, Any],
+    *,
+    severity: Literal['error', 'warning'] = 'error',
+    conversation_id: str | None = None,
+) -> list[Problem]:
+    """What a stored history refers to that `definition` no longer has, as `Problem`s.
+
+    - DC018: the history loaded a capability id the definition does not register (renamed or
+      removed). Upstream would silently drop it on resume: the model sees the catalog again, or gets
+      "Unknown tool" for its tools. When a current capability has the tools the old one revealed, the
+      problem names it as the likely new id. An id the definition keeps as an alias
+      (`DurableAgent(aliases={new: old})`) is reported at `'info'`: the agent maps it on resume
+      (`aliases.rewrite_history`, `CapabilityAliases`).
+    - DC019: the history called a tool no agent tool or capability defines any more. Output tools
+      (`final_result*` and `ToolOutput(name=...)`) and `load_capability` are not reported. When some
+      capability's tools are only known at run time (MCP, toolset functions), an unknown tool not
+      revealed by a missing capability is reported at `'info'`: it may still exist.
+
+    Only the messages after the last compaction count, as upstream's own rebuild.
+
+    Args:
+        history: The stored messages, oldest first.
+        definition: The definition the conversation will resume with.
+        severity: `'error'` (default: a runner refuses to resume) or `'warning'` (resume and report).
+        conversation_id: Named in each problem's `where`.
+
+    Returns:
+        The problems, DC018 first, each naming the old id, the message position and what to do.
+    """
+    window = post_compaction_window(history)
+    offset = len(history) - len(window)
+    loads = _loads(window, offset)
+    where = f'conversation {conversation_id!r}' if conversation_id else 'history'
+    current = set(definition.capability_ids())
+    aliased = {old: new for new, old in getattr(definition, 'aliases', {}).items()}
+    static, unknown_owners = definition.tool_names_by_capability()
+    known_tools = set(static) | set(_agent_tool_names(definition))
+    output_names = _output_tool_names(definition.output_type)
+    problems: list[Problem] = []
+    missing_tools: dict[str, str] = {}  # tool -> missing capability that revealed it
+    for capability_id, load in loads.items():
+        if capability_id in current:
+            continue
+        for tool in load.tools:
+            missing_tools.setdefault(tool, capability_id)
+        if capability_id in aliased:
+            problems.append(Problem(
+                'DC018', 'info', where,
+                f'the history loaded capability {capability_id!r} (message {load.position}), which the definition now '
+                f'calls {aliased[capability_id]!r}; its alias maps the load on resume.',
+                f"Nothing to do while `aliases={{'{aliased[capability_id]}': '{capability_id}'}}` stays in the "
+                'definition; drop the alias only once no stored conversation needs it.',
+            ))
+            continue
+        # The likely new id: the current capability defining most of the tools the old load revealed.
+        owners: dict[str, set[str]] = {}
+        for tool in load.tools:
+            for owner in static.get(tool, ()):
+                owners.setdefault(owner, set()).add(tool)
+        successors = sorted(owners, key=lambda cid: (-len(owners[cid]), cid))
+        if successors:
+            hint = f' It looks renamed to {successors[0]!r}, which has {", ".join(sorted(owners[successors[0]]))}.'
+        elif load.tools:
+            hint = ' No current capability has the tools its load revealed; it looks removed.'
+        else:
+            hint = ' Its load revealed no tools, so a rename cannot be told from a removal.'
+
+        new_id = successors[0] if successors else 'the new id'
+        problems.append(Problem(
+            'DC018', severity, where,
+            f'the history loaded capability {capability_id!r} (message {load.position}), which the definition no '
+            f'longer has; on resume it would silently not be loaded.{hint}',
+            f"Keep an alias: `DurableAgent(..., aliases={{'{new_id}': '{capability_id}'}})` (or give a capability "
+            f'the id {capability_id!r} back); or start a new conversation.',
+        ))
+    first_call: dict[str, int] = {}
+    for index, message in enumerate(window, start=offset + 1):
+        if isinstance(message, ModelResponse):
+            for part in message.parts:
+                if isinstance(part, ToolCallPart) and not isinstance(part, (LoadCapabilityCallPart, ToolSearchCallPart)):
+                    first_call.setdefault(part.tool_name, index)
+    for tool, position in first_call.items():
+        if tool in known_tools or _is_output_tool(tool, output_names):
+            continue
+        via = missing_tools.get(tool)
+        unsure = bool(unknown_owners) and via is None
+        source = f', revealed by capability {via!r}, which the definition no longer has' if via else ''
+        maybe = (
+            f' (the tools of {", ".join(repr(c) for c in sorted(unknown_owners))} are only known at run time, so it '
+            'may still exist)' if unsure else ''
+        )
+        problems.append(Problem(
+            'DC019', 'info' if unsure else severity, where,
+            f'the history called tool {tool!r} (message {position}{source}), which no capability or agent tool of the '
+            f'definition defines{maybe}; on resume the model would get "Unknown tool" if it calls it again.',
+            f'Keep a tool named {tool!r} (in the capability that had it, or one aliased to it), or start a new '
+            'conversation.',
+        ))
+    return problems
+
+
+def _agent_tool_names(definition: DurableAgent[Any, Any]) -> list[str]:
+    from pydantic_ai.toolsets import FunctionToolset
+
+    return list(FunctionToolset(list(definition.tools)).tools)
+
+
+def _output_tool_names(output_type: Any) -> set[str]:
+    from pydantic_ai.output import ToolOutput
+
+    found: set[str] = set()
+    stack = [output_type]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, ToolOutput) and item.name:
+            found.add(item.name)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return found
+
+
+def _is_output_tool(tool: str, named: set[str]) -> bool:
+    return tool in named or tool == 'final_result' or tool.startswith('final_result_')
