@@ -51,14 +51,8 @@ class RunEngine(str, Enum):
 
 def _one_agent(target: str) -> DurableAgent[Any, Any]:
     """Load TARGET as exactly one valid definition; print its errors and exit 1 otherwise."""
-    try:
-        agents, is_list = load_target(target)
-    except UnusableTarget as exc:
-        _unusable(str(exc))
-    except DurableConfigError as exc:
-        _print_text(exc.report, exc.subject)
-        raise typer.Exit(1) from None
-    if is_list and len(agents) != 1:
+    agents = _valid_agents(target)
+    if len(agents) != 1:
         _unusable(f'{target} names {len(agents)} agents; name one')
     return agents[0]
 

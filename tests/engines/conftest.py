@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,8 @@ from durable_capabilities._servers import (
     start_prefect_server,
     start_temporal_dev_server,
 )
+from tests.engines._pg import create_database, drop_database
+from tests.engines._pg import url as pg_url
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,16 +58,11 @@ def prefect_api_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture
 def postgres_url() -> Iterator[str]:
     """A fresh PostgreSQL database on 127.0.0.1:5432, dropped after the test."""
-    import psycopg
-
-    name = f'durcap_{uuid.uuid4().hex[:12]}'
-    with psycopg.connect('postgresql://postgres@127.0.0.1:5432/postgres', autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE {name}')
+    name = create_database('durcap')
     try:
-        yield f'postgresql://postgres@127.0.0.1:5432/{name}'
+        yield pg_url(name)
     finally:
-        with psycopg.connect('postgresql://postgres@127.0.0.1:5432/postgres', autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS {name} WITH (FORCE)')
+        drop_database(name)
 
 
 @dataclass

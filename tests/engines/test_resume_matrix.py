@@ -46,6 +46,7 @@ from typing import Any
 import pytest
 
 from examples.support.agent import make_store
+from tests.engines._pg import create_database, drop_database
 
 pytestmark = pytest.mark.slow
 
@@ -219,19 +220,11 @@ def plans(tag: str) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[dic
 
 
 def _create_postgres_database() -> str:
-    import psycopg
-
-    name = f'durcap_resume_{uuid.uuid4().hex[:12]}'
-    with psycopg.connect('postgresql://postgres@127.0.0.1:5432/postgres', autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE {name}')
-    return name
+    return create_database('durcap_resume')
 
 
 def _drop_postgres_database(name: str) -> None:
-    import psycopg
-
-    with psycopg.connect('postgresql://postgres@127.0.0.1:5432/postgres', autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS {name} WITH (FORCE)')
+    drop_database(name)
 
 
 @pytest.fixture(scope='module')

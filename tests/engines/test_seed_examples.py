@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from tests.engines._pg import create_database, drop_database
 from tests.engines.seed_driver import ORDER_LINE
 
 pytestmark = pytest.mark.slow
@@ -81,19 +82,11 @@ UPSTREAM_TEMPORAL_ID = 'upstream bug (pydantic-ai 2.68): on Temporal, a Capabili
 
 
 def _postgres_database() -> str:
-    import psycopg
-
-    name = f'durcap_seed_{uuid.uuid4().hex[:12]}'
-    with psycopg.connect('postgresql://postgres@127.0.0.1:5432/postgres', autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE {name}')
-    return name
+    return create_database('durcap_seed')
 
 
 def _drop_postgres_database(name: str) -> None:
-    import psycopg
-
-    with psycopg.connect('postgresql://postgres@127.0.0.1:5432/postgres', autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS {name} WITH (FORCE)')
+    drop_database(name)
 
 
 def _drive(args: list[str], env: dict[str, str], out_dir: Path) -> dict[str, Any]:
