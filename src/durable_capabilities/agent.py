@@ -85,6 +85,8 @@ class DurableAgent(Generic[DepsT, OutputT]):
         self.agent_kwargs = agent_kwargs
         self.engine_options = {k: dict(v) for k, v in (engine_options or {}).items()}
         self.aliases = dict(aliases or {})
+        if isinstance(previous_names, str):
+            raise TypeError(f'previous_names must be a list of names, not the string {previous_names!r}')
         self.previous_names = list(previous_names)
         self.conversation_store = conversation_store
         if drift not in ('error', 'warning'):

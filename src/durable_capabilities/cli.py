@@ -189,8 +189,8 @@ def check(
         report = exc.report
         subject = exc.subject
     else:
-        if lock is not None:
-            report.extend(_lock_diff(lock, agents))
+        # The lockfile given, or the one beside TARGET: what `durcap worker temporal` will check at start.
+        check_drift(target, agents, lock, False, report)
     if engine:
         wanted = {e.value for e in engine}
         report = Report([p for p in report if not p.engines or wanted.intersection(p.engines)])
@@ -292,7 +292,10 @@ def lock(
     from .lockfile import write_lock
 
     agents = _valid_agents(target)
-    path = write_lock(agents, output)
+    try:
+        path = write_lock(agents, output)
+    except OSError as exc:
+        _unusable(f'cannot write {output}: {exc.strerror or type(exc).__name__}')
     _err.print(f'wrote {path} ({", ".join(a.name for a in agents)})')
 
 

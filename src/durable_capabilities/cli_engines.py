@@ -86,12 +86,16 @@ async def _run_on(
         # Without PREFECT_API_URL, Prefect starts a temporary local server; keep it from phoning home.
         os.environ.setdefault('PREFECT_SERVER_ANALYTICS_ENABLED', 'false')
         return await runner.run_prefect(agent, prompt, deps=deps, conversation_id=conversation_id)
-    from ._servers import start_temporal_dev_server
+    from ._servers import port_open, start_temporal_dev_server
 
     server = None
+    if address is None and port_open('127.0.0.1', 7233):
+        address = '127.0.0.1:7233'  # the default a `durcap worker temporal` and `durcap dev temporal` use
     if address is None:
-        _err.print('no Temporal server configured (--address, DURCAP_TEMPORAL_ADDRESS): starting the embedded dev server')
-        server = start_temporal_dev_server(state_dir='.durcap')
+        _err.print('no Temporal server configured (--address, DURCAP_TEMPORAL_ADDRESS, 127.0.0.1:7233): starting '
+                   'an embedded in-memory dev server and an inline worker for this run')
+        # In memory: a second server must never share `durcap dev temporal`'s database file.
+        server = start_temporal_dev_server(state_dir='.durcap', persistent=False)
         address, inline_worker = server.address, True
     try:
         return await runner.run_temporal(
@@ -104,6 +108,9 @@ async def _run_on(
 
 
 def _print_run(report: Any) -> None:
+    if report.run_id:
+        kind = {'temporal': 'workflow id', 'dbos': 'workflow id', 'prefect': 'flow run id'}[report.engine]
+        _err.print(f'{kind}: {report.run_id}')
     _out.print(f'[bold]answer[/bold] ({report.engine}): {report.output}')
     _out.print(f'capabilities loaded in this run: {", ".join(report.loaded_capabilities()) or "none"}')
     if report.durable_units:
@@ -137,8 +144,17 @@ def run(
     from .store import StoreError
 
     agent = _one_agent(target)
+    if conversation is not None and not conversation.strip():
+        _unusable('--conversation must not be empty')
+    if db is not None and not db.startswith(('sqlite:', 'postgresql:', 'postgres:', 'postgresql+')):
+        _unusable(f'--db must be a sqlite:/// or postgresql:// URL, not {db.split(":", 1)[0]!r}')
+    if deps_json is None and agent.deps_type is not type(None):
+        _unusable(f'{agent.name!r} takes deps of type {agent.deps_type.__name__}: pass them with --deps-json')
     if store:
         os.environ['DURCAP_STORE'] = store  # read where the store I/O runs (this process, or an inline worker)
+        if engine is RunEngine.temporal and not inline_worker:
+            _err.print('note: --store applies to this process only; on Temporal the worker\'s store is used '
+                       '(`durcap worker temporal --store`, or $DURCAP_STORE where the worker runs)')
     try:
         report = asyncio.run(_run_on(
             agent, prompt, engine.value, _deps(agent, deps_json), address=_temporal_address(address),
@@ -149,6 +165,17 @@ def run(
         raise typer.Exit(1) from None
     except StoreError as exc:
         _unusable(str(exc).splitlines()[0])
+    except KeyboardInterrupt:
+        _err.print('interrupted; a durable run goes on in its engine (see the workflow / flow run id above)')
+        raise typer.Exit(130) from None
+    except Exception as exc:  # noqa: BLE001 - the run failed in the engine: one line, no traceback
+        cause = exc
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        detail = str(cause).splitlines()[0] if str(cause) else ''
+        _err.print(f'durcap: error: the run failed on {engine.value}: {type(exc).__name__}; cause: '
+                   f'{type(cause).__name__}: {detail}')
+        raise typer.Exit(1) from None
     _print_run(report)
 
 
@@ -198,6 +225,8 @@ def worker_temporal(
     graceful_shutdown: Annotated[float, typer.Option(help='Seconds in-flight activities get to finish after SIGTERM.')] = 30.0,
     lock: Annotated[Path | None, typer.Option('--lock', help='Lockfile to check against (default: durable.lock beside TARGET).')] = None,
     allow_drift: Annotated[bool, typer.Option('--allow-drift', help='Start even when durable unit names differ from the lockfile.')] = False,
+    store: Annotated[str | None, typer.Option('--store', help='Conversation store URL for runs with a conversation id '
+                                              '(default: $DURCAP_STORE or sqlite:///.durcap/conversations.db).')] = None,
 ) -> None:
     """Validate TARGET and serve its workflows and activities; refuse to start on any error or lockfile drift;
     drain on SIGTERM."""
@@ -220,6 +249,8 @@ def worker_temporal(
         _err.print('worker not started: fix the errors above' + ('' if allow_drift else ' (or pass --allow-drift)'))
         raise typer.Exit(1)
     address = _temporal_address(address) or '127.0.0.1:7233'
+    if store:
+        os.environ['DURCAP_STORE'] = store  # the conversation activities run in this process
 
     async def serve() -> None:
         ready = asyncio.Event()

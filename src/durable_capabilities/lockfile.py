@@ -172,6 +172,8 @@ def read_lock(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text(encoding='utf-8'))
     except FileNotFoundError:
         raise LockfileError(f'{path}: no such lockfile; create it with `durcap lock`') from None
+    except (IsADirectoryError, UnicodeDecodeError, PermissionError) as exc:
+        raise LockfileError(f'{path}: cannot read it as a lockfile ({type(exc).__name__})') from None
     except yaml.YAMLError as exc:
         raise LockfileError(f'{path}: not valid YAML ({str(exc).splitlines()[0]})') from None
     if not isinstance(data, dict) or not isinstance(data.get('agents'), dict):

@@ -86,9 +86,11 @@ async def replay_histories(
         path = Path(path)
         try:
             raw = json.loads(path.read_text(encoding='utf-8'))
+            if not isinstance(raw, dict) or not (raw.get('history') or raw).get('events'):
+                raise ValueError('no `events`')
             workflow_id = raw.get('workflowId') or raw.get('workflow_id') or path.stem
             history = WorkflowHistory.from_json(workflow_id, raw.get('history', raw))
-        except (OSError, ValueError, TypeError, KeyError) as exc:
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ValueError(f'{path}: not a Temporal history JSON ({exc})') from None
         result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
         if result.replay_failure is not None:
