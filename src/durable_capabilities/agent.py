@@ -11,7 +11,7 @@ from pydantic_ai.capabilities import MCP, AbstractCapability
 from pydantic_ai.toolsets import AbstractToolset, CombinedToolset, FunctionToolset
 
 from . import _upstream
-from .aliases import CapabilityAliases, rewrite_history
+from .aliases import CapabilityAliases
 from .engines import ALL_ENGINES, DURABLE_ENGINES, ENGINES
 from .ids import LeafPlan, StableIdCapability, id_syntax_error, redact_url, stabilize
 from .runbook import runbook_requirements
@@ -191,21 +191,15 @@ class DurableAgent(Generic[DepsT, OutputT]):
             raise ValueError(f'unknown engine {engine!r}; expected one of {", ".join(ALL_ENGINES)}')
         if engine in self._built:
             return self._built[engine]
-        spec = ENGINES[engine]
-        durability_cls = spec.durability_class()
+        adapter = ENGINES[engine]
+        durability_cls = adapter.durability_class()
         capabilities: list[Any] = list(self._stabilized.capabilities)
         if self.aliases:
             capabilities.append(CapabilityAliases(aliases=self.aliases))
-        if durability_cls is None:
-            from .engines import _mcp
-
-            # No engine: deferred MCP servers still must not be listed before they are loaded.
-            if (guard := _mcp.guard(self, 'local', lambda leaf: None)) is not None:
-                capabilities.append(guard)
-        else:
-            kwargs, extra = spec.parts(self, self.engine_options.get(engine, {}))
+        kwargs, extra = adapter.durability_parts(self, self.engine_options.get(engine, {}))
+        capabilities.extend(extra)
+        if durability_cls is not None:
             kwargs.setdefault('name', self.durable_name)
-            capabilities.extend(extra)
             capabilities.append(durability_cls(**kwargs))
         agent: Agent[Any, Any] = Agent(
             self.model,
@@ -266,28 +260,11 @@ class DurableAgent(Generic[DepsT, OutputT]):
             DurableConfigError: capabilities passed per run (DC012); drift in the stored history (DC018/DC019).
             ConversationConflictError: another run appended to the conversation meanwhile.
         """
-        import uuid
+        from .turn import run_turn
 
-        from pydantic_ai.messages import ModelMessagesTypeAdapter
-        from pydantic_core import to_jsonable_python
-
-        from .conversations import append_conversation, load_conversation
-
-        self.check_run_capabilities(capabilities)
-        revision = None
-        if conversation_id is not None:
-            loaded = await load_conversation(self, conversation_id)
-            message_history = ModelMessagesTypeAdapter.validate_python(loaded.messages) or None
-            revision = loaded.revision
-        result = await self.build('local').run(
-            prompt, deps=deps, message_history=rewrite_history(message_history, self.aliases), **kwargs
-        )
-        if conversation_id is not None:
-            await append_conversation(
-                self, conversation_id, ModelMessagesTypeAdapter.dump_python(result.new_messages(), mode='json'),
-                expected_revision=revision, append_id=f'local:{uuid.uuid4()}', usage=to_jsonable_python(result.usage),
-            )
-        return result
+        turn = await run_turn(self, self.build('local').run, prompt, deps=deps, message_history=message_history,
+                              conversation_id=conversation_id, capabilities=capabilities, **kwargs)
+        return turn.result
 
     # ---- validation -------------------------------------------------------------------------
 

@@ -40,10 +40,30 @@ _err = Console(stderr=True, highlight=False, soft_wrap=True)
 TARGET_HELP = '`pkg.module:attr` or `path/to/file.py:attr`, naming a DurableAgent or a list of them.'
 
 
-class Engine(str, Enum):
-    temporal = 'temporal'
-    dbos = 'dbos'
-    prefect = 'prefect'
+def engine_name(durable_only: bool = True) -> Any:
+    """A `parser=` for `--engine`: the value must name a registered engine, read when the command runs
+    (`engines.register` can add one after this module was imported).
+
+    Raises:
+        typer.BadParameter: the value names no registered engine.
+    """
+
+    def parse(value: str) -> str:
+        from .engines import ALL_ENGINES, DURABLE_ENGINES
+
+        names = tuple(DURABLE_ENGINES if durable_only else ALL_ENGINES)
+        if value not in names:
+            raise typer.BadParameter(f'{value!r} is not one of {", ".join(map(repr, names))}.')
+        return value
+
+    return parse
+
+
+def engine_metavar(durable_only: bool = True) -> str:
+    """`<a|b|c>`: the engines registered when the CLI was imported, for `--help`."""
+    from .engines import ALL_ENGINES, DURABLE_ENGINES
+
+    return '<' + '|'.join(DURABLE_ENGINES if durable_only else ALL_ENGINES) + '>'
 
 
 class CheckFormat(str, Enum):
@@ -172,7 +192,9 @@ def _print_text(report: Report, subject: str) -> None:
 def check(
     target: Annotated[str, typer.Argument(help=TARGET_HELP)],
     engine: Annotated[
-        list[Engine] | None, typer.Option('--engine', '-e', help='Only problems affecting these engines (repeatable).')
+        list[str] | None,
+        typer.Option('--engine', '-e', parser=engine_name(), metavar=engine_metavar(),
+                     help='Only problems affecting these engines (repeatable).'),
     ] = None,
     format: Annotated[CheckFormat, typer.Option('--format', '-f', help='Output format.')] = CheckFormat.text,
     lock: Annotated[Path | None, typer.Option('--lock', help='Compare durable unit names with this lockfile.')] = None,
@@ -192,11 +214,11 @@ def check(
         # The lockfile given, or the one beside TARGET: what `durcap worker temporal` will check at start.
         check_drift(target, agents, lock, False, report)
     if engine:
-        wanted = {e.value for e in engine}
+        wanted = set(engine)
         report = Report([p for p in report if not p.engines or wanted.intersection(p.engines)])
     if format is CheckFormat.json:
         payload = json.loads(report.to_json())
-        payload = {'target': target, 'engines': [e.value for e in engine or []], **payload}
+        payload = {'target': target, 'engines': list(engine or []), **payload}
         print(json.dumps(payload, indent=2))
     elif format is CheckFormat.github:
         if len(report):
@@ -346,7 +368,7 @@ def main() -> None:
 
 # The engine commands (`run`, `demo`, `replay`, `worker`, `dev`, `schedule`, `history`) register on `app`
 # when imported; they import the helpers above, so this comes last.
-from . import cli_engines  # noqa: E402, F401
+from . import cli_engines  # noqa: F401
 
 if __name__ == '__main__':
     # `python -m durable_capabilities.cli` runs this file as `__main__`, a second copy of the module;

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -27,9 +26,12 @@ from .cli import (
     _valid_agents,
     app,
     check_drift,
+    engine_metavar,
+    engine_name,
     load_target,
 )
 from .cli_history import history_app
+from .turn import RunReport
 from .validation import DurableConfigError, Report
 
 worker_app = typer.Typer(help='Run workers.', no_args_is_help=True)
@@ -42,11 +44,9 @@ app.add_typer(schedule_app, name='schedule')
 DEMO_TARGET = Path(__file__).resolve().parents[2] / 'examples' / 'support' / 'agent.py'
 
 
-class RunEngine(str, Enum):
-    local = 'local'
-    temporal = 'temporal'
-    dbos = 'dbos'
-    prefect = 'prefect'
+def _engine_option(help: str) -> Any:
+    """`--engine/-e`: one of the registered engines (local included)."""
+    return typer.Option('--engine', '-e', parser=engine_name(durable_only=False), metavar=engine_metavar(False), help=help)
 
 
 def _one_agent(target: str) -> DurableAgent[Any, Any]:
@@ -74,48 +74,30 @@ def _temporal_address(address: str | None) -> str | None:
 
 async def _run_on(
     agent: DurableAgent[Any, Any], prompt: str, engine: str, deps: Any, *, address: str | None, task_queue: str,
-    db: str | None, inline_worker: bool, conversation_id: str | None = None,
-) -> Any:
+    db: str | None, inline_worker: bool, conversation_id: str | None = None, store: str | None = None,
+) -> RunReport:
+    """One run through the runner; the engine's notes (e.g. which store its worker uses) printed first."""
     from . import runner
+    from .engines import RunOptions, get
 
-    if engine == 'local':
-        return await runner.run_local(agent, prompt, deps=deps, conversation_id=conversation_id)
-    if engine == 'dbos':
-        return await runner.run_dbos(agent, prompt, deps=deps, system_database_url=db, conversation_id=conversation_id)
-    if engine == 'prefect':
-        # Without PREFECT_API_URL, Prefect starts a temporary local server; keep it from phoning home.
-        os.environ.setdefault('PREFECT_SERVER_ANALYTICS_ENABLED', 'false')
-        return await runner.run_prefect(agent, prompt, deps=deps, conversation_id=conversation_id)
-    from ._servers import port_open, start_temporal_dev_server
-
-    server = None
-    if address is None and port_open('127.0.0.1', 7233):
-        address = '127.0.0.1:7233'  # the default a `durcap worker temporal` and `durcap dev temporal` use
-    if address is None:
-        _err.print('no Temporal server configured (--address, DURCAP_TEMPORAL_ADDRESS, 127.0.0.1:7233): starting '
-                   'an embedded in-memory dev server and an inline worker for this run')
-        # In memory: a second server must never share `durcap dev temporal`'s database file.
-        server = start_temporal_dev_server(state_dir='.durcap', persistent=False)
-        address, inline_worker = server.address, True
-    try:
-        return await runner.run_temporal(
-            agent, prompt, address=address, task_queue=task_queue, deps=deps, inline_worker=inline_worker,
-            conversation_id=conversation_id,
-        )
-    finally:
-        if server is not None:
-            server.stop()
+    settings = {'address': address, 'task_queue': task_queue, 'db': db, 'inline_worker': inline_worker, 'store': store}
+    for note in get(engine).run_notes(RunOptions(deps, None, conversation_id, None, settings)):
+        _err.print(note)
+    return await runner.run(agent, prompt, engine=engine, deps=deps, conversation_id=conversation_id,
+                            notify=_err.print, **settings)
 
 
-def _print_run(report: Any) -> None:
+def _print_run(report: RunReport) -> None:
+    """Print a run's answer, loaded capabilities, durable units (in the engine's words) and usage."""
+    from .engines import get
+
+    adapter = get(report.engine)
     if report.run_id:
-        kind = {'temporal': 'workflow id', 'dbos': 'workflow id', 'prefect': 'flow run id'}[report.engine]
-        _err.print(f'{kind}: {report.run_id}')
+        _err.print(f'{adapter.run_id_label}: {report.run_id}')
     _out.print(f'[bold]answer[/bold] ({report.engine}): {report.output}')
     _out.print(f'capabilities loaded in this run: {", ".join(report.loaded_capabilities()) or "none"}')
     if report.durable_units:
-        unit = {'temporal': 'activities', 'dbos': 'steps', 'prefect': 'tasks'}[report.engine]
-        _out.print(f'durable units recorded ({unit}, in order):')
+        _out.print(f'durable units recorded ({adapter.units}, in order):')
         for name in report.durable_units:
             _out.print(f'  {name}')
     _out.print(f'usage: {report.usage.requests} requests, {report.usage.input_tokens} input tokens, '
@@ -126,7 +108,7 @@ def _print_run(report: Any) -> None:
 def run(
     target: Annotated[str, typer.Argument(help=TARGET_HELP)],
     prompt: Annotated[str, typer.Argument(help='The user prompt.')],
-    engine: Annotated[RunEngine, typer.Option('--engine', '-e', help='Where to run.')] = RunEngine.local,
+    engine: Annotated[str, _engine_option('Where to run.')] = 'local',
     deps_json: Annotated[str | None, typer.Option('--deps-json', help="The run's deps as JSON, validated into deps_type.")] = None,
     address: Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS; '
                                                      'none: start the embedded dev server).')] = None,
@@ -152,13 +134,10 @@ def run(
         _unusable(f'{agent.name!r} takes deps of type {agent.deps_type.__name__}: pass them with --deps-json')
     if store:
         os.environ['DURCAP_STORE'] = store  # read where the store I/O runs (this process, or an inline worker)
-        if engine is RunEngine.temporal and not inline_worker:
-            _err.print('note: --store applies to this process only; on Temporal the worker\'s store is used '
-                       '(`durcap worker temporal --store`, or $DURCAP_STORE where the worker runs)')
     try:
         report = asyncio.run(_run_on(
-            agent, prompt, engine.value, _deps(agent, deps_json), address=_temporal_address(address),
-            task_queue=task_queue, db=db, inline_worker=inline_worker, conversation_id=conversation,
+            agent, prompt, engine, _deps(agent, deps_json), address=_temporal_address(address),
+            task_queue=task_queue, db=db, inline_worker=inline_worker, conversation_id=conversation, store=store,
         ))
     except DurableConfigError as exc:
         _print_text(exc.report, exc.subject)
@@ -173,7 +152,7 @@ def run(
         while cause.__cause__ is not None:
             cause = cause.__cause__
         detail = str(cause).splitlines()[0] if str(cause) else ''
-        _err.print(f'durcap: error: the run failed on {engine.value}: {type(exc).__name__}; cause: '
+        _err.print(f'durcap: error: the run failed on {engine}: {type(exc).__name__}; cause: '
                    f'{type(cause).__name__}: {detail}')
         raise typer.Exit(1) from None
     _print_run(report)
@@ -181,7 +160,7 @@ def run(
 
 @app.command()
 def demo(
-    engine: Annotated[RunEngine, typer.Option('--engine', '-e', help='Engine (default: DBOS on SQLite, nothing to start).')] = RunEngine.dbos,
+    engine: Annotated[str, _engine_option('Engine (default: DBOS on SQLite, nothing to start).')] = 'dbos',
     model: Annotated[str | None, typer.Option(help='A pydantic-ai model name for a real provider (needs its API key); '
                                                    'default: the scripted support model.')] = None,
     prompt: Annotated[str, typer.Option(help='The customer message.')] = 'Where is my order ABC-123? It should have arrived by now.',
@@ -203,9 +182,9 @@ def demo(
         os.environ['SUPPORT_MODEL'] = model
     agent = _one_agent(f'{DEMO_TARGET}:support')
     make_store = sys.modules['examples.support.agent'].make_store
-    _out.print(f'[bold]support demo[/bold] on {engine.value}, model: {model or "scripted FunctionModel (no provider)"}')
+    _out.print(f'[bold]support demo[/bold] on {engine}, model: {model or "scripted FunctionModel (no provider)"}')
     _out.print(f'customer: {prompt}')
-    report = asyncio.run(_run_on(agent, prompt, engine.value, make_store(), address=_temporal_address(address),
+    report = asyncio.run(_run_on(agent, prompt, engine, make_store(), address=_temporal_address(address),
                                  task_queue=task_queue, db=db, inline_worker=inline_worker))
     _print_run(report)
     first = asyncio.run(compare_first_request(agent, prompt, deps=make_store()))
@@ -216,24 +195,47 @@ def demo(
     )
 
 
-@worker_app.command('temporal')
-def worker_temporal(
-    target: Annotated[str, typer.Argument(help=TARGET_HELP)],
-    task_queue: Annotated[str, typer.Option(help='Task queue to poll.')] = 'durcap',
-    address: Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS or 127.0.0.1:7233).')] = None,
-    namespace: Annotated[str, typer.Option(help='Temporal namespace.')] = 'default',
-    graceful_shutdown: Annotated[float, typer.Option(help='Seconds in-flight activities get to finish after SIGTERM.')] = 30.0,
-    lock: Annotated[Path | None, typer.Option('--lock', help='Lockfile to check against (default: durable.lock beside TARGET).')] = None,
-    allow_drift: Annotated[bool, typer.Option('--allow-drift', help='Start even when durable unit names differ from the lockfile.')] = False,
-    store: Annotated[str | None, typer.Option('--store', help='Conversation store URL for runs with a conversation id '
-                                              '(default: $DURCAP_STORE or sqlite:///.durcap/conversations.db).')] = None,
-) -> None:
-    """Validate TARGET and serve its workflows and activities; refuse to start on any error or lockfile drift;
-    drain on SIGTERM."""
-    import asyncio
+def _worker_command(engine: str) -> Any:
+    """`durcap worker ENGINE`: the command of an engine with a worker (`EngineAdapter.worker`)."""
 
-    from .engines import temporal
+    def worker(
+        target: Annotated[str, typer.Argument(help=TARGET_HELP)],
+        task_queue: Annotated[str, typer.Option(help='Task queue to poll.')] = 'durcap',
+        address: Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS or 127.0.0.1:7233).')] = None,
+        namespace: Annotated[str, typer.Option(help='Temporal namespace.')] = 'default',
+        graceful_shutdown: Annotated[float, typer.Option(help='Seconds in-flight activities get to finish after SIGTERM.')] = 30.0,
+        lock: Annotated[Path | None, typer.Option('--lock', help='Lockfile to check against (default: durable.lock beside TARGET).')] = None,
+        allow_drift: Annotated[bool, typer.Option('--allow-drift', help='Start even when durable unit names differ from the lockfile.')] = False,
+        store: Annotated[str | None, typer.Option('--store', help='Conversation store URL for runs with a conversation id '
+                                                  '(default: $DURCAP_STORE or sqlite:///.durcap/conversations.db).')] = None,
+    ) -> None:
+        """Validate TARGET and serve its workflows and activities; refuse to start on any error or lockfile drift;
+        drain on SIGTERM."""
+        from .engines import RunOptions, get
 
+        agents = _worker_agents(target, lock, allow_drift)
+        address = _temporal_address(address) or '127.0.0.1:7233'
+        if store:
+            os.environ['DURCAP_STORE'] = store  # the conversation units run in this process
+        settings = {'address': address, 'task_queue': task_queue, 'namespace': namespace,
+                    'graceful_shutdown': graceful_shutdown}
+        try:
+            get(engine).serve_worker(agents, RunOptions(settings=settings, notify=_err.print))
+        except (OSError, RuntimeError) as exc:
+            _unusable(f'cannot serve {address}: {exc}')
+        _err.print('worker drained and stopped')
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # temporalio's core runtime can abort the interpreter while it shuts down (sdk-python#300);
+        # everything is drained and closed at this point, so leave without running finalizers.
+        os._exit(0)
+
+    worker.__name__ = f'worker_{engine}'
+    return worker
+
+
+def _worker_agents(target: str, lock: Path | None, allow_drift: bool) -> list[DurableAgent[Any, Any]]:
+    """TARGET's agents, validated together and checked against the lock; print the problems and exit 1 otherwise."""
     try:
         agents, _ = load_target(target)
     except UnusableTarget as exc:
@@ -248,32 +250,18 @@ def worker_temporal(
         _print_text(report, ', '.join(repr(a.name) for a in agents))
         _err.print('worker not started: fix the errors above' + ('' if allow_drift else ' (or pass --allow-drift)'))
         raise typer.Exit(1)
-    address = _temporal_address(address) or '127.0.0.1:7233'
-    if store:
-        os.environ['DURCAP_STORE'] = store  # the conversation activities run in this process
+    return agents
 
-    async def serve() -> None:
-        ready = asyncio.Event()
-        task = asyncio.create_task(temporal.run_worker(
-            agents, task_queue=task_queue, address=address, namespace=namespace, ready=ready,
-            graceful_shutdown_seconds=graceful_shutdown,
-        ))
-        ready_wait = asyncio.create_task(ready.wait())
-        await asyncio.wait({task, ready_wait}, return_when=asyncio.FIRST_COMPLETED)
-        if ready.is_set():
-            _err.print(f'worker ready: {", ".join(a.name for a in agents)} on task queue {task_queue!r} at {address}')
-        await task
 
-    try:
-        asyncio.run(serve())
-    except (OSError, RuntimeError) as exc:
-        _unusable(f'cannot serve {address}: {exc}')
-    _err.print('worker drained and stopped')
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # temporalio's core runtime can abort the interpreter while it shuts down (sdk-python#300);
-    # everything is drained and closed at this point, so leave without running finalizers.
-    os._exit(0)
+def _register_workers() -> None:
+    from .engines import ENGINES
+
+    for name, adapter in ENGINES.items():
+        if adapter.worker:
+            worker_app.command(name)(_worker_command(name))
+
+
+_register_workers()
 
 
 @dev_app.command('temporal')

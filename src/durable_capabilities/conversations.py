@@ -1,4 +1,5 @@
-"""Load and append a run's conversation: the bodies every engine runs inside its durable units.
+"""Load and append a run's conversation: the bodies every engine runs inside its durable units
+(the turn itself, load -> run -> append, is `turn.run_turn`).
 
 Engines call these inside an activity (Temporal), a step (DBOS) or a task (Prefect), never in
 workflow code: the store is I/O. The append carries an `append_id` derived from the durable run
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -110,45 +110,3 @@ async def append_conversation(
             usage=RunUsage(**usage) if usage else None,
         )
     return result.revision
-
-
-async def run_turn(
-    agent: DurableAgent[Any, Any],
-    run: Callable[..., Awaitable[Any]],
-    *,
-    prompt: str | None,
-    deps: Any,
-    message_history: list[dict[str, Any]] | None,
-    conversation_id: str | None,
-    load: Callable[[str], Awaitable[LoadedConversation]],
-    append: Callable[[str, list[dict[str, Any]], int | None, dict[str, Any]], Awaitable[Any]],
-) -> dict[str, Any]:
-    """One run of `agent` in an engine's container (DBOS workflow, Prefect flow), JSON in and out.
-
-    Args:
-        run: The built agent's `run` (called with `prompt`, `deps=`, `message_history=`).
-        deps: JSON deps, validated into the agent's `deps_type`.
-        message_history: Message JSON; replaced by the stored history when `conversation_id` is given.
-        load / append: The engine's durable units around the store (a step, a task), see
-            `load_conversation` / `append_conversation`.
-
-    Returns:
-        `{'output', 'new_messages', 'usage'}` as JSON-compatible data.
-    """
-    from pydantic import TypeAdapter
-    from pydantic_core import to_jsonable_python
-
-    from .aliases import rewrite_history
-
-    revision = None
-    if conversation_id is not None:
-        loaded = await load(conversation_id)
-        message_history, revision = loaded.messages or None, loaded.revision
-    history = ModelMessagesTypeAdapter.validate_python(message_history) if message_history else None
-    typed_deps = TypeAdapter(agent.deps_type).validate_python(deps) if deps is not None else None
-    result = await run(prompt, deps=typed_deps, message_history=rewrite_history(history, agent.aliases))
-    new_messages = ModelMessagesTypeAdapter.dump_python(result.new_messages(), mode='json')
-    usage = to_jsonable_python(result.usage)
-    if conversation_id is not None:
-        await append(conversation_id, new_messages, revision, usage)
-    return {'output': to_jsonable_python(result.output), 'new_messages': new_messages, 'usage': usage}

@@ -20,12 +20,11 @@ from typing import Any
 import yaml
 
 from .agent import DurableAgent
+from .engines import ENGINES
 from .validation import Problem, Report
 
 LOCK_VERSION = 1
 DEFAULT_LOCK_NAME = 'durable.lock'
-
-_KIND_BY_CLASS = {'FunctionToolset': 'function', 'MCPToolset': 'mcp', 'DynamicToolset': 'dynamic'}
 
 
 def _package_version(name: str) -> str | None:
@@ -35,88 +34,12 @@ def _package_version(name: str) -> str | None:
         return None
 
 
-def _leaf_kinds(agent: DurableAgent[Any, Any]) -> list[tuple[str, str]]:
-    """`(kind, toolset id)` for every leaf toolset of the definition (kind: function | mcp | dynamic)."""
-    return [
-        (_KIND_BY_CLASS.get(plan.kind, 'function'), plan.toolset_id)
-        for plans in agent.leaf_plans().values()
-        for plan in plans
-    ]
-
-
-def _temporal_names(agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
-    from pydantic_ai.durable_exec.temporal import (
-        TemporalDurability,
-        worker_registrations,
-    )
-
-    from ._upstream import temporal_activity_name
-    from .engines import temporal
-
-    durability = TemporalDurability.from_agent(agent.build('temporal'))
-    assert durability is not None
-    activities, child_workflows = worker_registrations(durability)
-    names = sorted([*(temporal_activity_name(fn) for fn in activities), *temporal.conversation_activity_names(agent)])
-    workflows = [temporal.workflow_name(agent), *(f'{temporal.WORKFLOW_NAME_PREFIX}{n}' for n in agent.previous_names)]
-    return {'workflows': sorted(workflows), 'activities': names}
-
-
-def _journal_names(agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
-    from pydantic_ai.durable_exec import (
-        ModelCancelSuspendedResponseId,
-        ModelCompactMessagesId,
-        ModelRequestId,
-        ToolsetCallToolId,
-        ToolsetGetInstructionsId,
-        ToolsetGetToolsId,
-    )
-    from pydantic_ai.durable_exec.dbos import DBOSOperationNamer
-
-    namer = DBOSOperationNamer(agent.durable_name)
-    ids: list[Any] = [
-        ModelRequestId(None, streaming=False, model_name='default'),
-        ModelRequestId(None, streaming=True, model_name='default'),
-        ModelCompactMessagesId(None, model_name='default'),
-        ModelCancelSuspendedResponseId(None, model_name='default'),
-        ToolsetCallToolId('function', toolset_id='<agent>'),
-    ]
-    for kind, toolset_id in _leaf_kinds(agent):
-        ids.append(ToolsetCallToolId(kind, toolset_id=toolset_id))  # type: ignore[arg-type]
-        if kind in ('mcp', 'dynamic'):
-            ids.append(ToolsetGetToolsId(kind, toolset_id=toolset_id))  # type: ignore[arg-type]
-        if kind == 'mcp':
-            ids.append(ToolsetGetInstructionsId(toolset_id))
-    workflows = [f'durcap.{agent.name}', *(f'durcap.{n}' for n in agent.previous_names)]
-    conversation = [f'durcap__{agent.durable_name}__conversation.load', f'durcap__{agent.durable_name}__conversation.append']
-    return {'workflows': sorted(workflows), 'steps': sorted({namer.operation_name(i) for i in ids} | set(conversation))}
-
-
-def _prefect_names(agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
-    from .engines import prefect
-
-    tasks = {'Model Request', 'Load Conversation', 'Append Conversation'}
-    tasks |= {f'Call Tool: {tool}' for tool in agent.static_tool_names()}
-    for kind, toolset_id in _leaf_kinds(agent):
-        if kind == 'mcp':
-            tasks |= {f'Get MCP Tools: {toolset_id}', f'Get MCP Instructions: {toolset_id}', 'Call MCP Tool'}
-        elif kind == 'dynamic':
-            tasks.add(f'Discover Tools: {toolset_id}')
-    # Prefect identifies a task run by its cache key, which holds the toolset id (not the task name).
-    return {
-        'flows': [prefect.flow_name(agent)],
-        'tasks': sorted(tasks),
-        'cache_toolset_ids': sorted({toolset_id for _, toolset_id in _leaf_kinds(agent)}),
-    }
-
-
-_ENGINE_NAMES = {'temporal': _temporal_names, 'dbos': _journal_names, 'prefect': _prefect_names}
-
-
 def lock_data(agents: Sequence[DurableAgent[Any, Any]]) -> dict[str, Any]:
     """The lockfile content for `agents` as plain data (see `write_lock`).
 
-    Per agent: capability ids, leaf toolset ids per capability, static tool names and, per engine the
-    definition lists, every durable unit name; plus the versions of pydantic-ai and the engines.
+    Per agent: capability ids, leaf toolset ids per capability, static tool names and, per durable engine the
+    definition lists, every durable name its adapter registers (`EngineAdapter.durable_names`); plus the
+    versions of pydantic-ai and the engines.
     """
     data: dict[str, Any] = {
         'lock_version': LOCK_VERSION,
@@ -138,8 +61,8 @@ def lock_data(agents: Sequence[DurableAgent[Any, Any]]) -> dict[str, Any]:
         if agent.aliases:
             entry['aliases'] = dict(sorted(agent.aliases.items()))
         for engine in sorted(agent.engines):
-            if engine in _ENGINE_NAMES:
-                entry[engine] = _ENGINE_NAMES[engine](agent)
+            if engine in ENGINES and ENGINES[engine].durable:
+                entry[engine] = ENGINES[engine].durable_names(agent)
         data['agents'][agent.name] = entry
     return data
 
@@ -183,17 +106,6 @@ def read_lock(path: str | Path) -> dict[str, Any]:
     return data
 
 
-_SINGULAR = {
-    'workflows': 'workflow', 'activities': 'activity', 'steps': 'step', 'flows': 'flow', 'tasks': 'task',
-    'cache_toolset_ids': 'cache toolset id',
-}
-_SECTIONS = {
-    'temporal': ('workflows', 'activities'),
-    'dbos': ('workflows', 'steps'),
-    'prefect': ('flows', 'tasks', 'cache_toolset_ids'),
-}
-
-
 def _owner_hint(name: str, old_agent: dict[str, Any], agent_name: str) -> str:
     """Which capability, toolset or agent a durable unit name belongs to."""
     for cap, leaves in sorted(old_agent.get('leaf_toolsets', {}).items()):
@@ -227,19 +139,20 @@ def diff_lock(locked: dict[str, Any], agents: Sequence[DurableAgent[Any, Any]]) 
             ))
             continue
         removed: dict[str, dict[str, list[str]]] = {}  # owner -> engine -> names
-        for engine, sections in _SECTIONS.items():
-            if engine not in old:
+        for engine in ENGINES:  # registry order: messages list engines the same way every time
+            if not isinstance(old.get(engine), dict) or not ENGINES[engine].durable:
                 continue
-            for section in sections:
+            words = ENGINES[engine].lock_sections
+            for section in words:
                 before = set(old[engine].get(section, []))
                 after = set(new.get(engine, {}).get(section, []))
                 for name in sorted(before - after):
                     owner = _owner_hint(name, old, agent_name)
-                    removed.setdefault(owner, {}).setdefault(engine, []).append(f'{_SINGULAR[section]} {name!r}')
+                    removed.setdefault(owner, {}).setdefault(engine, []).append(f'{words[section]} {name!r}')
                 for name in sorted(after - before):
                     report.add(Problem(
                         'DC022', 'info', f'agent {agent_name!r}',
-                        f'{engine} {_SINGULAR[section]} {name!r} is new since the lockfile.',
+                        f'{engine} {words[section]} {name!r} is new since the lockfile.',
                         'Run `durcap lock` to record it.', (engine,),
                     ))
         for owner, by_engine in removed.items():

@@ -70,17 +70,11 @@ async def replay_histories(
     Raises:
         ValueError: a file is not a Temporal history JSON.
     """
-    from pydantic_ai.durable_exec.temporal import PydanticAIPlugin
-    from temporalio.client import WorkflowHistory
-    from temporalio.worker import Replayer
+    from .engines import ENGINES
 
-    from .engines.temporal import sandbox_runner, workflow_classes
-
-    replayer = Replayer(
-        workflows=[cls for agent in agents for cls in workflow_classes(agent)],
-        plugins=[PydanticAIPlugin()],
-        workflow_runner=sandbox_runner(),
-    )
+    replayer = next((r for a in ENGINES.values() if a.available() and (r := a.replayer(agents)) is not None), None)
+    if replayer is None:
+        raise ValueError('no installed engine replays recorded histories (pip install "durable-capabilities[temporal]")')
     failures: list[ReplayFailure] = []
     for path in paths:
         path = Path(path)
@@ -89,12 +83,14 @@ async def replay_histories(
             if not isinstance(raw, dict) or not (raw.get('history') or raw).get('events'):
                 raise ValueError('no `events`')
             workflow_id = raw.get('workflowId') or raw.get('workflow_id') or path.stem
-            history = WorkflowHistory.from_json(workflow_id, raw.get('history', raw))
+            history = raw.get('history', raw)
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ValueError(f'{path}: not a Temporal history JSON ({exc})') from None
-        result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
-        if result.replay_failure is not None:
-            error = str(result.replay_failure)
+        try:
+            error = await replayer.replay(history, workflow_id)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise ValueError(f'{path}: not a Temporal history JSON ({exc})') from None
+        if error is not None:
             failures.append(ReplayFailure(str(path), workflow_id, error, _explain(error, agents)))
     return failures
 

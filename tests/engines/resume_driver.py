@@ -215,22 +215,22 @@ def error_chain(error: BaseException) -> list[str]:
 async def run_step(engine: str, agent: DurableAgent[Any, Any], step: dict[str, Any], args: argparse.Namespace) -> runner.RunReport:
     cid, prompt, deps = step['conversation_id'], step['prompt'], make_store()
     if engine == 'local':
-        return await runner.run_local(agent, prompt, deps=deps, conversation_id=cid)
+        return await runner.run(agent, prompt, engine='local', deps=deps, conversation_id=cid)
     if engine == 'temporal':
-        return await runner.run_temporal(
-            agent, prompt, address=args.address, task_queue=f'resume-{uuid.uuid4().hex[:12]}', deps=deps,
-            inline_worker=True, workflow_id=step.get('workflow_id'), conversation_id=cid,
+        return await runner.run(
+            agent, prompt, engine='temporal', address=args.address, task_queue=f'resume-{uuid.uuid4().hex[:12]}', deps=deps,
+            inline_worker=True, run_id=step.get('workflow_id'), conversation_id=cid,
         )
     if engine == 'dbos':
         if step.get('fault') == 'kill':
             return await _dbos_own_launch(agent, step, args)
-        return await runner.run_dbos(
-            agent, prompt, deps=deps, system_database_url=args.db, workflow_id=step.get('workflow_id'), conversation_id=cid,
+        return await runner.run(
+            agent, prompt, engine='dbos', deps=deps, db=args.db, run_id=step.get('workflow_id'), conversation_id=cid,
         )
     if engine == 'prefect':
         if step.get('fault') == 'kill':
             return await _prefect_flow_run(agent, step, args)
-        return await runner.run_prefect(agent, prompt, deps=deps, conversation_id=cid)
+        return await runner.run(agent, prompt, engine='prefect', deps=deps, conversation_id=cid)
     raise ValueError(f'unknown engine {engine!r}')
 
 
@@ -300,7 +300,7 @@ async def _task_run_states(flow_run_id: Any, since: datetime, quiet: float = 1.0
     """`'{task run name} {state name}'` per task run of the flow run, once every task run created `since` (by
     this process) is final and the list has been quiet for `quiet` s.
 
-    Not `runner.run_prefect`'s wait for every task run to be final: a killed process leaves its last task run
+    Not the Prefect adapter's wait for every task run to be final: a killed process leaves its last task run
     Running for good.
     """
     from prefect import get_client

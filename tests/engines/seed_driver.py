@@ -32,7 +32,7 @@ settings, capability instructions delivered, response, plus `parts`), `new_messa
 JSON), `loaded`, `ledger` and `seconds`. Agent names are `{prefix}-{example}`.
 
 `--prefect-event-delay` makes Prefect's client emit each event late (a loaded events pipeline), which
-shows deterministically that `runner.run_prefect` lists task runs before the server has recorded them.
+shows deterministically that `runner.run(engine='prefect')` lists task runs before the server has recorded them.
 """
 
 from __future__ import annotations
@@ -289,17 +289,17 @@ class Options:
 
 async def run_step(engine: str, agent: DurableAgent[Any, Any], prompt: str, deps: Any, history: list[ModelMessage] | None, options: Options) -> runner.RunReport:
     if engine == 'local':
-        return await runner.run_local(agent, prompt, deps=deps, message_history=history)
+        return await runner.run(agent, prompt, engine='local', deps=deps, message_history=history)
     if engine == 'temporal':
         assert options.address, '--address is required for temporal'
-        return await runner.run_temporal(
-            agent, prompt, address=options.address, task_queue=f'seed-{uuid.uuid4().hex[:12]}', deps=deps,
+        return await runner.run(
+            agent, prompt, engine='temporal', address=options.address, task_queue=f'seed-{uuid.uuid4().hex[:12]}', deps=deps,
             message_history=history, inline_worker=True,
         )
     if engine == 'dbos':
-        return await runner.run_dbos(agent, prompt, deps=deps, message_history=history, system_database_url=options.db)
+        return await runner.run(agent, prompt, engine='dbos', deps=deps, message_history=history, db=options.db)
     if engine == 'prefect':
-        return await runner.run_prefect(agent, prompt, deps=deps, message_history=history)
+        return await runner.run(agent, prompt, engine='prefect', deps=deps, message_history=history)
     raise ValueError(f'unknown engine {engine!r}')
 
 

@@ -215,9 +215,9 @@ def run_agent(address: str, counted: Counting, conversation_id: str | None) -> t
     workflow_id = f'can-{uuid.uuid4().hex[:10]}'
 
     async def scenario() -> tuple[runner.RunReport, list[RunInfo]]:
-        report = await runner.run_temporal(
-            counted.agent, PROMPT, address=address, task_queue=f'can-{uuid.uuid4().hex[:8]}', inline_worker=True,
-            workflow_id=workflow_id, conversation_id=conversation_id,
+        report = await runner.run(
+            counted.agent, PROMPT, engine='temporal', address=address, task_queue=f'can-{uuid.uuid4().hex[:8]}', inline_worker=True,
+            run_id=workflow_id, conversation_id=conversation_id,
         )
         return report, await run_chain(address, workflow_id)
 

@@ -503,7 +503,7 @@ def test_skills_from_markdown(seed_report, engine: str) -> None:
 
 
 def test_prefect_runner_reports_every_task_run_of_the_flow_run(seed_report) -> None:
-    """With the client's events 0.2 s late (a loaded server), `run_prefect` must still list every task run."""
+    """With the client's events 0.2 s late (a loaded server), `runner.run(engine='prefect')` must still list every task run."""
     run = runs(example(seed_report, 'prefect-slow-events', 'capability'))['main']
     assert len(run['settled_units']) == 6
     assert run['units'] == run['settled_units']

@@ -1,77 +1,83 @@
-"""Engine adapters: one declarative spec per engine; differences are data, not branches.
+"""The engine registry: one line per engine, one adapter module each (see `_adapter.EngineAdapter`).
 
-Each `EngineSpec` names the upstream durability capability and the words the engine uses for its
-durable unit and container. `DurableAgent.build` is the one place a `pydantic_ai.Agent` is constructed.
+Built-in engines are registered lazily (`LazyAdapter`): their module, and the engine's SDK, is imported
+only when something beyond the name, the extra and the availability is asked. `register` adds an engine
+(a test module can add its own); the CLI, runner, lockfile, replay and the MCP guard look engines up here.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, overload
+
+from ._adapter import EngineAdapter, LazyAdapter, RunOptions
+
+__all__ = [
+    'ALL_ENGINES', 'DURABLE_ENGINES', 'ENGINES', 'EngineAdapter', 'LazyAdapter', 'RunOptions', 'get', 'register',
+]
 
 EngineName = Literal['local', 'temporal', 'dbos', 'prefect']
-DURABLE_ENGINES: tuple[str, ...] = ('temporal', 'dbos', 'prefect')
-ALL_ENGINES: tuple[str, ...] = ('local', *DURABLE_ENGINES)
+
+ENGINES: dict[str, EngineAdapter] = {}
+"""Every registered engine by name, in registration order (live: `register` adds to it)."""
 
 
-@dataclass(frozen=True)
-class EngineSpec:
-    """What differs between engines, as data.
+def register(adapter: EngineAdapter) -> EngineAdapter:
+    """Add an engine (or replace the one of the same name); returns `adapter`.
 
-    Attributes:
-        name: `'local' | 'temporal' | 'dbos' | 'prefect'`.
-        module: Upstream module holding the durability capability (`None` for local).
-        durability: Class name of upstream's durability capability in `module`.
-        extra: The `durable-capabilities[...]` extra that installs the engine.
-        unit: The engine's word for a durable unit (activity, step, task).
-        container: The engine's word for the durable container (workflow, flow).
-        adapter: Our module for the engine; its `durability_parts(agent, options)` returns the
-            durability keyword arguments and the extra capabilities we add (None for local).
+    Args:
+        adapter: The engine's `EngineAdapter` (or a `LazyAdapter` pointing at its module). A durable one
+            (`adapter.durable`) is listed by `DurableAgent(engines=...)` by default and offered by
+            `durcap check --engine`.
     """
-
-    name: str
-    module: str | None
-    durability: str | None
-    extra: str | None
-    unit: str
-    container: str
-    adapter: str | None = None
-    requires: str | None = None
-
-    def durability_class(self) -> Callable[..., Any] | None:
-        """Import upstream's durability capability class; raises ImportError when the extra is missing."""
-        if self.module is None or self.durability is None:
-            return None
-        return getattr(importlib.import_module(self.module), self.durability)
-
-    def parts(self, agent: Any, options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-        """Durability keyword arguments (our defaults merged with `options`) and extra capabilities."""
-        if self.adapter is None:
-            return dict(options), []
-        return importlib.import_module(self.adapter).durability_parts(agent, options)
-
-    def available(self) -> bool:
-        """Whether the engine's SDK is installed, without importing it (importing Prefect alone takes ~1.4 s)."""
-        if self.requires is None:
-            return True
-        return importlib.util.find_spec(self.requires) is not None
+    ENGINES[adapter.name] = adapter
+    return adapter
 
 
-ENGINES: dict[str, EngineSpec] = {
-    'local': EngineSpec('local', None, None, None, 'call', 'run'),
-    'temporal': EngineSpec(
-        'temporal', 'pydantic_ai.durable_exec.temporal', 'TemporalDurability', 'temporal', 'activity', 'workflow',
-        'durable_capabilities.engines.temporal', 'temporalio',
-    ),
-    'dbos': EngineSpec(
-        'dbos', 'pydantic_ai.durable_exec.dbos', 'DBOSDurability', 'dbos', 'step', 'workflow',
-        'durable_capabilities.engines.dbos', 'dbos',
-    ),
-    'prefect': EngineSpec(
-        'prefect', 'pydantic_ai.durable_exec.prefect', 'PrefectDurability', 'prefect', 'task', 'flow',
-        'durable_capabilities.engines.prefect', 'prefect',
-    ),
-}
+def get(name: str) -> EngineAdapter:
+    """The adapter registered as `name`.
+
+    Raises:
+        ValueError: no engine of that name is registered.
+    """
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise ValueError(f'unknown engine {name!r}; expected one of {", ".join(ENGINES)}') from None
+
+
+class _Names(Sequence[str]):
+    """A live, read-only view of registered engine names (a tuple in every use: `in`, iteration, `*`)."""
+
+    def __init__(self, durable_only: bool):
+        self._durable_only = durable_only
+
+    def _names(self) -> tuple[str, ...]:
+        return tuple(n for n, a in ENGINES.items() if a.durable or not self._durable_only)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[str]: ...
+    def __getitem__(self, index: Any) -> Any:
+        return self._names()[index]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+DURABLE_ENGINES: Sequence[str] = _Names(durable_only=True)
+"""Names of the registered durable engines (every engine but `local`)."""
+ALL_ENGINES: Sequence[str] = _Names(durable_only=False)
+"""Names of every registered engine."""
+
+register(LazyAdapter('local', 'durable_capabilities.engines.local', durable=False))
+register(LazyAdapter('temporal', 'durable_capabilities.engines.temporal', extra='temporal', requires='temporalio', worker=True))
+register(LazyAdapter('dbos', 'durable_capabilities.engines.dbos', extra='dbos', requires='dbos'))
+register(LazyAdapter('prefect', 'durable_capabilities.engines.prefect', extra='prefect', requires='prefect'))

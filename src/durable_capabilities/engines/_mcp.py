@@ -20,8 +20,8 @@ MCP leaf of the agent (the durable wrapper upstream put around it, or the bare `
   Temporal plugin lists in `workflow_failure_exception_types`, so the workflow fails instead of
   retrying its workflow task forever.
 
-The retry bounds themselves are engine configuration (see `temporal_activity_config`,
-`dbos_step_config`, `prefect_task_config`), merged in each engine's `durability_parts`.
+The retry bounds themselves are engine configuration, merged in each engine adapter's
+`durability_parts` (`temporal.mcp_activity_config`, `dbos.mcp_step_config`, `prefect.mcp_task_config`).
 
 What the model sees is unchanged: upstream treats a loaded deferred capability's own tools as
 revealed by the load itself (`RunContext.is_tool_available`), so listing them from the step after
@@ -91,14 +91,6 @@ _CONTROL_FLOW: tuple[type[BaseException], ...] = (
     UserError,
     AgentRunError,  # includes MCPCapabilityError raised by an inner guard
 )
-
-
-_RETRY_OPTION = {
-    'temporal': "DurableAgent(engine_options={{'temporal': {{'toolset_activity_config': {{{leaf!r}: {{'retry_policy': ...}}}}}}}})",
-    'dbos': "DurableAgent(engine_options={{'dbos': {{'mcp_step_config': {{'max_attempts': ...}}}}}})",
-    'prefect': "DurableAgent(engine_options={{'prefect': {{'mcp_task_config': {{'retries': ...}}}}}})",
-}
-"""Per engine, where a user changes the number of attempts (named in the error message)."""
 
 
 class MCPCapabilityError(AgentRunError):
@@ -278,7 +270,7 @@ class GuardedMCPToolset(WrapperToolset[Any]):
             await self._enter()
         return self
 
-    async def __aexit__(self, *args: Any) -> bool | None:
+    async def __aexit__(self, *args: object) -> bool | None:
         if not self._state.entered:
             return None
         self._state.entered = False
@@ -303,11 +295,11 @@ class GuardedMCPToolset(WrapperToolset[Any]):
         cap = leaf.capability_id or leaf.toolset_id
         where = f' at {redact_url(leaf.url)}' if leaf.url else ''
         tries = f' after {leaf.attempts} attempt{"s" if leaf.attempts != 1 else ""}' if leaf.attempts else ''
-        hint = _RETRY_OPTION.get(self.guard.engine)
+        hint = self.guard.retry_hint(leaf.toolset_id)
         message = (
             f'MCP capability {cap!r}: could not {operation} on its server{where}{tries} ({_summary(cause, leaf.url)}). '
             'Check that the server is running and reachable from where the run executes'
-            + (f'; attempts are set by `{hint.format(leaf=leaf.toolset_id)}`.' if hint else '.')
+            + (f'; attempts are set by `{hint}`.' if hint else '.')
         )
         return MCPCapabilityError(message, cap, redact_url(leaf.url) if leaf.url else None, operation)
 
@@ -370,12 +362,14 @@ class MCPGuard(AbstractCapability[Any]):
         passes_through: Errors re-raised unchanged (engine control flow such as cancellation).
         upstream_schedule: When it returns True, gated leaves list their tools as upstream does (Temporal:
             a history recorded before the guard existed, so replay schedules the same activities).
+        retry_hint: Where a user sets a leaf's attempts, by leaf id (named in the error), or `None`.
     """
 
     leaves: dict[str, MCPLeaf] = field(default_factory=dict)
     engine: str = 'local'
     passes_through: Callable[[BaseException], bool] = field(default=lambda error: False)
     upstream_schedule: Callable[[], bool] | None = None
+    retry_hint: Callable[[str], str | None] = field(default=lambda leaf_id: None)
 
     def get_wrapper_toolset(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any] | None:
         if not self.leaves:
@@ -391,62 +385,7 @@ class MCPGuard(AbstractCapability[Any]):
         return None if result is toolset else result
 
 
-# ---- per-engine defaults (imported lazily: each engine's SDK is optional) -----------------------
-
-
-def temporal_activity_config(attempts: int = DEFAULT_MCP_ATTEMPTS) -> dict[str, Any]:
-    """`toolset_activity_config[mcp leaf id]` defaults: a retry policy with `maximum_attempts=attempts`."""
-    from datetime import timedelta
-
-    from temporalio.common import RetryPolicy
-
-    return {
-        'retry_policy': RetryPolicy(
-            initial_interval=timedelta(seconds=DEFAULT_MCP_RETRY_INTERVAL_SECONDS),
-            backoff_coefficient=2.0,
-            maximum_interval=timedelta(seconds=10),
-            maximum_attempts=attempts,
-        )
-    }
-
-
-def dbos_step_config(attempts: int = DEFAULT_MCP_ATTEMPTS) -> dict[str, Any]:
-    """`DBOSDurability(mcp_step_config=...)` default: bounded step retries."""
-    return {
-        'retries_allowed': True,
-        'max_attempts': attempts,
-        'interval_seconds': DEFAULT_MCP_RETRY_INTERVAL_SECONDS,
-        'backoff_rate': 2.0,
-    }
-
-
-def prefect_task_config(attempts: int = DEFAULT_MCP_ATTEMPTS) -> dict[str, Any]:
-    """`PrefectDurability(mcp_task_config=...)` retry defaults (merged with the cache policy)."""
-    return {'retries': attempts - 1, 'retry_delay_seconds': DEFAULT_MCP_RETRY_INTERVAL_SECONDS}
-
-
-def _temporal_passes_through(error: BaseException) -> bool:
-    from temporalio.exceptions import ActivityError, TemporalError
-
-    return isinstance(error, TemporalError) and not isinstance(error, ActivityError)
-
-
-def _temporal_upstream_schedule() -> bool:
-    from temporalio import workflow
-
-    return workflow.in_workflow() and not workflow.patched(TEMPORAL_PATCH_ID)
-
-
-def _dbos_passes_through(error: BaseException) -> bool:
-    from dbos._error import DBOSException, DBOSMaxStepRetriesExceeded
-
-    return isinstance(error, DBOSException) and not isinstance(error, DBOSMaxStepRetriesExceeded)
-
-
-def _prefect_passes_through(error: BaseException) -> bool:
-    from prefect.exceptions import PrefectException
-
-    return isinstance(error, PrefectException)
+# ---- per engine: each adapter module merges its retry defaults and calls `guard` -----------------------
 
 
 def guard(agent: DurableAgent[Any, Any], engine: str, attempts: Callable[[str], int | None]) -> MCPGuard | None:
@@ -454,61 +393,25 @@ def guard(agent: DurableAgent[Any, Any], engine: str, attempts: Callable[[str], 
 
     Args:
         agent: The definition.
-        engine: `'temporal' | 'dbos' | 'prefect' | 'local'`.
+        engine: A registered engine's name (its adapter gives the errors that pass through, the retry hint,
+            and the replay schedule).
         attempts: Attempts each unit of a leaf gets, by leaf id (for messages only).
     """
     leaves = {key: dataclasses.replace(leaf, attempts=attempts(key)) for key, leaf in mcp_leaves(agent).items()}
     if not leaves:
         return None
-    passes = {'temporal': _temporal_passes_through, 'dbos': _dbos_passes_through, 'prefect': _prefect_passes_through}
+    from . import get
+
+    adapter = get(engine)
     return MCPGuard(
         leaves=leaves,
         engine=engine,
-        passes_through=passes.get(engine, lambda error: False),
-        upstream_schedule=_temporal_upstream_schedule if engine == 'temporal' else None,
+        passes_through=adapter.mcp_passes_through,
+        upstream_schedule=adapter.mcp_upstream_schedule,
+        retry_hint=adapter.mcp_retry_hint,
     )
 
 
 GUARD_OPTION = 'mcp_guard'
 """Engine option (`DurableAgent(engine_options={engine: {'mcp_guard': False}})`) that leaves MCP as upstream has it:
 no guard and no retry defaults."""
-
-
-def temporal_defaults(agent: DurableAgent[Any, Any], options: dict[str, Any], configs: dict[str, Any]) -> list[Any]:
-    """Give every MCP leaf without a user `retry_policy` a bounded one in `configs` (`toolset_activity_config`,
-    edited in place) and return the extra capabilities (the guard). Pops `GUARD_OPTION` from `options`."""
-    if options.pop(GUARD_OPTION, True) is False:
-        return []
-    leaves = mcp_leaves(agent)
-    for leaf_id in leaves:
-        config = configs.setdefault(leaf_id, {})
-        config.setdefault('retry_policy', temporal_activity_config()['retry_policy'])
-
-    def attempts(leaf_id: str) -> int | None:
-        policy = configs.get(leaf_id, {}).get('retry_policy')
-        return (policy.maximum_attempts or None) if policy is not None else None
-
-    found = guard(agent, 'temporal', attempts)
-    return [found] if found is not None else []
-
-
-def dbos_defaults(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> list[Any]:
-    """Set `options['mcp_step_config']` to bounded retries unless the user gave one; return the guard."""
-    if options.pop(GUARD_OPTION, True) is False or not mcp_leaves(agent):
-        return []
-    config = options.setdefault('mcp_step_config', dbos_step_config())
-    tries = (config.get('max_attempts') or DEFAULT_MCP_ATTEMPTS) if config.get('retries_allowed') else 1
-    found = guard(agent, 'dbos', lambda leaf_id: tries)
-    return [found] if found is not None else []
-
-
-def prefect_defaults(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> list[Any]:
-    """Add bounded retries to `options['mcp_task_config']` where the user set none; return the guard."""
-    if options.pop(GUARD_OPTION, True) is False or not mcp_leaves(agent):
-        return []
-    config = dict(options.get('mcp_task_config') or {})
-    for key, value in prefect_task_config().items():
-        config.setdefault(key, value)
-    options['mcp_task_config'] = config
-    found = guard(agent, 'prefect', lambda leaf_id: int(config['retries']) + 1)
-    return [found] if found is not None else []

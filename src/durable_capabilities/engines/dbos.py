@@ -14,7 +14,8 @@ them as failures; recovery replays them as they happened.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Awaitable, Callable, Sequence
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +28,15 @@ from pydantic_ai.durable_exec.dbos import DBOSOperationNamer
 from pydantic_ai.exceptions import ApprovalRequired, CallDeferred, ModelRetry
 from pydantic_ai.toolsets import AbstractToolset, FunctionToolset, WrapperToolset
 
+from ..turn import RunReport, Turn, deps_from_json, run_turn
+from . import _mcp
+from ._adapter import EngineAdapter, RunOptions, leaf_kinds
+
 if TYPE_CHECKING:
     from ..agent import DurableAgent
+
+WORKFLOW_NAME_PREFIX = 'durcap.'
+"""Workflow name of `agent_workflow`: `durcap.{agent name}`. Compatibility data, listed in `durable.lock`."""
 
 DEFAULT_SQLITE_PATH = Path('.durcap') / 'dbos.sqlite'
 """System database used when no URL is given: `sqlite:///.durcap/dbos.sqlite` (DBOS supports SQLite
@@ -134,12 +142,28 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     options = dict(options)
     tool_steps = options.pop('tool_steps', ToolStepConfig())
     extra = [] if tool_steps is False else [DBOSToolSteps(agent_name=agent.durable_name, config=tool_steps)]
-    from . import (
-        _mcp,  # MCP: bounded `mcp_step_config` retries, and the guard (see _mcp.py)
-    )
-
-    extra += _mcp.dbos_defaults(agent, options)
+    extra += _mcp_defaults(agent, options)
     return options, extra
+
+
+def mcp_step_config(attempts: int = _mcp.DEFAULT_MCP_ATTEMPTS) -> dict[str, Any]:
+    """`DBOSDurability(mcp_step_config=...)` default: bounded step retries."""
+    return {
+        'retries_allowed': True,
+        'max_attempts': attempts,
+        'interval_seconds': _mcp.DEFAULT_MCP_RETRY_INTERVAL_SECONDS,
+        'backoff_rate': 2.0,
+    }
+
+
+def _mcp_defaults(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> list[Any]:
+    """Set `options['mcp_step_config']` to bounded retries unless the user gave one; return the guard."""
+    if options.pop(_mcp.GUARD_OPTION, True) is False or not _mcp.mcp_leaves(agent):
+        return []
+    config = options.setdefault('mcp_step_config', mcp_step_config())
+    tries = (config.get('max_attempts') or _mcp.DEFAULT_MCP_ATTEMPTS) if config.get('retries_allowed') else 1
+    found = _mcp.guard(agent, 'dbos', lambda leaf_id: tries)
+    return [found] if found is not None else []
 
 
 def system_database_url(url: str | None = None) -> str:
@@ -197,18 +221,55 @@ class BoundAgent:
         self.definition = definition
         self.agent = definition.build('dbos')
 
-    async def run(self, prompt: str | None = None, **kwargs: Any) -> Any:
-        """`pydantic_ai.Agent.run` on the DBOS-built agent; returns `AgentRunResult`.
+    async def run(self, prompt: str | None = None, *, conversation_id: str | None = None, **kwargs: Any) -> Any:
+        """One turn (`turn.run_turn`) on the DBOS-built agent; returns upstream's `AgentRunResult`.
+
+        With `conversation_id`, the stored history is loaded and the new messages appended in DBOS steps
+        (`durcap__{name}__conversation.load` / `.append`, the append idempotent by workflow id).
 
         Raises:
-            DurableConfigError: capabilities passed per run (DC012).
+            DurableConfigError: capabilities passed per run (DC012); drift in the stored history.
         """
-        from ..aliases import rewrite_history
+        return (await self.turn(prompt, conversation_id=conversation_id, **kwargs)).result
 
-        self.definition.check_run_capabilities(kwargs.pop('capabilities', None))
-        if kwargs.get('message_history') is not None:
-            kwargs['message_history'] = rewrite_history(kwargs['message_history'], self.definition.aliases)
-        return await self.agent.run(prompt, **kwargs)
+    async def turn(self, prompt: str | None = None, *, conversation_id: str | None = None, **kwargs: Any) -> Turn:
+        """As `run`, returning the whole `turn.Turn`."""
+        load, append = _conversation_steps(self.definition)
+        return await run_turn(self.definition, self.agent.run, prompt, conversation_id=conversation_id, load=load,
+                              append=append, **kwargs)
+
+
+def _conversation_steps(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
+    """The store units as DBOS steps: recovery returns the recorded history instead of reading again, and the
+    append (idempotent by workflow id) is retried by DBOS."""
+    from ..conversations import append_conversation, load_conversation
+
+    load_step, append_step = conversation_step_names(agent)
+
+    async def load(conversation_id: str) -> Any:
+        return await DBOS.run_step_async({'name': load_step}, load_conversation, agent, conversation_id)
+
+    async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> Any:
+        async def body() -> int:
+            return await append_conversation(
+                agent, conversation_id, messages, expected_revision=revision,
+                append_id=f'dbos:{DBOS.workflow_id}', usage=usage,
+            )
+
+        return await DBOS.run_step_async({'name': append_step, 'retries_allowed': True, 'max_attempts': 3}, body)
+
+    return load, append
+
+
+def conversation_step_names(agent: DurableAgent[Any, Any]) -> tuple[str, str]:
+    """Step names of the conversation load and append: `durcap__{name}__conversation.load` / `.append`."""
+    prefix = f'durcap__{agent.durable_name}__conversation'
+    return f'{prefix}.load', f'{prefix}.append'
+
+
+def workflow_names(agent: DurableAgent[Any, Any]) -> list[str]:
+    """The DBOS workflow names `agent_workflow` registers: `durcap.{name}` and one per previous name."""
+    return [f'{WORKFLOW_NAME_PREFIX}{n}' for n in (agent.name, *agent.previous_names)]
 
 
 def workflow(agent: DurableAgent[Any, Any], *, name: str | None = None, **dbos_workflow_kwargs: Any) -> Callable[
@@ -260,41 +321,114 @@ def agent_workflow(agent: DurableAgent[Any, Any]) -> Callable[..., Awaitable[dic
     existing = _WORKFLOWS.get(agent.name)
     if existing is not None:
         return existing
-    from ..conversations import append_conversation, load_conversation, run_turn
-
     bound = BoundAgent(agent)
-    step_prefix = f'durcap__{agent.durable_name}__conversation'
-
-    # Store I/O runs as steps: recovery returns the recorded history instead of reading again, and the
-    # append (idempotent by workflow id) is retried by DBOS.
-    async def load(conversation_id: str) -> Any:
-        return await DBOS.run_step_async({'name': f'{step_prefix}.load'}, load_conversation, agent, conversation_id)
-
-    async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> Any:
-        async def body() -> int:
-            return await append_conversation(
-                agent, conversation_id, messages, expected_revision=revision,
-                append_id=f'dbos:{DBOS.workflow_id}', usage=usage,
-            )
-
-        return await DBOS.run_step_async({'name': f'{step_prefix}.append', 'retries_allowed': True, 'max_attempts': 3}, body)
 
     async def run_agent(
         prompt: str | None, deps: Any = None, message_history: Any = None, conversation_id: str | None = None
     ) -> dict[str, Any]:
-        return await run_turn(
-            agent, bound.run, prompt=prompt, deps=deps, message_history=message_history,
-            conversation_id=conversation_id, load=load, append=append,
-        )
+        turn = await bound.turn(prompt, deps=deps_from_json(agent, deps), message_history=message_history,
+                                conversation_id=conversation_id)
+        return turn.payload()
 
-    registered = DBOS.workflow(name=f'durcap.{agent.name}')(run_agent)
-    for previous in agent.previous_names:
+    name, *previous_names = workflow_names(agent)
+    registered = DBOS.workflow(name=name)(run_agent)
+    for previous in previous_names:
         # Workflows recorded under an earlier agent name recover through the same body.
         async def run_previous(
             prompt: str | None, deps: Any = None, message_history: Any = None, conversation_id: str | None = None
         ) -> dict[str, Any]:
             return await run_agent(prompt, deps, message_history, conversation_id)
 
-        DBOS.workflow(name=f'durcap.{previous}')(run_previous)
+        DBOS.workflow(name=previous)(run_previous)
     _WORKFLOWS[agent.name] = registered
     return registered
+
+
+# ---- the adapter ---------------------------------------------------------------------------------
+
+
+def _journal_ids(agent: DurableAgent[Any, Any]) -> list[Any]:
+    """Upstream's operation ids for every durable operation of the agent's built `DBOSDurability`."""
+    from pydantic_ai.durable_exec import (
+        ModelCancelSuspendedResponseId,
+        ModelCompactMessagesId,
+        ModelRequestId,
+        ToolsetCallToolId,
+        ToolsetGetInstructionsId,
+        ToolsetGetToolsId,
+    )
+
+    ids: list[Any] = [
+        ModelRequestId(None, streaming=False, model_name='default'),
+        ModelRequestId(None, streaming=True, model_name='default'),
+        ModelCompactMessagesId(None, model_name='default'),
+        ModelCancelSuspendedResponseId(None, model_name='default'),
+        ToolsetCallToolId('function', toolset_id='<agent>'),
+    ]
+    for kind, toolset_id in leaf_kinds(agent):
+        ids.append(ToolsetCallToolId(kind, toolset_id=toolset_id))  # type: ignore[arg-type]
+        if kind in ('mcp', 'dynamic'):
+            ids.append(ToolsetGetToolsId(kind, toolset_id=toolset_id))  # type: ignore[arg-type]
+        if kind == 'mcp':
+            ids.append(ToolsetGetInstructionsId(toolset_id))
+    return ids
+
+
+class DBOSAdapter(EngineAdapter):
+    """DBOS: a workflow per agent (`agent_workflow`), steps for model requests, tools, MCP and the store.
+
+    Run settings: `db` (system database URL; default SQLite at `.durcap/dbos.sqlite`).
+    """
+
+    name = 'dbos'
+    unit, units, container, run_id_label = 'step', 'steps', 'workflow', 'workflow id'
+    extra, requires = 'dbos', 'dbos'
+    lock_sections: Mapping[str, str] = {'workflows': 'workflow', 'steps': 'step'}
+
+    def durability_class(self) -> Any:
+        from pydantic_ai.durable_exec.dbos import DBOSDurability
+
+        return DBOSDurability
+
+    def durability_parts(self, agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+        return durability_parts(agent, options)
+
+    def durable_names(self, agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
+        """Step names from upstream's `DBOSOperationNamer` (the names `DBOSDurability` and `DBOSToolSteps`
+        register), the conversation steps, and the workflow names of `agent_workflow`."""
+        namer = DBOSOperationNamer(agent.durable_name)
+        steps = {namer.operation_name(i) for i in _journal_ids(agent)} | set(conversation_step_names(agent))
+        return {'workflows': sorted(workflow_names(agent)), 'steps': sorted(steps)}
+
+    def conversation_units(self, agent: DurableAgent[Any, Any]) -> list[str]:
+        return list(conversation_step_names(agent))
+
+    def mcp_retry_hint(self, leaf_id: str) -> str | None:
+        return "DurableAgent(engine_options={'dbos': {'mcp_step_config': {'max_attempts': ...}}})"
+
+    def mcp_passes_through(self, error: BaseException) -> bool:
+        from dbos._error import DBOSException, DBOSMaxStepRetriesExceeded
+
+        return isinstance(error, DBOSException) and not isinstance(error, DBOSMaxStepRetriesExceeded)
+
+    async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
+        from dbos import SetWorkflowID
+        from pydantic_ai.messages import ModelMessagesTypeAdapter
+        from pydantic_core import to_jsonable_python
+
+        workflow_fn = agent_workflow(agent)
+        launch('durcap', system_database_url_=options.setting('db'))
+        try:
+            workflow_id = options.run_id or f'{agent.name}-{uuid.uuid4()}'
+            history = options.message_history
+            history_json = ModelMessagesTypeAdapter.dump_python(list(history), mode='json') if history else None
+            deps = to_jsonable_python(options.deps) if options.deps is not None else None
+            with SetWorkflowID(workflow_id):
+                payload = await workflow_fn(prompt, deps, history_json, options.conversation_id)
+            steps = await DBOS.list_workflow_steps_async(workflow_id)
+        finally:
+            DBOS.destroy()
+        return RunReport.from_payload('dbos', workflow_id, payload, [step['function_name'] for step in steps])
+
+
+ADAPTER = DBOSAdapter()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from prefect import flow
@@ -24,13 +25,18 @@ from pydantic_ai.durable_exec.prefect import (
 )
 from pydantic_ai.tools import RunContext
 
-from ..conversations import run_turn
+from ..turn import RunReport, deps_from_json, run_turn
+from . import _mcp
+from ._adapter import EngineAdapter, RunOptions, leaf_kinds
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
 
 FLOW_NAME_PREFIX = 'durcap-'
 """Flow name: `durcap-{agent name}`."""
+
+CONVERSATION_TASKS = ('Load Conversation', 'Append Conversation')
+"""Task names of the conversation load and append."""
 
 
 def _sorted_sets(value: Any, memo: dict[int, Any]) -> Any:
@@ -101,11 +107,24 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     }
     for key, config in defaults.items():
         options[key] = TaskConfig(**{**config, **(options.get(key) or {})})  # type: ignore[typeddict-item]
-    from . import (
-        _mcp,  # MCP: bounded `mcp_task_config` retries, and the guard (see _mcp.py)
-    )
+    return options, _mcp_defaults(agent, options)
 
-    return options, _mcp.prefect_defaults(agent, options)
+
+def mcp_task_config(attempts: int = _mcp.DEFAULT_MCP_ATTEMPTS) -> dict[str, Any]:
+    """`PrefectDurability(mcp_task_config=...)` retry defaults (merged with the cache policy)."""
+    return {'retries': attempts - 1, 'retry_delay_seconds': _mcp.DEFAULT_MCP_RETRY_INTERVAL_SECONDS}
+
+
+def _mcp_defaults(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> list[Any]:
+    """Add bounded retries to `options['mcp_task_config']` where the user set none; return the guard."""
+    if options.pop(_mcp.GUARD_OPTION, True) is False or not _mcp.mcp_leaves(agent):
+        return []
+    config = dict(options.get('mcp_task_config') or {})
+    for key, value in mcp_task_config().items():
+        config.setdefault(key, value)
+    options['mcp_task_config'] = config
+    found = _mcp.guard(agent, 'prefect', lambda leaf_id: int(config['retries']) + 1)
+    return [found] if found is not None else []
 
 
 def flow_name(agent: DurableAgent[Any, Any]) -> str:
@@ -140,10 +159,9 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
         message_history: list[dict[str, Any]] | None = None,
         conversation_id: str | None = None,
     ) -> dict[str, Any]:
-        return await run_turn(
-            agent, built.run, prompt=prompt, deps=deps, message_history=message_history,
-            conversation_id=conversation_id, load=load_task, append=append,
-        )
+        turn = await run_turn(agent, built.run, prompt, deps=deps_from_json(agent, deps), message_history=message_history,
+                              conversation_id=conversation_id, load=load_task, append=append)
+        return turn.payload()
 
     run_agent.__name__ = re.sub(r'\W', '_', f'run_{agent.name}')
     decorated = flow(name=flow_name(agent), persist_result=True)(run_agent)
@@ -180,8 +198,8 @@ def _conversation_tasks(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
 
     options: dict[str, Any] = {'cache_policy': INPUTS + RUN_ID, 'persist_result': True}
     return (
-        task(name='Load Conversation', **options)(load),
-        task(name='Append Conversation', retries=2, retry_delay_seconds=1.0, **options)(append),
+        task(name=CONVERSATION_TASKS[0], **options)(load),
+        task(name=CONVERSATION_TASKS[1], retries=2, retry_delay_seconds=1.0, **options)(append),
     )
 
 
@@ -224,3 +242,116 @@ def serve(
     )
     deployment.entrypoint = entrypoint(agent.name)
     prefect_serve(deployment, print_starting_message=False)
+
+
+# ---- the adapter ---------------------------------------------------------------------------------
+
+
+async def _settled_task_runs(flow_run_id: Any, model_requests: int, timeout: float = 30.0) -> list[Any]:
+    """The flow run's task runs once Prefect has recorded them all.
+
+    Prefect 3 records task runs from events, asynchronously: listed right after the flow returns, the
+    last ones can be missing. Poll (up to `timeout` seconds) until every task run is final, there is a
+    `Model Request` task per model response, and the list has not changed for a second.
+    """
+    import asyncio
+    import time
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    deadline = time.monotonic() + timeout
+    previous: list[tuple[str, str]] = []
+    stable_since = time.monotonic()
+    async with get_client() as client:
+        while True:
+            runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            snapshot = sorted((str(r.id), str(r.state_type)) for r in runs)
+            if snapshot != previous:
+                previous, stable_since = snapshot, time.monotonic()
+            done = all(r.state is not None and r.state.is_final() for r in runs)
+            enough = sum(1 for r in runs if r.name.startswith('Model Request')) >= model_requests
+            if (done and enough and time.monotonic() - stable_since >= 1.0) or time.monotonic() > deadline:
+                return list(runs)
+            await asyncio.sleep(0.2)
+
+
+class PrefectAdapter(EngineAdapter):
+    """Prefect: a flow per agent (`agent_flow`), tasks for model requests, tools, MCP and the store.
+
+    Runs go to `PREFECT_API_URL` when set, else to Prefect's ephemeral local server.
+    """
+
+    name = 'prefect'
+    unit, units, container, run_id_label = 'task', 'tasks', 'flow', 'flow run id'
+    extra, requires = 'prefect', 'prefect'
+    lock_sections: Mapping[str, str] = {'flows': 'flow', 'tasks': 'task', 'cache_toolset_ids': 'cache toolset id'}
+
+    def durability_class(self) -> Any:
+        from pydantic_ai.durable_exec.prefect import PrefectDurability
+
+        return PrefectDurability
+
+    def durability_parts(self, agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+        return durability_parts(agent, options)
+
+    def durable_names(self, agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
+        """Task names from upstream's `PrefectOperationNamer` (tool calls labelled with the static tool name;
+        model requests as `Model Request`, without the model name upstream appends), the conversation tasks,
+        the flow name, and the toolset ids Prefect's cache keys hold (its identity for a task run)."""
+        from pydantic_ai.durable_exec import (
+            ToolsetCallToolId,
+            ToolsetGetInstructionsId,
+            ToolsetGetToolsId,
+        )
+        from pydantic_ai.durable_exec.prefect import PrefectOperationNamer
+
+        namer = PrefectOperationNamer()
+        tasks = {'Model Request', *CONVERSATION_TASKS}
+        tasks |= {namer.invocation_name(ToolsetCallToolId('function', toolset_id='<agent>'), label=tool).operation_name
+                  for tool in agent.static_tool_names()}
+        kinds = leaf_kinds(agent)
+        for kind, toolset_id in kinds:
+            if kind == 'mcp':
+                tasks |= {namer.operation_name(ToolsetGetToolsId('mcp', toolset_id=toolset_id)),
+                          namer.operation_name(ToolsetGetInstructionsId(toolset_id)),
+                          namer.operation_name(ToolsetCallToolId('mcp', toolset_id=toolset_id))}
+            elif kind == 'dynamic':
+                tasks.add(namer.operation_name(ToolsetGetToolsId('dynamic', toolset_id=toolset_id)))
+        return {'flows': [flow_name(agent)], 'tasks': sorted(tasks),
+                'cache_toolset_ids': sorted({toolset_id for _, toolset_id in kinds})}
+
+    def conversation_units(self, agent: DurableAgent[Any, Any]) -> list[str]:
+        return list(CONVERSATION_TASKS)
+
+    def mcp_retry_hint(self, leaf_id: str) -> str | None:
+        return "DurableAgent(engine_options={'prefect': {'mcp_task_config': {'retries': ...}}})"
+
+    def mcp_passes_through(self, error: BaseException) -> bool:
+        from prefect.exceptions import PrefectException
+
+        return isinstance(error, PrefectException)
+
+    async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
+        import os
+
+        from pydantic_ai.messages import ModelMessagesTypeAdapter
+        from pydantic_core import to_jsonable_python
+
+        # Without PREFECT_API_URL, Prefect starts a temporary local server; keep it from phoning home.
+        os.environ.setdefault('PREFECT_SERVER_ANALYTICS_ENABLED', 'false')
+        history = options.message_history
+        state = await agent_flow(agent)(
+            prompt=prompt, deps=to_jsonable_python(options.deps) if options.deps is not None else None,
+            message_history=ModelMessagesTypeAdapter.dump_python(list(history), mode='json') if history else None,
+            conversation_id=options.conversation_id, return_state=True,
+        )
+        payload = await state.result()
+        flow_run_id = state.state_details.flow_run_id
+        model_requests = sum(1 for m in payload['new_messages'] if m.get('kind') == 'response')
+        task_runs = await _settled_task_runs(flow_run_id, model_requests)
+        units = [t.name for t in sorted(task_runs, key=lambda t: (t.expected_start_time or t.created, t.name))]
+        return RunReport.from_payload('prefect', str(flow_run_id), payload, units)
+
+
+ADAPTER = PrefectAdapter()

@@ -18,7 +18,8 @@ import asyncio
 import re
 import signal
 import sys
-from collections.abc import Sequence
+import uuid
+from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -38,8 +39,10 @@ from temporalio.worker.workflow_sandbox import (
     SandboxRestrictions,
 )
 
-from ..aliases import rewrite_history
 from ..conversations import LoadedConversation
+from ..turn import RunReport, current_turn, run_turn
+from . import _mcp
+from ._adapter import EngineAdapter, RunOptions
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
@@ -106,8 +109,13 @@ class AgentRunOutput:
         return ModelMessagesTypeAdapter.validate_python(self.new_messages)
 
 
+def _workflow_type(agent_name: str) -> str:
+    return f'{WORKFLOW_NAME_PREFIX}{agent_name}'
+
+
 def workflow_name(agent: DurableAgent[Any, Any]) -> str:
-    return f'{WORKFLOW_NAME_PREFIX}{agent.name}'
+    """The agent's workflow type name, `durcap.{agent name}`."""
+    return _workflow_type(agent.name)
 
 
 def _class_name(agent_name: str) -> str:
@@ -136,36 +144,31 @@ def workflow_class(agent: DurableAgent[Any, Any], registered_name: str | None = 
     deps_adapter: TypeAdapter[Any] = TypeAdapter(agent.deps_type)
     load_name, append_name = conversation_activity_names(agent)
 
+    async def load(conversation_id: str) -> LoadedConversation:
+        return await workflow.execute_activity(
+            load_name, conversation_id, result_type=LoadedConversation, **_STORE_ACTIVITY_OPTIONS
+        )
+
+    async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> int:
+        info = workflow.info()
+        return await workflow.execute_activity(
+            append_name, AppendInput(conversation_id, messages, revision, f'{info.workflow_id}:{info.run_id}', usage),
+            result_type=int, **_STORE_ACTIVITY_OPTIONS,
+        )
+
     async def run(self: Any, params: AgentRunInput) -> AgentRunOutput:
         deps = deps_adapter.validate_python(params.deps) if params.deps is not None else None
-        history_json = params.message_history
-        revision: int | None = None
-        if params.conversation_id is not None:
-            loaded = await workflow.execute_activity(
-                load_name, params.conversation_id, result_type=LoadedConversation, **_STORE_ACTIVITY_OPTIONS
-            )
-            history_json, revision = loaded.messages or None, loaded.revision
-        history = ModelMessagesTypeAdapter.validate_python(history_json) if history_json else None
-        token = _current_run.set(_RunState(params, revision, len(history or [])))
+        token = _current_run.set(params)
         try:
-            result = await built.run(params.prompt, deps=deps, message_history=rewrite_history(history, agent.aliases))
+            turn = await run_turn(agent, built.run, params.prompt, deps=deps, message_history=params.message_history,
+                                  conversation_id=params.conversation_id, load=load, append=append)
         finally:
             _current_run.reset(token)
-        new_messages = ModelMessagesTypeAdapter.dump_python(result.new_messages(), mode='json')
-        output_messages, usage = new_messages, result.usage
-        if params.continued is not None:
-            # Continued as new: report the whole agent run, earlier parts included.
-            output_messages = [*(history_json or [])[params.continued.new_from:], *new_messages]
-            usage = params.continued.usage + result.usage
-        if params.conversation_id is not None:
-            info = workflow.info()
-            await workflow.execute_activity(
-                append_name,
-                AppendInput(params.conversation_id, new_messages, revision, f'{info.workflow_id}:{info.run_id}',
-                            to_jsonable_python(result.usage)),
-                result_type=int, **_STORE_ACTIVITY_OPTIONS,
-            )
-        return AgentRunOutput(result.output, output_messages, usage)
+        if params.continued is None:
+            return AgentRunOutput(turn.result.output, turn.new_messages, turn.result.usage)
+        # Continued as new: report the whole agent run, earlier parts included.
+        earlier = turn.state.history[params.continued.new_from:]
+        return AgentRunOutput(turn.result.output, [*earlier, *turn.new_messages], params.continued.usage + turn.result.usage)
 
     # Temporal rejects run methods of local classes because it looks classes up by name; this one is
     # published under `name` in this module below, so give the method the qualified name it will have.
@@ -177,7 +180,7 @@ def workflow_class(agent: DurableAgent[Any, Any], registered_name: str | None = 
         (PydanticAIWorkflow,),
         {'run': workflow.run(run), '__pydantic_ai_agents__': [built], '__durcap_agent__': agent, '__module__': __name__},
     )
-    defined = workflow.defn(name=f'{WORKFLOW_NAME_PREFIX}{agent_name}')(cls)
+    defined = workflow.defn(name=_workflow_type(agent_name))(cls)
     setattr(module, name, defined)
     return defined
 
@@ -193,16 +196,8 @@ class AppendInput:
     usage: dict[str, Any] | None = None
 
 
-@dataclass
-class _RunState:
-    """What the continue-as-new handler needs of the workflow run it is called in."""
-
-    params: AgentRunInput
-    revision: int | None
-    loaded_count: int
-
-
-_current_run: ContextVar[_RunState | None] = ContextVar('durcap_temporal_run', default=None)
+_current_run: ContextVar[AgentRunInput | None] = ContextVar('durcap_temporal_run', default=None)
+"""The input of the workflow run whose turn is running (read by the continue-as-new handler)."""
 
 _STORE_ACTIVITY_OPTIONS: dict[str, Any] = {
     # Short: a store call takes milliseconds, and a killed worker's call is retried once this expires.
@@ -255,14 +250,14 @@ def continue_as_new_handler(agent: DurableAgent[Any, Any]) -> Any:
     """
 
     async def handler(ctx: Any) -> None:
-        state = _current_run.get()
-        if state is None:
+        params, turn = _current_run.get(), current_turn()
+        if params is None or turn is None:
             return
-        params = state.params
+        loaded_count = len(turn.history)
         messages = ModelMessagesTypeAdapter.dump_python(list(ctx.messages), mode='json')
         earlier = params.continued
         continued = ContinuedRun(
-            earlier.new_from if earlier else state.loaded_count, (earlier.usage if earlier else RunUsage()) + ctx.usage
+            earlier.new_from if earlier else loaded_count, (earlier.usage if earlier else RunUsage()) + ctx.usage
         )
         if params.conversation_id is None:
             workflow.continue_as_new(AgentRunInput(None, None, params.deps, messages, continued))
@@ -270,7 +265,7 @@ def continue_as_new_handler(agent: DurableAgent[Any, Any]) -> Any:
         _, append_name = conversation_activity_names(agent)
         await workflow.execute_activity(
             append_name,
-            AppendInput(params.conversation_id, messages[state.loaded_count:], state.revision,
+            AppendInput(params.conversation_id, messages[loaded_count:], turn.revision,
                         f'{info.workflow_id}:{info.run_id}:continue-as-new', to_jsonable_python(ctx.usage)),
             result_type=int, **_STORE_ACTIVITY_OPTIONS,
         )
@@ -295,11 +290,7 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     }
     for leaf, config in (options.pop('toolset_activity_config', None) or {}).items():
         configs[leaf] = {**configs.get(leaf, {}), **config}
-    from . import (
-        _mcp,  # MCP: bounded retry policy per MCP leaf, and the guard (see _mcp.py)
-    )
-
-    extra = _mcp.temporal_defaults(agent, options, configs)
+    extra = _mcp_defaults(agent, options, configs)
     options.setdefault('continue_as_new', continue_as_new_handler(agent))
     return {'toolset_activity_config': configs, **options}, extra
 
@@ -395,3 +386,195 @@ async def run(client: Client, agent: DurableAgent[Any, Any], prompt: str | None,
     """Start the agent's workflow and wait for its `AgentRunOutput`. Keyword arguments as for `start_run`."""
     handle = await start_run(client, agent, prompt, **kwargs)
     return await handle.result()
+
+
+# ---- MCP on Temporal: bounded retries per MCP leaf and the guard (see _mcp.py) ------------------
+
+
+def mcp_activity_config(attempts: int = _mcp.DEFAULT_MCP_ATTEMPTS) -> dict[str, Any]:
+    """`toolset_activity_config[mcp leaf id]` defaults: a retry policy with `maximum_attempts=attempts`."""
+    return {
+        'retry_policy': RetryPolicy(
+            initial_interval=timedelta(seconds=_mcp.DEFAULT_MCP_RETRY_INTERVAL_SECONDS),
+            backoff_coefficient=2.0,
+            maximum_interval=timedelta(seconds=10),
+            maximum_attempts=attempts,
+        )
+    }
+
+
+def _mcp_defaults(agent: DurableAgent[Any, Any], options: dict[str, Any], configs: dict[str, Any]) -> list[Any]:
+    """Give every MCP leaf without a user `retry_policy` a bounded one in `configs` (`toolset_activity_config`,
+    edited in place) and return the extra capabilities (the guard). Pops `_mcp.GUARD_OPTION` from `options`."""
+    if options.pop(_mcp.GUARD_OPTION, True) is False:
+        return []
+    for leaf_id in _mcp.mcp_leaves(agent):
+        configs.setdefault(leaf_id, {}).setdefault('retry_policy', mcp_activity_config()['retry_policy'])
+
+    def attempts(leaf_id: str) -> int | None:
+        policy = configs.get(leaf_id, {}).get('retry_policy')
+        return (policy.maximum_attempts or None) if policy is not None else None
+
+    found = _mcp.guard(agent, 'temporal', attempts)
+    return [found] if found is not None else []
+
+
+# ---- the adapter ---------------------------------------------------------------------------------
+
+
+async def _units_recorded(client: Client, workflow_id: str, first_run_id: str | None) -> list[str]:
+    """Activity types scheduled by every run of the chain (continue-as-new starts a run with its own history)."""
+    from temporalio.api.enums.v1 import EventType
+
+    units: list[str] = []
+    run_id = first_run_id
+    while run_id:
+        run_handle = client.get_workflow_handle(workflow_id, run_id=run_id)
+        run_id = None
+        async for event in run_handle.fetch_history_events():
+            if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+                units.append(event.activity_task_scheduled_event_attributes.activity_type.name)
+            elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW:
+                run_id = event.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
+    return units
+
+
+class _Replayer:
+    """Replays exported histories against the agents' workflow classes (temporalio's `Replayer`)."""
+
+    def __init__(self, agents: Sequence[DurableAgent[Any, Any]]):
+        from temporalio.worker import Replayer
+
+        self._replayer = Replayer(
+            workflows=[cls for agent in agents for cls in workflow_classes(agent)],
+            plugins=[PydanticAIPlugin()],
+            workflow_runner=sandbox_runner(),
+        )
+
+    async def replay(self, history_json: dict[str, Any], workflow_id: str) -> str | None:
+        from temporalio.client import WorkflowHistory
+
+        history = WorkflowHistory.from_json(workflow_id, history_json)
+        result = await self._replayer.replay_workflow(history, raise_on_replay_failure=False)
+        return None if result.replay_failure is None else str(result.replay_failure)
+
+
+class TemporalAdapter(EngineAdapter):
+    """Temporal: a workflow per agent, activities for model requests, tools, MCP and the store.
+
+    Run settings: `address` (HOST:PORT; none: 127.0.0.1:7233 when it serves, else an embedded in-memory dev
+    server with an inline worker), `task_queue` (default `durcap`), `inline_worker` (serve the queue from this
+    process for the run), `namespace`.
+    """
+
+    name = 'temporal'
+    unit, units, container, run_id_label = 'activity', 'activities', 'workflow', 'workflow id'
+    extra, requires, worker = 'temporal', 'temporalio', True
+    lock_sections: Mapping[str, str] = {'workflows': 'workflow', 'activities': 'activity'}
+
+    def durability_class(self) -> Any:
+        from pydantic_ai.durable_exec.temporal import TemporalDurability
+
+        return TemporalDurability
+
+    def durability_parts(self, agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+        return durability_parts(agent, options)
+
+    def durable_names(self, agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
+        """What `make_worker` registers for `agent`: its workflow types and every activity type (upstream's
+        `worker_registrations` of the built agent's durability, plus the conversation activities)."""
+        from pydantic_ai.durable_exec.temporal import (
+            TemporalDurability,
+            worker_registrations,
+        )
+
+        from .._upstream import temporal_activity_name
+
+        durability = TemporalDurability.from_agent(agent.build('temporal'))
+        assert durability is not None
+        upstream, _ = worker_registrations(durability)
+        activities = [*upstream, *conversation_activities(agent)]
+        workflows = [_workflow_type(n) for n in (agent.name, *agent.previous_names)]
+        return {'workflows': sorted(workflows), 'activities': sorted(temporal_activity_name(fn) for fn in activities)}
+
+    def conversation_units(self, agent: DurableAgent[Any, Any]) -> list[str]:
+        return list(conversation_activity_names(agent))
+
+    def mcp_retry_hint(self, leaf_id: str) -> str | None:
+        return f"DurableAgent(engine_options={{'temporal': {{'toolset_activity_config': {{{leaf_id!r}: {{'retry_policy': ...}}}}}}}})"
+
+    def mcp_passes_through(self, error: BaseException) -> bool:
+        from temporalio.exceptions import ActivityError, TemporalError
+
+        return isinstance(error, TemporalError) and not isinstance(error, ActivityError)
+
+    def mcp_upstream_schedule(self) -> bool:
+        return workflow.in_workflow() and not workflow.patched(_mcp.TEMPORAL_PATCH_ID)
+
+    def run_notes(self, options: RunOptions) -> list[str]:
+        if options.settings.get('store') and not options.setting('inline_worker', False):
+            return [("note: --store applies to this process only; on Temporal the worker's store is used "
+                     '(`durcap worker temporal --store`, or $DURCAP_STORE where the worker runs)')]
+        return []
+
+    def replayer(self, agents: Sequence[DurableAgent[Any, Any]]) -> Any:
+        return _Replayer(agents)
+
+    async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
+        from .._servers import port_open, start_temporal_dev_server
+
+        address, inline_worker = options.setting('address'), bool(options.setting('inline_worker', False))
+        server = None
+        if address is None and port_open('127.0.0.1', 7233):
+            address = '127.0.0.1:7233'  # the default a `durcap worker temporal` and `durcap dev temporal` use
+        if address is None:
+            options.notify('no Temporal server configured (--address, DURCAP_TEMPORAL_ADDRESS, 127.0.0.1:7233): '
+                           'starting an embedded in-memory dev server and an inline worker for this run')
+            # In memory: a second server must never share `durcap dev temporal`'s database file.
+            server = start_temporal_dev_server(state_dir='.durcap', persistent=False)
+            address, inline_worker = server.address, True
+        try:
+            return await self._run(agent, prompt, options, address, inline_worker)
+        finally:
+            if server is not None:
+                server.stop()
+
+    async def _run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions, address: str,
+                   inline_worker: bool) -> RunReport:
+        from contextlib import AsyncExitStack
+
+        client = await connect(address, options.setting('namespace', 'default'))
+        task_queue = options.setting('task_queue', 'durcap')
+        workflow_id = options.run_id or f'{agent.name}-{uuid.uuid4()}'
+        async with AsyncExitStack() as stack:
+            if inline_worker:
+                await stack.enter_async_context(make_worker(client, [agent], task_queue))
+            handle = await start_run(
+                client, agent, prompt, task_queue=task_queue, workflow_id=workflow_id, deps=options.deps,
+                message_history=list(options.message_history) if options.message_history else None,
+                conversation_id=options.conversation_id,
+            )
+            result = await handle.result()
+            units = await _units_recorded(client, workflow_id, handle.first_execution_run_id or handle.result_run_id)
+        return RunReport('temporal', workflow_id, result.output, result.messages(), result.usage, units)
+
+    def serve_worker(self, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> None:
+        address = options.setting('address', '127.0.0.1:7233')
+        task_queue = options.setting('task_queue', 'durcap')
+
+        async def serve() -> None:
+            ready = asyncio.Event()
+            task = asyncio.create_task(run_worker(
+                agents, task_queue=task_queue, address=address, namespace=options.setting('namespace', 'default'),
+                ready=ready, graceful_shutdown_seconds=options.setting('graceful_shutdown', 30.0),
+            ))
+            ready_wait = asyncio.create_task(ready.wait())
+            await asyncio.wait({task, ready_wait}, return_when=asyncio.FIRST_COMPLETED)
+            if ready.is_set():
+                options.notify(f'worker ready: {", ".join(a.name for a in agents)} on task queue {task_queue!r} at {address}')
+            await task
+
+        asyncio.run(serve())
+
+
+ADAPTER = TemporalAdapter()

@@ -1,0 +1,229 @@
+"""The engine adapter protocol: everything the rest of the package asks of an engine.
+
+One module per engine implements it (`local.py`, `temporal.py`, `dbos.py`, `prefect.py`) and
+exposes the instance as `ADAPTER`; `engines/__init__.py` registers each one with one line. The CLI,
+the runner, the lockfile, replay and the MCP guard look engines up by name and never name one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..agent import DurableAgent
+    from ..turn import RunReport
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@dataclass
+class RunOptions:
+    """How to run one turn (`EngineAdapter.run`).
+
+    Attributes:
+        deps: The run's deps, of the agent's `deps_type` (or `None`).
+        message_history: Prior messages (ignored when `conversation_id` is given: the store's history is used).
+        conversation_id: Conversation to load from and append to.
+        run_id: The engine's id for the run (workflow id); default `{agent name}-{uuid4}`.
+        settings: Engine settings by name, e.g. `address`, `task_queue`, `inline_worker`, `namespace` (Temporal)
+            or `db` (DBOS); an engine ignores the ones it does not know.
+        notify: Where an engine reports what it does on the user's behalf (one line; default stderr).
+    """
+
+    deps: Any = None
+    message_history: Sequence[Any] | None = None
+    conversation_id: str | None = None
+    run_id: str | None = None
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    notify: Callable[[str], None] = _stderr
+
+    def setting(self, name: str, default: Any = None) -> Any:
+        """`settings[name]`, or `default` when absent or `None`."""
+        value = self.settings.get(name)
+        return default if value is None else value
+
+
+class EngineAdapter(ABC):
+    """One engine, as the package sees it.
+
+    Attributes:
+        name: The engine's name (`--engine NAME`, `DurableAgent(engines=[NAME])`, `durable.lock` section).
+        unit / units: The engine's word for a durable unit, singular and plural (activity, step, task).
+        container: The engine's word for the durable container (workflow, flow).
+        run_id_label: What the engine calls a run's id (`'workflow id'`, `'flow run id'`).
+        extra: The `durable-capabilities[...]` extra that installs the engine (`None`: nothing to install).
+        requires: Top-level module of the engine's SDK, checked without importing it.
+        durable: Whether runs survive a crash (False for local, which `engines=` never lists).
+        worker: Whether the engine has a long-lived worker process (`durcap worker NAME`, see `serve_worker`).
+        lock_sections: Section names of the engine's `durable.lock` entry, mapped to the singular word
+            used in messages (`{'workflows': 'workflow', 'activities': 'activity'}`).
+    """
+
+    name: str = ''
+    unit: str = 'call'
+    units: str = 'calls'
+    container: str = 'run'
+    run_id_label: str = 'run id'
+    extra: str | None = None
+    requires: str | None = None
+    durable: bool = True
+    worker: bool = False
+    lock_sections: Mapping[str, str] = {}
+
+    def available(self) -> bool:
+        """Whether the engine's SDK is installed, without importing it (importing Prefect alone takes ~1.4 s)."""
+        return self.requires is None or importlib.util.find_spec(self.requires) is not None
+
+    def durability_class(self) -> Callable[..., Any] | None:
+        """Upstream's durability capability class (`None`: the agent is built without one, as locally).
+
+        Raises:
+            ImportError: the engine's extra is not installed.
+        """
+        return None
+
+    def durability_parts(self, agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+        """Keyword arguments for `durability_class()` (our defaults merged with the user's `options`, which win)
+        and the extra capabilities to attach (the MCP guard, DBOS tool steps, ...)."""
+        return dict(options), []
+
+    def durable_names(self, agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
+        """Every durable name the engine registers for `agent`, per `lock_sections` key, sorted.
+
+        The one source of these names: worker registration, `durable.lock`, replay and the demo use it.
+        """
+        return {}
+
+    def conversation_units(self, agent: DurableAgent[Any, Any]) -> list[str]:
+        """Names of the durable units that load and append the agent's conversations (load first)."""
+        return []
+
+    def mcp_retry_hint(self, leaf_id: str) -> str | None:
+        """Where a user sets the attempts of an MCP leaf's units (quoted in `MCPCapabilityError`)."""
+        return None
+
+    def mcp_passes_through(self, error: BaseException) -> bool:
+        """Whether an error from an MCP unit is engine control flow the MCP guard must re-raise unchanged."""
+        return False
+
+    def mcp_upstream_schedule(self) -> bool:
+        """True while replaying a history recorded before the MCP guard existed (list tools as upstream did)."""
+        return False
+
+    def run_notes(self, options: RunOptions) -> list[str]:
+        """Lines `durcap run` prints before the run (e.g. which store a remote worker uses)."""
+        return []
+
+    def serve_worker(self, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> None:
+        """Serve `agents` (already validated and checked against the lock) until SIGTERM / SIGINT, then drain.
+
+        `options.settings`: `address`, `task_queue`, `namespace`, `graceful_shutdown` (seconds); `options.notify`
+        gets the ready line. Only for engines with `worker = True`.
+
+        Raises:
+            OSError / RuntimeError: the worker cannot reach its server.
+        """
+        raise NotImplementedError(f'engine {self.name!r} has no worker')
+
+    def replayer(self, agents: Sequence[DurableAgent[Any, Any]]) -> Any | None:
+        """An object with `async replay(history_json: dict, workflow_id: str) -> str | None` (the failure text),
+        for engines whose recorded histories can be replayed against the code; `None` otherwise."""
+        return None
+
+    @abstractmethod
+    async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
+        """Run one turn of `agent` on the engine and report what it recorded.
+
+        Raises:
+            DurableConfigError: the definition or the stored history has errors.
+            Exception: whatever the engine raised when the run failed.
+        """
+
+
+class LazyAdapter(EngineAdapter):
+    """A registry entry that imports its engine module (and SDK) only when something beyond the name is asked.
+
+    Args:
+        name: The engine's name.
+        module: The module holding the adapter as `ADAPTER`.
+        extra / requires / durable / worker: As `EngineAdapter` (known without importing `module`).
+    """
+
+    def __init__(
+        self, name: str, module: str, *, extra: str | None = None, requires: str | None = None, durable: bool = True,
+        worker: bool = False,
+    ):
+        self.name, self.module, self.extra, self.requires = name, module, extra, requires
+        self.durable, self.worker = durable, worker
+
+    @property
+    def loaded(self) -> EngineAdapter:
+        """The engine module's `ADAPTER`.
+
+        Raises:
+            ImportError: the engine's extra is not installed.
+        """
+        return importlib.import_module(self.module).ADAPTER
+
+    def __getattr__(self, attr: str) -> Any:
+        # Only reached for what this class does not define: the words, lock sections, `durable`.
+        if attr.startswith('__'):
+            raise AttributeError(attr)
+        return getattr(self.loaded, attr)
+
+    def __repr__(self) -> str:
+        return f'LazyAdapter({self.name!r}, {self.module!r})'
+
+    def durability_class(self) -> Callable[..., Any] | None:
+        return self.loaded.durability_class()
+
+    def durability_parts(self, agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+        return self.loaded.durability_parts(agent, options)
+
+    def durable_names(self, agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
+        return self.loaded.durable_names(agent)
+
+    def conversation_units(self, agent: DurableAgent[Any, Any]) -> list[str]:
+        return self.loaded.conversation_units(agent)
+
+    def mcp_retry_hint(self, leaf_id: str) -> str | None:
+        return self.loaded.mcp_retry_hint(leaf_id)
+
+    def mcp_passes_through(self, error: BaseException) -> bool:
+        return self.loaded.mcp_passes_through(error)
+
+    def mcp_upstream_schedule(self) -> bool:
+        return self.loaded.mcp_upstream_schedule()
+
+    def run_notes(self, options: RunOptions) -> list[str]:
+        return self.loaded.run_notes(options)
+
+    def serve_worker(self, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> None:
+        return self.loaded.serve_worker(agents, options)
+
+    def replayer(self, agents: Sequence[DurableAgent[Any, Any]]) -> Any | None:
+        return self.loaded.replayer(agents)
+
+    async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
+        return await self.loaded.run(agent, prompt, options)
+
+
+_KIND_BY_CLASS = {'FunctionToolset': 'function', 'MCPToolset': 'mcp', 'DynamicToolset': 'dynamic'}
+
+
+def leaf_kinds(agent: DurableAgent[Any, Any]) -> list[tuple[str, str]]:
+    """`(kind, toolset id)` for every leaf toolset of the definition (kind: `function | mcp | dynamic`), the
+    vocabulary of upstream's operation ids."""
+    return [
+        (_KIND_BY_CLASS.get(plan.kind, 'function'), plan.toolset_id)
+        for plans in agent.leaf_plans().values()
+        for plan in plans
+    ]
