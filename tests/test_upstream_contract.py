@@ -182,6 +182,20 @@ def test_durability_names_units_after_the_explicit_id_only() -> None:
     )
 
 
+def test_temporal_workflow_name_reads_the_registered_name() -> None:
+    from temporalio import workflow
+
+    @workflow.defn(name='contract.workflow-name')
+    class Named:
+        @workflow.run
+        async def run(self) -> None:
+            return None
+
+    assert _upstream.temporal_workflow_name(Named) == 'contract.workflow-name', changed(
+        'temporalio no longer keeps a workflow class its registered name in `_Definition`'
+    )
+
+
 # ---- FunctionToolset._id -----------------------------------------------------------------------------------------------
 
 

@@ -22,6 +22,7 @@ __all__ = [
     'derived_id_source',
     'explicit_toolset_id',
     'temporal_activity_name',
+    'temporal_workflow_name',
     'toolset_with_id',
 ]
 
@@ -82,3 +83,13 @@ def temporal_activity_name(fn: Any) -> str:
     from temporalio import activity
 
     return activity._Definition.must_from_callable(fn).name  # pyright: ignore[reportPrivateUsage]
+
+
+def temporal_workflow_name(cls: type) -> str:
+    """The workflow type name temporalio registers a `@workflow.defn` class under.
+
+    temporalio has no public accessor; its worker and replayer read the same private definition.
+    """
+    from temporalio import workflow
+
+    return workflow._Definition.must_from_class(cls).name  # pyright: ignore[reportPrivateUsage]

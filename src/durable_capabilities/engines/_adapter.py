@@ -173,11 +173,12 @@ class LazyAdapter(EngineAdapter):
         """
         return importlib.import_module(self.module).ADAPTER
 
-    def __getattr__(self, attr: str) -> Any:
-        # Only reached for what this class does not define: the words, lock sections, `durable`.
-        if attr.startswith('__'):
-            raise AttributeError(attr)
-        return getattr(self.loaded, attr)
+    # The engine's words and lock sections live in its module: read them there (the base class has defaults).
+    unit = property(lambda self: self.loaded.unit)  # type: ignore[assignment]
+    units = property(lambda self: self.loaded.units)  # type: ignore[assignment]
+    container = property(lambda self: self.loaded.container)  # type: ignore[assignment]
+    run_id_label = property(lambda self: self.loaded.run_id_label)  # type: ignore[assignment]
+    lock_sections = property(lambda self: self.loaded.lock_sections)  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f'LazyAdapter({self.name!r}, {self.module!r})'

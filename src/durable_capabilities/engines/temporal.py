@@ -481,21 +481,23 @@ class TemporalAdapter(EngineAdapter):
         return durability_parts(agent, options)
 
     def durable_names(self, agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
-        """What `make_worker` registers for `agent`: its workflow types and every activity type (upstream's
-        `worker_registrations` of the built agent's durability, plus the conversation activities)."""
+        """What `make_worker` registers for `agent`: the workflow types of `workflow_classes` and every activity
+        type (upstream's `worker_registrations` of the built agent's durability, plus `conversation_activities`)."""
         from pydantic_ai.durable_exec.temporal import (
             TemporalDurability,
             worker_registrations,
         )
 
-        from .._upstream import temporal_activity_name
+        from .._upstream import temporal_activity_name, temporal_workflow_name
 
         durability = TemporalDurability.from_agent(agent.build('temporal'))
         assert durability is not None
         upstream, _ = worker_registrations(durability)
         activities = [*upstream, *conversation_activities(agent)]
-        workflows = [_workflow_type(n) for n in (agent.name, *agent.previous_names)]
-        return {'workflows': sorted(workflows), 'activities': sorted(temporal_activity_name(fn) for fn in activities)}
+        return {
+            'workflows': sorted(temporal_workflow_name(cls) for cls in workflow_classes(agent)),
+            'activities': sorted(temporal_activity_name(fn) for fn in activities),
+        }
 
     def conversation_units(self, agent: DurableAgent[Any, Any]) -> list[str]:
         return list(conversation_activity_names(agent))

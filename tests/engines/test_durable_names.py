@@ -1,0 +1,82 @@
+"""One source of durable names: the lock lists what each engine registers, on the support example.
+
+Real parts: the Temporal dev server (`temporal_address`), DBOS on SQLite, the Prefect server
+(`prefect_api_url`); each engine in its own process (`names_driver.py`). The model is the example's
+scripted `FunctionModel`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def probe(engine: str, out: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `names_driver ENGINE` to completion (killed at the timeout) and return its report."""
+    result = subprocess.run(
+        [sys.executable, '-m', 'tests.engines.names_driver', engine, '--out', str(out), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+        env={**os.environ, 'PYTHONPATH': str(ROOT), 'PYTHONHASHSEED': '0', **(env or {})},
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith('REPORT ')]
+    assert result.returncode == 0 and lines, f'exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}'
+    return json.loads(lines[-1].removeprefix('REPORT '))
+
+
+def test_temporal_lock_is_exactly_what_the_worker_registers(temporal_address: str, tmp_path: Path) -> None:
+    report = probe('temporal', tmp_path, '--address', temporal_address)
+    assert report['lock'] == report['registered']
+    assert 'agent__support__conversation_load' in report['lock']['activities']
+    assert report['lock']['workflows'] == ['durcap.support']
+
+
+def test_dbos_lock_is_exactly_the_registered_and_wrapped_steps(tmp_path: Path) -> None:
+    report = probe('dbos', tmp_path)
+    lock, registered = report['lock'], report['registered']
+    assert lock['workflows'] == registered['workflows'] == ['durcap.support']
+    conversation = ['durcap__support__conversation.append', 'durcap__support__conversation.load']
+    # Upstream's registered steps, the function-tool steps `DBOSToolSteps` names, the two conversation steps:
+    # nothing more, nothing less.
+    assert sorted({*registered['steps'], *report['tool_steps'], *conversation}) == lock['steps']
+    assert registered['steps'] and report['tool_steps']
+    # And a real run only records steps the lock lists.
+    assert report['recorded'], 'the run recorded no steps'
+    assert set(report['recorded']) <= set(lock['steps']), set(report['recorded']) - set(lock['steps'])
+    assert 'support__function_toolset__orders.call_tool' in report['recorded']
+
+
+def test_prefect_lock_names_the_flow_and_every_task_a_run_creates(prefect_api_url: str, tmp_path: Path) -> None:
+    report = probe('prefect', tmp_path, env={'PREFECT_API_URL': prefect_api_url})
+    lock = report['lock']
+    assert lock['flows'] == report['registered']['flows'] == ['durcap-support']
+    # A task run is named `{task name}-{3 hex digits}` (Prefect's default run name).
+    recorded = [re.sub(r'-[0-9a-f]{3}$', '', name) for name in report['recorded']]
+    assert recorded, 'the run recorded no task runs'
+    # Model requests carry the model's name after the locked prefix (upstream's `Model Request: {model}`).
+    model_request = f'Model Request: {report["model"]}'
+    unlocked = [name for name in recorded if name not in lock['tasks'] and name != model_request]
+    assert unlocked == []
+    assert model_request in recorded and 'Model Request' in lock['tasks']
+    assert {'Load Conversation', 'Append Conversation', 'Call Tool: order_status'} <= set(recorded)
+
+
+@pytest.mark.parametrize('engine', ['temporal', 'dbos', 'prefect'])
+def test_lockfile_sections_come_from_the_adapter(engine: str) -> None:
+    """`durable.lock`'s entry per engine is the adapter's `durable_names`, in the adapter's sections."""
+    from durable_capabilities.engines import get
+    from durable_capabilities.lockfile import lock_data
+    from examples.support.agent import support
+
+    entry = lock_data([support])['agents']['support'][engine]
+    adapter = get(engine)
+    assert list(entry) == list(adapter.lock_sections)
+    assert entry == adapter.durable_names(support)
