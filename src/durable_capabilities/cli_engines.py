@@ -87,11 +87,15 @@ async def _run_on(
                             notify=_err.print, **settings)
 
 
-def _print_run(report: RunReport) -> None:
-    """Print a run's answer, loaded capabilities, durable units (in the engine's words) and usage."""
+def _adapter(engine: str) -> Any:
     from .engines import get
 
-    adapter = get(report.engine)
+    return get(engine)
+
+
+def _print_run(report: RunReport) -> None:
+    """Print a run's answer, loaded capabilities, durable units (in the engine's words) and usage."""
+    adapter = _adapter(report.engine)
     if report.run_id:
         _err.print(f'{adapter.run_id_label}: {report.run_id}')
     _out.print(f'[bold]answer[/bold] ({report.engine}): {report.output}')
@@ -145,7 +149,7 @@ def run(
     except StoreError as exc:
         _unusable(str(exc).splitlines()[0])
     except KeyboardInterrupt:
-        _err.print('interrupted; a durable run goes on in its engine (see the workflow / flow run id above)')
+        _err.print(f'interrupted; a durable run goes on in its engine (see the {_adapter(engine).run_id_label} above)')
         raise typer.Exit(130) from None
     except Exception as exc:  # noqa: BLE001 - the run failed in the engine: one line, no traceback
         cause = exc
