@@ -15,6 +15,7 @@ from typing import Any
 
 import pydantic_ai
 import pytest
+import temporalio.workflow
 from pydantic_ai import Agent, RunContext
 from pydantic_ai.capabilities import MCP, AbstractCapability, Capability
 from pydantic_ai.exceptions import UserError
@@ -182,16 +183,15 @@ def test_durability_names_units_after_the_explicit_id_only() -> None:
     )
 
 
+@temporalio.workflow.defn(name='contract.workflow-name')
+class NamedWorkflow:
+    @temporalio.workflow.run
+    async def run(self) -> None:
+        return None
+
+
 def test_temporal_workflow_name_reads_the_registered_name() -> None:
-    from temporalio import workflow
-
-    @workflow.defn(name='contract.workflow-name')
-    class Named:
-        @workflow.run
-        async def run(self) -> None:
-            return None
-
-    assert _upstream.temporal_workflow_name(Named) == 'contract.workflow-name', changed(
+    assert _upstream.temporal_workflow_name(NamedWorkflow) == 'contract.workflow-name', changed(
         'temporalio no longer keeps a workflow class its registered name in `_Definition`'
     )
 
@@ -327,6 +327,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
         'derived_id_source',
         'explicit_toolset_id',
         'temporal_activity_name',
+        'temporal_workflow_name',
         'toolset_with_id',
     }
     assert set(_upstream.__all__) == covered

@@ -88,7 +88,8 @@ def temporal_activity_name(fn: Any) -> str:
 def temporal_workflow_name(cls: type) -> str:
     """The workflow type name temporalio registers a `@workflow.defn` class under.
 
-    temporalio has no public accessor; its worker and replayer read the same private definition.
+    temporalio has no public accessor; its worker and replayer read the same private definition. Used to
+    read back what a worker registered (tests compare it with `durable.lock`).
     """
     from temporalio import workflow
 

@@ -508,21 +508,23 @@ class TemporalAdapter(EngineAdapter):
         return durability_parts(agent, options)
 
     def durable_names(self, agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
-        """What `make_worker` registers for `agent`: the workflow types of `workflow_classes` and every activity
-        type (upstream's `worker_registrations` of the built agent's durability, plus `conversation_activities`)."""
+        """What `make_worker` registers for `agent`: the workflow types `workflow_classes` defines (named by
+        `_workflow_type`, without defining the classes: a lock may compare two versions of one agent in one
+        process) and every activity type (upstream's `worker_registrations` of the built agent's durability,
+        plus `conversation_activities`)."""
         from pydantic_ai.durable_exec.temporal import (
             TemporalDurability,
             worker_registrations,
         )
 
-        from .._upstream import temporal_activity_name, temporal_workflow_name
+        from .._upstream import temporal_activity_name
 
         durability = TemporalDurability.from_agent(agent.build('temporal'))
         assert durability is not None
         upstream, _ = worker_registrations(durability)
         activities = [*upstream, *conversation_activities(agent)]
         return {
-            'workflows': sorted(temporal_workflow_name(cls) for cls in workflow_classes(agent)),
+            'workflows': sorted(_workflow_type(name) for name in (agent.name, *agent.previous_names)),
             'activities': sorted(temporal_activity_name(fn) for fn in activities),
         }
 
