@@ -368,7 +368,7 @@ def main() -> None:
 
 # The engine commands (`run`, `demo`, `replay`, `worker`, `dev`, `schedule`, `history`) register on `app`
 # when imported; they import the helpers above, so this comes last.
-from . import cli_engines  # noqa: F401
+from . import cli_engines  # noqa: E402, F401
 
 if __name__ == '__main__':
     # `python -m durable_capabilities.cli` runs this file as `__main__`, a second copy of the module;
