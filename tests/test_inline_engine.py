@@ -135,7 +135,6 @@ def test_run_on_the_registered_engine_prints_its_words(inline: InlineAdapter, ta
 
 def test_runner_runs_any_registered_engine(inline: InlineAdapter, target: str) -> None:
     import asyncio
-
     import importlib.util
 
     from durable_capabilities import runner

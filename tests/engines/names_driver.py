@@ -32,7 +32,10 @@ PROMPT = 'Where is my order ABC-123? It should have arrived by now.'
 
 
 def temporal(args: argparse.Namespace) -> dict[str, Any]:
-    from durable_capabilities._upstream import temporal_activity_name, temporal_workflow_name
+    from durable_capabilities._upstream import (
+        temporal_activity_name,
+        temporal_workflow_name,
+    )
     from durable_capabilities.engines import temporal as engine
 
     async def registered() -> dict[str, Any]:
