@@ -16,21 +16,18 @@ from typing import Annotated, Any
 
 import typer
 
-from .agent import DurableAgent, validate_together
+from .agent import DurableAgent
 from .cli import (
-    TARGET_HELP,
-    UnusableTarget,
     _err,
     _out,
     _print_text,
     _unusable,
     _valid_agents,
     app,
-    check_drift,
-    load_target,
 )
 from .cli_history import history_app
-from .validation import DurableConfigError, Report
+from .targets import TARGET_HELP
+from .validation import DurableConfigError
 
 worker_app = typer.Typer(help='Run workers.', no_args_is_help=True)
 dev_app = typer.Typer(help='Start local development servers.', no_args_is_help=True)
@@ -39,7 +36,13 @@ app.add_typer(worker_app, name='worker')
 app.add_typer(dev_app, name='dev')
 app.add_typer(schedule_app, name='schedule')
 
-DEMO_TARGET = Path(__file__).resolve().parents[2] / 'examples' / 'support' / 'agent.py'
+def demo_target() -> Path:
+    """The support example's `agent.py`: shipped in the wheel as `durable_capabilities/_examples/support`
+    (hatch force-include), else (an editable install or a source checkout) `examples/support` of the checkout."""
+    shipped = Path(__file__).resolve().parent / '_examples' / 'support' / 'agent.py'
+    if shipped.is_file():
+        return shipped
+    return Path(__file__).resolve().parents[2] / 'examples' / 'support' / 'agent.py'
 
 
 class RunEngine(str, Enum):
@@ -49,9 +52,10 @@ class RunEngine(str, Enum):
     prefect = 'prefect'
 
 
-def _one_agent(target: str) -> DurableAgent[Any, Any]:
-    """Load TARGET as exactly one valid definition; print its errors and exit 1 otherwise."""
-    agents = _valid_agents(target)
+def _one_agent(target: str, *, use_lock: bool = False) -> DurableAgent[Any, Any]:
+    """Load TARGET as exactly one valid definition (with `use_lock`, matching the durable.lock beside it);
+    print its errors and exit 1 otherwise."""
+    agents = _valid_agents(target, use_lock=use_lock, refused='not run: fix the errors above' if use_lock else '')
     if len(agents) != 1:
         _unusable(f'{target} names {len(agents)} agents; name one')
     return agents[0]
@@ -143,7 +147,8 @@ def run(
 
     from .store import StoreError
 
-    agent = _one_agent(target)
+    # A durable run registers durable units: refuse on drift from the durable.lock beside TARGET, as a worker does.
+    agent = _one_agent(target, use_lock=engine is not RunEngine.local)
     if conversation is not None and not conversation.strip():
         _unusable('--conversation must not be empty')
     if db is not None and not db.startswith(('sqlite:', 'postgresql:', 'postgres:', 'postgresql+')):
@@ -201,8 +206,11 @@ def demo(
 
     if model:
         os.environ['SUPPORT_MODEL'] = model
-    agent = _one_agent(f'{DEMO_TARGET}:support')
-    make_store = sys.modules['examples.support.agent'].make_store
+    target = demo_target()
+    if not target.is_file():
+        _unusable(f'the support example is not installed with this package (looked for {target})')
+    agent = _one_agent(f'{target}:support', use_lock=engine is not RunEngine.local)
+    make_store = sys.modules[agent.defined_in].make_store
     _out.print(f'[bold]support demo[/bold] on {engine.value}, model: {model or "scripted FunctionModel (no provider)"}')
     _out.print(f'customer: {prompt}')
     report = asyncio.run(_run_on(agent, prompt, engine.value, make_store(), address=_temporal_address(address),
@@ -223,7 +231,7 @@ def worker_temporal(
     address: Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS or 127.0.0.1:7233).')] = None,
     namespace: Annotated[str, typer.Option(help='Temporal namespace.')] = 'default',
     graceful_shutdown: Annotated[float, typer.Option(help='Seconds in-flight activities get to finish after SIGTERM.')] = 30.0,
-    lock: Annotated[Path | None, typer.Option('--lock', help='Lockfile to check against (default: durable.lock beside TARGET).')] = None,
+    lock: Annotated[Path | None, typer.Option('--lock', help="Lockfile to check against (default: durable.lock beside TARGET's module file).")] = None,
     allow_drift: Annotated[bool, typer.Option('--allow-drift', help='Start even when durable unit names differ from the lockfile.')] = False,
     store: Annotated[str | None, typer.Option('--store', help='Conversation store URL for runs with a conversation id '
                                               '(default: $DURCAP_STORE or sqlite:///.durcap/conversations.db).')] = None,
@@ -234,20 +242,8 @@ def worker_temporal(
 
     from .engines import temporal
 
-    try:
-        agents, _ = load_target(target)
-    except UnusableTarget as exc:
-        _unusable(str(exc))
-    except DurableConfigError as exc:
-        _print_text(exc.report, exc.subject)
-        _err.print('worker not started: fix the errors above')
-        raise typer.Exit(1) from None
-    report = validate_together(agents)
-    check_drift(target, agents, lock, allow_drift, report)
-    if not report.ok:
-        _print_text(report, ', '.join(repr(a.name) for a in agents))
-        _err.print('worker not started: fix the errors above' + ('' if allow_drift else ' (or pass --allow-drift)'))
-        raise typer.Exit(1)
+    agents = _valid_agents(target, use_lock=True, lock=lock, allow_drift=allow_drift, refused='worker not started: fix '
+                           'the errors above' + ('' if allow_drift else ' (or pass --allow-drift on lockfile drift)'))
     address = _temporal_address(address) or '127.0.0.1:7233'
     if store:
         os.environ['DURCAP_STORE'] = store  # the conversation activities run in this process
@@ -312,7 +308,7 @@ def schedule_prefect(
     interval: Annotated[float | None, typer.Option(help='Seconds between runs.')] = None,
     deps_json: Annotated[str | None, typer.Option('--deps-json', help='Deps as JSON for every run.')] = None,
     name: Annotated[str | None, typer.Option(help='Deployment name (default: <agent>-scheduled).')] = None,
-    lock: Annotated[Path | None, typer.Option('--lock', help='Lockfile to check against (default: durable.lock beside TARGET).')] = None,
+    lock: Annotated[Path | None, typer.Option('--lock', help="Lockfile to check against (default: durable.lock beside TARGET's module file).")] = None,
     allow_drift: Annotated[bool, typer.Option('--allow-drift', help='Serve even when durable unit names differ from the lockfile.')] = False,
 ) -> None:
     """Serve TARGET's flow as a scheduled Prefect deployment (`prefect.serve`) until interrupted;
@@ -323,13 +319,11 @@ def schedule_prefect(
         _unusable('give exactly one of --cron or --interval')
     if interval is not None and interval <= 0:
         _unusable('--interval must be a positive number of seconds')
-    agent = _one_agent(target)
-    report = Report()
-    check_drift(target, [agent], lock, allow_drift, report)
-    if not report.ok:
-        _print_text(report, repr(agent.name))
-        _err.print('not serving: fix the errors above (or pass --allow-drift)')
-        raise typer.Exit(1)
+    agents = _valid_agents(target, use_lock=True, lock=lock, allow_drift=allow_drift,
+                           refused='not serving: fix the errors above (or pass --allow-drift on lockfile drift)')
+    if len(agents) != 1:
+        _unusable(f'{target} names {len(agents)} agents; name one')
+    agent = agents[0]
     deps = json.loads(deps_json) if deps_json else None
     _deps(agent, deps_json)  # validates
     _err.print(f'serving deployment {name or agent.name + "-scheduled"!r} of flow durcap-{agent.name} '

@@ -27,6 +27,8 @@ from pydantic_ai.durable_exec.dbos import DBOSOperationNamer
 from pydantic_ai.exceptions import ApprovalRequired, CallDeferred, ModelRetry
 from pydantic_ai.toolsets import AbstractToolset, FunctionToolset, WrapperToolset
 
+from .. import _registry
+
 if TYPE_CHECKING:
     from ..agent import DurableAgent
 
@@ -176,6 +178,8 @@ def launch(
     Returns:
         The `DBOS` instance.
     """
+    for agent in agents:
+        BoundAgent(agent)  # claims its names (DC011 against another definition of the same name)
     if agents:
         from ..lockfile import enforce_lock
 
@@ -194,6 +198,8 @@ class BoundAgent:
     """What a `@workflow(agent)` function receives as its first argument: `run()` durably inside the workflow."""
 
     def __init__(self, definition: DurableAgent[Any, Any]):
+        for name in (definition.name, *definition.previous_names):  # its steps are global by name: DC011 on a clash
+            _registry.claim('DBOS agent', name, definition, 'registered with DBOS in this process')
         self.definition = definition
         self.agent = definition.build('dbos')
 
@@ -257,12 +263,12 @@ def agent_workflow(agent: DurableAgent[Any, Any]) -> Callable[..., Awaitable[dic
     step `...append`, idempotent by workflow id). Returns
     `{'output', 'new_messages', 'usage'}` as JSON-compatible data.
     """
+    bound = BoundAgent(agent)  # claims the agent's names first: DC011 when another definition has one
     existing = _WORKFLOWS.get(agent.name)
     if existing is not None:
         return existing
     from ..conversations import append_conversation, load_conversation, run_turn
 
-    bound = BoundAgent(agent)
     step_prefix = f'durcap__{agent.durable_name}__conversation'
 
     # Store I/O runs as steps: recovery returns the recorded history instead of reading again, and the
