@@ -50,8 +50,8 @@ def defined_in(skip_module: str) -> tuple[str, str]:
 
 
 def describe(agent: Any) -> str:
-    """`"module 'pkg.mod' (pkg/mod.py:12)"` for an agent (anything with `defined_in` / `defined_at`)."""
-    return f"module {getattr(agent, 'defined_in', '<unknown>')!r} ({getattr(agent, 'defined_at', '<unknown>')})"
+    """`"pkg.mod at pkg/mod.py:12"` for an agent (anything with `defined_in` / `defined_at`)."""
+    return f"{getattr(agent, 'defined_in', '<unknown>')} at {getattr(agent, 'defined_at', '<unknown>')}"
 
 
 def duplicate_name_problem(name: str, agents: list[Any], context: str) -> Problem:
@@ -62,12 +62,12 @@ def duplicate_name_problem(name: str, agents: list[Any], context: str) -> Proble
         agents: Two or more distinct definitions.
         context: Where they met, e.g. `'registered together'`, `'as DBOS workflows in this process'`.
     """
-    where = '; '.join(describe(a) for a in agents)
+    where = ' and in '.join(describe(a) for a in agents)
     return Problem(
         'DC011',
         'error',
         f'agent {name!r}',
-        f'{len(agents)} agent definitions {context} share the name {name!r} (defined in {where}); their durable '
+        f'{len(agents)} agent definitions {context} share the name {name!r}: defined in {where}. Their durable '
         'unit names would collide and one would answer for the other.',
         'Give each DurableAgent a distinct name.',
     )

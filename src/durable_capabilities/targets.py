@@ -60,6 +60,7 @@ class Target:
         file: The file of TARGET's module, or None (a module without a file).
         report: Every problem of every agent, validated together (DC011 across them); `check_lock` adds
             the lock diff.
+        broken: Every definition with errors constructed while the module imported (named or not).
     """
 
     spec: str
@@ -67,11 +68,13 @@ class Target:
     kind: Literal['agent', 'list', 'module']
     file: Path | None
     report: Report = field(default_factory=Report)
+    broken: list[DurableAgent[Any, Any]] = field(default_factory=list)
 
     @property
     def subject(self) -> str:
-        """`'support', 'billing'`: the agents' names, for summaries."""
-        return ', '.join(repr(a.name) for a in self.agents) or self.spec
+        """`'support', 'billing'`: the names of the agents and of every definition in error, for summaries."""
+        members = {id(a): a for a in [*self.agents, *self.broken]}.values()
+        return ', '.join(repr(a.name) for a in members) or self.spec
 
     @property
     def lock_path(self) -> Path:
@@ -216,16 +219,16 @@ def load(target: str) -> Target:
         agents = _module_agents(module)
         if not agents and not broken:
             raise UnusableTarget(f'module {module_name!r} defines no DurableAgent')
-        return Target(target, agents, 'module', file, _report(agents, broken))
+        return Target(target, agents, 'module', file, _report(agents, broken), broken)
     value: Any = module
     for name in attr.split('.'):
         if not hasattr(value, name):
             raise UnusableTarget(f'{module_name!r} has no attribute {attr!r}')
         value = getattr(value, name)
     if isinstance(value, DurableAgent):
-        return Target(target, [value], 'agent', file, _report([value], broken))
+        return Target(target, [value], 'agent', file, _report([value], broken), broken)
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, DurableAgent) for v in value):
-        return Target(target, list(value), 'list', file, _report(list(value), broken))
+        return Target(target, list(value), 'list', file, _report(list(value), broken), broken)
     type_name = type(value).__name__
     kind = 'an empty list' if isinstance(value, (list, tuple)) and not value else (
         f'{"an" if type_name[0] in "aeiouAEIOU" else "a"} {type_name}')
