@@ -238,8 +238,12 @@ def test_lock_lives_beside_the_target_module_for_lock_check_and_run(tmp_path: Pa
 
 
 @pytest.mark.slow
-def test_wheel_ships_the_demo_and_durcap_demo_runs_from_an_installed_wheel(tmp_path: Path) -> None:
-    """Build the wheel, install it (with the dbos extra) into a fresh venv, run `durcap demo` from an empty folder."""
+def test_wheel_ships_the_demo_and_durcap_demo_runs_from_an_installed_wheel(
+    tmp_path: Path, temporal_address: str, prefect_api_url: str
+) -> None:
+    """Build the wheel, install it with every engine's extra into a fresh venv (no system site-packages: a file
+    missing from the wheel cannot hide), and run `durcap demo` on every engine from an empty folder outside the
+    checkout. Temporal: the test dev server, with the demo's inline worker; Prefect: the test server."""
     import zipfile
 
     dist = tmp_path / 'dist'
@@ -250,21 +254,28 @@ def test_wheel_ships_the_demo_and_durcap_demo_runs_from_an_installed_wheel(tmp_p
     names = zipfile.ZipFile(wheel).namelist()
     for shipped in ('agent.py', 'scripted.py', 'durable.lock', '__init__.py', 'skills/returns.md'):
         assert f'durable_capabilities/_examples/support/{shipped}' in names, names
+    assert 'durable_capabilities/_examples/__init__.py' in names
     stray = [n for n in names if n.endswith(('.pyc', '.pyo', '.sqlite', '.db')) or '__pycache__' in n or '.durcap' in n]
     assert stray == []
+    assert not [n for n in names if n.startswith(('tests/', 'examples/', 'docs/', 'bench/'))]
     venv = tmp_path / 'venv'
     subprocess.run([sys.executable, '-m', 'venv', str(venv)], check=True, timeout=300)
-    pip = subprocess.run([str(venv / 'bin' / 'python'), '-m', 'pip', 'install', '--quiet', f'{wheel}[dbos]'],
+    pip = subprocess.run([str(venv / 'bin' / 'python'), '-m', 'pip', 'install', '--quiet', f'{wheel}[temporal,dbos,prefect]'],
                          capture_output=True, text=True, timeout=900)
     assert pip.returncode == 0, pip.stdout[-3000:] + pip.stderr[-3000:]
     empty = tmp_path / 'empty'
     empty.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'VIRTUAL_ENV')}
+    env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'VIRTUAL_ENV', 'DURCAP_TEMPORAL_ADDRESS')}
     env['PATH'] = f'{venv / "bin"}{os.pathsep}{env.get("PATH", "")}'
     where = subprocess.run([str(venv / 'bin' / 'python'), '-c', 'import durable_capabilities; print(durable_capabilities.__file__)'],
                            cwd=empty, env=env, capture_output=True, text=True, timeout=120)
-    assert str(venv) in where.stdout, where.stdout + where.stderr
-    demo = subprocess.run([str(venv / 'bin' / 'durcap'), 'demo'], cwd=empty, env=env, capture_output=True, text=True, timeout=600)
-    assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
-    assert 'answer (dbos):' in demo.stdout and 'ABC-123' in demo.stdout, demo.stdout
-    assert shutil.which('durcap', path=str(venv / 'bin'))
+    assert where.stdout.startswith(str(venv)), where.stdout + where.stderr
+    durcap_bin = shutil.which('durcap', path=str(venv / 'bin'))
+    assert durcap_bin is not None
+    for engine, extra in (('dbos', []), ('temporal', ['--address', temporal_address, '--task-queue', f'wheel-{os.getpid()}']),
+                          ('prefect', [])):
+        demo = subprocess.run([durcap_bin, 'demo', '--engine', engine, *extra], cwd=empty,
+                              env={**env, 'PREFECT_API_URL': prefect_api_url}, capture_output=True, text=True, timeout=600)
+        assert demo.returncode == 0, f'{engine}: ' + demo.stdout[-3000:] + demo.stderr[-3000:]
+        assert f'answer ({engine}):' in demo.stdout and 'ABC-123' in demo.stdout, demo.stdout
+    assert not (empty / 'durable.lock').exists()  # the lock is read beside the shipped example, never written here
