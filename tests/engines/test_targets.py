@@ -26,12 +26,12 @@ BOTH_MODULES = ('tests.fixtures.same_name_a at tests/fixtures/same_name_a.py', '
 
 def durcap(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, '-m', 'durable_capabilities.cli', *args], cwd=cwd, env={**os.environ, **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def python(code: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, '-c', textwrap.dedent(code)], cwd=ROOT, env={**os.environ, **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
 # ---- a whole module, every problem of every agent --------------------------------------------------------------
@@ -248,7 +248,7 @@ def test_wheel_ships_the_demo_and_durcap_demo_runs_from_an_installed_wheel(
 
     dist = tmp_path / 'dist'
     built = subprocess.run([sys.executable, '-m', 'build', '--wheel', '--outdir', str(dist), str(ROOT)],
-                           capture_output=True, text=True, timeout=600)
+                           capture_output=True, text=True, timeout=600, check=False)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     wheel = next(dist.glob('*.whl'))
     names = zipfile.ZipFile(wheel).namelist()
@@ -261,21 +261,21 @@ def test_wheel_ships_the_demo_and_durcap_demo_runs_from_an_installed_wheel(
     venv = tmp_path / 'venv'
     subprocess.run([sys.executable, '-m', 'venv', str(venv)], check=True, timeout=300)
     pip = subprocess.run([str(venv / 'bin' / 'python'), '-m', 'pip', 'install', '--quiet', f'{wheel}[temporal,dbos,prefect]'],
-                         capture_output=True, text=True, timeout=900)
+                         capture_output=True, text=True, timeout=900, check=False)
     assert pip.returncode == 0, pip.stdout[-3000:] + pip.stderr[-3000:]
     empty = tmp_path / 'empty'
     empty.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'VIRTUAL_ENV', 'DURCAP_TEMPORAL_ADDRESS')}
     env['PATH'] = f'{venv / "bin"}{os.pathsep}{env.get("PATH", "")}'
     where = subprocess.run([str(venv / 'bin' / 'python'), '-c', 'import durable_capabilities; print(durable_capabilities.__file__)'],
-                           cwd=empty, env=env, capture_output=True, text=True, timeout=120)
+                           cwd=empty, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert where.stdout.startswith(str(venv)), where.stdout + where.stderr
     durcap_bin = shutil.which('durcap', path=str(venv / 'bin'))
     assert durcap_bin is not None
     for engine, extra in (('dbos', []), ('temporal', ['--address', temporal_address, '--task-queue', f'wheel-{os.getpid()}']),
                           ('prefect', [])):
         demo = subprocess.run([durcap_bin, 'demo', '--engine', engine, *extra], cwd=empty,
-                              env={**env, 'PREFECT_API_URL': prefect_api_url}, capture_output=True, text=True, timeout=600)
+                              env={**env, 'PREFECT_API_URL': prefect_api_url}, capture_output=True, text=True, timeout=600, check=False)
         assert demo.returncode == 0, f'{engine}: ' + demo.stdout[-3000:] + demo.stderr[-3000:]
         assert f'answer ({engine}):' in demo.stdout and 'ABC-123' in demo.stdout, demo.stdout
     assert not (empty / 'durable.lock').exists()  # the lock is read beside the shipped example, never written here
