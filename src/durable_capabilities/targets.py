@@ -22,7 +22,6 @@ Errors: `UnusableTarget` (the target gives no agents: exit code 2 in the CLI) an
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
@@ -233,19 +232,6 @@ def load(target: str) -> Target:
     kind = 'an empty list' if isinstance(value, (list, tuple)) and not value else (
         f'{"an" if type_name[0] in "aeiouAEIOU" else "a"} {type_name}')
     raise UnusableTarget(f'{target} is {kind}, not a DurableAgent or a list of DurableAgents')
-
-
-def target_file(target: str) -> Path | None:
-    """The file of TARGET's module, found without importing it (None when it has no file or is not found)."""
-    module_part, sep, _ = target.rpartition(':')
-    module = module_part if sep else target
-    if _is_path(module):
-        return Path(module).resolve()
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return None
-    return Path(spec.origin).resolve() if spec is not None and spec.origin and spec.has_location else None
 
 
 # ---- the lock -------------------------------------------------------------------------------------
