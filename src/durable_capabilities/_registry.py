@@ -31,8 +31,8 @@ def defined_in(skip_module: str) -> tuple[str, str]:
     """`(module name, 'file:line')` of the first caller frame outside module `skip_module`.
 
     Called by `DurableAgent.__init__` to record where a definition was written (a subclass's
-    `__init__` in another module counts as the definition site). `('<unknown>', '<unknown>')` when
-    the stack is not inspectable.
+    `__init__` in another module counts as the definition site). For code compiled from a string the
+    location is `'line N'` within it; `('<unknown>', '<unknown>')` when the stack is not inspectable.
     """
     frame = inspect.currentframe()
     frame = frame.f_back if frame is not None else None
@@ -41,11 +41,13 @@ def defined_in(skip_module: str) -> tuple[str, str]:
     if frame is None:
         return '<unknown>', '<unknown>'
     module = str(frame.f_globals.get('__name__', '<unknown>'))
-    file = frame.f_code.co_filename
+    file = Path(frame.f_code.co_filename)
+    if not file.is_file():  # code compiled from a string (`python -c`, exec): its line within that code
+        return module, f'line {frame.f_lineno}'
     try:
-        shown = str(Path(file).resolve().relative_to(Path.cwd()))
+        shown = str(file.resolve().relative_to(Path.cwd()))
     except ValueError:
-        shown = file
+        shown = str(file)
     return module, f'{shown}:{frame.f_lineno}'
 
 
