@@ -1,8 +1,8 @@
 """`durcap run`, `demo`, `replay`, `worker temporal`, `dev temporal`, `schedule prefect` and `history export`.
 
 The commands that run a definition on an engine (or start one), registered on `cli.app`: `cli.py` imports
-this module last, and this module imports the shared helpers (target loading, printing, the lockfile
-check) from it.
+this module last, and this module imports the shared printing and exit helpers from it; loading TARGET and checking its lock
+is `targets.py`.
 """
 
 from __future__ import annotations
@@ -36,9 +36,11 @@ app.add_typer(worker_app, name='worker')
 app.add_typer(dev_app, name='dev')
 app.add_typer(schedule_app, name='schedule')
 
+
 def demo_target() -> Path:
-    """The support example's `agent.py`: shipped in the wheel as `durable_capabilities/_examples/support`
-    (hatch force-include), else (an editable install or a source checkout) `examples/support` of the checkout."""
+    """The support example's `agent.py`: in an installed wheel `durable_capabilities/_examples/support` (the
+    `[tool.hatch.build.targets.wheel.sources]` mapping of pyproject.toml), else (an editable install or a
+    source checkout) `examples/support` of the checkout."""
     shipped = Path(__file__).resolve().parent / '_examples' / 'support' / 'agent.py'
     if shipped.is_file():
         return shipped
