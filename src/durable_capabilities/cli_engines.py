@@ -1,8 +1,8 @@
 """`durcap run`, `demo`, `replay`, `worker temporal`, `dev temporal`, `schedule prefect` and `history export`.
 
 The commands that run a definition on an engine (or start one), registered on `cli.app`: `cli.py` imports
-this module last, and this module imports the shared printing and exit helpers from it; loading TARGET and checking its lock
-is `targets.py`.
+this module last, and this module imports the shared printing and exit helpers from it (loading TARGET
+and checking its lock is `targets.py`).
 """
 
 from __future__ import annotations
