@@ -136,7 +136,10 @@ def test_engine_filter_keeps_engine_neutral_problems(tmp_path: Path) -> None:
         (f'{GOOD}:missing', "no attribute 'missing'"),
         (f'{GOOD}:not_an_agent', 'not a DurableAgent'),
         (f'{GOOD}:no_agents', 'empty list'),
-        (GOOD, 'must be `pkg.module:attr`'),
+        # A TARGET without `:attr` is now a whole module (tests/engines/test_targets.py); an empty attr is malformed.
+        (f'{GOOD}:', 'must be `pkg.module:attr`'),
+        (':support', 'must be `pkg.module:attr`'),
+        ('tests/fixtures/no_such_file.py', 'no such file'),
         ('tests/fixtures/no_such_file.py:agent', 'no such file'),
     ],
 )

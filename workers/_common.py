@@ -6,32 +6,23 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from durable_capabilities import validate_together
-from durable_capabilities.cli import UnusableTarget, load_target, target_file
-from durable_capabilities.lockfile import enforce_lock
+from durable_capabilities.targets import UnusableTarget, load_checked
 from durable_capabilities.validation import DurableConfigError
 
 DEFAULT_TARGET = 'examples.support.agent:support'
 
 
 def load_agents(target: str, log: Callable[[str], None]) -> list[Any]:
-    """The valid agents of `target`; exits 2 (unusable target) or 1 (definition errors) otherwise."""
+    """The valid agents of `target`, checked against `$DURCAP_LOCK` or the durable.lock beside TARGET's
+    module file (drift allowed with `DURCAP_ALLOW_DRIFT=1`); exits 2 (unusable target or lockfile) or 1
+    (definition errors, lockfile drift) otherwise."""
     try:
-        agents, _ = load_target(target)
+        loaded = load_checked(target, lock=os.environ.get('DURCAP_LOCK') or None,
+                              allow_drift=os.environ.get('DURCAP_ALLOW_DRIFT') == '1')
     except UnusableTarget as exc:
         log(f'error: {exc}')
         raise SystemExit(2) from None
     except DurableConfigError as exc:
-        log(f'not started, {target} has errors:\n{exc}')
+        log(f'not started, {target} has errors:\n' + '\n'.join(f'  {p.code} {p.where}: {p.message}' for p in exc.report.errors))
         raise SystemExit(1) from None
-    report = validate_together(agents)
-    try:
-        # Like `durcap worker temporal`: refuse to serve on drift from the lockfile beside the target.
-        report.extend(enforce_lock(agents, os.environ.get('DURCAP_LOCK') or None, target_file=target_file(target),
-                                   allow_drift=os.environ.get('DURCAP_ALLOW_DRIFT') == '1'))
-    except DurableConfigError as exc:
-        report.extend(exc.report)
-    if not report.ok:
-        log(f'not started, {target} has errors:\n' + '\n'.join(f'  {p.code} {p.where}: {p.message}' for p in report.errors))
-        raise SystemExit(1)
-    return agents
+    return loaded.agents

@@ -12,7 +12,7 @@ queue that other processes enqueue runs onto with `dbos.DBOSClient`:
     handle.get_result()    # {'output': ..., 'new_messages': [...], 'usage': {...}}
 
 Environment:
-    DURCAP_TARGET: `pkg.module:attr` or `path/to/file.py:attr` (default `examples.support.agent:support`).
+    DURCAP_TARGET: `pkg.module:attr`, `path/to/file.py:attr` or a whole module (default `examples.support.agent:support`).
     DBOS_SYSTEM_DATABASE_URL: the system database (default: SQLite at `.durcap/dbos.sqlite`; use
         PostgreSQL in production).
     DURCAP_DBOS_QUEUE: the queue this app serves (default `durcap`).

@@ -15,7 +15,7 @@ first access from `DURCAP_TARGET`, so every flow run builds its agent inside its
 through cloudpickle, and the built pydantic-ai agent does not pickle: every run would crash.)
 
 Environment:
-    DURCAP_TARGET: `pkg.module:attr` or `path/to/file.py:attr` (default `examples.support.agent:support`).
+    DURCAP_TARGET: `pkg.module:attr`, `path/to/file.py:attr` or a whole module (default `examples.support.agent:support`).
     PREFECT_API_URL: the Prefect server's API (required: a deployment served on Prefect's ephemeral
         in-process server could not be reached by anyone).
     DURCAP_READY_FILE: optional; a file written once every deployment is registered and removed when

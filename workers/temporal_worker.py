@@ -3,7 +3,7 @@
     python workers/temporal_worker.py      # run from the folder TARGET is importable from
 
 Environment:
-    DURCAP_TARGET: `pkg.module:attr` or `path/to/file.py:attr`, a `DurableAgent` or a list of them
+    DURCAP_TARGET: `pkg.module:attr` or `path/to/file.py:attr` (a `DurableAgent` or a list of them), or a whole module
         (default `examples.support.agent:support`).
     DURCAP_TEMPORAL_ADDRESS: Temporal frontend `HOST:PORT` (default `127.0.0.1:7233`).
     DURCAP_TASK_QUEUE: task queue to poll (default `durcap`).

@@ -10,7 +10,7 @@ from pydantic_ai import Agent
 from pydantic_ai.capabilities import MCP, AbstractCapability
 from pydantic_ai.toolsets import AbstractToolset, CombinedToolset, FunctionToolset
 
-from . import _upstream
+from . import _registry, _upstream
 from .aliases import CapabilityAliases
 from .engines import ALL_ENGINES, DURABLE_ENGINES, ENGINES
 from .ids import LeafPlan, StableIdCapability, id_syntax_error, redact_url, stabilize
@@ -76,6 +76,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
         **agent_kwargs: Any,
     ) -> None:
         self.name = name
+        self.defined_in, self.defined_at = _registry.defined_in(__name__)  # module name, 'file:line' (for DC011)
         self.model = model
         self.instructions = instructions
         self.deps_type = deps_type
@@ -97,7 +98,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
         self._stabilized = stabilize(self.user_capabilities, self.aliases)
         self._built: dict[str, Agent[Any, Any]] = {}
         self._report = self._validate()
-        if not self._report.ok:
+        if not _registry.collect(self) and not self._report.ok:  # `targets.load` collects instead of raising
             raise DurableConfigError(self._report, f'DurableAgent {name!r}')
 
     def __repr__(self) -> str:
@@ -564,24 +565,17 @@ def _static_tool_names(toolset: AbstractToolset[Any]) -> list[str] | None:
 def validate_together(agents: Sequence[DurableAgent[Any, Any]]) -> Report:
     """The problems of several definitions registered in one worker or app, plus duplicate names (DC011).
 
-    Upstream notices duplicate agent names only at Temporal `Worker(...)`, logs a warning on DBOS and never
-    on Prefect; here it is an error for every engine.
+    Different objects sharing a name are DC011, naming the module each was defined in; the same object
+    listed twice is not. Upstream notices duplicate agent names only at Temporal `Worker(...)`, logs a
+    warning on DBOS and never on Prefect; here it is an error for every engine.
     """
     report = Report()
-    names: dict[str, int] = defaultdict(int)
+    by_name: dict[str, dict[int, DurableAgent[Any, Any]]] = defaultdict(dict)
     for agent in agents:
-        report.extend(agent.report())
-        names[agent.name] += 1
-    for name, count in names.items():
-        if count > 1:
-            report.add(
-                Problem(
-                    'DC011',
-                    'error',
-                    f'agent {name!r}',
-                    f'{count} agent definitions registered together share the name {name!r}; their durable unit '
-                    'names would collide.',
-                    'Give each DurableAgent a distinct name.',
-                )
-            )
+        if id(agent) not in by_name[agent.name]:
+            report.extend(agent.report())
+        by_name[agent.name][id(agent)] = agent
+    for name, distinct in by_name.items():
+        if len(distinct) > 1:
+            report.add(_registry.duplicate_name_problem(name, list(distinct.values()), 'registered together'))
     return report

@@ -7,10 +7,7 @@ prints one line on stderr, never a traceback.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
-import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -21,8 +18,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .agent import DurableAgent, validate_together
+from .agent import DurableAgent
 from .savings import UNKNOWN_TOOLS, SavingsReport, measure_savings
+from .targets import TARGET_HELP, UnusableTarget, check_lock, load, load_checked
 from .validation import DurableConfigError, Report
 
 app = typer.Typer(
@@ -36,8 +34,6 @@ app = typer.Typer(
 # Piped output is not wrapped at 80 columns: a table keeps its rows on one line each.
 _out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
-
-TARGET_HELP = '`pkg.module:attr` or `path/to/file.py:attr`, naming a DurableAgent or a list of them.'
 
 
 def engine_name(durable_only: bool = True) -> Any:
@@ -75,91 +71,6 @@ class CheckFormat(str, Enum):
 class SavingsFormat(str, Enum):
     text = 'text'
     json = 'json'
-
-
-class UnusableTarget(Exception):
-    """TARGET cannot give agents; the message is the one line printed on stderr (exit code 2)."""
-
-
-# ---- loading TARGET ---------------------------------------------------------------------------
-
-
-def _package_root(path: Path) -> tuple[Path, str]:
-    """`(sys.path entry, dotted module name)` for a file: climb while the folder is a package."""
-    root, parts = path.parent, [path.stem]
-    while (root / '__init__.py').is_file():
-        parts.insert(0, root.name)
-        root = root.parent
-    return root, '.'.join(parts)
-
-
-def _import(module_name: str, expected_file: Path | None) -> Any:
-    try:
-        module = importlib.import_module(module_name)
-    except SyntaxError as exc:
-        where = f'{exc.filename}:{exc.lineno}' if exc.filename else module_name
-        raise UnusableTarget(f'syntax error in {where}: {exc.msg}') from None
-    except ModuleNotFoundError as exc:
-        if exc.name == module_name or module_name.startswith(f'{exc.name}.'):
-            raise UnusableTarget(f'no module named {module_name!r} (run from the folder it is importable from)') from None
-        raise UnusableTarget(f'module {module_name!r} does not import: {exc}') from None
-    except DurableConfigError:
-        raise
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure of user code at import time
-        detail = str(exc).strip().splitlines()
-        raise UnusableTarget(
-            f'importing {module_name!r} raised {type(exc).__name__}' + (f': {detail[0]}' if detail else '')
-        ) from None
-    found = getattr(module, '__file__', None)
-    if expected_file is not None and (found is None or Path(found).resolve() != expected_file):
-        raise UnusableTarget(f'module name {module_name!r} resolves to {found}, not {expected_file} (name clash)')
-    return module
-
-
-def load_target(target: str) -> tuple[list[DurableAgent[Any, Any]], bool]:
-    """Import TARGET and return `(agents, is_list)`.
-
-    Args:
-        target: `pkg.module:attr` (imported with the current directory on `sys.path`) or
-            `path/to/file.py:attr` (imported under its package name: the file's folder, climbed while
-            it holds `__init__.py`, gives the `sys.path` entry). `attr` may be dotted.
-
-    Returns:
-        The agents (one, or the members of a list or tuple) and whether TARGET named a list.
-
-    Raises:
-        UnusableTarget: malformed TARGET, missing file or module, syntax error, import failure, missing
-            attribute, wrong type or an empty list.
-        DurableConfigError: a definition in the module failed construction (its `.report` has every problem).
-    """
-    module_part, sep, attr = target.rpartition(':')
-    if not sep or not module_part or not attr:
-        raise UnusableTarget(f'TARGET {target!r} must be `pkg.module:attr` or `path/to/file.py:attr`')
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    expected: Path | None = None
-    if module_part.endswith('.py') or '/' in module_part or os.sep in module_part:
-        path = Path(module_part).resolve()
-        if not path.is_file():
-            raise UnusableTarget(f'no such file: {module_part}')
-        root, module_name = _package_root(path)
-        sys.path.insert(0, str(root))
-        expected = path
-    else:
-        module_name = module_part
-    module = _import(module_name, expected)
-    value: Any = module
-    for name in attr.split('.'):
-        if not hasattr(value, name):
-            raise UnusableTarget(f'{module_name!r} has no attribute {attr!r}')
-        value = getattr(value, name)
-    if isinstance(value, DurableAgent):
-        return [value], False
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, DurableAgent) for v in value):
-        return list(value), True
-    name = type(value).__name__
-    kind = 'an empty list' if isinstance(value, (list, tuple)) and not value else f'{"an" if name[0] in "aeiouAEIOU" else "a"} {name}'
-    raise UnusableTarget(f'{target} is {kind}, not a DurableAgent or a list of DurableAgents')
 
 
 def _unusable(message: str) -> NoReturn:
@@ -202,17 +113,15 @@ def check(
     """Print every problem of TARGET's definitions; exit 1 on errors, 2 when TARGET is unusable."""
     subject = target
     try:
-        agents, is_list = load_target(target)
-        report = validate_together(agents) if is_list else agents[0].report()
-        subject = ', '.join(repr(a.name) for a in agents)
+        loaded = load(target)
+        report, subject = loaded.report, loaded.subject
+        # The lockfile given, or the one beside TARGET: what a worker and a durable run check at start.
+        check_lock(loaded, lock)
     except UnusableTarget as exc:
         _unusable(str(exc))
     except DurableConfigError as exc:
         report = exc.report
         subject = exc.subject
-    else:
-        # The lockfile given, or the one beside TARGET: what `durcap worker temporal` will check at start.
-        check_drift(target, agents, lock, False, report)
     if engine:
         wanted = set(engine)
         report = Report([p for p in report if not p.engines or wanted.intersection(p.engines)])
@@ -279,7 +188,7 @@ def savings(
 ) -> None:
     """Per deferred capability: tokens of its instructions and tool schemas against its catalog line."""
     try:
-        agents, _ = load_target(target)
+        agents = load_checked(target, use_lock=False).agents
     except UnusableTarget as exc:
         _unusable(str(exc))
     except DurableConfigError as exc:
@@ -296,69 +205,49 @@ def savings(
 # ---- lock -------------------------------------------------------------------------------------
 
 
-def _lock_diff(lock: Path, agents: list[DurableAgent[Any, Any]]) -> Report:
-    from .lockfile import LockfileError, diff_lock, read_lock
-
-    try:
-        return diff_lock(read_lock(lock), agents)
-    except LockfileError as exc:
-        _unusable(str(exc))
-
-
 @app.command()
 def lock(
     target: Annotated[str, typer.Argument(help=TARGET_HELP)],
-    output: Annotated[Path, typer.Option('--output', '-o', help='Lockfile to write.')] = Path('durable.lock'),
+    output: Annotated[Path | None, typer.Option(
+        '--output', '-o', help="Lockfile to write (default: durable.lock beside TARGET's module file, where "
+        'check, run and the workers read it).')] = None,
 ) -> None:
     """Write every durable unit name of TARGET (per engine), capability and leaf ids, tool names and versions."""
     from .lockfile import write_lock
 
-    agents = _valid_agents(target)
     try:
-        path = write_lock(agents, output)
-    except OSError as exc:
-        _unusable(f'cannot write {output}: {exc.strerror or type(exc).__name__}')
-    _err.print(f'wrote {path} ({", ".join(a.name for a in agents)})')
-
-
-def target_file(target: str) -> Path | None:
-    """The file a TARGET's module lives in, for finding the lockfile beside it."""
-    module = target.rpartition(':')[0]
-    if module.endswith('.py'):
-        return Path(module)
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return None
-    return Path(spec.origin) if spec is not None and spec.origin else None
-
-
-def check_drift(target: str, agents: list[DurableAgent[Any, Any]], lock: Path | None, allow_drift: bool, report: Report) -> None:
-    """Add the lockfile diff to `report` (as warnings when `allow_drift`); the lock is `lock` or the one beside TARGET."""
-    from .lockfile import LockfileError, enforce_lock
-
-    try:
-        report.extend(enforce_lock(agents, lock, target_file=target_file(target), allow_drift=allow_drift))
-    except DurableConfigError as exc:
-        report.extend(exc.report)
-    except LockfileError as exc:
-        _unusable(str(exc))
-
-
-def _valid_agents(target: str) -> list[DurableAgent[Any, Any]]:
-    """Load TARGET's definitions; print the problems and exit 1 when any has an error."""
-    try:
-        agents, _ = load_target(target)
+        loaded = load_checked(target, use_lock=False)
     except UnusableTarget as exc:
         _unusable(str(exc))
     except DurableConfigError as exc:
         _print_text(exc.report, exc.subject)
         raise typer.Exit(1) from None
-    report = validate_together(agents)
-    if not report.ok:
-        _print_text(report, ', '.join(repr(a.name) for a in agents))
-        raise typer.Exit(1)
-    return agents
+    output = output or loaded.lock_path
+    try:
+        path = write_lock(loaded.agents, output)
+    except OSError as exc:
+        _unusable(f'cannot write {output}: {exc.strerror or type(exc).__name__}')
+    _err.print(f'wrote {path} ({", ".join(a.name for a in loaded.agents)})')
+
+
+def _valid_agents(
+    target: str, *, use_lock: bool = False, lock: Path | None = None, allow_drift: bool = False, refused: str = '',
+) -> list[DurableAgent[Any, Any]]:
+    """Load TARGET's definitions (and, with `use_lock`, compare them with `lock` or the durable.lock beside
+    TARGET); print the problems and exit 1 on an error (adding the line `refused` on stderr), 2 when TARGET
+    or the lock is unusable."""
+    try:
+        loaded = load_checked(target, lock=lock, allow_drift=allow_drift, use_lock=use_lock)
+    except UnusableTarget as exc:
+        _unusable(str(exc))
+    except DurableConfigError as exc:
+        _print_text(exc.report, exc.subject)
+        if refused:
+            _err.print(refused)
+        raise typer.Exit(1) from None
+    if any(p.severity == 'warning' and p.code in ('DC020', 'DC021') for p in loaded.report):
+        _print_text(loaded.report, loaded.subject)  # drift allowed: still shown
+    return loaded.agents
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """`durcap run`, `demo`, `replay`, `worker temporal`, `dev temporal`, `schedule prefect` and `history export`.
 
 The commands that run a definition on an engine (or start one), registered on `cli.app`: `cli.py` imports
-this module last, and this module imports the shared helpers (target loading, printing, the lockfile
-check) from it.
+this module last, and this module imports the shared printing and exit helpers from it (loading TARGET
+and checking its lock is `targets.py`).
 """
 
 from __future__ import annotations
@@ -15,24 +15,21 @@ from typing import Annotated, Any
 
 import typer
 
-from .agent import DurableAgent, validate_together
+from .agent import DurableAgent
 from .cli import (
-    TARGET_HELP,
-    UnusableTarget,
     _err,
     _out,
     _print_text,
     _unusable,
     _valid_agents,
     app,
-    check_drift,
     engine_metavar,
     engine_name,
-    load_target,
 )
 from .cli_history import history_app
+from .targets import TARGET_HELP
 from .turn import RunReport
-from .validation import DurableConfigError, Report
+from .validation import DurableConfigError
 
 worker_app = typer.Typer(help='Run workers.', no_args_is_help=True)
 dev_app = typer.Typer(help='Start local development servers.', no_args_is_help=True)
@@ -41,7 +38,15 @@ app.add_typer(worker_app, name='worker')
 app.add_typer(dev_app, name='dev')
 app.add_typer(schedule_app, name='schedule')
 
-DEMO_TARGET = Path(__file__).resolve().parents[2] / 'examples' / 'support' / 'agent.py'
+
+def demo_target() -> Path:
+    """The support example's `agent.py`: in an installed wheel `durable_capabilities/_examples/support` (the
+    `[tool.hatch.build.targets.wheel.sources]` mapping of pyproject.toml), else (an editable install or a
+    source checkout) `examples/support` of the checkout."""
+    shipped = Path(__file__).resolve().parent / '_examples' / 'support' / 'agent.py'
+    if shipped.is_file():
+        return shipped
+    return Path(__file__).resolve().parents[2] / 'examples' / 'support' / 'agent.py'
 
 
 def _engine_option(help: str) -> Any:
@@ -49,9 +54,10 @@ def _engine_option(help: str) -> Any:
     return typer.Option('--engine', '-e', parser=engine_name(durable_only=False), metavar=engine_metavar(False), help=help)
 
 
-def _one_agent(target: str) -> DurableAgent[Any, Any]:
-    """Load TARGET as exactly one valid definition; print its errors and exit 1 otherwise."""
-    agents = _valid_agents(target)
+def _one_agent(target: str, *, use_lock: bool = False) -> DurableAgent[Any, Any]:
+    """Load TARGET as exactly one valid definition (with `use_lock`, matching the durable.lock beside it);
+    print its errors and exit 1 otherwise."""
+    agents = _valid_agents(target, use_lock=use_lock, refused='not run: fix the errors above' if use_lock else '')
     if len(agents) != 1:
         _unusable(f'{target} names {len(agents)} agents; name one')
     return agents[0]
@@ -129,7 +135,8 @@ def run(
 
     from .store import StoreError
 
-    agent = _one_agent(target)
+    # A durable run registers durable units: refuse on drift from the durable.lock beside TARGET, as a worker does.
+    agent = _one_agent(target, use_lock=engine != 'local')
     if conversation is not None and not conversation.strip():
         _unusable('--conversation must not be empty')
     if db is not None and not db.startswith(('sqlite:', 'postgresql:', 'postgres:', 'postgresql+')):
@@ -184,8 +191,11 @@ def demo(
 
     if model:
         os.environ['SUPPORT_MODEL'] = model
-    agent = _one_agent(f'{DEMO_TARGET}:support')
-    make_store = sys.modules['examples.support.agent'].make_store
+    target = demo_target()
+    if not target.is_file():
+        _unusable(f'the support example is not installed with this package (looked for {target})')
+    agent = _one_agent(f'{target}:support', use_lock=engine != 'local')
+    make_store = sys.modules[agent.defined_in].make_store
     _out.print(f'[bold]support demo[/bold] on {engine}, model: {model or "scripted FunctionModel (no provider)"}')
     _out.print(f'customer: {prompt}')
     report = asyncio.run(_run_on(agent, prompt, engine, make_store(), address=_temporal_address(address),
@@ -208,7 +218,7 @@ def _worker_command(engine: str) -> Any:
         address: Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS or 127.0.0.1:7233).')] = None,
         namespace: Annotated[str, typer.Option(help='Temporal namespace.')] = 'default',
         graceful_shutdown: Annotated[float, typer.Option(help='Seconds in-flight activities get to finish after SIGTERM.')] = 30.0,
-        lock: Annotated[Path | None, typer.Option('--lock', help='Lockfile to check against (default: durable.lock beside TARGET).')] = None,
+        lock: Annotated[Path | None, typer.Option('--lock', help="Lockfile to check against (default: durable.lock beside TARGET's module file).")] = None,
         allow_drift: Annotated[bool, typer.Option('--allow-drift', help='Start even when durable unit names differ from the lockfile.')] = False,
         store: Annotated[str | None, typer.Option('--store', help='Conversation store URL for runs with a conversation id '
                                                   '(default: $DURCAP_STORE or sqlite:///.durcap/conversations.db).')] = None,
@@ -217,7 +227,8 @@ def _worker_command(engine: str) -> Any:
         drain on SIGTERM."""
         from .engines import RunOptions, get
 
-        agents = _worker_agents(target, lock, allow_drift)
+        agents = _valid_agents(target, use_lock=True, lock=lock, allow_drift=allow_drift, refused='worker not started: '
+                               'fix the errors above' + ('' if allow_drift else ' (or pass --allow-drift on lockfile drift)'))
         address = _temporal_address(address) or '127.0.0.1:7233'
         if store:
             os.environ['DURCAP_STORE'] = store  # the conversation units run in this process
@@ -237,24 +248,6 @@ def _worker_command(engine: str) -> Any:
     worker.__name__ = f'worker_{engine}'
     return worker
 
-
-def _worker_agents(target: str, lock: Path | None, allow_drift: bool) -> list[DurableAgent[Any, Any]]:
-    """TARGET's agents, validated together and checked against the lock; print the problems and exit 1 otherwise."""
-    try:
-        agents, _ = load_target(target)
-    except UnusableTarget as exc:
-        _unusable(str(exc))
-    except DurableConfigError as exc:
-        _print_text(exc.report, exc.subject)
-        _err.print('worker not started: fix the errors above')
-        raise typer.Exit(1) from None
-    report = validate_together(agents)
-    check_drift(target, agents, lock, allow_drift, report)
-    if not report.ok:
-        _print_text(report, ', '.join(repr(a.name) for a in agents))
-        _err.print('worker not started: fix the errors above' + ('' if allow_drift else ' (or pass --allow-drift)'))
-        raise typer.Exit(1)
-    return agents
 
 
 def _dev_command(engine: str) -> Any:
@@ -286,7 +279,7 @@ def _schedule_command(engine: str) -> Any:
         interval: Annotated[float | None, typer.Option(help='Seconds between runs.')] = None,
         deps_json: Annotated[str | None, typer.Option('--deps-json', help='Deps as JSON for every run.')] = None,
         name: Annotated[str | None, typer.Option(help='Deployment name (default: <agent>-scheduled).')] = None,
-        lock: Annotated[Path | None, typer.Option('--lock', help='Lockfile to check against (default: durable.lock beside TARGET).')] = None,
+        lock: Annotated[Path | None, typer.Option('--lock', help="Lockfile to check against (default: durable.lock beside TARGET's module file).")] = None,
         allow_drift: Annotated[bool, typer.Option('--allow-drift', help='Serve even when durable unit names differ from the lockfile.')] = False,
     ) -> None:
         """Serve TARGET's flow as a scheduled Prefect deployment (`prefect.serve`) until interrupted;
@@ -297,13 +290,11 @@ def _schedule_command(engine: str) -> Any:
             _unusable('give exactly one of --cron or --interval')
         if interval is not None and interval <= 0:
             _unusable('--interval must be a positive number of seconds')
-        agent = _one_agent(target)
-        report = Report()
-        check_drift(target, [agent], lock, allow_drift, report)
-        if not report.ok:
-            _print_text(report, repr(agent.name))
-            _err.print('not serving: fix the errors above (or pass --allow-drift)')
-            raise typer.Exit(1)
+        agents = _valid_agents(target, use_lock=True, lock=lock, allow_drift=allow_drift,
+                               refused='not serving: fix the errors above (or pass --allow-drift on lockfile drift)')
+        if len(agents) != 1:
+            _unusable(f'{target} names {len(agents)} agents; name one')
+        agent = agents[0]
         deps = json.loads(deps_json) if deps_json else None
         _deps(agent, deps_json)  # validates
         get(engine).serve_schedule(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval, deps=deps,

@@ -28,6 +28,7 @@ from pydantic_ai.durable_exec.dbos import DBOSOperationNamer
 from pydantic_ai.exceptions import ApprovalRequired, CallDeferred, ModelRetry
 from pydantic_ai.toolsets import AbstractToolset, FunctionToolset, WrapperToolset
 
+from .. import _registry
 from ..turn import RunReport, Turn, deps_from_json, run_turn
 from . import _mcp
 from ._adapter import EngineAdapter, RunOptions, leaf_kinds
@@ -200,6 +201,8 @@ def launch(
     Returns:
         The `DBOS` instance.
     """
+    for agent in agents:
+        BoundAgent(agent)  # claims its names (DC011 against another definition of the same name)
     if agents:
         from ..lockfile import enforce_lock
 
@@ -218,6 +221,8 @@ class BoundAgent:
     """What a `@workflow(agent)` function receives as its first argument: `run()` durably inside the workflow."""
 
     def __init__(self, definition: DurableAgent[Any, Any]):
+        for name in (definition.name, *definition.previous_names):  # its steps are global by name: DC011 on a clash
+            _registry.claim('DBOS agent', name, definition, 'registered with DBOS in this process')
         self.definition = definition
         self.agent = definition.build('dbos')
 
@@ -318,10 +323,10 @@ def agent_workflow(agent: DurableAgent[Any, Any]) -> Callable[..., Awaitable[dic
     step `...append`, idempotent by workflow id). Returns
     `{'output', 'new_messages', 'usage'}` as JSON-compatible data.
     """
+    bound = BoundAgent(agent)  # claims the agent's names first: DC011 when another definition has one
     existing = _WORKFLOWS.get(agent.name)
     if existing is not None:
         return existing
-    bound = BoundAgent(agent)
 
     async def run_agent(
         prompt: str | None, deps: Any = None, message_history: Any = None, conversation_id: str | None = None

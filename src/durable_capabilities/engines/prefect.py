@@ -25,6 +25,7 @@ from pydantic_ai.durable_exec.prefect import (
 )
 from pydantic_ai.tools import RunContext
 
+from .. import _registry
 from ..turn import RunReport, deps_from_json, run_turn
 from . import _mcp
 from ._adapter import EngineAdapter, RunOptions, leaf_kinds
@@ -142,6 +143,7 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
     (pydantic-ai's message JSON), `conversation_id: str | None`. Returns
     `{'output': ..., 'new_messages': [...], 'usage': {...}}` as JSON-compatible data.
     """
+    _registry.claim('Prefect flow', agent.name, agent, 'given Prefect flows in this process')  # DC011 on a clash
     existing = _FLOWS.get(agent.name)
     if existing is not None and existing.__durcap_agent__ is agent:
         return existing

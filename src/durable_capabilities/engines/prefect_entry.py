@@ -3,7 +3,7 @@
 Prefect runs each deployment's flow run in a new process that imports the flow from the deployment's
 entrypoint (a served in-memory flow would be pickled instead, and a built pydantic-ai agent does not
 pickle). This module builds the flow on first attribute access from `$DURCAP_TARGET`
-(`pkg.module:attr` or `path/to/file.py:attr`), so every flow run builds its agent in its own process.
+(any TARGET form, see `durable_capabilities.targets`), so every flow run builds its agent in its own process.
 """
 
 from __future__ import annotations
@@ -29,13 +29,15 @@ def entrypoint(agent_name: str) -> str:
 def __getattr__(name: str) -> Any:
     if not name.startswith(FLOW_ATTR_PREFIX):
         raise AttributeError(name)
-    from ..cli import load_target
+    from ..targets import load_checked
     from .prefect import agent_flow
 
     target = os.environ.get(TARGET_ENV)
     if not target:
         raise AttributeError(f'{name}: ${TARGET_ENV} is not set')
-    agents, _ = load_target(target)
+    # Like the serving process: every definition valid, and no drift from the durable.lock beside TARGET.
+    agents = load_checked(target, lock=os.environ.get('DURCAP_LOCK') or None,
+                          allow_drift=os.environ.get('DURCAP_ALLOW_DRIFT') == '1').agents
     for agent in agents:
         if flow_attr(agent.name) == name:
             return agent_flow(agent)

@@ -39,6 +39,7 @@ from temporalio.worker.workflow_sandbox import (
     SandboxRestrictions,
 )
 
+from .. import _registry
 from ..conversations import LoadedConversation
 from ..turn import RunReport, current_turn, run_turn
 from . import _mcp
@@ -129,17 +130,16 @@ def workflow_class(agent: DurableAgent[Any, Any], registered_name: str | None = 
     `previous_names`) to register the same workflow under, so runs started under it recover.
 
     Raises:
-        ValueError: another definition with the same name already has a workflow class in this process
-            (duplicate agent names, DC011).
+        DurableConfigError: another definition with the same name already has a workflow class in this
+            process (DC011, naming both modules).
     """
     module = sys.modules[__name__]
     agent_name = registered_name or agent.name
     name = _class_name(agent_name)
+    _registry.claim('Temporal workflow', agent_name, agent, 'registered as Temporal workflows in this process')
     existing = getattr(module, name, None)
-    if existing is not None:
-        if getattr(existing, '__durcap_agent__', None) is agent:
-            return existing
-        raise ValueError(f'another DurableAgent named {agent_name!r} already has a Temporal workflow in this process')
+    if existing is not None and getattr(existing, '__durcap_agent__', None) is agent:
+        return existing
     built = agent.build('temporal')
     deps_adapter: TypeAdapter[Any] = TypeAdapter(agent.deps_type)
     load_name, append_name = conversation_activity_names(agent)
