@@ -266,8 +266,11 @@ class DurableAgent(Generic[DepsT, OutputT]):
 
     def _validate(self) -> Report:
         """Every problem of this definition: each check of `checks.CHECKS` over one shared context."""
-        context = CheckContext(self.name, self.engines, self.tools, self._invalid_skills, self._stabilized)
-        return run_checks(context)
+        return run_checks(
+            CheckContext(
+                self.name, self.engines, ENGINES, DURABLE_ENGINES, self.tools, self._invalid_skills, self._stabilized
+            )
+        )
 
 
 def validate_together(agents: Sequence[DurableAgent[Any, Any]]) -> Report:

@@ -12,17 +12,16 @@ definition), then by code: the order `durcap check` has always printed.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from pydantic_ai.capabilities import MCP, AbstractCapability, Capability
 from pydantic_ai.toolsets import AbstractToolset, FunctionToolset
 
 from . import _upstream
-from .engines import DURABLE_ENGINES, ENGINES
 from .ids import (
     CapabilityWalk,
     PlanIssue,
@@ -63,6 +62,15 @@ class Finding(NamedTuple):
     problem: Problem
 
 
+class EngineInfo(Protocol):
+    """What the checks read of an engine's registry entry (DC017)."""
+
+    @property
+    def extra(self) -> str | None: ...
+
+    def available(self) -> bool: ...
+
+
 @dataclass
 class ToolIndex:
     """Tool names of a definition, from the shared walk.
@@ -101,6 +109,9 @@ class CheckContext:
     Attributes:
         name: The agent name.
         engines: The engines the definition must be valid for (as given, unknown ones included).
+        known_engines: The engine registry, `{name: entry}` (`'local'` included); passed in so that the
+            checks, part of the core, do not import the engines.
+        durable_engines: The names of the durable engines, in the order problems list them.
         agent_tools: The agent-level tools (functions or `Tool`s).
         invalid_skills: Placeholders of malformed skill files (DC016).
         stabilized: The wrapped capabilities, one toolset walk per registered capability and the planned leaf ids.
@@ -108,6 +119,8 @@ class CheckContext:
 
     name: str
     engines: tuple[str, ...]
+    known_engines: Mapping[str, EngineInfo]
+    durable_engines: tuple[str, ...]
     agent_tools: Sequence[Any]
     invalid_skills: Sequence[InvalidSkill]
     stabilized: Stabilized
@@ -123,7 +136,7 @@ class CheckContext:
     @cached_property
     def durable(self) -> tuple[str, ...]:
         """The durable engines among `engines`: the scope of every problem but DC016 and DC017."""
-        return tuple(e for e in self.engines if e in DURABLE_ENGINES)
+        return tuple(e for e in self.engines if e in self.durable_engines)
 
     def problem(self, code: str, where: str, variant: str = '', **fields: Any) -> Problem:
         """`validation.problem(...)` scoped to the durable engines."""
@@ -254,9 +267,9 @@ def _where(planned: PlannedCapability) -> str:
 def engine_not_available(ctx: CheckContext) -> Iterator[Finding]:
     where = f'agent {ctx.name!r}'
     for index, engine in enumerate(ctx.engines):
-        spec = ENGINES.get(engine)
+        spec = ctx.known_engines.get(engine)
         if spec is None:
-            found = problem('DC017', where, (), 'unknown', engine=engine, known=', '.join(DURABLE_ENGINES))
+            found = problem('DC017', where, (), 'unknown', engine=engine, known=', '.join(ctx.durable_engines))
         elif engine != 'local' and not spec.available():
             found = problem('DC017', where, (engine,), 'missing', engine=engine, extra=spec.extra)
         else:

@@ -247,7 +247,7 @@ class StableIdCapability(WrapperCapability[Any]):
 
     scope: str | None = None
     renamed_from: str | None = None
-    _copies: dict[int, tuple[AbstractToolset[Any], AbstractToolset[Any]]] = field(
+    _copies: dict[int, tuple[Any, AbstractToolset[Any]]] = field(
         default_factory=dict, repr=False, compare=False
     )
 
