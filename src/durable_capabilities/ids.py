@@ -27,20 +27,19 @@ Nothing here depends on `hash()`, `id()` ordering or set iteration, so ids do no
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic_ai.capabilities import (
     AbstractCapability,
-    Capability,
     CombinedCapability,
     WrapperCapability,
 )
-from pydantic_ai.toolsets import AbstractToolset
+from pydantic_ai.toolsets import AbstractToolset, CombinedToolset, FunctionToolset
 
 from . import _upstream
-from .validation import Problem, describe_capability
 
 MAX_ID_LENGTH = 100
 """Longest id accepted, in characters. Temporal activity type names and DBOS step names carry the id
@@ -127,9 +126,90 @@ def _leaf_name(leaf: AbstractToolset[Any]) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class PlanIssue:
+    """A leaf whose id could not be planned cleanly.
+
+    Attributes:
+        code: `'DC013'` (the id depends on the leaf's position), `'DC014'` (the leaf cannot be copied to
+            carry an id) or `'DC015'` (the capability has no id to derive one from).
+        kind: Class name of the leaf toolset.
+        position: The leaf's index among the capability's leaves (traversal order).
+        toolset_id: The positional id given (DC013 only).
+    """
+
+    code: str
+    kind: str
+    position: int
+    toolset_id: str | None = None
+
+
+class _LeafPlanner:
+    """The state of `plan_leaf_ids` for one capability: ids taken so far, assignments, plans and issues."""
+
+    def __init__(self, scope: str | None, leaves: list[AbstractToolset[Any]], renamed_from: str | None) -> None:
+        self.explicit = [_upstream.explicit_toolset_id(leaf) for leaf in leaves]
+        self.new_scope: str | None = None
+        if renamed_from is not None and scope is not None:
+            self.new_scope, scope = scope, renamed_from
+        self.scope = scope
+        self.anonymous = [i for i, e in enumerate(self.explicit) if e is None]
+        self.taken = {e for e in self.explicit if e is not None}
+        self.assignments: dict[int, str] = {}
+        self.plans: list[LeafPlan] = []
+        self.issues: list[PlanIssue] = []
+
+    def plan(self, index: int, leaf: AbstractToolset[Any]) -> None:
+        kind = type(leaf).__name__
+        current = self.explicit[index]
+        if current is not None:
+            if not self._keep_previous_id(leaf, current, kind):
+                self.plans.append(LeafPlan(current, kind, 'explicit'))
+        elif self.scope is None:
+            self.issues.append(PlanIssue('DC015', kind, index))
+        else:
+            new_id, source = self._choose_id(index, leaf, self.scope)
+            if source == 'position':
+                self.issues.append(PlanIssue('DC013', kind, index, new_id))
+            if _upstream.toolset_with_id(leaf, new_id) is None:
+                self.issues.append(PlanIssue('DC014', kind, index))
+            else:
+                self._assign(leaf, LeafPlan(new_id, kind, source))
+
+    def _keep_previous_id(self, leaf: AbstractToolset[Any], current: str, kind: str) -> bool:
+        """Under an alias, give a leaf whose explicit id upstream derived from the new id its old id back."""
+        new_scope, old_scope = self.new_scope, self.scope
+        if new_scope is None or old_scope is None or not (current == new_scope or current.startswith(f'{new_scope}_')):
+            return False
+        old_id = old_scope + current[len(new_scope):]
+        if _upstream.toolset_with_id(leaf, old_id) is None:
+            return False
+        self._assign(leaf, LeafPlan(old_id, kind, 'alias'))
+        return True
+
+    def _choose_id(self, index: int, leaf: AbstractToolset[Any], scope: str) -> tuple[str, str]:
+        """`(id, source)` for an anonymous leaf: the capability id, `{scope}_{name}`, else `{scope}_{position}`."""
+        if len(self.anonymous) == 1 and scope not in self.taken:
+            return scope, 'capability'
+        name = _leaf_name(leaf)
+        if name is not None and f'{scope}_{name}' not in self.taken:
+            return f'{scope}_{name}', 'name'
+        # Position among this capability's anonymous leaves, skipping numbers upstream already gave
+        # (`Capability(toolsets=[callable])` names callables `{id}_{index}`).
+        number = self.anonymous.index(index)
+        while f'{scope}_{number}' in self.taken:
+            number += 1
+        return f'{scope}_{number}', 'position'
+
+    def _assign(self, leaf: AbstractToolset[Any], plan: LeafPlan) -> None:
+        self.taken.add(plan.toolset_id)
+        self.assignments[id(leaf)] = plan.toolset_id
+        self.plans.append(plan)
+
+
 def plan_leaf_ids(
     scope: str | None, leaves: list[AbstractToolset[Any]], renamed_from: str | None = None
-) -> tuple[dict[int, str], list[LeafPlan], list[tuple[str, str]]]:
+) -> tuple[dict[int, str], list[LeafPlan], list[PlanIssue]]:
     """Choose ids for `leaves` (in traversal order) owned by a capability whose id (scope) is `scope`.
 
     `renamed_from` is the capability's previous id (an alias): leaves then keep the ids they had under
@@ -137,54 +217,13 @@ def plan_leaf_ids(
     so durable unit names do not change with the rename.
 
     Returns `(assignments, plans, issues)`: `assignments` maps `id(leaf)` to the new id for each
-    anonymous leaf; `plans` lists every leaf's final id in order; `issues` lists `(code, detail)` pairs
-    for DC013 (positional id), DC014 (uncopyable leaf) and DC015 (no scope).
+    anonymous leaf; `plans` lists every leaf's final id in order; `issues` lists a `PlanIssue` for each
+    DC013 (positional id), DC014 (uncopyable leaf) and DC015 (no scope), in leaf order.
     """
-    explicit = [_upstream.explicit_toolset_id(leaf) for leaf in leaves]
-    new_scope = None
-    if renamed_from is not None and scope is not None:
-        new_scope, scope = scope, renamed_from
-    anonymous = [i for i, e in enumerate(explicit) if e is None]
-    taken = {e for e in explicit if e is not None}
-    assignments: dict[int, str] = {}
-    plans: list[LeafPlan] = []
-    issues: list[tuple[str, str]] = []
+    planner = _LeafPlanner(scope, leaves, renamed_from)
     for index, leaf in enumerate(leaves):
-        kind = type(leaf).__name__
-        current = explicit[index]
-        if current is not None and new_scope is not None and (current == new_scope or current.startswith(f'{new_scope}_')):
-            old_id = scope + current[len(new_scope):]  # type: ignore[operator]
-            if _upstream.toolset_with_id(leaf, old_id) is not None:
-                assignments[id(leaf)] = old_id
-                taken.add(old_id)
-                plans.append(LeafPlan(old_id, kind, 'alias'))
-                continue
-        if current is not None:
-            plans.append(LeafPlan(current, kind, 'explicit'))
-            continue
-        if scope is None:
-            issues.append(('DC015', kind))
-            continue
-        name = _leaf_name(leaf)
-        if len(anonymous) == 1 and scope not in taken:
-            new_id, source = scope, 'capability'
-        elif name is not None and f'{scope}_{name}' not in taken:
-            new_id, source = f'{scope}_{name}', 'name'
-        else:
-            # Position among this capability's anonymous leaves, skipping numbers upstream already gave
-            # (`Capability(toolsets=[callable])` names callables `{id}_{index}`).
-            number = anonymous.index(index)
-            while f'{scope}_{number}' in taken:
-                number += 1
-            new_id, source = f'{scope}_{number}', 'position'
-            issues.append(('DC013', f'{kind} at position {index} gets id {new_id!r}'))
-        if _upstream.toolset_with_id(leaf, new_id) is None:
-            issues.append(('DC014', kind))
-            continue
-        taken.add(new_id)
-        assignments[id(leaf)] = new_id
-        plans.append(LeafPlan(new_id, kind, source))
-    return assignments, plans, issues
+        planner.plan(index, leaf)
+    return planner.assignments, planner.plans, planner.issues
 
 
 def collect_leaves(toolset: AbstractToolset[Any]) -> list[AbstractToolset[Any]]:
@@ -208,7 +247,7 @@ class StableIdCapability(WrapperCapability[Any]):
 
     scope: str | None = None
     renamed_from: str | None = None
-    _copies: dict[int, tuple[AbstractToolset[Any], AbstractToolset[Any]]] = field(
+    _copies: dict[int, tuple[Any, AbstractToolset[Any]]] = field(
         default_factory=dict, repr=False, compare=False
     )
 
@@ -280,23 +319,135 @@ def _assign_scopes(
 
 
 @dataclass
+class CapabilityWalk:
+    """One registered capability and its toolset, fetched and walked once when the definition is built.
+
+    Every consumer reads this instead of calling `get_toolset()` again: leaf id planning (`stabilize`),
+    the tool checks, `DurableAgent.static_tool_names` and `tool_names_by_capability`.
+
+    Attributes:
+        node: The capability as registered in the stabilized tree (a `StableIdCapability` for a leaf).
+        cap_id: The id it is registered under, `None` when it has none.
+        user: The user's capability (`node` unwrapped from `StableIdCapability`).
+        toolset: What `get_toolset()` returned (a toolset function wrapped in `DynamicToolset`); `None`
+            when it returned `None` or raised.
+        error: The exception `get_toolset()` raised, else `None`.
+        leaves: The toolset's leaf toolsets, in upstream's `apply` order.
+        function_toolsets: The `FunctionToolset`s holding every tool of `toolset`, or `None` when some tool
+            names are only known at run time (MCP, toolset functions, wrappers such as prefixes).
+    """
+
+    node: AbstractCapability[Any]
+    cap_id: str | None
+    user: AbstractCapability[Any]
+    toolset: AbstractToolset[Any] | None = None
+    error: Exception | None = None
+    leaves: list[AbstractToolset[Any]] = field(default_factory=list)
+    function_toolsets: list[FunctionToolset[Any]] | None = None
+
+    @property
+    def tool_names(self) -> list[str] | None:
+        """Tool names known without running anything, read now (tools added to a toolset later count), or
+        `None` when there is no toolset or some of it is dynamic."""
+        if self.toolset is None or self.function_toolsets is None:
+            return None
+        names: list[str] = []
+        for toolset in self.function_toolsets:
+            names.extend(toolset.tools)
+        return names
+
+
+def _walk_toolset(toolset: AbstractToolset[Any], leaves: list[AbstractToolset[Any]]) -> list[FunctionToolset[Any]] | None:
+    """Append `toolset`'s leaves to `leaves` (upstream's `apply` order); return the function toolsets that hold
+    all its tools, or `None` when a part other than `CombinedToolset` / `FunctionToolset` is in the way."""
+    if isinstance(toolset, CombinedToolset) and type(toolset).apply is CombinedToolset.apply:
+        return _walk_children(toolset.toolsets, leaves)
+    toolset.apply(leaves.append)
+    if isinstance(toolset, FunctionToolset):
+        return [toolset]
+    if isinstance(toolset, CombinedToolset):  # a subclass with its own `apply`: leaves as it says, tools per child
+        return _walk_children(toolset.toolsets, [])
+    return None
+
+
+def _walk_children(
+    children: Sequence[AbstractToolset[Any]], leaves: list[AbstractToolset[Any]]
+) -> list[FunctionToolset[Any]] | None:
+    sources: list[FunctionToolset[Any]] | None = []
+    for child in children:
+        child_sources = _walk_toolset(child, leaves)
+        if child_sources is None:
+            sources = None
+        elif sources is not None:
+            sources.extend(child_sources)
+    return sources
+
+
+def walk_capability(node: AbstractCapability[Any]) -> CapabilityWalk:
+    """Call `get_toolset()` of the user's capability behind `node` once and walk the result; never raises."""
+    user = node.wrapped if isinstance(node, StableIdCapability) else node
+    walk = CapabilityWalk(node, node.id, user)
+    try:
+        toolset = user.get_toolset()
+    except Exception as exc:  # noqa: BLE001 - the user's code; reported as DC023, never raised half-way
+        walk.error = exc
+        return walk
+    if toolset is None:
+        return walk
+    if not isinstance(toolset, AbstractToolset):
+        toolset = _upstream.DynamicToolset(toolset)  # a toolset function, as upstream wraps it
+    walk.toolset = toolset
+    walk.function_toolsets = _walk_toolset(toolset, walk.leaves)
+    return walk
+
+
+def walk_registered(capabilities: list[AbstractCapability[Any]]) -> list[CapabilityWalk]:
+    """A `CapabilityWalk` for every capability the trees of `capabilities` register (upstream's `apply`), in order."""
+    walks: list[CapabilityWalk] = []
+    for capability in capabilities:
+        capability.apply(lambda node: walks.append(walk_capability(node)))
+    return walks
+
+
+@dataclass
+class PlannedCapability:
+    """A leaf capability `stabilize` wrapped, with the ids planned for its leaf toolsets.
+
+    Attributes:
+        stable: The wrapper handed to pydantic-ai (`stable.wrapped` is the user's capability, `stable.scope`
+            the id its leaf ids derive from).
+        walk: Its toolset walk (shared with the other consumers).
+        owner: The nearest capability id: its own or, for an id-less member, its group's.
+        positional: Whether `stable.scope` comes from its position among the id-less members of a group.
+        plans: Every leaf's id, in leaf order (empty when `get_toolset()` returned `None` or raised).
+        issues: DC013 / DC014 / DC015 findings of the plan, in leaf order.
+    """
+
+    stable: StableIdCapability
+    walk: CapabilityWalk
+    owner: str | None
+    positional: bool
+    plans: list[LeafPlan] = field(default_factory=list)
+    issues: list[PlanIssue] = field(default_factory=list)
+
+
+@dataclass
 class Stabilized:
     """The result of `stabilize`.
 
     Attributes:
         capabilities: The capabilities to hand to `pydantic_ai.Agent`, in the user's order.
-        leaves: `[(user capability, owning capability id, [LeafPlan, ...])]` in definition order; the
-            owning id is the capability's own or, for an id-less member, its group's.
-        problems: DC013 / DC014 / DC015 findings.
+        registered: One `CapabilityWalk` per registered capability (groups and members), in definition order.
+        planned: One `PlannedCapability` per wrapped leaf capability, in definition order.
     """
 
     capabilities: list[AbstractCapability[Any]]
-    leaves: list[tuple[AbstractCapability[Any], str | None, list[LeafPlan]]]
-    problems: list[Problem]
+    registered: list[CapabilityWalk]
+    planned: list[PlannedCapability]
 
 
 def stabilize(capabilities: list[AbstractCapability[Any]], aliases: dict[str, str] | None = None) -> Stabilized:
-    """Wrap every leaf capability of `capabilities` in `StableIdCapability` and plan its leaf ids.
+    """Wrap every leaf capability of `capabilities` in `StableIdCapability`, walk every toolset once and plan leaf ids.
 
     Args:
         capabilities: The user's capabilities (already instances, not callables).
@@ -304,20 +455,33 @@ def stabilize(capabilities: list[AbstractCapability[Any]], aliases: dict[str, st
             (and so the durable unit names) they had under the previous id.
 
     Returns:
-        A `Stabilized`; never raises for a bad definition (problems are returned instead).
+        A `Stabilized`; never raises for a bad definition (`checks` turns what it holds into problems).
     """
     scopes: dict[int, _Scope] = {}
     for capability in capabilities:
         _assign_scopes(capability, _Scope(None, None, False), scopes)
+    wrapped: list[StableIdCapability] = []
+    result = _wrap_leaves(capabilities, scopes, aliases or {}, wrapped)
+    registered = walk_registered(result)
+    by_node = {id(walk.node): walk for walk in registered}
+    planned = [_plan(stable, by_node.get(id(stable)), scopes) for stable in wrapped]
+    return Stabilized(result, registered, planned)
 
-    wrapped_list: list[StableIdCapability] = []
+
+def _wrap_leaves(
+    capabilities: list[AbstractCapability[Any]],
+    scopes: dict[int, _Scope],
+    aliases: dict[str, str],
+    wrapped: list[StableIdCapability],
+) -> list[AbstractCapability[Any]]:
+    """`capabilities` with every leaf capability replaced by a `StableIdCapability` (also appended to `wrapped`)."""
 
     def wrap(capability: AbstractCapability[Any]) -> AbstractCapability[Any]:
         if isinstance(capability, StableIdCapability) or not _is_leaf_capability(capability):
             return capability
         scope = scopes.get(id(capability), _Scope(capability.id, capability.id, False)).scope
-        stable = StableIdCapability(wrapped=capability, scope=scope, renamed_from=(aliases or {}).get(scope or ''))
-        wrapped_list.append(stable)
+        stable = StableIdCapability(wrapped=capability, scope=scope, renamed_from=aliases.get(scope or ''))
+        wrapped.append(stable)
         return stable
 
     result: list[AbstractCapability[Any]] = []
@@ -325,88 +489,15 @@ def stabilize(capabilities: list[AbstractCapability[Any]], aliases: dict[str, st
         replaced = capability.visit_and_replace(wrap)
         if replaced is not None:
             result.append(replaced)
+    return result
 
-    leaves: list[tuple[AbstractCapability[Any], str | None, list[LeafPlan]]] = []
-    problems: list[Problem] = []
-    for stable in wrapped_list:
-        try:
-            toolset = stable.wrapped.get_toolset()
-        except Exception as exc:  # noqa: BLE001 - the user's code; reported, never raised half-way
-            problems.append(
-                Problem(
-                    'DC023',
-                    'error',
-                    describe_capability(stable.wrapped, stable.scope),
-                    f'`get_toolset()` raised {type(exc).__name__}: {exc}',
-                    'Fix the capability\'s `get_toolset()`; it is called once when the agent is built.',
-                )
-            )
-            continue
-        if toolset is None:
-            continue
-        if not isinstance(toolset, AbstractToolset):
-            toolset = _upstream.DynamicToolset(toolset)
-        _, plans, issues = plan_leaf_ids(stable.scope, collect_leaves(toolset), stable.renamed_from)
-        user_cap = stable.wrapped
-        where = describe_capability(user_cap, stable.scope)
-        scope_info = scopes.get(id(user_cap), _Scope(stable.scope, stable.scope, False))
-        if scope_info.positional and plans:
-            problems.append(
-                Problem(
-                    'DC013',
-                    'warning',
-                    where,
-                    f'{type(user_cap).__name__} has no id, so its leaf toolsets take the id {stable.scope!r} '
-                    'from its position among the id-less members of its group; reordering the group renames '
-                    'its durable units.',
-                    f'Give this {type(user_cap).__name__} its own `id=`.',
-                )
-            )
-        for code, detail in issues:
-            if code == 'DC013':
-                problems.append(
-                    Problem(
-                        code,
-                        'warning',
-                        where,
-                        f'{detail} from its position in the toolsets list; reordering the list renames its '
-                        'durable units and strands in-flight runs.',
-                        'Give the toolset its own id (`FunctionToolset(id=...)`) or keep the list order fixed.',
-                    )
-                )
-            elif code == 'DC014':
-                problems.append(
-                    Problem(
-                        code,
-                        'error',
-                        where,
-                        f'leaf toolset {detail} has no id and durable-capabilities cannot copy it to give it one.',
-                        f'Construct the {detail} with an explicit `id=`.',
-                    )
-                )
-            elif code == 'DC015':
-                problems.append(
-                    Problem(
-                        code,
-                        'error',
-                        where,
-                        f'the capability contributes a leaf toolset ({detail}) but has no `id`, so durable '
-                        'engines cannot name its activities, steps or tasks.',
-                        f'Construct it as `{type(user_cap).__name__}(id=...)`.',
-                    )
-                )
-        callables = [t for t in getattr(user_cap, 'toolsets', None) or [] if not isinstance(t, AbstractToolset)]
-        # Upstream numbers callables only under a capability with its own id.
-        if isinstance(user_cap, Capability) and user_cap.id and callables and len(user_cap.toolsets) > 1:
-            problems.append(
-                Problem(
-                    'DC013',
-                    'warning',
-                    where,
-                    f"toolset functions in `toolsets=` get the ids '{stable.scope}_<position>' from pydantic-ai; "
-                    'reordering the list renames their durable units and strands in-flight runs.',
-                    "Wrap each function with its own id: `DynamicToolset(func, id='...')`.",
-                )
-            )
-        leaves.append((user_cap, scope_info.owner, plans))
-    return Stabilized(result, leaves, problems)
+
+def _plan(stable: StableIdCapability, walk: CapabilityWalk | None, scopes: dict[int, _Scope]) -> PlannedCapability:
+    """Plan the leaf ids of one wrapped capability from its walk (walked here if it is not registered)."""
+    if walk is None:
+        walk = walk_capability(stable)
+    scope = scopes.get(id(stable.wrapped), _Scope(stable.scope, stable.scope, False))
+    planned = PlannedCapability(stable, walk, scope.owner, scope.positional)
+    if walk.toolset is not None:
+        _, planned.plans, planned.issues = plan_leaf_ids(stable.scope, walk.leaves, stable.renamed_from)
+    return planned
