@@ -9,7 +9,7 @@ adds what a durable runner needs:
 - `append(id, messages, expected_revision=N, append_id=...)`: optimistic concurrency on an integer
   revision, idempotent by `append_id` so a retried activity / step / task never appends twice.
 
-Storage (schema version 1, tables prefixed `durcap_`):
+Storage (schema version 2, tables prefixed `durcap_`):
 - `durcap_entries`: one row per message, the message as pydantic-ai's own JSON
   (`ModelMessagesTypeAdapter`), its parent entry and its 1-based position in its history. Rows are
   never updated or deleted.
@@ -18,6 +18,8 @@ Storage (schema version 1, tables prefixed `durcap_`):
   revision token, usage, scope, fork and branch bookkeeping.
 - `durcap_writes`: one row per write (append, save, delete), keyed by `(conversation_id, revision)`;
   `append_id` is unique per conversation. It is the audit log `durcap history show` prints.
+- `durcap_payloads` (version 2): Temporal payloads stored by the claim-check codec (`_claim_check`), keyed
+  by the sha256 of their bytes; written once, never updated.
 - `durcap_schema_version`: the migrations applied. A store whose version is newer than this code
   knows is refused (`SchemaVersionError`) and never touched.
 
@@ -74,7 +76,7 @@ __all__ = [
 DEFAULT_URL = 'sqlite:///.durcap/conversations.db'
 """Where the store lives when no URL is given: `.durcap/conversations.db` under the current directory."""
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """The newest schema this code writes and reads."""
 
 
