@@ -12,15 +12,19 @@ from pathlib import Path
 import pytest
 from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, UserPromptPart
 
-from durable_capabilities.store import CorruptedRowError, SQLConversationStore, StoreUnavailableError
+from durable_capabilities.store import (
+    CorruptedRowError,
+    SQLConversationStore,
+    StoreUnavailableError,
+)
 from tests.test_store import run, snapshot, sql, store, store_url  # noqa: F401 - fixtures
 
 TURN = [ModelRequest(parts=[UserPromptPart('hi')]), ModelResponse(parts=[TextPart('hello')])]
 
 
-def _two_turns(store: SQLConversationStore, cid: str) -> None:
-    first = run(store.append(cid, TURN, expected_revision=None))
-    run(store.append(cid, TURN, expected_revision=first.revision))
+def _two_turns(opened: SQLConversationStore, cid: str) -> None:
+    first = run(opened.append(cid, TURN, expected_revision=None))
+    run(opened.append(cid, TURN, expected_revision=first.revision))
 
 
 @pytest.mark.parametrize(

@@ -60,9 +60,12 @@ def _explain(error: str, agents: Sequence[DurableAgent[Any, Any]]) -> str:
 
 
 async def replay_histories(
-    paths: Sequence[str | Path], agents: Sequence[DurableAgent[Any, Any]]
+    paths: Sequence[str | Path], agents: Sequence[DurableAgent[Any, Any]], *, store: str | None = None
 ) -> list[ReplayFailure]:
     """Replay each history file (temporalio's JSON export) against the agents' workflows.
+
+    Payloads stored by reference (the claim-check codec) are read from `store` (default `$DURCAP_STORE`, else
+    the default store): the database the workers that recorded the histories used.
 
     Returns:
         The failures, empty when every history replays.
@@ -72,14 +75,17 @@ async def replay_histories(
     """
     from pydantic_ai.durable_exec.temporal import PydanticAIPlugin
     from temporalio.client import WorkflowHistory
+    from temporalio.converter import DataConverter
     from temporalio.worker import Replayer
 
+    from ._claim_check import default_codec
     from .engines.temporal import sandbox_runner, workflow_classes
 
     replayer = Replayer(
         workflows=[cls for agent in agents for cls in workflow_classes(agent)],
         plugins=[PydanticAIPlugin()],
         workflow_runner=sandbox_runner(),
+        data_converter=DataConverter(payload_codec=default_codec(store)),  # decodes claim checks
     )
     failures: list[ReplayFailure] = []
     for path in paths:
@@ -100,7 +106,11 @@ async def replay_histories(
 
 
 async def export_history(client: Any, workflow_id: str, output: str | Path) -> Path:
-    """Write a workflow's history as JSON (`{"workflowId": ..., "history": {...}}`) to `output`."""
+    """Write a workflow's history as JSON (`{"workflowId": ..., "history": {...}}`) to `output`.
+
+    Payloads are written as Temporal holds them: a large one is a claim-check reference (encoding
+    `binary/durcap-claim-check`), which `replay_histories` decodes from the store.
+    """
     handle = client.get_workflow_handle(workflow_id)
     history = await handle.fetch_history()
     output = Path(output)

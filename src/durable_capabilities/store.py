@@ -289,8 +289,8 @@ class StoredConversation:
 
 # The SQL work, imported here: `_store_sql` and `_store_schema` import the errors and results above from
 # this module. `_MIGRATIONS` (the schema's `{version: DDL}`, newest `SCHEMA_VERSION`) is re-exported.
-from ._store_schema import _MIGRATIONS, _encode  # noqa: E402, F401
-from ._store_sql import _parse_url, _SQLBackend  # noqa: E402
+from ._store_schema import _MIGRATIONS, _encode  # noqa: F401
+from ._store_sql import _parse_url, _SQLBackend
 
 
 class SQLConversationStore(ConversationStore):
@@ -412,6 +412,16 @@ class SQLConversationStore(ConversationStore):
         return await asyncio.to_thread(
             self._sql.append, conversation_id, encoded, expected_revision, append_id, usage, deferred_tool_requests, scope
         )
+
+    async def check_writable(self) -> None:
+        """Open a write transaction and write nothing: a cheap probe before a run whose turn will be appended.
+
+        Raises:
+            StoreUnavailableError: the database cannot be reached, or is read-only (a read-only SQLite file, a
+                PostgreSQL database or server in read-only mode), with the database's reason.
+            SchemaVersionError: see the class docstring.
+        """
+        await asyncio.to_thread(self._sql.probe_writable)
 
     async def writes(self, conversation_id: str) -> list[WriteRecord]:
         """The conversation's write log, oldest first (empty for an unknown id)."""

@@ -247,6 +247,28 @@ def workflow(agent: DurableAgent[Any, Any], *, name: str | None = None, **dbos_w
 
 _WORKFLOWS: dict[str, Any] = {}
 
+APPEND_STEP_RETRIES: dict[str, Any] = {'retries_allowed': True, 'interval_seconds': 1.0, 'backoff_rate': 1.5, 'max_attempts': 40}
+"""Retries of the conversation-append step: the run's side effects happened, so keep trying while the store is
+down: 1 s, then x1.5 each time (DBOS caps a wait at 1 h), 40 attempts, about 22 hours in all."""
+
+
+def _permanent_store_errors() -> tuple[type[BaseException], ...]:
+    from ..store import (
+        AppendIdReuseError,
+        ConversationConflictError,
+        CorruptedRowError,
+        NewerHistoryError,
+        SchemaVersionError,
+    )
+    from ..validation import DurableConfigError
+
+    return (ConversationConflictError, AppendIdReuseError, CorruptedRowError, NewerHistoryError, SchemaVersionError,
+            DurableConfigError)
+
+
+PERMANENT_STORE_ERRORS = _permanent_store_errors()
+"""Store errors a retried append cannot fix: the append step records them as its result and raises them after."""
+
 
 def agent_workflow(agent: DurableAgent[Any, Any]) -> Callable[..., Awaitable[dict[str, Any]]]:
     """A DBOS workflow named `durcap.{agent name}` that runs `agent` once (registered on first call).
@@ -271,13 +293,19 @@ def agent_workflow(agent: DurableAgent[Any, Any]) -> Callable[..., Awaitable[dic
         return await DBOS.run_step_async({'name': f'{step_prefix}.load'}, load_conversation, agent, conversation_id)
 
     async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> Any:
-        async def body() -> int:
-            return await append_conversation(
-                agent, conversation_id, messages, expected_revision=revision,
-                append_id=f'dbos:{DBOS.workflow_id}', usage=usage,
-            )
+        async def body() -> Any:
+            try:
+                return await append_conversation(
+                    agent, conversation_id, messages, expected_revision=revision,
+                    append_id=f'dbos:{DBOS.workflow_id}', usage=usage,
+                )
+            except PERMANENT_STORE_ERRORS as error:
+                return _Raised(error)  # a conflict cannot succeed: recorded, not retried
 
-        return await DBOS.run_step_async({'name': f'{step_prefix}.append', 'retries_allowed': True, 'max_attempts': 3}, body)
+        result = await DBOS.run_step_async({'name': f'{step_prefix}.append', **APPEND_STEP_RETRIES}, body)  # type: ignore[arg-type]
+        if isinstance(result, _Raised):
+            raise result.error
+        return result
 
     async def run_agent(
         prompt: str | None, deps: Any = None, message_history: Any = None, conversation_id: str | None = None

@@ -32,6 +32,8 @@ from pydantic_core import to_jsonable_python
 from temporalio import activity, workflow
 from temporalio.client import Client
 from temporalio.common import RetryPolicy
+from temporalio.converter import DataConverter
+from temporalio.exceptions import ActivityError
 from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import (
     SandboxedWorkflowRunner,
@@ -40,6 +42,7 @@ from temporalio.worker.workflow_sandbox import (
 
 from ..aliases import rewrite_history
 from ..conversations import LoadedConversation
+from . import _payload_guard
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
@@ -137,6 +140,12 @@ def workflow_class(agent: DurableAgent[Any, Any], registered_name: str | None = 
     load_name, append_name = conversation_activity_names(agent)
 
     async def run(self: Any, params: AgentRunInput) -> AgentRunOutput:
+        try:  # claim-check refusals fail the turn naming the conversation (see _payload_guard)
+            return await run_body(params)
+        except ActivityError as exc:
+            raise _payload_guard.named(exc) from exc
+
+    async def run_body(params: AgentRunInput) -> AgentRunOutput:
         deps = deps_adapter.validate_python(params.deps) if params.deps is not None else None
         history_json = params.message_history
         revision: int | None = None
@@ -163,7 +172,7 @@ def workflow_class(agent: DurableAgent[Any, Any], registered_name: str | None = 
                 append_name,
                 AppendInput(params.conversation_id, new_messages, revision, f'{info.workflow_id}:{info.run_id}',
                             to_jsonable_python(result.usage)),
-                result_type=int, **_STORE_ACTIVITY_OPTIONS,
+                result_type=int, **_APPEND_ACTIVITY_OPTIONS,
             )
         return AgentRunOutput(result.output, output_messages, usage)
 
@@ -215,6 +224,18 @@ _STORE_ACTIVITY_OPTIONS: dict[str, Any] = {
 }
 
 
+_APPEND_ACTIVITY_OPTIONS: dict[str, Any] = {
+    # The run's side effects happened: retry the append until the store takes it (no attempt cap, backoff
+    # up to a minute); a conflict or a corrupted store cannot succeed and fails at once.
+    'start_to_close_timeout': timedelta(seconds=15),
+    'retry_policy': RetryPolicy(
+        initial_interval=timedelta(seconds=1), backoff_coefficient=1.5, maximum_interval=timedelta(seconds=60),
+        maximum_attempts=0, non_retryable_error_types=_STORE_ACTIVITY_OPTIONS['retry_policy'].non_retryable_error_types
+        + ['AppendIdReuseError'],
+    ),
+}
+
+
 def conversation_activity_names(agent: DurableAgent[Any, Any]) -> tuple[str, str]:
     """Activity type names of the conversation load and append: `agent__{name}__conversation_load` / `_append`."""
     return f'agent__{agent.durable_name}__conversation_load', f'agent__{agent.durable_name}__conversation_append'
@@ -233,7 +254,9 @@ def conversation_activities(agent: DurableAgent[Any, Any]) -> list[Any]:
 
     @activity.defn(name=load_name)
     async def load(conversation_id: str) -> LoadedConversation:
-        return await load_conversation(agent, conversation_id)
+        loaded = await load_conversation(agent, conversation_id)
+        _payload_guard.check_loaded(conversation_id, loaded.messages)  # DC030 here, not in a workflow task
+        return loaded
 
     @activity.defn(name=append_name)
     async def append(params: AppendInput) -> int:
@@ -272,7 +295,7 @@ def continue_as_new_handler(agent: DurableAgent[Any, Any]) -> Any:
             append_name,
             AppendInput(params.conversation_id, messages[state.loaded_count:], state.revision,
                         f'{info.workflow_id}:{info.run_id}:continue-as-new', to_jsonable_python(ctx.usage)),
-            result_type=int, **_STORE_ACTIVITY_OPTIONS,
+            result_type=int, **_APPEND_ACTIVITY_OPTIONS,
         )
         workflow.continue_as_new(AgentRunInput(None, params.conversation_id, params.deps, None, continued))
 
@@ -300,6 +323,7 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     )
 
     extra = _mcp.temporal_defaults(agent, options, configs)
+    extra.append(_payload_guard.PayloadGuard())  # DC030 before a model request no payload can carry
     options.setdefault('continue_as_new', continue_as_new_handler(agent))
     return {'toolset_activity_config': configs, **options}, extra
 
@@ -311,9 +335,14 @@ def sandbox_runner() -> SandboxedWorkflowRunner:
     )
 
 
-async def connect(address: str = '127.0.0.1:7233', namespace: str = 'default') -> Client:
-    """A Temporal client with pydantic-ai's payload converter (`PydanticAIPlugin`)."""
-    return await Client.connect(address, namespace=namespace, plugins=[PydanticAIPlugin()])
+async def connect(address: str = '127.0.0.1:7233', namespace: str = 'default', *, store: str | None = None) -> Client:
+    """A Temporal client with pydantic-ai's payload converter (`PydanticAIPlugin`) and the claim-check codec
+    (`_claim_check.ClaimCheckCodec`) on `store` (default `$DURCAP_STORE`, else the default store): payloads
+    over 256 KiB travel by reference. Workers made from this client use the same codec."""
+    from .._claim_check import default_codec
+
+    codec = DataConverter(payload_codec=default_codec(store))  # PydanticAIPlugin keeps the codec, swaps the converter
+    return await Client.connect(address, namespace=namespace, plugins=[PydanticAIPlugin()], data_converter=codec)
 
 
 DEFAULT_STICKY_SCHEDULE_TO_START = timedelta(seconds=2)
