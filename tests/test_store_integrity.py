@@ -15,6 +15,7 @@ from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, UserProm
 from durable_capabilities.store import (
     CorruptedRowError,
     SQLConversationStore,
+    StoreReadOnlyError,
     StoreUnavailableError,
 )
 from tests.test_store import run, snapshot, sql, store, store_url  # noqa: F401 - fixtures
@@ -95,7 +96,7 @@ def test_writability_probe(tmp_path: Path, store_url: str) -> None:  # noqa: F81
     with SQLConversationStore(f'sqlite:///{path}') as made:
         run(made.append('c', TURN, expected_revision=None))
     path.chmod(0o444)
-    with pytest.raises(StoreUnavailableError, match='cannot write'):
+    with pytest.raises(StoreReadOnlyError, match='is read-only'):
         SQLConversationStore(f'sqlite:///{path}')._sql.probe_writable()
 
 
@@ -109,7 +110,7 @@ def test_writability_probe_refuses_a_read_only_postgresql_database() -> None:
         with SQLConversationStore(url) as made:
             made._sql.probe_writable()
         sql(url, f'ALTER DATABASE {name} SET default_transaction_read_only = on')
-        with pytest.raises(StoreUnavailableError, match='read-only'):
-            SQLConversationStore(url)._sql.probe_writable()
+        with pytest.raises(StoreReadOnlyError, match='is read-only'):
+            run(SQLConversationStore(url).check_writable())
     finally:
         drop_database(name)

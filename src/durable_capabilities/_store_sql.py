@@ -48,6 +48,7 @@ from .store import (
     CorruptedRowError,
     SchemaVersionError,
     StoredConversation,
+    StoreReadOnlyError,
     StoreUnavailableError,
     StoreURLError,
     WriteRecord,
@@ -373,15 +374,18 @@ class _SQLBackend:
         Raises:
             StoreUnavailableError: it cannot be written, with the database's reason.
         """
+        read_only = f'the conversation store {self.display_url} is read-only; nothing was run. Fix: point $DURCAP_STORE at a writable database'
         try:
             with self._txn(write=True) as conn:
                 if self.is_pg:
                     if conn.execute(sa.text('SHOW transaction_read_only')).scalar() == 'on':
-                        raise StoreUnavailableError(f'the conversation store {self.display_url} is read-only')
+                        raise StoreReadOnlyError(read_only)
                 else:  # BEGIN IMMEDIATE took the write lock; a read-only file fails at the first write
                     conn.exec_driver_sql('CREATE TABLE IF NOT EXISTS durcap_probe (x INTEGER)')
                     conn.exec_driver_sql('DROP TABLE durcap_probe')
         except sa.exc.DBAPIError as exc:
+            if 'readonly' in str(exc).replace('-', '').replace(' ', '').lower():
+                raise StoreReadOnlyError(f'{read_only} ({_first_line(exc)})') from None
             raise StoreUnavailableError(f'cannot write to the conversation store {self.display_url}: {_first_line(exc)}') from None
 
     def read_history(self, head_id: str, limit: int | None) -> list[ConversationEntry]:

@@ -64,6 +64,7 @@ __all__ = [
     'SQLConversationStore',
     'SchemaVersionError',
     'StoreError',
+    'StoreReadOnlyError',
     'StoreURLError',
     'StoreUnavailableError',
     'StoredConversation',
@@ -106,6 +107,12 @@ class StoreURLError(StoreError, ValueError):
 
 class StoreUnavailableError(StoreError):
     """The database cannot be reached, or (with `create=False`) holds no conversation store."""
+
+
+class StoreReadOnlyError(StoreUnavailableError):
+    """The database can be read but not written (a read-only SQLite file, a PostgreSQL database or server in
+    read-only mode). Raised by `check_writable` before a run, so no side effect happens for a turn that could
+    not be stored."""
 
 
 class SchemaVersionError(StoreError):
@@ -417,8 +424,9 @@ class SQLConversationStore(ConversationStore):
         """Open a write transaction and write nothing: a cheap probe before a run whose turn will be appended.
 
         Raises:
-            StoreUnavailableError: the database cannot be reached, or is read-only (a read-only SQLite file, a
-                PostgreSQL database or server in read-only mode), with the database's reason.
+            StoreReadOnlyError: the database is read-only (a read-only SQLite file, a PostgreSQL database or
+                server in read-only mode).
+            StoreUnavailableError: the database cannot be reached, with the database's reason.
             SchemaVersionError: see the class docstring.
         """
         await asyncio.to_thread(self._sql.probe_writable)

@@ -332,3 +332,70 @@ def test_a_20_s_store_outage_during_the_append_loses_nothing_and_doubles_nothing
         assert stored.messages[-1].parts[0].content == 'produced 1000 chars after 5 messages'
     finally:
         proxy.close()
+
+
+# ---- a conflict is never retried ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize('engine', ENGINES)
+def test_a_conflicting_append_fails_at_once_and_is_not_retried(world: dict[str, Any], engine: str, tmp_path: Path) -> None:
+    """Another writer appends while the turn's tool runs: the turn's append conflicts, and the engine reports the
+    `ConversationConflictError` at once instead of retrying it (DBOS used to report `DBOSMaxStepRetriesExceeded`)."""
+    cid = f'conflict-{engine}'
+    seed(world['store'], cid, [ModelRequest(parts=[UserPromptPart('hi')]), ModelResponse(parts=[TextPart('hello')])])
+    ledger = tmp_path / 'ledger'
+    outcome: dict[str, Any] = {}
+
+    def go() -> None:
+        outcome.update(turn(world, engine, cid, 'tool 10', timeout=120,
+                            env={'DURCAP_LEDGER': str(ledger), 'DURCAP_TOOL_PAUSE': '2'}))
+
+    runner = threading.Thread(target=go)
+    runner.start()
+    deadline = time.monotonic() + 90
+    while not (ledger.exists() and ledger.read_text()) and time.monotonic() < deadline and runner.is_alive():
+        time.sleep(0.05)
+    assert ledger.exists(), outcome
+
+    async def interleave() -> None:
+        async with SQLConversationStore(world['store']) as store:
+            await store.append(cid, [ModelRequest(parts=[UserPromptPart('meanwhile')])], expected_revision=1)
+
+    run(interleave())
+    written = time.monotonic()
+    runner.join(timeout=120)
+    assert not outcome['ok'], outcome
+    assert 'ConversationConflictError' in outcome['error'] or 'changed since it was read' in outcome['error'], outcome['error']
+    assert 'MaxStepRetriesExceeded' not in outcome['error']
+    assert time.monotonic() - written < 20  # no retry schedule ran (the first DBOS retry alone waits 1 s, then 1.5 s, ...)
+    stored, writes = read(world['store'], cid)
+    assert stored.message_count == 3 and len(writes) == 2  # the interleaved append stands; nothing else written
+    if engine == 'dbos':
+        assert outcome['log'].count('changed since it was read') <= 2
+
+
+# ---- a read-only store is refused before the run ------------------------------------------------
+
+
+@pytest.mark.parametrize('engine', ENGINES)
+def test_a_read_only_store_is_refused_before_any_side_effect(world: dict[str, Any], engine: str, tmp_path: Path) -> None:
+    import psycopg
+
+    from tests.engines._pg import ADMIN_URL, create_database, drop_database
+    from tests.engines._pg import url as pg_url
+
+    name = create_database('durcap_ro')
+    try:
+        store = pg_url(name)
+        seed(store, 'ro', [ModelRequest(parts=[UserPromptPart('hi')]), ModelResponse(parts=[TextPart('hello')])])
+        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+            admin.execute(f'ALTER DATABASE {name} SET default_transaction_read_only = on')
+        ledger = tmp_path / 'ledger'
+        started = time.monotonic()
+        result = turn(world | {'store': store}, engine, 'ro', 'tool 10', timeout=120, env={'DURCAP_LEDGER': str(ledger)})
+        assert not result['ok'], result
+        assert 'is read-only' in result['error'], result['error']
+        assert not ledger.exists()  # the tool never ran
+        assert time.monotonic() - started < 30
+    finally:
+        drop_database(name)

@@ -44,12 +44,14 @@ def payload_maximum() -> int:
     return _env_int(MAXIMUM_ENV, DEFAULT_MAXIMUM)
 
 
-def _subject() -> str:
-    from .temporal import _current_run
+def _subject(conversation_id: str | None = None) -> str:
+    if conversation_id is None:
+        from .temporal import _current_run
 
-    state = _current_run.get()
-    if state is not None and state.params.conversation_id is not None:
-        return f'conversation {state.params.conversation_id!r}'
+        state = _current_run.get()
+        conversation_id = state.params.conversation_id if state is not None else None
+    if conversation_id is not None:
+        return f'conversation {conversation_id!r}'
     return f'workflow {workflow.info().workflow_id!r}'
 
 
@@ -104,11 +106,11 @@ def check_loaded(conversation_id: str, messages: list[Any], maximum: int | None 
         raise too_large(size, limit, f'conversation {conversation_id!r}: its stored history')
 
 
-def named(error: BaseException) -> BaseException:
+def named(error: BaseException, conversation_id: str | None) -> BaseException:
     """`error`, or, when it is an activity failure caused by the codec's refusal, the same refusal naming the
     conversation (a non-retryable `ApplicationError` the workflow fails with). Call in workflow code."""
     cause = error.__cause__ if isinstance(error, ActivityError) else None
     if isinstance(cause, ApplicationError) and cause.type in (TOO_LARGE, UNAVAILABLE):
         code, _, rest = cause.message.partition(' ')
-        return ApplicationError(f'{code} {_subject()}: {rest}', *cause.details, type=cause.type, non_retryable=True)
+        return ApplicationError(f'{code} {_subject(conversation_id)}: {rest}', *cause.details, type=cause.type, non_retryable=True)
     return error

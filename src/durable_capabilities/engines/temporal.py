@@ -143,7 +143,7 @@ def workflow_class(agent: DurableAgent[Any, Any], registered_name: str | None = 
         try:  # claim-check refusals fail the turn naming the conversation (see _payload_guard)
             return await run_body(params)
         except ActivityError as exc:
-            raise _payload_guard.named(exc) from exc
+            raise _payload_guard.named(exc, params.conversation_id) from exc
 
     async def run_body(params: AgentRunInput) -> AgentRunOutput:
         deps = deps_adapter.validate_python(params.deps) if params.deps is not None else None
@@ -219,7 +219,7 @@ _STORE_ACTIVITY_OPTIONS: dict[str, Any] = {
     'retry_policy': RetryPolicy(
         maximum_attempts=5,
         non_retryable_error_types=['DurableConfigError', 'ConversationConflictError', 'CorruptedRowError',
-                                   'NewerHistoryError', 'SchemaVersionError', 'StoreURLError'],
+                                   'NewerHistoryError', 'SchemaVersionError', 'StoreURLError', 'StoreReadOnlyError'],
     ),
 }
 
@@ -230,8 +230,9 @@ _APPEND_ACTIVITY_OPTIONS: dict[str, Any] = {
     'start_to_close_timeout': timedelta(seconds=15),
     'retry_policy': RetryPolicy(
         initial_interval=timedelta(seconds=1), backoff_coefficient=1.5, maximum_interval=timedelta(seconds=60),
-        maximum_attempts=0, non_retryable_error_types=_STORE_ACTIVITY_OPTIONS['retry_policy'].non_retryable_error_types
-        + ['AppendIdReuseError'],
+        maximum_attempts=0,
+        non_retryable_error_types=['DurableConfigError', 'ConversationConflictError', 'CorruptedRowError', 'NewerHistoryError',
+                                   'SchemaVersionError', 'StoreURLError', 'AppendIdReuseError'],
     ),
 }
 
