@@ -38,6 +38,8 @@ CODES: dict[str, str] = {
     'DC021': 'An agent in the lockfile is no longer defined.',
     'DC022': 'A durable unit name is new since the lockfile.',
     'DC023': "A capability's `get_toolset()` raised while the agent was being built.",
+    'DC030': 'A Temporal payload is over the configured maximum (a tool result, a message, a history).',
+    'DC031': 'A large Temporal payload could not be stored by reference (the conversation store is down).',
 }
 """Every code with a one-line summary. `docs/errors.md` gives a wrong and a right example of each."""
 

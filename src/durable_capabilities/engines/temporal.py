@@ -41,6 +41,7 @@ from temporalio.worker.workflow_sandbox import (
 )
 
 from ..aliases import rewrite_history
+from .._claim_check import ClaimCheckCodec  # noqa: F401 - public here: the codec `connect` installs
 from ..conversations import LoadedConversation
 from . import _payload_guard
 
