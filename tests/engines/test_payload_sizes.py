@@ -399,3 +399,34 @@ def test_a_read_only_store_is_refused_before_any_side_effect(world: dict[str, An
         assert time.monotonic() - started < 30
     finally:
         drop_database(name)
+
+
+# ---- export and replay read through the codec -----------------------------------------------------
+
+
+def test_export_keeps_claim_checks_and_replay_reads_them_from_the_store(world: dict[str, Any], tmp_path: Path) -> None:
+    import base64
+
+    workflow_id = f'sizes-replay-{uuid.uuid4().hex[:8]}'
+    result = turn(world, 'temporal', 'replay-temporal', 'tool 3000000', workflow_id=workflow_id)
+    assert result['ok'], result['log']
+    durcap = [sys.executable, '-m', 'durable_capabilities.cli']
+    env = {**os.environ, 'PYTHONPATH': os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')])),
+           'DURCAP_STORE': world['store']}
+    exported = tmp_path / 'history.json'
+    done = subprocess.run([*durcap, 'history', 'export', '--workflow-id', workflow_id, '-o', str(exported),
+                           '--address', world['address']], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    text = exported.read_text()
+    assert base64.b64encode(b'binary/durcap-claim-check').decode() in text  # references, as `temporal workflow show` prints
+    assert len(text) < 1_000_000  # the 3 MB tool result (twice: activity result, workflow result) is not inline
+    replayed = subprocess.run([*durcap, 'replay', str(exported), '--target', 'tests.engines.size_agent:agent',
+                               '--store', world['store']], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert '1 of 1 histories replay' in replayed.stderr
+    elsewhere = subprocess.run([*durcap, 'replay', str(exported), '--target', 'tests.engines.size_agent:agent',
+                                '--store', f'sqlite:///{tmp_path / "empty.db"}'], cwd=ROOT, env=env, capture_output=True,
+                               text=True, timeout=120)
+    # A store without the history's claim checks cannot read its payloads: the replay does not pass.
+    assert elsewhere.returncode != 0 and '1 of 1 histories replay' not in elsewhere.stderr
+    assert 'durcap_payloads' in elsewhere.stdout + elsewhere.stderr, elsewhere.stdout + elsewhere.stderr
