@@ -53,6 +53,10 @@ MAXIMUM_ENV = 'DURCAP_PAYLOAD_MAXIMUM'
 """Environment variables overriding `DEFAULT_THRESHOLD` / `DEFAULT_MAXIMUM` (bytes), read where the client or
 worker connects; give every client and worker of a deployment the same values."""
 
+PAYLOAD_TOO_LARGE = 'DC030'
+CLAIM_CHECK_UNAVAILABLE = 'DC031'
+"""The codes of the two refusals (see `validation.CODES`, `docs/errors.md`)."""
+
 TOO_LARGE = 'DurcapPayloadTooLarge'
 UNAVAILABLE = 'DurcapClaimCheckUnavailable'
 """`ApplicationError.type` of the codec's refusals (both non-retryable)."""
@@ -76,7 +80,7 @@ def _env_int(name: str, default: int) -> int:
 def too_large(size: int, maximum: int, where: str) -> ApplicationError:
     """The DC030 refusal: a payload of `size` bytes over `maximum` bytes, `where` naming what carried it."""
     return ApplicationError(
-        f'DC030 {where}: a payload of {size:,} bytes is over the maximum of {maximum:,} bytes. Fix: keep tool '
+        f'{PAYLOAD_TOO_LARGE} {where}: a payload of {size:,} bytes is over the maximum of {maximum:,} bytes. Fix: keep tool '
         f'results and messages smaller (store large data elsewhere and return a reference), or raise '
         f'${MAXIMUM_ENV} on every client and worker.',
         size, maximum,
@@ -151,7 +155,7 @@ class ClaimCheckCodec(PayloadCodec):
                     result.append(payload)
                     continue
                 raise ApplicationError(
-                    f'DC031 cannot store a payload of {size:,} bytes by reference (over the {self.inline_limit:,} '
+                    f'{CLAIM_CHECK_UNAVAILABLE} cannot store a payload of {size:,} bytes by reference (over the {self.inline_limit:,} '
                     f'bytes Temporal carries inline): {exc}. Fix: make the conversation store reachable and writable.',
                     size, self.inline_limit,
                     type=UNAVAILABLE,
