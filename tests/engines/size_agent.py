@@ -15,7 +15,12 @@ import os
 
 from pydantic_ai import ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.capabilities import Capability
-from pydantic_ai.messages import ModelMessage, ModelRequest, ToolReturnPart, UserPromptPart
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelRequest,
+    ToolReturnPart,
+    UserPromptPart,
+)
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from durable_capabilities import DurableAgent
@@ -35,6 +40,13 @@ def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
     return ModelResponse(parts=[TextPart(f'seen {len(messages)} messages')])
 
 
+def _record(ledger: str, size: int) -> None:
+    with open(ledger, 'a', encoding='utf-8') as f:
+        f.write(f'{size}\n')
+        f.flush()
+        os.fsync(f.fileno())
+
+
 bulk = Capability(id='bulk', description='Produces text of a given size.')
 
 
@@ -43,10 +55,7 @@ async def produce(size: int) -> str:
     """Produce `size` characters (a side effect counted in the ledger)."""
     ledger = os.environ.get('DURCAP_LEDGER')
     if ledger:
-        with open(ledger, 'a', encoding='utf-8') as f:
-            f.write(f'{size}\n')
-            f.flush()
-            os.fsync(f.fileno())
+        await asyncio.to_thread(_record, ledger, size)
     pause = float(os.environ.get('DURCAP_TOOL_PAUSE') or 0)
     if pause:
         await asyncio.sleep(pause)

@@ -29,7 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, ToolCallPart, ToolReturnPart, UserPromptPart
+from pydantic_ai.messages import (
+    ModelRequest,
+    ModelResponse,
+    TextPart,
+    ToolCallPart,
+    ToolReturnPart,
+    UserPromptPart,
+)
 
 from durable_capabilities.store import SQLConversationStore
 
@@ -415,18 +422,18 @@ def test_export_keeps_claim_checks_and_replay_reads_them_from_the_store(world: d
            'DURCAP_STORE': world['store']}
     exported = tmp_path / 'history.json'
     done = subprocess.run([*durcap, 'history', 'export', '--workflow-id', workflow_id, '-o', str(exported),
-                           '--address', world['address']], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                           '--address', world['address']], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     text = exported.read_text()
     assert base64.b64encode(b'binary/durcap-claim-check').decode() in text  # references, as `temporal workflow show` prints
     assert len(text) < 1_000_000  # the 3 MB tool result (twice: activity result, workflow result) is not inline
     replayed = subprocess.run([*durcap, 'replay', str(exported), '--target', 'tests.engines.size_agent:agent',
-                               '--store', world['store']], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                               '--store', world['store']], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
     assert '1 of 1 histories replay' in replayed.stderr
     elsewhere = subprocess.run([*durcap, 'replay', str(exported), '--target', 'tests.engines.size_agent:agent',
                                 '--store', f'sqlite:///{tmp_path / "empty.db"}'], cwd=ROOT, env=env, capture_output=True,
-                               text=True, timeout=120)
+                               text=True, timeout=120, check=False)
     # A store without the history's claim checks cannot read its payloads: the replay does not pass.
     assert elsewhere.returncode != 0 and '1 of 1 histories replay' not in elsewhere.stderr
     assert 'durcap_payloads' in elsewhere.stdout + elsewhere.stderr, elsewhere.stdout + elsewhere.stderr

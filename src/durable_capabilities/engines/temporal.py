@@ -40,8 +40,8 @@ from temporalio.worker.workflow_sandbox import (
     SandboxRestrictions,
 )
 
-from ..aliases import rewrite_history
 from .._claim_check import ClaimCheckCodec  # noqa: F401 - public here: the codec `connect` installs
+from ..aliases import rewrite_history
 from ..conversations import LoadedConversation
 from . import _payload_guard
 
