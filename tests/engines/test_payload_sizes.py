@@ -437,3 +437,63 @@ def test_export_keeps_claim_checks_and_replay_reads_them_from_the_store(world: d
     # A store without the history's claim checks cannot read its payloads: the replay does not pass.
     assert elsewhere.returncode != 0 and '1 of 1 histories replay' not in elsewhere.stderr
     assert 'durcap_payloads' in elsewhere.stdout + elsewhere.stderr, elsewhere.stdout + elsewhere.stderr
+
+
+# ---- a turn whose append never completed is recovered from Temporal's record --------------------
+
+
+def test_history_repair_stores_a_turn_whose_workflow_ended_before_its_append(world: dict[str, Any], tmp_path: Path) -> None:
+    """The store goes down after the tool ran; the workflow is terminated while its append retries; once the store
+    is back, `durcap history repair` stores the turn from the workflow's record (its input through the codec)
+    and prints the answer; a second repair stores nothing twice."""
+
+    from durable_capabilities.engines import temporal
+
+    proxy = Proxy()
+    try:
+        proxy.start()
+        store = world['store'].replace('127.0.0.1:5432', f'127.0.0.1:{proxy.port}')
+        cid = 'repair-temporal'
+        seed(store, cid, [ModelRequest(parts=[UserPromptPart('hi')]), ModelResponse(parts=[TextPart('hello')])])
+        ledger = tmp_path / 'ledger'
+        workflow_id = f'sizes-repair-{uuid.uuid4().hex[:8]}'
+        outcome: dict[str, Any] = {}
+
+        def go() -> None:
+            outcome.update(turn(world | {'store': store}, 'temporal', cid, 'tool 400000', timeout=120, workflow_id=workflow_id,
+                                env={'DURCAP_LEDGER': str(ledger), 'DURCAP_TOOL_PAUSE': '2'}))
+
+        runner = threading.Thread(target=go)
+        runner.start()
+        deadline = time.monotonic() + 90
+        while not (ledger.exists() and ledger.read_text()) and time.monotonic() < deadline and runner.is_alive():
+            time.sleep(0.05)
+        assert ledger.exists(), outcome
+        proxy.stop()
+        time.sleep(5)  # the append activity is now failing and retrying
+
+        async def terminate() -> None:
+            client = await temporal.connect(world['address'], store=world['store'])
+            await client.get_workflow_handle(workflow_id).terminate('operator gave up on the store')
+
+        run(terminate())
+        runner.join(timeout=60)
+        assert not outcome['ok'] and 'terminated' in outcome['error'].lower(), outcome
+        proxy.start()
+        assert read(store, cid)[0].message_count == 2  # the turn was not stored
+
+        durcap = [sys.executable, '-m', 'durable_capabilities.cli', 'history', 'repair', workflow_id,
+                  '--store', world['store'], '--address', world['address']]
+        env = {**os.environ, 'PYTHONPATH': os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')]))}
+        first = subprocess.run(durcap, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+        assert first.returncode == 0, first.stdout + first.stderr
+        assert f"conversation '{cid}': stored 4 message(s) at revision 2" in first.stdout
+        assert 'answer: produced 400000 chars after 5 messages' in first.stdout
+        again = subprocess.run(durcap, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+        assert again.returncode == 0 and 'already stored 4 message(s) at revision 2' in again.stdout, again.stdout + again.stderr
+        stored, writes = read(world['store'], cid)
+        assert stored.message_count == 6 and len(writes) == 2
+        assert len(stored.messages[4].parts[0].content) == 400_000  # carried inline while the store was down (under 2 MiB)
+        assert ledger.read_text().splitlines() == ['400000']
+    finally:
+        proxy.close()
