@@ -54,8 +54,10 @@ def test_store_down_inline_when_temporal_can_carry_it_else_dc031() -> None:
 def test_a_reference_whose_payload_is_missing_or_altered_is_a_corrupted_row(store_url: str) -> None:  # noqa: F811
     converter = DataConverter(payload_codec=ClaimCheckCodec(store_url, threshold=1000))
     [reference] = run(converter.encode(['x' * 5000]))
-    sql(store_url, 'UPDATE durcap_payloads SET size = size + 0')  # untouched: decodes
     assert run(converter.decode([reference], [str])) == ['x' * 5000]
+    sql(store_url, 'UPDATE durcap_payloads SET data = :junk', {'junk': b'not the payload'})
+    with pytest.raises(CorruptedRowError, match='does not match its sha256 in durcap_payloads'):
+        run(converter.decode([reference], [str]))
     elsewhere = DataConverter(payload_codec=ClaimCheckCodec('sqlite:///:memory:'))
     with pytest.raises(CorruptedRowError, match='is not in durcap_payloads'):
         run(elsewhere.decode([reference], [str]))
