@@ -5,7 +5,6 @@ PostgreSQL databases (the `store_url` fixture of tests/test_store.py)."""
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -90,14 +89,35 @@ def test_writability_probe(tmp_path: Path, store_url: str) -> None:  # noqa: F81
     unreachable = SQLConversationStore('postgresql://postgres@127.0.0.1:1/none')
     with pytest.raises(StoreUnavailableError, match='127.0.0.1:1'):
         unreachable._sql.probe_writable()
-    if os.geteuid() == 0:
-        return  # root writes read-only files; the read-only case is shown by PostgreSQL below
+    # A SQLite file the process can only read: opened read-only (chmod does not stop root, which runs the tests).
+    import sqlite3
+
+    import sqlalchemy as sa
+
+    from durable_capabilities import _store_sql
+
     path = tmp_path / 'ro.db'
     with SQLConversationStore(f'sqlite:///{path}') as made:
         run(made.append('c', TURN, expected_revision=None))
-    path.chmod(0o444)
+    wal = path.with_name(path.name + '-wal')
+
+    def files() -> tuple[bytes, bytes]:
+        return path.read_bytes(), wal.read_bytes() if wal.exists() else b''
+
+    before = files()
+    read_only = SQLConversationStore(f'sqlite:///{path}')
+    read_only._sql.engine = sa.create_engine(
+        'sqlite://', creator=lambda: sqlite3.connect(f'file:{path}?mode=ro', uri=True, check_same_thread=False)
+    )
+    sa.event.listen(read_only._sql.engine, 'connect', _store_sql._sqlite_connect)
+    sa.event.listen(read_only._sql.engine, 'begin', _store_sql._sqlite_begin)
+    assert run(read_only.read('c')).message_count == 2  # it reads
     with pytest.raises(StoreReadOnlyError, match='is read-only'):
-        SQLConversationStore(f'sqlite:///{path}')._sql.probe_writable()
+        run(read_only.check_writable())
+    read_only.close()
+    with SQLConversationStore(f'sqlite:///{path}') as writable:
+        run(writable.check_writable())
+        assert files() == before  # the probe's write was rolled back: nothing reached the file or its WAL
 
 
 def test_writability_probe_refuses_a_read_only_postgresql_database() -> None:

@@ -380,9 +380,11 @@ class _SQLBackend:
                 if self.is_pg:
                     if conn.execute(sa.text('SHOW transaction_read_only')).scalar() == 'on':
                         raise StoreReadOnlyError(read_only)
-                else:  # BEGIN IMMEDIATE took the write lock; a read-only file fails at the first write
-                    conn.exec_driver_sql('CREATE TABLE IF NOT EXISTS durcap_probe (x INTEGER)')
-                    conn.exec_driver_sql('DROP TABLE durcap_probe')
+                else:  # BEGIN IMMEDIATE succeeds on a read-only file; a write does not. Rolled back below.
+                    conn.exec_driver_sql('UPDATE durcap_schema_version SET version = version')
+                    raise _ProbeDone
+        except _ProbeDone:
+            pass
         except sa.exc.DBAPIError as exc:
             if 'readonly' in str(exc).replace('-', '').replace(' ', '').lower():
                 raise StoreReadOnlyError(f'{read_only} ({_first_line(exc)})') from None
@@ -673,6 +675,10 @@ def _is_line(rows: Sequence[Any], anchor: Any, low: int) -> bool:
     if anchor[1] != rows[-1][0] or rows[0][3] != low:
         return False
     return all(older[0] == newer[1] for older, newer in itertools.pairwise(rows))
+
+
+class _ProbeDone(Exception):
+    """Raised inside the writability probe's transaction to roll its write back."""
 
 
 def _header_error(row: _Row, what: str) -> CorruptedRowError:
