@@ -43,7 +43,7 @@ from durable_capabilities.store import SQLConversationStore
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-MAXIMUM = 10_000_000  # the configured single-payload maximum of these runs (bytes)
+MAXIMUM = 12_000_000  # the configured single-payload maximum of these runs (bytes)
 ENGINES = ('temporal', 'dbos', 'prefect')
 
 
@@ -497,3 +497,17 @@ def test_history_repair_stores_a_turn_whose_workflow_ended_before_its_append(wor
         assert ledger.read_text().splitlines() == ['400000']
     finally:
         proxy.close()
+
+
+def test_temporal_model_request_growing_over_the_maximum_fails_fast_with_the_coded_problem(world: dict[str, Any]) -> None:
+    """The stored history loads (under the maximum) and the tool result is under it too, but the next model
+    request would carry both: the workflow fails before scheduling it (workflow code, not a workflow task)."""
+    cid = 'grows-over-max-temporal'
+    seed(world['store'], cid, ten_thousand()[:5000])  # ~3.8 MB
+    started = time.monotonic()
+    result = turn(world, 'temporal', cid, 'tool 1500000', env={'DURCAP_PAYLOAD_MAXIMUM': '5000000'}, timeout=60)
+    assert not result['ok'], result
+    assert time.monotonic() - started < 30
+    assert f"DC030 conversation '{cid}': the model request: a payload of" in result['error'], result['error']
+    assert 'over the maximum of 5,000,000 bytes' in result['error']
+    assert read(world['store'], cid)[0].message_count == 5000  # nothing appended
