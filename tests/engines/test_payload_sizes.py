@@ -231,7 +231,8 @@ def test_temporal_history_over_the_maximum_fails_fast_with_the_coded_problem(wor
     result = turn(world, 'temporal', cid, 'hello', env={'DURCAP_PAYLOAD_MAXIMUM': '5000000'}, timeout=60)
     assert not result['ok'], result
     assert time.monotonic() - started < 30
-    assert 'DC030' in result['error'] and f"conversation '{cid}'" in result['error'] and '5,000,000 bytes' in result['error']
+    assert f"DC030 conversation '{cid}': its stored history: a payload of" in result['error'], result['error']
+    assert result['error'].count(f"conversation '{cid}'") == 2 and '5,000,000 bytes' in result['error']  # raised, then named
 
 
 # ---- a store outage during the append -----------------------------------------------------------

@@ -146,5 +146,7 @@ def named(error: BaseException, conversation_id: str | None) -> BaseException:
     cause = error.__cause__ if isinstance(error, ActivityError) else None
     if isinstance(cause, ApplicationError) and cause.type in (TOO_LARGE, UNAVAILABLE):
         code, _, rest = cause.message.partition(' ')
+        if conversation_id is not None and rest.startswith(f'conversation {conversation_id!r}'):
+            return ApplicationError(cause.message, *cause.details, type=cause.type, non_retryable=True)
         return ApplicationError(f'{code} {_subject(conversation_id)}: {rest}', *cause.details, type=cause.type, non_retryable=True)
     return error
