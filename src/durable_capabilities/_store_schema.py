@@ -75,10 +75,22 @@ _MIGRATIONS: dict[int, list[str]] = {
         )""",
         'CREATE UNIQUE INDEX durcap_writes_append_id ON durcap_writes (conversation_id, append_id)',
     ],
+    2: [
+        # Claim checks (`_claim_check.ClaimCheckCodec`): Temporal payloads too large to travel inline, keyed by
+        # the sha256 of their bytes. `{BLOB}` is BLOB on SQLite, BYTEA on PostgreSQL.
+        """CREATE TABLE durcap_payloads (
+            sha256 TEXT PRIMARY KEY,
+            size BIGINT NOT NULL,
+            data {BLOB} NOT NULL,
+            created_at TEXT NOT NULL,
+            writer TEXT NOT NULL
+        )""",
+    ],
 }
 """`{version: DDL statements}`: applying version N's statements to a version N-1 database gives version N.
 
 Append a version for every schema change (and raise `store.SCHEMA_VERSION` to it); never edit one that shipped.
+`{BLOB}` in a statement is the backend's binary column type.
 """
 
 _VERSION_TABLE = (

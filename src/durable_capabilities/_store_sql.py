@@ -48,6 +48,7 @@ from .store import (
     CorruptedRowError,
     SchemaVersionError,
     StoredConversation,
+    StoreReadOnlyError,
     StoreUnavailableError,
     StoreURLError,
     WriteRecord,
@@ -187,7 +188,7 @@ class _SQLBackend:
                 self._refuse_newer(version, writer)
                 for target in sorted(v for v in _MIGRATIONS if v > version):
                     for statement in _MIGRATIONS[target]:
-                        conn.exec_driver_sql(statement)
+                        conn.exec_driver_sql(statement.replace('{BLOB}', 'BYTEA' if self.is_pg else 'BLOB'))
                     conn.execute(
                         sa.text('INSERT INTO durcap_schema_version (version, applied_at, writer) VALUES (:v, :at, :w)'),
                         {'v': target, 'at': _utcnow(), 'w': f'durable-capabilities ({_WRITER})'},
@@ -216,6 +217,8 @@ class _SQLBackend:
     def read_record(self, conversation_id: str) -> ConversationRecord | None:
         with self._txn(write=False) as conn:
             row = self._conversation_row(conn, conversation_id)
+            if row is not None:
+                self._check_header(conn, row)
         return None if row is None or row.deleted else row.record
 
     def read_records(self, scope: str | None, limit: int | None) -> list[ConversationRecord]:
@@ -298,8 +301,11 @@ class _SQLBackend:
                 raise ConversationNotFoundError(conversation_id, ' (it was deleted)' if row is not None else '')
             if scope is not None and row.record.scope != scope:
                 raise ConversationNotFoundError(conversation_id, f' with scope {scope!r}')
+            self._check_header(conn, row)
             head = row.record.head_id
             rows = [] if head is None else self._history_rows(conn, head, limit, conversation_id)
+            if limit is None and len(rows) != row.message_count:
+                raise _header_error(row, f'says {row.message_count} message(s) but its history has {len(rows)}')
         messages = _decode_messages(rows, conversation_id)
         return StoredConversation(
             conversation_id=conversation_id,
@@ -309,6 +315,80 @@ class _SQLBackend:
             entry_ids=[r.entry_id for r in rows],
             first_position=rows[0].position if rows else row.message_count + 1,
         )
+
+    def _check_header(self, conn: sa.Connection, row: _Row) -> None:
+        """Check a live conversation row against its rows: its head entry is at position `message_count`, and
+        its `revision` is the last one its write log records.
+
+        Raises:
+            CorruptedRowError: they disagree (the row was edited, or rows are missing); names the conversation.
+        """
+        if row.deleted:
+            return
+        head = row.record.head_id
+        # One statement, so one snapshot on PostgreSQL even outside a locked write.
+        found = conn.execute(
+            sa.text(
+                'SELECT (SELECT position FROM durcap_entries WHERE entry_id = :head) AS head_position, '
+                '(SELECT MAX(revision) FROM durcap_writes WHERE conversation_id = :cid) AS logged, '
+                '(SELECT revision FROM durcap_conversations WHERE conversation_id = :cid) AS revision'
+            ),
+            {'head': head, 'cid': row.record.conversation_id},
+        ).one()
+        if found.revision is not None and int(found.revision) != row.revision:
+            return  # a writer committed between the two reads; the caller's rows are from before it
+        if head is None:
+            if row.message_count != 0:
+                raise _header_error(row, f'says {row.message_count} message(s) but has no head entry')
+        elif found.head_position is None:
+            raise _header_error(row, f'names head entry {head!r}, which is not in durcap_entries')
+        elif int(found.head_position) != row.message_count:
+            raise _header_error(
+                row, f'says {row.message_count} message(s) but its head entry {head!r} is message {int(found.head_position)}'
+            )
+        if found.logged is not None and int(found.logged) != row.revision:
+            raise _header_error(row, f'is at revision {row.revision} but its write log ends at revision {int(found.logged)}')
+
+    # ---- claim checks (durcap_payloads, see _claim_check) ----------------------------------------
+
+    def put_payload(self, digest: str, data: bytes) -> None:
+        """Store `data` under its sha256 `digest`; a digest already stored is left as it is (idempotent)."""
+        with self._txn(write=True) as conn:
+            conn.execute(
+                sa.text(
+                    'INSERT INTO durcap_payloads (sha256, size, data, created_at, writer) VALUES (:d, :n, :data, :at, :w) '
+                    'ON CONFLICT (sha256) DO NOTHING'
+                ),
+                {'d': digest, 'n': len(data), 'data': data, 'at': _utcnow(), 'w': _WRITER},
+            )
+
+    def get_payload(self, digest: str) -> bytes | None:
+        """The bytes stored under `digest`, or `None`."""
+        with self._txn(write=False) as conn:
+            row = conn.execute(sa.text('SELECT data FROM durcap_payloads WHERE sha256 = :d'), {'d': digest}).first()
+        return None if row is None else bytes(row[0])
+
+    def probe_writable(self) -> None:
+        """Open a write transaction and write nothing: fails when the database is unreachable or read-only.
+
+        Raises:
+            StoreUnavailableError: it cannot be written, with the database's reason.
+        """
+        read_only = f'the conversation store {self.display_url} is read-only; nothing was run. Fix: point $DURCAP_STORE at a writable database'
+        try:
+            with self._txn(write=True) as conn:
+                if self.is_pg:
+                    if conn.execute(sa.text('SHOW transaction_read_only')).scalar() == 'on':
+                        raise StoreReadOnlyError(read_only)
+                else:  # BEGIN IMMEDIATE succeeds on a read-only file; a write does not. Rolled back below.
+                    conn.exec_driver_sql('UPDATE durcap_schema_version SET version = version')
+                    raise _ProbeDone
+        except _ProbeDone:
+            pass
+        except sa.exc.DBAPIError as exc:
+            if 'readonly' in str(exc).replace('-', '').replace(' ', '').lower():
+                raise StoreReadOnlyError(f'{read_only} ({_first_line(exc)})') from None
+            raise StoreUnavailableError(f'cannot write to the conversation store {self.display_url}: {_first_line(exc)}') from None
 
     def read_history(self, head_id: str, limit: int | None) -> list[ConversationEntry]:
         with self._txn(write=False) as conn:
@@ -475,6 +555,8 @@ class _SQLBackend:
                             replayed_differently=earlier.digest != digest,
                         )
                 live = old is not None and not old.deleted
+                if live:
+                    self._check_header(conn, old)  # type: ignore[arg-type]  # never write past a wrong end
                 stored = old.revision if live else None  # type: ignore[union-attr]
                 if stored != expected:
                     raise ConversationConflictError(conversation_id, expected=expected, stored=stored)
@@ -519,6 +601,8 @@ class _SQLBackend:
             with self._txn(write=True) as conn:
                 old = self._conversation_row(conn, cid, lock=True)
                 live = old is not None and not old.deleted
+                if live:
+                    self._check_header(conn, old)  # type: ignore[arg-type]
                 stored = old.record.revision if live else None  # type: ignore[union-attr]
                 if stored != expected:
                     raise ConversationConflictError(cid, expected=expected, stored=stored)
@@ -591,6 +675,19 @@ def _is_line(rows: Sequence[Any], anchor: Any, low: int) -> bool:
     if anchor[1] != rows[-1][0] or rows[0][3] != low:
         return False
     return all(older[0] == newer[1] for older, newer in itertools.pairwise(rows))
+
+
+class _ProbeDone(Exception):
+    """Raised inside the writability probe's transaction to roll its write back."""
+
+
+def _header_error(row: _Row, what: str) -> CorruptedRowError:
+    cid = row.record.conversation_id
+    return CorruptedRowError(
+        f'conversation {cid!r}: its durcap_conversations row {what}. Nothing was changed; restore the row from a '
+        'backup (`durcap history show` lists its writes).',
+        conversation_id=cid, table='durcap_conversations', row=cid,
+    )
 
 
 def _misplaced(whose: str, conversation_id: str | None, child: Any, parent: Any) -> CorruptedRowError:

@@ -351,6 +351,8 @@ def history_export(
 def replay(
     files: Annotated[list[Path], typer.Argument(help='History JSON files (`durcap history export`).')],
     target: Annotated[str, typer.Option('--target', help=TARGET_HELP)],
+    store: Annotated[str | None, typer.Option('--store', help='Conversation store holding the histories\' claim checks '
+                                              '(default: $DURCAP_STORE or .durcap/conversations.db).')] = None,
 ) -> None:
     """Replay recorded Temporal histories against TARGET; exit 1 naming what changed when one does not replay."""
     import asyncio
@@ -359,7 +361,7 @@ def replay(
 
     agents = _valid_agents(target)
     try:
-        failures = asyncio.run(replay_histories(files, agents))
+        failures = asyncio.run(replay_histories(files, agents, store=store))
     except ValueError as exc:
         _unusable(str(exc))
     for failure in failures:

@@ -176,3 +176,43 @@ def _clip(text: str) -> str:
 def _unusable(message: str) -> NoReturn:
     typer.echo(f'error: {_flat(message)}', err=True)
     raise typer.Exit(2)
+
+
+# ---- `durcap history repair` (Temporal): a turn whose append never completed ---------------------------
+
+
+@history_app.command('repair')
+def repair(
+    workflow_id: Annotated[str, typer.Argument(metavar='WORKFLOW_ID', help='The Temporal workflow id of the turn.')],
+    store: Annotated[
+        str | None,
+        typer.Option('--store', envvar='DURCAP_STORE', help=f'Store URL (default {DEFAULT_URL}): the workers\' store.'),
+    ] = None,
+    address: Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS or 127.0.0.1:7233).')] = None,
+    namespace: Annotated[str, typer.Option(help='Temporal namespace.')] = 'default',
+) -> None:
+    """Store a turn whose conversation append never completed, from the Temporal workflow's own record, and print its answer.
+
+    Idempotent: an append the store already has is not written again. Exit 2 when the conversation moved on
+    since the turn loaded it (nothing is written), or the workflow or the store cannot be read.
+    """
+    import os
+
+    from ._repair import repair_temporal
+    from .engines.temporal import connect
+
+    async def go() -> Any:
+        client = await connect(address or os.environ.get('DURCAP_TEMPORAL_ADDRESS') or '127.0.0.1:7233', namespace, store=store)
+        return await repair_temporal(client, workflow_id, store=store)
+
+    try:
+        repaired = asyncio.run(go())
+    except Exception as exc:  # noqa: BLE001 - one line for the user, whatever the client or the store raised
+        _unusable(f'cannot repair {workflow_id!r}: {type(exc).__name__}: {exc}')
+    if not repaired:
+        typer.echo(f'{workflow_id}: no conversation append is pending; nothing to repair')
+    for item in repaired:
+        done = 'already stored' if item.already_stored else 'stored'
+        typer.echo(f'conversation {item.conversation_id!r}: {done} {item.messages} message(s) at revision {item.revision}')
+        if item.answer is not None:
+            typer.echo(f'answer: {item.answer}')

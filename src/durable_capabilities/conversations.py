@@ -67,6 +67,7 @@ async def load_conversation(agent: DurableAgent[Any, Any], conversation_id: str)
     from .store import ConversationNotFoundError, SQLConversationStore, drift
 
     async with SQLConversationStore(store_url(agent)) as store:
+        await store.check_writable()  # refuse a read-only or unreachable store before the run, not after it
         try:
             stored = await store.read(conversation_id)
         except ConversationNotFoundError:

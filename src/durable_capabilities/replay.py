@@ -39,9 +39,12 @@ class ReplayFailure:
 
 
 async def replay_histories(
-    paths: Sequence[str | Path], agents: Sequence[DurableAgent[Any, Any]]
+    paths: Sequence[str | Path], agents: Sequence[DurableAgent[Any, Any]], *, store: str | None = None
 ) -> list[ReplayFailure]:
     """Replay each history file (temporalio's JSON export) against the agents' workflows.
+
+    Payloads stored by reference (the claim-check codec) are read from `store` (default `$DURCAP_STORE`, else
+    the default store): the database the workers that recorded the histories used.
 
     Returns:
         The failures, empty when every history replays.
@@ -52,7 +55,7 @@ async def replay_histories(
     from .engines import ENGINES
 
     adapter = next((a for a in ENGINES.values() if 'history' in a.features and a.available()), None)
-    replayer = adapter.replayer(agents) if adapter is not None else None
+    replayer = adapter.replayer(agents, store=store) if adapter is not None else None
     if replayer is None:
         raise ValueError('no installed engine replays recorded histories (pip install "durable-capabilities[temporal]")')
     failures: list[ReplayFailure] = []
@@ -76,7 +79,11 @@ async def replay_histories(
 
 
 async def export_history(client: Any, workflow_id: str, output: str | Path) -> Path:
-    """Write a workflow's history as JSON (`{"workflowId": ..., "history": {...}}`) to `output`."""
+    """Write a workflow's history as JSON (`{"workflowId": ..., "history": {...}}`) to `output`.
+
+    Payloads are written as Temporal holds them: a large one is a claim-check reference (encoding
+    `binary/durcap-claim-check`), which `replay_histories` decodes from the store.
+    """
     handle = client.get_workflow_handle(workflow_id)
     history = await handle.fetch_history()
     output = Path(output)

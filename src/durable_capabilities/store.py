@@ -9,7 +9,7 @@ adds what a durable runner needs:
 - `append(id, messages, expected_revision=N, append_id=...)`: optimistic concurrency on an integer
   revision, idempotent by `append_id` so a retried activity / step / task never appends twice.
 
-Storage (schema version 1, tables prefixed `durcap_`):
+Storage (schema version 2, tables prefixed `durcap_`):
 - `durcap_entries`: one row per message, the message as pydantic-ai's own JSON
   (`ModelMessagesTypeAdapter`), its parent entry and its 1-based position in its history. Rows are
   never updated or deleted.
@@ -18,6 +18,8 @@ Storage (schema version 1, tables prefixed `durcap_`):
   revision token, usage, scope, fork and branch bookkeeping.
 - `durcap_writes`: one row per write (append, save, delete), keyed by `(conversation_id, revision)`;
   `append_id` is unique per conversation. It is the audit log `durcap history show` prints.
+- `durcap_payloads` (version 2): Temporal payloads stored by the claim-check codec (`_claim_check`), keyed
+  by the sha256 of their bytes; written once, never updated.
 - `durcap_schema_version`: the migrations applied. A store whose version is newer than this code
   knows is refused (`SchemaVersionError`) and never touched.
 
@@ -62,6 +64,7 @@ __all__ = [
     'SQLConversationStore',
     'SchemaVersionError',
     'StoreError',
+    'StoreReadOnlyError',
     'StoreURLError',
     'StoreUnavailableError',
     'StoredConversation',
@@ -74,7 +77,7 @@ __all__ = [
 DEFAULT_URL = 'sqlite:///.durcap/conversations.db'
 """Where the store lives when no URL is given: `.durcap/conversations.db` under the current directory."""
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """The newest schema this code writes and reads."""
 
 
@@ -104,6 +107,12 @@ class StoreURLError(StoreError, ValueError):
 
 class StoreUnavailableError(StoreError):
     """The database cannot be reached, or (with `create=False`) holds no conversation store."""
+
+
+class StoreReadOnlyError(StoreUnavailableError):
+    """The database can be read but not written (a read-only SQLite file, a PostgreSQL database or server in
+    read-only mode). Raised by `check_writable` before a run, so no side effect happens for a turn that could
+    not be stored."""
 
 
 class SchemaVersionError(StoreError):
@@ -287,8 +296,8 @@ class StoredConversation:
 
 # The SQL work, imported here: `_store_sql` and `_store_schema` import the errors and results above from
 # this module. `_MIGRATIONS` (the schema's `{version: DDL}`, newest `SCHEMA_VERSION`) is re-exported.
-from ._store_schema import _MIGRATIONS, _encode  # noqa: E402, F401
-from ._store_sql import _parse_url, _SQLBackend  # noqa: E402
+from ._store_schema import _MIGRATIONS, _encode  # noqa: F401
+from ._store_sql import _parse_url, _SQLBackend
 
 
 class SQLConversationStore(ConversationStore):
@@ -410,6 +419,17 @@ class SQLConversationStore(ConversationStore):
         return await asyncio.to_thread(
             self._sql.append, conversation_id, encoded, expected_revision, append_id, usage, deferred_tool_requests, scope
         )
+
+    async def check_writable(self) -> None:
+        """Open a write transaction and write nothing: a cheap probe before a run whose turn will be appended.
+
+        Raises:
+            StoreReadOnlyError: the database is read-only (a read-only SQLite file, a PostgreSQL database or
+                server in read-only mode).
+            StoreUnavailableError: the database cannot be reached, with the database's reason.
+            SchemaVersionError: see the class docstring.
+        """
+        await asyncio.to_thread(self._sql.probe_writable)
 
     async def writes(self, conversation_id: str) -> list[WriteRecord]:
         """The conversation's write log, oldest first (empty for an unknown id)."""

@@ -226,6 +226,16 @@ CODES: dict[str, Code] = {
             "Fix the capability's `get_toolset()`; it is called once when the agent is built.",
         ),
     ),
+    'DC030': Code(
+        'A Temporal payload is over the configured maximum (a tool result, a message, a history).',
+        'error',
+        written_by='engines._payload_guard',
+    ),
+    'DC031': Code(
+        'A large Temporal payload could not be stored by reference (the conversation store is down).',
+        'error',
+        written_by='_claim_check',
+    ),
 }
 """Every code: its one-line summary (each value is that string), severity, and message and fix templates.
 

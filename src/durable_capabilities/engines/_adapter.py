@@ -158,8 +158,9 @@ class EngineAdapter(ABC):
         """Write a recorded run's history to `output` (for `durcap replay`); returns the path written."""
         raise NotImplementedError(f'engine {self.name!r} records no history to export')
 
-    def replayer(self, agents: Sequence[DurableAgent[Any, Any]]) -> Any | None:
-        """For engines whose recorded histories can be replayed against the code, an object with
+    def replayer(self, agents: Sequence[DurableAgent[Any, Any]], *, store: str | None = None) -> Any | None:
+        """For engines whose recorded histories can be replayed against the code (payloads stored by reference
+        read from the conversation store `store`), an object with
         `async replay(history_json: dict, workflow_id: str) -> str | None` (the engine's failure text, `None` when
         it replays) and `explain(failure_text) -> str` (what changed, naming the capability or agent, and the fix);
         `None` otherwise."""
@@ -246,8 +247,8 @@ class LazyAdapter(EngineAdapter):
     async def export_history(self, run_id: str, output: Any, settings: Mapping[str, Any]) -> Any:
         return await self.loaded.export_history(run_id, output, settings)
 
-    def replayer(self, agents: Sequence[DurableAgent[Any, Any]]) -> Any | None:
-        return self.loaded.replayer(agents)
+    def replayer(self, agents: Sequence[DurableAgent[Any, Any]], *, store: str | None = None) -> Any | None:
+        return self.loaded.replayer(agents, store=store)
 
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
         return await self.loaded.run(agent, prompt, options)

@@ -217,12 +217,17 @@ P = ParamSpec('P')
 R = TypeVar('R')
 
 
+def _claim(definition: DurableAgent[Any, Any]) -> None:
+    """Claim the agent's names in this process; its steps are global by name (DC011 on a clash)."""
+    for name in (definition.name, *definition.previous_names):
+        _registry.claim('DBOS agent', name, definition, 'registered with DBOS in this process')
+
+
 class BoundAgent:
     """What a `@workflow(agent)` function receives as its first argument: `run()` durably inside the workflow."""
 
     def __init__(self, definition: DurableAgent[Any, Any]):
-        for name in (definition.name, *definition.previous_names):  # its steps are global by name: DC011 on a clash
-            _registry.claim('DBOS agent', name, definition, 'registered with DBOS in this process')
+        _claim(definition)
         self.definition = definition
         self.agent = definition.build('dbos')
 
@@ -246,7 +251,8 @@ class BoundAgent:
 
 def _conversation_steps(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
     """The store units as DBOS steps: recovery returns the recorded history instead of reading again, and the
-    append (idempotent by workflow id) is retried by DBOS."""
+    append (idempotent by workflow id) is retried by DBOS while the store is down (`APPEND_STEP_RETRIES`),
+    never on a conflict (`PERMANENT_STORE_ERRORS`)."""
     from ..conversations import append_conversation, load_conversation
 
     load_step, append_step = conversation_step_names(agent)
@@ -255,13 +261,19 @@ def _conversation_steps(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
         return await DBOS.run_step_async({'name': load_step}, load_conversation, agent, conversation_id)
 
     async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> Any:
-        async def body() -> int:
-            return await append_conversation(
-                agent, conversation_id, messages, expected_revision=revision,
-                append_id=f'dbos:{DBOS.workflow_id}', usage=usage,
-            )
+        async def body() -> Any:
+            try:
+                return await append_conversation(
+                    agent, conversation_id, messages, expected_revision=revision,
+                    append_id=f'dbos:{DBOS.workflow_id}', usage=usage,
+                )
+            except PERMANENT_STORE_ERRORS as error:
+                return _Raised(error)  # a conflict cannot succeed: recorded, not retried
 
-        return await DBOS.run_step_async({'name': append_step, 'retries_allowed': True, 'max_attempts': 3}, body)
+        result = await DBOS.run_step_async({'name': append_step, **APPEND_STEP_RETRIES}, body)  # type: ignore[arg-type]
+        if isinstance(result, _Raised):
+            raise result.error
+        return result
 
     return load, append
 
@@ -313,6 +325,28 @@ def workflow(agent: DurableAgent[Any, Any], *, name: str | None = None, **dbos_w
 
 _WORKFLOWS: dict[str, Any] = {}
 
+APPEND_STEP_RETRIES: dict[str, Any] = {'retries_allowed': True, 'interval_seconds': 1.0, 'backoff_rate': 1.5, 'max_attempts': 40}
+"""Retries of the conversation-append step: the run's side effects happened, so keep trying while the store is
+down: 1 s, then x1.5 each time (DBOS caps a wait at 1 h), 40 attempts, about 22 hours in all."""
+
+
+def _permanent_store_errors() -> tuple[type[BaseException], ...]:
+    from ..store import (
+        AppendIdReuseError,
+        ConversationConflictError,
+        CorruptedRowError,
+        NewerHistoryError,
+        SchemaVersionError,
+    )
+    from ..validation import DurableConfigError
+
+    return (ConversationConflictError, AppendIdReuseError, CorruptedRowError, NewerHistoryError, SchemaVersionError,
+            DurableConfigError)
+
+
+PERMANENT_STORE_ERRORS = _permanent_store_errors()
+"""Store errors a retried append cannot fix: the append step records them as its result and raises them after."""
+
 
 def agent_workflow(agent: DurableAgent[Any, Any]) -> Callable[..., Awaitable[dict[str, Any]]]:
     """A DBOS workflow named `durcap.{agent name}` that runs `agent` once (registered on first call).
@@ -323,10 +357,11 @@ def agent_workflow(agent: DurableAgent[Any, Any]) -> Callable[..., Awaitable[dic
     step `...append`, idempotent by workflow id). Returns
     `{'output', 'new_messages', 'usage'}` as JSON-compatible data.
     """
-    bound = BoundAgent(agent)  # claims the agent's names first: DC011 when another definition has one
     existing = _WORKFLOWS.get(agent.name)
     if existing is not None:
+        _claim(agent)  # DC011 when another definition has one of the agent's names
         return existing
+    bound = BoundAgent(agent)  # claims the agent's names first
 
     async def run_agent(
         prompt: str | None, deps: Any = None, message_history: Any = None, conversation_id: str | None = None

@@ -201,8 +201,17 @@ def _conversation_tasks(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
     options: dict[str, Any] = {'cache_policy': INPUTS + RUN_ID, 'persist_result': True}
     return (
         task(name=CONVERSATION_TASKS[0], **options)(load),
-        task(name=CONVERSATION_TASKS[1], retries=2, retry_delay_seconds=1.0, **options)(append),
+        # Side effects happened: retry while the store is down (about 17 min), never a conflict.
+        task(name=CONVERSATION_TASKS[1], retries=12, retry_delay_seconds=[1, 2, 4, 8, 15, 30, 60, 120, 240],
+             retry_condition_fn=_retry_append, **options)(append),
     )
+
+
+def _retry_append(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect retry condition of the append task: retry unless the store refused for good (a conflict)."""
+    from ..store import AppendIdReuseError, ConversationConflictError, CorruptedRowError
+
+    return not isinstance(getattr(state, 'data', None), (ConversationConflictError, AppendIdReuseError, CorruptedRowError))
 
 
 def serve(

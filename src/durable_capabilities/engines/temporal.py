@@ -33,6 +33,8 @@ from pydantic_core import to_jsonable_python
 from temporalio import activity, workflow
 from temporalio.client import Client
 from temporalio.common import RetryPolicy
+from temporalio.converter import DataConverter
+from temporalio.exceptions import ActivityError
 from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import (
     SandboxedWorkflowRunner,
@@ -40,9 +42,10 @@ from temporalio.worker.workflow_sandbox import (
 )
 
 from .. import _registry
+from .._claim_check import ClaimCheckCodec  # noqa: F401 - public here: the codec `connect` installs
 from ..conversations import LoadedConversation
 from ..turn import RunReport, current_turn, run_turn
-from . import _mcp
+from . import _mcp, _payload_guard
 from ._adapter import EngineAdapter, RunOptions
 
 if TYPE_CHECKING:
@@ -153,10 +156,16 @@ def workflow_class(agent: DurableAgent[Any, Any], registered_name: str | None = 
         info = workflow.info()
         return await workflow.execute_activity(
             append_name, AppendInput(conversation_id, messages, revision, f'{info.workflow_id}:{info.run_id}', usage),
-            result_type=int, **_STORE_ACTIVITY_OPTIONS,
+            result_type=int, **_APPEND_ACTIVITY_OPTIONS,
         )
 
     async def run(self: Any, params: AgentRunInput) -> AgentRunOutput:
+        try:  # claim-check refusals fail the turn naming the conversation (see _payload_guard)
+            return await run_body(params)
+        except ActivityError as exc:
+            raise _payload_guard.named(exc, params.conversation_id) from exc
+
+    async def run_body(params: AgentRunInput) -> AgentRunOutput:
         deps = deps_adapter.validate_python(params.deps) if params.deps is not None else None
         token = _current_run.set(params)
         try:
@@ -205,7 +214,20 @@ _STORE_ACTIVITY_OPTIONS: dict[str, Any] = {
     'retry_policy': RetryPolicy(
         maximum_attempts=5,
         non_retryable_error_types=['DurableConfigError', 'ConversationConflictError', 'CorruptedRowError',
-                                   'NewerHistoryError', 'SchemaVersionError', 'StoreURLError'],
+                                   'NewerHistoryError', 'SchemaVersionError', 'StoreURLError', 'StoreReadOnlyError'],
+    ),
+}
+
+
+_APPEND_ACTIVITY_OPTIONS: dict[str, Any] = {
+    # The run's side effects happened: retry the append until the store takes it (no attempt cap, backoff
+    # up to a minute); a conflict or a corrupted store cannot succeed and fails at once.
+    'start_to_close_timeout': timedelta(seconds=15),
+    'retry_policy': RetryPolicy(
+        initial_interval=timedelta(seconds=1), backoff_coefficient=1.5, maximum_interval=timedelta(seconds=60),
+        maximum_attempts=0,
+        non_retryable_error_types=['DurableConfigError', 'ConversationConflictError', 'CorruptedRowError', 'NewerHistoryError',
+                                   'SchemaVersionError', 'StoreURLError', 'AppendIdReuseError'],
     ),
 }
 
@@ -228,7 +250,9 @@ def conversation_activities(agent: DurableAgent[Any, Any]) -> list[Any]:
 
     @activity.defn(name=load_name)
     async def load(conversation_id: str) -> LoadedConversation:
-        return await load_conversation(agent, conversation_id)
+        loaded = await load_conversation(agent, conversation_id)
+        _payload_guard.check_loaded(conversation_id, loaded.messages)  # DC030 here, not in a workflow task
+        return loaded
 
     @activity.defn(name=append_name)
     async def append(params: AppendInput) -> int:
@@ -267,7 +291,7 @@ def continue_as_new_handler(agent: DurableAgent[Any, Any]) -> Any:
             append_name,
             AppendInput(params.conversation_id, messages[loaded_count:], turn.revision,
                         f'{info.workflow_id}:{info.run_id}:continue-as-new', to_jsonable_python(ctx.usage)),
-            result_type=int, **_STORE_ACTIVITY_OPTIONS,
+            result_type=int, **_APPEND_ACTIVITY_OPTIONS,
         )
         workflow.continue_as_new(AgentRunInput(None, params.conversation_id, params.deps, None, continued))
 
@@ -291,6 +315,7 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     for leaf, config in (options.pop('toolset_activity_config', None) or {}).items():
         configs[leaf] = {**configs.get(leaf, {}), **config}
     extra = _mcp_defaults(agent, options, configs)
+    extra.append(_payload_guard.PayloadGuard())  # DC030 before a model request no payload can carry
     options.setdefault('continue_as_new', continue_as_new_handler(agent))
     return {'toolset_activity_config': configs, **options}, extra
 
@@ -302,9 +327,14 @@ def sandbox_runner() -> SandboxedWorkflowRunner:
     )
 
 
-async def connect(address: str = '127.0.0.1:7233', namespace: str = 'default') -> Client:
-    """A Temporal client with pydantic-ai's payload converter (`PydanticAIPlugin`)."""
-    return await Client.connect(address, namespace=namespace, plugins=[PydanticAIPlugin()])
+async def connect(address: str = '127.0.0.1:7233', namespace: str = 'default', *, store: str | None = None) -> Client:
+    """A Temporal client with pydantic-ai's payload converter (`PydanticAIPlugin`) and the claim-check codec
+    (`_claim_check.ClaimCheckCodec`) on `store` (default `$DURCAP_STORE`, else the default store): payloads
+    over 256 KiB travel by reference. Workers made from this client use the same codec."""
+    from .._claim_check import default_codec
+
+    codec = DataConverter(payload_codec=default_codec(store))  # PydanticAIPlugin keeps the codec, swaps the converter
+    return await Client.connect(address, namespace=namespace, plugins=[PydanticAIPlugin()], data_converter=codec)
 
 
 DEFAULT_STICKY_SCHEDULE_TO_START = timedelta(seconds=2)
@@ -447,14 +477,17 @@ _ACTIVITY_RE = re.compile(
 class _Replayer:
     """Replays exported histories against the agents' workflow classes (temporalio's `Replayer`)."""
 
-    def __init__(self, agents: Sequence[DurableAgent[Any, Any]]):
+    def __init__(self, agents: Sequence[DurableAgent[Any, Any]], store: str | None = None):
         from temporalio.worker import Replayer
+
+        from .._claim_check import default_codec
 
         self.agents = list(agents)
         self._replayer = Replayer(
             workflows=[cls for agent in agents for cls in workflow_classes(agent)],
             plugins=[PydanticAIPlugin()],
             workflow_runner=sandbox_runner(),
+            data_converter=DataConverter(payload_codec=default_codec(store)),  # decodes claim checks
         )
 
     async def replay(self, history_json: dict[str, Any], workflow_id: str) -> str | None:
@@ -548,8 +581,8 @@ class TemporalAdapter(EngineAdapter):
                      '(`durcap worker temporal --store`, or $DURCAP_STORE where the worker runs)')]
         return []
 
-    def replayer(self, agents: Sequence[DurableAgent[Any, Any]]) -> Any:
-        return _Replayer(agents)
+    def replayer(self, agents: Sequence[DurableAgent[Any, Any]], *, store: str | None = None) -> Any:
+        return _Replayer(agents, store)
 
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
         from .._servers import port_open, start_temporal_dev_server

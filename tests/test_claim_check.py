@@ -1,0 +1,74 @@
+"""The claim-check codec on its own (no Temporal server): real SQLite files and real PostgreSQL databases
+(the `store_url` fixture of tests/test_store.py), payloads made by temporalio's own `DataConverter`."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from temporalio.converter import DataConverter
+from temporalio.exceptions import ApplicationError
+
+from durable_capabilities._claim_check import ENCODING, ClaimCheckCodec, default_codec
+from durable_capabilities.store import CorruptedRowError
+from tests.test_store import sql, store_url  # noqa: F401 - fixture
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_large_payloads_travel_by_reference_and_come_back_whole(store_url: str) -> None:  # noqa: F811
+    codec = ClaimCheckCodec(store_url, threshold=1000, maximum=10_000_000)
+    converter = DataConverter(payload_codec=codec)
+    small, large = 'x' * 500, {'text': 'é' * 600_000}
+    encoded = run(converter.encode([small, large, large]))
+    assert encoded[0].metadata['encoding'] != ENCODING  # under the threshold: as it was
+    assert encoded[1].metadata['encoding'] == ENCODING and encoded[1].ByteSize() < 200
+    assert encoded[1] == encoded[2]  # content-addressed: the same reference
+    assert run(converter.decode(encoded, [str, dict, dict])) == [small, large, large]
+    run(converter.encode([large]))  # encoded again (a retried task): still one row
+    assert sql(store_url, 'SELECT COUNT(*) FROM durcap_payloads')[0][0] == 1
+
+
+def test_a_payload_over_the_maximum_is_refused_for_good(store_url: str) -> None:  # noqa: F811
+    converter = DataConverter(payload_codec=ClaimCheckCodec(store_url, threshold=1000, maximum=50_000))
+    run(converter.encode(['y' * 2000]))  # one claim check stored
+    with pytest.raises(ApplicationError, match=r'DC030 Temporal payload: a payload of 60,0\d\d bytes is over the maximum of 50,000 bytes') as raised:
+        run(converter.encode(['x' * 60_000]))
+    assert raised.value.non_retryable and raised.value.type == 'DurcapPayloadTooLarge'
+    assert sql(store_url, 'SELECT COUNT(*) FROM durcap_payloads')[0][0] == 1  # nothing stored for the refused one
+
+
+def test_store_down_inline_when_temporal_can_carry_it_else_dc031() -> None:
+    codec = ClaimCheckCodec('postgresql://postgres@127.0.0.1:1/conversations', threshold=1000, inline_limit=100_000)
+    converter = DataConverter(payload_codec=codec)
+    [inline] = run(converter.encode(['x' * 50_000]))
+    assert inline.metadata['encoding'] != ENCODING
+    with pytest.raises(ApplicationError, match=r'DC031 cannot store a payload of 200,0\d\d bytes') as raised:
+        run(converter.encode(['x' * 200_000]))
+    assert raised.value.non_retryable and raised.value.type == 'DurcapClaimCheckUnavailable'
+
+
+def test_a_reference_whose_payload_is_missing_or_altered_is_a_corrupted_row(store_url: str) -> None:  # noqa: F811
+    converter = DataConverter(payload_codec=ClaimCheckCodec(store_url, threshold=1000))
+    [reference] = run(converter.encode(['x' * 5000]))
+    assert run(converter.decode([reference], [str])) == ['x' * 5000]
+    sql(store_url, 'UPDATE durcap_payloads SET data = :junk', {'junk': b'not the payload'})
+    with pytest.raises(CorruptedRowError, match='does not match its sha256 in durcap_payloads'):
+        run(converter.decode([reference], [str]))
+    elsewhere = DataConverter(payload_codec=ClaimCheckCodec('sqlite:///:memory:'))
+    with pytest.raises(CorruptedRowError, match='is not in durcap_payloads'):
+        run(elsewhere.decode([reference], [str]))
+
+
+def test_thresholds_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv('DURCAP_CLAIM_CHECK_THRESHOLD', '1234')
+    monkeypatch.setenv('DURCAP_PAYLOAD_MAXIMUM', '5678')
+    monkeypatch.setenv('DURCAP_STORE', 'sqlite:///somewhere.db')
+    codec = default_codec()
+    assert (codec.threshold, codec.maximum, codec.store_url) == (1234, 5678, 'sqlite:///somewhere.db')
+    monkeypatch.setenv('DURCAP_PAYLOAD_MAXIMUM', 'lots')
+    with pytest.raises(ValueError, match=r'\$DURCAP_PAYLOAD_MAXIMUM must be a number of bytes'):
+        default_codec()

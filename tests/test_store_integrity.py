@@ -1,0 +1,136 @@
+"""Integrity on read (issue 10 item 5): a `durcap_conversations` row that disagrees with its entries or its
+write log is a `CorruptedRowError` naming the conversation on the next read and before any append; nothing
+is written past the end. Also the claim-check table and the writability probe. Real SQLite files and real
+PostgreSQL databases (the `store_url` fixture of tests/test_store.py)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, UserPromptPart
+
+from durable_capabilities.store import (
+    CorruptedRowError,
+    SQLConversationStore,
+    StoreReadOnlyError,
+    StoreUnavailableError,
+)
+from tests.test_store import run, snapshot, sql, store, store_url  # noqa: F401 - fixtures
+
+TURN = [ModelRequest(parts=[UserPromptPart('hi')]), ModelResponse(parts=[TextPart('hello')])]
+
+
+def _two_turns(opened: SQLConversationStore, cid: str) -> None:
+    first = run(opened.append(cid, TURN, expected_revision=None))
+    run(opened.append(cid, TURN, expected_revision=first.revision))
+
+
+@pytest.mark.parametrize(
+    ('edit', 'says'),
+    [
+        ("UPDATE durcap_conversations SET message_count = 7 WHERE conversation_id = 'c'",
+         "says 7 message(s) but its head entry"),
+        ("UPDATE durcap_conversations SET message_count = 3 WHERE conversation_id = 'c'",
+         "says 3 message(s) but its head entry"),
+        ("UPDATE durcap_conversations SET revision = 9 WHERE conversation_id = 'c'",
+         'is at revision 9 but its write log ends at revision 2'),
+        ("UPDATE durcap_conversations SET head_id = 'nowhere' WHERE conversation_id = 'c'",
+         "names head entry 'nowhere', which is not in durcap_entries"),
+        ("UPDATE durcap_conversations SET head_id = NULL WHERE conversation_id = 'c'",
+         'says 4 message(s) but has no head entry'),
+    ],
+    ids=['count-up', 'count-down', 'revision', 'head-missing', 'head-null'],
+)
+def test_a_header_that_disagrees_with_its_rows_is_refused(store: SQLConversationStore, store_url: str, edit: str, says: str) -> None:  # noqa: F811
+    _two_turns(store, 'c')
+    sql(store_url, edit)
+    before = snapshot(store_url)
+    with pytest.raises(CorruptedRowError, match=re.escape(f"conversation 'c': its durcap_conversations row {says}")) as raised:
+        run(store.read('c'))
+    assert (raised.value.conversation_id, raised.value.table, raised.value.row) == ('c', 'durcap_conversations', 'c')
+    revision = int(sql(store_url, "SELECT revision FROM durcap_conversations WHERE conversation_id = 'c'")[0][0])
+    with pytest.raises(CorruptedRowError, match="conversation 'c'"):
+        run(store.append('c', TURN, expected_revision=revision))
+    with pytest.raises(CorruptedRowError, match="conversation 'c'"):
+        run(store.read_record('c'))  # upstream's load starts here
+    assert snapshot(store_url) == before  # nothing written past the end, nothing rewritten
+
+
+def test_a_header_missing_a_write_log_row_is_refused(store: SQLConversationStore, store_url: str) -> None:  # noqa: F811
+    _two_turns(store, 'c')
+    sql(store_url, "DELETE FROM durcap_writes WHERE conversation_id = 'c' AND revision = 2")
+    with pytest.raises(CorruptedRowError, match='is at revision 2 but its write log ends at revision 1'):
+        run(store.append('c', TURN, expected_revision=2))
+    assert sql(store_url, "SELECT COUNT(*) FROM durcap_entries WHERE conversation_id = 'c'")[0][0] == 4
+
+
+def test_a_consistent_conversation_still_reads_and_appends(store: SQLConversationStore) -> None:  # noqa: F811
+    _two_turns(store, 'c')
+    stored = run(store.read('c'))
+    assert (stored.message_count, stored.revision) == (4, 2)
+    assert run(store.read('c', limit=1)).first_position == 4
+    assert run(store.append('c', TURN, expected_revision=2)).message_count == 6
+
+
+def test_claim_check_rows_are_content_addressed_and_idempotent(store: SQLConversationStore, store_url: str) -> None:  # noqa: F811
+    backend = store._sql
+    backend.put_payload('ab' * 32, b'\x00big\xff' * 1000)
+    backend.put_payload('ab' * 32, b'\x00big\xff' * 1000)  # a retried encode
+    assert backend.get_payload('ab' * 32) == b'\x00big\xff' * 1000
+    assert backend.get_payload('cd' * 32) is None
+    assert sql(store_url, 'SELECT COUNT(*), MAX(size) FROM durcap_payloads')[0] == (1, 5000)
+
+
+def test_writability_probe(tmp_path: Path, store_url: str) -> None:  # noqa: F811
+    with SQLConversationStore(store_url) as writable:
+        writable._sql.probe_writable()
+    unreachable = SQLConversationStore('postgresql://postgres@127.0.0.1:1/none')
+    with pytest.raises(StoreUnavailableError, match='127.0.0.1:1'):
+        unreachable._sql.probe_writable()
+    # A SQLite file the process can only read: opened read-only (chmod does not stop root, which runs the tests).
+    import sqlite3
+
+    import sqlalchemy as sa
+
+    from durable_capabilities import _store_sql
+
+    path = tmp_path / 'ro.db'
+    with SQLConversationStore(f'sqlite:///{path}') as made:
+        run(made.append('c', TURN, expected_revision=None))
+    wal = path.with_name(path.name + '-wal')
+
+    def files() -> tuple[bytes, bytes]:
+        return path.read_bytes(), wal.read_bytes() if wal.exists() else b''
+
+    before = files()
+    read_only = SQLConversationStore(f'sqlite:///{path}')
+    read_only._sql.engine = sa.create_engine(
+        'sqlite://', creator=lambda: sqlite3.connect(f'file:{path}?mode=ro', uri=True, check_same_thread=False)
+    )
+    sa.event.listen(read_only._sql.engine, 'connect', _store_sql._sqlite_connect)
+    sa.event.listen(read_only._sql.engine, 'begin', _store_sql._sqlite_begin)
+    assert run(read_only.read('c')).message_count == 2  # it reads
+    with pytest.raises(StoreReadOnlyError, match='is read-only'):
+        run(read_only.check_writable())
+    read_only.close()
+    with SQLConversationStore(f'sqlite:///{path}') as writable:
+        run(writable.check_writable())
+        assert files() == before  # the probe's write was rolled back: nothing reached the file or its WAL
+
+
+def test_writability_probe_refuses_a_read_only_postgresql_database() -> None:
+    from tests.engines._pg import create_database, drop_database
+    from tests.engines._pg import url as pg_url
+
+    name = create_database('durcap_ro')
+    try:
+        url = pg_url(name)
+        with SQLConversationStore(url) as made:
+            made._sql.probe_writable()
+        sql(url, f'ALTER DATABASE {name} SET default_transaction_read_only = on')
+        with pytest.raises(StoreReadOnlyError, match='is read-only'):
+            run(SQLConversationStore(url).check_writable())
+    finally:
+        drop_database(name)
