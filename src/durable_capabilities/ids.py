@@ -144,69 +144,6 @@ class PlanIssue:
     toolset_id: str | None = None
 
 
-class _LeafPlanner:
-    """The state of `plan_leaf_ids` for one capability: ids taken so far, assignments, plans and issues."""
-
-    def __init__(self, scope: str | None, leaves: list[AbstractToolset[Any]], renamed_from: str | None) -> None:
-        self.explicit = [_upstream.explicit_toolset_id(leaf) for leaf in leaves]
-        self.new_scope: str | None = None
-        if renamed_from is not None and scope is not None:
-            self.new_scope, scope = scope, renamed_from
-        self.scope = scope
-        self.anonymous = [i for i, e in enumerate(self.explicit) if e is None]
-        self.taken = {e for e in self.explicit if e is not None}
-        self.assignments: dict[int, str] = {}
-        self.plans: list[LeafPlan] = []
-        self.issues: list[PlanIssue] = []
-
-    def plan(self, index: int, leaf: AbstractToolset[Any]) -> None:
-        kind = type(leaf).__name__
-        current = self.explicit[index]
-        if current is not None:
-            if not self._keep_previous_id(leaf, current, kind):
-                self.plans.append(LeafPlan(current, kind, 'explicit'))
-        elif self.scope is None:
-            self.issues.append(PlanIssue('DC015', kind, index))
-        else:
-            new_id, source = self._choose_id(index, leaf, self.scope)
-            if source == 'position':
-                self.issues.append(PlanIssue('DC013', kind, index, new_id))
-            if _upstream.toolset_with_id(leaf, new_id) is None:
-                self.issues.append(PlanIssue('DC014', kind, index))
-            else:
-                self._assign(leaf, LeafPlan(new_id, kind, source))
-
-    def _keep_previous_id(self, leaf: AbstractToolset[Any], current: str, kind: str) -> bool:
-        """Under an alias, give a leaf whose explicit id upstream derived from the new id its old id back."""
-        new_scope, old_scope = self.new_scope, self.scope
-        if new_scope is None or old_scope is None or not (current == new_scope or current.startswith(f'{new_scope}_')):
-            return False
-        old_id = old_scope + current[len(new_scope):]
-        if _upstream.toolset_with_id(leaf, old_id) is None:
-            return False
-        self._assign(leaf, LeafPlan(old_id, kind, 'alias'))
-        return True
-
-    def _choose_id(self, index: int, leaf: AbstractToolset[Any], scope: str) -> tuple[str, str]:
-        """`(id, source)` for an anonymous leaf: the capability id, `{scope}_{name}`, else `{scope}_{position}`."""
-        if len(self.anonymous) == 1 and scope not in self.taken:
-            return scope, 'capability'
-        name = _leaf_name(leaf)
-        if name is not None and f'{scope}_{name}' not in self.taken:
-            return f'{scope}_{name}', 'name'
-        # Position among this capability's anonymous leaves, skipping numbers upstream already gave
-        # (`Capability(toolsets=[callable])` names callables `{id}_{index}`).
-        number = self.anonymous.index(index)
-        while f'{scope}_{number}' in self.taken:
-            number += 1
-        return f'{scope}_{number}', 'position'
-
-    def _assign(self, leaf: AbstractToolset[Any], plan: LeafPlan) -> None:
-        self.taken.add(plan.toolset_id)
-        self.assignments[id(leaf)] = plan.toolset_id
-        self.plans.append(plan)
-
-
 def plan_leaf_ids(
     scope: str | None, leaves: list[AbstractToolset[Any]], renamed_from: str | None = None
 ) -> tuple[dict[int, str], list[LeafPlan], list[PlanIssue]]:
@@ -220,10 +157,69 @@ def plan_leaf_ids(
     anonymous leaf; `plans` lists every leaf's final id in order; `issues` lists a `PlanIssue` for each
     DC013 (positional id), DC014 (uncopyable leaf) and DC015 (no scope), in leaf order.
     """
-    planner = _LeafPlanner(scope, leaves, renamed_from)
+    explicit = [_upstream.explicit_toolset_id(leaf) for leaf in leaves]
+    new_scope = None
+    if renamed_from is not None and scope is not None:
+        new_scope, scope = scope, renamed_from
+    anonymous = [i for i, e in enumerate(explicit) if e is None]
+    taken = {e for e in explicit if e is not None}
+    assignments: dict[int, str] = {}
+    plans: list[LeafPlan] = []
+    issues: list[PlanIssue] = []
     for index, leaf in enumerate(leaves):
-        planner.plan(index, leaf)
-    return planner.assignments, planner.plans, planner.issues
+        kind = type(leaf).__name__
+        current = explicit[index]
+        if current is not None:
+            plan = _previous_id(leaf, current, kind, scope, new_scope) or LeafPlan(current, kind, 'explicit')
+        elif scope is None:
+            issues.append(PlanIssue('DC015', kind, index))
+            continue
+        elif (plan := _anonymous_id(leaf, index, kind, scope, anonymous, taken, issues)) is None:
+            continue
+        if plan.source != 'explicit':
+            taken.add(plan.toolset_id)
+            assignments[id(leaf)] = plan.toolset_id
+        plans.append(plan)
+    return assignments, plans, issues
+
+
+def _previous_id(
+    leaf: AbstractToolset[Any], current: str, kind: str, old_scope: str | None, new_scope: str | None
+) -> LeafPlan | None:
+    """Under an alias, the old id for a leaf whose explicit id upstream derived from the new capability id."""
+    if new_scope is None or old_scope is None or not (current == new_scope or current.startswith(f'{new_scope}_')):
+        return None
+    old_id = old_scope + current[len(new_scope):]
+    return LeafPlan(old_id, kind, 'alias') if _upstream.toolset_with_id(leaf, old_id) is not None else None
+
+
+def _anonymous_id(
+    leaf: AbstractToolset[Any],
+    index: int,
+    kind: str,
+    scope: str,
+    anonymous: list[int],
+    taken: set[str],
+    issues: list[PlanIssue],
+) -> LeafPlan | None:
+    """The id of an anonymous leaf: the capability id, `{scope}_{name}`, else `{scope}_{position}` (DC013);
+    `None` when the leaf cannot be copied to carry it (DC014). Issues are appended to `issues`."""
+    if len(anonymous) == 1 and scope not in taken:
+        new_id, source = scope, 'capability'
+    elif (name := _leaf_name(leaf)) is not None and f'{scope}_{name}' not in taken:
+        new_id, source = f'{scope}_{name}', 'name'
+    else:
+        # Position among this capability's anonymous leaves, skipping numbers upstream already gave
+        # (`Capability(toolsets=[callable])` names callables `{id}_{index}`).
+        number = anonymous.index(index)
+        while f'{scope}_{number}' in taken:
+            number += 1
+        new_id, source = f'{scope}_{number}', 'position'
+        issues.append(PlanIssue('DC013', kind, index, new_id))
+    if _upstream.toolset_with_id(leaf, new_id) is None:
+        issues.append(PlanIssue('DC014', kind, index))
+        return None
+    return LeafPlan(new_id, kind, source)
 
 
 def collect_leaves(toolset: AbstractToolset[Any]) -> list[AbstractToolset[Any]]:
@@ -340,19 +336,22 @@ class CapabilityWalk:
     node: AbstractCapability[Any]
     cap_id: str | None
     user: AbstractCapability[Any]
-    toolset: AbstractToolset[Any] | None = None
-    error: Exception | None = None
-    leaves: list[AbstractToolset[Any]] = field(default_factory=list)
-    function_toolsets: list[FunctionToolset[Any]] | None = None
+    toolset: AbstractToolset[Any] | None
+    error: Exception | None
+    leaves: list[AbstractToolset[Any]]
+    function_toolsets: list[FunctionToolset[Any]] | None
 
     @property
     def tool_names(self) -> list[str] | None:
         """Tool names known without running anything, read now (tools added to a toolset later count), or
         `None` when there is no toolset or some of it is dynamic."""
-        if self.toolset is None or self.function_toolsets is None:
+        sources = self.function_toolsets
+        if self.toolset is None or sources is None:
             return None
+        if len(sources) == 1:
+            return list(sources[0].tools)
         names: list[str] = []
-        for toolset in self.function_toolsets:
+        for toolset in sources:
             names.extend(toolset.tools)
         return names
 
@@ -386,19 +385,16 @@ def _walk_children(
 def walk_capability(node: AbstractCapability[Any]) -> CapabilityWalk:
     """Call `get_toolset()` of the user's capability behind `node` once and walk the result; never raises."""
     user = node.wrapped if isinstance(node, StableIdCapability) else node
-    walk = CapabilityWalk(node, node.id, user)
     try:
         toolset = user.get_toolset()
     except Exception as exc:  # noqa: BLE001 - the user's code; reported as DC023, never raised half-way
-        walk.error = exc
-        return walk
+        return CapabilityWalk(node, node.id, user, None, exc, [], None)
     if toolset is None:
-        return walk
+        return CapabilityWalk(node, node.id, user, None, None, [], None)
     if not isinstance(toolset, AbstractToolset):
         toolset = _upstream.DynamicToolset(toolset)  # a toolset function, as upstream wraps it
-    walk.toolset = toolset
-    walk.function_toolsets = _walk_toolset(toolset, walk.leaves)
-    return walk
+    leaves: list[AbstractToolset[Any]] = []
+    return CapabilityWalk(node, node.id, user, toolset, None, leaves, _walk_toolset(toolset, leaves))
 
 
 def walk_registered(capabilities: list[AbstractCapability[Any]]) -> list[CapabilityWalk]:
@@ -427,8 +423,8 @@ class PlannedCapability:
     walk: CapabilityWalk
     owner: str | None
     positional: bool
-    plans: list[LeafPlan] = field(default_factory=list)
-    issues: list[PlanIssue] = field(default_factory=list)
+    plans: list[LeafPlan]
+    issues: list[PlanIssue]
 
 
 @dataclass
@@ -479,7 +475,8 @@ def _wrap_leaves(
     def wrap(capability: AbstractCapability[Any]) -> AbstractCapability[Any]:
         if isinstance(capability, StableIdCapability) or not _is_leaf_capability(capability):
             return capability
-        scope = scopes.get(id(capability), _Scope(capability.id, capability.id, False)).scope
+        known = scopes.get(id(capability))
+        scope = known.scope if known is not None else capability.id
         stable = StableIdCapability(wrapped=capability, scope=scope, renamed_from=aliases.get(scope or ''))
         wrapped.append(stable)
         return stable
@@ -496,8 +493,9 @@ def _plan(stable: StableIdCapability, walk: CapabilityWalk | None, scopes: dict[
     """Plan the leaf ids of one wrapped capability from its walk (walked here if it is not registered)."""
     if walk is None:
         walk = walk_capability(stable)
-    scope = scopes.get(id(stable.wrapped), _Scope(stable.scope, stable.scope, False))
-    planned = PlannedCapability(stable, walk, scope.owner, scope.positional)
-    if walk.toolset is not None:
-        _, planned.plans, planned.issues = plan_leaf_ids(stable.scope, walk.leaves, stable.renamed_from)
-    return planned
+    scope = scopes.get(id(stable.wrapped))
+    owner, positional = (scope.owner, scope.positional) if scope is not None else (stable.scope, False)
+    if walk.toolset is None:
+        return PlannedCapability(stable, walk, owner, positional, [], [])
+    _, plans, issues = plan_leaf_ids(stable.scope, walk.leaves, stable.renamed_from)
+    return PlannedCapability(stable, walk, owner, positional, plans, issues)
