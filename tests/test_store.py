@@ -620,7 +620,7 @@ def test_drift_with_an_alias_is_info_and_resume_keeps_the_capability(store: SQLC
 
 
 def _show(*args: str) -> subprocess.CompletedProcess[str]:
-    code = 'from durable_capabilities.cli_history import history_app; history_app(prog_name="durcap history")'
+    code = 'from durable_capabilities.cli.history import history_app; history_app(prog_name="durcap history")'
     return subprocess.run([sys.executable, '-c', code, *args], check=False, capture_output=True, text=True, timeout=120)
 
 
@@ -628,7 +628,7 @@ def test_history_show_text_and_json(store: SQLConversationStore, store_url: str,
     run(store.append('t-show', history, expected_revision=None, append_id='wf-7/append'))
     from typer.testing import CliRunner
 
-    from durable_capabilities.cli_history import history_app
+    from durable_capabilities.cli.history import history_app
 
     text = CliRunner().invoke(history_app, ['show', 't-show', '--store', store_url])
     assert text.exit_code == 0, text.output

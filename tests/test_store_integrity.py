@@ -94,7 +94,7 @@ def test_writability_probe(tmp_path: Path, store_url: str) -> None:  # noqa: F81
 
     import sqlalchemy as sa
 
-    from durable_capabilities import _store_sql
+    from durable_capabilities.store import _sql as _store_sql
 
     path = tmp_path / 'ro.db'
     with SQLConversationStore(f'sqlite:///{path}') as made:

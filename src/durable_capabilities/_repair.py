@@ -57,9 +57,8 @@ async def repair_temporal(client: Any, workflow_id: str, *, store: str | None = 
 
     from temporalio.api.enums.v1 import EventType
 
-    from .conversations import STORE_ENV
     from .engines.temporal import AppendInput
-    from .store import DEFAULT_URL, SQLConversationStore
+    from .store import DEFAULT_URL, STORE_ENV, SQLConversationStore
 
     handle = client.get_workflow_handle(workflow_id, run_id=run_id)
     scheduled: dict[int, Any] = {}

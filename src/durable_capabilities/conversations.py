@@ -19,13 +19,11 @@ from typing import TYPE_CHECKING, Any
 from pydantic_ai.messages import ModelMessagesTypeAdapter
 from pydantic_ai.usage import RunUsage
 
+from .store import DEFAULT_URL, STORE_ENV
 from .validation import DurableConfigError, Report
 
 if TYPE_CHECKING:
     from .agent import DurableAgent
-
-STORE_ENV = 'DURCAP_STORE'
-"""Environment variable naming the conversation store URL a worker or process uses."""
 
 logger = logging.getLogger('durable_capabilities.conversations')
 
@@ -33,8 +31,6 @@ logger = logging.getLogger('durable_capabilities.conversations')
 def store_url(agent: DurableAgent[Any, Any]) -> str:
     """The store URL for `agent`: `DurableAgent(conversation_store=...)`, else `$DURCAP_STORE`, else SQLite
     at `.durcap/conversations.db` (resolved where the durable unit runs, e.g. on the worker)."""
-    from .store import DEFAULT_URL
-
     return agent.conversation_store or os.environ.get(STORE_ENV) or DEFAULT_URL
 
 

@@ -234,7 +234,7 @@ CODES: dict[str, Code] = {
     'DC031': Code(
         'A large Temporal payload could not be stored by reference (the conversation store is down).',
         'error',
-        written_by='_claim_check',
+        written_by='store._claim_check',
     ),
 }
 """Every code: its one-line summary (each value is that string), severity, and message and fix templates.

@@ -1,6 +1,6 @@
 """Temporal: fail a turn that cannot be carried, in workflow code, instead of failing a workflow task forever.
 
-The claim-check codec (`_claim_check.ClaimCheckCodec`) carries any payload up to its maximum by reference.
+The claim-check codec (`store._claim_check.ClaimCheckCodec`) carries any payload up to its maximum by reference.
 What it cannot carry it must refuse, and where it refuses matters: a codec error while a workflow task
 completes (the inputs of the activities the workflow schedules) makes Temporal retry that task forever and
 the client wait forever. So the sizes are checked where a refusal fails the turn:
@@ -25,7 +25,7 @@ from pydantic_core import to_json
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
-from .._claim_check import (
+from ..store._claim_check import (
     DEFAULT_MAXIMUM,
     MAXIMUM_ENV,
     TOO_LARGE,

@@ -42,8 +42,8 @@ from temporalio.worker.workflow_sandbox import (
 )
 
 from .. import _registry
-from .._claim_check import ClaimCheckCodec  # noqa: F401 - public here: the codec `connect` installs
 from ..conversations import LoadedConversation
+from ..store._claim_check import ClaimCheckCodec  # noqa: F401 - public here: the codec `connect` installs
 from ..turn import RunReport, current_turn, run_turn
 from . import _mcp, _payload_guard
 from ._adapter import EngineAdapter, RunOptions
@@ -329,9 +329,9 @@ def sandbox_runner() -> SandboxedWorkflowRunner:
 
 async def connect(address: str = '127.0.0.1:7233', namespace: str = 'default', *, store: str | None = None) -> Client:
     """A Temporal client with pydantic-ai's payload converter (`PydanticAIPlugin`) and the claim-check codec
-    (`_claim_check.ClaimCheckCodec`) on `store` (default `$DURCAP_STORE`, else the default store): payloads
+    (`store._claim_check.ClaimCheckCodec`) on `store` (default `$DURCAP_STORE`, else the default store): payloads
     over 256 KiB travel by reference. Workers made from this client use the same codec."""
-    from .._claim_check import default_codec
+    from ..store._claim_check import default_codec
 
     codec = DataConverter(payload_codec=default_codec(store))  # PydanticAIPlugin keeps the codec, swaps the converter
     return await Client.connect(address, namespace=namespace, plugins=[PydanticAIPlugin()], data_converter=codec)
@@ -480,7 +480,7 @@ class _Replayer:
     def __init__(self, agents: Sequence[DurableAgent[Any, Any]], store: str | None = None):
         from temporalio.worker import Replayer
 
-        from .._claim_check import default_codec
+        from ..store._claim_check import default_codec
 
         self.agents = list(agents)
         self._replayer = Replayer(

@@ -22,7 +22,7 @@ from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
 from pydantic_ai.tools import DeferredToolRequests
 from pydantic_ai.usage import RunUsage
 
-from .store import CorruptedRowError, NewerHistoryError
+from . import CorruptedRowError, NewerHistoryError
 
 _WRITER = f'pydantic-ai-slim {_PYDANTIC_AI_VERSION}'
 """Recorded in every row's `writer` column."""

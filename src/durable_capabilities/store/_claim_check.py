@@ -115,7 +115,7 @@ class ClaimCheckCodec(PayloadCodec):
         maximum: int | None = None,
         inline_limit: int = INLINE_LIMIT,
     ) -> None:
-        from .store import SQLConversationStore
+        from . import SQLConversationStore
 
         self.threshold = threshold if threshold is not None else _env_int(THRESHOLD_ENV, DEFAULT_THRESHOLD)
         self.maximum = maximum if maximum is not None else _env_int(MAXIMUM_ENV, DEFAULT_MAXIMUM)
@@ -135,7 +135,7 @@ class ClaimCheckCodec(PayloadCodec):
             ApplicationError: `DurcapPayloadTooLarge` (over `maximum`) or `DurcapClaimCheckUnavailable`
                 (the store cannot be written and the payload is over `inline_limit`); non-retryable.
         """
-        from .store import StoreError
+        from . import StoreError
 
         result: list[Payload] = []
         for payload in payloads:
@@ -173,7 +173,7 @@ class ClaimCheckCodec(PayloadCodec):
             CorruptedRowError: the reference names a payload the store does not hold, or its bytes no
                 longer match their sha256.
         """
-        from .store import CorruptedRowError
+        from . import CorruptedRowError
 
         result: list[Payload] = []
         for payload in payloads:
@@ -198,7 +198,6 @@ class ClaimCheckCodec(PayloadCodec):
 def default_codec(store: str | None = None) -> ClaimCheckCodec:
     """The codec every durcap Temporal client, worker and replayer uses: on `store`, else `$DURCAP_STORE`,
     else the default store (`store.DEFAULT_URL`), as the conversation activities resolve it."""
-    from .conversations import STORE_ENV
-    from .store import DEFAULT_URL
+    from . import DEFAULT_URL, STORE_ENV
 
     return ClaimCheckCodec(store or os.environ.get(STORE_ENV) or DEFAULT_URL)

@@ -1,6 +1,6 @@
 """`durcap history`: look at a stored conversation.
 
-Registered by `cli_engines.py` as `app.add_typer(history_app, name='history')`, beside `history export`.
+Registered by `cli/engine_commands.py` as `app.add_typer(history_app, name='history')`, beside `history export`.
 
 Exit codes: 0 shown; 2 unusable input (bad store URL, no store there, unknown conversation, a row that
 does not decode, a schema newer than this code), with one line on stderr and no traceback.
@@ -18,7 +18,7 @@ from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ModelRe
 from pydantic_ai.usage import RequestUsage
 from pydantic_core import to_jsonable_python
 
-from .store import (
+from ..store import (
     DEFAULT_URL,
     SQLConversationStore,
     StoredConversation,
@@ -198,8 +198,8 @@ def repair(
     """
     import os
 
-    from ._repair import repair_temporal
-    from .engines.temporal import connect
+    from .._repair import repair_temporal
+    from ..engines.temporal import connect
 
     async def go() -> Any:
         client = await connect(address or os.environ.get('DURCAP_TEMPORAL_ADDRESS') or '127.0.0.1:7233', namespace, store=store)

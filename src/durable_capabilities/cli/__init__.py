@@ -18,10 +18,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .agent import DurableAgent
-from .savings import UNKNOWN_TOOLS, SavingsReport, measure_savings
-from .targets import TARGET_HELP, UnusableTarget, check_lock, load, load_checked
-from .validation import DurableConfigError, Report
+from ..agent import DurableAgent
+from ..savings import UNKNOWN_TOOLS, SavingsReport, measure_savings
+from ..targets import TARGET_HELP, UnusableTarget, check_lock, load, load_checked
+from ..validation import DurableConfigError, Report
 
 app = typer.Typer(
     name='durcap',
@@ -45,7 +45,7 @@ def engine_name(durable_only: bool = True) -> Any:
     """
 
     def parse(value: str) -> str:
-        from .engines import ALL_ENGINES, DURABLE_ENGINES
+        from ..engines import ALL_ENGINES, DURABLE_ENGINES
 
         names = tuple(DURABLE_ENGINES if durable_only else ALL_ENGINES)
         if value not in names:
@@ -57,7 +57,7 @@ def engine_name(durable_only: bool = True) -> Any:
 
 def engine_metavar(durable_only: bool = True) -> str:
     """`<a|b|c>`: the engines registered when the CLI was imported, for `--help`."""
-    from .engines import ALL_ENGINES, DURABLE_ENGINES
+    from ..engines import ALL_ENGINES, DURABLE_ENGINES
 
     return '<' + '|'.join(DURABLE_ENGINES if durable_only else ALL_ENGINES) + '>'
 
@@ -213,7 +213,7 @@ def lock(
         'check, run and the workers read it).')] = None,
 ) -> None:
     """Write every durable unit name of TARGET (per engine), capability and leaf ids, tool names and versions."""
-    from .lockfile import write_lock
+    from ..lockfile import write_lock
 
     try:
         loaded = load_checked(target, use_lock=False)
@@ -257,11 +257,4 @@ def main() -> None:
 
 # The engine commands (`run`, `demo`, `replay`, `worker`, `dev`, `schedule`, `history`) register on `app`
 # when imported; they import the helpers above, so this comes last.
-from . import cli_engines  # noqa: E402, F401
-
-if __name__ == '__main__':
-    # `python -m durable_capabilities.cli` runs this file as `__main__`, a second copy of the module;
-    # cli_engines registered its commands on the app of `durable_capabilities.cli`, so run that one.
-    from durable_capabilities.cli import main as _main
-
-    _main()
+from . import engine_commands  # noqa: E402, F401

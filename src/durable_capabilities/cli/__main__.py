@@ -1,0 +1,5 @@
+"""`python -m durable_capabilities.cli`: the `durcap` command."""
+
+from durable_capabilities.cli import main
+
+main()
