@@ -13,7 +13,7 @@ messages picks up where the last one stopped. If a request does not offer `tick`
 lost across a continuation) it answers `tick is not offered`. 14 model requests and 13 tool calls (the
 load and 12 ticks) make each run long enough for 4-5 workflow runs.
 
-The worker runs inline in the test process (`runner.run_temporal(inline_worker=True)`, what `durcap run`
+The worker runs inline in the test process (`runner.run(engine='temporal', inline_worker=True)`, what `durcap run`
 does), so the model requests and tool calls it makes are counted here.
 """
 
