@@ -21,6 +21,7 @@ from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ToolCal
 from pydantic_ai.usage import RunUsage
 from pydantic_core import to_jsonable_python
 
+from ._turn_log import TurnLog, recording
 from .aliases import rewrite_history
 
 if TYPE_CHECKING:
@@ -42,11 +43,14 @@ class TurnState:
         conversation_id: The conversation the turn appends to, or `None`.
         revision: The stored revision the turn loaded (`None`: new conversation or none).
         history: The starting history as message JSON (stored, or given by the caller).
+        log: The messages the run added so far, identified by run (`_turn_log.TurnLog`): complete even
+            when a history processor compacted the run's message list.
     """
 
     conversation_id: str | None
     revision: int | None
     history: list[dict[str, Any]]
+    log: TurnLog = field(default_factory=TurnLog)
 
 
 _current: ContextVar[TurnState | None] = ContextVar('durcap_turn', default=None)
@@ -64,7 +68,9 @@ class Turn:
     Attributes:
         result: Upstream's `AgentRunResult`.
         state: The turn's `TurnState` (starting history, loaded revision).
-        new_messages: The messages the run added, as message JSON.
+        new_messages: The messages the run added, as message JSON, in the order they were created: the
+            prompt, every response and tool return, and any message a history processor introduced (a
+            compaction), even when the processor dropped earlier ones from the run's list.
         usage: The run's usage as JSON-compatible data.
     """
 
@@ -124,14 +130,18 @@ async def run_turn(
     if conversation_id is not None:
         loaded = await (load or _local_load(agent))(conversation_id)
         history_json, revision = list(loaded.messages), loaded.revision
+    history = rewrite_history(ModelMessagesTypeAdapter.validate_python(history_json) if history_json else None,
+                              agent.aliases)
     state = TurnState(conversation_id, revision, history_json)
-    history = ModelMessagesTypeAdapter.validate_python(history_json) if history_json else None
     token = _current.set(state)
     try:
-        result = await run(prompt, deps=deps, message_history=rewrite_history(history, agent.aliases), **run_kwargs)
+        with recording(history) as state.log:
+            result = await run(prompt, deps=deps, message_history=history, **run_kwargs)
+            state.log.observe(result.all_messages(), result.run_id)
     finally:
         _current.reset(token)
-    turn = Turn(result, state, ModelMessagesTypeAdapter.dump_python(result.new_messages(), mode='json'),
+    # The run's messages by run, not by index: a history processor may have rewritten the list (_turn_log).
+    turn = Turn(result, state, ModelMessagesTypeAdapter.dump_python(state.log.messages, mode='json'),
                 to_jsonable_python(result.usage))
     if conversation_id is not None:
         await (append or _local_append(agent))(conversation_id, turn.new_messages, revision, turn.usage)
