@@ -47,6 +47,7 @@ class TurnLog:
     def __post_init__(self) -> None:
         self._keep: list[Any] = []  # every object whose id() is in the seen sets, so no id is reused
         self._seen_parts: set[int] = set()
+        self._logged: dict[int, ModelMessage] = {}  # id of a message seen in the run's list -> what the log holds
         for message in self.prior:
             self._see(message)
 
@@ -76,11 +77,14 @@ class TurnLog:
         A message stamped with another run's id came from the history and is skipped. Any other message
         not seen before is recorded with its parts not seen before: a request a processor or upstream's
         normalization assembled from parts already seen (consecutive requests merged) adds nothing, a
-        compaction adds its new part, and a copy equal by value to a recorded message is skipped.
+        compaction adds its new part, and a copy equal by value to a recorded message is skipped. The run's
+        own messages are appended in the order they appear; an unstamped one (a compaction) is inserted
+        before the first recorded message that follows it in `messages`, else appended.
         """
         if run_id is not None and self.run_id is None:
             self.run_id = run_id
-        for message in messages:
+        messages = list(messages)
+        for index, message in enumerate(messages):
             if id(message) in self._seen:
                 continue
             stamped = getattr(message, 'run_id', None)
@@ -90,9 +94,15 @@ class TurnLog:
                 continue  # an earlier run's message (the history, or a copy of it)
             if not new_parts or any(m == message for m in self.messages if m.kind == message.kind):
                 continue  # re-packaged parts already recorded, or a copy of a recorded message
-            if len(new_parts) < len(message.parts):
-                message = replace(message, parts=new_parts)
-            self.messages.append(message)
+            recorded = replace(message, parts=new_parts) if len(new_parts) < len(message.parts) else message
+            self._logged[id(message)] = recorded
+            # A message a capability introduced (a compaction summary) goes where the list holds it: before the
+            # first recorded message it precedes, so the log keeps a summary ahead of the messages it kept.
+            follower = next((self._logged[id(m)] for m in messages[index + 1:] if id(m) in self._logged), None)
+            if stamped is None and follower is not None:
+                self.messages.insert(next(k for k, m in enumerate(self.messages) if m is follower), recorded)
+            else:
+                self.messages.append(recorded)
 
 
 _current: ContextVar[TurnLog | None] = ContextVar('durcap_turn_log', default=None)

@@ -12,7 +12,6 @@ holding a `CompactionPart` that summarizes them, so a turn's prompt and early ca
 `tick` appends one line per execution to `$DURCAP_LEDGER` when set (a test counts executions).
 """
 
-from __future__ import annotations
 
 import json
 import os
@@ -38,7 +37,7 @@ COMPACT_ABOVE = 6
 SUMMARY = 'count-state '
 
 
-def count_state(messages: list[ModelMessage]) -> tuple[str | None, set[int]]:
+def count_state(messages: list[ModelMessage]) -> "tuple[str | None, set[int]]":
     """(the prompt being answered, the ticks returned for it), read in order (see the module docstring)."""
     prompt: str | None = None
     ticks: set[int] = set()

@@ -61,10 +61,14 @@ def prompts_of(messages: list[ModelMessage]) -> list[str]:
 
 
 def assert_whole_turn(messages: list[ModelMessage], prompt: str, n: int) -> None:
-    """One turn: starts with its prompt, every tick call 1..n with its return in order, ends with the answer."""
-    assert messages and isinstance(messages[0], ModelRequest), messages[:1]
+    """One turn: its prompt first (after the summary a compaction wrote of earlier turns, which precedes the
+    prompt it kept), every tick call 1..n with its return in order, ends with the answer."""
+    lead = next(i for i, m in enumerate(messages) if not all(isinstance(p, CompactionPart) for p in m.parts))
+    assert all(isinstance(m, ModelRequest) for m in messages[:lead])
     assert prompts_of(messages) == [prompt]
-    assert any(isinstance(p, UserPromptPart) for p in messages[0].parts), 'the turn does not start with its prompt'
+    first = messages[lead]
+    assert isinstance(first, ModelRequest) and any(isinstance(p, UserPromptPart) for p in first.parts), \
+        'the turn does not start with its prompt'
     calls = [p for m in messages if isinstance(m, ModelResponse) for p in m.parts if isinstance(p, ToolCallPart)]
     returns = [p for m in messages if isinstance(m, ModelRequest) for p in m.parts if isinstance(p, ToolReturnPart)]
     assert [c.tool_call_id for c in calls] == [f'tick-{n}-{i}' for i in range(1, n + 1)]
@@ -99,7 +103,7 @@ def assert_stored_conversation(url: str, conversation_id: str, turn_messages: li
     """The store holds both turns whole, in order, with the compactions, and each turn's reported messages."""
     stored, _ = read_store(url, conversation_id)
     assert prompts_of(stored) == [p for p, _ in TURNS]
-    second = next(i for i, m in enumerate(stored) if prompts_of([m]) == [TURNS[1][0]])
+    second = len(turn_messages[0])
     assert_whole_turn(stored[:second], *TURNS[0])
     assert_whole_turn(stored[second:], *TURNS[1])
     assert compactions(stored[second:]), 'the compaction of turn 2 is not stored'
