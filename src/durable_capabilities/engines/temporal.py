@@ -177,7 +177,7 @@ def workflow_class(agent: DurableAgent[Any, Any], registered_name: str | None = 
         if params.continued is None:
             return AgentRunOutput(turn.result.output, turn.new_messages, turn.result.usage)
         # Continued as new: report the whole agent run, earlier parts included.
-        earlier = turn.state.history[params.continued.new_from:]
+        earlier = ModelMessagesTypeAdapter.dump_python(turn.state.messages[params.continued.new_from:], mode='json')
         return AgentRunOutput(turn.result.output, [*earlier, *turn.new_messages], params.continued.usage + turn.result.usage)
 
     # Temporal rejects run methods of local classes because it looks classes up by name; this one is
@@ -252,7 +252,7 @@ def conversation_activities(agent: DurableAgent[Any, Any]) -> list[Any]:
     @activity.defn(name=load_name)
     async def load(conversation_id: str) -> LoadedConversation:
         loaded = await load_conversation(agent, conversation_id)
-        _payload_guard.check_loaded(conversation_id, loaded.messages)  # DC030 here, not in a workflow task
+        _payload_guard.check_loaded(conversation_id, loaded.rows if loaded.rows is not None else loaded.messages)  # DC030 here, not in a workflow task
         return loaded
 
     @activity.defn(name=append_name)
@@ -286,7 +286,7 @@ def continue_as_new_handler(agent: DurableAgent[Any, Any]) -> Any:
         added = ModelMessagesTypeAdapter.dump_python(list(turn.log.messages), mode='json')
         earlier = params.continued
         continued = ContinuedRun(
-            earlier.new_from if earlier else len(turn.history), (earlier.usage if earlier else RunUsage()) + ctx.usage
+            earlier.new_from if earlier else len(turn.messages), (earlier.usage if earlier else RunUsage()) + ctx.usage
         )
         if params.conversation_id is None:
             workflow.continue_as_new(AgentRunInput(None, None, params.deps, [*turn.history, *added], continued))
