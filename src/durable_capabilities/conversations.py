@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -54,30 +55,40 @@ class LoadedConversation:
     rows: list[str] | None = None
 
 
-_DRIFT_MARKERS = ('"tool-call"', 'capability', 'tool-availability-delta', '"compaction"')
-"""A stored message whose JSON has none of these has nothing `drift` reads (no tool call, capability load,
-revealed tools or compaction): the scan does not decode it."""
+_DRIFT_MARKERS = ('"tool_name":"load_capability"', '"part_kind":"capability-load-delta"',
+                  '"part_kind":"tool-availability-delta"', '"part_kind":"compaction"')
+"""A stored message whose JSON has one of these may load a capability, reveal tools or compact the history:
+the drift scan decodes it."""
+
+_TOOL_NAME = re.compile(r'"tool_name":"((?:[^"\\]|\\.)*)"')
+
+_EMPTY_REQUEST = ModelRequest(parts=[])
+_EMPTY_RESPONSE = ModelResponse(parts=[])
 
 
-def _scan_rows(rows: list[str], kinds: list[str], entry_ids: list[str], conversation_id: str, offset: int = 0) -> list[ModelMessage]:
-    """What `drift` reads of stored rows, decoding only the rows that can matter to it (see `_DRIFT_MARKERS`):
-    the others become empty messages of the same kind, so positions stay right.
+def _scan_rows(rows: list[str], kinds: list[str], entry_ids: list[str], conversation_id: str, known: Any,
+               offset: int = 0) -> list[ModelMessage]:
+    """What `drift` reads of stored rows, decoding only the rows that can matter to it: those with a
+    `_DRIFT_MARKERS` marker, and those naming a tool (`"tool_name":"..."` anywhere in the row, arguments
+    included, so a false match only costs a decode) that `known(name)` does not know. The others stand as an
+    empty request or response (shared objects), so positions stay right.
 
     Raises:
         CorruptedRowError / NewerHistoryError: a decoded row is not a message this pydantic-ai reads.
     """
     from .store._schema import _decode_messages
 
-    scanned: list[ModelMessage] = []
-    wanted = [i for i, text in enumerate(rows) if any(marker in text for marker in _DRIFT_MARKERS) or kinds[i] != 'message']
+    wanted = [
+        i for i, text in enumerate(rows)
+        if kinds[i] != 'message' or any(marker in text for marker in _DRIFT_MARKERS)
+        or ('"tool_name"' in text and not all(known(name) for name in _TOOL_NAME.findall(text)))
+    ]
     decoded = dict(zip(wanted, _decode_messages(
         [_RowText(rows[i], kinds[i], offset + i + 1, entry_ids[i], conversation_id) for i in wanted], conversation_id)))
-    for i, text in enumerate(rows):
-        message = decoded.get(i)
-        if message is None:
-            message = ModelResponse(parts=[]) if '"kind":"response"' in text else ModelRequest(parts=[])
-        scanned.append(message)
-    return scanned
+    return [
+        decoded[i] if i in decoded else _EMPTY_RESPONSE if '"kind":"response"' in text else _EMPTY_REQUEST
+        for i, text in enumerate(rows)
+    ]
 
 
 @dataclass
@@ -135,7 +146,9 @@ async def load_conversation(agent: DurableAgent[Any, Any], conversation_id: str)
         except ConversationNotFoundError:
             _LOAD_CACHE.pop(key, None)
             return LoadedConversation()
-    scanned = _scan_rows(stored.messages, stored.kinds, stored.entry_ids, conversation_id,
+    from .history import known_tool
+
+    scanned = _scan_rows(stored.messages, stored.kinds, stored.entry_ids, conversation_id, known_tool(agent),
                          offset=stored.message_count - len(stored.messages))
     if stored.tail and cached is not None:
         entry = _Scanned(stored.revision, [*cached.entry_ids, *stored.entry_ids], [*cached.rows, *stored.messages],
