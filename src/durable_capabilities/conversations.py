@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
-import re
+from bisect import bisect_right
+from itertools import accumulate
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -60,7 +61,8 @@ _DRIFT_MARKERS = ('"tool_name":"load_capability"', '"part_kind":"capability-load
 """A stored message whose JSON has one of these may load a capability, reveal tools or compact the history:
 the drift scan decodes it."""
 
-_TOOL_NAME = re.compile(r'"tool_name":"((?:[^"\\]|\\.)*)"')
+_TOOL_KEY = '"tool_name":"'
+_RESPONSE_KEY = '"kind":"response"'
 
 _EMPTY_REQUEST = ModelRequest(parts=[])
 _EMPTY_RESPONSE = ModelResponse(parts=[])
@@ -78,16 +80,38 @@ def _scan_rows(rows: list[str], kinds: list[str], entry_ids: list[str], conversa
     """
     from .store._schema import _decode_messages
 
-    wanted = [
-        i for i, text in enumerate(rows)
-        if kinds[i] != 'message' or any(marker in text for marker in _DRIFT_MARKERS)
-        or ('"tool_name"' in text and not all(known(name) for name in _TOOL_NAME.findall(text)))
-    ]
+    # One pass over the rows joined: find each needle's occurrences and map them to their rows.
+    joined = '\n'.join(rows)
+    ends = list(accumulate(len(text) + 1 for text in rows))
+    wanted_rows = {i for i, kind in enumerate(kinds) if kind != 'message'}
+    for needle in _DRIFT_MARKERS:
+        at = joined.find(needle)
+        while at != -1:
+            wanted_rows.add(bisect_right(ends, at))
+            at = joined.find(needle, at + len(needle))
+    verdicts: dict[str, bool] = {}
+    at = joined.find(_TOOL_KEY)
+    while at != -1:
+        start = at + len(_TOOL_KEY)
+        end = joined.find('"', start)
+        name = joined[start:end]
+        verdict = verdicts.get(name)
+        if verdict is None:
+            verdict = verdicts[name] = '\\' not in name and known(name)
+        if not verdict:
+            wanted_rows.add(bisect_right(ends, at))
+        at = joined.find(_TOOL_KEY, end)
+    wanted = sorted(wanted_rows)
     decoded = dict(zip(wanted, _decode_messages(
         [_RowText(rows[i], kinds[i], offset + i + 1, entry_ids[i], conversation_id) for i in wanted], conversation_id)))
+    responses: set[int] = set()
+    at = joined.find(_RESPONSE_KEY)
+    while at != -1:
+        responses.add(bisect_right(ends, at))
+        at = joined.find(_RESPONSE_KEY, at + len(_RESPONSE_KEY))
     return [
-        decoded[i] if i in decoded else _EMPTY_RESPONSE if '"kind":"response"' in text else _EMPTY_REQUEST
-        for i, text in enumerate(rows)
+        decoded[i] if i in decoded else _EMPTY_RESPONSE if i in responses else _EMPTY_REQUEST
+        for i in range(len(rows))
     ]
 
 
