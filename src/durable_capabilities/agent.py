@@ -11,6 +11,7 @@ from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.toolsets import FunctionToolset
 
 from . import _registry
+from ._turn_log import TurnRecorder
 from .aliases import CapabilityAliases
 from .checks import CheckContext, run_checks
 from .engines import ALL_ENGINES, DURABLE_ENGINES, ENGINES
@@ -180,7 +181,8 @@ class DurableAgent(Generic[DepsT, OutputT]):
             return self._built[engine]
         adapter = ENGINES[engine]
         durability_cls = adapter.durability_class()
-        capabilities: list[Any] = list(self._stabilized.capabilities)
+        # Outermost: records each message the run adds before a history processor can rewrite the list.
+        capabilities: list[Any] = [TurnRecorder(), *self._stabilized.capabilities]
         if self.aliases:
             capabilities.append(CapabilityAliases(aliases=self.aliases))
         kwargs, extra = adapter.durability_parts(self, self.engine_options.get(engine, {}))

@@ -6,7 +6,7 @@ will resume with (problems DC018 and DC019). All three are re-exported by `durab
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -197,6 +197,15 @@ def drift(
             'conversation.',
         ))
     return problems
+
+
+def known_tool(definition: DurableAgent[Any, Any]) -> Callable[[str], bool]:
+    """`known(tool name)`: whether `drift` never reports a call of that tool for `definition` (a tool some
+    capability or the agent defines, an output tool, `load_capability`), for scans that skip such calls."""
+    static, _ = definition.tool_names_by_capability()
+    names = set(static) | set(_agent_tool_names(definition)) | {'load_capability'}
+    output_names = _output_tool_names(definition.output_type)
+    return lambda tool: tool in names or _is_output_tool(tool, output_names)
 
 
 def _agent_tool_names(definition: DurableAgent[Any, Any]) -> list[str]:

@@ -12,6 +12,7 @@ every engine can record and which keeps instruction ids intact.
 from __future__ import annotations
 
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ToolCal
 from pydantic_ai.usage import RunUsage
 from pydantic_core import to_jsonable_python
 
+from ._turn_log import TurnLog, recording
 from .aliases import rewrite_history
 
 if TYPE_CHECKING:
@@ -41,12 +43,23 @@ class TurnState:
     Attributes:
         conversation_id: The conversation the turn appends to, or `None`.
         revision: The stored revision the turn loaded (`None`: new conversation or none).
-        history: The starting history as message JSON (stored, or given by the caller).
+        messages: The starting history (stored, or given by the caller), decoded once.
+        log: The messages the run added so far, identified by run (`_turn_log.TurnLog`): complete even
+            when a history processor compacted the run's message list.
+        history: `messages` as message JSON (dumped on first use).
     """
 
     conversation_id: str | None
     revision: int | None
-    history: list[dict[str, Any]]
+    messages: list[ModelMessage] = field(default_factory=list)
+    log: TurnLog = field(default_factory=TurnLog)
+    _history: list[dict[str, Any]] | None = field(default=None, repr=False)
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        if self._history is None:
+            self._history = ModelMessagesTypeAdapter.dump_python(self.messages, mode='json')
+        return self._history
 
 
 _current: ContextVar[TurnState | None] = ContextVar('durcap_turn', default=None)
@@ -64,7 +77,9 @@ class Turn:
     Attributes:
         result: Upstream's `AgentRunResult`.
         state: The turn's `TurnState` (starting history, loaded revision).
-        new_messages: The messages the run added, as message JSON.
+        new_messages: The messages the run added, as message JSON, in the order they were created: the
+            prompt, every response and tool return, and any message a history processor introduced (a
+            compaction), even when the processor dropped earlier ones from the run's list.
         usage: The run's usage as JSON-compatible data.
     """
 
@@ -76,14 +91,6 @@ class Turn:
     def payload(self) -> dict[str, Any]:
         """`{'output', 'new_messages', 'usage'}` as JSON-compatible data (what DBOS and Prefect containers return)."""
         return {'output': to_jsonable_python(self.result.output), 'new_messages': self.new_messages, 'usage': self.usage}
-
-
-def _as_json(messages: Sequence[Any] | None) -> list[dict[str, Any]]:
-    if not messages:
-        return []
-    if all(isinstance(m, dict) for m in messages):
-        return list(messages)
-    return ModelMessagesTypeAdapter.dump_python(list(messages), mode='json')
 
 
 async def run_turn(
@@ -119,23 +126,103 @@ async def run_turn(
         ConversationConflictError: another run appended since this one loaded.
     """
     agent.check_run_capabilities(run_kwargs.pop('capabilities', None))
-    history_json = _as_json(message_history)
+    messages = _as_messages(message_history)
     revision: int | None = None
+    cache_key = (agent.durable_name, conversation_id) if conversation_id is not None else None
     if conversation_id is not None:
         loaded = await (load or _local_load(agent))(conversation_id)
-        history_json, revision = list(loaded.messages), loaded.revision
-    state = TurnState(conversation_id, revision, history_json)
-    history = ModelMessagesTypeAdapter.validate_python(history_json) if history_json else None
+        revision = loaded.revision
+        if loaded.rows is not None:
+            messages = decode_history(cache_key, loaded.rows, conversation_id)  # type: ignore[arg-type]
+        else:
+            messages = ModelMessagesTypeAdapter.validate_python(loaded.messages) if loaded.messages else []
+    history = rewrite_history(messages or None, agent.aliases)
+    state = TurnState(conversation_id, revision, messages)
     token = _current.set(state)
     try:
-        result = await run(prompt, deps=deps, message_history=rewrite_history(history, agent.aliases), **run_kwargs)
+        with recording(history) as state.log:
+            result = await run(prompt, deps=deps, message_history=history, **run_kwargs)
+            state.log.observe(result.all_messages(), result.run_id)
     finally:
         _current.reset(token)
-    turn = Turn(result, state, ModelMessagesTypeAdapter.dump_python(result.new_messages(), mode='json'),
+    # The run's messages by run, not by index: a history processor may have rewritten the list (_turn_log).
+    turn = Turn(result, state, ModelMessagesTypeAdapter.dump_python(state.log.messages, mode='json'),
                 to_jsonable_python(result.usage))
     if conversation_id is not None:
-        await (append or _local_append(agent))(conversation_id, turn.new_messages, revision, turn.usage)
+        appended = await (append or _local_append(agent))(conversation_id, turn.new_messages, revision, turn.usage)
+        if isinstance(appended, int) and not isinstance(appended, bool) and state.log.messages:
+            _remember(cache_key, [*messages, *state.log.messages])  # type: ignore[arg-type]
     return turn
+
+
+def _as_messages(messages: Sequence[Any] | None) -> list[ModelMessage]:
+    if not messages:
+        return []
+    if all(isinstance(m, dict) for m in messages):
+        return ModelMessagesTypeAdapter.validate_python(list(messages))
+    return list(messages)
+
+
+@dataclass
+class _Decoded:
+    count: int
+    last_row: str
+    messages: list[ModelMessage]
+
+
+_DECODED: OrderedDict[tuple[str, str], _Decoded] = OrderedDict()
+DECODED_CACHE_SIZE = 16
+"""Conversations whose decoded history a worker keeps, least recently used dropped first (`decode_history`)."""
+
+
+def decode_history(key: tuple[str, str], rows: list[str], conversation_id: str) -> list[ModelMessage]:
+    """The stored rows (one message JSON text each) as messages, decoding only what this process has not.
+
+    A conversation this process ran recently (by `key`: agent durable name and conversation id) is taken from
+    memory up to the messages it had, checked by the text of the last of them; only the rows after are
+    decoded, with one `ModelMessagesTypeAdapter.validate_json` call. Messages from memory are the same objects
+    the earlier turn had (a history is append-only; a run does not change the messages it was given).
+
+    Raises:
+        CorruptedRowError / NewerHistoryError: a row is not a message this pydantic-ai reads.
+    """
+    cached = _DECODED.get(key)
+    start = 0
+    if cached is not None and 0 < cached.count <= len(rows) and rows[cached.count - 1] == cached.last_row:
+        start = cached.count
+    tail = rows[start:]
+    decoded = _decode_rows(tail, conversation_id, start) if tail else []
+    messages = [*(cached.messages[:start] if cached is not None and start else []), *decoded]
+    if rows:
+        _DECODED[key] = _Decoded(len(rows), rows[-1], messages)
+        _DECODED.move_to_end(key)
+        while len(_DECODED) > DECODED_CACHE_SIZE:
+            _DECODED.popitem(last=False)
+    return list(messages)
+
+
+def _decode_rows(rows: list[str], conversation_id: str, offset: int) -> list[ModelMessage]:
+    try:
+        messages = ModelMessagesTypeAdapter.validate_json('[' + ','.join(rows) + ']')
+        if len(messages) == len(rows):
+            return messages
+    except ValueError:
+        pass
+    from .conversations import _RowText
+    from .store._schema import _decode_messages
+
+    return _decode_messages([_RowText(text, 'message', offset + i + 1, '', conversation_id) for i, text in enumerate(rows)],
+                            conversation_id)
+
+
+def _remember(key: tuple[str, str], messages: list[ModelMessage]) -> None:
+    """After an append: the conversation's whole history, for the next turn's `decode_history`."""
+    from .store._schema import _encode
+
+    _DECODED[key] = _Decoded(len(messages), _encode(messages[-1]), messages)
+    _DECODED.move_to_end(key)
+    while len(_DECODED) > DECODED_CACHE_SIZE:
+        _DECODED.popitem(last=False)
 
 
 def deps_from_json(agent: DurableAgent[Any, Any], deps: Any) -> Any:

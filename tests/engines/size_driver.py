@@ -28,13 +28,9 @@ def _chain(error: BaseException) -> str:
 
 
 async def turn(args: argparse.Namespace) -> runner.RunReport:
-    settings = {
-        'temporal': {'address': args.address, 'task_queue': f'sizes-{uuid.uuid4().hex[:12]}', 'inline_worker': True},
-        'dbos': {'db': args.db},
-    }.get(args.engine, {})
-    run_id = args.workflow_id if args.engine in ('temporal', 'dbos') else None
-    return await runner.run(agent, args.prompt, engine=args.engine, conversation_id=args.conversation, run_id=run_id,
-                            **settings)
+    settings = {'address': args.address, 'task_queue': f'sizes-{uuid.uuid4().hex[:12]}', 'inline_worker': True, 'db': args.db}
+    return await runner.run(agent, args.prompt, engine=args.engine, conversation_id=args.conversation,
+                            run_id=args.workflow_id, **settings)
 
 
 def main() -> None:

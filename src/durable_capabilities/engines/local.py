@@ -26,7 +26,7 @@ class LocalAdapter(EngineAdapter):
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
         turn = await run_turn(agent, agent.build(self.name).run, prompt, deps=options.deps,
                               message_history=options.message_history, conversation_id=options.conversation_id)
-        return RunReport(self.name, None, turn.result.output, turn.result.new_messages(), turn.result.usage)
+        return RunReport(self.name, None, turn.result.output, list(turn.state.log.messages), turn.result.usage)
 
 
 ADAPTER = LocalAdapter()

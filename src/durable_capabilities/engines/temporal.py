@@ -91,7 +91,8 @@ class ContinuedRun:
     """Carried by continue-as-new so the final result covers the whole run, not only its last part.
 
     Attributes:
-        new_from: Index in the new run's starting history where this agent run's own messages begin.
+        new_from: Index in the new run's starting history where this agent run's own messages begin (valid
+            across compactions: the stored and the carried histories only grow).
         usage: Usage of the earlier parts.
     """
 
@@ -176,7 +177,7 @@ def workflow_class(agent: DurableAgent[Any, Any], registered_name: str | None = 
         if params.continued is None:
             return AgentRunOutput(turn.result.output, turn.new_messages, turn.result.usage)
         # Continued as new: report the whole agent run, earlier parts included.
-        earlier = turn.state.history[params.continued.new_from:]
+        earlier = ModelMessagesTypeAdapter.dump_python(turn.state.messages[params.continued.new_from:], mode='json')
         return AgentRunOutput(turn.result.output, [*earlier, *turn.new_messages], params.continued.usage + turn.result.usage)
 
     # Temporal rejects run methods of local classes because it looks classes up by name; this one is
@@ -251,7 +252,7 @@ def conversation_activities(agent: DurableAgent[Any, Any]) -> list[Any]:
     @activity.defn(name=load_name)
     async def load(conversation_id: str) -> LoadedConversation:
         loaded = await load_conversation(agent, conversation_id)
-        _payload_guard.check_loaded(conversation_id, loaded.messages)  # DC030 here, not in a workflow task
+        _payload_guard.check_loaded(conversation_id, loaded.rows if loaded.rows is not None else loaded.messages)  # DC030 here, not in a workflow task
         return loaded
 
     @activity.defn(name=append_name)
@@ -268,28 +269,32 @@ def conversation_activities(agent: DurableAgent[Any, Any]) -> list[Any]:
 def continue_as_new_handler(agent: DurableAgent[Any, Any]) -> Any:
     """Continue the workflow as new when Temporal suggests it (history near 51,200 events / 50 MB).
 
-    Called by upstream `TemporalDurability` before a model request. With a conversation id, the
-    messages so far are appended to the store (in an activity) and the new run starts from the
-    conversation id alone; without one, the history so far rides in the new run's input.
+    Called by upstream `TemporalDurability` before a model request. The turn's messages so far are the
+    run's `TurnLog` (complete even when a history processor compacted `ctx.messages`). With a
+    conversation id, they are appended to the store (in an activity) and the new run starts from the
+    conversation id alone; without one, the starting history plus those messages ride in the new run's
+    input (the processor compacts again in the new run).
     """
 
     async def handler(ctx: Any) -> None:
         params, turn = _current_run.get(), current_turn()
         if params is None or turn is None:
             return
-        loaded_count = len(turn.history)
-        messages = ModelMessagesTypeAdapter.dump_python(list(ctx.messages), mode='json')
+        # The turn's messages so far by run (`_turn_log`), not `ctx.messages` sliced by an index: a history
+        # processor may have compacted `ctx.messages`, and the whole turn must be carried (or stored).
+        turn.log.observe(ctx.messages, getattr(ctx, 'run_id', None))
+        added = ModelMessagesTypeAdapter.dump_python(list(turn.log.messages), mode='json')
         earlier = params.continued
         continued = ContinuedRun(
-            earlier.new_from if earlier else loaded_count, (earlier.usage if earlier else RunUsage()) + ctx.usage
+            earlier.new_from if earlier else len(turn.messages), (earlier.usage if earlier else RunUsage()) + ctx.usage
         )
         if params.conversation_id is None:
-            workflow.continue_as_new(AgentRunInput(None, None, params.deps, messages, continued))
+            workflow.continue_as_new(AgentRunInput(None, None, params.deps, [*turn.history, *added], continued))
         info = workflow.info()
         _, append_name = conversation_activity_names(agent)
         await workflow.execute_activity(
             append_name,
-            AppendInput(params.conversation_id, messages[loaded_count:], turn.revision,
+            AppendInput(params.conversation_id, added, turn.revision,
                         f'{info.workflow_id}:{info.run_id}:continue-as-new', to_jsonable_python(ctx.usage)),
             result_type=int, **_APPEND_ACTIVITY_OPTIONS,
         )

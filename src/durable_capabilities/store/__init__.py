@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Self
 
@@ -68,6 +68,7 @@ __all__ = [
     'StoreURLError',
     'StoreUnavailableError',
     'StoredConversation',
+    'StoredJSON',
     'WriteRecord',
     'drift',
     'loaded_capability_ids',
@@ -295,6 +296,30 @@ class StoredConversation:
         return loaded_capability_ids(self.messages)
 
 
+@dataclass
+class StoredJSON:
+    """A conversation as `read_json` returns it: each message's stored JSON, not decoded.
+
+    Attributes:
+        conversation_id: Its id.
+        messages: One JSON text per message (an element of `ModelMessagesTypeAdapter.dump_json`), oldest
+            first: the whole history, or with `tail` only the messages after the known prefix.
+        entry_ids: The entry id of each message, aligned with `messages`.
+        revision: The integer revision to pass to `append(expected_revision=...)`.
+        message_count: Messages in the whole history.
+        tail: Whether `messages` are only the ones after the prefix `read_json(known=...)` named.
+        kinds: The entry kind of each row (`'message'`; another kind is a newer pydantic-ai's).
+    """
+
+    conversation_id: str
+    messages: list[str]
+    entry_ids: list[str]
+    revision: int
+    message_count: int
+    tail: bool = False
+    kinds: list[str] = field(default_factory=list)
+
+
 # ---- the store --------------------------------------------------------------------------------
 
 # The SQL work, imported here: `_store_sql` and `_store_schema` import the errors and results above from
@@ -374,6 +399,25 @@ class SQLConversationStore(ConversationStore):
         if limit is not None and limit < 0:
             raise ValueError('`limit` must not be negative')
         return await asyncio.to_thread(self._sql.read, conversation_id, limit, scope)
+
+    async def read_json(self, conversation_id: str, *, known: tuple[int, str] | None = None) -> StoredJSON:
+        """Read a conversation's messages as their stored JSON, without decoding them (what a load unit hands
+        to the run, which decodes once), in one transaction with the header checks of `read`.
+
+        Args:
+            conversation_id: The conversation.
+            known: `(message count, entry id of the last of them)` from an earlier `read_json`: when the
+                stored history still extends that prefix, only the messages after it are read (`tail=True`).
+
+        Returns:
+            A `StoredJSON`. Rows are not validated here: `decode_json` (or `ModelMessagesTypeAdapter`) does that.
+
+        Raises:
+            ConversationNotFoundError: not in the store (or deleted).
+            CorruptedRowError: the header disagrees with the rows, or the chain of entries is broken.
+            SchemaVersionError, StoreUnavailableError: see the class docstrings.
+        """
+        return await asyncio.to_thread(self._sql.read_json, conversation_id, known)
 
     async def append(
         self,

@@ -33,6 +33,7 @@ from . import (
     CorruptedRowError,
     SchemaVersionError,
     StoredConversation,
+    StoredJSON,
     StoreReadOnlyError,
     StoreUnavailableError,
     StoreURLError,
@@ -315,6 +316,28 @@ class _SQLBackend:
             entry_ids=[r.entry_id for r in rows],
             first_position=rows[0].position if rows else row.message_count + 1,
         )
+
+    def read_json(self, conversation_id: str, known: tuple[int, str] | None) -> StoredJSON:
+        """`read` without decoding: each message's stored JSON. With `known` (a message count and the entry id
+        of the last of them, from an earlier read), only the rows after them are read when the history still
+        extends that prefix (`StoredJSON.tail`); otherwise the whole history."""
+        with self._txn(write=False) as conn:
+            row = self._conversation_row(conn, conversation_id)
+            if row is None or row.deleted:
+                raise ConversationNotFoundError(conversation_id, ' (it was deleted)' if row is not None else '')
+            self._check_header(conn, row)
+            head = row.record.head_id
+            if known is not None and 0 < known[0] <= row.message_count and head is not None:
+                count, last = known
+                rows = self._history_rows(conn, head, row.message_count - count, conversation_id) if row.message_count > count else []
+                if (rows[0].parent_id if rows else head) == last:
+                    return StoredJSON(conversation_id, [r.message for r in rows], [r.entry_id for r in rows],
+                                      row.revision, row.message_count, tail=True, kinds=[r.kind for r in rows])
+            rows = [] if head is None else self._history_rows(conn, head, None, conversation_id)
+            if len(rows) != row.message_count:
+                raise _header_error(row, f'says {row.message_count} message(s) but its history has {len(rows)}')
+        return StoredJSON(conversation_id, [r.message for r in rows], [r.entry_id for r in rows], row.revision,
+                          row.message_count, tail=False, kinds=[r.kind for r in rows])
 
     def _check_header(self, conn: sa.Connection, row: _Row) -> None:
         """Check a live conversation row against its rows: its head entry is at position `message_count`, and

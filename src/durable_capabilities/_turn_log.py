@@ -1,0 +1,169 @@
+"""Which messages a run added, identified by run rather than by index into the run's message list.
+
+A history processor (upstream `ProcessHistory`, e.g. one writing a `CompactionPart`) rewrites the run's
+message list in place before a model request: messages before an index move or disappear, so
+`result.new_messages()` (an index) can start in the middle of the turn, without its prompt and with a
+tool return whose call was compacted away. `TurnRecorder`, attached to every built agent as the
+outermost capability, watches the run's message list at every model request and node and records, in
+the order they first appear, every message the run created (upstream stamps them with the run's
+`run_id`) and every message a capability introduced (the compaction), before any processor can drop
+them. The conversation store then keeps the whole turn plus the compaction, and grows only, as
+upstream's `ConversationStore` contract asks of a history a capability rewrote.
+
+`turn.run_turn` opens a `TurnLog` with `recording()` around the run; outside one the recorder does
+nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pydantic_ai.capabilities import AbstractCapability
+from pydantic_ai.capabilities.abstract import CapabilityOrdering
+from pydantic_ai.messages import ModelMessage
+
+
+@dataclass
+class TurnLog:
+    """The messages one agent run added, in the order they were created.
+
+    Attributes:
+        prior: The starting history (message objects the run was given); never recorded as new.
+        messages: The messages the run added so far (its prompt request, every response and tool
+            return request, and messages a history processor introduced such as a compaction), oldest first.
+        run_id: Upstream's id of the agent run (set at the first observation).
+    """
+
+    prior: list[Any] = field(default_factory=list)
+    messages: list[ModelMessage] = field(default_factory=list)
+    run_id: str | None = None
+    started: bool = False
+    _seen: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        self._keep: list[Any] = []  # every object whose id() is in the seen sets, so no id is reused
+        self._seen_parts: set[int] = set()
+        self._logged: dict[int, ModelMessage] = {}  # id of a message seen in the run's list -> what the log holds
+        for message in self.prior:
+            self._see(message)
+
+    def _see(self, message: Any) -> None:
+        self._seen.add(id(message))
+        self._keep.append(message)
+        for part in getattr(message, 'parts', ()):
+            self._seen_parts.add(id(part))
+            self._keep.append(part)
+
+    def start(self, messages: Iterable[ModelMessage], run_id: str | None) -> None:
+        """At the run's first observation (its history prepared, before any history processor ran): every
+        message the run holds that is not stamped with `run_id` is history (upstream may have merged or
+        repaired the given history into new objects), then `observe`."""
+        if self.started:
+            return
+        self.started, self.run_id = True, run_id or self.run_id
+        messages = list(messages)
+        for message in messages:
+            if self.run_id is None or getattr(message, 'run_id', None) != self.run_id:
+                self._see(message)
+        self.observe(messages)
+
+    def observe(self, messages: Iterable[ModelMessage], run_id: str | None = None) -> None:
+        """Record what `messages` (the run's current list) holds that was not seen before, in list order.
+
+        A message stamped with another run's id came from the history and is skipped. Any other message
+        not seen before is recorded with its parts not seen before: a request a processor or upstream's
+        normalization assembled from parts already seen (consecutive requests merged) adds nothing, a
+        compaction adds its new part, and a copy equal by value to a recorded message is skipped. The run's
+        own messages are appended in the order they appear; an unstamped one (a compaction) is inserted
+        before the first recorded message that follows it in `messages`, else appended.
+        """
+        if run_id is not None and self.run_id is None:
+            self.run_id = run_id
+        messages = list(messages)
+        for index, message in enumerate(messages):
+            if id(message) in self._seen:
+                continue
+            stamped = getattr(message, 'run_id', None)
+            new_parts = [p for p in getattr(message, 'parts', ()) if id(p) not in self._seen_parts]
+            self._see(message)
+            if stamped is not None and self.run_id is not None and stamped != self.run_id:
+                continue  # an earlier run's message (the history, or a copy of it)
+            if not new_parts or any(m == message for m in self.messages if m.kind == message.kind):
+                continue  # re-packaged parts already recorded, or a copy of a recorded message
+            recorded = replace(message, parts=new_parts) if len(new_parts) < len(message.parts) else message
+            self._logged[id(message)] = recorded
+            # A message a capability introduced (a compaction summary) goes where the list holds it: before the
+            # first recorded message it precedes, so the log keeps a summary ahead of the messages it kept.
+            follower = next((self._logged[id(m)] for m in messages[index + 1:] if id(m) in self._logged), None)
+            if stamped is None and follower is not None:
+                self.messages.insert(next(k for k, m in enumerate(self.messages) if m is follower), recorded)
+            else:
+                self.messages.append(recorded)
+
+
+_current: ContextVar[TurnLog | None] = ContextVar('durcap_turn_log', default=None)
+
+
+@contextmanager
+def recording(prior: Iterable[Any] | None = None) -> Iterator[TurnLog]:
+    """Record the messages the agent run inside the block adds (see the module docstring).
+
+    Args:
+        prior: The history the run starts from (message objects), never recorded.
+
+    Yields:
+        The `TurnLog`, complete once the run returned (`observe` its `all_messages()` last).
+    """
+    log = TurnLog(list(prior or []))
+    token = _current.set(log)
+    try:
+        yield log
+    finally:
+        _current.reset(token)
+
+
+def current_log() -> TurnLog | None:
+    """The `TurnLog` of the run in this context (`None` outside `recording`)."""
+    return _current.get()
+
+
+def _observe(ctx: Any) -> None:
+    log = _current.get()
+    if log is None:
+        return
+    if log.started:
+        log.observe(ctx.messages, getattr(ctx, 'run_id', None))
+    else:
+        log.start(ctx.messages, getattr(ctx, 'run_id', None))
+
+
+@dataclass
+class TurnRecorder(AbstractCapability[Any]):
+    """Records the run's messages into the current `TurnLog` before a history processor can rewrite them.
+
+    Outermost, so its `before_model_request` runs before any processor's; it also observes after every
+    model request and node. Adds no tools, instructions or durable units.
+    """
+
+    def get_ordering(self) -> CapabilityOrdering | None:
+        return CapabilityOrdering(position='outermost')
+
+    async def before_model_request(self, ctx: Any, request_context: Any) -> Any:
+        _observe(ctx)
+        return request_context
+
+    async def after_model_request(self, ctx: Any, *, request_context: Any, response: Any) -> Any:
+        _observe(ctx)
+        return response
+
+    async def after_node_run(self, ctx: Any, *, node: Any, result: Any) -> Any:
+        _observe(ctx)
+        return result
+
+    @classmethod
+    def get_serialization_name(cls) -> str | None:
+        return None
