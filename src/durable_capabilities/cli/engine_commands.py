@@ -214,7 +214,7 @@ def _worker_command(engine: str) -> Any:
 
     def worker(
         target: Annotated[str, typer.Argument(help=TARGET_HELP)],
-        task_queue: Annotated[str, typer.Option(help='Task queue to poll.')] = 'durcap',
+        task_queue: Annotated[str, typer.Option(help='Task queue to poll (DBOS: the queue to serve).')] = 'durcap',
         address: Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS or 127.0.0.1:7233).')] = None,
         namespace: Annotated[str, typer.Option(help='Temporal namespace.')] = 'default',
         graceful_shutdown: Annotated[float, typer.Option(help='Seconds in-flight activities get to finish after SIGTERM.')] = 30.0,
@@ -222,6 +222,9 @@ def _worker_command(engine: str) -> Any:
         allow_drift: Annotated[bool, typer.Option('--allow-drift', help='Start even when durable unit names differ from the lockfile.')] = False,
         store: Annotated[str | None, typer.Option('--store', help='Conversation store URL for runs with a conversation id '
                                                   '(default: $DURCAP_STORE or sqlite:///.durcap/conversations.db).')] = None,
+        db: Annotated[str | None, typer.Option(help='DBOS system database URL (default: SQLite .durcap/dbos.sqlite).')] = None,
+        executor_id: Annotated[str | None, typer.Option('--executor-id', help='DBOS executor id; its pending workflows '
+                                                        'are recovered at start (default: local, as DBOS does).')] = None,
     ) -> None:
         """Validate TARGET and serve its workflows and activities; refuse to start on any error or lockfile drift;
         drain on SIGTERM."""
@@ -233,11 +236,11 @@ def _worker_command(engine: str) -> Any:
         if store:
             os.environ['DURCAP_STORE'] = store  # the conversation units run in this process
         settings = {'address': address, 'task_queue': task_queue, 'namespace': namespace,
-                    'graceful_shutdown': graceful_shutdown}
+                    'graceful_shutdown': graceful_shutdown, 'db': db, 'executor_id': executor_id}
         try:
             get(engine).serve_worker(agents, RunOptions(settings=settings, notify=_err.print))
         except (OSError, RuntimeError) as exc:
-            _unusable(f'cannot serve {address}: {exc}')
+            _unusable(f'cannot serve {engine}: {exc}')
         _err.print('worker drained and stopped')
         sys.stdout.flush()
         sys.stderr.flush()
