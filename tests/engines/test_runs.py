@@ -139,3 +139,72 @@ def test_dbos_worker_recovers_its_executors_pending_workflow(postgres_url: str, 
         if worker is not None:
             kill9(worker)
     assert_exactly_once(crash_dir)
+
+
+def stored_history(store: str, conversation: str) -> dict:
+    """The conversation as `durcap history show --format json` prints it (a real read of the store)."""
+    result = durcap('history', 'show', conversation, '--store', store, '--format', 'json', env=env_with(), timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(result.stdout)
+
+
+def run_killed_mid_tool(engine: str, tmp_path: Path, extra_args: list[str], env: dict[str, str]) -> tuple[str, Path]:
+    """Start `durcap run --engine ENGINE` of the crash agent, read its run id from the first lines, SIGKILL it inside
+    `slow_export` (after `charge` completed); returns the run id and the crash dir."""
+    crash_dir = Path(env['DURCAP_CRASH_DIR'])
+    log = tmp_path / f'{engine}-run.log'
+    proc = start(['run', CRASH, 'charge order A-1 and export', '--engine', engine, *extra_args], log, env)
+    try:
+        label = {'dbos': 'dbos workflow id: ', 'prefect': 'prefect flow run id: '}[engine]
+        line = wait_text(log, label, proc, 120)
+        run_id = line.split(label)[1].split()[0]
+        wait_file(crash_dir / 'slow-started', 120)
+        assert not (crash_dir / 'model-requests').read_text().count('3'), 'the run got past the slow tool'
+    finally:
+        kill9(proc)
+    return run_id, crash_dir
+
+
+@pytest.mark.parametrize('engine', ['dbos', 'prefect'])
+def test_run_killed_mid_tool_is_resumed_by_runs_resume(engine: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """`kill -9` of `durcap run` inside a tool, then `durcap runs show` (running, with the capability it loaded and
+    the units done) and `durcap runs resume ID`: the run completes, its turn is stored once in the conversation,
+    `charge` (checkpointed before the kill) ran once and no model request ran again."""
+    from tests.engines.test_crash import crash_env
+
+    crash, _ = crash_env(tmp_path)
+    store = f'sqlite:///{tmp_path / "conversations.db"}'
+    env = env_with(**crash, DURCAP_STORE=store)
+    conversation = f'conv-{uuid.uuid4().hex[:8]}'
+    if engine == 'dbos':
+        conn = ['--db', request.getfixturevalue('postgres_url')]
+    else:
+        env |= {'PREFECT_API_URL': request.getfixturevalue('prefect_api_url'),
+                'PREFECT_HOME': str(tmp_path / 'prefect-home'),
+                'PREFECT_LOCAL_STORAGE_PATH': str(tmp_path / 'prefect-results')}
+        conn = []
+    run_id, crash_dir = run_killed_mid_tool(engine, tmp_path, ['--conversation', conversation, *conn], env)
+
+    shown = durcap('runs', 'show', run_id, '--engine', engine, '--format', 'json', *conn, env=env)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    info = json.loads(shown.stdout)
+    assert info['status'] in ('running', 'failed'), info  # Prefect may already call a vanished process's run crashed
+    assert info['conversation_id'] == conversation
+    assert info['agent'] == crash['DURCAP_CRASH_AGENT']
+    assert info['units_done'] >= 3, info  # at least the load, two model requests before the charge
+    listed = durcap('runs', 'list', '--engine', engine, '--format', 'json', *conn, env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert run_id in [json.loads(line)['run_id'] for line in listed.stdout.splitlines()]
+
+    resumed = durcap('runs', 'resume', run_id, '--engine', engine, '--target', CRASH, *conn, env=env)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f'answer ({engine}): charged and exported' in resumed.stdout
+    assert 'capabilities loaded in this run: ops' in resumed.stdout
+    assert_exactly_once(crash_dir)
+    history = stored_history(store, conversation)
+    assert len(history['writes']) == 1, history['writes']  # the turn was appended once
+    prompts = [p for m in history['messages'] for p in m['parts'] if p['part_kind'] == 'user-prompt']
+    assert len(prompts) == 1, prompts
+
+    done = json.loads(durcap('runs', 'show', run_id, '--engine', engine, '--format', 'json', *conn, env=env).stdout)
+    assert done['status'] == 'completed' and done['capabilities'] == ['ops'], done

@@ -43,10 +43,10 @@ def demo_target() -> Path:
     """The support example's `agent.py`: in an installed wheel `durable_capabilities/_examples/support` (the
     `[tool.hatch.build.targets.wheel.sources]` mapping of pyproject.toml), else (an editable install or a
     source checkout) `examples/support` of the checkout."""
-    shipped = Path(__file__).resolve().parent / '_examples' / 'support' / 'agent.py'
+    shipped = Path(__file__).resolve().parents[1] / '_examples' / 'support' / 'agent.py'
     if shipped.is_file():
         return shipped
-    return Path(__file__).resolve().parents[2] / 'examples' / 'support' / 'agent.py'
+    return Path(__file__).resolve().parents[3] / 'examples' / 'support' / 'agent.py'
 
 
 def _engine_option(help: str) -> Any:
@@ -81,6 +81,7 @@ def _temporal_address(address: str | None) -> str | None:
 async def _run_on(
     agent: DurableAgent[Any, Any], prompt: str, engine: str, deps: Any, *, address: str | None, task_queue: str,
     db: str | None, inline_worker: bool, conversation_id: str | None = None, store: str | None = None,
+    started: list[str] | None = None,
 ) -> RunReport:
     """One run through the runner; the engine's notes (e.g. which store its worker uses) printed first."""
     from .. import runner
@@ -90,7 +91,7 @@ async def _run_on(
     for note in get(engine).run_notes(RunOptions(deps, None, conversation_id, None, settings)):
         _err.print(note)
     return await runner.run(agent, prompt, engine=engine, deps=deps, conversation_id=conversation_id,
-                            notify=_err.print, **settings)
+                            notify=_err.print, on_start=None if started is None else started.append, **settings)
 
 
 def _adapter(engine: str) -> Any:
@@ -112,6 +113,16 @@ def _print_run(report: RunReport) -> None:
             _out.print(f'  {name}')
     _out.print(f'usage: {report.usage.requests} requests, {report.usage.input_tokens} input tokens, '
                f'{report.usage.output_tokens} output tokens')
+
+
+def _interrupted(engine: str, run_id: str | None, target: str, *, address: str | None, db: str | None) -> str:
+    """What `durcap run` says when interrupted: how to find, resume or cancel the run it started."""
+    if run_id is None:
+        return 'interrupted before the run started on the engine: nothing to resume'
+    where = f' --engine {engine}' + (f' --address {address}' if address else '') + (f' --db {db}' if db else '')
+    return (f'interrupted; the run goes on in {engine} ({_adapter(engine).run_id_label} {run_id}): '
+            f'find it with `durcap runs show {run_id}{where}`, finish it with `durcap runs resume {run_id}{where} '
+            f'--target {target}`, or cancel it with `durcap runs cancel {run_id}{where}`')
 
 
 @app.command()
@@ -145,10 +156,12 @@ def run(
         _unusable(f'{agent.name!r} takes deps of type {agent.deps_type.__name__}: pass them with --deps-json')
     if store:
         os.environ['DURCAP_STORE'] = store  # read where the store I/O runs (this process, or an inline worker)
+    started: list[str] = []
     try:
         report = asyncio.run(_run_on(
             agent, prompt, engine, _deps(agent, deps_json), address=_temporal_address(address),
             task_queue=task_queue, db=db, inline_worker=inline_worker, conversation_id=conversation, store=store,
+            started=started,
         ))
     except DurableConfigError as exc:
         _print_text(exc.report, exc.subject)
@@ -156,7 +169,7 @@ def run(
     except StoreError as exc:
         _unusable(str(exc).splitlines()[0])
     except KeyboardInterrupt:
-        _err.print(f'interrupted; a durable run goes on in its engine (see the {_adapter(engine).run_id_label} above)')
+        _err.print(_interrupted(engine, started[0] if started else None, target, address=address, db=db), markup=False)
         raise typer.Exit(130) from None
     except Exception as exc:  # noqa: BLE001 - the run failed in the engine: one line, no traceback
         cause = exc

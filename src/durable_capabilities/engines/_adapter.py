@@ -117,6 +117,8 @@ class RunOptions:
         settings: Engine settings by name, e.g. `address`, `task_queue`, `inline_worker`, `namespace` (Temporal)
             or `db` (DBOS); an engine ignores the ones it does not know.
         notify: Where an engine reports what it does on the user's behalf (one line; default stderr).
+        on_start: Called with the run id the moment the engine has the run (before any of its work), so a caller
+            interrupted later can say how to find, resume or cancel it.
     """
 
     deps: Any = None
@@ -125,6 +127,13 @@ class RunOptions:
     run_id: str | None = None
     settings: Mapping[str, Any] = field(default_factory=dict)
     notify: Callable[[str], None] = _stderr
+    on_start: Callable[[str], None] | None = None
+
+    def started(self, run_id: str, line: str) -> None:
+        """An adapter reports its run's id: `on_start(run_id)`, then `line` (naming the id) to `notify`."""
+        if self.on_start is not None:
+            self.on_start(run_id)
+        self.notify(line)
 
     def setting(self, name: str, default: Any = None) -> Any:
         """`settings[name]`, or `default` when absent or `None`."""

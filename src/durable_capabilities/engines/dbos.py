@@ -505,8 +505,7 @@ class DBOSAdapter(EngineAdapter):
                executor_id=options.setting('executor_id'))
         try:
             workflow_id = options.run_id or f'{agent.name}-{uuid.uuid4()}'
-            options.notify(f'dbos workflow id: {workflow_id} (executor {DBOS.executor_id}; find it with '
-                           f'`durcap runs show {workflow_id} --engine dbos`)')
+            options.started(workflow_id, f'dbos workflow id: {workflow_id} (executor {DBOS.executor_id})')
             history = options.message_history
             history_json = ModelMessagesTypeAdapter.dump_python(list(history), mode='json') if history else None
             deps = to_jsonable_python(options.deps) if options.deps is not None else None
@@ -612,6 +611,9 @@ class DBOSAdapter(EngineAdapter):
         """Resume the workflow on this process's own DBOS queue (a fresh executor id, no other queue served) and
         wait for its result: recorded steps return their recorded results, the rest run once."""
         info = await self.show_run(run_id, options.settings)
+        if not agents:
+            raise RuntimeError(f'pass --target TARGET (the definition of agent {info.agent!r}): DBOS runs the rest of '
+                               f'workflow {run_id} with its code')
         if info.status == 'completed':
             options.notify(f'dbos workflow {run_id} had already completed')
         elif info.status in ('running', 'queued') and not info.detail.get('orphaned') and info.detail.get(
@@ -628,7 +630,7 @@ class DBOSAdapter(EngineAdapter):
                executor_id=options.setting('executor_id'))
         try:
             if info.status != 'completed':
-                DBOS.register_queue(queue)
+                await DBOS.register_queue_async(queue)
                 options.notify(f'resuming dbos workflow {run_id} as executor {DBOS.executor_id}')
                 handle = await DBOS.resume_workflow_async(run_id, queue_name=queue)
             else:
