@@ -208,3 +208,73 @@ def test_run_killed_mid_tool_is_resumed_by_runs_resume(engine: str, tmp_path: Pa
 
     done = json.loads(durcap('runs', 'show', run_id, '--engine', engine, '--format', 'json', *conn, env=env).stdout)
     assert done['status'] == 'completed' and done['capabilities'] == ['ops'], done
+
+
+@pytest.mark.parametrize('engine', ['dbos', 'prefect'])
+def test_runs_list_show_cancel_a_run_in_flight(engine: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """While `durcap run` is inside its side effect: `runs list --status running` and `runs show` find it (agent,
+    capability loaded, units done); `runs cancel` cancels it on the engine."""
+    ledger = tmp_path / 'ledger'
+    env = env_with(DURCAP_LEDGER_DIR=str(ledger), DURCAP_LEDGER_AGENT=f'ledger-{uuid.uuid4().hex[:6]}',
+                   DURCAP_LEDGER_CHARGE_SECONDS='120')
+    if engine == 'dbos':
+        conn = ['--db', request.getfixturevalue('postgres_url')]
+    else:
+        env |= {'PREFECT_API_URL': request.getfixturevalue('prefect_api_url'),
+                'PREFECT_HOME': str(tmp_path / 'prefect-home'),
+                'PREFECT_LOCAL_STORAGE_PATH': str(tmp_path / 'prefect-results')}
+        conn = []
+    log = tmp_path / 'run.log'
+    proc = start(['run', LEDGER, 'charge order C-3', '--engine', engine, *conn], log, env)
+    try:
+        label = {'dbos': 'dbos workflow id: ', 'prefect': 'prefect flow run id: '}[engine]
+        run_id = wait_text(log, label, proc, 120).split(label)[1].split()[0]
+        wait_file(ledger / 'charge-started-C-3', 120)
+        listed = durcap('runs', 'list', '--engine', engine, '--status', 'running', '--format', 'json', *conn, env=env)
+        assert listed.returncode == 0, listed.stderr
+        runs = {r['run_id']: r for r in map(json.loads, listed.stdout.splitlines())}
+        assert run_id in runs, listed.stdout
+        assert runs[run_id]['agent'] == env['DURCAP_LEDGER_AGENT'] and runs[run_id]['status'] == 'running'
+        text = durcap('runs', 'list', '--engine', engine, *conn, env=env)
+        assert run_id in text.stdout and 'running' in text.stdout, text.stdout
+        shown = durcap('runs', 'show', run_id, '--engine', engine, *conn, env=env)
+        assert shown.returncode == 0, shown.stderr
+        assert f'id: {run_id}' in shown.stdout and 'status: running' in shown.stdout, shown.stdout
+        if engine == 'dbos':  # DBOS records model responses as step outputs: the load is visible mid-run
+            assert 'capabilities loaded: billing' in shown.stdout, shown.stdout
+        cancelled = durcap('runs', 'cancel', run_id, '--engine', engine, *conn, env=env)
+        assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+        assert f'{run_id}: cancelled' in cancelled.stdout, cancelled.stdout
+        after = json.loads(durcap('runs', 'show', run_id, '--engine', engine, '--format', 'json', *conn, env=env).stdout)
+        assert after['status'] == 'cancelled', after
+        assert run_id not in durcap('runs', 'list', '--engine', engine, '--status', 'running', *conn, env=env).stdout
+    finally:
+        kill9(proc)
+
+
+def test_temporal_run_without_worker_says_so_and_runs_finds_and_cancels_it(temporal_address: str, tmp_path: Path) -> None:
+    """`durcap run --engine temporal` on a task queue nobody polls: the workflow id at once, the no-poller notice
+    within 5 s, and it keeps waiting; `runs list/show` find it (with the same hint), `runs cancel` ends it."""
+    queue = f'nobody-{uuid.uuid4().hex[:8]}'
+    env = env_with(DURCAP_LEDGER_DIR=str(tmp_path / 'ledger'), DURCAP_LEDGER_AGENT=f'ledger-{uuid.uuid4().hex[:6]}')
+    log = tmp_path / 'run.log'
+    conn = ['--address', temporal_address]
+    proc = start(['run', LEDGER, 'charge order D-4', '--engine', 'temporal', '--task-queue', queue, *conn], log, env)
+    try:
+        line = wait_text(log, 'temporal workflow id: ', proc, 120)
+        started = time.monotonic()
+        run_id = line.split('temporal workflow id: ')[1].split()[0]
+        notice = wait_text(log, 'no worker polls task queue', proc, 5.5)
+        assert time.monotonic() - started <= 5.5 and queue in notice, notice
+        assert proc.poll() is None, 'the run stopped waiting'
+        listed = durcap('runs', 'list', '--engine', 'temporal', '--status', 'running', '--format', 'json', *conn, env=env)
+        assert listed.returncode == 0, listed.stderr
+        assert run_id in [json.loads(x)['run_id'] for x in listed.stdout.splitlines()], listed.stdout
+        shown = durcap('runs', 'show', run_id, '--engine', 'temporal', *conn, env=env)
+        assert 'status: running' in shown.stdout and f'no worker polls task queue {queue!r}' in shown.stdout, shown.stdout
+        cancelled = durcap('runs', 'cancel', run_id, '--engine', 'temporal', *conn, env=env)
+        assert cancelled.returncode == 0 and f'{run_id}: cancelled' in cancelled.stdout, cancelled.stdout + cancelled.stderr
+        assert proc.wait(timeout=60) == 1
+        assert 'the run failed on temporal' in log.read_text()
+    finally:
+        kill9(proc)
