@@ -51,13 +51,16 @@ def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
     _append('model-requests', f'{order}:{sum(1 for m in messages if m.kind == "response")}')
     returned = [p.tool_name for m in messages for p in getattr(m, 'parts', []) if isinstance(p, ToolReturnPart)]
     if 'load_capability' not in returned:
-        return ModelResponse(parts=[ToolCallPart('load_capability', {'id': 'billing'})])
+        return ModelResponse(parts=[ToolCallPart('load_capability', {'id': CAPABILITY})])
     if 'charge' not in returned:
         return ModelResponse(parts=[ToolCallPart('charge', {'order_id': order})])
     return ModelResponse(parts=[TextPart(f'charged {order}')])
 
 
-billing = Capability(id='billing', description='Use for charging orders.', instructions='Charge once.', defer_loading=True)
+CAPABILITY = os.environ.get('DURCAP_LEDGER_CAPABILITY', 'billing')
+"""The capability's id (`$DURCAP_LEDGER_CAPABILITY`, default `billing`): a test can give it a real-looking one."""
+
+billing = Capability(id=CAPABILITY, description='Use for charging orders.', instructions='Charge once.', defer_loading=True)
 
 
 @billing.tool_plain

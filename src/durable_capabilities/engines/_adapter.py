@@ -226,11 +226,13 @@ class EngineAdapter(ABC):
         """
         raise NotImplementedError(f'engine {self.name!r} has no worker')
 
-    def serve_dev_server(self, port: int, state_dir: Any, notify: Callable[[str], None]) -> None:
-        """Run the engine's local development server on `port` (state in `state_dir`) until SIGTERM / Ctrl-C.
+    def serve_dev_server(self, port: int, state_dir: Any, notify: Callable[[str], None], ui_port: int | None = None) -> None:
+        """Run the engine's local development server on `port` (state in `state_dir`, web UI on `ui_port` if the
+        engine has one) until SIGTERM / Ctrl-C; the server dies with this process.
 
         Raises:
-            FileNotFoundError / RuntimeError / TimeoutError: the server cannot start or exited (message: one line).
+            OSError: the port is held by another process; the server cannot start (FileNotFoundError: not installed).
+            RuntimeError / TimeoutError: the server cannot start or exited (message: one line).
         """
         raise NotImplementedError(f'engine {self.name!r} has no dev server')
 
@@ -369,8 +371,8 @@ class LazyAdapter(EngineAdapter):
     def serve_worker(self, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> None:
         return self.loaded.serve_worker(agents, options)
 
-    def serve_dev_server(self, port: int, state_dir: Any, notify: Callable[[str], None]) -> None:
-        return self.loaded.serve_dev_server(port, state_dir, notify)
+    def serve_dev_server(self, port: int, state_dir: Any, notify: Callable[[str], None], ui_port: int | None = None) -> None:
+        return self.loaded.serve_dev_server(port, state_dir, notify, ui_port)
 
     def serve_schedule(self, agent: DurableAgent[Any, Any], **kwargs: Any) -> None:
         return self.loaded.serve_schedule(agent, **kwargs)

