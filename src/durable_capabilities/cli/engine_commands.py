@@ -75,7 +75,7 @@ def _deps(agent: DurableAgent[Any, Any], deps_json: str | None) -> Any:
 
 
 def _temporal_address(address: str | None) -> str | None:
-    return address or os.environ.get('DURCAP_TEMPORAL_ADDRESS') or os.environ.get('TEMPORAL_ADDRESS')
+    return address or os.environ.get('DURCAP_TEMPORAL_ADDRESS') or os.environ.get('TEMPORAL_ADDRESS') or None
 
 
 async def _run_on(
@@ -318,8 +318,11 @@ def _schedule_command(engine: str) -> Any:
         agent = agents[0]
         deps = json.loads(deps_json) if deps_json else None
         _deps(agent, deps_json)  # validates
-        get(engine).serve_schedule(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval, deps=deps,
-                                   deployment_name=name, notify=_err.print)
+        try:
+            get(engine).serve_schedule(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval,
+                                       deps=deps, deployment_name=name, notify=_err.print)
+        except RuntimeError as exc:
+            _unusable(str(exc).splitlines()[0])
 
     schedule.__name__ = f'schedule_{engine}'
     return schedule

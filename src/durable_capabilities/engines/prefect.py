@@ -502,7 +502,17 @@ class PrefectAdapter(EngineAdapter):
         self, agent: DurableAgent[Any, Any], *, target: str, prompt: str, cron: str | None, interval_seconds: float | None,
         deps: Any, deployment_name: str | None, notify: Callable[[str], None],
     ) -> None:
-        """A scheduled deployment of the agent's flow, served by `prefect.serve` (see `serve`)."""
+        """A scheduled deployment of the agent's flow, served by `prefect.serve` (see `serve`).
+
+        Raises:
+            RuntimeError: no Prefect API is configured (`PREFECT_API_URL` in the environment or the Prefect
+                profile): a schedule on Prefect's temporary local server would never run.
+        """
+        from prefect.settings import get_current_settings
+
+        if not get_current_settings().api.url:
+            raise RuntimeError('no Prefect API configured: a schedule needs a Prefect server that outlives this command. '
+                               'Start one (`prefect server start`) and set PREFECT_API_URL=http://127.0.0.1:4200/api')
         notify(f'serving deployment {deployment_name or agent.name + "-scheduled"!r} of flow {flow_name(agent)} '
                f'({"cron " + cron if cron else f"every {interval_seconds:g} s"}); Ctrl-C or SIGTERM to stop')
         serve(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval_seconds, deps=deps,
