@@ -18,7 +18,6 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 CAPABILITIES_SEARCH_ATTRIBUTE = 'DurcapCapabilities'
 """Temporal search attribute (KeywordList) holding a run's loaded capability ids; the dev servers started here
 register it. On another server: `temporal operator search-attribute create --name DurcapCapabilities --type KeywordList`."""

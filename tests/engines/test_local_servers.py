@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 
 from durable_capabilities._servers import free_port, port_open
-from tests.engines.test_runs import DURCAP, LEDGER, ROOT, env_with, kill9, start, wait_text
+from tests.engines.test_runs import (
+    DURCAP,
+    LEDGER,
+    ROOT,
+    env_with,
+    kill9,
+    start,
+    wait_text,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal, overload
 
-from ._adapter import RUN_STATUSES, EngineAdapter, LazyAdapter, RunInfo, RunNotFoundError, RunOptions
+from ._adapter import (
+    RUN_STATUSES,
+    EngineAdapter,
+    LazyAdapter,
+    RunInfo,
+    RunNotFoundError,
+    RunOptions,
+)
 
 __all__ = [
     'ALL_ENGINES', 'DURABLE_ENGINES', 'ENGINES', 'RUN_STATUSES', 'EngineAdapter', 'LazyAdapter', 'RunInfo',

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
+from datetime import UTC
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
@@ -33,7 +34,14 @@ from pydantic_ai.toolsets import AbstractToolset, FunctionToolset, WrapperToolse
 from .. import _registry
 from ..turn import RunReport, Turn, deps_from_json, run_turn
 from . import _mcp
-from ._adapter import EngineAdapter, RunInfo, RunNotFoundError, RunOptions, leaf_kinds, loaded_capabilities_in
+from ._adapter import (
+    EngineAdapter,
+    RunInfo,
+    RunNotFoundError,
+    RunOptions,
+    leaf_kinds,
+    loaded_capabilities_in,
+)
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
@@ -557,7 +565,7 @@ class DBOSAdapter(EngineAdapter):
         return DBOSClient(system_database_url=system_database_url(settings.get('db')))
 
     async def _info(self, client: Any, status: Any, with_steps: bool = True) -> RunInfo:
-        from datetime import datetime, timezone
+        from datetime import datetime
 
         steps = await client.list_workflow_steps_async(status.workflow_id) if with_steps else []
         name = status.name or ''
@@ -568,11 +576,11 @@ class DBOSAdapter(EngineAdapter):
         outputs = [status.output] + [step.get('output') for step in steps]
         engine_status = str(status.status)
         gone = engine_status in ('PENDING', 'ENQUEUED') and executor_process_gone(status.executor_id)
-        notes = [f'its process ({status.executor_id}) is gone: finish it with `durcap runs resume '
-                 f'{status.workflow_id} --engine dbos --target TARGET`, or by a `durcap worker dbos`'] if gone else []
+        notes = [(f'its process ({status.executor_id}) is gone: finish it with `durcap runs resume '
+                  f'{status.workflow_id} --engine dbos --target TARGET`, or by a `durcap worker dbos`')] if gone else []
         return RunInfo(
             'dbos', status.workflow_id, agent, _DBOS_STATUS.get(engine_status, 'running'), engine_status,
-            datetime.fromtimestamp(status.created_at / 1000, timezone.utc) if status.created_at else None,
+            datetime.fromtimestamp(status.created_at / 1000, UTC) if status.created_at else None,
             loaded_capabilities_in(outputs), conversation, sum(1 for step in steps if step.get('error') is None), notes,
             {'executor_id': status.executor_id, 'queue': status.queue_name, 'workflow_name': name,
              'app_version': status.app_version, 'orphaned': gone},

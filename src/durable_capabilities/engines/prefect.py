@@ -30,7 +30,14 @@ from pydantic_ai.tools import RunContext
 from .. import _registry
 from ..turn import RunReport, deps_from_json, run_turn
 from . import _mcp
-from ._adapter import EngineAdapter, RunInfo, RunNotFoundError, RunOptions, leaf_kinds, loaded_capabilities_in
+from ._adapter import (
+    EngineAdapter,
+    RunInfo,
+    RunNotFoundError,
+    RunOptions,
+    leaf_kinds,
+    loaded_capabilities_in,
+)
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
@@ -311,7 +318,7 @@ async def _run_flow_run(flow_: Any, flow_run_id: Any, parameters: dict[str, Any]
 
     async with get_client() as client:
         flow_run = await client.read_flow_run(flow_run_id)
-    state = await run_flow_async(flow_, flow_run=flow_run, parameters=parameters, return_type='state')
+    state: Any = await run_flow_async(flow_, flow_run=flow_run, parameters=parameters, return_type='state')
     payload = await state.result()
     model_requests = sum(1 for m in payload['new_messages'] if m.get('kind') == 'response')
     task_runs = await _settled_task_runs(flow_run_id, model_requests)
@@ -400,7 +407,12 @@ class PrefectAdapter(EngineAdapter):
     # ---- runs ----------------------------------------------------------------------------------------------
 
     async def _runs(self, client: Any, flow_runs: list[Any]) -> list[RunInfo]:
-        from prefect.client.schemas.filters import FlowFilter, FlowFilterId, FlowRunFilter, FlowRunFilterId
+        from prefect.client.schemas.filters import (
+            FlowFilter,
+            FlowFilterId,
+            FlowRunFilter,
+            FlowRunFilterId,
+        )
 
         flow_ids = list({r.flow_id for r in flow_runs})
         flows = {f.id: f.name for f in await client.read_flows(flow_filter=FlowFilter(id=FlowFilterId(any_=flow_ids)))} \
@@ -436,6 +448,7 @@ class PrefectAdapter(EngineAdapter):
             FlowFilter,
             FlowFilterName,
             FlowRunFilter,
+            FlowRunFilterState,
             FlowRunFilterStateType,
         )
         from prefect.client.schemas.objects import StateType
@@ -448,10 +461,15 @@ class PrefectAdapter(EngineAdapter):
                 return []
             from prefect.client.schemas.filters import FlowFilterId
 
-            run_filter = None
+            from datetime import UTC, datetime
+
+            from prefect.client.schemas.filters import FlowRunFilterExpectedStartTime
+
+            # Runs due by now: a schedule's future runs are not runs yet (and would fill the list).
+            run_filter = FlowRunFilter(expected_start_time=FlowRunFilterExpectedStartTime(before_=datetime.now(UTC)))
             if status:
                 types = [StateType[k] for k, v in _PREFECT_STATUS.items() if v == status]
-                run_filter = FlowRunFilter(state=dict(type=FlowRunFilterStateType(any_=types)))
+                run_filter.state = FlowRunFilterState(type=FlowRunFilterStateType(any_=types))
             runs = await client.read_flow_runs(
                 flow_filter=FlowFilter(id=FlowFilterId(any_=[f.id for f in flows])), flow_run_filter=run_filter,
                 sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=limit)

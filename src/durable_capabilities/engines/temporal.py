@@ -47,7 +47,13 @@ from ..conversations import LoadedConversation
 from ..store._claim_check import ClaimCheckCodec  # noqa: F401 - public here: the codec `connect` installs
 from ..turn import RunReport, current_turn, run_turn
 from . import _mcp, _payload_guard
-from ._adapter import EngineAdapter, RunInfo, RunNotFoundError, RunOptions, loaded_capabilities_in
+from ._adapter import (
+    EngineAdapter,
+    RunInfo,
+    RunNotFoundError,
+    RunOptions,
+    loaded_capabilities_in,
+)
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
@@ -619,7 +625,7 @@ async def _await_result(client: Client, address: str, namespace: str, workflow_i
             if failures % 5 == 0:
                 try:
                     client = await connect(address, namespace)
-                except Exception:  # noqa: BLE001 - still down: keep trying
+                except Exception:  # noqa: BLE001, S112 - still down: keep trying
                     continue
 
 
@@ -731,7 +737,7 @@ class TemporalAdapter(EngineAdapter):
         async with AsyncExitStack() as stack:
             if inline_worker:
                 await stack.enter_async_context(make_worker(client, [agent], task_queue))
-            handle = await start_run(
+            await start_run(
                 client, agent, prompt, task_queue=task_queue, workflow_id=workflow_id, deps=options.deps,
                 message_history=list(options.message_history) if options.message_history else None,
                 conversation_id=options.conversation_id, namespace=namespace,
@@ -825,14 +831,14 @@ class TemporalAdapter(EngineAdapter):
                         try:
                             (params,) = await client.data_converter.decode(payloads, [AgentRunInput])
                             conversation = params.conversation_id
-                        except Exception:  # noqa: BLE001 - not a durcap input: nothing to show
+                        except Exception:  # noqa: BLE001, S110 - not a durcap input: nothing to show
                             pass
                 elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED and not caps:
                     payloads = event.workflow_execution_completed_event_attributes.result.payloads
                     try:
                         (output,) = await client.data_converter.decode(payloads, [AgentRunOutput])
                         caps = loaded_capabilities_in([output.new_messages])
-                    except Exception:  # noqa: BLE001
+                    except Exception:  # noqa: BLE001, S110 - not a durcap result: no capabilities to show
                         pass
         notes: list[str] = []
         if engine_status == 'RUNNING':
@@ -841,7 +847,7 @@ class TemporalAdapter(EngineAdapter):
                     notes.append(f'no worker polls task queue {description.task_queue!r}: start `durcap worker temporal '
                                  f'TARGET --task-queue {description.task_queue}` or `durcap runs resume {description.id} '
                                  '--engine temporal --target TARGET`')
-            except Exception:  # noqa: BLE001 - a hint only
+            except Exception:  # noqa: BLE001, S110 - a hint only
                 pass
         return RunInfo(
             'temporal', description.id, agent, _TEMPORAL_STATUS.get(engine_status, 'running'), engine_status,
@@ -881,7 +887,8 @@ class TemporalAdapter(EngineAdapter):
             if await task_queue_pollers(client, client.namespace, info.detail['task_queue']):
                 await handle.cancel()
                 for _ in range(50):
-                    if (await handle.describe()).status.name != 'RUNNING':
+                    status = (await handle.describe()).status
+                    if status is not None and status.name != 'RUNNING':
                         break
                     await asyncio.sleep(0.2)
             else:
