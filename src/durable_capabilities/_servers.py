@@ -18,6 +18,20 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+CAPABILITIES_SEARCH_ATTRIBUTE = 'DurcapCapabilities'
+"""Temporal search attribute (KeywordList) holding a run's loaded capability ids; the dev servers started here
+register it. On another server: `temporal operator search-attribute create --name DurcapCapabilities --type KeywordList`."""
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGKILL it when the process that started it dies, however it dies
+    (`prctl(PR_SET_PDEATHSIG)`), so no server outlives `durcap dev`, `durcap run` or a test killed with -9."""
+    if sys.platform.startswith('linux'):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    os.setsid()
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now."""
@@ -104,7 +118,8 @@ def _wait(check: object, process: subprocess.Popen[bytes], timeout: float, what:
 
 
 def start_temporal_dev_server(
-    *, port: int | None = None, state_dir: str | Path = '.durcap', timeout: float = 60.0, persistent: bool = True
+    *, port: int | None = None, state_dir: str | Path = '.durcap', timeout: float = 60.0, persistent: bool = True,
+    ui_port: int | None = None,
 ) -> ServerProcess:
     """Start `temporal server start-dev` on 127.0.0.1 and wait until its frontend port accepts connections.
 
@@ -114,26 +129,37 @@ def start_temporal_dev_server(
         timeout: Seconds to wait for readiness.
         persistent: Keep state in `state_dir/temporal.db` (workflows survive a server restart); `False`
             uses an in-memory database.
+        ui_port: Serve the Temporal Web UI on this port (default: no UI).
+
+    The server registers the `DurcapCapabilities` search attribute and dies with this process (Linux:
+    `PR_SET_PDEATHSIG`), even when this process is killed with SIGKILL. The signal follows the *thread* that
+    started the server: call this from a thread that lives as long as the server should (the main thread).
 
     Returns:
         A `ServerProcess` whose `address` is `127.0.0.1:PORT`.
 
     Raises:
         FileNotFoundError: the CLI is missing. RuntimeError / TimeoutError: the server did not come up.
+        OSError: `port` (or `ui_port`) is already taken by another process.
     """
     state = Path(state_dir)
     state.mkdir(parents=True, exist_ok=True)
+    for taken in (port, ui_port):
+        if taken and port_open('127.0.0.1', taken):
+            raise OSError(f'port {taken} on 127.0.0.1 is already in use by another process (another Temporal server? '
+                          f'stop it, or pick another port)')
     port = port or free_port()
     log_path = state / f'temporal-{port}.log'
     cmd = [
         temporal_cli(), 'server', 'start-dev', '--ip', '127.0.0.1', '--port', str(port),
-        '--headless', '--log-level', 'error', '--http-port', str(free_port()),
-        '--metrics-port', str(free_port()),
+        '--log-level', 'error', '--http-port', str(free_port()), '--metrics-port', str(free_port()),
+        '--search-attribute', f'{CAPABILITIES_SEARCH_ATTRIBUTE}=KeywordList',
     ]
+    cmd += ['--ui-port', str(ui_port)] if ui_port else ['--headless']
     if persistent:
         cmd += ['--db-filename', str(state / 'temporal.db')]
     log = open(log_path, 'wb')  # noqa: SIM115 - handed to the child process
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)  # noqa: PLW1509
     log.close()
     server = ServerProcess('temporal', process, f'127.0.0.1:{port}', log_path)
     def healthy() -> bool:

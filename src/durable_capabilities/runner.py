@@ -27,6 +27,7 @@ async def run(
     conversation_id: str | None = None,
     run_id: str | None = None,
     notify: Callable[[str], None] = _stderr,
+    on_start: Callable[[str], None] | None = None,
     **settings: Any,
 ) -> RunReport:
     """Run one turn of `agent` on `engine`.
@@ -39,7 +40,9 @@ async def run(
         message_history: Prior messages (ignored with `conversation_id`: the stored history is used).
         conversation_id: Conversation to load from and append to (any engine, the same store).
         run_id: The engine's id for the run (workflow id); default `{agent name}-{uuid4}` where the engine takes one.
-        notify: Where the engine reports what it does on the user's behalf (default: stderr).
+        notify: Where the engine reports what it does on the user's behalf (default: stderr); the run's id among the
+            first lines, the moment the engine has the run.
+        on_start: Called with the run's id the moment the engine has the run (durable engines).
         settings: Engine settings (`address`, `task_queue`, `inline_worker`, `namespace`, `db`, ...); an engine
             ignores those it does not use.
 
@@ -51,5 +54,5 @@ async def run(
         DurableConfigError: the definition or the stored history has errors.
         Exception: whatever the engine raised when the run failed.
     """
-    options = RunOptions(deps, message_history, conversation_id, run_id, settings, notify)
+    options = RunOptions(deps, message_history, conversation_id, run_id, settings, notify, on_start)
     return await get(engine).run(agent, prompt, options)

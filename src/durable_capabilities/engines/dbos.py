@@ -13,11 +13,14 @@ them as failures; recovery replays them as they happened.
 
 from __future__ import annotations
 
+import os
+import socket
 import sqlite3
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
+from datetime import UTC
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
@@ -31,7 +34,14 @@ from pydantic_ai.toolsets import AbstractToolset, FunctionToolset, WrapperToolse
 from .. import _registry
 from ..turn import RunReport, Turn, deps_from_json, run_turn
 from . import _mcp
-from ._adapter import EngineAdapter, RunOptions, leaf_kinds
+from ._adapter import (
+    EngineAdapter,
+    RunInfo,
+    RunNotFoundError,
+    RunOptions,
+    leaf_kinds,
+    loaded_capabilities_in,
+)
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
@@ -179,6 +189,37 @@ def system_database_url(url: str | None = None) -> str:
     return f'sqlite:///{DEFAULT_SQLITE_PATH.resolve()}'
 
 
+RUN_EXECUTOR_PREFIX = 'durcap-run'
+"""Executor ids of one-shot `durcap run` processes: `durcap-run-{host}-{pid}-{random}`."""
+
+WORKER_QUEUE = 'durcap'
+"""The DBOS queue `durcap worker dbos` serves and `durcap runs resume` hands a run to (default)."""
+
+
+def one_shot_executor_id() -> str:
+    """A fresh executor id for one process that runs one workflow and exits: DBOS recovers, at launch, only
+    the pending workflows of the launching executor id, so a one-shot run recovers nothing it will not
+    finish, and its own run (if the process dies) is left to `durcap runs resume` / a worker."""
+    return f'{RUN_EXECUTOR_PREFIX}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}'
+
+
+def executor_process_gone(executor_id: str | None) -> bool:
+    """Whether `executor_id` is a one-shot `durcap run` executor of this host whose process no longer exists."""
+    prefix = f'{RUN_EXECUTOR_PREFIX}-{socket.gethostname()}-'
+    if not executor_id or not executor_id.startswith(prefix):
+        return False
+    pid_text = executor_id[len(prefix):].split('-', 1)[0]
+    if not pid_text.isdigit():
+        return False
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def launch(
     name: str = 'durcap',
     *,
@@ -186,6 +227,8 @@ def launch(
     agents: Sequence[DurableAgent[Any, Any]] = (),
     lock: str | Path | None = None,
     allow_drift: bool = False,
+    one_shot: bool = False,
+    listen: Sequence[str] = (),
     **config: Any,
 ) -> DBOS:
     """Configure and launch DBOS (call after every agent was built and every workflow decorated).
@@ -196,7 +239,11 @@ def launch(
         agents: The definitions this app serves; checked against `lock` (or `./durable.lock`) first, so a
             rename cannot strand workflows DBOS would recover at launch.
         lock / allow_drift: See `lockfile.enforce_lock`.
-        config: Other `DBOSConfig` keys (`log_level` defaults to `'WARNING'`).
+        one_shot: This process runs its own workflow and exits: a fresh executor id (`one_shot_executor_id`, unless
+            `config['executor_id']` is given) so launch recovers no one else's pending workflows, and no user queue
+            is served but those named in `listen` (`DBOS.listen_queues`), so work handed to a worker's queue stays there.
+        config: Other `DBOSConfig` keys (`log_level` defaults to `'WARNING'`; `executor_id` defaults to DBOS's
+            `local`, whose pending workflows launch recovers).
 
     Returns:
         The `DBOS` instance.
@@ -208,7 +255,11 @@ def launch(
 
         enforce_lock(agents, lock, allow_drift=allow_drift)
     config.setdefault('log_level', 'WARNING')
+    if one_shot and not config.get('executor_id'):
+        config['executor_id'] = one_shot_executor_id()
     dbos = DBOS(config={'name': name, 'system_database_url': system_database_url(system_database_url_), **config})  # type: ignore[typeddict-item]
+    if one_shot:
+        DBOS.listen_queues(list(listen))
     DBOS.launch()
     return dbos
 
@@ -423,6 +474,7 @@ class DBOSAdapter(EngineAdapter):
     name = 'dbos'
     unit, units, container, run_id_label = 'step', 'steps', 'workflow', 'workflow id'
     extra, requires = 'dbos', 'dbos'
+    features = frozenset({'worker'})
     lock_sections: Mapping[str, str] = {'workflows': 'workflow', 'steps': 'step'}
 
     def durability_class(self) -> Any:
@@ -457,9 +509,11 @@ class DBOSAdapter(EngineAdapter):
         from pydantic_core import to_jsonable_python
 
         workflow_fn = agent_workflow(agent)
-        launch('durcap', system_database_url_=options.setting('db'))
+        launch('durcap', system_database_url_=options.setting('db'), one_shot=True,
+               executor_id=options.setting('executor_id'))
         try:
             workflow_id = options.run_id or f'{agent.name}-{uuid.uuid4()}'
+            options.started(workflow_id, f'dbos workflow id: {workflow_id} (executor {DBOS.executor_id})')
             history = options.message_history
             history_json = ModelMessagesTypeAdapter.dump_python(list(history), mode='json') if history else None
             deps = to_jsonable_python(options.deps) if options.deps is not None else None
@@ -469,6 +523,147 @@ class DBOSAdapter(EngineAdapter):
         finally:
             DBOS.destroy()
         return RunReport.from_payload('dbos', workflow_id, payload, [step['function_name'] for step in steps])
+
+    def serve_worker(self, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> None:
+        """Serve `agents`' workflows as a long-lived DBOS executor until SIGTERM / SIGINT.
+
+        Settings: `db` (system database URL), `executor_id` (default `local`, DBOS's own default: launch
+        recovers that executor's pending workflows), `task_queue` (the DBOS queue served, default `durcap`,
+        where `durcap runs resume` hands runs), `graceful_shutdown` (seconds running workflows get to finish).
+        """
+        import signal
+        import threading
+
+        for agent in agents:
+            agent_workflow(agent)
+        executor = options.setting('executor_id', 'local')
+        queue = options.setting('task_queue', WORKER_QUEUE)
+        url = system_database_url(options.setting('db'))
+        client = self._client({'db': url})
+        try:
+            pending = client.list_workflows(status='PENDING', executor_id=executor, load_input=False, load_output=False)
+        finally:
+            client.destroy()
+        launch('durcap', system_database_url_=url, executor_id=executor)
+        stop = threading.Event()
+        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            DBOS.register_queue(queue)
+            options.notify(f'dbos worker ready: executor {executor!r} (recovering {len(pending)} pending '
+                           f'workflows), queue {queue!r}, system database {_redact(url)}; Ctrl-C or SIGTERM to stop')
+            stop.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            DBOS.destroy(workflow_completion_timeout_sec=int(options.setting('graceful_shutdown', 30)))
+
+    # ---- runs ----------------------------------------------------------------------------------------------
+
+    def _client(self, settings: Mapping[str, Any]) -> Any:
+        from dbos import DBOSClient
+
+        return DBOSClient(system_database_url=system_database_url(settings.get('db')))
+
+    async def _info(self, client: Any, status: Any, with_steps: bool = True) -> RunInfo:
+        from datetime import datetime
+
+        steps = await client.list_workflow_steps_async(status.workflow_id) if with_steps else []
+        name = status.name or ''
+        agent = name[len(WORKFLOW_NAME_PREFIX):] if name.startswith(WORKFLOW_NAME_PREFIX) else None
+        inputs: Any = status.input or {}
+        args, kwargs = list(inputs.get('args') or ()), dict(inputs.get('kwargs') or {})
+        conversation = kwargs.get('conversation_id', args[3] if len(args) > 3 else None)
+        outputs = [status.output] + [step.get('output') for step in steps]
+        engine_status = str(status.status)
+        gone = engine_status in ('PENDING', 'ENQUEUED') and executor_process_gone(status.executor_id)
+        notes = [(f'its process ({status.executor_id}) is gone: finish it with `durcap runs resume '
+                  f'{status.workflow_id} --engine dbos --target TARGET`, or by a `durcap worker dbos`')] if gone else []
+        return RunInfo(
+            'dbos', status.workflow_id, agent, _DBOS_STATUS.get(engine_status, 'running'), engine_status,
+            datetime.fromtimestamp(status.created_at / 1000, UTC) if status.created_at else None,
+            loaded_capabilities_in(outputs), conversation, sum(1 for step in steps if step.get('error') is None), notes,
+            {'executor_id': status.executor_id, 'queue': status.queue_name, 'workflow_name': name,
+             'app_version': status.app_version, 'orphaned': gone},
+        )
+
+    async def list_runs(self, settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
+        client = self._client(settings)
+        try:
+            wanted = [k for k, v in _DBOS_STATUS.items() if v == status] if status else None
+            found = await client.list_workflows_async(status=wanted, sort_desc=True, limit=limit * 4, load_output=True)
+            found = [w for w in found if (w.name or '').startswith(WORKFLOW_NAME_PREFIX)][:limit]
+            return [await self._info(client, w) for w in found]
+        finally:
+            client.destroy()
+
+    async def show_run(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
+        client = self._client(settings)
+        try:
+            found = await client.list_workflows_async(workflow_ids=[run_id])
+            if not found:
+                raise RunNotFoundError(f'no DBOS workflow {run_id!r} in {_redact(system_database_url(settings.get("db")))}')
+            return await self._info(client, found[0])
+        finally:
+            client.destroy()
+
+    async def cancel(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
+        await self.show_run(run_id, settings)
+        client = self._client(settings)
+        try:
+            await client.cancel_workflow_async(run_id)
+        finally:
+            client.destroy()
+        return await self.show_run(run_id, settings)
+
+    async def resume(self, run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
+        """Resume the workflow on this process's own DBOS queue (a fresh executor id, no other queue served) and
+        wait for its result: recorded steps return their recorded results, the rest run once."""
+        info = await self.show_run(run_id, options.settings)
+        if not agents:
+            raise RuntimeError(f'pass --target TARGET (the definition of agent {info.agent!r}): DBOS runs the rest of '
+                               f'workflow {run_id} with its code')
+        if info.status == 'completed':
+            options.notify(f'dbos workflow {run_id} had already completed')
+        elif info.status in ('running', 'queued') and not info.detail.get('orphaned') and info.detail.get(
+                'executor_id', '').startswith(RUN_EXECUTOR_PREFIX):
+            options.notify(f'dbos workflow {run_id} belongs to executor {info.detail["executor_id"]}, which may still '
+                           'run it; resuming hands it to this process')
+        for agent in agents:
+            agent_workflow(agent)
+        if info.agent is not None and info.agent not in {a.name for a in agents} | {
+                p for a in agents for p in a.previous_names}:
+            raise RuntimeError(f'workflow {run_id} runs agent {info.agent!r}, which the target does not define')
+        queue = f'durcap-resume-{uuid.uuid4().hex[:8]}'
+        launch('durcap', system_database_url_=options.setting('db'), one_shot=True, listen=[queue],
+               executor_id=options.setting('executor_id'))
+        try:
+            if info.status != 'completed':
+                await DBOS.register_queue_async(queue)
+                options.notify(f'resuming dbos workflow {run_id} as executor {DBOS.executor_id}')
+                handle = await DBOS.resume_workflow_async(run_id, queue_name=queue)
+            else:
+                handle = await DBOS.retrieve_workflow_async(run_id)
+            payload = await handle.get_result()
+            steps = await DBOS.list_workflow_steps_async(run_id)
+        finally:
+            DBOS.destroy()
+        return RunReport.from_payload('dbos', run_id, payload, [step['function_name'] for step in steps])
+
+
+_DBOS_STATUS = {
+    'PENDING': 'running', 'ENQUEUED': 'queued', 'DELAYED': 'queued', 'SUCCESS': 'completed', 'ERROR': 'failed',
+    'CANCELLED': 'cancelled', 'MAX_RECOVERY_ATTEMPTS_EXCEEDED': 'failed',
+}
+
+
+def _redact(url: str) -> str:
+    """A database URL without its password."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - never fail on printing a URL
+        return url.split('@')[-1]
 
 
 ADAPTER = DBOSAdapter()

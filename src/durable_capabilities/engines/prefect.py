@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import re
-from collections.abc import Callable, Mapping
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prefect import flow
@@ -28,7 +30,14 @@ from pydantic_ai.tools import RunContext
 from .. import _registry
 from ..turn import RunReport, deps_from_json, run_turn
 from . import _mcp
-from ._adapter import EngineAdapter, RunOptions, leaf_kinds
+from ._adapter import (
+    EngineAdapter,
+    RunInfo,
+    RunNotFoundError,
+    RunOptions,
+    leaf_kinds,
+    loaded_capabilities_in,
+)
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
@@ -287,6 +296,36 @@ async def _settled_task_runs(flow_run_id: Any, model_requests: int, timeout: flo
             await asyncio.sleep(0.2)
 
 
+_PREFECT_STATUS = {
+    'RUNNING': 'running', 'PENDING': 'running', 'PAUSED': 'running', 'SCHEDULED': 'queued', 'COMPLETED': 'completed',
+    'FAILED': 'failed', 'CRASHED': 'failed', 'CANCELLED': 'cancelled', 'CANCELLING': 'cancelled',
+}
+
+
+async def _read_flow_run(client: Any, run_id: str) -> Any:
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        return await client.read_flow_run(uuid.UUID(run_id))
+    except (ObjectNotFound, ValueError):
+        raise RunNotFoundError(f'no Prefect flow run {run_id!r} at {os.environ.get("PREFECT_API_URL") or "the local server"}') from None
+
+
+async def _run_flow_run(flow_: Any, flow_run_id: Any, parameters: dict[str, Any]) -> RunReport:
+    """Run an existing flow run of `flow_` in this process and report it (task runs settled)."""
+    from prefect import get_client
+    from prefect.flow_engine import run_flow_async
+
+    async with get_client() as client:
+        flow_run = await client.read_flow_run(flow_run_id)
+    state: Any = await run_flow_async(flow_, flow_run=flow_run, parameters=parameters, return_type='state')
+    payload = await state.result()
+    model_requests = sum(1 for m in payload['new_messages'] if m.get('kind') == 'response')
+    task_runs = await _settled_task_runs(flow_run_id, model_requests)
+    units = [t.name for t in sorted(task_runs, key=lambda t: (t.expected_start_time or t.created, t.name))]
+    return RunReport.from_payload('prefect', str(flow_run_id), payload, units)
+
+
 class PrefectAdapter(EngineAdapter):
     """Prefect: a flow per agent (`agent_flow`), tasks for model requests, tools, MCP and the store.
 
@@ -345,31 +384,153 @@ class PrefectAdapter(EngineAdapter):
         return isinstance(error, PrefectException)
 
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
-        import os
-
         from pydantic_ai.messages import ModelMessagesTypeAdapter
         from pydantic_core import to_jsonable_python
 
         # Without PREFECT_API_URL, Prefect starts a temporary local server; keep it from phoning home.
         os.environ.setdefault('PREFECT_SERVER_ANALYTICS_ENABLED', 'false')
+        from prefect import get_client
+
         history = options.message_history
-        state = await agent_flow(agent)(
-            prompt=prompt, deps=to_jsonable_python(options.deps) if options.deps is not None else None,
-            message_history=ModelMessagesTypeAdapter.dump_python(list(history), mode='json') if history else None,
-            conversation_id=options.conversation_id, return_state=True,
+        parameters = {
+            'prompt': prompt, 'deps': to_jsonable_python(options.deps) if options.deps is not None else None,
+            'message_history': ModelMessagesTypeAdapter.dump_python(list(history), mode='json') if history else None,
+            'conversation_id': options.conversation_id,
+        }
+        flow_ = agent_flow(agent)
+        async with get_client() as client:
+            flow_run = await client.create_flow_run(flow_, parameters=parameters)
+        where = os.environ.get('PREFECT_API_URL') or "Prefect's temporary local server (PREFECT_API_URL is not set)"
+        options.started(str(flow_run.id), f'prefect flow run id: {flow_run.id} (at {where})')
+        return await _run_flow_run(flow_, flow_run.id, parameters)
+
+    # ---- runs ----------------------------------------------------------------------------------------------
+
+    async def _runs(self, client: Any, flow_runs: list[Any]) -> list[RunInfo]:
+        from prefect.client.schemas.filters import (
+            FlowFilter,
+            FlowFilterId,
+            FlowRunFilter,
+            FlowRunFilterId,
         )
-        payload = await state.result()
-        flow_run_id = state.state_details.flow_run_id
-        model_requests = sum(1 for m in payload['new_messages'] if m.get('kind') == 'response')
-        task_runs = await _settled_task_runs(flow_run_id, model_requests)
-        units = [t.name for t in sorted(task_runs, key=lambda t: (t.expected_start_time or t.created, t.name))]
-        return RunReport.from_payload('prefect', str(flow_run_id), payload, units)
+
+        flow_ids = list({r.flow_id for r in flow_runs})
+        flows = {f.id: f.name for f in await client.read_flows(flow_filter=FlowFilter(id=FlowFilterId(any_=flow_ids)))} \
+            if flow_ids else {}
+        infos = []
+        for run in flow_runs:
+            name = flows.get(run.flow_id, '')
+            agent = name[len(FLOW_NAME_PREFIX):] if name.startswith(FLOW_NAME_PREFIX) else None
+            tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+            state = run.state_type.name if run.state_type is not None else 'UNKNOWN'
+            caps: list[str] = []
+            if state == 'COMPLETED' and run.state is not None:
+                try:
+                    payload = await run.state.result(raise_on_failure=False)
+                    caps = loaded_capabilities_in([payload.get('new_messages')]) if isinstance(payload, dict) else []
+                except Exception:  # noqa: BLE001 - the result is not readable from here: nothing to show
+                    caps = []
+            notes = []
+            if state in ('RUNNING', 'CRASHED', 'PENDING', 'FAILED'):
+                notes.append(f'finish it with `durcap runs resume {run.id} --engine prefect --target TARGET` '
+                             '(completed tasks return their cached results)')
+            infos.append(RunInfo(
+                'prefect', str(run.id), agent, _PREFECT_STATUS.get(state, 'running'), state,
+                run.start_time or run.expected_start_time, caps, (run.parameters or {}).get('conversation_id'),
+                sum(1 for t in tasks if t.state_type is not None and t.state_type.name == 'COMPLETED'), notes,
+                {'flow': name, 'flow_run_name': run.name, 'deployment_id': str(run.deployment_id) if run.deployment_id else None},
+            ))
+        return infos
+
+    async def list_runs(self, settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
+        from prefect import get_client
+        from prefect.client.schemas.filters import (
+            FlowFilter,
+            FlowFilterName,
+            FlowRunFilter,
+            FlowRunFilterState,
+            FlowRunFilterStateType,
+        )
+        from prefect.client.schemas.objects import StateType
+        from prefect.client.schemas.sorting import FlowRunSort
+
+        async with get_client() as client:
+            flows = [f for f in await client.read_flows(flow_filter=FlowFilter(name=FlowFilterName(like_=FLOW_NAME_PREFIX)))
+                     if f.name.startswith(FLOW_NAME_PREFIX)]
+            if not flows:
+                return []
+            from prefect.client.schemas.filters import FlowFilterId
+
+            from datetime import UTC, datetime
+
+            from prefect.client.schemas.filters import FlowRunFilterExpectedStartTime
+
+            # Runs due by now: a schedule's future runs are not runs yet (and would fill the list).
+            run_filter = FlowRunFilter(expected_start_time=FlowRunFilterExpectedStartTime(before_=datetime.now(UTC)))
+            if status:
+                types = [StateType[k] for k, v in _PREFECT_STATUS.items() if v == status]
+                run_filter.state = FlowRunFilterState(type=FlowRunFilterStateType(any_=types))
+            runs = await client.read_flow_runs(
+                flow_filter=FlowFilter(id=FlowFilterId(any_=[f.id for f in flows])), flow_run_filter=run_filter,
+                sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=limit)
+            return await self._runs(client, runs)
+
+    async def show_run(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
+        from prefect import get_client
+
+        async with get_client() as client:
+            run = await _read_flow_run(client, run_id)
+            return (await self._runs(client, [run]))[0]
+
+    async def cancel(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
+        """Set the flow run Cancelled (forced: a flow run started by `durcap run` has no worker to hand a
+        Cancelling state to); the process running it, if any, stops at its next task."""
+        from prefect import get_client
+        from prefect.states import Cancelled
+
+        async with get_client() as client:
+            run = await _read_flow_run(client, run_id)
+            if run.state is None or not run.state.is_final():
+                await client.set_flow_run_state(run.id, Cancelled(message='durcap runs cancel'), force=True)
+        return await self.show_run(run_id, settings)
+
+    async def resume(self, run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
+        """Run the flow run again in this process: tasks completed before (model requests, tools, the store
+        load) return their cached results, so none repeats; the conversation append is idempotent."""
+        from prefect import get_client
+        from prefect.states import Scheduled
+
+        info = await self.show_run(run_id, options.settings)
+        by_name = {a.name: a for a in agents}
+        agent = by_name.get(info.agent or '')
+        if not agents:
+            raise RuntimeError(f'pass --target TARGET (the definition of agent {info.agent!r}): Prefect runs flow run '
+                               f'{run_id} again with its code')
+        if agent is None:
+            raise RuntimeError(f'flow run {run_id} runs agent {info.agent!r}, which the target does not define')
+        flow_ = agent_flow(agent)
+        async with get_client() as client:
+            run = await _read_flow_run(client, run_id)
+            if info.status != 'completed':
+                await client.set_flow_run_state(run.id, Scheduled(message='durcap runs resume'), force=True)
+        options.notify(f'resuming prefect flow run {run_id} ({info.engine_status}) in this process')
+        return await _run_flow_run(flow_, run.id, dict(run.parameters or {}))
 
     def serve_schedule(
         self, agent: DurableAgent[Any, Any], *, target: str, prompt: str, cron: str | None, interval_seconds: float | None,
         deps: Any, deployment_name: str | None, notify: Callable[[str], None],
     ) -> None:
-        """A scheduled deployment of the agent's flow, served by `prefect.serve` (see `serve`)."""
+        """A scheduled deployment of the agent's flow, served by `prefect.serve` (see `serve`).
+
+        Raises:
+            RuntimeError: no Prefect API is configured (`PREFECT_API_URL` in the environment or the Prefect
+                profile): a schedule on Prefect's temporary local server would never run.
+        """
+        from prefect.settings import get_current_settings
+
+        if not get_current_settings().api.url:
+            raise RuntimeError('no Prefect API configured: a schedule needs a Prefect server that outlives this command. '
+                               'Start one (`prefect server start`) and set PREFECT_API_URL=http://127.0.0.1:4200/api')
         notify(f'serving deployment {deployment_name or agent.name + "-scheduled"!r} of flow {flow_name(agent)} '
                f'({"cron " + cron if cron else f"every {interval_seconds:g} s"}); Ctrl-C or SIGTERM to stop')
         serve(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval_seconds, deps=deps,

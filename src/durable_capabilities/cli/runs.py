@@ -1,0 +1,188 @@
+"""`durcap runs list|show|resume|cancel`: the durable runs each engine recorded.
+
+Every operation is the engine adapter's (`EngineAdapter.list_runs / show_run / resume / cancel`); this module
+looks adapters up by name and never names an engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from enum import Enum
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from ..targets import TARGET_HELP
+from . import _err, _out, _unusable, _valid_agents, app, engine_metavar, engine_name
+
+runs_app = typer.Typer(help='Find, resume and cancel durable runs on every engine.', no_args_is_help=True)
+app.add_typer(runs_app, name='runs')
+
+
+class RunsFormat(str, Enum):
+    text = 'text'
+    json = 'json'
+
+
+def _engine_option() -> Any:
+    return typer.Option('--engine', '-e', parser=engine_name(durable_only=True), metavar=engine_metavar(True),
+                        help='The engine (default: every installed durable engine).')
+
+
+FormatOption = Annotated[RunsFormat, typer.Option('--format', help='text, or json (one object per run).')]
+DbOption = Annotated[str | None, typer.Option(help='DBOS system database URL (default: SQLite .durcap/dbos.sqlite).')]
+AddressOption = Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS '
+                                                        'or 127.0.0.1:7233).')]
+NamespaceOption = Annotated[str, typer.Option(help='Temporal namespace.')]
+
+
+def _settings(db: str | None, address: str | None, namespace: str) -> dict[str, Any]:
+    address = address or os.environ.get('DURCAP_TEMPORAL_ADDRESS') or os.environ.get('TEMPORAL_ADDRESS') or '127.0.0.1:7233'
+    return {'db': db, 'address': address, 'namespace': namespace}
+
+
+def _engines(engine: str | None) -> list[Any]:
+    from ..engines import DURABLE_ENGINES, get
+
+    if engine is not None:
+        adapter = get(engine)
+        if not adapter.available():
+            _unusable(f'engine {engine!r} is not installed (pip install "durable-capabilities[{adapter.extra}]")')
+        return [adapter]
+    return [get(name) for name in DURABLE_ENGINES if get(name).available()]
+
+
+def _problem(adapter: Any, exc: BaseException) -> str:
+    detail = str(exc).splitlines()[0] if str(exc) else ''
+    return f'{adapter.name}: cannot read runs: {type(exc).__name__}: {detail}'
+
+
+def _row(info: Any) -> list[str]:
+    started = info.started_at.strftime('%Y-%m-%d %H:%M:%S') if info.started_at else '-'
+    units = '-' if info.units_done is None else str(info.units_done)
+    return [info.run_id, info.engine, info.agent or '-', info.status, started, ', '.join(info.capabilities) or '-',
+            info.conversation_id or '-', units]
+
+
+def _print_runs(infos: list[Any], fmt: RunsFormat) -> None:
+    if fmt is RunsFormat.json:
+        for info in infos:
+            _out.print(json.dumps(info.to_json(), default=str), markup=False)
+        return
+    table = Table('id', 'engine', 'agent', 'status', 'started (UTC)', 'capabilities loaded', 'conversation',
+                  'units done', box=None, pad_edge=False)
+    for info in infos:
+        table.add_row(*_row(info))
+    _out.print(table)
+
+
+@runs_app.command('list')
+def list_runs(
+    engine: Annotated[str | None, _engine_option()] = None,
+    status: Annotated[str | None, typer.Option(help='running, queued, completed, failed or cancelled.')] = None,
+    limit: Annotated[int, typer.Option(help='At most this many runs per engine, newest first.')] = 20,
+    fmt: FormatOption = RunsFormat.text,
+    db: DbOption = None,
+    address: AddressOption = None,
+    namespace: NamespaceOption = 'default',
+) -> None:
+    """List durcap runs: id, agent, status, start time, capabilities loaded, conversation, durable units done."""
+    from ..engines import RUN_STATUSES
+
+    if status is not None and status not in RUN_STATUSES:
+        _unusable(f'--status must be one of {", ".join(RUN_STATUSES)}, not {status!r}')
+    settings = _settings(db, address, namespace)
+    infos, failed = [], False
+    for adapter in _engines(engine):
+        try:
+            infos += asyncio.run(adapter.list_runs(settings, status=status, limit=limit))
+        except Exception as exc:  # noqa: BLE001 - one engine down must not hide the others' runs
+            _err.print(_problem(adapter, exc), markup=False)
+            failed = True
+    _print_runs(infos, fmt)
+    if failed and engine is not None:
+        raise typer.Exit(2)
+
+
+def _find(run_id: str, engine: str | None, settings: dict[str, Any]) -> tuple[Any, Any]:
+    """(adapter, RunInfo) of the run; every installed engine is asked when `engine` is None."""
+    from ..engines import RunNotFoundError
+
+    problems = []
+    for adapter in _engines(engine):
+        try:
+            return adapter, asyncio.run(adapter.show_run(run_id, settings))
+        except RunNotFoundError as exc:
+            problems.append(str(exc))
+        except Exception as exc:  # noqa: BLE001 - unreachable engine: say so, try the next
+            problems.append(_problem(adapter, exc))
+    for problem in problems:
+        _err.print(problem, markup=False)
+    _unusable(f'no run {run_id!r} found' + ('' if engine else ' on any engine (pass --engine and its connection options)'))
+
+
+@runs_app.command('show')
+def show(
+    run_id: Annotated[str, typer.Argument(help='The run id (workflow id, flow run id).')],
+    engine: Annotated[str | None, _engine_option()] = None,
+    fmt: FormatOption = RunsFormat.text,
+    db: DbOption = None,
+    address: AddressOption = None,
+    namespace: NamespaceOption = 'default',
+) -> None:
+    """Show one run: status, start time, capabilities loaded, conversation, durable units done, and what to do."""
+    _, info = _find(run_id, engine, _settings(db, address, namespace))
+    if fmt is RunsFormat.json:
+        _out.print(json.dumps(info.to_json(), default=str), markup=False)
+        return
+    for label, value in zip(('id', 'engine', 'agent', 'status', 'started (UTC)', 'capabilities loaded', 'conversation',
+                             'units done'), _row(info), strict=True):
+        _out.print(f'{label}: {value}', markup=False)
+    _out.print(f'engine status: {info.engine_status}', markup=False)
+    for key, value in info.detail.items():
+        if value not in (None, '', False):
+            _out.print(f'{key}: {value}', markup=False)
+    for note in info.notes:
+        _out.print(f'note: {note}', markup=False)
+
+
+@runs_app.command('cancel')
+def cancel(
+    run_id: Annotated[str, typer.Argument(help='The run id.')],
+    engine: Annotated[str | None, _engine_option()] = None,
+    db: DbOption = None,
+    address: AddressOption = None,
+    namespace: NamespaceOption = 'default',
+) -> None:
+    """Cancel a run on its engine and print its status afterwards."""
+    settings = _settings(db, address, namespace)
+    adapter, _ = _find(run_id, engine, settings)
+    info = asyncio.run(adapter.cancel(run_id, settings))
+    _out.print(f'{info.run_id}: {info.status} ({info.engine_status})', markup=False)
+
+
+@runs_app.command('resume')
+def resume(
+    run_id: Annotated[str, typer.Argument(help='The run id.')],
+    target: Annotated[str | None, typer.Option('--target', help=TARGET_HELP + ' The definition the run was started '
+                                               'from: its code runs the rest of the run.')] = None,
+    engine: Annotated[str | None, _engine_option()] = None,
+    db: DbOption = None,
+    address: AddressOption = None,
+    namespace: NamespaceOption = 'default',
+) -> None:
+    """Finish a run whose process died, without repeating a completed durable unit, and print its answer."""
+    from ..engines import RunOptions
+    from .engine_commands import _print_run
+
+    settings = _settings(db, address, namespace)
+    adapter, _ = _find(run_id, engine, settings)
+    agents = _valid_agents(target, use_lock=True, refused='not resumed: fix the errors above') if target else []
+    try:
+        report = asyncio.run(adapter.resume(run_id, agents, RunOptions(settings=settings, notify=_err.print)))
+    except (RuntimeError, NotImplementedError) as exc:
+        _unusable(str(exc).splitlines()[0])
+    _print_run(report)

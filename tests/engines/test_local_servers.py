@@ -1,0 +1,161 @@
+"""Local servers die with their parent, and refuse what they cannot do.
+
+Real processes: `durcap dev temporal` and `durcap run --engine temporal` (which starts an embedded Temporal dev
+server) killed with SIGKILL / SIGTERM; the check reads /proc for the server's listening ports. Model for the run:
+the scripted `FunctionModel` of `tests/engines/ledger_agent.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from durable_capabilities._servers import free_port, port_open
+from tests.engines.test_runs import (
+    DURCAP,
+    LEDGER,
+    ROOT,
+    env_with,
+    kill9,
+    start,
+    wait_text,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir('/proc'):
+        if entry.isdigit():
+            try:
+                stat = Path(f'/proc/{entry}/stat').read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(')', 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def listening_ports(pid: int) -> set[int]:
+    """TCP ports process `pid` listens on (/proc/PID/fd sockets matched against /proc/net/tcp*)."""
+    inodes = set()
+    for fd in Path(f'/proc/{pid}/fd').iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith('socket:['):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ('/proc/net/tcp', '/proc/net/tcp6'):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == '0A' and fields[9] in inodes:
+                ports.add(int(fields[1].rsplit(':', 1)[1], 16))
+    return ports
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f'/proc/{pid}/stat').read_text()
+    except OSError:
+        return False
+    return stat.rsplit(')', 1)[1].split()[0] != 'Z'
+
+
+def server_of(parent: subprocess.Popen[bytes], timeout: float = 60) -> tuple[int, set[int]]:
+    """The temporal server child of `parent` and the ports it listens on (once it listens on at least 3)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in children(parent.pid):
+            try:
+                if 'temporal' in Path(f'/proc/{child}/cmdline').read_text() and len(ports := listening_ports(child)) >= 3:
+                    return child, ports
+            except OSError:
+                continue
+        time.sleep(0.2)
+    raise AssertionError('no temporal server child listening')
+
+
+def assert_gone_within(pid: int, ports: set[int], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not alive(pid) and not any(port_open('127.0.0.1', p) for p in ports):
+            return
+        time.sleep(0.1)
+    left = [p for p in ports if port_open('127.0.0.1', p)]
+    raise AssertionError(f'server pid {pid} alive={alive(pid)}, ports still listening: {left}')
+
+
+def test_kill9_of_durcap_dev_temporal_leaves_no_server(tmp_path: Path) -> None:
+    port = free_port()
+    dev = start(['dev', 'temporal', '--port', str(port), '--state-dir', str(tmp_path / 'state')], tmp_path / 'dev.log',
+                env_with())
+    pid = None
+    try:
+        wait_text(tmp_path / 'dev.log', 'temporal dev server at', dev, 90)
+        pid, ports = server_of(dev)
+        assert port in ports
+        os.kill(dev.pid, signal.SIGKILL)  # the command only, not its process group
+        dev.wait(timeout=10)
+        assert_gone_within(pid, ports, 5)
+    finally:
+        kill9(dev)
+        if pid is not None and alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_durcap_dev_temporal_refuses_a_port_another_process_holds(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(('127.0.0.1', 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = subprocess.run([*DURCAP, 'dev', 'temporal', '--port', str(port), '--state-dir', str(tmp_path)],
+                                cwd=ROOT, env=env_with(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f'port {port} on 127.0.0.1 is already in use by another process' in result.stderr
+
+
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGKILL])
+def test_stopping_durcap_run_leaves_no_embedded_temporal_server(sig: signal.Signals, tmp_path: Path) -> None:
+    """`durcap run --engine temporal` with no server configured starts an embedded one; SIGTERM or SIGKILL of the
+    command mid-run leaves no process listening on its ports within 5 s."""
+    assert not port_open('127.0.0.1', 7233), 'a server on 7233 would be used instead of an embedded one'
+    ledger = tmp_path / 'ledger'
+    env = env_with(DURCAP_TEMPORAL_ADDRESS='', TEMPORAL_ADDRESS='', DURCAP_LEDGER_DIR=str(ledger),
+                   DURCAP_LEDGER_AGENT=f'ledger-{uuid.uuid4().hex[:6]}', DURCAP_LEDGER_CHARGE_SECONDS='300')
+    run = start(['run', LEDGER, 'charge order F-6', '--engine', 'temporal'], tmp_path / 'run.log', env)
+    pid = None
+    try:
+        pid, ports = server_of(run, 90)
+        line = wait_text(tmp_path / 'run.log', 'temporal workflow id: ', run, 90)
+        assert 'at 127.0.0.1:' in line  # the run says which server it used
+        deadline = time.monotonic() + 90
+        while not (ledger / 'charge-started-F-6').exists():
+            assert time.monotonic() < deadline and run.poll() is None, (tmp_path / 'run.log').read_text()
+            time.sleep(0.1)
+        os.kill(run.pid, sig)
+        run.wait(timeout=10)
+        assert_gone_within(pid, ports, 5)
+    finally:
+        kill9(run)
+        if pid is not None and alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_schedule_prefect_without_an_api_refuses(tmp_path: Path) -> None:
+    env = {k: v for k, v in env_with(PREFECT_HOME=str(tmp_path / 'prefect-home')).items() if k != 'PREFECT_API_URL'}
+    result = subprocess.run([*DURCAP, 'schedule', 'prefect', 'examples.support.agent:support', '--interval', '60',
+                             '--prompt', 'hi', '--deps-json', '{"orders": {}}'], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert 'no Prefect API configured' in result.stderr and 'prefect server start' in result.stderr

@@ -1,0 +1,366 @@
+"""`durcap run` owns only its own work, and `durcap runs list|show|resume|cancel` on every engine.
+
+Real parts: `durcap` subprocesses (killed with SIGKILL), DBOS on PostgreSQL, the session's Temporal dev
+server and Prefect server. Model: the scripted `FunctionModel`s of `tests/engines/ledger_agent.py` and
+`tests/engines/crash_agent.py`, which count side effects and model requests in files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.engines.test_crash import assert_exactly_once, wait_file
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+DURCAP = [sys.executable, '-m', 'durable_capabilities.cli']
+LEDGER = 'tests/engines/ledger_agent.py:agent'
+CRASH = 'tests/engines/crash_agent.py:agent'
+
+
+def env_with(**extra: str) -> dict[str, str]:
+    return {**os.environ, 'PYTHONPATH': str(ROOT), **extra}
+
+
+def start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    handle = open(log, 'wb')
+    proc = subprocess.Popen([*DURCAP, *args], cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    handle.close()
+    return proc
+
+
+def kill9(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def wait_text(log: Path, needle: str, proc: subprocess.Popen[bytes] | None, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in log.read_text(errors='replace').splitlines():
+            if needle in line:
+                return line
+        if proc is not None and proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    raise AssertionError(f'{needle!r} not seen within {timeout} s:\n{log.read_text(errors="replace")[-3000:]}')
+
+
+def durcap(*args: str, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*DURCAP, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_two_concurrent_dbos_runs_each_do_their_own_work_once(postgres_url: str, tmp_path: Path) -> None:
+    """Two `durcap run --engine dbos` on one system database, the second launched while the first is inside its
+    side effect: neither recovers the other's workflow, so one charge per run and no model request twice."""
+    ledger = tmp_path / 'ledger'
+    env = env_with(DURCAP_LEDGER_DIR=str(ledger), DURCAP_LEDGER_AGENT=f'ledger-{uuid.uuid4().hex[:6]}',
+                   DURCAP_LEDGER_CHARGE_SECONDS='6')
+    procs = []
+    try:
+        first = start(['run', LEDGER, 'charge order A-1', '--engine', 'dbos', '--db', postgres_url],
+                      tmp_path / 'first.log', env)
+        procs.append(first)
+        wait_file(ledger / 'charge-started-A-1', 90)
+        second = start(['run', LEDGER, 'charge order B-2', '--engine', 'dbos', '--db', postgres_url],
+                       tmp_path / 'second.log', env)
+        procs.append(second)
+        assert first.wait(timeout=120) == 0, (tmp_path / 'first.log').read_text()
+        assert second.wait(timeout=120) == 0, (tmp_path / 'second.log').read_text()
+    finally:
+        for proc in procs:
+            kill9(proc)
+    assert 'answer (dbos): charged A-1' in (tmp_path / 'first.log').read_text()
+    assert 'answer (dbos): charged B-2' in (tmp_path / 'second.log').read_text()
+    assert sorted((ledger / 'charges').read_text().splitlines()) == ['A-1', 'B-2'], 'a side effect ran twice'
+    requests = (ledger / 'model-requests').read_text().splitlines()
+    assert sorted(requests) == sorted(f'{o}:{n}' for o in ('A-1', 'B-2') for n in range(3)), requests
+    # Each process printed its run id at start, under its own executor id.
+    executors = {wait_text(tmp_path / f'{n}.log', 'dbos workflow id:', None, 1).split('(executor ')[1].split(';')[0]
+                 for n in ('first', 'second')}
+    assert len(executors) == 2 and all(e.startswith('durcap-run-') for e in executors), executors
+
+
+def wait_status(db: str, workflow_id: str, wanted: str, timeout: float) -> str:
+    from dbos import DBOSClient
+
+    client = DBOSClient(system_database_url=db)
+    try:
+        deadline, status = time.monotonic() + timeout, None
+        while time.monotonic() < deadline:
+            found = client.list_workflows(workflow_ids=[workflow_id], load_input=False, load_output=False)
+            status = found[0].status if found else None
+            if status == wanted:
+                return status
+            time.sleep(0.3)
+        raise AssertionError(f'{workflow_id} is {status}, not {wanted}, after {timeout} s')
+    finally:
+        client.destroy()
+
+
+def test_dbos_worker_recovers_its_executors_pending_workflow(postgres_url: str, tmp_path: Path) -> None:
+    """`durcap run --engine dbos` killed mid-tool leaves its workflow PENDING under its own executor id (printed at
+    start); no later run touches it. `durcap worker dbos --executor-id THAT_ID` recovers it at start and finishes it:
+    each checkpointed step once, no model request repeated."""
+    from tests.engines.test_crash import crash_env
+
+    env, crash_dir = crash_env(tmp_path)
+    env = env_with(**env)
+    run = start(['run', CRASH, 'charge order A-1 and export', '--engine', 'dbos', '--db', postgres_url],
+                tmp_path / 'run.log', env)
+    worker = None
+    try:
+        line = wait_text(tmp_path / 'run.log', 'dbos workflow id:', run, 90)
+        workflow_id = line.split('dbos workflow id: ')[1].split()[0]
+        executor = line.split('(executor ')[1].split(';')[0]
+        wait_file(crash_dir / 'slow-started', 90)
+        kill9(run)
+        worker = start(['worker', 'dbos', CRASH, '--db', postgres_url, '--executor-id', executor],
+                       tmp_path / 'worker.log', env)
+        line = wait_text(tmp_path / 'worker.log', 'dbos worker ready', worker, 90)
+        assert f"executor '{executor}' (recovering 1 pending workflows)" in line, line
+        wait_status(postgres_url, workflow_id, 'SUCCESS', 90)
+        os.killpg(worker.pid, signal.SIGTERM)
+        assert worker.wait(timeout=60) == 0, (tmp_path / 'worker.log').read_text()
+    finally:
+        kill9(run)
+        if worker is not None:
+            kill9(worker)
+    assert_exactly_once(crash_dir)
+
+
+def stored_history(store: str, conversation: str) -> dict:
+    """The conversation as `durcap history show --format json` prints it (a real read of the store)."""
+    result = durcap('history', 'show', conversation, '--store', store, '--format', 'json', env=env_with(), timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(result.stdout)
+
+
+def run_killed_mid_tool(engine: str, tmp_path: Path, extra_args: list[str], env: dict[str, str]) -> tuple[str, Path]:
+    """Start `durcap run --engine ENGINE` of the crash agent, read its run id from the first lines, SIGKILL it inside
+    `slow_export` (after `charge` completed); returns the run id and the crash dir."""
+    crash_dir = Path(env['DURCAP_CRASH_DIR'])
+    log = tmp_path / f'{engine}-run.log'
+    proc = start(['run', CRASH, 'charge order A-1 and export', '--engine', engine, *extra_args], log, env)
+    try:
+        label = {'dbos': 'dbos workflow id: ', 'prefect': 'prefect flow run id: '}[engine]
+        line = wait_text(log, label, proc, 120)
+        run_id = line.split(label)[1].split()[0]
+        wait_file(crash_dir / 'slow-started', 120)
+        assert not (crash_dir / 'model-requests').read_text().count('3'), 'the run got past the slow tool'
+    finally:
+        kill9(proc)
+    return run_id, crash_dir
+
+
+@pytest.mark.parametrize('engine', ['dbos', 'prefect'])
+def test_run_killed_mid_tool_is_resumed_by_runs_resume(engine: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """`kill -9` of `durcap run` inside a tool, then `durcap runs show` (running, with the capability it loaded and
+    the units done) and `durcap runs resume ID`: the run completes, its turn is stored once in the conversation,
+    `charge` (checkpointed before the kill) ran once and no model request ran again."""
+    from tests.engines.test_crash import crash_env
+
+    crash, _ = crash_env(tmp_path)
+    store = f'sqlite:///{tmp_path / "conversations.db"}'
+    env = env_with(**crash, DURCAP_STORE=store)
+    conversation = f'conv-{uuid.uuid4().hex[:8]}'
+    if engine == 'dbos':
+        conn = ['--db', request.getfixturevalue('postgres_url')]
+    else:
+        env |= {'PREFECT_API_URL': request.getfixturevalue('prefect_api_url'),
+                'PREFECT_HOME': str(tmp_path / 'prefect-home'),
+                'PREFECT_LOCAL_STORAGE_PATH': str(tmp_path / 'prefect-results')}
+        conn = []
+    run_id, crash_dir = run_killed_mid_tool(engine, tmp_path, ['--conversation', conversation, *conn], env)
+
+    shown = durcap('runs', 'show', run_id, '--engine', engine, '--format', 'json', *conn, env=env)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    info = json.loads(shown.stdout)
+    assert info['status'] in ('running', 'failed'), info  # Prefect may already call a vanished process's run crashed
+    assert info['conversation_id'] == conversation
+    assert info['agent'] == crash['DURCAP_CRASH_AGENT']
+    assert info['units_done'] >= 3, info  # at least the load, two model requests before the charge
+    listed = durcap('runs', 'list', '--engine', engine, '--format', 'json', *conn, env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert run_id in [json.loads(line)['run_id'] for line in listed.stdout.splitlines()]
+
+    resumed = durcap('runs', 'resume', run_id, '--engine', engine, '--target', CRASH, *conn, env=env)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f'answer ({engine}): charged and exported' in resumed.stdout
+    assert 'capabilities loaded in this run: ops' in resumed.stdout
+    assert_exactly_once(crash_dir)
+    history = stored_history(store, conversation)
+    assert len(history['writes']) == 1, history['writes']  # the turn was appended once
+    prompts = [p for m in history['messages'] for p in m['parts'] if p['part_kind'] == 'user-prompt']
+    assert len(prompts) == 1, prompts
+
+    done = json.loads(durcap('runs', 'show', run_id, '--engine', engine, '--format', 'json', *conn, env=env).stdout)
+    assert done['status'] == 'completed' and done['capabilities'] == ['ops'], done
+
+
+@pytest.mark.parametrize('engine', ['dbos', 'prefect'])
+def test_runs_list_show_cancel_a_run_in_flight(engine: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """While `durcap run` is inside its side effect: `runs list --status running` and `runs show` find it (agent,
+    capability loaded, units done); `runs cancel` cancels it on the engine."""
+    ledger = tmp_path / 'ledger'
+    env = env_with(DURCAP_LEDGER_DIR=str(ledger), DURCAP_LEDGER_AGENT=f'ledger-{uuid.uuid4().hex[:6]}',
+                   DURCAP_LEDGER_CHARGE_SECONDS='120')
+    if engine == 'dbos':
+        conn = ['--db', request.getfixturevalue('postgres_url')]
+    else:
+        env |= {'PREFECT_API_URL': request.getfixturevalue('prefect_api_url'),
+                'PREFECT_HOME': str(tmp_path / 'prefect-home'),
+                'PREFECT_LOCAL_STORAGE_PATH': str(tmp_path / 'prefect-results')}
+        conn = []
+    log = tmp_path / 'run.log'
+    proc = start(['run', LEDGER, 'charge order C-3', '--engine', engine, *conn], log, env)
+    try:
+        label = {'dbos': 'dbos workflow id: ', 'prefect': 'prefect flow run id: '}[engine]
+        run_id = wait_text(log, label, proc, 120).split(label)[1].split()[0]
+        wait_file(ledger / 'charge-started-C-3', 120)
+        listed = durcap('runs', 'list', '--engine', engine, '--status', 'running', '--format', 'json', *conn, env=env)
+        assert listed.returncode == 0, listed.stderr
+        runs = {r['run_id']: r for r in map(json.loads, listed.stdout.splitlines())}
+        assert run_id in runs, listed.stdout
+        assert runs[run_id]['agent'] == env['DURCAP_LEDGER_AGENT'] and runs[run_id]['status'] == 'running'
+        text = durcap('runs', 'list', '--engine', engine, *conn, env=env)
+        assert run_id in text.stdout and 'running' in text.stdout, text.stdout
+        shown = durcap('runs', 'show', run_id, '--engine', engine, *conn, env=env)
+        assert shown.returncode == 0, shown.stderr
+        assert f'id: {run_id}' in shown.stdout and 'status: running' in shown.stdout, shown.stdout
+        if engine == 'dbos':  # DBOS records model responses as step outputs: the load is visible mid-run
+            assert 'capabilities loaded: billing' in shown.stdout, shown.stdout
+        cancelled = durcap('runs', 'cancel', run_id, '--engine', engine, *conn, env=env)
+        assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+        assert f'{run_id}: cancelled' in cancelled.stdout, cancelled.stdout
+        after = json.loads(durcap('runs', 'show', run_id, '--engine', engine, '--format', 'json', *conn, env=env).stdout)
+        assert after['status'] == 'cancelled', after
+        assert run_id not in durcap('runs', 'list', '--engine', engine, '--status', 'running', *conn, env=env).stdout
+    finally:
+        kill9(proc)
+
+
+def test_temporal_run_without_worker_says_so_and_runs_finds_and_cancels_it(temporal_address: str, tmp_path: Path) -> None:
+    """`durcap run --engine temporal` on a task queue nobody polls: the workflow id at once, the no-poller notice
+    within 5 s, and it keeps waiting; `runs list/show` find it (with the same hint), `runs cancel` ends it."""
+    queue = f'nobody-{uuid.uuid4().hex[:8]}'
+    env = env_with(DURCAP_LEDGER_DIR=str(tmp_path / 'ledger'), DURCAP_LEDGER_AGENT=f'ledger-{uuid.uuid4().hex[:6]}')
+    log = tmp_path / 'run.log'
+    conn = ['--address', temporal_address]
+    proc = start(['run', LEDGER, 'charge order D-4', '--engine', 'temporal', '--task-queue', queue, *conn], log, env)
+    try:
+        line = wait_text(log, 'temporal workflow id: ', proc, 120)
+        started = time.monotonic()
+        run_id = line.split('temporal workflow id: ')[1].split()[0]
+        notice = wait_text(log, 'no worker polls task queue', proc, 5.5)
+        assert time.monotonic() - started <= 5.5 and queue in notice, notice
+        assert proc.poll() is None, 'the run stopped waiting'
+        listed = durcap('runs', 'list', '--engine', 'temporal', '--status', 'running', '--format', 'json', *conn, env=env)
+        assert listed.returncode == 0, listed.stderr
+        assert run_id in [json.loads(x)['run_id'] for x in listed.stdout.splitlines()], listed.stdout
+        shown = durcap('runs', 'show', run_id, '--engine', 'temporal', *conn, env=env)
+        assert 'status: running' in shown.stdout and f'no worker polls task queue {queue!r}' in shown.stdout, shown.stdout
+        cancelled = durcap('runs', 'cancel', run_id, '--engine', 'temporal', *conn, env=env)
+        assert cancelled.returncode == 0 and f'{run_id}: cancelled' in cancelled.stdout, cancelled.stdout + cancelled.stderr
+        assert proc.wait(timeout=60) == 1
+        assert 'the run failed on temporal' in log.read_text()
+    finally:
+        kill9(proc)
+
+
+async def activity_attempts(address: str, workflow_id: str, type_contains: str) -> int:
+    """Attempts the server recorded for the workflow's (one) activity whose type contains `type_contains`."""
+    from temporalio.api.enums.v1 import EventType
+
+    from durable_capabilities.engines.temporal import connect
+
+    client = await connect(address)
+    scheduled: set[int] = set()
+    attempts = 0
+    async for event in client.get_workflow_handle(workflow_id).fetch_history_events():
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            if type_contains in event.activity_task_scheduled_event_attributes.activity_type.name:
+                scheduled.add(event.event_id)
+        elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:
+            attrs = event.activity_task_started_event_attributes
+            if attrs.scheduled_event_id in scheduled:
+                attempts += attrs.attempt
+    assert len(scheduled) == 1, scheduled
+    return attempts
+
+
+def test_temporal_run_survives_a_server_restart_and_records_capabilities(tmp_path: Path) -> None:
+    """The test's own dev server (file database) is stopped while the run is inside its side effect and started
+    again on the same port 6 s later: `durcap run` reconnects, keeps waiting and exits 0 with the answer; the side
+    effect ran once. The run recorded its loaded capability as memo and as search attribute `DurcapCapabilities`:
+    `temporal workflow list --query "DurcapCapabilities = 'account-security'"` returns it."""
+    import asyncio
+
+    from durable_capabilities._servers import (
+        free_port,
+        start_temporal_dev_server,
+        temporal_cli,
+    )
+    from durable_capabilities.engines.temporal import connect
+
+    port = free_port()
+    state = tmp_path / 'temporal'
+    server = start_temporal_dev_server(port=port, state_dir=state)
+    address = server.address
+    ledger = tmp_path / 'ledger'
+    env = env_with(DURCAP_LEDGER_DIR=str(ledger), DURCAP_LEDGER_AGENT=f'ledger-{uuid.uuid4().hex[:6]}',
+                   DURCAP_LEDGER_CAPABILITY='account-security', DURCAP_LEDGER_CHARGE_SECONDS='10')
+    queue = f'restart-{uuid.uuid4().hex[:8]}'
+    worker = start(['worker', 'temporal', LEDGER, '--address', address, '--task-queue', queue], tmp_path / 'worker.log', env)
+    run = None
+    try:
+        wait_text(tmp_path / 'worker.log', 'worker ready', worker, 90)
+        run = start(['run', LEDGER, 'charge order E-5', '--engine', 'temporal', '--address', address,
+                     '--task-queue', queue], tmp_path / 'run.log', env)
+        run_id = wait_text(tmp_path / 'run.log', 'temporal workflow id: ', run, 90).split('workflow id: ')[1].split()[0]
+        wait_file(ledger / 'charge-started-E-5', 90)
+        server.stop()
+        time.sleep(6)  # the outage itself: nothing to await
+        server = start_temporal_dev_server(port=port, state_dir=state)
+        assert run.wait(timeout=180) == 0, (tmp_path / 'run.log').read_text()
+    finally:
+        if run is not None:
+            kill9(run)
+        kill9(worker)
+        listed = None
+        if server.process.poll() is None:
+            async def by_capability() -> list[str]:
+                client = await connect(address)
+                return [w.id async for w in client.list_workflows("DurcapCapabilities = 'account-security'")]
+
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not listed:
+                listed = asyncio.run(by_capability())
+                time.sleep(0.5)
+            cli = subprocess.run([temporal_cli(), 'workflow', 'list', '--address', address, '--query',
+                                  "DurcapCapabilities = 'account-security'", '--output', 'json'],
+                                 capture_output=True, text=True, timeout=60)
+            charge_attempts = asyncio.run(activity_attempts(address, run_id, '__call_tool'))
+        server.stop()
+    out = (tmp_path / 'run.log').read_text()
+    assert 'answer (temporal): charged E-5' in out, out
+    assert 'lost the Temporal server' in out, out
+    assert listed == [run_id], listed
+    assert run_id in cli.stdout, cli.stdout + cli.stderr
+    # Temporal runs an activity at least once: a completion the stopped server never received is retried. The
+    # side effect ran once per attempt the server recorded for the charge activity, and no model request repeated.
+    assert len((ledger / 'charges').read_text().splitlines()) == charge_attempts, charge_attempts
+    requests = (ledger / 'model-requests').read_text().splitlines()
+    assert requests == ['E-5:0', 'E-5:1', 'E-5:2'], requests
