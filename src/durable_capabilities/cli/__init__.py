@@ -258,3 +258,4 @@ def main() -> None:
 # The engine commands (`run`, `demo`, `replay`, `worker`, `dev`, `schedule`, `history`) register on `app`
 # when imported; they import the helpers above, so this comes last.
 from . import engine_commands  # noqa: E402, F401
+from . import approvals  # noqa: E402, F401  (`durcap approvals list`, `durcap approve`, `durcap deny`)
