@@ -533,6 +533,8 @@ class DBOSAdapter(EngineAdapter):
 
     async def pending_approvals(self, settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
         """Pending calls of waiting `durcap.*` workflows (or of `run_id`), read with a `DBOSClient` on `settings['db']`."""
+        from sqlalchemy.exc import OperationalError, ProgrammingError
+
         client = _client(settings)
         try:
             if run_id is not None:
@@ -545,6 +547,8 @@ class DBOSAdapter(EngineAdapter):
                 for data in await client.get_event_async(workflow_id, PENDING_EVENT, timeout_seconds=0) or []:
                     calls.append(PendingCall.from_json({**data, 'engine': 'dbos'}))
             return calls
+        except (OperationalError, ProgrammingError):  # no DBOS tables yet: nothing has run, nothing waits
+            return []
         finally:
             client.destroy()
 
@@ -554,9 +558,14 @@ class DBOSAdapter(EngineAdapter):
         Raises:
             ApprovalError: unknown run (no such workflow, or it waits for nothing), unknown call, stale fingerprint.
         """
+        from sqlalchemy.exc import OperationalError, ProgrammingError
+
         client = _client(settings)
         try:
-            status = await client.list_workflows_async(workflow_ids=[run_id], load_input=False, load_output=False)
+            try:
+                status = await client.list_workflows_async(workflow_ids=[run_id], load_input=False, load_output=False)
+            except (OperationalError, ProgrammingError):  # no DBOS tables yet
+                status = []
             if not status:
                 raise ApprovalError('unknown-run', f'no DBOS workflow {run_id!r} in {_db_label(settings)}')
             pending = [PendingCall.from_json(d) for d in
