@@ -236,3 +236,57 @@ def test_temporal_twenty_runs_waiting_approved_in_random_order(temporal_address:
         expected = f'result: revoked sessions of {user}' if approve[user] else f'result: no for {user}'
         assert results[user].output == expected
     assert sorted(revocations(crash_dir)) == sorted(u for u in users if approve[u])
+
+
+# ---- Prefect -----------------------------------------------------------------------------------
+
+
+def _prefect_flow_run_id(proc) -> str:
+    return proc.wait_for('PREFECT FLOW RUN ', 90).split('PREFECT FLOW RUN ', 1)[1].strip()
+
+
+def test_prefect_approve_after_process_killed_while_paused(prefect_api_url: str, spawn, tmp_path: Path) -> None:
+    env, crash_dir = env_for(tmp_path)
+    env['PREFECT_API_URL'] = prefect_api_url
+    first = spawn('prefect', 'run', '--target', TARGET, '--prompt', 'revoke hana', env=env)
+    run_id = _prefect_flow_run_id(first)
+    engine_args = ['--engine', 'prefect']
+    [call] = pending_prefect(engine_args, run_id, env)
+    assert call['args'] == {'user': 'hana'} and call['engine'] == 'prefect'
+    stale = durcap('approve', run_id, call['call_id'], '--fingerprint', '0' * 64, *engine_args, env=env)
+    assert stale.returncode == 2 and 'stale-fingerprint' in stale.stderr, stale.stderr
+    unknown = durcap('approve', run_id, 'no-such-call', *engine_args, env=env)
+    assert unknown.returncode == 2 and 'unknown-call' in unknown.stderr, unknown.stderr
+    first.kill9()  # SIGKILL while the flow run is Paused
+    second = spawn('prefect', 'run', '--target', TARGET, '--prompt', 'revoke hana', '--flow-run-id', run_id, env=env)
+    second.wait_for('PREFECT FLOW RUN ', 90)
+    approved = durcap('approve', run_id, call['call_id'], '--by', 'ops', *engine_args, env=env)
+    assert approved.returncode == 0, approved.stderr
+    report = second.report(timeout=180)
+    assert report['output'] == 'result: revoked sessions of hana'
+    assert revocations(crash_dir) == ['hana']  # exactly once
+
+
+def test_prefect_deny_and_timeout(prefect_api_url: str, spawn, tmp_path: Path) -> None:
+    env, crash_dir = env_for(tmp_path, timeout=20)
+    env['PREFECT_API_URL'] = prefect_api_url
+    denied = spawn('prefect', 'run', '--target', TARGET, '--prompt', 'revoke ivan', env=env)
+    late = spawn('prefect', 'run', '--target', TARGET, '--prompt', 'revoke jade', env=env)
+    run_id = _prefect_flow_run_id(denied)
+    [call] = pending_prefect(['--engine', 'prefect'], run_id, env)
+    out = durcap('deny', run_id, call['call_id'], '--reason', 'needs a ticket', '--engine', 'prefect', env=env)
+    assert out.returncode == 0, out.stderr
+    assert denied.report(timeout=180)['output'] == 'result: needs a ticket'
+    assert late.report(timeout=180)['output'].startswith('result: No one approved the call to revoke_sessions')
+    assert revocations(crash_dir) == []
+
+
+def pending_prefect(engine_args: list[str], run_id: str, env: dict[str, str], timeout: float = 120) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = durcap('approvals', 'list', *engine_args, '--run', run_id, '--format', 'json', env=env)
+        assert out.returncode == 0, out.stderr
+        if calls := json.loads(out.stdout):
+            return calls
+        time.sleep(0.5)
+    raise AssertionError(f'no pending call for {run_id} within {timeout} s')
