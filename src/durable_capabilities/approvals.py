@@ -15,7 +15,7 @@ import json
 import os
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 DEFAULT_APPROVAL_TIMEOUT = timedelta(hours=24)
@@ -45,7 +45,7 @@ def fingerprint(tool_name: str, args: dict[str, Any] | str | None) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def timeout_seconds(value: timedelta | float | int | None) -> float:
+def timeout_seconds(value: timedelta | float | None) -> float:
     """A gate's timeout in seconds: `value` (a `timedelta` or seconds), default 24 hours.
 
     Raises:
@@ -142,7 +142,7 @@ class ApprovalError(LookupError):
 
 def utc_now() -> datetime:
     """The current UTC time (outside durable containers only: engines give their own deterministic clock)."""
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def default_user() -> str:
@@ -154,7 +154,7 @@ def default_user() -> str:
         import getpass
 
         return getpass.getuser()
-    except Exception:  # pragma: no cover - no user database
+    except (KeyError, OSError):  # pragma: no cover - no user database
         return 'unknown'
 
 

@@ -12,7 +12,12 @@ import os
 from pathlib import Path
 
 from pydantic_ai import ModelResponse, TextPart, Tool, ToolCallPart
-from pydantic_ai.messages import ModelMessage, ModelRequest, ToolReturnPart, UserPromptPart
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelRequest,
+    ToolReturnPart,
+    UserPromptPart,
+)
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from durable_capabilities import DurableAgent

@@ -37,7 +37,7 @@ def env_for(tmp_path: Path, timeout: float | None = None) -> tuple[dict[str, str
 def durcap(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, '-m', 'durable_capabilities.cli', *args], cwd=ROOT, capture_output=True, text=True,
-        env={**os.environ, 'PYTHONPATH': str(ROOT), **(env or {})}, timeout=120,
+        env={**os.environ, 'PYTHONPATH': str(ROOT), **(env or {})}, timeout=120, check=False,
     )
 
 
@@ -134,7 +134,11 @@ def test_dbos_timeout_denies_and_run_completes(spawn, tmp_path: Path) -> None:
 
 
 def test_temporal_approve_after_worker_killed_while_waiting(temporal_address: str, spawn, tmp_path: Path) -> None:
-    from durable_capabilities.engines.temporal import AgentRunInput, AgentRunOutput, connect
+    from durable_capabilities.engines.temporal import (
+        AgentRunInput,
+        AgentRunOutput,
+        connect,
+    )
 
     env, crash_dir = env_for(tmp_path)
     queue = f'gate-{uuid.uuid4().hex[:8]}'
@@ -168,7 +172,11 @@ def test_temporal_approve_after_worker_killed_while_waiting(temporal_address: st
 
 
 def test_temporal_deny_and_timeout(temporal_address: str, spawn, tmp_path: Path) -> None:
-    from durable_capabilities.engines.temporal import AgentRunInput, AgentRunOutput, connect
+    from durable_capabilities.engines.temporal import (
+        AgentRunInput,
+        AgentRunOutput,
+        connect,
+    )
 
     env, crash_dir = env_for(tmp_path, timeout=15)
     queue = f'gate-{uuid.uuid4().hex[:8]}'
@@ -200,7 +208,11 @@ def test_temporal_deny_and_timeout(temporal_address: str, spawn, tmp_path: Path)
 
 def test_temporal_twenty_runs_waiting_approved_in_random_order(temporal_address: str, spawn, tmp_path: Path) -> None:
     from durable_capabilities import runner
-    from durable_capabilities.engines.temporal import AgentRunInput, AgentRunOutput, connect
+    from durable_capabilities.engines.temporal import (
+        AgentRunInput,
+        AgentRunOutput,
+        connect,
+    )
 
     env, crash_dir = env_for(tmp_path)
     queue = f'gate-{uuid.uuid4().hex[:8]}'

@@ -29,7 +29,13 @@ from pydantic_ai.exceptions import ApprovalRequired, CallDeferred, ModelRetry
 from pydantic_ai.toolsets import AbstractToolset, FunctionToolset, WrapperToolset
 
 from .. import _registry
-from ..approvals import ApprovalError, ApprovalGate, Decision, PendingCall, check_decision
+from ..approvals import (
+    ApprovalError,
+    ApprovalGate,
+    Decision,
+    PendingCall,
+    check_decision,
+)
 from ..turn import RunReport, Turn, deps_from_json, run_turn
 from . import _mcp
 from ._adapter import EngineAdapter, RunOptions, leaf_kinds

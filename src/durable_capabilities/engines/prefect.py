@@ -11,6 +11,7 @@ missed the cache for every request made after a capability was loaded and ran it
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import re
@@ -26,7 +27,13 @@ from pydantic_ai.durable_exec.prefect import (
 from pydantic_ai.tools import RunContext
 
 from .. import _registry
-from ..approvals import ApprovalError, ApprovalGate, Decision, PendingCall, check_decision
+from ..approvals import (
+    ApprovalError,
+    ApprovalGate,
+    Decision,
+    PendingCall,
+    check_decision,
+)
 from ..turn import RunReport, deps_from_json, run_turn
 from . import _mcp
 from ._adapter import EngineAdapter, RunOptions, leaf_kinds
@@ -247,7 +254,8 @@ class PrefectApprovalGate(ApprovalGate):
             if not remaining or left <= 0:
                 break
             try:
-                await pause_flow_run(timeout=max(1, math.ceil(left)), key=f'durcap-approval-{uuid_.uuid4().hex}')
+                # sync-compatible: a coroutine inside an async flow (typed as returning None)
+                await pause_flow_run(timeout=max(1, math.ceil(left)), key=f'durcap-approval-{uuid_.uuid4().hex}')  # pyright: ignore[reportGeneralTypeIssues]
             except FlowPauseTimeout:
                 async with get_client() as client:  # the timed-out pause left the run Paused
                     await client.set_flow_run_state(uuid_.UUID(self.run_id), Running(), force=True)
@@ -257,12 +265,11 @@ class PrefectApprovalGate(ApprovalGate):
 
 async def _put_input(key: str, value: Any) -> None:
     """Set the current flow run's input `key` to `value` (inputs are write-once: delete, then create)."""
+    from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
     from prefect.input import acreate_flow_run_input, adelete_flow_run_input
 
-    try:
+    with contextlib.suppress(ObjectNotFound, PrefectHTTPStatusError):  # not there yet
         await adelete_flow_run_input(key)
-    except Exception:  # not there yet
-        pass
     await acreate_flow_run_input(key, value)
 
 
@@ -477,7 +484,11 @@ class PrefectAdapter(EngineAdapter):
     async def pending_approvals(self, settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
         """Pending calls of Paused `durcap-*` flow runs (or of flow run `run_id`), from flow run input `PENDING_INPUT`."""
         from prefect import get_client
-        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateName
+        from prefect.client.schemas.filters import (
+            FlowRunFilter,
+            FlowRunFilterState,
+            FlowRunFilterStateName,
+        )
         from prefect.input import aread_flow_run_input
 
         async with get_client() as client:
@@ -502,7 +513,7 @@ class PrefectAdapter(EngineAdapter):
         import asyncio
 
         from prefect import get_client
-        from prefect.exceptions import ObjectNotFound
+        from prefect.exceptions import NotPausedError, ObjectNotFound
         from prefect.flow_runs import aresume_flow_run
         from prefect.input import acreate_flow_run_input
 
@@ -525,7 +536,7 @@ class PrefectAdapter(EngineAdapter):
                 try:
                     await aresume_flow_run(flow_run_id)
                     break
-                except Exception:  # resumed meanwhile
+                except (NotPausedError, RuntimeError):  # resumed meanwhile
                     pass
             elif flow_run.state is None or flow_run.state.is_final() or all(
                     c.call_id != call.call_id for c in await self.pending_approvals(settings, run_id)):

@@ -42,7 +42,13 @@ from temporalio.worker.workflow_sandbox import (
 )
 
 from .. import _registry
-from ..approvals import ApprovalError, ApprovalGate, Decision, PendingCall, check_decision
+from ..approvals import (
+    ApprovalError,
+    ApprovalGate,
+    Decision,
+    PendingCall,
+    check_decision,
+)
 from ..conversations import LoadedConversation
 from ..store._claim_check import ClaimCheckCodec  # noqa: F401 - public here: the codec `connect` installs
 from ..turn import RunReport, current_turn, run_turn
@@ -256,7 +262,7 @@ class TemporalApprovalGate(ApprovalGate):
         left = (datetime.fromisoformat(pending[0].deadline) - workflow.now()).total_seconds()
         try:
             await workflow.wait_condition(lambda: not instance._durcap_pending, timeout=max(left, 0.001))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass  # the remaining calls are denied with the timeout reason
         decisions = dict(instance._durcap_decisions)
         instance._durcap_pending = []
