@@ -90,6 +90,8 @@ def test_dbos_approve_after_process_killed_while_waiting(backend: str, spawn, tm
     first = spawn(*args, env=env)
     [call] = pending(engine_args, run_id)
     assert call['tool_name'] == 'revoke_sessions' and call['args'] == {'user': 'alice'} and call['agent'] == 'gated'
+    listed = durcap('approvals', 'list', *engine_args)
+    assert listed.returncode == 0 and run_id in listed.stdout and 'revoke_sessions' in listed.stdout, listed.stdout
     check_refusals(engine_args, run_id, call, crash_dir)
     first.kill9()  # SIGKILL while the workflow waits for the decision
     second = spawn(*args, env=env)  # DBOS recovers the workflow: it waits again, until the same deadline
@@ -156,6 +158,23 @@ def test_temporal_approve_after_worker_killed_while_waiting(temporal_address: st
     [call] = pending(engine_args, run_id)
     assert call['args'] == {'user': 'dave'} and call['engine'] == 'temporal'
     check_refusals(engine_args, run_id, call, crash_dir)
+
+    async def update_directly() -> list[str]:
+        # Bypassing the client-side check: the update's validator rejects the stale decision before it is recorded.
+        from temporalio.api.enums.v1 import EventType
+        from temporalio.client import WorkflowUpdateFailedError
+
+        from durable_capabilities.approvals import Decision
+        from durable_capabilities.engines.temporal import DECIDE_UPDATE
+
+        client = await connect(temporal_address)
+        handle = client.get_workflow_handle(run_id)
+        with pytest.raises(WorkflowUpdateFailedError):
+            await handle.execute_update(DECIDE_UPDATE, Decision(call['call_id'], '0' * 64, True, by='x').to_json())
+        return [EventType.Name(e.event_type) async for e in handle.fetch_history_events()]
+
+    events = asyncio.run(update_directly())
+    assert not any('UPDATE' in name for name in events), events  # rejected updates leave no trace in the history
     first.kill9()  # SIGKILL while the workflow waits on its durable timer
     second = spawn(*worker_args, env=env)
     second.wait_for('WORKER READY', 90)
