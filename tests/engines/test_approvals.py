@@ -321,3 +321,30 @@ def pending_prefect(engine_args: list[str], run_id: str, env: dict[str, str], ti
             return calls
         time.sleep(0.5)
     raise AssertionError(f'no pending call for {run_id} within {timeout} s')
+
+
+# ---- durcap demo --approve / --deny ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(('engine', 'flag'), [('dbos', '--approve'), ('dbos', '--deny'), ('temporal', '--deny'),
+                                              ('prefect', '--approve')])
+def test_demo_shows_pause_pending_call_and_decision(engine: str, flag: str, tmp_path: Path, temporal_address: str,
+                                                    prefect_api_url: str) -> None:
+    """Model: the support example's scripted FunctionModel; account-security's gate on (`require_approval=True`)."""
+    extra = ['--address', temporal_address] if engine == 'temporal' else []
+    result = subprocess.run(
+        [sys.executable, '-m', 'durable_capabilities.cli', 'demo', '--engine', engine, flag, *extra], cwd=tmp_path,
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, 'PYTHONPATH': str(ROOT), 'PREFECT_API_URL': prefect_api_url},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert 'waits for a person' in out
+    assert 'pending call' in out and 'revoke_sessions({"account_id": "acct-42"})' in out
+    if flag == '--approve':
+        assert 'decision: approved by' in out
+        assert 'Revoked sessions for acct-42.' in out
+    else:
+        assert 'decision: denied by' in out
+        assert 'escalated your account to our security team' in out
+        assert 'Revoked sessions' not in out
