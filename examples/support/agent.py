@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic_ai import ModelRetry, ModelSettings, RunContext
+from pydantic_ai import ApprovalRequired, ModelRetry, ModelSettings, RunContext
 from pydantic_ai.capabilities import AbstractCapability, Capability
 from pydantic_ai.models import Model
 from pydantic_ai.toolsets import AgentToolset, FunctionToolset
@@ -121,9 +121,18 @@ def revoke_sessions(ctx: RunContext[Store], account_id: str) -> str:
 
 @dataclass
 class AccountSecurity(AbstractCapability[Store]):
+    """Account security: `revoke_sessions`, high reasoning effort, and an approval gate on every tool call.
+
+    Attributes:
+        require_approval: A person must approve each call (`ApprovalRequired`): a durable run waits for
+            `durcap approve` / `durcap deny` (see docs/approvals.md). Off: the hook only records the call and
+            blocks the tools in `Store.denied_tools`.
+    """
+
     id: str = 'account-security'
     description: str = 'Use for suspicious logins, account takeover, or session revocation.'
     defer_loading: bool = True
+    require_approval: bool = False
 
     def get_instructions(self) -> str:
         return 'Confirm the customer identity before revoking sessions.'
@@ -137,6 +146,8 @@ class AccountSecurity(AbstractCapability[Store]):
 
     async def before_tool_execute(self, ctx, *, call, tool_def, args):
         # Approval gate: inspect the call and raise to block, active once the model has loaded `account-security`.
+        if self.require_approval and not ctx.tool_call_approved:
+            raise ApprovalRequired()  # a durable run waits for a person's decision, then runs the call once
         ctx.deps.approvals.append((tool_def.name, dict(args)))
         if tool_def.name in ctx.deps.denied_tools:
             raise ModelRetry(f'An operator denied `{tool_def.name}`; escalate to the security team instead.')
@@ -161,13 +172,17 @@ def issue_refund(ctx: RunContext[Store], order_id: str, amount: float) -> str:
     return f'Refund of ${amount:.2f} issued for {order_id}.'
 
 
-def make_support(model: 'str | Model | SupportScript | None' = None, *, name: str = 'support') -> DurableAgent[Store, str]:
+def make_support(
+    model: 'str | Model | SupportScript | None' = None, *, name: str = 'support', require_approval: bool = False,
+) -> DurableAgent[Store, str]:
     """A fresh support-agent definition.
 
     Args:
         model: A `SupportScript` (its `FunctionModel` is used), a pydantic-ai model name or `Model`.
             Default: the `SUPPORT_MODEL` environment variable if set, else a new `SupportScript`.
         name: The agent name (part of every durable unit name).
+        require_approval: `revoke_sessions` (any `account-security` tool) waits for a person's approval
+            (`AccountSecurity.require_approval`).
     """
     if model is None:
         model = os.environ.get('SUPPORT_MODEL') or SupportScript()
@@ -180,7 +195,7 @@ def make_support(model: 'str | Model | SupportScript | None' = None, *, name: st
         instructions='You are a customer-support agent for an e-commerce store.',
         capabilities=[
             orders,
-            AccountSecurity(),
+            AccountSecurity(require_approval=require_approval),
             refund_policy,
             RunbookRequired(requirements={'issue_refund': 'refund-policy'}),
             *load_skills(SKILLS_DIR),

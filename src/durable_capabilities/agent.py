@@ -13,6 +13,7 @@ from pydantic_ai.toolsets import FunctionToolset
 from . import _registry
 from ._turn_log import TurnRecorder
 from .aliases import CapabilityAliases
+from .approvals import timeout_seconds
 from .checks import CheckContext, run_checks
 from .engines import ALL_ENGINES, DURABLE_ENGINES, ENGINES
 from .ids import LeafPlan, stabilize
@@ -50,6 +51,9 @@ class DurableAgent(Generic[DepsT, OutputT]):
             else SQLite at `.durcap/conversations.db`, resolved where the durable unit runs).
         drift: `'error'` (refuse to resume a conversation whose history loaded a capability or called a
             tool this definition no longer has: DC018 / DC019) or `'warning'` (resume and log it).
+        approval_timeout: How long a tool call that needs approval (`ApprovalRequired`, `requires_approval=True`)
+            waits for a person in a durable run, as a `timedelta` or seconds (default 24 hours); then it is
+            denied with a reason the model sees (see `approvals`).
         agent_kwargs: Any other `pydantic_ai.Agent` keyword argument (`retries`, `model_settings`, ...).
 
     Raises:
@@ -72,6 +76,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
         previous_names: Sequence[str] = (),
         conversation_store: str | None = None,
         drift: str = 'error',
+        approval_timeout: Any = None,
         **agent_kwargs: Any,
     ) -> None:
         self.name = name
@@ -92,6 +97,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
         if drift not in ('error', 'warning'):
             raise ValueError(f"drift must be 'error' or 'warning', not {drift!r}")
         self.drift = drift
+        self.approval_timeout = timeout_seconds(approval_timeout)
         self._invalid_skills = [c for c in capabilities if isinstance(c, InvalidSkill)]
         self.user_capabilities = [c for c in capabilities if not isinstance(c, InvalidSkill)]
         self._stabilized = stabilize(self.user_capabilities, self.aliases)

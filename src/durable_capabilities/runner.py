@@ -10,11 +10,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .agent import DurableAgent
+from .approvals import Decision, PendingCall, default_user, fingerprint
 from .engines import RunOptions, get
 from .engines._adapter import _stderr
 from .turn import RunReport
 
-__all__ = ['RunReport', 'run']
+__all__ = ['RunReport', 'approvals', 'decide', 'run']
 
 
 async def run(
@@ -56,3 +57,56 @@ async def run(
     """
     options = RunOptions(deps, message_history, conversation_id, run_id, settings, notify, on_start)
     return await get(engine).run(agent, prompt, options)
+
+
+async def approvals(run_id: str | None = None, *, engine: str = 'dbos', **settings: Any) -> list[PendingCall]:
+    """Tool calls waiting for a person on `engine` (only those of run `run_id` when given).
+
+    Args:
+        run_id: The waiting run (workflow id, flow run id), or `None` for every waiting run.
+        engine: A durable engine's name.
+        settings: Engine settings (`address`, `namespace` for Temporal, `db` for DBOS).
+
+    Returns:
+        One `approvals.PendingCall` per waiting call (tool, arguments, fingerprint, requested at, deadline).
+    """
+    return await get(engine).pending_approvals(settings, run_id)
+
+
+async def decide(
+    run_id: str,
+    call_id: str,
+    *,
+    approve: bool,
+    reason: str | None = None,
+    override_args: dict[str, Any] | None = None,
+    by: str | None = None,
+    fingerprint_: str | None = None,
+    engine: str = 'dbos',
+    **settings: Any,
+) -> Decision:
+    """Approve or deny one waiting call; the run continues once all its pending calls are decided.
+
+    Args:
+        run_id / call_id: The waiting run and the call (see `approvals`).
+        approve: Run the call (`True`) or deny it (`False`, the model receives `reason`).
+        reason: Why (shown to the model on denial, stored in the audit).
+        override_args: Arguments to run the approved call with instead of the model's.
+        by: Who decides (default: the OS user).
+        fingerprint_: The fingerprint the person reviewed (default: the pending call's current one).
+        engine / settings: As for `approvals`.
+
+    Returns:
+        The `Decision` delivered.
+
+    Raises:
+        approvals.ApprovalError: unknown run or call, or `fingerprint_` is not the pending call's (nothing changes).
+    """
+    adapter = get(engine)
+    if fingerprint_ is None:
+        pending = {c.call_id: c for c in await adapter.pending_approvals(settings, run_id)}
+        call = pending.get(call_id)
+        fingerprint_ = call.fingerprint if call is not None else fingerprint('', {})
+    decision = Decision(call_id, fingerprint_, approve, reason, override_args, by or default_user())
+    await adapter.decide(run_id, decision, settings)
+    return decision

@@ -27,6 +27,7 @@ from .aliases import rewrite_history
 
 if TYPE_CHECKING:
     from .agent import DurableAgent
+    from .approvals import ApprovalGate
     from .conversations import LoadedConversation
 
 LoadUnit = Callable[[str], Awaitable['LoadedConversation']]
@@ -103,6 +104,7 @@ async def run_turn(
     conversation_id: str | None = None,
     load: LoadUnit | None = None,
     append: AppendUnit | None = None,
+    gate: ApprovalGate | None = None,
     **run_kwargs: Any,
 ) -> Turn:
     """One turn of `agent`: load the conversation, run, append the new messages.
@@ -117,6 +119,10 @@ async def run_turn(
         conversation_id: Conversation to load from and append to, or `None`.
         load / append: The engine's durable units around the store (an activity, a step, a task);
             default: in-process calls (`load_conversation`, `append_conversation` with a fresh append id).
+        gate: The engine's `approvals.ApprovalGate`: when given, a run that ends with `DeferredToolRequests`
+            (tool calls needing approval) waits on it for decisions and continues with `DeferredToolResults`
+            until the agent produces its final output; the audit of each pause is stored in the `metadata`
+            of the request carrying the decided results (`approvals.AUDIT_METADATA_KEY`).
 
     Returns:
         The `Turn`.
@@ -140,14 +146,21 @@ async def run_turn(
     state = TurnState(conversation_id, revision, messages)
     token = _current.set(state)
     try:
+        if gate is not None:
+            run_kwargs.setdefault('output_type', _with_deferred(agent.output_type))
         with recording(history) as state.log:
             result = await run(prompt, deps=deps, message_history=history, **run_kwargs)
             state.log.observe(result.all_messages(), result.run_id)
+        # The run's messages by run, not by index: a history processor may have rewritten the list (_turn_log).
+        new_messages = ModelMessagesTypeAdapter.dump_python(state.log.messages, mode='json')
+        usage = result.usage
+        while gate is not None and _approval_requests(result) is not None:
+            result, added = await _await_decisions(agent, gate, run, result, conversation_id, deps, run_kwargs)
+            new_messages += added
+            usage = usage + result.usage
     finally:
         _current.reset(token)
-    # The run's messages by run, not by index: a history processor may have rewritten the list (_turn_log).
-    turn = Turn(result, state, ModelMessagesTypeAdapter.dump_python(state.log.messages, mode='json'),
-                to_jsonable_python(result.usage))
+    turn = Turn(result, state, new_messages, to_jsonable_python(usage))
     if conversation_id is not None:
         appended = await (append or _local_append(agent))(conversation_id, turn.new_messages, revision, turn.usage)
         if isinstance(appended, int) and not isinstance(appended, bool) and state.log.messages:
@@ -223,6 +236,47 @@ def _remember(key: tuple[str, str], messages: list[ModelMessage]) -> None:
     _DECODED.move_to_end(key)
     while len(_DECODED) > DECODED_CACHE_SIZE:
         _DECODED.popitem(last=False)
+
+
+def _with_deferred(output_type: Any) -> Any:
+    """`output_type` plus `DeferredToolRequests` (a durable run loops until the final output)."""
+    from pydantic_ai.tools import DeferredToolRequests
+
+    types = list(output_type) if isinstance(output_type, (list, tuple)) else [output_type]
+    return types if DeferredToolRequests in types else [*types, DeferredToolRequests]
+
+
+def _approval_requests(result: Any) -> Any:
+    from pydantic_ai.tools import DeferredToolRequests
+
+    output = result.output
+    return output if isinstance(output, DeferredToolRequests) and output.approvals else None
+
+
+async def _await_decisions(
+    agent: DurableAgent[Any, Any], gate: ApprovalGate, run: Callable[..., Awaitable[Any]], result: Any,
+    conversation_id: str | None, deps: Any, run_kwargs: dict[str, Any],
+) -> tuple[Any, list[dict[str, Any]]]:
+    """Wait on `gate` for decisions on `result`'s approval requests, then continue the run with them; returns
+    the continued result and the messages it added (the first request carrying the audit records)."""
+    from . import approvals
+
+    timeout = approvals.timeout_seconds(getattr(agent, 'approval_timeout', None))
+    pending = approvals.pending_calls(_approval_requests(result), run_id=gate.run_id, agent=agent.name,
+                                      conversation_id=conversation_id, now=await gate.now(), timeout=timeout)
+    decisions = await gate.wait(pending, timeout)
+    results = approvals.deferred_results(pending, decisions)
+    continued = await run(None, deps=deps, message_history=result.all_messages(), deferred_tool_results=results,
+                          **run_kwargs)
+    added = ModelMessagesTypeAdapter.dump_python(continued.new_messages(), mode='json')
+    audit = approvals.audit_records(pending, decisions)
+    for message in added:
+        if message.get('kind') == 'request':
+            message['metadata'] = {**(message.get('metadata') or {}), approvals.AUDIT_METADATA_KEY: audit}
+            break
+    else:  # pragma: no cover - upstream always starts a continuation with the tool results request
+        added.insert(0, {'kind': 'request', 'parts': [], 'metadata': {approvals.AUDIT_METADATA_KEY: audit}})
+    return continued, added
 
 
 def deps_from_json(agent: DurableAgent[Any, Any], deps: Any) -> Any:

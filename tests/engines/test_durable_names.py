@@ -43,9 +43,10 @@ def test_dbos_lock_is_exactly_the_registered_and_wrapped_steps(tmp_path: Path) -
     report = probe('dbos', tmp_path)
     lock, registered = report['lock'], report['registered']
     assert lock['workflows'] == registered['workflows'] == ['durcap.support']
-    conversation = ['durcap__support__conversation.append', 'durcap__support__conversation.load']
-    # Upstream's registered steps, the function-tool steps `DBOSToolSteps` names, the two conversation steps:
-    # nothing more, nothing less.
+    conversation = ['durcap__support__conversation.append', 'durcap__support__conversation.load',
+                    'durcap__support__approval.clock']
+    # Upstream's registered steps, the function-tool steps `DBOSToolSteps` names, the two conversation steps and
+    # the approval clock step (a run waiting for a person): nothing more, nothing less.
     assert sorted({*registered['steps'], *report['tool_steps'], *conversation}) == lock['steps']
     assert registered['steps'] and report['tool_steps']
     # And a real run only records steps the lock lists.

@@ -259,3 +259,4 @@ def main() -> None:
 # when imported; they import the helpers above, so this comes last.
 from . import engine_commands  # noqa: E402, F401
 from . import runs  # noqa: E402, F401
+from . import approvals  # noqa: E402, F401  (`durcap approvals list`, `durcap approve`, `durcap deny`)

@@ -7,6 +7,7 @@ and checking its lock is `targets.py`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -193,6 +194,9 @@ def demo(
     task_queue: Annotated[str, typer.Option(help='Temporal task queue.')] = 'durcap-demo',
     inline_worker: Annotated[bool, typer.Option(help='Serve the Temporal task queue from this process (off: use a '
                                                      'running `durcap worker temporal`).')] = True,
+    decision: Annotated[bool | None, typer.Option('--approve/--deny', help='Show the approval gate: ask to revoke the '
+                                                  'sessions of acct-42 (account-security requires approval), show the '
+                                                  'pause and the pending call, then approve or deny it.')] = None,
 ) -> None:
     """Run the support example durably and show what deferral saved on the first request.
 
@@ -209,6 +213,10 @@ def demo(
         _unusable(f'the support example is not installed with this package (looked for {target})')
     agent = _one_agent(f'{target}:support', use_lock=engine != 'local')
     make_store = sys.modules[agent.defined_in].make_store
+    if decision is not None:
+        _gate_demo(sys.modules[agent.defined_in], engine, decision, address=_temporal_address(address), db=db,
+                   task_queue=task_queue, inline_worker=inline_worker)
+        return
     _out.print(f'[bold]support demo[/bold] on {engine}, model: {model or "scripted FunctionModel (no provider)"}')
     _out.print(f'customer: {prompt}')
     report = asyncio.run(_run_on(agent, prompt, engine, make_store(), address=_temporal_address(address),
@@ -220,6 +228,58 @@ def demo(
         f'vs {first.always_on_tokens} with every capability always on ({first.ratio:.2f}x); '
         f'tools offered: {", ".join(first.deferred_tools)} vs {", ".join(first.always_on_tools)}'
     )
+
+
+GATE_PROMPT = 'Someone keeps trying to log into my account acct-42 from abroad.'
+
+
+def _gate_demo(module: Any, engine: str, approve: bool, *, address: str | None, db: str | None, task_queue: str,
+               inline_worker: bool) -> None:
+    """`durcap demo --approve|--deny`: the support agent with `account-security`'s approval gate on, one run that
+    pauses on `revoke_sessions`, the pending call, the decision, and the answer."""
+    import asyncio
+    import uuid
+
+    from .. import runner
+    from ..approvals import ApprovalError, default_user
+
+    if not _adapter(engine).durable:
+        _unusable('--approve/--deny needs a durable engine: a local run cannot wait for a person')
+    if engine == 'temporal' and address is None:
+        _unusable('--approve/--deny on Temporal needs a server: --address HOST:PORT or $DURCAP_TEMPORAL_ADDRESS')
+    agent = module.make_support(require_approval=True)
+    settings = {'address': address, 'db': db, 'task_queue': task_queue, 'inline_worker': inline_worker}
+    run_id = f'support-gate-{uuid.uuid4().hex[:8]}'
+    _out.print(f'[bold]support demo, approval gate[/bold] on {engine}; customer: {GATE_PROMPT}')
+
+    async def scenario() -> RunReport:
+        # Engines that name runs themselves (a Prefect flow run id) ignore `run_id`: then the run is the one
+        # whose pending call appears after the start.
+        before = {c.run_id for c in await runner.approvals(engine=engine, **settings)}
+        run = asyncio.create_task(runner.run(agent, GATE_PROMPT, engine=engine, deps=module.make_store(), run_id=run_id,
+                                             notify=_err.print, **settings))
+        pending: list[Any] = []
+        while not pending:
+            if run.done():
+                return await run  # finished or failed before pausing
+            await asyncio.sleep(0.2)
+            with contextlib.suppress(ApprovalError):  # the run may not exist yet
+                pending = await runner.approvals(run_id, engine=engine, **settings)
+            if not pending:
+                pending = [c for c in await runner.approvals(engine=engine, **settings)
+                           if c.run_id not in before and c.agent == agent.name]
+        call = pending[0]
+        _out.print(f'paused: {_adapter(engine).run_id_label} {call.run_id} waits for a person (deadline {call.deadline})')
+        _out.print(f'pending call {call.call_id}: {call.tool_name}({json.dumps(call.args, sort_keys=True)}), '
+                   f'fingerprint {call.fingerprint[:12]}', markup=False)
+        made = await runner.decide(call.run_id, call.call_id, approve=approve, by=default_user(), engine=engine,
+                                   reason=None if approve else 'Denied in the demo: escalate to the security team.',
+                                   **settings)
+        _out.print(f'decision: {"approved" if made.approve else "denied"} by {made.by}'
+                   + (f' ({made.reason})' if made.reason else ''), markup=False)
+        return await run
+
+    _print_run(asyncio.run(scenario()))
 
 
 def _worker_command(engine: str) -> Any:

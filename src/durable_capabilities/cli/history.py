@@ -116,8 +116,19 @@ def summarize(stored: StoredConversation, writes: list[WriteRecord]) -> dict[str
             }
             for w in writes
         ],
+        'approvals': approval_audit(stored.messages),
         'messages': ModelMessagesTypeAdapter.dump_python(stored.messages, mode='json'),
     }
+
+
+def approval_audit(messages: list[ModelMessage]) -> list[dict[str, Any]]:
+    """The approval audit records the durable runs stored in the conversation (`approvals.AUDIT_METADATA_KEY`
+    in a request's metadata), in order: tool, arguments, fingerprint, requested at, deadline, decision, by, at,
+    reason."""
+    from ..approvals import AUDIT_METADATA_KEY
+
+    return [record for message in messages for record in ((getattr(message, 'metadata', None) or {})
+                                                          .get(AUDIT_METADATA_KEY) or [])]
 
 
 def _nonzero(usage: dict[str, Any]) -> dict[str, Any]:
@@ -141,6 +152,13 @@ def _text(summary: dict[str, Any], messages: list[ModelMessage]) -> str:
         )
         key = f' append_id {w["append_id"]}' if w['append_id'] else ''
         lines.append(f'  r{w["revision"]} {w["operation"]}{key}: {span} at {w["written_at"]}')
+    if summary['approvals']:
+        lines.append('approvals:')
+        for a in summary['approvals']:
+            who = f' by {a["by"]}' if a['by'] else ''
+            why = f' ({a["reason"]})' if a['reason'] else ''
+            lines.append(f'  {a["tool"]}({json.dumps(a["args"], sort_keys=True)}) call {a["call_id"]} fingerprint '
+                         f'{a["fingerprint"][:12]}: requested {a["requested_at"]}, {a["decision"]}{who} at {a["at"]}{why}')
     lines.append('messages:')
     first = summary['message_count'] - len(messages) + 1
     for position, message in enumerate(messages, start=first):

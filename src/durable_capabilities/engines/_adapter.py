@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
+    from ..approvals import Decision, PendingCall
     from ..turn import RunReport
 
 
@@ -299,6 +300,27 @@ class EngineAdapter(ABC):
         """
         raise NotImplementedError(f'engine {self.name!r} cannot cancel runs')
 
+    # ---- approvals (`durcap approvals`) -------------------------------------------------------------
+
+    async def pending_approvals(self, settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
+        """Tool calls waiting for a person in the engine's runs (only `run_id`'s when given), from outside the
+        runs (a client). `settings` as `RunOptions.settings` (`address`, `namespace`, `db`). Durable runs wait in
+        the engine's `approvals.ApprovalGate`, which the engine's container passes to `turn.run_turn`."""
+        return []
+
+    async def decide(self, run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
+        """Deliver `decision` to the waiting run `run_id`, after checking it against the run's pending calls.
+
+        Returns:
+            The pending call decided.
+
+        Raises:
+            approvals.ApprovalError: unknown run, unknown call, stale fingerprint (nothing was delivered).
+        """
+        from ..approvals import ApprovalError
+
+        raise ApprovalError('unknown-run', f'engine {self.name!r} runs do not wait for approval')
+
     @abstractmethod
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
         """Run one turn of `agent` on the engine and report what it recorded.
@@ -382,6 +404,12 @@ class LazyAdapter(EngineAdapter):
 
     def replayer(self, agents: Sequence[DurableAgent[Any, Any]], *, store: str | None = None) -> Any | None:
         return self.loaded.replayer(agents, store=store)
+
+    async def pending_approvals(self, settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
+        return await self.loaded.pending_approvals(settings, run_id)
+
+    async def decide(self, run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
+        return await self.loaded.decide(run_id, decision, settings)
 
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
         return await self.loaded.run(agent, prompt, options)

@@ -32,6 +32,13 @@ from pydantic_ai.exceptions import ApprovalRequired, CallDeferred, ModelRetry
 from pydantic_ai.toolsets import AbstractToolset, FunctionToolset, WrapperToolset
 
 from .. import _registry
+from ..approvals import (
+    ApprovalError,
+    ApprovalGate,
+    Decision,
+    PendingCall,
+    check_decision,
+)
 from ..turn import RunReport, Turn, deps_from_json, run_turn
 from . import _mcp
 from ._adapter import (
@@ -297,7 +304,66 @@ class BoundAgent:
         """As `run`, returning the whole `turn.Turn`."""
         load, append = _conversation_steps(self.definition)
         return await run_turn(self.definition, self.agent.run, prompt, conversation_id=conversation_id, load=load,
-                              append=append, **kwargs)
+                              append=append, gate=DBOSApprovalGate(self.definition), **kwargs)
+
+
+PENDING_EVENT = 'durcap.approvals'
+"""DBOS event key under which a waiting workflow publishes its pending calls (JSON list of `PendingCall`)."""
+
+DECISION_TOPIC = 'durcap.decisions'
+"""DBOS message topic a waiting workflow receives decisions on (one `Decision` JSON per message)."""
+
+
+def approval_step_name(agent: DurableAgent[Any, Any]) -> str:
+    """Name of the step that reads the clock while a run waits for approval: `durcap__{name}__approval.clock`."""
+    return f'durcap__{agent.durable_name}__approval.clock'
+
+
+def _clock() -> str:
+    from ..approvals import utc_now
+
+    return utc_now().isoformat()
+
+
+class DBOSApprovalGate(ApprovalGate):
+    """Waits in the workflow: pending calls published as event `PENDING_EVENT`, decisions received with
+    `DBOS.recv_async(DECISION_TOPIC, timeout_seconds=...)` (a durable sleep: no step or thread is held, and a
+    recovered workflow waits until the same deadline); the clock is a recorded step."""
+
+    def __init__(self, agent: DurableAgent[Any, Any]):
+        self.agent = agent
+        self.run_id = DBOS.workflow_id or ''
+
+    async def now(self) -> Any:
+        from datetime import datetime
+
+        stamp = await DBOS.run_step_async({'name': approval_step_name(self.agent)}, _clock)  # type: ignore[arg-type]
+        return datetime.fromisoformat(stamp)
+
+    async def wait(self, pending: list[PendingCall], timeout: float) -> dict[str, Decision]:
+        from datetime import datetime
+
+        deadline = datetime.fromisoformat(pending[0].deadline)
+        remaining, decisions = list(pending), {}
+        await DBOS.set_event_async(PENDING_EVENT, [call.to_json() for call in remaining])
+        while remaining:
+            left = (deadline - await self.now()).total_seconds()
+            if left <= 0:
+                break
+            message = await DBOS.recv_async(DECISION_TOPIC, timeout_seconds=left)
+            if message is None:
+                break  # the deadline passed: the remaining calls are denied
+            decision = Decision.from_json(message)
+            try:
+                call = check_decision(remaining, decision, self.run_id)
+            except ApprovalError:
+                continue  # refused by `decide` already; a late duplicate changes nothing
+            decisions[call.call_id] = decision
+            remaining.remove(call)
+            await DBOS.set_event_async(PENDING_EVENT, [call.to_json() for call in remaining])
+        if remaining:
+            await DBOS.set_event_async(PENDING_EVENT, [])
+        return decisions
 
 
 def _conversation_steps(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
@@ -490,6 +556,7 @@ class DBOSAdapter(EngineAdapter):
         register), the conversation steps, and the workflow names of `agent_workflow`."""
         namer = DBOSOperationNamer(agent.durable_name)
         steps = {namer.operation_name(i) for i in _journal_ids(agent)} | set(conversation_step_names(agent))
+        steps.add(approval_step_name(agent))
         return {'workflows': sorted(workflow_names(agent)), 'steps': sorted(steps)}
 
     def conversation_units(self, agent: DurableAgent[Any, Any]) -> list[str]:
@@ -649,6 +716,57 @@ class DBOSAdapter(EngineAdapter):
             DBOS.destroy()
         return RunReport.from_payload('dbos', run_id, payload, [step['function_name'] for step in steps])
 
+    # ---- approvals ---------------------------------------------------------------------------------------
+
+    async def pending_approvals(self, settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
+        """Pending calls of waiting `durcap.*` workflows (or of `run_id`), read with a `DBOSClient` on `settings['db']`."""
+        from sqlalchemy.exc import OperationalError, ProgrammingError
+
+        client = _client(settings)
+        try:
+            if run_id is not None:
+                ids = [run_id]
+            else:
+                workflows = await client.list_workflows_async(status='PENDING', load_input=False, load_output=False)
+                ids = [w.workflow_id for w in workflows if (w.name or '').startswith(WORKFLOW_NAME_PREFIX)]
+            calls: list[PendingCall] = []
+            for workflow_id in ids:
+                for data in await client.get_event_async(workflow_id, PENDING_EVENT, timeout_seconds=0) or []:
+                    calls.append(PendingCall.from_json({**data, 'engine': 'dbos'}))
+            return calls
+        except (OperationalError, ProgrammingError):  # no DBOS tables yet: nothing has run, nothing waits
+            return []
+        finally:
+            client.destroy()
+
+    async def decide(self, run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
+        """Check `decision` against the run's published pending calls, then send it on `DECISION_TOPIC`.
+
+        Raises:
+            ApprovalError: unknown run (no such workflow, or it waits for nothing), unknown call, stale fingerprint.
+        """
+        from sqlalchemy.exc import OperationalError, ProgrammingError
+
+        client = _client(settings)
+        try:
+            try:
+                status = await client.list_workflows_async(workflow_ids=[run_id], load_input=False, load_output=False)
+            except (OperationalError, ProgrammingError):  # no DBOS tables yet
+                status = []
+            if not status:
+                raise ApprovalError('unknown-run', f'no DBOS workflow {run_id!r} in {_db_label(settings)}')
+            pending = [PendingCall.from_json(d) for d in
+                       await client.get_event_async(run_id, PENDING_EVENT, timeout_seconds=0) or []]
+            if status[0].status != 'PENDING' or not pending:
+                raise ApprovalError('unknown-run', f'DBOS workflow {run_id!r} is not waiting for approval '
+                                                   f'(status {status[0].status})')
+            call = check_decision(pending, decision, run_id)
+            await client.send_async(run_id, decision.to_json(), DECISION_TOPIC,
+                                    idempotency_key=f'{decision.call_id}:{decision.fingerprint}')
+            return call
+        finally:
+            client.destroy()
+
 
 _DBOS_STATUS = {
     'PENDING': 'running', 'ENQUEUED': 'queued', 'DELAYED': 'queued', 'SUCCESS': 'completed', 'ERROR': 'failed',
@@ -664,6 +782,17 @@ def _redact(url: str) -> str:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:  # noqa: BLE001 - never fail on printing a URL
         return url.split('@')[-1]
+
+
+def _db_label(settings: Mapping[str, Any]) -> str:
+    url = settings.get('db') or 'sqlite:///.durcap/dbos.sqlite'
+    return url.split('@')[-1]
+
+
+def _client(settings: Mapping[str, Any]) -> Any:
+    from dbos import DBOSClient
+
+    return DBOSClient(system_database_url=system_database_url(settings.get('db')))
 
 
 ADAPTER = DBOSAdapter()

@@ -11,6 +11,7 @@ missed the cache for every request made after a capability was loaded and ran it
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -28,6 +29,13 @@ from pydantic_ai.durable_exec.prefect import (
 from pydantic_ai.tools import RunContext
 
 from .. import _registry
+from ..approvals import (
+    ApprovalError,
+    ApprovalGate,
+    Decision,
+    PendingCall,
+    check_decision,
+)
 from ..turn import RunReport, deps_from_json, run_turn
 from . import _mcp
 from ._adapter import (
@@ -171,7 +179,8 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
         conversation_id: str | None = None,
     ) -> dict[str, Any]:
         turn = await run_turn(agent, built.run, prompt, deps=deps_from_json(agent, deps), message_history=message_history,
-                              conversation_id=conversation_id, load=load_task, append=append)
+                              conversation_id=conversation_id, load=load_task, append=append,
+                              gate=PrefectApprovalGate(agent))
         return turn.payload()
 
     run_agent.__name__ = re.sub(r'\W', '_', f'run_{agent.name}')
@@ -179,6 +188,103 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
     decorated.__durcap_agent__ = agent  # type: ignore[attr-defined]
     _FLOWS[agent.name] = decorated
     return decorated
+
+
+APPROVAL_CLOCK_TASK = 'Approval Clock'
+"""Task that reads the clock when a run starts waiting (cached per flow run: a re-run keeps the deadline)."""
+
+PENDING_INPUT = 'durcap-pending'
+"""Flow run input key holding the pending calls (JSON list of `PendingCall`)."""
+
+DECISION_INPUT_PREFIX = 'durcap-decision-'
+"""Flow run input key prefix of a decision: `durcap-decision-{call id}` (written by `decide`)."""
+
+
+def _clock_task() -> Any:
+    from prefect import task
+    from prefect.cache_policies import INPUTS, RUN_ID
+
+    async def clock(pause: int) -> str:
+        from ..approvals import utc_now
+
+        return utc_now().isoformat()
+
+    return task(name=APPROVAL_CLOCK_TASK, cache_policy=INPUTS + RUN_ID, persist_result=True)(clock)
+
+
+class PrefectApprovalGate(ApprovalGate):
+    """Waits with `pause_flow_run(timeout=...)`: the flow run is Paused on the server; `decide` stores the
+    decision as flow run input `durcap-decision-{call id}` and resumes it with `resume_flow_run`. The pending
+    calls are flow run input `PENDING_INPUT`. A flow run re-run after its process died (Prefect's retry, or
+    `run_flow` on the same flow run) replays its cached tasks and finds the decisions already stored."""
+
+    def __init__(self, agent: DurableAgent[Any, Any]):
+        from prefect.runtime import flow_run
+
+        self.agent = agent
+        self.run_id = str(flow_run.id)
+        self.pauses = 0
+        self.clock = _clock_task()
+
+    async def now(self) -> Any:
+        from datetime import datetime
+
+        self.pauses += 1
+        return datetime.fromisoformat(await self.clock(self.pauses))
+
+    async def wait(self, pending: list[PendingCall], timeout: float) -> dict[str, Decision]:
+        import math
+        import uuid as uuid_
+        from datetime import datetime
+
+        from prefect import get_client, pause_flow_run
+        from prefect.exceptions import FlowPauseTimeout
+        from prefect.input import aread_flow_run_input
+        from prefect.states import Running
+
+        from ..approvals import utc_now
+
+        deadline = datetime.fromisoformat(pending[0].deadline)
+        decisions: dict[str, Decision] = {}
+        remaining = list(pending)
+        while True:
+            for call in list(remaining):
+                data = await aread_flow_run_input(DECISION_INPUT_PREFIX + _input_key(call.call_id))
+                if data is None:
+                    continue
+                try:
+                    check_decision([call], Decision.from_json(data), self.run_id)
+                except ApprovalError:
+                    continue
+                decisions[call.call_id] = Decision.from_json(data)
+                remaining.remove(call)
+            await _put_input(PENDING_INPUT, [c.to_json() for c in remaining])
+            left = (deadline - utc_now()).total_seconds()
+            if not remaining or left <= 0:
+                break
+            try:
+                # sync-compatible: a coroutine inside an async flow (typed as returning None)
+                await pause_flow_run(timeout=max(1, math.ceil(left)), key=f'durcap-approval-{uuid_.uuid4().hex}')  # pyright: ignore[reportGeneralTypeIssues]
+            except FlowPauseTimeout:
+                async with get_client() as client:  # the timed-out pause left the run Paused
+                    await client.set_flow_run_state(uuid_.UUID(self.run_id), Running(), force=True)
+        await _put_input(PENDING_INPUT, [])
+        return decisions
+
+
+async def _put_input(key: str, value: Any) -> None:
+    """Set the current flow run's input `key` to `value` (inputs are write-once: delete, then create)."""
+    from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
+    from prefect.input import acreate_flow_run_input, adelete_flow_run_input
+
+    with contextlib.suppress(ObjectNotFound, PrefectHTTPStatusError):  # not there yet
+        await adelete_flow_run_input(key)
+    await acreate_flow_run_input(key, value)
+
+
+def _input_key(call_id: str) -> str:
+    """A flow run input key from a call id (keys allow letters, digits and dashes)."""
+    return re.sub(r'[^A-Za-z0-9-]', lambda m: f'-{ord(m.group()):02x}', call_id).lower()
 
 
 def _conversation_tasks(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
@@ -358,7 +464,7 @@ class PrefectAdapter(EngineAdapter):
         from pydantic_ai.durable_exec.prefect import PrefectOperationNamer
 
         namer = PrefectOperationNamer()
-        tasks = {'Model Request', *CONVERSATION_TASKS}
+        tasks = {'Model Request', APPROVAL_CLOCK_TASK, *CONVERSATION_TASKS}
         tasks |= {namer.invocation_name(ToolsetCallToolId('function', toolset_id='<agent>'), label=tool).operation_name
                   for tool in agent.static_tool_names()}
         kinds = leaf_kinds(agent)
@@ -535,6 +641,78 @@ class PrefectAdapter(EngineAdapter):
                f'({"cron " + cron if cron else f"every {interval_seconds:g} s"}); Ctrl-C or SIGTERM to stop')
         serve(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval_seconds, deps=deps,
               deployment_name=deployment_name)
+
+    async def pending_approvals(self, settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
+        """Pending calls of Paused `durcap-*` flow runs (or of flow run `run_id`), from flow run input `PENDING_INPUT`."""
+        from prefect import get_client
+        from prefect.client.schemas.filters import (
+            FlowRunFilter,
+            FlowRunFilterState,
+            FlowRunFilterStateName,
+        )
+        from prefect.input import aread_flow_run_input
+
+        async with get_client() as client:
+            if run_id is not None:
+                ids = [_flow_run_uuid(run_id)]
+            else:
+                runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                    state=FlowRunFilterState(name=FlowRunFilterStateName(any_=['Paused']))))
+                ids = [r.id for r in runs]
+        calls: list[PendingCall] = []
+        for flow_run_id in ids:
+            for data in await aread_flow_run_input(PENDING_INPUT, flow_run_id=flow_run_id) or []:
+                calls.append(PendingCall.from_json({**data, 'engine': 'prefect'}))
+        return calls
+
+    async def decide(self, run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
+        """Check `decision` against the flow run's pending calls, store it as flow run input and resume the run.
+
+        Raises:
+            ApprovalError: unknown run (no such flow run, or not waiting), unknown call, stale fingerprint.
+        """
+        import asyncio
+
+        from prefect import get_client
+        from prefect.exceptions import NotPausedError, ObjectNotFound
+        from prefect.flow_runs import aresume_flow_run
+        from prefect.input import acreate_flow_run_input
+
+        flow_run_id = _flow_run_uuid(run_id)
+        async with get_client() as client:
+            try:
+                await client.read_flow_run(flow_run_id)
+            except ObjectNotFound:
+                raise ApprovalError('unknown-run', f'no Prefect flow run {run_id!r}') from None
+        pending = await self.pending_approvals(settings, run_id)
+        if not pending:
+            raise ApprovalError('unknown-run', f'Prefect flow run {run_id!r} is not waiting for approval')
+        call = check_decision(pending, decision, run_id)
+        await acreate_flow_run_input(DECISION_INPUT_PREFIX + _input_key(call.call_id), decision.to_json(),
+                                     flow_run_id=flow_run_id)
+        for _ in range(100):  # the run may be between two pauses: it reads the stored decision once paused
+            async with get_client() as client:
+                flow_run = await client.read_flow_run(flow_run_id)
+            if flow_run.state is not None and flow_run.state.is_paused():
+                try:
+                    await aresume_flow_run(flow_run_id)
+                    break
+                except (NotPausedError, RuntimeError):  # resumed meanwhile
+                    pass
+            elif flow_run.state is None or flow_run.state.is_final() or all(
+                    c.call_id != call.call_id for c in await self.pending_approvals(settings, run_id)):
+                break  # the run read the decision without pausing again
+            await asyncio.sleep(0.2)
+        return call
+
+
+def _flow_run_uuid(run_id: str) -> Any:
+    import uuid as uuid_
+
+    try:
+        return uuid_.UUID(run_id)
+    except ValueError:
+        raise ApprovalError('unknown-run', f'{run_id!r} is not a Prefect flow run id') from None
 
 
 ADAPTER = PrefectAdapter()

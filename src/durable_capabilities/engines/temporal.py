@@ -43,6 +43,13 @@ from temporalio.worker.workflow_sandbox import (
 
 from .. import _registry
 from .._servers import CAPABILITIES_SEARCH_ATTRIBUTE
+from ..approvals import (
+    ApprovalError,
+    ApprovalGate,
+    Decision,
+    PendingCall,
+    check_decision,
+)
 from ..conversations import LoadedConversation
 from ..store._claim_check import ClaimCheckCodec  # noqa: F401 - public here: the codec `connect` installs
 from ..turn import RunReport, current_turn, run_turn
@@ -169,38 +176,107 @@ def workflow_class(agent: DurableAgent[Any, Any], registered_name: str | None = 
 
     async def run(self: Any, params: AgentRunInput) -> AgentRunOutput:
         try:  # claim-check refusals fail the turn naming the conversation (see _payload_guard)
-            return await run_body(params)
+            return await run_body(self, params)
         except ActivityError as exc:
             raise _payload_guard.named(exc, params.conversation_id) from exc
 
-    async def run_body(params: AgentRunInput) -> AgentRunOutput:
+    async def run_body(self: Any, params: AgentRunInput) -> AgentRunOutput:
         deps = deps_adapter.validate_python(params.deps) if params.deps is not None else None
         token = _current_run.set(params)
         try:
             turn = await run_turn(agent, built.run, params.prompt, deps=deps, message_history=params.message_history,
-                                  conversation_id=params.conversation_id, load=load, append=append)
+                                  conversation_id=params.conversation_id, load=load, append=append,
+                                  gate=TemporalApprovalGate(self))
         finally:
             _current_run.reset(token)
         _record_capabilities(turn.new_messages)
+        usage = RunUsage(**turn.usage)
         if params.continued is None:
-            return AgentRunOutput(turn.result.output, turn.new_messages, turn.result.usage)
+            return AgentRunOutput(turn.result.output, turn.new_messages, usage)
         # Continued as new: report the whole agent run, earlier parts included.
         earlier = ModelMessagesTypeAdapter.dump_python(turn.state.messages[params.continued.new_from:], mode='json')
-        return AgentRunOutput(turn.result.output, [*earlier, *turn.new_messages], params.continued.usage + turn.result.usage)
+        return AgentRunOutput(turn.result.output, [*earlier, *turn.new_messages], params.continued.usage + usage)
+
+    def validate_decision(self: Any, decision: dict[str, Any]) -> None:
+        check_decision(_pending_of(self), Decision.from_json(decision), workflow.info().workflow_id)
+
+    async def decide(self: Any, decision: dict[str, Any]) -> dict[str, Any]:
+        parsed = Decision.from_json(decision)
+        call = check_decision(_pending_of(self), parsed, workflow.info().workflow_id)
+        self._durcap_decisions[call.call_id] = parsed
+        self._durcap_pending = [c for c in self._durcap_pending if c.call_id != call.call_id]
+        _publish_pending(self._durcap_pending)
+        return call.to_json()
+
+    def pending(self: Any) -> list[dict[str, Any]]:
+        return [c.to_json() for c in _pending_of(self)]
 
     # Temporal rejects run methods of local classes because it looks classes up by name; this one is
     # published under `name` in this module below, so give the method the qualified name it will have.
     run.__qualname__ = f'{name}.run'
     run.__module__ = __name__
     run.__annotations__ = {'params': AgentRunInput, 'return': AgentRunOutput}
+    for method, method_name in ((decide, 'decide'), (validate_decision, 'validate_decision'), (pending, 'pending')):
+        method.__qualname__, method.__module__ = f'{name}.{method_name}', __name__
+    decide_update = workflow.update(name=DECIDE_UPDATE)(decide)
+    decide_update.validator(validate_decision)
     cls = type(
         name,
         (PydanticAIWorkflow,),
-        {'run': workflow.run(run), '__pydantic_ai_agents__': [built], '__durcap_agent__': agent, '__module__': __name__},
+        {'run': workflow.run(run), '__pydantic_ai_agents__': [built], '__durcap_agent__': agent, '__module__': __name__,
+         'decide': decide_update, 'pending': workflow.query(name=PENDING_QUERY)(pending)},
     )
     defined = workflow.defn(name=_workflow_type(agent_name))(cls)
     setattr(module, name, defined)
     return defined
+
+
+DECIDE_UPDATE = 'durcap.decide'
+"""Update that delivers one `Decision` (JSON) to a waiting workflow; its validator rejects an unknown call id
+or a stale fingerprint before anything is recorded."""
+
+PENDING_QUERY = 'durcap.approvals'
+"""Query: the workflow's pending calls (JSON list of `PendingCall`)."""
+
+PENDING_MEMO = 'durcap_approvals'
+"""Memo key holding the pending calls, so `durcap approvals list` reads them without a running worker."""
+
+
+def _pending_of(instance: Any) -> list[PendingCall]:
+    return getattr(instance, '_durcap_pending', [])
+
+
+def _publish_pending(pending: list[PendingCall]) -> None:
+    workflow.upsert_memo({PENDING_MEMO: [c.to_json() for c in pending] or None})
+
+
+class TemporalApprovalGate(ApprovalGate):
+    """Waits in the workflow with `workflow.wait_condition(..., timeout=)` (a durable timer: no worker slot is
+    held, and another worker continues the run); decisions arrive by the `DECIDE_UPDATE` update, the pending
+    calls are readable by the `PENDING_QUERY` query and the `PENDING_MEMO` memo."""
+
+    def __init__(self, instance: Any):
+        self.instance = instance
+        self.run_id = workflow.info().workflow_id
+
+    async def now(self) -> Any:
+        return workflow.now()
+
+    async def wait(self, pending: list[PendingCall], timeout: float) -> dict[str, Decision]:
+        from datetime import datetime
+
+        instance = self.instance
+        instance._durcap_pending, instance._durcap_decisions = list(pending), {}
+        _publish_pending(instance._durcap_pending)
+        left = (datetime.fromisoformat(pending[0].deadline) - workflow.now()).total_seconds()
+        try:
+            await workflow.wait_condition(lambda: not instance._durcap_pending, timeout=max(left, 0.001))
+        except TimeoutError:
+            pass  # the remaining calls are denied with the timeout reason
+        decisions = dict(instance._durcap_decisions)
+        instance._durcap_pending = []
+        _publish_pending([])
+        return decisions
 
 
 @dataclass
@@ -808,6 +884,51 @@ class TemporalAdapter(EngineAdapter):
 
         client = await connect(settings.get('address') or '127.0.0.1:7233', settings.get('namespace') or 'default')
         return await export_history(client, run_id, output)
+
+    async def pending_approvals(self, settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
+        """Pending calls from the `PENDING_MEMO` memo of running `durcap.*` workflows (no worker needed)."""
+        client = await connect(settings.get('address') or '127.0.0.1:7233', settings.get('namespace') or 'default')
+        if run_id is not None:
+            return await _memo_pending(client.get_workflow_handle(run_id))
+        calls: list[PendingCall] = []
+        async for execution in client.list_workflows("ExecutionStatus = 'Running'"):
+            if execution.workflow_type.startswith(WORKFLOW_NAME_PREFIX):
+                memo = await execution.memo()
+                calls += [PendingCall.from_json({**d, 'engine': 'temporal'}) for d in memo.get(PENDING_MEMO) or []]
+        return calls
+
+    async def decide(self, run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
+        """Check `decision` against the memo, then send the `DECIDE_UPDATE` update (its validator checks again).
+
+        Raises:
+            ApprovalError: unknown run (no such workflow, or not waiting), unknown call, stale fingerprint.
+        """
+        from temporalio.client import WorkflowUpdateFailedError
+
+        client = await connect(settings.get('address') or '127.0.0.1:7233', settings.get('namespace') or 'default')
+        handle = client.get_workflow_handle(run_id)
+        pending = await _memo_pending(handle)
+        if not pending:
+            raise ApprovalError('unknown-run', f'Temporal workflow {run_id!r} is not waiting for approval')
+        check_decision(pending, decision, run_id)
+        try:
+            result = await handle.execute_update(DECIDE_UPDATE, decision.to_json(), result_type=dict)
+        except WorkflowUpdateFailedError as exc:
+            raise ApprovalError('unknown-call', f'run {run_id!r} refused the decision: {exc.cause}') from None
+        return PendingCall.from_json(result)
+
+
+async def _memo_pending(handle: Any) -> list[PendingCall]:
+    from temporalio.service import RPCError
+
+    try:
+        description = await handle.describe()
+    except RPCError:
+        raise ApprovalError('unknown-run', f'no Temporal workflow {handle.id!r}') from None
+    if description.status is None or description.status.name != 'RUNNING':
+        return []
+    memo = await description.memo()
+    return [PendingCall.from_json({**d, 'engine': 'temporal'}) for d in memo.get(PENDING_MEMO) or []]
 
 
     # ---- runs ----------------------------------------------------------------------------------------------

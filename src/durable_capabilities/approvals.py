@@ -1,0 +1,261 @@
+"""Durable human approval: what a pending call is, what a decision is, and how decisions become results.
+
+When a durable run of a `DurableAgent` ends with `DeferredToolRequests` (a tool raised `ApprovalRequired`,
+was declared with `requires_approval=True`, or a capability hook asked for approval), `turn.run_turn` turns
+each approval request into a `PendingCall`, asks the engine's `ApprovalGate` to wait for decisions (a
+Temporal update, a DBOS message, a Prefect pause) and continues the same run with `DeferredToolResults`.
+
+Everything here is engine-neutral and deterministic; the waiting itself lives in each engine's adapter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+DEFAULT_APPROVAL_TIMEOUT = timedelta(hours=24)
+"""How long a gated call waits for a decision unless `DurableAgent(approval_timeout=...)` says otherwise."""
+
+AUDIT_METADATA_KEY = 'durcap_approvals'
+"""Key of the audit records in the `metadata` of the request that carries the decided calls' results."""
+
+EXIT_UNKNOWN = 2
+"""CLI exit code for an unknown run or call, or a stale fingerprint (nothing changes)."""
+
+
+def fingerprint(tool_name: str, args: dict[str, Any] | str | None) -> str:
+    """`sha256` hex digest of the tool name and the canonical JSON of its arguments (sorted keys, no spaces).
+
+    Args:
+        tool_name: The tool's name.
+        args: The call's arguments as a dict, or as the JSON text the model produced (`None`: no arguments).
+
+    Returns:
+        64 hex characters; equal for equal name and arguments whatever their key order.
+    """
+    if isinstance(args, str):
+        args = json.loads(args) if args.strip() else {}
+    canonical = json.dumps({'tool': tool_name, 'args': args or {}}, sort_keys=True, separators=(',', ':'),
+                           ensure_ascii=False, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def timeout_seconds(value: timedelta | float | None) -> float:
+    """A gate's timeout in seconds: `value` (a `timedelta` or seconds), default 24 hours.
+
+    Raises:
+        ValueError: `value` is not positive.
+    """
+    if value is None:
+        return DEFAULT_APPROVAL_TIMEOUT.total_seconds()
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if seconds <= 0:
+        raise ValueError(f'approval_timeout must be positive, got {value!r}')
+    return seconds
+
+
+@dataclass
+class PendingCall:
+    """A tool call waiting for a person's decision.
+
+    Attributes:
+        run_id: The engine's id of the run that waits (workflow id, flow run id).
+        call_id: The model's tool call id.
+        tool_name: The tool.
+        args: The arguments the model gave (JSON object).
+        fingerprint: `fingerprint(tool_name, args)`: a decision must quote it.
+        requested_at / deadline: ISO 8601 UTC times; at the deadline the call is denied (`timeout_reason`).
+        agent: The agent's name.
+        conversation_id: The conversation the run appends to, or `None`.
+        engine: The engine the run is on (filled by the listing).
+    """
+
+    run_id: str
+    call_id: str
+    tool_name: str
+    args: dict[str, Any]
+    fingerprint: str
+    requested_at: str
+    deadline: str
+    agent: str = ''
+    conversation_id: str | None = None
+    engine: str = ''
+
+    def to_json(self) -> dict[str, Any]:
+        """The call as JSON-compatible data (what engines record and `durcap approvals list --format json` prints)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PendingCall:
+        """The inverse of `to_json`."""
+        return cls(**data)
+
+
+@dataclass
+class Decision:
+    """A person's decision on one pending call.
+
+    Attributes:
+        call_id: The call decided.
+        fingerprint: The fingerprint of the call the person reviewed (refused when it is not the pending one's).
+        approve: Run the call (`True`) or deny it (`False`).
+        reason: Why (denials: returned to the model as the tool's result).
+        override_args: Arguments to run the call with instead of the model's (approvals only).
+        by: Who decided (a user name; default the OS user).
+        at: When, ISO 8601 UTC.
+    """
+
+    call_id: str
+    fingerprint: str
+    approve: bool
+    reason: str | None = None
+    override_args: dict[str, Any] | None = None
+    by: str = ''
+    at: str = field(default_factory=lambda: utc_now().isoformat())
+
+    def to_json(self) -> dict[str, Any]:
+        """The decision as JSON-compatible data (the payload sent to the waiting run)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Decision:
+        """The inverse of `to_json`."""
+        return cls(**data)
+
+
+class ApprovalError(LookupError):
+    """A decision that cannot be applied: unknown run, unknown (or already decided) call, or stale fingerprint.
+
+    Attributes:
+        kind: `'unknown-run' | 'unknown-call' | 'stale-fingerprint'`.
+    """
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def utc_now() -> datetime:
+    """The current UTC time (outside durable containers only: engines give their own deterministic clock)."""
+    return datetime.now(UTC)
+
+
+def default_user() -> str:
+    """Who decides when `--by` is not given: `$USER`, `$USERNAME`, else the login name, else `'unknown'`."""
+    for name in ('USER', 'USERNAME', 'LOGNAME'):
+        if os.environ.get(name):
+            return os.environ[name]
+    try:
+        import getpass
+
+        return getpass.getuser()
+    except (KeyError, OSError):  # pragma: no cover - no user database
+        return 'unknown'
+
+
+def check_decision(pending: list[PendingCall], decision: Decision, run_id: str) -> PendingCall:
+    """The pending call `decision` applies to.
+
+    Raises:
+        ApprovalError: no pending call has `decision.call_id` (`unknown-call`), or its fingerprint differs
+            (`stale-fingerprint`: the person reviewed other arguments).
+    """
+    for call in pending:
+        if call.call_id == decision.call_id:
+            if call.fingerprint != decision.fingerprint:
+                raise ApprovalError('stale-fingerprint', (
+                    f'run {run_id!r}: call {decision.call_id!r} ({call.tool_name}) has fingerprint '
+                    f'{call.fingerprint[:12]}..., the decision quotes {decision.fingerprint[:12]}...: review the call '
+                    'again (`durcap approvals list`)'))
+            if decision.override_args is not None and not decision.approve:
+                raise ApprovalError('unknown-call', 'override_args is only allowed when approving')
+            return call
+    raise ApprovalError('unknown-call', (
+        f'run {run_id!r} has no pending call {decision.call_id!r} (pending: '
+        f'{", ".join(c.call_id for c in pending) or "none"}); it may have been decided already'))
+
+
+def pending_calls(
+    requests: Any, *, run_id: str, agent: str, conversation_id: str | None, now: datetime, timeout: float,
+) -> list[PendingCall]:
+    """One `PendingCall` per approval request of `requests` (a `DeferredToolRequests`).
+
+    Args:
+        requests: The run's `DeferredToolRequests` output.
+        run_id / agent / conversation_id: Where the calls wait.
+        now: The engine's deterministic current time (UTC).
+        timeout: Seconds until the calls are denied.
+    """
+    deadline = now + timedelta(seconds=timeout)
+    return [
+        PendingCall(run_id, part.tool_call_id, part.tool_name, part.args_as_dict(),
+                    fingerprint(part.tool_name, part.args_as_dict()), now.isoformat(), deadline.isoformat(),
+                    agent, conversation_id)
+        for part in requests.approvals
+    ]
+
+
+def timeout_reason(call: PendingCall) -> str:
+    """The denial the model sees when nobody decided on `call` before its deadline."""
+    return (f'No one approved the call to {call.tool_name} before its deadline ({call.deadline}); '
+            'it was denied and did not run.')
+
+
+def deferred_results(pending: list[PendingCall], decisions: dict[str, Decision]) -> Any:
+    """`DeferredToolResults` for `pending`: approved calls with their `override_args`, denied ones with the
+    reason; calls without a decision are denied with `timeout_reason`."""
+    from pydantic_ai.tools import DeferredToolResults, ToolApproved, ToolDenied
+
+    approvals: dict[str, Any] = {}
+    for call in pending:
+        decision = decisions.get(call.call_id)
+        if decision is None:
+            approvals[call.call_id] = ToolDenied(timeout_reason(call))
+        elif decision.approve:
+            approvals[call.call_id] = ToolApproved(override_args=decision.override_args)
+        else:
+            approvals[call.call_id] = ToolDenied(decision.reason or f'{decision.by or "A reviewer"} denied the call.')
+    return DeferredToolResults(approvals=approvals, answered_by={k: d.by for k, d in decisions.items() if d.by})
+
+
+def audit_records(pending: list[PendingCall], decisions: dict[str, Decision]) -> list[dict[str, Any]]:
+    """One audit record per pending call: the request and its decision (`'approved' | 'denied' | 'timed out'`),
+    who decided and when, the fingerprint reviewed. Stored in the conversation (see `AUDIT_METADATA_KEY`)."""
+    records = []
+    for call in pending:
+        decision = decisions.get(call.call_id)
+        records.append({
+            'call_id': call.call_id, 'tool': call.tool_name, 'args': call.args, 'fingerprint': call.fingerprint,
+            'requested_at': call.requested_at, 'deadline': call.deadline,
+            'decision': 'timed out' if decision is None else ('approved' if decision.approve else 'denied'),
+            'by': decision.by if decision else None, 'at': decision.at if decision else call.deadline,
+            'reason': (decision.reason if decision else timeout_reason(call)),
+            'override_args': decision.override_args if decision else None,
+        })
+    return records
+
+
+class ApprovalGate(ABC):
+    """How one engine's durable container waits for decisions (implemented in each engine's adapter module).
+
+    `turn.run_turn` calls `now()` once per pause, publishes the pending calls with `wait(...)`, and continues
+    the run with the decisions `wait` returns. Both run inside the durable container, so they must be
+    replay-safe: engine clocks, durable timers, recorded messages.
+    """
+
+    run_id: str = ''
+
+    @abstractmethod
+    async def now(self) -> datetime:
+        """The current UTC time as the engine records it (the same value when the run recovers)."""
+
+    @abstractmethod
+    async def wait(self, pending: list[PendingCall], timeout: float) -> dict[str, Decision]:
+        """Publish `pending`, wait up to `timeout` seconds (a durable timer) for a decision on each, and return
+        the valid decisions by call id (calls missing from the result timed out). Must not hold a worker slot
+        or a process while waiting."""

@@ -1,0 +1,127 @@
+"""`durcap approvals list`, `durcap approve`, `durcap deny`: decide on tool calls waiting for a person.
+
+Exit codes: 0 done, 2 unknown run or call, or a stale fingerprint (nothing was delivered).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from enum import Enum
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from ..approvals import ApprovalError, PendingCall
+from . import _err, _out, app, engine_metavar, engine_name
+
+approvals_app = typer.Typer(help='Tool calls waiting for a person in durable runs.', no_args_is_help=True)
+app.add_typer(approvals_app, name='approvals')
+
+
+class _Format(str, Enum):
+    text = 'text'
+    json = 'json'
+
+
+EngineOpt = Annotated[str, typer.Option('--engine', metavar=engine_metavar(), parser=engine_name(),
+                                        help='The engine the run waits on.')]
+AddressOpt = Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS '
+                                                     'or 127.0.0.1:7233).')]
+NamespaceOpt = Annotated[str, typer.Option(help='Temporal namespace.')]
+DbOpt = Annotated[str | None, typer.Option(help='DBOS system database URL (default: $DURCAP_DBOS_DB or '
+                                                'sqlite:///.durcap/dbos.sqlite).')]
+
+
+def _settings(address: str | None, namespace: str, db: str | None) -> dict[str, Any]:
+    return {
+        'address': address or os.environ.get('DURCAP_TEMPORAL_ADDRESS') or os.environ.get('TEMPORAL_ADDRESS'),
+        'namespace': namespace, 'db': db or os.environ.get('DURCAP_DBOS_DB'),
+    }
+
+
+@approvals_app.command('list')
+def list_approvals(
+    engine: EngineOpt = 'dbos',
+    run_id: Annotated[str | None, typer.Option('--run', help='Only this run.')] = None,
+    output_format: Annotated[_Format, typer.Option('--format', help='text (a table) or json.')] = _Format.text,
+    address: AddressOpt = None,
+    namespace: NamespaceOpt = 'default',
+    db: DbOpt = None,
+) -> None:
+    """List the calls waiting for a decision: run, agent, conversation, tool, arguments, requested at, deadline."""
+    from .. import runner
+
+    calls: list[PendingCall] = asyncio.run(runner.approvals(run_id, engine=engine, **_settings(address, namespace, db)))
+    if output_format is _Format.json:
+        _out.print(json.dumps([c.to_json() for c in calls], indent=2), markup=False)
+        return
+    if not calls:
+        _out.print('no calls waiting for approval')
+        return
+    table = Table('run', 'call', 'agent', 'conversation', 'tool', 'arguments', 'fingerprint', 'requested at', 'deadline')
+    for c in calls:
+        table.add_row(c.run_id, c.call_id, c.agent, c.conversation_id or '-', c.tool_name,
+                      json.dumps(c.args, sort_keys=True), c.fingerprint[:12], c.requested_at, c.deadline)
+    _out.print(table)
+
+
+def _decide(engine: str, run_id: str, call_id: str, settings: dict[str, Any], **kwargs: Any) -> None:
+    from .. import runner
+
+    try:
+        decision = asyncio.run(runner.decide(run_id, call_id, engine=engine, **kwargs, **settings))
+    except ApprovalError as exc:
+        _err.print(f'error ({exc.kind}): {exc}', markup=False)
+        raise typer.Exit(2) from None
+    verb = 'approved' if decision.approve else 'denied'
+    _out.print(f'{verb} call {call_id} of run {run_id} (fingerprint {decision.fingerprint[:12]}, by {decision.by})',
+               markup=False)
+
+
+@app.command()
+def approve(
+    run_id: Annotated[str, typer.Argument(help='The waiting run (workflow id, flow run id).')],
+    call_id: Annotated[str, typer.Argument(help='The call (see `durcap approvals list`).')],
+    engine: EngineOpt = 'dbos',
+    args: Annotated[str | None, typer.Option('--args', help='JSON object: run the call with these arguments.')] = None,
+    fingerprint: Annotated[str | None, typer.Option(help='The fingerprint you reviewed (refused when the call '
+                                                         'changed); default: the pending one.')] = None,
+    by: Annotated[str | None, typer.Option(help='Who decides (default: the OS user).')] = None,
+    reason: Annotated[str | None, typer.Option(help='Why (stored in the audit).')] = None,
+    address: AddressOpt = None,
+    namespace: NamespaceOpt = 'default',
+    db: DbOpt = None,
+) -> None:
+    """Approve a waiting call: the run executes it (once) and continues."""
+    override = None
+    if args is not None:
+        try:
+            override = json.loads(args)
+        except json.JSONDecodeError as exc:
+            _err.print(f'--args is not JSON: {exc}', markup=False)
+            raise typer.Exit(2) from None
+        if not isinstance(override, dict):
+            _err.print('--args must be a JSON object', markup=False)
+            raise typer.Exit(2)
+    _decide(engine, run_id, call_id, _settings(address, namespace, db), approve=True, reason=reason,
+            override_args=override, by=by, fingerprint_=fingerprint)
+
+
+@app.command()
+def deny(
+    run_id: Annotated[str, typer.Argument(help='The waiting run (workflow id, flow run id).')],
+    call_id: Annotated[str, typer.Argument(help='The call (see `durcap approvals list`).')],
+    reason: Annotated[str, typer.Option('--reason', help='Returned to the model as the call\'s result.')],
+    engine: EngineOpt = 'dbos',
+    fingerprint: Annotated[str | None, typer.Option(help='The fingerprint you reviewed; default: the pending one.')] = None,
+    by: Annotated[str | None, typer.Option(help='Who decides (default: the OS user).')] = None,
+    address: AddressOpt = None,
+    namespace: NamespaceOpt = 'default',
+    db: DbOpt = None,
+) -> None:
+    """Deny a waiting call: it never runs; the model receives the reason."""
+    _decide(engine, run_id, call_id, _settings(address, namespace, db), approve=False, reason=reason, by=by,
+            fingerprint_=fingerprint)

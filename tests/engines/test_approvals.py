@@ -1,0 +1,350 @@
+"""Durable human approval on real servers (Temporal dev server, DBOS on SQLite and PostgreSQL).
+
+Model: a scripted `FunctionModel` (tests/engines/approval_agent.py): it calls the gated tool
+`revoke_sessions(user)` (requires approval), then answers with the tool's result text. The tool appends
+one line per execution to `$DURCAP_CRASH_DIR/revocations`. Decisions go through the real CLI
+(`python -m durable_capabilities.cli approve|deny`) in subprocesses; workers / DBOS processes are
+subprocesses killed with SIGKILL while the run waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGET = 'tests.engines.approval_agent:gated'
+
+
+def env_for(tmp_path: Path, timeout: float | None = None) -> tuple[dict[str, str], Path]:
+    crash_dir = tmp_path / 'crash'
+    env = {'DURCAP_CRASH_DIR': str(crash_dir), 'DURCAP_STORE': f'sqlite:///{tmp_path / "conv.db"}'}
+    if timeout is not None:
+        env['DURCAP_APPROVAL_TIMEOUT'] = str(timeout)
+    return env, crash_dir
+
+
+def durcap(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, '-m', 'durable_capabilities.cli', *args], cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, 'PYTHONPATH': str(ROOT), **(env or {})}, timeout=120, check=False,
+    )
+
+
+def pending(engine_args: list[str], run_id: str | None = None, timeout: float = 90) -> list[dict]:
+    """Poll `durcap approvals list --format json` until a call of `run_id` (or any) waits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = durcap('approvals', 'list', *engine_args, '--format', 'json')
+        assert out.returncode == 0, out.stderr
+        calls = [c for c in json.loads(out.stdout) if run_id is None or c['run_id'] == run_id]
+        if calls:
+            return calls
+        time.sleep(0.3)
+    raise AssertionError(f'no pending call for {run_id} within {timeout} s')
+
+
+def revocations(crash_dir: Path) -> list[str]:
+    path = crash_dir / 'revocations'
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def check_refusals(engine_args: list[str], run_id: str, call: dict, crash_dir: Path) -> None:
+    """Stale fingerprint, unknown call, unknown run: exit 2, and the call still waits unchanged."""
+    stale = durcap('approve', run_id, call['call_id'], '--fingerprint', '0' * 64, *engine_args)
+    assert stale.returncode == 2, stale.stdout + stale.stderr
+    assert 'stale-fingerprint' in stale.stderr
+    unknown = durcap('approve', run_id, 'no-such-call', *engine_args)
+    assert unknown.returncode == 2 and 'unknown-call' in unknown.stderr, unknown.stderr
+    no_run = durcap('deny', f'no-such-run-{uuid.uuid4().hex[:6]}', call['call_id'], '--reason', 'x', *engine_args)
+    assert no_run.returncode == 2 and 'unknown-run' in no_run.stderr, no_run.stderr
+    assert pending(engine_args, run_id) == [call]  # nothing changed
+    assert revocations(crash_dir) == []
+
+
+# ---- DBOS --------------------------------------------------------------------------------------
+
+
+def _dbos_db(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    return f'sqlite:///{tmp_path / "dbos.sqlite"}' if backend == 'sqlite' else request.getfixturevalue('postgres_url')
+
+
+@pytest.mark.parametrize('backend', ['sqlite', 'postgresql'])
+def test_dbos_approve_after_process_killed_while_waiting(backend: str, spawn, tmp_path: Path,
+                                                         request: pytest.FixtureRequest) -> None:
+    db = _dbos_db(backend, tmp_path, request)
+    env, crash_dir = env_for(tmp_path)
+    run_id = f'gate-{uuid.uuid4().hex[:8]}'
+    args = ('dbos', 'run', '--target', TARGET, '--db', db, '--workflow-id', run_id, '--prompt', 'revoke alice')
+    engine_args = ['--engine', 'dbos', '--db', db]
+    first = spawn(*args, env=env)
+    [call] = pending(engine_args, run_id)
+    assert call['tool_name'] == 'revoke_sessions' and call['args'] == {'user': 'alice'} and call['agent'] == 'gated'
+    listed = durcap('approvals', 'list', *engine_args)
+    assert listed.returncode == 0 and run_id in listed.stdout and 'revoke_sessions' in listed.stdout, listed.stdout
+    check_refusals(engine_args, run_id, call, crash_dir)
+    first.kill9()  # SIGKILL while the workflow waits for the decision
+    second = spawn(*args, env=env)  # DBOS recovers the workflow: it waits again, until the same deadline
+    second.wait_for('DBOS STARTED', 90)
+    approved = durcap('approve', run_id, call['call_id'], '--by', 'alice-admin', *engine_args)
+    assert approved.returncode == 0, approved.stderr
+    report = second.report(timeout=120)
+    assert report['output'] == 'result: revoked sessions of alice'
+    assert revocations(crash_dir) == ['alice']  # exactly once
+    audit = [m['metadata']['durcap_approvals'] for m in report['new_messages'] if (m.get('metadata') or {}).get('durcap_approvals')]
+    assert audit and audit[0][0]['decision'] == 'approved' and audit[0][0]['by'] == 'alice-admin'
+    assert audit[0][0]['fingerprint'] == call['fingerprint']
+    again = durcap('approve', run_id, call['call_id'], *engine_args)  # the run is over: nothing waits
+    assert again.returncode == 2
+
+
+def test_dbos_deny_returns_reason_and_tool_never_runs(spawn, tmp_path: Path) -> None:
+    db = f'sqlite:///{tmp_path / "dbos.sqlite"}'
+    env, crash_dir = env_for(tmp_path)
+    run_id = f'gate-{uuid.uuid4().hex[:8]}'
+    proc = spawn('dbos', 'run', '--target', TARGET, '--db', db, '--workflow-id', run_id, '--prompt', 'revoke bob', env=env)
+    engine_args = ['--engine', 'dbos', '--db', db]
+    [call] = pending(engine_args, run_id)
+    denied = durcap('deny', run_id, call['call_id'], '--reason', 'bob is the CEO, ask first', *engine_args)
+    assert denied.returncode == 0, denied.stderr
+    report = proc.report(timeout=120)
+    assert report['output'] == 'result: bob is the CEO, ask first'
+    assert revocations(crash_dir) == []
+
+
+def test_dbos_timeout_denies_and_run_completes(spawn, tmp_path: Path) -> None:
+    db = f'sqlite:///{tmp_path / "dbos.sqlite"}'
+    env, crash_dir = env_for(tmp_path, timeout=2)
+    run_id = f'gate-{uuid.uuid4().hex[:8]}'
+    proc = spawn('dbos', 'run', '--target', TARGET, '--db', db, '--workflow-id', run_id, '--prompt', 'revoke carol', env=env)
+    report = proc.report(timeout=120)
+    assert report['output'].startswith('result: No one approved the call to revoke_sessions before its deadline')
+    assert revocations(crash_dir) == []
+
+
+# ---- Temporal ----------------------------------------------------------------------------------
+
+
+def test_temporal_approve_after_worker_killed_while_waiting(temporal_address: str, spawn, tmp_path: Path) -> None:
+    from durable_capabilities.engines.temporal import (
+        AgentRunInput,
+        AgentRunOutput,
+        connect,
+    )
+
+    env, crash_dir = env_for(tmp_path)
+    queue = f'gate-{uuid.uuid4().hex[:8]}'
+    worker_args = ('temporal', 'worker', '--target', TARGET, '--address', temporal_address, '--task-queue', queue)
+    engine_args = ['--engine', 'temporal', '--address', temporal_address]
+    first = spawn(*worker_args, env=env)
+    first.wait_for('WORKER READY', 90)
+    run_id = f'gate-{uuid.uuid4().hex[:8]}'
+
+    async def start() -> None:
+        client = await connect(temporal_address)
+        await client.start_workflow('durcap.gated', AgentRunInput(prompt='revoke dave'), id=run_id, task_queue=queue)
+
+    asyncio.run(start())
+    [call] = pending(engine_args, run_id)
+    assert call['args'] == {'user': 'dave'} and call['engine'] == 'temporal'
+    check_refusals(engine_args, run_id, call, crash_dir)
+
+    async def update_directly() -> list[str]:
+        # Bypassing the client-side check: the update's validator rejects the stale decision before it is recorded.
+        from temporalio.api.enums.v1 import EventType
+        from temporalio.client import WorkflowUpdateFailedError
+
+        from durable_capabilities.approvals import Decision
+        from durable_capabilities.engines.temporal import DECIDE_UPDATE
+
+        client = await connect(temporal_address)
+        handle = client.get_workflow_handle(run_id)
+        with pytest.raises(WorkflowUpdateFailedError):
+            await handle.execute_update(DECIDE_UPDATE, Decision(call['call_id'], '0' * 64, True, by='x').to_json())
+        return [EventType.Name(e.event_type) async for e in handle.fetch_history_events()]
+
+    events = asyncio.run(update_directly())
+    assert not any('UPDATE' in name for name in events), events  # rejected updates leave no trace in the history
+    first.kill9()  # SIGKILL while the workflow waits on its durable timer
+    second = spawn(*worker_args, env=env)
+    second.wait_for('WORKER READY', 90)
+    approved = durcap('approve', run_id, call['call_id'], '--args', '{"user": "dave2"}', *engine_args)
+    assert approved.returncode == 0, approved.stderr
+
+    async def result() -> AgentRunOutput:
+        client = await connect(temporal_address)
+        return await asyncio.wait_for(client.get_workflow_handle(run_id, result_type=AgentRunOutput).result(), 90)
+
+    output = asyncio.run(result())
+    assert output.output == 'result: revoked sessions of dave2'  # override_args used
+    assert revocations(crash_dir) == ['dave2']  # exactly once
+
+
+def test_temporal_deny_and_timeout(temporal_address: str, spawn, tmp_path: Path) -> None:
+    from durable_capabilities.engines.temporal import (
+        AgentRunInput,
+        AgentRunOutput,
+        connect,
+    )
+
+    env, crash_dir = env_for(tmp_path, timeout=15)
+    queue = f'gate-{uuid.uuid4().hex[:8]}'
+    worker = spawn('temporal', 'worker', '--target', TARGET, '--address', temporal_address, '--task-queue', queue, env=env)
+    worker.wait_for('WORKER READY', 90)
+    engine_args = ['--engine', 'temporal', '--address', temporal_address]
+
+    async def start(run_id: str, prompt: str) -> Any:
+        client = await connect(temporal_address)
+        return await client.start_workflow('durcap.gated', AgentRunInput(prompt=prompt), id=run_id, task_queue=queue,
+                                           result_type=AgentRunOutput)
+
+    denied_id, timed_out_id = f'deny-{uuid.uuid4().hex[:8]}', f'late-{uuid.uuid4().hex[:8]}'
+
+    async def scenario() -> tuple[AgentRunOutput, AgentRunOutput]:
+        denied_handle = await start(denied_id, 'revoke erin')
+        late_handle = await start(timed_out_id, 'revoke frank')
+        [call] = await asyncio.to_thread(pending, engine_args, denied_id)
+        out = await asyncio.to_thread(durcap, 'deny', denied_id, call['call_id'], '--reason', 'not without a ticket',
+                                      *engine_args)
+        assert out.returncode == 0, out.stderr
+        return await asyncio.wait_for(denied_handle.result(), 60), await asyncio.wait_for(late_handle.result(), 60)
+
+    denied, late = asyncio.run(scenario())
+    assert denied.output == 'result: not without a ticket'
+    assert late.output.startswith('result: No one approved the call to revoke_sessions before its deadline')
+    assert revocations(crash_dir) == []
+
+
+def test_temporal_twenty_runs_waiting_approved_in_random_order(temporal_address: str, spawn, tmp_path: Path) -> None:
+    from durable_capabilities import runner
+    from durable_capabilities.engines.temporal import (
+        AgentRunInput,
+        AgentRunOutput,
+        connect,
+    )
+
+    env, crash_dir = env_for(tmp_path)
+    queue = f'gate-{uuid.uuid4().hex[:8]}'
+    worker = spawn('temporal', 'worker', '--target', TARGET, '--address', temporal_address, '--task-queue', queue, env=env)
+    worker.wait_for('WORKER READY', 90)
+    users = [f'user{i}' for i in range(20)]
+    ids = {user: f'many-{user}-{uuid.uuid4().hex[:6]}' for user in users}
+    approve = {user: i % 2 == 0 for i, user in enumerate(users)}
+
+    async def scenario() -> dict[str, AgentRunOutput]:
+        client = await connect(temporal_address)
+        handles = {user: await client.start_workflow('durcap.gated', AgentRunInput(prompt=f'revoke {user}'), id=ids[user],
+                                                     task_queue=queue, result_type=AgentRunOutput) for user in users}
+        calls: dict[str, dict] = {}
+        deadline = time.monotonic() + 90
+        while len(calls) < len(users) and time.monotonic() < deadline:
+            for user in users:
+                if user not in calls:
+                    found = await runner.approvals(ids[user], engine='temporal', address=temporal_address)
+                    if found:
+                        calls[user] = found[0].to_json()
+            await asyncio.sleep(0.2)
+        assert len(calls) == len(users)
+        order = list(users)
+        random.Random(13).shuffle(order)
+        for user in order:
+            await runner.decide(ids[user], calls[user]['call_id'], approve=approve[user], reason=f'no for {user}',
+                                by='tester', engine='temporal', address=temporal_address)
+        return {user: await asyncio.wait_for(handles[user].result(), 90) for user in users}
+
+    results = asyncio.run(scenario())
+    for user in users:
+        expected = f'result: revoked sessions of {user}' if approve[user] else f'result: no for {user}'
+        assert results[user].output == expected
+    assert sorted(revocations(crash_dir)) == sorted(u for u in users if approve[u])
+
+
+# ---- Prefect -----------------------------------------------------------------------------------
+
+
+def _prefect_flow_run_id(proc) -> str:
+    return proc.wait_for('PREFECT FLOW RUN ', 90).split('PREFECT FLOW RUN ', 1)[1].strip()
+
+
+def test_prefect_approve_after_process_killed_while_paused(prefect_api_url: str, spawn, tmp_path: Path) -> None:
+    env, crash_dir = env_for(tmp_path)
+    env['PREFECT_API_URL'] = prefect_api_url
+    first = spawn('prefect', 'run', '--target', TARGET, '--prompt', 'revoke hana', env=env)
+    run_id = _prefect_flow_run_id(first)
+    engine_args = ['--engine', 'prefect']
+    [call] = pending_prefect(engine_args, run_id, env)
+    assert call['args'] == {'user': 'hana'} and call['engine'] == 'prefect'
+    stale = durcap('approve', run_id, call['call_id'], '--fingerprint', '0' * 64, *engine_args, env=env)
+    assert stale.returncode == 2 and 'stale-fingerprint' in stale.stderr, stale.stderr
+    unknown = durcap('approve', run_id, 'no-such-call', *engine_args, env=env)
+    assert unknown.returncode == 2 and 'unknown-call' in unknown.stderr, unknown.stderr
+    first.kill9()  # SIGKILL while the flow run is Paused
+    second = spawn('prefect', 'run', '--target', TARGET, '--prompt', 'revoke hana', '--flow-run-id', run_id, env=env)
+    second.wait_for('PREFECT FLOW RUN ', 90)
+    approved = durcap('approve', run_id, call['call_id'], '--by', 'ops', *engine_args, env=env)
+    assert approved.returncode == 0, approved.stderr
+    report = second.report(timeout=180)
+    assert report['output'] == 'result: revoked sessions of hana'
+    assert revocations(crash_dir) == ['hana']  # exactly once
+
+
+def test_prefect_deny_and_timeout(prefect_api_url: str, spawn, tmp_path: Path) -> None:
+    env, crash_dir = env_for(tmp_path, timeout=20)
+    env['PREFECT_API_URL'] = prefect_api_url
+    denied = spawn('prefect', 'run', '--target', TARGET, '--prompt', 'revoke ivan', env=env)
+    late = spawn('prefect', 'run', '--target', TARGET, '--prompt', 'revoke jade', env=env)
+    run_id = _prefect_flow_run_id(denied)
+    [call] = pending_prefect(['--engine', 'prefect'], run_id, env)
+    out = durcap('deny', run_id, call['call_id'], '--reason', 'needs a ticket', '--engine', 'prefect', env=env)
+    assert out.returncode == 0, out.stderr
+    assert denied.report(timeout=180)['output'] == 'result: needs a ticket'
+    assert late.report(timeout=180)['output'].startswith('result: No one approved the call to revoke_sessions')
+    assert revocations(crash_dir) == []
+
+
+def pending_prefect(engine_args: list[str], run_id: str, env: dict[str, str], timeout: float = 120) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = durcap('approvals', 'list', *engine_args, '--run', run_id, '--format', 'json', env=env)
+        assert out.returncode == 0, out.stderr
+        if calls := json.loads(out.stdout):
+            return calls
+        time.sleep(0.5)
+    raise AssertionError(f'no pending call for {run_id} within {timeout} s')
+
+
+# ---- durcap demo --approve / --deny ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(('engine', 'flag'), [('dbos', '--approve'), ('dbos', '--deny'), ('temporal', '--deny'),
+                                              ('prefect', '--approve')])
+def test_demo_shows_pause_pending_call_and_decision(engine: str, flag: str, tmp_path: Path, temporal_address: str,
+                                                    prefect_api_url: str) -> None:
+    """Model: the support example's scripted FunctionModel; account-security's gate on (`require_approval=True`)."""
+    extra = ['--address', temporal_address] if engine == 'temporal' else []
+    result = subprocess.run(
+        [sys.executable, '-m', 'durable_capabilities.cli', 'demo', '--engine', engine, flag, *extra], cwd=tmp_path,
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, 'PYTHONPATH': str(ROOT), 'PREFECT_API_URL': prefect_api_url},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert 'waits for a person' in out
+    assert 'pending call' in out and 'revoke_sessions({"account_id": "acct-42"})' in out
+    if flag == '--approve':
+        assert 'decision: approved by' in out
+        assert 'Revoked sessions for acct-42.' in out
+    else:
+        assert 'decision: denied by' in out
+        assert 'escalated your account to our security team' in out
+        assert 'Revoked sessions' not in out
