@@ -88,7 +88,7 @@ def test_two_concurrent_dbos_runs_each_do_their_own_work_once(postgres_url: str,
     requests = (ledger / 'model-requests').read_text().splitlines()
     assert sorted(requests) == sorted(f'{o}:{n}' for o in ('A-1', 'B-2') for n in range(3)), requests
     # Each process printed its run id at start, under its own executor id.
-    executors = {wait_text(tmp_path / f'{n}.log', 'dbos workflow id:', None, 1).split('(executor ')[1].split(';')[0]
+    executors = {wait_text(tmp_path / f'{n}.log', 'dbos workflow id:', None, 1).split('(executor ')[1].split(')')[0]
                  for n in ('first', 'second')}
     assert len(executors) == 2 and all(e.startswith('durcap-run-') for e in executors), executors
 
@@ -124,7 +124,7 @@ def test_dbos_worker_recovers_its_executors_pending_workflow(postgres_url: str, 
     try:
         line = wait_text(tmp_path / 'run.log', 'dbos workflow id:', run, 90)
         workflow_id = line.split('dbos workflow id: ')[1].split()[0]
-        executor = line.split('(executor ')[1].split(';')[0]
+        executor = line.split('(executor ')[1].split(')')[0]
         wait_file(crash_dir / 'slow-started', 90)
         kill9(run)
         worker = start(['worker', 'dbos', CRASH, '--db', postgres_url, '--executor-id', executor],

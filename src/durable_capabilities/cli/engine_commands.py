@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -116,6 +116,15 @@ def _print_run(report: RunReport) -> None:
                f'{report.usage.output_tokens} output tokens')
 
 
+def _exit_now(code: int) -> NoReturn:
+    """Exit with `code` without interpreter finalization: after a failed or interrupted run an engine SDK's
+    background threads can still hold native state (temporalio's core runtime aborts the interpreter while it
+    shuts down, sdk-python#300); everything the user needs is printed and flushed first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _interrupted(engine: str, run_id: str | None, target: str, *, address: str | None, db: str | None) -> str:
     """What `durcap run` says when interrupted: how to find, resume or cancel the run it started."""
     if run_id is None:
@@ -171,7 +180,7 @@ def run(
         _unusable(str(exc).splitlines()[0])
     except KeyboardInterrupt:
         _err.print(_interrupted(engine, started[0] if started else None, target, address=address, db=db), markup=False)
-        raise typer.Exit(130) from None
+        _exit_now(130)
     except Exception as exc:  # noqa: BLE001 - the run failed in the engine: one line, no traceback
         cause = exc
         while cause.__cause__ is not None:
@@ -179,7 +188,7 @@ def run(
         detail = str(cause).splitlines()[0] if str(cause) else ''
         _err.print(f'durcap: error: the run failed on {engine}: {type(exc).__name__}; cause: '
                    f'{type(cause).__name__}: {detail}')
-        raise typer.Exit(1) from None
+        _exit_now(1)
     _print_run(report)
 
 
