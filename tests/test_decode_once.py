@@ -47,7 +47,7 @@ def make(tmp_path: Path) -> tuple[DurableAgent[Any, Any], str]:
 
 
 def test_the_load_unit_returns_the_stored_json_and_the_next_turn_decodes_only_new_messages(tmp_path: Path) -> None:
-    agent, url = make(tmp_path)
+    agent, _ = make(tmp_path)
     cid = f'c-{uuid.uuid4().hex[:6]}'
     first = asyncio.run(runner.run(agent, 'one', conversation_id=cid))
     assert first.output == 'noted after 3 messages'

@@ -14,12 +14,17 @@ from __future__ import annotations
 import logging
 import os
 from bisect import bisect_right
-from itertools import accumulate
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
-from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ModelRequest, ModelResponse
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelMessagesTypeAdapter,
+    ModelRequest,
+    ModelResponse,
+)
 from pydantic_ai.usage import RunUsage
 
 from .store import DEFAULT_URL, STORE_ENV
@@ -110,8 +115,7 @@ def _scan_rows(rows: list[str], kinds: list[str], entry_ids: list[str], conversa
         responses.add(bisect_right(ends, at))
         at = joined.find(_RESPONSE_KEY, at + len(_RESPONSE_KEY))
     return [
-        decoded[i] if i in decoded else _EMPTY_RESPONSE if i in responses else _EMPTY_REQUEST
-        for i in range(len(rows))
+        decoded.get(i, _EMPTY_RESPONSE if i in responses else _EMPTY_REQUEST) for i in range(len(rows))
     ]
 
 

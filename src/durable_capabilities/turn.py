@@ -58,9 +58,10 @@ class TurnState:
 
     @property
     def history(self) -> list[dict[str, Any]]:
-        if self._history is None:
-            self._history = ModelMessagesTypeAdapter.dump_python(self.messages, mode='json')
-        return self._history
+        history = self._history
+        if history is None:
+            history = self._history = ModelMessagesTypeAdapter.dump_python(self.messages, mode='json')
+        return history
 
 
 _current: ContextVar[TurnState | None] = ContextVar('durcap_turn', default=None)

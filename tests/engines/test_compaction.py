@@ -191,7 +191,7 @@ def two_turns(engine: str, tmp: Path, **kwargs: Any) -> tuple[str, str, list[dic
 
 
 def test_temporal_compaction_with_continue_as_new_keeps_whole_turns(
-    temporal_suggesting_continue_as_new: str, tmp_path: Path
+    temporal_suggesting_continue_as_new: str, tmp_path: Path  # noqa: F811 - the fixture imported above
 ) -> None:
     address = temporal_suggesting_continue_as_new
     _, _, reports, ledger = two_turns('temporal', tmp_path, address=address)
@@ -205,7 +205,7 @@ def test_temporal_compaction_with_continue_as_new_keeps_whole_turns(
 
 
 def test_temporal_compaction_with_continue_as_new_without_a_conversation(
-    temporal_suggesting_continue_as_new: str, tmp_path: Path
+    temporal_suggesting_continue_as_new: str, tmp_path: Path  # noqa: F811 - the fixture imported above
 ) -> None:
     """Without a conversation id the carried history is the whole turn: the reported messages are complete."""
     report = drive('temporal', TURNS[1][0], tmp=tmp_path, store=f'sqlite:///{tmp_path / "unused.db"}', conversation=None,

@@ -50,7 +50,7 @@ def _subject(conversation_id: str | None = None) -> str:
         from .temporal import _current_run
 
         state = _current_run.get()
-        conversation_id = state.params.conversation_id if state is not None else None
+        conversation_id = state.conversation_id if state is not None else None
     if conversation_id is not None:
         return f'conversation {conversation_id!r}'
     return f'workflow {workflow.info().workflow_id!r}'
