@@ -51,6 +51,7 @@ from ..approvals import (
     check_decision,
 )
 from ..conversations import LoadedConversation
+from ..store import StoreError
 from ..store._claim_check import ClaimCheckCodec  # noqa: F401 - public here: the codec `connect` installs
 from ..turn import RunReport, current_turn, run_turn
 from . import _mcp, _payload_guard
@@ -226,7 +227,9 @@ def workflow_class(agent: DurableAgent[Any, Any], registered_name: str | None = 
         {'run': workflow.run(run), '__pydantic_ai_agents__': [built], '__durcap_agent__': agent, '__module__': __name__,
          'decide': decide_update, 'pending': workflow.query(name=PENDING_QUERY)(pending)},
     )
-    defined = workflow.defn(name=_workflow_type(agent_name))(cls)
+    # A stored row this pydantic-ai cannot read (CorruptedRowError, NewerHistoryError) is found where the workflow
+    # decodes the history: fail the run naming the conversation instead of retrying the workflow task forever.
+    defined = workflow.defn(name=_workflow_type(agent_name), failure_exception_types=[StoreError])(cls)
     setattr(module, name, defined)
     return defined
 
