@@ -20,13 +20,12 @@ import signal
 import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter
-from pydantic_ai.durable_exec.temporal import PydanticAIPlugin, PydanticAIWorkflow
+from pydantic_ai.durable_exec.temporal import PydanticAIPlugin, PydanticAIWorkflow, TemporalDurability
 from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
 from pydantic_ai.usage import RunUsage
 from pydantic_core import to_jsonable_python
@@ -41,12 +40,14 @@ from temporalio.worker.workflow_sandbox import (
     SandboxRestrictions,
 )
 
-from .. import _registry
+from .. import _registry, _upstream
 from ..conversations import LoadedConversation
 from ..store._claim_check import ClaimCheckCodec  # noqa: F401 - public here: the codec `connect` installs
 from ..turn import RunReport, current_turn, run_turn
 from . import _mcp, _payload_guard
 from ._adapter import EngineAdapter, RunOptions
+from ._payload_guard import current_run as _current_run
+from ._temporal_history import HistoryReplayer, export_history, units_recorded
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
@@ -204,9 +205,6 @@ class AppendInput:
     append_id: str
     usage: dict[str, Any] | None = None
 
-
-_current_run: ContextVar[AgentRunInput | None] = ContextVar('durcap_temporal_run', default=None)
-"""The input of the workflow run whose turn is running (read by the continue-as-new handler)."""
 
 _STORE_ACTIVITY_OPTIONS: dict[str, Any] = {
     # Short: a store call takes milliseconds, and a killed worker's call is retried once this expires.
@@ -452,72 +450,6 @@ def _mcp_defaults(agent: DurableAgent[Any, Any], options: dict[str, Any], config
 # ---- the adapter ---------------------------------------------------------------------------------
 
 
-async def _units_recorded(client: Client, workflow_id: str, first_run_id: str | None) -> list[str]:
-    """Activity types scheduled by every run of the chain (continue-as-new starts a run with its own history)."""
-    from temporalio.api.enums.v1 import EventType
-
-    units: list[str] = []
-    run_id = first_run_id
-    while run_id:
-        run_handle = client.get_workflow_handle(workflow_id, run_id=run_id)
-        run_id = None
-        async for event in run_handle.fetch_history_events():
-            if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
-                units.append(event.activity_task_scheduled_event_attributes.activity_type.name)
-            elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW:
-                run_id = event.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
-    return units
-
-
-_ACTIVITY_RE = re.compile(
-    r'agent__(?P<agent>.+?)__(?:toolset__(?P<toolset>.+?)__(?:call_tool|validate_args|get_tools)|model_\w+)'
-)
-
-
-class _Replayer:
-    """Replays exported histories against the agents' workflow classes (temporalio's `Replayer`)."""
-
-    def __init__(self, agents: Sequence[DurableAgent[Any, Any]], store: str | None = None):
-        from temporalio.worker import Replayer
-
-        from ..store._claim_check import default_codec
-
-        self.agents = list(agents)
-        self._replayer = Replayer(
-            workflows=[cls for agent in agents for cls in workflow_classes(agent)],
-            plugins=[PydanticAIPlugin()],
-            workflow_runner=sandbox_runner(),
-            data_converter=DataConverter(payload_codec=default_codec(store)),  # decodes claim checks
-        )
-
-    async def replay(self, history_json: dict[str, Any], workflow_id: str) -> str | None:
-        from temporalio.client import WorkflowHistory
-
-        history = WorkflowHistory.from_json(workflow_id, history_json)
-        result = await self._replayer.replay_workflow(history, raise_on_replay_failure=False)
-        return None if result.replay_failure is None else str(result.replay_failure)
-
-    def explain(self, error: str) -> str:
-        """What changed, from the activity type names in temporalio's message: the agent or leaf toolset whose
-        name the current definitions no longer produce, and the fix."""
-        current_leaves = {leaf for agent in self.agents for leaves in agent.leaf_ids().values() for leaf in leaves}
-        current_agents = {agent.durable_name for agent in self.agents}
-        for match in _ACTIVITY_RE.finditer(error):
-            agent_name, toolset = match.group('agent'), match.group('toolset')
-            if agent_name not in current_agents:
-                return (
-                    f'the history was recorded by agent {agent_name!r}, whose durable name changed; '
-                    f"declare it: `DurableAgent(..., previous_names=['{agent_name}'])`."
-                )
-            if toolset and toolset not in current_leaves and toolset != '<agent>':
-                return (
-                    f'the history used leaf toolset {toolset!r} (capability {toolset!r} or a toolset under it), which '
-                    "the current definition no longer has; if the capability was renamed, declare it: "
-                    f"`DurableAgent(..., aliases={{'<new id>': '{toolset}'}})`."
-                )
-        return 'the workflow code no longer matches the recorded history (nondeterminism); see the temporal message.'
-
-
 class TemporalAdapter(EngineAdapter):
     """Temporal: a workflow per agent, activities for model requests, tools, MCP and the store.
 
@@ -533,8 +465,6 @@ class TemporalAdapter(EngineAdapter):
     lock_sections: Mapping[str, str] = {'workflows': 'workflow', 'activities': 'activity'}
 
     def durability_class(self) -> Any:
-        from pydantic_ai.durable_exec.temporal import TemporalDurability
-
         return TemporalDurability
 
     def durability_parts(self, agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
@@ -545,20 +475,13 @@ class TemporalAdapter(EngineAdapter):
         `_workflow_type`, without defining the classes: a lock may compare two versions of one agent in one
         process) and every activity type (upstream's `worker_registrations` of the built agent's durability,
         plus `conversation_activities`)."""
-        from pydantic_ai.durable_exec.temporal import (
-            TemporalDurability,
-            worker_registrations,
-        )
-
-        from .._upstream import temporal_activity_name
-
         durability = TemporalDurability.from_agent(agent.build('temporal'))
         assert durability is not None
-        upstream, _ = worker_registrations(durability)
+        upstream, _ = _upstream.temporal_worker_registrations(durability)
         activities = [*upstream, *conversation_activities(agent)]
         return {
             'workflows': sorted(_workflow_type(name) for name in (agent.name, *agent.previous_names)),
-            'activities': sorted(temporal_activity_name(fn) for fn in activities),
+            'activities': sorted(_upstream.temporal_activity_name(fn) for fn in activities),
         }
 
     def conversation_units(self, agent: DurableAgent[Any, Any]) -> list[str]:
@@ -582,7 +505,8 @@ class TemporalAdapter(EngineAdapter):
         return []
 
     def replayer(self, agents: Sequence[DurableAgent[Any, Any]], *, store: str | None = None) -> Any:
-        return _Replayer(agents, store)
+        return HistoryReplayer(agents, [cls for agent in agents for cls in workflow_classes(agent)], sandbox_runner(),
+                               store)
 
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
         from .._servers import port_open, start_temporal_dev_server
@@ -619,7 +543,7 @@ class TemporalAdapter(EngineAdapter):
                 conversation_id=options.conversation_id,
             )
             result = await handle.result()
-            units = await _units_recorded(client, workflow_id, handle.first_execution_run_id or handle.result_run_id)
+            units = await units_recorded(client, workflow_id, handle.first_execution_run_id or handle.result_run_id)
         return RunReport('temporal', workflow_id, result.output, result.messages(), result.usage, units)
 
     def serve_worker(self, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> None:
@@ -660,9 +584,7 @@ class TemporalAdapter(EngineAdapter):
             server.stop()
 
     async def export_history(self, run_id: str, output: Any, settings: Mapping[str, Any]) -> Any:
-        """The workflow's history as JSON (`replay.export_history`); settings `address`, `namespace`."""
-        from ..replay import export_history
-
+        """The workflow's history as JSON (`_temporal_history.export_history`); settings `address`, `namespace`."""
         client = await connect(settings.get('address') or '127.0.0.1:7233', settings.get('namespace') or 'default')
         return await export_history(client, run_id, output)
 
