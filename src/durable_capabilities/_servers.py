@@ -17,6 +17,7 @@ import urllib.request
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 
 def free_port() -> int:
@@ -75,7 +76,7 @@ class ServerProcess:
             with_suppressed_lookup(lambda: os.killpg(self.process.pid, signal.SIGKILL))
             self.process.wait(timeout=grace_seconds)
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

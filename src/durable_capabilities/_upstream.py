@@ -22,8 +22,8 @@ __all__ = [
     'derived_id_source',
     'explicit_toolset_id',
     'temporal_activity_name',
-    'temporal_workflow_name',
     'temporal_worker_registrations',
+    'temporal_workflow_name',
     'toolset_with_id',
 ]
 

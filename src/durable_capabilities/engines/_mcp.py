@@ -43,7 +43,7 @@ import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 from urllib.parse import parse_qsl, urlsplit
 
 from pydantic_ai.capabilities import (
@@ -265,7 +265,7 @@ class GuardedMCPToolset(WrapperToolset[Any]):
                     await self.wrapped.__aenter__()
                 self._state.entered = True
 
-    async def __aenter__(self) -> GuardedMCPToolset:
+    async def __aenter__(self) -> Self:
         if not self.leaf.gated:
             await self._enter()
         return self
@@ -337,7 +337,7 @@ def _rebuild(node: AbstractToolset[Any], replace_node: Callable[[AbstractToolset
         return node
     if isinstance(node, CombinedToolset):
         children = [_rebuild(child, replace_node) for child in node.toolsets]
-        if all(new is old for new, old in zip(children, node.toolsets)):
+        if all(new is old for new, old in zip(children, node.toolsets, strict=True)):
             return node
         return dataclasses.replace(node, toolsets=children)
     if isinstance(node, WrapperToolset):

@@ -396,7 +396,7 @@ class _SQLBackend:
         with self._txn(write=False) as conn:
             rows = self._history_rows(conn, head_id, limit, None)
         messages = _decode_messages(rows, None)
-        return [ConversationEntry(id=r.entry_id, parent_id=r.parent_id, message=m) for r, m in zip(rows, messages)]
+        return [ConversationEntry(id=r.entry_id, parent_id=r.parent_id, message=m) for r, m in zip(rows, messages, strict=True)]
 
     def read_entry(self, entry_id: str) -> ConversationEntry:
         with self._txn(write=False) as conn:
