@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic_ai.messages import ModelMessagesTypeAdapter
 from pydantic_ai.usage import RunUsage
 
-from .store import DEFAULT_URL, STORE_ENV
+from .store import DEFAULT_URL, STORE_ENV, ConversationNotFoundError, SQLConversationStore, drift
 from .validation import DurableConfigError, Report
 
 if TYPE_CHECKING:
@@ -60,8 +60,6 @@ async def load_conversation(agent: DurableAgent[Any, Any], conversation_id: str)
             has (DC018 / DC019) and `DurableAgent(drift='error')` (the default).
         StoreError: the store is unusable (corrupted rows, unknown schema, newer pydantic-ai).
     """
-    from .store import ConversationNotFoundError, SQLConversationStore, drift
-
     async with SQLConversationStore(store_url(agent)) as store:
         await store.check_writable()  # refuse a read-only or unreachable store before the run, not after it
         try:
@@ -96,8 +94,6 @@ async def append_conversation(
     Raises:
         ConversationConflictError: another run appended since this one loaded (`expected_revision` is stale).
     """
-    from .store import SQLConversationStore
-
     async with SQLConversationStore(store_url(agent)) as store:
         result = await store.append(
             conversation_id,

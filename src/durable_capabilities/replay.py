@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .agent import DurableAgent
+from .engines import ENGINES
 
 
 @dataclass
@@ -52,8 +53,6 @@ async def replay_histories(
     Raises:
         ValueError: a file is not a Temporal history JSON.
     """
-    from .engines import ENGINES
-
     adapter = next((a for a in ENGINES.values() if 'history' in a.features and a.available()), None)
     replayer = adapter.replayer(agents, store=store) if adapter is not None else None
     if replayer is None:

