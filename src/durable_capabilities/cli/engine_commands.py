@@ -50,10 +50,11 @@ def demo_target() -> Path:
     """The support example's `agent.py`: in an installed wheel `durable_capabilities/_examples/support` (the
     `[tool.hatch.build.targets.wheel.sources]` mapping of pyproject.toml), else (an editable install or a
     source checkout) `examples/support` of the checkout."""
-    shipped = Path(__file__).resolve().parent / '_examples' / 'support' / 'agent.py'
+    package = Path(__file__).resolve().parents[1]  # durable_capabilities/ (this file is in its cli/ package)
+    shipped = package / '_examples' / 'support' / 'agent.py'
     if shipped.is_file():
         return shipped
-    return Path(__file__).resolve().parents[2] / 'examples' / 'support' / 'agent.py'
+    return package.parents[1] / 'examples' / 'support' / 'agent.py'
 
 
 def _engine_option(help: str) -> Any:
