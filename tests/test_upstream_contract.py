@@ -323,6 +323,17 @@ def test_temporal_worker_registrations_is_what_a_worker_registers() -> None:
     assert all(isinstance(cls, type) for cls in workflows), changed('worker_registrations no longer returns workflow classes second')
 
 
+# ---- dbos._error (not pydantic-ai, but private all the same) ---------------------------------------------------------------
+
+
+def test_dbos_error_classes_tell_control_flow_from_exhausted_retries() -> None:
+    dbos_error, retries_exceeded = _upstream.dbos_error_classes()
+    assert issubclass(dbos_error, Exception) and issubclass(retries_exceeded, dbos_error), (
+        'dbos changed: DBOSMaxStepRetriesExceeded is no longer a DBOSException -- update _upstream.dbos_error_classes'
+    )
+    assert (dbos_error.__name__, retries_exceeded.__name__) == ('DBOSException', 'DBOSMaxStepRetriesExceeded')
+
+
 # ---- MCP._telemetry_url_derived_id ----------------------------------------------------------------------------------------
 
 
@@ -348,6 +359,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
         'LOAD_CAPABILITY_TOOL_NAME',
         'DynamicToolset',
         'capability_url_derived_id',
+        'dbos_error_classes',
         'derived_id_source',
         'explicit_toolset_id',
         'temporal_activity_name',
@@ -371,6 +383,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
         '_Definition',
         '_deferred_capability_loader',
         '_derived_id_source',
+        '_error',
         '_explicit_id',
         '_id',
         '_telemetry_url_derived_id',

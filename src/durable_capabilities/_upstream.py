@@ -19,6 +19,7 @@ __all__ = [
     'LOAD_CAPABILITY_TOOL_NAME',
     'DynamicToolset',
     'capability_url_derived_id',
+    'dbos_error_classes',
     'derived_id_source',
     'explicit_toolset_id',
     'temporal_activity_name',
@@ -114,3 +115,17 @@ def temporal_worker_registrations(durability: Any) -> tuple[list[Any], list[type
     )
 
     return worker_registrations(durability)
+
+
+def dbos_error_classes() -> tuple[type[BaseException], type[BaseException]]:
+    """`(DBOSException, DBOSMaxStepRetriesExceeded)`: DBOS's base error (its control flow, e.g. a cancelled or
+    conflicting workflow) and the one raised when a step's retries are exhausted (a real failure).
+
+    dbos exports neither; both live in its private `dbos._error` module.
+
+    Raises:
+        ImportError: the `dbos` extra is not installed.
+    """
+    from dbos._error import DBOSException, DBOSMaxStepRetriesExceeded  # lazily: dbos is an optional extra
+
+    return DBOSException, DBOSMaxStepRetriesExceeded

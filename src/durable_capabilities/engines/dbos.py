@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from dbos import DBOS, SetWorkflowID
-from dbos._error import DBOSException, DBOSMaxStepRetriesExceeded
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.durable_exec import (
     ModelCancelSuspendedResponseId,
@@ -38,7 +37,7 @@ from pydantic_ai.messages import ModelMessagesTypeAdapter
 from pydantic_ai.toolsets import AbstractToolset, FunctionToolset, WrapperToolset
 from pydantic_core import to_jsonable_python
 
-from .. import _registry
+from .. import _registry, _upstream
 from ..conversations import append_conversation, load_conversation
 from ..store import AppendIdReuseError, ConversationConflictError, CorruptedRowError, NewerHistoryError, SchemaVersionError
 from ..turn import RunReport, Turn, deps_from_json, run_turn
@@ -438,7 +437,8 @@ class DBOSAdapter(EngineAdapter):
         return "DurableAgent(engine_options={'dbos': {'mcp_step_config': {'max_attempts': ...}}})"
 
     def mcp_passes_through(self, error: BaseException) -> bool:
-        return isinstance(error, DBOSException) and not isinstance(error, DBOSMaxStepRetriesExceeded)
+        dbos_error, retries_exceeded = _upstream.dbos_error_classes()
+        return isinstance(error, dbos_error) and not isinstance(error, retries_exceeded)
 
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
 
