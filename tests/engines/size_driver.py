@@ -28,17 +28,14 @@ def _chain(error: BaseException) -> str:
 
 
 async def turn(args: argparse.Namespace) -> runner.RunReport:
+    settings: dict[str, object] = {}
     if args.engine == 'temporal':
-        return await runner.run_temporal(
-            agent, args.prompt, address=args.address, task_queue=f'sizes-{uuid.uuid4().hex[:12]}', inline_worker=True,
-            conversation_id=args.conversation, workflow_id=args.workflow_id,
-        )
-    if args.engine == 'dbos':
-        return await runner.run_dbos(agent, args.prompt, system_database_url=args.db, conversation_id=args.conversation,
-                                     workflow_id=args.workflow_id)
-    if args.engine == 'prefect':
-        return await runner.run_prefect(agent, args.prompt, conversation_id=args.conversation)
-    return await runner.run_local(agent, args.prompt, conversation_id=args.conversation)
+        settings = {'address': args.address, 'task_queue': f'sizes-{uuid.uuid4().hex[:12]}', 'inline_worker': True}
+    elif args.engine == 'dbos':
+        settings = {'db': args.db}
+    run_id = args.workflow_id if args.engine in ('temporal', 'dbos') else None
+    return await runner.run(agent, args.prompt, engine=args.engine, conversation_id=args.conversation, run_id=run_id,
+                            **settings)
 
 
 def main() -> None:
