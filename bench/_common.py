@@ -136,7 +136,7 @@ class Series:
 
 def paired_ratio(a: Series, b: Series) -> float:
     """Median of per-round ratios a[i] / b[i] (rounds are interleaved, so each pair saw the same conditions)."""
-    return statistics.median(x / y for x, y in zip(a.seconds, b.seconds))
+    return statistics.median(x / y for x, y in zip(a.seconds, b.seconds, strict=True))
 
 
 # ---- upstream on Temporal, as pydantic-ai's docs write it -------------------------------------------

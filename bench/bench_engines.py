@@ -465,10 +465,10 @@ async def profile_variants(variants: list[Variant], args: argparse.Namespace) ->
         print(f'  {d_tot / n * 1e3:+8.3f} ms own  {d_cum / n * 1e3:+8.3f} ms cum  {d_calls / n:+8.1f} calls  '
               f'{_where(key)}')
     print(f'-- cumulative time more in {variants[0].label} (ms per run)')
-    for d_tot, d_cum, d_calls, key in sorted(diffs, key=lambda d: -d[1])[:top]:
+    for _d_tot, d_cum, d_calls, key in sorted(diffs, key=lambda d: -d[1])[:top]:
         print(f'  {d_cum / n * 1e3:+8.3f} ms cum  {d_calls / n:+8.1f} calls  {_where(key)}')
     print(f'-- calls more in {variants[0].label} (per run)')
-    for d_tot, d_cum, d_calls, key in sorted(diffs, key=lambda d: -d[2])[:top]:
+    for _d_tot, d_cum, d_calls, key in sorted(diffs, key=lambda d: -d[2])[:top]:
         print(f'  {d_calls / n:+8.1f} calls  {d_cum / n * 1e3:+8.3f} ms cum  {_where(key)}')
     print()
 

@@ -65,7 +65,7 @@ def test_the_load_unit_returns_the_stored_json_and_the_next_turn_decodes_only_ne
     second = asyncio.run(turn.run_turn(agent, agent.build('local').run, 'two', conversation_id=cid))
     assert second.result.output == 'noted after 7 messages'
     assert len(second.state.messages) == 4
-    assert all(a is b for a, b in zip(second.state.messages, remembered))  # same objects: nothing decoded again
+    assert all(a is b for a, b in zip(second.state.messages, remembered, strict=True))  # same objects: nothing decoded again
     assert len(turn._DECODED[key].messages) == 8
     stored = asyncio.run(conversations.load_conversation(agent, cid))
     assert ModelMessagesTypeAdapter.validate_json('[' + ','.join(stored.rows or []) + ']') == turn._DECODED[key].messages

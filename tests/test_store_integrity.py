@@ -87,7 +87,7 @@ def test_writability_probe(tmp_path: Path, store_url: str) -> None:  # noqa: F81
     with SQLConversationStore(store_url) as writable:
         writable._sql.probe_writable()
     unreachable = SQLConversationStore('postgresql://postgres@127.0.0.1:1/none')
-    with pytest.raises(StoreUnavailableError, match='127.0.0.1:1'):
+    with pytest.raises(StoreUnavailableError, match=re.escape('127.0.0.1:1')):
         unreachable._sql.probe_writable()
     # A SQLite file the process can only read: opened read-only (chmod does not stop root, which runs the tests).
     import sqlite3

@@ -28,5 +28,5 @@ def test_lock_check_fails_when_a_locked_name_disappears(tmp_path: Path) -> None:
     text = (ROOT / 'examples/support/durable.lock').read_text()
     tampered = tmp_path / 'durable.lock'
     tampered.write_text(text.replace('toolset__orders__call_tool', 'toolset__orders-v0__call_tool'))
-    with pytest.raises(AssertionError, match="DC020.*orders-v0"):
+    with pytest.raises(AssertionError, match=r"DC020.*orders-v0"):
         assert_lock_matches(tampered, [support])

@@ -299,6 +299,41 @@ def test_temporal_activity_name_reads_the_registered_name() -> None:
     assert 'agent__contract-names__model_request' in names
 
 
+# ---- pydantic_ai.durable_exec.temporal.worker_registrations (importable, not exported) ---------------------------------
+
+
+def test_temporal_worker_registrations_is_what_a_worker_registers() -> None:
+    import pydantic_ai.durable_exec.temporal as upstream_temporal
+    from pydantic_ai.durable_exec.temporal import TemporalDurability
+
+    assert callable(getattr(upstream_temporal, 'worker_registrations', None)), changed(
+        'pydantic_ai.durable_exec.temporal.worker_registrations is gone -- update _upstream.temporal_worker_registrations'
+    )
+    agent = Agent('test', name='contract-registrations', toolsets=[FunctionToolset([ping], id='pings')],
+                  capabilities=[temporal()])
+    durability = TemporalDurability.from_agent(agent)
+    assert durability is not None
+    activities, workflows = _upstream.temporal_worker_registrations(durability)
+    names = sorted(_upstream.temporal_activity_name(fn) for fn in activities)
+    assert names == sorted(temporal_activity_names(agent)), changed(
+        'worker_registrations no longer returns the durability\'s activities first'
+    )
+    assert 'agent__contract-registrations__toolset__pings__call_tool' in names
+    assert 'agent__contract-registrations__model_request' in names
+    assert all(isinstance(cls, type) for cls in workflows), changed('worker_registrations no longer returns workflow classes second')
+
+
+# ---- dbos._error (not pydantic-ai, but private all the same) ---------------------------------------------------------------
+
+
+def test_dbos_error_classes_tell_control_flow_from_exhausted_retries() -> None:
+    dbos_error, retries_exceeded = _upstream.dbos_error_classes()
+    assert issubclass(dbos_error, Exception) and issubclass(retries_exceeded, dbos_error), (
+        'dbos changed: DBOSMaxStepRetriesExceeded is no longer a DBOSException -- update _upstream.dbos_error_classes'
+    )
+    assert (dbos_error.__name__, retries_exceeded.__name__) == ('DBOSException', 'DBOSMaxStepRetriesExceeded')
+
+
 # ---- MCP._telemetry_url_derived_id ----------------------------------------------------------------------------------------
 
 
@@ -324,10 +359,12 @@ def test_upstream_module_exports_are_all_covered() -> None:
         'LOAD_CAPABILITY_TOOL_NAME',
         'DynamicToolset',
         'capability_url_derived_id',
+        'dbos_error_classes',
         'derived_id_source',
         'explicit_toolset_id',
         'temporal_activity_name',
         'temporal_workflow_name',
+        'temporal_worker_registrations',
         'toolset_with_id',
     }
     assert set(_upstream.__all__) == covered
@@ -346,6 +383,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
         '_Definition',
         '_deferred_capability_loader',
         '_derived_id_source',
+        '_error',
         '_explicit_id',
         '_id',
         '_telemetry_url_derived_id',

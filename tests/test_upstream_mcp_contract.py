@@ -87,7 +87,7 @@ def test_upstream_lists_the_tools_of_an_unloaded_deferred_mcp() -> None:
 def test_loaded_deferred_capability_tools_reach_the_model_without_listing_at_load_time() -> None:
     """With `MCPGuard`, the server is first listed on the step after `load_capability`; upstream must still show its
     tools from that step on (a loaded deferred capability's tools count as revealed by the load itself)."""
-    mcp, counter = server()
+    mcp, _counter = server()
     definition = DurableAgent(
         f'contract-{uuid.uuid4().hex[:6]}',
         scripted([], []),

@@ -426,7 +426,7 @@ def test_runbook_seed_copy_is_recognized(agent_name: Callable[[str], str]) -> No
     """The seed pastes its own `RunbookRequired` class into user code; it is validated the same way."""
 
     @dataclass
-    class RunbookRequired(AbstractCapability[Any]):  # noqa: F811 - the seed's own class, same name on purpose
+    class RunbookRequired(AbstractCapability[Any]):
         requirements: dict[str, str] | None = None
 
     report = problems_of(agent_name('seed'), [RunbookRequired(requirements={'issue_refund': 'refund-policy'})])
@@ -569,9 +569,9 @@ def test_report_formats(bad_skills: Path, agent_name: Callable[[str], str]) -> N
     assert len(lines) == len(report)
     assert sum(line.startswith('::error ') for line in lines) == len(report.errors)
     assert sum(line.startswith('::warning ') for line in lines) == len(report.warnings)
-    for line, problem in zip(lines, report):
+    for line, problem in zip(lines, report, strict=True):
         assert f'title={problem.code}::' in line
-    skill_line = next(line for line, p in zip(lines, report) if p.code == 'DC016')
+    skill_line = next(line for line, p in zip(lines, report, strict=True) if p.code == 'DC016')
     assert re.match(r'::error file=.*broken\.md,line=\d+,title=DC016::', skill_line)
 
     assert len(report.to_text().splitlines()) == len(report)

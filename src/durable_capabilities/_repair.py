@@ -9,11 +9,14 @@ used, so running it twice, or after the workflow's own append finally succeeded,
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelResponse, TextPart
 from pydantic_ai.usage import RunUsage
+
+from .store import DEFAULT_URL, STORE_ENV, SQLConversationStore
 
 
 @dataclass
@@ -53,12 +56,9 @@ async def repair_temporal(client: Any, workflow_id: str, *, store: str | None = 
         StoreError: the store is unusable.
         temporalio.service.RPCError: no such workflow.
     """
-    import os
-
-    from temporalio.api.enums.v1 import EventType
+    from temporalio.api.enums.v1 import EventType  # lazily: temporalio is an optional extra
 
     from .engines.temporal import AppendInput
-    from .store import DEFAULT_URL, STORE_ENV, SQLConversationStore
 
     handle = client.get_workflow_handle(workflow_id, run_id=run_id)
     scheduled: dict[int, Any] = {}

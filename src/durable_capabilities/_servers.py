@@ -17,6 +17,7 @@ import urllib.request
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 CAPABILITIES_SEARCH_ATTRIBUTE = 'DurcapCapabilities'
 """Temporal search attribute (KeywordList) holding a run's loaded capability ids; the dev servers started here
@@ -89,7 +90,7 @@ class ServerProcess:
             with_suppressed_lookup(lambda: os.killpg(self.process.pid, signal.SIGKILL))
             self.process.wait(timeout=grace_seconds)
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -159,7 +160,7 @@ def start_temporal_dev_server(
     if persistent:
         cmd += ['--db-filename', str(state / 'temporal.db')]
     log = open(log_path, 'wb')  # noqa: SIM115 - handed to the child process
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)  # noqa: PLW1509
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
     log.close()
     server = ServerProcess('temporal', process, f'127.0.0.1:{port}', log_path)
     def healthy() -> bool:

@@ -19,9 +19,11 @@ __all__ = [
     'LOAD_CAPABILITY_TOOL_NAME',
     'DynamicToolset',
     'capability_url_derived_id',
+    'dbos_error_classes',
     'derived_id_source',
     'explicit_toolset_id',
     'temporal_activity_name',
+    'temporal_worker_registrations',
     'temporal_workflow_name',
     'toolset_with_id',
 ]
@@ -80,9 +82,12 @@ def temporal_activity_name(fn: Any) -> str:
 
     temporalio has no public accessor; its worker reads the same private definition.
     """
-    from temporalio import activity
+    from temporalio import activity  # lazily: only Temporal code asks, and temporalio is an optional extra
 
-    return activity._Definition.must_from_callable(fn).name  # pyright: ignore[reportPrivateUsage]
+    name = activity._Definition.must_from_callable(fn).name  # pyright: ignore[reportPrivateUsage]
+    if name is None:
+        raise ValueError(f'{fn!r} is a dynamic activity: it has no fixed activity type name')
+    return name
 
 
 def temporal_workflow_name(cls: type) -> str:
@@ -91,6 +96,36 @@ def temporal_workflow_name(cls: type) -> str:
     temporalio has no public accessor; its worker and replayer read the same private definition. Used to
     read back what a worker registered (tests compare it with `durable.lock`).
     """
-    from temporalio import workflow
+    from temporalio import workflow  # lazily: only Temporal code asks, and temporalio is an optional extra
 
-    return workflow._Definition.must_from_class(cls).name  # pyright: ignore[reportPrivateUsage]
+    name = workflow._Definition.must_from_class(cls).name  # pyright: ignore[reportPrivateUsage]
+    if name is None:
+        raise ValueError(f'{cls!r} is a dynamic workflow: it has no fixed workflow type name')
+    return name
+
+
+def temporal_worker_registrations(durability: Any) -> tuple[list[Any], list[type]]:
+    """`(activities, workflow classes)` upstream's plugin registers on a worker for a `TemporalDurability`.
+
+    `worker_registrations` is importable from `pydantic_ai.durable_exec.temporal` but not exported (not in
+    its `__all__`); upstream's own plugin calls it, so its answer is what a worker registers.
+    """
+    from pydantic_ai.durable_exec.temporal import (  # lazily: temporalio is an optional extra
+        worker_registrations,  # pyright: ignore[reportPrivateImportUsage]
+    )
+
+    return worker_registrations(durability)
+
+
+def dbos_error_classes() -> tuple[type[BaseException], type[BaseException]]:
+    """`(DBOSException, DBOSMaxStepRetriesExceeded)`: DBOS's base error (its control flow, e.g. a cancelled or
+    conflicting workflow) and the one raised when a step's retries are exhausted (a real failure).
+
+    dbos exports neither; both live in its private `dbos._error` module.
+
+    Raises:
+        ImportError: the `dbos` extra is not installed.
+    """
+    from dbos._error import DBOSException, DBOSMaxStepRetriesExceeded  # lazily: dbos is an optional extra
+
+    return DBOSException, DBOSMaxStepRetriesExceeded

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic_ai import Agent
 from pydantic_ai.capabilities import AbstractCapability
@@ -66,7 +66,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
         model: Any,
         *,
         instructions: Any = None,
-        deps_type: type[DepsT] = type(None),  # type: ignore[assignment]
+        deps_type: type[DepsT] = type(None),  # type: ignore[assignment]  # noqa: B008 - the NoneType class itself
         capabilities: Sequence[AbstractCapability[Any]] = (),
         tools: Sequence[Any] = (),
         output_type: Any = str,
@@ -75,7 +75,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
         aliases: dict[str, str] | None = None,
         previous_names: Sequence[str] = (),
         conversation_store: str | None = None,
-        drift: str = 'error',
+        drift: Literal['error', 'warning'] = 'error',
         approval_timeout: Any = None,
         **agent_kwargs: Any,
     ) -> None:
@@ -96,7 +96,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
         self.conversation_store = conversation_store
         if drift not in ('error', 'warning'):
             raise ValueError(f"drift must be 'error' or 'warning', not {drift!r}")
-        self.drift = drift
+        self.drift: Literal['error', 'warning'] = drift
         self.approval_timeout = timeout_seconds(approval_timeout)
         self._invalid_skills = [c for c in capabilities if isinstance(c, InvalidSkill)]
         self.user_capabilities = [c for c in capabilities if not isinstance(c, InvalidSkill)]
@@ -255,7 +255,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
         """Every problem of this definition: each check of `checks.CHECKS` over one shared context."""
         return run_checks(
             CheckContext(
-                self.name, self.engines, ENGINES, DURABLE_ENGINES, self.tools, self._invalid_skills, self._stabilized
+                self.name, self.engines, ENGINES, tuple(DURABLE_ENGINES), self.tools, self._invalid_skills, self._stabilized
             )
         )
 

@@ -27,7 +27,7 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.usage import RunUsage
 
-from .store import DEFAULT_URL, STORE_ENV
+from .store import DEFAULT_URL, STORE_ENV, ConversationNotFoundError, SQLConversationStore, drift
 from .validation import DurableConfigError, Report
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ def _scan_rows(rows: list[str], kinds: list[str], entry_ids: list[str], conversa
         at = joined.find(_TOOL_KEY, end)
     wanted = sorted(wanted_rows)
     decoded = dict(zip(wanted, _decode_messages(
-        [_RowText(rows[i], kinds[i], offset + i + 1, entry_ids[i], conversation_id) for i in wanted], conversation_id)))
+        [_RowText(rows[i], kinds[i], offset + i + 1, entry_ids[i], conversation_id) for i in wanted], conversation_id), strict=True))
     responses: set[int] = set()
     at = joined.find(_RESPONSE_KEY)
     while at != -1:
@@ -160,8 +160,6 @@ async def load_conversation(agent: DurableAgent[Any, Any], conversation_id: str)
             has (DC018 / DC019) and `DurableAgent(drift='error')` (the default).
         StoreError: the store is unusable (corrupted rows, unknown schema, newer pydantic-ai).
     """
-    from .store import ConversationNotFoundError, SQLConversationStore, drift
-
     url = store_url(agent)
     key = (url, conversation_id)
     cached = _LOAD_CACHE.get(key)
@@ -213,8 +211,6 @@ async def append_conversation(
     Raises:
         ConversationConflictError: another run appended since this one loaded (`expected_revision` is stale).
     """
-    from .store import SQLConversationStore
-
     async with SQLConversationStore(store_url(agent)) as store:
         result = await store.append(
             conversation_id,

@@ -21,6 +21,8 @@ from pydantic_ai.messages import (
     ToolSearchCallPart,
     post_compaction_window,
 )
+from pydantic_ai.output import ToolOutput
+from pydantic_ai.toolsets import FunctionToolset
 
 from .validation import Problem
 
@@ -209,14 +211,10 @@ def known_tool(definition: DurableAgent[Any, Any]) -> Callable[[str], bool]:
 
 
 def _agent_tool_names(definition: DurableAgent[Any, Any]) -> list[str]:
-    from pydantic_ai.toolsets import FunctionToolset
-
     return list(FunctionToolset(list(definition.tools)).tools)
 
 
 def _output_tool_names(output_type: Any) -> set[str]:
-    from pydantic_ai.output import ToolOutput
-
     found: set[str] = set()
     stack = [output_type]
     while stack:

@@ -21,7 +21,7 @@ import yaml
 
 from .agent import DurableAgent
 from .engines import ENGINES
-from .validation import Problem, Report
+from .validation import DurableConfigError, Problem, Report
 
 LOCK_VERSION = 1
 DEFAULT_LOCK_NAME = 'durable.lock'
@@ -198,8 +198,6 @@ def enforce_lock(
         DurableConfigError: a locked name is no longer produced (DC020 / DC021) and not `allow_drift`.
         LockfileError: `lock` was given but cannot be read.
     """
-    from .validation import DurableConfigError
-
     path = Path(lock) if lock is not None else find_lock(target_file)
     if path is None:
         return Report()

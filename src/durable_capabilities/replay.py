@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .agent import DurableAgent
+from .engines import ENGINES
 
 
 @dataclass
@@ -52,8 +53,6 @@ async def replay_histories(
     Raises:
         ValueError: a file is not a Temporal history JSON.
     """
-    from .engines import ENGINES
-
     adapter = next((a for a in ENGINES.values() if 'history' in a.features and a.available()), None)
     replayer = adapter.replayer(agents, store=store) if adapter is not None else None
     if replayer is None:
@@ -77,17 +76,3 @@ async def replay_histories(
             failures.append(ReplayFailure(str(path), workflow_id, error, replayer.explain(error)))
     return failures
 
-
-async def export_history(client: Any, workflow_id: str, output: str | Path) -> Path:
-    """Write a workflow's history as JSON (`{"workflowId": ..., "history": {...}}`) to `output`.
-
-    Payloads are written as Temporal holds them: a large one is a claim-check reference (encoding
-    `binary/durcap-claim-check`), which `replay_histories` decodes from the store.
-    """
-    handle = client.get_workflow_handle(workflow_id)
-    history = await handle.fetch_history()
-    output = Path(output)
-    output.write_text(
-        json.dumps({'workflowId': workflow_id, 'history': json.loads(history.to_json())}, indent=1), encoding='utf-8'
-    )
-    return output

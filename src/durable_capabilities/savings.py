@@ -26,10 +26,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pydantic_ai import RunContext
-from pydantic_ai.capabilities import AbstractCapability
-from pydantic_ai.messages import InstructionPart, ModelRequest, UserPromptPart
+from pydantic_ai import Agent, RunContext
+from pydantic_ai.capabilities import AbstractCapability, WrapperCapability
+from pydantic_ai.messages import InstructionPart, ModelRequest, ModelResponse, TextPart, UserPromptPart
 from pydantic_ai.models import Model, ModelRequestParameters, infer_model
+from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.models.test import TestModel
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.toolsets import AbstractToolset, FunctionToolset
@@ -373,10 +374,6 @@ async def compare_first_request(agent: Any, prompt: str, *, deps: Any = None) ->
     first request and answers at once. Tokens are `estimate_tokens` of the instructions, the tool
     schemas (`tool_schema_json`) and the prompt, so both figures are counted the same way.
     """
-    from pydantic_ai import Agent
-    from pydantic_ai.capabilities import WrapperCapability
-    from pydantic_ai.messages import ModelResponse, TextPart
-    from pydantic_ai.models.function import AgentInfo, FunctionModel
 
     async def first_request(capabilities: list[Any]) -> tuple[int, list[str]]:
         seen: list[tuple[int, list[str]]] = []

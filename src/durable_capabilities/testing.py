@@ -21,6 +21,8 @@ from typing import Any
 
 from ._servers import ServerProcess, start_prefect_server, start_temporal_dev_server
 from .agent import DurableAgent
+from .lockfile import diff_lock, read_lock
+from .replay import replay_histories
 
 __all__ = ['assert_histories_replay', 'assert_lock_matches', 'prefect_server', 'temporal_dev_server']
 
@@ -51,8 +53,6 @@ def assert_histories_replay(folder: str | Path, agents: Sequence[DurableAgent[An
     Raises:
         AssertionError: a history does not replay (the message names what changed) or the folder is empty.
     """
-    from .replay import replay_histories
-
     files = sorted(Path(folder).glob(pattern))
     if not files:
         raise AssertionError(f'no recorded histories matching {pattern} in {folder}')
@@ -64,8 +64,6 @@ def assert_histories_replay(folder: str | Path, agents: Sequence[DurableAgent[An
 
 def assert_lock_matches(lockfile: str | Path, agents: Sequence[DurableAgent[Any, Any]]) -> None:
     """Raise `AssertionError` listing every DC020 / DC021 problem when `agents` drifted from `lockfile`."""
-    from .lockfile import diff_lock, read_lock
-
     report = diff_lock(read_lock(lockfile), agents)
     if not report.ok:
         raise AssertionError(report.to_text())

@@ -18,12 +18,14 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pydantic import TypeAdapter
 from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ToolCallPart
 from pydantic_ai.usage import RunUsage
 from pydantic_core import to_jsonable_python
 
 from ._turn_log import TurnLog, recording
 from .aliases import rewrite_history
+from .conversations import append_conversation, load_conversation
 
 if TYPE_CHECKING:
     from .agent import DurableAgent
@@ -286,20 +288,14 @@ def deps_from_json(agent: DurableAgent[Any, Any], deps: Any) -> Any:
     Raises:
         pydantic.ValidationError: `deps` does not match `deps_type`.
     """
-    from pydantic import TypeAdapter
-
     return TypeAdapter(agent.deps_type).validate_python(deps) if deps is not None else None
 
 
 def _local_load(agent: DurableAgent[Any, Any]) -> LoadUnit:
-    from .conversations import load_conversation
-
     return lambda conversation_id: load_conversation(agent, conversation_id)
 
 
 def _local_append(agent: DurableAgent[Any, Any]) -> AppendUnit:
-    from .conversations import append_conversation
-
     async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> int:
         return await append_conversation(agent, conversation_id, messages, expected_revision=revision,
                                          append_id=f'local:{uuid.uuid4()}', usage=usage)

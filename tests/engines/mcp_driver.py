@@ -142,7 +142,7 @@ async def temporal_run(args: argparse.Namespace, agent: DurableAgent[Any, Any]) 
             report |= {'status': 'completed', 'output': result.output}
         except WorkflowFailureError as error:
             report |= {'status': 'failed', 'errors': error_chain(error)}
-        except asyncio.TimeoutError:
+        except TimeoutError:
             description = await handle.describe()
             pending = description.raw_description.pending_activities
             report |= {
@@ -194,7 +194,7 @@ async def dbos_run(args: argparse.Namespace, agent: DurableAgent[Any, Any]) -> d
         try:
             payload = await asyncio.wait_for(handle.get_result(), args.wait)
             report |= {'status': 'completed', 'output': payload['output']}
-        except asyncio.TimeoutError:
+        except TimeoutError:
             report |= {'status': 'timeout'}
             await DBOS.cancel_workflow_async(workflow_id)
         except Exception as error:  # noqa: BLE001 - reported to the test
@@ -225,7 +225,7 @@ async def prefect_run(args: argparse.Namespace, agent: DurableAgent[Any, Any]) -
                 run_flow_async(flow, flow_run=flow_run, parameters={'prompt': 'use the calculator'}, return_type='state'),
                 args.wait,
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             report |= {'status': 'timeout'}
         else:
             if state.is_completed():

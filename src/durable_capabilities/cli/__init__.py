@@ -19,6 +19,8 @@ from rich.table import Table
 from rich.text import Text
 
 from ..agent import DurableAgent
+from ..engines import ALL_ENGINES, DURABLE_ENGINES
+from ..lockfile import write_lock
 from ..savings import UNKNOWN_TOOLS, SavingsReport, measure_savings
 from ..targets import TARGET_HELP, UnusableTarget, check_lock, load, load_checked
 from ..validation import DurableConfigError, Report
@@ -45,8 +47,6 @@ def engine_name(durable_only: bool = True) -> Any:
     """
 
     def parse(value: str) -> str:
-        from ..engines import ALL_ENGINES, DURABLE_ENGINES
-
         names = tuple(DURABLE_ENGINES if durable_only else ALL_ENGINES)
         if value not in names:
             raise typer.BadParameter(f'{value!r} is not one of {", ".join(map(repr, names))}.')
@@ -57,8 +57,6 @@ def engine_name(durable_only: bool = True) -> Any:
 
 def engine_metavar(durable_only: bool = True) -> str:
     """`<a|b|c>`: the engines registered when the CLI was imported, for `--help`."""
-    from ..engines import ALL_ENGINES, DURABLE_ENGINES
-
     return '<' + '|'.join(DURABLE_ENGINES if durable_only else ALL_ENGINES) + '>'
 
 
@@ -213,8 +211,6 @@ def lock(
         'check, run and the workers read it).')] = None,
 ) -> None:
     """Write every durable unit name of TARGET (per engine), capability and leaf ids, tool names and versions."""
-    from ..lockfile import write_lock
-
     try:
         loaded = load_checked(target, use_lock=False)
     except UnusableTarget as exc:
@@ -257,6 +253,8 @@ def main() -> None:
 
 # The engine commands (`run`, `demo`, `replay`, `worker`, `dev`, `schedule`, `history`) register on `app`
 # when imported; they import the helpers above, so this comes last.
-from . import engine_commands  # noqa: E402, F401
-from . import runs  # noqa: E402, F401
-from . import approvals  # noqa: E402, F401  (`durcap approvals list`, `durcap approve`, `durcap deny`)
+from . import (  # noqa: E402
+    approvals,  # noqa: F401  (`durcap approvals list`, `durcap approve`, `durcap deny`)
+    engine_commands,  # noqa: F401
+    runs,  # noqa: F401
+)

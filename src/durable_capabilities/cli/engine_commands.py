@@ -7,6 +7,7 @@ and checking its lock is `targets.py`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -15,8 +16,14 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
+from pydantic import TypeAdapter, ValidationError
 
+from .. import runner
 from ..agent import DurableAgent
+from ..engines import ENGINES, RunOptions, get
+from ..replay import replay_histories
+from ..savings import compare_first_request
+from ..store import StoreError
 from ..targets import TARGET_HELP
 from ..turn import RunReport
 from ..validation import DurableConfigError
@@ -44,10 +51,11 @@ def demo_target() -> Path:
     """The support example's `agent.py`: in an installed wheel `durable_capabilities/_examples/support` (the
     `[tool.hatch.build.targets.wheel.sources]` mapping of pyproject.toml), else (an editable install or a
     source checkout) `examples/support` of the checkout."""
-    shipped = Path(__file__).resolve().parents[1] / '_examples' / 'support' / 'agent.py'
+    package = Path(__file__).resolve().parents[1]  # durable_capabilities/ (this file is in its cli/ package)
+    shipped = package / '_examples' / 'support' / 'agent.py'
     if shipped.is_file():
         return shipped
-    return Path(__file__).resolve().parents[3] / 'examples' / 'support' / 'agent.py'
+    return package.parents[1] / 'examples' / 'support' / 'agent.py'
 
 
 def _engine_option(help: str) -> Any:
@@ -67,8 +75,6 @@ def _one_agent(target: str, *, use_lock: bool = False) -> DurableAgent[Any, Any]
 def _deps(agent: DurableAgent[Any, Any], deps_json: str | None) -> Any:
     if deps_json is None:
         return None
-    from pydantic import TypeAdapter, ValidationError
-
     try:
         return TypeAdapter(agent.deps_type).validate_json(deps_json)
     except ValidationError as exc:
@@ -85,8 +91,6 @@ async def _run_on(
     started: list[str] | None = None,
 ) -> RunReport:
     """One run through the runner; the engine's notes (e.g. which store its worker uses) printed first."""
-    from .. import runner
-    from ..engines import RunOptions, get
 
     settings = {'address': address, 'task_queue': task_queue, 'db': db, 'inline_worker': inline_worker, 'store': store}
     for note in get(engine).run_notes(RunOptions(deps, None, conversation_id, None, settings)):
@@ -96,8 +100,6 @@ async def _run_on(
 
 
 def _adapter(engine: str) -> Any:
-    from ..engines import get
-
     return get(engine)
 
 
@@ -152,10 +154,6 @@ def run(
                                               'sqlite:///.durcap/conversations.db).')] = None,
 ) -> None:
     """Run TARGET once on ENGINE and print the answer, loaded capabilities and durable units."""
-    import asyncio
-
-    from ..store import StoreError
-
     # A durable run registers durable units: refuse on drift from the durable.lock beside TARGET, as a worker does.
     agent = _one_agent(target, use_lock=engine != 'local')
     if conversation is not None and not conversation.strip():
@@ -211,10 +209,6 @@ def demo(
 
     Model: the scripted `FunctionModel` of examples/support/scripted.py unless --model is given.
     """
-    import asyncio
-
-    from ..savings import compare_first_request
-
     if model:
         os.environ['SUPPORT_MODEL'] = model
     target = demo_target()
@@ -310,8 +304,6 @@ def _worker_command(engine: str) -> Any:
     ) -> None:
         """Validate TARGET and serve its workflows and activities; refuse to start on any error or lockfile drift;
         drain on SIGTERM."""
-        from ..engines import RunOptions, get
-
         agents = _valid_agents(target, use_lock=True, lock=lock, allow_drift=allow_drift, refused='worker not started: '
                                'fix the errors above' + ('' if allow_drift else ' (or pass --allow-drift on lockfile drift)'))
         address = _temporal_address(address) or '127.0.0.1:7233'
@@ -348,8 +340,6 @@ def _dev_command(engine: str) -> Any:
 
         Registers the DurcapCapabilities search attribute; the server dies with this command (even on kill -9);
         refuses a port another process holds."""
-        from ..engines import get
-
         try:
             get(engine).serve_dev_server(port, state_dir, _err.print, (ui_port or port + 1000) if ui else None)
         except (OSError, RuntimeError, TimeoutError) as exc:
@@ -374,8 +364,6 @@ def _schedule_command(engine: str) -> Any:
     ) -> None:
         """Serve TARGET's flow as a scheduled Prefect deployment (`prefect.serve`) until interrupted;
         refuse to start on errors or lockfile drift."""
-        from ..engines import get
-
         if (cron is None) == (interval is None):
             _unusable('give exactly one of --cron or --interval')
         if interval is not None and interval <= 0:
@@ -399,8 +387,6 @@ def _schedule_command(engine: str) -> Any:
 
 def _register_engine_commands() -> None:
     """One command per engine feature, named after the engine (`durcap worker temporal`, ...)."""
-    from ..engines import ENGINES
-
     for name, adapter in ENGINES.items():
         if 'worker' in adapter.features:
             worker_app.command(name)(_worker_command(name))
@@ -425,10 +411,6 @@ def history_export(
     namespace: Annotated[str, typer.Option(help='Temporal namespace.')] = 'default',
 ) -> None:
     """Write a Temporal workflow's history to a JSON file, for `durcap replay` and replay tests."""
-    import asyncio
-
-    from ..engines import ENGINES
-
     adapter = next((a for a in ENGINES.values() if 'history' in a.features and a.available()), None)
     if adapter is None:
         _unusable('no installed engine records histories to export (pip install "durable-capabilities[temporal]")')
@@ -448,10 +430,6 @@ def replay(
                                               '(default: $DURCAP_STORE or .durcap/conversations.db).')] = None,
 ) -> None:
     """Replay recorded Temporal histories against TARGET; exit 1 naming what changed when one does not replay."""
-    import asyncio
-
-    from ..replay import replay_histories
-
     agents = _valid_agents(target)
     try:
         failures = asyncio.run(replay_histories(files, agents, store=store))

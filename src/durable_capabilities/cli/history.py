@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from enum import Enum
 from typing import Annotated, Any, NoReturn
 
@@ -214,9 +215,7 @@ def repair(
     Idempotent: an append the store already has is not written again. Exit 2 when the conversation moved on
     since the turn loaded it (nothing is written), or the workflow or the store cannot be read.
     """
-    import os
-
-    from .._repair import repair_temporal
+    from .._repair import repair_temporal  # lazily: Temporal-only, and temporalio is an optional extra
     from ..engines.temporal import connect
 
     async def go() -> Any:

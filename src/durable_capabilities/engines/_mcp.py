@@ -43,7 +43,7 @@ import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 from urllib.parse import parse_qsl, urlsplit
 
 from pydantic_ai.capabilities import (
@@ -65,6 +65,7 @@ from pydantic_ai.exceptions import (
 from pydantic_ai.toolsets import AbstractToolset, CombinedToolset, WrapperToolset
 
 from ..ids import StableIdCapability, collect_leaves, redact_url
+from . import get
 
 if TYPE_CHECKING:
     from pydantic_ai.tools import RunContext
@@ -265,7 +266,7 @@ class GuardedMCPToolset(WrapperToolset[Any]):
                     await self.wrapped.__aenter__()
                 self._state.entered = True
 
-    async def __aenter__(self) -> GuardedMCPToolset:
+    async def __aenter__(self) -> Self:
         if not self.leaf.gated:
             await self._enter()
         return self
@@ -337,7 +338,7 @@ def _rebuild(node: AbstractToolset[Any], replace_node: Callable[[AbstractToolset
         return node
     if isinstance(node, CombinedToolset):
         children = [_rebuild(child, replace_node) for child in node.toolsets]
-        if all(new is old for new, old in zip(children, node.toolsets)):
+        if all(new is old for new, old in zip(children, node.toolsets, strict=True)):
             return node
         return dataclasses.replace(node, toolsets=children)
     if isinstance(node, WrapperToolset):
@@ -400,8 +401,6 @@ def guard(agent: DurableAgent[Any, Any], engine: str, attempts: Callable[[str], 
     leaves = {key: dataclasses.replace(leaf, attempts=attempts(key)) for key, leaf in mcp_leaves(agent).items()}
     if not leaves:
         return None
-    from . import get
-
     adapter = get(engine)
     return MCPGuard(
         leaves=leaves,

@@ -16,8 +16,10 @@ the client wait forever. So the sizes are checked where a refusal fails the turn
 
 from __future__ import annotations
 
+import json
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelResponse
@@ -34,6 +36,9 @@ from ..store._claim_check import (
     too_large,
 )
 
+if TYPE_CHECKING:
+    from .temporal import AgentRunInput
+
 _MARGIN = 64 * 1024
 """Bytes a model-request input carries besides the messages (settings, tool definitions), counted against the maximum."""
 
@@ -45,11 +50,14 @@ def payload_maximum() -> int:
     return _env_int(MAXIMUM_ENV, DEFAULT_MAXIMUM)
 
 
+current_run: ContextVar[AgentRunInput | None] = ContextVar('durcap_temporal_run', default=None)
+"""The input of the Temporal workflow run whose turn is running (set by `engines.temporal`'s workflow `run`; read
+here and by the continue-as-new handler)."""
+
+
 def _subject(conversation_id: str | None = None) -> str:
     if conversation_id is None:
-        from .temporal import _current_run
-
-        state = _current_run.get()
+        state = current_run.get()
         conversation_id = state.conversation_id if state is not None else None
     if conversation_id is not None:
         return f'conversation {conversation_id!r}'
@@ -133,8 +141,6 @@ def check_loaded(conversation_id: str, messages: list[Any], maximum: int | None 
     size = sum(len(str(m)) for m in messages)  # cheap upper-bound-ish first look
     if size <= limit // 2:
         return
-    import json
-
     size = len(json.dumps(messages, separators=(',', ':')))
     if size > limit:
         raise too_large(size, limit, f'conversation {conversation_id!r}: its stored history')

@@ -24,14 +24,23 @@ from datetime import UTC
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
-from dbos import DBOS
+from dbos import DBOS, SetWorkflowID
 from pydantic_ai.capabilities import AbstractCapability
-from pydantic_ai.durable_exec import ToolsetCallToolId
-from pydantic_ai.durable_exec.dbos import DBOSOperationNamer
+from pydantic_ai.durable_exec import (
+    ModelCancelSuspendedResponseId,
+    ModelCompactMessagesId,
+    ModelRequestId,
+    ToolsetCallToolId,
+    ToolsetGetInstructionsId,
+    ToolsetGetToolsId,
+)
+from pydantic_ai.durable_exec.dbos import DBOSDurability, DBOSOperationNamer
 from pydantic_ai.exceptions import ApprovalRequired, CallDeferred, ModelRetry
+from pydantic_ai.messages import ModelMessagesTypeAdapter
 from pydantic_ai.toolsets import AbstractToolset, FunctionToolset, WrapperToolset
+from pydantic_core import to_jsonable_python
 
-from .. import _registry
+from .. import _registry, _upstream
 from ..approvals import (
     ApprovalError,
     ApprovalGate,
@@ -39,7 +48,10 @@ from ..approvals import (
     PendingCall,
     check_decision,
 )
+from ..conversations import append_conversation, load_conversation
+from ..store import AppendIdReuseError, ConversationConflictError, CorruptedRowError, NewerHistoryError, SchemaVersionError
 from ..turn import RunReport, Turn, deps_from_json, run_turn
+from ..validation import DurableConfigError
 from . import _mcp
 from ._adapter import (
     EngineAdapter,
@@ -370,8 +382,6 @@ def _conversation_steps(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
     """The store units as DBOS steps: recovery returns the recorded history instead of reading again, and the
     append (idempotent by workflow id) is retried by DBOS while the store is down (`APPEND_STEP_RETRIES`),
     never on a conflict (`PERMANENT_STORE_ERRORS`)."""
-    from ..conversations import append_conversation, load_conversation
-
     load_step, append_step = conversation_step_names(agent)
 
     async def load(conversation_id: str) -> Any:
@@ -448,15 +458,6 @@ down: 1 s, then x1.5 each time (DBOS caps a wait at 1 h), 40 attempts, about 22 
 
 
 def _permanent_store_errors() -> tuple[type[BaseException], ...]:
-    from ..store import (
-        AppendIdReuseError,
-        ConversationConflictError,
-        CorruptedRowError,
-        NewerHistoryError,
-        SchemaVersionError,
-    )
-    from ..validation import DurableConfigError
-
     return (ConversationConflictError, AppendIdReuseError, CorruptedRowError, NewerHistoryError, SchemaVersionError,
             DurableConfigError)
 
@@ -506,15 +507,6 @@ def agent_workflow(agent: DurableAgent[Any, Any]) -> Callable[..., Awaitable[dic
 
 def _journal_ids(agent: DurableAgent[Any, Any]) -> list[Any]:
     """Upstream's operation ids for every durable operation of the agent's built `DBOSDurability`."""
-    from pydantic_ai.durable_exec import (
-        ModelCancelSuspendedResponseId,
-        ModelCompactMessagesId,
-        ModelRequestId,
-        ToolsetCallToolId,
-        ToolsetGetInstructionsId,
-        ToolsetGetToolsId,
-    )
-
     ids: list[Any] = [
         ModelRequestId(None, streaming=False, model_name='default'),
         ModelRequestId(None, streaming=True, model_name='default'),
@@ -544,8 +536,6 @@ class DBOSAdapter(EngineAdapter):
     lock_sections: Mapping[str, str] = {'workflows': 'workflow', 'steps': 'step'}
 
     def durability_class(self) -> Any:
-        from pydantic_ai.durable_exec.dbos import DBOSDurability
-
         return DBOSDurability
 
     def durability_parts(self, agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
@@ -566,14 +556,10 @@ class DBOSAdapter(EngineAdapter):
         return "DurableAgent(engine_options={'dbos': {'mcp_step_config': {'max_attempts': ...}}})"
 
     def mcp_passes_through(self, error: BaseException) -> bool:
-        from dbos._error import DBOSException, DBOSMaxStepRetriesExceeded
-
-        return isinstance(error, DBOSException) and not isinstance(error, DBOSMaxStepRetriesExceeded)
+        dbos_error, retries_exceeded = _upstream.dbos_error_classes()
+        return isinstance(error, dbos_error) and not isinstance(error, retries_exceeded)
 
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
-        from dbos import SetWorkflowID
-        from pydantic_ai.messages import ModelMessagesTypeAdapter
-        from pydantic_core import to_jsonable_python
 
         workflow_fn = agent_workflow(agent)
         launch('durcap', system_database_url_=options.setting('db'), one_shot=True,

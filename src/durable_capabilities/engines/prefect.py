@@ -11,22 +11,31 @@ missed the cache for every request made after a capability was loaded and ran it
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import dataclasses
 import os
 import re
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from prefect import flow
-from prefect.cache_policies import CachePolicy
+from prefect import flow, task
+from prefect import serve as prefect_serve
+from prefect.cache_policies import INPUTS, RUN_ID, CachePolicy
+from prefect.exceptions import PrefectException
+from pydantic_ai.durable_exec import ToolsetCallToolId, ToolsetGetInstructionsId, ToolsetGetToolsId
 from pydantic_ai.durable_exec.prefect import (
     DEFAULT_PYDANTIC_AI_CACHE_POLICY,
+    PrefectDurability,
+    PrefectOperationNamer,
     TaskConfig,
 )
+from pydantic_ai.messages import ModelMessagesTypeAdapter
 from pydantic_ai.tools import RunContext
+from pydantic_core import to_jsonable_python
 
 from .. import _registry
 from ..approvals import (
@@ -36,6 +45,8 @@ from ..approvals import (
     PendingCall,
     check_decision,
 )
+from ..conversations import LoadedConversation, append_conversation, load_conversation
+from ..store import AppendIdReuseError, ConversationConflictError, CorruptedRowError
 from ..turn import RunReport, deps_from_json, run_turn
 from . import _mcp
 from ._adapter import (
@@ -46,6 +57,7 @@ from ._adapter import (
     leaf_kinds,
     loaded_capabilities_in,
 )
+from .prefect_entry import TARGET_ENV, entrypoint
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
@@ -168,7 +180,7 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
     load_task, append_task = _conversation_tasks(agent)
 
     async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> Any:
-        from prefect.runtime import flow_run
+        from prefect.runtime import flow_run  # lazily: the run context, read only inside a flow run
 
         return await append_task(conversation_id, messages, revision, f'prefect:{flow_run.id}', usage)
 
@@ -293,14 +305,6 @@ def _conversation_tasks(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
     Cached on their inputs and the flow run id, so a flow run resumed after a crash replays them
     instead of reading or appending again; the append is also idempotent by its append id.
     """
-    from prefect import task
-    from prefect.cache_policies import INPUTS, RUN_ID
-
-    from ..conversations import (
-        LoadedConversation,
-        append_conversation,
-        load_conversation,
-    )
 
     async def load(conversation_id: str) -> LoadedConversation:
         return await load_conversation(agent, conversation_id)
@@ -324,8 +328,6 @@ def _conversation_tasks(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
 
 def _retry_append(task: Any, task_run: Any, state: Any) -> bool:
     """Prefect retry condition of the append task: retry unless the store refused for good (a conflict)."""
-    from ..store import AppendIdReuseError, ConversationConflictError, CorruptedRowError
-
     return not isinstance(getattr(state, 'data', None), (ConversationConflictError, AppendIdReuseError, CorruptedRowError))
 
 
@@ -351,12 +353,6 @@ def serve(
     Raises:
         ValueError: neither or both of `cron` and `interval_seconds` given.
     """
-    import os
-
-    from prefect import serve as prefect_serve
-
-    from .prefect_entry import TARGET_ENV, entrypoint
-
     if (cron is None) == (interval_seconds is None):
         raise ValueError('give exactly one of cron or interval_seconds')
     os.environ[TARGET_ENV] = target  # inherited by the processes that run each flow run
@@ -380,10 +376,8 @@ async def _settled_task_runs(flow_run_id: Any, model_requests: int, timeout: flo
     last ones can be missing. Poll (up to `timeout` seconds) until every task run is final, there is a
     `Model Request` task per model response, and the list has not changed for a second.
     """
-    import asyncio
-    import time
 
-    from prefect import get_client
+    from prefect import get_client  # lazily: the API client (httpx) loads only to wait for a run
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     deadline = time.monotonic() + timeout
@@ -445,8 +439,6 @@ class PrefectAdapter(EngineAdapter):
     lock_sections: Mapping[str, str] = {'flows': 'flow', 'tasks': 'task', 'cache_toolset_ids': 'cache toolset id'}
 
     def durability_class(self) -> Any:
-        from pydantic_ai.durable_exec.prefect import PrefectDurability
-
         return PrefectDurability
 
     def durability_parts(self, agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
@@ -456,13 +448,6 @@ class PrefectAdapter(EngineAdapter):
         """Task names from upstream's `PrefectOperationNamer` (tool calls labelled with the static tool name;
         model requests as `Model Request`, without the model name upstream appends), the conversation tasks,
         the flow name, and the toolset ids Prefect's cache keys hold (its identity for a task run)."""
-        from pydantic_ai.durable_exec import (
-            ToolsetCallToolId,
-            ToolsetGetInstructionsId,
-            ToolsetGetToolsId,
-        )
-        from pydantic_ai.durable_exec.prefect import PrefectOperationNamer
-
         namer = PrefectOperationNamer()
         tasks = {'Model Request', APPROVAL_CLOCK_TASK, *CONVERSATION_TASKS}
         tasks |= {namer.invocation_name(ToolsetCallToolId('function', toolset_id='<agent>'), label=tool).operation_name
@@ -485,13 +470,9 @@ class PrefectAdapter(EngineAdapter):
         return "DurableAgent(engine_options={'prefect': {'mcp_task_config': {'retries': ...}}})"
 
     def mcp_passes_through(self, error: BaseException) -> bool:
-        from prefect.exceptions import PrefectException
-
         return isinstance(error, PrefectException)
 
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
-        from pydantic_ai.messages import ModelMessagesTypeAdapter
-        from pydantic_core import to_jsonable_python
 
         # Without PREFECT_API_URL, Prefect starts a temporary local server; keep it from phoning home.
         os.environ.setdefault('PREFECT_SERVER_ANALYTICS_ENABLED', 'false')
@@ -565,11 +546,9 @@ class PrefectAdapter(EngineAdapter):
                      if f.name.startswith(FLOW_NAME_PREFIX)]
             if not flows:
                 return []
-            from prefect.client.schemas.filters import FlowFilterId
-
             from datetime import UTC, datetime
 
-            from prefect.client.schemas.filters import FlowRunFilterExpectedStartTime
+            from prefect.client.schemas.filters import FlowFilterId, FlowRunFilterExpectedStartTime
 
             # Runs due by now: a schedule's future runs are not runs yet (and would fill the list).
             run_filter = FlowRunFilter(expected_start_time=FlowRunFilterExpectedStartTime(before_=datetime.now(UTC)))

@@ -18,15 +18,16 @@ import asyncio
 import re
 import signal
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from contextvars import ContextVar
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter
-from pydantic_ai.durable_exec.temporal import PydanticAIPlugin, PydanticAIWorkflow
+from pydantic_ai.durable_exec.temporal import PydanticAIPlugin, PydanticAIWorkflow, TemporalDurability
 from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
 from pydantic_ai.usage import RunUsage
 from pydantic_core import to_jsonable_python
@@ -34,15 +35,15 @@ from temporalio import activity, workflow
 from temporalio.client import Client
 from temporalio.common import RetryPolicy
 from temporalio.converter import DataConverter
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, TemporalError
 from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import (
     SandboxedWorkflowRunner,
     SandboxRestrictions,
 )
 
-from .. import _registry
-from .._servers import CAPABILITIES_SEARCH_ATTRIBUTE
+from .. import _registry, _upstream
+from .._servers import CAPABILITIES_SEARCH_ATTRIBUTE, port_open, start_temporal_dev_server
 from ..approvals import (
     ApprovalError,
     ApprovalGate,
@@ -50,9 +51,12 @@ from ..approvals import (
     PendingCall,
     check_decision,
 )
-from ..conversations import LoadedConversation
+from ..conversations import LoadedConversation, append_conversation, load_conversation
 from ..store import StoreError
-from ..store._claim_check import ClaimCheckCodec  # noqa: F401 - public here: the codec `connect` installs
+from ..store._claim_check import (
+    ClaimCheckCodec,  # noqa: F401 - public here: the codec `connect` installs
+    default_codec,
+)
 from ..turn import RunReport, current_turn, run_turn
 from . import _mcp, _payload_guard
 from ._adapter import (
@@ -62,6 +66,8 @@ from ._adapter import (
     RunOptions,
     loaded_capabilities_in,
 )
+from ._payload_guard import current_run as _current_run
+from ._temporal_history import HistoryReplayer, export_history, units_recorded
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
@@ -293,9 +299,6 @@ class AppendInput:
     usage: dict[str, Any] | None = None
 
 
-_current_run: ContextVar[AgentRunInput | None] = ContextVar('durcap_temporal_run', default=None)
-"""The input of the workflow run whose turn is running (read by the continue-as-new handler)."""
-
 _STORE_ACTIVITY_OPTIONS: dict[str, Any] = {
     # Short: a store call takes milliseconds, and a killed worker's call is retried once this expires.
     'start_to_close_timeout': timedelta(seconds=15),
@@ -332,8 +335,6 @@ def conversation_activities(agent: DurableAgent[Any, Any]) -> list[Any]:
     """The activities that read and append the agent's conversations (store I/O runs only in activities)."""
     if agent.durable_name in _ACTIVITIES:
         return _ACTIVITIES[agent.durable_name]
-    from ..conversations import append_conversation, load_conversation
-
     load_name, append_name = conversation_activity_names(agent)
 
     @activity.defn(name=load_name)
@@ -423,8 +424,6 @@ async def connect(address: str = '127.0.0.1:7233', namespace: str = 'default', *
     """A Temporal client with pydantic-ai's payload converter (`PydanticAIPlugin`) and the claim-check codec
     (`store._claim_check.ClaimCheckCodec`) on `store` (default `$DURCAP_STORE`, else the default store): payloads
     over 256 KiB travel by reference. Workers made from this client use the same codec."""
-    from ..store._claim_check import default_codec
-
     codec = DataConverter(payload_codec=default_codec(store))  # PydanticAIPlugin keeps the codec, swaps the converter
     return await Client.connect(address, namespace=namespace, plugins=[PydanticAIPlugin()], data_converter=codec)
 
@@ -550,74 +549,6 @@ def _mcp_defaults(agent: DurableAgent[Any, Any], options: dict[str, Any], config
 # ---- the adapter ---------------------------------------------------------------------------------
 
 
-async def _units_recorded(client: Client, workflow_id: str, first_run_id: str | None) -> list[str]:
-    """Activity types scheduled by every run of the chain (continue-as-new starts a run with its own history);
-    `first_run_id=None`: the chain's first run."""
-    from temporalio.api.enums.v1 import EventType
-
-    units: list[str] = []
-    run_id = first_run_id or (await client.get_workflow_handle(workflow_id).describe()).raw_description \
-        .workflow_execution_info.first_run_id or None
-    while run_id:
-        run_handle = client.get_workflow_handle(workflow_id, run_id=run_id)
-        run_id = None
-        async for event in run_handle.fetch_history_events():
-            if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
-                units.append(event.activity_task_scheduled_event_attributes.activity_type.name)
-            elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW:
-                run_id = event.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
-    return units
-
-
-_ACTIVITY_RE = re.compile(
-    r'agent__(?P<agent>.+?)__(?:toolset__(?P<toolset>.+?)__(?:call_tool|validate_args|get_tools)|model_\w+)'
-)
-
-
-class _Replayer:
-    """Replays exported histories against the agents' workflow classes (temporalio's `Replayer`)."""
-
-    def __init__(self, agents: Sequence[DurableAgent[Any, Any]], store: str | None = None):
-        from temporalio.worker import Replayer
-
-        from ..store._claim_check import default_codec
-
-        self.agents = list(agents)
-        self._replayer = Replayer(
-            workflows=[cls for agent in agents for cls in workflow_classes(agent)],
-            plugins=[PydanticAIPlugin()],
-            workflow_runner=sandbox_runner(),
-            data_converter=DataConverter(payload_codec=default_codec(store)),  # decodes claim checks
-        )
-
-    async def replay(self, history_json: dict[str, Any], workflow_id: str) -> str | None:
-        from temporalio.client import WorkflowHistory
-
-        history = WorkflowHistory.from_json(workflow_id, history_json)
-        result = await self._replayer.replay_workflow(history, raise_on_replay_failure=False)
-        return None if result.replay_failure is None else str(result.replay_failure)
-
-    def explain(self, error: str) -> str:
-        """What changed, from the activity type names in temporalio's message: the agent or leaf toolset whose
-        name the current definitions no longer produce, and the fix."""
-        current_leaves = {leaf for agent in self.agents for leaves in agent.leaf_ids().values() for leaf in leaves}
-        current_agents = {agent.durable_name for agent in self.agents}
-        for match in _ACTIVITY_RE.finditer(error):
-            agent_name, toolset = match.group('agent'), match.group('toolset')
-            if agent_name not in current_agents:
-                return (
-                    f'the history was recorded by agent {agent_name!r}, whose durable name changed; '
-                    f"declare it: `DurableAgent(..., previous_names=['{agent_name}'])`."
-                )
-            if toolset and toolset not in current_leaves and toolset != '<agent>':
-                return (
-                    f'the history used leaf toolset {toolset!r} (capability {toolset!r} or a toolset under it), which '
-                    "the current definition no longer has; if the capability was renamed, declare it: "
-                    f"`DurableAgent(..., aliases={{'<new id>': '{toolset}'}})`."
-                )
-        return 'the workflow code no longer matches the recorded history (nondeterminism); see the temporal message.'
-
-
 def _record_capabilities(new_messages: list[dict[str, Any]]) -> None:
     """In workflow code, after the turn: the loaded capability ids as memo `durcap_capabilities` and, when the
     starting client found `DurcapCapabilities` registered (memo `durcap_search_attribute`), as that search
@@ -740,8 +671,6 @@ class TemporalAdapter(EngineAdapter):
     lock_sections: Mapping[str, str] = {'workflows': 'workflow', 'activities': 'activity'}
 
     def durability_class(self) -> Any:
-        from pydantic_ai.durable_exec.temporal import TemporalDurability
-
         return TemporalDurability
 
     def durability_parts(self, agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
@@ -752,20 +681,13 @@ class TemporalAdapter(EngineAdapter):
         `_workflow_type`, without defining the classes: a lock may compare two versions of one agent in one
         process) and every activity type (upstream's `worker_registrations` of the built agent's durability,
         plus `conversation_activities`)."""
-        from pydantic_ai.durable_exec.temporal import (
-            TemporalDurability,
-            worker_registrations,
-        )
-
-        from .._upstream import temporal_activity_name
-
         durability = TemporalDurability.from_agent(agent.build('temporal'))
         assert durability is not None
-        upstream, _ = worker_registrations(durability)
+        upstream, _ = _upstream.temporal_worker_registrations(durability)
         activities = [*upstream, *conversation_activities(agent)]
         return {
             'workflows': sorted(_workflow_type(name) for name in (agent.name, *agent.previous_names)),
-            'activities': sorted(temporal_activity_name(fn) for fn in activities),
+            'activities': sorted(_upstream.temporal_activity_name(fn) for fn in activities),
         }
 
     def conversation_units(self, agent: DurableAgent[Any, Any]) -> list[str]:
@@ -775,8 +697,6 @@ class TemporalAdapter(EngineAdapter):
         return f"DurableAgent(engine_options={{'temporal': {{'toolset_activity_config': {{{leaf_id!r}: {{'retry_policy': ...}}}}}}}})"
 
     def mcp_passes_through(self, error: BaseException) -> bool:
-        from temporalio.exceptions import ActivityError, TemporalError
-
         return isinstance(error, TemporalError) and not isinstance(error, ActivityError)
 
     def mcp_upstream_schedule(self) -> bool:
@@ -789,11 +709,10 @@ class TemporalAdapter(EngineAdapter):
         return []
 
     def replayer(self, agents: Sequence[DurableAgent[Any, Any]], *, store: str | None = None) -> Any:
-        return _Replayer(agents, store)
+        return HistoryReplayer(agents, [cls for agent in agents for cls in workflow_classes(agent)], sandbox_runner(),
+                               store)
 
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
-        from .._servers import port_open, start_temporal_dev_server
-
         address, inline_worker = options.setting('address'), bool(options.setting('inline_worker', False))
         server = None
         if address is None and port_open('127.0.0.1', 7233):
@@ -812,7 +731,6 @@ class TemporalAdapter(EngineAdapter):
 
     async def _run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions, address: str,
                    inline_worker: bool) -> RunReport:
-        from contextlib import AsyncExitStack
 
         namespace = options.setting('namespace', 'default')
         client = await connect(address, namespace)
@@ -831,7 +749,7 @@ class TemporalAdapter(EngineAdapter):
                 _notice_no_poller(client, namespace, task_queue, options.notify))
             try:
                 client, result = await _await_result(client, address, namespace, workflow_id, options.notify)
-                units = await _units_recorded(client, workflow_id, None)
+                units = await units_recorded(client, workflow_id, None)
             finally:
                 if watch is not None:
                     watch.cancel()
@@ -862,7 +780,6 @@ class TemporalAdapter(EngineAdapter):
         Raises:
             OSError: `port` or `ui_port` is held by another process.
         """
-        import threading
 
         from .._servers import start_temporal_dev_server
 
@@ -882,9 +799,7 @@ class TemporalAdapter(EngineAdapter):
             server.stop()
 
     async def export_history(self, run_id: str, output: Any, settings: Mapping[str, Any]) -> Any:
-        """The workflow's history as JSON (`replay.export_history`); settings `address`, `namespace`."""
-        from ..replay import export_history
-
+        """The workflow's history as JSON (`_temporal_history.export_history`); settings `address`, `namespace`."""
         client = await connect(settings.get('address') or '127.0.0.1:7233', settings.get('namespace') or 'default')
         return await export_history(client, run_id, output)
 
@@ -1036,7 +951,6 @@ async def _memo_pending(handle: Any) -> list[PendingCall]:
         namespace = options.setting('namespace', 'default')
         client = await connect(address, namespace)
         queue = info.detail['task_queue']
-        from contextlib import AsyncExitStack
 
         async with AsyncExitStack() as stack:
             if info.status in ('running', 'queued') and not await task_queue_pollers(client, namespace, queue):
@@ -1047,7 +961,7 @@ async def _memo_pending(handle: Any) -> list[PendingCall]:
                                f'{run_id} finishes')
                 await stack.enter_async_context(make_worker(client, agents, queue))
             client, result = await _await_result(client, address, namespace, run_id, options.notify)
-            units = await _units_recorded(client, run_id, None)
+            units = await units_recorded(client, run_id, None)
         return RunReport('temporal', run_id, result.output, result.messages(), result.usage, units)
 
 

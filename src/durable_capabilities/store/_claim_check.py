@@ -35,6 +35,8 @@ from temporalio.api.common.v1 import Payload
 from temporalio.converter import PayloadCodec
 from temporalio.exceptions import ApplicationError
 
+from . import DEFAULT_URL, STORE_ENV, CorruptedRowError, SQLConversationStore, StoreError
+
 ENCODING = b'binary/durcap-claim-check'
 """`encoding` metadata of a reference payload."""
 
@@ -115,8 +117,6 @@ class ClaimCheckCodec(PayloadCodec):
         maximum: int | None = None,
         inline_limit: int = INLINE_LIMIT,
     ) -> None:
-        from . import SQLConversationStore
-
         self.threshold = threshold if threshold is not None else _env_int(THRESHOLD_ENV, DEFAULT_THRESHOLD)
         self.maximum = maximum if maximum is not None else _env_int(MAXIMUM_ENV, DEFAULT_MAXIMUM)
         if self.threshold < 1 or self.maximum < 1:
@@ -135,8 +135,6 @@ class ClaimCheckCodec(PayloadCodec):
             ApplicationError: `DurcapPayloadTooLarge` (over `maximum`) or `DurcapClaimCheckUnavailable`
                 (the store cannot be written and the payload is over `inline_limit`); non-retryable.
         """
-        from . import StoreError
-
         result: list[Payload] = []
         for payload in payloads:
             size = payload.ByteSize()
@@ -173,8 +171,6 @@ class ClaimCheckCodec(PayloadCodec):
             CorruptedRowError: the reference names a payload the store does not hold, or its bytes no
                 longer match their sha256.
         """
-        from . import CorruptedRowError
-
         result: list[Payload] = []
         for payload in payloads:
             if payload.metadata.get('encoding') != ENCODING:
@@ -198,6 +194,4 @@ class ClaimCheckCodec(PayloadCodec):
 def default_codec(store: str | None = None) -> ClaimCheckCodec:
     """The codec every durcap Temporal client, worker and replayer uses: on `store`, else `$DURCAP_STORE`,
     else the default store (`store.DEFAULT_URL`), as the conversation activities resolve it."""
-    from . import DEFAULT_URL, STORE_ENV
-
     return ClaimCheckCodec(store or os.environ.get(STORE_ENV) or DEFAULT_URL)

@@ -23,6 +23,8 @@ import sqlalchemy as sa
 from pydantic_ai.conversation_store import ConversationEntry, ConversationRecord
 from pydantic_ai.tools import DeferredToolRequests
 from pydantic_ai.usage import RunUsage
+from sqlalchemy import event as sa_event
+from sqlalchemy import exc as sa_exc
 
 from .. import store
 from . import (
@@ -72,7 +74,7 @@ def _parse_url(url: str) -> sa.URL:
         raise StoreURLError(f'store URL must be a non-empty string, got {url!r}')
     try:
         parsed = sa.make_url(url.replace('postgres://', 'postgresql://', 1) if url.startswith('postgres://') else url)
-    except sa.exc.ArgumentError:
+    except sa_exc.ArgumentError:
         raise StoreURLError(
             f'store URL {url!r} is not a database URL; use sqlite:///path/to/file.db or '
             'postgresql://user@host:5432/database'
@@ -127,8 +129,8 @@ class _SQLBackend:
             )
             # Take transactions out of pysqlite's hands so a write can begin with BEGIN IMMEDIATE: the
             # revision it reads is then the one it writes after, across processes.
-            sa.event.listen(self.engine, 'connect', _sqlite_connect)
-            sa.event.listen(self.engine, 'begin', _sqlite_begin)
+            sa_event.listen(self.engine, 'connect', _sqlite_connect)
+            sa_event.listen(self.engine, 'begin', _sqlite_begin)
 
     # ---- connections and schema ---------------------------------------------------------------
 
@@ -137,7 +139,7 @@ class _SQLBackend:
         self._ensure_ready()
         try:
             conn = self.engine.connect()
-        except sa.exc.OperationalError as exc:
+        except sa_exc.OperationalError as exc:
             raise StoreUnavailableError(f'cannot connect to the conversation store {self.display_url}: {_first_line(exc)}') from None
         with conn:
             if write:
@@ -159,7 +161,7 @@ class _SQLBackend:
                     path.parent.mkdir(parents=True, exist_ok=True)
             try:
                 self._migrate()
-            except sa.exc.DBAPIError as exc:
+            except sa_exc.DBAPIError as exc:
                 raise StoreUnavailableError(f'cannot use the conversation store {self.display_url}: {_first_line(exc)}') from None
             self._ready = True
 
@@ -408,7 +410,7 @@ class _SQLBackend:
                     raise _ProbeDone
         except _ProbeDone:
             pass
-        except sa.exc.DBAPIError as exc:
+        except sa_exc.DBAPIError as exc:
             if 'readonly' in str(exc).replace('-', '').replace(' ', '').lower():
                 raise StoreReadOnlyError(f'{read_only} ({_first_line(exc)})') from None
             raise StoreUnavailableError(f'cannot write to the conversation store {self.display_url}: {_first_line(exc)}') from None
@@ -417,7 +419,7 @@ class _SQLBackend:
         with self._txn(write=False) as conn:
             rows = self._history_rows(conn, head_id, limit, None)
         messages = _decode_messages(rows, None)
-        return [ConversationEntry(id=r.entry_id, parent_id=r.parent_id, message=m) for r, m in zip(rows, messages)]
+        return [ConversationEntry(id=r.entry_id, parent_id=r.parent_id, message=m) for r, m in zip(rows, messages, strict=True)]
 
     def read_entry(self, entry_id: str) -> ConversationEntry:
         with self._txn(write=False) as conn:
@@ -536,7 +538,7 @@ class _SQLBackend:
         for tries in range(3):
             try:
                 return attempt()
-            except sa.exc.IntegrityError:
+            except sa_exc.IntegrityError:
                 if tries == 2:
                     raise
         raise AssertionError('unreachable')
