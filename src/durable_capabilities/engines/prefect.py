@@ -551,7 +551,7 @@ class PrefectAdapter(EngineAdapter):
             from prefect.client.schemas.filters import FlowFilterId, FlowRunFilterExpectedStartTime
 
             # Runs due by now: a schedule's future runs are not runs yet (and would fill the list).
-            run_filter = FlowRunFilter(expected_start_time=FlowRunFilterExpectedStartTime(before_=datetime.now(UTC)))
+            run_filter = FlowRunFilter(expected_start_time=FlowRunFilterExpectedStartTime(before_=datetime.now(UTC)))  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType] - Prefect's pydantic model takes a datetime
             if status:
                 types = [StateType[k] for k, v in _PREFECT_STATUS.items() if v == status]
                 run_filter.state = FlowRunFilterState(type=FlowRunFilterStateType(any_=types))
