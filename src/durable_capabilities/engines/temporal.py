@@ -835,20 +835,6 @@ class TemporalAdapter(EngineAdapter):
             raise ApprovalError('unknown-call', f'run {run_id!r} refused the decision: {exc.cause}') from None
         return PendingCall.from_json(result)
 
-
-async def _memo_pending(handle: Any) -> list[PendingCall]:
-    from temporalio.service import RPCError
-
-    try:
-        description = await handle.describe()
-    except RPCError:
-        raise ApprovalError('unknown-run', f'no Temporal workflow {handle.id!r}') from None
-    if description.status is None or description.status.name != 'RUNNING':
-        return []
-    memo = await description.memo()
-    return [PendingCall.from_json({**d, 'engine': 'temporal'}) for d in memo.get(PENDING_MEMO) or []]
-
-
     # ---- runs ----------------------------------------------------------------------------------------------
 
     async def _connect(self, settings: Mapping[str, Any]) -> Client:
@@ -963,6 +949,19 @@ async def _memo_pending(handle: Any) -> list[PendingCall]:
             client, result = await _await_result(client, address, namespace, run_id, options.notify)
             units = await units_recorded(client, run_id, None)
         return RunReport('temporal', run_id, result.output, result.messages(), result.usage, units)
+
+
+async def _memo_pending(handle: Any) -> list[PendingCall]:
+    from temporalio.service import RPCError
+
+    try:
+        description = await handle.describe()
+    except RPCError:
+        raise ApprovalError('unknown-run', f'no Temporal workflow {handle.id!r}') from None
+    if description.status is None or description.status.name != 'RUNNING':
+        return []
+    memo = await description.memo()
+    return [PendingCall.from_json({**d, 'engine': 'temporal'}) for d in memo.get(PENDING_MEMO) or []]
 
 
 ADAPTER = TemporalAdapter()
