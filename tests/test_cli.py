@@ -285,3 +285,29 @@ def test_catalog_entries_match_what_pydantic_ai_sends() -> None:
     assert [c.id for c in report.capabilities] == ['orders', 'refunds', 'refund-policy']
     for row in report.capabilities:
         assert row.catalog_entry in sent_lines
+
+
+# ---- unusable input on the run and approval commands (found by the fresh-user trial) ----------
+
+
+@pytest.mark.parametrize('deps_json', ['{', '[1]', '{"orders": 5}'])
+def test_run_with_bad_deps_json_is_unusable_input(deps_json: str, tmp_path: Path) -> None:
+    result = durcap('run', str(ROOT / 'examples/support/agent.py') + ':support', 'hi', '--deps-json', deps_json,
+                    cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert '--deps-json does not match Store' in result.stderr
+    assert 'the run failed' not in result.stderr and 'Traceback' not in result.stderr
+
+
+@pytest.mark.parametrize('command', [['approvals', 'list'], ['approve', 'run-x', 'call-y'], ['deny', 'run-x', 'call-y',
+                                                                                                '--reason', 'no']])
+def test_approval_commands_without_a_temporal_server_say_so_in_one_line(command: list[str]) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    result = durcap(*command, '--engine', 'temporal', '--address', f'127.0.0.1:{port}')
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert 'cannot reach temporal' in result.stderr
+    assert 'Traceback' not in result.stderr and len(result.stderr.strip().splitlines()) == 1

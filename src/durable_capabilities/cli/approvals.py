@@ -9,7 +9,7 @@ import asyncio
 import json
 import os
 from enum import Enum
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.table import Table
@@ -54,7 +54,10 @@ def list_approvals(
     """List the calls waiting for a decision: run, agent, conversation, tool, arguments, requested at, deadline."""
     from .. import runner
 
-    calls: list[PendingCall] = asyncio.run(runner.approvals(run_id, engine=engine, **_settings(address, namespace, db)))
+    try:
+        calls: list[PendingCall] = asyncio.run(runner.approvals(run_id, engine=engine, **_settings(address, namespace, db)))
+    except (OSError, RuntimeError) as exc:  # the engine's server or database cannot be reached
+        _unreachable(engine, exc)
     if output_format is _Format.json:
         _out.print(json.dumps([c.to_json() for c in calls], indent=2), markup=False)
         return
@@ -68,6 +71,13 @@ def list_approvals(
     _out.print(table)
 
 
+def _unreachable(engine: str, exc: BaseException) -> NoReturn:
+    """One line naming the engine and the first line of its error (no traceback), exit 2."""
+    detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    _err.print(f'durcap: error: cannot reach {engine}: {detail} (check --address / --db)', markup=False)
+    raise typer.Exit(2)
+
+
 def _decide(engine: str, run_id: str, call_id: str, settings: dict[str, Any], **kwargs: Any) -> None:
     from .. import runner
 
@@ -76,6 +86,8 @@ def _decide(engine: str, run_id: str, call_id: str, settings: dict[str, Any], **
     except ApprovalError as exc:
         _err.print(f'error ({exc.kind}): {exc}', markup=False)
         raise typer.Exit(2) from None
+    except (OSError, RuntimeError) as exc:  # the engine's server or database cannot be reached
+        _unreachable(engine, exc)
     verb = 'approved' if decision.approve else 'denied'
     _out.print(f'{verb} call {call_id} of run {run_id} (fingerprint {decision.fingerprint[:12]}, by {decision.by})',
                markup=False)

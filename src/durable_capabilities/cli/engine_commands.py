@@ -164,10 +164,11 @@ def run(
         _unusable(f'{agent.name!r} takes deps of type {agent.deps_type.__name__}: pass them with --deps-json')
     if store:
         os.environ['DURCAP_STORE'] = store  # read where the store I/O runs (this process, or an inline worker)
+    deps = _deps(agent, deps_json)  # bad deps are unusable input (exit 2), before anything runs
     started: list[str] = []
     try:
         report = asyncio.run(_run_on(
-            agent, prompt, engine, _deps(agent, deps_json), address=_temporal_address(address),
+            agent, prompt, engine, deps, address=_temporal_address(address),
             task_queue=task_queue, db=db, inline_worker=inline_worker, conversation_id=conversation, store=store,
             started=started,
         ))
