@@ -72,8 +72,11 @@ def _print_runs(infos: list[Any], fmt: RunsFormat) -> None:
         for info in infos:
             _out.print(json.dumps(info.to_json(), default=str), markup=False)
         return
-    table = Table('id', 'engine', 'agent', 'status', 'started (UTC)', 'capabilities loaded', 'conversation',
+    table = Table('engine', 'agent', 'status', 'started (UTC)', 'capabilities loaded', 'conversation',
                   'units done', box=None, pad_edge=False)
+    # The run id is what `runs show/resume/cancel` take: never cut it, whatever the terminal width.
+    table.add_column('id', no_wrap=True, min_width=max((len(str(i.run_id)) for i in infos), default=2))
+    table.columns.insert(0, table.columns.pop())
     for info in infos:
         table.add_row(*_row(info))
     _out.print(table)
