@@ -322,7 +322,7 @@ def _up(state: dict[str, Any], started_now: dict[str, dict[str, Any]]) -> None:
             raise RuntimeError(f'127.0.0.1:{port} is taken by a process this stack did not start; '
                                'set DURCAP_STACK_TEMPORAL_PORT to another port')
         say(f'temporal: starting the dev server on 127.0.0.1:{port}')
-        server = start_temporal_dev_server(port=port, state_dir=directory / 'temporal', persistent=True)
+        server = start_temporal_dev_server(port=port, state_dir=directory / 'temporal', persistent=True, die_with_parent=False)
         ports['temporal'] = port
         addresses['temporal'] = server.address
         record(state, 'temporal', server.pid, [str(a) for a in server.process.args], server.log_path or directory / 'temporal')

@@ -120,7 +120,7 @@ def _wait(check: object, process: subprocess.Popen[bytes], timeout: float, what:
 
 def start_temporal_dev_server(
     *, port: int | None = None, state_dir: str | Path = '.durcap', timeout: float = 60.0, persistent: bool = True,
-    ui_port: int | None = None,
+    ui_port: int | None = None, die_with_parent: bool = True,
 ) -> ServerProcess:
     """Start `temporal server start-dev` on 127.0.0.1 and wait until its frontend port accepts connections.
 
@@ -131,8 +131,10 @@ def start_temporal_dev_server(
         persistent: Keep state in `state_dir/temporal.db` (workflows survive a server restart); `False`
             uses an in-memory database.
         ui_port: Serve the Temporal Web UI on this port (default: no UI).
+        die_with_parent: `False` for a server meant to outlive this process (`deploy/local/stack.py up`,
+            which records its pid and stops it with `down`).
 
-    The server registers the `DurcapCapabilities` search attribute and dies with this process (Linux:
+    The server registers the `DurcapCapabilities` search attribute and (unless `die_with_parent=False`) dies with this process (Linux:
     `PR_SET_PDEATHSIG`), even when this process is killed with SIGKILL. The signal follows the *thread* that
     started the server: call this from a thread that lives as long as the server should (the main thread).
 
@@ -160,7 +162,7 @@ def start_temporal_dev_server(
     if persistent:
         cmd += ['--db-filename', str(state / 'temporal.db')]
     log = open(log_path, 'wb')  # noqa: SIM115 - handed to the child process
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent if die_with_parent else None)
     log.close()
     server = ServerProcess('temporal', process, f'127.0.0.1:{port}', log_path)
     def healthy() -> bool:
