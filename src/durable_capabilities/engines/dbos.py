@@ -592,7 +592,7 @@ class DBOSAdapter(EngineAdapter):
         executor = options.setting('executor_id', 'local')
         queue = options.setting('task_queue', WORKER_QUEUE)
         url = system_database_url(options.setting('db'))
-        client = self._client({'db': url})
+        client = _client({'db': url})
         try:
             pending = client.list_workflows(status='PENDING', executor_id=executor, load_input=False, load_output=False)
         finally:
@@ -611,11 +611,6 @@ class DBOSAdapter(EngineAdapter):
             DBOS.destroy(workflow_completion_timeout_sec=int(options.setting('graceful_shutdown', 30)))
 
     # ---- runs ----------------------------------------------------------------------------------------------
-
-    def _client(self, settings: Mapping[str, Any]) -> Any:
-        from dbos import DBOSClient
-
-        return DBOSClient(system_database_url=system_database_url(settings.get('db')))
 
     async def _info(self, client: Any, status: Any, with_steps: bool = True) -> RunInfo:
         from datetime import datetime
@@ -640,7 +635,7 @@ class DBOSAdapter(EngineAdapter):
         )
 
     async def list_runs(self, settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
-        client = self._client(settings)
+        client = _client(settings)
         try:
             wanted = [k for k, v in _DBOS_STATUS.items() if v == status] if status else None
             found = await client.list_workflows_async(status=wanted, sort_desc=True, limit=limit * 4, load_output=True)
@@ -650,7 +645,7 @@ class DBOSAdapter(EngineAdapter):
             client.destroy()
 
     async def show_run(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
-        client = self._client(settings)
+        client = _client(settings)
         try:
             found = await client.list_workflows_async(workflow_ids=[run_id])
             if not found:
@@ -661,7 +656,7 @@ class DBOSAdapter(EngineAdapter):
 
     async def cancel(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
         await self.show_run(run_id, settings)
-        client = self._client(settings)
+        client = _client(settings)
         try:
             await client.cancel_workflow_async(run_id)
         finally:
@@ -776,6 +771,7 @@ def _db_label(settings: Mapping[str, Any]) -> str:
 
 
 def _client(settings: Mapping[str, Any]) -> Any:
+    """A `DBOSClient` on `settings['db']` (default system database): runs and approvals read and send through it."""
     from dbos import DBOSClient
 
     return DBOSClient(system_database_url=system_database_url(settings.get('db')))
