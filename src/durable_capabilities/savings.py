@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,6 +36,8 @@ from pydantic_ai.models.test import TestModel
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.toolsets import AbstractToolset, FunctionToolset
 from pydantic_ai.usage import RunUsage
+
+logger = logging.getLogger(__name__)
 
 ESTIMATE_METHOD = 'estimate: ceil(UTF-8 bytes / 4) per text; tool schemas as compact JSON of name, description, parameters'
 """How estimated counts are made; printed with every estimated result."""
@@ -438,8 +441,8 @@ async def compare_first_request(agent: Any, prompt: str, *, deps: Any = None, us
         if counter is not None:
             try:
                 return await _first_request(agent, prompt, deps, counter, detail)
-            except Exception:  # noqa: BLE001 - the counter failed (network, credentials): estimate instead
-                pass
+            except Exception as exc:  # noqa: BLE001 - the counter failed (network, credentials): estimate instead
+                logger.info('%s failed (%s); the first request is estimated', detail, _one_line(exc))
     return await _first_request(agent, prompt, deps, _Estimator(), ESTIMATE_METHOD)
 
 
