@@ -12,7 +12,6 @@ every engine can record and which keeps instruction ids intact.
 from __future__ import annotations
 
 import uuid
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -25,7 +24,14 @@ from pydantic_core import to_jsonable_python
 
 from ._turn_log import TurnLog, recording
 from .aliases import rewrite_history
-from .conversations import append_conversation, load_conversation
+from .conversations import (  # noqa: F401 - _DECODED and DECODED_CACHE_SIZE re-exported (tests, bench)
+    _DECODED,
+    DECODED_CACHE_SIZE,
+    _remember,
+    append_conversation,
+    decode_history,
+    load_conversation,
+)
 
 if TYPE_CHECKING:
     from .agent import DurableAgent
@@ -177,68 +183,6 @@ def _as_messages(messages: Sequence[Any] | None) -> list[ModelMessage]:
     if all(isinstance(m, dict) for m in messages):
         return ModelMessagesTypeAdapter.validate_python(list(messages))
     return list(messages)
-
-
-@dataclass
-class _Decoded:
-    count: int
-    last_row: str
-    messages: list[ModelMessage]
-
-
-_DECODED: OrderedDict[tuple[str, str], _Decoded] = OrderedDict()
-DECODED_CACHE_SIZE = 16
-"""Conversations whose decoded history a worker keeps, least recently used dropped first (`decode_history`)."""
-
-
-def decode_history(key: tuple[str, str], rows: list[str], conversation_id: str) -> list[ModelMessage]:
-    """The stored rows (one message JSON text each) as messages, decoding only what this process has not.
-
-    A conversation this process ran recently (by `key`: agent durable name and conversation id) is taken from
-    memory up to the messages it had, checked by the text of the last of them; only the rows after are
-    decoded, with one `ModelMessagesTypeAdapter.validate_json` call. Messages from memory are the same objects
-    the earlier turn had (a history is append-only; a run does not change the messages it was given).
-
-    Raises:
-        CorruptedRowError / NewerHistoryError: a row is not a message this pydantic-ai reads.
-    """
-    cached = _DECODED.get(key)
-    start = 0
-    if cached is not None and 0 < cached.count <= len(rows) and rows[cached.count - 1] == cached.last_row:
-        start = cached.count
-    tail = rows[start:]
-    decoded = _decode_rows(tail, conversation_id, start) if tail else []
-    messages = [*(cached.messages[:start] if cached is not None and start else []), *decoded]
-    if rows:
-        _DECODED[key] = _Decoded(len(rows), rows[-1], messages)
-        _DECODED.move_to_end(key)
-        while len(_DECODED) > DECODED_CACHE_SIZE:
-            _DECODED.popitem(last=False)
-    return list(messages)
-
-
-def _decode_rows(rows: list[str], conversation_id: str, offset: int) -> list[ModelMessage]:
-    try:
-        messages = ModelMessagesTypeAdapter.validate_json('[' + ','.join(rows) + ']')
-        if len(messages) == len(rows):
-            return messages
-    except ValueError:
-        pass
-    from .conversations import _RowText
-    from .store._schema import _decode_messages
-
-    return _decode_messages([_RowText(text, 'message', offset + i + 1, '', conversation_id) for i, text in enumerate(rows)],
-                            conversation_id)
-
-
-def _remember(key: tuple[str, str], messages: list[ModelMessage]) -> None:
-    """After an append: the conversation's whole history, for the next turn's `decode_history`."""
-    from .store._schema import _encode
-
-    _DECODED[key] = _Decoded(len(messages), _encode(messages[-1]), messages)
-    _DECODED.move_to_end(key)
-    while len(_DECODED) > DECODED_CACHE_SIZE:
-        _DECODED.popitem(last=False)
 
 
 def _with_deferred(output_type: Any) -> Any:

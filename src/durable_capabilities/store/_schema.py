@@ -13,7 +13,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import pydantic
 from pydantic_ai import __version__ as _PYDANTIC_AI_VERSION
@@ -103,6 +103,19 @@ _CONVERSATION_COLUMNS = (
     'forked_from, forked_at, branches, format_version, deleted, updated_at, writer'
 )
 _ENTRY_SELECT = 'SELECT entry_id, parent_id, conversation_id, position, kind, message, writer FROM durcap_entries'
+
+
+class _EntryRow(NamedTuple):
+    """One `durcap_entries` row, in `_ENTRY_SELECT`'s column order (a plain tuple: range reads of a long
+    history build one per message, and a tuple costs a fraction of a SQLAlchemy `Row`)."""
+
+    entry_id: str
+    parent_id: str | None
+    conversation_id: str
+    position: int
+    kind: str
+    message: str
+    writer: str
 
 _USAGE = pydantic.TypeAdapter(RunUsage)
 _DEFERRED = pydantic.TypeAdapter(DeferredToolRequests)

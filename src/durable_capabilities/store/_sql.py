@@ -53,6 +53,7 @@ from ._schema import (
     _decode_messages,
     _decode_row,
     _digest,
+    _EntryRow,
     _first_line,
     _Row,
 )
@@ -268,13 +269,20 @@ class _SQLBackend:
             if child is not None and anchor.position != child.position - 1:
                 raise _misplaced(whose, conversation_id, child, anchor)
             low = max(1, anchor.position - (want - len(chain)) + 1)
-            rows = conn.execute(
+            result = conn.execute(
                 sa.text(
                     f'{_ENTRY_SELECT} WHERE conversation_id = :owner AND position >= :low AND position < :high '
                     'ORDER BY position'
                 ),
                 {'owner': anchor.conversation_id, 'low': low, 'high': anchor.position},
-            ).all()
+            )
+            try:
+                # The driver's own rows (tuples of str and int on sqlite3 and psycopg; these columns need no
+                # result processing): building a SQLAlchemy Row per message doubled the cost of a long read.
+                cursor = result.cursor
+                rows = list(map(_EntryRow._make, cursor.fetchall() if cursor is not None else result.all()))
+            finally:
+                result.close()
             if _is_line(rows, anchor, low):
                 chain.append(anchor)
                 chain.extend(reversed(rows))
@@ -333,13 +341,14 @@ class _SQLBackend:
                 count, last = known
                 rows = self._history_rows(conn, head, row.message_count - count, conversation_id) if row.message_count > count else []
                 if (rows[0].parent_id if rows else head) == last:
-                    return StoredJSON(conversation_id, [r.message for r in rows], [r.entry_id for r in rows],
-                                      row.revision, row.message_count, tail=True, kinds=[r.kind for r in rows])
+                    messages, entry_ids, kinds = _json_columns(rows)
+                    return StoredJSON(conversation_id, messages, entry_ids, row.revision, row.message_count, tail=True,
+                                      kinds=kinds)
             rows = [] if head is None else self._history_rows(conn, head, None, conversation_id)
             if len(rows) != row.message_count:
                 raise _header_error(row, f'says {row.message_count} message(s) but its history has {len(rows)}')
-        return StoredJSON(conversation_id, [r.message for r in rows], [r.entry_id for r in rows], row.revision,
-                          row.message_count, tail=False, kinds=[r.kind for r in rows])
+        messages, entry_ids, kinds = _json_columns(rows)
+        return StoredJSON(conversation_id, messages, entry_ids, row.revision, row.message_count, tail=False, kinds=kinds)
 
     def _check_header(self, conn: sa.Connection, row: _Row) -> None:
         """Check a live conversation row against its rows: its head entry is at position `message_count`, and
@@ -689,6 +698,14 @@ class _SQLBackend:
                  'cid': conversation_id, 'old': old.revision},
             )
             self._log_write(conn, conversation_id, revision, 'delete', entry_ids=[], first_position=None)
+
+
+def _json_columns(rows: Sequence[Any]) -> tuple[list[str], list[str], list[str]]:
+    """The message, entry id and kind columns of entry rows (one transposition, not three passes)."""
+    if not rows:
+        return [], [], []
+    entry_ids, _parents, _owners, _positions, kinds, messages, _writers = zip(*rows, strict=True)
+    return list(messages), list(entry_ids), list(kinds)
 
 
 def _is_line(rows: Sequence[Any], anchor: Any, low: int) -> bool:
