@@ -39,10 +39,10 @@ def durable_adapters(engine: str | None = None) -> list[EngineAdapter]:
     return [get(name) for name in DURABLE_ENGINES if get(name).available()]
 
 
-def problem_line(adapter: EngineAdapter, exc: BaseException) -> str:
-    """`'{engine}: cannot read runs: {Error}: {first line}'`: how one unreachable engine is reported."""
+def problem_line(adapter: EngineAdapter, exc: BaseException, what: str = 'runs') -> str:
+    """`'{engine}: cannot read {what}: {Error}: {first line}'`: how one unreachable engine is reported."""
     detail = str(exc).splitlines()[0] if str(exc) else ''
-    return f'{adapter.name}: cannot read runs: {type(exc).__name__}: {detail}'
+    return f'{adapter.name}: cannot read {what}: {type(exc).__name__}: {detail}'
 
 
 @dataclass

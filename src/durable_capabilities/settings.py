@@ -58,3 +58,18 @@ class Settings:
         """The engine settings the adapters read (`EngineAdapter.list_runs / show_run / pending_approvals / decide`):
         `{'address', 'namespace', 'db'}`."""
         return {'address': self.address, 'namespace': self.namespace, 'db': self.db}
+
+    def describe(self) -> dict[str, str]:
+        """What a page or a log line may show: every field, database URLs without their passwords."""
+        return {'Temporal': f'{self.address} (namespace {self.namespace})',
+                'DBOS system database': _redact(self.db) if self.db else 'SQLite .durcap/dbos.sqlite',
+                'conversation store': _redact(self.store)}
+
+
+def _redact(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - never fail on showing a URL
+        return url.split('@')[-1]

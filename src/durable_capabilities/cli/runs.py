@@ -14,8 +14,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from ..targets import TARGET_HELP
 from ..settings import Settings
+from ..targets import TARGET_HELP
 from . import _err, _out, _unusable, _valid_agents, app, engine_metavar, engine_name
 from ._options import AddressOption, DbOption, NamespaceOption, connection_settings
 
@@ -103,7 +103,8 @@ def _find(run_id: str, engine: str | None, settings: Settings) -> tuple[Any, Any
     from ..reading import find_run
 
     try:
-        return asyncio.run(find_run(run_id, settings, _engine_list(engine)[0] if engine else None))
+        _engine_list(engine)  # exit 2 when the engine is not installed
+        return asyncio.run(find_run(run_id, settings, engine))
     except RunNotFoundError as exc:
         for problem in exc.args[1] if len(exc.args) > 1 else []:
             _err.print(problem, markup=False)
