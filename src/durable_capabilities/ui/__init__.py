@@ -232,6 +232,8 @@ def message_rows(messages: list[dict[str, Any]], first: int) -> list[dict[str, A
             if kind == 'tool-call':
                 args = part.get('args')
                 text = args if isinstance(args, str) else json.dumps(args, sort_keys=True, ensure_ascii=False)
+            elif part.get('content') is None and part.get('tools_added'):
+                text = '+' + ', +'.join(map(str, part['tools_added']))  # the tools a capability load made available
             else:
                 content = part.get('content')
                 text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False, default=str)
