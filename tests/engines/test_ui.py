@@ -260,6 +260,42 @@ def test_approve_from_the_page_with_edited_arguments_runs_the_tool_once(ui: UI, 
     assert browser.find_element(By.ID, 'status').text == 'completed'
 
 
+def test_temporal_call_approved_from_the_page_runs_once(ui: UI, browser, spawn, tmp_path: Path) -> None:
+    """A Temporal workflow of the gated agent waits (the pending call read from its memo); approving it from the
+    approvals page delivers the update: the workflow completes and the tool ran once."""
+    import asyncio
+
+    from selenium.webdriver.common.by import By
+
+    from durable_capabilities.engines.temporal import AgentRunInput, AgentRunOutput, connect
+
+    env, crash_dir = env_for(tmp_path)
+    queue, run_id = f'ui-gate-{uuid.uuid4().hex[:8]}', f'ui-gate-{uuid.uuid4().hex[:8]}'
+    worker = spawn('temporal', 'worker', '--target', TARGET, '--address', ui.address, '--task-queue', queue, env=env)
+    worker.wait_for('WORKER READY', 90)
+
+    async def start() -> None:
+        client = await connect(ui.address)
+        await client.start_workflow('durcap.gated', AgentRunInput(prompt='revoke dave'), id=run_id, task_queue=queue)
+
+    asyncio.run(start())
+    [call] = pending(['--engine', 'temporal', '--address', ui.address], run_id)
+    browser.get(ui.url + '/approvals')
+    box = call_box(browser, run_id)
+    assert '(temporal, agent gated)' in box.text and box.find_element(By.CSS_SELECTOR, '.deadline').text == call['deadline']
+    form = box.find_element(By.CSS_SELECTOR, 'form.approve')
+    form.find_element(By.NAME, 'token').send_keys(ui.token)
+    form.find_element(By.CSS_SELECTOR, 'button').click()
+    assert browser.find_element(By.ID, 'decided').text.startswith(f'approved call {call["call_id"]} of run {run_id} by ui:')
+
+    async def result() -> AgentRunOutput:
+        client = await connect(ui.address)
+        return await asyncio.wait_for(client.get_workflow_handle(run_id, result_type=AgentRunOutput).result(), 90)
+
+    assert asyncio.run(result()).output == 'result: revoked sessions of dave'
+    assert revocations(crash_dir) == ['dave']  # exactly once, with the model's arguments
+
+
 def test_deny_shows_its_reason_in_the_conversation_view(ui: UI, browser, spawn, tmp_path: Path) -> None:
     """Denying from the run's own page with a reason: the tool never runs, the run completes, and its conversation
     view shows the reason (the tool's result the model saw, and the audit row by `ui:<OS user>`)."""

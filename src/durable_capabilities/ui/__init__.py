@@ -97,7 +97,8 @@ class _UI:
         listing = await list_runs(self.settings, engines=wanted, status=status if status in RUN_STATUSES else None,
                                   limit=limit)
         capabilities = sorted({c for run in listing.runs for c in run.capabilities})
-        runs = [r for r in listing.runs if capability is None or capability in r.capabilities]
+        runs = sorted((r for r in listing.runs if capability is None or capability in r.capabilities),
+                      key=lambda r: r.started_at.timestamp() if r.started_at else 0.0, reverse=True)  # newest first
         return self.page(request, 'runs.html', runs=runs, problems=listing.problems, statuses=RUN_STATUSES,
                          capabilities=capabilities, chosen={'engine': engine, 'status': status, 'capability': capability},
                          limit=limit)
