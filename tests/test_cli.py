@@ -227,6 +227,27 @@ def test_savings_json_estimate_matches_documented_formula() -> None:
     assert totals['saved_tokens'] == totals['always_on_tokens'] - totals['catalog_tokens']
 
 
+def test_demo_and_savings_print_one_saving_per_request(tmp_path: Path) -> None:
+    """Issue 14 item 6: `durcap demo` (local engine, scripted FunctionModel) and `durcap savings` count the
+    support example's first request the same way and print the same saving; the table's total differs from
+    it by the fixed cost of deferring, which both the text and the JSON state."""
+    import re
+
+    demo = durcap('demo', '--engine', 'local', env={**os.environ, 'DURCAP_STORE': f'sqlite:///{tmp_path}/c.db'})
+    assert demo.returncode == 0, demo.stderr
+    [(deferred, always, saved)] = re.findall(
+        r'(\d+) with deferred capabilities vs (\d+) with every capability always on \(\S+\): deferral saves (\d+) tokens',
+        demo.stdout)
+    assert int(always) - int(deferred) == int(saved) > 0
+    report = durcap('savings', 'examples/support/agent.py:support', '--format', 'json')
+    assert report.returncode == 0, report.stderr
+    [agent] = json.loads(report.stdout)['agents']
+    assert agent['first_request']['saved_tokens'] == int(saved)
+    assert agent['fixed_cost_tokens'] == agent['totals']['saved_tokens'] - int(saved) > 0
+    text = durcap('savings', 'examples/support/agent.py:support').stdout
+    assert f'deferral saves {saved} tokens' in ' '.join(text.split())
+
+
 def test_savings_uses_the_models_own_counter() -> None:
     result = durcap('savings', f'{COUNTING}:counted', '--format', 'json')
     assert result.returncode == 0, result.stderr

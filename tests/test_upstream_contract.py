@@ -362,6 +362,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
         'dbos_error_classes',
         'derived_id_source',
         'explicit_toolset_id',
+        'is_mcp_toolset',  # tests/test_lazy_imports.py
         'temporal_activity_name',
         'temporal_workflow_name',
         'temporal_worker_registrations',

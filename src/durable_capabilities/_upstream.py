@@ -9,11 +9,15 @@ capability derived its `id` from. Each of those is wrapped here, once, and
 from __future__ import annotations
 
 import copy
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.toolsets import AbstractToolset, DynamicToolset, FunctionToolset
 from pydantic_ai.toolsets._deferred_capability_loader import LOAD_CAPABILITY_TOOL_NAME
+
+if TYPE_CHECKING:
+    from pydantic_ai.mcp import MCPToolset
 
 __all__ = [
     'LOAD_CAPABILITY_TOOL_NAME',
@@ -22,11 +26,23 @@ __all__ = [
     'dbos_error_classes',
     'derived_id_source',
     'explicit_toolset_id',
+    'is_mcp_toolset',
     'temporal_activity_name',
     'temporal_worker_registrations',
     'temporal_workflow_name',
     'toolset_with_id',
 ]
+
+
+def is_mcp_toolset(toolset: object) -> TypeGuard[MCPToolset]:
+    """Whether `toolset` is a pydantic-ai `MCPToolset`, without importing `pydantic_ai.mcp`.
+
+    Importing it loads the MCP client stack (fastmcp, mcp, starlette, httpx, cryptography: about 900
+    modules and 40 MiB). A program that built an `MCPToolset` has imported the module already, so when it is
+    not in `sys.modules` no object can be one, and nothing is imported to find that out (issue 14, item 5).
+    """
+    module = sys.modules.get('pydantic_ai.mcp')
+    return module is not None and isinstance(toolset, module.MCPToolset)
 
 
 def explicit_toolset_id(toolset: AbstractToolset[Any]) -> str | None:
@@ -45,15 +61,13 @@ def toolset_with_id(toolset: AbstractToolset[Any], new_id: str) -> AbstractTools
     The copy of a `FunctionToolset` shares the original's `tools` dict, so tools registered on a
     module-level toolset after the agent was defined stay visible through every copy.
     """
-    from pydantic_ai.mcp import MCPToolset
-
     if isinstance(toolset, FunctionToolset):
         clone = copy.copy(toolset)
         clone._id = new_id  # pyright: ignore[reportPrivateUsage]
         return clone
     if isinstance(toolset, DynamicToolset):
         return DynamicToolset(toolset.toolset_func, per_run_step=toolset.per_run_step, id=new_id)
-    if isinstance(toolset, MCPToolset):
+    if is_mcp_toolset(toolset):
         clone = copy.copy(toolset)
         clone.id = new_id  # public setter; marks the id explicit
         return clone

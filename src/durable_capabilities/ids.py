@@ -114,13 +114,11 @@ class LeafPlan:
 
 def _leaf_name(leaf: AbstractToolset[Any]) -> str | None:
     """A name of the leaf's own that does not depend on list order, or `None`."""
-    from pydantic_ai.mcp import MCPToolset
-
     if isinstance(leaf, _upstream.DynamicToolset):
         name = getattr(leaf.toolset_func, '__name__', None)
         if name and name != '<lambda>':
             return sanitize_name(name)
-    if isinstance(leaf, MCPToolset) and _upstream.explicit_toolset_id(leaf) is not None:
+    if _upstream.is_mcp_toolset(leaf) and _upstream.explicit_toolset_id(leaf) is not None:
         return sanitize_name(leaf.id or '')
     # An MCP server's host-derived id is not used: it would put the host in durable unit names.
     return None

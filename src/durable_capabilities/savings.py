@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,6 +36,8 @@ from pydantic_ai.models.test import TestModel
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.toolsets import AbstractToolset, FunctionToolset
 from pydantic_ai.usage import RunUsage
+
+logger = logging.getLogger(__name__)
 
 ESTIMATE_METHOD = 'estimate: ceil(UTF-8 bytes / 4) per text; tool schemas as compact JSON of name, description, parameters'
 """How estimated counts are made; printed with every estimated result."""
@@ -90,6 +93,10 @@ class SavingsReport:
         method: `ESTIMATE_METHOD`, or the model counter used (`'AnthropicModel.count_tokens'`).
         fallback_reason: Why the model's counter was not used (`None` when it was, or when not asked).
         capabilities: One row per deferred capability, in definition order.
+        first_request: The agent's first model request with capabilities deferred and always on, counted the
+            same way (`compare_first_request`): its `saved_tokens` is the per-request figure `durcap demo`
+            prints. `None` when the agent could not run locally without deps (`first_request_error` says why).
+        first_request_error: Why `first_request` is `None`.
     """
 
     agent: str
@@ -97,6 +104,17 @@ class SavingsReport:
     method: str
     fallback_reason: str | None
     capabilities: list[CapabilitySavings]
+    first_request: FirstRequest | None = None
+    first_request_error: str | None = None
+
+    @property
+    def fixed_cost_tokens(self) -> int | None:
+        """What deferring costs on every request whatever is deferred (the catalog header and the
+        `load_capability` tool): the per-capability total minus the first request's saving. `None` without
+        a first request."""
+        if self.first_request is None:
+            return None
+        return self.totals()['saved_tokens'] - self.first_request.saved_tokens
 
     @property
     def complete(self) -> bool:
@@ -133,6 +151,10 @@ class SavingsReport:
             'complete': self.complete,
             'capabilities': rows,
             'totals': self.totals(),
+            'first_request': None if self.first_request is None else asdict(self.first_request)
+            | {'saved_tokens': self.first_request.saved_tokens},
+            'first_request_error': self.first_request_error,
+            'fixed_cost_tokens': self.fixed_cost_tokens,
         }
 
 
@@ -314,13 +336,22 @@ async def measure_savings_async(agent: Any, *, use_model: bool = True) -> Saving
         if counter is not None:
             try:
                 rows = await _measure(statics, counter)
-                return SavingsReport(agent.name, False, detail, None, rows)
+                report = SavingsReport(agent.name, False, detail, None, rows)
+                return await _with_first_request(report, agent, counter)
             except Exception as exc:  # noqa: BLE001 - network, credentials, unsupported: fall back
                 reason = f'{detail} failed ({_one_line(exc)})'
         else:
             reason = detail
     rows = await _measure(statics, _Estimator())
-    return SavingsReport(agent.name, True, ESTIMATE_METHOD, reason, rows)
+    return await _with_first_request(SavingsReport(agent.name, True, ESTIMATE_METHOD, reason, rows), agent, _Estimator())
+
+
+async def _with_first_request(report: SavingsReport, agent: Any, counter: Any) -> SavingsReport:
+    try:
+        report.first_request = await _first_request(agent, FIRST_REQUEST_PROMPT, None, counter, report.method)
+    except Exception as exc:  # noqa: BLE001 - an instruction or hook that needs deps: say so, keep the table
+        report.first_request_error = f'the agent did not run locally without deps ({_one_line(exc)})'
+    return report
 
 
 def measure_savings(agent: Any, *, use_model: bool = True) -> SavingsReport:
@@ -345,42 +376,82 @@ def measure_savings(agent: Any, *, use_model: bool = True) -> SavingsReport:
 # ---- the first request, deferred against always on --------------------------------------------
 
 
+FIRST_REQUEST_PROMPT = 'Hello'
+"""The prompt `durcap savings` measures the first request with. It is counted on both sides alike (a text of
+its own), so the saving does not depend on it: `durcap demo` gets the same saving with its own prompt."""
+
+
 @dataclass
 class FirstRequest:
-    """Estimated prompt tokens of a run's first model request, with capabilities deferred and always on.
+    """Prompt tokens of a run's first model request, with capabilities deferred and always on.
 
     Attributes:
         deferred_tokens: Instructions (catalog included) + tool schemas + prompt, as defined.
         always_on_tokens: The same with every capability always on (its instructions and tools sent).
         deferred_tools: Tool names offered with deferral (`load_capability` and agent-level tools).
         always_on_tools: Tool names offered with every capability always on.
+        method: How tokens were counted: `ESTIMATE_METHOD` or the model's counter (`'AnthropicModel.count_tokens'`).
     """
 
     deferred_tokens: int
     always_on_tokens: int
     deferred_tools: list[str]
     always_on_tools: list[str]
+    method: str = ESTIMATE_METHOD
 
     @property
     def ratio(self) -> float:
         """`deferred_tokens / always_on_tokens`."""
         return self.deferred_tokens / self.always_on_tokens if self.always_on_tokens else 1.0
 
+    @property
+    def saved_tokens(self) -> int:
+        """Tokens deferral saves on every request while nothing is loaded: `always_on_tokens - deferred_tokens`."""
+        return self.always_on_tokens - self.deferred_tokens
 
-async def compare_first_request(agent: Any, prompt: str, *, deps: Any = None) -> FirstRequest:
-    """Capture the first request the model would get, as defined and with every capability always on.
+    @property
+    def estimated(self) -> bool:
+        """True when the counts are the estimate, not the model's own counter."""
+        return self.method == ESTIMATE_METHOD
 
-    Nothing is sent to a provider: both agents run locally with a `FunctionModel` that records its
-    first request and answers at once. Tokens are `estimate_tokens` of the instructions, the tool
-    schemas (`tool_schema_json`) and the prompt, so both figures are counted the same way.
+
+async def compare_first_request(agent: Any, prompt: str, *, deps: Any = None, use_model: bool = True) -> FirstRequest:
+    """Capture the first request the model would get, as defined and with every capability always on, and count both.
+
+    Nothing is sent to the agent's model to run: both agents run locally with a `FunctionModel` that records
+    its first request and answers at once. Tokens are counted per part (the instructions, the prompt, the
+    tool schemas) with the agent's model's own counter when it has one and `use_model` (as `measure_savings`
+    does; a provider call per part, bounded by `MODEL_COUNT_TIMEOUT` seconds each), else with
+    `estimate_tokens` / `tool_schema_json`. `durcap demo` and `durcap savings` print this same figure.
+
+    Args:
+        agent: A `DurableAgent` (anything with `instructions`, `deps_type`, `tools`, `capabilities`, `model`).
+        prompt: The user prompt of the first request.
+        deps: The run's deps, for instructions or hooks that read them.
+        use_model: Try the model's counter first; False always estimates (no network).
+
+    Returns:
+        A `FirstRequest`; `method` says how it was counted.
+
+    Raises:
+        Whatever the agent's own instructions, hooks or tools raise when run with `deps`.
     """
+    if use_model:
+        counter, detail = _model_counter(agent.model)
+        if counter is not None:
+            try:
+                return await _first_request(agent, prompt, deps, counter, detail)
+            except Exception as exc:  # noqa: BLE001 - the counter failed (network, credentials): estimate instead
+                logger.info('%s failed (%s); the first request is estimated', detail, _one_line(exc))
+    return await _first_request(agent, prompt, deps, _Estimator(), ESTIMATE_METHOD)
 
+
+async def _first_request(agent: Any, prompt: str, deps: Any, counter: Any, method: str) -> FirstRequest:
     async def first_request(capabilities: list[Any]) -> tuple[int, list[str]]:
-        seen: list[tuple[int, list[str]]] = []
+        seen: list[tuple[str, list[ToolDefinition]]] = []
 
         def capture(messages: list[Any], info: AgentInfo) -> ModelResponse:
-            text = (info.instructions or '') + prompt + ''.join(tool_schema_json(t) for t in info.function_tools)
-            seen.append((estimate_tokens(text), sorted(t.name for t in info.function_tools)))
+            seen.append((info.instructions or '', list(info.function_tools)))
             return ModelResponse(parts=[TextPart('ok')])
 
         local = Agent(
@@ -388,7 +459,9 @@ async def compare_first_request(agent: Any, prompt: str, *, deps: Any = None) ->
             tools=agent.tools, capabilities=capabilities,
         )
         await local.run(prompt, deps=deps)
-        return seen[0]
+        instructions, tools = seen[0]
+        tokens = await counter.text(instructions) + await counter.text(prompt) + await counter.tools(tools)
+        return tokens, sorted(t.name for t in tools)
 
     deferred_tokens, deferred_tools = await first_request(agent.capabilities)
     # An explicit id on the wrapper keeps it from adopting the wrapped capability's deferral.
@@ -397,4 +470,4 @@ async def compare_first_request(agent: Any, prompt: str, *, deps: Any = None) ->
         for c in agent.capabilities
     ]
     always_tokens, always_tools = await first_request(always_on)
-    return FirstRequest(deferred_tokens, always_tokens, deferred_tools, always_tools)
+    return FirstRequest(deferred_tokens, always_tokens, deferred_tools, always_tools, method)

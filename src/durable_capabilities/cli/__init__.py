@@ -173,7 +173,18 @@ def _print_savings(result: SavingsReport) -> None:
         _out.print(Text(note + (f'; the model was not used: {result.fallback_reason}.' if result.fallback_reason else '.')))
     else:
         _out.print(Text(f'Counted by the model: {result.method}.'))
-    _out.print('Not included: the catalog header and the load_capability tool, paid once per request.')
+    first = result.first_request
+    if first is None:
+        _out.print(Text('The table leaves out the catalog header and the load_capability tool, sent with every request; '
+                        f'the first request was not measured: {result.first_request_error}.'))
+        return
+    _out.print(Text(
+        f'Per request: deferral saves {first.saved_tokens} tokens ({first.deferred_tokens} with deferred capabilities '
+        f'vs {first.always_on_tokens} with every capability always on, counted on the first request; '
+        f'`durcap demo` prints the same figure). The table\'s total ({result.totals()["saved_tokens"]}) is before '
+        f'the fixed cost of deferring: the catalog header and the load_capability tool, {result.fixed_cost_tokens} '
+        'tokens sent with every request.'
+    ))
 
 
 @app.command()

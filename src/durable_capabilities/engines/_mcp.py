@@ -64,6 +64,7 @@ from pydantic_ai.exceptions import (
 )
 from pydantic_ai.toolsets import AbstractToolset, CombinedToolset, WrapperToolset
 
+from .._upstream import is_mcp_toolset
 from ..ids import StableIdCapability, collect_leaves, redact_url
 from . import get
 
@@ -135,8 +136,6 @@ class MCPLeaf:
 
 def mcp_leaves(agent: DurableAgent[Any, Any]) -> dict[str, MCPLeaf]:
     """Every MCP leaf of `agent`'s capabilities, keyed by leaf toolset id (definition order)."""
-    from pydantic_ai.mcp import MCPToolset
-
     found: dict[str, MCPLeaf] = {}
 
     def walk(capability: AbstractCapability[Any], deferred_above: bool) -> None:
@@ -149,7 +148,7 @@ def mcp_leaves(agent: DurableAgent[Any, Any]) -> dict[str, MCPLeaf]:
             if not isinstance(toolset, AbstractToolset):
                 return
             for leaf in collect_leaves(toolset):
-                if isinstance(leaf, MCPToolset) and leaf.id is not None:
+                if is_mcp_toolset(leaf) and leaf.id is not None:
                     found.setdefault(leaf.id, MCPLeaf(leaf.id, user.id, user.url, gated))
         elif isinstance(capability, CombinedCapability):
             for member in capability.capabilities:

@@ -322,10 +322,11 @@ class StoredJSON:
 
 # ---- the store --------------------------------------------------------------------------------
 
-# The SQL work, imported here: `_store_sql` and `_store_schema` import the errors and results above from
-# this module. `_MIGRATIONS` (the schema's `{version: DDL}`, newest `SCHEMA_VERSION`) is re-exported.
+# The row codec, imported here: `_schema` imports the errors and results above from this module.
+# `_MIGRATIONS` (the schema's `{version: DDL}`, newest `SCHEMA_VERSION`) is re-exported. The SQL work
+# (`_sql`, which brings SQLAlchemy: ~0.4 s and ~300 modules) is imported by the first store constructed,
+# so importing the package for its errors or `drift` costs none of it (issue 14, item 5).
 from ._schema import _MIGRATIONS, _encode  # noqa: F401
-from ._sql import _parse_url, _SQLBackend
 
 
 class SQLConversationStore(ConversationStore):
@@ -353,6 +354,8 @@ class SQLConversationStore(ConversationStore):
     """
 
     def __init__(self, url: str = DEFAULT_URL, *, create: bool = True) -> None:
+        from ._sql import _parse_url, _SQLBackend
+
         self.url = url
         self._sql = _SQLBackend(_parse_url(url), create=create)
 
