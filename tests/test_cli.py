@@ -332,3 +332,14 @@ def test_approval_commands_without_a_temporal_server_say_so_in_one_line(command:
     assert result.returncode == 2, result.stdout + result.stderr
     assert 'cannot reach temporal' in result.stderr
     assert 'Traceback' not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_ui_on_a_taken_port_is_unusable_input(tmp_path: Path) -> None:
+    """`durcap ui --port N` while another socket holds N: one line naming the port, exit 2, nothing served."""
+    import socket
+
+    with socket.create_server(('127.0.0.1', 0)) as held:
+        port = held.getsockname()[1]
+        result = durcap('ui', '--port', str(port), '--engine', 'dbos', cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f'cannot serve on 127.0.0.1:{port}' in result.stderr and 'Traceback' not in result.stderr

@@ -5,7 +5,7 @@ run each engine in its own process, and crash tests kill that process with SIGKI
 
 Actions:
 - `temporal worker --address A --task-queue Q --target MOD:ATTR`: serve until SIGTERM.
-- `dbos run --db URL --workflow-id ID --target MOD:ATTR --prompt P`: launch DBOS (which recovers
+- `dbos run --db URL --workflow-id ID --target MOD:ATTR --prompt P [--conversation C]`: launch DBOS (which recovers
   pending workflows of this app version), start or await workflow ID, print the JSON report.
 - `prefect run --target MOD:ATTR --prompt P [--flow-run-id ID]`: run the agent's flow (a new flow run,
   or run an existing one again), print the JSON report.
@@ -57,7 +57,7 @@ async def dbos_run(args: argparse.Namespace) -> None:
         status = await DBOS.get_workflow_status_async(args.workflow_id)
         if status is None:
             with SetWorkflowID(args.workflow_id):
-                handle = await DBOS.start_workflow_async(workflow, args.prompt, None, None)
+                handle = await DBOS.start_workflow_async(workflow, args.prompt, None, None, args.conversation)
         else:
             handle = await DBOS.retrieve_workflow_async(args.workflow_id)
         print('DBOS STARTED', flush=True)
@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument('--workflow-id')
     parser.add_argument('--prompt', default='charge order A-1 and export')
     parser.add_argument('--flow-run-id')
+    parser.add_argument('--conversation')
     args = parser.parse_args()
     action = {('temporal', 'worker'): temporal_worker, ('dbos', 'run'): dbos_run, ('prefect', 'run'): prefect_run}
     asyncio.run(action[(args.engine, args.action)](args))

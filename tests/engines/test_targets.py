@@ -256,6 +256,8 @@ def test_wheel_ships_the_demo_and_durcap_demo_runs_from_an_installed_wheel(
     for shipped in ('agent.py', 'scripted.py', 'durable.lock', '__init__.py', 'skills/returns.md'):
         assert f'durable_capabilities/_examples/support/{shipped}' in names, names
     assert 'durable_capabilities/_examples/__init__.py' in names
+    for template in ('base.html', 'runs.html', 'run.html', 'approvals.html'):  # `durcap ui`'s pages
+        assert f'durable_capabilities/ui/templates/{template}' in names, names
     stray = [n for n in names if n.endswith(('.pyc', '.pyo', '.sqlite', '.db')) or '__pycache__' in n or '.durcap' in n]
     assert stray == []
     assert not [n for n in names if n.startswith(('tests/', 'examples/', 'docs/', 'bench/'))]

@@ -268,4 +268,5 @@ from . import (  # noqa: E402
     approvals,  # noqa: F401  (`durcap approvals list`, `durcap approve`, `durcap deny`)
     engine_commands,  # noqa: F401
     runs,  # noqa: F401
+    ui,  # noqa: F401  (`durcap ui`)
 )

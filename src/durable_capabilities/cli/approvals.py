@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from enum import Enum
 from typing import Annotated, Any, NoReturn
 
@@ -16,6 +15,7 @@ from rich.table import Table
 
 from ..approvals import ApprovalError, PendingCall
 from . import _err, _out, app, engine_metavar, engine_name
+from ._options import AddressOption, DbOption, NamespaceOption, connection_settings
 
 approvals_app = typer.Typer(help='Tool calls waiting for a person in durable runs.', no_args_is_help=True)
 app.add_typer(approvals_app, name='approvals')
@@ -28,18 +28,14 @@ class _Format(str, Enum):
 
 EngineOpt = Annotated[str, typer.Option('--engine', metavar=engine_metavar(), parser=engine_name(),
                                         help='The engine the run waits on.')]
-AddressOpt = Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS '
-                                                     'or 127.0.0.1:7233).')]
-NamespaceOpt = Annotated[str, typer.Option(help='Temporal namespace.')]
-DbOpt = Annotated[str | None, typer.Option(help='DBOS system database URL (default: $DURCAP_DBOS_DB or '
-                                                'sqlite:///.durcap/dbos.sqlite).')]
+AddressOpt = AddressOption
+NamespaceOpt = NamespaceOption
+DbOpt = DbOption
 
 
 def _settings(address: str | None, namespace: str, db: str | None) -> dict[str, Any]:
-    return {
-        'address': address or os.environ.get('DURCAP_TEMPORAL_ADDRESS') or os.environ.get('TEMPORAL_ADDRESS'),
-        'namespace': namespace, 'db': db or os.environ.get('DURCAP_DBOS_DB'),
-    }
+    """The engine settings (`settings.Settings.engine()`) of the flags given."""
+    return connection_settings(db, address, namespace).engine()
 
 
 @approvals_app.command('list')

@@ -15,19 +15,12 @@ from enum import Enum
 from typing import Annotated, Any, NoReturn
 
 import typer
-from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ModelResponse
-from pydantic_ai.usage import RequestUsage
-from pydantic_core import to_jsonable_python
+from pydantic_ai.messages import ModelMessage
 
-from ..store import (
-    DEFAULT_URL,
-    SQLConversationStore,
-    StoredConversation,
-    StoreError,
-    WriteRecord,
-    loaded_capability_ids,
-    tools_called,
-)
+from ..reading import approval_audit, read_conversation, summarize
+from ..store import DEFAULT_URL, StoreError
+
+__all__ = ['approval_audit', 'history_app', 'summarize']
 
 history_app = typer.Typer(
     name='history',
@@ -63,7 +56,7 @@ def show(
 ) -> None:
     """Show a conversation: its messages, the capabilities its history loaded, the tools called, the usage and the writes."""
     try:
-        stored, writes = asyncio.run(_read(store, conversation_id))
+        stored, writes = asyncio.run(read_conversation(store, conversation_id))
     except StoreError as exc:
         _unusable(str(exc))
     summary = summarize(stored, writes)
@@ -71,69 +64,6 @@ def show(
         typer.echo(json.dumps(summary, indent=2))
     else:
         typer.echo(_text(summary, stored.messages))
-
-
-async def _read(url: str, conversation_id: str) -> tuple[StoredConversation, list[WriteRecord]]:
-    with SQLConversationStore(url, create=False) as store:
-        stored = await store.read(conversation_id)
-        writes = await store.writes(conversation_id)
-    return stored, writes
-
-
-def summarize(stored: StoredConversation, writes: list[WriteRecord]) -> dict[str, Any]:
-    """What `show --format json` prints.
-
-    Returns:
-        `{conversation_id, revision, message_count, scope, updated_at, loaded_capabilities (ids in load
-        order), tools_called ({name: calls}), usage (summed over the model responses, `requests` = number
-        of responses), stored_usage (the record's running total, tool calls included), writes (the write
-        log), messages (pydantic-ai message JSON)}`.
-    """
-    usage = RequestUsage()
-    responses = 0
-    for message in stored.messages:
-        if isinstance(message, ModelResponse):
-            usage = usage + message.usage
-            responses += 1
-    return {
-        'conversation_id': stored.conversation_id,
-        'revision': stored.revision,
-        'message_count': stored.message_count,
-        'scope': stored.record.scope,
-        'updated_at': stored.record.updated_at.isoformat(),
-        'loaded_capabilities': loaded_capability_ids(stored.messages),
-        'tools_called': tools_called(stored.messages),
-        'usage': {'requests': responses, **_nonzero(to_jsonable_python(usage))},
-        'stored_usage': _nonzero(to_jsonable_python(stored.record.usage)),
-        'writes': [
-            {
-                'revision': w.revision,
-                'operation': w.operation,
-                'append_id': w.append_id,
-                'first_position': w.first_position,
-                'messages': len(w.entry_ids),
-                'written_at': w.written_at.isoformat(),
-                'writer': w.writer,
-            }
-            for w in writes
-        ],
-        'approvals': approval_audit(stored.messages),
-        'messages': ModelMessagesTypeAdapter.dump_python(stored.messages, mode='json'),
-    }
-
-
-def approval_audit(messages: list[ModelMessage]) -> list[dict[str, Any]]:
-    """The approval audit records the durable runs stored in the conversation (`approvals.AUDIT_METADATA_KEY`
-    in a request's metadata), in order: tool, arguments, fingerprint, requested at, deadline, decision, by, at,
-    reason."""
-    from ..approvals import AUDIT_METADATA_KEY
-
-    return [record for message in messages for record in ((getattr(message, 'metadata', None) or {})
-                                                          .get(AUDIT_METADATA_KEY) or [])]
-
-
-def _nonzero(usage: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in usage.items() if v not in (0, 0.0, None, {}, [])}
 
 
 def _text(summary: dict[str, Any], messages: list[ModelMessage]) -> str:

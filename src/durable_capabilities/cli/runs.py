@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from enum import Enum
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
+from ..settings import Settings
 from ..targets import TARGET_HELP
 from . import _err, _out, _unusable, _valid_agents, app, engine_metavar, engine_name
+from ._options import AddressOption, DbOption, NamespaceOption, connection_settings
 
 runs_app = typer.Typer(help='Find, resume and cancel durable runs on every engine.', no_args_is_help=True)
 app.add_typer(runs_app, name='runs')
@@ -33,31 +34,19 @@ def _engine_option() -> Any:
 
 
 FormatOption = Annotated[RunsFormat, typer.Option('--format', help='text, or json (one object per run).')]
-DbOption = Annotated[str | None, typer.Option(help='DBOS system database URL (default: SQLite .durcap/dbos.sqlite).')]
-AddressOption = Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS '
-                                                        'or 127.0.0.1:7233).')]
-NamespaceOption = Annotated[str, typer.Option(help='Temporal namespace.')]
 
 
-def _settings(db: str | None, address: str | None, namespace: str) -> dict[str, Any]:
-    address = address or os.environ.get('DURCAP_TEMPORAL_ADDRESS') or os.environ.get('TEMPORAL_ADDRESS') or '127.0.0.1:7233'
-    return {'db': db, 'address': address, 'namespace': namespace}
-
-
-def _engines(engine: str | None) -> list[Any]:
-    from ..engines import DURABLE_ENGINES, get
+def _engine_list(engine: str | None) -> list[str] | None:
+    """`[engine]` after checking it is installed (exit 2 otherwise), or `None` for every installed engine."""
+    from ..reading import EngineNotInstalled, durable_adapters
 
     if engine is not None:
-        adapter = get(engine)
-        if not adapter.available():
-            _unusable(f'engine {engine!r} is not installed (pip install "durable-capabilities[{adapter.extra}]")')
-        return [adapter]
-    return [get(name) for name in DURABLE_ENGINES if get(name).available()]
-
-
-def _problem(adapter: Any, exc: BaseException) -> str:
-    detail = str(exc).splitlines()[0] if str(exc) else ''
-    return f'{adapter.name}: cannot read runs: {type(exc).__name__}: {detail}'
+        try:
+            durable_adapters(engine)
+        except EngineNotInstalled as exc:
+            _unusable(str(exc))
+        return [engine]
+    return None
 
 
 def _row(info: Any) -> list[str]:
@@ -97,33 +86,28 @@ def list_runs(
 
     if status is not None and status not in RUN_STATUSES:
         _unusable(f'--status must be one of {", ".join(RUN_STATUSES)}, not {status!r}')
-    settings = _settings(db, address, namespace)
-    infos, failed = [], False
-    for adapter in _engines(engine):
-        try:
-            infos += asyncio.run(adapter.list_runs(settings, status=status, limit=limit))
-        except Exception as exc:  # noqa: BLE001 - one engine down must not hide the others' runs
-            _err.print(_problem(adapter, exc), markup=False)
-            failed = True
-    _print_runs(infos, fmt)
-    if failed and engine is not None:
+    from ..reading import list_runs as read_runs
+
+    listing = asyncio.run(read_runs(connection_settings(db, address, namespace), engines=_engine_list(engine),
+                                    status=status, limit=limit))
+    for problem in listing.problems:
+        _err.print(problem, markup=False)
+    _print_runs(listing.runs, fmt)
+    if listing.problems and engine is not None:
         raise typer.Exit(2)
 
 
-def _find(run_id: str, engine: str | None, settings: dict[str, Any]) -> tuple[Any, Any]:
-    """(adapter, RunInfo) of the run; every installed engine is asked when `engine` is None."""
+def _find(run_id: str, engine: str | None, settings: Settings) -> tuple[Any, Any]:
+    """(adapter, RunInfo) of the run; every installed engine is asked when `engine` is None (exit 2 when none has it)."""
     from ..engines import RunNotFoundError
+    from ..reading import find_run
 
-    problems = []
-    for adapter in _engines(engine):
-        try:
-            return adapter, asyncio.run(adapter.show_run(run_id, settings))
-        except RunNotFoundError as exc:
-            problems.append(str(exc))
-        except Exception as exc:  # noqa: BLE001 - unreachable engine: say so, try the next
-            problems.append(_problem(adapter, exc))
-    for problem in problems:
-        _err.print(problem, markup=False)
+    try:
+        _engine_list(engine)  # exit 2 when the engine is not installed
+        return asyncio.run(find_run(run_id, settings, engine))
+    except RunNotFoundError as exc:
+        for problem in exc.args[1] if len(exc.args) > 1 else []:
+            _err.print(problem, markup=False)
     _unusable(f'no run {run_id!r} found' + ('' if engine else ' on any engine (pass --engine and its connection options)'))
 
 
@@ -137,7 +121,7 @@ def show(
     namespace: NamespaceOption = 'default',
 ) -> None:
     """Show one run: status, start time, capabilities loaded, conversation, durable units done, and what to do."""
-    _, info = _find(run_id, engine, _settings(db, address, namespace))
+    _, info = _find(run_id, engine, connection_settings(db, address, namespace))
     if fmt is RunsFormat.json:
         _out.print(json.dumps(info.to_json(), default=str), markup=False)
         return
@@ -161,9 +145,9 @@ def cancel(
     namespace: NamespaceOption = 'default',
 ) -> None:
     """Cancel a run on its engine and print its status afterwards."""
-    settings = _settings(db, address, namespace)
+    settings = connection_settings(db, address, namespace)
     adapter, _ = _find(run_id, engine, settings)
-    info = asyncio.run(adapter.cancel(run_id, settings))
+    info = asyncio.run(adapter.cancel(run_id, settings.engine()))
     _out.print(f'{info.run_id}: {info.status} ({info.engine_status})', markup=False)
 
 
@@ -181,11 +165,11 @@ def resume(
     from ..engines import RunOptions
     from .engine_commands import _print_run
 
-    settings = _settings(db, address, namespace)
+    settings = connection_settings(db, address, namespace)
     adapter, _ = _find(run_id, engine, settings)
     agents = _valid_agents(target, use_lock=True, refused='not resumed: fix the errors above') if target else []
     try:
-        report = asyncio.run(adapter.resume(run_id, agents, RunOptions(settings=settings, notify=_err.print)))
+        report = asyncio.run(adapter.resume(run_id, agents, RunOptions(settings=settings.engine(), notify=_err.print)))
     except (RuntimeError, NotImplementedError) as exc:
         _unusable(str(exc).splitlines()[0])
     _print_run(report)

@@ -17,11 +17,13 @@ from ._adapter import (
     RunInfo,
     RunNotFoundError,
     RunOptions,
+    RunUnit,
+    unit_kind,
 )
 
 __all__ = [
     'ALL_ENGINES', 'DURABLE_ENGINES', 'ENGINES', 'RUN_STATUSES', 'EngineAdapter', 'LazyAdapter', 'RunInfo',
-    'RunNotFoundError', 'RunOptions', 'get', 'register',
+    'RunNotFoundError', 'RunOptions', 'RunUnit', 'get', 'register', 'unit_kind',
 ]
 
 EngineName = Literal['local', 'temporal', 'dbos', 'prefect']

@@ -31,6 +31,46 @@ RUN_STATUSES = ('running', 'queued', 'completed', 'failed', 'cancelled')
 
 
 @dataclass
+class RunUnit:
+    """One durable unit (activity, step, task) a run scheduled, as `durcap runs show` / `durcap ui` list them.
+
+    Attributes:
+        name: The engine's name of the unit (`agent__support__model_request`, `support__model.request`, `Model Request`).
+        kind: `unit_kind(name)`: `'model request' | 'tool call' | 'conversation' | 'approval' | 'other'`.
+        status: `'done' | 'failed' | 'started'`.
+        started_at: When the engine recorded it (UTC), if known.
+        capabilities: Capability ids whose `load_capability` call this unit's recorded output holds (a model
+            request that asked to load them), where the engine keeps outputs readable (DBOS steps, Temporal
+            activity results not stored by reference).
+    """
+
+    name: str
+    kind: str
+    status: str
+    started_at: datetime | None = None
+    capabilities: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """The unit as JSON-compatible data (`started_at` as ISO 8601)."""
+        return {**self.__dict__, 'started_at': self.started_at.isoformat() if self.started_at else None}
+
+
+def unit_kind(name: str) -> str:
+    """What a durable unit does, from its name on any engine (the operation names of DESIGN section 1):
+    `'model request'`, `'tool call'`, `'conversation'` (load/append), `'approval'` (the approval clock) or `'other'`."""
+    low = name.lower()
+    if 'model' in low and 'request' in low:
+        return 'model request'
+    if 'call_tool' in low or low.startswith('call tool'):
+        return 'tool call'
+    if 'conversation' in low:
+        return 'conversation'
+    if 'approval' in low:
+        return 'approval'
+    return 'other'
+
+
+@dataclass
 class RunInfo:
     """One run as an engine recorded it (`durcap runs list|show`).
 
@@ -46,6 +86,8 @@ class RunInfo:
         units_done: Durable units (steps, activities, tasks) completed so far.
         notes: Operator hints (e.g. "its process is gone: resume it").
         detail: Engine-specific facts (executor id, task queue, ...), JSON-compatible.
+        units: The durable units in the order the engine scheduled them (`show_run` only; `list_runs` leaves
+            it empty to stay cheap).
     """
 
     engine: str
@@ -59,11 +101,15 @@ class RunInfo:
     units_done: int | None = None
     notes: list[str] = field(default_factory=list)
     detail: dict[str, Any] = field(default_factory=dict)
+    units: list[RunUnit] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        """The run as JSON-compatible data (`started_at` as ISO 8601)."""
+        """The run as JSON-compatible data (`started_at` as ISO 8601; `units` only when filled)."""
         data = dict(self.__dict__)
         data['started_at'] = self.started_at.isoformat() if self.started_at else None
+        data['units'] = [unit.to_json() for unit in self.units]
+        if not data['units']:
+            del data['units']
         return data
 
 

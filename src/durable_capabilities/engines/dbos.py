@@ -58,8 +58,10 @@ from ._adapter import (
     RunInfo,
     RunNotFoundError,
     RunOptions,
+    RunUnit,
     leaf_kinds,
     loaded_capabilities_in,
+    unit_kind,
 )
 
 if TYPE_CHECKING:
@@ -612,7 +614,7 @@ class DBOSAdapter(EngineAdapter):
 
     # ---- runs ----------------------------------------------------------------------------------------------
 
-    async def _info(self, client: Any, status: Any, with_steps: bool = True) -> RunInfo:
+    async def _info(self, client: Any, status: Any, with_steps: bool = True, with_units: bool = False) -> RunInfo:
         from datetime import datetime
 
         steps = await client.list_workflow_steps_async(status.workflow_id) if with_steps else []
@@ -632,6 +634,7 @@ class DBOSAdapter(EngineAdapter):
             loaded_capabilities_in(outputs), conversation, sum(1 for step in steps if step.get('error') is None), notes,
             {'executor_id': status.executor_id, 'queue': status.queue_name, 'workflow_name': name,
              'app_version': status.app_version, 'orphaned': gone},
+            [_unit(step) for step in steps] if with_units else [],
         )
 
     async def list_runs(self, settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
@@ -650,7 +653,7 @@ class DBOSAdapter(EngineAdapter):
             found = await client.list_workflows_async(workflow_ids=[run_id])
             if not found:
                 raise RunNotFoundError(f'no DBOS workflow {run_id!r} in {_redact(system_database_url(settings.get("db")))}')
-            return await self._info(client, found[0])
+            return await self._info(client, found[0], with_units=True)
         finally:
             client.destroy()
 
@@ -753,6 +756,18 @@ _DBOS_STATUS = {
     'PENDING': 'running', 'ENQUEUED': 'queued', 'DELAYED': 'queued', 'SUCCESS': 'completed', 'ERROR': 'failed',
     'CANCELLED': 'cancelled', 'MAX_RECOVERY_ATTEMPTS_EXCEEDED': 'failed',
 }
+
+
+def _unit(step: Any) -> RunUnit:
+    """A recorded DBOS step (`list_workflow_steps` entry) as a `RunUnit`."""
+    from datetime import datetime
+
+    started = step.get('started_at_epoch_ms')
+    status = 'failed' if step.get('error') is not None else ('done' if step.get('completed_at_epoch_ms') or
+                                                              step.get('output') is not None else 'started')
+    name = step.get('function_name') or ''
+    return RunUnit(name, unit_kind(name), status, datetime.fromtimestamp(started / 1000, UTC) if started else None,
+                   loaded_capabilities_in([step.get('output')]))
 
 
 def _redact(url: str) -> str:

@@ -54,8 +54,10 @@ from ._adapter import (
     RunInfo,
     RunNotFoundError,
     RunOptions,
+    RunUnit,
     leaf_kinds,
     loaded_capabilities_in,
+    unit_kind,
 )
 from .prefect_entry import TARGET_ENV, entrypoint
 
@@ -493,7 +495,7 @@ class PrefectAdapter(EngineAdapter):
 
     # ---- runs ----------------------------------------------------------------------------------------------
 
-    async def _runs(self, client: Any, flow_runs: list[Any]) -> list[RunInfo]:
+    async def _runs(self, client: Any, flow_runs: list[Any], with_units: bool = False) -> list[RunInfo]:
         from prefect.client.schemas.filters import (
             FlowFilter,
             FlowFilterId,
@@ -526,6 +528,8 @@ class PrefectAdapter(EngineAdapter):
                 run.start_time or run.expected_start_time, caps, (run.parameters or {}).get('conversation_id'),
                 sum(1 for t in tasks if t.state_type is not None and t.state_type.name == 'COMPLETED'), notes,
                 {'flow': name, 'flow_run_name': run.name, 'deployment_id': str(run.deployment_id) if run.deployment_id else None},
+                [_unit(t) for t in sorted(tasks, key=lambda t: (t.start_time or t.expected_start_time or t.created))]
+                if with_units else [],
             ))
         return infos
 
@@ -565,7 +569,7 @@ class PrefectAdapter(EngineAdapter):
 
         async with get_client() as client:
             run = await _read_flow_run(client, run_id)
-            return (await self._runs(client, [run]))[0]
+            return (await self._runs(client, [run], with_units=True))[0]
 
     async def cancel(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
         """Set the flow run Cancelled (forced: a flow run started by `durcap run` has no worker to hand a
@@ -683,6 +687,14 @@ class PrefectAdapter(EngineAdapter):
                 break  # the run read the decision without pausing again
             await asyncio.sleep(0.2)
         return call
+
+
+def _unit(task_run: Any) -> RunUnit:
+    """A Prefect task run as a `RunUnit` (its name without the `-<suffix>` Prefect appends per run)."""
+    name = re.sub(r'-[0-9a-f]{3,}$', '', task_run.name or '')
+    state = task_run.state_type.name if task_run.state_type is not None else ''
+    status = {'COMPLETED': 'done', 'FAILED': 'failed', 'CRASHED': 'failed', 'CANCELLED': 'failed'}.get(state, 'started')
+    return RunUnit(name, unit_kind(name), status, task_run.start_time or task_run.expected_start_time)
 
 
 def _flow_run_uuid(run_id: str) -> Any:

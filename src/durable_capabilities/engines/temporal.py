@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, timedelta
 from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter
@@ -64,7 +64,9 @@ from ._adapter import (
     RunInfo,
     RunNotFoundError,
     RunOptions,
+    RunUnit,
     loaded_capabilities_in,
+    unit_kind,
 )
 from ._payload_guard import current_run as _current_run
 from ._temporal_history import HistoryReplayer, export_history, units_recorded
@@ -840,7 +842,7 @@ class TemporalAdapter(EngineAdapter):
     async def _connect(self, settings: Mapping[str, Any]) -> Client:
         return await connect(settings.get('address') or '127.0.0.1:7233', settings.get('namespace') or 'default')
 
-    async def _info(self, client: Client, description: Any, with_history: bool = True) -> RunInfo:
+    async def _info(self, client: Client, description: Any, with_history: bool = True, with_units: bool = False) -> RunInfo:
         from temporalio.api.enums.v1 import EventType
 
         workflow_type = description.workflow_type or ''
@@ -849,10 +851,13 @@ class TemporalAdapter(EngineAdapter):
         memo = await description.memo()
         caps = list(memo.get(CAPABILITIES_MEMO) or [])
         units_done, conversation = None, None
+        units: dict[int, RunUnit] = {}  # by the ActivityTaskScheduled event id
         if with_history:
             units_done = 0
             handle = client.get_workflow_handle(description.id, run_id=description.run_id)
             async for event in handle.fetch_history_events():
+                if with_units:
+                    await _track_unit(client, event, units)
                 if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
                     units_done += 1
                 elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED:
@@ -883,6 +888,7 @@ class TemporalAdapter(EngineAdapter):
             'temporal', description.id, agent, _TEMPORAL_STATUS.get(engine_status, 'running'), engine_status,
             description.start_time, caps, conversation, units_done, notes,
             {'task_queue': description.task_queue, 'run_id': description.run_id, 'workflow_type': workflow_type},
+            list(units.values()),
         )
 
     async def list_runs(self, settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
@@ -905,7 +911,7 @@ class TemporalAdapter(EngineAdapter):
             if exc.status == RPCStatusCode.NOT_FOUND:
                 raise RunNotFoundError(f'no Temporal workflow {run_id!r} in namespace {client.namespace!r}') from None
             raise
-        return await self._info(client, description)
+        return await self._info(client, description, with_units=True)
 
     async def cancel(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
         """Request cancellation; when no worker polls the run's task queue (nobody would act on the request),
@@ -949,6 +955,32 @@ class TemporalAdapter(EngineAdapter):
             client, result = await _await_result(client, address, namespace, run_id, options.notify)
             units = await units_recorded(client, run_id, None)
         return RunReport('temporal', run_id, result.output, result.messages(), result.usage, units)
+
+
+async def _track_unit(client: Client, event: Any, units: dict[int, RunUnit]) -> None:
+    """Fold one history event into `units` (activities by their scheduled event id): scheduled -> `started`,
+    completed -> `done` (with the capabilities its decoded result asked to load), failed / timed out -> `failed`."""
+    from temporalio.api.enums.v1 import EventType
+
+    kind = event.event_type
+    if kind == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+        name = event.activity_task_scheduled_event_attributes.activity_type.name
+        units[event.event_id] = RunUnit(name, unit_kind(name), 'started', event.event_time.ToDatetime().replace(tzinfo=UTC))
+    elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+        attrs = event.activity_task_completed_event_attributes
+        unit = units.get(attrs.scheduled_event_id)
+        if unit is not None:
+            unit.status = 'done'
+            if unit.kind == 'model request':
+                try:
+                    unit.capabilities = loaded_capabilities_in(await client.data_converter.decode(attrs.result.payloads))
+                except Exception:  # noqa: BLE001, S110 - a result stored by reference: no capabilities to show
+                    pass
+    elif kind in (EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED, EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT):
+        attrs = (event.activity_task_failed_event_attributes if kind == EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED
+                 else event.activity_task_timed_out_event_attributes)
+        if (unit := units.get(attrs.scheduled_event_id)) is not None:
+            unit.status = 'failed'
 
 
 async def _memo_pending(handle: Any) -> list[PendingCall]:
