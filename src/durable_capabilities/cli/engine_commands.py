@@ -17,8 +17,10 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from pydantic import TypeAdapter, ValidationError
+from rich.text import Text
 
 from .. import runner
+from .._limits import one_line
 from ..agent import DurableAgent
 from ..engines import ENGINES, RunOptions, get
 from ..replay import replay_histories
@@ -435,7 +437,8 @@ def replay(
     try:
         failures = asyncio.run(replay_histories(files, agents, store=store))
     except ValueError as exc:
-        _unusable(str(exc))
+        _err.print(Text(f'durcap: error: {one_line(str(exc))}'))
+        _exit_now(2)  # a replayer that timed out may still hold a native thread: leave without finalizers
     for failure in failures:
         _out.print(f'[red]nondeterminism[/red] {failure.format()}', markup=True)
     _err.print(f'{len(files) - len(failures)} of {len(files)} histories replay')
