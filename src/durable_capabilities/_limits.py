@@ -15,6 +15,7 @@ in an order other than the stored one, CVE-2021-42574 "Trojan Source") become vi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -230,3 +231,36 @@ def replay_timeout() -> float:
     except ValueError:
         return REPLAY_TIMEOUT
     return value if value > 0 else REPLAY_TIMEOUT
+
+
+# ---- files we create ---------------------------------------------------------------------------------
+
+
+def private_dir(path: str | Path) -> Path:
+    """Create folder `path` (and missing parents) readable by its owner only (0700); returns it.
+
+    Folders that already exist are left as they are, except a `.durcap` folder (ours: it holds the
+    conversation store and the DBOS system database), which is set to 0700.
+    """
+    path = Path(path)
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(mode=0o700)
+        os.chmod(folder, 0o700)  # mkdir's mode is filtered by the umask
+    if path.name == '.durcap' and path.is_dir() and not missing:
+        with contextlib.suppress(PermissionError):
+            os.chmod(path, 0o700)
+    return path
+
+
+def private_file(path: str | Path) -> Path:
+    """Create the empty file `path` (its folder with `private_dir`) readable and writable by its owner only
+    (0600) unless it exists; returns it. SQLite creates a database's `-wal` and `-shm` files with the
+    database file's permissions, so creating the file first keeps them private too."""
+    path = Path(path)
+    private_dir(path.parent)
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        os.chmod(path, 0o600)
+    return path

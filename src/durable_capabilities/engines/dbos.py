@@ -41,6 +41,7 @@ from pydantic_ai.toolsets import AbstractToolset, FunctionToolset, WrapperToolse
 from pydantic_core import to_jsonable_python
 
 from .. import _registry, _upstream
+from .._limits import private_file
 from ..approvals import (
     ApprovalError,
     ApprovalGate,
@@ -197,10 +198,14 @@ def _mcp_defaults(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> lis
 
 
 def system_database_url(url: str | None = None) -> str:
-    """`url`, or SQLite at `.durcap/dbos.sqlite` (folder created, WAL journal mode)."""
+    """`url`, or SQLite at `.durcap/dbos.sqlite` (folder created 0700, file 0600, WAL journal mode). A SQLite
+    `url` naming a file that does not exist yet gets the same private folder and file."""
     if url:
+        parsed = url.split('?', 1)[0]
+        if parsed.startswith('sqlite:///') and parsed[len('sqlite:///'):] not in ('', ':memory:'):
+            private_file(parsed[len('sqlite:///'):])
         return url
-    DEFAULT_SQLITE_PATH.parent.mkdir(parents=True, exist_ok=True)
+    private_file(DEFAULT_SQLITE_PATH)
     # WAL journal mode (persistent in the file): each step commit no longer syncs the whole journal,
     # measured 1.5-2.1 ms per step against 2-16 ms under other I/O in the default mode.
     with closing(sqlite3.connect(DEFAULT_SQLITE_PATH)) as conn:

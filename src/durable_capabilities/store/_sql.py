@@ -27,6 +27,7 @@ from sqlalchemy import event as sa_event
 from sqlalchemy import exc as sa_exc
 
 from .. import store
+from .._limits import private_file
 from . import (
     AppendIdReuseError,
     AppendResult,
@@ -158,7 +159,7 @@ class _SQLBackend:
                 if not path.exists():
                     if not self.create:
                         raise StoreUnavailableError(f'no conversation store at {self.display_url} (file {path} does not exist)')
-                    path.parent.mkdir(parents=True, exist_ok=True)
+                    private_file(path)  # 0600 in a 0700 folder: conversations hold users' messages
             try:
                 self._migrate()
             except sa_exc.DBAPIError as exc:
