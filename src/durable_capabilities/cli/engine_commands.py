@@ -20,7 +20,7 @@ from pydantic import TypeAdapter, ValidationError
 from rich.text import Text
 
 from .. import runner
-from .._limits import one_line
+from .._limits import INPUT_CODE, InputError, load_json, one_line, printable
 from ..agent import DurableAgent
 from ..engines import ENGINES, RunOptions, get
 from ..replay import replay_histories
@@ -36,6 +36,7 @@ from . import (
     _unusable,
     _valid_agents,
     app,
+    database_url,
     engine_metavar,
     engine_name,
 )
@@ -75,12 +76,46 @@ def _one_agent(target: str, *, use_lock: bool = False) -> DurableAgent[Any, Any]
 
 
 def _deps(agent: DurableAgent[Any, Any], deps_json: str | None) -> Any:
+    """`--deps-json` validated into the agent's `deps_type` (bounded: `_limits.MAX_JSON_ARG_BYTES`, `MAX_DEPTH`);
+    exit 2 (code DC040) on anything else, naming the agent, the field and the expected type."""
     if deps_json is None:
         return None
+    name = printable(repr(agent.name))
+    if agent.deps_type is type(None):
+        _unusable(f'{INPUT_CODE} --deps-json: agent {name} takes no deps (no deps_type): drop --deps-json')
     try:
-        return TypeAdapter(agent.deps_type).validate_json(deps_json)
+        value = load_json(deps_json, where='--deps-json')
+        return TypeAdapter(agent.deps_type).validate_python(value)
+    except InputError as exc:
+        _unusable(f'{exc} (agent {name} takes {agent.deps_type.__name__})')
     except ValidationError as exc:
-        _unusable(f'--deps-json does not match {agent.deps_type.__name__}: {exc.errors()[0]["msg"]} at {exc.errors()[0]["loc"]}')
+        first = exc.errors()[0]
+        where = '.'.join(map(str, first['loc'])) or '(the whole value)'
+        _unusable(f'{INPUT_CODE} --deps-json does not match {agent.deps_type.__name__} (agent {name}): '
+                  f'{printable(where)}: {one_line(first["msg"])}')
+
+
+def _failure(agent: DurableAgent[Any, Any], engine: str, exc: BaseException) -> str:
+    """`durcap run`'s one line for a failed run: our words first (the agent, the engine, the capability whose
+    durable unit failed when the error names one), then the engine's error and the innermost cause."""
+    chain: list[BaseException] = []
+    cause: BaseException | None = exc
+    while cause is not None and cause not in chain and len(chain) < 50:
+        chain.append(cause)
+        nested = getattr(cause, 'errors', None) or getattr(cause, 'exceptions', None)
+        nested = nested[-1] if isinstance(nested, (list, tuple)) and nested and isinstance(nested[-1], BaseException) else None
+        cause = cause.__cause__ or nested or (None if cause.__suppress_context__ else cause.__context__)
+    innermost = chain[-1]
+    text = ' '.join(str(e) for e in chain)
+    owner = ''
+    for cap, leaves in agent.leaf_ids().items():
+        if any(f'__{leaf}__' in text or f'__{leaf}.' in text or f'toolset__{leaf}' in text for leaf in leaves):
+            owner = f' in capability {cap!r}'
+            break
+    line = (f'agent {agent.name!r} failed on {engine}{owner}: {type(exc).__name__}: {one_line(str(exc))}')
+    if innermost is not exc:
+        line += f'; cause: {type(innermost).__name__}: {one_line(str(innermost))}'
+    return printable(line)
 
 
 def _temporal_address(address: str | None) -> str | None:
@@ -160,8 +195,8 @@ def run(
     agent = _one_agent(target, use_lock=engine != 'local')
     if conversation is not None and not conversation.strip():
         _unusable('--conversation must not be empty')
-    if db is not None and not db.startswith(('sqlite:', 'postgresql:', 'postgres:', 'postgresql+')):
-        _unusable(f'--db must be a sqlite:/// or postgresql:// URL, not {db.split(":", 1)[0]!r}')
+    store = database_url(store, '--store')
+    db = database_url(db, '--db', probe=engine == 'dbos')
     if deps_json is None and agent.deps_type is not type(None):
         _unusable(f'{agent.name!r} takes deps of type {agent.deps_type.__name__}: pass them with --deps-json')
     if store:
@@ -183,12 +218,7 @@ def run(
         _err.print(_interrupted(engine, started[0] if started else None, target, address=address, db=db), markup=False)
         _exit_now(130)
     except Exception as exc:  # noqa: BLE001 - the run failed in the engine: one line, no traceback
-        cause = exc
-        while cause.__cause__ is not None:
-            cause = cause.__cause__
-        detail = str(cause).splitlines()[0] if str(cause) else ''
-        _err.print(f'durcap: error: the run failed on {engine}: {type(exc).__name__}; cause: '
-                   f'{type(cause).__name__}: {detail}')
+        _err.print(Text(f'durcap: error: {_failure(agent, engine, exc)}'))
         _exit_now(1)
     _print_run(report)
 
@@ -310,6 +340,8 @@ def _worker_command(engine: str) -> Any:
         agents = _valid_agents(target, use_lock=True, lock=lock, allow_drift=allow_drift, refused='worker not started: '
                                'fix the errors above' + ('' if allow_drift else ' (or pass --allow-drift on lockfile drift)'))
         address = _temporal_address(address) or '127.0.0.1:7233'
+        store = database_url(store, '--store')
+        db = database_url(db, '--db', probe=engine == 'dbos')
         if store:
             os.environ['DURCAP_STORE'] = store  # the conversation units run in this process
         settings = {'address': address, 'task_queue': task_queue, 'namespace': namespace,
@@ -376,13 +408,13 @@ def _schedule_command(engine: str) -> Any:
         if len(agents) != 1:
             _unusable(f'{target} names {len(agents)} agents; name one')
         agent = agents[0]
-        deps = json.loads(deps_json) if deps_json else None
-        _deps(agent, deps_json)  # validates
+        _deps(agent, deps_json)  # validates (exit 2 on bad deps)
+        deps = json.loads(deps_json) if deps_json else None  # what every run gets, as JSON data
         try:
             get(engine).serve_schedule(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval,
                                        deps=deps, deployment_name=name, notify=_err.print)
-        except RuntimeError as exc:
-            _unusable(str(exc).splitlines()[0])
+        except (RuntimeError, ValueError) as exc:
+            _unusable(str(exc))
 
     schedule.__name__ = f'schedule_{engine}'
     return schedule
@@ -434,6 +466,7 @@ def replay(
 ) -> None:
     """Replay recorded Temporal histories against TARGET; exit 1 naming what changed when one does not replay."""
     agents = _valid_agents(target)
+    store = database_url(store, '--store')
     try:
         failures = asyncio.run(replay_histories(files, agents, store=store))
     except ValueError as exc:

@@ -567,8 +567,10 @@ class DBOSAdapter(EngineAdapter):
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
 
         workflow_fn = agent_workflow(agent)
+        # log_level ERROR: a step retry logs a WARNING with the whole traceback each attempt; a one-shot run reports
+        # its failure once, in `durcap run`'s own line (capability, error, innermost cause).
         launch('durcap', system_database_url_=options.setting('db'), one_shot=True,
-               executor_id=options.setting('executor_id'))
+               executor_id=options.setting('executor_id'), log_level='ERROR')
         try:
             workflow_id = options.run_id or f'{agent.name}-{uuid.uuid4()}'
             options.started(workflow_id, f'dbos workflow id: {workflow_id} (executor {DBOS.executor_id})')

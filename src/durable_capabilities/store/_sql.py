@@ -146,7 +146,15 @@ class _SQLBackend:
             if write:
                 conn.execution_options(durcap_write=True)
             with conn.begin():
-                yield conn
+                try:
+                    yield conn
+                except (sa_exc.OperationalError, sa_exc.ProgrammingError) as exc:
+                    if 'no such table' not in str(exc) and 'UndefinedTable' not in type(exc.orig).__name__:
+                        raise
+                    raise StoreUnavailableError(
+                        f'the conversation store {self.display_url} is damaged: {_first_line(exc)}. Nothing was '
+                        'changed; restore the database from a backup.'
+                    ) from None
 
     def _ensure_ready(self) -> None:
         if self._ready:
