@@ -159,7 +159,7 @@ class _BoundedLoader(yaml.SafeLoader):
     max_depth = MAX_DEPTH
     _depth = 0
 
-    def compose_node(self, parent: Any, index: Any) -> Any:  # noqa: D102 - PyYAML's hook
+    def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise yaml.constructor.ConstructorError(
@@ -194,6 +194,7 @@ def load_yaml(text: str, *, where: str) -> Any:
 # ---- output ------------------------------------------------------------------------------------------
 
 _UNSAFE = re.compile('[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]')
+_UNSAFE_KEEP_LINES = re.compile('[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]')
 _NAMED = {'\n': '\\n', '\r': '\\r', '\t': '\\t', '\x1b': '\\x1b'}
 
 
@@ -205,15 +206,21 @@ def _escape(match: re.Match[str]) -> str:
     return f'\\x{code:02x}' if code < 0x100 else f'\\u{code:04x}'
 
 
-def printable(value: object) -> str:
+def printable(value: object, *, keep_newlines: bool = False) -> str:
     """`str(value)` with every C0 and C1 control character (newline and tab too), DEL, and every Unicode
     bidirectional mark, embedding, override and isolate (U+061C, U+200E, U+200F, U+202A-U+202E,
     U+2066-U+2069) replaced by a visible escape (`\\x1b`, `\\u202e`), so text from ids, stored rows and
     user input cannot move the cursor, recolour the terminal or reorder what is shown.
 
+    Args:
+        value: Anything; `str(value)` is escaped.
+        keep_newlines: Keep `\n` and `\t` as they are (a multi-line answer), escaping the rest.
+
     Use it on anything echoed to a terminal that did not come from this package's own literals. Rich
     markup in the result is not escaped: print it as `rich.text.Text` or with `markup=False`.
     """
+    if keep_newlines:
+        return _UNSAFE_KEEP_LINES.sub(_escape, str(value))
     return _UNSAFE.sub(_escape, str(value))
 
 

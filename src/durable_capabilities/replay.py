@@ -23,6 +23,10 @@ from .agent import DurableAgent
 from .engines import ENGINES
 
 
+class ReplayTimeout(InputError):
+    """A history did not replay within `_limits.replay_timeout()` seconds (the replayer may still hold a thread)."""
+
+
 @dataclass
 class ReplayFailure:
     """One history that does not replay.
@@ -127,7 +131,7 @@ async def _replay_one(replayer: Any, history: dict[str, Any], workflow_id: str, 
     done, _ = await asyncio.wait({waiting}, timeout=timeout)
     if not done:
         waiting.cancel()
-        raise InputError(where, f'the history did not replay within {timeout:g} s (DURCAP_REPLAY_TIMEOUT); the '
+        raise ReplayTimeout(where, f'the history did not replay within {timeout:g} s (DURCAP_REPLAY_TIMEOUT); the '
                          'Temporal replayer is stuck on it. Export the history again.')
     try:
         return waiting.result()
@@ -153,11 +157,11 @@ async def replay_histories(
         InputError (a ValueError, code DC040): a file is not a whole Temporal history JSON, is over a bound,
             or did not replay in time.
     """
+    histories = [(str(Path(path)), *read_history(path)) for path in paths]
     adapter = next((a for a in ENGINES.values() if 'history' in a.features and a.available()), None)
     replayer = adapter.replayer(agents, store=store) if adapter is not None else None
     if replayer is None:
         raise ValueError('no installed engine replays recorded histories (pip install "durable-capabilities[temporal]")')
-    histories = [(str(Path(path)), *read_history(path)) for path in paths]
     failures: list[ReplayFailure] = []
     for where, workflow_id, history in histories:
         error = await _replay_one(replayer, history, workflow_id, where)

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -23,7 +24,7 @@ from .. import runner
 from .._limits import INPUT_CODE, InputError, load_json, one_line, printable
 from ..agent import DurableAgent
 from ..engines import ENGINES, RunOptions, get
-from ..replay import replay_histories
+from ..replay import ReplayTimeout, replay_histories
 from ..savings import compare_first_request
 from ..store import StoreError
 from ..targets import TARGET_HELP
@@ -112,6 +113,11 @@ def _failure(agent: DurableAgent[Any, Any], engine: str, exc: BaseException) -> 
         if any(f'__{leaf}__' in text or f'__{leaf}.' in text or f'toolset__{leaf}' in text for leaf in leaves):
             owner = f' in capability {cap!r}'
             break
+    if not owner:  # an in-process run: the tool function is on the innermost error's stack
+        frames = {frame.f_code.co_name for frame, _ in traceback.walk_tb(innermost.__traceback__)}
+        by_tool, _ = agent.tool_names_by_capability()  # {tool: {capability ids}}
+        owner = next((f' in capability {", ".join(map(repr, sorted(caps)))} (tool {tool!r})'
+                      for tool, caps in sorted(by_tool.items()) if tool in frames and caps), '')
     line = (f'agent {agent.name!r} failed on {engine}{owner}: {type(exc).__name__}: {one_line(str(exc))}')
     if innermost is not exc:
         line += f'; cause: {type(innermost).__name__}: {one_line(str(innermost))}'
@@ -144,13 +150,13 @@ def _print_run(report: RunReport) -> None:
     """Print a run's answer, loaded capabilities, durable units (in the engine's words) and usage."""
     adapter = _adapter(report.engine)
     if report.run_id:
-        _err.print(f'{adapter.run_id_label}: {report.run_id}')
-    _out.print(f'[bold]answer[/bold] ({report.engine}): {report.output}')
-    _out.print(f'capabilities loaded in this run: {", ".join(report.loaded_capabilities()) or "none"}')
+        _err.print(Text(printable(f'{adapter.run_id_label}: {report.run_id}')))
+    _out.print(Text.assemble(('answer', 'bold'), f' ({report.engine}): {printable(report.output, keep_newlines=True)}'))
+    _out.print(Text(printable(f'capabilities loaded in this run: {", ".join(report.loaded_capabilities()) or "none"}')))
     if report.durable_units:
         _out.print(f'durable units recorded ({adapter.units}, in order):')
         for name in report.durable_units:
-            _out.print(f'  {name}')
+            _out.print(Text(printable(f'  {name}')))
     _out.print(f'usage: {report.usage.requests} requests, {report.usage.input_tokens} input tokens, '
                f'{report.usage.output_tokens} output tokens')
 
@@ -469,9 +475,11 @@ def replay(
     store = database_url(store, '--store')
     try:
         failures = asyncio.run(replay_histories(files, agents, store=store))
-    except ValueError as exc:
+    except ReplayTimeout as exc:
         _err.print(Text(f'durcap: error: {one_line(str(exc))}'))
-        _exit_now(2)  # a replayer that timed out may still hold a native thread: leave without finalizers
+        _exit_now(2)  # the replayer that timed out may still hold a native thread: leave without finalizers
+    except ValueError as exc:
+        _unusable(str(exc))
     for failure in failures:
         _out.print(f'[red]nondeterminism[/red] {failure.format()}', markup=True)
     _err.print(f'{len(files) - len(failures)} of {len(files)} histories replay')

@@ -19,6 +19,7 @@ from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ModelRe
 from pydantic_ai.usage import RequestUsage
 from pydantic_core import to_jsonable_python
 
+from .._limits import printable
 from ..store import (
     DEFAULT_URL,
     SQLConversationStore,
@@ -166,7 +167,8 @@ def _text(summary: dict[str, Any], messages: list[ModelMessage]) -> str:
         for index, part in enumerate(message.parts):
             head = f'{position:>5} {message.kind:<8}' if index == 0 else ' ' * 14
             lines.append(f'{head} {_clip(_describe(part))}')
-    return '\n'.join(lines)
+    # Ids, tool names, arguments and contents come from the store: escape control and bidi characters.
+    return '\n'.join(printable(line) for line in lines)
 
 
 def _describe(part: Any) -> str:
@@ -193,7 +195,7 @@ def _clip(text: str) -> str:
 
 
 def _unusable(message: str) -> NoReturn:
-    typer.echo(f'error: {_flat(message)}', err=True)
+    typer.echo(f'error: {printable(_flat(message))}', err=True)
     raise typer.Exit(2)
 
 

@@ -14,7 +14,9 @@ from typing import Annotated, Any
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
+from .._limits import printable
 from ..targets import TARGET_HELP
 from . import _err, _out, _unusable, _valid_agents, app, engine_metavar, engine_name
 
@@ -57,14 +59,14 @@ def _engines(engine: str | None) -> list[Any]:
 
 def _problem(adapter: Any, exc: BaseException) -> str:
     detail = str(exc).splitlines()[0] if str(exc) else ''
-    return f'{adapter.name}: cannot read runs: {type(exc).__name__}: {detail}'
+    return printable(f'{adapter.name}: cannot read runs: {type(exc).__name__}: {detail}')
 
 
 def _row(info: Any) -> list[str]:
     started = info.started_at.strftime('%Y-%m-%d %H:%M:%S') if info.started_at else '-'
     units = '-' if info.units_done is None else str(info.units_done)
-    return [info.run_id, info.engine, info.agent or '-', info.status, started, ', '.join(info.capabilities) or '-',
-            info.conversation_id or '-', units]
+    return [printable(cell) for cell in (info.run_id, info.engine, info.agent or '-', info.status, started,
+                                         ', '.join(info.capabilities) or '-', info.conversation_id or '-', units)]
 
 
 def _print_runs(infos: list[Any], fmt: RunsFormat) -> None:
@@ -78,7 +80,7 @@ def _print_runs(infos: list[Any], fmt: RunsFormat) -> None:
     table.add_column('id', no_wrap=True, min_width=max((len(str(i.run_id)) for i in infos), default=2))
     table.columns.insert(0, table.columns.pop())
     for info in infos:
-        table.add_row(*_row(info))
+        table.add_row(*map(Text, _row(info)))
     _out.print(table)
 
 
@@ -123,7 +125,7 @@ def _find(run_id: str, engine: str | None, settings: dict[str, Any]) -> tuple[An
         except Exception as exc:  # noqa: BLE001 - unreachable engine: say so, try the next
             problems.append(_problem(adapter, exc))
     for problem in problems:
-        _err.print(problem, markup=False)
+        _err.print(printable(problem), markup=False)
     _unusable(f'no run {run_id!r} found' + ('' if engine else ' on any engine (pass --engine and its connection options)'))
 
 
@@ -144,12 +146,12 @@ def show(
     for label, value in zip(('id', 'engine', 'agent', 'status', 'started (UTC)', 'capabilities loaded', 'conversation',
                              'units done'), _row(info), strict=True):
         _out.print(f'{label}: {value}', markup=False)
-    _out.print(f'engine status: {info.engine_status}', markup=False)
+    _out.print(printable(f'engine status: {info.engine_status}'), markup=False)
     for key, value in info.detail.items():
         if value not in (None, '', False):
-            _out.print(f'{key}: {value}', markup=False)
+            _out.print(printable(f'{key}: {value}'), markup=False)
     for note in info.notes:
-        _out.print(f'note: {note}', markup=False)
+        _out.print(printable(f'note: {note}'), markup=False)
 
 
 @runs_app.command('cancel')
@@ -164,7 +166,7 @@ def cancel(
     settings = _settings(db, address, namespace)
     adapter, _ = _find(run_id, engine, settings)
     info = asyncio.run(adapter.cancel(run_id, settings))
-    _out.print(f'{info.run_id}: {info.status} ({info.engine_status})', markup=False)
+    _out.print(printable(f'{info.run_id}: {info.status} ({info.engine_status})'), markup=False)
 
 
 @runs_app.command('resume')

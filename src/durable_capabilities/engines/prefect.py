@@ -37,8 +37,8 @@ from pydantic_ai.messages import ModelMessagesTypeAdapter
 from pydantic_ai.tools import RunContext
 from pydantic_core import to_jsonable_python
 
-from .._limits import one_line, printable
 from .. import _registry
+from .._limits import one_line, printable
 from ..approvals import (
     ApprovalError,
     ApprovalGate,
