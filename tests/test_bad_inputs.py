@@ -560,7 +560,7 @@ def test_load_json_bounds_depth_exactly(value: Any) -> None:
     assert load_json(json.dumps(wrap([], MAX_DEPTH - 1)), where='x') == wrap([], MAX_DEPTH - 1)
 
 
-_YAML_ALPHABET = st.sampled_from(list('ab:-[]{}&*!|>\'"#,? \n\t0123') + ['!!python/object', '<<: *a', '&a ', '*a'])
+_YAML_ALPHABET = st.sampled_from([*'ab:-[]{}&*!|>\'"#,? \n\t0123', '!!python/object', '<<: *a', '&a ', '*a'])
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -81,7 +81,7 @@ def read_history(path: str | Path) -> tuple[str, dict[str, Any]]:
         raise InputError(where, f'cannot read the history: {exc.strerror or type(exc).__name__}.') from None
     history = raw.get('history', raw) if isinstance(raw, dict) else None
     events = history.get('events') if isinstance(history, dict) else None
-    if not isinstance(events, list) or not events:
+    if not isinstance(raw, dict) or not isinstance(history, dict) or not isinstance(events, list) or not events:
         raise InputError(where, 'not a Temporal history JSON (no `events` list). Export one with `durcap history export`.')
     for index, event in enumerate(events):
         if not isinstance(event, dict):
