@@ -88,7 +88,7 @@ def _deps(agent: DurableAgent[Any, Any], deps_json: str | None) -> Any:
         value = load_json(deps_json, where='--deps-json')
         return TypeAdapter(agent.deps_type).validate_python(value)
     except InputError as exc:
-        _unusable(f'{exc} (agent {name} takes {agent.deps_type.__name__})')
+        _unusable(f'{INPUT_CODE} --deps-json does not match {agent.deps_type.__name__} (agent {name}): {exc.reason}')
     except ValidationError as exc:
         first = exc.errors()[0]
         where = '.'.join(map(str, first['loc'])) or '(the whole value)'
