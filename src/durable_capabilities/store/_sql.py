@@ -59,6 +59,8 @@ from ._schema import (
 )
 
 _NO_LIMIT = 2**62
+PG_CONNECT_TIMEOUT = 10
+"""Seconds a PostgreSQL connection attempt may take (libpq `connect_timeout`), unless the URL sets its own."""
 _PG_MIGRATION_LOCK = 0x6475726361700001  # 'durcap' + 1: serializes migrations across processes
 
 
@@ -116,7 +118,10 @@ class _SQLBackend:
         self._lock = threading.Lock()
         if self.is_pg:
             try:
-                self.engine = sa.create_engine(url, pool_pre_ping=True)
+                # A bounded connect (unless the URL sets its own): an unreachable host fails in seconds, not at the
+                # operating system's TCP timeout (minutes).
+                timeout = {} if 'connect_timeout' in url.query else {'connect_timeout': PG_CONNECT_TIMEOUT}
+                self.engine = sa.create_engine(url, pool_pre_ping=True, connect_args=timeout)
             except ImportError:
                 raise StoreURLError(
                     f'{self.display_url} needs psycopg 3: pip install "durable-capabilities[postgres]"'
