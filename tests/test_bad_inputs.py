@@ -250,6 +250,8 @@ def _url_cases() -> list[Case]:
                           fragment))
         cases.append(Case(f'db-run-{name}', ['run', PLAIN, 'hi', '--engine', 'dbos', '--db', value], 2, fragment))
     cases += [
+        Case('db-demo-memory', ['demo', '--db', 'sqlite://'], 2, 'in-memory SQLite'),
+        Case('db-demo-unreachable', ['demo', '--db', 'postgresql://x@127.0.0.1:1/nope'], 2, 'cannot connect'),
         Case('db-run-unreachable', ['run', PLAIN, 'hi', '--engine', 'dbos', '--db', 'postgresql://x@127.0.0.1:1/nope'],
              2, 'cannot connect'),
         Case('db-worker-unreachable', ['worker', 'dbos', PLAIN, '--db', 'postgresql://x@127.0.0.1:1/nope'], 2,

@@ -248,6 +248,7 @@ def demo(
 
     Model: the scripted `FunctionModel` of examples/support/scripted.py unless --model is given.
     """
+    db = database_url(db, '--db', probe=engine == 'dbos')
     if model:
         os.environ['SUPPORT_MODEL'] = model
     target = demo_target()
