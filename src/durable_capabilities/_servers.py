@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+from ._limits import private_dir
+
 CAPABILITIES_SEARCH_ATTRIBUTE = 'DurcapCapabilities'
 """Temporal search attribute (KeywordList) holding a run's loaded capability ids; the dev servers started here
 register it. On another server: `temporal operator search-attribute create --name DurcapCapabilities --type KeywordList`."""
@@ -146,7 +148,7 @@ def start_temporal_dev_server(
         OSError: `port` (or `ui_port`) is already taken by another process.
     """
     state = Path(state_dir)
-    state.mkdir(parents=True, exist_ok=True)
+    private_dir(state)
     for taken in (port, ui_port):
         if taken and port_open('127.0.0.1', taken):
             raise OSError(f'port {taken} on 127.0.0.1 is already in use by another process (another Temporal server? '
@@ -190,7 +192,7 @@ def start_prefect_server(*, port: int | None = None, home: str | Path = '.durcap
         A `ServerProcess` whose `address` is the API URL `http://127.0.0.1:PORT/api`.
     """
     home_path = Path(home).resolve()
-    home_path.mkdir(parents=True, exist_ok=True)
+    private_dir(home_path)
     port = port or free_port()
     api = f'http://127.0.0.1:{port}/api'
     env = dict(os.environ, PREFECT_HOME=str(home_path), PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED='false',

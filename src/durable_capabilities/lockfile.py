@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
+from ._limits import MAX_LOCK_BYTES, InputError, load_yaml, one_line, printable, read_bytes
 from .agent import DurableAgent
 from .engines import ENGINES
 from .validation import DurableConfigError, Problem, Report
@@ -67,9 +69,16 @@ def lock_data(agents: Sequence[DurableAgent[Any, Any]]) -> dict[str, Any]:
     return data
 
 
+class _NoAliasDumper(yaml.SafeDumper):
+    """Never writes anchors and aliases (`read_lock` refuses them), even for a list shared by two entries."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def dump_lock(data: dict[str, Any]) -> str:
-    return '# durable.lock: durable unit names are compatibility data. Regenerate with `durcap lock`.\n' + yaml.safe_dump(
-        data, sort_keys=True, default_flow_style=False, width=200
+    return '# durable.lock: durable unit names are compatibility data. Regenerate with `durcap lock`.\n' + yaml.dump(
+        data, Dumper=_NoAliasDumper, sort_keys=True, default_flow_style=False, width=200
     )
 
 
@@ -81,29 +90,88 @@ def write_lock(agents: Sequence[DurableAgent[Any, Any]], path: str | Path = DEFA
 
 
 class LockfileError(ValueError):
-    """The lockfile cannot be read (missing, not YAML, or written by a newer lock format)."""
+    """The lockfile cannot be read (missing, not YAML, over a bound, wrong shape, or a newer lock format).
+
+    The message is one line; for a bound or a wrong shape it starts with code DC040 (`validation.CODES`).
+    """
+
+
+Names = list[StrictStr]
+
+
+class LockedAgent(BaseModel):
+    """One agent of a lockfile (`lock_data`): its ids and tool names, and per engine `{section: [names]}`."""
+
+    model_config = ConfigDict(extra='allow')
+    __pydantic_extra__: dict[str, dict[StrictStr, Names]] = Field(init=False)  # engine -> section -> names
+
+    capabilities: Names = []
+    leaf_toolsets: dict[StrictStr, Names] = {}
+    tools: Names = []
+    previous_names: Names = []
+    aliases: dict[StrictStr, StrictStr] = {}
+
+
+class Lockfile(BaseModel):
+    """The shape of `durable.lock`; `read_lock` validates a file against it before anything reads it."""
+
+    model_config = ConfigDict(extra='allow')
+
+    lock_version: StrictInt = Field(ge=1)
+    generated_by: dict[StrictStr, StrictStr | None] = {}
+    agents: dict[StrictStr, LockedAgent]
+
+
+def _shape_error(path: Path, exc: ValidationError) -> LockfileError:
+    """One line naming the first wrong field of the lockfile (`agents.support.temporal.activities.0`)."""
+    first = exc.errors()[0]
+    where = '.'.join(str(part) for part in first['loc']) or '(top level)'
+    return LockfileError(
+        f'DC040 {printable(path)}: not a durable.lock file: `{printable(where)}` {one_line(first["msg"])} '
+        f'({exc.error_count()} problem(s)); regenerate it with `durcap lock`'
+    )
 
 
 def read_lock(path: str | Path) -> dict[str, Any]:
-    """Parse a lockfile.
+    """Parse and validate a lockfile (at most `_limits.MAX_LOCK_BYTES`, no YAML aliases, nested at most
+    `_limits.MAX_DEPTH` deep, the shape of `Lockfile`).
+
+    Returns:
+        The lockfile as plain data (`Lockfile.model_dump()`: every agent has every list, possibly empty).
 
     Raises:
-        LockfileError: missing file, invalid YAML, wrong shape, or `lock_version` newer than this package.
+        LockfileError: missing or unreadable file, not a regular file, too large, invalid YAML, an alias, too
+            deep, wrong shape, or `lock_version` newer than this package (or not a positive integer).
     """
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding='utf-8'))
+        text = read_bytes(path, limit=MAX_LOCK_BYTES, what='lockfile').decode('utf-8')
+        data = load_yaml(text, where=str(path))
     except FileNotFoundError:
-        raise LockfileError(f'{path}: no such lockfile; create it with `durcap lock`') from None
+        raise LockfileError(f'{printable(path)}: no such lockfile; create it with `durcap lock`') from None
+    except InputError as exc:
+        raise LockfileError(str(exc)) from None
     except (IsADirectoryError, UnicodeDecodeError, PermissionError) as exc:
-        raise LockfileError(f'{path}: cannot read it as a lockfile ({type(exc).__name__})') from None
+        raise LockfileError(f'{printable(path)}: cannot read it as a lockfile ({type(exc).__name__})') from None
     except yaml.YAMLError as exc:
-        raise LockfileError(f'{path}: not valid YAML ({str(exc).splitlines()[0]})') from None
+        mark = getattr(exc, 'problem_mark', None)
+        line = f' line {mark.line + 1}' if mark is not None else ''
+        reason = getattr(exc, 'problem', None) or str(exc)
+        raise LockfileError(f'DC040 {printable(path)}:{line}: not valid YAML ({one_line(reason)})') from None
+    except (ValueError, TypeError) as exc:  # a value PyYAML parses but cannot build (`!!int abc`)
+        raise LockfileError(f'DC040 {printable(path)}: not valid YAML ({one_line(str(exc))})') from None
     if not isinstance(data, dict) or not isinstance(data.get('agents'), dict):
-        raise LockfileError(f'{path}: not a durable.lock file (no `agents` mapping)')
-    if not isinstance(data.get('lock_version'), int) or data['lock_version'] > LOCK_VERSION:
-        raise LockfileError(f'{path}: lock_version {data.get("lock_version")!r} is not supported by this version')
-    return data
+        raise LockfileError(f'{printable(path)}: not a durable.lock file (no `agents` mapping)')
+    version = data.get('lock_version')
+    if type(version) is not int or version < 1 or version > LOCK_VERSION:
+        raise LockfileError(
+            f'DC040 {printable(path)}: lock_version {printable(repr(version))[:40]} is not supported by this version '
+            f'(it reads lock_version 1 to {LOCK_VERSION}); regenerate it with `durcap lock`'
+        )
+    try:
+        return Lockfile.model_validate(data).model_dump()
+    except ValidationError as exc:
+        raise _shape_error(path, exc) from None
 
 
 def _owner_hint(name: str, old_agent: dict[str, Any], agent_name: str) -> str:

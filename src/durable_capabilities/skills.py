@@ -1,8 +1,9 @@
 """Markdown skills (YAML front matter `id`, `description`; body = instructions) as deferred capabilities.
 
 The format is the one Anthropic Agent Skills use and the seed's "Loading skills from Markdown files"
-shows. A malformed file never raises: it becomes an `InvalidSkill` placeholder that `DurableAgent`
-reports as problem DC016 with the file name and line.
+shows. Loading never raises: a malformed file, one that is not a regular file (a FIFO would block a read
+forever), one over `_limits.MAX_SKILL_BYTES`, or a folder that cannot be listed becomes an `InvalidSkill`
+placeholder that `DurableAgent` reports as problem DC016 with the file name and line.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import yaml
 from pydantic_ai.capabilities import AbstractCapability, Capability
 
+from ._limits import MAX_SKILL_BYTES, InputError, load_yaml, printable, read_bytes
 from .ids import id_syntax_error
 from .validation import Problem
 
@@ -71,9 +73,11 @@ def load_skill(path: str | Path) -> Capability[Any] | InvalidSkill:
     """
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        raw = read_bytes(path, limit=MAX_SKILL_BYTES, what='skill file')
+    except InputError as exc:
+        return _invalid(path, 1, f'{exc.reason}', 'Keep skill files as regular Markdown files of at most 1 MiB.')
     except OSError as exc:
-        return _invalid(path, 1, f'cannot read the file: {exc.strerror}.', 'Check the path and permissions.')
+        return _invalid(path, 1, f'cannot read the file: {exc.strerror or type(exc).__name__}.', 'Check the path and permissions.')
     if raw.startswith(b'\xef\xbb\xbf'):
         return _invalid(
             path, 1, 'the file starts with a UTF-8 byte-order mark, which hides the opening `---`.',
@@ -99,7 +103,7 @@ def load_skill(path: str | Path) -> Capability[Any] | InvalidSkill:
     except StopIteration:
         return _invalid(path, 1, 'the front matter opened with `---` is never closed.', 'Add a `---` line after the YAML.')
     try:
-        meta = yaml.safe_load('\n'.join(lines[1:end]))
+        meta = load_yaml('\n'.join(lines[1:end]), where=str(path))
     except yaml.YAMLError as exc:
         # Marks count lines from 0 inside the front matter, which starts on file line 2.
         mark = getattr(exc, 'problem_mark', None)
@@ -149,15 +153,22 @@ def load_skills(directory: str | Path, pattern: str = '*.md') -> list[Capability
     Returns:
         One entry per file: a deferred `Capability`, or an `InvalidSkill` (problem DC016) for a malformed
         file or a second file with an id already taken. Pass them to `DurableAgent(capabilities=[...])`.
-        A missing directory yields one `InvalidSkill`.
+        A missing directory, or one that cannot be listed, yields one `InvalidSkill`.
+
+    Never raises (for any directory, pattern or file content): every problem is an `InvalidSkill`.
     """
     directory = Path(directory)
-    if not directory.is_dir():
-        what = 'is a file, not a directory' if directory.exists() else 'does not exist'
-        return [_invalid(directory, 1, f'the skills directory {what}.', 'Create it or fix the path.')]
+    try:
+        if not directory.is_dir():
+            what = 'is a file, not a directory' if directory.exists() else 'does not exist'
+            return [_invalid(directory, 1, f'the skills directory {what}.', 'Create it or fix the path.')]
+        paths = sorted(directory.glob(pattern))
+    except (OSError, ValueError, NotImplementedError) as exc:
+        return [_invalid(directory, 1, f'cannot list the skills directory with pattern {printable(repr(pattern))}: '
+                         f'{printable(getattr(exc, "strerror", None) or exc)}.', 'Check the path, its permissions and the pattern.')]
     result: list[Capability[Any] | InvalidSkill] = []
     seen: dict[str, str] = {}
-    for path in sorted(directory.glob(pattern)):
+    for path in paths:
         skill = load_skill(path)
         if isinstance(skill, Capability):
             source = skill._durcap_skill_source  # type: ignore[attr-defined]

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from . import _registry
+from ._limits import printable
 from .agent import DurableAgent, validate_together
 from .lockfile import DEFAULT_LOCK_NAME, LockfileError, diff_lock, read_lock
 from .validation import DurableConfigError, Problem, Report
@@ -38,6 +39,10 @@ TARGET_HELP = (
     '`pkg.module` / `path/to/module.py` (every DurableAgent in it). durable.lock is read and written beside '
     "the module's file."
 )
+
+
+MAX_TARGET_CHARS = 1024
+"""Longest TARGET accepted (Linux paths are at most 4,096 bytes; a module path and attribute fit in far less)."""
 
 
 class UnusableTarget(Exception):
@@ -190,6 +195,9 @@ def load(target: str) -> Target:
         DurableConfigError: the import itself failed because of a definition error (code using a broken
             definition at import time); `.report` has every problem collected.
     """
+    if len(target) > MAX_TARGET_CHARS or printable(target) != target:
+        raise UnusableTarget(f"DC040 TARGET '{printable(target[:80])}{'...' if len(target) > 80 else ''}' is not a "
+                             f'module or file name: at most {MAX_TARGET_CHARS} characters, no control characters')
     module_part, sep, attr = target.rpartition(':')
     if not sep:
         module_part, attr = target, ''

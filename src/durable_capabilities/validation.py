@@ -236,6 +236,12 @@ CODES: dict[str, Code] = {
         'error',
         written_by='store._claim_check',
     ),
+    'DC040': Code(
+        'An input is unusable: over a size, nesting, expansion or time bound, not a regular file, of the wrong '
+        'shape, or an unusable option value.',
+        'error',
+        written_by='_limits',
+    ),
 }
 """Every code: its one-line summary (each value is that string), severity, and message and fix templates.
 

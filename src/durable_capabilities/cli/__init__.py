@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .._limits import INPUT_CODE, one_line, printable
 from ..agent import DurableAgent
 from ..engines import ALL_ENGINES, DURABLE_ENGINES
 from ..lockfile import write_lock
@@ -72,8 +73,56 @@ class SavingsFormat(str, Enum):
 
 
 def _unusable(message: str) -> NoReturn:
-    _err.print(Text(f'durcap: error: {message}'))
+    """Print `durcap: error: <message>` (one line, control and bidi characters escaped) and exit 2."""
+    _err.print(Text(f'durcap: error: {one_line(message)}'))
     raise typer.Exit(2)
+
+
+_MEMORY = (None, '', ':memory:')
+
+
+def database_url(value: str | None, option: str, *, probe: bool = False) -> str | None:
+    """A `--store` / `--db` value checked before anything uses it: None stays None (the default applies).
+
+    Args:
+        value: The option's value.
+        option: Its name, for the message.
+        probe: Connect to a PostgreSQL URL once (5 s timeout), so an unreachable server is one line here
+            instead of an engine's traceback later.
+
+    Exits 2 (code DC040) when the value is empty, not a `sqlite:///` or `postgresql://` URL, an in-memory SQLite
+    database (gone when the command exits: a run's conversation or workflow would be lost), or (with `probe`) a
+    PostgreSQL server that cannot be reached.
+    """
+    if value is None:
+        return None
+    import sqlalchemy as sa
+
+    shown = printable(repr(value))[:200]
+    fix = 'give sqlite:///path/to/file.db or postgresql://user@host:5432/database, or leave the option out'
+    if not value.strip():
+        _unusable(f'{INPUT_CODE} {option} is empty: {fix}')
+    try:
+        url = sa.make_url(value.replace('postgres://', 'postgresql://', 1))
+    except Exception:  # noqa: BLE001 - sqlalchemy raises ArgumentError and ValueError for malformed URLs
+        _unusable(f'{INPUT_CODE} {option} {shown} is not a database URL: {fix}')
+    backend = url.get_backend_name()
+    if backend == 'sqlite' and url.database in _MEMORY:
+        _unusable(f'{INPUT_CODE} {option} {shown} is an in-memory SQLite database, gone when this command exits: '
+                  'give a file, sqlite:///.durcap/conversations.db')
+    if backend not in ('sqlite', 'postgresql'):
+        _unusable(f'{INPUT_CODE} {option} {shown}: scheme {printable(url.drivername)!r} is not supported: {fix}')
+    if probe and backend == 'postgresql':
+        try:
+            engine = sa.create_engine(url.set(drivername='postgresql+psycopg'), connect_args={'connect_timeout': 5})
+            with engine.connect():
+                pass
+            engine.dispose()
+        except Exception as exc:  # noqa: BLE001 - the driver's reason, one line
+            cause = getattr(exc, 'orig', None) or exc
+            _unusable(f'{INPUT_CODE} {option} {printable(url.render_as_string(hide_password=True))}: cannot connect '
+                      f'({type(cause).__name__}: {one_line(str(cause))}); start the database or fix the URL')
+    return value
 
 
 # ---- check ------------------------------------------------------------------------------------
@@ -86,13 +135,14 @@ def _print_text(report: Report, subject: str) -> None:
         line = Text()
         line.append(f'{p.severity:<7}', style=_STYLE.get(p.severity, ''))
         line.append(f' {p.code} ', style='bold')
-        line.append(p.where, style='bold')
+        line.append(printable(p.where), style='bold')
         if p.engines:
             line.append(f' [{", ".join(p.engines)}]', style='dim')
-        line.append(f': {p.message} ')
-        line.append(f'Fix: {p.fix}', style='green')
+        line.append(f': {printable(p.message)} ')
+        line.append(f'Fix: {printable(p.fix)}', style='green')
         _out.print(line)
     errors, warnings = len(report.errors), len(report.warnings)
+    subject = printable(subject)
     summary = f'{subject}: {errors} error(s), {warnings} warning(s)' if len(report) else f'{subject}: no problems found'
     _out.print(Text(summary, style='bold red' if errors else 'bold green'))
 
@@ -120,12 +170,14 @@ def check(
     except DurableConfigError as exc:
         report = exc.report
         subject = exc.subject
+    except RecursionError:
+        _unusable(f'{INPUT_CODE} {printable(target)}: nested too deeply to check (RecursionError)')
     if engine:
         wanted = set(engine)
         report = Report([p for p in report if not p.engines or wanted.intersection(p.engines)])
     if format is CheckFormat.json:
         payload = json.loads(report.to_json())
-        payload = {'target': target, 'engines': list(engine or []), **payload}
+        payload = {'target': target, 'engines': list(engine or DURABLE_ENGINES), **payload}
         print(json.dumps(payload, indent=2))
     elif format is CheckFormat.github:
         if len(report):

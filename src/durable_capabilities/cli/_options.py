@@ -20,5 +20,9 @@ StoreOption = Annotated[str | None, typer.Option('--store', help=f'Conversation 
 
 
 def connection_settings(db: str | None, address: str | None, namespace: str, store: str | None = None) -> Settings:
-    """`Settings.resolve` of the flags given (`None`: not given)."""
-    return Settings.resolve(address=address, namespace=namespace, db=db, store=store)
+    """`Settings.resolve` of the flags given (`None`: not given), after `--db` and `--store` are checked as
+    `durcap run` checks them (exit 2, DC040, for an empty, in-memory or unsupported database URL)."""
+    from . import database_url
+
+    return Settings.resolve(address=address, namespace=namespace, db=database_url(db, '--db'),
+                            store=database_url(store, '--store'))

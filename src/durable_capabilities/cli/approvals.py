@@ -12,7 +12,9 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
+from .._limits import InputError, load_json, printable
 from ..approvals import ApprovalError, PendingCall
 from . import _err, _out, app, engine_metavar, engine_name
 from ._options import AddressOption, DbOption, NamespaceOption, connection_settings
@@ -50,8 +52,9 @@ def list_approvals(
     """List the calls waiting for a decision: run, agent, conversation, tool, arguments, requested at, deadline."""
     from .. import runner
 
+    settings = _settings(address, namespace, db)  # exits 2 on a bad --db before any engine is asked
     try:
-        calls: list[PendingCall] = asyncio.run(runner.approvals(run_id, engine=engine, **_settings(address, namespace, db)))
+        calls: list[PendingCall] = asyncio.run(runner.approvals(run_id, engine=engine, **settings))
     except (OSError, RuntimeError) as exc:  # the engine's server or database cannot be reached
         _unreachable(engine, exc)
     if output_format is _Format.json:
@@ -62,15 +65,16 @@ def list_approvals(
         return
     table = Table('run', 'call', 'agent', 'conversation', 'tool', 'arguments', 'fingerprint', 'requested at', 'deadline')
     for c in calls:
-        table.add_row(c.run_id, c.call_id, c.agent, c.conversation_id or '-', c.tool_name,
-                      json.dumps(c.args, sort_keys=True), c.fingerprint[:12], c.requested_at, c.deadline)
+        table.add_row(*(Text(printable(cell)) for cell in (
+            c.run_id, c.call_id, c.agent, c.conversation_id or '-', c.tool_name, json.dumps(c.args, sort_keys=True),
+            c.fingerprint[:12], c.requested_at, c.deadline)))
     _out.print(table)
 
 
 def _unreachable(engine: str, exc: BaseException) -> NoReturn:
     """One line naming the engine and the first line of its error (no traceback), exit 2."""
     detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-    _err.print(f'durcap: error: cannot reach {engine}: {detail} (check --address / --db)', markup=False)
+    _err.print(printable(f'durcap: error: cannot reach {engine}: {detail} (check --address / --db)'), markup=False)
     raise typer.Exit(2)
 
 
@@ -80,13 +84,13 @@ def _decide(engine: str, run_id: str, call_id: str, settings: dict[str, Any], **
     try:
         decision = asyncio.run(runner.decide(run_id, call_id, engine=engine, **kwargs, **settings))
     except ApprovalError as exc:
-        _err.print(f'error ({exc.kind}): {exc}', markup=False)
+        _err.print(printable(f'error ({exc.kind}): {exc}'), markup=False)
         raise typer.Exit(2) from None
     except (OSError, RuntimeError) as exc:  # the engine's server or database cannot be reached
         _unreachable(engine, exc)
     verb = 'approved' if decision.approve else 'denied'
-    _out.print(f'{verb} call {call_id} of run {run_id} (fingerprint {decision.fingerprint[:12]}, by {decision.by})',
-               markup=False)
+    _out.print(printable(f'{verb} call {call_id} of run {run_id} (fingerprint {decision.fingerprint[:12]}, '
+                         f'by {decision.by})'), markup=False)
 
 
 @app.command()
@@ -107,9 +111,9 @@ def approve(
     override = None
     if args is not None:
         try:
-            override = json.loads(args)
-        except json.JSONDecodeError as exc:
-            _err.print(f'--args is not JSON: {exc}', markup=False)
+            override = load_json(args, where='--args')
+        except InputError as exc:
+            _err.print(f'durcap: error: {exc}', markup=False)
             raise typer.Exit(2) from None
         if not isinstance(override, dict):
             _err.print('--args must be a JSON object', markup=False)

@@ -12,16 +12,19 @@ import contextlib
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
 from pydantic import TypeAdapter, ValidationError
+from rich.text import Text
 
 from .. import runner
+from .._limits import INPUT_CODE, InputError, load_json, one_line, printable
 from ..agent import DurableAgent
 from ..engines import ENGINES, RunOptions, get
-from ..replay import replay_histories
+from ..replay import ReplayTimeout, replay_histories
 from ..savings import compare_first_request
 from ..store import StoreError
 from ..targets import TARGET_HELP
@@ -34,6 +37,7 @@ from . import (
     _unusable,
     _valid_agents,
     app,
+    database_url,
     engine_metavar,
     engine_name,
 )
@@ -73,12 +77,51 @@ def _one_agent(target: str, *, use_lock: bool = False) -> DurableAgent[Any, Any]
 
 
 def _deps(agent: DurableAgent[Any, Any], deps_json: str | None) -> Any:
+    """`--deps-json` validated into the agent's `deps_type` (bounded: `_limits.MAX_JSON_ARG_BYTES`, `MAX_DEPTH`);
+    exit 2 (code DC040) on anything else, naming the agent, the field and the expected type."""
     if deps_json is None:
         return None
+    name = printable(repr(agent.name))
+    if agent.deps_type is type(None):
+        _unusable(f'{INPUT_CODE} --deps-json: agent {name} takes no deps (no deps_type): drop --deps-json')
     try:
-        return TypeAdapter(agent.deps_type).validate_json(deps_json)
+        value = load_json(deps_json, where='--deps-json')
+        return TypeAdapter(agent.deps_type).validate_python(value)
+    except InputError as exc:
+        _unusable(f'{INPUT_CODE} --deps-json does not match {agent.deps_type.__name__} (agent {name}): {exc.reason}')
     except ValidationError as exc:
-        _unusable(f'--deps-json does not match {agent.deps_type.__name__}: {exc.errors()[0]["msg"]} at {exc.errors()[0]["loc"]}')
+        first = exc.errors()[0]
+        where = '.'.join(map(str, first['loc'])) or '(the whole value)'
+        _unusable(f'{INPUT_CODE} --deps-json does not match {agent.deps_type.__name__} (agent {name}): '
+                  f'{printable(where)}: {one_line(first["msg"])}')
+
+
+def _failure(agent: DurableAgent[Any, Any], engine: str, exc: BaseException) -> str:
+    """`durcap run`'s one line for a failed run: our words first (the agent, the engine, the capability whose
+    durable unit failed when the error names one), then the engine's error and the innermost cause."""
+    chain: list[BaseException] = []
+    cause: BaseException | None = exc
+    while cause is not None and cause not in chain and len(chain) < 50:
+        chain.append(cause)
+        nested = getattr(cause, 'errors', None) or getattr(cause, 'exceptions', None)
+        nested = nested[-1] if isinstance(nested, (list, tuple)) and nested and isinstance(nested[-1], BaseException) else None
+        cause = cause.__cause__ or nested or (None if cause.__suppress_context__ else cause.__context__)
+    innermost = chain[-1]
+    text = ' '.join(str(e) for e in chain)
+    owner = ''
+    for cap, leaves in agent.leaf_ids().items():
+        if any(f'__{leaf}__' in text or f'__{leaf}.' in text or f'toolset__{leaf}' in text for leaf in leaves):
+            owner = f' in capability {cap!r}'
+            break
+    if not owner:  # an in-process run: the tool function is on the innermost error's stack
+        frames = {frame.f_code.co_name for frame, _ in traceback.walk_tb(innermost.__traceback__)}
+        by_tool, _ = agent.tool_names_by_capability()  # {tool: {capability ids}}
+        owner = next((f' in capability {", ".join(map(repr, sorted(caps)))} (tool {tool!r})'
+                      for tool, caps in sorted(by_tool.items()) if tool in frames and caps), '')
+    line = (f'agent {agent.name!r} failed on {engine}{owner}: {type(exc).__name__}: {one_line(str(exc))}')
+    if innermost is not exc:
+        line += f'; cause: {type(innermost).__name__}: {one_line(str(innermost))}'
+    return printable(line)
 
 
 def _temporal_address(address: str | None) -> str | None:
@@ -107,13 +150,13 @@ def _print_run(report: RunReport) -> None:
     """Print a run's answer, loaded capabilities, durable units (in the engine's words) and usage."""
     adapter = _adapter(report.engine)
     if report.run_id:
-        _err.print(f'{adapter.run_id_label}: {report.run_id}')
-    _out.print(f'[bold]answer[/bold] ({report.engine}): {report.output}')
-    _out.print(f'capabilities loaded in this run: {", ".join(report.loaded_capabilities()) or "none"}')
+        _err.print(Text(printable(f'{adapter.run_id_label}: {report.run_id}')))
+    _out.print(Text.assemble(('answer', 'bold'), f' ({report.engine}): {printable(report.output, keep_newlines=True)}'))
+    _out.print(Text(printable(f'capabilities loaded in this run: {", ".join(report.loaded_capabilities()) or "none"}')))
     if report.durable_units:
         _out.print(f'durable units recorded ({adapter.units}, in order):')
         for name in report.durable_units:
-            _out.print(f'  {name}')
+            _out.print(Text(printable(f'  {name}')))
     _out.print(f'usage: {report.usage.requests} requests, {report.usage.input_tokens} input tokens, '
                f'{report.usage.output_tokens} output tokens')
 
@@ -158,8 +201,8 @@ def run(
     agent = _one_agent(target, use_lock=engine != 'local')
     if conversation is not None and not conversation.strip():
         _unusable('--conversation must not be empty')
-    if db is not None and not db.startswith(('sqlite:', 'postgresql:', 'postgres:', 'postgresql+')):
-        _unusable(f'--db must be a sqlite:/// or postgresql:// URL, not {db.split(":", 1)[0]!r}')
+    store = database_url(store, '--store')
+    db = database_url(db, '--db', probe=engine == 'dbos')
     if deps_json is None and agent.deps_type is not type(None):
         _unusable(f'{agent.name!r} takes deps of type {agent.deps_type.__name__}: pass them with --deps-json')
     if store:
@@ -181,12 +224,7 @@ def run(
         _err.print(_interrupted(engine, started[0] if started else None, target, address=address, db=db), markup=False)
         _exit_now(130)
     except Exception as exc:  # noqa: BLE001 - the run failed in the engine: one line, no traceback
-        cause = exc
-        while cause.__cause__ is not None:
-            cause = cause.__cause__
-        detail = str(cause).splitlines()[0] if str(cause) else ''
-        _err.print(f'durcap: error: the run failed on {engine}: {type(exc).__name__}; cause: '
-                   f'{type(cause).__name__}: {detail}')
+        _err.print(Text(f'durcap: error: {_failure(agent, engine, exc)}'))
         _exit_now(1)
     _print_run(report)
 
@@ -210,6 +248,7 @@ def demo(
 
     Model: the scripted `FunctionModel` of examples/support/scripted.py unless --model is given.
     """
+    db = database_url(db, '--db', probe=engine == 'dbos')
     if model:
         os.environ['SUPPORT_MODEL'] = model
     target = demo_target()
@@ -310,6 +349,8 @@ def _worker_command(engine: str) -> Any:
         agents = _valid_agents(target, use_lock=True, lock=lock, allow_drift=allow_drift, refused='worker not started: '
                                'fix the errors above' + ('' if allow_drift else ' (or pass --allow-drift on lockfile drift)'))
         address = _temporal_address(address) or '127.0.0.1:7233'
+        store = database_url(store, '--store')
+        db = database_url(db, '--db', probe=engine == 'dbos')
         if store:
             os.environ['DURCAP_STORE'] = store  # the conversation units run in this process
         settings = {'address': address, 'task_queue': task_queue, 'namespace': namespace,
@@ -376,13 +417,13 @@ def _schedule_command(engine: str) -> Any:
         if len(agents) != 1:
             _unusable(f'{target} names {len(agents)} agents; name one')
         agent = agents[0]
-        deps = json.loads(deps_json) if deps_json else None
-        _deps(agent, deps_json)  # validates
+        _deps(agent, deps_json)  # validates (exit 2 on bad deps)
+        deps = json.loads(deps_json) if deps_json else None  # what every run gets, as JSON data
         try:
             get(engine).serve_schedule(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval,
                                        deps=deps, deployment_name=name, notify=_err.print)
-        except RuntimeError as exc:
-            _unusable(str(exc).splitlines()[0])
+        except (RuntimeError, ValueError) as exc:
+            _unusable(str(exc))
 
     schedule.__name__ = f'schedule_{engine}'
     return schedule
@@ -434,8 +475,12 @@ def replay(
 ) -> None:
     """Replay recorded Temporal histories against TARGET; exit 1 naming what changed when one does not replay."""
     agents = _valid_agents(target)
+    store = database_url(store, '--store')
     try:
         failures = asyncio.run(replay_histories(files, agents, store=store))
+    except ReplayTimeout as exc:
+        _err.print(Text(f'durcap: error: {one_line(str(exc))}'))
+        _exit_now(2)  # the replayer that timed out may still hold a native thread: leave without finalizers
     except ValueError as exc:
         _unusable(str(exc))
     for failure in failures:

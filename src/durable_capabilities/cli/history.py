@@ -17,6 +17,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 from pydantic_ai.messages import ModelMessage
 
+from .._limits import printable
 from ..reading import approval_audit, read_conversation, summarize
 from ..store import DEFAULT_URL, StoreError
 
@@ -96,7 +97,8 @@ def _text(summary: dict[str, Any], messages: list[ModelMessage]) -> str:
         for index, part in enumerate(message.parts):
             head = f'{position:>5} {message.kind:<8}' if index == 0 else ' ' * 14
             lines.append(f'{head} {_clip(_describe(part))}')
-    return '\n'.join(lines)
+    # Ids, tool names, arguments and contents come from the store: escape control and bidi characters.
+    return '\n'.join(printable(line) for line in lines)
 
 
 def _describe(part: Any) -> str:
@@ -123,7 +125,7 @@ def _clip(text: str) -> str:
 
 
 def _unusable(message: str) -> NoReturn:
-    typer.echo(f'error: {_flat(message)}', err=True)
+    typer.echo(f'error: {printable(_flat(message))}', err=True)
     raise typer.Exit(2)
 
 

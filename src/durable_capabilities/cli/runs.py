@@ -13,7 +13,9 @@ from typing import Annotated, Any
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
+from .._limits import printable
 from ..settings import Settings
 from ..targets import TARGET_HELP
 from . import _err, _out, _unusable, _valid_agents, app, engine_metavar, engine_name
@@ -52,8 +54,8 @@ def _engine_list(engine: str | None) -> list[str] | None:
 def _row(info: Any) -> list[str]:
     started = info.started_at.strftime('%Y-%m-%d %H:%M:%S') if info.started_at else '-'
     units = '-' if info.units_done is None else str(info.units_done)
-    return [info.run_id, info.engine, info.agent or '-', info.status, started, ', '.join(info.capabilities) or '-',
-            info.conversation_id or '-', units]
+    return [printable(cell) for cell in (info.run_id, info.engine, info.agent or '-', info.status, started,
+                                         ', '.join(info.capabilities) or '-', info.conversation_id or '-', units)]
 
 
 def _print_runs(infos: list[Any], fmt: RunsFormat) -> None:
@@ -67,7 +69,7 @@ def _print_runs(infos: list[Any], fmt: RunsFormat) -> None:
     table.add_column('id', no_wrap=True, min_width=max((len(str(i.run_id)) for i in infos), default=2))
     table.columns.insert(0, table.columns.pop())
     for info in infos:
-        table.add_row(*_row(info))
+        table.add_row(*map(Text, _row(info)))
     _out.print(table)
 
 
@@ -91,7 +93,7 @@ def list_runs(
     listing = asyncio.run(read_runs(connection_settings(db, address, namespace), engines=_engine_list(engine),
                                     status=status, limit=limit))
     for problem in listing.problems:
-        _err.print(problem, markup=False)
+        _err.print(printable(problem), markup=False)
     _print_runs(listing.runs, fmt)
     if listing.problems and engine is not None:
         raise typer.Exit(2)
@@ -107,7 +109,7 @@ def _find(run_id: str, engine: str | None, settings: Settings) -> tuple[Any, Any
         return asyncio.run(find_run(run_id, settings, engine))
     except RunNotFoundError as exc:
         for problem in exc.args[1] if len(exc.args) > 1 else []:
-            _err.print(problem, markup=False)
+            _err.print(printable(problem), markup=False)
     _unusable(f'no run {run_id!r} found' + ('' if engine else ' on any engine (pass --engine and its connection options)'))
 
 
@@ -128,12 +130,12 @@ def show(
     for label, value in zip(('id', 'engine', 'agent', 'status', 'started (UTC)', 'capabilities loaded', 'conversation',
                              'units done'), _row(info), strict=True):
         _out.print(f'{label}: {value}', markup=False)
-    _out.print(f'engine status: {info.engine_status}', markup=False)
+    _out.print(printable(f'engine status: {info.engine_status}'), markup=False)
     for key, value in info.detail.items():
         if value not in (None, '', False):
-            _out.print(f'{key}: {value}', markup=False)
+            _out.print(printable(f'{key}: {value}'), markup=False)
     for note in info.notes:
-        _out.print(f'note: {note}', markup=False)
+        _out.print(printable(f'note: {note}'), markup=False)
 
 
 @runs_app.command('cancel')
@@ -148,7 +150,7 @@ def cancel(
     settings = connection_settings(db, address, namespace)
     adapter, _ = _find(run_id, engine, settings)
     info = asyncio.run(adapter.cancel(run_id, settings.engine()))
-    _out.print(f'{info.run_id}: {info.status} ({info.engine_status})', markup=False)
+    _out.print(printable(f'{info.run_id}: {info.status} ({info.engine_status})'), markup=False)
 
 
 @runs_app.command('resume')

@@ -90,7 +90,17 @@ class HistoryReplayer:
         )
 
     async def replay(self, history_json: dict[str, Any], workflow_id: str) -> str | None:
-        """temporalio's failure text for the history, `None` when it replays."""
+        """temporalio's failure text for the history, `None` when it replays.
+
+        Raises:
+            ValueError: an event's `eventType` is not one Temporal knows (the replayer would report it as
+                nondeterminism, as if the code had changed), or the JSON does not parse as a history.
+        """
+        known = set(EventType.keys())
+        for index, event in enumerate(history_json.get('events', [])):
+            kind = event.get('eventType') if isinstance(event, dict) else None
+            if kind not in known or kind == 'EVENT_TYPE_UNSPECIFIED':
+                raise ValueError(f'event {index + 1} has eventType {str(kind)[:60]!r}, which is not a Temporal event type')
         history = WorkflowHistory.from_json(workflow_id, history_json)
         result = await self._replayer.replay_workflow(history, raise_on_replay_failure=False)
         return None if result.replay_failure is None else str(result.replay_failure)

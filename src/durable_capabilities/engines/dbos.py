@@ -41,6 +41,7 @@ from pydantic_ai.toolsets import AbstractToolset, FunctionToolset, WrapperToolse
 from pydantic_core import to_jsonable_python
 
 from .. import _registry, _upstream
+from .._limits import private_file
 from ..approvals import (
     ApprovalError,
     ApprovalGate,
@@ -199,10 +200,14 @@ def _mcp_defaults(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> lis
 
 
 def system_database_url(url: str | None = None) -> str:
-    """`url`, or SQLite at `.durcap/dbos.sqlite` (folder created, WAL journal mode)."""
+    """`url`, or SQLite at `.durcap/dbos.sqlite` (folder created 0700, file 0600, WAL journal mode). A SQLite
+    `url` naming a file that does not exist yet gets the same private folder and file."""
     if url:
+        parsed = url.split('?', 1)[0]
+        if parsed.startswith('sqlite:///') and parsed[len('sqlite:///'):] not in ('', ':memory:'):
+            private_file(parsed[len('sqlite:///'):])
         return url
-    DEFAULT_SQLITE_PATH.parent.mkdir(parents=True, exist_ok=True)
+    private_file(DEFAULT_SQLITE_PATH)
     # WAL journal mode (persistent in the file): each step commit no longer syncs the whole journal,
     # measured 1.5-2.1 ms per step against 2-16 ms under other I/O in the default mode.
     with closing(sqlite3.connect(DEFAULT_SQLITE_PATH)) as conn:
@@ -564,8 +569,10 @@ class DBOSAdapter(EngineAdapter):
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
 
         workflow_fn = agent_workflow(agent)
+        # log_level ERROR: a step retry logs a WARNING with the whole traceback each attempt; a one-shot run reports
+        # its failure once, in `durcap run`'s own line (capability, error, innermost cause).
         launch('durcap', system_database_url_=options.setting('db'), one_shot=True,
-               executor_id=options.setting('executor_id'))
+               executor_id=options.setting('executor_id'), log_level='ERROR')
         try:
             workflow_id = options.run_id or f'{agent.name}-{uuid.uuid4()}'
             options.started(workflow_id, f'dbos workflow id: {workflow_id} (executor {DBOS.executor_id})')

@@ -38,6 +38,7 @@ from pydantic_ai.tools import RunContext
 from pydantic_core import to_jsonable_python
 
 from .. import _registry
+from .._limits import one_line, printable
 from ..approvals import (
     ApprovalError,
     ApprovalGate,
@@ -614,8 +615,19 @@ class PrefectAdapter(EngineAdapter):
         Raises:
             RuntimeError: no Prefect API is configured (`PREFECT_API_URL` in the environment or the Prefect
                 profile): a schedule on Prefect's temporary local server would never run.
+            ValueError: `cron` is not a cron expression Prefect accepts (code DC040), checked before anything starts.
         """
+        from prefect.client.schemas.schedules import CronSchedule
         from prefect.settings import get_current_settings
+        from pydantic import ValidationError
+
+        if cron is not None:
+            try:
+                CronSchedule(cron=cron)
+            except ValidationError as exc:
+                reason = exc.errors()[0]['msg'].removeprefix('Value error, ')
+                raise ValueError(f'DC040 --cron {printable(repr(cron))}: not a cron expression ({one_line(reason)}); '
+                                 'write five fields, e.g. "0 9 * * *" (09:00 every day)') from None
 
         if not get_current_settings().api.url:
             raise RuntimeError('no Prefect API configured: a schedule needs a Prefect server that outlives this command. '

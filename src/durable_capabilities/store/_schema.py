@@ -173,6 +173,10 @@ def _decode_row(row: Any) -> _Row:
         branches = _BRANCHES.validate_json(row.branches)
         column = 'updated_at'
         updated_at = datetime.fromisoformat(row.updated_at)
+        column = 'revision'
+        revision = int(row.revision)
+        column = 'message_count'
+        message_count = int(row.message_count)
     except (pydantic.ValidationError, ValueError, TypeError) as exc:
         raise CorruptedRowError(
             f'conversation {cid!r}: column {column} of its durcap_conversations row does not decode '
@@ -191,7 +195,7 @@ def _decode_row(row: Any) -> _Row:
         revision=row.token,
         updated_at=updated_at,
     )
-    return _Row(record, int(row.revision), int(row.message_count), bool(row.deleted))
+    return _Row(record, revision, message_count, bool(row.deleted))
 
 
 def _decode_messages(rows: Sequence[Any], conversation_id: str | None) -> list[ModelMessage]:

@@ -27,6 +27,7 @@ from sqlalchemy import event as sa_event
 from sqlalchemy import exc as sa_exc
 
 from .. import store
+from .._limits import private_file
 from . import (
     AppendIdReuseError,
     AppendResult,
@@ -59,6 +60,8 @@ from ._schema import (
 )
 
 _NO_LIMIT = 2**62
+PG_CONNECT_TIMEOUT = 10
+"""Seconds a PostgreSQL connection attempt may take (libpq `connect_timeout`), unless the URL sets its own."""
 _PG_MIGRATION_LOCK = 0x6475726361700001  # 'durcap' + 1: serializes migrations across processes
 
 
@@ -116,7 +119,10 @@ class _SQLBackend:
         self._lock = threading.Lock()
         if self.is_pg:
             try:
-                self.engine = sa.create_engine(url, pool_pre_ping=True)
+                # A bounded connect (unless the URL sets its own): an unreachable host fails in seconds, not at the
+                # operating system's TCP timeout (minutes).
+                timeout = {} if 'connect_timeout' in url.query else {'connect_timeout': PG_CONNECT_TIMEOUT}
+                self.engine = sa.create_engine(url, pool_pre_ping=True, connect_args=timeout)
             except ImportError:
                 raise StoreURLError(
                     f'{self.display_url} needs psycopg 3: pip install "durable-capabilities[postgres]"'
@@ -146,7 +152,15 @@ class _SQLBackend:
             if write:
                 conn.execution_options(durcap_write=True)
             with conn.begin():
-                yield conn
+                try:
+                    yield conn
+                except (sa_exc.OperationalError, sa_exc.ProgrammingError) as exc:
+                    if 'no such table' not in str(exc) and 'UndefinedTable' not in type(exc.orig).__name__:
+                        raise
+                    raise StoreUnavailableError(
+                        f'the conversation store {self.display_url} is damaged: {_first_line(exc)}. Nothing was '
+                        'changed; restore the database from a backup.'
+                    ) from None
 
     def _ensure_ready(self) -> None:
         if self._ready:
@@ -159,7 +173,7 @@ class _SQLBackend:
                 if not path.exists():
                     if not self.create:
                         raise StoreUnavailableError(f'no conversation store at {self.display_url} (file {path} does not exist)')
-                    path.parent.mkdir(parents=True, exist_ok=True)
+                    private_file(path)  # 0600 in a 0700 folder: conversations hold users' messages
             try:
                 self._migrate()
             except sa_exc.DBAPIError as exc:

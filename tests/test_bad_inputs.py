@@ -1,0 +1,677 @@
+"""Bad inputs across every command and loader (issue 12, items 1 and the file/terminal part of 4).
+
+Every row of the tables below is one bad input: the command line (or the loader call), the exit code it must
+give (2: unusable input, 1: the definition has errors) and a fragment of the one line it must print. Each
+case runs under a time limit (pytest-timeout, `CASE_SECONDS`); none may print a traceback or raise anything
+but the exit. Most run in-process with typer's `CliRunner` (the same code path as the console script, minus
+the interpreter start); the ones that need a real process run as subprocesses: a FIFO (a read would block the
+process forever), the replay timeout (the replayer's thread is left behind, so the command leaves with
+`os._exit`), DBOS runs, and the console script itself.
+
+The agents are in tests/fixtures/input_agents.py; their model is a scripted `FunctionModel` (no provider).
+Parsers (JSON, YAML lockfiles, histories, the escaping of output) are also driven by Hypothesis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from durable_capabilities._limits import (
+    MAX_DEPTH,
+    InputError,
+    load_json,
+    load_yaml,
+    printable,
+    private_dir,
+    private_file,
+)
+from durable_capabilities.cli import app
+from durable_capabilities.lockfile import LockfileError, read_lock
+from durable_capabilities.replay import read_history
+from durable_capabilities.skills import InvalidSkill, load_skill, load_skills
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / 'tests' / 'fixtures'
+AGENTS = FIXTURES / 'input_agents.py'
+DEPS = f'{AGENTS}:with_deps'
+PLAIN = f'{AGENTS}:no_deps'
+HISTORY = ROOT / 'tests' / 'histories' / 'support' / 'returns.json'
+SUPPORT = f'{ROOT / "examples" / "support" / "agent.py"}:support'
+CASE_SECONDS = 30
+
+pytestmark = pytest.mark.timeout(CASE_SECONDS)
+
+
+@dataclass
+class Case:
+    """One bad input: `argv` (or files built by `files`), the exit code, and a fragment of the message."""
+
+    id: str
+    argv: list[str]
+    code: int
+    fragment: str
+    files: dict[str, Any] = field(default_factory=dict)  # name -> text | bytes | callable(path) making it
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _deep(n: int, open_: str = '[', close: str = ']') -> str:
+    return open_ * n + close * n
+
+
+def _alias_bomb(levels: int = 12) -> str:
+    lines = ['a0: &a0 ["x","x","x","x","x","x","x","x","x"]']
+    for i in range(1, levels):
+        lines.append(f'a{i}: &a{i} [' + ','.join([f'*a{i - 1}'] * 9) + ']')
+    return '\n'.join(lines) + f'\nlock_version: *a{levels - 1}\nagents: {{}}\n'
+
+
+GOOD_LOCK_HEAD = 'lock_version: 1\n'
+
+# ---- lockfiles: contents that must be refused (in `check --lock` and `worker temporal --lock`) --------------------
+
+BAD_LOCKS: list[tuple[str, str | bytes, str]] = [
+    ('alias-bomb', _alias_bomb(), 'aliases'),
+    ('alias-in-agents', 'x: &x [a]\nlock_version: 1\nagents: {input-plain: {capabilities: *x}}\n', 'aliases'),
+    ('merge-key', 'base: &b {tools: []}\nlock_version: 1\nagents: {input-plain: {<<: *b}}\n', 'aliases'),
+    ('deep-lists', 'lock_version: 1\nagents: {}\nx: ' + _deep(5000) + '\n', 'nests deeper'),
+    ('deep-maps', 'lock_version: 1\nagents: {}\nx: ' + '{a: ' * 5000 + '1' + '}' * 5000 + '\n', 'nests deeper'),
+    ('deep-block', 'lock_version: 1\nagents: {}\n' + ''.join(f'{"  " * i}k{i}:\n' for i in range(200)) + '  ' * 200 + 'v\n',
+     'nests deeper'),
+    ('scalar', '5\n', 'no `agents` mapping'),
+    ('list-top', '- 1\n- 2\n', 'no `agents` mapping'),
+    ('empty', '', 'no `agents` mapping'),
+    ('agents-int', 'lock_version: 1\nagents: 5\n', 'no `agents` mapping'),
+    ('agents-list', 'lock_version: 1\nagents: [a]\n', 'no `agents` mapping'),
+    ('agent-int', 'lock_version: 1\nagents: {a: 5}\n', 'agents.a'),
+    ('agent-list', 'lock_version: 1\nagents: {a: [1]}\n', 'agents.a'),
+    ('engine-int', 'lock_version: 1\nagents: {a: {temporal: 5}}\n', 'agents.a.temporal'),
+    ('activities-dicts', 'lock_version: 1\nagents: {a: {temporal: {activities: [{a: 1}]}}}\n', 'activities.0'),
+    ('activities-str', 'lock_version: 1\nagents: {a: {temporal: {activities: x}}}\n', 'activities'),
+    ('steps-ints', 'lock_version: 1\nagents: {a: {dbos: {steps: [1, 2]}}}\n', 'steps.0'),
+    ('capabilities-int', 'lock_version: 1\nagents: {a: {capabilities: 5}}\n', 'capabilities'),
+    ('capabilities-ints', 'lock_version: 1\nagents: {a: {capabilities: [1]}}\n', 'capabilities.0'),
+    ('leaf-toolsets-list', 'lock_version: 1\nagents: {a: {leaf_toolsets: [a]}}\n', 'leaf_toolsets'),
+    ('leaf-toolsets-nested', 'lock_version: 1\nagents: {a: {leaf_toolsets: {c: [[x]]}}}\n', 'leaf_toolsets.c.0'),
+    ('aliases-list', 'lock_version: 1\nagents: {a: {aliases: {n: [1]}}}\n', 'aliases.n'),
+    ('previous-names-str', 'lock_version: 1\nagents: {a: {previous_names: x}}\n', 'previous_names'),
+    ('agent-name-int', 'lock_version: 1\nagents: {5: {tools: []}}\n', 'agents.5'),
+    ('generated-by-list', 'lock_version: 1\ngenerated_by: [1]\nagents: {}\n', 'generated_by'),
+    ('version-true', 'lock_version: true\nagents: {}\n', 'lock_version True'),
+    ('version-negative', 'lock_version: -5\nagents: {}\n', 'lock_version -5'),
+    ('version-zero', 'lock_version: 0\nagents: {}\n', 'lock_version 0'),
+    ('version-newer', 'lock_version: 2\nagents: {}\n', 'lock_version 2'),
+    ('version-string', "lock_version: '1'\nagents: {}\n", "lock_version '1'"),
+    ('version-float', 'lock_version: 1.0\nagents: {}\n', 'lock_version 1.0'),
+    ('version-missing', 'agents: {}\n', 'lock_version None'),
+    ('version-huge', f'lock_version: {10 ** 400}\nagents: {{}}\n', 'lock_version'),
+    ('yaml-unclosed', 'lock_version: 1\nagents: {a: [\n', 'not valid YAML'),
+    ('yaml-tab', 'lock_version: 1\nagents:\n\t- a\n', 'not valid YAML'),
+    ('yaml-python-tag', 'lock_version: 1\nagents: !!python/object:os.system {}\n', 'not valid YAML'),
+    ('yaml-bad-int', 'lock_version: !!int abc\nagents: {}\n', 'not valid YAML'),
+    ('two-documents', 'lock_version: 1\nagents: {}\n---\nx: 1\n', 'not valid YAML'),
+    ('not-utf8', b'lock_version: 1\nagents: {\xff\xfe: 1}\n', 'UnicodeDecodeError'),
+    ('too-large', 'lock_version: 1\nagents: {}\n#' + 'x' * (4 * 1024 * 1024) + '\n', 'over the limit'),
+    ('control-chars-name', 'lock_version: 1\nagents: {"a\\e[31m": 5}\n', '\\x1b[31m'),
+]
+
+
+def _lock_cases() -> list[Case]:
+    cases = []
+    for name, content, fragment in BAD_LOCKS:
+        for command in (['check', PLAIN], ['worker', 'temporal', PLAIN]):
+            cases.append(Case(f'lock-{command[0]}-{name}', [*command, '--lock', '{tmp}/durable.lock'], 2, fragment,
+                              {'durable.lock': content}))
+    return cases
+
+
+# ---- TARGET: malformed, missing, wrong type, in every command that takes one ---------------------------------------
+
+BAD_TARGETS: list[tuple[str, str, str]] = [
+    ('empty', '', 'must be `pkg.module:attr`'),
+    ('colon', ':', 'must be `pkg.module:attr`'),
+    ('no-attr', f'{AGENTS}:', 'must be `pkg.module:attr`'),
+    ('no-module', 'no_such_module_xyz:agent', "no module named 'no_such_module_xyz'"),
+    ('no-file', 'no/such/file.py:agent', 'no such file'),
+    ('folder', f'{FIXTURES}/:agent', 'no such file'),
+    ('dev-null', '/dev/null:agent', 'no such file'),
+    ('no-such-attr', f'{AGENTS}:nope', "has no attribute 'nope'"),
+    ('attr-str', f'{AGENTS}:with_deps.name', 'is a str, not a DurableAgent'),
+    ('attr-type', f'{AGENTS}:Shop', 'is a type, not a DurableAgent'),
+    ('attr-dunder', f'{AGENTS}:__class__', 'not a DurableAgent'),
+    ('module-without-agents', 'json', "module 'json' defines no DurableAgent"),
+    ('escape', 'x\x1b[31m:y', '\\x1b[31m'),
+    ('bidi', 'x\u202eyz:a', '\\u202e'),
+    ('nul', 'a\x00b:c', '\\x00'),
+    ('newline', 'a\nb:c', '\\n'),
+    ('long', 'a' * 5000 + ':b', 'at most 1024 characters'),
+]
+
+
+def _target_cases() -> list[Case]:
+    cases = []
+    commands: list[tuple[str, Callable[[str], list[str]]]] = [
+        ('check', lambda t: ['check', t]),
+        ('savings', lambda t: ['savings', t, '--estimate']),
+        ('lock', lambda t: ['lock', t, '-o', '{tmp}/out.lock']),
+        ('run', lambda t: ['run', t, 'hi']),
+        ('worker', lambda t: ['worker', 'temporal', t]),
+        ('schedule', lambda t: ['schedule', 'prefect', t, '--prompt', 'p', '--cron', '0 9 * * *']),
+    ]
+    for name, target, fragment in BAD_TARGETS:
+        cases.append(Case(f'target-check-{name}', ['check', target], 2, fragment))
+    # The same loader behind every other command: a sample of the bad targets in each.
+    for command, argv in commands[1:]:
+        for name, target, fragment in BAD_TARGETS[3:9:2] + BAD_TARGETS[12:14]:
+            cases.append(Case(f'target-{command}-{name}', argv(target), 2, fragment))
+    cases += [
+        Case('target-syntax-error', ['check', '{tmp}/broken.py:x'], 2, 'syntax error in', {'broken.py': 'def (:\n'}),
+        Case('target-raises', ['check', '{tmp}/raises.py:x'], 2, "raised RuntimeError: boom",
+             {'raises.py': 'raise RuntimeError("boom")\n'}),
+        Case('target-exits', ['check', '{tmp}/exits.py:x'], 2, 'raised SystemExit', {'exits.py': 'import sys\nsys.exit(3)\n'}),
+        Case('target-recursion', ['check', '{tmp}/recurses.py:x'], 2, 'raised RecursionError',
+             {'recurses.py': 'def f():\n    return f()\nf()\n'}),
+        Case('target-empty-list', ['check', '{tmp}/empty.py:agents'], 2, 'is an empty list', {'empty.py': 'agents = []\n'}),
+        Case('target-import-missing', ['check', '{tmp}/imp.py:x'], 2, 'does not import',
+             {'imp.py': 'import no_such_dependency_xyz\n'}),
+    ]
+    return cases
+
+
+# ---- --deps-json (run, schedule prefect) ----------------------------------------------------------------------------
+
+BAD_DEPS: list[tuple[str, str, str]] = [
+    ('open-brace', '{', 'not valid JSON'),
+    ('list', '[]', 'Input should be a dictionary'),
+    ('null', 'null', 'Input should be a dictionary'),
+    ('number', '1', 'Input should be a dictionary'),
+    ('string', '"x"', 'Input should be a dictionary'),
+    ('wrong-field-type', '{"name": 1, "limit": 2}', 'name: Input should be a valid string'),
+    ('missing-field', '{"name": "a"}', 'limit: Field required'),
+    ('wrong-int', '{"name": "a", "limit": "x"}', 'limit: Input should be a valid integer'),
+    ('nan', '{"name": "a", "limit": NaN}', 'limit'),
+    ('deep', _deep(5000), 'nests deeper than'),
+    ('deep-objects', '{"a":' * 100 + '1' + '}' * 100, 'nests deeper than'),
+    ('huge', '"' + 'x' * (1024 * 1024 + 10) + '"', 'over the limit'),
+    ('trailing', '{"name": "a", "limit": 1} x', 'not valid JSON'),
+    ('empty', '', 'not valid JSON'),
+]
+
+
+def _deps_cases() -> list[Case]:
+    cases = []
+    for name, value, fragment in BAD_DEPS:
+        cases.append(Case(f'deps-run-{name}', ['run', DEPS, 'hi', '--deps-json', value], 2, fragment))
+    for name, value, fragment in BAD_DEPS[:8] + BAD_DEPS[9:10]:
+        cases.append(Case(f'deps-schedule-{name}', ['schedule', 'prefect', DEPS, '--prompt', 'p', '--cron', '0 9 * * *',
+                                                    '--deps-json', value], 2, fragment))
+    for value in ('{}', 'null', '[1]'):
+        cases.append(Case(f'deps-for-no-deps-{value}', ['run', PLAIN, 'hi', '--deps-json', value], 2, 'takes no deps'))
+    cases.append(Case('deps-missing', ['run', DEPS, 'hi'], 2, 'pass them with --deps-json'))
+    return cases
+
+
+# ---- URLs: --store, --db ----------------------------------------------------------------------------------------------
+
+BAD_URLS: list[tuple[str, str, str]] = [
+    ('empty', '', 'is empty'),
+    ('blank', '   ', 'is empty'),
+    ('sqlite-memory', 'sqlite://', 'in-memory SQLite'),
+    ('sqlite-memory-explicit', 'sqlite:///:memory:', 'in-memory SQLite'),
+    ('mysql', 'mysql://u@h/db', "scheme 'mysql' is not supported"),
+    ('http', 'http://example.com/x', "scheme 'http' is not supported"),
+    ('not-a-url', 'not a url', 'is not a database URL'),
+    ('bidi', 'sqlite:///\u202eevil.db', None),  # a valid file name: must not be refused; checked below
+]
+
+
+def _url_cases() -> list[Case]:
+    cases = []
+    for name, value, fragment in BAD_URLS:
+        if fragment is None:
+            continue
+        cases.append(Case(f'store-run-{name}', ['run', PLAIN, 'hi', '--store', value], 2, fragment))
+        cases.append(Case(f'store-worker-{name}', ['worker', 'temporal', PLAIN, '--store', value], 2, fragment))
+        cases.append(Case(f'store-replay-{name}', ['replay', str(HISTORY), '--target', SUPPORT, '--store', value], 2,
+                          fragment))
+        cases.append(Case(f'db-run-{name}', ['run', PLAIN, 'hi', '--engine', 'dbos', '--db', value], 2, fragment))
+    cases += [
+        Case('db-demo-memory', ['demo', '--db', 'sqlite://'], 2, 'in-memory SQLite'),
+        Case('db-demo-unreachable', ['demo', '--db', 'postgresql://x@127.0.0.1:1/nope'], 2, 'cannot connect'),
+        Case('db-run-unreachable', ['run', PLAIN, 'hi', '--engine', 'dbos', '--db', 'postgresql://x@127.0.0.1:1/nope'],
+             2, 'cannot connect'),
+        Case('db-worker-unreachable', ['worker', 'dbos', PLAIN, '--db', 'postgresql://x@127.0.0.1:1/nope'], 2,
+             'cannot connect'),
+        Case('db-run-no-database', ['run', PLAIN, 'hi', '--engine', 'dbos', '--db',
+                                    'postgresql://postgres@127.0.0.1:5432/no_such_db_xyz'], 2, 'no_such_db_xyz'),
+    ]
+    return cases
+
+
+# ---- history show: stores and ids ----------------------------------------------------------------------------------
+
+
+def _store_with(tmp: Path, conversation_id: str, text: str = 'hi', name: str = 'conv.db') -> Path:
+    """A real SQLite conversation store holding one conversation (a user prompt and an answer)."""
+    from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, UserPromptPart
+
+    from durable_capabilities.store import SQLConversationStore
+
+    path = tmp / name
+    with SQLConversationStore(f'sqlite:///{path}') as store:
+        asyncio.run(store.append(conversation_id, [ModelRequest(parts=[UserPromptPart(text)]),
+                                                   ModelResponse(parts=[TextPart(text)])], expected_revision=None))
+    return path
+
+
+def _damaged(sql: str) -> Callable[[Path], None]:
+    def make(path: Path) -> None:
+        import sqlite3
+
+        store = _store_with(path.parent, 'c1', name=path.name)
+        conn = sqlite3.connect(store)
+        try:
+            with conn:
+                conn.execute(sql)
+        finally:
+            conn.close()
+
+    return make
+
+
+def _history_cases() -> list[Case]:
+    show = ['history', 'show']
+    return [
+        Case('history-missing-store', [*show, 'c1', '--store', 'sqlite:///{tmp}/none.db'], 2, 'no conversation store'),
+        Case('history-store-folder', [*show, 'c1', '--store', 'sqlite:///{tmp}'], 2, 'error:'),
+        Case('history-store-not-sqlite', [*show, 'c1', '--store', 'sqlite:///{tmp}/x.db'], 2, 'error:',
+             {'x.db': 'this is not a database'}),
+        Case('history-store-empty-file', [*show, 'c1', '--store', 'sqlite:///{tmp}/e.db'], 2, 'holds no conversation store',
+             {'e.db': b''}),
+        Case('history-table-gone', [*show, 'c1', '--store', 'sqlite:///{tmp}/d.db'], 2, 'no such table',
+             {'d.db': _damaged('DROP TABLE durcap_conversations')}),
+        Case('history-revision-text', [*show, 'c1', '--store', 'sqlite:///{tmp}/d.db'], 2, 'column revision',
+             {'d.db': _damaged("UPDATE durcap_conversations SET revision = 'abc'")}),
+        Case('history-usage-garbage', [*show, 'c1', '--store', 'sqlite:///{tmp}/d.db'], 2, 'column usage',
+             {'d.db': _damaged("UPDATE durcap_conversations SET usage = '{{'")}),
+        Case('history-timestamp-garbage', [*show, 'c1', '--store', 'sqlite:///{tmp}/d.db'], 2, 'column updated_at',
+             {'d.db': _damaged("UPDATE durcap_conversations SET updated_at = 'yesterday'")}),
+        Case('history-message-garbage', [*show, 'c1', '--store', 'sqlite:///{tmp}/d.db'], 2, 'is not valid JSON',
+             {'d.db': _damaged("UPDATE durcap_entries SET message = 'not json'")}),
+        Case('history-unknown-id', [*show, 'nope', '--store', 'sqlite:///{tmp}/d.db'], 2, 'nope',
+             {'d.db': _damaged('SELECT 1')}),
+        Case('history-unknown-id-escaped', [*show, 'n\x1b]0;pwned\x07', '--store', 'sqlite:///{tmp}/d.db'], 2,
+             '\\x1b]0;pwned\\x07', {'d.db': _damaged('SELECT 1')}),
+        Case('history-store-empty', [*show, 'c1', '--store', ''], 2, 'non-empty'),
+        Case('history-store-memory', [*show, 'c1', '--store', 'sqlite://'], 2, 'holds no conversation store'),
+        Case('history-store-scheme', [*show, 'c1', '--store', 'redis://x'], 2, 'not supported'),
+    ]
+
+
+# ---- replay: history files (read_history refuses them before any replayer runs) ------------------------------------
+
+
+def _events(mutate: Callable[[list[dict[str, Any]]], Any]) -> str:
+    raw = json.loads(HISTORY.read_text())
+    events = raw['history']['events']
+    result = mutate(events)
+    raw['history']['events'] = events if result is None else result
+    return json.dumps(raw)
+
+
+def _set(index: int, key: str, value: Any) -> Callable[[list[dict[str, Any]]], None]:
+    def mutate(events: list[dict[str, Any]]) -> None:
+        events[index][key] = value
+
+    return mutate
+
+
+BAD_HISTORIES: list[tuple[str, str | bytes, str]] = [
+    ('empty-file', '', 'not valid JSON'),
+    ('not-json', '{', 'not valid JSON'),
+    ('list', '[]', 'no `events` list'),
+    ('null', 'null', 'no `events` list'),
+    ('no-events', '{"history": {}}', 'no `events` list'),
+    ('events-empty', '{"history": {"events": []}}', 'no `events` list'),
+    ('events-dict', '{"history": {"events": {}}}', 'no `events` list'),
+    ('first-event-only', _events(lambda e: e[:1]), 'no started workflow task'),
+    ('empty-event', _events(lambda e: [{}]), 'eventId None'),
+    ('event-not-object', _events(lambda e: [1, *e[1:]]), 'event 1 is not a JSON object'),
+    ('event-id-text', _events(_set(0, 'eventId', 'abc')), "eventId 'abc'"),
+    ('event-id-bool', _events(_set(0, 'eventId', True)), 'eventId True'),
+    ('event-id-negative', _events(_set(0, 'eventId', '-1')), "eventId '-1'"),
+    ('event-id-gap', _events(_set(3, 'eventId', '9')), 'without gaps'),
+    ('first-not-started', _events(lambda e: e[1:]), 'eventId'),
+    ('started-type-changed', _events(_set(0, 'eventType', 'EVENT_TYPE_TIMER_FIRED')), 'first event is not'),
+    ('no-run-ids', _events(lambda e: e[0]['workflowExecutionStartedEventAttributes'].pop('originalExecutionRunId')
+                           and None), 'run ids'),
+    ('deep', '{"history": {"events": ' + _deep(5000) + '}}', 'nests deeper'),
+    ('workflow-id-number', _events(lambda e: None).replace('"workflowId": "support-returns"', '"workflowId": 5'),
+     'workflowId is not a string'),
+    ('not-utf8', b'\xff\xfe{}', 'not valid JSON'),
+    ('bad-event-type-value', _events(_set(4, 'eventType', 'EVENT_TYPE_NOPE')), "eventType 'EVENT_TYPE_NOPE'"),
+]
+
+
+def _replay_cases() -> list[Case]:
+    return [Case(f'replay-{name}', ['replay', '{tmp}/h.json', '--target', SUPPORT], 2, fragment, {'h.json': content})
+            for name, content, fragment in BAD_HISTORIES] + [
+        Case('replay-missing-file', ['replay', '{tmp}/none.json', '--target', SUPPORT], 2, 'No such file'),
+        Case('replay-folder', ['replay', '{tmp}', '--target', SUPPORT], 2, 'Is a directory'),
+    ]
+
+
+# ---- other options -------------------------------------------------------------------------------------------------
+
+
+def _option_cases() -> list[Case]:
+    schedule = ['schedule', 'prefect', PLAIN, '--prompt', 'p']
+    return [
+        Case('cron-words', [*schedule, '--cron', 'not a cron'], 2, 'not a cron expression'),
+        Case('cron-three-fields', [*schedule, '--cron', '* * *'], 2, 'not a cron expression'),
+        Case('cron-minute-61', [*schedule, '--cron', '61 * * * *'], 2, 'not a cron expression'),
+        Case('cron-empty', [*schedule, '--cron', ''], 2, 'not a cron expression'),
+        Case('cron-escape', [*schedule, '--cron', '\x1b[2J'], 2, '\\x1b[2J'),
+        Case('cron-and-interval', [*schedule, '--cron', '* * * * *', '--interval', '5'], 2, 'exactly one of'),
+        Case('neither', schedule, 2, 'exactly one of'),
+        Case('interval-zero', [*schedule, '--interval', '0'], 2, 'positive number'),
+        Case('interval-negative', [*schedule, '--interval', '-1'], 2, 'positive number'),
+        Case('interval-text', [*schedule, '--interval', 'x'], 2, "'--interval'"),
+        Case('engine-unknown-check', ['check', PLAIN, '--engine', 'nope'], 2, "'nope' is not one of"),
+        Case('engine-unknown-run', ['run', PLAIN, 'hi', '--engine', 'nope'], 2, "'nope' is not one of"),
+        Case('format-unknown', ['check', PLAIN, '--format', 'xml'], 2, "'xml' is not one of"),
+        Case('conversation-empty', ['run', PLAIN, 'hi', '--conversation', ' '], 2, '--conversation must not be empty'),
+        Case('lock-output-missing-folder', ['lock', PLAIN, '-o', '{tmp}/no/such/dir/durable.lock'], 2, 'cannot write'),
+        Case('lock-output-folder', ['lock', PLAIN, '-o', '{tmp}'], 2, 'cannot write'),
+        Case('lock-missing', ['check', PLAIN, '--lock', '{tmp}/none.lock'], 2, 'no such lockfile'),
+        Case('lock-folder', ['check', PLAIN, '--lock', '{tmp}'], 2, 'IsADirectoryError'),
+        Case('approve-args-not-json', ['approve', 'r', 'c', '--args', '{'], 2, 'not valid JSON'),
+        Case('approve-args-list', ['approve', 'r', 'c', '--args', '[1]'], 2, 'must be a JSON object'),
+        Case('approve-args-deep', ['approve', 'r', 'c', '--args', _deep(5000)], 2, 'nests deeper'),
+        Case('approve-args-huge', ['approve', 'r', 'c', '--args', '"' + 'x' * (1024 * 1024 + 1) + '"'], 2, 'over the limit'),
+        Case('runs-status-unknown', ['runs', 'list', '--status', 'nope'], 2, '--status must be one of'),
+        Case('replay-no-target', ['replay', str(HISTORY)], 2, "Missing option '--target'"),
+    ]
+
+
+CASES = _lock_cases() + _target_cases() + _deps_cases() + _url_cases() + _history_cases() + _replay_cases() + _option_cases()
+
+
+def _materialize(case: Case, tmp: Path) -> list[str]:
+    for name, content in case.files.items():
+        path = tmp / name
+        if callable(content):
+            content(path)
+        elif isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content, encoding='utf-8')
+    return [arg.replace('{tmp}', str(tmp)) for arg in case.argv]
+
+
+def _assert_one_clean_failure(case: Case, code: int, output: str) -> None:
+    assert 'Traceback' not in output, output[-3000:]
+    assert code == case.code, f'exit {code}, expected {case.code}: {output[-2000:]}'
+    assert case.fragment in output, f'{case.fragment!r} not in: {output[-2000:]}'
+    for char in ('\x1b', '\u202e', '\x00', '\x07'):
+        assert char not in output, f'raw {char!r} echoed: {output[-500:]!r}'
+
+
+def test_the_table_is_large_enough() -> None:
+    ids = [case.id for case in CASES]
+    assert len(set(ids)) == len(ids), sorted({i for i in ids if ids.count(i) > 1})
+    assert len(CASES) >= 150, len(CASES)
+
+
+@pytest.mark.parametrize('case', CASES, ids=lambda c: c.id)
+def test_bad_input(case: Case, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process (`CliRunner`): the exit code, the fragment, no traceback, no raw control character."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv('DURCAP_STORE', raising=False)
+    for key, value in case.env.items():
+        monkeypatch.setenv(key, value)
+    argv = _materialize(case, tmp_path)
+    result = CliRunner().invoke(app, argv, catch_exceptions=True)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        import traceback
+
+        raise AssertionError(''.join(traceback.format_exception(result.exception))) from None
+    _assert_one_clean_failure(case, result.exit_code, result.output)
+
+
+# ---- cases that need a real process --------------------------------------------------------------------------------
+
+
+def durcap(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = CASE_SECONDS) -> tuple[int, str]:
+    """The console module in a subprocess (killed by `subprocess.run` on timeout); (exit code, stdout + stderr)."""
+    full_env = {**os.environ, 'PYTHONPATH': str(ROOT / 'src'), **(env or {})}
+    full_env.pop('DURCAP_STORE', None)
+    result = subprocess.run([sys.executable, '-m', 'durable_capabilities.cli', *args], cwd=cwd, env=full_env,
+                            capture_output=True, text=True, timeout=timeout)
+    return result.returncode, result.stdout + result.stderr
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+PROCESS_CASES = [
+    Case('fifo-lockfile', ['check', PLAIN, '--lock', '{tmp}/durable.lock'], 2, 'not a regular file',
+         {'durable.lock': _fifo}),
+    Case('fifo-history', ['replay', '{tmp}/h.json', '--target', SUPPORT], 2, 'not a regular file', {'h.json': _fifo}),
+    Case('fifo-skill', ['check', '{tmp}/skilled.py:agent'], 1, 'not a regular file', {
+        'skills': lambda p: (p.mkdir(), os.mkfifo(p / 'blocking.md')),
+        'skilled.py': 'from pathlib import Path\nfrom durable_capabilities import DurableAgent, load_skills\n'
+                      "agent = DurableAgent('skilled', 'test', capabilities=load_skills(Path(__file__).parent / 'skills'))\n",
+    }),
+    Case('replay-timeout', ['replay', str(HISTORY), '--target', SUPPORT], 2, 'did not replay within 0.001 s',
+         env={'DURCAP_REPLAY_TIMEOUT': '0.001'}),
+    Case('dbos-run-unreachable-db', ['run', PLAIN, 'hi', '--engine', 'dbos', '--db', 'postgresql://x@127.0.0.1:1/nope'],
+         2, 'cannot connect'),
+    Case('local-failing-tool', ['run', f'{AGENTS}:failing', 'hi'], 1,
+         "agent 'input-failing' failed on local in capability 'broken' (tool 'explode')"),
+]
+
+
+@pytest.mark.parametrize('case', PROCESS_CASES, ids=lambda c: c.id)
+def test_bad_input_in_a_process(case: Case, tmp_path: Path) -> None:
+    """A real `durcap` process: it must finish (subprocess timeout) with one coded line and no traceback."""
+    argv = _materialize(case, tmp_path)
+    code, output = durcap(*argv, cwd=tmp_path, env=case.env)
+    _assert_one_clean_failure(case, code, output)
+
+
+def test_failing_run_leads_with_our_words(tmp_path: Path) -> None:
+    """A tool that always fails on DBOS (real SQLite system database): one line, our words (agent, engine,
+    capability) first, DBOS's error, then the innermost cause; no DBOS traceback per retry."""
+    code, output = durcap('run', f'{AGENTS}:failing', 'hi', '--engine', 'dbos', cwd=tmp_path)
+    assert code == 1 and 'Traceback' not in output, output
+    line = next(line for line in output.splitlines() if line.startswith('durcap: error:'))
+    assert line.startswith("durcap: error: agent 'input-failing' failed on dbos in capability 'broken': "
+                           'DBOSMaxStepRetriesExceeded'), line
+    assert line.index("capability 'broken'") < line.index('cause: RuntimeError: tool exploded on 1'), line
+
+
+# ---- loaders called as a library ---------------------------------------------------------------------------------
+
+
+def test_load_skills_never_raises(tmp_path: Path) -> None:
+    """Every kind of bad skills folder gives `InvalidSkill` entries (DC016), never an exception, never a block."""
+    folder = tmp_path / 'skills'
+    folder.mkdir()
+    os.mkfifo(folder / 'fifo.md')
+    (folder / 'dir.md').mkdir()
+    (folder / 'big.md').write_text('---\nid: big\ndescription: d\n---\n' + 'x' * (1024 * 1024 + 1))
+    (folder / 'bomb.md').write_text('---\n' + _alias_bomb().replace('lock_version', 'id') + '---\nbody\n')
+    (folder / 'deep.md').write_text('---\nid: deep\ndescription: ' + _deep(5000) + '\n---\nbody\n')
+    (folder / 'binary.md').write_bytes(b'---\nid: \xff\n---\n')
+    cases = {
+        'fifo.md': 'not a regular file', 'dir.md': 'cannot read the file', 'big.md': 'over the limit',
+        'bomb.md': 'aliases', 'deep.md': 'nests deeper', 'binary.md': 'not valid UTF-8',
+    }
+    loaded = load_skills(folder)
+    by_file = {Path(s.problem.where.rsplit(':', 1)[0]).name: s.problem for s in loaded if isinstance(s, InvalidSkill)}
+    for name, fragment in cases.items():
+        assert by_file[name].code == 'DC016' and fragment in by_file[name].message, (name, by_file[name])
+    for directory, pattern, fragment in [
+        (folder, '/absolute/*.md', 'cannot list'), (folder, '', 'cannot list'), (tmp_path / 'none', '*.md', 'does not exist'),
+        (folder / 'big.md', '*.md', 'is a file'),
+    ]:
+        [invalid] = load_skills(directory, pattern)
+        assert isinstance(invalid, InvalidSkill) and fragment in invalid.problem.message, invalid
+    assert isinstance(load_skill(folder / 'fifo.md'), InvalidSkill)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(max_size=300))
+def test_load_json_raises_only_input_errors(text: str) -> None:
+    try:
+        load_json(text, where='--x')
+    except InputError as exc:
+        assert str(exc).startswith('DC040 --x: ') and '\n' not in str(exc)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.recursive(st.none() | st.integers() | st.text(max_size=5),
+                    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=3), children, max_size=3),
+                    max_leaves=30))
+def test_load_json_bounds_depth_exactly(value: Any) -> None:
+    """JSON nested at most MAX_DEPTH levels loads; one level deeper is refused."""
+    def wrap(v: Any, n: int) -> Any:
+        for _ in range(n):
+            v = [v]
+        return v
+
+    assert load_json(json.dumps(wrap(value, 0)), where='x') == value
+    with pytest.raises(InputError, match='nests deeper'):
+        load_json(json.dumps(wrap([], MAX_DEPTH)), where='x')
+    assert load_json(json.dumps(wrap([], MAX_DEPTH - 1)), where='x') == wrap([], MAX_DEPTH - 1)
+
+
+_YAML_ALPHABET = st.sampled_from([*'ab:-[]{}&*!|>\'"#,? \n\t0123', '!!python/object', '<<: *a', '&a ', '*a'])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(_YAML_ALPHABET, max_size=60).map(''.join))
+def test_read_lock_raises_only_lockfile_errors(tmp_path: Path, text: str) -> None:
+    """Any text: a lockfile or one `LockfileError` line, never another exception (PyYAML's included)."""
+    path = tmp_path / 'durable.lock'
+    path.write_text(GOOD_LOCK_HEAD + 'agents:\n  a:\n    tools: ' + text if text.startswith(' ') else text)
+    try:
+        data = read_lock(path)
+    except LockfileError as exc:
+        assert '\n' not in str(exc)
+    else:
+        assert isinstance(data['agents'], dict) and type(data['lock_version']) is int
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_YAML_ALPHABET, max_size=60).map(''.join))
+def test_load_yaml_refuses_aliases_and_depth(text: str) -> None:
+    try:
+        load_yaml(text, where='x')
+    except (yaml.YAMLError, ValueError, TypeError):
+        pass  # the errors read_lock and load_skill word; nothing else may escape
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.one_of(st.none(), st.integers(-3, 30), st.text(max_size=4), st.booleans(),
+                          st.dictionaries(st.sampled_from(['eventId', 'eventType', 'x']), st.text(max_size=4), max_size=3)),
+                max_size=6))
+def test_read_history_raises_only_input_errors(tmp_path: Path, events: list[Any]) -> None:
+    path = tmp_path / 'h.json'
+    path.write_text(json.dumps({'history': {'events': events}}))
+    with pytest.raises(InputError) as info:
+        read_history(path)
+    assert str(info.value).startswith('DC040 ') and '\n' not in str(info.value)
+
+
+# ---- output escaping (issue 12 item 4) -------------------------------------------------------------------------------
+
+UNSAFE = [chr(c) for c in [*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0), 0x061C, 0x200E, 0x200F,
+                           *range(0x202A, 0x202F), *range(0x2066, 0x206A)]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text())
+def test_printable_leaves_no_control_or_bidi_character(text: str) -> None:
+    shown = printable(text)
+    assert not any(char in shown for char in UNSAFE)
+    safe = ''.join(char for char in text if char not in UNSAFE and char != '\\')
+    assert printable(safe) == safe  # everything else is left as it is
+
+
+def test_printable_escapes_visibly() -> None:
+    assert printable('a\x1b[31mb\u202ec\x00\n\x9b') == 'a\\x1b[31mb\\u202ec\\x00\\n\\x9b'
+    assert printable('line1\nline2\x1b', keep_newlines=True) == 'line1\nline2\\x1b'
+
+
+def test_history_show_escapes_ids_and_stored_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A conversation whose id and messages hold an escape sequence and a bidi override, in a real SQLite store."""
+    evil_id = 'c\x1b]0;owned\x07-\u202eevil'
+    store = _store_with(tmp_path, evil_id, text='answer \x1b[2J\u2066hidden\u2069 \x9b')
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ['history', 'show', evil_id, '--store', f'sqlite:///{store}'])
+    assert result.exit_code == 0, result.output
+    for char in ('\x1b', '\x07', '\u202e', '\u2066', '\u2069', '\x9b'):
+        assert char not in result.output
+    assert 'c\\x1b]0;owned\\x07-\\u202eevil' in result.output
+    assert 'answer \\x1b[2J\\u2066hidden\\u2069 \\x9b' in result.output
+    as_json = CliRunner().invoke(app, ['history', 'show', evil_id, '--store', f'sqlite:///{store}', '--format', 'json'])
+    assert json.loads(as_json.output)['conversation_id'] == evil_id  # JSON keeps the value, escaped by JSON itself
+    assert '\x1b' not in as_json.output and '\u202e' not in as_json.output
+
+
+def test_check_json_lists_the_engines_it_checked() -> None:
+    result = CliRunner().invoke(app, ['check', PLAIN, '--format', 'json'])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)['engines'] == ['temporal', 'dbos', 'prefect']
+    result = CliRunner().invoke(app, ['check', PLAIN, '--format', 'json', '--engine', 'dbos'])
+    assert json.loads(result.output)['engines'] == ['dbos']
+
+
+# ---- files we create (issue 12 item 4) ---------------------------------------------------------------------------------
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_private_helpers(tmp_path: Path) -> None:
+    os.umask(0o022)
+    file = private_file(tmp_path / 'a' / 'b' / 'x.db')
+    assert _mode(file) == 0o600 and _mode(file.parent) == 0o700 and _mode(file.parent.parent) == 0o700
+    existing = tmp_path / 'mine.db'
+    existing.write_text('x')
+    existing.chmod(0o644)
+    assert _mode(private_file(existing)) == 0o644  # a user's own file is left alone
+    ours = tmp_path / '.durcap'
+    ours.mkdir(mode=0o755)
+    ours.chmod(0o755)
+    assert _mode(private_dir(ours)) == 0o700  # the folder we own is tightened
+
+
+def test_run_creates_private_files(tmp_path: Path) -> None:
+    """A real `durcap run --engine dbos --conversation` in a fresh folder: .durcap 0700, its databases 0600."""
+    code, output = durcap('run', PLAIN, 'hi', '--engine', 'dbos', '--conversation', 'c1', cwd=tmp_path, timeout=120)
+    assert code == 0, output
+    folder = tmp_path / '.durcap'
+    assert _mode(folder) == 0o700
+    files = sorted(p.name for p in folder.iterdir())
+    assert {'conversations.db', 'dbos.sqlite'} <= set(files), files
+    for path in folder.iterdir():
+        assert _mode(path) == 0o600, (path.name, oct(_mode(path)))
