@@ -156,6 +156,33 @@ def test_capability_toolset_function_is_re_evaluated_every_step() -> None:
     )
 
 
+def test_interchangeable_leaves_match_what_upstream_rebuilds_per_call() -> None:
+    """`Capability(toolsets=[func])` and `WebSearch(local=func)` build new leaves on every `get_toolset()` call;
+    `StableIdCapability` hands out the first again only when `interchangeable_leaves` says they behave the same.
+    If upstream starts caching them (the same object), the first assertions change and the interning can go."""
+    from pydantic_ai.capabilities import WebSearch
+    from pydantic_ai.toolsets import DynamicToolset
+
+    def factory(ctx: RunContext[Any]) -> None:
+        return None
+
+    capability = Capability(id='x', toolsets=[factory])
+    first, second = capability.get_toolset(), capability.get_toolset()
+    assert isinstance(first, DynamicToolset) and first is not second, changed('Capability(toolsets=[func]) now caches')
+    assert _upstream.interchangeable_leaves(first, second)
+    assert not _upstream.interchangeable_leaves(first, DynamicToolset(factory, id='y'))
+    assert not _upstream.interchangeable_leaves(first, DynamicToolset(factory, id='x_0', per_run_step=False))
+
+    web = WebSearch(local=ping, native=False, id='web')
+    one, two = web.get_toolset(), web.get_toolset()
+    assert isinstance(one, FunctionToolset) and one is not two, changed('WebSearch(local=func) now caches its toolset')
+    assert set(vars(one)) >= {'tools', '_id', 'max_retries'}, changed(f'FunctionToolset attributes are now {sorted(vars(one))}')
+    assert _upstream.interchangeable_leaves(one, two)
+    assert not _upstream.interchangeable_leaves(one, FunctionToolset([ping], id='web'))  # another Tool object
+    other = FunctionToolset(list(one.tools.values()), id='web', max_retries=5)
+    assert not _upstream.interchangeable_leaves(one, other)  # same Tool, another setting
+
+
 # ---- AbstractToolset._explicit_id --------------------------------------------------------------------------------------
 
 
@@ -362,6 +389,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
         'dbos_error_classes',
         'derived_id_source',
         'explicit_toolset_id',
+        'interchangeable_leaves',
         'temporal_activity_name',
         'temporal_workflow_name',
         'temporal_worker_registrations',

@@ -22,6 +22,7 @@ __all__ = [
     'dbos_error_classes',
     'derived_id_source',
     'explicit_toolset_id',
+    'interchangeable_leaves',
     'temporal_activity_name',
     'temporal_worker_registrations',
     'temporal_workflow_name',
@@ -58,6 +59,34 @@ def toolset_with_id(toolset: AbstractToolset[Any], new_id: str) -> AbstractTools
         clone.id = new_id  # public setter; marks the id explicit
         return clone
     return None
+
+
+def interchangeable_leaves(first: AbstractToolset[Any], second: AbstractToolset[Any]) -> bool:
+    """Whether two leaf toolsets behave the same in every run, so one may stand in for the other.
+
+    `DynamicToolset`: upstream's own `__eq__` (the same function object, `per_run_step` and id).
+    `FunctionToolset` (exactly that class): the same `Tool` objects under the same names and equal settings
+    otherwise (id, retries, timeout, ...); `WebSearch(local=func)` and its kin build such a toolset around the
+    same `Tool` on every `get_toolset()` call. Anything else: only the same object.
+    """
+    if first is second:
+        return True
+    if type(first) is not type(second):
+        return False
+    if isinstance(first, DynamicToolset):
+        return first == second
+    if type(first) is not FunctionToolset:
+        return False
+    assert isinstance(second, FunctionToolset)
+    mine, theirs = vars(first), vars(second)
+    if mine.keys() != theirs.keys() or first.tools.keys() != second.tools.keys():
+        return False
+    if any(tool is not second.tools[name] for name, tool in first.tools.items()):
+        return False
+    try:
+        return all(value == theirs[key] for key, value in mine.items() if key != 'tools')
+    except Exception:  # noqa: BLE001 - an attribute whose `==` raises is not known to be equal
+        return False
 
 
 def derived_id_source(capability: AbstractCapability[Any]) -> str | None:
