@@ -11,6 +11,8 @@ import asyncio
 import dataclasses
 import importlib
 import inspect
+import os
+from pathlib import Path
 from typing import Any
 
 import pydantic_ai
@@ -353,6 +355,53 @@ def test_temporal_worker_registrations_is_what_a_worker_registers() -> None:
 # ---- dbos._error (not pydantic-ai, but private all the same) ---------------------------------------------------------------
 
 
+_DBOS_VERSION_SCRIPT = """
+import json
+from dbos import DBOS
+from dbos._dbos import _get_or_create_dbos_registry
+from durable_capabilities import _upstream
+
+@DBOS.workflow(name='contract.first')
+async def first() -> int:
+    return 1
+
+default_one = _get_or_create_dbos_registry().compute_app_version('contract')
+
+@DBOS.workflow(name='contract.second')
+async def second() -> int:
+    return 2
+
+print(json.dumps({
+    'default_one': default_one,
+    'default_two': _get_or_create_dbos_registry().compute_app_version('contract'),
+    'ours_all': _upstream.dbos_application_version('contract', ()),
+    'ours_without_second': _upstream.dbos_application_version('contract', {'contract.second'}),
+    'other_app': _upstream.dbos_application_version('other', ()),
+    'still_registered': sorted(_get_or_create_dbos_registry().workflow_info_map),
+}))
+"""
+
+
+def test_dbos_application_version_is_dbos_own_computation_without_the_excluded_workflows(tmp_path: Path) -> None:
+    """In a subprocess (DBOS's registry is global): with nothing excluded it is DBOS's default version; excluding a
+    workflow gives the version DBOS computed before it was registered; the registry itself is left alone."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / 'versions.py'  # a file: DBOS hashes the workflows' source code
+    script.write_text(_DBOS_VERSION_SCRIPT)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True,
+                            env={**os.environ, 'PYTHONPATH': os.pathsep.join(sys.path)})
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    assert data['ours_all'] == data['default_two'], changed('DBOSRegistry.compute_app_version is no longer what we call')
+    assert data['ours_without_second'] == data['default_one'] != data['default_two'], changed(
+        'DBOS application versions no longer depend on the registered workflows alone'
+    )
+    assert data['other_app'] != data['ours_all']
+    assert data['still_registered'] == ['contract.first', 'contract.second']
+
+
 def test_dbos_error_classes_tell_control_flow_from_exhausted_retries() -> None:
     dbos_error, retries_exceeded = _upstream.dbos_error_classes()
     assert issubclass(dbos_error, Exception) and issubclass(retries_exceeded, dbos_error), (
@@ -386,6 +435,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
         'LOAD_CAPABILITY_TOOL_NAME',
         'DynamicToolset',
         'capability_url_derived_id',
+        'dbos_application_version',
         'dbos_error_classes',
         'derived_id_source',
         'explicit_toolset_id',
@@ -409,6 +459,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
             )
     assert sorted(private) == [
         '_Definition',
+        '_dbos',
         '_deferred_capability_loader',
         '_derived_id_source',
         '_error',

@@ -9,6 +9,7 @@ capability derived its `id` from. Each of those is wrapped here, once, and
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection
 from typing import Any
 
 from pydantic_ai.capabilities import AbstractCapability
@@ -19,6 +20,7 @@ __all__ = [
     'LOAD_CAPABILITY_TOOL_NAME',
     'DynamicToolset',
     'capability_url_derived_id',
+    'dbos_application_version',
     'dbos_error_classes',
     'derived_id_source',
     'explicit_toolset_id',
@@ -144,6 +146,29 @@ def temporal_worker_registrations(durability: Any) -> tuple[list[Any], list[type
     )
 
     return worker_registrations(durability)
+
+
+def dbos_application_version(app_name: str, excluded: Collection[str]) -> str:
+    """DBOS's own application version for `app_name`, computed over the registered workflows except `excluded`.
+
+    DBOS computes it at launch unless one is configured (`DBOSRegistry.compute_app_version`: an MD5 of the sorted
+    sources of every registered workflow, the dbos version and the app name) and recovers only pending workflows
+    recorded under the version it runs as. Its registry is private (`dbos._dbos._get_or_create_dbos_registry`); the
+    same method runs here on a copy that leaves out `excluded`, so the answer is DBOS's own whenever `excluded`
+    names nothing registered.
+
+    Args:
+        app_name: The DBOS application name (`DBOSConfig['name']`).
+        excluded: Workflow names to leave out.
+
+    Raises:
+        ImportError: the `dbos` extra is not installed.
+    """
+    from dbos._dbos import _get_or_create_dbos_registry  # lazily: dbos is an optional extra
+
+    view = copy.copy(_get_or_create_dbos_registry())
+    view.workflow_info_map = {n: f for n, f in view.workflow_info_map.items() if n not in excluded}
+    return view.compute_app_version(app_name)
 
 
 def dbos_error_classes() -> tuple[type[BaseException], type[BaseException]]:

@@ -53,6 +53,7 @@ async def dbos_run(args: argparse.Namespace) -> None:
     agent = load(args.target)
     workflow = dbos_engine.agent_workflow(agent)
     dbos_engine.launch('durcap-tests', system_database_url_=args.db)
+    print(f'DBOS APPLICATION VERSION {DBOS.application_version}', flush=True)
     try:
         status = await DBOS.get_workflow_status_async(args.workflow_id)
         if status is None:
