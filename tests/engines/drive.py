@@ -4,7 +4,8 @@ Each engine keeps global state (DBOS's registry, Prefect's settings, a Temporal 
 run each engine in its own process, and crash tests kill that process with SIGKILL.
 
 Actions:
-- `temporal worker --address A --task-queue Q --target MOD:ATTR`: serve until SIGTERM.
+- `temporal worker --address A --task-queue Q --target MOD:ATTR [--versioned]`: serve until SIGTERM (with
+  `--versioned`, as `durcap worker temporal` does: Worker Versioning, its version made current).
 - `dbos run --db URL --workflow-id ID --target MOD:ATTR --prompt P`: launch DBOS (which recovers
   pending workflows of this app version), start or await workflow ID, print the JSON report.
 - `prefect run --target MOD:ATTR --prompt P [--flow-run-id ID]`: run the agent's flow (a new flow run,
@@ -37,11 +38,13 @@ async def temporal_worker(args: argparse.Namespace) -> None:
     from durable_capabilities.engines import temporal
 
     ready = asyncio.Event()
+    agents = [load(args.target)]
+    version = temporal.worker_version(agents, args.task_queue) if args.versioned else None
     task = asyncio.create_task(
-        temporal.run_worker([load(args.target)], task_queue=args.task_queue, address=args.address, ready=ready)
+        temporal.run_worker(agents, task_queue=args.task_queue, address=args.address, ready=ready, version=version)
     )
     await ready.wait()
-    print('WORKER READY', flush=True)
+    print(f'WORKER READY {version.build_id if version else "unversioned"}', flush=True)
     await task
 
 
@@ -107,6 +110,7 @@ def main() -> None:
     parser.add_argument('--workflow-id')
     parser.add_argument('--prompt', default='charge order A-1 and export')
     parser.add_argument('--flow-run-id')
+    parser.add_argument('--versioned', action='store_true', help='Temporal: Worker Versioning, made current')
     args = parser.parse_args()
     action = {('temporal', 'worker'): temporal_worker, ('dbos', 'run'): dbos_run, ('prefect', 'run'): prefect_run}
     asyncio.run(action[(args.engine, args.action)](args))

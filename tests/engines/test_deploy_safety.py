@@ -226,14 +226,16 @@ def test_temporal_recovery_after_agent_rename_with_previous_names(
     temporal_address: str, spawn, tmp_path: Path, base_env: dict[str, str]
 ) -> None:
     """A workflow of agent `greeter-…` whose worker is killed (SIGKILL) mid-tool finishes on a worker of the renamed
-    agent `greeter-…-v2` with `previous_names=['greeter-…']` on the same task queue; the earlier tool ran once."""
+    agent `greeter-…-v2` with `previous_names=['greeter-…']` on the same task queue; the earlier tool ran once.
+    Both workers use Worker Versioning as `durcap worker temporal` does: the rename keeps the build id, so the run,
+    pinned to it, may continue on the new worker."""
     from durable_capabilities.engines.temporal import AgentRunInput, AgentRunOutput, connect
 
     queue = f'rename-{uuid.uuid4().hex[:8]}'
     env = base_env | {'DURCAP_RENAME_SLOW': '1'}
     old = spawn('temporal', 'worker', '--target', TARGET, '--address', temporal_address, '--task-queue', queue,
-                env=env | {'DURCAP_RENAME_VARIANT': 'v1'})
-    old.wait_for('WORKER READY', 90)
+                '--versioned', env=env | {'DURCAP_RENAME_VARIANT': 'v1'})
+    old_build = old.wait_for('WORKER READY', 90).split()[-1]
 
     async def start() -> str:
         client = await connect(temporal_address)
@@ -248,8 +250,8 @@ def test_temporal_recovery_after_agent_rename_with_previous_names(
         time.sleep(0.1)
     old.kill9()
     new = spawn('temporal', 'worker', '--target', TARGET, '--address', temporal_address, '--task-queue', queue,
-                env=env | {'DURCAP_RENAME_VARIANT': 'agent-v2-alias'})
-    new.wait_for('WORKER READY', 90)
+                '--versioned', env=env | {'DURCAP_RENAME_VARIANT': 'agent-v2-alias'})
+    assert new.wait_for('WORKER READY', 90).split()[-1] == old_build != 'unversioned'
 
     async def finish() -> AgentRunOutput:
         client = await connect(temporal_address)

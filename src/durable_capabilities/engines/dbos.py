@@ -630,7 +630,8 @@ class DBOSAdapter(EngineAdapter):
         try:
             DBOS.register_queue(queue)
             options.notify(f'dbos worker ready: executor {executor!r} (recovering {len(pending)} pending '
-                           f'workflows), queue {queue!r}, system database {_redact(url)}; Ctrl-C or SIGTERM to stop')
+                           f'workflows), queue {queue!r}, system database {_redact(url)}, application version '
+                           f'{DBOS.application_version}; Ctrl-C or SIGTERM to stop')
             stop.wait()
         finally:
             for sig, handler in previous.items():
