@@ -15,6 +15,7 @@ from .store import (
     drift,
 )
 from .validation import CODES, DurableConfigError, Problem, Report
+from .worker_secrets import SecretNotFoundError, WorkerSecret, set_secret_resolver
 
 __all__ = [
     'CODES',
@@ -28,12 +29,15 @@ __all__ = [
     'Report',
     'RunbookRequired',
     'SQLConversationStore',
+    'SecretNotFoundError',
     'StoreError',
+    'WorkerSecret',
     'drift',
     'id_syntax_error',
     'load_skill',
     'load_skills',
     'redact_url',
+    'set_secret_resolver',
     'validate_together',
 ]
 __version__ = '0.1.0'

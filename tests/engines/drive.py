@@ -30,6 +30,10 @@ def load(target: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
+def _deps(args: argparse.Namespace) -> Any:
+    return json.loads(args.deps_json) if args.deps_json else None
+
+
 def emit(report: dict[str, Any]) -> None:
     print('REPORT ' + json.dumps(to_jsonable_python(report)), flush=True)
 
@@ -61,7 +65,7 @@ async def dbos_run(args: argparse.Namespace) -> None:
         status = await DBOS.get_workflow_status_async(args.workflow_id)
         if status is None:
             with SetWorkflowID(args.workflow_id):
-                handle = await DBOS.start_workflow_async(workflow, args.prompt, None, None)
+                handle = await DBOS.start_workflow_async(workflow, args.prompt, _deps(args), None)
         else:
             handle = await DBOS.retrieve_workflow_async(args.workflow_id)
         print('DBOS STARTED', flush=True)
@@ -89,10 +93,11 @@ async def prefect_run(args: argparse.Namespace) -> None:
             # The killed process left the run Running; hand it back to the engine to run again.
             await client.set_flow_run_state(flow_run.id, Scheduled(), force=True)
         else:
-            flow_run = await client.create_flow_run(flow, parameters={'prompt': args.prompt})
+            flow_run = await client.create_flow_run(flow, parameters={'prompt': args.prompt, 'deps': _deps(args)})
         print(f'PREFECT FLOW RUN {flow_run.id}', flush=True)
         flow_run = await client.read_flow_run(flow_run.id)
-        state = await run_flow_async(flow, flow_run=flow_run, parameters={'prompt': args.prompt}, return_type='state')
+        state = await run_flow_async(flow, flow_run=flow_run, parameters={'prompt': args.prompt, 'deps': _deps(args)},
+                                     return_type='state')
         payload = await state.result()
         task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
     emit({'output': payload['output'], 'units': sorted(t.name for t in task_runs), 'new_messages': payload['new_messages'],
@@ -110,6 +115,7 @@ def main() -> None:
     parser.add_argument('--workflow-id')
     parser.add_argument('--prompt', default='charge order A-1 and export')
     parser.add_argument('--flow-run-id')
+    parser.add_argument('--deps-json', help='dbos / prefect run: the run deps as JSON')
     parser.add_argument('--versioned', action='store_true', help='Temporal: Worker Versioning, made current')
     args = parser.parse_args()
     action = {('temporal', 'worker'): temporal_worker, ('dbos', 'run'): dbos_run, ('prefect', 'run'): prefect_run}
