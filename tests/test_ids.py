@@ -48,6 +48,7 @@ from durable_capabilities import (
     load_skills,
     redact_url,
 )
+from durable_capabilities.ids import collect_leaves
 
 ENGINES = ('local', 'temporal', 'dbos', 'prefect')
 MCP_URL = 'http://127.0.0.1:8931/mcp'  # building never connects; nothing needs to listen here
@@ -508,6 +509,41 @@ def test_upstream_positional_callable_ids_are_warned_dc013(agent_name: Callable[
     )
     assert forward.leaf_ids() == backward.leaf_ids() == {'c': ['c_0', 'c_1']}  # the same ids, swapped toolsets
     assert 'DC013' in forward.report().codes()
+
+
+@dataclass
+class ReturnsToolsetFunction(AbstractCapability[Any]):
+    def get_toolset(self) -> Any:
+        return inventory_tools  # a toolset function: pydantic-ai wraps it in an id-less DynamicToolset
+
+
+def test_toolset_functions_and_rebuilt_function_toolsets_are_the_same_leaf_objects_on_every_call(
+    agent_name: Callable[[str], str],
+) -> None:
+    """pydantic-ai builds a new `DynamicToolset` per toolset function (and `WebSearch(local=func)` a new
+    `FunctionToolset`) on every `get_toolset()` call; durable engines refuse, inside a run, a leaf that is not
+    one they wrapped at build time. The wrapper hands out the first one again, with upstream's ids."""
+    capabilities = [
+        Capability(id='stock', description='Stock.', toolsets=[inventory_tools, pricing_tools], defer_loading=True),
+        Capability(id='one', description='One.', toolsets=[inventory_tools], defer_loading=True),
+        WebSearch(local=search_web, native=False, id='web-research', description='Web.', defer_loading=True),
+        ReturnsToolsetFunction(id='by-function', description='By function.', defer_loading=True),
+    ]
+    definition = DurableAgent(agent_name('stable'), 'test', capabilities=capabilities)
+    assert definition.leaf_ids() == {
+        'stock': ['stock_0', 'stock_1'], 'one': ['one_0'], 'web-research': ['web-research'],
+        'by-function': ['by-function'],
+    }
+    for capability in definition.capabilities:
+        first, second = capability.get_toolset(), capability.get_toolset()
+        assert first is not None and second is not None
+        first_leaves, second_leaves = collect_leaves(first), collect_leaves(second)
+        assert [leaf.id for leaf in first_leaves] == [leaf.id for leaf in second_leaves]
+        assert all(a is b for a, b in zip(first_leaves, second_leaves, strict=True)), capability.id
+    # The user's capability keeps building new ones (it is never changed).
+    assert collect_leaves(capabilities[0].get_toolset())[0] is not collect_leaves(capabilities[0].get_toolset())[0]
+    for engine in ENGINES:
+        definition.build(engine)
 
 
 def test_leaf_ids_never_embed_a_server_host(agent_name: Callable[[str], str]) -> None:

@@ -11,6 +11,8 @@ import asyncio
 import dataclasses
 import importlib
 import inspect
+import os
+from pathlib import Path
 from typing import Any
 
 import pydantic_ai
@@ -154,6 +156,33 @@ def test_capability_toolset_function_is_re_evaluated_every_step() -> None:
         f'a capability toolset function is no longer evaluated per run step (steps seen: {calls}); '
         'ids.StableIdCapability must wrap it with the same per_run_step'
     )
+
+
+def test_interchangeable_leaves_match_what_upstream_rebuilds_per_call() -> None:
+    """`Capability(toolsets=[func])` and `WebSearch(local=func)` build new leaves on every `get_toolset()` call;
+    `StableIdCapability` hands out the first again only when `interchangeable_leaves` says they behave the same.
+    If upstream starts caching them (the same object), the first assertions change and the interning can go."""
+    from pydantic_ai.capabilities import WebSearch
+    from pydantic_ai.toolsets import DynamicToolset
+
+    def factory(ctx: RunContext[Any]) -> None:
+        return None
+
+    capability = Capability(id='x', toolsets=[factory])
+    first, second = capability.get_toolset(), capability.get_toolset()
+    assert isinstance(first, DynamicToolset) and first is not second, changed('Capability(toolsets=[func]) now caches')
+    assert _upstream.interchangeable_leaves(first, second)
+    assert not _upstream.interchangeable_leaves(first, DynamicToolset(factory, id='y'))
+    assert not _upstream.interchangeable_leaves(first, DynamicToolset(factory, id='x_0', per_run_step=False))
+
+    web = WebSearch(local=ping, native=False, id='web')
+    one, two = web.get_toolset(), web.get_toolset()
+    assert isinstance(one, FunctionToolset) and one is not two, changed('WebSearch(local=func) now caches its toolset')
+    assert set(vars(one)) >= {'tools', '_id', 'max_retries'}, changed(f'FunctionToolset attributes are now {sorted(vars(one))}')
+    assert _upstream.interchangeable_leaves(one, two)
+    assert not _upstream.interchangeable_leaves(one, FunctionToolset([ping], id='web'))  # another Tool object
+    other = FunctionToolset(list(one.tools.values()), id='web', max_retries=5)
+    assert not _upstream.interchangeable_leaves(one, other)  # same Tool, another setting
 
 
 # ---- AbstractToolset._explicit_id --------------------------------------------------------------------------------------
@@ -326,6 +355,53 @@ def test_temporal_worker_registrations_is_what_a_worker_registers() -> None:
 # ---- dbos._error (not pydantic-ai, but private all the same) ---------------------------------------------------------------
 
 
+_DBOS_VERSION_SCRIPT = """
+import json
+from dbos import DBOS
+from dbos._dbos import _get_or_create_dbos_registry
+from durable_capabilities import _upstream
+
+@DBOS.workflow(name='contract.first')
+async def first() -> int:
+    return 1
+
+default_one = _get_or_create_dbos_registry().compute_app_version('contract')
+
+@DBOS.workflow(name='contract.second')
+async def second() -> int:
+    return 2
+
+print(json.dumps({
+    'default_one': default_one,
+    'default_two': _get_or_create_dbos_registry().compute_app_version('contract'),
+    'ours_all': _upstream.dbos_application_version('contract', ()),
+    'ours_without_second': _upstream.dbos_application_version('contract', {'contract.second'}),
+    'other_app': _upstream.dbos_application_version('other', ()),
+    'still_registered': sorted(_get_or_create_dbos_registry().workflow_info_map),
+}))
+"""
+
+
+def test_dbos_application_version_is_dbos_own_computation_without_the_excluded_workflows(tmp_path: Path) -> None:
+    """In a subprocess (DBOS's registry is global): with nothing excluded it is DBOS's default version; excluding a
+    workflow gives the version DBOS computed before it was registered; the registry itself is left alone."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / 'versions.py'  # a file: DBOS hashes the workflows' source code
+    script.write_text(_DBOS_VERSION_SCRIPT)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True,
+                            env={**os.environ, 'PYTHONPATH': os.pathsep.join(sys.path)})
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    assert data['ours_all'] == data['default_two'], changed('DBOSRegistry.compute_app_version is no longer what we call')
+    assert data['ours_without_second'] == data['default_one'] != data['default_two'], changed(
+        'DBOS application versions no longer depend on the registered workflows alone'
+    )
+    assert data['other_app'] != data['ours_all']
+    assert data['still_registered'] == ['contract.first', 'contract.second']
+
+
 def test_dbos_error_classes_tell_control_flow_from_exhausted_retries() -> None:
     dbos_error, retries_exceeded = _upstream.dbos_error_classes()
     assert issubclass(dbos_error, Exception) and issubclass(retries_exceeded, dbos_error), (
@@ -359,10 +435,12 @@ def test_upstream_module_exports_are_all_covered() -> None:
         'LOAD_CAPABILITY_TOOL_NAME',
         'DynamicToolset',
         'capability_url_derived_id',
+        'dbos_application_version',
         'dbos_error_classes',
         'derived_id_source',
         'explicit_toolset_id',
         'is_mcp_toolset',  # tests/test_lazy_imports.py
+        'interchangeable_leaves',
         'temporal_activity_name',
         'temporal_workflow_name',
         'temporal_worker_registrations',
@@ -382,6 +460,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
             )
     assert sorted(private) == [
         '_Definition',
+        '_dbos',
         '_deferred_capability_loader',
         '_derived_id_source',
         '_error',

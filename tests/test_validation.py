@@ -139,6 +139,18 @@ class Exploding(AbstractCapability[Any]):
         raise RuntimeError('cannot reach the tool registry')
 
 
+@dataclass
+class FreshToolsets(AbstractCapability[Any]):
+    """Builds a new leaf on every `get_toolset()` call: a `FunctionToolset` or a closure (`kind`)."""
+
+    kind: str = 'function'
+
+    def get_toolset(self) -> Any:
+        if self.kind == 'function':
+            return FunctionToolset([check_a])
+        return lambda ctx: FunctionToolset([check_a])
+
+
 CREDENTIAL_URL = 'http://user:s3cret@mcp.example.com:8443/mcp?token=t0ps3cret'
 SECRETS = ('s3cret', 't0ps3cret', 'user:', 'user@')
 
@@ -553,6 +565,29 @@ def test_a_capability_that_raises_becomes_a_problem(agent_name: Callable[[str], 
         DurableAgent(agent_name('boom'), 'test', capabilities=[Exploding(id='boom')])
     SEEN_CODES.update(info.value.report.codes())
     assert [p.code for p in info.value.report if "'boom'" in p.where] == ['DC023']
+
+
+def test_a_deferred_capability_building_new_leaves_per_call_is_dc024(agent_name: Callable[[str], str]) -> None:
+    """Durable engines run only the leaf objects they wrapped at build time; the model's load fetches the toolset
+    again. A new `FunctionToolset` fails on Temporal and Prefect (DBOS runs function tools inline), a new toolset
+    function on every engine. Toolset functions in `Capability(toolsets=[...])` and not-deferred capabilities pass."""
+    for kind, engines in (('function', ('temporal', 'prefect')), ('closure', ('temporal', 'dbos', 'prefect'))):
+        capability = FreshToolsets(id=f'fresh-{kind}', description='Fresh.', defer_loading=True, kind=kind)
+        with pytest.raises(DurableConfigError) as info:
+            DurableAgent(agent_name(kind), 'test', capabilities=[capability])
+        SEEN_CODES.update(info.value.report.codes())
+        [found] = info.value.report.problems
+        assert found.code == 'DC024' and found.where == f"capability 'fresh-{kind}' (FreshToolsets)"
+        assert found.engines == engines and '`get_toolset()`' in found.message and '__init__' in found.fix
+    assert DurableAgent(agent_name('local'), 'test', engines=('local',), capabilities=[
+        FreshToolsets(id='fresh', description='Fresh.', defer_loading=True, kind='closure')]).report().ok
+    assert DurableAgent(agent_name('eager'), 'test', capabilities=[FreshToolsets(id='eager', kind='closure')]).report().ok
+
+    def lookup_tools(ctx: Any) -> FunctionToolset[Any]:
+        return FunctionToolset([check_a])
+
+    deferred = Capability(id='lookups', description='Lookups.', toolsets=[lookup_tools], defer_loading=True)
+    assert DurableAgent(agent_name('callables'), 'test', capabilities=[deferred]).report().ok
 
 
 def test_report_formats(bad_skills: Path, agent_name: Callable[[str], str]) -> None:

@@ -10,6 +10,7 @@ from .ids import MAX_ID_LENGTH, id_syntax_error, redact_url
 from .runbook import RunbookRequired
 from .skills import InvalidSkill, load_skill, load_skills
 from .validation import CODES, DurableConfigError, Problem, Report
+from .worker_secrets import SecretNotFoundError, WorkerSecret, set_secret_resolver
 
 if TYPE_CHECKING:
     from .store import ConversationConflictError, ConversationNotFoundError, SQLConversationStore, StoreError, drift
@@ -38,12 +39,15 @@ __all__ = [
     'Report',
     'RunbookRequired',
     'SQLConversationStore',
+    'SecretNotFoundError',
     'StoreError',
+    'WorkerSecret',
     'drift',
     'id_syntax_error',
     'load_skill',
     'load_skills',
     'redact_url',
+    'set_secret_resolver',
     'validate_together',
 ]
 __version__ = '0.1.0'

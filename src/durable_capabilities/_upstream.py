@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from pydantic_ai.capabilities import AbstractCapability
@@ -23,9 +24,11 @@ __all__ = [
     'LOAD_CAPABILITY_TOOL_NAME',
     'DynamicToolset',
     'capability_url_derived_id',
+    'dbos_application_version',
     'dbos_error_classes',
     'derived_id_source',
     'explicit_toolset_id',
+    'interchangeable_leaves',
     'is_mcp_toolset',
     'temporal_activity_name',
     'temporal_worker_registrations',
@@ -72,6 +75,34 @@ def toolset_with_id(toolset: AbstractToolset[Any], new_id: str) -> AbstractTools
         clone.id = new_id  # public setter; marks the id explicit
         return clone
     return None
+
+
+def interchangeable_leaves(first: AbstractToolset[Any], second: AbstractToolset[Any]) -> bool:
+    """Whether two leaf toolsets behave the same in every run, so one may stand in for the other.
+
+    `DynamicToolset`: upstream's own `__eq__` (the same function object, `per_run_step` and id).
+    `FunctionToolset` (exactly that class): the same `Tool` objects under the same names and equal settings
+    otherwise (id, retries, timeout, ...); `WebSearch(local=func)` and its kin build such a toolset around the
+    same `Tool` on every `get_toolset()` call. Anything else: only the same object.
+    """
+    if first is second:
+        return True
+    if type(first) is not type(second):
+        return False
+    if isinstance(first, DynamicToolset):
+        return first == second
+    if type(first) is not FunctionToolset:
+        return False
+    assert isinstance(second, FunctionToolset)
+    mine, theirs = vars(first), vars(second)
+    if mine.keys() != theirs.keys() or first.tools.keys() != second.tools.keys():
+        return False
+    if any(tool is not second.tools[name] for name, tool in first.tools.items()):
+        return False
+    try:
+        return all(value == theirs[key] for key, value in mine.items() if key != 'tools')
+    except Exception:  # noqa: BLE001 - an attribute whose `==` raises is not known to be equal
+        return False
 
 
 def derived_id_source(capability: AbstractCapability[Any]) -> str | None:
@@ -129,6 +160,29 @@ def temporal_worker_registrations(durability: Any) -> tuple[list[Any], list[type
     )
 
     return worker_registrations(durability)
+
+
+def dbos_application_version(app_name: str, excluded: Collection[str]) -> str:
+    """DBOS's own application version for `app_name`, computed over the registered workflows except `excluded`.
+
+    DBOS computes it at launch unless one is configured (`DBOSRegistry.compute_app_version`: an MD5 of the sorted
+    sources of every registered workflow, the dbos version and the app name) and recovers only pending workflows
+    recorded under the version it runs as. Its registry is private (`dbos._dbos._get_or_create_dbos_registry`); the
+    same method runs here on a copy that leaves out `excluded`, so the answer is DBOS's own whenever `excluded`
+    names nothing registered.
+
+    Args:
+        app_name: The DBOS application name (`DBOSConfig['name']`).
+        excluded: Workflow names to leave out.
+
+    Raises:
+        ImportError: the `dbos` extra is not installed.
+    """
+    from dbos._dbos import _get_or_create_dbos_registry  # lazily: dbos is an optional extra
+
+    view = copy.copy(_get_or_create_dbos_registry())
+    view.workflow_info_map = {n: f for n, f in view.workflow_info_map.items() if n not in excluded}
+    return view.compute_app_version(app_name)
 
 
 def dbos_error_classes() -> tuple[type[BaseException], type[BaseException]]:

@@ -45,8 +45,9 @@ class DurableAgent(Generic[DepsT, OutputT]):
             toolsets keep the ids, and so the durable unit names, they had, so runs recorded under the
             old names still recover (see docs/concepts/lockfile.md).
         previous_names: Earlier names of this agent, newest first. Durable units keep the first one's
-            names, and the Temporal and DBOS workflows are also registered under each, so runs in flight
-            recover (a Prefect flow run is identified by its cache keys, which the kept names preserve).
+            names (so does the `pydantic_ai.Agent` built for a durable engine: Prefect's task cache keys hash
+            its name), and the Temporal and DBOS workflows are also registered under each, so runs in flight
+            recover; DBOS's application version does not change (`engines.dbos.application_version`).
         conversation_store: Store URL for runs given a `conversation_id` (default: `$DURCAP_STORE`,
             else SQLite at `.durcap/conversations.db`, resolved where the durable unit runs).
         drift: `'error'` (refuse to resume a conversation whose history loaded a capability or called a
@@ -198,7 +199,9 @@ class DurableAgent(Generic[DepsT, OutputT]):
             capabilities.append(durability_cls(**kwargs))
         agent: Agent[Any, Any] = Agent(
             self.model,
-            name=self.name,
+            # Durable engines see the kept name: Prefect's task cache keys hash the agent name (`ctx.agent.name`),
+            # so a renamed agent with `previous_names` replays the finished tasks of a run in flight.
+            name=self.durable_name if durability_cls is not None else self.name,
             instructions=self.instructions,
             deps_type=self.deps_type,
             output_type=self.output_type,

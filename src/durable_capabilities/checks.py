@@ -27,6 +27,7 @@ from .ids import (
     PlanIssue,
     PlannedCapability,
     Stabilized,
+    collect_leaves,
     id_syntax_error,
     redact_url,
 )
@@ -43,7 +44,7 @@ class Stage(IntEnum):
     ENGINES = 0  # DC017, per listed engine
     AGENT_NAME = 1  # DC002 of the agent name
     SKILLS = 2  # DC016, per malformed skill file
-    LEAF_PLANS = 3  # DC023, DC013, DC014, DC015: per wrapped capability, then per leaf
+    LEAF_PLANS = 3  # DC023, DC013, DC014, DC015, DC024: per wrapped capability, then per leaf
     CAPABILITIES = 4  # DC001, DC002, DC006: per registered capability
     URL_IDS = 5  # DC005, per URL-derived id
     CAPABILITY_IDS = 6  # DC003, per explicit capability id
@@ -352,6 +353,47 @@ def leaf_without_scope(ctx: CheckContext) -> Iterator[Finding]:
         if issue.code == 'DC015' and (where := _where(planned)) not in ctx.deferred_without_id:
             found = ctx.problem('DC015', where, kind=issue.kind, cls=type(planned.stable.wrapped).__name__)
             yield Finding(Stage.LEAF_PLANS, at, found)
+
+
+_REJECTED_AT_RUN_TIME = {'FunctionToolset': ('temporal', 'prefect'), 'MCPToolset': None, 'DynamicToolset': None}
+"""Leaf kinds a durable engine refuses inside a run unless they are the objects it wrapped at build time, and
+the engines that refuse them (`None`: every durable engine). Source: upstream's engine specs,
+`unsupported_runtime_toolset_kinds` (DBOS runs function tools inline, so it accepts a new `FunctionToolset`)."""
+
+
+@check('DC024')
+def new_leaves_per_call(ctx: CheckContext) -> Iterator[Finding]:
+    for index, planned in enumerate(ctx.planned):
+        walk = planned.walk
+        if not ctx.durable or not walk.user.defer_loading or walk.toolset is None:
+            continue
+        again = _leaves_again(walk)
+        if again is None or len(again) != len(walk.leaves):
+            continue
+        for number, (first, second) in enumerate(zip(walk.leaves, again, strict=True)):
+            kind = type(first).__name__
+            if kind not in _REJECTED_AT_RUN_TIME or _upstream.interchangeable_leaves(first, second):
+                continue
+            engines = _REJECTED_AT_RUN_TIME[kind]
+            scope = tuple(e for e in ctx.durable if engines is None or e in engines)
+            if scope:
+                found = problem('DC024', _where(planned), scope, kind=kind, toolset_id=first.id or planned.stable.scope)
+                yield Finding(Stage.LEAF_PLANS, (index, 3, number), found)
+
+
+def _leaves_again(walk: CapabilityWalk) -> list[AbstractToolset[Any]] | None:
+    """The leaves of a second `get_toolset()` call (what the model's load of a deferred capability gets), or
+    `None` when it raised or returned nothing. `StableIdCapability` hands out the first of interchangeable leaves
+    again (`_upstream.interchangeable_leaves`), so only leaves that are not are a problem."""
+    try:
+        toolset = walk.user.get_toolset()
+    except Exception:  # noqa: BLE001 - the user's code; its first failure is reported as DC023
+        return None
+    if toolset is None:
+        return None
+    if not isinstance(toolset, AbstractToolset):
+        toolset = _upstream.DynamicToolset(toolset)  # a toolset function, as upstream wraps it
+    return collect_leaves(toolset)
 
 
 # ---- capability ids ---------------------------------------------------------------------------------------------------

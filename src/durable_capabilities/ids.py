@@ -244,6 +244,7 @@ class StableIdCapability(WrapperCapability[Any]):
     _copies: dict[int, tuple[Any, AbstractToolset[Any]]] = field(
         default_factory=dict, repr=False, compare=False
     )
+    _templates: dict[str | None, list[AbstractToolset[Any]]] = field(default_factory=dict, repr=False, compare=False)
 
     def get_description(self) -> Any:
         return self.wrapped.get_description()
@@ -254,13 +255,13 @@ class StableIdCapability(WrapperCapability[Any]):
             return None
         if not isinstance(toolset, AbstractToolset):
             # A toolset function: upstream would wrap it in an id-less DynamicToolset.
-            key = id(toolset)
-            cached = self._copies.get(key)
-            if cached is None or cached[0] is not toolset:
-                cached = (toolset, _upstream.DynamicToolset(toolset, per_run_step=True, id=None))
-                self._copies[key] = cached
-            toolset = cached[1]
-        assignments, _, _ = plan_leaf_ids(self.scope, collect_leaves(toolset), self.renamed_from)
+            toolset = self._interned(_upstream.DynamicToolset(toolset, per_run_step=True, id=None))
+        leaves = collect_leaves(toolset)
+        interned = {id(leaf): self._interned(leaf) for leaf in leaves if isinstance(leaf, _INTERNED)}
+        if any(interned[key] is not leaf for leaf in leaves if (key := id(leaf)) in interned):
+            toolset = toolset.visit_and_replace(lambda leaf: interned.get(id(leaf), leaf))
+            leaves = collect_leaves(toolset)
+        assignments, _, _ = plan_leaf_ids(self.scope, leaves, self.renamed_from)
         if not assignments:
             return toolset
 
@@ -277,6 +278,34 @@ class StableIdCapability(WrapperCapability[Any]):
             return cached[1]
 
         return toolset.visit_and_replace(replace_leaf)
+
+    def _interned(self, leaf: AbstractToolset[Any]) -> AbstractToolset[Any]:
+        """The first leaf this wrapper handed out that `leaf` can stand in for (`leaf` itself when there is none).
+
+        `Capability(toolsets=[func])` builds a new `DynamicToolset(func, id='x_0')` on every `get_toolset()`
+        call, and `WebSearch(local=func)` a new `FunctionToolset` around the same `Tool`. Durable engines wrap
+        the leaves they see when the agent is built and, inside a workflow or flow, refuse a leaf that is not
+        one of those very objects ("cannot be added at runtime"); a deferred capability's toolset is fetched
+        again when the model loads it. `_upstream.interchangeable_leaves` says when two leaves behave the
+        same; a run never uses the template itself (`for_run` makes per-run copies), so one template is safe
+        to share between runs. At most `_MAX_TEMPLATES` are kept per id, so a capability that builds a
+        different toolset on every call (DC024) cannot grow the cache.
+        """
+        templates = self._templates.setdefault(_upstream.explicit_toolset_id(leaf), [])
+        for template in templates:
+            if _upstream.interchangeable_leaves(template, leaf):
+                return template
+        templates.append(leaf)
+        del templates[:-_MAX_TEMPLATES]
+        return leaf
+
+
+_MAX_TEMPLATES = 8
+"""Leaf templates kept per leaf id by one `StableIdCapability` (see `_interned`)."""
+
+
+_INTERNED = (_upstream.DynamicToolset, FunctionToolset)
+"""Leaf kinds `StableIdCapability._interned` may hand out again instead of a new but interchangeable one."""
 
 
 def _is_leaf_capability(capability: AbstractCapability[Any]) -> bool:

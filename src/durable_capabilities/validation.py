@@ -226,6 +226,17 @@ CODES: dict[str, Code] = {
             "Fix the capability's `get_toolset()`; it is called once when the agent is built.",
         ),
     ),
+    'DC024': Code(
+        "A deferred capability's `get_toolset()` returns new leaf toolsets on every call.",
+        'error',
+        Text(
+            '`get_toolset()` returns a new {kind} {toolset_id!r} on every call. The model loads a deferred capability '
+            'by fetching its toolset again, and durable engines run only the leaf toolset objects they wrapped when '
+            "the agent was built, so every run that loads it would fail ('cannot be added at runtime').",
+            'Build the toolset once (in `__init__`) and return that same object from `get_toolset()`; for a toolset '
+            'function, return the same function object every time, or pass it as `Capability(toolsets=[func])`.',
+        ),
+    ),
     'DC030': Code(
         'A Temporal payload is over the configured maximum (a tool result, a message, a history).',
         'error',

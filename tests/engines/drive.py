@@ -4,8 +4,9 @@ Each engine keeps global state (DBOS's registry, Prefect's settings, a Temporal 
 run each engine in its own process, and crash tests kill that process with SIGKILL.
 
 Actions:
-- `temporal worker --address A --task-queue Q --target MOD:ATTR`: serve until SIGTERM.
-- `dbos run --db URL --workflow-id ID --target MOD:ATTR --prompt P [--conversation C]`: launch DBOS (which recovers
+- `temporal worker --address A --task-queue Q --target MOD:ATTR [--versioned]`: serve until SIGTERM (with
+  `--versioned`, as `durcap worker temporal` does: Worker Versioning, its version made current).
+- `dbos run --db URL --workflow-id ID --target MOD:ATTR --prompt P [--conversation C] [--deps-json J]`: launch DBOS (which recovers
   pending workflows of this app version), start or await workflow ID, print the JSON report.
 - `prefect run --target MOD:ATTR --prompt P [--flow-run-id ID]`: run the agent's flow (a new flow run,
   or run an existing one again), print the JSON report.
@@ -29,6 +30,10 @@ def load(target: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
+def _deps(args: argparse.Namespace) -> Any:
+    return json.loads(args.deps_json) if args.deps_json else None
+
+
 def emit(report: dict[str, Any]) -> None:
     print('REPORT ' + json.dumps(to_jsonable_python(report)), flush=True)
 
@@ -37,11 +42,13 @@ async def temporal_worker(args: argparse.Namespace) -> None:
     from durable_capabilities.engines import temporal
 
     ready = asyncio.Event()
+    agents = [load(args.target)]
+    version = temporal.worker_version(agents, args.task_queue) if args.versioned else None
     task = asyncio.create_task(
-        temporal.run_worker([load(args.target)], task_queue=args.task_queue, address=args.address, ready=ready)
+        temporal.run_worker(agents, task_queue=args.task_queue, address=args.address, ready=ready, version=version)
     )
     await ready.wait()
-    print('WORKER READY', flush=True)
+    print(f'WORKER READY {version.build_id if version else "unversioned"}', flush=True)
     await task
 
 
@@ -53,11 +60,12 @@ async def dbos_run(args: argparse.Namespace) -> None:
     agent = load(args.target)
     workflow = dbos_engine.agent_workflow(agent)
     dbos_engine.launch('durcap-tests', system_database_url_=args.db)
+    print(f'DBOS APPLICATION VERSION {DBOS.application_version}', flush=True)
     try:
         status = await DBOS.get_workflow_status_async(args.workflow_id)
         if status is None:
             with SetWorkflowID(args.workflow_id):
-                handle = await DBOS.start_workflow_async(workflow, args.prompt, None, None, args.conversation)
+                handle = await DBOS.start_workflow_async(workflow, args.prompt, _deps(args), None, args.conversation)
         else:
             handle = await DBOS.retrieve_workflow_async(args.workflow_id)
         print('DBOS STARTED', flush=True)
@@ -85,10 +93,11 @@ async def prefect_run(args: argparse.Namespace) -> None:
             # The killed process left the run Running; hand it back to the engine to run again.
             await client.set_flow_run_state(flow_run.id, Scheduled(), force=True)
         else:
-            flow_run = await client.create_flow_run(flow, parameters={'prompt': args.prompt})
+            flow_run = await client.create_flow_run(flow, parameters={'prompt': args.prompt, 'deps': _deps(args)})
         print(f'PREFECT FLOW RUN {flow_run.id}', flush=True)
         flow_run = await client.read_flow_run(flow_run.id)
-        state = await run_flow_async(flow, flow_run=flow_run, parameters={'prompt': args.prompt}, return_type='state')
+        state = await run_flow_async(flow, flow_run=flow_run, parameters={'prompt': args.prompt, 'deps': _deps(args)},
+                                     return_type='state')
         payload = await state.result()
         task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
     emit({'output': payload['output'], 'units': sorted(t.name for t in task_runs), 'new_messages': payload['new_messages'],
@@ -107,6 +116,8 @@ def main() -> None:
     parser.add_argument('--prompt', default='charge order A-1 and export')
     parser.add_argument('--flow-run-id')
     parser.add_argument('--conversation')
+    parser.add_argument('--deps-json', help='dbos / prefect run: the run deps as JSON')
+    parser.add_argument('--versioned', action='store_true', help='Temporal: Worker Versioning, made current')
     args = parser.parse_args()
     action = {('temporal', 'worker'): temporal_worker, ('dbos', 'run'): dbos_run, ('prefect', 'run'): prefect_run}
     asyncio.run(action[(args.engine, args.action)](args))

@@ -196,3 +196,92 @@ def test_prefect_resume_after_capability_rename_with_alias(prefect_api_url: str,
     print(f'prefect rename resume: hello ran {len(hellos)}x, model requests {requests}')
     assert requests[:3] == ['0', '1', '2'] and requests[3:] == ['0', '1', '2', '3'], requests
     assert hellos == ['ada', 'ada']
+
+
+def test_dbos_recovery_after_agent_rename_with_previous_names(spawn, tmp_path: Path, base_env: dict[str, str]) -> None:
+    """Kill a DBOS process (SIGKILL) while a tool of agent `greeter-…` runs; relaunch the same workflow id with the agent
+    renamed to `greeter-…-v2` and `previous_names=['greeter-…']`: the run completes, the earlier tool ran once.
+
+    Registering the old name as a second DBOS workflow used to change DBOS's application version (a hash of the
+    registered workflows' sources), so the relaunched process never recovered the pending workflow."""
+    db = f'sqlite:///{tmp_path / "dbos.sqlite"}'
+    workflow_id = f'rename-{uuid.uuid4()}'
+    args = ('dbos', 'run', '--target', TARGET, '--db', db, '--workflow-id', workflow_id, '--prompt', 'greet ada')
+    first = spawn(*args, env=base_env | {'DURCAP_RENAME_VARIANT': 'v1', 'DURCAP_RENAME_SLOW': '1'})
+    version = first.wait_for('DBOS APPLICATION VERSION', 90).split()[-1]
+    deadline = time.monotonic() + 90
+    while not (_dbos_effects(tmp_path) / 'slow-started').exists():
+        assert time.monotonic() < deadline, first.text()
+        time.sleep(0.1)
+    first.kill9()
+    second = spawn(*args, env=base_env | {'DURCAP_RENAME_VARIANT': 'agent-v2-alias', 'DURCAP_RENAME_SLOW': '1'})
+    assert second.wait_for('DBOS APPLICATION VERSION', 90).split()[-1] == version
+    report = second.report(timeout=120)
+    assert report['output'] == 'greeted'
+    assert (_dbos_effects(tmp_path) / 'hellos').read_text().splitlines() == ['ada']
+    assert f'{base_env["DURCAP_RENAME_AGENT"]}__function_toolset__greet.call_tool' in report['units']
+
+
+def test_temporal_recovery_after_agent_rename_with_previous_names(
+    temporal_address: str, spawn, tmp_path: Path, base_env: dict[str, str]
+) -> None:
+    """A workflow of agent `greeter-…` whose worker is killed (SIGKILL) mid-tool finishes on a worker of the renamed
+    agent `greeter-…-v2` with `previous_names=['greeter-…']` on the same task queue; the earlier tool ran once.
+    Both workers use Worker Versioning as `durcap worker temporal` does: the rename keeps the build id, so the run,
+    pinned to it, may continue on the new worker."""
+    from durable_capabilities.engines.temporal import AgentRunInput, AgentRunOutput, connect
+
+    queue = f'rename-{uuid.uuid4().hex[:8]}'
+    env = base_env | {'DURCAP_RENAME_SLOW': '1'}
+    old = spawn('temporal', 'worker', '--target', TARGET, '--address', temporal_address, '--task-queue', queue,
+                '--versioned', env=env | {'DURCAP_RENAME_VARIANT': 'v1'})
+    old_build = old.wait_for('WORKER READY', 90).split()[-1]
+
+    async def start() -> str:
+        client = await connect(temporal_address)
+        handle = await client.start_workflow(f'durcap.{env["DURCAP_RENAME_AGENT"]}', AgentRunInput(prompt='greet ada'),
+                                             id=f'rename-{uuid.uuid4()}', task_queue=queue)
+        return handle.id
+
+    workflow_id = asyncio.run(start())
+    deadline = time.monotonic() + 90
+    while not (_dbos_effects(tmp_path) / 'slow-started').exists():
+        assert time.monotonic() < deadline, old.text()
+        time.sleep(0.1)
+    old.kill9()
+    new = spawn('temporal', 'worker', '--target', TARGET, '--address', temporal_address, '--task-queue', queue,
+                '--versioned', env=env | {'DURCAP_RENAME_VARIANT': 'agent-v2-alias'})
+    assert new.wait_for('WORKER READY', 90).split()[-1] == old_build != 'unversioned'
+
+    async def finish() -> AgentRunOutput:
+        client = await connect(temporal_address)
+        return await client.get_workflow_handle(workflow_id, result_type=AgentRunOutput).result()
+
+    assert asyncio.run(asyncio.wait_for(finish(), 180)).output == 'greeted'
+    assert (_dbos_effects(tmp_path) / 'hellos').read_text().splitlines() == ['ada']
+
+
+def test_prefect_resume_after_agent_rename_with_previous_names(
+    prefect_api_url: str, spawn, tmp_path: Path, base_env: dict[str, str]
+) -> None:
+    """A Prefect flow run of agent `greeter-…` killed (SIGKILL) mid-tool, run again by the renamed agent with
+    `previous_names`: it completes and the finished model requests and tool replay from Prefect's cache (the kept
+    durable name keeps the task cache keys), so `hello` ran once."""
+    env = base_env | {
+        'PREFECT_API_URL': prefect_api_url, 'PREFECT_HOME': str(tmp_path / 'prefect-home'),
+        'PREFECT_LOCAL_STORAGE_PATH': str(tmp_path / 'prefect-results'), 'DURCAP_RENAME_SLOW': '1',
+    }
+    first = spawn('prefect', 'run', '--target', TARGET, '--prompt', 'greet ada', env=env | {'DURCAP_RENAME_VARIANT': 'v1'})
+    flow_run_id = first.wait_for('PREFECT FLOW RUN', 90).split()[-1]
+    deadline = time.monotonic() + 90
+    while not (_dbos_effects(tmp_path) / 'slow-started').exists():
+        assert time.monotonic() < deadline, first.text()
+        time.sleep(0.1)
+    first.kill9()
+    second = spawn('prefect', 'run', '--target', TARGET, '--prompt', 'greet ada', '--flow-run-id', flow_run_id,
+                   env=env | {'DURCAP_RENAME_VARIANT': 'agent-v2-alias'})
+    report = second.report(timeout=180)
+    assert report['output'] == 'greeted'
+    requests = (_dbos_effects(tmp_path) / 'model-requests').read_text().splitlines()
+    assert requests == ['0', '1', '2', '3'], requests  # the second process ran only the last request
+    assert (_dbos_effects(tmp_path) / 'hellos').read_text().splitlines() == ['ada']

@@ -343,6 +343,14 @@ def _worker_command(engine: str) -> Any:
         db: Annotated[str | None, typer.Option(help='DBOS system database URL (default: SQLite .durcap/dbos.sqlite).')] = None,
         executor_id: Annotated[str | None, typer.Option('--executor-id', help='DBOS executor id; its pending workflows '
                                                         'are recovered at start (default: local, as DBOS does).')] = None,
+        versioning: Annotated[bool, typer.Option(help='Temporal Worker Versioning: runs stay pinned to the worker '
+                                                 'version that started them.')] = True,
+        build_id: Annotated[str | None, typer.Option('--build-id', help='Temporal build id (default: durcap- and a hash '
+                                                     'of the durable names in durable.lock).')] = None,
+        deployment_name: Annotated[str | None, typer.Option('--deployment-name', help='Temporal Worker Deployment '
+                                                            '(default: durcap-TASK_QUEUE).')] = None,
+        set_current: Annotated[bool, typer.Option(help="Make this worker's version the deployment's current version "
+                                                  '(new Temporal runs go to it).')] = True,
     ) -> None:
         """Validate TARGET and serve its workflows and activities; refuse to start on any error or lockfile drift;
         drain on SIGTERM."""
@@ -354,7 +362,9 @@ def _worker_command(engine: str) -> Any:
         if store:
             os.environ['DURCAP_STORE'] = store  # the conversation units run in this process
         settings = {'address': address, 'task_queue': task_queue, 'namespace': namespace,
-                    'graceful_shutdown': graceful_shutdown, 'db': db, 'executor_id': executor_id}
+                    'graceful_shutdown': graceful_shutdown, 'db': db, 'executor_id': executor_id,
+                    'versioning': versioning, 'build_id': build_id, 'deployment_name': deployment_name,
+                    'set_current': set_current}
         try:
             get(engine).serve_worker(agents, RunOptions(settings=settings, notify=_err.print))
         except (OSError, RuntimeError) as exc:

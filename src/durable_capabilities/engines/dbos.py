@@ -269,7 +269,8 @@ def launch(
             `config['executor_id']` is given) so launch recovers no one else's pending workflows, and no user queue
             is served but those named in `listen` (`DBOS.listen_queues`), so work handed to a worker's queue stays there.
         config: Other `DBOSConfig` keys (`log_level` defaults to `'WARNING'`; `executor_id` defaults to DBOS's
-            `local`, whose pending workflows launch recovers).
+            `local`, whose pending workflows launch recovers; `application_version` defaults to
+            `application_version(name)`, which stays the same when an agent is renamed with `previous_names`).
 
     Returns:
         The `DBOS` instance.
@@ -281,6 +282,8 @@ def launch(
 
         enforce_lock(agents, lock, allow_drift=allow_drift)
     config.setdefault('log_level', 'WARNING')
+    if config.get('application_version') is None and not os.environ.get('DBOS__APPVERSION') and not config.get('enable_patching'):
+        config['application_version'] = application_version(name)
     if one_shot and not config.get('executor_id'):
         config['executor_id'] = one_shot_executor_id()
     dbos = DBOS(config={'name': name, 'system_database_url': system_database_url(system_database_url_), **config})  # type: ignore[typeddict-item]
@@ -288,6 +291,27 @@ def launch(
         DBOS.listen_queues(list(listen))
     DBOS.launch()
     return dbos
+
+
+def application_version(name: str = 'durcap') -> str:
+    """The DBOS application version `launch(name)` runs as unless one is configured.
+
+    DBOS recovers a pending workflow only in a process of the version that recorded it, and by default computes
+    the version from the sources of every registered workflow. Registering an agent's previous names
+    (`DurableAgent(previous_names=[...])`) adds a workflow per name, which changed the version, so a workflow in
+    flight when the agent was renamed was never recovered. This is DBOS's own computation over the registered
+    workflows except those registered only for previous names: the same as DBOS's default when no agent was
+    renamed, and unchanged by a rename that keeps the old name in `previous_names`. A change to any other workflow
+    (your own `@DBOS.workflow` functions included) still changes it, as DBOS intends.
+
+    Args:
+        name: The DBOS application name.
+
+    Returns:
+        A 32-character hex string (DBOS's MD5 form). `DBOSConfig['application_version']` or `$DBOS__APPVERSION`
+        override it, as they override DBOS's default.
+    """
+    return _upstream.dbos_application_version(name, _PREVIOUS_NAME_WORKFLOWS)
 
 
 P = ParamSpec('P')
@@ -458,6 +482,8 @@ def workflow(agent: DurableAgent[Any, Any], *, name: str | None = None, **dbos_w
 
 
 _WORKFLOWS: dict[str, Any] = {}
+_PREVIOUS_NAME_WORKFLOWS: set[str] = set()
+"""DBOS workflow names `agent_workflow` registered only for an agent's previous names (see `application_version`)."""
 
 APPEND_STEP_RETRIES: dict[str, Any] = {'retries_allowed': True, 'interval_seconds': 1.0, 'backoff_rate': 1.5, 'max_attempts': 40}
 """Retries of the conversation-append step: the run's side effects happened, so keep trying while the store is
@@ -505,6 +531,7 @@ def agent_workflow(agent: DurableAgent[Any, Any]) -> Callable[..., Awaitable[dic
             return await run_agent(prompt, deps, message_history, conversation_id)
 
         DBOS.workflow(name=previous)(run_previous)
+        _PREVIOUS_NAME_WORKFLOWS.add(previous)
     _WORKFLOWS[agent.name] = registered
     return registered
 
@@ -612,7 +639,8 @@ class DBOSAdapter(EngineAdapter):
         try:
             DBOS.register_queue(queue)
             options.notify(f'dbos worker ready: executor {executor!r} (recovering {len(pending)} pending '
-                           f'workflows), queue {queue!r}, system database {_redact(url)}; Ctrl-C or SIGTERM to stop')
+                           f'workflows), queue {queue!r}, system database {_redact(url)}, application version '
+                           f'{DBOS.application_version}; Ctrl-C or SIGTERM to stop')
             stop.wait()
         finally:
             for sig, handler in previous.items():

@@ -70,6 +70,8 @@ from ._adapter import (
 )
 from ._payload_guard import current_run as _current_run
 from ._temporal_history import HistoryReplayer, export_history, units_recorded
+from ._temporal_versioning import WorkerVersion, make_current
+from ._temporal_versioning import worker_version as _worker_version
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
@@ -438,11 +440,18 @@ before another worker continues it. 2 s trades a few more history replays under 
 recovery (pass `sticky_queue_schedule_to_start_timeout=` to `make_worker` to change it)."""
 
 
-def make_worker(client: Client, agents: Sequence[DurableAgent[Any, Any]], task_queue: str, **worker_kwargs: Any) -> Worker:
+def make_worker(
+    client: Client, agents: Sequence[DurableAgent[Any, Any]], task_queue: str, *, version: WorkerVersion | None = None,
+    **worker_kwargs: Any,
+) -> Worker:
     """A `temporalio.worker.Worker` registering each agent's workflow and activities on `task_queue`.
 
-    Keyword arguments are passed to `Worker` (ours default: the sandbox runner, a 2 s sticky queue timeout).
+    With `version` (see `worker_version`), the worker uses Worker Versioning and its workflows are pinned to the
+    version that started them. Keyword arguments are passed to `Worker` (ours default: the sandbox runner, a 2 s
+    sticky queue timeout).
     """
+    if version is not None:
+        worker_kwargs.setdefault('deployment_config', version.deployment_config())
     worker_kwargs.setdefault('sticky_queue_schedule_to_start_timeout', DEFAULT_STICKY_SCHEDULE_TO_START)
     worker_kwargs.setdefault('workflow_runner', sandbox_runner())
     activities = [fn for agent in agents for fn in conversation_activities(agent)]
@@ -464,21 +473,60 @@ async def run_worker(
     namespace: str = 'default',
     ready: asyncio.Event | None = None,
     graceful_shutdown_seconds: float = 30.0,
+    version: WorkerVersion | None = None,
+    set_current: bool = True,
 ) -> None:
     """Run a worker until SIGTERM or SIGINT, then drain: in-flight activities get up to
-    `graceful_shutdown_seconds` to finish before the worker stops (Temporal's graceful shutdown)."""
+    `graceful_shutdown_seconds` to finish before the worker stops (Temporal's graceful shutdown).
+
+    With `version`, the worker is versioned (see `make_worker`) and, unless `set_current` is false, makes its
+    version the deployment's current one once it polls, before `ready` is set: new runs go to it, runs started
+    on another version stay there.
+    """
     client = await connect(address, namespace)
     worker = make_worker(
-        client, agents, task_queue, graceful_shutdown_timeout=timedelta(seconds=graceful_shutdown_seconds)
+        client, agents, task_queue, version=version, graceful_shutdown_timeout=timedelta(seconds=graceful_shutdown_seconds)
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with worker:
+        if version is not None and set_current:
+            await make_current(client, namespace, version)
         if ready is not None:
             ready.set()
         await stop.wait()
+
+
+def worker_version(
+    agents: Sequence[DurableAgent[Any, Any]], task_queue: str = 'durcap', *, deployment_name: str | None = None,
+    build_id: str | None = None,
+) -> WorkerVersion:
+    """The Worker Deployment Version a worker of `agents` on `task_queue` declares.
+
+    Args:
+        agents: The definitions the worker serves.
+        task_queue: Its task queue; the default deployment name is `durcap-{task queue}`.
+        deployment_name: Another deployment name.
+        build_id: A build id of your own (a release tag, a commit); default: `durcap-` + 12 hex digits of a
+            SHA-256 over the worker's durable names, so it changes exactly when a name in `durable.lock` would
+            (a rename declared with `aliases` or `previous_names` keeps it).
+    """
+    return _worker_version(agents, task_queue, TemporalAdapter().durable_names, deployment_name=deployment_name,
+                           build_id_=build_id)
+
+
+def _version_line(version: WorkerVersion | None, set_current: bool) -> str:
+    """What `durcap worker temporal` prints about its version."""
+    if version is None:
+        return 'worker version: unversioned (--no-versioning): any worker on this task queue may take any task'
+    how = 'derived from the durable names' if version.derived else 'given'
+    current = ('it is the current version: new runs go to it' if set_current else
+               f'not made current (--no-set-current): `temporal worker deployment set-current-version '
+               f'--deployment-name {version.deployment_name} --build-id {version.build_id}` to send new runs to it')
+    return (f'worker version: deployment {version.deployment_name!r}, build id {version.build_id!r} ({how}); runs '
+            f'stay pinned to the version that started them; {current}')
 
 
 async def start_run(
@@ -758,19 +806,32 @@ class TemporalAdapter(EngineAdapter):
         return RunReport('temporal', workflow_id, result.output, result.messages(), result.usage, units)
 
     def serve_worker(self, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> None:
+        """Serve `agents` on a task queue until SIGTERM / SIGINT.
+
+        Settings: `address`, `namespace`, `task_queue`, `graceful_shutdown` (seconds), `versioning` (default
+        true: Worker Versioning, see `worker_version`), `deployment_name`, `build_id`, `set_current` (default
+        true: the worker's version becomes the deployment's current version).
+        """
         address = options.setting('address', '127.0.0.1:7233')
         task_queue = options.setting('task_queue', 'durcap')
+        version = None
+        if options.setting('versioning', True):
+            version = worker_version(agents, task_queue, deployment_name=options.setting('deployment_name'),
+                                     build_id=options.setting('build_id'))
+        set_current = bool(options.setting('set_current', True))
 
         async def serve() -> None:
             ready = asyncio.Event()
             task = asyncio.create_task(run_worker(
                 agents, task_queue=task_queue, address=address, namespace=options.setting('namespace', 'default'),
-                ready=ready, graceful_shutdown_seconds=options.setting('graceful_shutdown', 30.0),
+                ready=ready, graceful_shutdown_seconds=options.setting('graceful_shutdown', 30.0), version=version,
+                set_current=set_current,
             ))
             ready_wait = asyncio.create_task(ready.wait())
             await asyncio.wait({task, ready_wait}, return_when=asyncio.FIRST_COMPLETED)
             if ready.is_set():
                 options.notify(f'worker ready: {", ".join(a.name for a in agents)} on task queue {task_queue!r} at {address}')
+                options.notify(_version_line(version, set_current))
             await task
 
         asyncio.run(serve())
