@@ -31,8 +31,6 @@ from pydantic_ai import Agent, RunContext
 from pydantic_ai.capabilities import AbstractCapability, WrapperCapability
 from pydantic_ai.messages import InstructionPart, ModelRequest, ModelResponse, TextPart, UserPromptPart
 from pydantic_ai.models import Model, ModelRequestParameters, infer_model
-from pydantic_ai.models.function import AgentInfo, FunctionModel
-from pydantic_ai.models.test import TestModel
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.toolsets import AbstractToolset, FunctionToolset
 from pydantic_ai.usage import RunUsage
@@ -215,6 +213,8 @@ async def _static_tools(toolset: Any) -> list[ToolDefinition] | None:
     toolset.apply(leaves.append)
     if not all(isinstance(leaf, FunctionToolset) for leaf in leaves):
         return None  # MCP servers, dynamic or external toolsets
+    from pydantic_ai.models.test import TestModel  # imported when counting, not by `durcap --help`
+
     ctx = RunContext(deps=None, model=TestModel(), usage=RunUsage())
     try:
         tools = await toolset.get_tools(ctx)
@@ -447,6 +447,7 @@ async def compare_first_request(agent: Any, prompt: str, *, deps: Any = None, us
 
 
 async def _first_request(agent: Any, prompt: str, deps: Any, counter: Any, method: str) -> FirstRequest:
+    from pydantic_ai.models.function import AgentInfo, FunctionModel
     async def first_request(capabilities: list[Any]) -> tuple[int, list[str]]:
         seen: list[tuple[str, list[ToolDefinition]]] = []
 
