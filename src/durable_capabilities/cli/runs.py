@@ -44,7 +44,9 @@ def _settings(db: str | None, address: str | None, namespace: str) -> dict[str, 
     return {'db': db, 'address': address, 'namespace': namespace}
 
 
-def _engines(engine: str | None) -> list[Any]:
+def _engines(engine: str | None, settings: dict[str, Any]) -> list[Any]:
+    """The adapter of `engine`; without one, every installed durable engine that is configured (the others are
+    named in one line each: asking them would start a server, e.g. Prefect's temporary one)."""
     from ..engines import DURABLE_ENGINES, get
 
     if engine is not None:
@@ -52,7 +54,13 @@ def _engines(engine: str | None) -> list[Any]:
         if not adapter.available():
             _unusable(f'engine {engine!r} is not installed (pip install "durable-capabilities[{adapter.extra}]")')
         return [adapter]
-    return [get(name) for name in DURABLE_ENGINES if get(name).available()]
+    adapters = []
+    for adapter in (get(name) for name in DURABLE_ENGINES if get(name).available()):
+        if (note := adapter.unconfigured(settings)) is not None:
+            _err.print(f'note: {note}', markup=False)
+        else:
+            adapters.append(adapter)
+    return adapters
 
 
 def _problem(adapter: Any, exc: BaseException) -> str:
@@ -99,7 +107,7 @@ def list_runs(
         _unusable(f'--status must be one of {", ".join(RUN_STATUSES)}, not {status!r}')
     settings = _settings(db, address, namespace)
     infos, failed = [], False
-    for adapter in _engines(engine):
+    for adapter in _engines(engine, settings):
         try:
             infos += asyncio.run(adapter.list_runs(settings, status=status, limit=limit))
         except Exception as exc:  # noqa: BLE001 - one engine down must not hide the others' runs
@@ -115,7 +123,7 @@ def _find(run_id: str, engine: str | None, settings: dict[str, Any]) -> tuple[An
     from ..engines import RunNotFoundError
 
     problems = []
-    for adapter in _engines(engine):
+    for adapter in _engines(engine, settings):
         try:
             return adapter, asyncio.run(adapter.show_run(run_id, settings))
         except RunNotFoundError as exc:

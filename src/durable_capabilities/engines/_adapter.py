@@ -212,6 +212,11 @@ class EngineAdapter(ABC):
         """True while replaying a history recorded before the MCP guard existed (list tools as upstream did)."""
         return False
 
+    def unconfigured(self, settings: Mapping[str, Any]) -> str | None:
+        """Why a command that asks every engine (`durcap runs list` without `--engine`) skips this one: `None` when it
+        is configured; else one line saying what is missing (the engine would start a server of its own)."""
+        return None
+
     def run_notes(self, options: RunOptions) -> list[str]:
         """Lines `durcap run` prints before the run (e.g. which store a remote worker uses)."""
         return []
@@ -389,6 +394,9 @@ class LazyAdapter(EngineAdapter):
 
     def run_notes(self, options: RunOptions) -> list[str]:
         return self.loaded.run_notes(options)
+
+    def unconfigured(self, settings: Mapping[str, Any]) -> str | None:
+        return self.loaded.unconfigured(settings)
 
     def serve_worker(self, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> None:
         return self.loaded.serve_worker(agents, options)

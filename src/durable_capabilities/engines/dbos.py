@@ -208,6 +208,16 @@ def system_database_url(url: str | None = None) -> str:
     return f'sqlite:///{DEFAULT_SQLITE_PATH.resolve()}'
 
 
+def redacted_url(url: str) -> str:
+    """`url` with its password replaced by `***` (SQLAlchemy's own rendering), for lines a user or a log reads."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not a URL SQLAlchemy parses: show its scheme only
+        return url.split(':', 1)[0] + ':...'
+
+
 RUN_EXECUTOR_PREFIX = 'durcap-run'
 """Executor ids of one-shot `durcap run` processes: `durcap-run-{host}-{pid}-{random}`."""
 
@@ -562,7 +572,9 @@ class DBOSAdapter(EngineAdapter):
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
 
         workflow_fn = agent_workflow(agent)
-        launch('durcap', system_database_url_=options.setting('db'), one_shot=True,
+        url = system_database_url(options.setting('db'))
+        options.notify(f'dbos system database: {redacted_url(url)}')
+        launch('durcap', system_database_url_=url, one_shot=True,
                executor_id=options.setting('executor_id'))
         try:
             workflow_id = options.run_id or f'{agent.name}-{uuid.uuid4()}'
