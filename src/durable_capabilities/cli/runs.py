@@ -93,7 +93,7 @@ def _print_runs(infos: list[Any], fmt: RunsFormat) -> None:
 @runs_app.command('list')
 def list_runs(
     engine: Annotated[str | None, _engine_option()] = None,
-    status: Annotated[str | None, typer.Option(help='running, queued, completed, failed or cancelled.')] = None,
+    status: Annotated[str | None, typer.Option(help='running, queued, orphaned (its process is gone: `runs resume` it), completed, failed or cancelled.')] = None,
     limit: Annotated[int, typer.Option(help='At most this many runs per engine, newest first.')] = 20,
     fmt: FormatOption = RunsFormat.text,
     db: DbOption = None,

@@ -26,8 +26,10 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-RUN_STATUSES = ('running', 'queued', 'completed', 'failed', 'cancelled')
-"""The common run statuses `durcap runs --status` filters on (each engine maps its own onto these)."""
+RUN_STATUSES = ('running', 'queued', 'orphaned', 'completed', 'failed', 'cancelled')
+"""The common run statuses `durcap runs --status` filters on (each engine maps its own onto these). `orphaned`: the
+engine still records the run as in flight, but the process that ran it is gone and nothing will pick it up until
+`durcap runs resume` (or a worker) does; an engine that cannot tell says `running`."""
 
 
 @dataclass

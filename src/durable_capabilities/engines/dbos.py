@@ -639,20 +639,31 @@ class DBOSAdapter(EngineAdapter):
         notes = [(f'its process ({status.executor_id}) is gone: finish it with `durcap runs resume '
                   f'{status.workflow_id} --engine dbos --target TARGET`, or by a `durcap worker dbos`')] if gone else []
         return RunInfo(
-            'dbos', status.workflow_id, agent, _DBOS_STATUS.get(engine_status, 'running'), engine_status,
+            'dbos', status.workflow_id, agent, 'orphaned' if gone else _DBOS_STATUS.get(engine_status, 'running'),
+            engine_status,
             datetime.fromtimestamp(status.created_at / 1000, UTC) if status.created_at else None,
             loaded_capabilities_in(outputs), conversation, sum(1 for step in steps if step.get('error') is None), notes,
             {'executor_id': status.executor_id, 'queue': status.queue_name, 'workflow_name': name,
-             'app_version': status.app_version, 'orphaned': gone},
+             'app_version': status.app_version, 'orphaned': gone, 'error': _error_line(status.error)},
         )
 
     async def list_runs(self, settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
+        """`durcap.*` workflows, newest first; a PENDING or ENQUEUED one whose `durcap run` process is gone is
+        `orphaned` (as `show_run` says), not `running`."""
         client = _client(settings)
         try:
-            wanted = [k for k, v in _DBOS_STATUS.items() if v == status] if status else None
-            found = await client.list_workflows_async(status=wanted, sort_desc=True, limit=limit * 4, load_output=True)
-            found = [w for w in found if (w.name or '').startswith(WORKFLOW_NAME_PREFIX)][:limit]
-            return [await self._info(client, w) for w in found]
+            engine_statuses = ('PENDING', 'ENQUEUED') if status == 'orphaned' else [k for k, v in _DBOS_STATUS.items() if v == status]
+            found = await client.list_workflows_async(status=list(engine_statuses) if status else None, sort_desc=True,
+                                                      limit=limit * 4, load_output=True)
+            found = [w for w in found if (w.name or '').startswith(WORKFLOW_NAME_PREFIX)]
+            infos = []
+            for workflow in found:
+                info = await self._info(client, workflow)
+                if status is None or info.status == status:
+                    infos.append(info)
+                if len(infos) == limit:
+                    break
+            return infos
         finally:
             client.destroy()
 
@@ -759,6 +770,14 @@ class DBOSAdapter(EngineAdapter):
             return call
         finally:
             client.destroy()
+
+
+def _error_line(error: Any) -> str | None:
+    """A failed workflow's error as one line (`Type: message`), or `None`."""
+    if error is None:
+        return None
+    text = str(error).strip().splitlines()
+    return f'{type(error).__name__}: {text[0] if text else ""}' if isinstance(error, BaseException) else (text[0] if text else None)
 
 
 _DBOS_STATUS = {
