@@ -717,7 +717,7 @@ class TemporalAdapter(EngineAdapter):
         namespace = options.setting('namespace', 'default')
         server = None
         if address is not None:
-            options.notify(f'temporal server: {address}, namespace {namespace!r} (--address or $DURCAP_TEMPORAL_ADDRESS)')
+            options.notify(f'temporal server: {address}, namespace {namespace!r} (configured: --address, $DURCAP_TEMPORAL_ADDRESS or the address setting)')
         elif port_open('127.0.0.1', 7233):
             address = '127.0.0.1:7233'  # the default a `durcap worker temporal` and `durcap dev temporal` use
             options.notify(f'temporal server: using the existing server at {address}, namespace {namespace!r} (found '
