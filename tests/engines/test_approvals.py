@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -327,15 +328,18 @@ def pending_prefect(engine_args: list[str], run_id: str, env: dict[str, str], ti
 
 
 @pytest.mark.parametrize(('engine', 'flag'), [('dbos', '--approve'), ('dbos', '--deny'), ('temporal', '--deny'),
-                                              ('prefect', '--approve')])
+                                              ('temporal-embedded', '--approve'), ('prefect', '--approve')])
 def test_demo_shows_pause_pending_call_and_decision(engine: str, flag: str, tmp_path: Path, temporal_address: str,
                                                     prefect_api_url: str) -> None:
-    """Model: the support example's scripted FunctionModel; account-security's gate on (`require_approval=True`)."""
+    """Model: the support example's scripted FunctionModel; account-security's gate is on by default (the demo's
+    definition is the example's `support`). `temporal-embedded`: no --address, so the demo starts its own dev server
+    (or uses the one on 127.0.0.1:7233) and decides there."""
     extra = ['--address', temporal_address] if engine == 'temporal' else []
     result = subprocess.run(
-        [sys.executable, '-m', 'durable_capabilities.cli', 'demo', '--engine', engine, flag, *extra], cwd=tmp_path,
-        capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, 'PYTHONPATH': str(ROOT), 'PREFECT_API_URL': prefect_api_url},
+        [sys.executable, '-m', 'durable_capabilities.cli', 'demo', '--engine', engine.split('-')[0], flag, *extra],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, 'PYTHONPATH': str(ROOT), 'PREFECT_API_URL': prefect_api_url, 'DURCAP_TEMPORAL_ADDRESS': '',
+             'TEMPORAL_ADDRESS': ''},
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
@@ -348,3 +352,34 @@ def test_demo_shows_pause_pending_call_and_decision(engine: str, flag: str, tmp_
         assert 'decision: denied by' in out
         assert 'escalated your account to our security team' in out
         assert 'Revoked sessions' not in out
+
+
+def test_demo_without_a_decision_says_how_to_approve_and_waits(tmp_path: Path) -> None:
+    """`durcap demo` (DBOS on SQLite) with a prompt that reaches the gate and neither --approve nor --deny: it says the
+    run waits for a person, with the exact `durcap approve` command; that command, run as printed from another
+    process, lets the demo finish with the call run once. Model: the support example's scripted FunctionModel."""
+    env = {**os.environ, 'PYTHONPATH': str(ROOT)}
+    log = tmp_path / 'demo.log'
+    with open(log, 'wb') as handle:
+        demo = subprocess.Popen([sys.executable, '-m', 'durable_capabilities.cli', 'demo', '--engine', 'dbos', '--prompt',
+                                 'Someone keeps trying to log into my account acct-42 from abroad.'],
+                                cwd=tmp_path, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while 'paused: ' not in log.read_text():
+            assert time.monotonic() < deadline and demo.poll() is None, log.read_text()
+            time.sleep(0.2)
+        line = next(x for x in log.read_text().splitlines() if x.startswith('paused: '))
+        assert 'revoke_sessions({"account_id": "acct-42"}) waits for a person' in line, line
+        approve = line.split('`durcap approve ')[1].split('`')[0].split()
+        decided = subprocess.run([sys.executable, '-m', 'durable_capabilities.cli', 'approve', *approve], cwd=tmp_path,
+                                 env=env, capture_output=True, text=True, timeout=120)
+        assert decided.returncode == 0, decided.stdout + decided.stderr
+        assert demo.wait(timeout=120) == 0, log.read_text()
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
+    out = log.read_text()
+    assert 'Revoked sessions for acct-42.' in out, out
+    assert out.count('paused: ') == 1
