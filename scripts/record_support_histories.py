@@ -25,10 +25,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from durable_capabilities import runner  # noqa: E402 - after the path setup
-from durable_capabilities._servers import start_temporal_dev_server  # noqa: E402
-from durable_capabilities.engines import get  # noqa: E402
-from examples.support.agent import make_store, support  # noqa: E402
+from durable_capabilities import runner
+from durable_capabilities._servers import start_temporal_dev_server
+from durable_capabilities.engines import get
+from examples.support.agent import make_store, support
 
 PROMPTS = {
     'orders': 'Where is my order ABC-123?',
@@ -42,18 +42,15 @@ OUT = ROOT / 'tests' / 'histories' / 'support'
 async def record(name: str, prompt: str, address: str) -> Path:
     """Run `prompt`, approving whatever call waits, and export the workflow's history to `OUT/{name}.json`."""
     workflow_id, settings = f'support-{name}', {'address': address, 'task_queue': 'rec', 'inline_worker': True}
+    started: list[str] = []
     run = asyncio.create_task(runner.run(support, prompt, engine='temporal', deps=make_store(), run_id=workflow_id,
-                                         **settings))
+                                         on_start=started.append, **settings))
     decided: set[str] = set()
     while not run.done():
         await asyncio.sleep(0.3)
-        if run.done():
-            break
-        try:
-            pending = await runner.approvals(workflow_id, engine='temporal', address=address)
-        except Exception:  # noqa: BLE001 - the workflow may not exist yet
+        if run.done() or not started:  # ask only once the workflow exists
             continue
-        for call in pending:
+        for call in await runner.approvals(workflow_id, engine='temporal', address=address):
             if call.call_id not in decided:
                 await runner.decide(workflow_id, call.call_id, approve=True, by='history-recorder', engine='temporal',
                                     address=address)

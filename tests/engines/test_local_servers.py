@@ -195,7 +195,7 @@ def test_kill9_of_durcap_run_on_prefect_leaves_no_temporary_server(tmp_path: Pat
         port = int(line.split('http://127.0.0.1:')[1].split('/')[0])
         assert port_open('127.0.0.1', port)
         pid = next(c for c in children(run.pid) if port in listening_ports(c))
-        wait_text(tmp_path / 'run.log', f'prefect flow run id: ', run, 120)
+        wait_text(tmp_path / 'run.log', 'prefect flow run id: ', run, 120)
         deadline = time.monotonic() + 120
         while not (ledger / 'charge-started-G-7').exists():
             assert time.monotonic() < deadline and run.poll() is None, (tmp_path / 'run.log').read_text()

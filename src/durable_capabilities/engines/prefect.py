@@ -34,8 +34,8 @@ from pydantic_ai.durable_exec.prefect import (
     TaskConfig,
 )
 from pydantic_ai.messages import ModelMessagesTypeAdapter
-from pydantic_ai.toolsets import ToolsetTool
 from pydantic_ai.tools import RunContext
+from pydantic_ai.toolsets import ToolsetTool
 from pydantic_core import to_jsonable_python
 
 from .. import _registry
