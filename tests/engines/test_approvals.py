@@ -270,6 +270,71 @@ def test_temporal_twenty_runs_waiting_approved_in_random_order(temporal_address:
     assert sorted(revocations(crash_dir)) == sorted(u for u in users if approve[u])
 
 
+def test_dbos_twenty_runs_waiting_in_one_process_approved_in_random_order(tmp_path: Path) -> None:
+    """One `durcap worker dbos` process (DBOS on SQLite) runs 20 workflows of the gated agent, enqueued on its queue;
+    all 20 wait in `DBOS.recv` at once; decisions (half approvals, half denials with a reason naming the user) are
+    sent in a shuffled order; each run completes with its own decision and no decision reaches another run.
+    Model: the scripted `FunctionModel` of tests/engines/approval_agent.py."""
+    from dbos import DBOSClient
+
+    from durable_capabilities import runner
+
+    db = f'sqlite:///{tmp_path / "dbos.sqlite"}'
+    env, crash_dir = env_for(tmp_path)
+    log = tmp_path / 'worker.log'
+    with open(log, 'wb') as handle:
+        worker = subprocess.Popen([sys.executable, '-m', 'durable_capabilities.cli', 'worker', 'dbos', TARGET, '--db', db],
+                                  cwd=ROOT, env={**os.environ, 'PYTHONPATH': str(ROOT), **env}, stdout=handle,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    client = None
+    try:
+        deadline = time.monotonic() + 90
+        while 'dbos worker ready' not in log.read_text():
+            assert time.monotonic() < deadline and worker.poll() is None, log.read_text()
+            time.sleep(0.2)
+        users = [f'user{i}' for i in range(20)]
+        ids = {user: f'many-{user}-{uuid.uuid4().hex[:6]}' for user in users}
+        approve = {user: i % 2 == 0 for i, user in enumerate(users)}
+        client = DBOSClient(system_database_url=db)
+        for user in users:
+            client.enqueue({'queue_name': 'durcap', 'workflow_name': 'durcap.gated', 'workflow_id': ids[user]},
+                           f'revoke {user}', None, None, None)
+
+        async def scenario() -> None:
+            calls: dict[str, dict] = {}
+            deadline = time.monotonic() + 120
+            while len(calls) < len(users) and time.monotonic() < deadline:
+                for user in users:
+                    if user not in calls and (found := await runner.approvals(ids[user], engine='dbos', db=db)):
+                        calls[user] = found[0].to_json()
+                await asyncio.sleep(0.2)
+            assert len(calls) == len(users), sorted(calls)
+            # All 20 wait at once, in the one worker process (executor `local`), none decided yet.
+            waiting = await runner.approvals(engine='dbos', db=db)
+            assert sorted(c.run_id for c in waiting if c.run_id in ids.values()) == sorted(ids.values())
+            assert revocations(crash_dir) == []
+            order = list(users)
+            random.Random(29).shuffle(order)  # noqa: S311 - a fixed, repeatable order, not a secret
+            for user in order:
+                await runner.decide(ids[user], calls[user]['call_id'], approve=approve[user], reason=f'no for {user}',
+                                    by='tester', engine='dbos', db=db)
+
+        asyncio.run(scenario())
+        statuses = client.list_workflows(workflow_ids=list(ids.values()), load_input=False, load_output=False)
+        assert {s.executor_id for s in statuses} == {'local'}
+        for user in users:
+            result = client.retrieve_workflow(ids[user]).get_result()
+            expected = f'result: revoked sessions of {user}' if approve[user] else f'result: no for {user}'
+            assert result['output'] == expected, (user, result['output'])
+    finally:
+        if client is not None:
+            client.destroy()
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=30)
+    assert sorted(revocations(crash_dir)) == sorted(u for u in users if approve[u])
+
+
 # ---- Prefect -----------------------------------------------------------------------------------
 
 

@@ -604,9 +604,13 @@ class DBOSAdapter(EngineAdapter):
         executor = options.setting('executor_id', 'local')
         queue = options.setting('task_queue', WORKER_QUEUE)
         url = system_database_url(options.setting('db'))
+        from sqlalchemy.exc import OperationalError, ProgrammingError
+
         client = _client({'db': url})
         try:
             pending = client.list_workflows(status='PENDING', executor_id=executor, load_input=False, load_output=False)
+        except (OperationalError, ProgrammingError):  # a new system database: DBOS creates its tables at launch
+            pending = []
         finally:
             client.destroy()
         launch('durcap', system_database_url_=url, executor_id=executor)
