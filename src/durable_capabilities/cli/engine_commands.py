@@ -218,10 +218,11 @@ def demo(
     agent = _one_agent(f'{target}:support', use_lock=engine != 'local')
     make_store = sys.modules[agent.defined_in].make_store
     with _demo_server(engine, _temporal_address(address)) as (run_address, approvals_address):
+        # The demo's own embedded server has no other worker: serve the task queue from this process.
+        inline_worker = inline_worker or (run_address is not None and _temporal_address(address) is None)
         if decision is not None:
             _gate_demo(sys.modules[agent.defined_in], engine, decision, address=run_address, db=db, task_queue=task_queue,
-                       inline_worker=inline_worker or approvals_address != run_address,
-                       approvals_address=approvals_address)
+                       inline_worker=inline_worker, approvals_address=approvals_address)
             return
         _out.print(f'[bold]support demo[/bold] on {engine}, model: {model or "scripted FunctionModel (no provider)"}')
         _out.print(f'customer: {prompt}')

@@ -155,8 +155,9 @@ def tool_run_namer(agent: DurableAgent[Any, Any]) -> Callable[..., str]:
 
     The capability is the one whose leaf toolset provided the tool (`DurableAgent.leaf_ids`); a tool of no
     capability is named after its toolset id, or the agent for an agent-level tool. Only the run's display name: the
-    task name (in `durable.lock`) and the cache key are unchanged. Prefect calls it with the task's `parameters`; upstream's tool task carries
-    the `ToolsetTool` being called among them (in `logical_inputs`, its cache key), which names its toolset.
+    task name (in `durable.lock`) and the cache key are unchanged. Prefect calls it with the task's `parameters`;
+    upstream's tool task carries the `ToolsetTool` being called among them (in `logical_inputs`, its cache key),
+    which names its toolset.
     """
     owners = {leaf: capability for capability, leaves in agent.leaf_ids().items() for leaf in leaves}
 
@@ -450,8 +451,6 @@ def server_line() -> str:
         return (f'prefect server: temporary local server at {url}, started by this command and stopped with it '
                 '(PREFECT_API_URL is not set)')
     return f'prefect server: {url}'
-
-
 
 
 async def _task_runs(flow_run_id: Any) -> list[Any]:
