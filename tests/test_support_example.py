@@ -180,6 +180,24 @@ def test_account_security_gate_is_on_by_default() -> None:
     assert store.approvals == [('revoke_sessions', {'account_id': 'acct-42'})]
 
 
+def test_a_local_run_denies_the_gated_call_at_once() -> None:
+    """Model: scripted FunctionModel. On the local engine (`durcap run --engine local`) nothing can wait for a person:
+    the gated `revoke_sessions` is denied at once with a reason the model sees, the user is told in one line, and the
+    run completes without revoking anything."""
+    from durable_capabilities import runner
+    from durable_capabilities.engines.local import LOCAL_DENIAL
+
+    store, lines = make_store(), []
+    report = asyncio.run(runner.run(make_support(SupportScript()), 'Someone keeps trying to log into my account acct-42 '
+                                    'from abroad.', engine='local', deps=store, notify=lines.append))
+    assert store.revoked == [] and store.approvals == []
+    assert lines == ['local run: revoke_sessions needs approval, which only a durable engine waits for: denied (run it '
+                     'with --engine dbos, temporal or prefect, then `durcap approve`)']
+    [denied] = tool_returns(report.new_messages, 'revoke_sessions')
+    assert denied.content == LOCAL_DENIAL
+    assert 'escalated your account to our security team' in report.output
+
+
 # The tests below exercise the hook's own record-and-block path: the person's gate is turned off
 # (`require_approval=False`); the durable gate is tested in tests/engines/test_approvals.py.
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from pydantic_ai.messages import ModelMessagesTypeAdapter
+
 from ..approvals import ApprovalGate, Decision, PendingCall, utc_now
 from ..turn import RunReport, run_turn
 from . import _mcp
@@ -54,7 +56,9 @@ class LocalAdapter(EngineAdapter):
         turn = await run_turn(agent, agent.build(self.name).run, prompt, deps=options.deps,
                               message_history=options.message_history, conversation_id=options.conversation_id,
                               gate=LocalApprovalGate(options.notify))
-        return RunReport(self.name, None, turn.result.output, list(turn.state.log.messages), turn.result.usage)
+        # The turn's messages, the ones after an approval pause included (`turn.new_messages`, message JSON).
+        messages = ModelMessagesTypeAdapter.validate_python(turn.new_messages)
+        return RunReport(self.name, None, turn.result.output, messages, turn.result.usage)
 
 
 ADAPTER = LocalAdapter()
