@@ -132,8 +132,12 @@ def pages() -> list[Path]:
     return sorted(p for p in DOCS.rglob('*.md') if 'snippets' not in p.relative_to(DOCS).parts)
 
 
+README = ROOT / 'README.md'
+"""Not a page of the site, but its Python blocks run like a page's (the "Using it" snippet defines every name)."""
+
+
 def page_id(page: Path) -> str:
-    return str(page.relative_to(DOCS))
+    return str(page.relative_to(DOCS)) if page.is_relative_to(DOCS) else page.name
 
 
 def normalized(text: str) -> str:
@@ -145,7 +149,7 @@ def normalized(text: str) -> str:
 
 def test_every_python_block_runs_or_says_why_not() -> None:
     seen = 0
-    for page in pages():
+    for page in [*pages(), README]:
         for block in read_blocks(page):
             unknown = set(block.directive) - KNOWN_WORDS
             assert not unknown, f'{block.where}: unknown docs-test words {sorted(unknown)}'
@@ -351,7 +355,7 @@ def needs_servers(page: Path) -> bool:
     return bool(PAGE_DIRECTIVE_RE.search(page.read_text(encoding='utf-8')))
 
 
-RUNNABLE_PAGES = [p for p in pages() if any(b.lang in ('python', 'console') for b in read_blocks(p))]
+RUNNABLE_PAGES = [p for p in [*pages(), README] if any(b.lang in ('python', 'console') for b in read_blocks(p))]
 
 
 @pytest.mark.parametrize(

@@ -207,7 +207,7 @@ def test_up_is_idempotent(stack: Stack) -> None:
 DEMO_UNITS = {
     'temporal': 'agent__support__toolset__orders__call_tool',
     'dbos': 'support__function_toolset__orders.call_tool',
-    'prefect': 'Call Tool: order_status',
+    'prefect': 'orders.order_status',  # the tool task run's name: capability.tool
 }
 
 

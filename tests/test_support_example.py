@@ -159,11 +159,54 @@ def test_order_question_loads_orders_only() -> None:
 # ---- "Someone is logging into my account": account-security ------------------------------------
 
 
+def test_account_security_gate_is_on_by_default() -> None:
+    """Model: scripted FunctionModel. The support example's `revoke_sessions` needs a person's approval by default:
+    the run ends with the call in `DeferredToolRequests` (nothing revoked); continued with the approval
+    (`DeferredToolResults`), the call runs once through the hook."""
+    from pydantic_ai import DeferredToolRequests, DeferredToolResults
+
+    assert AccountSecurity().require_approval
+    agent, store = make_support(SupportScript()), make_store()
+    prompt = 'Someone keeps trying to log into my account acct-42 from abroad.'
+    first = asyncio.run(agent.run(prompt, deps=store, output_type=[str, DeferredToolRequests]))
+    assert isinstance(first.output, DeferredToolRequests)
+    [call] = first.output.approvals
+    assert (call.tool_name, call.args_as_dict()) == ('revoke_sessions', {'account_id': 'acct-42'})
+    assert store.revoked == [] and store.approvals == []
+    done = asyncio.run(agent.run(deps=store, message_history=first.all_messages(), output_type=[str, DeferredToolRequests],
+                                 deferred_tool_results=DeferredToolResults(approvals={call.tool_call_id: True})))
+    assert isinstance(done.output, str) and done.output.startswith('Revoked sessions for acct-42.')
+    assert store.revoked == ['acct-42']
+    assert store.approvals == [('revoke_sessions', {'account_id': 'acct-42'})]
+
+
+def test_a_local_run_denies_the_gated_call_at_once() -> None:
+    """Model: scripted FunctionModel. On the local engine (`durcap run --engine local`) nothing can wait for a person:
+    the gated `revoke_sessions` is denied at once with a reason the model sees, the user is told in one line, and the
+    run completes without revoking anything."""
+    from durable_capabilities import runner
+    from durable_capabilities.engines.local import LOCAL_DENIAL
+
+    store, lines = make_store(), []
+    report = asyncio.run(runner.run(make_support(SupportScript()), 'Someone keeps trying to log into my account acct-42 '
+                                    'from abroad.', engine='local', deps=store, notify=lines.append))
+    assert store.revoked == [] and store.approvals == []
+    assert lines == ['local run: revoke_sessions needs approval, which only a durable engine waits for: denied (run it '
+                     'with --engine dbos, temporal or prefect, then `durcap approve`)']
+    [denied] = tool_returns(report.new_messages, 'revoke_sessions')
+    assert denied.content == LOCAL_DENIAL
+    assert 'escalated your account to our security team' in report.output
+
+
+# The tests below exercise the hook's own record-and-block path: the person's gate is turned off
+# (`require_approval=False`); the durable gate is tested in tests/engines/test_approvals.py.
+
+
 def test_suspicious_login_loads_account_security_bundle() -> None:
     """Model: scripted FunctionModel. Loading account-security brings its tool, settings and hook together."""
     script = SupportScript()
     store = make_store()
-    result = run(make_support(script), 'Someone keeps trying to log into my account acct-42 from abroad.', store)
+    result = run(make_support(script, require_approval=False), 'Someone keeps trying to log into my account acct-42 from abroad.', store)
 
     assert result.output.startswith('Revoked sessions for acct-42.')
     first, second, third = script.requests
@@ -187,7 +230,7 @@ def test_approval_hook_blocks_a_denied_tool() -> None:
     script = SupportScript()
     store = make_store()
     store.denied_tools.add('revoke_sessions')
-    result = run(make_support(script), 'My account acct-7 was hacked, please log everyone out.', store)
+    result = run(make_support(script, require_approval=False), 'My account acct-7 was hacked, please log everyone out.', store)
 
     assert store.approvals == [('revoke_sessions', {'account_id': 'acct-7'})]
     assert store.revoked == []
@@ -299,11 +342,11 @@ def test_resumed_conversation_keeps_loaded_capabilities() -> None:
 def test_account_security_stays_active_in_the_resumed_conversation() -> None:
     """Model: scripted FunctionModel. Once loaded, the hook gates every later tool call and the settings stay on."""
     store = make_store()
-    first = run(make_support(SupportScript()), 'Suspicious login on acct-9, please revoke sessions.', store)
+    first = run(make_support(SupportScript(), require_approval=False), 'Suspicious login on acct-9, please revoke sessions.', store)
     assert store.approvals == [('revoke_sessions', {'account_id': 'acct-9'})]
 
     script = SupportScript()
-    run(make_support(script), 'Where is order ABC-123?', store, first.all_messages())
+    run(make_support(script, require_approval=False), 'Where is order ABC-123?', store, first.all_messages())
     assert store.approvals == [
         ('revoke_sessions', {'account_id': 'acct-9'}),
         ('load_capability', {'id': 'orders'}),
@@ -399,8 +442,9 @@ def test_module_level_support_runs() -> None:
 def test_shared_security_tools_work_for_two_agents() -> None:
     """Model: scripted FunctionModel (one per agent). Both agents share the module-level `security_tools`."""
     script_a, script_b = SupportScript(), SupportScript()
-    agent_a = DurableAgent('security-desk', script_a.model, deps_type=Store, capabilities=[AccountSecurity()])
-    agent_b = make_support(script_b, name='support-eu')
+    agent_a = DurableAgent('security-desk', script_a.model, deps_type=Store,
+                           capabilities=[AccountSecurity(require_approval=False)])
+    agent_b = make_support(script_b, name='support-eu', require_approval=False)
     assert agent_a.leaf_ids() == {'account-security': ['account-security']}
     assert agent_b.leaf_ids()['account-security'] == ['account-security']
     assert validate_together([agent_a, agent_b]).ok

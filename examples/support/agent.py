@@ -124,15 +124,16 @@ class AccountSecurity(AbstractCapability[Store]):
     """Account security: `revoke_sessions`, high reasoning effort, and an approval gate on every tool call.
 
     Attributes:
-        require_approval: A person must approve each call (`ApprovalRequired`): a durable run waits for
-            `durcap approve` / `durcap deny` (see docs/approvals.md). Off: the hook only records the call and
-            blocks the tools in `Store.denied_tools`.
+        require_approval: A person must approve each call (`ApprovalRequired`; on by default, the seed's gate made
+            real): a durable run waits for `durcap approve` / `durcap deny` (see docs/approvals.md); a local run
+            ends with the call in `DeferredToolRequests`. Off: the hook only records the call and blocks the tools
+            in `Store.denied_tools`.
     """
 
     id: str = 'account-security'
     description: str = 'Use for suspicious logins, account takeover, or session revocation.'
     defer_loading: bool = True
-    require_approval: bool = False
+    require_approval: bool = True
 
     def get_instructions(self) -> str:
         return 'Confirm the customer identity before revoking sessions.'
@@ -173,7 +174,7 @@ def issue_refund(ctx: RunContext[Store], order_id: str, amount: float) -> str:
 
 
 def make_support(
-    model: 'str | Model | SupportScript | None' = None, *, name: str = 'support', require_approval: bool = False,
+    model: 'str | Model | SupportScript | None' = None, *, name: str = 'support', require_approval: bool = True,
 ) -> DurableAgent[Store, str]:
     """A fresh support-agent definition.
 
@@ -182,7 +183,7 @@ def make_support(
             Default: the `SUPPORT_MODEL` environment variable if set, else a new `SupportScript`.
         name: The agent name (part of every durable unit name).
         require_approval: `revoke_sessions` (any `account-security` tool) waits for a person's approval
-            (`AccountSecurity.require_approval`).
+            (`AccountSecurity.require_approval`, on by default); `False` turns the gate off.
     """
     if model is None:
         model = os.environ.get('SUPPORT_MODEL') or SupportScript()

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from contextlib import closing
@@ -185,27 +186,48 @@ def start_temporal_dev_server(
     return server
 
 
-def start_prefect_server(*, port: int | None = None, home: str | Path = '.durcap/prefect', timeout: float = 120.0) -> ServerProcess:
-    """Start `prefect server start` on 127.0.0.1 with its state under `home`; wait for `/api/health`.
+def start_prefect_server(
+    *, port: int | None = None, home: str | Path | None = '.durcap/prefect', timeout: float = 120.0,
+    die_with_parent: bool = False,
+) -> ServerProcess:
+    """Start `prefect server start` on 127.0.0.1 and wait for `/api/health`.
+
+    Args:
+        port: The API port (default: a free one).
+        home: `PREFECT_HOME` of the server (its SQLite database, the log); `None` keeps this process's Prefect home
+            (the database Prefect's own temporary server uses) and writes the log to the temp folder.
+        timeout: Seconds to wait for readiness.
+        die_with_parent: SIGKILL the server when the thread that started it dies, however it dies (Linux:
+            `PR_SET_PDEATHSIG`): the temporary server of `durcap run --engine prefect` (`prefect server start` is one
+            process; Prefect's own temporary server, a uvicorn child, outlived a `kill -9` of its parent).
 
     Returns:
         A `ServerProcess` whose `address` is the API URL `http://127.0.0.1:PORT/api`.
+
+    Raises:
+        RuntimeError / TimeoutError: the server exited or was not ready within `timeout`.
     """
-    home_path = Path(home).resolve()
-    private_dir(home_path)
     port = port or free_port()
     api = f'http://127.0.0.1:{port}/api'
-    env = dict(os.environ, PREFECT_HOME=str(home_path), PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED='false',
-               PREFECT_UI_ENABLED='false', PREFECT_LOGGING_LEVEL='WARNING')
-    log_path = home_path / f'server-{port}.log'
+    env = dict(os.environ, PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED='false', PREFECT_UI_ENABLED='false',
+               PREFECT_LOGGING_LEVEL='WARNING')
+    extra: dict[str, str] = {}
+    if home is None:
+        log_dir = Path(tempfile.gettempdir())
+    else:
+        log_dir = Path(home).resolve()
+        private_dir(log_dir)
+        env['PREFECT_HOME'] = extra['PREFECT_HOME'] = str(log_dir)
+    log_path = log_dir / f'{"durcap-prefect-" if home is None else ""}server-{port}.log'
     log = open(log_path, 'wb')  # noqa: SIM115
     prefect = Path(sys.executable).parent / 'prefect'
     process = subprocess.Popen(
         [str(prefect) if prefect.exists() else 'prefect', 'server', 'start', '--host', '127.0.0.1', '--port', str(port), '--analytics-off', '--no-ui'],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+        **({'preexec_fn': _die_with_parent} if die_with_parent else {'start_new_session': True}),  # type: ignore[call-overload]
     )
     log.close()
-    server = ServerProcess('prefect', process, api, log_path, {'PREFECT_HOME': str(home_path)})
+    server = ServerProcess('prefect', process, api, log_path, extra)
 
     def healthy() -> bool:
         try:

@@ -52,10 +52,24 @@ class RunListing:
     Attributes:
         runs: Every engine's runs, newest first per engine, engines in registry order.
         problems: One line per engine that could not be read (`problem_line`); its runs are missing.
+        notes: One line per engine skipped because it is not configured (`EngineAdapter.unconfigured`: asking it
+            would start a server of its own, e.g. Prefect's temporary one).
     """
 
     runs: list[RunInfo] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _configured(adapters: list[EngineAdapter], settings: Settings, notes: list[str]) -> list[EngineAdapter]:
+    """The adapters that are configured; one line in `notes` for each of the others."""
+    kept = []
+    for adapter in adapters:
+        if (note := adapter.unconfigured(settings.engine())) is not None:
+            notes.append(note)
+        else:
+            kept.append(adapter)
+    return kept
 
 
 async def list_runs(settings: Settings, *, engines: list[str] | None = None, status: str | None = None,
@@ -64,15 +78,19 @@ async def list_runs(settings: Settings, *, engines: list[str] | None = None, sta
 
     Args:
         settings: Where the engines are.
-        engines: Engine names (each must be installed), or `None`.
+        engines: Engine names (each must be installed), or `None`: every installed engine that is configured
+            (the others are named in `RunListing.notes`).
         status: One of `engines.RUN_STATUSES`, or `None` for all.
         limit: Runs per engine, newest first.
 
     Raises:
         EngineNotInstalled / ValueError: as `durable_adapters`.
     """
-    adapters = [a for name in engines for a in durable_adapters(name)] if engines else durable_adapters()
     listing = RunListing()
+    if engines:
+        adapters = [a for name in engines for a in durable_adapters(name)]
+    else:
+        adapters = _configured(durable_adapters(), settings, listing.notes)
     for adapter in adapters:
         try:
             listing.runs += await adapter.list_runs(settings.engine(), status=status, limit=limit)
@@ -83,14 +101,16 @@ async def list_runs(settings: Settings, *, engines: list[str] | None = None, sta
 
 async def find_run(run_id: str, settings: Settings, engine: str | None = None) -> tuple[EngineAdapter, RunInfo]:
     """`(adapter, RunInfo)` of run `run_id` (with its durable units); every installed engine is asked when
-    `engine` is `None`.
+    `engine` is `None` (every configured one: an unconfigured engine is skipped with a note in `args[1]`).
 
     Raises:
-        RunNotFoundError: no engine has the run; `args[1]` lists each engine's answer (not found, unreachable).
+        RunNotFoundError: no engine has the run; `args[1]` lists each engine's answer (not found, unreachable,
+            skipped).
         EngineNotInstalled / ValueError: as `durable_adapters`.
     """
     problems: list[str] = []
-    for adapter in durable_adapters(engine):
+    adapters = durable_adapters(engine) if engine is not None else _configured(durable_adapters(), settings, problems)
+    for adapter in adapters:
         try:
             return adapter, await adapter.show_run(run_id, settings.engine())
         except RunNotFoundError as exc:

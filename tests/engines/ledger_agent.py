@@ -6,6 +6,8 @@ The prompt names an order (`charge order A-1`); everything is logged under `$DUR
   runs again shows up as a repeated line);
 - `charge-started-{order}`: created when `charge` starts; `charge` then waits `$DURCAP_LEDGER_CHARGE_SECONDS`
   (default 3) before returning, so a test can start a second run while the first is in flight.
+An order id starting with `BROKEN` makes the model raise `RuntimeError('card declined for order ...')` on the
+request after the capability loaded: the run fails (for `runs show` of a failed run).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
     returned = [p.tool_name for m in messages for p in getattr(m, 'parts', []) if isinstance(p, ToolReturnPart)]
     if 'load_capability' not in returned:
         return ModelResponse(parts=[ToolCallPart('load_capability', {'id': CAPABILITY})])
+    if order.startswith('BROKEN'):
+        raise RuntimeError(f'card declined for order {order}')
     if 'charge' not in returned:
         return ModelResponse(parts=[ToolCallPart('charge', {'order_id': order})])
     return ModelResponse(parts=[TextPart(f'charged {order}')])

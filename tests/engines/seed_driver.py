@@ -255,12 +255,15 @@ PLANS: dict[str, Example] = {
         lambda name, script, _: _capability_agent(name, script), RefundsScript,
         [Step('main', 'Has the refund for order ABC-123 gone through, and is it still eligible?')],
     ),
+    # The seed's examples exercise the hook's own record-and-block path (`Store.denied_tools`), as the seed writes it:
+    # the person's approval gate (on by default in examples/support) is off here; tests/engines/test_approvals.py
+    # runs the gate on every engine.
     'account-security': Example(
-        lambda name, script, _: make_support(script, name=name), Recorder,
+        lambda name, script, _: make_support(script, name=name, require_approval=False), Recorder,
         [Step('approved', SECURITY_PROMPT, make_store), Step('denied', SECURITY_PROMPT, _denied_store)],
     ),
     'orders-security': Example(
-        lambda name, script, _: make_support(script, name=name), Recorder,
+        lambda name, script, _: make_support(script, name=name, require_approval=False), Recorder,
         [
             Step('order', 'Where is order XYZ-321?', orders_store),
             Step('security', SECURITY_PROMPT, orders_store, history_from='order'),

@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -269,6 +270,71 @@ def test_temporal_twenty_runs_waiting_approved_in_random_order(temporal_address:
     assert sorted(revocations(crash_dir)) == sorted(u for u in users if approve[u])
 
 
+def test_dbos_twenty_runs_waiting_in_one_process_approved_in_random_order(tmp_path: Path) -> None:
+    """One `durcap worker dbos` process (DBOS on SQLite) runs 20 workflows of the gated agent, enqueued on its queue;
+    all 20 wait in `DBOS.recv` at once; decisions (half approvals, half denials with a reason naming the user) are
+    sent in a shuffled order; each run completes with its own decision and no decision reaches another run.
+    Model: the scripted `FunctionModel` of tests/engines/approval_agent.py."""
+    from dbos import DBOSClient
+
+    from durable_capabilities import runner
+
+    db = f'sqlite:///{tmp_path / "dbos.sqlite"}'
+    env, crash_dir = env_for(tmp_path)
+    log = tmp_path / 'worker.log'
+    with open(log, 'wb') as handle:
+        worker = subprocess.Popen([sys.executable, '-m', 'durable_capabilities.cli', 'worker', 'dbos', TARGET, '--db', db],
+                                  cwd=ROOT, env={**os.environ, 'PYTHONPATH': str(ROOT), **env}, stdout=handle,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    client = None
+    try:
+        deadline = time.monotonic() + 90
+        while 'dbos worker ready' not in log.read_text():
+            assert time.monotonic() < deadline and worker.poll() is None, log.read_text()
+            time.sleep(0.2)
+        users = [f'user{i}' for i in range(20)]
+        ids = {user: f'many-{user}-{uuid.uuid4().hex[:6]}' for user in users}
+        approve = {user: i % 2 == 0 for i, user in enumerate(users)}
+        client = DBOSClient(system_database_url=db)
+        for user in users:
+            client.enqueue({'queue_name': 'durcap', 'workflow_name': 'durcap.gated', 'workflow_id': ids[user]},
+                           f'revoke {user}', None, None, None)
+
+        async def scenario() -> None:
+            calls: dict[str, dict] = {}
+            deadline = time.monotonic() + 120
+            while len(calls) < len(users) and time.monotonic() < deadline:
+                for user in users:
+                    if user not in calls and (found := await runner.approvals(ids[user], engine='dbos', db=db)):
+                        calls[user] = found[0].to_json()
+                await asyncio.sleep(0.2)
+            assert len(calls) == len(users), sorted(calls)
+            # All 20 wait at once, in the one worker process (executor `local`), none decided yet.
+            waiting = await runner.approvals(engine='dbos', db=db)
+            assert sorted(c.run_id for c in waiting if c.run_id in ids.values()) == sorted(ids.values())
+            assert revocations(crash_dir) == []
+            order = list(users)
+            random.Random(29).shuffle(order)  # noqa: S311 - a fixed, repeatable order, not a secret
+            for user in order:
+                await runner.decide(ids[user], calls[user]['call_id'], approve=approve[user], reason=f'no for {user}',
+                                    by='tester', engine='dbos', db=db)
+
+        asyncio.run(scenario())
+        statuses = client.list_workflows(workflow_ids=list(ids.values()), load_input=False, load_output=False)
+        assert {s.executor_id for s in statuses} == {'local'}
+        for user in users:
+            result = client.retrieve_workflow(ids[user]).get_result()
+            expected = f'result: revoked sessions of {user}' if approve[user] else f'result: no for {user}'
+            assert result['output'] == expected, (user, result['output'])
+    finally:
+        if client is not None:
+            client.destroy()
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=30)
+    assert sorted(revocations(crash_dir)) == sorted(u for u in users if approve[u])
+
+
 # ---- Prefect -----------------------------------------------------------------------------------
 
 
@@ -327,15 +393,18 @@ def pending_prefect(engine_args: list[str], run_id: str, env: dict[str, str], ti
 
 
 @pytest.mark.parametrize(('engine', 'flag'), [('dbos', '--approve'), ('dbos', '--deny'), ('temporal', '--deny'),
-                                              ('prefect', '--approve')])
+                                              ('temporal-embedded', '--approve'), ('prefect', '--approve')])
 def test_demo_shows_pause_pending_call_and_decision(engine: str, flag: str, tmp_path: Path, temporal_address: str,
                                                     prefect_api_url: str) -> None:
-    """Model: the support example's scripted FunctionModel; account-security's gate on (`require_approval=True`)."""
+    """Model: the support example's scripted FunctionModel; account-security's gate is on by default (the demo's
+    definition is the example's `support`). `temporal-embedded`: no --address, so the demo starts its own dev server
+    (or uses the one on 127.0.0.1:7233) and decides there."""
     extra = ['--address', temporal_address] if engine == 'temporal' else []
     result = subprocess.run(
-        [sys.executable, '-m', 'durable_capabilities.cli', 'demo', '--engine', engine, flag, *extra], cwd=tmp_path,
-        capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, 'PYTHONPATH': str(ROOT), 'PREFECT_API_URL': prefect_api_url},
+        [sys.executable, '-m', 'durable_capabilities.cli', 'demo', '--engine', engine.split('-')[0], flag, *extra],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, 'PYTHONPATH': str(ROOT), 'PREFECT_API_URL': prefect_api_url, 'DURCAP_TEMPORAL_ADDRESS': '',
+             'TEMPORAL_ADDRESS': ''},
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
@@ -348,3 +417,34 @@ def test_demo_shows_pause_pending_call_and_decision(engine: str, flag: str, tmp_
         assert 'decision: denied by' in out
         assert 'escalated your account to our security team' in out
         assert 'Revoked sessions' not in out
+
+
+def test_demo_without_a_decision_says_how_to_approve_and_waits(tmp_path: Path) -> None:
+    """`durcap demo` (DBOS on SQLite) with a prompt that reaches the gate and neither --approve nor --deny: it says the
+    run waits for a person, with the exact `durcap approve` command; that command, run as printed from another
+    process, lets the demo finish with the call run once. Model: the support example's scripted FunctionModel."""
+    env = {**os.environ, 'PYTHONPATH': str(ROOT)}
+    log = tmp_path / 'demo.log'
+    with open(log, 'wb') as handle:
+        demo = subprocess.Popen([sys.executable, '-m', 'durable_capabilities.cli', 'demo', '--engine', 'dbos', '--prompt',
+                                 'Someone keeps trying to log into my account acct-42 from abroad.'],
+                                cwd=tmp_path, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while 'paused: ' not in log.read_text():
+            assert time.monotonic() < deadline and demo.poll() is None, log.read_text()
+            time.sleep(0.2)
+        line = next(x for x in log.read_text().splitlines() if x.startswith('paused: '))
+        assert 'revoke_sessions({"account_id": "acct-42"}) waits for a person' in line, line
+        approve = line.split('`durcap approve ')[1].split('`')[0].split()
+        decided = subprocess.run([sys.executable, '-m', 'durable_capabilities.cli', 'approve', *approve], cwd=tmp_path,
+                                 env=env, capture_output=True, text=True, timeout=120)
+        assert decided.returncode == 0, decided.stdout + decided.stderr
+        assert demo.wait(timeout=120) == 0, log.read_text()
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
+    out = log.read_text()
+    assert 'Revoked sessions for acct-42.' in out, out
+    assert out.count('paused: ') == 1

@@ -86,8 +86,12 @@ def test_dbos_users_decorated_workflow_checkpoints_each_step(tmp_path: Path) -> 
     name = report['name']
     assert report['answer'].startswith('Revoked sessions for acct-42')
     assert report['workflow'] == 'handle_ticket'
-    assert report['steps'] == [f'{name}__model.request', f'{name}__model.request',
-                               f'{name}__function_toolset__account-security.call_tool', f'{name}__model.request']
+    # The gated call waited (DBOS.recv on the run's topic, the approval clock) and ran once after the approval.
+    assert 'DBOS.recv' in report['steps'] and f'durcap__{name}__approval.clock' in report['steps'], report['steps']
+    gate = {'DBOS.recv', 'DBOS.sleep', 'DBOS.setEvent', f'durcap__{name}__approval.clock'}
+    assert [s for s in report['steps'] if s not in gate] == [
+        f'{name}__model.request', f'{name}__model.request', f'{name}__function_toolset__account-security.call_tool',
+        f'{name}__model.request']
 
 
 def test_schedule_prefect_serves_a_deployment_whose_runs_complete(prefect_api_url: str, tmp_path: Path) -> None:
@@ -138,6 +142,9 @@ def test_demo_runs_in_an_empty_folder_and_leaves_no_server(engine: str, tmp_path
     assert 'with deferred capabilities vs' in result.stdout
     if engine == 'temporal':
         assert 'agent__support__toolset__orders__call_tool' in result.stdout
+        # It said which server it used: its own embedded one, or the one it found on 127.0.0.1:7233.
+        assert ('starting an embedded in-memory dev server for this demo' in result.stderr
+                or 'temporal server: using the existing server at 127.0.0.1:7233' in result.stderr), result.stderr
         leftover = subprocess.run(['pgrep', '-f', f'{tmp_path}'], capture_output=True, text=True).stdout.strip()
         assert not leftover, f'processes left behind: {leftover}'
     else:

@@ -59,8 +59,12 @@ def test_prefect_lock_names_the_flow_and_every_task_a_run_creates(prefect_api_ur
     report = probe('prefect', tmp_path, env={'PREFECT_API_URL': prefect_api_url})
     lock = report['lock']
     assert lock['flows'] == report['registered']['flows'] == ['durcap-support']
-    # A task run is named `{task name}-{3 hex digits}` (Prefect's default run name).
-    recorded = [re.sub(r'-[0-9a-f]{3}$', '', name) for name in report['recorded']]
+    # A task run is named `{task name}-{3 hex digits}` (Prefect's default run name), except a tool call's, which
+    # names its capability and tool (`engines.prefect.tool_run_namer`): map it back to its task, `Call Tool: {tool}`.
+    tools = {f'{cap}.{tool}': f'Call Tool: {tool}' for cap in ('orders', 'account-security', 'refund-policy', 'support')
+             for tool in ('order_status', 'revoke_sessions', 'issue_refund')}
+    assert 'orders.order_status' in report['recorded'], report['recorded']
+    recorded = [tools.get(name) or re.sub(r'-[0-9a-f]{3}$', '', name) for name in report['recorded']]
     assert recorded, 'the run recorded no task runs'
     # Model requests carry the model's name after the locked prefix (upstream's `Model Request: {model}`).
     model_request = f'Model Request: {report["model"]}'

@@ -139,6 +139,8 @@ def test_stopping_durcap_run_leaves_no_embedded_temporal_server(sig: signal.Sign
         pid, ports = server_of(run, 90)
         line = wait_text(tmp_path / 'run.log', 'temporal workflow id: ', run, 90)
         assert 'at 127.0.0.1:' in line  # the run says which server it used
+        said = wait_text(tmp_path / 'run.log', 'temporal server: starting an embedded in-memory dev server at ', run, 1)
+        assert int(said.split('dev server at 127.0.0.1:')[1].split()[0]) in ports, (said, ports)
         deadline = time.monotonic() + 90
         while not (ledger / 'charge-started-F-6').exists():
             assert time.monotonic() < deadline and run.poll() is None, (tmp_path / 'run.log').read_text()
@@ -150,6 +152,75 @@ def test_stopping_durcap_run_leaves_no_embedded_temporal_server(sig: signal.Sign
         kill9(run)
         if pid is not None and alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_demo_on_temporal_says_it_uses_the_server_on_7233(tmp_path: Path) -> None:
+    """`durcap demo --engine temporal` with no address configured and something listening on 127.0.0.1:7233 says it
+    uses that existing server (not started by durcap) before it runs. The listener is a plain socket when the port
+    is free (the run then fails to talk to it: only the line is checked) or whatever server already holds it."""
+    import socket
+
+    holder = socket.socket()
+    try:
+        try:
+            holder.bind(('127.0.0.1', 7233))
+            holder.listen()
+        except OSError:
+            assert port_open('127.0.0.1', 7233), 'port 7233 is neither free nor listening'
+        env = env_with(DURCAP_TEMPORAL_ADDRESS='', TEMPORAL_ADDRESS='')
+        demo = start(['demo', '--engine', 'temporal'], tmp_path / 'demo.log', env)
+        try:
+            line = wait_text(tmp_path / 'demo.log', 'temporal server: ', demo, 90)
+        finally:
+            kill9(demo)
+    finally:
+        holder.close()
+    assert "temporal server: using the existing server at 127.0.0.1:7233, namespace 'default'" in line, line
+    assert 'not started by durcap' in line, line
+
+
+def test_kill9_of_durcap_run_on_prefect_leaves_no_temporary_server(tmp_path: Path) -> None:
+    """`durcap run --engine prefect` without PREFECT_API_URL starts a temporary local Prefect server and says where;
+    `kill -9` of the command mid-tool leaves no process listening on that port within 5 s (Prefect's own temporary
+    server, a uvicorn child, outlived its parent)."""
+    ledger = tmp_path / 'ledger'
+    env = {k: v for k, v in env_with(
+        PREFECT_HOME=str(tmp_path / 'prefect-home'), PREFECT_LOCAL_STORAGE_PATH=str(tmp_path / 'results'),
+        DURCAP_LEDGER_DIR=str(ledger), DURCAP_LEDGER_AGENT=f'ledger-{uuid.uuid4().hex[:6]}',
+        DURCAP_LEDGER_CHARGE_SECONDS='300').items() if k != 'PREFECT_API_URL'}
+    run = start(['run', LEDGER, 'charge order G-7', '--engine', 'prefect'], tmp_path / 'run.log', env)
+    pid = None
+    try:
+        line = wait_text(tmp_path / 'run.log', 'prefect server: temporary local server at http://127.0.0.1:', run, 120)
+        port = int(line.split('http://127.0.0.1:')[1].split('/')[0])
+        assert port_open('127.0.0.1', port)
+        pid = next(c for c in children(run.pid) if port in listening_ports(c))
+        wait_text(tmp_path / 'run.log', 'prefect flow run id: ', run, 120)
+        deadline = time.monotonic() + 120
+        while not (ledger / 'charge-started-G-7').exists():
+            assert time.monotonic() < deadline and run.poll() is None, (tmp_path / 'run.log').read_text()
+            time.sleep(0.1)
+        os.kill(run.pid, signal.SIGKILL)  # the command only, not its process group
+        run.wait(timeout=10)
+        assert_gone_within(pid, {port}, 5)
+    finally:
+        kill9(run)
+        if pid is not None and alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_runs_list_of_every_engine_skips_an_unconfigured_prefect(tmp_path: Path) -> None:
+    """`durcap runs list` without --engine and without PREFECT_API_URL: one note that Prefect is skipped; no
+    temporary Prefect server is started (it would create its database in PREFECT_HOME)."""
+    home = tmp_path / 'prefect-home'
+    env = {k: v for k, v in env_with(PREFECT_HOME=str(home)).items() if k != 'PREFECT_API_URL'}
+    result = subprocess.run([*DURCAP, 'runs', 'list', '--db', f'sqlite:///{tmp_path / "dbos.sqlite"}', '--address',
+                             os.environ.get('DURCAP_TEST_TEMPORAL_ADDRESS', '127.0.0.1:7233')], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    notes = [line for line in result.stderr.splitlines() if 'prefect' in line]
+    assert notes == ['note: prefect: skipped, no PREFECT_API_URL configured (`--engine prefect` reads the database of '
+                     "Prefect's temporary local server)"], result.stderr
+    assert not (home / 'prefect.db').exists()
 
 
 def test_schedule_prefect_without_an_api_refuses(tmp_path: Path) -> None:

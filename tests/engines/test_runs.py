@@ -91,6 +91,9 @@ def test_two_concurrent_dbos_runs_each_do_their_own_work_once(postgres_url: str,
     executors = {wait_text(tmp_path / f'{n}.log', 'dbos workflow id:', None, 1).split('(executor ')[1].split(')')[0]
                  for n in ('first', 'second')}
     assert len(executors) == 2 and all(e.startswith('durcap-run-') for e in executors), executors
+    # Each run said which system database it used, before its run id (the test database has no password to hide).
+    line = wait_text(tmp_path / 'first.log', 'dbos system database: ', None, 1)
+    assert line.split('dbos system database: ')[1] == postgres_url, line
 
 
 def wait_status(db: str, workflow_id: str, wanted: str, timeout: float) -> str:
@@ -188,16 +191,29 @@ def test_run_killed_mid_tool_is_resumed_by_runs_resume(engine: str, tmp_path: Pa
     shown = durcap('runs', 'show', run_id, '--engine', engine, '--format', 'json', *conn, env=env)
     assert shown.returncode == 0, shown.stdout + shown.stderr
     info = json.loads(shown.stdout)
-    assert info['status'] in ('running', 'failed'), info  # Prefect may already call a vanished process's run crashed
+    # DBOS: the workflow is PENDING but its `durcap run` process is gone: orphaned. Prefect may already call a
+    # vanished process's run crashed (failed), or still running (it cannot tell the process is gone).
+    assert info['status'] == 'orphaned' if engine == 'dbos' else info['status'] in ('running', 'failed'), info
     assert info['conversation_id'] == conversation
     assert info['agent'] == crash['DURCAP_CRASH_AGENT']
     assert info['units_done'] >= 3, info  # at least the load, two model requests before the charge
     listed = durcap('runs', 'list', '--engine', engine, '--format', 'json', *conn, env=env)
     assert listed.returncode == 0, listed.stderr
-    assert run_id in [json.loads(line)['run_id'] for line in listed.stdout.splitlines()]
+    statuses = {r['run_id']: r['status'] for r in map(json.loads, listed.stdout.splitlines())}
+    assert statuses.get(run_id) == info['status'], statuses  # list says what show says
+    if engine == 'dbos':
+        orphaned = durcap('runs', 'list', '--engine', engine, '--status', 'orphaned', '--format', 'json', *conn, env=env)
+        assert run_id in orphaned.stdout, orphaned.stdout
+        assert run_id not in durcap('runs', 'list', '--engine', engine, '--status', 'running', *conn, env=env).stdout
 
+    began = time.monotonic()
     resumed = durcap('runs', 'resume', run_id, '--engine', engine, '--target', CRASH, *conn, env=env)
+    took = time.monotonic() - began
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    # Prefect's resume used to wait 30 s more, for the task run the killed process had left Running.
+    assert took < 25, f'runs resume took {took:.1f} s'
+    if engine == 'prefect':
+        assert f'prefect server: {env["PREFECT_API_URL"]}' in resumed.stderr, resumed.stderr
     assert f'answer ({engine}): charged and exported' in resumed.stdout
     assert 'capabilities loaded in this run: ops' in resumed.stdout
     assert_exactly_once(crash_dir)
@@ -229,6 +245,8 @@ def test_runs_list_show_cancel_a_run_in_flight(engine: str, tmp_path: Path, requ
     try:
         label = {'dbos': 'dbos workflow id: ', 'prefect': 'prefect flow run id: '}[engine]
         run_id = wait_text(log, label, proc, 120).split(label)[1].split()[0]
+        server = {'dbos': f'dbos system database: {conn[-1] if conn else ""}', 'prefect': f'prefect server: {env.get("PREFECT_API_URL")}'}
+        wait_text(log, server[engine], proc, 1)  # which server the run used, printed before its id
         wait_file(ledger / 'charge-started-C-3', 120)
         listed = durcap('runs', 'list', '--engine', engine, '--status', 'running', '--format', 'json', *conn, env=env)
         assert listed.returncode == 0, listed.stderr
@@ -252,6 +270,23 @@ def test_runs_list_show_cancel_a_run_in_flight(engine: str, tmp_path: Path, requ
         kill9(proc)
 
 
+def test_runs_show_of_a_failed_dbos_run_gives_the_error(tmp_path: Path) -> None:
+    """A DBOS run whose model raised (the ledger agent's `BROKEN` order, on SQLite): `durcap run` exits 1, and
+    `runs show` says failed with the error, as `runs list --format json` does."""
+    env = env_with(DURCAP_LEDGER_DIR=str(tmp_path / 'ledger'), DURCAP_LEDGER_AGENT=f'ledger-{uuid.uuid4().hex[:6]}')
+    conn = ['--db', f'sqlite:///{tmp_path / "dbos.sqlite"}']
+    ran = durcap('run', LEDGER, 'charge order BROKEN-1', '--engine', 'dbos', *conn, env=env)
+    assert ran.returncode == 1, ran.stdout + ran.stderr
+    run_id = ran.stderr.split('dbos workflow id: ')[1].split()[0]
+    shown = durcap('runs', 'show', run_id, '--engine', 'dbos', *conn, env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert 'status: failed' in shown.stdout, shown.stdout
+    assert 'error: RuntimeError: card declined for order BROKEN-1' in shown.stdout, shown.stdout
+    listed = [json.loads(x) for x in durcap('runs', 'list', '--engine', 'dbos', '--format', 'json', *conn, env=env).stdout.splitlines()]
+    assert [(r['status'], r['detail']['error']) for r in listed if r['run_id'] == run_id] == [
+        ('failed', 'RuntimeError: card declined for order BROKEN-1')], listed
+
+
 def test_temporal_run_without_worker_says_so_and_runs_finds_and_cancels_it(temporal_address: str, tmp_path: Path) -> None:
     """`durcap run --engine temporal` on a task queue nobody polls: the workflow id at once, the no-poller notice
     within 5 s, and it keeps waiting; `runs list/show` find it (with the same hint), `runs cancel` ends it."""
@@ -263,6 +298,8 @@ def test_temporal_run_without_worker_says_so_and_runs_finds_and_cancels_it(tempo
     try:
         line = wait_text(log, 'temporal workflow id: ', proc, 120)
         started = time.monotonic()
+        server = wait_text(log, 'temporal server: ', proc, 1)  # printed before the run started: which server
+        assert f"temporal server: {temporal_address}, namespace 'default'" in server, server
         run_id = line.split('temporal workflow id: ')[1].split()[0]
         notice = wait_text(log, 'no worker polls task queue', proc, 5.5)
         assert time.monotonic() - started <= 5.5 and queue in notice, notice

@@ -247,18 +247,26 @@ def unit_names(engine: str, agent: str, sequence: list[tuple[str, ...]]) -> list
         elif family == 'dbos':
             names.append(f'{agent}__model.request' if item == M else f'{agent}__function_toolset__{item[1]}.call_tool')
         else:
-            names.append('Model Request: scripted-support' if item == M else f'Call Tool: {item[2]}')
+            # Tool task runs are named `{capability}.{tool}` (`engines.prefect.tool_run_namer`; each example's
+            # capabilities have one leaf, named after the capability); agent-level tools after the agent.
+            owner = agent if item != M and item[1] == '<agent>' else (item[1] if item != M else '')
+            names.append('Model Request: scripted-support' if item == M else f'{owner}.{item[2]}')
     return names
 
 
 def recorded_units(engine: str, run: dict[str, Any]) -> list[str]:
     """What the engine recorded. Prefect: every task run of the flow run once the server listed them all
-    (`settled_units`), each name checked for Prefect's 3-character run suffix and stripped of it."""
+    (`settled_units`); a task run with Prefect's default name (the task name, with spaces) is checked for Prefect's
+    3-character run suffix and stripped of it; a tool call's run name (`{capability}.{tool}`) is kept."""
     if not engine.startswith('prefect'):
         assert run['settled_units'] == run['units']
         return run['units']
     names = []
     for name in run['settled_units']:
+        if ' ' not in name:
+            assert re.fullmatch(r'[\w<>-]+\.\w+', name), name
+            names.append(name)
+            continue
         assert re.fullmatch(r'.+-[0-9a-f]{3}', name), name
         names.append(name[:-4])
     return names

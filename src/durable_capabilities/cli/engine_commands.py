@@ -256,14 +256,19 @@ def demo(
         _unusable(f'the support example is not installed with this package (looked for {target})')
     agent = _one_agent(f'{target}:support', use_lock=engine != 'local')
     make_store = sys.modules[agent.defined_in].make_store
-    if decision is not None:
-        _gate_demo(sys.modules[agent.defined_in], engine, decision, address=_temporal_address(address), db=db,
-                   task_queue=task_queue, inline_worker=inline_worker)
-        return
-    _out.print(f'[bold]support demo[/bold] on {engine}, model: {model or "scripted FunctionModel (no provider)"}')
-    _out.print(f'customer: {prompt}')
-    report = asyncio.run(_run_on(agent, prompt, engine, make_store(), address=_temporal_address(address),
-                                 task_queue=task_queue, db=db, inline_worker=inline_worker))
+    with _demo_server(engine, _temporal_address(address)) as (run_address, approvals_address):
+        # The demo's own embedded server has no other worker: serve the task queue from this process.
+        inline_worker = inline_worker or (run_address is not None and _temporal_address(address) is None)
+        if decision is not None:
+            _gate_demo(sys.modules[agent.defined_in], engine, decision, address=run_address, db=db, task_queue=task_queue,
+                       inline_worker=inline_worker, approvals_address=approvals_address)
+            return
+        _out.print(f'[bold]support demo[/bold] on {engine}, model: {model or "scripted FunctionModel (no provider)"}')
+        _out.print(f'customer: {prompt}')
+        settings = {'address': approvals_address, 'db': db}
+        report = asyncio.run(_watch_approvals(
+            lambda started: _run_on(agent, prompt, engine, make_store(), address=run_address, task_queue=task_queue, db=db,
+                                    inline_worker=inline_worker, started=started), engine, settings))
     _print_run(report)
     first = asyncio.run(compare_first_request(agent, prompt, deps=make_store()))
     how = 'estimated, bytes/4' if first.estimated else f'counted by {first.method}'
@@ -275,13 +280,57 @@ def demo(
     )
 
 
+@contextlib.contextmanager
+def _demo_server(engine: str, address: str | None) -> Any:
+    """`(address for the run, address for approvals)`: on Temporal with no server configured or listening on
+    127.0.0.1:7233, an embedded in-memory dev server started here (dying with this command), so the demo can also
+    read and decide the run's approvals; otherwise `(address, address or the 127.0.0.1:7233 default)`."""
+    from .._servers import port_open, start_temporal_dev_server
+
+    if engine != 'temporal' or address is not None or port_open('127.0.0.1', 7233):
+        yield address, address or '127.0.0.1:7233'
+        return
+    _err.print('temporal server: none configured (--address, $DURCAP_TEMPORAL_ADDRESS) or listening on 127.0.0.1:7233: '
+               'starting an embedded in-memory dev server for this demo (it stops with the demo)')
+    server = start_temporal_dev_server(state_dir='.durcap', persistent=False)
+    try:
+        yield server.address, server.address
+    finally:
+        server.stop()
+
+
+async def _watch_approvals(start: Any, engine: str, settings: dict[str, Any]) -> RunReport:
+    """Run `start(started)` (a coroutine factory taking the run-id list); when the run pauses for a person, say so
+    once, with the commands that approve or deny each pending call from another terminal. The run keeps waiting."""
+    from ..approvals import ApprovalError
+
+    started: list[str] = []
+    run = asyncio.create_task(start(started))
+    told = not _adapter(engine).durable
+    while not run.done():
+        await asyncio.wait({run}, timeout=1.0)
+        if run.done() or told or not started:
+            continue
+        with contextlib.suppress(ApprovalError):
+            pending = await runner.approvals(started[0], engine=engine, **settings)
+            for call in pending:
+                where = f' --engine {engine}' + (f' --address {settings["address"]}' if engine == 'temporal' else '') + (
+                    f' --db {settings["db"]}' if settings.get('db') else '')
+                _err.print(f'paused: {call.tool_name}({json.dumps(call.args, sort_keys=True)}) waits for a person '
+                           f'(deadline {call.deadline}). In another terminal: `durcap approve {call.run_id} '
+                           f'{call.call_id}{where}` or `durcap deny {call.run_id} {call.call_id}{where} --reason TEXT`; '
+                           'or run the demo with --approve/--deny', markup=False)
+            told = bool(pending)
+    return await run
+
+
 GATE_PROMPT = 'Someone keeps trying to log into my account acct-42 from abroad.'
 
 
 def _gate_demo(module: Any, engine: str, approve: bool, *, address: str | None, db: str | None, task_queue: str,
-               inline_worker: bool) -> None:
-    """`durcap demo --approve|--deny`: the support agent with `account-security`'s approval gate on, one run that
-    pauses on `revoke_sessions`, the pending call, the decision, and the answer."""
+               inline_worker: bool, approvals_address: str | None) -> None:
+    """`durcap demo --approve|--deny`: the support agent (`account-security`'s approval gate is on by default), one
+    run that pauses on `revoke_sessions`, the pending call, the decision, and the answer."""
     import asyncio
     import uuid
 
@@ -290,10 +339,8 @@ def _gate_demo(module: Any, engine: str, approve: bool, *, address: str | None, 
 
     if not _adapter(engine).durable:
         _unusable('--approve/--deny needs a durable engine: a local run cannot wait for a person')
-    if engine == 'temporal' and address is None:
-        _unusable('--approve/--deny on Temporal needs a server: --address HOST:PORT or $DURCAP_TEMPORAL_ADDRESS')
-    agent = module.make_support(require_approval=True)
-    settings = {'address': address, 'db': db, 'task_queue': task_queue, 'inline_worker': inline_worker}
+    agent = module.make_support()
+    settings = {'address': approvals_address, 'db': db, 'task_queue': task_queue, 'inline_worker': inline_worker}
     run_id = f'support-gate-{uuid.uuid4().hex[:8]}'
     _out.print(f'[bold]support demo, approval gate[/bold] on {engine}; customer: {GATE_PROMPT}')
 
@@ -302,7 +349,7 @@ def _gate_demo(module: Any, engine: str, approve: bool, *, address: str | None, 
         # whose pending call appears after the start.
         before = {c.run_id for c in await runner.approvals(engine=engine, **settings)}
         run = asyncio.create_task(runner.run(agent, GATE_PROMPT, engine=engine, deps=module.make_store(), run_id=run_id,
-                                             notify=_err.print, **settings))
+                                             notify=_err.print, **{**settings, 'address': address}))
         pending: list[Any] = []
         while not pending:
             if run.done():

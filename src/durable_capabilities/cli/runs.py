@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from enum import Enum
 from typing import Annotated, Any
 
@@ -51,6 +52,16 @@ def _engine_list(engine: str | None) -> list[str] | None:
     return None
 
 
+def _finish() -> None:
+    """Once a Temporal client ran in this process, leave without interpreter finalization (`_exit_now(0)`, output
+    flushed): temporalio's core runtime can abort the interpreter while it shuts down (sdk-python#300), which turned
+    a printed `runs list --engine temporal` into exit -6 about one time in three."""
+    if 'temporalio.client' in sys.modules:
+        from .engine_commands import _exit_now
+
+        _exit_now(0)
+
+
 def _row(info: Any) -> list[str]:
     started = info.started_at.strftime('%Y-%m-%d %H:%M:%S') if info.started_at else '-'
     units = '-' if info.units_done is None else str(info.units_done)
@@ -76,7 +87,7 @@ def _print_runs(infos: list[Any], fmt: RunsFormat) -> None:
 @runs_app.command('list')
 def list_runs(
     engine: Annotated[str | None, _engine_option()] = None,
-    status: Annotated[str | None, typer.Option(help='running, queued, completed, failed or cancelled.')] = None,
+    status: Annotated[str | None, typer.Option(help='running, queued, orphaned (its process is gone: `runs resume` it), completed, failed or cancelled.')] = None,
     limit: Annotated[int, typer.Option(help='At most this many runs per engine, newest first.')] = 20,
     fmt: FormatOption = RunsFormat.text,
     db: DbOption = None,
@@ -92,11 +103,14 @@ def list_runs(
 
     listing = asyncio.run(read_runs(connection_settings(db, address, namespace), engines=_engine_list(engine),
                                     status=status, limit=limit))
+    for note in listing.notes:
+        _err.print(printable(f'note: {note}'), markup=False)
     for problem in listing.problems:
         _err.print(printable(problem), markup=False)
     _print_runs(listing.runs, fmt)
     if listing.problems and engine is not None:
         raise typer.Exit(2)
+    _finish()
 
 
 def _find(run_id: str, engine: str | None, settings: Settings) -> tuple[Any, Any]:
@@ -126,6 +140,7 @@ def show(
     _, info = _find(run_id, engine, connection_settings(db, address, namespace))
     if fmt is RunsFormat.json:
         _out.print(json.dumps(info.to_json(), default=str), markup=False)
+        _finish()
         return
     for label, value in zip(('id', 'engine', 'agent', 'status', 'started (UTC)', 'capabilities loaded', 'conversation',
                              'units done'), _row(info), strict=True):
@@ -136,6 +151,7 @@ def show(
             _out.print(printable(f'{key}: {value}'), markup=False)
     for note in info.notes:
         _out.print(printable(f'note: {note}'), markup=False)
+    _finish()
 
 
 @runs_app.command('cancel')
@@ -151,6 +167,7 @@ def cancel(
     adapter, _ = _find(run_id, engine, settings)
     info = asyncio.run(adapter.cancel(run_id, settings.engine()))
     _out.print(printable(f'{info.run_id}: {info.status} ({info.engine_status})'), markup=False)
+    _finish()
 
 
 @runs_app.command('resume')
@@ -175,3 +192,4 @@ def resume(
     except (RuntimeError, NotImplementedError) as exc:
         _unusable(str(exc).splitlines()[0])
     _print_run(report)
+    _finish()

@@ -26,8 +26,10 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-RUN_STATUSES = ('running', 'queued', 'completed', 'failed', 'cancelled')
-"""The common run statuses `durcap runs --status` filters on (each engine maps its own onto these)."""
+RUN_STATUSES = ('running', 'queued', 'orphaned', 'completed', 'failed', 'cancelled')
+"""The common run statuses `durcap runs --status` filters on (each engine maps its own onto these). `orphaned`: the
+engine still records the run as in flight, but the process that ran it is gone and nothing will pick it up until
+`durcap runs resume` (or a worker) does; an engine that cannot tell says `running`."""
 
 
 @dataclass
@@ -258,6 +260,11 @@ class EngineAdapter(ABC):
         """True while replaying a history recorded before the MCP guard existed (list tools as upstream did)."""
         return False
 
+    def unconfigured(self, settings: Mapping[str, Any]) -> str | None:
+        """Why a command that asks every engine (`durcap runs list` without `--engine`) skips this one: `None` when it
+        is configured; else one line saying what is missing (the engine would start a server of its own)."""
+        return None
+
     def run_notes(self, options: RunOptions) -> list[str]:
         """Lines `durcap run` prints before the run (e.g. which store a remote worker uses)."""
         return []
@@ -435,6 +442,9 @@ class LazyAdapter(EngineAdapter):
 
     def run_notes(self, options: RunOptions) -> list[str]:
         return self.loaded.run_notes(options)
+
+    def unconfigured(self, settings: Mapping[str, Any]) -> str | None:
+        return self.loaded.unconfigured(settings)
 
     def serve_worker(self, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> None:
         return self.loaded.serve_worker(agents, options)

@@ -215,6 +215,16 @@ def system_database_url(url: str | None = None) -> str:
     return f'sqlite:///{DEFAULT_SQLITE_PATH.resolve()}'
 
 
+def redacted_url(url: str) -> str:
+    """`url` with its password replaced by `***` (SQLAlchemy's own rendering), for lines a user or a log reads."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not a URL SQLAlchemy parses: show its scheme only
+        return url.split(':', 1)[0] + ':...'
+
+
 RUN_EXECUTOR_PREFIX = 'durcap-run'
 """Executor ids of one-shot `durcap run` processes: `durcap-run-{host}-{pid}-{random}`."""
 
@@ -596,9 +606,11 @@ class DBOSAdapter(EngineAdapter):
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
 
         workflow_fn = agent_workflow(agent)
+        url = system_database_url(options.setting('db'))
+        options.notify(f'dbos system database: {redacted_url(url)}')
         # log_level ERROR: a step retry logs a WARNING with the whole traceback each attempt; a one-shot run reports
         # its failure once, in `durcap run`'s own line (capability, error, innermost cause).
-        launch('durcap', system_database_url_=options.setting('db'), one_shot=True,
+        launch('durcap', system_database_url_=url, one_shot=True,
                executor_id=options.setting('executor_id'), log_level='ERROR')
         try:
             workflow_id = options.run_id or f'{agent.name}-{uuid.uuid4()}'
@@ -628,9 +640,13 @@ class DBOSAdapter(EngineAdapter):
         executor = options.setting('executor_id', 'local')
         queue = options.setting('task_queue', WORKER_QUEUE)
         url = system_database_url(options.setting('db'))
+        from sqlalchemy.exc import OperationalError, ProgrammingError
+
         client = _client({'db': url})
         try:
             pending = client.list_workflows(status='PENDING', executor_id=executor, load_input=False, load_output=False)
+        except (OperationalError, ProgrammingError):  # a new system database: DBOS creates its tables at launch
+            pending = []
         finally:
             client.destroy()
         launch('durcap', system_database_url_=url, executor_id=executor)
@@ -664,21 +680,32 @@ class DBOSAdapter(EngineAdapter):
         notes = [(f'its process ({status.executor_id}) is gone: finish it with `durcap runs resume '
                   f'{status.workflow_id} --engine dbos --target TARGET`, or by a `durcap worker dbos`')] if gone else []
         return RunInfo(
-            'dbos', status.workflow_id, agent, _DBOS_STATUS.get(engine_status, 'running'), engine_status,
+            'dbos', status.workflow_id, agent, 'orphaned' if gone else _DBOS_STATUS.get(engine_status, 'running'),
+            engine_status,
             datetime.fromtimestamp(status.created_at / 1000, UTC) if status.created_at else None,
             loaded_capabilities_in(outputs), conversation, sum(1 for step in steps if step.get('error') is None), notes,
             {'executor_id': status.executor_id, 'queue': status.queue_name, 'workflow_name': name,
-             'app_version': status.app_version, 'orphaned': gone},
+             'app_version': status.app_version, 'orphaned': gone, 'error': _error_line(status.error)},
             [_unit(step) for step in steps] if with_units else [],
         )
 
     async def list_runs(self, settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
+        """`durcap.*` workflows, newest first; a PENDING or ENQUEUED one whose `durcap run` process is gone is
+        `orphaned` (as `show_run` says), not `running`."""
         client = _client(settings)
         try:
-            wanted = [k for k, v in _DBOS_STATUS.items() if v == status] if status else None
-            found = await client.list_workflows_async(status=wanted, sort_desc=True, limit=limit * 4, load_output=True)
-            found = [w for w in found if (w.name or '').startswith(WORKFLOW_NAME_PREFIX)][:limit]
-            return [await self._info(client, w) for w in found]
+            engine_statuses = ('PENDING', 'ENQUEUED') if status == 'orphaned' else [k for k, v in _DBOS_STATUS.items() if v == status]
+            found = await client.list_workflows_async(status=list(engine_statuses) if status else None, sort_desc=True,
+                                                      limit=limit * 4, load_output=True)
+            found = [w for w in found if (w.name or '').startswith(WORKFLOW_NAME_PREFIX)]
+            infos = []
+            for workflow in found:
+                info = await self._info(client, workflow)
+                if status is None or info.status == status:
+                    infos.append(info)
+                if len(infos) == limit:
+                    break
+            return infos
         finally:
             client.destroy()
 
@@ -785,6 +812,14 @@ class DBOSAdapter(EngineAdapter):
             return call
         finally:
             client.destroy()
+
+
+def _error_line(error: Any) -> str | None:
+    """A failed workflow's error as one line (`Type: message`), or `None`."""
+    if error is None:
+        return None
+    text = str(error).strip().splitlines()
+    return f'{type(error).__name__}: {text[0] if text else ""}' if isinstance(error, BaseException) else (text[0] if text else None)
 
 
 _DBOS_STATUS = {

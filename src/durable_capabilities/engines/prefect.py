@@ -35,6 +35,7 @@ from pydantic_ai.durable_exec.prefect import (
 )
 from pydantic_ai.messages import ModelMessagesTypeAdapter
 from pydantic_ai.tools import RunContext
+from pydantic_ai.toolsets import ToolsetTool
 from pydantic_core import to_jsonable_python
 
 from .. import _registry
@@ -133,14 +134,46 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     tool retries, merged with `options` (the user's keys win)."""
     options = dict(options)
     policy = DeterministicInputs()
+    tool_defaults: dict[str, Any] = {'cache_policy': policy, 'retries': DEFAULT_TOOL_RETRIES, 'retry_delay_seconds': 1.0,
+                                     'task_run_name': tool_run_namer(agent)}
     defaults: dict[str, TaskConfig] = {
         'model_task_config': TaskConfig(cache_policy=policy),
-        'tool_task_config': TaskConfig(cache_policy=policy, retries=DEFAULT_TOOL_RETRIES, retry_delay_seconds=1.0),
+        'tool_task_config': TaskConfig(**tool_defaults),
         'mcp_task_config': TaskConfig(cache_policy=policy),
     }
     for key, config in defaults.items():
         options[key] = TaskConfig(**{**config, **(options.get(key) or {})})  # type: ignore[typeddict-item]
     return options, _mcp_defaults(agent, options)
+
+
+AGENT_TOOLSET_ID = '<agent>'
+"""pydantic-ai's id of the agent's own function toolset (`Agent(tools=[...])`); its tools' task runs are named
+`{agent name}.{tool}`."""
+
+
+def tool_run_namer(agent: DurableAgent[Any, Any]) -> Callable[..., str]:
+    """Prefect `task_run_name` of a tool-call task: `{capability id}.{tool name}` (e.g.
+    `account-security.revoke_sessions`), so the flow run's task runs say which capability each call belongs to.
+    Prefect's default run name is the task name plus a random suffix (`Call Tool: get_weather-fea`).
+
+    The capability is the one whose leaf toolset provided the tool (`DurableAgent.leaf_ids`); a tool of no
+    capability is named after its toolset id, or the agent for an agent-level tool. Only the run's display name: the
+    task name (in `durable.lock`) and the cache key are unchanged. Prefect calls it with the task's `parameters`;
+    upstream's tool task carries the `ToolsetTool` being called among them (in `logical_inputs`, its cache key),
+    which names its toolset.
+    """
+    owners = {leaf: capability for capability, leaves in agent.leaf_ids().items() for leaf in leaves}
+
+    def name(parameters: dict[str, Any]) -> str:
+        values = [*parameters.values(), *parameters.get('logical_inputs', ())]
+        tool = next((v for v in values if isinstance(v, ToolsetTool)), None)
+        if tool is None:  # not a tool call's task: keep a readable name
+            return str(parameters.get('operation_name') or 'tool call')
+        toolset_id = tool.toolset.id or AGENT_TOOLSET_ID
+        owner = owners.get(toolset_id) or (agent.name if toolset_id == AGENT_TOOLSET_ID else toolset_id)
+        return f'{owner}.{tool.tool_def.name}'
+
+    return name
 
 
 def mcp_task_config(attempts: int = _mcp.DEFAULT_MCP_ATTEMPTS) -> dict[str, Any]:
@@ -372,12 +405,75 @@ def serve(
 # ---- the adapter ---------------------------------------------------------------------------------
 
 
-async def _settled_task_runs(flow_run_id: Any, model_requests: int, timeout: float = 30.0) -> list[Any]:
+_TEMPORARY_SERVER: list[Any] = []
+"""The temporary local Prefect server this process started (at most one; see `ensure_api`)."""
+
+
+def configured_api() -> str | None:
+    """The Prefect API URL configured for this process (`PREFECT_API_URL`, or the active Prefect profile), or `None`."""
+    from prefect.settings import get_current_settings
+
+    return get_current_settings().api.url or None
+
+
+def ensure_api() -> tuple[str, bool]:
+    """The Prefect API this process talks to: `(url, temporary)`.
+
+    The configured one (`configured_api`), else a temporary local server this process starts once (`prefect server
+    start` on a free port, on the database of the user's Prefect home, as Prefect's own temporary server would) and
+    points every Prefect client of the process at (`PREFECT_API_URL` and `refresh_global_settings_context`, so
+    Prefect's background threads see it too). The server dies with this process, even on `kill -9`
+    (`_servers.start_prefect_server(die_with_parent=True)`), and is stopped at exit.
+
+    Raises:
+        RuntimeError / TimeoutError: the temporary server did not come up.
+    """
+    if _TEMPORARY_SERVER:
+        return _TEMPORARY_SERVER[0].address, True
+    url = configured_api()
+    if url:
+        return url, False
+    import atexit
+
+    from prefect.context import refresh_global_settings_context
+
+    from .._servers import start_prefect_server
+
+    server = start_prefect_server(home=None, die_with_parent=True)
+    _TEMPORARY_SERVER.append(server)
+    atexit.register(server.stop)
+    os.environ['PREFECT_API_URL'] = server.address
+    refresh_global_settings_context()
+    return server.address, True
+
+
+def server_line() -> str:
+    """The line a run prints before it starts: which Prefect API it uses (starting the temporary server if needed)."""
+    url, temporary = ensure_api()
+    if temporary:
+        return (f'prefect server: temporary local server at {url}, started by this command and stopped with it '
+                '(PREFECT_API_URL is not set)')
+    return f'prefect server: {url}'
+
+
+async def _task_runs(flow_run_id: Any) -> list[Any]:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async with get_client() as client:
+        return list(await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))))
+
+
+async def _settled_task_runs(flow_run_id: Any, model_requests: int, timeout: float = 30.0,
+                             orphans: frozenset[str] = frozenset()) -> list[Any]:
     """The flow run's task runs once Prefect has recorded them all.
 
     Prefect 3 records task runs from events, asynchronously: listed right after the flow returns, the
     last ones can be missing. Poll (up to `timeout` seconds) until every task run is final, there is a
     `Model Request` task per model response, and the list has not changed for a second.
+
+    `orphans`: ids of task runs a dead process left unfinished (Running forever) before this process ran the flow
+    run again (`durcap runs resume`); they are left out (waiting for them to finish cost the whole `timeout`).
     """
 
     from prefect import get_client  # lazily: the API client (httpx) loads only to wait for a run
@@ -388,7 +484,8 @@ async def _settled_task_runs(flow_run_id: Any, model_requests: int, timeout: flo
     stable_since = time.monotonic()
     async with get_client() as client:
         while True:
-            runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            runs = [r for r in await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+                    if str(r.id) not in orphans]
             snapshot = sorted((str(r.id), str(r.state_type)) for r in runs)
             if snapshot != previous:
                 previous, stable_since = snapshot, time.monotonic()
@@ -421,10 +518,12 @@ async def _run_flow_run(flow_: Any, flow_run_id: Any, parameters: dict[str, Any]
 
     async with get_client() as client:
         flow_run = await client.read_flow_run(flow_run_id)
+    # A flow run run again (resume) may hold task runs its dead process left Running: not this run's to wait for.
+    orphans = frozenset(str(t.id) for t in await _task_runs(flow_run_id) if t.state is None or not t.state.is_final())
     state: Any = await run_flow_async(flow_, flow_run=flow_run, parameters=parameters, return_type='state')
     payload = await state.result()
     model_requests = sum(1 for m in payload['new_messages'] if m.get('kind') == 'response')
-    task_runs = await _settled_task_runs(flow_run_id, model_requests)
+    task_runs = await _settled_task_runs(flow_run_id, model_requests, orphans=orphans)
     units = [t.name for t in sorted(task_runs, key=lambda t: (t.expected_start_time or t.created, t.name))]
     return RunReport.from_payload('prefect', str(flow_run_id), payload, units)
 
@@ -475,11 +574,18 @@ class PrefectAdapter(EngineAdapter):
     def mcp_passes_through(self, error: BaseException) -> bool:
         return isinstance(error, PrefectException)
 
+    def unconfigured(self, settings: Mapping[str, Any]) -> str | None:
+        if configured_api() or _TEMPORARY_SERVER:
+            return None
+        return ('prefect: skipped, no PREFECT_API_URL configured (`--engine prefect` reads the database of Prefect\'s '
+                'temporary local server)')
+
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
 
-        # Without PREFECT_API_URL, Prefect starts a temporary local server; keep it from phoning home.
         os.environ.setdefault('PREFECT_SERVER_ANALYTICS_ENABLED', 'false')
         from prefect import get_client
+
+        options.notify(server_line())
 
         history = options.message_history
         parameters = {
@@ -490,8 +596,7 @@ class PrefectAdapter(EngineAdapter):
         flow_ = agent_flow(agent)
         async with get_client() as client:
             flow_run = await client.create_flow_run(flow_, parameters=parameters)
-        where = os.environ.get('PREFECT_API_URL') or "Prefect's temporary local server (PREFECT_API_URL is not set)"
-        options.started(str(flow_run.id), f'prefect flow run id: {flow_run.id} (at {where})')
+        options.started(str(flow_run.id), f'prefect flow run id: {flow_run.id} (at {ensure_api()[0]})')
         return await _run_flow_run(flow_, flow_run.id, parameters)
 
     # ---- runs ----------------------------------------------------------------------------------------------
@@ -535,6 +640,7 @@ class PrefectAdapter(EngineAdapter):
         return infos
 
     async def list_runs(self, settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
+        ensure_api()  # the configured server, or this process's temporary one
         from prefect import get_client
         from prefect.client.schemas.filters import (
             FlowFilter,
@@ -566,6 +672,7 @@ class PrefectAdapter(EngineAdapter):
             return await self._runs(client, runs)
 
     async def show_run(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
+        ensure_api()  # the configured server, or this process's temporary one
         from prefect import get_client
 
         async with get_client() as client:
@@ -578,6 +685,7 @@ class PrefectAdapter(EngineAdapter):
         from prefect import get_client
         from prefect.states import Cancelled
 
+        ensure_api()
         async with get_client() as client:
             run = await _read_flow_run(client, run_id)
             if run.state is None or not run.state.is_final():
@@ -590,6 +698,7 @@ class PrefectAdapter(EngineAdapter):
         from prefect import get_client
         from prefect.states import Scheduled
 
+        options.notify(server_line())
         info = await self.show_run(run_id, options.settings)
         by_name = {a.name: a for a in agents}
         agent = by_name.get(info.agent or '')
@@ -639,6 +748,7 @@ class PrefectAdapter(EngineAdapter):
 
     async def pending_approvals(self, settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
         """Pending calls of Paused `durcap-*` flow runs (or of flow run `run_id`), from flow run input `PENDING_INPUT`."""
+        ensure_api()  # the configured server, or this process's temporary one
         from prefect import get_client
         from prefect.client.schemas.filters import (
             FlowRunFilter,
@@ -674,6 +784,7 @@ class PrefectAdapter(EngineAdapter):
         from prefect.input import acreate_flow_run_input
 
         flow_run_id = _flow_run_uuid(run_id)
+        ensure_api()
         async with get_client() as client:
             try:
                 await client.read_flow_run(flow_run_id)

@@ -43,7 +43,7 @@ from temporalio.worker.workflow_sandbox import (
 )
 
 from .. import _registry, _upstream
-from .._servers import CAPABILITIES_SEARCH_ATTRIBUTE, port_open, start_temporal_dev_server
+from .._servers import CAPABILITIES_SEARCH_ATTRIBUTE, free_port, port_open, start_temporal_dev_server
 from ..approvals import (
     ApprovalError,
     ApprovalGate,
@@ -764,14 +764,21 @@ class TemporalAdapter(EngineAdapter):
 
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
         address, inline_worker = options.setting('address'), bool(options.setting('inline_worker', False))
+        namespace = options.setting('namespace', 'default')
         server = None
-        if address is None and port_open('127.0.0.1', 7233):
+        if address is not None:
+            options.notify(f'temporal server: {address}, namespace {namespace!r} (configured: --address, $DURCAP_TEMPORAL_ADDRESS or the address setting)')
+        elif port_open('127.0.0.1', 7233):
             address = '127.0.0.1:7233'  # the default a `durcap worker temporal` and `durcap dev temporal` use
-        if address is None:
-            options.notify('no Temporal server configured (--address, DURCAP_TEMPORAL_ADDRESS, 127.0.0.1:7233): '
-                           'starting an embedded in-memory dev server and an inline worker for this run')
+            options.notify(f'temporal server: using the existing server at {address}, namespace {namespace!r} (found '
+                           'listening there, not started by durcap; --address or $DURCAP_TEMPORAL_ADDRESS picks another)')
+        else:
             # In memory: a second server must never share `durcap dev temporal`'s database file.
-            server = start_temporal_dev_server(state_dir='.durcap', persistent=False)
+            port = free_port()
+            options.notify(f'temporal server: starting an embedded in-memory dev server at 127.0.0.1:{port} (it stops '
+                           'with this command) and an inline worker: no server is configured (--address, '
+                           '$DURCAP_TEMPORAL_ADDRESS) or listening on 127.0.0.1:7233')
+            server = start_temporal_dev_server(port=port, state_dir='.durcap', persistent=False)
             address, inline_worker = server.address, True
         try:
             return await self._run(agent, prompt, options, address, inline_worker)
