@@ -158,7 +158,7 @@ def run_killed_mid_tool(engine: str, tmp_path: Path, extra_args: list[str], env:
     log = tmp_path / f'{engine}-run.log'
     proc = start(['run', CRASH, 'charge order A-1 and export', '--engine', engine, *extra_args], log, env)
     try:
-        label = {'dbos': 'dbos workflow id: ', 'prefect': 'prefect flow run id: '}[engine]
+        label = {'dbos': 'dbos workflow id: ', 'prefect': 'prefect flow run id: ', 'temporal': 'temporal workflow id: '}[engine]
         line = wait_text(log, label, proc, 120)
         run_id = line.split(label)[1].split()[0]
         wait_file(crash_dir / 'slow-started', 120)
@@ -223,6 +223,37 @@ def test_run_killed_mid_tool_is_resumed_by_runs_resume(engine: str, tmp_path: Pa
     assert len(prompts) == 1, prompts
 
     done = json.loads(durcap('runs', 'show', run_id, '--engine', engine, '--format', 'json', *conn, env=env).stdout)
+    assert done['status'] == 'completed' and done['capabilities'] == ['ops'], done
+
+
+def test_temporal_run_whose_process_died_is_resumed_by_runs_resume(temporal_address: str, tmp_path: Path) -> None:
+    """`durcap run --engine temporal --inline-worker` (its worker in the same process) killed with SIGKILL inside
+    `slow_export`: the workflow stays running with no live worker on its task queue (Temporal may still list the
+    dead one as a poller). `durcap runs resume ID --target` serves the queue from its own process and prints the
+    answer; `charge` (completed before the kill) ran
+    once, no model request ran again, and the turn is stored once."""
+    from tests.engines.test_crash import crash_env
+
+    crash, _ = crash_env(tmp_path)
+    store = f'sqlite:///{tmp_path / "conversations.db"}'
+    env = env_with(**crash, DURCAP_STORE=store)
+    conversation = f'conv-{uuid.uuid4().hex[:8]}'
+    queue = f'resume-{uuid.uuid4().hex[:8]}'
+    conn = ['--address', temporal_address]
+    run_id, crash_dir = run_killed_mid_tool(
+        'temporal', tmp_path, ['--conversation', conversation, '--inline-worker', '--task-queue', queue, *conn], env)
+
+    shown = durcap('runs', 'show', run_id, '--engine', 'temporal', '--format', 'json', *conn, env=env)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert json.loads(shown.stdout)['status'] == 'running'
+    resumed = durcap('runs', 'resume', run_id, '--engine', 'temporal', '--target', CRASH, *conn, env=env)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f'from this process until {run_id} finishes' in resumed.stderr, resumed.stderr
+    assert 'answer (temporal): charged and exported' in resumed.stdout, resumed.stdout
+    assert_exactly_once(crash_dir)
+    history = stored_history(store, conversation)
+    assert len(history['writes']) == 1, history['writes']
+    done = json.loads(durcap('runs', 'show', run_id, '--engine', 'temporal', '--format', 'json', *conn, env=env).stdout)
     assert done['status'] == 'completed' and done['capabilities'] == ['ops'], done
 
 

@@ -1000,8 +1000,9 @@ class TemporalAdapter(EngineAdapter):
         return await self.show_run(run_id, settings)
 
     async def resume(self, run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
-        """Wait for the run; when no worker polls its task queue, serve that queue from this process (`agents`)
-        until it finishes. Without `agents`, say which queue has no worker.
+        """Wait for the run; with `agents` (`runs resume --target`), serve its task queue from this process until it
+        finishes, whether or not a poller is listed (Temporal keeps listing a killed worker as a poller for a while).
+        Without `agents`: say which queue has no worker, or wait for the worker that polls it.
 
         Raises:
             RuntimeError: no worker polls the run's queue and no TARGET was given.
@@ -1013,13 +1014,21 @@ class TemporalAdapter(EngineAdapter):
         queue = info.detail['task_queue']
 
         async with AsyncExitStack() as stack:
-            if info.status in ('running', 'queued') and not await task_queue_pollers(client, namespace, queue):
-                if not agents:
+            if info.status in ('running', 'queued'):
+                pollers = await task_queue_pollers(client, namespace, queue)
+                if agents:
+                    # Served from here even when a poller is listed: Temporal lists a worker killed with SIGKILL as a
+                    # poller for a while after it died, and a second worker on the queue is harmless.
+                    seen = f' ({pollers} other poller(s) seen recently)' if pollers else ''
+                    options.notify(f'{"no worker polls" if not pollers else "serving"} task queue {queue!r}'
+                                   f'{": serving it" if not pollers else seen} from this process until {run_id} finishes')
+                    await stack.enter_async_context(make_worker(client, agents, queue))
+                elif not pollers:
                     raise RuntimeError(f'no worker polls task queue {queue!r}: start `durcap worker temporal TARGET '
                                        f'--task-queue {queue}`, or pass --target TARGET to serve it from here')
-                options.notify(f'no worker polls task queue {queue!r}: serving it from this process until '
-                               f'{run_id} finishes')
-                await stack.enter_async_context(make_worker(client, agents, queue))
+                else:
+                    options.notify(f'a worker polled task queue {queue!r} recently: waiting for it to finish {run_id} '
+                                   '(if that worker is gone, stop this and pass --target TARGET to serve the queue from here)')
             client, result = await _await_result(client, address, namespace, run_id, options.notify)
             units = await units_recorded(client, run_id, None)
         return RunReport('temporal', run_id, result.output, result.messages(), result.usage, units)
