@@ -343,3 +343,16 @@ def test_ui_on_a_taken_port_is_unusable_input(tmp_path: Path) -> None:
         result = durcap('ui', '--port', str(port), '--engine', 'dbos', cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
     assert f'cannot serve on 127.0.0.1:{port}' in result.stderr and 'Traceback' not in result.stderr
+
+
+def test_store_and_dbos_db_from_the_environment_are_checked_like_the_options(tmp_path: Path) -> None:
+    """`$DURCAP_STORE=sqlite://` (an in-memory store: the turn would be gone at exit) is refused as `--store
+    sqlite://` is, with DC040 and exit 2, before anything runs; so is a malformed `$DURCAP_DBOS_DB` for `runs`."""
+    env = {k: v for k, v in os.environ.items() if k not in ('DURCAP_STORE', 'DURCAP_DBOS_DB')}
+    memory = durcap('run', 'examples/support/agent.py:support', 'hi', '--engine', 'local', cwd=ROOT,
+                    env={**env, 'DURCAP_STORE': 'sqlite://'})
+    assert memory.returncode == 2, memory.stdout + memory.stderr
+    assert 'DC040 $DURCAP_STORE (the default of --store)' in memory.stderr and 'in-memory' in memory.stderr
+    assert 'Traceback' not in memory.stderr and memory.stdout == ''
+    bad_db = durcap('runs', 'list', '--engine', 'dbos', env={**env, 'DURCAP_DBOS_DB': 'mysql://u@h/db'})
+    assert bad_db.returncode == 2 and 'DC040 $DURCAP_DBOS_DB' in bad_db.stderr, bad_db.stderr

@@ -8,6 +8,7 @@ prints one line on stderr, never a traceback.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -81,6 +82,10 @@ def _unusable(message: str) -> NoReturn:
 _MEMORY = (None, '', ':memory:')
 
 
+_OPTION_ENV = {'--store': 'DURCAP_STORE', '--db': 'DURCAP_DBOS_DB'}
+"""The environment variable each database option falls back to (checked the same way when the option is absent)."""
+
+
 def database_url(value: str | None, option: str, *, probe: bool = False) -> str | None:
     """A `--store` / `--db` value checked before anything uses it: None stays None (the default applies).
 
@@ -90,11 +95,17 @@ def database_url(value: str | None, option: str, *, probe: bool = False) -> str 
         probe: Connect to a PostgreSQL URL once (5 s timeout), so an unreachable server is one line here
             instead of an engine's traceback later.
 
+    Without the option, the environment variable it falls back to (`$DURCAP_STORE`, `$DURCAP_DBOS_DB`) is checked
+    the same way, and `None` is returned (the variable applies).
+
     Exits 2 (code DC040) when the value is empty, not a `sqlite:///` or `postgresql://` URL, an in-memory SQLite
     database (gone when the command exits: a run's conversation or workflow would be lost), or (with `probe`) a
     PostgreSQL server that cannot be reached.
     """
     if value is None:
+        env = _OPTION_ENV.get(option)
+        if env is not None and os.environ.get(env):  # empty: unset, the built-in default applies
+            database_url(os.environ[env], f'${env} (the default of {option})', probe=probe)
         return None
     import sqlalchemy as sa
 

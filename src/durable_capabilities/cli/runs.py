@@ -107,7 +107,8 @@ def list_runs(
         _err.print(printable(f'note: {note}'), markup=False)
     for problem in listing.problems:
         _err.print(printable(problem), markup=False)
-    _print_runs(listing.runs, fmt)
+    if listing.runs or not listing.problems:  # no empty table under an engine that could not be read
+        _print_runs(listing.runs, fmt)
     if listing.problems and engine is not None:
         raise typer.Exit(2)
     _finish()
