@@ -245,7 +245,10 @@ def test_temporal_run_whose_process_died_is_resumed_by_runs_resume(temporal_addr
 
     shown = durcap('runs', 'show', run_id, '--engine', 'temporal', '--format', 'json', *conn, env=env)
     assert shown.returncode == 0, shown.stdout + shown.stderr
-    assert json.loads(shown.stdout)['status'] == 'running'
+    running = json.loads(shown.stdout)
+    assert running['status'] == 'running' and running['capabilities'] == ['ops'], running  # loaded so far, before the memo
+    listed = durcap('runs', 'list', '--engine', 'temporal', '--status', 'running', '--format', 'json', *conn, env=env)
+    assert {r['run_id']: r['capabilities'] for r in map(json.loads, listed.stdout.splitlines())}.get(run_id) == ['ops']
     resumed = durcap('runs', 'resume', run_id, '--engine', 'temporal', '--target', CRASH, *conn, env=env)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f'from this process until {run_id} finishes' in resumed.stderr, resumed.stderr

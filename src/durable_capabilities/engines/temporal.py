@@ -920,11 +920,13 @@ class TemporalAdapter(EngineAdapter):
         caps = list(memo.get(CAPABILITIES_MEMO) or [])
         units_done, conversation = None, None
         units: dict[int, RunUnit] = {}  # by the ActivityTaskScheduled event id
+        # A running workflow has no result and no memo yet: its units' outputs say what it loaded so far.
+        track = with_units or (not caps and engine_status == 'RUNNING')
         if with_history:
             units_done = 0
             handle = client.get_workflow_handle(description.id, run_id=description.run_id)
             async for event in handle.fetch_history_events():
-                if with_units:
+                if track:
                     await _track_unit(client, event, units)
                 if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
                     units_done += 1
@@ -943,6 +945,8 @@ class TemporalAdapter(EngineAdapter):
                         caps = loaded_capabilities_in([output.new_messages])
                     except Exception:  # noqa: BLE001, S110 - not a durcap result: no capabilities to show
                         pass
+        if not caps and units:
+            caps = list(dict.fromkeys(c for unit in units.values() for c in unit.capabilities))
         notes: list[str] = []
         if engine_status == 'RUNNING':
             try:
@@ -956,7 +960,7 @@ class TemporalAdapter(EngineAdapter):
             'temporal', description.id, agent, _TEMPORAL_STATUS.get(engine_status, 'running'), engine_status,
             description.start_time, caps, conversation, units_done, notes,
             {'task_queue': description.task_queue, 'run_id': description.run_id, 'workflow_type': workflow_type},
-            list(units.values()),
+            list(units.values()) if with_units else [],
         )
 
     async def list_runs(self, settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
