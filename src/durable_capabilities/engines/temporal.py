@@ -15,6 +15,7 @@ user's agent module.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import signal
 import sys
@@ -78,6 +79,18 @@ WORKFLOW_NAME_PREFIX = 'durcap.'
 """Workflow type name: `durcap.{agent name}`. Compatibility data, listed in `durable.lock`."""
 
 DEFAULT_TOOL_HEARTBEAT_TIMEOUT = timedelta(seconds=5)
+
+DEFAULT_MODEL_RETRY_POLICY = RetryPolicy(
+    initial_interval=timedelta(seconds=1), backoff_coefficient=2.0, maximum_interval=timedelta(seconds=30),
+    maximum_attempts=5,
+)
+"""The model request activity's retry policy unless `engine_options['temporal']['model_activity_config']` or
+`['activity_config']` gives one: 5 attempts, waits of 1, 2, 4 and 8 s between them (15 s of backoff), so a
+provider that stays unreachable fails the run in well under a minute (measured: tests/engines/test_providers.py)
+instead of Temporal's default policy, which retries forever (temporalio `RetryPolicy`: `maximum_attempts=0`,
+unlimited). A 429/503 with `retry-after` waits that long instead (pydantic-ai sets the attempt's
+`next_retry_delay`, capped at `maximum_interval`, 30 s here). Errors another attempt cannot fix (401, 404 model,
+quota; pydantic-ai's `TemporalDurability(non_retryable_model_errors=...)` default) fail at the first attempt."""
 """`heartbeat_timeout` given to every tool activity by default.
 
 Upstream heartbeats every activity in the background (at half the timeout) but sets no timeout for
@@ -399,8 +412,8 @@ def workflow_classes(agent: DurableAgent[Any, Any]) -> list[type]:
 
 
 def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-    """`TemporalDurability(...)` keyword arguments: ours (a heartbeat timeout for every tool activity)
-    merged with `options` (the user's win, per toolset id), and the MCP guard (`_mcp.py`) when there are MCP leaves."""
+    """`TemporalDurability(...)` keyword arguments: ours (a heartbeat timeout for every tool activity, the bounded
+    `DEFAULT_MODEL_RETRY_POLICY` for model requests) merged with `options` (the user's win, per toolset id), and the MCP guard (`_mcp.py`) when there are MCP leaves."""
     options = dict(options)
     configs: dict[str, Any] = {
         leaf: {'heartbeat_timeout': DEFAULT_TOOL_HEARTBEAT_TIMEOUT, 'start_to_close_timeout': timedelta(seconds=60)}
@@ -409,6 +422,10 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     }
     for leaf, config in (options.pop('toolset_activity_config', None) or {}).items():
         configs[leaf] = {**configs.get(leaf, {}), **config}
+    if 'retry_policy' not in (options.get('model_activity_config') or {}) and \
+            'retry_policy' not in (options.get('activity_config') or {}):
+        options['model_activity_config'] = {**(options.get('model_activity_config') or {}),
+                                            'retry_policy': DEFAULT_MODEL_RETRY_POLICY}
     extra = _mcp_defaults(agent, options, configs)
     extra.append(_payload_guard.PayloadGuard())  # DC030 before a model request no payload can carry
     options.setdefault('continue_as_new', continue_as_new_handler(agent))
@@ -438,6 +455,32 @@ before another worker continues it. 2 s trades a few more history replays under 
 recovery (pass `sticky_queue_schedule_to_start_timeout=` to `make_worker` to change it)."""
 
 
+class ModelRetryLogLine(logging.Filter):
+    """Turns temporalio's "Completing activity as failed" warning of a model request activity (a traceback of the
+    provider SDK's and httpx's exception chain, 25-30 lines per attempt) into one line per failed attempt:
+    `agent__support__model_request attempt 2 failed: ModelConnectionError: Connection error.` Other activities'
+    failures keep their tracebacks. Installed on the `temporalio.activity` logger by `make_worker`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        info = getattr(record, 'temporal_activity', None) or {}
+        if not str(info.get('activity_type', '')).endswith('__model_request') or not record.exc_info:
+            return True
+        error: BaseException | None = record.exc_info[1]
+        model_error = None
+        while error is not None:
+            if type(error).__module__ == 'pydantic_ai.exceptions':
+                model_error = error
+            error = error.__cause__
+        shown = model_error or record.exc_info[1]
+        detail = str(shown).splitlines()[0] if shown is not None and str(shown) else ''
+        record.msg = f"{info.get('activity_type')} attempt {info.get('attempt')} failed: {type(shown).__name__}: {detail}"
+        record.args, record.exc_info, record.exc_text = (), None, None
+        return True
+
+
+_MODEL_RETRY_LOG_LINE = ModelRetryLogLine()
+
+
 def make_worker(client: Client, agents: Sequence[DurableAgent[Any, Any]], task_queue: str, **worker_kwargs: Any) -> Worker:
     """A `temporalio.worker.Worker` registering each agent's workflow and activities on `task_queue`.
 
@@ -445,6 +488,7 @@ def make_worker(client: Client, agents: Sequence[DurableAgent[Any, Any]], task_q
     """
     worker_kwargs.setdefault('sticky_queue_schedule_to_start_timeout', DEFAULT_STICKY_SCHEDULE_TO_START)
     worker_kwargs.setdefault('workflow_runner', sandbox_runner())
+    logging.getLogger('temporalio.activity').addFilter(_MODEL_RETRY_LOG_LINE)  # a set: adding it again is a no-op
     activities = [fn for agent in agents for fn in conversation_activities(agent)]
     activities += worker_kwargs.pop('activities', [])
     return Worker(
