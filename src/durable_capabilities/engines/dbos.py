@@ -166,12 +166,22 @@ class DBOSToolSteps(AbstractCapability[Any]):
         return toolset.visit_and_replace(wrap)
 
 
+DEFAULT_MODEL_STEP_CONFIG: dict[str, Any] = {'retries_allowed': True, 'max_attempts': 3, 'interval_seconds': 2.0,
+                                             'backoff_rate': 2.0}
+"""The model request step's retries unless `engine_options['dbos']['model_step_config']` is given: 3 attempts,
+2 s then 4 s apart. DBOS's own default is no retry (`@DBOS.step(retries_allowed=False)`), so a stream the provider
+cut half way would fail the workflow; each attempt also carries the provider SDK's own retries (openai and anthropic
+SDKs: 2 retries, honouring `retry-after` on 429/503), so a provider that stays unreachable ends the run in
+about 10 s."""
+
+
 def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
     """`DBOSDurability(...)` keyword arguments (`options` minus our `tool_steps` key) and our `DBOSToolSteps`.
 
     `options['tool_steps']` may be a `ToolStepConfig`, or `False` to leave function tools inline as upstream does.
     """
     options = dict(options)
+    options.setdefault('model_step_config', dict(DEFAULT_MODEL_STEP_CONFIG))
     tool_steps = options.pop('tool_steps', ToolStepConfig())
     extra = [] if tool_steps is False else [DBOSToolSteps(agent_name=agent.durable_name, config=tool_steps)]
     extra += _mcp_defaults(agent, options)

@@ -126,6 +126,26 @@ class DeterministicInputs(CachePolicy):
 DEFAULT_TOOL_RETRIES = 2
 """Retries for a function-tool task (3 attempts in all), 1 s apart."""
 
+DEFAULT_MODEL_RETRIES = 2
+"""Retries for a model request task (3 attempts in all, 2 s then 4 s apart); Prefect's own default is none
+(`@task(retries=0)`), so a stream the provider cut half way would fail the flow. Errors another attempt cannot fix
+(401, 404 model, quota) are not retried (`retry_model_request`). Each attempt carries the provider SDK's own retries
+(2, honouring `retry-after` on 429/503)."""
+
+
+async def retry_model_request(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect `retry_condition_fn` of model request tasks: retry unless the provider rejected the request (pydantic-ai's
+    `ModelRequestRejectedError`: 401, 403, 404 model, context window) or the quota is exhausted, the errors pydantic-ai's
+    Temporal integration also leaves unretried (`TemporalDurability(non_retryable_model_errors=...)` default)."""
+    import inspect
+
+    from pydantic_ai.exceptions import ModelQuotaExceededError, ModelRequestRejectedError
+
+    result = state.result(raise_on_failure=False)
+    if inspect.isawaitable(result):
+        result = await result
+    return not isinstance(result, ModelRequestRejectedError | ModelQuotaExceededError)
+
 
 def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
     """`PrefectDurability(...)` keyword arguments: deterministic cache keys for model, tool and MCP tasks,
@@ -133,7 +153,8 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     options = dict(options)
     policy = DeterministicInputs()
     defaults: dict[str, TaskConfig] = {
-        'model_task_config': TaskConfig(cache_policy=policy),
+        'model_task_config': TaskConfig(cache_policy=policy, retries=DEFAULT_MODEL_RETRIES, retry_delay_seconds=[2.0, 4.0],
+                                        retry_condition_fn=retry_model_request),
         'tool_task_config': TaskConfig(cache_policy=policy, retries=DEFAULT_TOOL_RETRIES, retry_delay_seconds=1.0),
         'mcp_task_config': TaskConfig(cache_policy=policy),
     }
