@@ -231,7 +231,7 @@ def run(
     # A durable run registers durable units: refuse on drift from the durable.lock beside TARGET, as a worker does.
     agent = _one_agent(target, use_lock=engine != 'local')
     if model:
-        agent.model = model
+        agent.replace_model(model)
     point_model(agent.model, base_url)
     if conversation is not None and not conversation.strip():
         _unusable('--conversation must not be empty')

@@ -13,6 +13,7 @@ them as failures; recovery replays them as they happened.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sqlite3
@@ -52,7 +53,7 @@ from ..conversations import append_conversation, load_conversation
 from ..store import AppendIdReuseError, ConversationConflictError, CorruptedRowError, NewerHistoryError, SchemaVersionError
 from ..turn import RunReport, Turn, deps_from_json, run_turn
 from ..validation import DurableConfigError
-from . import _mcp
+from . import _mcp, _retry_log
 from ._adapter import (
     EngineAdapter,
     RunInfo,
@@ -164,6 +165,20 @@ class DBOSToolSteps(AbstractCapability[Any]):
             return leaf
 
         return toolset.visit_and_replace(wrap)
+
+
+class ModelRetryLogLine(logging.Filter):
+    """DBOS's "Step being automatically retried (attempt 2 of 3)" warning, for a model error, as one line without the
+    traceback: `Step being automatically retried (attempt 2 of 3): ModelRateLimitError: ...`. Installed on the
+    `dbos` logger when this module is imported."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith('Step being automatically retried'):
+            _retry_log.shorten(record, str(record.msg).replace('Step being automatically retried', 'model request step'))
+        return True
+
+
+logging.getLogger('dbos').addFilter(ModelRetryLogLine())
 
 
 DEFAULT_MODEL_STEP_CONFIG: dict[str, Any] = {'retries_allowed': True, 'max_attempts': 3, 'interval_seconds': 2.0,

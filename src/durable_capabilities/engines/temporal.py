@@ -59,7 +59,7 @@ from ..store._claim_check import (
     default_codec,
 )
 from ..turn import RunReport, current_turn, run_turn
-from . import _mcp, _payload_guard
+from . import _mcp, _payload_guard, _retry_log
 from ._adapter import (
     EngineAdapter,
     RunInfo,
@@ -463,18 +463,8 @@ class ModelRetryLogLine(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         info = getattr(record, 'temporal_activity', None) or {}
-        if not str(info.get('activity_type', '')).endswith('__model_request') or not record.exc_info:
-            return True
-        error: BaseException | None = record.exc_info[1]
-        model_error = None
-        while error is not None:
-            if type(error).__module__ == 'pydantic_ai.exceptions':
-                model_error = error
-            error = error.__cause__
-        shown = model_error or record.exc_info[1]
-        detail = str(shown).splitlines()[0] if shown is not None and str(shown) else ''
-        record.msg = f"{info.get('activity_type')} attempt {info.get('attempt')} failed: {type(shown).__name__}: {detail}"
-        record.args, record.exc_info, record.exc_text = (), None, None
+        if str(info.get('activity_type', '')).endswith('__model_request'):
+            _retry_log.shorten(record, f"{info.get('activity_type')} attempt {info.get('attempt')}")
         return True
 
 
