@@ -18,13 +18,13 @@ from durable_capabilities.wire import Fault, Script, Step, ToolCall, Turn, WireS
 pytest.importorskip('openai')
 pytest.importorskip('anthropic')
 
-from pydantic_ai.messages import ThinkingPart, ToolCallPart  # noqa: E402
-from pydantic_ai.models.anthropic import AnthropicModel  # noqa: E402
-from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel  # noqa: E402
-from pydantic_ai.providers.anthropic import AnthropicProvider  # noqa: E402
-from pydantic_ai.providers.openai import OpenAIProvider  # noqa: E402
+from pydantic_ai.messages import ThinkingPart, ToolCallPart
+from pydantic_ai.models.anthropic import AnthropicModel
+from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel
+from pydantic_ai.providers.anthropic import AnthropicProvider
+from pydantic_ai.providers.openai import OpenAIProvider
 
-from examples.support.agent import make_store, make_support  # noqa: E402
+from examples.support.agent import make_store, make_support
 
 ANSWER = 'Order ABC-123 (Blue denim jacket) shipped via UPS and arrives 2026-05-02.'
 KINDS = ('openai-chat', 'openai-responses', 'anthropic')

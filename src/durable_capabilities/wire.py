@@ -46,7 +46,7 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 __all__ = ['SUPPORT_SCRIPT', 'Fault', 'Script', 'Step', 'ToolCall', 'Turn', 'WireServer', 'create_app', 'load_script']
 
@@ -202,7 +202,8 @@ def _events(api: str, body: dict[str, Any]) -> list[tuple[str, str]]:
     for item in items or ():
         role, kind, content = item.get('role'), item.get('type'), item.get('content')
         blocks = content if isinstance(content, list) else []
-        answered = [item.get('tool_call_id') or item.get('call_id') or '', *(
+        output_of = item.get('call_id') if kind == 'function_call_output' else None  # not the call itself
+        answered = [item.get('tool_call_id') or output_of or '', *(
             b.get('tool_use_id', '') for b in blocks if isinstance(b, dict) and b.get('type') == 'tool_result')]
         if any(_WIRE_ID in str(a) for a in answered):
             out.append(('tool', ''))
@@ -549,7 +550,7 @@ class WireServer:
         self._server: Any = None
         self._thread: Any = None
 
-    def __enter__(self) -> WireServer:
+    def __enter__(self) -> Self:
         import threading
 
         import uvicorn

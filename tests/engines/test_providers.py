@@ -17,6 +17,7 @@ Servers: the session's Temporal dev server and Prefect server; DBOS on SQLite. E
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -33,7 +34,7 @@ import pytest
 pytest.importorskip('openai')
 pytest.importorskip('anthropic')
 
-from durable_capabilities.wire import Fault, Script, Step, ToolCall, Turn, WireServer  # noqa: E402
+from durable_capabilities.wire import Fault, Script, Step, ToolCall, Turn, WireServer
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +80,7 @@ def test_support_conversation_on_every_engine(engine: str, kind: str, request: p
     assert out.returncode == 0, out.stdout + out.stderr
     assert f'answer ({engine}): {ANSWER}' in out.stdout
     assert 'capabilities loaded in this run: orders' in out.stdout
-    tool_units = [line for line in out.stdout.splitlines() if 'orders' in line and 'call_tool' in line
+    tool_units = [line for line in out.stdout.splitlines() if ('orders' in line and 'call_tool' in line)
                   or 'Call Tool: order_status' in line]  # Temporal/DBOS: the toolset's unit; Prefect: the tool's task
     assert len(tool_units) == 1, out.stdout
     assert 'usage: 3 requests, 2103 input tokens, 73 output tokens' in out.stdout  # 612+701+790, 18+24+31
@@ -131,7 +132,7 @@ def test_429_then_success_and_a_cut_stream(engine: str, request: pytest.FixtureR
     steps = [(e['step'], (e['fault'] or {}).get('status'), (e['fault'] or {}).get('cut')) for e in log]
     assert steps == [(0, 429, False), (0, 429, False), (0, 429, False), (0, None, None), (1, None, None),
                      (2, 0, True), (2, None, None)], steps
-    gaps = [later['at'] - earlier['at'] for earlier, later in zip(log[:3], log[1:4], strict=True)]
+    gaps = [later['at'] - earlier['at'] for earlier, later in itertools.pairwise(log[:4])]
     assert all(gap >= 1.0 for gap in gaps), gaps  # every attempt after a 429 waited its retry-after
     assert 'Traceback' not in out.stderr
     run_id = next(line.split(': ', 1)[1].split()[0] for line in out.stderr.splitlines() if 'workflow id:' in line)
