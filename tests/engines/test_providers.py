@@ -170,24 +170,52 @@ def dbos_model_steps(run_id: str, db: str) -> list[str | None]:
     return [error for name, error in rows if name.endswith('model.request')]
 
 
-def test_unreachable_provider_ends_the_run_with_one_line(request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    """Connection refused on Temporal (its default retry policy would retry forever): the run fails in under a
-    minute, one log line per failed attempt, a last line naming the model and the base URL without its password."""
-    flags, env = engine_env('temporal', request, tmp_path)
+RETRY_LINES = {'temporal': ('model_request attempt', 5), 'dbos': ('model request step (attempt', 2),
+               'prefect': ("Task run failed with exception: ModelConnectionError('Connection error.') - Retry", 2)}
+
+
+@pytest.mark.parametrize('engine', ['temporal', 'dbos', 'prefect'])
+def test_unreachable_provider_ends_the_run_with_one_line(engine: str, request: pytest.FixtureRequest,
+                                                         tmp_path: Path) -> None:
+    """Connection refused (Temporal's default retry policy alone would retry forever): the run fails in under a
+    minute, one log line per retried attempt (no traceback), a last line naming the model and the base URL
+    without its password."""
+    flags, env = engine_env(engine, request, tmp_path)
     started = time.monotonic()
     out = subprocess.run([*DURCAP, 'run', 'examples.support.agent:support', 'Where is my order ABC-123?',
-                          '--engine', 'temporal', *flags, '--deps-json', DEPS, '--model', 'openai-chat:gpt-4o',
+                          '--engine', engine, *flags, '--deps-json', DEPS, '--model', 'openai-chat:gpt-4o',
                           '--base-url', 'http://user:s3cret@127.0.0.1:9/v1'],
                          cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - started
     assert out.returncode == 1, out.stdout + out.stderr
     assert elapsed < 60, elapsed
-    assert 'Traceback' not in out.stderr and 's3cret' not in out.stderr
-    attempts = [line for line in out.stderr.splitlines() if 'model_request attempt' in line]
-    assert len(attempts) == 5, out.stderr
-    assert all('failed: ModelConnectionError: Connection error.' in line for line in attempts), attempts
+    text = out.stdout + out.stderr
+    assert 'Traceback' not in text and 's3cret' not in text, text
+    needle, count = RETRY_LINES[engine]
+    retries = [line for line in text.splitlines() if needle in line]
+    assert len(retries) == count, text
+    assert all('ModelConnectionError' in line for line in retries), retries
     assert out.stderr.strip().splitlines()[-1].startswith(
-        'durcap: error: the run failed on temporal (model openai-chat:gpt-4o at http://127.0.0.1:9/v1): ')
+        f'durcap: error: the run failed on {engine} (model openai-chat:gpt-4o at http://127.0.0.1:9/v1): '), out.stderr
+
+
+def test_rejected_key_is_not_retried_on_temporal(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """A 401 from the provider (OpenAIResponsesModel): one model request activity attempt, the run fails at once
+    naming the model and base URL (pydantic-ai's non-retryable `ModelAuthenticationError` on Temporal)."""
+    flags, env = engine_env('temporal', request, tmp_path)
+    script = Script((Turn((Step(text='never', faults=tuple(Fault(status=401) for _ in range(20))),)),))
+    with WireServer(script) as wire:
+        env |= {'DURCAP_WIRE_KIND': 'openai-responses', 'DURCAP_WIRE_URL': wire.url}
+        started = time.monotonic()
+        out = durcap_run('tests.engines.wire_agent:support', 'hello', 'temporal', flags, env, '--deps-json', DEPS)
+        elapsed = time.monotonic() - started
+        served = len(wire.log)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert served == 1  # the SDK does not retry a 401, nor does the activity
+    assert elapsed < 30, elapsed
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith('durcap: error: the run failed on temporal (model openai:gpt-5 at '), last
+    assert '401' in last or 'Authentication' in last, last
 
 
 def wait_for(predicate: Any, timeout: float, what: str) -> None:

@@ -174,8 +174,9 @@ def _run_failed(engine: str, agent: DurableAgent[Any, Any], exc: BaseException) 
     failed, then exit 1."""
     cause: BaseException = exc
     model_error = None
-    while cause.__cause__ is not None:
-        cause = cause.__cause__
+    while cause.__cause__ is not None or getattr(cause, 'errors', None):
+        # DBOS's DBOSMaxStepRetriesExceeded keeps each attempt's error in `errors`, not as its cause
+        cause = cause.__cause__ or cause.errors[-1]  # type: ignore[attr-defined]
         # pydantic-ai's model errors, in this process (DBOS, Prefect) or as Temporal's failure of a model activity
         if type(cause).__module__ == 'pydantic_ai.exceptions' or str(getattr(cause, 'activity_type', '')).endswith(
                 '__model_request') or str(getattr(cause, 'type', '')).startswith('Model'):

@@ -26,3 +26,20 @@ def shorten(record: logging.LogRecord, prefix: str) -> bool:
     record.msg = f'{prefix} failed: {type(found).__name__}: {detail}'
     record.args, record.exc_info, record.exc_text = (), None, None
     return True
+
+
+def drop_traceback(record: logging.LogRecord) -> bool:
+    """Drop `record`'s traceback when it carries a model error (its message already names the error, as Prefect's
+    "Task run failed with exception: ModelConnectionError(...)" does); return whether it did."""
+    if model_error(record.exc_info[1] if record.exc_info else None) is None:
+        return False
+    record.exc_info, record.exc_text = None, None
+    return True
+
+
+class TracebacklessModelErrors(logging.Filter):
+    """A logging filter applying `drop_traceback` to every record (Prefect's task and flow run loggers)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        drop_traceback(record)
+        return True

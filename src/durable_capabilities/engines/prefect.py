@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import logging
 import os
 import re
 import time
@@ -48,7 +49,7 @@ from ..approvals import (
 from ..conversations import LoadedConversation, append_conversation, load_conversation
 from ..store import AppendIdReuseError, ConversationConflictError, CorruptedRowError
 from ..turn import RunReport, deps_from_json, run_turn
-from . import _mcp
+from . import _mcp, _retry_log
 from ._adapter import (
     EngineAdapter,
     RunInfo,
@@ -125,6 +126,9 @@ class DeterministicInputs(CachePolicy):
 
 DEFAULT_TOOL_RETRIES = 2
 """Retries for a function-tool task (3 attempts in all), 1 s apart."""
+
+for _logger_name in ('prefect.task_runs', 'prefect.flow_runs'):  # a failed model request: Prefect's one line, no traceback
+    logging.getLogger(_logger_name).addFilter(_retry_log.TracebacklessModelErrors())
 
 DEFAULT_MODEL_RETRIES = 2
 """Retries for a model request task (3 attempts in all, 2 s then 4 s apart); Prefect's own default is none

@@ -15,6 +15,7 @@ user's agent module.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import signal
@@ -471,6 +472,20 @@ class ModelRetryLogLine(logging.Filter):
 _MODEL_RETRY_LOG_LINE = ModelRetryLogLine()
 
 
+def warm_model(model: Any) -> None:
+    """Build a model named by a string once in this process, outside any workflow, so the provider SDK's modules
+    are imported before the first workflow task. The workflow builds the model from its name (pydantic-ai's
+    `infer_model` in workflow code), and a first import of the openai SDK's resource modules there took over 2 s on
+    a loaded 2-core machine: Temporal's deadlock detector (TMPRL1101) failed the workflow task with a traceback.
+    A model that cannot be built here (no API key) is left for the run to report."""
+    if not isinstance(model, str):
+        return
+    from pydantic_ai.models import infer_model
+
+    with contextlib.suppress(Exception):
+        infer_model(model)
+
+
 def make_worker(client: Client, agents: Sequence[DurableAgent[Any, Any]], task_queue: str, **worker_kwargs: Any) -> Worker:
     """A `temporalio.worker.Worker` registering each agent's workflow and activities on `task_queue`.
 
@@ -479,6 +494,8 @@ def make_worker(client: Client, agents: Sequence[DurableAgent[Any, Any]], task_q
     worker_kwargs.setdefault('sticky_queue_schedule_to_start_timeout', DEFAULT_STICKY_SCHEDULE_TO_START)
     worker_kwargs.setdefault('workflow_runner', sandbox_runner())
     logging.getLogger('temporalio.activity').addFilter(_MODEL_RETRY_LOG_LINE)  # a set: adding it again is a no-op
+    for agent in agents:
+        warm_model(agent.model)
     activities = [fn for agent in agents for fn in conversation_activities(agent)]
     activities += worker_kwargs.pop('activities', [])
     return Worker(
