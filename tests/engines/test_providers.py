@@ -111,11 +111,12 @@ def ledger_lines(ledger_dir: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-@pytest.mark.parametrize('engine', ['temporal', 'dbos'])
+@pytest.mark.parametrize('engine', ['temporal', 'dbos', 'prefect'])
 def test_429_then_success_and_a_cut_stream(engine: str, request: pytest.FixtureRequest, tmp_path: Path,
                                             ledger_dir: Path) -> None:
     """OpenAIChatModel (streaming): the first request gets 429 `retry-after: 1` three times (the SDK's own two
-    retries honour it, then the durable unit retries: Temporal waits `next_retry_delay`, DBOS its step interval);
+    retries honour it, then the durable unit retries: Temporal waits `next_retry_delay`, DBOS its step interval,
+    Prefect its task retry delay);
     the request after `charge` is a stream cut half way, retried as one model request by the durable unit. The
     run completes, `charge` ran once, and the engine's record shows the retried unit."""
     flags, env = engine_env(engine, request, tmp_path)
@@ -135,9 +136,13 @@ def test_429_then_success_and_a_cut_stream(engine: str, request: pytest.FixtureR
     gaps = [later['at'] - earlier['at'] for earlier, later in itertools.pairwise(log[:4])]
     assert all(gap >= 1.0 for gap in gaps), gaps  # every attempt after a 429 waited its retry-after
     assert 'Traceback' not in out.stderr
-    run_id = next(line.split(': ', 1)[1].split()[0] for line in out.stderr.splitlines() if 'workflow id:' in line)
+    run_id = next((line.split(': ', 1)[1].split()[0] for line in out.stderr.splitlines() if 'workflow id:' in line), '')
     if engine == 'temporal':  # the event history: attempt of each model activity
         assert temporal_model_attempts(run_id, flags[flags.index('--address') + 1]) == [2, 1, 2]
+    elif engine == 'prefect':  # Prefect logs each task retry (one line) and records the task run's attempts
+        retries = [line for line in out.stderr.splitlines() if 'Task run failed with exception' in line]
+        assert len(retries) == 2 and 'ModelRateLimitError' in retries[0] and 'ModelConnectionError' in retries[1], retries
+        assert all('Retry 1/2 will start' in line for line in retries), retries
     else:  # DBOS logs each step retry (one line each, ours) and records each finished step once
         retries = [line for line in out.stderr.splitlines() if 'model request step (attempt' in line]
         assert len(retries) == 2, out.stderr
