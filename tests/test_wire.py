@@ -124,3 +124,27 @@ def test_durcap_wire_refuses_a_bad_script_with_one_line(tmp_path) -> None:
     assert out.returncode == 2
     assert out.stderr.strip() == f'durcap: error: cannot read the wire script {bad}: {bad}: a wire script is a mapping ' \
                                  'with a non-empty `turns` list'
+
+
+@pytest.mark.parametrize('stream', [False, True], ids=['plain', 'stream'])
+def test_responses_image_generation_becomes_a_file_part(stream: bool) -> None:
+    """A Responses `image_generation_call` item (base64 PNG) reaches pydantic-ai as a `FilePart` with the same bytes."""
+    import base64
+
+    from pydantic_ai.messages import FilePart
+
+    png = base64.b64encode(b'\x89PNG\r\n\x1a\n' + bytes(range(256)) * 64).decode()
+    script = Script((Turn((Step(text='Here is the label.', image_png_b64=png),)),))
+
+    async def go() -> Any:
+        agent = make_support(model=model_for('openai-responses', wire.url)).build()
+        if not stream:
+            return (await agent.run('draw a label', deps=make_store())).all_messages()
+        async with agent.run_stream('draw a label', deps=make_store()) as result:
+            await result.get_output()
+            return result.all_messages()
+
+    with WireServer(script) as wire:
+        messages = asyncio.run(go())
+    files = [p for m in messages for p in m.parts if isinstance(p, FilePart)]
+    assert [f.content.data for f in files] == [base64.b64decode(png)]
