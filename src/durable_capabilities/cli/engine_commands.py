@@ -169,14 +169,21 @@ def _model_where(agent: DurableAgent[Any, Any]) -> str:
     return f'model {name}' + (f' at {redact_url(str(url))}' if url else '')
 
 
+def _attempt_errors(error: BaseException) -> list[BaseException]:
+    """The per-attempt errors an engine keeps on its retries-exhausted error (DBOS: `DBOSMaxStepRetriesExceeded.errors`),
+    else [] (pydantic's `ValidationError.errors` is a method, not such a list)."""
+    errors = getattr(error, 'errors', None)
+    return [e for e in errors if isinstance(e, BaseException)] if isinstance(errors, list) else []
+
+
 def _run_failed(engine: str, agent: DurableAgent[Any, Any], exc: BaseException) -> NoReturn:
     """One line for a run the engine failed (no traceback), naming the model and its base URL when a model request
     failed, then exit 1."""
     cause: BaseException = exc
     model_error = None
-    while cause.__cause__ is not None or getattr(cause, 'errors', None):
+    while cause.__cause__ is not None or _attempt_errors(cause):
         # DBOS's DBOSMaxStepRetriesExceeded keeps each attempt's error in `errors`, not as its cause
-        cause = cause.__cause__ or cause.errors[-1]  # type: ignore[attr-defined]
+        cause = cause.__cause__ or _attempt_errors(cause)[-1]
         # pydantic-ai's model errors, in this process (DBOS, Prefect) or as Temporal's failure of a model activity
         if type(cause).__module__ == 'pydantic_ai.exceptions' or str(getattr(cause, 'activity_type', '')).endswith(
                 '__model_request') or str(getattr(cause, 'type', '')).startswith('Model'):
