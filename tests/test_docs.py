@@ -435,3 +435,14 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     html = (built / 'errors' / 'index.html').read_text(encoding='utf-8')
     for code in CODES:
         assert f'id="{code.lower()}"' in html, f'no anchor for {code} in the built errors page'
+
+
+def test_readme_wire_demo_is_the_one_docs_providers_runs() -> None:
+    """README's no-key instructions (`durcap wire`, then `durcap demo ... --base-url`) are the commands the
+    docs/providers.md console blocks run against the wire server (test_page_code_runs[providers.md])."""
+    readme = (ROOT / 'README.md').read_text()
+    page = (DOCS / 'providers.md').read_text()
+    wire = 'durcap wire --port 18766'
+    demo = 'durcap demo --engine dbos --model openai:gpt-4o --base-url http://127.0.0.1:18766/v1'
+    assert f'.venv/bin/{wire}\n' in readme and f'.venv/bin/{demo}\n' in readme
+    assert f'$ {wire}\n' in page and f'$ {demo} |' in page

@@ -212,6 +212,18 @@ class DurableAgent(Generic[DepsT, OutputT]):
         self._built[engine] = agent
         return agent
 
+    def replace_model(self, model: Any) -> None:
+        """Use `model` (a pydantic-ai model name or `Model`) from now on, e.g. `durcap run --model`; agents already built
+        are dropped and built again on their next use.
+
+        Raises:
+            RuntimeError: the DBOS agent was already built (DBOS registered its steps with the first model).
+        """
+        if 'dbos' in self._built:
+            raise RuntimeError(f'{self.name!r}: the model cannot change after the DBOS agent was built')
+        self.model = model
+        self._built.clear()
+
     def check_run_capabilities(self, capabilities: Sequence[Any] | None) -> None:
         """Reject capabilities passed per run (problem DC012), naming their ids.
 

@@ -327,3 +327,28 @@ def test_the_runner_lists_the_units_of_every_run(temporal_suggesting_continue_as
     report, chain = run_agent(temporal_suggesting_continue_as_new, counted, f'count-{uuid.uuid4().hex[:8]}')
     assert len(chain) >= 3
     assert report.durable_units == [a for run in chain for a in run.activities]
+
+
+def test_provider_parts_survive_continue_as_new(temporal_suggesting_continue_as_new: str, tmp_path: Path) -> None:
+    """A conversation stored with every provider-specific part kind (tests/engines/parts_agent.py `rich_history`:
+    thinking + signature, native tool parts, provider details, 1 MB image + 1 MB PDF + a 1 MB FilePart) continued
+    by a run that Temporal continues as new several times: the stored prefix's message JSON is unchanged and the
+    new run's messages follow it, each once."""
+    from durable_capabilities.store import SQLConversationStore
+    from tests.engines.parts_agent import dump, rich_history
+
+    store_url = f'sqlite:///{tmp_path / "conversations.db"}'
+    conversation_id = f'parts-{uuid.uuid4().hex[:8]}'
+
+    async def seed() -> None:
+        async with SQLConversationStore(store_url) as store:
+            await store.append(conversation_id, rich_history(), expected_revision=None)
+
+    asyncio.run(seed())
+    counted = counting_agent(store_url)
+    report, chain = run_agent(temporal_suggesting_continue_as_new, counted, conversation_id)
+    assert len(chain) >= 3, [(r.status, r.events) for r in chain]
+    assert report.output == OUTPUT
+    conversation, _, _ = read_store(store_url, conversation_id)
+    assert dump(conversation.messages[:2]) == dump(rich_history())
+    assert_whole_run(conversation.messages[2:])

@@ -332,4 +332,5 @@ from . import (  # noqa: E402
     engine_commands,  # noqa: F401
     runs,  # noqa: F401
     ui,  # noqa: F401  (`durcap ui`)
+    wire,  # noqa: F401  (`durcap wire`)
 )

@@ -96,9 +96,10 @@ def _deps(agent: DurableAgent[Any, Any], deps_json: str | None) -> Any:
                   f'{printable(where)}: {one_line(first["msg"])}')
 
 
-def _failure(agent: DurableAgent[Any, Any], engine: str, exc: BaseException) -> str:
-    """`durcap run`'s one line for a failed run: our words first (the agent, the engine, the capability whose
-    durable unit failed when the error names one), then the engine's error and the innermost cause."""
+def _failure(agent: DurableAgent[Any, Any], engine: str, exc: BaseException, where: str = '') -> str:
+    """`durcap run`'s one line for a failed run: our words first (the agent, the engine, `where` (e.g. the model and
+    its base URL), the capability whose durable unit failed when the error names one), then the engine's error and
+    the innermost cause."""
     chain: list[BaseException] = []
     cause: BaseException | None = exc
     while cause is not None and cause not in chain and len(chain) < 50:
@@ -118,7 +119,7 @@ def _failure(agent: DurableAgent[Any, Any], engine: str, exc: BaseException) -> 
         by_tool, _ = agent.tool_names_by_capability()  # {tool: {capability ids}}
         owner = next((f' in capability {", ".join(map(repr, sorted(caps)))} (tool {tool!r})'
                       for tool, caps in sorted(by_tool.items()) if tool in frames and caps), '')
-    line = (f'agent {agent.name!r} failed on {engine}{owner}: {type(exc).__name__}: {one_line(str(exc))}')
+    line = (f'agent {agent.name!r} failed on {engine}{where}{owner}: {type(exc).__name__}: {one_line(str(exc))}')
     if innermost is not exc:
         line += f'; cause: {type(innermost).__name__}: {one_line(str(innermost))}'
     return printable(line)
@@ -161,6 +162,83 @@ def _print_run(report: RunReport) -> None:
                f'{report.usage.output_tokens} output tokens')
 
 
+BASE_URL_ENV = {'openai': 'OPENAI_BASE_URL', 'openai-chat': 'OPENAI_BASE_URL', 'openai-responses': 'OPENAI_BASE_URL',
+                'anthropic': 'ANTHROPIC_BASE_URL'}
+"""Model-name prefix -> the environment variable its provider SDK reads its base URL from (the `openai` and
+`anthropic` Python SDKs read `OPENAI_BASE_URL` / `ANTHROPIC_BASE_URL` when no `base_url` is passed)."""
+
+BaseUrlOption = Annotated[str | None, typer.Option(
+    '--base-url', help='Base URL of an OpenAI-compatible (openai:, openai-chat:, openai-responses: models) or '
+                       'Anthropic-compatible (anthropic:) server, e.g. http://127.0.0.1:11434/v1 (Ollama) or '
+                       'http://127.0.0.1:8765/v1 (`durcap wire`); sets $OPENAI_BASE_URL / $ANTHROPIC_BASE_URL for '
+                       'this process and the workers it starts.')]
+
+
+def point_model(model: Any, base_url: str | None) -> None:
+    """Send `model`'s provider requests to `base_url` (exit 2 when the model is not an OpenAI or Anthropic model
+    name, or the URL is not http(s)). No key is needed for OpenAI-compatible servers: pydantic-ai's
+    `OpenAIProvider` uses a placeholder key when a base URL is set and $OPENAI_API_KEY is not."""
+    if base_url is None:
+        return
+    if not base_url.startswith(('http://', 'https://')):
+        _unusable(f'--base-url must be an http:// or https:// URL, not {redact_url(base_url)!r}')
+    provider = model.partition(':')[0] if isinstance(model, str) else ''
+    env = BASE_URL_ENV.get(provider)
+    if env is None:
+        _unusable(f'--base-url needs --model naming an OpenAI or Anthropic model ({", ".join(p + ":..." for p in BASE_URL_ENV)}), '
+                  f'not {model!r}')
+    os.environ[env] = base_url
+
+
+def redact_url(url: str) -> str:
+    """`url` without credentials: user info and query string dropped (`https://k:s@h/v1?key=x` -> `https://h/v1`)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    host = parts.hostname or ''
+    netloc = f'[{host}]' if ':' in host else host
+    if parts.port:
+        netloc += f':{parts.port}'
+    return urlunsplit((parts.scheme, netloc, parts.path, '', ''))
+
+
+def _model_where(agent: DurableAgent[Any, Any]) -> str:
+    """`model openai:gpt-4o at http://127.0.0.1:8765/v1` (credentials redacted) for a failed run's line."""
+    model = agent.model
+    name = model if isinstance(model, str) else f'{getattr(model, "system", "?")}:{getattr(model, "model_name", model)}'
+    url = getattr(model, 'base_url', None)
+    if url is None and isinstance(model, str):
+        env = BASE_URL_ENV.get(model.partition(':')[0])
+        url = os.environ.get(env) if env else None
+    return f'model {name}' + (f' at {redact_url(str(url))}' if url else '')
+
+
+def _attempt_errors(error: BaseException) -> list[BaseException]:
+    """The per-attempt errors an engine keeps on its retries-exhausted error (DBOS: `DBOSMaxStepRetriesExceeded.errors`),
+    else [] (pydantic's `ValidationError.errors` is a method, not such a list)."""
+    errors = getattr(error, 'errors', None)
+    return [e for e in errors if isinstance(e, BaseException)] if isinstance(errors, list) else []
+
+
+def _run_failed(engine: str, agent: DurableAgent[Any, Any], exc: BaseException) -> NoReturn:
+    """One line for a run the engine failed (no traceback), naming the model and its base URL when a model request
+    failed, then exit 1."""
+    cause: BaseException = exc
+    model_error = None
+    while cause.__cause__ is not None or _attempt_errors(cause):
+        # DBOS's DBOSMaxStepRetriesExceeded keeps each attempt's error in `errors`, not as its cause
+        cause = cause.__cause__ or _attempt_errors(cause)[-1]
+        # pydantic-ai's model errors, in this process (DBOS, Prefect) or as Temporal's failure of a model activity
+        if type(cause).__module__ == 'pydantic_ai.exceptions' or str(getattr(cause, 'activity_type', '')).endswith(
+                '__model_request') or str(getattr(cause, 'type', '')).startswith('Model'):
+            model_error = model_error or cause
+    where = ''
+    if model_error is not None or type(exc).__module__ == 'pydantic_ai.exceptions':
+        where = f' ({_model_where(agent)})'
+    _err.print(Text(f'durcap: error: {_failure(agent, engine, exc, where)}'))
+    _exit_now(1)
+
+
 def _exit_now(code: int) -> NoReturn:
     """Exit with `code` without interpreter finalization: after a failed or interrupted run an engine SDK's
     background threads can still hold native state (temporalio's core runtime aborts the interpreter while it
@@ -195,10 +273,16 @@ def run(
                                                      'and append this run to it (any engine).')] = None,
     store: Annotated[str | None, typer.Option('--store', help='Conversation store URL (default: $DURCAP_STORE or '
                                               'sqlite:///.durcap/conversations.db).')] = None,
+    model: Annotated[str | None, typer.Option(help="A pydantic-ai model name replacing TARGET's model for this run "
+                                                   "(a separate Temporal worker uses its own).")] = None,
+    base_url: BaseUrlOption = None,
 ) -> None:
     """Run TARGET once on ENGINE and print the answer, loaded capabilities and durable units."""
     # A durable run registers durable units: refuse on drift from the durable.lock beside TARGET, as a worker does.
     agent = _one_agent(target, use_lock=engine != 'local')
+    if model:
+        agent.replace_model(model)
+    point_model(agent.model, base_url)
     if conversation is not None and not conversation.strip():
         _unusable('--conversation must not be empty')
     store = database_url(store, '--store')
@@ -224,16 +308,16 @@ def run(
         _err.print(_interrupted(engine, started[0] if started else None, target, address=address, db=db), markup=False)
         _exit_now(130)
     except Exception as exc:  # noqa: BLE001 - the run failed in the engine: one line, no traceback
-        _err.print(Text(f'durcap: error: {_failure(agent, engine, exc)}'))
-        _exit_now(1)
+        _run_failed(engine, agent, exc)
     _print_run(report)
 
 
 @app.command()
 def demo(
     engine: Annotated[str, _engine_option('Engine (default: DBOS on SQLite, nothing to start).')] = 'dbos',
-    model: Annotated[str | None, typer.Option(help='A pydantic-ai model name for a real provider (needs its API key); '
-                                                   'default: the scripted support model.')] = None,
+    model: Annotated[str | None, typer.Option(help='A pydantic-ai model name for a real provider (needs its API key, '
+                                                   'or --base-url); default: the scripted support model.')] = None,
+    base_url: BaseUrlOption = None,
     prompt: Annotated[str, typer.Option(help='The customer message.')] = 'Where is my order ABC-123? It should have arrived by now.',
     address: Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: start the embedded dev server).')] = None,
     db: Annotated[str | None, typer.Option(help='DBOS system database URL (default: SQLite .durcap/dbos.sqlite).')] = None,
@@ -251,6 +335,7 @@ def demo(
     db = database_url(db, '--db', probe=engine == 'dbos')
     if model:
         os.environ['SUPPORT_MODEL'] = model
+    point_model(model, base_url)
     target = demo_target()
     if not target.is_file():
         _unusable(f'the support example is not installed with this package (looked for {target})')
@@ -266,9 +351,12 @@ def demo(
         _out.print(f'[bold]support demo[/bold] on {engine}, model: {model or "scripted FunctionModel (no provider)"}')
         _out.print(f'customer: {prompt}')
         settings = {'address': approvals_address, 'db': db}
-        report = asyncio.run(_watch_approvals(
-            lambda started: _run_on(agent, prompt, engine, make_store(), address=run_address, task_queue=task_queue, db=db,
-                                    inline_worker=inline_worker, started=started), engine, settings))
+        try:
+            report = asyncio.run(_watch_approvals(
+                lambda started: _run_on(agent, prompt, engine, make_store(), address=run_address, task_queue=task_queue,
+                                        db=db, inline_worker=inline_worker, started=started), engine, settings))
+        except Exception as exc:  # noqa: BLE001 - the run failed in the engine: one line, no traceback
+            _run_failed(engine, agent, exc)  # exits; an embedded server dies with this process
     _print_run(report)
     first = asyncio.run(compare_first_request(agent, prompt, deps=make_store()))
     how = 'estimated, bytes/4' if first.estimated else f'counted by {first.method}'

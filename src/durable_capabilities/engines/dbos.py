@@ -13,6 +13,7 @@ them as failures; recovery replays them as they happened.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sqlite3
@@ -53,7 +54,7 @@ from ..conversations import append_conversation, load_conversation
 from ..store import AppendIdReuseError, ConversationConflictError, CorruptedRowError, NewerHistoryError, SchemaVersionError
 from ..turn import RunReport, Turn, deps_from_json, run_turn
 from ..validation import DurableConfigError
-from . import _mcp
+from . import _mcp, _retry_log
 from ._adapter import (
     EngineAdapter,
     RunInfo,
@@ -167,12 +168,36 @@ class DBOSToolSteps(AbstractCapability[Any]):
         return toolset.visit_and_replace(wrap)
 
 
+class ModelRetryLogLine(logging.Filter):
+    """DBOS's "Step being automatically retried (attempt 2 of 3)" warning, for a model error, as one line without the
+    traceback: `Step being automatically retried (attempt 2 of 3): ModelRateLimitError: ...`. Installed on the
+    `dbos` logger when this module is imported."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith('Step being automatically retried'):
+            _retry_log.shorten(record, str(record.msg).replace('Step being automatically retried', 'model request step'))
+        return True
+
+
+logging.getLogger('dbos').addFilter(ModelRetryLogLine())
+
+
+DEFAULT_MODEL_STEP_CONFIG: dict[str, Any] = {'retries_allowed': True, 'max_attempts': 3, 'interval_seconds': 2.0,
+                                             'backoff_rate': 2.0}
+"""The model request step's retries unless `engine_options['dbos']['model_step_config']` is given: 3 attempts,
+2 s then 4 s apart. DBOS's own default is no retry (`@DBOS.step(retries_allowed=False)`), so a stream the provider
+cut half way would fail the workflow; each attempt also carries the provider SDK's own retries (openai and anthropic
+SDKs: 2 retries, honouring `retry-after` on 429/503), so a provider that stays unreachable ends the run in
+about 10 s."""
+
+
 def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
     """`DBOSDurability(...)` keyword arguments (`options` minus our `tool_steps` key) and our `DBOSToolSteps`.
 
     `options['tool_steps']` may be a `ToolStepConfig`, or `False` to leave function tools inline as upstream does.
     """
     options = dict(options)
+    options.setdefault('model_step_config', dict(DEFAULT_MODEL_STEP_CONFIG))
     tool_steps = options.pop('tool_steps', ToolStepConfig())
     extra = [] if tool_steps is False else [DBOSToolSteps(agent_name=agent.durable_name, config=tool_steps)]
     extra += _mcp_defaults(agent, options)

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import logging
 import os
 import re
 import time
@@ -50,7 +51,7 @@ from ..approvals import (
 from ..conversations import LoadedConversation, append_conversation, load_conversation
 from ..store import AppendIdReuseError, ConversationConflictError, CorruptedRowError
 from ..turn import RunReport, deps_from_json, run_turn
-from . import _mcp
+from . import _mcp, _retry_log
 from ._adapter import (
     EngineAdapter,
     RunInfo,
@@ -128,6 +129,29 @@ class DeterministicInputs(CachePolicy):
 DEFAULT_TOOL_RETRIES = 2
 """Retries for a function-tool task (3 attempts in all), 1 s apart."""
 
+for _logger_name in ('prefect.task_runs', 'prefect.flow_runs'):  # a failed model request: Prefect's one line, no traceback
+    logging.getLogger(_logger_name).addFilter(_retry_log.TracebacklessModelErrors())
+
+DEFAULT_MODEL_RETRIES = 2
+"""Retries for a model request task (3 attempts in all, 2 s then 4 s apart); Prefect's own default is none
+(`@task(retries=0)`), so a stream the provider cut half way would fail the flow. Errors another attempt cannot fix
+(401, 404 model, quota) are not retried (`retry_model_request`). Each attempt carries the provider SDK's own retries
+(2, honouring `retry-after` on 429/503)."""
+
+
+async def retry_model_request(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect `retry_condition_fn` of model request tasks: retry unless the provider rejected the request (pydantic-ai's
+    `ModelRequestRejectedError`: 401, 403, 404 model, context window) or the quota is exhausted, the errors pydantic-ai's
+    Temporal integration also leaves unretried (`TemporalDurability(non_retryable_model_errors=...)` default)."""
+    import inspect
+
+    from pydantic_ai.exceptions import ModelQuotaExceededError, ModelRequestRejectedError
+
+    result = state.result(raise_on_failure=False)
+    if inspect.isawaitable(result):
+        result = await result
+    return not isinstance(result, ModelRequestRejectedError | ModelQuotaExceededError)
+
 
 def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
     """`PrefectDurability(...)` keyword arguments: deterministic cache keys for model, tool and MCP tasks,
@@ -137,7 +161,8 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     tool_defaults: dict[str, Any] = {'cache_policy': policy, 'retries': DEFAULT_TOOL_RETRIES, 'retry_delay_seconds': 1.0,
                                      'task_run_name': tool_run_namer(agent)}
     defaults: dict[str, TaskConfig] = {
-        'model_task_config': TaskConfig(cache_policy=policy),
+        'model_task_config': TaskConfig(cache_policy=policy, retries=DEFAULT_MODEL_RETRIES, retry_delay_seconds=[2.0, 4.0],
+                                        retry_condition_fn=retry_model_request),
         'tool_task_config': TaskConfig(**tool_defaults),
         'mcp_task_config': TaskConfig(cache_policy=policy),
     }

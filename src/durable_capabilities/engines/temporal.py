@@ -15,6 +15,8 @@ user's agent module.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import re
 import signal
 import sys
@@ -58,7 +60,7 @@ from ..store._claim_check import (
     default_codec,
 )
 from ..turn import RunReport, current_turn, run_turn
-from . import _mcp, _payload_guard
+from . import _mcp, _payload_guard, _retry_log
 from ._adapter import (
     EngineAdapter,
     RunInfo,
@@ -80,6 +82,18 @@ WORKFLOW_NAME_PREFIX = 'durcap.'
 """Workflow type name: `durcap.{agent name}`. Compatibility data, listed in `durable.lock`."""
 
 DEFAULT_TOOL_HEARTBEAT_TIMEOUT = timedelta(seconds=5)
+
+DEFAULT_MODEL_RETRY_POLICY = RetryPolicy(
+    initial_interval=timedelta(seconds=1), backoff_coefficient=2.0, maximum_interval=timedelta(seconds=30),
+    maximum_attempts=5,
+)
+"""The model request activity's retry policy unless `engine_options['temporal']['model_activity_config']` or
+`['activity_config']` gives one: 5 attempts, waits of 1, 2, 4 and 8 s between them (15 s of backoff), so a
+provider that stays unreachable fails the run in well under a minute (measured: tests/engines/test_providers.py)
+instead of Temporal's default policy, which retries forever (temporalio `RetryPolicy`: `maximum_attempts=0`,
+unlimited). A 429/503 with `retry-after` waits that long instead (pydantic-ai sets the attempt's
+`next_retry_delay`, capped at `maximum_interval`, 30 s here). Errors another attempt cannot fix (401, 404 model,
+quota; pydantic-ai's `TemporalDurability(non_retryable_model_errors=...)` default) fail at the first attempt."""
 """`heartbeat_timeout` given to every tool activity by default.
 
 Upstream heartbeats every activity in the background (at half the timeout) but sets no timeout for
@@ -401,8 +415,8 @@ def workflow_classes(agent: DurableAgent[Any, Any]) -> list[type]:
 
 
 def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-    """`TemporalDurability(...)` keyword arguments: ours (a heartbeat timeout for every tool activity)
-    merged with `options` (the user's win, per toolset id), and the MCP guard (`_mcp.py`) when there are MCP leaves."""
+    """`TemporalDurability(...)` keyword arguments: ours (a heartbeat timeout for every tool activity, the bounded
+    `DEFAULT_MODEL_RETRY_POLICY` for model requests) merged with `options` (the user's win, per toolset id), and the MCP guard (`_mcp.py`) when there are MCP leaves."""
     options = dict(options)
     configs: dict[str, Any] = {
         leaf: {'heartbeat_timeout': DEFAULT_TOOL_HEARTBEAT_TIMEOUT, 'start_to_close_timeout': timedelta(seconds=60)}
@@ -411,6 +425,10 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     }
     for leaf, config in (options.pop('toolset_activity_config', None) or {}).items():
         configs[leaf] = {**configs.get(leaf, {}), **config}
+    if 'retry_policy' not in (options.get('model_activity_config') or {}) and \
+            'retry_policy' not in (options.get('activity_config') or {}):
+        options['model_activity_config'] = {**(options.get('model_activity_config') or {}),
+                                            'retry_policy': DEFAULT_MODEL_RETRY_POLICY}
     extra = _mcp_defaults(agent, options, configs)
     extra.append(_payload_guard.PayloadGuard())  # DC030 before a model request no payload can carry
     options.setdefault('continue_as_new', continue_as_new_handler(agent))
@@ -440,6 +458,36 @@ before another worker continues it. 2 s trades a few more history replays under 
 recovery (pass `sticky_queue_schedule_to_start_timeout=` to `make_worker` to change it)."""
 
 
+class ModelRetryLogLine(logging.Filter):
+    """Turns temporalio's "Completing activity as failed" warning of a model request activity (a traceback of the
+    provider SDK's and httpx's exception chain, 25-30 lines per attempt) into one line per failed attempt:
+    `agent__support__model_request attempt 2 failed: ModelConnectionError: Connection error.` Other activities'
+    failures keep their tracebacks. Installed on the `temporalio.activity` logger by `make_worker`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        info = getattr(record, 'temporal_activity', None) or {}
+        if str(info.get('activity_type', '')).endswith('__model_request'):
+            _retry_log.shorten(record, f"{info.get('activity_type')} attempt {info.get('attempt')}")
+        return True
+
+
+_MODEL_RETRY_LOG_LINE = ModelRetryLogLine()
+
+
+def warm_model(model: Any) -> None:
+    """Build a model named by a string once in this process, outside any workflow, so the provider SDK's modules
+    are imported before the first workflow task. The workflow builds the model from its name (pydantic-ai's
+    `infer_model` in workflow code), and a first import of the openai SDK's resource modules there took over 2 s on
+    a loaded 2-core machine: Temporal's deadlock detector (TMPRL1101) failed the workflow task with a traceback.
+    A model that cannot be built here (no API key) is left for the run to report."""
+    if not isinstance(model, str):
+        return
+    from pydantic_ai.models import infer_model
+
+    with contextlib.suppress(Exception):
+        infer_model(model)
+
+
 def make_worker(
     client: Client, agents: Sequence[DurableAgent[Any, Any]], task_queue: str, *, version: WorkerVersion | None = None,
     **worker_kwargs: Any,
@@ -454,6 +502,9 @@ def make_worker(
         worker_kwargs.setdefault('deployment_config', version.deployment_config())
     worker_kwargs.setdefault('sticky_queue_schedule_to_start_timeout', DEFAULT_STICKY_SCHEDULE_TO_START)
     worker_kwargs.setdefault('workflow_runner', sandbox_runner())
+    logging.getLogger('temporalio.activity').addFilter(_MODEL_RETRY_LOG_LINE)  # a set: adding it again is a no-op
+    for agent in agents:
+        warm_model(agent.model)
     activities = [fn for agent in agents for fn in conversation_activities(agent)]
     activities += worker_kwargs.pop('activities', [])
     return Worker(

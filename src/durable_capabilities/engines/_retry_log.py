@@ -1,0 +1,45 @@
+"""One log line per failed model request attempt instead of a traceback (Temporal activity retries, DBOS step
+retries): the engines log a retried attempt with `exc_info`, which for a provider error is 25-30 lines of the
+SDK's and httpx's exception chain per attempt."""
+
+from __future__ import annotations
+
+import logging
+
+
+def model_error(error: BaseException | None) -> BaseException | None:
+    """The outermost pydantic-ai model error (`pydantic_ai.exceptions.*`) in `error`'s `__cause__` chain, or None."""
+    while error is not None:
+        if type(error).__module__ == 'pydantic_ai.exceptions':
+            return error
+        error = error.__cause__
+    return None
+
+
+def shorten(record: logging.LogRecord, prefix: str) -> bool:
+    """Rewrite `record` as `{prefix} failed: {ErrorClass}: {first line}` and drop its traceback when it carries a
+    model error; return whether it did."""
+    found = model_error(record.exc_info[1] if record.exc_info else None)
+    if found is None:
+        return False
+    detail = str(found).splitlines()[0] if str(found) else ''
+    record.msg = f'{prefix} failed: {type(found).__name__}: {detail}'
+    record.args, record.exc_info, record.exc_text = (), None, None
+    return True
+
+
+def drop_traceback(record: logging.LogRecord) -> bool:
+    """Drop `record`'s traceback when it carries a model error (its message already names the error, as Prefect's
+    "Task run failed with exception: ModelConnectionError(...)" does); return whether it did."""
+    if model_error(record.exc_info[1] if record.exc_info else None) is None:
+        return False
+    record.exc_info, record.exc_text = None, None
+    return True
+
+
+class TracebacklessModelErrors(logging.Filter):
+    """A logging filter applying `drop_traceback` to every record (Prefect's task and flow run loggers)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        drop_traceback(record)
+        return True

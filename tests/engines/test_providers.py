@@ -1,0 +1,302 @@
+"""Real pydantic-ai provider models through every engine, against the wire server (`durable_capabilities.wire`).
+
+Model: `OpenAIResponsesModel`, `OpenAIChatModel` (every request streamed over SSE) and `AnthropicModel` (streams by
+itself) of tests/engines/wire_agent.py, through their providers' `base_url`, speaking HTTP to a wire server this
+test starts (uvicorn in a thread of the test process; the engines run in `durcap` subprocesses). No FunctionModel.
+Servers: the session's Temporal dev server and Prefect server; DBOS on SQLite. Every process is stopped by pid.
+
+- the support conversation on 3 engines x 3 models (`durcap run --engine E`): the deferred capability loads,
+  `order_status` runs, the answer and the usage are the provider's own fields, each model request is served once;
+- provider faults on DBOS and Temporal (OpenAIChatModel, streaming): 429 with `retry-after` then success, a stream
+  cut half way retried as one model request, `charge` (a ledger line per execution) once;
+- the worker killed (SIGKILL) while a model request is in flight, on DBOS and Temporal: the run completes,
+  `charge` ran once;
+- an unreachable provider on every engine ends the run within a minute with one line naming the model and
+  its base URL (credentials redacted).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip('openai')
+pytest.importorskip('anthropic')
+
+from durable_capabilities.wire import Fault, Script, Step, ToolCall, Turn, WireServer
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+DURCAP = [sys.executable, '-m', 'durable_capabilities.cli']
+KINDS = ('openai-responses', 'openai-chat', 'anthropic')
+API = {'openai-responses': 'responses', 'openai-chat': 'chat', 'anthropic': 'anthropic'}
+ANSWER = 'Order ABC-123 (Blue denim jacket) shipped via UPS and arrives 2026-05-02.'
+DEPS = json.dumps({'orders': {'ABC-123': 'Blue denim jacket (size M): shipped 2026-04-28 via UPS.'}})
+
+
+def engine_env(engine: str, request: pytest.FixtureRequest, tmp_path: Path) -> tuple[list[str], dict[str, str]]:
+    """`durcap run` connection flags and environment for `engine` on the session's servers."""
+    env = {'PYTHONPATH': str(ROOT), 'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}'}
+    if engine == 'dbos':
+        return ['--db', f'sqlite:///{tmp_path / "dbos.sqlite"}'], env
+    if engine == 'temporal':
+        address = request.getfixturevalue('temporal_address')
+        return ['--address', address, '--inline-worker', '--task-queue', f'wire-{uuid.uuid4().hex[:8]}'], env
+    env |= {'PREFECT_API_URL': request.getfixturevalue('prefect_api_url'), 'PREFECT_HOME': str(tmp_path / 'ph'),
+            'PREFECT_LOCAL_STORAGE_PATH': str(tmp_path / 'pr')}
+    return [], env
+
+
+def durcap_run(target: str, prompt: str, engine: str, flags: list[str], env: dict[str, str], *extra: str,
+               timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*DURCAP, 'run', target, prompt, '--engine', engine, *flags, *extra], cwd=ROOT,
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize('kind', KINDS)
+@pytest.mark.parametrize('engine', ['temporal', 'dbos', 'prefect'])
+def test_support_conversation_on_every_engine(engine: str, kind: str, request: pytest.FixtureRequest,
+                                              tmp_path: Path) -> None:
+    """The support example on a real provider model: `orders` loads, `order_status` runs as the engine's durable
+    unit, the answer is the provider's text and the usage is the sum of the provider's usage fields."""
+    flags, env = engine_env(engine, request, tmp_path)
+    with WireServer() as wire:
+        env |= {'DURCAP_WIRE_KIND': kind, 'DURCAP_WIRE_URL': wire.url}
+        out = durcap_run('tests.engines.wire_agent:support', 'Where is my order ABC-123?', engine, flags, env,
+                         '--deps-json', DEPS)
+        served = [(e['api'], e['step'], e['stream']) for e in wire.log]
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f'answer ({engine}): {ANSWER}' in out.stdout
+    assert 'capabilities loaded in this run: orders' in out.stdout
+    tool_units = [line for line in out.stdout.splitlines() if ('orders' in line and 'call_tool' in line)
+                  or 'Call Tool: order_status' in line]  # Temporal/DBOS: the toolset's unit; Prefect: the tool's task
+    assert len(tool_units) == 1, out.stdout
+    assert 'usage: 3 requests, 2103 input tokens, 73 output tokens' in out.stdout  # 612+701+790, 18+24+31
+    streamed = kind != 'openai-responses'
+    assert served == [(API[kind], step, streamed) for step in range(3)]  # each model request served once
+    assert 'Traceback' not in out.stderr
+
+
+def ledger_script(*faults: tuple[int, Fault]) -> Script:
+    """`charge order A-1`: load `billing`, call `charge`, answer; `faults` are (step, fault) pairs."""
+    steps = [Step(tool_calls=(ToolCall('load_capability', {'id': 'billing'}),)),
+             Step(tool_calls=(ToolCall('charge', {'order_id': 'A-1'}),)),
+             Step(text='charged A-1')]
+    for index, fault in faults:
+        steps[index] = Step(**{**steps[index].__dict__, 'faults': (*steps[index].faults, fault)})
+    return Script((Turn(tuple(steps), match='charge order'),))
+
+
+@pytest.fixture
+def ledger_dir(tmp_path: Path) -> Path:
+    path = tmp_path / 'ledger'
+    path.mkdir()
+    return path
+
+
+def ledger_lines(ledger_dir: Path) -> list[str]:
+    path = ledger_dir / 'charges'
+    return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.mark.parametrize('engine', ['temporal', 'dbos', 'prefect'])
+def test_429_then_success_and_a_cut_stream(engine: str, request: pytest.FixtureRequest, tmp_path: Path,
+                                            ledger_dir: Path) -> None:
+    """OpenAIChatModel (streaming): the first request gets 429 `retry-after: 1` three times (the SDK's own two
+    retries honour it, then the durable unit retries: Temporal waits `next_retry_delay`, DBOS its step interval,
+    Prefect its task retry delay);
+    the request after `charge` is a stream cut half way, retried as one model request by the durable unit. The
+    run completes, `charge` ran once, and the engine's record shows the retried unit."""
+    flags, env = engine_env(engine, request, tmp_path)
+    limit = Fault(status=429, retry_after=1)
+    script = ledger_script((0, limit), (0, limit), (0, limit), (2, Fault(cut=True)))
+    with WireServer(script) as wire:
+        env |= {'DURCAP_WIRE_KIND': 'openai-chat', 'DURCAP_WIRE_URL': wire.url, 'DURCAP_LEDGER_DIR': str(ledger_dir),
+                'DURCAP_LEDGER_CHARGE_SECONDS': '0'}
+        out = durcap_run('tests.engines.wire_agent:ledger', 'charge order A-1', engine, flags, env)
+        log = list(wire.log)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert 'charged A-1' in out.stdout
+    assert ledger_lines(ledger_dir) == ['A-1']
+    steps = [(e['step'], (e['fault'] or {}).get('status'), (e['fault'] or {}).get('cut')) for e in log]
+    assert steps == [(0, 429, False), (0, 429, False), (0, 429, False), (0, None, None), (1, None, None),
+                     (2, 0, True), (2, None, None)], steps
+    gaps = [later['at'] - earlier['at'] for earlier, later in itertools.pairwise(log[:4])]
+    assert all(gap >= 1.0 for gap in gaps), gaps  # every attempt after a 429 waited its retry-after
+    assert 'Traceback' not in out.stderr
+    run_id = next((line.split(': ', 1)[1].split()[0] for line in out.stderr.splitlines() if 'workflow id:' in line), '')
+    if engine == 'temporal':  # the event history: attempt of each model activity
+        assert temporal_model_attempts(run_id, flags[flags.index('--address') + 1]) == [2, 1, 2]
+    elif engine == 'prefect':  # Prefect logs each task retry (one line) and records the task run's attempts
+        retries = [line for line in out.stderr.splitlines() if 'Task run failed with exception' in line]
+        assert len(retries) == 2 and 'ModelRateLimitError' in retries[0] and 'ModelConnectionError' in retries[1], retries
+        assert all('Retry 1/2 will start' in line for line in retries), retries
+    else:  # DBOS logs each step retry (one line each, ours) and records each finished step once
+        retries = [line for line in out.stderr.splitlines() if 'model request step (attempt' in line]
+        assert len(retries) == 2, out.stderr
+        assert 'failed: ModelRateLimitError: status_code: 429' in retries[0], retries
+        assert 'failed: ModelConnectionError' in retries[1], retries  # the cut stream
+        assert dbos_model_steps(run_id, flags[flags.index('--db') + 1]) == [None, None, None]
+
+
+def temporal_model_attempts(run_id: str, address: str) -> list[int]:
+    """The attempt that completed each model request activity, from Temporal's event history."""
+    cli = str(Path(sys.executable).parent / 'temporal')
+    raw = subprocess.run([cli, 'workflow', 'show', '--workflow-id', run_id, '--address', address, '--output', 'json'],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    events = json.loads(raw)['events']
+    scheduled = {e['eventId']: e['activityTaskScheduledEventAttributes']['activityType']['name'] for e in events
+                 if e['eventType'].endswith('ACTIVITY_TASK_SCHEDULED')}
+    return [int(e['activityTaskStartedEventAttributes'].get('attempt', 1)) for e in events
+            if e['eventType'].endswith('ACTIVITY_TASK_STARTED')
+            and scheduled[e['activityTaskStartedEventAttributes']['scheduledEventId']].endswith('__model_request')]
+
+
+def dbos_model_steps(run_id: str, db: str) -> list[str | None]:
+    """The recorded error of each finished model request step of the workflow (`operation_outputs`, DBOS's system
+    database; a retried step is one row, written when it finished)."""
+    import sqlite3
+
+    with sqlite3.connect(db.removeprefix('sqlite:///')) as conn:
+        rows = conn.execute("SELECT function_name, error FROM operation_outputs WHERE workflow_uuid = ? "
+                            "ORDER BY function_id", (run_id,)).fetchall()
+    return [error for name, error in rows if name.endswith('model.request')]
+
+
+RETRY_LINES = {'temporal': ('model_request attempt', 5), 'dbos': ('model request step (attempt', 2),
+               'prefect': ("Task run failed with exception: ModelConnectionError('Connection error.') - Retry", 2)}
+
+
+@pytest.mark.parametrize('engine', ['temporal', 'dbos', 'prefect'])
+def test_unreachable_provider_ends_the_run_with_one_line(engine: str, request: pytest.FixtureRequest,
+                                                         tmp_path: Path) -> None:
+    """Connection refused (Temporal's default retry policy alone would retry forever): the run fails in under a
+    minute, one log line per retried attempt (no traceback), a last line naming the model and the base URL
+    without its password."""
+    flags, env = engine_env(engine, request, tmp_path)
+    started = time.monotonic()
+    out = subprocess.run([*DURCAP, 'run', 'examples.support.agent:support', 'Where is my order ABC-123?',
+                          '--engine', engine, *flags, '--deps-json', DEPS, '--model', 'openai-chat:gpt-4o',
+                          '--base-url', 'http://user:s3cret@127.0.0.1:9/v1'],
+                         cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - started
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert elapsed < 60, elapsed
+    text = out.stdout + out.stderr
+    assert 'Traceback' not in text and 's3cret' not in text, text
+    needle, count = RETRY_LINES[engine]
+    retries = [line for line in text.splitlines() if needle in line]
+    assert len(retries) == count, text
+    assert all('ModelConnectionError' in line for line in retries), retries
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("durcap: error: agent '") and (
+        f"' failed on {engine} (model openai-chat:gpt-4o at http://127.0.0.1:9/v1): " in last), out.stderr
+
+
+@pytest.mark.parametrize('engine', ['temporal', 'prefect'])
+def test_rejected_key_is_not_retried(engine: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """A 401 from the provider (OpenAIResponsesModel): one model request attempt, the run fails at once naming the
+    model and base URL (Temporal: pydantic-ai's non-retryable `ModelAuthenticationError`; Prefect: our
+    `retry_model_request` condition). DBOS step retries do not tell errors apart: it sends 3 (not tested here)."""
+    flags, env = engine_env(engine, request, tmp_path)
+    script = Script((Turn((Step(text='never', faults=tuple(Fault(status=401) for _ in range(20))),)),))
+    with WireServer(script) as wire:
+        env |= {'DURCAP_WIRE_KIND': 'openai-responses', 'DURCAP_WIRE_URL': wire.url}
+        started = time.monotonic()
+        out = durcap_run('tests.engines.wire_agent:support', 'hello', engine, flags, env, '--deps-json', DEPS)
+        elapsed = time.monotonic() - started
+        served = len(wire.log)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert served == 1  # the SDK does not retry a 401, nor does the activity
+    assert elapsed < 30, elapsed
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("durcap: error: agent '") and f"' failed on {engine} (model openai:gpt-5 at " in last, last
+    assert '401' in last or 'Authentication' in last, last
+
+
+def wait_for(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f'{what} not seen within {timeout} s')
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def start(args: list[str], log: Path, env: dict[str, str], procs: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+    handle = open(log, 'wb')
+    proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, **env}, stdout=handle, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    handle.close()
+    procs.append(proc)
+    return proc
+
+
+def kill9(proc: subprocess.Popen[bytes]) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize('engine', ['temporal', 'dbos'])
+def test_worker_killed_while_a_model_request_is_in_flight(engine: str, request: pytest.FixtureRequest,
+                                                          tmp_path: Path, ledger_dir: Path,
+                                                          procs: list[subprocess.Popen[bytes]]) -> None:
+    """AnthropicModel (streaming): the model request after `charge` is held 30 s by the wire server; the process
+    running it is killed with SIGKILL while it waits; a new process (Temporal: a new worker; DBOS: the same
+    workflow id launched again, which recovers it) completes the run, `charge` ran once."""
+    script = ledger_script((2, Fault(delay=30)))
+    with WireServer(script) as wire:
+        env = {'PYTHONPATH': str(ROOT), 'DURCAP_WIRE_KIND': 'anthropic', 'DURCAP_WIRE_URL': wire.url,
+               'DURCAP_LEDGER_DIR': str(ledger_dir), 'DURCAP_LEDGER_CHARGE_SECONDS': '0',
+               'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}'}
+        held = lambda: any(e['step'] == 2 for e in wire.log)  # noqa: E731
+        if engine == 'dbos':
+            db = f'sqlite:///{tmp_path / "dbos.sqlite"}'
+            run = ['tests.engines.drive', 'dbos', 'run', '--target', 'tests.engines.wire_agent:ledger', '--db', db,
+                   '--workflow-id', f'wire-{uuid.uuid4().hex[:8]}', '--prompt', 'charge order A-1']
+            first = start([sys.executable, '-m', *run], tmp_path / 'first.log', env, procs)
+            wait_for(held, 120, 'the held model request')
+            kill9(first)
+            second = start([sys.executable, '-m', *run], tmp_path / 'second.log', env, procs)
+            assert second.wait(timeout=180) == 0, (tmp_path / 'second.log').read_text()[-3000:]
+            report = json.loads((tmp_path / 'second.log').read_text().split('REPORT ', 1)[1].splitlines()[0])
+            output = report['output']
+        else:
+            address = request.getfixturevalue('temporal_address')
+            queue = f'wire-{uuid.uuid4().hex[:8]}'
+            worker = [sys.executable, '-m', 'tests.engines.drive', 'temporal', 'worker', '--address', address,
+                      '--task-queue', queue, '--target', 'tests.engines.wire_agent:ledger']
+            first = start(worker, tmp_path / 'w1.log', env, procs)
+            client = start([*DURCAP, 'run', 'tests.engines.wire_agent:ledger', 'charge order A-1', '--engine',
+                            'temporal', '--address', address, '--task-queue', queue], tmp_path / 'run.log', env, procs)
+            wait_for(held, 120, 'the held model request')
+            kill9(first)
+            start(worker, tmp_path / 'w2.log', env, procs)
+            assert client.wait(timeout=180) == 0, (tmp_path / 'run.log').read_text()[-3000:]
+            output = (tmp_path / 'run.log').read_text()
+        served = [e['step'] for e in wire.log]
+    assert 'charged A-1' in output
+    assert ledger_lines(ledger_dir) == ['A-1']
+    assert served[:3] == [0, 1, 2] and served.count(2) == 2, served  # the held request was sent again, once
