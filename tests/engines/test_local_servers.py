@@ -112,6 +112,38 @@ def test_kill9_of_durcap_dev_temporal_leaves_no_server(tmp_path: Path) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def test_durcap_dev_temporal_serves_the_web_ui(tmp_path: Path) -> None:
+    """`durcap dev temporal --ui --ui-port U` serves Temporal's Web UI on U (an HTML page) and says where; SIGTERM of
+    the command stops both ports."""
+    import urllib.request
+
+    port, ui_port = free_port(), free_port()
+    dev = start(['dev', 'temporal', '--port', str(port), '--ui', '--ui-port', str(ui_port), '--state-dir',
+                 str(tmp_path / 'state')], tmp_path / 'dev.log', env_with())
+    pid = None
+    try:
+        line = wait_text(tmp_path / 'dev.log', 'temporal dev server at', dev, 90)
+        assert f'Web UI at http://127.0.0.1:{ui_port}' in line, line
+        pid, ports = server_of(dev)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f'http://127.0.0.1:{ui_port}/', timeout=5) as page:
+                    assert page.status == 200 and b'<html' in page.read(4096).lower()
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        os.killpg(dev.pid, signal.SIGTERM)
+        dev.wait(timeout=30)
+        assert_gone_within(pid, {*ports, ui_port}, 5)
+    finally:
+        kill9(dev)
+        if pid is not None and alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_durcap_dev_temporal_refuses_a_port_another_process_holds(tmp_path: Path) -> None:
     import socket
 
