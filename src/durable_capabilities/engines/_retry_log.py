@@ -28,6 +28,20 @@ def shorten(record: logging.LogRecord, prefix: str) -> bool:
     return True
 
 
+def shorten_any(record: logging.LogRecord, prefix: str) -> bool:
+    """`shorten`, and for any other error too: `{prefix} failed: {ErrorClass}: {first line}` of the error itself (a
+    tool step's error); return whether `record` carried an error."""
+    if shorten(record, prefix):
+        return True
+    error = record.exc_info[1] if record.exc_info else None
+    if error is None:
+        return False
+    detail = str(error).splitlines()[0] if str(error) else ''
+    record.msg = f'{prefix} failed: {type(error).__name__}: {detail}'
+    record.args, record.exc_info, record.exc_text = (), None, None
+    return True
+
+
 def drop_traceback(record: logging.LogRecord) -> bool:
     """Drop `record`'s traceback when it carries a model error (its message already names the error, as Prefect's
     "Task run failed with exception: ModelConnectionError(...)" does); return whether it did."""

@@ -169,13 +169,16 @@ class DBOSToolSteps(AbstractCapability[Any]):
 
 
 class ModelRetryLogLine(logging.Filter):
-    """DBOS's "Step being automatically retried (attempt 2 of 3)" warning, for a model error, as one line without the
-    traceback: `Step being automatically retried (attempt 2 of 3): ModelRateLimitError: ...`. Installed on the
-    `dbos` logger when this module is imported."""
+    """DBOS's "Step being automatically retried (attempt 2 of 3)" warning as one line without the traceback:
+    `model request step (attempt 2 of 3) failed: ModelRateLimitError: ...` for a model error, `step (attempt 2 of 3)
+    failed: RuntimeError: ...` for any other (a tool step). Installed on the `dbos` logger when this module is
+    imported."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if str(record.msg).startswith('Step being automatically retried'):
-            _retry_log.shorten(record, str(record.msg).replace('Step being automatically retried', 'model request step'))
+        message = str(record.msg)
+        if message.startswith('Step being automatically retried'):
+            if not _retry_log.shorten(record, message.replace('Step being automatically retried', 'model request step')):
+                _retry_log.shorten_any(record, message.replace('Step being automatically retried', 'step'))
         return True
 
 
@@ -633,10 +636,9 @@ class DBOSAdapter(EngineAdapter):
         workflow_fn = agent_workflow(agent)
         url = system_database_url(options.setting('db'))
         options.notify(f'dbos system database: {redacted_url(url)}')
-        # log_level ERROR: a step retry logs a WARNING with the whole traceback each attempt; a one-shot run reports
-        # its failure once, in `durcap run`'s own line (capability, error, innermost cause).
-        launch('durcap', system_database_url_=url, one_shot=True,
-               executor_id=options.setting('executor_id'), log_level='ERROR')
+        # A step retry logs one WARNING line (ModelRetryLogLine drops its traceback); the run's failure is reported
+        # once, in `durcap run`'s own line (capability, error, innermost cause).
+        launch('durcap', system_database_url_=url, one_shot=True, executor_id=options.setting('executor_id'))
         try:
             workflow_id = options.run_id or f'{agent.name}-{uuid.uuid4()}'
             options.started(workflow_id, f'dbos workflow id: {workflow_id} (executor {DBOS.executor_id})')
