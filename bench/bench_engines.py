@@ -194,6 +194,8 @@ async def bench_temporal(args: argparse.Namespace, tmp: Path) -> EngineResult:
     from durable_capabilities.engines import temporal as durcap_temporal
 
     durcap = _durcap_agent('bench_durcap_temporal')
+    durcap_local = _durcap_agent('bench_durcap_temporal_local',
+                                 engine_options={'temporal': {durcap_temporal.LOCAL_TOOLSETS_OPTION: {c.CAPABILITY_ID: {}}}})
     server = start_temporal_dev_server(state_dir=tmp / 'temporal', persistent=False)
     print(f'  temporal dev server pid {server.pid} at {server.address}', flush=True)
     try:
@@ -209,13 +211,21 @@ async def bench_temporal(args: argparse.Namespace, tmp: Path) -> EngineResult:
                 restrictions=SandboxRestrictions.default.with_passthrough_modules(c.__name__)
             ),
         )
-        async with durcap_temporal.make_worker(durcap_client, [durcap], 'bench-durcap'), upstream_worker:
+        async with durcap_temporal.make_worker(durcap_client, [durcap], 'bench-durcap'), \
+                durcap_temporal.make_worker(durcap_client, [durcap_local], 'bench-durcap-local'), upstream_worker:
 
             async def start_durcap() -> Any:
                 return await durcap_temporal.start_run(
                     durcap_client, durcap, c.PROMPT, task_queue='bench-durcap', workflow_id=f'durcap-{uuid.uuid4()}',
                     eager=True,
                 )
+
+            async def run_durcap_local() -> Any:
+                # The capability's tools marked short: local activities (engine option `local_activity_toolsets`).
+                return (await durcap_temporal.run(
+                    durcap_client, durcap_local, c.PROMPT, task_queue='bench-durcap-local',
+                    workflow_id=f'durcap-local-{uuid.uuid4()}', eager=True,
+                )).output
 
             async def start_upstream() -> Any:
                 return await upstream_client.start_workflow(
@@ -251,15 +261,31 @@ async def bench_temporal(args: argparse.Namespace, tmp: Path) -> EngineResult:
                 tasks = sum(1 for e in history if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED)
                 print(f'  {label}: one run records {len(history)} history events, {tasks} workflow tasks, '
                       f'{len(units[label])} activities', flush=True)
-            variants = [Variant('durcap', run_durcap), Variant('upstream', run_upstream)]
+            local_handle = await durcap_temporal.start_run(
+                durcap_client, durcap_local, c.PROMPT, task_queue='bench-durcap-local',
+                workflow_id=f'durcap-local-{uuid.uuid4()}', eager=True)
+            c.check_messages((await local_handle.result()).new_messages)
+            local_history = [event async for event in local_handle.fetch_history_events()]
+            events['durcap local tools'] = len(local_history)
+            units['durcap local tools'] = [
+                event.activity_task_scheduled_event_attributes.activity_type.name for event in local_history
+                if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
+            print(f'  durcap local tools: one run records {len(local_history)} history events, '
+                  f'{len(units["durcap local tools"])} activities + local activities', flush=True)
+            variants = [Variant('durcap', run_durcap), Variant('upstream', run_upstream),
+                        Variant('durcap local tools', run_durcap_local)]
             if args.profile == 'temporal':
                 await profile_variants(variants, args)
             await interleave(variants, args.runs, args.warmup)
     finally:
         server.stop()
-    comparison = Comparison('temporal', 'durcap (eager start) vs upstream', variants[0].series, variants[1].series,
-                            TARGET_TEMPORAL)
-    return EngineResult('temporal', [comparison], units, events)
+    comparisons = [
+        Comparison('temporal', 'durcap (eager start) vs upstream', variants[0].series, variants[1].series,
+                   TARGET_TEMPORAL),
+        Comparison('temporal', 'durcap, tools local activities (eager) vs upstream', variants[2].series,
+                   variants[1].series, TARGET_TEMPORAL),
+    ]
+    return EngineResult('temporal', comparisons, units, events)
 
 
 # ---- dbos -------------------------------------------------------------------------------------------

@@ -36,7 +36,17 @@ from temporalio.client import Client
 from temporalio.common import RetryPolicy
 from temporalio.converter import DataConverter
 from temporalio.exceptions import ActivityError, TemporalError
-from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor, Worker
+from temporalio.worker import (
+    ActivityInboundInterceptor,
+    ExecuteActivityInput,
+    Interceptor,
+    StartActivityInput,
+    StartLocalActivityInput,
+    Worker,
+    WorkflowInboundInterceptor,
+    WorkflowInterceptorClassInput,
+    WorkflowOutboundInterceptor,
+)
 from temporalio.worker.workflow_sandbox import (
     SandboxedWorkflowRunner,
     SandboxRestrictions,
@@ -441,6 +451,7 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     merged with `options` (the user's win, per toolset id and per key), and the MCP guard (`_mcp.py`) when there are
     MCP leaves."""
     options = dict(options)
+    options.pop(LOCAL_TOOLSETS_OPTION, None)  # ours, read by `make_worker` (see `local_tool_activities`)
     configs: dict[str, Any] = {
         leaf: {'heartbeat_timeout': DEFAULT_TOOL_HEARTBEAT_TIMEOUT, 'start_to_close_timeout': timedelta(seconds=60)}
         for leaves in agent.leaf_ids().values()
@@ -486,6 +497,98 @@ queue before another worker gets it: it adds to the recovery time once per kille
 that has no sticky poll waiting for 0.5 s (all workflow task slots busy under load) loses the task to the normal queue,
 where a worker replays the history from the start: more CPU, same result (`bench/bench_throughput.py` shows the cost).
 Pass `sticky_queue_schedule_to_start_timeout=` to `make_worker` to change it."""
+
+
+LOCAL_TOOLSETS_OPTION = 'local_activity_toolsets'
+"""`DurableAgent(engine_options={'temporal': {'local_activity_toolsets': {LEAF_ID: {} | LocalToolConfig keys}}})`: the
+leaf toolsets (for a capability's own tools: the capability id) whose tool calls run as Temporal *local* activities.
+
+For short tools only (milliseconds to a few seconds: lookups, arithmetic, a cache read). A local activity runs in the
+worker that runs the workflow task, without a round trip through the server: it records one marker event instead of
+three activity events plus a workflow task, and it is retried by the worker. Trade-offs (Temporal's own rules):
+- no heartbeat: a local activity that hangs is noticed only at its `start_to_close_timeout`;
+- bounded by the workflow task: it should finish well within the workflow task timeout (10 s default); longer ones
+  keep the workflow task open by heartbeating it, and a worker crash loses the whole attempt;
+- at-least-once: if the worker dies before the workflow task completes, the call runs again on another worker
+  (as a retried regular activity does), so a short tool with a side effect must be idempotent;
+- it runs on the worker holding the workflow, not on any worker of the task queue.
+Unmarked and long tools stay regular activities with heartbeats (`DEFAULT_TOOL_HEARTBEAT_TIMEOUT`).
+The activity type names do not change, so `durable.lock` is the same; histories recorded before this option was set
+(or before this version) replay unchanged: the switch is behind the `LOCAL_TOOLS_PATCH_ID` patch marker."""
+
+LOCAL_TOOLS_PATCH_ID = 'durcap-local-tool-activities'
+
+DEFAULT_LOCAL_TOOL_CONFIG: dict[str, Any] = {
+    # Short by contract: 5 s per attempt, half the default workflow task timeout.
+    'start_to_close_timeout': timedelta(seconds=5),
+    # The worker retries locally (no server timer) after 0.1 s, doubling to 5 s; past `local_retry_threshold` (10 s)
+    # the retry is scheduled through the server with a timer, as Temporal does for long local backoffs.
+    'retry_policy': RetryPolicy(initial_interval=timedelta(milliseconds=100), maximum_interval=timedelta(seconds=5)),
+    'local_retry_threshold': timedelta(seconds=10),
+}
+"""Local-activity options for a marked leaf; a leaf's own dict in `LOCAL_TOOLSETS_OPTION` overrides these keys
+(`start_to_close_timeout`, `schedule_to_close_timeout`, `retry_policy`, `local_retry_threshold`)."""
+
+
+def local_tool_activities(agent: DurableAgent[Any, Any]) -> dict[str, dict[str, Any]]:
+    """Activity type name -> local-activity options, for the tool activities of the leaves `agent` marks short
+    (`LOCAL_TOOLSETS_OPTION`).
+
+    Raises:
+        ValueError: a marked leaf id is not one of the agent's leaf toolsets with tool activities, or is an MCP leaf
+            (MCP calls are network calls: never short by contract); the message names the leaf and the ids that fit.
+    """
+    marked = (agent.engine_options.get('temporal') or {}).get(LOCAL_TOOLSETS_OPTION) or {}
+    if not marked:
+        return {}
+    leaves = [leaf for ids in agent.leaf_ids().values() for leaf in ids]
+    mcp = set(_mcp.mcp_leaves(agent))
+    names = ADAPTER.durable_names(agent)['activities']
+    found: dict[str, dict[str, Any]] = {}
+    for leaf, config in marked.items():
+        name = next((n for n in names if n.endswith(f'__toolset__{leaf}__call_tool')), None)
+        if leaf not in leaves or leaf in mcp or name is None:
+            why = 'is an MCP leaf (never short)' if leaf in mcp else 'is not a leaf toolset with tool activities'
+            fits = ', '.join(sorted(set(leaves) - mcp)) or 'none'
+            raise ValueError(f'agent {agent.name!r}: engine_options.temporal.{LOCAL_TOOLSETS_OPTION}[{leaf!r}] {why}; '
+                             f'leaf ids that fit: {fits}')
+        found[name] = {**DEFAULT_LOCAL_TOOL_CONFIG, **(config or {})}
+    return found
+
+
+class LocalToolActivities(Interceptor):
+    """Worker interceptor: in workflow code, the start of a marked tool activity (`local_tool_activities`) becomes
+    the start of a local activity of the same registered activity, with the leaf's local options. Upstream's
+    toolset schedules every tool call as an activity; this is where that choice is made, so upstream's call path
+    (argument serialization, cancellation handling) stays as it is. See `LOCAL_TOOLSETS_OPTION` for the trade-offs."""
+
+    def __init__(self, local: Mapping[str, Mapping[str, Any]]):
+        self.local = dict(local)
+
+    def workflow_interceptor_class(self, input: WorkflowInterceptorClassInput) -> type[WorkflowInboundInterceptor]:
+        local = self.local
+
+        class Outbound(WorkflowOutboundInterceptor):
+            def start_activity(self, input: StartActivityInput) -> workflow.ActivityHandle[Any]:
+                config = local.get(input.activity)
+                if config is None or not workflow.patched(LOCAL_TOOLS_PATCH_ID):
+                    return self.next.start_activity(input)
+                return self.next.start_local_activity(StartLocalActivityInput(
+                    activity=input.activity, args=input.args, activity_id=input.activity_id,
+                    schedule_to_close_timeout=config.get('schedule_to_close_timeout'),
+                    schedule_to_start_timeout=None,
+                    start_to_close_timeout=config.get('start_to_close_timeout'),
+                    retry_policy=config.get('retry_policy'),
+                    local_retry_threshold=config.get('local_retry_threshold'),
+                    cancellation_type=input.cancellation_type, headers=input.headers, summary=input.summary,
+                    arg_types=input.arg_types, ret_type=input.ret_type,
+                ))
+
+        class Inbound(WorkflowInboundInterceptor):
+            def init(self, outbound: WorkflowOutboundInterceptor) -> None:
+                super().init(Outbound(outbound))
+
+        return Inbound
 
 
 _BACKGROUND: set[asyncio.Task[Any]] = set()
@@ -536,7 +639,9 @@ def make_worker(client: Client, agents: Sequence[DurableAgent[Any, Any]], task_q
     """
     worker_kwargs.setdefault('sticky_queue_schedule_to_start_timeout', DEFAULT_STICKY_SCHEDULE_TO_START)
     worker_kwargs.setdefault('max_heartbeat_throttle_interval', HEARTBEAT_THROTTLE)
-    worker_kwargs['interceptors'] = [*worker_kwargs.get('interceptors', ()), UnstickOnRetry()]
+    local = {name: config for agent in agents for name, config in local_tool_activities(agent).items()}
+    worker_kwargs['interceptors'] = [*worker_kwargs.get('interceptors', ()), UnstickOnRetry(),
+                                     *([LocalToolActivities(local)] if local else [])]
     worker_kwargs.setdefault('workflow_runner', sandbox_runner())
     activities = [fn for agent in agents for fn in conversation_activities(agent)]
     activities += worker_kwargs.pop('activities', [])
@@ -812,8 +917,9 @@ class TemporalAdapter(EngineAdapter):
         return []
 
     def replayer(self, agents: Sequence[DurableAgent[Any, Any]], *, store: str | None = None) -> Any:
+        local = {name: config for agent in agents for name, config in local_tool_activities(agent).items()}
         return HistoryReplayer(agents, [cls for agent in agents for cls in workflow_classes(agent)], sandbox_runner(),
-                               store)
+                               store, [LocalToolActivities(local)] if local else [])
 
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
         address, inline_worker = options.setting('address'), bool(options.setting('inline_worker', False))
