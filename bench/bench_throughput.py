@@ -4,12 +4,13 @@
                                                                     # in-memory dev server started here
     .venv/bin/python bench/bench_throughput.py --runs 50 --rounds 5 --address 127.0.0.1:7233
 
-Three worker processes, one per variant, each on its own task queue, all alive throughout (started here, stopped by
+Four worker processes, one per variant, each on its own task queue, all alive throughout (started here, stopped by
 pid):
 - durcap:   `engines.temporal.make_worker` serving a `DurableAgent` of the scripted 6-request run (`_common.py`).
 - upstream: a plain `Worker` serving `_common.UpstreamWorkflow` (`Agent(capabilities=[..., TemporalDurability()])`).
 - floor:    a plain `Worker` serving `_common.FloorWorkflow`: as many no-op activities, one after another, as one
             durcap run schedules (counted from a first run), no agent, no model.
+- durcap-local: as durcap, the capability's tools marked short (`local_activity_toolsets`: local activities).
 Workers use the SDK's default concurrency (100 workflow tasks, 100 activities at once). A batch starts `--runs`
 workflows at once from this process (`start_workflow` for each side alike, no eager start: the worker is elsewhere)
 and waits for every result; throughput = runs / (seconds from the first start to the last result). Rounds cycle the
@@ -44,12 +45,16 @@ import _common as c  # noqa: E402
 
 AGENT_NAME = 'bench_tp_durcap'
 TARGET_FLOOR, TARGET_UPSTREAM, TARGET_RSS = 0.8, 1.0, 1.1
+KINDS = ('durcap', 'upstream', 'floor', 'durcap-local')
 
 
-def durcap_agent() -> Any:
+def durcap_agent(local: bool = False) -> Any:
+    """The durcap agent; `local=True` marks the capability's tools short (Temporal local activities)."""
     from durable_capabilities import DurableAgent
 
-    return DurableAgent(AGENT_NAME, c.make_model(), instructions=c.INSTRUCTIONS, capabilities=[c.make_capability()])
+    options = {'temporal': {'local_activity_toolsets': {c.CAPABILITY_ID: {}}}} if local else None
+    return DurableAgent(AGENT_NAME, c.make_model(), instructions=c.INSTRUCTIONS, capabilities=[c.make_capability()],
+                        engine_options=options)
 
 
 async def serve(kind: str, address: str, queue: str) -> None:
@@ -60,11 +65,11 @@ async def serve(kind: str, address: str, queue: str) -> None:
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     runner = SandboxedWorkflowRunner(restrictions=SandboxRestrictions.default.with_passthrough_modules(c.__name__))
-    if kind == 'durcap':
+    if kind in ('durcap', 'durcap-local'):
         from durable_capabilities.engines import temporal
 
         client = await temporal.connect(address)
-        worker = temporal.make_worker(client, [durcap_agent()], queue)
+        worker = temporal.make_worker(client, [durcap_agent(kind == 'durcap-local')], queue)
     elif kind == 'upstream':
         from pydantic_ai.durable_exec.temporal import PydanticAIPlugin
         from temporalio.client import Client
@@ -134,7 +139,7 @@ async def amain(args: argparse.Namespace) -> None:
         address = server.address
         print(f'temporal dev server pid {server.pid} at {address}', flush=True)
     tag = uuid.uuid4().hex[:6]
-    workers = {kind: WorkerProc(kind, address, f'tp-{kind}-{tag}', tmp) for kind in ('durcap', 'upstream', 'floor')}
+    workers = {kind: WorkerProc(kind, address, f'tp-{kind}-{tag}', tmp) for kind in KINDS}
     try:
         for w in workers.values():
             await asyncio.to_thread(w.wait_ready)
@@ -154,7 +159,7 @@ async def amain(args: argparse.Namespace) -> None:
 
         def starter(kind: str) -> Any:
             queue = workers[kind].queue
-            if kind == 'durcap':
+            if kind in ('durcap', 'durcap-local'):
                 return lambda i: durcap_client.start_workflow(
                     f'durcap.{AGENT_NAME}', AgentRunInput(prompt=c.PROMPT), id=f'tp-d-{tag}-{i}-{uuid.uuid4().hex[:6]}',
                     task_queue=queue, result_type=AgentRunOutput)
@@ -170,7 +175,8 @@ async def amain(args: argparse.Namespace) -> None:
             handles = await asyncio.gather(*(start(i) for i in range(args.runs)))
             results = await asyncio.gather(*(h.result() for h in handles))
             elapsed = time.perf_counter() - began
-            expected = {'durcap': lambda r: r.output == c.ANSWER, 'upstream': lambda r: r == c.ANSWER,
+            expected = {'durcap': lambda r: r.output == c.ANSWER, 'durcap-local': lambda r: r.output == c.ANSWER,
+                        'upstream': lambda r: r == c.ANSWER,
                         'floor': lambda r: r == activities}[kind]
             if not all(expected(r) for r in results):
                 raise AssertionError(f'{kind}: unexpected results')
@@ -179,7 +185,8 @@ async def amain(args: argparse.Namespace) -> None:
         await batch('floor')  # warm-up: every worker's first batch (imports, sandbox caches)
         await batch('upstream')
         await batch('durcap')
-        kinds = ('durcap', 'upstream', 'floor')
+        await batch('durcap-local')
+        kinds = KINDS
         orders = list(itertools.permutations(kinds))
         per_round: list[dict[str, float]] = []
         loads = []
@@ -209,6 +216,12 @@ async def amain(args: argparse.Namespace) -> None:
     print(f'durcap / floor    {vs_floor:.2f}x   target >= {TARGET_FLOOR}x: {"met" if vs_floor >= TARGET_FLOOR else "NOT met"}')
     print(f'durcap / upstream {vs_up:.2f}x   target >= {TARGET_UPSTREAM}x: {"met" if vs_up >= TARGET_UPSTREAM else "NOT met"}')
     print(f'upstream / floor  {up_floor:.2f}x   (info)')
+    local_floor = statistics.median(f['durcap-local'] / f['floor'] for f in per_round)
+    local_up = statistics.median(f['durcap-local'] / f['upstream'] for f in per_round)
+    print(f'durcap with local tools: {med["durcap-local"]:.1f} runs/s; / floor {local_floor:.2f}x (target >= '
+          f'{TARGET_FLOOR}x: {"met" if local_floor >= TARGET_FLOOR else "NOT met"}), / upstream {local_up:.2f}x '
+          f'(target >= {TARGET_UPSTREAM}x: {"met" if local_up >= TARGET_UPSTREAM else "NOT met"}); peak RSS '
+          f'{rss["durcap-local"]:.0f} MiB')
     print(f'peak RSS (MiB): durcap {rss["durcap"]:.0f}, upstream {rss["upstream"]:.0f}, floor {rss["floor"]:.0f}; '
           f'durcap / upstream {rss_ratio:.2f}x   target <= {TARGET_RSS}x: {"met" if rss_ratio <= TARGET_RSS else "NOT met"}')
 
@@ -218,7 +231,7 @@ def main() -> None:
     parser.add_argument('--runs', type=int, default=100)
     parser.add_argument('--rounds', type=int, default=3)
     parser.add_argument('--address', default=None)
-    parser.add_argument('--serve', choices=('durcap', 'upstream', 'floor'), help=argparse.SUPPRESS)
+    parser.add_argument('--serve', choices=KINDS, help=argparse.SUPPRESS)
     parser.add_argument('--queue', help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:

@@ -38,6 +38,7 @@ from temporalio.converter import DataConverter
 from temporalio.exceptions import ActivityError, TemporalError
 from temporalio.worker import (
     ActivityInboundInterceptor,
+    ActivityOutboundInterceptor,
     ExecuteActivityInput,
     Interceptor,
     StartActivityInput,
@@ -565,6 +566,9 @@ class LocalToolActivities(Interceptor):
     def __init__(self, local: Mapping[str, Mapping[str, Any]]):
         self.local = dict(local)
 
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        return _NoLocalHeartbeats(next)
+
     def workflow_interceptor_class(self, input: WorkflowInterceptorClassInput) -> type[WorkflowInboundInterceptor]:
         local = self.local
 
@@ -589,6 +593,19 @@ class LocalToolActivities(Interceptor):
                 super().init(Outbound(outbound))
 
         return Inbound
+
+
+class _NoLocalHeartbeats(ActivityInboundInterceptor):
+    """Upstream's tool activity heartbeats from a background task; a local activity cannot heartbeat (the SDK logs
+    a warning per beat), so in a local activity the beats are dropped here."""
+
+    def init(self, outbound: ActivityOutboundInterceptor) -> None:
+        class Outbound(ActivityOutboundInterceptor):
+            def heartbeat(self, *details: Any) -> None:
+                if not activity.info().is_local:
+                    self.next.heartbeat(*details)
+
+        super().init(Outbound(outbound))
 
 
 _BACKGROUND: set[asyncio.Task[Any]] = set()
