@@ -42,7 +42,8 @@ async def _run(client: Any, agent: Any, queue: str) -> tuple[str, list[Any]]:
 
 def test_marked_leaf_runs_its_tools_as_local_activities_and_old_histories_replay(temporal_address: str) -> None:
     """With `ops` marked, its four tool calls are local-activity markers (no ActivityTaskScheduled), the six model
-    requests stay activities, and the history is shorter. The same agent's history recorded before it was marked
+    requests stay activities, and the history is shorter. Unmarked, the tool and model activities carry the recovery
+    settings (heartbeat timeouts, retry backoff). The same agent's history recorded before it was marked
     (regular tool activities, no patch marker) and the new one both replay with the agent's replayer; without the
     interceptor the new history does not replay (the option really changes the commands)."""
     from temporalio.api.enums.v1 import EventType
@@ -65,6 +66,16 @@ def test_marked_leaf_runs_its_tools_as_local_activities_and_old_histories_replay
                     if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
 
         assert scheduled(before).count(f'agent__{name}__toolset__ops__call_tool') == 4
+        # The recovery settings as Temporal recorded them (engines/temporal.py: DEFAULT_TOOL_HEARTBEAT_TIMEOUT,
+        # TOOL_RETRY_INITIAL_INTERVAL, DEFAULT_MODEL_HEARTBEAT_TIMEOUT).
+        for event in before:
+            if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+                attrs = event.activity_task_scheduled_event_attributes
+                if attrs.activity_type.name.endswith('__call_tool'):
+                    assert attrs.heartbeat_timeout.ToTimedelta() == temporal.DEFAULT_TOOL_HEARTBEAT_TIMEOUT
+                    assert attrs.retry_policy.initial_interval.ToTimedelta() == temporal.TOOL_RETRY_INITIAL_INTERVAL
+                else:
+                    assert attrs.heartbeat_timeout.ToTimedelta() == temporal.DEFAULT_MODEL_HEARTBEAT_TIMEOUT
         assert scheduled(after) == [f'agent__{name}__model_request'] * 6
         local_markers = [e for e in after if e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED
                          and e.marker_recorded_event_attributes.marker_name == 'core_local_activity']
