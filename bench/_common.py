@@ -144,6 +144,7 @@ def paired_ratio(a: Series, b: Series) -> float:
 try:
     from pydantic_ai.durable_exec.temporal import PydanticAIWorkflow, TemporalDurability
     from temporalio import workflow
+    from temporalio.activity import defn as activity_defn
 except ImportError:  # pragma: no cover - temporal extra not installed
     pass
 else:
@@ -157,3 +158,20 @@ else:
         async def run(self, prompt: str) -> str:
             result = await UPSTREAM_TEMPORAL_AGENT.run(prompt)
             return result.output
+
+    @activity_defn(name='bench.noop')
+    async def noop_activity(i: int) -> int:
+        """The floor's activity: does nothing but return its argument."""
+        return i
+
+    @workflow.defn(name='bench.floor')
+    class FloorWorkflow:
+        """The Temporal floor of a run: `count` no-op activities one after another (no agent, no model)."""
+
+        @workflow.run
+        async def run(self, count: int) -> int:
+            from datetime import timedelta
+
+            for i in range(count):
+                await workflow.execute_activity(noop_activity, i, start_to_close_timeout=timedelta(seconds=60))
+            return count

@@ -5,8 +5,9 @@ them across killed and restarted processes:
 - `charges`: one line per execution of the `charge` tool (the side effect that must happen once);
 - `model-requests`: one line per model request, holding the number of model responses already in
   the history (a request from before the crash that runs again shows up as a repeated number);
-- `slow-started`: created by the first execution of `slow_export`, which then sleeps so the test can
-  kill the process; later executions find it and return at once.
+- `slow-started`: created by the first execution of `slow_export` (holding its pid), which then sleeps so the
+  test can kill the process; later executions find it and return at once;
+- `exports`: one line per execution of `slow_export` (started), holding the pid of the process that ran it.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ async def charge(order_id: str) -> str:
 @ops.tool_plain
 async def slow_export() -> str:
     """Export the orders (slow the first time, so the test can kill the process mid-tool)."""
+    _append('exports', str(os.getpid()))
     marker = _dir() / 'slow-started'
     if not marker.exists():
         marker.write_text(str(os.getpid()))

@@ -71,6 +71,49 @@ def test_temporal_worker_killed_mid_tool_recovers_within_15s(temporal_address: s
     assert recovery_seconds <= 15, f'recovery took {recovery_seconds:.1f} s'
 
 
+def test_temporal_tool_of_killed_worker_reruns_on_the_polling_second_worker(
+        temporal_address: str, spawn, tmp_path: Path) -> None:
+    """Two workers poll the queue before the run starts; the one running `slow_export` gets SIGKILL. The tool's
+    activity times out on its heartbeat and is re-run by the surviving worker (no new worker started), and the
+    run completes: `charge` ran once, `slow_export` started twice (the aborted attempt in the killed process, the
+    completed one in the survivor), and no model request ran again. Not timed (see bench/bench_recovery.py)."""
+    from durable_capabilities.engines.temporal import (
+        AgentRunInput,
+        AgentRunOutput,
+        connect,
+    )
+
+    env, crash_dir = crash_env(tmp_path)
+    queue = f'crash2-{uuid.uuid4().hex[:8]}'
+    args = ('temporal', 'worker', '--target', TARGET, '--address', temporal_address, '--task-queue', queue)
+    workers = [spawn(*args, env=env), spawn(*args, env=env)]
+    for worker in workers:
+        worker.wait_for('WORKER READY', 90)
+
+    async def run() -> AgentRunOutput:
+        client = await connect(temporal_address)
+        handle = await client.start_workflow(
+            f'durcap.{env["DURCAP_CRASH_AGENT"]}', AgentRunInput(prompt='charge order A-1 and export'),
+            id=f'crash2-{uuid.uuid4()}', task_queue=queue, result_type=AgentRunOutput,
+        )
+        await asyncio.to_thread(wait_file, crash_dir / 'slow-started', 60)
+        while not (crash_dir / 'slow-started').read_text():  # created, pid not yet written
+            await asyncio.sleep(0.01)
+        holder_pid = int((crash_dir / 'slow-started').read_text())
+        (holder,) = [w for w in workers if w.popen.pid == holder_pid]
+        holder.kill9()
+        return await asyncio.wait_for(handle.result(), 60)
+
+    result = asyncio.run(run())
+    assert result.output == 'charged and exported'
+    assert_exactly_once(crash_dir)
+    holder_pid = int((crash_dir / 'slow-started').read_text())
+    (survivor,) = [w for w in workers if w.popen.pid != holder_pid]
+    assert survivor.popen.poll() is None, 'the second worker died'
+    exports = (crash_dir / 'exports').read_text().splitlines()
+    assert exports == [str(holder_pid), str(survivor.popen.pid)], f'slow_export ran in {exports}'
+
+
 @pytest.mark.parametrize('backend', ['sqlite', 'postgres'])
 def test_dbos_process_killed_mid_tool_recovers(backend: str, spawn, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     db = f'sqlite:///{tmp_path / "dbos.sqlite"}' if backend == 'sqlite' else request.getfixturevalue('postgres_url')

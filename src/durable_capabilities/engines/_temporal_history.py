@@ -77,13 +77,15 @@ class HistoryReplayer:
         workflows: Their workflow classes (`engines.temporal.workflow_classes`).
         workflow_runner: The sandbox runner the worker uses (`engines.temporal.sandbox_runner()`).
         store: Conversation store the claim-check references are read from (default `$DURCAP_STORE`).
+        interceptors: The worker's workflow interceptors that change commands (`engines.temporal.LocalToolActivities`).
     """
 
     def __init__(self, agents: Sequence[DurableAgent[Any, Any]], workflows: Sequence[type], workflow_runner: WorkflowRunner,
-                 store: str | None = None):
+                 store: str | None = None, interceptors: Sequence[Any] = ()):
         self.agents = list(agents)
         self._replayer = Replayer(
             workflows=list(workflows),
+            interceptors=list(interceptors),
             plugins=[PydanticAIPlugin()],
             workflow_runner=workflow_runner,
             data_converter=DataConverter(payload_codec=default_codec(store)),  # decodes claim checks

@@ -1,0 +1,104 @@
+"""Short capability tools as Temporal local activities (`engine_options={'temporal': {'local_activity_toolsets': ...}}`).
+
+Real Temporal dev server (the shared one or the session's), an in-process worker from `make_worker`. Model: the
+scripted `FunctionModel` of `bench/_common.py` (6 requests: `load_capability`, four tool calls, the answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / 'bench'))
+
+import _common as c
+
+pytestmark = pytest.mark.slow
+
+
+def _agent(name: str, **engine_options: Any) -> Any:
+    from durable_capabilities import DurableAgent
+
+    return DurableAgent(name, c.make_model(), instructions=c.INSTRUCTIONS, capabilities=[c.make_capability()],
+                        engine_options={'temporal': engine_options} if engine_options else None)
+
+
+async def _run(client: Any, agent: Any, queue: str) -> tuple[str, list[Any]]:
+    from durable_capabilities.engines import temporal
+
+    async with temporal.make_worker(client, [agent], queue):
+        handle = await temporal.start_run(client, agent, c.PROMPT, task_queue=queue, workflow_id=f'lt-{uuid.uuid4()}',
+                                          eager=True)
+        output = await asyncio.wait_for(handle.result(), 60)
+    c.check_messages(output.new_messages)
+    return handle.id, [e async for e in handle.fetch_history_events()]
+
+
+def test_marked_leaf_runs_its_tools_as_local_activities_and_old_histories_replay(temporal_address: str) -> None:
+    """With `ops` marked, its four tool calls are local-activity markers (no ActivityTaskScheduled), the six model
+    requests stay activities, and the history is shorter. Unmarked, the tool and model activities carry the recovery
+    settings (heartbeat timeouts, retry backoff). The same agent's history recorded before it was marked
+    (regular tool activities, no patch marker) and the new one both replay with the agent's replayer; without the
+    interceptor the new history does not replay (the option really changes the commands)."""
+    from temporalio.api.enums.v1 import EventType
+
+    from durable_capabilities.engines import temporal
+    from durable_capabilities.engines._temporal_history import HistoryReplayer
+
+    name = f'lt_{uuid.uuid4().hex[:8]}'
+    agent = _agent(name)
+    names_before = temporal.ADAPTER.durable_names(agent)
+
+    async def scenario() -> None:
+        client = await temporal.connect(temporal_address)
+        before_id, before = await _run(client, agent, f'lt-{uuid.uuid4().hex[:8]}')
+        agent.engine_options['temporal'] = {temporal.LOCAL_TOOLSETS_OPTION: {'ops': {}}}
+        after_id, after = await _run(client, agent, f'lt-{uuid.uuid4().hex[:8]}')
+
+        def scheduled(history: list[Any]) -> list[str]:
+            return [e.activity_task_scheduled_event_attributes.activity_type.name for e in history
+                    if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
+
+        assert scheduled(before).count(f'agent__{name}__toolset__ops__call_tool') == 4
+        # The recovery settings as Temporal recorded them (engines/temporal.py: DEFAULT_TOOL_HEARTBEAT_TIMEOUT,
+        # TOOL_RETRY_INITIAL_INTERVAL, DEFAULT_MODEL_HEARTBEAT_TIMEOUT).
+        for event in before:
+            if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+                attrs = event.activity_task_scheduled_event_attributes
+                if attrs.activity_type.name.endswith('__call_tool'):
+                    assert attrs.heartbeat_timeout.ToTimedelta() == temporal.DEFAULT_TOOL_HEARTBEAT_TIMEOUT
+                    assert attrs.retry_policy.initial_interval.ToTimedelta() == temporal.TOOL_RETRY_INITIAL_INTERVAL
+                else:
+                    assert attrs.heartbeat_timeout.ToTimedelta() == temporal.DEFAULT_MODEL_HEARTBEAT_TIMEOUT
+        assert scheduled(after) == [f'agent__{name}__model_request'] * 6
+        local_markers = [e for e in after if e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED
+                         and e.marker_recorded_event_attributes.marker_name == 'core_local_activity']
+        assert len(local_markers) == 4
+        assert len(after) < len(before) - 10, (len(before), len(after))
+
+        replayer = temporal.ADAPTER.replayer([agent])
+        plain = HistoryReplayer([agent], temporal.workflow_classes(agent), temporal.sandbox_runner())
+        for workflow_id in (before_id, after_id):
+            history = await client.get_workflow_handle(workflow_id).fetch_history()
+            as_json = json.loads(history.to_json())
+            assert await replayer.replay(as_json, workflow_id) is None
+            if workflow_id == after_id:
+                assert await plain.replay(as_json, workflow_id) is not None
+
+    asyncio.run(scenario())
+    assert temporal.ADAPTER.durable_names(agent) == names_before, 'local activities must not rename durable units'
+
+
+def test_unknown_leaf_is_refused_naming_it() -> None:
+    """A marked leaf id the agent does not have is refused (when a worker or replayer is made), naming it and the ids that fit."""
+    from durable_capabilities.engines import temporal
+
+    agent = _agent(f'lt_{uuid.uuid4().hex[:8]}', **{temporal.LOCAL_TOOLSETS_OPTION: {'opz': {}}})
+    with pytest.raises(ValueError, match=r"\['opz'\] is not a leaf toolset with tool activities; leaf ids that fit: ops"):
+        temporal.local_tool_activities(agent)
