@@ -261,10 +261,22 @@ def _clock_task() -> Any:
 
 
 class PrefectApprovalGate(ApprovalGate):
-    """Waits with `pause_flow_run(timeout=...)`: the flow run is Paused on the server; `decide` stores the
-    decision as flow run input `durcap-decision-{call id}` and resumes it with `resume_flow_run`. The pending
-    calls are flow run input `PENDING_INPUT`. A flow run re-run after its process died (Prefect's retry, or
-    `run_flow` on the same flow run) replays its cached tasks and finds the decisions already stored."""
+    """Waits for decisions on the Prefect server; `decide` stores each as flow run input
+    `durcap-decision-{call id}` and resumes the flow run with `resume_flow_run`. The pending calls are flow
+    run input `PENDING_INPUT`.
+
+    - A flow run of a deployment (`flow.serve`, `durcap schedule prefect`, `run_deployment`) suspends
+      (`suspend_flow_run`): state Suspended, its process exits, nothing is held. On resume Prefect schedules it
+      again from its deployment; the flow function runs from the top, its completed tasks return their cached
+      results (deterministic keys), and the gate finds the stored decision. The suspend carries a Prefect
+      timeout of the time left to the deadline: at the deadline Prefect's pause-expiration service sets the
+      flow run Failed ("The flow was paused and never resumed"); the call is not denied to the model
+      (no process is left to do it).
+    - Any other flow run (`durcap run`: no deployment to reschedule from) pauses (`pause_flow_run`): state
+      Paused, the process waits; at the deadline the pause times out in the process and the call is denied.
+
+    A flow run re-run after its process died (Prefect's retry, or `run_flow` on the same flow run) replays its
+    cached tasks and finds the decisions already stored."""
 
     def __init__(self, agent: DurableAgent[Any, Any]):
         from prefect.runtime import flow_run
@@ -281,20 +293,26 @@ class PrefectApprovalGate(ApprovalGate):
         return datetime.fromisoformat(await self.clock(self.pauses))
 
     async def wait(self, pending: list[PendingCall], timeout: float) -> dict[str, Decision]:
+        import hashlib
         import math
         import uuid as uuid_
         from datetime import datetime
 
         from prefect import get_client, pause_flow_run
+        from prefect.context import FlowRunContext
         from prefect.exceptions import FlowPauseTimeout
+        from prefect.flow_runs import asuspend_flow_run
         from prefect.input import aread_flow_run_input
         from prefect.states import Running
 
         from ..approvals import utc_now
 
+        context = FlowRunContext.get()
+        deployed = context is not None and context.flow_run is not None and context.flow_run.deployment_id is not None
         deadline = datetime.fromisoformat(pending[0].deadline)
         decisions: dict[str, Decision] = {}
         remaining = list(pending)
+        attempt = 0
         while True:
             for call in list(remaining):
                 data = await aread_flow_run_input(DECISION_INPUT_PREFIX + _input_key(call.call_id))
@@ -310,6 +328,14 @@ class PrefectApprovalGate(ApprovalGate):
             left = (deadline - utc_now()).total_seconds()
             if not remaining or left <= 0:
                 break
+            if deployed:
+                # A deterministic key: a suspend that already fired (before the resume that reran this flow
+                # function) is refused by the server and returns at once; the next attempt's key suspends.
+                ids = hashlib.sha256('\n'.join(sorted(c.call_id for c in remaining)).encode()).hexdigest()[:16]
+                attempt += 1
+                # Raises Pause when it fires: the flow run ends Suspended and its process exits.
+                await asuspend_flow_run(timeout=max(1, math.ceil(left)), key=f'durcap-suspend-{ids}-{attempt}')
+                continue
             try:
                 # sync-compatible: a coroutine inside an async flow (typed as returning None)
                 await pause_flow_run(timeout=max(1, math.ceil(left)), key=f'durcap-approval-{uuid_.uuid4().hex}')  # pyright: ignore[reportGeneralTypeIssues]
@@ -747,7 +773,7 @@ class PrefectAdapter(EngineAdapter):
               deployment_name=deployment_name)
 
     async def pending_approvals(self, settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
-        """Pending calls of Paused `durcap-*` flow runs (or of flow run `run_id`), from flow run input `PENDING_INPUT`."""
+        """Pending calls of Paused or Suspended `durcap-*` flow runs (or of flow run `run_id`), from flow run input `PENDING_INPUT`."""
         ensure_api()  # the configured server, or this process's temporary one
         from prefect import get_client
         from prefect.client.schemas.filters import (
@@ -762,7 +788,7 @@ class PrefectAdapter(EngineAdapter):
                 ids = [_flow_run_uuid(run_id)]
             else:
                 runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                    state=FlowRunFilterState(name=FlowRunFilterStateName(any_=['Paused']))))
+                    state=FlowRunFilterState(name=FlowRunFilterStateName(any_=['Paused', 'Suspended']))))
                 ids = [r.id for r in runs]
         calls: list[PendingCall] = []
         for flow_run_id in ids:
