@@ -1,8 +1,9 @@
 """Prefect deployment driver for the suspend tests (run as `python -m tests.engines.prefect_deploy_driver CMD ...`).
 
-- `serve TARGET NAME`: serve agent NAME's flow (from TARGET) as deployment `suspend-test` without a schedule
-  (`prefect.serve`, flow runs in new processes from the deployment's entrypoint, as `durcap schedule prefect`);
-  prints `SERVING` once the deployment is registered. Blocks until killed.
+- `serve TARGET NAME DEPLOYMENT`: serve agent NAME's flow (from TARGET) as deployment DEPLOYMENT without a
+  schedule (`prefect.serve`, flow runs in new processes from the deployment's entrypoint, and `watch_deadlines`
+  every second, as `durcap schedule prefect`); prints `SERVING` once the deployment is registered. Blocks until
+  killed.
 - `start DEPLOYMENT PROMPT`: `run_deployment(..., timeout=0)`; prints `FLOW RUN <id>`.
 - `state RUN_ID`: prints `STATE <state name>`, and `OUTPUT <json>` once Completed.
 
@@ -17,21 +18,19 @@ import os
 import sys
 import uuid
 
-DEPLOYMENT = 'suspend-test'
 
-
-def serve(target: str, agent_name: str) -> None:
+def serve(target: str, agent_name: str, deployment_name: str) -> None:
     from prefect import serve as prefect_serve
 
-    from durable_capabilities.engines.prefect import agent_flow
+    from durable_capabilities.engines.prefect import agent_flow, watch_deadlines
     from durable_capabilities.engines.prefect_entry import TARGET_ENV, entrypoint
     from durable_capabilities.targets import load_checked
 
     os.environ[TARGET_ENV] = target  # inherited by each flow run's process
     [agent] = [a for a in load_checked(target).agents if a.name == agent_name]
-    deployment = agent_flow(agent).to_deployment(name=DEPLOYMENT)
+    deployment = agent_flow(agent).to_deployment(name=deployment_name)
     deployment.entrypoint = entrypoint(agent.name)
-    deployment.apply()
+    watch_deadlines(agent, deployment.apply(), every=1.0)
     print('SERVING', flush=True)
     prefect_serve(deployment, print_starting_message=False)
 

@@ -10,6 +10,7 @@ subprocesses killed with SIGKILL while the run waits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -506,6 +508,35 @@ def _live_children(pid: int) -> list[int]:
     return children
 
 
+@contextlib.contextmanager
+def _serving(tmp_path: Path, env: dict[str, str], deployment: str) -> Iterator[subprocess.Popen[bytes]]:
+    """Serve the gated agent's flow as `deployment` from a subprocess; SIGKILL its process group at the end."""
+    log = tmp_path / f'serve-{deployment}.log'
+    with open(log, 'wb') as handle:
+        server = subprocess.Popen(
+            [sys.executable, '-m', 'tests.engines.prefect_deploy_driver', 'serve', TARGET, 'gated', deployment],
+            cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, 'PYTHONPATH': str(ROOT), **env})
+    try:
+        deadline = time.monotonic() + 90
+        while 'SERVING' not in log.read_text(errors='replace'):
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text(errors='replace')
+            time.sleep(0.2)
+        yield server
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=30)
+
+
+def _start_runs(deployment: str, users: list[str], env: dict[str, str]) -> dict[str, str]:
+    runs = {}
+    for user in users:
+        out = _deploy_driver('start', f'durcap-gated/{deployment}', f'revoke {user}', env=env)
+        runs[user] = out.split('FLOW RUN ', 1)[1].split()[0]
+    return runs
+
+
 def test_prefect_deployment_run_suspends_without_a_process_then_approve_and_deny(prefect_api_url: str,
                                                                                  tmp_path: Path) -> None:
     """A flow run started from a served deployment suspends on the gate (state Suspended, its process exits,
@@ -516,21 +547,8 @@ def test_prefect_deployment_run_suspends_without_a_process_then_approve_and_deny
     as `durcap schedule prefect` uses) is a real subprocess stopped by pid (SIGKILL of its group) at the end."""
     env, crash_dir = env_for(tmp_path)
     env.update({'PREFECT_API_URL': prefect_api_url, 'PREFECT_RUNNER_POLL_FREQUENCY': '1', 'DURCAP_RECORD_PIDS': '1'})
-    log = tmp_path / 'serve.log'
-    with open(log, 'wb') as handle:
-        server = subprocess.Popen(
-            [sys.executable, '-m', 'tests.engines.prefect_deploy_driver', 'serve', TARGET, 'gated'], cwd=ROOT,
-            stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, 'PYTHONPATH': str(ROOT), **env})
-    try:
-        deadline = time.monotonic() + 90
-        while 'SERVING' not in log.read_text(errors='replace'):
-            assert server.poll() is None and time.monotonic() < deadline, log.read_text(errors='replace')
-            time.sleep(0.2)
-        runs = {}
-        for user in ('kai', 'lea'):
-            out = _deploy_driver('start', 'durcap-gated/suspend-test', f'revoke {user}', env=env)
-            runs[user] = out.split('FLOW RUN ', 1)[1].split()[0]
+    with _serving(tmp_path, env, 'suspend-test') as server:
+        runs = _start_runs('suspend-test', ['kai', 'lea'], env)
         for run_id in runs.values():
             _wait_state(run_id, 'Suspended', env)
         flow_run_pids = {int(p) for p in (crash_dir / 'model-pids').read_text().split()}
@@ -553,7 +571,17 @@ def test_prefect_deployment_run_suspends_without_a_process_then_approve_and_deny
         assert revocations(crash_dir) == ['kai']  # exactly once, and never for the denied call
         resumed_pids = {int(p) for p in (crash_dir / 'model-pids').read_text().split()} - flow_run_pids
         assert len(resumed_pids) == 2  # each run continued in a new process started from the deployment
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
-        server.wait(timeout=30)
+
+
+def test_prefect_deployment_run_suspended_past_its_deadline_is_denied(prefect_api_url: str, tmp_path: Path) -> None:
+    """Timeout of a suspended flow run: no process waits, the serving process's `watch_deadlines` resumes it once
+    the deadline (8 s) has passed, and the rerun denies the call with the timeout reason; the tool never runs.
+    Model: the scripted `FunctionModel` of tests/engines/approval_agent.py."""
+    env, crash_dir = env_for(tmp_path, timeout=8)
+    env.update({'PREFECT_API_URL': prefect_api_url, 'PREFECT_RUNNER_POLL_FREQUENCY': '1'})
+    with _serving(tmp_path, env, 'suspend-timeout-test'):
+        [run_id] = _start_runs('suspend-timeout-test', ['max'], env).values()
+        _wait_state(run_id, 'Suspended', env)
+        output = _wait_state(run_id, 'Completed', env, timeout=120)
+        assert output.startswith('result: No one approved the call to revoke_sessions'), output
+        assert revocations(crash_dir) == []
