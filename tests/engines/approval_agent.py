@@ -3,7 +3,8 @@
 `revoke_sessions(user)` needs approval (`requires_approval=True`); each execution appends a line to
 `$DURCAP_CRASH_DIR/revocations` (the side effect that must happen exactly once). The model calls it once
 for the user named in the prompt, then answers with the tool's result text (so a denial's reason shows in
-the output). `$DURCAP_APPROVAL_TIMEOUT` (seconds) sets the gate's timeout.
+the output). `$DURCAP_APPROVAL_TIMEOUT` (seconds) sets the gate's timeout. With `$DURCAP_RECORD_PIDS=1` each
+model request appends its process id to `$DURCAP_CRASH_DIR/model-pids`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def _record(line: str) -> None:
 
 
 def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+    if os.environ.get('DURCAP_RECORD_PIDS') == '1':  # which process made each model request (suspend tests)
+        path = Path(os.environ['DURCAP_CRASH_DIR'])
+        path.mkdir(parents=True, exist_ok=True)
+        with open(path / 'model-pids', 'a', encoding='utf-8') as f:
+            f.write(f'{os.getpid()}\n')
     returns = [p for m in messages for p in getattr(m, 'parts', []) if isinstance(p, ToolReturnPart)]
     if returns:
         return ModelResponse(parts=[TextPart(f'result: {returns[-1].content}')])

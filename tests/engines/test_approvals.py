@@ -10,6 +10,7 @@ subprocesses killed with SIGKILL while the run waits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -448,3 +450,138 @@ def test_demo_without_a_decision_says_how_to_approve_and_waits(tmp_path: Path) -
     out = log.read_text()
     assert 'Revoked sessions for acct-42.' in out, out
     assert out.count('paused: ') == 1
+
+
+# ---- Prefect: a flow run of a deployment suspends ------------------------------------------------
+
+
+def _deploy_driver(*args: str, env: dict[str, str]) -> str:
+    out = subprocess.run([sys.executable, '-m', 'tests.engines.prefect_deploy_driver', *args], cwd=ROOT,
+                         capture_output=True, text=True, env={**os.environ, 'PYTHONPATH': str(ROOT), **env},
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def _flow_run_state(run_id: str, env: dict[str, str]) -> tuple[str, Any]:
+    """(state name, output once Completed) of a flow run, read from the server."""
+    lines = _deploy_driver('state', run_id, env=env).splitlines()
+    name = next(line for line in lines if line.startswith('STATE ')).split(' ')[1]
+    output = next((json.loads(line.split(' ', 1)[1]) for line in lines if line.startswith('OUTPUT ')), None)
+    return name, output
+
+
+def _wait_state(run_id: str, wanted: str, env: dict[str, str], timeout: float = 120) -> Any:
+    """Poll until flow run `run_id` is in state `wanted` (a name: Suspended, Completed); its output if Completed."""
+    deadline = time.monotonic() + timeout
+    seen = ''
+    while time.monotonic() < deadline:
+        seen, output = _flow_run_state(run_id, env)
+        if seen == wanted:
+            return output
+        assert seen not in ('Failed', 'Crashed', 'Cancelled'), f'flow run {run_id} ended {seen}'
+        time.sleep(0.5)
+    raise AssertionError(f'flow run {run_id} not {wanted} within {timeout} s (last: {seen})')
+
+
+def _process_gone(pid: int, timeout: float = 30) -> bool:
+    """True once `pid` has exited (no such process, or a zombie its parent has not reaped yet)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            stat = Path(f'/proc/{pid}/stat').read_text()
+        except FileNotFoundError:
+            return True
+        if stat.rsplit(')', 1)[1].split()[0] == 'Z':
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _live_children(pid: int) -> list[int]:
+    """Live (not zombie) child processes of `pid`, from /proc."""
+    children = []
+    for task_dir in Path(f'/proc/{pid}/task').iterdir():
+        for child in (task_dir / 'children').read_text().split():
+            if not _process_gone(int(child), timeout=0):
+                children.append(int(child))
+    return children
+
+
+@contextlib.contextmanager
+def _serving(tmp_path: Path, env: dict[str, str], deployment: str) -> Iterator[subprocess.Popen[bytes]]:
+    """Serve the gated agent's flow as `deployment` from a subprocess; SIGKILL its process group at the end."""
+    log = tmp_path / f'serve-{deployment}.log'
+    with open(log, 'wb') as handle:
+        server = subprocess.Popen(
+            [sys.executable, '-m', 'tests.engines.prefect_deploy_driver', 'serve', TARGET, 'gated', deployment],
+            cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, 'PYTHONPATH': str(ROOT), **env})
+    try:
+        deadline = time.monotonic() + 90
+        while 'SERVING' not in log.read_text(errors='replace'):
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text(errors='replace')
+            time.sleep(0.2)
+        yield server
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=30)
+
+
+def _start_runs(deployment: str, users: list[str], env: dict[str, str]) -> dict[str, str]:
+    runs = {}
+    for user in users:
+        out = _deploy_driver('start', f'durcap-gated/{deployment}', f'revoke {user}', env=env)
+        runs[user] = out.split('FLOW RUN ', 1)[1].split()[0]
+    return runs
+
+
+def test_prefect_deployment_run_suspends_without_a_process_then_approve_and_deny(prefect_api_url: str,
+                                                                                 tmp_path: Path) -> None:
+    """A flow run started from a served deployment suspends on the gate (state Suspended, its process exits,
+    the serving process runs no flow-run process for it); `durcap approve` resumes it, Prefect starts it again
+    from the deployment, cached tasks replay, the tool runs exactly once. A denied run gives the model the reason.
+
+    Model: the scripted `FunctionModel` of tests/engines/approval_agent.py. The serving process (`prefect.serve`,
+    as `durcap schedule prefect` uses) is a real subprocess stopped by pid (SIGKILL of its group) at the end."""
+    env, crash_dir = env_for(tmp_path)
+    env.update({'PREFECT_API_URL': prefect_api_url, 'PREFECT_RUNNER_POLL_FREQUENCY': '1', 'DURCAP_RECORD_PIDS': '1'})
+    with _serving(tmp_path, env, 'suspend-test') as server:
+        runs = _start_runs('suspend-test', ['kai', 'lea'], env)
+        for run_id in runs.values():
+            _wait_state(run_id, 'Suspended', env)
+        flow_run_pids = {int(p) for p in (crash_dir / 'model-pids').read_text().split()}
+        assert len(flow_run_pids) == 2 and os.getpid() not in flow_run_pids | {server.pid}
+        assert all(_process_gone(pid) for pid in flow_run_pids), 'a suspended flow run still has its process'
+        assert _live_children(server.pid) == [], 'the serving process still runs a flow-run process'
+        assert revocations(crash_dir) == []
+
+        [call] = pending_prefect(['--engine', 'prefect'], runs['kai'], env)
+        assert call['args'] == {'user': 'kai'}
+        approved = durcap('approve', runs['kai'], call['call_id'], '--by', 'ops', '--engine', 'prefect', env=env)
+        assert approved.returncode == 0, approved.stderr
+        [call] = pending_prefect(['--engine', 'prefect'], runs['lea'], env)
+        denied = durcap('deny', runs['lea'], call['call_id'], '--reason', 'needs a ticket', '--engine', 'prefect',
+                        env=env)
+        assert denied.returncode == 0, denied.stderr
+
+        assert _wait_state(runs['kai'], 'Completed', env, timeout=180) == 'result: revoked sessions of kai'
+        assert _wait_state(runs['lea'], 'Completed', env, timeout=180) == 'result: needs a ticket'
+        assert revocations(crash_dir) == ['kai']  # exactly once, and never for the denied call
+        resumed_pids = {int(p) for p in (crash_dir / 'model-pids').read_text().split()} - flow_run_pids
+        assert len(resumed_pids) == 2  # each run continued in a new process started from the deployment
+
+
+def test_prefect_deployment_run_suspended_past_its_deadline_is_denied(prefect_api_url: str, tmp_path: Path) -> None:
+    """Timeout of a suspended flow run: no process waits, the serving process's `watch_deadlines` resumes it once
+    the deadline (8 s) has passed, and the rerun denies the call with the timeout reason; the tool never runs.
+    Model: the scripted `FunctionModel` of tests/engines/approval_agent.py."""
+    env, crash_dir = env_for(tmp_path, timeout=8)
+    env.update({'PREFECT_API_URL': prefect_api_url, 'PREFECT_RUNNER_POLL_FREQUENCY': '1'})
+    with _serving(tmp_path, env, 'suspend-timeout-test'):
+        [run_id] = _start_runs('suspend-timeout-test', ['max'], env).values()
+        _wait_state(run_id, 'Suspended', env)
+        output = _wait_state(run_id, 'Completed', env, timeout=120)
+        assert output.startswith('result: No one approved the call to revoke_sessions'), output
+        assert revocations(crash_dir) == []
