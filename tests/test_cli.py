@@ -356,3 +356,15 @@ def test_store_and_dbos_db_from_the_environment_are_checked_like_the_options(tmp
     assert 'Traceback' not in memory.stderr and memory.stdout == ''
     bad_db = durcap('runs', 'list', '--engine', 'dbos', env={**env, 'DURCAP_DBOS_DB': 'mysql://u@h/db'})
     assert bad_db.returncode == 2 and 'DC040 $DURCAP_DBOS_DB' in bad_db.stderr, bad_db.stderr
+
+
+@pytest.mark.parametrize('args', [
+    ('ui', '--port', '99999', '--engine', 'dbos'), ('ui', '--port', '0'), ('ui', '--limit', '0'),
+    ('runs', 'list', '--engine', 'dbos', '--limit', '-1'), ('wire', '--port', '70000'),
+    ('dev', 'temporal', '--port', '-5'),
+])
+def test_ports_and_limits_out_of_range_are_refused(args: tuple[str, ...]) -> None:
+    """A port outside 1-65535 or a limit below 1: typer's one-line usage error, exit 2, nothing started."""
+    result = durcap(*args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert 'Traceback' not in result.stderr and 'Invalid value for' in result.stderr, result.stderr

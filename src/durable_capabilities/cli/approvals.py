@@ -63,7 +63,12 @@ def list_approvals(
     if not calls:
         _out.print('no calls waiting for approval')
         return
-    table = Table('run', 'call', 'agent', 'conversation', 'tool', 'arguments', 'fingerprint', 'requested at', 'deadline')
+    table = Table()
+    # The run and call ids are what `durcap approve|deny` take: never cut them, whatever the terminal width.
+    table.add_column('run', no_wrap=True, min_width=max(len(printable(c.run_id)) for c in calls))
+    table.add_column('call', no_wrap=True, min_width=max(len(printable(c.call_id)) for c in calls))
+    for name in ('agent', 'conversation', 'tool', 'arguments', 'fingerprint', 'requested at', 'deadline'):
+        table.add_column(name)
     for c in calls:
         table.add_row(*(Text(printable(cell)) for cell in (
             c.run_id, c.call_id, c.agent, c.conversation_id or '-', c.tool_name, json.dumps(c.args, sort_keys=True),

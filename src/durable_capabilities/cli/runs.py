@@ -88,7 +88,7 @@ def _print_runs(infos: list[Any], fmt: RunsFormat) -> None:
 def list_runs(
     engine: Annotated[str | None, _engine_option()] = None,
     status: Annotated[str | None, typer.Option(help='running, queued, orphaned (its process is gone: `runs resume` it), completed, failed or cancelled.')] = None,
-    limit: Annotated[int, typer.Option(help='At most this many runs per engine, newest first.')] = 20,
+    limit: Annotated[int, typer.Option(help='At most this many runs per engine, newest first.', min=1)] = 20,
     fmt: FormatOption = RunsFormat.text,
     db: DbOption = None,
     address: AddressOption = None,

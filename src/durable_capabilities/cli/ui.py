@@ -22,11 +22,11 @@ LOOPBACK = ('127.0.0.1', '::1', 'localhost')
 @app.command()
 def ui(
     host: Annotated[str, typer.Option(help='Interface to bind (default loopback only: the pages show run data).')] = '127.0.0.1',
-    port: Annotated[int, typer.Option(help='TCP port.')] = 8765,
+    port: Annotated[int, typer.Option(help='TCP port.', min=1, max=65535)] = 8765,
     engine: Annotated[list[str] | None, typer.Option('--engine', '-e', parser=engine_name(durable_only=True),
                                                      metavar=engine_metavar(True),
                                                      help='Engines to read (repeatable; default: every installed durable engine).')] = None,
-    limit: Annotated[int, typer.Option(help='Runs listed per engine, newest first.')] = 50,
+    limit: Annotated[int, typer.Option(help='Runs listed per engine, newest first.', min=1)] = 50,
     db: DbOption = None,
     address: AddressOption = None,
     namespace: NamespaceOption = 'default',

@@ -16,7 +16,7 @@ from . import _err, _unusable, app
 
 @app.command()
 def wire(
-    port: Annotated[int, typer.Option(help='TCP port on 127.0.0.1.')] = 8765,
+    port: Annotated[int, typer.Option(help='TCP port on 127.0.0.1.', min=1, max=65535)] = 8765,
     script: Annotated[Path | None, typer.Option(help='A JSON or YAML wire script (default: the bundled support '
                                                       'conversation about order ABC-123).')] = None,
 ) -> None:

@@ -705,7 +705,8 @@ class DBOSAdapter(EngineAdapter):
         engine_status = str(status.status)
         gone = engine_status in ('PENDING', 'ENQUEUED') and executor_process_gone(status.executor_id)
         notes = [(f'its process ({status.executor_id}) is gone: finish it with `durcap runs resume '
-                  f'{status.workflow_id} --engine dbos --target TARGET`, or by a `durcap worker dbos`')] if gone else []
+                  f'{status.workflow_id} --engine dbos --target TARGET`, or by `durcap worker dbos TARGET --executor-id '
+                  f'{status.executor_id}` (a worker recovers only its own executor\'s workflows)')] if gone else []
         return RunInfo(
             'dbos', status.workflow_id, agent, 'orphaned' if gone else _DBOS_STATUS.get(engine_status, 'running'),
             engine_status,
