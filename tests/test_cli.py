@@ -368,3 +368,16 @@ def test_ports_and_limits_out_of_range_are_refused(args: tuple[str, ...]) -> Non
     result = durcap(*args)
     assert result.returncode == 2, result.stdout + result.stderr
     assert 'Traceback' not in result.stderr and 'Invalid value for' in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize('address', ['nohost:99999', 'http://127.0.0.1:7233', '127.0.0.1', ':7233', 'h:0'])
+@pytest.mark.parametrize('command', [('runs', 'list', '--engine', 'temporal'), ('approvals', 'list', '--engine', 'temporal'),
+                                     ('run', 'tests/engines/ledger_agent.py:agent', 'x', '--engine', 'temporal')])
+def test_a_malformed_temporal_address_is_bad_input(command: tuple[str, ...], address: str) -> None:
+    """`--address` (and `$DURCAP_TEMPORAL_ADDRESS`) must be HOST:PORT with a port in 1-65535: DC040, exit 2, before
+    anything connects (temporalio would fail later with a raw transport error, or only warn about a scheme)."""
+    flag = durcap(*command, '--address', address, env={**os.environ, 'PYTHONPATH': str(ROOT)})
+    assert flag.returncode == 2 and 'DC040 --address' in flag.stderr, flag.stdout + flag.stderr
+    env = {**os.environ, 'PYTHONPATH': str(ROOT), 'DURCAP_TEMPORAL_ADDRESS': address}
+    from_env = durcap(*command, env=env)
+    assert from_env.returncode == 2 and 'DC040 $DURCAP_TEMPORAL_ADDRESS' in from_env.stderr, from_env.stderr

@@ -86,6 +86,24 @@ _OPTION_ENV = {'--store': 'DURCAP_STORE', '--db': 'DURCAP_DBOS_DB'}
 """The environment variable each database option falls back to (checked the same way when the option is absent)."""
 
 
+def temporal_address(value: str | None, option: str = '--address') -> str | None:
+    """A Temporal frontend address checked before anything connects: `HOST:PORT` with a port in 1-65535 and no
+    scheme (temporalio's `Client.connect` takes `host:port`; a URL only gets a warning there). `None` stays `None`.
+
+    Exits 2 (code DC040) naming the option and the fix otherwise.
+    """
+    if value is None or value == '':
+        return value or None
+    shown = printable(repr(value))[:200]
+    fix = 'give HOST:PORT, e.g. 127.0.0.1:7233'
+    if '://' in value:
+        _unusable(f'{INPUT_CODE} {option} {shown} has a scheme: {fix}')
+    host, sep, port = value.rpartition(':')
+    if not sep or not host.strip('[]') or not port.isdigit() or not 1 <= int(port) <= 65535:
+        _unusable(f'{INPUT_CODE} {option} {shown} is not HOST:PORT with a port in 1-65535: {fix}')
+    return value
+
+
 def database_url(value: str | None, option: str, *, probe: bool = False) -> str | None:
     """A `--store` / `--db` value checked before anything uses it: None stays None (the default applies).
 

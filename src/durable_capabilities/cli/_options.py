@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
@@ -22,7 +23,12 @@ StoreOption = Annotated[str | None, typer.Option('--store', help=f'Conversation 
 def connection_settings(db: str | None, address: str | None, namespace: str, store: str | None = None) -> Settings:
     """`Settings.resolve` of the flags given (`None`: not given), after `--db` and `--store` are checked as
     `durcap run` checks them (exit 2, DC040, for an empty, in-memory or unsupported database URL)."""
-    from . import database_url
+    from . import database_url, temporal_address
 
-    return Settings.resolve(address=address, namespace=namespace, db=database_url(db, '--db'),
+    if not address:
+        for env in ('DURCAP_TEMPORAL_ADDRESS', 'TEMPORAL_ADDRESS'):  # the first one set is the one used
+            if os.environ.get(env):
+                temporal_address(os.environ[env], f'${env}')
+                break
+    return Settings.resolve(address=temporal_address(address), namespace=namespace, db=database_url(db, '--db'),
                             store=database_url(store, '--store'))

@@ -126,7 +126,15 @@ def _failure(agent: DurableAgent[Any, Any], engine: str, exc: BaseException, whe
 
 
 def _temporal_address(address: str | None) -> str | None:
-    return address or os.environ.get('DURCAP_TEMPORAL_ADDRESS') or os.environ.get('TEMPORAL_ADDRESS') or None
+    """`--address`, else `$DURCAP_TEMPORAL_ADDRESS`, else `$TEMPORAL_ADDRESS` (each checked: exit 2 on a malformed
+    one), else `None`."""
+    from . import temporal_address
+
+    for value, option in ((address, '--address'), (os.environ.get('DURCAP_TEMPORAL_ADDRESS'), '$DURCAP_TEMPORAL_ADDRESS'),
+                          (os.environ.get('TEMPORAL_ADDRESS'), '$TEMPORAL_ADDRESS')):
+        if value:
+            return temporal_address(value, option)
+    return None
 
 
 async def _run_on(
@@ -298,10 +306,11 @@ def run(
     if store:
         os.environ['DURCAP_STORE'] = store  # read where the store I/O runs (this process, or an inline worker)
     deps = _deps(agent, deps_json)  # bad deps are unusable input (exit 2), before anything runs
+    run_address = _temporal_address(address)  # likewise a malformed address
     started: list[str] = []
     try:
         report = asyncio.run(_run_on(
-            agent, prompt, engine, deps, address=_temporal_address(address),
+            agent, prompt, engine, deps, address=run_address,
             task_queue=task_queue, db=db, inline_worker=inline_worker, conversation_id=conversation, store=store,
             started=started,
         ))
