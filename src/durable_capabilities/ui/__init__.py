@@ -111,7 +111,7 @@ class _UI:
         try:
             _, info = await find_run(run_id, self.settings, engine)
         except RunNotFoundError as exc:
-            return self.page(request, 'error.html', 404, title='No such run', message=str(exc),
+            return self.page(request, 'error.html', 404, title='No such run', message=str(exc.args[0]) if exc.args else 'no such run',
                              details=exc.args[1] if len(exc.args) > 1 else [])
         pending, problems = await self.pending(engine, run_id)
         conversation, conversation_error = await self.read(info.conversation_id)
