@@ -81,7 +81,7 @@ def test_support_conversation_on_every_engine(engine: str, kind: str, request: p
     assert f'answer ({engine}): {ANSWER}' in out.stdout
     assert 'capabilities loaded in this run: orders' in out.stdout
     tool_units = [line for line in out.stdout.splitlines() if ('orders' in line and 'call_tool' in line)
-                  or 'Call Tool: order_status' in line]  # Temporal/DBOS: the toolset's unit; Prefect: the tool's task
+                  or line.strip() == 'orders.order_status']  # Temporal/DBOS: the toolset's unit; Prefect: the tool's task run
     assert len(tool_units) == 1, out.stdout
     assert 'usage: 3 requests, 2103 input tokens, 73 output tokens' in out.stdout  # 612+701+790, 18+24+31
     streamed = kind != 'openai-responses'
