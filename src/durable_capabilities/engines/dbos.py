@@ -843,11 +843,23 @@ class DBOSAdapter(EngineAdapter):
 
 
 def _error_line(error: Any) -> str | None:
-    """A failed workflow's error as one line (`Type: message`), or `None`."""
+    """A failed workflow's error as one line (`Type: message`), or `None`. A step that ran out of retries
+    (`DBOSMaxStepRetriesExceeded`, which keeps each attempt's error in `errors`) is named by its last attempt's
+    error, the step's own failure following: `RuntimeError: card declined; after DBOSMaxStepRetriesExceeded: ...`."""
     if error is None:
         return None
-    text = str(error).strip().splitlines()
-    return f'{type(error).__name__}: {text[0] if text else ""}' if isinstance(error, BaseException) else (text[0] if text else None)
+    if not isinstance(error, BaseException):
+        text = str(error).strip().splitlines()
+        return text[0] if text else None
+
+    def line(exc: BaseException) -> str:
+        text = str(exc).strip().splitlines()
+        return f'{type(exc).__name__}: {text[0] if text else ""}'
+
+    attempts = getattr(error, 'errors', None)
+    if isinstance(attempts, (list, tuple)) and attempts and isinstance(attempts[-1], BaseException):
+        return f'{line(attempts[-1])}; after {line(error)}'
+    return line(error)
 
 
 _DBOS_STATUS = {
