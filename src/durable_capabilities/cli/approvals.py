@@ -64,11 +64,15 @@ def list_approvals(
         _out.print('no calls waiting for approval')
         return
     table = Table()
-    # The run and call ids are what `durcap approve|deny` take: never cut them, whatever the terminal width.
+    # The run and call ids are what `durcap approve|deny` take, and the tool is what a person reviews: never cut
+    # them, whatever the terminal width. The other columns fold (wrap inside a word) rather than lose characters.
     table.add_column('run', no_wrap=True, min_width=max(len(printable(c.run_id)) for c in calls))
     table.add_column('call', no_wrap=True, min_width=max(len(printable(c.call_id)) for c in calls))
-    for name in ('agent', 'conversation', 'tool', 'arguments', 'fingerprint', 'requested at', 'deadline'):
-        table.add_column(name)
+    for name in ('agent', 'conversation'):
+        table.add_column(name, overflow='fold')
+    table.add_column('tool', no_wrap=True, min_width=max(len(printable(c.tool_name)) for c in calls))
+    for name in ('arguments', 'fingerprint', 'requested at', 'deadline'):
+        table.add_column(name, overflow='fold')
     for c in calls:
         table.add_row(*(Text(printable(cell)) for cell in (
             c.run_id, c.call_id, c.agent, c.conversation_id or '-', c.tool_name, json.dumps(c.args, sort_keys=True),
