@@ -151,6 +151,14 @@ def durcap_run(ui: UI, engine: str, conversation: str, tmp_path: Path) -> str:
     return next(line for line in (result.stderr + result.stdout).splitlines() if label in line).split(label)[1].split()[0]
 
 
+def settle(driver, condition, timeout: float = 30) -> None:
+    """Wait until `condition(driver)` holds: a click that submits a form returns before the next page has loaded
+    (seen on a loaded CI machine)."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(driver, timeout, poll_frequency=0.1).until(condition)
+
+
 def row(driver, run_id: str):
     from selenium.webdriver.common.by import By
 
@@ -182,6 +190,7 @@ def test_runs_list_shows_a_dbos_and_a_temporal_support_run_with_capabilities_and
     Select(browser.find_element(By.NAME, 'engine')).select_by_value('temporal')
     Select(browser.find_element(By.NAME, 'capability')).select_by_value('orders')
     browser.find_element(By.CSS_SELECTOR, '#filters button').click()
+    settle(browser, lambda d: 'engine=temporal' in d.current_url)  # the click submits; the page loads after it
     assert 'engine=temporal' in browser.current_url and 'capability=orders' in browser.current_url
     assert row(browser, temporal_id) is not None and row(browser, dbos_id) is None
     assert {r.get_attribute('data-engine') for r in browser.find_elements(By.CSS_SELECTOR, '#runs tbody tr[data-engine]')} \
@@ -249,6 +258,7 @@ def test_approve_from_the_page_with_edited_arguments_runs_the_tool_once(ui: UI, 
     form.find_element(By.NAME, 'by').send_keys('ops-anna')
     form.find_element(By.NAME, 'token').send_keys(ui.token)
     form.find_element(By.CSS_SELECTOR, 'button').click()
+    settle(browser, lambda d: d.find_elements(By.ID, 'decided'))
     assert browser.find_element(By.ID, 'decided').text == f'approved call {call["call_id"]} of run {run_id} by ui:ops-anna'
     report = proc.report(timeout=120)
     assert report['output'] == 'result: revoked sessions of alice-2'
@@ -286,6 +296,7 @@ def test_temporal_call_approved_from_the_page_runs_once(ui: UI, browser, spawn, 
     form = box.find_element(By.CSS_SELECTOR, 'form.approve')
     form.find_element(By.NAME, 'token').send_keys(ui.token)
     form.find_element(By.CSS_SELECTOR, 'button').click()
+    settle(browser, lambda d: d.find_elements(By.ID, 'decided'))
     assert browser.find_element(By.ID, 'decided').text.startswith(f'approved call {call["call_id"]} of run {run_id} by ui:')
 
     async def result() -> AgentRunOutput:
@@ -310,6 +321,7 @@ def test_deny_shows_its_reason_in_the_conversation_view(ui: UI, browser, spawn, 
     form.find_element(By.NAME, 'reason').send_keys('bob is the CEO: open a ticket first')
     form.find_element(By.NAME, 'token').send_keys(ui.token)
     form.find_element(By.CSS_SELECTOR, 'button').click()
+    settle(browser, lambda d: d.find_elements(By.ID, 'decided'))
     assert browser.find_element(By.ID, 'decided').text.startswith('denied call')
     assert proc.report(timeout=120)['output'] == 'result: bob is the CEO: open a ticket first'
     assert revocations(crash_dir) == []
