@@ -16,30 +16,27 @@ def model_error(error: BaseException | None) -> BaseException | None:
     return None
 
 
-def shorten(record: logging.LogRecord, prefix: str) -> bool:
-    """Rewrite `record` as `{prefix} failed: {ErrorClass}: {first line}` and drop its traceback when it carries a
-    model error; return whether it did."""
-    found = model_error(record.exc_info[1] if record.exc_info else None)
-    if found is None:
-        return False
-    detail = str(found).splitlines()[0] if str(found) else ''
-    record.msg = f'{prefix} failed: {type(found).__name__}: {detail}'
-    record.args, record.exc_info, record.exc_text = (), None, None
-    return True
-
-
-def shorten_any(record: logging.LogRecord, prefix: str) -> bool:
-    """`shorten`, and for any other error too: `{prefix} failed: {ErrorClass}: {first line}` of the error itself (a
-    tool step's error); return whether `record` carried an error."""
-    if shorten(record, prefix):
-        return True
-    error = record.exc_info[1] if record.exc_info else None
+def _rewrite(record: logging.LogRecord, prefix: str, error: BaseException | None) -> bool:
+    """Rewrite `record` as `{prefix} failed: {ErrorClass}: {first line}` of `error`, without its traceback; return
+    whether there was an error to name."""
     if error is None:
         return False
     detail = str(error).splitlines()[0] if str(error) else ''
     record.msg = f'{prefix} failed: {type(error).__name__}: {detail}'
     record.args, record.exc_info, record.exc_text = (), None, None
     return True
+
+
+def shorten(record: logging.LogRecord, prefix: str) -> bool:
+    """Rewrite `record` as `{prefix} failed: {ErrorClass}: {first line}` and drop its traceback when it carries a
+    model error; return whether it did."""
+    return _rewrite(record, prefix, model_error(record.exc_info[1] if record.exc_info else None))
+
+
+def shorten_any(record: logging.LogRecord, prefix: str) -> bool:
+    """`shorten`, and for any other error too: `{prefix} failed: {ErrorClass}: {first line}` of the error itself (a
+    tool step's error); return whether `record` carried an error."""
+    return shorten(record, prefix) or _rewrite(record, prefix, record.exc_info[1] if record.exc_info else None)
 
 
 def drop_traceback(record: logging.LogRecord) -> bool:
