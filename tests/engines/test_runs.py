@@ -32,10 +32,16 @@ def env_with(**extra: str) -> dict[str, str]:
     return {**os.environ, 'PYTHONPATH': str(ROOT), **extra}
 
 
+def _default_sigint() -> None:
+    """In the child: SIGINT back to its default. A test run started in the background by a non-interactive shell
+    (`.ci/run &`) inherits SIGINT ignored, and Python then never turns Ctrl-C into KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     handle = open(log, 'wb')
     proc = subprocess.Popen([*DURCAP, *args], cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_default_sigint)
     handle.close()
     return proc
 
