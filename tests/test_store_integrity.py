@@ -134,3 +134,37 @@ def test_writability_probe_refuses_a_read_only_postgresql_database() -> None:
             run(SQLConversationStore(url).check_writable())
     finally:
         drop_database(name)
+
+
+def test_the_store_a_worker_keeps_open_follows_a_replaced_or_deleted_sqlite_file(tmp_path: Path) -> None:
+    """`conversations.process_store` keeps one store per URL for the process's life (load and append units run
+    on every turn). A SQLite file restored from a backup (replaced) or deleted under it must be used as the new
+    file, never written through a pooled connection to the old one (whose writes would be lost)."""
+    import os
+
+    from durable_capabilities.conversations import process_store
+
+    path = tmp_path / 'kept.db'
+    url = f'sqlite:///{path}'
+    kept = process_store(url)
+    assert process_store(url) is kept
+    run(kept.append('a', TURN, expected_revision=None))
+    # A backup holding another conversation replaces the file (os.replace, as a restore does).
+    backup = tmp_path / 'backup.db'
+    with SQLConversationStore(f'sqlite:///{backup}') as other:
+        run(other.append('b', TURN, expected_revision=None))
+    os.replace(backup, path)
+    for suffix in ('-wal', '-shm'):
+        path.with_name(path.name + suffix).unlink(missing_ok=True)
+    assert run(kept.read('b')).message_count == 2
+    run(kept.append('b', TURN, expected_revision=run(kept.read('b')).revision))
+    with SQLConversationStore(url) as fresh:  # the write reached the restored file
+        assert run(fresh.read('b')).message_count == 4
+        assert [r.conversation_id for r in run(fresh.read_records())] == ['b']
+    # Deleted: the next use creates a new, empty store there, as a first use would.
+    kept.close()
+    for suffix in ('', '-wal', '-shm'):
+        path.with_name(path.name + suffix).unlink(missing_ok=True)
+    run(kept.append('c', TURN, expected_revision=None))
+    with SQLConversationStore(url) as fresh:
+        assert [r.conversation_id for r in run(fresh.read_records())] == ['c']

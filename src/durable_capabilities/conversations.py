@@ -41,6 +41,28 @@ def store_url(agent: DurableAgent[Any, Any]) -> str:
     return agent.conversation_store or os.environ.get(STORE_ENV) or DEFAULT_URL
 
 
+_STORES: dict[tuple[str, int], SQLConversationStore] = {}
+
+
+def process_store(url: str) -> SQLConversationStore:
+    """The store for `url` that this process keeps open for its life (one per URL and process id).
+
+    Load and append units run on every turn: opening a store costs an engine, a schema check and a close
+    (~5 ms, measured by `bench/bench_store.py`), which a worker pays once instead. PostgreSQL connections
+    are pooled (checked with a ping before use); a SQLite file gets a new connection per transaction and
+    its schema is checked again when the file was replaced, so a restored backup is never written through
+    a stale file descriptor. Keyed by process id as well, so a forked process never shares a pool.
+
+    Raises:
+        StoreURLError: `url` is malformed or not SQLite / PostgreSQL.
+    """
+    key = (url, os.getpid())
+    store = _STORES.get(key)
+    if store is None:
+        store = _STORES[key] = SQLConversationStore(url)
+    return store
+
+
 @dataclass
 class LoadedConversation:
     """A conversation as a run starts from it.
@@ -210,15 +232,15 @@ async def load_conversation(agent: DurableAgent[Any, Any], conversation_id: str)
     url = store_url(agent)
     key = (url, conversation_id)
     cached = _LOAD_CACHE.get(key)
-    async with SQLConversationStore(url) as store:
-        await store.check_writable()  # refuse a read-only or unreachable store before the run, not after it
-        try:
-            stored = await store.read_json(
-                conversation_id, known=(len(cached.rows), cached.entry_ids[-1]) if cached and cached.rows else None
-            )
-        except ConversationNotFoundError:
-            _LOAD_CACHE.pop(key, None)
-            return LoadedConversation()
+    store = process_store(url)
+    await store.check_writable()  # refuse a read-only or unreachable store before the run, not after it
+    try:
+        stored = await store.read_json(
+            conversation_id, known=(len(cached.rows), cached.entry_ids[-1]) if cached and cached.rows else None
+        )
+    except ConversationNotFoundError:
+        _LOAD_CACHE.pop(key, None)
+        return LoadedConversation()
     if stored.tail and cached is not None:
         entry = _Loaded(stored.revision, [*cached.entry_ids, *stored.entry_ids], [*cached.rows, *stored.messages])
         kinds = None if stored.kinds.count('message') == len(stored.kinds) else ['message'] * len(cached.rows) + stored.kinds
@@ -257,12 +279,11 @@ async def append_conversation(
     Raises:
         ConversationConflictError: another run appended since this one loaded (`expected_revision` is stale).
     """
-    async with SQLConversationStore(store_url(agent)) as store:
-        result = await store.append(
-            conversation_id,
-            ModelMessagesTypeAdapter.validate_python(messages),
-            expected_revision=expected_revision,
-            append_id=append_id,
-            usage=RunUsage(**usage) if usage else None,
-        )
+    result = await process_store(store_url(agent)).append(
+        conversation_id,
+        ModelMessagesTypeAdapter.validate_python(messages),
+        expected_revision=expected_revision,
+        append_id=append_id,
+        usage=RunUsage(**usage) if usage else None,
+    )
     return result.revision

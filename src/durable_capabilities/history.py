@@ -48,7 +48,7 @@ def loaded_capability_ids(messages: Sequence[ModelMessage]) -> list[str]:
     Returns:
         Capability ids, without repeats.
     """
-    return list(_loads(post_compaction_window(messages)))
+    return list(_scan(post_compaction_window(messages))[0])
 
 
 @dataclass
@@ -57,31 +57,65 @@ class _Load:
     tools: set[str] = field(default_factory=set)  # tools revealed by the load
 
 
-def _loads(window: Sequence[ModelMessage], offset: int = 0) -> dict[str, _Load]:
-    """`{capability id: where it was loaded and the tools its load revealed}`, in load order."""
+_OTHER, _LOAD_CALL, _AVAILABILITY, _LOAD_DELTA, _LOAD_RETURN, _TOOL_CALL = range(6)
+_ROLES: dict[type, int] = {}
+
+
+def _role(cls: type) -> int:
+    """What a part class means to `_scan`, found once per class with `isinstance` (subclasses included) and kept:
+    the scan of a long history then costs one dict lookup per part."""
+    role = _ROLES.get(cls)
+    if role is None:
+        role = (
+            _LOAD_CALL if issubclass(cls, LoadCapabilityCallPart)
+            else _AVAILABILITY if issubclass(cls, ToolAvailabilityDeltaPart)
+            else _LOAD_DELTA if issubclass(cls, CapabilityLoadDeltaPart)
+            else _LOAD_RETURN if issubclass(cls, LoadCapabilityReturnPart)
+            else _TOOL_CALL if issubclass(cls, ToolCallPart) and not issubclass(cls, ToolSearchCallPart)
+            else _OTHER
+        )
+        _ROLES[cls] = role
+    return role
+
+
+def _scan(window: Sequence[ModelMessage], offset: int = 0) -> tuple[dict[str, _Load], dict[str, int]]:
+    """One pass over `window`: `{capability id: where it was loaded and the tools its load revealed}`, in load
+    order, and `{tool name: position of its first call}` for the model's own tool calls (not `load_capability`
+    nor tool search)."""
     calls: dict[str, str] = {}
     by_call: dict[str | None, list[str]] = {}
     loads: dict[str, _Load] = {}
+    first_call: dict[str, int] = {}
+    roles = _ROLES
     for index, message in enumerate(window, start=offset + 1):
         for part in message.parts:
-            if isinstance(part, LoadCapabilityCallPart):
-                if part.capability_id is not None:
-                    calls[part.tool_call_id] = part.capability_id
+            role = roles.get(type(part))
+            if role is None:
+                role = _role(type(part))
+            if role == _OTHER:
                 continue
-            if isinstance(part, ToolAvailabilityDeltaPart):
-                for capability_id in by_call.get(part.tool_call_id, []):
-                    loads[capability_id].tools.update(part.tools_added)
+            if role == _TOOL_CALL:
+                if isinstance(message, ModelResponse):
+                    first_call.setdefault(part.tool_name, index)  # type: ignore[attr-defined]
                 continue
-            if isinstance(part, CapabilityLoadDeltaPart):
-                ids, call_id = list(part.loaded), part.tool_call_id
-            elif isinstance(part, LoadCapabilityReturnPart) and part.tool_call_id in calls:
-                ids, call_id = [calls[part.tool_call_id]], part.tool_call_id
+            if role == _LOAD_CALL:
+                if part.capability_id is not None:  # type: ignore[attr-defined]
+                    calls[part.tool_call_id] = part.capability_id  # type: ignore[attr-defined]
+                continue
+            if role == _AVAILABILITY:
+                for capability_id in by_call.get(part.tool_call_id, []):  # type: ignore[attr-defined]
+                    loads[capability_id].tools.update(part.tools_added)  # type: ignore[attr-defined]
+                continue
+            if role == _LOAD_DELTA:
+                ids, call_id = list(part.loaded), part.tool_call_id  # type: ignore[attr-defined]
+            elif part.tool_call_id in calls:  # type: ignore[attr-defined]  # a load_capability return
+                ids, call_id = [calls[part.tool_call_id]], part.tool_call_id  # type: ignore[attr-defined]
             else:
                 continue
             for capability_id in ids:
                 loads.setdefault(capability_id, _Load(index))
                 by_call.setdefault(call_id, []).append(capability_id)
-    return loads
+    return loads, first_call
 
 
 def tools_called(messages: Sequence[ModelMessage]) -> dict[str, int]:
@@ -131,7 +165,7 @@ def drift(
     """
     window = post_compaction_window(history)
     offset = len(history) - len(window)
-    loads = _loads(window, offset)
+    loads, first_call = _scan(window, offset)
     where = f'conversation {conversation_id!r}' if conversation_id else 'history'
     current = set(definition.capability_ids())
     aliased = {old: new for new, old in getattr(definition, 'aliases', {}).items()}
@@ -175,12 +209,6 @@ def drift(
             f"Keep an alias: `DurableAgent(..., aliases={{'{new_id}': '{capability_id}'}})` (or give a capability "
             f'the id {capability_id!r} back); or start a new conversation.',
         ))
-    first_call: dict[str, int] = {}
-    for index, message in enumerate(window, start=offset + 1):
-        if isinstance(message, ModelResponse):
-            for part in message.parts:
-                if isinstance(part, ToolCallPart) and not isinstance(part, (LoadCapabilityCallPart, ToolSearchCallPart)):
-                    first_call.setdefault(part.tool_name, index)
     for tool, position in first_call.items():
         if tool in known_tools or _is_output_tool(tool, output_names):
             continue
