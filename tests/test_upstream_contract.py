@@ -225,6 +225,19 @@ def test_temporal_workflow_name_reads_the_registered_name() -> None:
     )
 
 
+def test_temporal_workflow_worker_keeps_its_deadlock_timeout_in_one_attribute() -> None:
+    import inspect
+
+    from temporalio.worker import _worker, _workflow
+
+    assert 'self._deadlock_timeout_seconds = ' in inspect.getsource(_workflow._WorkflowWorker.__init__), changed(
+        'temporalio no longer keeps its deadlock timeout in `_WorkflowWorker._deadlock_timeout_seconds`'
+    )
+    assert 'self._workflow_worker = _WorkflowWorker(' in inspect.getsource(_worker.Worker), changed(
+        '`Worker` no longer keeps its workflow worker in `_workflow_worker`'
+    )
+
+
 # ---- FunctionToolset._id -----------------------------------------------------------------------------------------------
 
 

@@ -31,6 +31,7 @@ __all__ = [
     'interchangeable_leaves',
     'is_mcp_toolset',
     'temporal_activity_name',
+    'temporal_set_deadlock_timeout',
     'temporal_worker_registrations',
     'temporal_workflow_name',
     'toolset_with_id',
@@ -160,6 +161,28 @@ def temporal_worker_registrations(durability: Any) -> tuple[list[Any], list[type
     )
 
     return worker_registrations(durability)
+
+
+def temporal_set_deadlock_timeout(worker: Any, seconds: float) -> None:
+    """Give `worker`'s workflow activations `seconds` (wall clock) before temporalio fails them as deadlocked.
+
+    temporalio 1.x fixes its deadlock detector at 2 s (`_WorkflowWorker._deadlock_timeout_seconds`, switchable only
+    off, with `debug_mode`); its Go and Java SDKs make it a worker option (`DeadlockDetectionTimeout`), and
+    sdk-python#1050 / #1614 ask the same for Python. An activation that carries a long message history (the model
+    request's input serialized, pydantic-ai's own scans of the history) takes a fraction of a second on a quiet
+    machine, but more than 2 s on a busy one: the workflow task then fails, is retried with the same work, and
+    can fail again for as long as the load lasts. Set after `Worker(...)` and before it runs.
+
+    Raises:
+        RuntimeError: temporalio no longer has the attribute (the contract test fails first).
+    """
+    workflow_worker = getattr(worker, '_workflow_worker', None)
+    if workflow_worker is None:
+        return  # a worker without workflows
+    if not hasattr(workflow_worker, '_deadlock_timeout_seconds'):
+        raise RuntimeError('temporalio changed: _WorkflowWorker._deadlock_timeout_seconds is gone; see _upstream.py')
+    if workflow_worker._deadlock_timeout_seconds is not None:  # None: debug mode, detection off; keep it off
+        workflow_worker._deadlock_timeout_seconds = seconds
 
 
 def dbos_application_version(app_name: str, excluded: Collection[str]) -> str:

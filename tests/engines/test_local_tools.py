@@ -102,3 +102,33 @@ def test_unknown_leaf_is_refused_naming_it() -> None:
     agent = _agent(f'lt_{uuid.uuid4().hex[:8]}', **{temporal.LOCAL_TOOLSETS_OPTION: {'opz': {}}})
     with pytest.raises(ValueError, match=r"\['opz'\] is not a leaf toolset with tool activities; leaf ids that fit: ops"):
         temporal.local_tool_activities(agent)
+
+
+def test_workers_get_a_deadlock_timeout_a_long_history_fits(temporal_address: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make_worker` raises temporalio's fixed 2 s deadlock detector to `DEFAULT_DEADLOCK_TIMEOUT` (a 10,000-message
+    activation on a busy machine takes longer; see its docstring), `$DURCAP_TEMPORAL_DEADLOCK_TIMEOUT` changes it and
+    a bad value is DC040 naming the variable. Real Temporal dev server (the client); the worker is built, not run."""
+    from temporalio.client import Client
+
+    from durable_capabilities.engines import temporal
+    from durable_capabilities._limits import InputError
+
+    async def timeouts() -> list[Any]:
+        client = await Client.connect(temporal_address)
+        agent = _agent('deadlock')
+        found = []
+        for value in (None, '3.5', 'soon'):
+            if value is None:
+                monkeypatch.delenv(temporal.DEADLOCK_TIMEOUT_ENV, raising=False)
+            else:
+                monkeypatch.setenv(temporal.DEADLOCK_TIMEOUT_ENV, value)
+            try:
+                worker = temporal.make_worker(client, [agent], f'deadlock-{uuid.uuid4().hex[:8]}')
+                found.append(worker._workflow_worker._deadlock_timeout_seconds)  # noqa: SLF001 - what temporalio reads
+            except InputError as exc:
+                found.append(str(exc))
+        return found
+
+    default, changed, bad = asyncio.run(timeouts())
+    assert (default, changed) == (temporal.DEFAULT_DEADLOCK_TIMEOUT, 3.5)
+    assert 'DC040' in bad and temporal.DEADLOCK_TIMEOUT_ENV in bad and "'soon'" in bad

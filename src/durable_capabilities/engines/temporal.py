@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import signal
 import sys
@@ -719,13 +720,51 @@ def make_worker(
         warm_model(agent.model)
     activities = [fn for agent in agents for fn in conversation_activities(agent)]
     activities += worker_kwargs.pop('activities', [])
-    return Worker(
+    deadlock = worker_kwargs.pop('deadlock_timeout', None)
+    worker = Worker(
         client,
         task_queue=task_queue,
         workflows=[cls for agent in agents for cls in workflow_classes(agent)],
         activities=activities,
         **worker_kwargs,
     )
+    _upstream.temporal_set_deadlock_timeout(worker, deadlock_timeout(deadlock))
+    return worker
+
+
+DEFAULT_DEADLOCK_TIMEOUT = 8.0
+"""Seconds a workflow activation may run before the worker fails it as deadlocked (temporalio's own default is 2 s).
+
+Measured with `tests/engines/test_payload_sizes.py` (a 10,000-message, 7.6 MB conversation resumed on Temporal): a
+busy 2-core machine (load average 7) took over 2 s for one activation and the run never ended, each retry of the
+workflow task failing the same way. 8 s keeps real deadlocks (a blocking call in workflow code) reported, and stays
+under the workflow task timeout (10 s by default), which would otherwise fail the task first. Change it with
+`make_worker(deadlock_timeout=...)` or `$DURCAP_TEMPORAL_DEADLOCK_TIMEOUT`."""
+
+DEADLOCK_TIMEOUT_ENV = 'DURCAP_TEMPORAL_DEADLOCK_TIMEOUT'
+
+
+def deadlock_timeout(value: float | None = None) -> float:
+    """The deadlock timeout in seconds: `value`, else `$DURCAP_TEMPORAL_DEADLOCK_TIMEOUT`, else
+    `DEFAULT_DEADLOCK_TIMEOUT`.
+
+    Raises:
+        InputError: not a number of seconds in (0, 600] (DC040, naming the variable).
+    """
+    raw: Any = value if value is not None else os.environ.get(DEADLOCK_TIMEOUT_ENV)
+    if raw is None or raw == '':
+        return DEFAULT_DEADLOCK_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float('nan')
+    if not 0 < seconds <= 600:
+        from .._limits import InputError
+
+        where = f'${DEADLOCK_TIMEOUT_ENV}' if value is None else 'make_worker(deadlock_timeout=...)'
+        raise InputError(where, f'{raw!r} is not a number of seconds in (0, 600]; set it to seconds, e.g. '
+                                f'{DEFAULT_DEADLOCK_TIMEOUT:g}, or unset it for the default')
+    return seconds
 
 
 async def run_worker(
