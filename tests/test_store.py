@@ -663,3 +663,28 @@ def test_history_show_unusable_input_exits_2_with_one_line(store_url: str, tmp_p
         assert result.stderr.startswith(first_words) and result.stderr.count('\n') == 1, result.stderr
         assert 'Traceback' not in result.stderr
     assert not (tmp_path / 'none.db').exists()
+
+
+def test_loaded_ids_and_drift_count_only_the_window_after_a_compaction() -> None:
+    """The one-pass scan (no `CompactionPart`: the whole history) and the compacted path (upstream's
+    `post_compaction_window`, then a scan of it) agree with upstream's rule: loads and calls before the last
+    compaction do not count, positions stay those of the whole history."""
+    from pydantic_ai.messages import CapabilityLoadDeltaPart, CompactionPart, ToolCallPart
+
+    from durable_capabilities import DurableAgent
+    from durable_capabilities.store import drift, loaded_capability_ids
+
+    def load(cid: str) -> ModelRequest:
+        return ModelRequest(parts=[UserPromptPart('go'), CapabilityLoadDeltaPart(loaded=[cid])])
+
+    def call(tool: str) -> ModelResponse:
+        return ModelResponse(parts=[ToolCallPart(tool, {})])
+
+    before = [load('gone-early'), call('vanished_early')]
+    after = [load('gone-late'), call('vanished_late')]
+    assert loaded_capability_ids([*before, *after]) == ['gone-early', 'gone-late']
+    compacted = [*before, ModelResponse(parts=[TextPart('old'), CompactionPart(content='summary')]), *after]
+    assert loaded_capability_ids(compacted) == ['gone-late']
+    problems = drift(compacted, DurableAgent('window', 'test', engines=()), severity='error')
+    assert [(p.code, p.message.split(' (message ')[1].split(')')[0]) for p in problems] == [('DC018', '4'), ('DC019', '5')]
+    assert 'gone-late' in problems[0].message and 'vanished_late' in problems[1].message

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic_ai.messages import (
     CapabilityLoadDeltaPart,
+    CompactionPart,
     LoadCapabilityCallPart,
     LoadCapabilityReturnPart,
     ModelMessage,
@@ -48,7 +49,7 @@ def loaded_capability_ids(messages: Sequence[ModelMessage]) -> list[str]:
     Returns:
         Capability ids, without repeats.
     """
-    return list(_scan(post_compaction_window(messages))[0])
+    return list(_window_scan(messages)[0])
 
 
 @dataclass
@@ -57,7 +58,7 @@ class _Load:
     tools: set[str] = field(default_factory=set)  # tools revealed by the load
 
 
-_OTHER, _LOAD_CALL, _AVAILABILITY, _LOAD_DELTA, _LOAD_RETURN, _TOOL_CALL = range(6)
+_OTHER, _LOAD_CALL, _AVAILABILITY, _LOAD_DELTA, _LOAD_RETURN, _TOOL_CALL, _COMPACTION = range(7)
 _ROLES: dict[type, int] = {}
 
 
@@ -72,16 +73,32 @@ def _role(cls: type) -> int:
             else _LOAD_DELTA if issubclass(cls, CapabilityLoadDeltaPart)
             else _LOAD_RETURN if issubclass(cls, LoadCapabilityReturnPart)
             else _TOOL_CALL if issubclass(cls, ToolCallPart) and not issubclass(cls, ToolSearchCallPart)
+            else _COMPACTION if issubclass(cls, CompactionPart)
             else _OTHER
         )
         _ROLES[cls] = role
     return role
 
 
-def _scan(window: Sequence[ModelMessage], offset: int = 0) -> tuple[dict[str, _Load], dict[str, int]]:
+def _window_scan(history: Sequence[ModelMessage]) -> tuple[dict[str, _Load], dict[str, int]]:
+    """`_scan` of the history's post-compaction window (upstream's `post_compaction_window`, the rule pydantic-ai
+    rebuilds loaded capabilities with), positions counted in the whole history.
+
+    One pass when the history holds no `CompactionPart` (the window is then the whole history); otherwise the
+    window is taken with upstream's own function and scanned again.
+    """
+    loads, first_call, compacted = _scan(history)
+    if compacted:
+        window = post_compaction_window(history)
+        loads, first_call, _ = _scan(window, len(history) - len(window))
+    return loads, first_call
+
+
+def _scan(window: Sequence[ModelMessage], offset: int = 0) -> tuple[dict[str, _Load], dict[str, int], bool]:
     """One pass over `window`: `{capability id: where it was loaded and the tools its load revealed}`, in load
-    order, and `{tool name: position of its first call}` for the model's own tool calls (not `load_capability`
-    nor tool search)."""
+    order, `{tool name: position of its first call}` for the model's own tool calls (not `load_capability`
+    nor tool search), and whether a `CompactionPart` was seen."""
+    compacted = False
     calls: dict[str, str] = {}
     by_call: dict[str | None, list[str]] = {}
     loads: dict[str, _Load] = {}
@@ -93,6 +110,9 @@ def _scan(window: Sequence[ModelMessage], offset: int = 0) -> tuple[dict[str, _L
             if role is None:
                 role = _role(type(part))
             if role == _OTHER:
+                continue
+            if role == _COMPACTION:
+                compacted = True
                 continue
             if role == _TOOL_CALL:
                 if isinstance(message, ModelResponse):
@@ -115,7 +135,7 @@ def _scan(window: Sequence[ModelMessage], offset: int = 0) -> tuple[dict[str, _L
             for capability_id in ids:
                 loads.setdefault(capability_id, _Load(index))
                 by_call.setdefault(call_id, []).append(capability_id)
-    return loads, first_call
+    return loads, first_call, compacted
 
 
 def tools_called(messages: Sequence[ModelMessage]) -> dict[str, int]:
@@ -163,9 +183,7 @@ def drift(
     Returns:
         The problems, DC018 first, each naming the old id, the message position and what to do.
     """
-    window = post_compaction_window(history)
-    offset = len(history) - len(window)
-    loads, first_call = _scan(window, offset)
+    loads, first_call = _window_scan(history)
     where = f'conversation {conversation_id!r}' if conversation_id else 'history'
     current = set(definition.capability_ids())
     aliased = {old: new for new, old in getattr(definition, 'aliases', {}).items()}

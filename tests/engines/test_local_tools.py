@@ -110,8 +110,8 @@ def test_workers_get_a_deadlock_timeout_a_long_history_fits(temporal_address: st
     a bad value is DC040 naming the variable. Real Temporal dev server (the client); the worker is built, not run."""
     from temporalio.client import Client
 
-    from durable_capabilities.engines import temporal
     from durable_capabilities._limits import InputError
+    from durable_capabilities.engines import temporal
 
     async def timeouts() -> list[Any]:
         client = await Client.connect(temporal_address)
@@ -124,7 +124,7 @@ def test_workers_get_a_deadlock_timeout_a_long_history_fits(temporal_address: st
                 monkeypatch.setenv(temporal.DEADLOCK_TIMEOUT_ENV, value)
             try:
                 worker = temporal.make_worker(client, [agent], f'deadlock-{uuid.uuid4().hex[:8]}')
-                found.append(worker._workflow_worker._deadlock_timeout_seconds)  # noqa: SLF001 - what temporalio reads
+                found.append(worker._workflow_worker._deadlock_timeout_seconds)
             except InputError as exc:
                 found.append(str(exc))
         return found
