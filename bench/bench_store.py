@@ -24,7 +24,8 @@ Engine path (issue 10): what every engine runs to resume, timed the same way wit
 as in a worker that ran any turn before):
 the load unit (`conversations.load_conversation`: `read_json`, one decode of the history and the drift check)
 plus the decode in the workflow (`turn.decode_history`, which finds the load unit's messages in the worker's
-cache). Target: <= 1.3x the baseline. The payload conversion between
+cache). Target: <= 1.3x the baseline, judged on the median of the per-repetition ratios (each engine time over the
+baseline timed right after it, so a load that changes during the run moves both alike). The payload conversion between
 the two (Temporal's JSON converter of the load activity's result, a claim check above the threshold) is
 printed beside it, not counted: DBOS, Prefect and local runs do not have it.
 
@@ -192,10 +193,15 @@ def main() -> None:
         'target_met': med['store'][large] <= TARGET_SECONDS,
         'engine_median_s': med['engine'],
         'engine_min_s': low['engine'],
-        'engine_ratio_to_baseline': {n: med['engine'][n] / med['baseline'][n] for n in SIZES},
+        # Paired: each repetition's engine time over the baseline time measured right after it, then the median
+        # of those ratios; a load that changes during the run moves both sides of a pair alike.
+        'engine_ratio_to_baseline': {
+            n: statistics.median(e / b for e, b in zip(seconds['engine'][n], seconds['baseline'][n], strict=True))
+            for n in SIZES
+        },
         'growth_engine': med['engine'][large] / med['engine'][small],
         'engine_ratio_target': ENGINE_RATIO_TARGET,
-        'engine_target_met': all(med['engine'][n] / med['baseline'][n] <= ENGINE_RATIO_TARGET for n in SIZES),
+        'engine_ratio_of_minimums': {n: low['engine'][n] / low['baseline'][n] for n in SIZES},
         'payload_round_trip_median_s': med['payload'],
         'next_turn_messages': next_turn_messages,
         'next_turn_median_s': statistics.median(next_turn),
@@ -203,6 +209,7 @@ def main() -> None:
         'next_turn_target_s': NEXT_TURN_TARGET_SECONDS,
         'next_turn_target_met': statistics.median(next_turn) <= NEXT_TURN_TARGET_SECONDS,
     }
+    figures['engine_target_met'] = all(r <= ENGINE_RATIO_TARGET for r in figures['engine_ratio_to_baseline'].values())
     if args.json:
         print(json.dumps(figures, indent=2))
         return
@@ -222,12 +229,14 @@ def main() -> None:
     verdict = 'met' if figures['target_met'] else 'MISSED'
     print(f'target <= {TARGET_SECONDS} s at {large:,} messages: {verdict} ({med["store"][large]:.4f} s)')
     print()
-    print('engine path: load unit (read_json + decode + drift) + workflow decode, worker caches empty, median (min)')
+    print('engine path: load unit (read_json + decode + drift) + workflow decode, worker caches empty, median (min);')
+    print('ratio: median of the paired per-repetition ratios (ratio of the minimums)')
     for n in SIZES:
         ratio = figures['engine_ratio_to_baseline'][n]
         print(
             f'{n:>9,}  engine {med["engine"][n]:.4f} s ({low["engine"][n]:.4f})  baseline {med["baseline"][n]:.4f} s'
-            f'  ratio {ratio:.2f}x  (target <= {ENGINE_RATIO_TARGET}x: {"met" if ratio <= ENGINE_RATIO_TARGET else "MISSED"})'
+            f' ({low["baseline"][n]:.4f})  ratio {ratio:.2f}x ({figures["engine_ratio_of_minimums"][n]:.2f}x)'
+            f'  (target <= {ENGINE_RATIO_TARGET}x: {"met" if ratio <= ENGINE_RATIO_TARGET else "MISSED"})'
             f'  [Temporal payload conversion of the load result, not counted: {med["payload"][n]:.4f} s]'
         )
     print(f'growth {large:,} / {small:,}: engine {figures["growth_engine"]:.2f}x (linear = {large // small}x)')
