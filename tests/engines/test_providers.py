@@ -39,6 +39,7 @@ from durable_capabilities.wire import Fault, Script, Step, ToolCall, Turn, WireS
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
+PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')]))  # the caller's PYTHONPATH (a worktree's src) stays
 DURCAP = [sys.executable, '-m', 'durable_capabilities.cli']
 KINDS = ('openai-responses', 'openai-chat', 'anthropic')
 API = {'openai-responses': 'responses', 'openai-chat': 'chat', 'anthropic': 'anthropic'}
@@ -48,7 +49,7 @@ DEPS = json.dumps({'orders': {'ABC-123': 'Blue denim jacket (size M): shipped 20
 
 def engine_env(engine: str, request: pytest.FixtureRequest, tmp_path: Path) -> tuple[list[str], dict[str, str]]:
     """`durcap run` connection flags and environment for `engine` on the session's servers."""
-    env = {'PYTHONPATH': str(ROOT), 'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}'}
+    env = {'PYTHONPATH': PYTHONPATH, 'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}'}
     if engine == 'dbos':
         return ['--db', f'sqlite:///{tmp_path / "dbos.sqlite"}'], env
     if engine == 'temporal':
@@ -115,10 +116,11 @@ def ledger_lines(ledger_dir: Path) -> list[str]:
 def test_429_then_success_and_a_cut_stream(engine: str, request: pytest.FixtureRequest, tmp_path: Path,
                                             ledger_dir: Path) -> None:
     """OpenAIChatModel (streaming): the first request gets 429 `retry-after: 1` three times (the SDK's own two
-    retries honour it, then the durable unit retries: Temporal waits `next_retry_delay`, DBOS its step interval,
-    Prefect its task retry delay);
-    the request after `charge` is a stream cut half way, retried as one model request by the durable unit. The
-    run completes, `charge` ran once, and the engine's record shows the retried unit."""
+    retries honour it, then the durable unit's retry waits the `retry-after`, not its own interval: Temporal's
+    `next_retry_delay`, a `DBOS.sleep` step in the workflow, the Prefect task run's `AwaitingRetry` delay);
+    the request after `charge` is a stream cut half way, retried as one model request by the durable unit (DBOS and
+    Prefect: after their own 2 s interval). The run completes, `charge` ran once, and the engine's record shows the
+    retried unit and the wait."""
     flags, env = engine_env(engine, request, tmp_path)
     limit = Fault(status=429, retry_after=1)
     script = ledger_script((0, limit), (0, limit), (0, limit), (2, Fault(cut=True)))
@@ -136,19 +138,33 @@ def test_429_then_success_and_a_cut_stream(engine: str, request: pytest.FixtureR
     gaps = [later['at'] - earlier['at'] for earlier, later in itertools.pairwise(log[:4])]
     assert all(gap >= 1.0 for gap in gaps), gaps  # every attempt after a 429 waited its retry-after
     assert 'Traceback' not in out.stderr
-    run_id = next((line.split(': ', 1)[1].split()[0] for line in out.stderr.splitlines() if 'workflow id:' in line), '')
+    run_id = next((line.split(': ', 1)[1].split()[0] for line in out.stderr.splitlines()
+                   if 'workflow id:' in line or 'flow run id:' in line), '')
     if engine == 'temporal':  # the event history: attempt of each model activity
         assert temporal_model_attempts(run_id, flags[flags.index('--address') + 1]) == [2, 1, 2]
-    elif engine == 'prefect':  # Prefect logs each task retry (one line) and records the task run's attempts
+    elif engine == 'prefect':  # Prefect logs each task retry (one line) and records the task run's states
         retries = [line for line in out.stderr.splitlines() if 'Task run failed with exception' in line]
         assert len(retries) == 2 and 'ModelRateLimitError' in retries[0] and 'ModelConnectionError' in retries[1], retries
-        assert all('Retry 1/2 will start' in line for line in retries), retries
-    else:  # DBOS logs each step retry (one line each, ours) and records each finished step once
+        assert 'Retry 1/2 will start 1.0 second(s) from now' in retries[0], retries
+        # each retried model request task run: the delay it was scheduled with, and when it actually started again
+        delays = prefect_retry_delays(run_id, env['PREFECT_API_URL'])
+        assert [round(scheduled, 1) for scheduled, _ in delays] == [1.0, 2.0], delays  # retry-after, then the interval
+        assert all(waited >= scheduled for scheduled, waited in delays), delays
+    else:  # DBOS: the 429 ends its step (recorded) and the workflow sleeps the retry-after as a step of its own
         retries = [line for line in out.stderr.splitlines() if 'model request step (attempt' in line]
         assert len(retries) == 2, out.stderr
         assert 'failed: ModelRateLimitError: status_code: 429' in retries[0], retries
-        assert 'failed: ModelConnectionError' in retries[1], retries  # the cut stream
-        assert dbos_model_steps(run_id, flags[flags.index('--db') + 1]) == [None, None, None]
+        assert 'waiting 1 s (retry-after) in DBOS.sleep before attempt 2' in retries[0], retries
+        assert 'failed: ModelConnectionError' in retries[1], retries  # the cut stream, retried inside its step
+        rows = dbos_steps(run_id, flags[flags.index('--db') + 1])
+        model_rows = [row for row in rows if row[0].endswith('model.request') or row[0] == 'DBOS.sleep']
+        names = [row[0].rsplit('__', 1)[-1] for row in model_rows]
+        assert names == ['model.request', 'DBOS.sleep', 'model.request', 'model.request', 'model.request'], names
+        first, sleep, second = model_rows[:3]
+        assert first[1] is not None and second[1] is None  # the 429 recorded as the first step's error
+        wake = json.loads(sleep[4])  # DBOS.sleep records its wake-up time (epoch seconds) when it starts
+        assert 0.9 <= wake - sleep[2] / 1000 <= 1.5, (sleep, wake)  # it slept the retry-after, not the step interval
+        assert second[2] / 1000 >= wake, (second, wake)  # the step ran again once the sleep was over
 
 
 def temporal_model_attempts(run_id: str, address: str) -> list[int]:
@@ -164,15 +180,38 @@ def temporal_model_attempts(run_id: str, address: str) -> list[int]:
             and scheduled[e['activityTaskStartedEventAttributes']['scheduledEventId']].endswith('__model_request')]
 
 
-def dbos_model_steps(run_id: str, db: str) -> list[str | None]:
-    """The recorded error of each finished model request step of the workflow (`operation_outputs`, DBOS's system
-    database; a retried step is one row, written when it finished)."""
+def dbos_steps(run_id: str, db: str) -> list[tuple[str, str | None, int, int | None, str | None]]:
+    """Each recorded operation of the workflow in order, from DBOS's system database (`operation_outputs`): name,
+    error, started and completed (epoch ms), output. A step retried inside itself is one row, written when it
+    finished."""
     import sqlite3
 
     with sqlite3.connect(db.removeprefix('sqlite:///')) as conn:
-        rows = conn.execute("SELECT function_name, error FROM operation_outputs WHERE workflow_uuid = ? "
-                            "ORDER BY function_id", (run_id,)).fetchall()
-    return [error for name, error in rows if name.endswith('model.request')]
+        return conn.execute("SELECT function_name, error, started_at_epoch_ms, completed_at_epoch_ms, output "
+                            "FROM operation_outputs WHERE workflow_uuid = ? ORDER BY function_id", (run_id,)).fetchall()
+
+
+def prefect_retry_delays(flow_run_id: str, api: str) -> list[tuple[float, float]]:
+    """For each task run of the flow run that waited for a retry, in order: (seconds its `AwaitingRetry` state was
+    scheduled ahead, seconds until its next state), from the Prefect server's task run state history."""
+    from datetime import datetime
+
+    import httpx
+
+    def at(text: str) -> float:
+        return datetime.fromisoformat(text.replace('Z', '+00:00')).timestamp()
+
+    with httpx.Client(base_url=api, timeout=30) as client:
+        runs = client.post('/task_runs/filter', json={'flow_runs': {'id': {'any_': [flow_run_id]}}}).json()
+        found = []
+        for run in sorted(runs, key=lambda r: r['expected_start_time'] or r['created']):
+            states = sorted(client.get('/task_run_states/', params={'task_run_id': run['id']}).json(),
+                            key=lambda s: s['timestamp'])
+            for state, following in itertools.pairwise(states):
+                if state['name'] == 'AwaitingRetry':
+                    stamp = at(state['timestamp'])
+                    found.append((at(state['state_details']['scheduled_time']) - stamp, at(following['timestamp']) - stamp))
+    return found
 
 
 RETRY_LINES = {'temporal': ('model_request attempt', 5), 'dbos': ('model request step (attempt', 2),
@@ -268,7 +307,7 @@ def test_worker_killed_while_a_model_request_is_in_flight(engine: str, request: 
     workflow id launched again, which recovers it) completes the run, `charge` ran once."""
     script = ledger_script((2, Fault(delay=30)))
     with WireServer(script) as wire:
-        env = {'PYTHONPATH': str(ROOT), 'DURCAP_WIRE_KIND': 'anthropic', 'DURCAP_WIRE_URL': wire.url,
+        env = {'PYTHONPATH': PYTHONPATH, 'DURCAP_WIRE_KIND': 'anthropic', 'DURCAP_WIRE_URL': wire.url,
                'DURCAP_LEDGER_DIR': str(ledger_dir), 'DURCAP_LEDGER_CHARGE_SECONDS': '0',
                'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}'}
         held = lambda: any(e['step'] == 2 for e in wire.log)  # noqa: E731
