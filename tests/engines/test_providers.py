@@ -298,14 +298,18 @@ def kill9(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(timeout=30)
 
 
-@pytest.mark.parametrize('engine', ['temporal', 'dbos'])
+@pytest.mark.parametrize('engine', ['temporal', 'dbos', 'prefect'])
 def test_worker_killed_while_a_model_request_is_in_flight(engine: str, request: pytest.FixtureRequest,
                                                           tmp_path: Path, ledger_dir: Path,
                                                           procs: list[subprocess.Popen[bytes]]) -> None:
-    """AnthropicModel (streaming): the model request after `charge` is held 30 s by the wire server; the process
-    running it is killed with SIGKILL while it waits; a new process (Temporal: a new worker; DBOS: the same
-    workflow id launched again, which recovers it) completes the run, `charge` ran once."""
-    script = ledger_script((2, Fault(delay=30)))
+    """AnthropicModel (streaming): the first model request gets 429 `retry-after: 1` three times (the durable
+    retry waits it: recorded before the crash); the model request after `charge` is held 30 s by the wire server;
+    the process running it is killed with SIGKILL while it waits; a new process (Temporal: a new worker; DBOS: the
+    same workflow id launched again, which recovers it; Prefect: `durcap runs resume FLOW_RUN_ID`) completes the
+    run from the engine's record: `charge` ran once, the first request and its retry-after wait are not sent again
+    (DBOS replays the recorded failed step and `DBOS.sleep`), only the held request is."""
+    limit = Fault(status=429, retry_after=1)
+    script = ledger_script((0, limit), (0, limit), (0, limit), (2, Fault(delay=30)))
     with WireServer(script) as wire:
         env = {'PYTHONPATH': PYTHONPATH, 'DURCAP_WIRE_KIND': 'anthropic', 'DURCAP_WIRE_URL': wire.url,
                'DURCAP_LEDGER_DIR': str(ledger_dir), 'DURCAP_LEDGER_CHARGE_SECONDS': '0',
@@ -322,6 +326,19 @@ def test_worker_killed_while_a_model_request_is_in_flight(engine: str, request: 
             assert second.wait(timeout=180) == 0, (tmp_path / 'second.log').read_text()[-3000:]
             report = json.loads((tmp_path / 'second.log').read_text().split('REPORT ', 1)[1].splitlines()[0])
             output = report['output']
+        elif engine == 'prefect':
+            flags, prefect_env = engine_env('prefect', request, tmp_path)
+            env |= prefect_env
+            first = start([*DURCAP, 'run', 'tests.engines.wire_agent:ledger', 'charge order A-1', '--engine', 'prefect'],
+                          tmp_path / 'first.log', env, procs)
+            wait_for(held, 120, 'the held model request')
+            kill9(first)
+            flow_run_id = next(line.split('flow run id: ', 1)[1].split()[0]
+                               for line in (tmp_path / 'first.log').read_text().splitlines() if 'flow run id: ' in line)
+            second = start([*DURCAP, 'runs', 'resume', flow_run_id, '--engine', 'prefect', '--target',
+                            'tests.engines.wire_agent:ledger'], tmp_path / 'second.log', env, procs)
+            assert second.wait(timeout=180) == 0, (tmp_path / 'second.log').read_text()[-3000:]
+            output = (tmp_path / 'second.log').read_text()
         else:
             address = request.getfixturevalue('temporal_address')
             queue = f'wire-{uuid.uuid4().hex[:8]}'
@@ -338,4 +355,4 @@ def test_worker_killed_while_a_model_request_is_in_flight(engine: str, request: 
         served = [e['step'] for e in wire.log]
     assert 'charged A-1' in output
     assert ledger_lines(ledger_dir) == ['A-1']
-    assert served[:3] == [0, 1, 2] and served.count(2) == 2, served  # the held request was sent again, once
+    assert served == [0, 0, 0, 0, 1, 2, 2], served  # only the held request was sent again, once
