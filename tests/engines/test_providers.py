@@ -1,18 +1,21 @@
 """Real pydantic-ai provider models through every engine, against the wire server (`durable_capabilities.wire`).
 
-Model: `OpenAIResponsesModel`, `OpenAIChatModel` (every request streamed over SSE) and `AnthropicModel` (streams by
-itself) of tests/engines/wire_agent.py, through their providers' `base_url`, speaking HTTP to a wire server this
-test starts (uvicorn in a thread of the test process; the engines run in `durcap` subprocesses). No FunctionModel.
-Servers: the session's Temporal dev server and Prefect server; DBOS on SQLite. Every process is stopped by pid.
+Model: `OpenAIResponsesModel`, `OpenAIChatModel` (streamed over SSE: an `event_stream_handler` given in
+`engine_options`, as a user does) and `AnthropicModel` (streams by itself) of tests/engines/wire_agent.py, through
+their providers' `base_url`, speaking HTTP to a wire server this test starts (uvicorn in a thread of the test process;
+the engines run in `durcap` subprocesses). No FunctionModel. Servers: the session's Temporal dev server and Prefect
+server; DBOS on SQLite. Every process is stopped by pid.
 
 - the support conversation on 3 engines x 3 models (`durcap run --engine E`): the deferred capability loads,
-  `order_status` runs, the answer and the usage are the provider's own fields, each model request is served once;
-- provider faults on DBOS and Temporal (OpenAIChatModel, streaming): 429 with `retry-after` then success, a stream
-  cut half way retried as one model request, `charge` (a ledger line per execution) once;
-- the worker killed (SIGKILL) while a model request is in flight, on DBOS and Temporal: the run completes,
-  `charge` ran once;
-- an unreachable provider on every engine ends the run within a minute with one line naming the model and
-  its base URL (credentials redacted).
+  `order_status` runs, the answer and the usage are the provider's own fields, each model request is answered once;
+  a 500 or a 529 met by one model per engine is retried by the engine; the streaming handler saw the live events;
+- provider faults on every engine (OpenAIChatModel, streaming): 429 with `retry-after` then success (the engine's
+  retry waited the `retry-after`, read from its own record), a stream cut half way retried as one model request,
+  `charge` (a ledger line per execution) once;
+- the worker killed (SIGKILL) while a model request is in flight, on every engine: the run completes from the
+  engine's record, `charge` ran once;
+- an unreachable provider on every engine, and a 401, a 404 or a `retry-after` over the cap, end the run within a
+  minute with one line naming the model and its base URL (credentials redacted).
 """
 
 from __future__ import annotations
@@ -88,8 +91,9 @@ def test_support_conversation_on_every_engine(engine: str, kind: str, request: p
         turn = SUPPORT_SCRIPT.turns[0]
         faulted = dataclasses.replace(turn.steps[1], faults=(Fault(status=status),) * 3)
         script = Script((dataclasses.replace(turn, steps=(turn.steps[0], faulted, turn.steps[2])), *SUPPORT_SCRIPT.turns[1:]))
+    stream_log = tmp_path / 'stream.jsonl'
     with WireServer(script) as wire:
-        env |= {'DURCAP_WIRE_KIND': kind, 'DURCAP_WIRE_URL': wire.url}
+        env |= {'DURCAP_WIRE_KIND': kind, 'DURCAP_WIRE_URL': wire.url, 'DURCAP_STREAM_LOG': str(stream_log)}
         out = durcap_run('tests.engines.wire_agent:support', 'Where is my order ABC-123?', engine, flags, env,
                          '--deps-json', DEPS)
         served = [(e['api'], e['step'], e['stream']) for e in wire.log if not e['fault']]
@@ -107,6 +111,11 @@ def test_support_conversation_on_every_engine(engine: str, kind: str, request: p
     retried = [line for line in out.stderr.splitlines() if error and f'{error}' in line]
     assert len(retried) == (1 if status else 0), out.stderr  # the engine's one line for its retry
     assert 'Traceback' not in out.stderr
+    if kind == 'openai-chat':  # streamed by `event_stream_handler` in engine_options: the handler saw the live events
+        events = [json.loads(line) for line in stream_log.read_text().splitlines()]
+        assert ''.join(e['text'] for e in events) == ANSWER, events  # the answer's text, streamed in two deltas
+        assert [e['kind'] for e in events].count('part_delta') >= 2, events
+        assert [e['tool'] for e in events if e['kind'] == 'function_tool_call'] == ['load_capability', 'order_status']
 
 
 def ledger_script(*faults: tuple[int, Fault]) -> Script:
@@ -176,9 +185,10 @@ def test_429_then_success_and_a_cut_stream(engine: str, request: pytest.FixtureR
         assert 'waiting 1 s (retry-after) in DBOS.sleep before attempt 2' in retries[0], retries
         assert 'failed: ModelConnectionError' in retries[1], retries  # the cut stream, retried inside its step
         rows = dbos_steps(run_id, flags[flags.index('--db') + 1])
-        model_rows = [row for row in rows if row[0].endswith('model.request') or row[0] == 'DBOS.sleep']
+        model_rows = [row for row in rows if row[0].endswith('__model.request_stream') or row[0] == 'DBOS.sleep']
         names = [row[0].rsplit('__', 1)[-1] for row in model_rows]
-        assert names == ['model.request', 'DBOS.sleep', 'model.request', 'model.request', 'model.request'], names
+        stream = 'model.request_stream'
+        assert names == [stream, 'DBOS.sleep', stream, stream, stream], names
         first, sleep, second = model_rows[:3]
         assert first[1] is not None and second[1] is None  # the 429 recorded as the first step's error
         wake = json.loads(sleep[4])  # DBOS.sleep records its wake-up time (epoch seconds) when it starts
@@ -196,7 +206,8 @@ def temporal_model_attempts(run_id: str, address: str) -> list[int]:
                  if e['eventType'].endswith('ACTIVITY_TASK_SCHEDULED')}
     return [int(e['activityTaskStartedEventAttributes'].get('attempt', 1)) for e in events
             if e['eventType'].endswith('ACTIVITY_TASK_STARTED')
-            and scheduled[e['activityTaskStartedEventAttributes']['scheduledEventId']].endswith('__model_request')]
+            and scheduled[e['activityTaskStartedEventAttributes']['scheduledEventId']].endswith(
+                ('__model_request', '__model_request_stream'))]
 
 
 def dbos_steps(run_id: str, db: str) -> list[tuple[str, str | None, int, int | None, str | None]]:

@@ -668,6 +668,11 @@ class _UnstickOnRetry(ActivityInboundInterceptor):
         return await self.next.execute_activity(input)
 
 
+MODEL_REQUEST_ACTIVITIES = ('__model_request', '__model_request_stream')
+"""Suffixes of the model request activity types (upstream's `TemporalOperationNamer`: a plain request, and a streamed
+one when the agent has an `event_stream_handler`)."""
+
+
 class RetryAfterCap(Interceptor):
     """Worker interceptor: a model request activity whose provider asked to wait longer than the retry policy's
     `maximum_interval` (`MAX_RETRY_AFTER_SECONDS` by default) fails without another attempt, with one log line saying
@@ -685,7 +690,7 @@ class _RetryAfterCap(ActivityInboundInterceptor):
         except ApplicationError as error:
             info = activity.info()
             seconds = _retry_after.retry_after(error)
-            if error.non_retryable or seconds is None or not info.activity_type.endswith('__model_request'):
+            if error.non_retryable or seconds is None or not info.activity_type.endswith(MODEL_REQUEST_ACTIVITIES):
                 raise
             policy = info.retry_policy
             cap = ((policy.maximum_interval or policy.initial_interval * 100).total_seconds() if policy is not None
@@ -700,12 +705,13 @@ class _RetryAfterCap(ActivityInboundInterceptor):
 class ModelRetryLogLine(logging.Filter):
     """Turns temporalio's "Completing activity as failed" warning of a model request activity (a traceback of the
     provider SDK's and httpx's exception chain, 25-30 lines per attempt) into one line per failed attempt:
-    `agent__support__model_request attempt 2 failed: ModelConnectionError: Connection error.` Other activities'
+    `agent__support__model_request attempt 2 failed: ModelConnectionError: Connection error.` (the streamed request's
+    `__model_request_stream` activity too). Other activities'
     failures keep their tracebacks. Installed on the `temporalio.activity` logger by `make_worker`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         info = getattr(record, 'temporal_activity', None) or {}
-        if str(info.get('activity_type', '')).endswith('__model_request'):
+        if str(info.get('activity_type', '')).endswith(MODEL_REQUEST_ACTIVITIES):
             _retry_log.shorten(record, f"{info.get('activity_type')} attempt {info.get('attempt')}")
         return True
 
