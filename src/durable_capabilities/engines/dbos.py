@@ -217,7 +217,9 @@ class RetryAfterSleep(AbstractCapability[Any]):
     crash replays the same sequence: the recorded error, the recorded sleep (only what was left of it), the next step.
 
     Attributes:
-        max_attempts: Model request attempts in all (the step's `max_attempts`); past it the error fails the run.
+        max_attempts: Runs of the model request step for one request, the first included, when each run ends on a
+            `retry-after` (the step's `max_attempts`; each run keeps its own retries of other errors); past it the
+            error fails the run.
         max_wait: The longest `retry-after` waited, in seconds (`MAX_RETRY_AFTER_SECONDS`); a longer one fails the run.
     """
 
