@@ -148,3 +148,18 @@ def test_runner_runs_any_registered_engine(inline: InlineAdapter, target: str) -
     report = asyncio.run(runner.run(agent, 'Where is ABC-123?', engine='inline', run_id='batch-x'))
     assert (report.engine, report.run_id, report.output) == ('inline', 'batch-x', 'inline answer: ABC-123 shipped')
     assert report.durable_units == ['inline.helper.order_status']
+
+
+def test_runner_points_a_per_run_stream_handler_to_engine_options(inline: InlineAdapter, target: str) -> None:
+    """A per-run `event_stream_handler` would be an engine setting no engine reads (silently ignored): refused."""
+    import asyncio
+
+    from durable_capabilities import runner
+
+    async def handler(ctx: Any, events: Any) -> None:
+        async for _ in events:
+            pass
+
+    with pytest.raises(TypeError, match=r"engine_options=\{'inline': \{'event_stream_handler': handler\}\}"):
+        asyncio.run(runner.run(object(), 'hi', engine='inline', event_stream_handler=handler))  # type: ignore[arg-type]
+    assert inline.runs == []

@@ -45,16 +45,23 @@ async def run(
             first lines, the moment the engine has the run.
         on_start: Called with the run's id the moment the engine has the run (durable engines).
         settings: Engine settings (`address`, `task_queue`, `inline_worker`, `namespace`, `db`, ...); an engine
-            ignores those it does not use.
+            ignores those it does not use. Not `event_stream_handler`: a run streams through the handler given to the
+            engine's durability capability, `DurableAgent(engine_options={engine: {'event_stream_handler': h}})`,
+            which runs inside the model request unit (docs/providers.md).
 
     Returns:
         The `RunReport`.
 
     Raises:
         ValueError: unknown engine.
+        TypeError: `event_stream_handler` passed here (see `settings`).
         DurableConfigError: the definition or the stored history has errors.
         Exception: whatever the engine raised when the run failed.
     """
+    if 'event_stream_handler' in settings:
+        raise TypeError(f"runner.run() takes no event_stream_handler: give it to the engine's durability capability, "
+                        f"DurableAgent(..., engine_options={{{engine!r}: {{'event_stream_handler': handler}}}}), where it "
+                        'runs inside the model request unit (docs/providers.md, "Streaming")')
     options = RunOptions(deps, message_history, conversation_id, run_id, settings, notify, on_start)
     return await get(engine).run(agent, prompt, options)
 

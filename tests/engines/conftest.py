@@ -119,7 +119,9 @@ def spawn(tmp_path: Path) -> Iterator[callable]:
         popen = subprocess.Popen(
             [sys.executable, '-m', 'tests.engines.drive', *args],
             cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, 'PYTHONPATH': str(ROOT), **(env or {})},
+            # the caller's PYTHONPATH stays after the root (a worktree's src/ before the venv's editable install)
+            env={**os.environ, 'PYTHONPATH': os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')])),
+                 **(env or {})},
         )
         handle.close()
         proc = Proc(popen, log)

@@ -7,38 +7,59 @@ tests/engines/test_providers.py. No `FunctionModel`: the model is `OpenAIChatMod
 - `ledger`: tests/engines/ledger_agent.py's `billing` capability (`charge` writes one ledger line per execution)
   on that model; the wire script decides the calls.
 
-`openai-chat` requests stream (`StreamedRequests`: every request goes through the SSE path), so the Chat
-Completions stream crosses every engine's model unit; AnthropicModel streams every request by itself.
+`openai-chat` agents stream the way a user makes them stream: an `event_stream_handler` given to each engine's
+durability capability (`engine_options={engine: {'event_stream_handler': record_stream}}`), so every model request goes
+through the SSE path inside the engine's model unit and the handler sees the live events there (written to
+`$DURCAP_STREAM_LOG` when set). AnthropicModel streams every request by itself.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterable
 from datetime import timedelta
 from typing import Any
 
+from pydantic_ai import RunContext
+from pydantic_ai.messages import (
+    AgentStreamEvent,
+    FunctionToolCallEvent,
+    PartDeltaEvent,
+    PartStartEvent,
+    TextPart,
+    TextPartDelta,
+)
 from pydantic_ai.models import Model
-from pydantic_ai.models.wrapper import WrapperModel
 
 from durable_capabilities import DurableAgent
 from examples.support.agent import make_support
 from tests.engines.ledger_agent import billing
 
 
-class StreamedRequests(WrapperModel):
-    """Sends every `request` as a streamed request and returns the assembled response."""
+async def record_stream(ctx: RunContext[Any], events: AsyncIterable[AgentStreamEvent]) -> None:
+    """Event stream handler: appends one JSON line per event (`kind`, and the text of a text part or delta, the tool
+    name of a tool call) to `$DURCAP_STREAM_LOG` when set. Runs inside the model request unit for model events and in
+    the engine's per-event unit for tool events."""
+    path = os.environ.get('DURCAP_STREAM_LOG')
+    async for event in events:
+        if not path:
+            continue
+        text = ''
+        if isinstance(event, PartStartEvent) and isinstance(event.part, TextPart):
+            text = event.part.content
+        elif isinstance(event, PartDeltaEvent) and isinstance(event.delta, TextPartDelta):
+            text = event.delta.content_delta
+        tool = event.part.tool_name if isinstance(event, FunctionToolCallEvent) else ''
+        with open(path, 'a', encoding='utf-8') as handle:
+            handle.write(json.dumps({'kind': event.event_kind, 'text': text, 'tool': tool}) + '\n')
 
-    async def request(self, messages: Any, model_settings: Any, model_request_parameters: Any) -> Any:
-        async with self.wrapped.request_stream(messages, model_settings, model_request_parameters) as stream:
-            async for _ in stream:
-                pass
-        return stream.get()
 
-    @asynccontextmanager
-    async def request_stream(self, *args: Any, **kwargs: Any):  # type: ignore[override]
-        async with self.wrapped.request_stream(*args, **kwargs) as stream:
-            yield stream
+def streaming(kind: str | None = None) -> dict[str, dict[str, Any]]:
+    """`engine_options` making an `openai-chat` agent stream on every engine (`record_stream`); none otherwise."""
+    if (kind or os.environ.get('DURCAP_WIRE_KIND', 'openai-responses')) != 'openai-chat':
+        return {}
+    return {engine: {'event_stream_handler': record_stream} for engine in ('temporal', 'dbos', 'prefect')}
 
 
 def provider_model(kind: str | None = None, url: str | None = None) -> Model:
@@ -53,13 +74,18 @@ def provider_model(kind: str | None = None, url: str | None = None) -> Model:
     if kind == 'anthropic':
         return AnthropicModel('claude-sonnet-4-5', provider=AnthropicProvider(base_url=url, api_key='test'))
     if kind == 'openai-chat':
-        return StreamedRequests(OpenAIChatModel('gpt-4o', provider=OpenAIProvider(base_url=url + '/v1', api_key='test')))
+        return OpenAIChatModel('gpt-4o', provider=OpenAIProvider(base_url=url + '/v1', api_key='test'))
     return OpenAIResponsesModel('gpt-5', provider=OpenAIProvider(base_url=url + '/v1', api_key='test'))
 
 
 support = make_support(provider_model())
+for _engine, _options in streaming().items():  # make_support takes no engine_options: set before the first build
+    support.engine_options.setdefault(_engine, {}).update(_options)
+_stream = streaming()
 ledger = DurableAgent(
     os.environ.get('DURCAP_LEDGER_AGENT', 'wireledger'), provider_model(), capabilities=[billing],
-    # A killed worker's model activity is retried after 10 s, not pydantic-ai's default 60 s start-to-close.
-    engine_options={'temporal': {'model_activity_config': {'start_to_close_timeout': timedelta(seconds=10)}}},
+    engine_options={**_stream, 'temporal': {
+        **_stream.get('temporal', {}),
+        # A killed worker's model activity is retried after 10 s, not pydantic-ai's default 60 s start-to-close.
+        'model_activity_config': {'start_to_close_timeout': timedelta(seconds=10)}}},
 )

@@ -238,7 +238,7 @@ def _run_failed(engine: str, agent: DurableAgent[Any, Any], exc: BaseException) 
         cause = cause.__cause__ or _attempt_errors(cause)[-1]
         # pydantic-ai's model errors, in this process (DBOS, Prefect) or as Temporal's failure of a model activity
         if type(cause).__module__ == 'pydantic_ai.exceptions' or str(getattr(cause, 'activity_type', '')).endswith(
-                '__model_request') or str(getattr(cause, 'type', '')).startswith('Model'):
+                ('__model_request', '__model_request_stream')) or str(getattr(cause, 'type', '')).startswith('Model'):
             model_error = model_error or cause
     where = ''
     if model_error is not None or type(exc).__module__ == 'pydantic_ai.exceptions':

@@ -36,7 +36,7 @@ from pydantic_ai.durable_exec import (
     ToolsetGetToolsId,
 )
 from pydantic_ai.durable_exec.dbos import DBOSDurability, DBOSOperationNamer
-from pydantic_ai.exceptions import ApprovalRequired, CallDeferred, ModelRetry
+from pydantic_ai.exceptions import ApprovalRequired, CallDeferred, ModelAPIError, ModelRetry, RetryModelRequest
 from pydantic_ai.messages import ModelMessagesTypeAdapter
 from pydantic_ai.toolsets import AbstractToolset, FunctionToolset, WrapperToolset
 from pydantic_core import to_jsonable_python
@@ -54,7 +54,7 @@ from ..conversations import append_conversation, load_conversation
 from ..store import AppendIdReuseError, ConversationConflictError, CorruptedRowError, NewerHistoryError, SchemaVersionError
 from ..turn import RunReport, Turn, deps_from_json, run_turn
 from ..validation import DurableConfigError
-from . import _mcp, _retry_log
+from . import _mcp, _retry_after, _retry_log
 from ._adapter import (
     EngineAdapter,
     RunInfo,
@@ -65,6 +65,7 @@ from ._adapter import (
     loaded_capabilities_in,
     unit_kind,
 )
+from ._retry_after import MAX_RETRY_AFTER_SECONDS
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
@@ -185,24 +186,81 @@ class ModelRetryLogLine(logging.Filter):
 logging.getLogger('dbos').addFilter(ModelRetryLogLine())
 
 
+def retry_model_step(error: BaseException) -> bool:
+    """DBOS `should_retry` of the model request step: retry it in the step (after the step's interval) unless another
+    attempt cannot fix the error (401, 403, 404 model, exhausted quota: `_retry_after.unfixable`) or the provider
+    asked for a wait (`retry-after`): that error ends the step, recorded, and `RetryAfterSleep` waits it in the
+    workflow."""
+    return not _retry_after.unfixable(error) and _retry_after.retry_after(error) is None
+
+
 DEFAULT_MODEL_STEP_CONFIG: dict[str, Any] = {'retries_allowed': True, 'max_attempts': 3, 'interval_seconds': 2.0,
-                                             'backoff_rate': 2.0}
-"""The model request step's retries unless `engine_options['dbos']['model_step_config']` is given: 3 attempts,
-2 s then 4 s apart. DBOS's own default is no retry (`@DBOS.step(retries_allowed=False)`), so a stream the provider
-cut half way would fail the workflow; each attempt also carries the provider SDK's own retries (openai and anthropic
-SDKs: 2 retries, honouring `retry-after` on 429/503), so a provider that stays unreachable ends the run in
-about 10 s."""
+                                             'backoff_rate': 2.0, 'should_retry': retry_model_step}
+"""The model request step's retries, under the keys of `engine_options['dbos']['model_step_config']` (the user's keys
+win): 3 attempts, 2 s then 4 s apart, not for errors another attempt cannot fix nor for a provider's `retry-after`
+(`retry_model_step`; `RetryAfterSleep` waits that one, within the same 3 attempts). DBOS's own default is no retry
+(`@DBOS.step(retries_allowed=False)`), so a stream the provider cut half way would fail the workflow; each attempt
+also carries the provider SDK's own retries (openai and anthropic SDKs: 2 retries, honouring `retry-after` on
+429/503), so a provider that stays unreachable ends the run in about 10 s."""
+
+
+@dataclass
+class RetryAfterSleep(AbstractCapability[Any]):
+    """Waits a provider's `retry-after` durably before the model request step runs again (added with
+    `DBOSDurability` by `durability_parts`).
+
+    A DBOS step retries at its own fixed interval, and only the step's final outcome is recorded. So the model request
+    step does not retry an error carrying `retry_after` (`retry_model_step`): it fails, and its error is recorded as the
+    step's result. In workflow code this capability's `on_model_request_error` then sleeps `retry_after` seconds with
+    `DBOS.sleep_async` (a `DBOS.sleep` row in the workflow's steps, holding its wake-up time) and asks pydantic-ai for
+    another attempt (`RetryModelRequest`), which runs the step again under a new step id. A workflow recovered after a
+    crash replays the same sequence: the recorded error, the recorded sleep (only what was left of it), the next step.
+
+    Attributes:
+        max_attempts: Runs of the model request step for one request, the first included, when each run ends on a
+            `retry-after` (the step's `max_attempts`; each run keeps its own retries of other errors); past it the
+            error fails the run.
+        max_wait: The longest `retry-after` waited, in seconds (`MAX_RETRY_AFTER_SECONDS`); a longer one fails the run.
+    """
+
+    max_attempts: int = 3
+    max_wait: float = MAX_RETRY_AFTER_SECONDS
+
+    async def on_model_request_error(self, ctx: Any, *, request_context: Any, error: Exception) -> Any:
+        seconds = getattr(error, 'retry_after', None) if isinstance(error, ModelAPIError) else None
+        if seconds is None or not _in_workflow_code():
+            raise error
+        attempt = int(getattr(request_context, 'attempt', 1))
+        detail = str(error).splitlines()[0] if str(error) else ''
+        where = f'model request step (attempt {attempt} of {self.max_attempts})'
+        if seconds > self.max_wait:
+            _dbos_logger.warning('%s failed: %s', where, _retry_after.over_cap_message(error, seconds, self.max_wait))
+            raise error
+        if attempt >= self.max_attempts:
+            raise error
+        _dbos_logger.warning('%s failed: %s: %s; waiting %g s (retry-after) in DBOS.sleep before attempt %d', where,
+                             type(error).__name__, detail, seconds, attempt + 1)
+        await DBOS.sleep_async(seconds)
+        raise RetryModelRequest()
+
+
+_dbos_logger = logging.getLogger('dbos')
 
 
 def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-    """`DBOSDurability(...)` keyword arguments (`options` minus our `tool_steps` key) and our `DBOSToolSteps`.
+    """`DBOSDurability(...)` keyword arguments (`options` minus our `tool_steps` key) and our capabilities:
+    `DBOSToolSteps`, `RetryAfterSleep` (bounded by the model step's attempts), the MCP guard.
 
     `options['tool_steps']` may be a `ToolStepConfig`, or `False` to leave function tools inline as upstream does.
+    `options['model_step_config']` is merged over `DEFAULT_MODEL_STEP_CONFIG` (the user's keys win).
     """
     options = dict(options)
-    options.setdefault('model_step_config', dict(DEFAULT_MODEL_STEP_CONFIG))
+    model_step = {**DEFAULT_MODEL_STEP_CONFIG, **(options.get('model_step_config') or {})}
+    options['model_step_config'] = model_step
     tool_steps = options.pop('tool_steps', ToolStepConfig())
-    extra = [] if tool_steps is False else [DBOSToolSteps(agent_name=agent.durable_name, config=tool_steps)]
+    extra: list[Any] = [] if tool_steps is False else [DBOSToolSteps(agent_name=agent.durable_name, config=tool_steps)]
+    attempts = int(model_step.get('max_attempts') or 1) if model_step.get('retries_allowed') else 1
+    extra.append(RetryAfterSleep(max_attempts=attempts))
     extra += _mcp_defaults(agent, options)
     return options, extra
 

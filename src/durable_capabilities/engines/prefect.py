@@ -51,7 +51,7 @@ from ..approvals import (
 from ..conversations import LoadedConversation, append_conversation, load_conversation
 from ..store import AppendIdReuseError, ConversationConflictError, CorruptedRowError
 from ..turn import RunReport, deps_from_json, run_turn
-from . import _mcp, _retry_log
+from . import _mcp, _retry_after, _retry_log
 from ._adapter import (
     EngineAdapter,
     RunInfo,
@@ -62,6 +62,7 @@ from ._adapter import (
     loaded_capabilities_in,
     unit_kind,
 )
+from ._retry_after import MAX_RETRY_AFTER_SECONDS, RetryAfterDelays
 from .prefect_entry import TARGET_ENV, entrypoint
 
 if TYPE_CHECKING:
@@ -133,24 +134,41 @@ for _logger_name in ('prefect.task_runs', 'prefect.flow_runs'):  # a failed mode
     logging.getLogger(_logger_name).addFilter(_retry_log.TracebacklessModelErrors())
 
 DEFAULT_MODEL_RETRIES = 2
-"""Retries for a model request task (3 attempts in all, 2 s then 4 s apart); Prefect's own default is none
-(`@task(retries=0)`), so a stream the provider cut half way would fail the flow. Errors another attempt cannot fix
-(401, 404 model, quota) are not retried (`retry_model_request`). Each attempt carries the provider SDK's own retries
-(2, honouring `retry-after` on 429/503)."""
+"""Retries for a model request task (3 attempts in all, 2 s then 4 s apart, or the provider's `retry-after` up to
+`MAX_RETRY_AFTER_SECONDS`); Prefect's own default is none (`@task(retries=0)`), so a stream the provider cut half way
+would fail the flow. Errors another attempt cannot fix (401, 404 model, quota) are not retried
+(`retry_model_request`). Each attempt carries the provider SDK's own retries (2, honouring `retry-after` on
+429/503)."""
+
+DEFAULT_MODEL_RETRY_DELAYS = (2.0, 4.0)
+"""Seconds before the model request task's first and second retry when the error carried no `retry-after`."""
+
+_logger = logging.getLogger(__name__)
 
 
 async def retry_model_request(task: Any, task_run: Any, state: Any) -> bool:
     """Prefect `retry_condition_fn` of model request tasks: retry unless the provider rejected the request (pydantic-ai's
     `ModelRequestRejectedError`: 401, 403, 404 model, context window) or the quota is exhausted, the errors pydantic-ai's
-    Temporal integration also leaves unretried (`TemporalDurability(non_retryable_model_errors=...)` default)."""
-    import inspect
+    Temporal integration also leaves unretried (`TemporalDurability(non_retryable_model_errors=...)` default).
 
-    from pydantic_ai.exceptions import ModelQuotaExceededError, ModelRequestRejectedError
+    An error with a `retry-after` makes the retry wait that long (`_retry_after.RetryAfterDelays`, the task's
+    `retry_delay_seconds`); one above `MAX_RETRY_AFTER_SECONDS` is not retried (one log line says so)."""
+    import inspect
 
     result = state.result(raise_on_failure=False)
     if inspect.isawaitable(result):
         result = await result
-    return not isinstance(result, ModelRequestRejectedError | ModelQuotaExceededError)
+    error = result if isinstance(result, BaseException) else None
+    seconds = _retry_after.retry_after(error)
+    RetryAfterDelays.wait_next(None)
+    if _retry_after.unfixable(error):
+        return False
+    if error is not None and seconds is not None and seconds > MAX_RETRY_AFTER_SECONDS:
+        _logger.warning('model request task %s failed: %s', getattr(task_run, 'name', ''),
+                        _retry_after.over_cap_message(error, seconds))
+        return False
+    RetryAfterDelays.wait_next(seconds)  # read by Prefect right after this returns: the retry's delay
+    return True
 
 
 def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
@@ -161,13 +179,18 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     tool_defaults: dict[str, Any] = {'cache_policy': policy, 'retries': DEFAULT_TOOL_RETRIES, 'retry_delay_seconds': 1.0,
                                      'task_run_name': tool_run_namer(agent)}
     defaults: dict[str, TaskConfig] = {
-        'model_task_config': TaskConfig(cache_policy=policy, retries=DEFAULT_MODEL_RETRIES, retry_delay_seconds=[2.0, 4.0],
+        'model_task_config': TaskConfig(cache_policy=policy, retries=DEFAULT_MODEL_RETRIES,
+                                        retry_delay_seconds=RetryAfterDelays(DEFAULT_MODEL_RETRY_DELAYS),
                                         retry_condition_fn=retry_model_request),
         'tool_task_config': TaskConfig(**tool_defaults),
         'mcp_task_config': TaskConfig(cache_policy=policy),
     }
     for key, config in defaults.items():
         options[key] = TaskConfig(**{**config, **(options.get(key) or {})})  # type: ignore[typeddict-item]
+    delays = options['model_task_config'].get('retry_delay_seconds')
+    if isinstance(delays, int | float | list | tuple) and not isinstance(delays, RetryAfterDelays):  # the user's delays
+        options['model_task_config']['retry_delay_seconds'] = RetryAfterDelays(
+            [float(delays)] if isinstance(delays, int | float) else delays)
     return options, _mcp_defaults(agent, options)
 
 

@@ -38,7 +38,7 @@ from temporalio import activity, workflow
 from temporalio.client import Client
 from temporalio.common import RetryPolicy
 from temporalio.converter import DataConverter
-from temporalio.exceptions import ActivityError, TemporalError
+from temporalio.exceptions import ActivityError, ApplicationError, TemporalError
 from temporalio.worker import (
     ActivityInboundInterceptor,
     ActivityOutboundInterceptor,
@@ -72,7 +72,7 @@ from ..store._claim_check import (
     default_codec,
 )
 from ..turn import RunReport, current_turn, run_turn
-from . import _mcp, _payload_guard, _retry_log
+from . import _mcp, _payload_guard, _retry_after, _retry_log
 from ._adapter import (
     EngineAdapter,
     RunInfo,
@@ -83,6 +83,7 @@ from ._adapter import (
     unit_kind,
 )
 from ._payload_guard import current_run as _current_run
+from ._retry_after import MAX_RETRY_AFTER_SECONDS
 from ._temporal_history import HistoryReplayer, export_history, units_recorded
 from ._temporal_versioning import WorkerVersion, make_current
 from ._temporal_versioning import worker_version as _worker_version
@@ -94,15 +95,16 @@ WORKFLOW_NAME_PREFIX = 'durcap.'
 """Workflow type name: `durcap.{agent name}`. Compatibility data, listed in `durable.lock`."""
 
 DEFAULT_MODEL_RETRY_POLICY = RetryPolicy(
-    initial_interval=timedelta(seconds=1), backoff_coefficient=2.0, maximum_interval=timedelta(seconds=30),
-    maximum_attempts=5,
+    initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=MAX_RETRY_AFTER_SECONDS), maximum_attempts=5,
 )
 """The model request activity's retry policy unless `engine_options['temporal']['model_activity_config']` or
 `['activity_config']` gives one: 5 attempts, waits of 1, 2, 4 and 8 s between them (15 s of backoff), so a
 provider that stays unreachable fails the run in well under a minute (measured: tests/engines/test_providers.py)
 instead of Temporal's default policy, which retries forever (temporalio `RetryPolicy`: `maximum_attempts=0`,
 unlimited). A 429/503 with `retry-after` waits that long instead (pydantic-ai sets the attempt's
-`next_retry_delay`, capped at `maximum_interval`, 30 s here). Errors another attempt cannot fix (401, 404 model,
+`next_retry_delay`, capped at `maximum_interval`: `MAX_RETRY_AFTER_SECONDS`, 30 s, the bound of every engine); a
+longer `retry-after` fails the activity at once (`RetryAfterCap`). Errors another attempt cannot fix (401, 404 model,
 quota; pydantic-ai's `TemporalDurability(non_retryable_model_errors=...)` default) fail at the first attempt."""
 DEFAULT_TOOL_HEARTBEAT_TIMEOUT = timedelta(seconds=1)
 """`heartbeat_timeout` given to every tool activity by default (issue 14 item 4: a killed worker's tool restarts on
@@ -667,15 +669,50 @@ class _UnstickOnRetry(ActivityInboundInterceptor):
         return await self.next.execute_activity(input)
 
 
+MODEL_REQUEST_ACTIVITIES = ('__model_request', '__model_request_stream')
+"""Suffixes of the model request activity types (upstream's `TemporalOperationNamer`: a plain request, and a streamed
+one when the agent has an `event_stream_handler`)."""
+
+
+class RetryAfterCap(Interceptor):
+    """Worker interceptor: a model request activity whose provider asked to wait longer than the retry policy's
+    `maximum_interval` (`MAX_RETRY_AFTER_SECONDS` by default) fails without another attempt, with one log line saying
+    so. pydantic-ai caps the attempt's `next_retry_delay` at `maximum_interval`, so the next attempt would go out
+    before the provider's window ends and meet the same refusal; DBOS and Prefect fail such a run the same way."""
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        return _RetryAfterCap(next)
+
+
+class _RetryAfterCap(ActivityInboundInterceptor):
+    async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+        try:
+            return await self.next.execute_activity(input)
+        except ApplicationError as error:
+            info = activity.info()
+            seconds = _retry_after.retry_after(error)
+            if error.non_retryable or seconds is None or not info.activity_type.endswith(MODEL_REQUEST_ACTIVITIES):
+                raise
+            policy = info.retry_policy
+            cap = ((policy.maximum_interval or policy.initial_interval * 100).total_seconds() if policy is not None
+                   else MAX_RETRY_AFTER_SECONDS)
+            if seconds <= cap:
+                raise
+            activity.logger.warning('%s attempt %d failed: %s', info.activity_type, info.attempt,
+                                    _retry_after.over_cap_message(error, seconds, cap))
+            raise ApplicationError(error.message, *error.details, type=error.type, non_retryable=True) from error.__cause__
+
+
 class ModelRetryLogLine(logging.Filter):
     """Turns temporalio's "Completing activity as failed" warning of a model request activity (a traceback of the
     provider SDK's and httpx's exception chain, 25-30 lines per attempt) into one line per failed attempt:
-    `agent__support__model_request attempt 2 failed: ModelConnectionError: Connection error.` Other activities'
+    `agent__support__model_request attempt 2 failed: ModelConnectionError: Connection error.` (the streamed request's
+    `__model_request_stream` activity too). Other activities'
     failures keep their tracebacks. Installed on the `temporalio.activity` logger by `make_worker`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         info = getattr(record, 'temporal_activity', None) or {}
-        if str(info.get('activity_type', '')).endswith('__model_request'):
+        if str(info.get('activity_type', '')).endswith(MODEL_REQUEST_ACTIVITIES):
             _retry_log.shorten(record, f"{info.get('activity_type')} attempt {info.get('attempt')}")
         return True
 
@@ -705,14 +742,15 @@ def make_worker(
 
     With `version` (see `worker_version`), the worker uses Worker Versioning and its workflows are pinned to the
     version that started them. Keyword arguments are passed to `Worker` (ours by default: the sandbox runner,
-    `DEFAULT_STICKY_SCHEDULE_TO_START`, `HEARTBEAT_THROTTLE`; `UnstickOnRetry` is added to any `interceptors` given).
+    `DEFAULT_STICKY_SCHEDULE_TO_START`, `HEARTBEAT_THROTTLE`; `UnstickOnRetry` and `RetryAfterCap` are added to any
+    `interceptors` given).
     """
     if version is not None:
         worker_kwargs.setdefault('deployment_config', version.deployment_config())
     worker_kwargs.setdefault('sticky_queue_schedule_to_start_timeout', DEFAULT_STICKY_SCHEDULE_TO_START)
     worker_kwargs.setdefault('max_heartbeat_throttle_interval', HEARTBEAT_THROTTLE)
     local = {name: config for agent in agents for name, config in local_tool_activities(agent).items()}
-    worker_kwargs['interceptors'] = [*worker_kwargs.get('interceptors', ()), UnstickOnRetry(),
+    worker_kwargs['interceptors'] = [*worker_kwargs.get('interceptors', ()), UnstickOnRetry(), RetryAfterCap(),
                                      *([LocalToolActivities(local)] if local else [])]
     worker_kwargs.setdefault('workflow_runner', sandbox_runner())
     logging.getLogger('temporalio.activity').addFilter(_MODEL_RETRY_LOG_LINE)  # a set: adding it again is a no-op
