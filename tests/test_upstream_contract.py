@@ -455,6 +455,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
         'is_mcp_toolset',  # tests/test_lazy_imports.py
         'interchangeable_leaves',
         'temporal_activity_name',
+        'temporal_set_deadlock_timeout',  # test_temporal_workflow_worker_keeps_its_deadlock_timeout_in_one_attribute
         'temporal_workflow_name',
         'temporal_worker_registrations',
         'toolset_with_id',
@@ -474,10 +475,12 @@ def test_upstream_module_exports_are_all_covered() -> None:
     assert sorted(private) == [
         '_Definition',
         '_dbos',
+        '_deadlock_timeout_seconds',
         '_deferred_capability_loader',
         '_derived_id_source',
         '_error',
         '_explicit_id',
         '_id',
         '_telemetry_url_derived_id',
+        '_workflow_worker',
     ], f'_upstream.py now touches {sorted(private)}; add contract tests for the new ones'
