@@ -445,7 +445,9 @@ async def bench_prefect(args: argparse.Namespace, tmp: Path) -> EngineResult:
                 if label == 'durcap':
                     from pydantic_ai.messages import ModelMessagesTypeAdapter
 
-                    c.check_messages(ModelMessagesTypeAdapter.validate_json(payload['new_messages']))
+                    messages = payload['new_messages']  # one JSON string (a list of message JSON before issue 14)
+                    c.check_messages(ModelMessagesTypeAdapter.validate_json(messages) if isinstance(messages, str)
+                                     else ModelMessagesTypeAdapter.validate_python(messages))
                 flow_run_id = state.state_details.flow_run_id
                 # Task runs reach the server through Prefect's event pipeline, a little after the flow returns.
                 deadline = time.monotonic() + 15

@@ -234,7 +234,7 @@ class EngineAdapter(ABC):
         return self.requires is None or importlib.util.find_spec(self.requires) is not None
 
     def durability_class(self) -> Callable[..., Any] | None:
-        """Upstream's durability capability class (`None`: the agent is built without one, as locally).
+        """Upstream's durability capability class, or a subclass of it (`None`: the agent is built without one, as locally).
 
         Raises:
             ImportError: the engine's extra is not installed.
