@@ -76,20 +76,34 @@ def add_note(order_id: str, text: str) -> str:
     return f'noted on {order_id}'
 
 
-def make_capability() -> Capability[Any]:
-    """The one deferred capability. `Capability(tools=...)` has the id `ops` upstream too: it runs on every engine."""
+TOOLS = (lookup_order, check_stock, quote_shipping, add_note)
+
+
+def make_capability(tools: Sequence[Any] = TOOLS) -> Capability[Any]:
+    """The one deferred capability. `Capability(tools=...)` has the id `ops` upstream too: it runs on every engine.
+    `tools`: the same four tools wrapped some other way (e.g. each a `@DBOS.step`)."""
     return Capability(
         id=CAPABILITY_ID,
         description='Order operations: look orders up, check stock, quote shipping, add notes.',
         instructions='Look the order up before anything else.',
         defer_loading=True,
-        tools=[lookup_order, check_stock, quote_shipping, add_note],
+        tools=list(tools),
     )
 
 
-def upstream_agent(name: str, durability: Any | None) -> Agent[None, str]:
+def dbos_step_tools(prefix: str) -> list[Any]:
+    """The four tools each decorated with `@DBOS.step` (named `{prefix}.{tool}`), as DBOS's docs tell a user to make
+    a function a step, with the retry policy durcap's tool steps default to (`engines.dbos.ToolStepConfig`: 3
+    attempts, 1 s then 2 s apart). Call before `DBOS.launch()`."""
+    from dbos import DBOS
+
+    return [DBOS.step(name=f'{prefix}.{tool.__name__}', retries_allowed=True, max_attempts=3, interval_seconds=1.0,
+                      backoff_rate=2.0)(tool) for tool in TOOLS]
+
+
+def upstream_agent(name: str, durability: Any | None, tools: Sequence[Any] = TOOLS) -> Agent[None, str]:
     """The hand-wired upstream agent: the same model, instructions and capability, plus upstream's durability."""
-    capabilities: list[Any] = [make_capability()]
+    capabilities: list[Any] = [make_capability(tools)]
     if durability is not None:
         capabilities.append(durability)
     return Agent(make_model(), name=name, instructions=INSTRUCTIONS, capabilities=capabilities)

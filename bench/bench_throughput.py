@@ -1,11 +1,15 @@
-"""Benchmark: 100 concurrent 6-request runs on one Temporal worker: durcap against the floor and against upstream.
+"""Benchmark: 100 concurrent 6-request runs on one Temporal worker and on one DBOS process: durcap against the
+engine's floor and against upstream.
 
-    .venv/bin/python bench/bench_throughput.py                      # 100 runs a batch, 3 interleaved rounds; an
-                                                                    # in-memory dev server started here
-    .venv/bin/python bench/bench_throughput.py --runs 50 --rounds 5 --address 127.0.0.1:7233
+    .venv/bin/python bench/bench_throughput.py                      # both engines: 100 runs a batch, 3 interleaved
+                                                                    # rounds; an in-memory Temporal dev server and
+                                                                    # SQLite DBOS databases started here
+    .venv/bin/python bench/bench_throughput.py --engines dbos --rounds 5
+    .venv/bin/python bench/bench_throughput.py --engines dbos --dbos-postgres postgresql://postgres@127.0.0.1:5432
+    .venv/bin/python bench/bench_throughput.py --engines temporal --runs 50 --rounds 5 --address 127.0.0.1:7233
 
-Four worker processes, one per variant, each on its own task queue, all alive throughout (started here, stopped by
-pid):
+Temporal: four worker processes, one per variant, each on its own task queue, all alive throughout (started here,
+stopped by pid):
 - durcap:   `engines.temporal.make_worker` serving a `DurableAgent` of the scripted 6-request run (`_common.py`).
 - upstream: a plain `Worker` serving `_common.UpstreamWorkflow` (`Agent(capabilities=[..., TemporalDurability()])`).
 - floor:    a plain `Worker` serving `_common.FloorWorkflow`: as many no-op activities, one after another, as one
@@ -13,11 +17,27 @@ pid):
 - durcap-local: as durcap, the capability's tools marked short (`local_activity_toolsets`: local activities).
 Workers use the SDK's default concurrency (100 workflow tasks, 100 activities at once). A batch starts `--runs`
 workflows at once from this process (`start_workflow` for each side alike, no eager start: the worker is elsewhere)
-and waits for every result; throughput = runs / (seconds from the first start to the last result). Rounds cycle the
-order of the variants; ratios are per round (same conditions), their median reported.
+and waits for every result; throughput = runs / (seconds from the first start to the last result).
 
-Targets (issue 14): durcap >= 0.8x the floor and >= 1.0x upstream in throughput; peak RSS of the durcap worker
-<= 1.1x the upstream worker's (VmHWM from /proc after all rounds).
+DBOS: four processes, one per variant, each with its own system database (SQLite in WAL mode in a temporary folder,
+or with `--dbos-postgres` a new PostgreSQL database per variant, dropped at the end), all alive throughout; each
+runs its batches itself when this process asks (a line on its stdin), so a batch is `--runs` workflows started at
+once in that one DBOS process (`asyncio.gather` of the workflow calls) and throughput = runs / seconds to the last
+result:
+- dbos-durcap:         `engines.dbos.agent_workflow(agent)` (what `durcap run` and `durcap worker dbos` run), tool
+                       steps on (the default): 6 model-request steps and 4 tool steps a run.
+- dbos-upstream:       `Agent(capabilities=[..., DBOSDurability()])` in a hand-written `@DBOS.workflow` (function
+                       tools inline, unrecorded: 6 steps a run).
+- dbos-upstream-steps: the same with each tool function a hand-written `@DBOS.step` (10 steps a run, as durcap).
+- dbos-floor:          a `@DBOS.workflow` running as many no-op async `@DBOS.step`s, one after another, as one durcap
+                       run records (counted from a first run), no agent, no model.
+Each DBOS process also reports its own CPU seconds per run (`time.process_time`, every thread), steadier than
+throughput on a shared machine.
+
+Rounds cycle the order of the variants; ratios are per round (same conditions), their median reported.
+
+Targets (issue 14): durcap >= 0.8x the floor on Temporal and >= 0.6x on DBOS, >= 1.0x upstream in throughput on
+both; peak RSS of the durcap worker / process <= 1.1x the upstream one's (VmHWM from /proc after all rounds).
 """
 
 from __future__ import annotations
@@ -45,7 +65,9 @@ import _common as c  # noqa: E402
 
 AGENT_NAME = 'bench_tp_durcap'
 TARGET_FLOOR, TARGET_UPSTREAM, TARGET_RSS = 0.8, 1.0, 1.1
+TARGET_DBOS_FLOOR = 0.6
 KINDS = ('durcap', 'upstream', 'floor', 'durcap-local')
+DBOS_KINDS = ('dbos-durcap', 'dbos-upstream', 'dbos-upstream-steps', 'dbos-floor')
 
 
 def durcap_agent(local: bool = False) -> Any:
@@ -122,7 +144,7 @@ class WorkerProc:
                 self.popen.wait(timeout=30)
 
 
-async def amain(args: argparse.Namespace) -> None:
+async def amain_temporal(args: argparse.Namespace) -> None:
     from pydantic_ai.durable_exec.temporal import PydanticAIPlugin
     from temporalio.api.enums.v1 import EventType
     from temporalio.client import Client
@@ -226,18 +248,250 @@ async def amain(args: argparse.Namespace) -> None:
           f'durcap / upstream {rss_ratio:.2f}x   target <= {TARGET_RSS}x: {"met" if rss_ratio <= TARGET_RSS else "NOT met"}')
 
 
+# ---- DBOS ---------------------------------------------------------------------------------------------
+
+
+async def serve_dbos(kind: str, db: str) -> None:
+    """`--serve-dbos KIND --db URL`: one DBOS process running one variant's workflows. Prints `READY`, then answers
+    each line of stdin: `count` (one run; prints `COUNT {steps it recorded}`), `batch N [STEPS]` (N runs at once;
+    prints `BATCH {seconds} {cpu seconds}`), `quit`."""
+    import uuid as uuid_
+
+    from dbos import DBOS, SetWorkflowID
+    from pydantic_ai.durable_exec.dbos import DBOSDurability
+
+    floor_steps = 0
+    if kind == 'dbos-durcap':
+        from durable_capabilities.engines import dbos as durcap_dbos
+
+        workflow = durcap_dbos.agent_workflow(durcap_agent())
+
+        async def run() -> Any:
+            return (await workflow(c.PROMPT))['output']
+    elif kind in ('dbos-upstream', 'dbos-upstream-steps'):
+        name = 'bench_tp_up_dbos' + ('_steps' if kind == 'dbos-upstream-steps' else '')
+        tools = c.dbos_step_tools(name) if kind == 'dbos-upstream-steps' else c.TOOLS
+        agent = c.upstream_agent(name, DBOSDurability(), tools=tools)
+
+        @DBOS.workflow(name=f'{name}.run')
+        async def upstream_run(prompt: str) -> str:
+            return (await agent.run(prompt)).output
+
+        async def run() -> Any:
+            return await upstream_run(c.PROMPT)
+    else:
+        @DBOS.step(name='bench.noop')
+        async def noop(i: int) -> int:
+            return i
+
+        @DBOS.workflow(name='bench.floor')
+        async def floor(count: int) -> int:
+            for i in range(count):
+                await noop(i)
+            return count
+
+        async def run() -> Any:
+            await floor(floor_steps)
+            return c.ANSWER
+
+    if kind == 'dbos-durcap':
+        durcap_dbos.launch('bench-tp', system_database_url_=db)
+    else:
+        DBOS(config={'name': 'bench-tp', 'system_database_url': db, 'log_level': 'WARNING'})  # type: ignore[typeddict-item]
+        DBOS.launch()
+    try:
+        print('READY', flush=True)
+        while True:
+            line = (await asyncio.to_thread(sys.stdin.readline)).split()
+            if not line or line[0] == 'quit':
+                break
+            if line[0] == 'count':
+                workflow_id = f'tp-count-{uuid_.uuid4()}'
+                with SetWorkflowID(workflow_id):
+                    if await run() != c.ANSWER:
+                        raise AssertionError(f'{kind}: unexpected output')
+                print(f'COUNT {len(await DBOS.list_workflow_steps_async(workflow_id))}', flush=True)
+                continue
+            runs = int(line[1])
+            if len(line) > 2:
+                floor_steps = int(line[2])
+            cpu, began = time.process_time(), time.perf_counter()
+            outputs = await asyncio.gather(*(run() for _ in range(runs)))
+            elapsed, cpu = time.perf_counter() - began, time.process_time() - cpu
+            if any(output != c.ANSWER for output in outputs):
+                raise AssertionError(f'{kind}: unexpected output')
+            print(f'BATCH {elapsed} {cpu}', flush=True)
+    finally:
+        DBOS.destroy()
+
+
+class DBOSProc(WorkerProc):
+    """A `--serve-dbos` process, driven through its stdin."""
+
+    def __init__(self, kind: str, db: str, tmp: Path) -> None:
+        self.kind, self.log = kind, tmp / f'{kind}.log'
+        with open(self.log, 'wb') as out:
+            self.popen = subprocess.Popen(
+                [sys.executable, __file__, '--serve-dbos', kind, '--db', db], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=out, start_new_session=True, text=True,
+                env={**os.environ, 'PYTHONPATH': f'{ROOT / "src"}{os.pathsep}{HERE}'})
+
+    def ask(self, command: str, expect: str, timeout: float = 600) -> list[str]:
+        """Send `command`, return the fields of the answer line starting with `expect`."""
+        assert self.popen.stdin is not None and self.popen.stdout is not None
+        if command:
+            self.popen.stdin.write(command + '\n')
+            self.popen.stdin.flush()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.popen.stdout.readline()
+            if not line:
+                break
+            if line.startswith(expect):
+                return line.split()[1:]
+        raise RuntimeError(f'{self.kind}: no {expect} answer:\n{self.log.read_text(errors="replace")[-3000:]}')
+
+    def stop(self) -> None:
+        if self.popen.poll() is None and self.popen.stdin is not None:
+            try:
+                self.popen.stdin.write('quit\n')
+                self.popen.stdin.flush()
+                self.popen.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        super().stop()
+
+
+def _postgres_databases(base: str, tag: str) -> tuple[dict[str, str], Any]:
+    """One new database per DBOS variant on the server of `base` (`postgresql://user@host:port`); returns the URLs
+    and a function that drops them."""
+    import psycopg
+
+    admin = f'{base.rstrip("/")}/postgres'
+    names = {kind: f'bench_tp_{kind.replace("-", "_")}_{tag}' for kind in DBOS_KINDS}
+    with psycopg.connect(admin, autocommit=True) as conn:
+        for name in names.values():
+            conn.execute(f'CREATE DATABASE {name}')
+
+    def drop() -> None:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            for name in names.values():
+                conn.execute(f'DROP DATABASE IF EXISTS {name} WITH (FORCE)')
+
+    return {kind: f'{base.rstrip("/")}/{name}' for kind, name in names.items()}, drop
+
+
+async def amain_dbos(args: argparse.Namespace) -> None:
+    import sqlite3
+
+    tmp = Path(tempfile.mkdtemp(prefix='bench-throughput-dbos-'))
+    tag = uuid.uuid4().hex[:6]
+    drop = None
+    if args.dbos_postgres:
+        urls, drop = _postgres_databases(args.dbos_postgres, tag)
+        backend = 'PostgreSQL'
+    else:
+        urls = {}
+        for kind in DBOS_KINDS:
+            path = tmp / f'{kind}.sqlite'
+            with sqlite3.connect(path) as conn:  # as durcap's default database: WAL journal mode
+                conn.execute('PRAGMA journal_mode=WAL')
+            urls[kind] = f'sqlite:///{path}'
+        backend = 'SQLite (WAL)'
+    procs = {kind: DBOSProc(kind, urls[kind], tmp) for kind in DBOS_KINDS}
+    per_round: list[dict[str, tuple[float, float]]] = []
+    loads = []
+    try:
+        for proc in procs.values():
+            await asyncio.to_thread(proc.ask, '', 'READY', 180)
+        steps = int((await asyncio.to_thread(procs['dbos-durcap'].ask, 'count', 'COUNT'))[0])
+        hand_steps = int((await asyncio.to_thread(procs['dbos-upstream-steps'].ask, 'count', 'COUNT'))[0])
+        print(f'[dbos] {backend}; one durcap run records {steps} steps (upstream with @DBOS.step tools: {hand_steps}); '
+              f'the floor runs {steps} no-op steps', flush=True)
+
+        async def batch(kind: str) -> tuple[float, float]:
+            extra = f' {steps}' if kind == 'dbos-floor' else ''
+            seconds, cpu = (float(x) for x in await asyncio.to_thread(procs[kind].ask, f'batch {args.runs}{extra}', 'BATCH'))
+            return args.runs / seconds, cpu / args.runs
+
+        for kind in DBOS_KINDS:  # warm-up: every process's first batch
+            await batch(kind)
+        orders = list(itertools.permutations(DBOS_KINDS))
+        for r in range(args.rounds):
+            figures = {}
+            for kind in orders[r % len(orders)]:
+                figures[kind] = await batch(kind)
+            loads.append(os.getloadavg()[0])
+            per_round.append(figures)
+            print(f'round {r + 1}: ' + ', '.join(f'{k} {v[0]:.1f} runs/s ({v[1] * 1e3:.0f} ms CPU/run)'
+                                                 for k, v in figures.items())
+                  + f' (load {os.getloadavg()[0]:.1f})', flush=True)
+        rss = {k: p.peak_rss_mib() for k, p in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.stop()
+        if drop is not None:
+            drop()
+
+    def ratio(a: str, b: str, index: int = 0) -> float:
+        return statistics.median(f[a][index] / f[b][index] for f in per_round)
+
+    med = {k: statistics.median(f[k][0] for f in per_round) for k in DBOS_KINDS}
+    cpu = {k: statistics.median(f[k][1] for f in per_round) for k in DBOS_KINDS}
+    print(f'\n[dbos] {args.runs} concurrent runs a batch in one process, {args.rounds} rounds, {backend}; load average '
+          f'(1 min) per round {", ".join(f"{x:.1f}" for x in loads)} on {os.cpu_count()} CPU')
+    print('throughput medians (runs/s), CPU per run medians (ms): ' + ', '.join(
+        f'{k.removeprefix("dbos-")} {med[k]:.1f} ({cpu[k] * 1e3:.0f} ms)' for k in DBOS_KINDS))
+
+    def verdict(value: float, target: float, above: bool = True) -> str:
+        return 'met' if (value >= target if above else value <= target) else 'NOT met'
+
+    vs_floor = ratio('dbos-durcap', 'dbos-floor')
+    vs_up = ratio('dbos-durcap', 'dbos-upstream')
+    vs_up_steps = ratio('dbos-durcap', 'dbos-upstream-steps')
+    print(f'durcap / floor                  {vs_floor:.2f}x   target >= {TARGET_DBOS_FLOOR}x: '
+          f'{verdict(vs_floor, TARGET_DBOS_FLOOR)}')
+    print(f'durcap / upstream (tools inline) {vs_up:.2f}x   target >= {TARGET_UPSTREAM}x: {verdict(vs_up, TARGET_UPSTREAM)}')
+    print(f'durcap / upstream (@DBOS.step)   {vs_up_steps:.2f}x   target >= {TARGET_UPSTREAM}x: '
+          f'{verdict(vs_up_steps, TARGET_UPSTREAM)}')
+    print(f'upstream / floor {ratio("dbos-upstream", "dbos-floor"):.2f}x, upstream (@DBOS.step) / floor '
+          f'{ratio("dbos-upstream-steps", "dbos-floor"):.2f}x   (info)')
+    print(f'CPU per run, durcap / upstream (inline) {ratio("dbos-durcap", "dbos-upstream", 1):.2f}x, durcap / upstream '
+          f'(@DBOS.step) {ratio("dbos-durcap", "dbos-upstream-steps", 1):.2f}x   (info; lower is better)')
+    for other in ('dbos-upstream', 'dbos-upstream-steps'):
+        rss_ratio = rss['dbos-durcap'] / rss[other]
+        print(f'peak RSS (MiB): durcap {rss["dbos-durcap"]:.0f}, {other.removeprefix("dbos-")} {rss[other]:.0f}; '
+              f'durcap / {other.removeprefix("dbos-")} {rss_ratio:.2f}x   target <= {TARGET_RSS}x: '
+              f'{verdict(rss_ratio, TARGET_RSS, above=False)}')
+    print(f'peak RSS (MiB): floor {rss["dbos-floor"]:.0f}   (info)')
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--engines', default='temporal,dbos', help='comma-separated: temporal, dbos')
     parser.add_argument('--runs', type=int, default=100)
     parser.add_argument('--rounds', type=int, default=3)
-    parser.add_argument('--address', default=None)
+    parser.add_argument('--address', default=None, help='Temporal server (default: an in-memory dev server started here)')
+    parser.add_argument('--dbos-postgres', metavar='URL', help='PostgreSQL server URL without a database '
+                        '(postgresql://user@host:port): one new database per DBOS variant, dropped at the end; '
+                        'default SQLite (WAL) files in a temporary folder')
     parser.add_argument('--serve', choices=KINDS, help=argparse.SUPPRESS)
     parser.add_argument('--queue', help=argparse.SUPPRESS)
+    parser.add_argument('--serve-dbos', choices=DBOS_KINDS, help=argparse.SUPPRESS)
+    parser.add_argument('--db', help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         asyncio.run(serve(args.serve, args.address, args.queue))
-    else:
-        asyncio.run(amain(args))
+        return
+    if args.serve_dbos:
+        asyncio.run(serve_dbos(args.serve_dbos, args.db))
+        return
+    engines = [e.strip() for e in args.engines.split(',') if e.strip()]
+    unknown = set(engines) - {'temporal', 'dbos'}
+    if unknown:
+        parser.error(f'unknown engines: {", ".join(sorted(unknown))}')
+    for engine in engines:
+        asyncio.run({'temporal': amain_temporal, 'dbos': amain_dbos}[engine](args))
 
 
 if __name__ == '__main__':

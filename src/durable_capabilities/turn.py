@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import TypeAdapter
 from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ToolCallPart
 from pydantic_ai.usage import RunUsage
-from pydantic_core import to_jsonable_python
+from pydantic_core import to_json, to_jsonable_python
 
 from ._turn_log import TurnLog, recording
 from .aliases import rewrite_history
@@ -98,9 +98,19 @@ class Turn:
     new_messages: list[dict[str, Any]]
     usage: dict[str, Any]
 
-    def payload(self) -> dict[str, Any]:
-        """`{'output', 'new_messages', 'usage'}` as JSON-compatible data (what DBOS and Prefect containers return)."""
-        return {'output': to_jsonable_python(self.result.output), 'new_messages': self.new_messages, 'usage': self.usage}
+    def payload(self, *, messages_as_json: bool = False) -> dict[str, Any]:
+        """`{'output', 'new_messages', 'usage'}` as JSON-compatible data (what DBOS and Prefect containers return).
+
+        Args:
+            messages_as_json: `new_messages` as one JSON string (a JSON array of message JSON) instead of a list:
+                the Prefect flow returns it so, as Prefect walks every item of a flow's return value (looking for
+                futures and states) before persisting it: about 18,000 calls for the 11 messages of a 6-request run,
+                against a handful for one string. `RunReport.from_payload` reads either form.
+        """
+        messages: Any = self.new_messages
+        if messages_as_json:
+            messages = to_json(messages).decode()
+        return {'output': to_jsonable_python(self.result.output), 'new_messages': messages, 'usage': self.usage}
 
 
 async def run_turn(
@@ -270,9 +280,12 @@ class RunReport:
 
     @classmethod
     def from_payload(cls, engine: str, run_id: str | None, payload: dict[str, Any], units: list[str] | None = None) -> RunReport:
-        """A report from a container's `{'output', 'new_messages', 'usage'}` JSON payload (see `Turn.payload`)."""
-        return cls(engine, run_id, payload['output'], ModelMessagesTypeAdapter.validate_python(payload['new_messages']),
-                   RunUsage(**payload['usage']), list(units or []))
+        """A report from a container's `{'output', 'new_messages', 'usage'}` JSON payload (see `Turn.payload`;
+        `new_messages` a list of message JSON, or one JSON string of it)."""
+        messages = payload['new_messages']
+        decoded = (ModelMessagesTypeAdapter.validate_json(messages) if isinstance(messages, str | bytes)
+                   else ModelMessagesTypeAdapter.validate_python(messages))
+        return cls(engine, run_id, payload['output'], decoded, RunUsage(**payload['usage']), list(units or []))
 
     def loaded_capabilities(self) -> list[str]:
         """Capability ids the run loaded with `load_capability`, in order."""

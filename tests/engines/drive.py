@@ -100,7 +100,8 @@ async def prefect_run(args: argparse.Namespace) -> None:
                                      return_type='state')
         payload = await state.result()
         task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
-    emit({'output': payload['output'], 'units': sorted(t.name for t in task_runs), 'new_messages': payload['new_messages'],
+    # The flow returns its new messages as one JSON string (`engines.prefect.agent_flow`).
+    emit({'output': payload['output'], 'units': sorted(t.name for t in task_runs), 'new_messages': json.loads(payload['new_messages']),
           'flow_run_id': str(flow_run.id)})
 
 

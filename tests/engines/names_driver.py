@@ -7,7 +7,8 @@ engine, what the engine itself holds:
 - temporal: the workflow and activity type names of the `Worker` that `make_worker` builds (its active config,
   after pydantic-ai's plugin added the agent's activities).
 - dbos: the workflow and step names in DBOS's registry once the agent's workflow is decorated (upstream
-  registers its model steps there), the names `DBOSToolSteps` gives each function leaf's step, and the steps
+  registers its model steps there), the names the built agent's durability (`ToolStepDurability`) gives each
+  function leaf's step, and the steps
   of a real run of the support example (SQLite system database in DIR).
 - prefect: the flow `agent_flow` creates, and the task run names of a real run of the support example.
 Each engine runs in its own process: DBOS's registry and Prefect's settings are process-global.
@@ -57,14 +58,18 @@ def dbos(args: argparse.Namespace) -> dict[str, Any]:
 
     engine.agent_workflow(support)
     names = sorted(_get_or_create_dbos_registry().workflow_info_map)
-    # The function-tool steps are named when `DBOSToolSteps` wraps each function leaf (they run through
-    # `DBOS.run_step_async`, not a registered step): wrap one leaf per function toolset id, read the names.
+    # The function-tool steps are named when the built agent's durability capability wraps each function leaf (they
+    # run through `DBOS.run_step_async`, not a registered step): wrap one leaf per function toolset id, read the names.
     leaves = [FunctionToolset(id=None)] + [
         FunctionToolset(id=plan.toolset_id)
         for plans in support.leaf_plans().values() for plan in plans if plan.kind == 'FunctionToolset'
     ]
-    wrapped = engine.DBOSToolSteps(agent_name=support.durable_name).get_wrapper_toolset(CombinedToolset(leaves))
-    assert isinstance(wrapped, CombinedToolset)
+    chains: dict[str, list[Any]] = {'local': [], 'dbos': []}
+    for built, chain in chains.items():
+        support.build(built).root_capability.apply(chain.append)
+    durability = next(c for c in chains['dbos'] if isinstance(c, engine.ToolStepDurability))
+    wrapped, again = (durability.get_wrapper_toolset(CombinedToolset(leaves)) for _ in range(2))
+    assert isinstance(wrapped, CombinedToolset) and isinstance(again, CombinedToolset)
     tool_steps = sorted(t.step_name for t in wrapped.toolsets if isinstance(t, engine.StepToolset))
     report = asyncio.run(runner.run(support, PROMPT, engine='dbos', deps=make_store(), conversation_id='names-1',
                                     db=f'sqlite:///{args.out / "dbos.sqlite"}'))
@@ -74,6 +79,10 @@ def dbos(args: argparse.Namespace) -> dict[str, Any]:
             'steps': sorted(n.removeprefix('<temp>.') for n in names if n.startswith('<temp>.')),
         },
         'tool_steps': tool_steps,
+        # The capabilities every hook of a run goes through, per build; and whether a second wrap (the next run)
+        # hands out the very same step wrappers (built once per leaf).
+        'hook_chain': {built: [type(c).__name__ for c in chain] for built, chain in chains.items()},
+        'steps_kept': all(a is b for a, b in zip(wrapped.toolsets, again.toolsets, strict=True)),
         'recorded': report.durable_units,
     }
 

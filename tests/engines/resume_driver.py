@@ -291,7 +291,8 @@ async def _run_prefect_flow_run(flow: Any, flow_run_id: Any, parameters: dict[st
     state = await run_flow_async(flow, flow_run=flow_run, parameters=parameters, return_type='state')
     payload = await state.result()
     return runner.RunReport(
-        'prefect', str(flow_run_id), payload['output'], ModelMessagesTypeAdapter.validate_python(payload['new_messages']),
+        # The flow returns its new messages as one JSON string (`engines.prefect.agent_flow`).
+        'prefect', str(flow_run_id), payload['output'], ModelMessagesTypeAdapter.validate_json(payload['new_messages']),
         RunUsage(**payload['usage']), await _task_run_states(flow_run_id, started),
     )
 

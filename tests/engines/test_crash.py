@@ -185,3 +185,50 @@ def test_prefect_upstream_cache_policy_repeats_requests_after_a_load(prefect_api
     assert requests.count('1') + requests.count('2') > 2, f'expected repeated requests, got {requests}'
     # The repeated requests give the tool calls new ids, so even the side effect may run again (seen: twice).
     assert len((crash_dir / 'charges').read_text().splitlines()) >= 1
+
+
+KEY_SCRIPT = '''
+import json
+from pydantic_ai.durable_exec.prefect import DEFAULT_PYDANTIC_AI_CACHE_POLICY
+from pydantic_ai.messages import ModelRequest, ModelResponse, ToolCallPart, ToolReturnPart, UserPromptPart
+from pydantic_ai.models import ModelRequestParameters
+from pydantic_ai.tools import ToolDefinition
+from durable_capabilities.engines.prefect import DeterministicInputs, normalized_inputs
+
+names = {'charge', 'slow_export'}
+tool = ToolDefinition(name='ship', metadata={'tags': set(names)})
+messages = [ModelRequest(parts=[UserPromptPart('go')]),
+            ModelResponse(parts=[ToolCallPart('ship', {'ids': ['a']}, tool_call_id='c1')]),
+            ModelRequest(parts=[ToolReturnPart('ship', set(names), tool_call_id='c1')])]
+params = ModelRequestParameters(function_tools=[tool], revealed_tool_names=set(names), deferred_capability_ids=set(names))
+inputs = {'operation_name': 'Model Request',
+          'logical_inputs': ('default', messages, {'temperature': 0}, params, None)}
+tool_inputs = {'operation_name': 'Call Tool: ship', 'logical_inputs': ('ship', {'ids': set(names)}, None, tool)}
+policy = DeterministicInputs(inner=DEFAULT_PYDANTIC_AI_CACHE_POLICY.policies[0])  # inputs only: no task source, run id
+keys = [policy.compute_key(None, i, {}) for i in (inputs, tool_inputs)]
+raw = [policy.inner.compute_key(None, i, {}) for i in (inputs, tool_inputs)]
+assert normalized_inputs({'x': 1}) == {'x': 1} and params.revealed_tool_names == names  # nothing mutated
+print(json.dumps({'keys': keys, 'raw': raw}))
+'''
+
+
+def test_prefect_cache_keys_are_the_same_under_any_hash_seed(tmp_path: Path) -> None:
+    """`DeterministicInputs` keys a model request (sets in `ModelRequestParameters`, a tool returning a set, a tool's
+    metadata holding one) and a tool call (a set argument) the same under two hash seeds that order those sets
+    differently, where upstream's own policy on the same inputs does not. No server: the keys only."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / 'keys.py'
+    script.write_text(KEY_SCRIPT)
+    results = []
+    for seed in _seeds_with_different_set_order():
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, 'PYTHONHASHSEED': seed})
+        assert done.returncode == 0, done.stderr[-3000:]
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = results
+    assert first['keys'] == second['keys'] and None not in first['keys']
+    assert first['raw'][0] != second['raw'][0] and first['raw'][1] != second['raw'][1]  # the seeds do reorder the sets

@@ -121,7 +121,7 @@ class RunNotFoundError(LookupError):
 
 def loaded_capabilities_in(values: Iterable[Any]) -> list[str]:
     """Capability ids of every `load_capability` tool call found in `values` (model responses, message lists,
-    or their JSON), in order, each once."""
+    or their JSON, as data or as one JSON string), in order, each once."""
     found: list[str] = []
 
     def visit(value: Any) -> None:
@@ -144,6 +144,15 @@ def loaded_capabilities_in(values: Iterable[Any]) -> list[str]:
         elif isinstance(value, (list, tuple)):
             for item in value:
                 visit(item)
+        elif isinstance(value, str):
+            # A message list as one JSON string (the Prefect flow's `new_messages`): decoded only when it names the tool.
+            if value.startswith('[') and '"load_capability"' in value:
+                import json
+
+                try:
+                    visit(json.loads(value))
+                except ValueError:
+                    pass
         elif hasattr(value, 'parts') or hasattr(value, 'tool_name'):
             from pydantic_core import to_jsonable_python
 
@@ -225,7 +234,7 @@ class EngineAdapter(ABC):
         return self.requires is None or importlib.util.find_spec(self.requires) is not None
 
     def durability_class(self) -> Callable[..., Any] | None:
-        """Upstream's durability capability class (`None`: the agent is built without one, as locally).
+        """Upstream's durability capability class, or a subclass of it (`None`: the agent is built without one, as locally).
 
         Raises:
             ImportError: the engine's extra is not installed.

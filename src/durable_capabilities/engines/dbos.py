@@ -2,9 +2,10 @@
 
 Upstream `DBOSDurability` checkpoints model requests and MCP / dynamic toolsets as steps but runs
 function tools inline in workflow code: after a crash a finished tool runs again, and a one-off tool
-error fails the workflow. `DBOSToolSteps` closes that gap: every call to a function-toolset tool
-inside a DBOS workflow runs as one step named `{agent}__function_toolset__{toolset id}.call_tool` (the name
-upstream's `DBOSOperationNamer` gives the same operation) with DBOS's retry policy.
+error fails the workflow. `ToolStepDurability` (upstream's capability, subclassed) closes that gap: every call
+to a function-toolset tool inside a DBOS workflow runs as one step named
+`{agent}__function_toolset__{toolset id}.call_tool` (the name upstream's `DBOSOperationNamer` gives the same
+operation) with DBOS's retry policy.
 
 Control-flow exceptions a tool raises on purpose (`ModelRetry`, `ApprovalRequired`, `CallDeferred`)
 are recorded as the step's result and re-raised after it, so DBOS neither retries them nor records
@@ -23,10 +24,9 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from datetime import UTC
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
 from dbos import DBOS, SetWorkflowID
-from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.durable_exec import (
     ModelCancelSuspendedResponseId,
     ModelCompactMessagesId,
@@ -108,13 +108,34 @@ def _in_workflow_code() -> bool:
     return DBOS.workflow_id is not None and DBOS.step_id is None
 
 
+@dataclass
 class StepToolset(WrapperToolset[Any]):
-    """Runs each tool call of the wrapped function toolset as one DBOS step when in workflow code."""
+    """Runs each tool call of the wrapped function toolset as one DBOS step when in workflow code.
 
-    def __init__(self, wrapped: AbstractToolset[Any], step_name: str, config: ToolStepConfig):
-        super().__init__(wrapped)
-        self.step_name = step_name
-        self.config = config
+    Built once per leaf (`ToolStepDurability` keeps one per leaf toolset): the step options are computed here,
+    and every call runs the same bound method as its step (`DBOS.run_step_async(options, self._step, name, args,
+    ctx, tool)`), with no closure or options built per call. The step is not registered with `@DBOS.step`: a
+    registered step would enter DBOS's application version (`application_version`), so adding this wrapper would
+    have changed the version of every deployed app and stranded its pending workflows.
+
+    Attributes:
+        wrapped: The function toolset (a leaf).
+        step_name: `{agent}__function_toolset__{toolset id}.call_tool`.
+        config: The retry policy.
+    """
+
+    step_name: str = ''
+    config: ToolStepConfig = field(default_factory=ToolStepConfig)
+    options: dict[str, Any] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.options = {
+            'name': self.step_name,
+            'retries_allowed': self.config.retries_allowed,
+            'max_attempts': self.config.max_attempts,
+            'interval_seconds': self.config.interval_seconds,
+            'backoff_rate': self.config.backoff_rate,
+        }
 
     def visit_and_replace(self, visitor: Callable[[AbstractToolset[Any]], AbstractToolset[Any]]) -> AbstractToolset[Any]:
         # Upstream's durability visits leaves to wrap them; keep ourselves around whatever it returns.
@@ -124,49 +145,89 @@ class StepToolset(WrapperToolset[Any]):
     async def call_tool(self, name: str, tool_args: dict[str, Any], ctx: Any, tool: Any) -> Any:
         if not _in_workflow_code():
             return await self.wrapped.call_tool(name, tool_args, ctx, tool)
-
-        async def step() -> Any:
-            try:
-                return await self.wrapped.call_tool(name, tool_args, ctx, tool)
-            except _CONTROL_FLOW as error:
-                return _Raised(error)
-
-        options = {
-            'name': self.step_name,
-            'retries_allowed': self.config.retries_allowed,
-            'max_attempts': self.config.max_attempts,
-            'interval_seconds': self.config.interval_seconds,
-            'backoff_rate': self.config.backoff_rate,
-        }
-        result = await DBOS.run_step_async(options, step)  # type: ignore[arg-type]
+        result = await DBOS.run_step_async(self.options, self._step, name, tool_args, ctx, tool)  # type: ignore[arg-type]
         if isinstance(result, _Raised):
             raise result.error
         return result
 
+    async def _step(self, name: str, tool_args: dict[str, Any], ctx: Any, tool: Any) -> Any:
+        """The step body: the tool call, with control-flow exceptions returned as `_Raised` (recorded, not retried)."""
+        try:
+            return await self.wrapped.call_tool(name, tool_args, ctx, tool)
+        except _CONTROL_FLOW as error:
+            return _Raised(error)
 
-@dataclass
-class DBOSToolSteps(AbstractCapability[Any]):
-    """Always-on capability that wraps every function-toolset leaf in a `StepToolset`.
 
-    Attributes:
-        agent_name: The agent's name (first part of every step name).
+class ToolSteps:
+    """Wraps every function-toolset leaf of a toolset in its `StepToolset`, one per leaf, kept between runs.
+
+    Args:
+        agent_name: The agent's durable name (first part of every step name).
         config: Retry policy for the steps.
     """
 
-    agent_name: str = ''
-    config: ToolStepConfig = field(default_factory=ToolStepConfig)
+    MAX_KEPT = 256
+    """Leaves remembered at most; past it the memory is emptied and rebuilt (a toolset that makes new leaves
+    on every run cannot grow it)."""
+
+    def __init__(self, agent_name: str, config: ToolStepConfig | None = None):
+        self.agent_name = agent_name
+        self.config = config or ToolStepConfig()
+        self._namer = DBOSOperationNamer(agent_name)
+        self._kept: dict[int, StepToolset] = {}
+
+    def step_name(self, toolset_id: str | None) -> str:
+        """`{agent}__function_toolset__{toolset id}.call_tool`, upstream's `DBOSOperationNamer` name for the operation;
+        `toolset_id=None` is the agent's own tools (upstream's id `<agent>`)."""
+        return self._namer.operation_name(ToolsetCallToolId('function', toolset_id=toolset_id or '<agent>'))
+
+    def wrap(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any]:
+        """`toolset` with each `FunctionToolset` leaf replaced by its `StepToolset`."""
+        return toolset.visit_and_replace(self._leaf)
+
+    def _leaf(self, leaf: AbstractToolset[Any]) -> AbstractToolset[Any]:
+        if not isinstance(leaf, FunctionToolset):
+            return leaf
+        kept = self._kept.get(id(leaf))
+        if kept is None or kept.wrapped is not leaf:
+            if len(self._kept) >= self.MAX_KEPT:
+                self._kept.clear()
+            kept = self._kept[id(leaf)] = StepToolset(leaf, self.step_name(leaf.id), self.config)
+        return kept
+
+
+class ToolStepDurability(DBOSDurability):
+    """Upstream's `DBOSDurability` that also runs every function-toolset tool call as a DBOS step.
+
+    The step wrapping happens in the durability capability's own `get_wrapper_toolset`, right after upstream
+    wraps the leaves it makes durable (MCP, dynamic toolsets, child-workflow tools), so no capability is added to
+    the agent's hook chain for it (an extra capability costs a `RunContext` copy and a pass-through call on every
+    hook of every run). The agent's own tools (`DurableAgent(tools=...)`) are wrapped too.
+
+    Args:
+        tool_steps: The steps' retry policy (`ToolStepConfig`, default `ToolStepConfig()`), or `False`: function
+            tools run inline in workflow code, as upstream runs them.
+        tool_step_agent: The name step names start with (the agent's durable name); default: the agent's name.
+        kwargs: `DBOSDurability`'s own arguments.
+    """
+
+    def __init__(self, *, tool_steps: ToolStepConfig | Literal[False] | None = None, tool_step_agent: str | None = None,
+                 **kwargs: Any):
+        super().__init__(**kwargs)
+        self.tool_steps = tool_steps
+        self._tool_step_agent = tool_step_agent
+        self._steps: ToolSteps | None = None
 
     def get_wrapper_toolset(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any] | None:
-        namer = DBOSOperationNamer(self.agent_name)
-
-        def wrap(leaf: AbstractToolset[Any]) -> AbstractToolset[Any]:
-            if isinstance(leaf, FunctionToolset):
-                toolset_id = leaf.id or '<agent>'  # upstream's id for the agent's own tools
-                step = namer.operation_name(ToolsetCallToolId('function', toolset_id=toolset_id))
-                return StepToolset(leaf, step, self.config)
-            return leaf
-
-        return toolset.visit_and_replace(wrap)
+        wrapped = super().get_wrapper_toolset(toolset)
+        config = self.tool_steps
+        if config is False:
+            return wrapped
+        steps = self._steps
+        if steps is None:  # first use, on the bound copy (`for_agent` copies the instance and sets `name`)
+            steps = self._steps = ToolSteps(self._tool_step_agent or self.name or '',
+                                            config if isinstance(config, ToolStepConfig) else None)
+        return steps.wrap(wrapped or toolset)
 
 
 class ModelRetryLogLine(logging.Filter):
@@ -248,19 +309,20 @@ _dbos_logger = logging.getLogger('dbos')
 
 
 def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-    """`DBOSDurability(...)` keyword arguments (`options` minus our `tool_steps` key) and our capabilities:
-    `DBOSToolSteps`, `RetryAfterSleep` (bounded by the model step's attempts), the MCP guard.
+    """`ToolStepDurability(...)` keyword arguments (upstream's `DBOSDurability` ones plus the tool steps) and our
+    capabilities: `RetryAfterSleep` (bounded by the model step's attempts) and the MCP guard.
 
-    `options['tool_steps']` may be a `ToolStepConfig`, or `False` to leave function tools inline as upstream does.
-    `options['model_step_config']` is merged over `DEFAULT_MODEL_STEP_CONFIG` (the user's keys win).
+    `options['tool_steps']` may be a `ToolStepConfig` (default: `ToolStepConfig()`), or `False` to leave function tools
+    inline as upstream does. `options['model_step_config']` is merged over `DEFAULT_MODEL_STEP_CONFIG` (the user's
+    keys win).
     """
     options = dict(options)
     model_step = {**DEFAULT_MODEL_STEP_CONFIG, **(options.get('model_step_config') or {})}
     options['model_step_config'] = model_step
-    tool_steps = options.pop('tool_steps', ToolStepConfig())
-    extra: list[Any] = [] if tool_steps is False else [DBOSToolSteps(agent_name=agent.durable_name, config=tool_steps)]
+    options.setdefault('tool_steps', ToolStepConfig())
+    options['tool_step_agent'] = agent.durable_name
     attempts = int(model_step.get('max_attempts') or 1) if model_step.get('retries_allowed') else 1
-    extra.append(RetryAfterSleep(max_attempts=attempts))
+    extra: list[Any] = [RetryAfterSleep(max_attempts=attempts)]
     extra += _mcp_defaults(agent, options)
     return options, extra
 
@@ -666,13 +728,13 @@ class DBOSAdapter(EngineAdapter):
     lock_sections: Mapping[str, str] = {'workflows': 'workflow', 'steps': 'step'}
 
     def durability_class(self) -> Any:
-        return DBOSDurability
+        return ToolStepDurability
 
     def durability_parts(self, agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
         return durability_parts(agent, options)
 
     def durable_names(self, agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
-        """Step names from upstream's `DBOSOperationNamer` (the names `DBOSDurability` and `DBOSToolSteps`
+        """Step names from upstream's `DBOSOperationNamer` (the names `DBOSDurability` and `ToolStepDurability`
         register), the conversation steps, and the workflow names of `agent_workflow`."""
         namer = DBOSOperationNamer(agent.durable_name)
         steps = {namer.operation_name(i) for i in _journal_ids(agent)} | set(conversation_step_names(agent))

@@ -6,7 +6,7 @@ tasks. Its model-request key hashes `ModelRequestParameters`, whose `revealed_to
 `introduced_tool_names` and `deferred_capability_ids` are Python sets: Prefect's JSON hashing keeps
 their iteration order, which changes with `PYTHONHASHSEED`, so a flow run resumed in another process
 missed the cache for every request made after a capability was loaded and ran it again.
-`DeterministicInputs` sorts every set before hashing.
+`DeterministicInputs` sorts those sets (and any in the user's values: tool arguments, tool results) before hashing.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -34,8 +35,9 @@ from pydantic_ai.durable_exec.prefect import (
     PrefectOperationNamer,
     TaskConfig,
 )
-from pydantic_ai.messages import ModelMessagesTypeAdapter
-from pydantic_ai.tools import RunContext
+from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelRequest, ModelResponse
+from pydantic_ai.models import ModelRequestContext, ModelRequestParameters
+from pydantic_ai.tools import RunContext, ToolDefinition
 from pydantic_ai.toolsets import ToolsetTool
 from pydantic_core import to_jsonable_python
 
@@ -75,46 +77,140 @@ CONVERSATION_TASKS = ('Load Conversation', 'Append Conversation')
 """Task names of the conversation load and append."""
 
 
-def _sorted_sets(value: Any, memo: dict[int, Any]) -> Any:
-    """A copy of `value` with every set inside (containers, pydantic-ai dataclasses) as a sorted list."""
-    key = id(value)
-    if key in memo:
-        return memo[key]
-    if isinstance(value, (set, frozenset)):
-        result: Any = sorted(value, key=repr)
-    elif isinstance(value, list):
-        result = [_sorted_sets(v, memo) for v in value]
-    elif isinstance(value, tuple):
-        result = tuple(_sorted_sets(v, memo) for v in value)
-    elif isinstance(value, dict):
-        result = {k: _sorted_sets(v, memo) for k, v in value.items()}
-    elif (
-        dataclasses.is_dataclass(value)
-        and not isinstance(value, type)
-        and not isinstance(value, RunContext)  # upstream projects it, sorting its sets itself
-        and type(value).__module__.startswith('pydantic_ai')
-    ):
-        memo[key] = value
-        changed = {}
-        for f in dataclasses.fields(value):
-            current = getattr(value, f.name)
-            normalized = _sorted_sets(current, memo)
-            if normalized is not current:
-                changed[f.name] = normalized
-        if not changed:
-            return value
-        result = copy.copy(value)
-        for name, normalized in changed.items():
-            object.__setattr__(result, name, normalized)
-    else:
-        return value
-    memo[key] = result
+_SET_ANNOTATION = re.compile(r'\b(?:set|frozenset|Set|FrozenSet|AbstractSet|MutableSet)\b')
+_USER_VALUE_FIELDS = ('content', 'args', 'metadata')
+"""Fields of message parts and messages that hold the user's own values (a tool's return value, its arguments,
+metadata), where a set can be; every other field of a message is pydantic-ai's, without sets."""
+
+
+@functools.cache
+def _set_fields(cls: type) -> tuple[str, ...]:
+    """The fields of dataclass `cls` whose annotation allows a set (`set[str]`, `frozenset[...]`, ...)."""
+    return tuple(f.name for f in dataclasses.fields(cls) if _SET_ANNOTATION.search(str(f.type)))
+
+
+def _sorted_set(value: set[Any] | frozenset[Any]) -> list[Any]:
+    return sorted(value, key=repr)
+
+
+def _with(value: Any, changed: dict[str, Any]) -> Any:
+    """A shallow copy of dataclass `value` with the fields in `changed` replaced (frozen dataclasses too)."""
+    result = copy.copy(value)
+    for name, normalized in changed.items():
+        object.__setattr__(result, name, normalized)
     return result
+
+
+def _plain(value: Any) -> Any:
+    """`value` (a user's value: plain data) with every set inside lists, tuples and dicts sorted; `value` itself
+    when it holds none. Objects other than those containers are left as they are."""
+    kind = type(value)
+    if kind is str or value is None or kind is int or kind is float or kind is bool:
+        return value
+    if kind is set or kind is frozenset or isinstance(value, (set, frozenset)):
+        return _sorted_set(value)
+    if kind is dict or isinstance(value, dict):
+        changed = {k: n for k, v in value.items() if (n := _plain(v)) is not v}
+        return {**value, **changed} if changed else value
+    if kind is list or kind is tuple or isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        if all(n is v for n, v in zip(items, value, strict=True)):
+            return value
+        return tuple(items) if isinstance(value, tuple) else items
+    return value
+
+
+def _user_fields(value: Any) -> Any:
+    """A message, message part or event with the sets in its user-value fields (`_USER_VALUE_FIELDS`) sorted."""
+    changed = {}
+    for name in _USER_VALUE_FIELDS:
+        current = getattr(value, name, None)
+        if current is not None and type(current) is not str and (normalized := _plain(current)) is not current:
+            changed[name] = normalized
+    return _with(value, changed) if changed else value
+
+
+def _message(message: Any) -> Any:
+    """A `ModelRequest` / `ModelResponse` with the sets in its parts' (and its own) user values sorted."""
+    parts = message.parts
+    normalized = [_user_fields(part) for part in parts]
+    changed = {}
+    if any(n is not p for n, p in zip(normalized, parts, strict=True)):
+        changed['parts'] = normalized
+    metadata = getattr(message, 'metadata', None)
+    if metadata is not None and (sorted_metadata := _plain(metadata)) is not metadata:
+        changed['metadata'] = sorted_metadata
+    return _with(message, changed) if changed else message
+
+
+def _request_parameters(params: ModelRequestParameters) -> ModelRequestParameters:
+    """`ModelRequestParameters` with its set fields (revealed / introduced tool names, deferred capability ids, ...:
+    every field annotated as a set) sorted; its tool definitions are pydantic-ai's JSON schemas, but for their
+    `metadata` (the user's)."""
+    changed: dict[str, Any] = {}
+    for name in _set_fields(type(params)):
+        current = getattr(params, name)
+        if isinstance(current, (set, frozenset)):
+            changed[name] = _sorted_set(current)
+    for name in ('function_tools', 'output_tools'):
+        tools = getattr(params, name, None)
+        if not tools:
+            continue
+        normalized = [_user_fields(tool) if tool.metadata is not None else tool for tool in tools]
+        if any(n is not t for n, t in zip(normalized, tools, strict=True)):
+            changed[name] = normalized
+    return _with(params, changed) if changed else params
+
+
+def _task_input(value: Any) -> Any:
+    """One task input with every set it can hold sorted (see `DeterministicInputs`); `value` itself when it holds none."""
+    if value is None or type(value) is str or isinstance(value, RunContext):  # upstream's projection sorts a RunContext's sets
+        return value
+    if isinstance(value, ModelRequestParameters):
+        return _request_parameters(value)
+    if isinstance(value, (ModelRequest, ModelResponse)):
+        return _message(value)
+    if isinstance(value, ModelRequestContext):
+        changed = {}
+        if (messages := _task_input(value.messages)) is not value.messages:
+            changed['messages'] = messages
+        if (params := _request_parameters(value.model_request_parameters)) is not value.model_request_parameters:
+            changed['model_request_parameters'] = params
+        return _with(value, changed) if changed else value
+    if isinstance(value, ToolsetTool):  # upstream hashes its toolset id and tool definition
+        tool_def = value.tool_def
+        if tool_def.metadata is None or (normalized := _user_fields(tool_def)) is tool_def:
+            return value
+        return _with(value, {'tool_def': normalized})
+    if isinstance(value, ToolDefinition):
+        return value if value.metadata is None else _user_fields(value)
+    if isinstance(value, (list, tuple)):
+        items = [_task_input(v) for v in value]
+        if all(n is v for n, v in zip(items, value, strict=True)):
+            return value
+        return tuple(items) if isinstance(value, tuple) else items
+    if hasattr(value, 'event_kind'):  # an agent stream event: its part or tool result holds the user's values
+        changed = {}
+        for name in ('part', 'result'):
+            current = getattr(value, name, None)
+            if current is not None and (normalized := _user_fields(current)) is not current:
+                changed[name] = normalized
+        return _with(value, changed) if changed else value
+    return _plain(value)
 
 
 @dataclasses.dataclass
 class DeterministicInputs(CachePolicy):
-    """Upstream's default cache policy with every set in the inputs sorted first.
+    """Upstream's default cache policy with every set in the task inputs sorted first.
+
+    Prefect hashes a task's inputs as JSON, which keeps a set's iteration order, and that order changes with
+    `PYTHONHASHSEED`: a key holding a set differs between processes. Only the values that can hold a set are
+    normalised (not every input walked): the set fields of `ModelRequestParameters` (found from its type hints:
+    revealed and introduced tool names, deferred capability ids, ...), and the user's own values: tool call
+    arguments (a `set[str]` parameter validates to a set), message parts' `content` / `args` / `metadata` (a
+    tool may return a set), tool definitions' and messages' `metadata`, stream events' parts. Tool definitions'
+    JSON schemas and every other field of pydantic-ai's types hold no sets and are not walked. A set is replaced
+    by the list of its items sorted by `repr`. Upstream's policy projects `RunContext` itself, sorting its sets.
 
     Attributes:
         inner: The policy to delegate to (default: `DEFAULT_PYDANTIC_AI_CACHE_POLICY`, which is
@@ -124,7 +220,14 @@ class DeterministicInputs(CachePolicy):
     inner: CachePolicy = dataclasses.field(default_factory=lambda: DEFAULT_PYDANTIC_AI_CACHE_POLICY)
 
     def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any) -> str | None:
-        return self.inner.compute_key(task_ctx, _sorted_sets(inputs, {}), flow_parameters, **kwargs)
+        return self.inner.compute_key(task_ctx, normalized_inputs(inputs), flow_parameters, **kwargs)
+
+
+def normalized_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    """A task's inputs as `DeterministicInputs` hashes them: `inputs` with every set they can hold sorted, the
+    unchanged values (and `inputs` itself when nothing changed) being the very same objects."""
+    changed = {key: n for key, value in inputs.items() if (n := _task_input(value)) is not value}
+    return {**inputs, **changed} if changed else inputs
 
 
 DEFAULT_TOOL_RETRIES = 2
@@ -254,7 +357,8 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
     Flow parameters (JSON, so deployments and schedules can carry them): `prompt: str | None`,
     `deps: dict | None` (validated into `deps_type`), `message_history: list[dict] | None`
     (pydantic-ai's message JSON), `conversation_id: str | None`. Returns
-    `{'output': ..., 'new_messages': [...], 'usage': {...}}` as JSON-compatible data.
+    `{'output': ..., 'new_messages': '[...]', 'usage': {...}}` as JSON-compatible data, `new_messages` being the new
+    messages as one JSON string (`ModelMessagesTypeAdapter.validate_json` reads it; see `Turn.payload` for why).
     """
     _registry.claim('Prefect flow', agent.name, agent, 'given Prefect flows in this process')  # DC011 on a clash
     existing = _FLOWS.get(agent.name)
@@ -277,7 +381,7 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
         turn = await run_turn(agent, built.run, prompt, deps=deps_from_json(agent, deps), message_history=message_history,
                               conversation_id=conversation_id, load=load_task, append=append,
                               gate=PrefectApprovalGate(agent))
-        return turn.payload()
+        return turn.payload(messages_as_json=True)
 
     run_agent.__name__ = re.sub(r'\W', '_', f'run_{agent.name}')
     decorated = flow(name=flow_name(agent), persist_result=True)(run_agent)
@@ -665,11 +769,11 @@ async def _run_flow_run(flow_: Any, flow_run_id: Any, parameters: dict[str, Any]
     # A flow run run again (resume) may hold task runs its dead process left Running: not this run's to wait for.
     orphans = frozenset(str(t.id) for t in await _task_runs(flow_run_id) if t.state is None or not t.state.is_final())
     state: Any = await run_flow_async(flow_, flow_run=flow_run, parameters=parameters, return_type='state')
-    payload = await state.result()
-    model_requests = sum(1 for m in payload['new_messages'] if m.get('kind') == 'response')
+    report = RunReport.from_payload('prefect', str(flow_run_id), await state.result())
+    model_requests = sum(1 for m in report.new_messages if m.kind == 'response')
     task_runs = await _settled_task_runs(flow_run_id, model_requests, orphans=orphans)
-    units = [t.name for t in sorted(task_runs, key=lambda t: (t.expected_start_time or t.created, t.name))]
-    return RunReport.from_payload('prefect', str(flow_run_id), payload, units)
+    report.durable_units = [t.name for t in sorted(task_runs, key=lambda t: (t.expected_start_time or t.created, t.name))]
+    return report
 
 
 class PrefectAdapter(EngineAdapter):
