@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from dbos import DBOS
 
-from ..approvals import ApprovalError, Decision, PendingCall, check_decision
+from ..approvals import ApprovalError, Decision, PendingCall, already_decided, check_decision
 from ..turn import RunReport
 from ._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
 from ._dbos_approvals import DECISION_TOPIC, PENDING_EVENT
@@ -203,10 +203,20 @@ async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = No
 
 
 async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
-    """Check `decision` against the run's published pending calls, then send it on `DECISION_TOPIC`.
+    """Check `decision` against the run's published pending calls and against the decision already made on the call,
+    then send it on `DECISION_TOPIC` and record it on the workflow (`DECISION_ATTRIBUTE`).
+
+    The record is what refuses a second decision while the first one waits, unread, for the workflow (its process is
+    down, or it has not reached `recv` yet): DBOS keeps the first message with the call's idempotency key and drops
+    the second one, so without it a second `durcap approve|deny` exited 0 and changed nothing. The message is sent
+    before the record is written: a process killed between the two leaves a decision sent but unrecorded (a second
+    one would then be dropped as before), never one recorded but unsent (which would refuse every later decision
+    while the run waits for nothing). Two decisions made at the same moment can both pass the check (DBOS offers no
+    compare-and-set for this); the first message stored still wins.
 
     Raises:
-        ApprovalError: unknown run (no such workflow, or it waits for nothing), unknown call, stale fingerprint.
+        ApprovalError: unknown run (no such workflow, or it waits for nothing), unknown call, stale fingerprint, or
+            a call already decided (`approvals.already_decided`: names the earlier decision).
     """
     from sqlalchemy.exc import OperationalError, ProgrammingError
 
@@ -220,15 +230,41 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
             raise ApprovalError('unknown-run', f'no DBOS workflow {run_id!r} in {_db_label(settings)}')
         pending = [PendingCall.from_json(d) for d in
                    await client.get_event_async(run_id, PENDING_EVENT, timeout_seconds=0) or []]
+        earlier, received = _recorded_decision(status[0], decision.call_id, pending)
+        if earlier is not None:
+            raise already_decided(run_id, decision.call_id, earlier, received=received)
         if status[0].status != 'PENDING' or not pending:
             raise ApprovalError('unknown-run', f'DBOS workflow {run_id!r} is not waiting for approval '
                                                f'(status {status[0].status})')
         call = check_decision(pending, decision, run_id)
         await client.send_async(run_id, decision.to_json(), DECISION_TOPIC,
                                 idempotency_key=f'{decision.call_id}:{decision.fingerprint}')
+        if hasattr(client, 'update_workflow_attributes_async'):  # DBOS 3.x; older ones keep first-message-wins
+            record = {**decision.to_json(), 'requested_at': call.requested_at}
+            await client.update_workflow_attributes_async(run_id, {DECISION_ATTRIBUTE + call.call_id: record}, merge=True)
         return call
     finally:
         client.destroy()
+
+
+DECISION_ATTRIBUTE = 'durcap.decision.'
+"""Prefix of the workflow attribute (DBOS's custom attributes, merged per key) recording the decision sent on a call:
+`durcap.decision.{call id}` -> the `Decision` JSON plus the pending call's `requested_at`."""
+
+
+def _recorded_decision(status: Any, call_id: str, pending: list[PendingCall]) -> tuple[Decision | None, bool | None]:
+    """`(decision, received)`: the decision recorded on the workflow for `call_id`, if one applies, and whether the
+    workflow has taken it (`False` while the call is still published as pending). A record of an earlier pause whose
+    call had the same id (its `requested_at` differs from the waiting call's) does not apply."""
+    record = (getattr(status, 'attributes', None) or {}).get(DECISION_ATTRIBUTE + call_id)
+    if not isinstance(record, dict):
+        return None, None
+    record = dict(record)
+    requested_at = record.pop('requested_at', None)
+    waiting = next((c for c in pending if c.call_id == call_id), None)
+    if waiting is not None and waiting.requested_at != requested_at:
+        return None, None
+    return Decision.from_json(record), (False if waiting is not None else None)
 
 
 def _db_label(settings: Mapping[str, Any]) -> str:

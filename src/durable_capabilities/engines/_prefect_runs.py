@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..approvals import ApprovalError, Decision, PendingCall, check_decision
+from ..approvals import ApprovalError, Decision, PendingCall, already_decided, check_decision
 from ..turn import RunReport
 from ._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
 from ._prefect_approvals import DECISION_INPUT_PREFIX, PENDING_INPUT, _input_key
@@ -196,17 +196,23 @@ async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = No
 
 
 async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
-    """Check `decision` against the flow run's pending calls, store it as flow run input and resume the run.
+    """Check `decision` against the flow run's pending calls and against a decision already stored for the call,
+    store it as flow run input and resume the run.
+
+    A call is decided once: its decision input (`DECISION_INPUT_PREFIX`) is write-once on the server, so a second
+    decision, whether or not the run has read the first, is refused naming the first (before, the server's 409 came
+    out as an HTTP error).
 
     Raises:
-        ApprovalError: unknown run (no such flow run, or not waiting), unknown call, stale fingerprint.
+        ApprovalError: unknown run (no such flow run, or not waiting), unknown call, stale fingerprint, or a call
+            already decided (`approvals.already_decided`: names the earlier decision).
     """
     import asyncio
 
     from prefect import get_client
-    from prefect.exceptions import NotPausedError, ObjectNotFound
+    from prefect.exceptions import NotPausedError, ObjectNotFound, PrefectHTTPStatusError
     from prefect.flow_runs import aresume_flow_run
-    from prefect.input import acreate_flow_run_input
+    from prefect.input import acreate_flow_run_input, aread_flow_run_input
 
     flow_run_id = _flow_run_uuid(run_id)
     ensure_api()
@@ -216,11 +222,25 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
         except ObjectNotFound:
             raise ApprovalError('unknown-run', f'no Prefect flow run {run_id!r}') from None
     pending = await pending_approvals(settings, run_id)
+    key = DECISION_INPUT_PREFIX + _input_key(decision.call_id)
+
+    async def refuse_if_decided() -> None:
+        earlier = await aread_flow_run_input(key, flow_run_id=flow_run_id)
+        if earlier is not None:
+            still_pending = any(c.call_id == decision.call_id for c in pending)
+            raise already_decided(run_id, decision.call_id, Decision.from_json(earlier),
+                                  received=False if still_pending else None)
+
+    await refuse_if_decided()
     if not pending:
         raise ApprovalError('unknown-run', f'Prefect flow run {run_id!r} is not waiting for approval')
     call = check_decision(pending, decision, run_id)
-    await acreate_flow_run_input(DECISION_INPUT_PREFIX + _input_key(call.call_id), decision.to_json(),
-                                 flow_run_id=flow_run_id)
+    try:
+        await acreate_flow_run_input(key, decision.to_json(), flow_run_id=flow_run_id)
+    except PrefectHTTPStatusError as exc:
+        if exc.response.status_code == 409:  # another decision was stored since the check above
+            await refuse_if_decided()
+        raise
     for _ in range(100):  # the run may be between two pauses: it reads the stored decision once paused
         async with get_client() as client:
             flow_run = await client.read_flow_run(flow_run_id)
