@@ -13,6 +13,7 @@ from durable_capabilities.approvals import (
     DEFAULT_APPROVAL_TIMEOUT,
     ApprovalError,
     Decision,
+    already_decided,
     audit_records,
     check_decision,
     deferred_results,
@@ -59,6 +60,12 @@ def test_check_decision_refuses_stale_fingerprint_and_unknown_call() -> None:
     with pytest.raises(ApprovalError) as unknown:
         check_decision(pending, Decision('c9', pending[0].fingerprint, True), 'r1')
     assert unknown.value.kind == 'unknown-call'
+    # A second decision on a decided call (issue 13): the same kind, naming the run, the call and the first decision.
+    first = Decision('c1', pending[0].fingerprint, False, reason='no', by='dana', at='2026-05-01T12:00:00+00:00')
+    refused = already_decided('r1', 'c1', first, received=False)
+    assert refused.kind == 'unknown-call'
+    assert str(refused).startswith("run 'r1': call 'c1' was already denied by dana at 2026-05-01T12:00:00+00:00 "
+                                   '(the run has not received it yet'), str(refused)
 
 
 def test_results_approve_with_override_deny_with_reason_and_time_out() -> None:

@@ -180,6 +180,26 @@ def check_decision(pending: list[PendingCall], decision: Decision, run_id: str) 
         f'{", ".join(c.call_id for c in pending) or "none"}); it may have been decided already'))
 
 
+def already_decided(run_id: str, call_id: str, earlier: Decision, *, received: bool | None = None) -> ApprovalError:
+    """The refusal of a second decision on a call: a call is decided once, and the first decision stands even while
+    the run has not received it yet (its process is down, or it has not reached its next wait).
+
+    Args:
+        run_id / call_id: The run and the call the second decision was for.
+        earlier: The decision already made.
+        received: Whether the run has taken `earlier` (`False`: not yet; `None`: not known).
+
+    Returns:
+        An `ApprovalError` of kind `unknown-call` (the kind of a call that is no longer pending), naming the run, the
+        call and the earlier decision (approved or denied, by whom, when); the caller raises it, and sends nothing.
+    """
+    verb = 'approved' if earlier.approve else 'denied'
+    state = ' (the run has not received it yet: it does when the run next runs)' if received is False else ''
+    return ApprovalError('unknown-call', (
+        f'run {run_id!r}: call {call_id!r} was already {verb} by {earlier.by or "someone"} at {earlier.at}{state}; '
+        'a call is decided once: this decision was refused and nothing was sent'))
+
+
 def pending_calls(
     requests: Any, *, run_id: str, agent: str, conversation_id: str | None, now: datetime, timeout: float,
 ) -> list[PendingCall]:

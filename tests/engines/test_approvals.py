@@ -85,6 +85,9 @@ def _dbos_db(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> st
 @pytest.mark.parametrize('backend', ['sqlite', 'postgresql'])
 def test_dbos_approve_after_process_killed_while_waiting(backend: str, spawn, tmp_path: Path,
                                                          request: pytest.FixtureRequest) -> None:
+    """On PostgreSQL the decision reaches the workflow recovered by a second process and waiting again; on SQLite it
+    is made while no process runs the workflow (it reads it when recovered), and a second decision made meanwhile is
+    refused naming the first (issue 13: it was accepted and silently dropped)."""
     db = _dbos_db(backend, tmp_path, request)
     env, crash_dir = env_for(tmp_path)
     run_id = f'gate-{uuid.uuid4().hex[:8]}'
@@ -97,10 +100,20 @@ def test_dbos_approve_after_process_killed_while_waiting(backend: str, spawn, tm
     assert listed.returncode == 0 and run_id in listed.stdout and 'revoke_sessions' in listed.stdout, listed.stdout
     check_refusals(engine_args, run_id, call, crash_dir)
     first.kill9()  # SIGKILL while the workflow waits for the decision
+    if backend == 'sqlite':  # decided while no process runs the workflow: the decision waits for it
+        approved = durcap('approve', run_id, call['call_id'], '--by', 'alice-admin', *engine_args)
+        assert approved.returncode == 0, approved.stderr
+        second_decision = durcap('deny', run_id, call['call_id'], '--reason', 'no', '--by', 'bob', *engine_args)
+        assert second_decision.returncode == 2, second_decision.stdout + second_decision.stderr
+        said = second_decision.stderr.replace('\n', ' ')
+        assert 'unknown-call' in said and run_id in said and call['call_id'] in said, said
+        assert 'already approved by alice-admin' in said and 'has not received it yet' in said, said
+        assert pending(engine_args, run_id) == [call]  # still waiting: only the first decision was sent
     second = spawn(*args, env=env)  # DBOS recovers the workflow: it waits again, until the same deadline
     second.wait_for('DBOS STARTED', 90)
-    approved = durcap('approve', run_id, call['call_id'], '--by', 'alice-admin', *engine_args)
-    assert approved.returncode == 0, approved.stderr
+    if backend != 'sqlite':
+        approved = durcap('approve', run_id, call['call_id'], '--by', 'alice-admin', *engine_args)
+        assert approved.returncode == 0, approved.stderr
     report = second.report(timeout=120)
     assert report['output'] == 'result: revoked sessions of alice'
     assert revocations(crash_dir) == ['alice']  # exactly once
@@ -108,7 +121,7 @@ def test_dbos_approve_after_process_killed_while_waiting(backend: str, spawn, tm
     assert audit and audit[0][0]['decision'] == 'approved' and audit[0][0]['by'] == 'alice-admin'
     assert audit[0][0]['fingerprint'] == call['fingerprint']
     again = durcap('approve', run_id, call['call_id'], *engine_args)  # the run is over: nothing waits
-    assert again.returncode == 2
+    assert again.returncode == 2 and 'already approved by alice-admin' in again.stderr.replace('\n', ' '), again.stderr
 
 
 def test_dbos_deny_returns_reason_and_tool_never_runs(spawn, tmp_path: Path) -> None:
@@ -183,6 +196,10 @@ def test_temporal_approve_after_worker_killed_while_waiting(temporal_address: st
     second.wait_for('WORKER READY', 90)
     approved = durcap('approve', run_id, call['call_id'], '--args', '{"user": "dave2"}', *engine_args)
     assert approved.returncode == 0, approved.stderr
+    # A second decision is refused: the update removed the call from the pending ones (memo and validator).
+    second_decision = durcap('deny', run_id, call['call_id'], '--reason', 'no', *engine_args)
+    assert second_decision.returncode == 2, second_decision.stdout + second_decision.stderr
+    assert 'unknown-run' in second_decision.stderr or 'unknown-call' in second_decision.stderr, second_decision.stderr
 
     async def result() -> AgentRunOutput:
         client = await connect(temporal_address)
@@ -361,6 +378,10 @@ def test_prefect_approve_after_process_killed_while_paused(prefect_api_url: str,
     second.wait_for('PREFECT FLOW RUN ', 90)
     approved = durcap('approve', run_id, call['call_id'], '--by', 'ops', *engine_args, env=env)
     assert approved.returncode == 0, approved.stderr
+    second_decision = durcap('deny', run_id, call['call_id'], '--reason', 'no', *engine_args, env=env)  # issue 13
+    assert second_decision.returncode == 2, second_decision.stdout + second_decision.stderr
+    said = second_decision.stderr.replace('\n', ' ')
+    assert 'unknown-call' in said and run_id in said and 'already approved by ops' in said, said
     report = second.report(timeout=180)
     assert report['output'] == 'result: revoked sessions of hana'
     assert revocations(crash_dir) == ['hana']  # exactly once

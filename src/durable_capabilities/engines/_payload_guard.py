@@ -37,7 +37,7 @@ from ..store._claim_check import (
 )
 
 if TYPE_CHECKING:
-    from .temporal import AgentRunInput
+    from ._temporal_workflow import AgentRunInput
 
 _MARGIN = 64 * 1024
 """Bytes a model-request input carries besides the messages (settings, tool definitions), counted against the maximum."""

@@ -22,11 +22,11 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
-from datetime import UTC
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
 from dbos import DBOS, SetWorkflowID
+from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.durable_exec import (
     ModelCancelSuspendedResponseId,
     ModelCompactMessagesId,
@@ -43,32 +43,23 @@ from pydantic_core import to_jsonable_python
 
 from .. import _registry, _upstream
 from .._limits import private_file
-from ..approvals import (
-    ApprovalError,
-    ApprovalGate,
-    Decision,
-    PendingCall,
-    check_decision,
-)
 from ..conversations import append_conversation, load_conversation
 from ..store import AppendIdReuseError, ConversationConflictError, CorruptedRowError, NewerHistoryError, SchemaVersionError
 from ..turn import RunReport, Turn, deps_from_json, run_turn
 from ..validation import DurableConfigError
 from . import _mcp, _retry_after, _retry_log
-from ._adapter import (
-    EngineAdapter,
-    RunInfo,
-    RunNotFoundError,
-    RunOptions,
-    RunUnit,
-    leaf_kinds,
-    loaded_capabilities_in,
-    unit_kind,
+from ._adapter import EngineAdapter, RunInfo, RunOptions, leaf_kinds
+from ._dbos_approvals import (  # noqa: F401 - public here, as before the split
+    DECISION_TOPIC,
+    PENDING_EVENT,
+    DBOSApprovalGate,
+    approval_step_name,
 )
 from ._retry_after import MAX_RETRY_AFTER_SECONDS
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
+    from ..approvals import Decision, PendingCall
 
 WORKFLOW_NAME_PREFIX = 'durcap.'
 """Workflow name of `agent_workflow`: `durcap.{agent name}`. Compatibility data, listed in `durable.lock`."""
@@ -508,65 +499,6 @@ class BoundAgent:
                               append=append, gate=DBOSApprovalGate(self.definition), **kwargs)
 
 
-PENDING_EVENT = 'durcap.approvals'
-"""DBOS event key under which a waiting workflow publishes its pending calls (JSON list of `PendingCall`)."""
-
-DECISION_TOPIC = 'durcap.decisions'
-"""DBOS message topic a waiting workflow receives decisions on (one `Decision` JSON per message)."""
-
-
-def approval_step_name(agent: DurableAgent[Any, Any]) -> str:
-    """Name of the step that reads the clock while a run waits for approval: `durcap__{name}__approval.clock`."""
-    return f'durcap__{agent.durable_name}__approval.clock'
-
-
-def _clock() -> str:
-    from ..approvals import utc_now
-
-    return utc_now().isoformat()
-
-
-class DBOSApprovalGate(ApprovalGate):
-    """Waits in the workflow: pending calls published as event `PENDING_EVENT`, decisions received with
-    `DBOS.recv_async(DECISION_TOPIC, timeout_seconds=...)` (a durable sleep: no step or thread is held, and a
-    recovered workflow waits until the same deadline); the clock is a recorded step."""
-
-    def __init__(self, agent: DurableAgent[Any, Any]):
-        self.agent = agent
-        self.run_id = DBOS.workflow_id or ''
-
-    async def now(self) -> Any:
-        from datetime import datetime
-
-        stamp = await DBOS.run_step_async({'name': approval_step_name(self.agent)}, _clock)  # type: ignore[arg-type]
-        return datetime.fromisoformat(stamp)
-
-    async def wait(self, pending: list[PendingCall], timeout: float) -> dict[str, Decision]:
-        from datetime import datetime
-
-        deadline = datetime.fromisoformat(pending[0].deadline)
-        remaining, decisions = list(pending), {}
-        await DBOS.set_event_async(PENDING_EVENT, [call.to_json() for call in remaining])
-        while remaining:
-            left = (deadline - await self.now()).total_seconds()
-            if left <= 0:
-                break
-            message = await DBOS.recv_async(DECISION_TOPIC, timeout_seconds=left)
-            if message is None:
-                break  # the deadline passed: the remaining calls are denied
-            decision = Decision.from_json(message)
-            try:
-                call = check_decision(remaining, decision, self.run_id)
-            except ApprovalError:
-                continue  # refused by `decide` already; a late duplicate changes nothing
-            decisions[call.call_id] = decision
-            remaining.remove(call)
-            await DBOS.set_event_async(PENDING_EVENT, [call.to_json() for call in remaining])
-        if remaining:
-            await DBOS.set_event_async(PENDING_EVENT, [])
-        return decisions
-
-
 def _conversation_steps(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
     """The store units as DBOS steps: recovery returns the recorded history instead of reading again, and the
     append (idempotent by workflow id) is retried by DBOS while the store is down (`APPEND_STEP_RETRIES`),
@@ -810,194 +742,37 @@ class DBOSAdapter(EngineAdapter):
                 signal.signal(sig, handler)
             DBOS.destroy(workflow_completion_timeout_sec=int(options.setting('graceful_shutdown', 30)))
 
-    # ---- runs ----------------------------------------------------------------------------------------------
-
-    async def _info(self, client: Any, status: Any, with_steps: bool = True, with_units: bool = False) -> RunInfo:
-        from datetime import datetime
-
-        steps = await client.list_workflow_steps_async(status.workflow_id) if with_steps else []
-        name = status.name or ''
-        agent = name[len(WORKFLOW_NAME_PREFIX):] if name.startswith(WORKFLOW_NAME_PREFIX) else None
-        inputs: Any = status.input or {}
-        args, kwargs = list(inputs.get('args') or ()), dict(inputs.get('kwargs') or {})
-        conversation = kwargs.get('conversation_id', args[3] if len(args) > 3 else None)
-        outputs = [status.output] + [step.get('output') for step in steps]
-        engine_status = str(status.status)
-        gone = engine_status in ('PENDING', 'ENQUEUED') and executor_process_gone(status.executor_id)
-        notes = [(f'its process ({status.executor_id}) is gone: finish it with `durcap runs resume '
-                  f'{status.workflow_id} --engine dbos --target TARGET`, or by `durcap worker dbos TARGET --executor-id '
-                  f'{status.executor_id}` (a worker recovers only its own executor\'s workflows)')] if gone else []
-        return RunInfo(
-            'dbos', status.workflow_id, agent, 'orphaned' if gone else _DBOS_STATUS.get(engine_status, 'running'),
-            engine_status,
-            datetime.fromtimestamp(status.created_at / 1000, UTC) if status.created_at else None,
-            loaded_capabilities_in(outputs), conversation, sum(1 for step in steps if step.get('error') is None), notes,
-            {'executor_id': status.executor_id, 'queue': status.queue_name, 'workflow_name': name,
-             'app_version': status.app_version, 'orphaned': gone, 'error': _error_line(status.error)},
-            [_unit(step) for step in steps] if with_units else [],
-        )
+    # ---- the operator side (`durcap runs`, `durcap approvals`): `_dbos_runs` ----------------------------------
 
     async def list_runs(self, settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
-        """`durcap.*` workflows, newest first; a PENDING or ENQUEUED one whose `durcap run` process is gone is
-        `orphaned` (as `show_run` says), not `running`."""
-        client = _client(settings)
-        try:
-            engine_statuses = ('PENDING', 'ENQUEUED') if status == 'orphaned' else [k for k, v in _DBOS_STATUS.items() if v == status]
-            found = await client.list_workflows_async(status=list(engine_statuses) if status else None, sort_desc=True,
-                                                      limit=limit * 4, load_output=True)
-            found = [w for w in found if (w.name or '').startswith(WORKFLOW_NAME_PREFIX)]
-            infos = []
-            for workflow in found:
-                info = await self._info(client, workflow)
-                if status is None or info.status == status:
-                    infos.append(info)
-                if len(infos) == limit:
-                    break
-            return infos
-        finally:
-            client.destroy()
+        from . import _dbos_runs
+
+        return await _dbos_runs.list_runs(settings, status=status, limit=limit)
 
     async def show_run(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
-        client = _client(settings)
-        try:
-            found = await client.list_workflows_async(workflow_ids=[run_id])
-            if not found:
-                raise RunNotFoundError(f'no DBOS workflow {run_id!r} in {_redact(system_database_url(settings.get("db")))}')
-            return await self._info(client, found[0], with_units=True)
-        finally:
-            client.destroy()
+        from . import _dbos_runs
+
+        return await _dbos_runs.show_run(run_id, settings)
 
     async def cancel(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
-        await self.show_run(run_id, settings)
-        client = _client(settings)
-        try:
-            await client.cancel_workflow_async(run_id)
-        finally:
-            client.destroy()
-        return await self.show_run(run_id, settings)
+        from . import _dbos_runs
+
+        return await _dbos_runs.cancel(run_id, settings)
 
     async def resume(self, run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
-        """Resume the workflow on this process's own DBOS queue (a fresh executor id, no other queue served) and
-        wait for its result: recorded steps return their recorded results, the rest run once."""
-        info = await self.show_run(run_id, options.settings)
-        if not agents:
-            raise RuntimeError(f'pass --target TARGET (the definition of agent {info.agent!r}): DBOS runs the rest of '
-                               f'workflow {run_id} with its code')
-        if info.status == 'completed':
-            options.notify(f'dbos workflow {run_id} had already completed')
-        elif info.status in ('running', 'queued') and not info.detail.get('orphaned') and info.detail.get(
-                'executor_id', '').startswith(RUN_EXECUTOR_PREFIX):
-            options.notify(f'dbos workflow {run_id} belongs to executor {info.detail["executor_id"]}, which may still '
-                           'run it; resuming hands it to this process')
-        for agent in agents:
-            agent_workflow(agent)
-        if info.agent is not None and info.agent not in {a.name for a in agents} | {
-                p for a in agents for p in a.previous_names}:
-            raise RuntimeError(f'workflow {run_id} runs agent {info.agent!r}, which the target does not define')
-        queue = f'durcap-resume-{uuid.uuid4().hex[:8]}'
-        launch('durcap', system_database_url_=options.setting('db'), one_shot=True, listen=[queue],
-               executor_id=options.setting('executor_id'))
-        try:
-            if info.status != 'completed':
-                await DBOS.register_queue_async(queue)
-                options.notify(f'resuming dbos workflow {run_id} as executor {DBOS.executor_id}')
-                handle = await DBOS.resume_workflow_async(run_id, queue_name=queue)
-            else:
-                handle = await DBOS.retrieve_workflow_async(run_id)
-            payload = await handle.get_result()
-            steps = await DBOS.list_workflow_steps_async(run_id)
-        finally:
-            DBOS.destroy()
-        return RunReport.from_payload('dbos', run_id, payload, [step['function_name'] for step in steps])
+        from . import _dbos_runs
 
-    # ---- approvals ---------------------------------------------------------------------------------------
+        return await _dbos_runs.resume(run_id, agents, options)
 
     async def pending_approvals(self, settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
-        """Pending calls of waiting `durcap.*` workflows (or of `run_id`), read with a `DBOSClient` on `settings['db']`."""
-        from sqlalchemy.exc import OperationalError, ProgrammingError
+        from . import _dbos_runs
 
-        client = _client(settings)
-        try:
-            if run_id is not None:
-                ids = [run_id]
-            else:
-                workflows = await client.list_workflows_async(status='PENDING', load_input=False, load_output=False)
-                ids = [w.workflow_id for w in workflows if (w.name or '').startswith(WORKFLOW_NAME_PREFIX)]
-            calls: list[PendingCall] = []
-            for workflow_id in ids:
-                for data in await client.get_event_async(workflow_id, PENDING_EVENT, timeout_seconds=0) or []:
-                    calls.append(PendingCall.from_json({**data, 'engine': 'dbos'}))
-            return calls
-        except (OperationalError, ProgrammingError):  # no DBOS tables yet: nothing has run, nothing waits
-            return []
-        finally:
-            client.destroy()
+        return await _dbos_runs.pending_approvals(settings, run_id)
 
     async def decide(self, run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
-        """Check `decision` against the run's published pending calls, then send it on `DECISION_TOPIC`.
+        from . import _dbos_runs
 
-        Raises:
-            ApprovalError: unknown run (no such workflow, or it waits for nothing), unknown call, stale fingerprint.
-        """
-        from sqlalchemy.exc import OperationalError, ProgrammingError
-
-        client = _client(settings)
-        try:
-            try:
-                status = await client.list_workflows_async(workflow_ids=[run_id], load_input=False, load_output=False)
-            except (OperationalError, ProgrammingError):  # no DBOS tables yet
-                status = []
-            if not status:
-                raise ApprovalError('unknown-run', f'no DBOS workflow {run_id!r} in {_db_label(settings)}')
-            pending = [PendingCall.from_json(d) for d in
-                       await client.get_event_async(run_id, PENDING_EVENT, timeout_seconds=0) or []]
-            if status[0].status != 'PENDING' or not pending:
-                raise ApprovalError('unknown-run', f'DBOS workflow {run_id!r} is not waiting for approval '
-                                                   f'(status {status[0].status})')
-            call = check_decision(pending, decision, run_id)
-            await client.send_async(run_id, decision.to_json(), DECISION_TOPIC,
-                                    idempotency_key=f'{decision.call_id}:{decision.fingerprint}')
-            return call
-        finally:
-            client.destroy()
-
-
-def _error_line(error: Any) -> str | None:
-    """A failed workflow's error as one line (`Type: message`), or `None`. A step that ran out of retries
-    (`DBOSMaxStepRetriesExceeded`, which keeps each attempt's error in `errors`) is named by its last attempt's
-    error, the step's own failure following: `RuntimeError: card declined; after DBOSMaxStepRetriesExceeded: ...`."""
-    if error is None:
-        return None
-    if not isinstance(error, BaseException):
-        text = str(error).strip().splitlines()
-        return text[0] if text else None
-
-    def line(exc: BaseException) -> str:
-        text = str(exc).strip().splitlines()
-        return f'{type(exc).__name__}: {text[0] if text else ""}'
-
-    attempts = getattr(error, 'errors', None)
-    if isinstance(attempts, (list, tuple)) and attempts and isinstance(attempts[-1], BaseException):
-        return f'{line(attempts[-1])}; after {line(error)}'
-    return line(error)
-
-
-_DBOS_STATUS = {
-    'PENDING': 'running', 'ENQUEUED': 'queued', 'DELAYED': 'queued', 'SUCCESS': 'completed', 'ERROR': 'failed',
-    'CANCELLED': 'cancelled', 'MAX_RECOVERY_ATTEMPTS_EXCEEDED': 'failed',
-}
-
-
-def _unit(step: Any) -> RunUnit:
-    """A recorded DBOS step (`list_workflow_steps` entry) as a `RunUnit`."""
-    from datetime import datetime
-
-    started = step.get('started_at_epoch_ms')
-    status = 'failed' if step.get('error') is not None else ('done' if step.get('completed_at_epoch_ms') or
-                                                              step.get('output') is not None else 'started')
-    name = step.get('function_name') or ''
-    return RunUnit(name, unit_kind(name), status, datetime.fromtimestamp(started / 1000, UTC) if started else None,
-                   loaded_capabilities_in([step.get('output')]))
+        return await _dbos_runs.decide(run_id, decision, settings)
 
 
 def _redact(url: str) -> str:
@@ -1008,11 +783,6 @@ def _redact(url: str) -> str:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:  # noqa: BLE001 - never fail on printing a URL
         return url.split('@')[-1]
-
-
-def _db_label(settings: Mapping[str, Any]) -> str:
-    url = settings.get('db') or 'sqlite:///.durcap/dbos.sqlite'
-    return url.split('@')[-1]
 
 
 def _client(settings: Mapping[str, Any]) -> Any:

@@ -12,7 +12,6 @@ missed the cache for every request made after a capability was loaded and ran it
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -20,7 +19,6 @@ import logging
 import os
 import re
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -43,32 +41,26 @@ from pydantic_core import to_jsonable_python
 
 from .. import _registry
 from .._limits import one_line, printable
-from ..approvals import (
-    ApprovalError,
-    ApprovalGate,
-    Decision,
-    PendingCall,
-    check_decision,
-)
 from ..conversations import LoadedConversation, append_conversation, load_conversation
 from ..store import AppendIdReuseError, ConversationConflictError, CorruptedRowError
 from ..turn import RunReport, deps_from_json, run_turn
 from . import _mcp, _retry_after, _retry_log
-from ._adapter import (
-    EngineAdapter,
-    RunInfo,
-    RunNotFoundError,
-    RunOptions,
-    RunUnit,
-    leaf_kinds,
-    loaded_capabilities_in,
-    unit_kind,
+from ._adapter import EngineAdapter, RunInfo, RunOptions, leaf_kinds
+from ._prefect_approvals import (  # noqa: F401 - public here, as before the split
+    APPROVAL_CLOCK_TASK,
+    DECISION_INPUT_PREFIX,
+    PENDING_INPUT,
+    SUSPEND_GRACE_SECONDS,
+    PrefectApprovalGate,
+    resume_expired,
+    watch_deadlines,
 )
 from ._retry_after import MAX_RETRY_AFTER_SECONDS, RetryAfterDelays
 from .prefect_entry import TARGET_ENV, entrypoint
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
+    from ..approvals import Decision, PendingCall
 
 FLOW_NAME_PREFIX = 'durcap-'
 """Flow name: `durcap-{agent name}`."""
@@ -390,195 +382,6 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
     return decorated
 
 
-APPROVAL_CLOCK_TASK = 'Approval Clock'
-"""Task that reads the clock when a run starts waiting (cached per flow run: a re-run keeps the deadline)."""
-
-PENDING_INPUT = 'durcap-pending'
-"""Flow run input key holding the pending calls (JSON list of `PendingCall`)."""
-
-DECISION_INPUT_PREFIX = 'durcap-decision-'
-"""Flow run input key prefix of a decision: `durcap-decision-{call id}` (written by `decide`)."""
-
-
-def _clock_task() -> Any:
-    from prefect import task
-    from prefect.cache_policies import INPUTS, RUN_ID
-
-    async def clock(pause: int) -> str:
-        from ..approvals import utc_now
-
-        return utc_now().isoformat()
-
-    return task(name=APPROVAL_CLOCK_TASK, cache_policy=INPUTS + RUN_ID, persist_result=True)(clock)
-
-
-class PrefectApprovalGate(ApprovalGate):
-    """Waits for decisions on the Prefect server; `decide` stores each as flow run input
-    `durcap-decision-{call id}` and resumes the flow run with `resume_flow_run`. The pending calls are flow
-    run input `PENDING_INPUT`.
-
-    - A flow run of a deployment (`flow.serve`, `durcap schedule prefect`, `run_deployment`) suspends
-      (`suspend_flow_run`): state Suspended, its process exits, nothing is held. On resume Prefect schedules it
-      again from its deployment; the flow function runs from the top, its completed tasks return their cached
-      results (deterministic keys), and the gate finds the stored decision. No process waits for the
-      deadline: the process serving the deployment (`serve`, `durcap schedule prefect`) runs
-      `watch_deadlines`, which resumes a Suspended flow run once its calls' deadline has passed; the rerun
-      gate finds no decision and denies the calls. The suspend's Prefect timeout is the deadline plus
-      `SUSPEND_GRACE_SECONDS`: if nothing serving the deployment resumed the run by then, Prefect's
-      pause-expiration service sets it Failed ("The flow was paused and never resumed").
-    - Any other flow run (`durcap run`: no deployment to reschedule from) pauses (`pause_flow_run`): state
-      Paused, the process waits; at the deadline the pause times out in the process and the call is denied.
-
-    A flow run re-run after its process died (Prefect's retry, or `run_flow` on the same flow run) replays its
-    cached tasks and finds the decisions already stored."""
-
-    def __init__(self, agent: DurableAgent[Any, Any]):
-        from prefect.runtime import flow_run
-
-        self.agent = agent
-        self.run_id = str(flow_run.id)
-        self.pauses = 0
-        self.clock = _clock_task()
-
-    async def now(self) -> Any:
-        from datetime import datetime
-
-        self.pauses += 1
-        return datetime.fromisoformat(await self.clock(self.pauses))
-
-    async def wait(self, pending: list[PendingCall], timeout: float) -> dict[str, Decision]:
-        import hashlib
-        import math
-        import uuid as uuid_
-        from datetime import datetime
-
-        from prefect import get_client, pause_flow_run
-        from prefect.context import FlowRunContext
-        from prefect.exceptions import FlowPauseTimeout
-        from prefect.flow_runs import asuspend_flow_run
-        from prefect.input import aread_flow_run_input
-        from prefect.states import Running
-
-        from ..approvals import utc_now
-
-        context = FlowRunContext.get()
-        deployed = context is not None and context.flow_run is not None and context.flow_run.deployment_id is not None
-        deadline = datetime.fromisoformat(pending[0].deadline)
-        decisions: dict[str, Decision] = {}
-        remaining = list(pending)
-        attempt = 0
-        while True:
-            for call in list(remaining):
-                data = await aread_flow_run_input(DECISION_INPUT_PREFIX + _input_key(call.call_id))
-                if data is None:
-                    continue
-                try:
-                    check_decision([call], Decision.from_json(data), self.run_id)
-                except ApprovalError:
-                    continue
-                decisions[call.call_id] = Decision.from_json(data)
-                remaining.remove(call)
-            await _put_input(PENDING_INPUT, [c.to_json() for c in remaining])
-            left = (deadline - utc_now()).total_seconds()
-            if not remaining or left <= 0:
-                break
-            if deployed:
-                # A deterministic key: a suspend that already fired (before the resume that reran this flow
-                # function) is refused by the server and returns at once; the next attempt's key suspends.
-                ids = hashlib.sha256('\n'.join(sorted(c.call_id for c in remaining)).encode()).hexdigest()[:16]
-                attempt += 1
-                # Raises Pause when it fires: the flow run ends Suspended and its process exits.
-                await asuspend_flow_run(timeout=max(1, math.ceil(left)) + SUSPEND_GRACE_SECONDS,
-                                        key=f'durcap-suspend-{ids}-{attempt}')
-                continue
-            try:
-                # sync-compatible: a coroutine inside an async flow (typed as returning None)
-                await pause_flow_run(timeout=max(1, math.ceil(left)), key=f'durcap-approval-{uuid_.uuid4().hex}')  # pyright: ignore[reportGeneralTypeIssues]
-            except FlowPauseTimeout:
-                async with get_client() as client:  # the timed-out pause left the run Paused
-                    await client.set_flow_run_state(uuid_.UUID(self.run_id), Running(), force=True)
-        await _put_input(PENDING_INPUT, [])
-        return decisions
-
-
-SUSPEND_GRACE_SECONDS = 3600
-"""Seconds past an approval deadline before Prefect fails a Suspended flow run nobody resumed (see `watch_deadlines`)."""
-
-
-async def resume_expired(agent: DurableAgent[Any, Any], deployment_id: Any = None) -> list[str]:
-    """Resume every Suspended flow run of `agent`'s flow (of deployment `deployment_id` if given) whose pending
-    calls are all past their deadline: Prefect schedules it again from its deployment and the rerun gate denies
-    the calls (`approvals.timeout_reason`). Returns the ids of the flow runs resumed.
-
-    A run resumed meanwhile (by a decision) is skipped: the resume is refused and ignored.
-    """
-    from datetime import datetime
-
-    from prefect import get_client
-    from prefect.client.schemas.filters import (
-        DeploymentFilter,
-        DeploymentFilterId,
-        FlowFilter,
-        FlowFilterName,
-        FlowRunFilter,
-        FlowRunFilterState,
-        FlowRunFilterStateName,
-    )
-    from prefect.exceptions import FlowPauseTimeout, NotPausedError
-    from prefect.flow_runs import aresume_flow_run
-    from prefect.input import aread_flow_run_input
-
-    from ..approvals import utc_now
-
-    async with get_client() as client:
-        runs = await client.read_flow_runs(
-            flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_name(agent)])),
-            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(name=FlowRunFilterStateName(any_=['Suspended']))),
-            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])) if deployment_id else None)
-    resumed = []
-    for run in runs:
-        calls = await aread_flow_run_input(PENDING_INPUT, flow_run_id=run.id) or []
-        if calls and all(datetime.fromisoformat(c['deadline']) <= utc_now() for c in calls):
-            with contextlib.suppress(NotPausedError, FlowPauseTimeout, RuntimeError):
-                await aresume_flow_run(run.id)
-                resumed.append(str(run.id))
-    return resumed
-
-
-def watch_deadlines(agent: DurableAgent[Any, Any], deployment_id: Any = None, every: float = 5.0) -> Any:
-    """Start a daemon thread that calls `resume_expired(agent, deployment_id)` every `every` seconds (errors
-    are logged and retried next round); returns the thread. Run by the process serving the deployment."""
-    import logging
-    import threading
-
-    def loop() -> None:
-        while True:
-            try:
-                asyncio.run(resume_expired(agent, deployment_id))
-            except Exception:  # the server may be briefly unreachable: try again next round
-                logging.getLogger(__name__).warning('approval deadline check failed', exc_info=True)
-            time.sleep(every)
-
-    thread = threading.Thread(target=loop, name=f'durcap-deadlines-{agent.name}', daemon=True)
-    thread.start()
-    return thread
-
-
-async def _put_input(key: str, value: Any) -> None:
-    """Set the current flow run's input `key` to `value` (inputs are write-once: delete, then create)."""
-    from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
-    from prefect.input import acreate_flow_run_input, adelete_flow_run_input
-
-    with contextlib.suppress(ObjectNotFound, PrefectHTTPStatusError):  # not there yet
-        await adelete_flow_run_input(key)
-    await acreate_flow_run_input(key, value)
-
-
-def _input_key(call_id: str) -> str:
-    """A flow run input key from a call id (keys allow letters, digits and dashes)."""
-    return re.sub(r'[^A-Za-z0-9-]', lambda m: f'-{ord(m.group()):02x}', call_id).lower()
-
-
 def _conversation_tasks(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
     """Prefect tasks `Load Conversation` and `Append Conversation` (store I/O only runs in tasks).
 
@@ -744,21 +547,6 @@ async def _settled_task_runs(flow_run_id: Any, model_requests: int, timeout: flo
             await asyncio.sleep(0.2)
 
 
-_PREFECT_STATUS = {
-    'RUNNING': 'running', 'PENDING': 'running', 'PAUSED': 'running', 'SCHEDULED': 'queued', 'COMPLETED': 'completed',
-    'FAILED': 'failed', 'CRASHED': 'failed', 'CANCELLED': 'cancelled', 'CANCELLING': 'cancelled',
-}
-
-
-async def _read_flow_run(client: Any, run_id: str) -> Any:
-    from prefect.exceptions import ObjectNotFound
-
-    try:
-        return await client.read_flow_run(uuid.UUID(run_id))
-    except (ObjectNotFound, ValueError):
-        raise RunNotFoundError(f'no Prefect flow run {run_id!r} at {os.environ.get("PREFECT_API_URL") or "the local server"}') from None
-
-
 async def _run_flow_run(flow_: Any, flow_run_id: Any, parameters: dict[str, Any]) -> RunReport:
     """Run an existing flow run of `flow_` in this process and report it (task runs settled)."""
     from prefect import get_client
@@ -847,122 +635,6 @@ class PrefectAdapter(EngineAdapter):
         options.started(str(flow_run.id), f'prefect flow run id: {flow_run.id} (at {ensure_api()[0]})')
         return await _run_flow_run(flow_, flow_run.id, parameters)
 
-    # ---- runs ----------------------------------------------------------------------------------------------
-
-    async def _runs(self, client: Any, flow_runs: list[Any], with_units: bool = False) -> list[RunInfo]:
-        from prefect.client.schemas.filters import (
-            FlowFilter,
-            FlowFilterId,
-            FlowRunFilter,
-            FlowRunFilterId,
-        )
-
-        flow_ids = list({r.flow_id for r in flow_runs})
-        flows = {f.id: f.name for f in await client.read_flows(flow_filter=FlowFilter(id=FlowFilterId(any_=flow_ids)))} \
-            if flow_ids else {}
-        infos = []
-        for run in flow_runs:
-            name = flows.get(run.flow_id, '')
-            agent = name[len(FLOW_NAME_PREFIX):] if name.startswith(FLOW_NAME_PREFIX) else None
-            tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
-            state = run.state_type.name if run.state_type is not None else 'UNKNOWN'
-            caps: list[str] = []
-            if state == 'COMPLETED' and run.state is not None:
-                try:
-                    payload = await run.state.result(raise_on_failure=False)
-                    caps = loaded_capabilities_in([payload.get('new_messages')]) if isinstance(payload, dict) else []
-                except Exception:  # noqa: BLE001 - the result is not readable from here: nothing to show
-                    caps = []
-            notes = []
-            if state in ('RUNNING', 'CRASHED', 'PENDING', 'FAILED'):
-                notes.append(f'finish it with `durcap runs resume {run.id} --engine prefect --target TARGET` '
-                             '(completed tasks return their cached results)')
-            infos.append(RunInfo(
-                'prefect', str(run.id), agent, _PREFECT_STATUS.get(state, 'running'), state,
-                run.start_time or run.expected_start_time, caps, (run.parameters or {}).get('conversation_id'),
-                sum(1 for t in tasks if t.state_type is not None and t.state_type.name == 'COMPLETED'), notes,
-                {'flow': name, 'flow_run_name': run.name, 'deployment_id': str(run.deployment_id) if run.deployment_id else None},
-                [_unit(t) for t in sorted(tasks, key=lambda t: (t.start_time or t.expected_start_time or t.created))]
-                if with_units else [],
-            ))
-        return infos
-
-    async def list_runs(self, settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
-        ensure_api()  # the configured server, or this process's temporary one
-        from prefect import get_client
-        from prefect.client.schemas.filters import (
-            FlowFilter,
-            FlowFilterName,
-            FlowRunFilter,
-            FlowRunFilterState,
-            FlowRunFilterStateType,
-        )
-        from prefect.client.schemas.objects import StateType
-        from prefect.client.schemas.sorting import FlowRunSort
-
-        async with get_client() as client:
-            flows = [f for f in await client.read_flows(flow_filter=FlowFilter(name=FlowFilterName(like_=FLOW_NAME_PREFIX)))
-                     if f.name.startswith(FLOW_NAME_PREFIX)]
-            if not flows:
-                return []
-            from datetime import UTC, datetime
-
-            from prefect.client.schemas.filters import FlowFilterId, FlowRunFilterExpectedStartTime
-
-            # Runs due by now: a schedule's future runs are not runs yet (and would fill the list).
-            run_filter = FlowRunFilter(expected_start_time=FlowRunFilterExpectedStartTime(before_=datetime.now(UTC)))  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType] - Prefect's pydantic model takes a datetime
-            if status:
-                types = [StateType[k] for k, v in _PREFECT_STATUS.items() if v == status]
-                run_filter.state = FlowRunFilterState(type=FlowRunFilterStateType(any_=types))
-            runs = await client.read_flow_runs(
-                flow_filter=FlowFilter(id=FlowFilterId(any_=[f.id for f in flows])), flow_run_filter=run_filter,
-                sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=limit)
-            return await self._runs(client, runs)
-
-    async def show_run(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
-        ensure_api()  # the configured server, or this process's temporary one
-        from prefect import get_client
-
-        async with get_client() as client:
-            run = await _read_flow_run(client, run_id)
-            return (await self._runs(client, [run], with_units=True))[0]
-
-    async def cancel(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
-        """Set the flow run Cancelled (forced: a flow run started by `durcap run` has no worker to hand a
-        Cancelling state to); the process running it, if any, stops at its next task."""
-        from prefect import get_client
-        from prefect.states import Cancelled
-
-        ensure_api()
-        async with get_client() as client:
-            run = await _read_flow_run(client, run_id)
-            if run.state is None or not run.state.is_final():
-                await client.set_flow_run_state(run.id, Cancelled(message='durcap runs cancel'), force=True)
-        return await self.show_run(run_id, settings)
-
-    async def resume(self, run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
-        """Run the flow run again in this process: tasks completed before (model requests, tools, the store
-        load) return their cached results, so none repeats; the conversation append is idempotent."""
-        from prefect import get_client
-        from prefect.states import Scheduled
-
-        options.notify(server_line())
-        info = await self.show_run(run_id, options.settings)
-        by_name = {a.name: a for a in agents}
-        agent = by_name.get(info.agent or '')
-        if not agents:
-            raise RuntimeError(f'pass --target TARGET (the definition of agent {info.agent!r}): Prefect runs flow run '
-                               f'{run_id} again with its code')
-        if agent is None:
-            raise RuntimeError(f'flow run {run_id} runs agent {info.agent!r}, which the target does not define')
-        flow_ = agent_flow(agent)
-        async with get_client() as client:
-            run = await _read_flow_run(client, run_id)
-            if info.status != 'completed':
-                await client.set_flow_run_state(run.id, Scheduled(message='durcap runs resume'), force=True)
-        options.notify(f'resuming prefect flow run {run_id} ({info.engine_status}) in this process')
-        return await _run_flow_run(flow_, run.id, dict(run.parameters or {}))
-
     def serve_schedule(
         self, agent: DurableAgent[Any, Any], *, target: str, prompt: str, cron: str | None, interval_seconds: float | None,
         deps: Any, deployment_name: str | None, notify: Callable[[str], None],
@@ -994,87 +666,37 @@ class PrefectAdapter(EngineAdapter):
         serve(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval_seconds, deps=deps,
               deployment_name=deployment_name)
 
-    async def pending_approvals(self, settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
-        """Pending calls of Paused or Suspended `durcap-*` flow runs (or of flow run `run_id`), from flow run input `PENDING_INPUT`."""
-        ensure_api()  # the configured server, or this process's temporary one
-        from prefect import get_client
-        from prefect.client.schemas.filters import (
-            FlowRunFilter,
-            FlowRunFilterState,
-            FlowRunFilterStateName,
-        )
-        from prefect.input import aread_flow_run_input
+    # ---- the operator side (`durcap runs`, `durcap approvals`): `_prefect_runs` -------------------------------
 
-        async with get_client() as client:
-            if run_id is not None:
-                ids = [_flow_run_uuid(run_id)]
-            else:
-                runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                    state=FlowRunFilterState(name=FlowRunFilterStateName(any_=['Paused', 'Suspended']))))
-                ids = [r.id for r in runs]
-        calls: list[PendingCall] = []
-        for flow_run_id in ids:
-            for data in await aread_flow_run_input(PENDING_INPUT, flow_run_id=flow_run_id) or []:
-                calls.append(PendingCall.from_json({**data, 'engine': 'prefect'}))
-        return calls
+    async def list_runs(self, settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
+        from . import _prefect_runs
+
+        return await _prefect_runs.list_runs(settings, status=status, limit=limit)
+
+    async def show_run(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
+        from . import _prefect_runs
+
+        return await _prefect_runs.show_run(run_id, settings)
+
+    async def cancel(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
+        from . import _prefect_runs
+
+        return await _prefect_runs.cancel(run_id, settings)
+
+    async def resume(self, run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
+        from . import _prefect_runs
+
+        return await _prefect_runs.resume(run_id, agents, options)
+
+    async def pending_approvals(self, settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
+        from . import _prefect_runs
+
+        return await _prefect_runs.pending_approvals(settings, run_id)
 
     async def decide(self, run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
-        """Check `decision` against the flow run's pending calls, store it as flow run input and resume the run.
+        from . import _prefect_runs
 
-        Raises:
-            ApprovalError: unknown run (no such flow run, or not waiting), unknown call, stale fingerprint.
-        """
-        import asyncio
-
-        from prefect import get_client
-        from prefect.exceptions import NotPausedError, ObjectNotFound
-        from prefect.flow_runs import aresume_flow_run
-        from prefect.input import acreate_flow_run_input
-
-        flow_run_id = _flow_run_uuid(run_id)
-        ensure_api()
-        async with get_client() as client:
-            try:
-                await client.read_flow_run(flow_run_id)
-            except ObjectNotFound:
-                raise ApprovalError('unknown-run', f'no Prefect flow run {run_id!r}') from None
-        pending = await self.pending_approvals(settings, run_id)
-        if not pending:
-            raise ApprovalError('unknown-run', f'Prefect flow run {run_id!r} is not waiting for approval')
-        call = check_decision(pending, decision, run_id)
-        await acreate_flow_run_input(DECISION_INPUT_PREFIX + _input_key(call.call_id), decision.to_json(),
-                                     flow_run_id=flow_run_id)
-        for _ in range(100):  # the run may be between two pauses: it reads the stored decision once paused
-            async with get_client() as client:
-                flow_run = await client.read_flow_run(flow_run_id)
-            if flow_run.state is not None and flow_run.state.is_paused():
-                try:
-                    await aresume_flow_run(flow_run_id)
-                    break
-                except (NotPausedError, RuntimeError):  # resumed meanwhile
-                    pass
-            elif flow_run.state is None or flow_run.state.is_final() or all(
-                    c.call_id != call.call_id for c in await self.pending_approvals(settings, run_id)):
-                break  # the run read the decision without pausing again
-            await asyncio.sleep(0.2)
-        return call
-
-
-def _unit(task_run: Any) -> RunUnit:
-    """A Prefect task run as a `RunUnit` (its name without the `-<suffix>` Prefect appends per run)."""
-    name = re.sub(r'-[0-9a-f]{3,}$', '', task_run.name or '')
-    state = task_run.state_type.name if task_run.state_type is not None else ''
-    status = {'COMPLETED': 'done', 'FAILED': 'failed', 'CRASHED': 'failed', 'CANCELLED': 'failed'}.get(state, 'started')
-    return RunUnit(name, unit_kind(name), status, task_run.start_time or task_run.expected_start_time)
-
-
-def _flow_run_uuid(run_id: str) -> Any:
-    import uuid as uuid_
-
-    try:
-        return uuid_.UUID(run_id)
-    except ValueError:
-        raise ApprovalError('unknown-run', f'{run_id!r} is not a Prefect flow run id') from None
+        return await _prefect_runs.decide(run_id, decision, settings)
 
 
 ADAPTER = PrefectAdapter()

