@@ -138,13 +138,23 @@ def test_dbos_deny_returns_reason_and_tool_never_runs(spawn, tmp_path: Path) -> 
     assert revocations(crash_dir) == []
 
 
-def test_dbos_timeout_denies_and_run_completes(spawn, tmp_path: Path) -> None:
+def test_dbos_timeout_denies_and_run_completes(tmp_path: Path) -> None:
+    """`durcap run` (the CLI, DBOS on SQLite): while the run waits it says so once on stderr, with the run id and the
+    commands that decide; nobody decides, so at the deadline the call is denied and the run completes."""
     db = f'sqlite:///{tmp_path / "dbos.sqlite"}'
-    env, crash_dir = env_for(tmp_path, timeout=2)
-    run_id = f'gate-{uuid.uuid4().hex[:8]}'
-    proc = spawn('dbos', 'run', '--target', TARGET, '--db', db, '--workflow-id', run_id, '--prompt', 'revoke carol', env=env)
-    report = proc.report(timeout=120)
-    assert report['output'].startswith('result: No one approved the call to revoke_sessions before its deadline')
+    env, crash_dir = env_for(tmp_path, timeout=5)
+    result = durcap('run', TARGET, 'revoke carol', '--engine', 'dbos', '--db', db, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert 'answer (dbos): result: No one approved the call to revoke_sessions before its deadline' in result.stdout
+    paused = [line for line in result.stderr.splitlines() if line.startswith('paused: ')]
+    assert len(paused) == 1, result.stderr
+    run_id = result.stderr.split('dbos workflow id: ', 1)[1].split()[0]
+    assert paused[0].startswith(f'paused: revoke_sessions({{"user": "carol"}}) waits for a person (workflow id {run_id}, '
+                                'deadline '), paused[0]
+    call_id = paused[0].split(f'`durcap approve {run_id} ', 1)[1].split()[0]
+    commands = (f'`durcap approve {run_id} {call_id} --engine dbos --db {db}` or '
+                f'`durcap deny {run_id} {call_id} --engine dbos --db {db} --reason TEXT`')
+    assert paused[0].endswith(f'In another terminal: {commands}'), paused[0]
     assert revocations(crash_dir) == []
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -272,6 +273,19 @@ def _interrupted(engine: str, run_id: str | None, target: str, *, address: str |
             f'--target {target}`, or cancel it with `durcap runs cancel {run_id}{where}`')
 
 
+def _approvals_settings(engine: str, address: str | None, db: str | None) -> dict[str, Any] | None:
+    """Where `durcap run` reads its run's pending calls (`_watch_approvals`): the run's `address` (Temporal: else the
+    127.0.0.1:7233 server the run uses) and `db`. `None` for a Temporal run on an embedded in-memory server, which
+    only the run's own process knows."""
+    if engine == 'temporal' and address is None:
+        from .._servers import port_open
+
+        if not port_open('127.0.0.1', 7233):
+            return None
+        address = '127.0.0.1:7233'
+    return {'address': address, 'db': db}
+
+
 @app.command()
 def run(
     target: Annotated[str, typer.Argument(help=TARGET_HELP)],
@@ -309,11 +323,11 @@ def run(
     run_address = _temporal_address(address)  # likewise a malformed address
     started: list[str] = []
     try:
-        report = asyncio.run(_run_on(
+        report = asyncio.run(_watch_approvals(lambda run_ids: _run_on(
             agent, prompt, engine, deps, address=run_address,
             task_queue=task_queue, db=db, inline_worker=inline_worker, conversation_id=conversation, store=store,
-            started=started,
-        ))
+            started=run_ids,
+        ), engine, _approvals_settings(engine, run_address, db), started=started))
     except DurableConfigError as exc:
         _print_text(exc.report, exc.subject)
         raise typer.Exit(1) from None
@@ -374,7 +388,8 @@ def demo(
         try:
             report = asyncio.run(_watch_approvals(
                 lambda started: _run_on(agent, prompt, engine, make_store(), address=run_address, task_queue=task_queue,
-                                        db=db, inline_worker=inline_worker, started=started), engine, settings))
+                                        db=db, inline_worker=inline_worker, started=started), engine, settings,
+                '; or run the demo with --approve/--deny'))
         except Exception as exc:  # noqa: BLE001 - the run failed in the engine: one line, no traceback
             _run_failed(engine, agent, exc)  # exits; an embedded server dies with this process
     _print_run(report)
@@ -407,29 +422,67 @@ def _demo_server(engine: str, address: str | None) -> Any:
         server.stop()
 
 
-async def _watch_approvals(start: Any, engine: str, settings: dict[str, Any]) -> RunReport:
-    """Run `start(started)` (a coroutine factory taking the run-id list); when the run pauses for a person, say so
-    once, with the commands that approve or deny each pending call from another terminal. The run keeps waiting."""
-    from ..approvals import ApprovalError
+async def _watch_approvals(start: Any, engine: str, settings: dict[str, Any] | None, hint: str = '',
+                           started: list[str] | None = None) -> RunReport:
+    """Run `start(started)` (a coroutine factory taking the run-id list, which the run appends its id to); each time
+    the run starts waiting for a person, say so in one line (`paused_line`, then `hint`) on stderr. The run keeps
+    waiting; reading its pending calls is a notice only, so a failure to read them (the engine's server unreachable
+    from here) is ignored. `settings=None`: nothing is read (the run is only awaited).
 
-    started: list[str] = []
+    Polls the engine every second, then less often (up to every `WATCH_MAX_SECONDS`) while the run goes on.
+    """
+    started = [] if started is None else started
     run = asyncio.create_task(start(started))
-    told = not _adapter(engine).durable
-    while not run.done():
-        await asyncio.wait({run}, timeout=1.0)
-        if run.done() or told or not started:
-            continue
-        with contextlib.suppress(ApprovalError):
-            pending = await runner.approvals(started[0], engine=engine, **settings)
-            for call in pending:
-                where = f' --engine {engine}' + (f' --address {settings["address"]}' if engine == 'temporal' else '') + (
-                    f' --db {settings["db"]}' if settings.get('db') else '')
-                _err.print(f'paused: {call.tool_name}({json.dumps(call.args, sort_keys=True)}) waits for a person '
-                           f'(deadline {call.deadline}). In another terminal: `durcap approve {call.run_id} '
-                           f'{call.call_id}{where}` or `durcap deny {call.run_id} {call.call_id}{where} --reason TEXT`; '
-                           'or run the demo with --approve/--deny', markup=False)
-            told = bool(pending)
+    told: set[str] = set()
+    polls = 0
+    try:
+        while not run.done():
+            await asyncio.wait({run}, timeout=min(1.0 + polls / 4, WATCH_MAX_SECONDS))
+            if run.done() or not started or settings is None or not _adapter(engine).durable:
+                continue
+            polls += 1
+            try:
+                pending = await runner.approvals(started[0], engine=engine, **settings)
+            except Exception:  # noqa: BLE001, S112 - a notice only: the run reports its own failures
+                continue
+            fresh = [call for call in pending if call.call_id not in told]
+            if fresh:
+                told.update(call.call_id for call in fresh)
+                _err.print(Text(printable(paused_line(fresh, engine, settings) + hint)))
+    except BaseException:
+        # Ctrl-C cancels this task: cancel the run and let it stop its worker and server now, while the loop still
+        # runs their tasks (left to asyncio.run's final cancellation, a Temporal inline worker's shutdown hung).
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
+        raise
     return await run
+
+
+WATCH_MAX_SECONDS = 5.0
+"""Longest pause between two reads of a running run's pending calls (`_watch_approvals`)."""
+
+
+def paused_line(pending: Sequence[Any], engine: str, settings: dict[str, Any]) -> str:
+    """One line for calls of one run that wait for a person: each call (tool and arguments), the run, the deadline,
+    and the `durcap approve` / `durcap deny` commands that decide each one from another terminal (with the
+    `--engine`, `--address` (Temporal) and `--db` the run uses).
+
+    Args:
+        pending: The run's `approvals.PendingCall`s (at least one).
+        engine: The engine's name.
+        settings: The run's settings: `address`, `db`.
+    """
+    where = f' --engine {engine}'
+    if engine == 'temporal' and settings.get('address'):
+        where += f' --address {settings["address"]}'
+    if settings.get('db'):
+        where += f' --db {settings["db"]}'
+    calls = ' and '.join(f'{call.tool_name}({json.dumps(call.args, sort_keys=True)})' for call in pending)
+    commands = '; '.join(f'`durcap approve {call.run_id} {call.call_id}{where}` or '
+                         f'`durcap deny {call.run_id} {call.call_id}{where} --reason TEXT`' for call in pending)
+    first = pending[0]
+    return (f'paused: {calls} {"waits" if len(pending) == 1 else "wait"} for a person '
+            f'({_adapter(engine).run_id_label} {first.run_id}, deadline {first.deadline}). In another terminal: {commands}')
 
 
 GATE_PROMPT = 'Someone keeps trying to log into my account acct-42 from abroad.'
