@@ -20,3 +20,27 @@ def test_an_unknown_run_is_a_404_page_with_one_plain_line(tmp_path: Path) -> Non
     text = re.sub(r'\s+', ' ', page.text)
     assert 'no run &#39;nope&#39; found' in text or "no run 'nope' found" in text, text[-2000:]
     assert '(&#34;' not in text and '(&#39;no run' not in text and '[&#34;' not in text, text[-2000:]  # no tuple repr
+
+
+def test_bad_query_parameters_are_a_400_page_naming_each_one(tmp_path: Path) -> None:
+    """`/?engine=nope`, `?status=bogus`, `?limit=-3` were ignored (all runs listed): each is refused with a 400 page
+    naming the parameter, the value and what it takes; the filter form's empty values still mean "all"."""
+    import html
+
+    app = create_app(Settings.resolve(db=f'sqlite:///{tmp_path}/dbos.sqlite', store=f'sqlite:///{tmp_path}/c.db'), 'tok',
+                     engines=['dbos'])
+    client = TestClient(app)
+    for query, said in [
+        ('engine=nope', "query parameter 'engine' is 'nope': it takes dbos (the engines served here), or empty for all"),
+        ('status=bogus', "query parameter 'status' is 'bogus': it takes running, queued, orphaned, completed, failed, "
+                         'cancelled, or empty for all'),
+        ('limit=-3', "query parameter 'limit' is '-3': it takes a whole number from 1 to 500"),
+        ('limit=many', "query parameter 'limit' is 'many': it takes a whole number from 1 to 500"),
+    ]:
+        page = client.get(f'/?{query}')
+        assert page.status_code == 400, (query, page.status_code)
+        assert said in html.unescape(re.sub(r'\s+', ' ', page.text)), (query, page.text[-1500:])
+    both = html.unescape(client.get('/?engine=nope&limit=0').text)
+    assert "'engine' is 'nope'" in both and "'limit' is '0'" in both
+    assert client.get('/?engine=&status=&capability=&limit=').status_code == 200
+    assert client.get('/?engine=dbos&status=running&limit=7').status_code == 200

@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
+from .._limits import printable
 from ..approvals import ApprovalError, PendingCall, default_user
 from ..engines import RUN_STATUSES, RunNotFoundError
 from ..reading import durable_adapters, find_run, list_runs, problem_line, read_conversation, summarize
@@ -90,12 +91,24 @@ class _UI:
         return response
 
     async def runs(self, request: Request) -> HTMLResponse:
-        """`/`: runs, filterable by `engine`, `status`, `capability` (query parameters)."""
+        """`/`: runs, filterable by `engine`, `status`, `capability` (query parameters; an empty one is no filter) and
+        `limit` (runs per engine). 400, naming each bad parameter, its value and the allowed values, when `engine`
+        is not a served engine, `status` not one of `RUN_STATUSES`, or `limit` not a whole number in 1..`MAX_LIMIT`."""
         engine, status, capability = (request.query_params.get(k) or None for k in ('engine', 'status', 'capability'))
-        limit = _int(request.query_params.get('limit'), self.limit)
-        wanted = [engine] if engine in self.engines else self.engines
-        listing = await list_runs(self.settings, engines=wanted, status=status if status in RUN_STATUSES else None,
-                                  limit=limit)
+        raw_limit = request.query_params.get('limit') or ''
+        limit = _limit(raw_limit) if raw_limit else self.limit
+        bad = [_bad_parameter(name, value, allowed) for name, value, allowed in (
+            ('engine', engine, None if engine is None or engine in self.engines else
+             f'{", ".join(self.engines)} (the engines served here), or empty for all'),
+            ('status', status, None if status is None or status in RUN_STATUSES else
+             f'{", ".join(RUN_STATUSES)}, or empty for all'),
+            ('limit', raw_limit, None if limit is not None else f'a whole number from 1 to {MAX_LIMIT}'),
+        ) if allowed is not None]
+        if bad:
+            return self.page(request, 'error.html', 400, title='Bad query parameter', message=bad[0], details=bad[1:])
+        assert limit is not None
+        wanted = [engine] if engine is not None else self.engines
+        listing = await list_runs(self.settings, engines=wanted, status=status, limit=limit)
         capabilities = sorted({c for run in listing.runs for c in run.capabilities})
         runs = sorted((r for r in listing.runs if capability is None or capability in r.capabilities),
                       key=lambda r: r.started_at.timestamp() if r.started_at else 0.0, reverse=True)  # newest first
@@ -216,11 +229,22 @@ def _json_text(value: Any, indent: int | None = None) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=False, indent=indent, default=str)
 
 
-def _int(value: str | None, default: int) -> int:
+MAX_LIMIT = 500
+"""The most runs per engine a page lists (`?limit=`)."""
+
+
+def _limit(value: str) -> int | None:
+    """`?limit=` as runs per engine, `None` when it is not a whole number from 1 to `MAX_LIMIT`."""
     try:
-        return max(1, min(500, int(value))) if value else default
+        limit = int(value)
     except ValueError:
-        return default
+        return None
+    return limit if 1 <= limit <= MAX_LIMIT else None
+
+
+def _bad_parameter(name: str, value: Any, allowed: str) -> str:
+    """One line for a bad query parameter: its name, its value (escaped) and what it takes."""
+    return f'query parameter {name!r} is {printable(repr(value))[:200]}: it takes {allowed}'
 
 
 def message_rows(messages: list[dict[str, Any]], first: int) -> list[dict[str, Any]]:
