@@ -235,6 +235,7 @@ BAD_URLS: list[tuple[str, str, str]] = [
     ('mysql', 'mysql://u@h/db', "scheme 'mysql' is not supported"),
     ('http', 'http://example.com/x', "scheme 'http' is not supported"),
     ('not-a-url', 'not a url', 'is not a database URL'),
+    ('sqlite-unwritable-folder', 'sqlite:////proc/x.db', 'cannot create a file in /proc'),
     ('bidi', 'sqlite:///\u202eevil.db', None),  # a valid file name: must not be refused; checked below
 ]
 

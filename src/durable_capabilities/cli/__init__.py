@@ -117,8 +117,9 @@ def database_url(value: str | None, option: str, *, probe: bool = False) -> str 
     the same way, and `None` is returned (the variable applies).
 
     Exits 2 (code DC040) when the value is empty, not a `sqlite:///` or `postgresql://` URL, an in-memory SQLite
-    database (gone when the command exits: a run's conversation or workflow would be lost), or (with `probe`) a
-    PostgreSQL server that cannot be reached.
+    database (gone when the command exits: a run's conversation or workflow would be lost), a SQLite file that is a
+    folder or cannot be created (`_sqlite_file_problem`: `sqlite:////proc/x.db`, a read-only folder), or (with
+    `probe`) a PostgreSQL server that cannot be reached.
     """
     if value is None:
         env = _OPTION_ENV.get(option)
@@ -141,6 +142,9 @@ def database_url(value: str | None, option: str, *, probe: bool = False) -> str 
                   'give a file, sqlite:///.durcap/conversations.db')
     if backend not in ('sqlite', 'postgresql'):
         _unusable(f'{INPUT_CODE} {option} {shown}: scheme {printable(url.drivername)!r} is not supported: {fix}')
+    if backend == 'sqlite' and (problem := _sqlite_file_problem(str(url.database))):
+        _unusable(f'{INPUT_CODE} {option} {shown}: {problem}: give a file in a folder you can write, e.g. '
+                  'sqlite:///.durcap/conversations.db')
     if probe and backend == 'postgresql':
         try:
             engine = sa.create_engine(url.set(drivername='postgresql+psycopg'), connect_args={'connect_timeout': 5})
@@ -152,6 +156,28 @@ def database_url(value: str | None, option: str, *, probe: bool = False) -> str 
             _unusable(f'{INPUT_CODE} {option} {printable(url.render_as_string(hide_password=True))}: cannot connect '
                       f'({type(cause).__name__}: {one_line(str(cause))}); start the database or fix the URL')
     return value
+
+
+def _sqlite_file_problem(database: str) -> str | None:
+    """Why a SQLite database file cannot be used, or `None`: an existing path that is not a regular file, or a new
+    file whose nearest existing folder takes no new file (`/proc`, a read-only mount, no permission); checked by
+    creating and removing a temporary file there. A file that exists is left to the store to check."""
+    import tempfile
+
+    path = Path(database)
+    if path.exists():
+        return None if path.is_file() else f'{printable(str(path))} is {"a folder" if path.is_dir() else "not a regular file"}'
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        return f'{printable(str(folder))} is not a folder'
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return f'cannot create a file in {printable(str(folder))} ({type(exc).__name__}: {one_line(exc.strerror or str(exc))})'
+    return None
 
 
 # ---- check ------------------------------------------------------------------------------------
