@@ -20,6 +20,15 @@ def test_an_unknown_run_is_a_404_page_with_one_plain_line(tmp_path: Path) -> Non
     text = re.sub(r'\s+', ' ', page.text)
     assert 'no run &#39;nope&#39; found' in text or "no run 'nope' found" in text, text[-2000:]
     assert '(&#34;' not in text and '(&#39;no run' not in text and '[&#34;' not in text, text[-2000:]  # no tuple repr
+    # The other 404s are pages with one plain line too: a path no page has (Starlette's bare "Not Found" before) and
+    # a conversation page without an id (it said "None").
+    for path, said in [('/nope', 'no page at /nope: the pages are /, /runs/ENGINE/RUN_ID'),
+                       ('/conversations/', 'no conversation id in the address: /conversations/ID')]:
+        page = TestClient(app).get(path)
+        assert page.status_code == 404 and said in page.text and 'id="error"' in page.text, (path, page.text[-1500:])
+        assert '>None<' not in re.sub(r'\s+', '', page.text), page.text[-1500:]
+    wrong_method = TestClient(app).get('/decide')
+    assert wrong_method.status_code == 405 and '/decide does not take GET requests' in wrong_method.text
 
 
 def test_bad_query_parameters_are_a_400_page_naming_each_one(tmp_path: Path) -> None:

@@ -16,12 +16,14 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Sequence
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
 from jinja2 import Environment, FileSystemLoader
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
@@ -70,7 +72,7 @@ def create_app(settings: Settings, token: str, *, engines: Sequence[str] | None 
     return Starlette(routes=[
         Route('/', ui.runs), Route('/runs/{engine}/{run_id:path}', ui.run), Route('/approvals', ui.approvals),
         Route('/conversations/{conversation_id:path}', ui.conversation), Route('/decide', ui.decide, methods=['POST']),
-    ])
+    ], exception_handlers={HTTPException: ui.http_error})
 
 
 class _UI:
@@ -135,8 +137,22 @@ class _UI:
         """`/conversations/{id}`: one stored conversation (messages, loaded capabilities, usage, approval audit)."""
         conversation, error = await self.read(request.path_params['conversation_id'])
         if conversation is None:
-            return self.page(request, 'error.html', 404, title='No such conversation', message=error)
+            return self.page(request, 'error.html', 404, title='No such conversation',
+                             message=error or 'no conversation id in the address: /conversations/ID')
         return self.page(request, 'conversation.html', conversation=conversation)
+
+    async def http_error(self, request: Request, exc: Exception) -> HTMLResponse:
+        """Starlette's own errors (no route for the path, a method the route does not take) as an error page with
+        one plain line, instead of Starlette's bare text."""
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        if status == 404:
+            message = (f'no page at {printable(request.url.path)[:200]}: the pages are /, /runs/ENGINE/RUN_ID, '
+                       '/conversations/ID and /approvals')
+        elif status == 405:
+            message = f'{printable(request.url.path)[:200]} does not take {request.method} requests'
+        else:
+            message = str(getattr(exc, 'detail', '')) or 'the request failed'
+        return self.page(request, 'error.html', status, title=HTTPStatus(status).phrase, message=message)
 
     async def approvals(self, request: Request) -> HTMLResponse:
         """`/approvals`: every pending call of the served engines, each with its decision form."""
