@@ -26,6 +26,9 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')]))
+"""Subprocesses' PYTHONPATH: the repo root, then the caller's (a worktree's src/ before the venv's editable install),
+as the `spawn` fixture does."""
 TARGET = 'tests.engines.approval_agent:gated'
 
 
@@ -40,7 +43,7 @@ def env_for(tmp_path: Path, timeout: float | None = None) -> tuple[dict[str, str
 def durcap(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, '-m', 'durable_capabilities.cli', *args], cwd=ROOT, capture_output=True, text=True,
-        env={**os.environ, 'PYTHONPATH': str(ROOT), **(env or {})}, timeout=120, check=False,
+        env={**os.environ, 'PYTHONPATH': PYTHONPATH, **(env or {})}, timeout=120, check=False,
     )
 
 
@@ -313,7 +316,7 @@ def test_dbos_twenty_runs_waiting_in_one_process_approved_in_random_order(tmp_pa
     log = tmp_path / 'worker.log'
     with open(log, 'wb') as handle:
         worker = subprocess.Popen([sys.executable, '-m', 'durable_capabilities.cli', 'worker', 'dbos', TARGET, '--db', db],
-                                  cwd=ROOT, env={**os.environ, 'PYTHONPATH': str(ROOT), **env}, stdout=handle,
+                                  cwd=ROOT, env={**os.environ, 'PYTHONPATH': PYTHONPATH, **env}, stdout=handle,
                                   stderr=subprocess.STDOUT, start_new_session=True)
     client = None
     try:
@@ -436,7 +439,7 @@ def test_demo_shows_pause_pending_call_and_decision(engine: str, flag: str, tmp_
     result = subprocess.run(
         [sys.executable, '-m', 'durable_capabilities.cli', 'demo', '--engine', engine.split('-')[0], flag, *extra],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, 'PYTHONPATH': str(ROOT), 'PREFECT_API_URL': prefect_api_url, 'DURCAP_TEMPORAL_ADDRESS': '',
+        env={**os.environ, 'PYTHONPATH': PYTHONPATH, 'PREFECT_API_URL': prefect_api_url, 'DURCAP_TEMPORAL_ADDRESS': '',
              'TEMPORAL_ADDRESS': ''},
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -456,7 +459,7 @@ def test_demo_without_a_decision_says_how_to_approve_and_waits(tmp_path: Path) -
     """`durcap demo` (DBOS on SQLite) with a prompt that reaches the gate and neither --approve nor --deny: it says the
     run waits for a person, with the exact `durcap approve` command; that command, run as printed from another
     process, lets the demo finish with the call run once. Model: the support example's scripted FunctionModel."""
-    env = {**os.environ, 'PYTHONPATH': str(ROOT)}
+    env = {**os.environ, 'PYTHONPATH': PYTHONPATH}
     log = tmp_path / 'demo.log'
     with open(log, 'wb') as handle:
         demo = subprocess.Popen([sys.executable, '-m', 'durable_capabilities.cli', 'demo', '--engine', 'dbos', '--prompt',
@@ -488,7 +491,7 @@ def test_demo_without_a_decision_says_how_to_approve_and_waits(tmp_path: Path) -
 
 def _deploy_driver(*args: str, env: dict[str, str]) -> str:
     out = subprocess.run([sys.executable, '-m', 'tests.engines.prefect_deploy_driver', *args], cwd=ROOT,
-                         capture_output=True, text=True, env={**os.environ, 'PYTHONPATH': str(ROOT), **env},
+                         capture_output=True, text=True, env={**os.environ, 'PYTHONPATH': PYTHONPATH, **env},
                          timeout=120, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
@@ -547,7 +550,7 @@ def _serving(tmp_path: Path, env: dict[str, str], deployment: str) -> Iterator[s
         server = subprocess.Popen(
             [sys.executable, '-m', 'tests.engines.prefect_deploy_driver', 'serve', TARGET, 'gated', deployment],
             cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, 'PYTHONPATH': str(ROOT), **env})
+            env={**os.environ, 'PYTHONPATH': PYTHONPATH, **env})
     try:
         deadline = time.monotonic() + 90
         while 'SERVING' not in log.read_text(errors='replace'):
