@@ -466,6 +466,11 @@ async def amain_dbos(args: argparse.Namespace) -> None:
     print(f'peak RSS (MiB): floor {rss["dbos-floor"]:.0f}   (info)')
 
 
+def _interrupt(*_: Any) -> None:
+    """SIGTERM handled as Ctrl-C: the `finally` blocks stop the worker processes and drop the PostgreSQL databases."""
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--engines', default='temporal,dbos', help='comma-separated: temporal, dbos')
@@ -486,6 +491,7 @@ def main() -> None:
     if args.serve_dbos:
         asyncio.run(serve_dbos(args.serve_dbos, args.db))
         return
+    signal.signal(signal.SIGTERM, _interrupt)
     engines = [e.strip() for e in args.engines.split(',') if e.strip()]
     unknown = set(engines) - {'temporal', 'dbos'}
     if unknown:
