@@ -48,10 +48,11 @@ def process_store(url: str) -> SQLConversationStore:
     """The store for `url` that this process keeps open for its life (one per URL and process id).
 
     Load and append units run on every turn: opening a store costs an engine, a schema check and a close
-    (~5 ms, measured by `bench/bench_store.py`), which a worker pays once instead. PostgreSQL connections
-    are pooled (checked with a ping before use); a SQLite file gets a new connection per transaction and
-    its schema is checked again when the file was replaced, so a restored backup is never written through
-    a stale file descriptor. Keyed by process id as well, so a forked process never shares a pool.
+    (~5 ms, measured by `bench/bench_store.py`), which a worker pays once instead. Connections are pooled
+    (PostgreSQL's checked with a ping before use); a SQLite file is `stat`ed per transaction and, when it was
+    replaced (a restored backup), deleted or had its mode changed, the pool is closed and the schema checked
+    again, so no write goes through a stale file descriptor. Keyed by process id as well, so a forked
+    process never shares a pool.
 
     Raises:
         StoreURLError: `url` is malformed or not SQLite / PostgreSQL.
