@@ -49,9 +49,10 @@ def test_dbos_lock_is_exactly_the_registered_and_wrapped_steps(tmp_path: Path) -
     # the approval clock step (a run waiting for a person): nothing more, nothing less.
     assert sorted({*registered['steps'], *report['tool_steps'], *conversation}) == lock['steps']
     assert registered['steps'] and report['tool_steps']
-    # The tool steps come from the durability capability itself: no capability is added to the hook chain for them,
-    # and each leaf's step wrapper is built once, not per run.
-    assert report['hook_chain']['dbos'] == [*report['hook_chain']['local'], 'ToolStepDurability']
+    # The tool steps come from the durability capability itself: no capability is added to the hook chain for them
+    # (`RetryAfterSleep` is the model request's durable retry-after wait, issue 15), and each leaf's step wrapper is
+    # built once, not per run.
+    assert report['hook_chain']['dbos'] == [*report['hook_chain']['local'], 'RetryAfterSleep', 'ToolStepDurability']
     assert report['steps_kept']
     # And a real run only records steps the lock lists.
     assert report['recorded'], 'the run recorded no steps'
