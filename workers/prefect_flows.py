@@ -109,6 +109,10 @@ def _mark_ready_when_registered(
         done.wait(0.5)
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     target = os.environ.get('DURCAP_TARGET') or DEFAULT_TARGET
     api_url = os.environ.get('PREFECT_API_URL')
@@ -132,8 +136,12 @@ def main() -> None:
     watcher = threading.Thread(
         target=_mark_ready_when_registered, args=(api_url, names, before, ready_file, done), daemon=True
     )
-    watcher.start()
+    # From here until Prefect's runner installs its own SIGTERM handler (when `Runner.start` begins, after
+    # the deployments are registered and the ready file may already be written), SIGTERM unwinds through
+    # the `finally` below instead of the import-time `os._exit(0)`, so the ready file is always removed.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
+        watcher.start()
         serve(*deployments, print_starting_message=False)
     except KeyboardInterrupt:
         pass

@@ -62,11 +62,14 @@ class Settings:
     def describe(self) -> dict[str, str]:
         """What a page or a log line may show: every field, database URLs without their passwords."""
         return {'Temporal': f'{self.address} (namespace {self.namespace})',
-                'DBOS system database': _redact(self.db) if self.db else 'SQLite .durcap/dbos.sqlite',
-                'conversation store': _redact(self.store)}
+                'DBOS system database': redact_database_url(self.db) if self.db else 'SQLite .durcap/dbos.sqlite',
+                'conversation store': redact_database_url(self.store)}
 
 
-def _redact(url: str) -> str:
+def redact_database_url(url: str) -> str:
+    """`url` (a database URL, e.g. `postgresql://user:secret@db:5432/dbos`) with its password shown as `***`, by
+    SQLAlchemy's own `URL.render_as_string(hide_password=True)`: what a page, a log line or an error may show.
+    A string SQLAlchemy cannot parse is shown from after its last `@` (user info dropped). Never raises."""
     from sqlalchemy.engine import make_url
 
     try:

@@ -226,9 +226,11 @@ def test_lock_lives_beside_the_target_module_for_lock_check_and_run(tmp_path: Pa
     ran = durcap('run', 'pkg.agents:agent', 'hi', '--engine', 'dbos', '--db', f'sqlite:///{tmp_path}/dbos.sqlite',
                  cwd=elsewhere, env=drifted)
     assert ran.returncode == 1 and 'DC020' in ran.stdout and 'not run' in ran.stderr, ran.stdout + ran.stderr
-    ok = durcap('run', 'pkg.agents:agent', 'hi', '--engine', 'dbos', '--db', f'sqlite:///{tmp_path}/dbos.sqlite',
-                cwd=elsewhere, env=env)
+    # Without --db, `durcap run` takes $DURCAP_DBOS_DB, as `durcap runs` does (not the SQLite default in cwd).
+    ok = durcap('run', 'pkg.agents:agent', 'hi', '--engine', 'dbos', cwd=elsewhere,
+                env={**env, 'DURCAP_DBOS_DB': f'sqlite:///{tmp_path}/from-env.sqlite'})
     assert ok.returncode == 0 and 'answer (dbos)' in ok.stdout, ok.stdout + ok.stderr
+    assert (tmp_path / 'from-env.sqlite').is_file() and not (elsewhere / '.durcap' / 'dbos.sqlite').exists()
     # -o still overrides.
     override = elsewhere / 'custom.lock'
     assert durcap('lock', 'pkg.agents:agent', '-o', str(override), cwd=elsewhere, env=env).returncode == 0

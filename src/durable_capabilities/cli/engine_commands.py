@@ -25,6 +25,7 @@ from .. import runner
 from .._limits import INPUT_CODE, InputError, load_json, one_line, printable
 from ..agent import DurableAgent
 from ..engines import ENGINES, RunOptions, get
+from ..ids import redact_url
 from ..replay import ReplayTimeout, replay_histories
 from ..savings import compare_first_request
 from ..store import StoreError
@@ -197,18 +198,6 @@ def point_model(model: Any, base_url: str | None) -> None:
         _unusable(f'--base-url needs --model naming an OpenAI or Anthropic model ({", ".join(p + ":..." for p in BASE_URL_ENV)}), '
                   f'not {model!r}')
     os.environ[env] = base_url
-
-
-def redact_url(url: str) -> str:
-    """`url` without credentials: user info and query string dropped (`https://k:s@h/v1?key=x` -> `https://h/v1`)."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    host = parts.hostname or ''
-    netloc = f'[{host}]' if ':' in host else host
-    if parts.port:
-        netloc += f':{parts.port}'
-    return urlunsplit((parts.scheme, netloc, parts.path, '', ''))
 
 
 def _model_where(agent: DurableAgent[Any, Any]) -> str:

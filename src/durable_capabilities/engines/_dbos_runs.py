@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from dbos import DBOS
 
 from ..approvals import ApprovalError, Decision, PendingCall, already_decided, check_decision
+from ..settings import redact_database_url
 from ..turn import RunReport
 from ._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
 from ._dbos_approvals import DECISION_TOPIC, PENDING_EVENT
@@ -22,7 +23,6 @@ from .dbos import (
     RUN_EXECUTOR_PREFIX,
     WORKFLOW_NAME_PREFIX,
     _client,
-    _redact,
     agent_workflow,
     executor_process_gone,
     launch,
@@ -88,7 +88,7 @@ async def show_run(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
     try:
         found = await client.list_workflows_async(workflow_ids=[run_id])
         if not found:
-            raise RunNotFoundError(f'no DBOS workflow {run_id!r} in {_redact(system_database_url(settings.get("db")))}')
+            raise RunNotFoundError(f'no DBOS workflow {run_id!r} in {redact_database_url(system_database_url(settings.get("db")))}')
         return await _info(client, found[0], with_units=True)
     finally:
         client.destroy()

@@ -44,6 +44,7 @@ from pydantic_core import to_jsonable_python
 from .. import _registry, _upstream
 from .._limits import private_file
 from ..conversations import append_conversation, load_conversation
+from ..settings import redact_database_url
 from ..store import AppendIdReuseError, ConversationConflictError, CorruptedRowError, NewerHistoryError, SchemaVersionError
 from ..turn import RunReport, Turn, deps_from_json, run_turn
 from ..validation import DurableConfigError
@@ -339,8 +340,10 @@ def _mcp_defaults(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> lis
 
 
 def system_database_url(url: str | None = None) -> str:
-    """`url`, or SQLite at `.durcap/dbos.sqlite` (folder created 0700, file 0600, WAL journal mode). A SQLite
-    `url` naming a file that does not exist yet gets the same private folder and file."""
+    """`url`, else `$DURCAP_DBOS_DB` (the default of every command's `--db`, `settings.py`), else SQLite at
+    `.durcap/dbos.sqlite` (folder created 0700, file 0600, WAL journal mode). A SQLite URL naming a file that does
+    not exist yet gets the same private folder and file."""
+    url = url or os.environ.get('DURCAP_DBOS_DB') or None
     if url:
         parsed = url.split('?', 1)[0]
         if parsed.startswith('sqlite:///') and parsed[len('sqlite:///'):] not in ('', ':memory:'):
@@ -352,16 +355,6 @@ def system_database_url(url: str | None = None) -> str:
     with closing(sqlite3.connect(DEFAULT_SQLITE_PATH)) as conn:
         conn.execute('PRAGMA journal_mode=WAL')
     return f'sqlite:///{DEFAULT_SQLITE_PATH.resolve()}'
-
-
-def redacted_url(url: str) -> str:
-    """`url` with its password replaced by `***` (SQLAlchemy's own rendering), for lines a user or a log reads."""
-    from sqlalchemy.engine import make_url
-
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - not a URL SQLAlchemy parses: show its scheme only
-        return url.split(':', 1)[0] + ':...'
 
 
 RUN_EXECUTOR_PREFIX = 'durcap-run'
@@ -687,7 +680,7 @@ class DBOSAdapter(EngineAdapter):
 
         workflow_fn = agent_workflow(agent)
         url = system_database_url(options.setting('db'))
-        options.notify(f'dbos system database: {redacted_url(url)}')
+        options.notify(f'dbos system database: {redact_database_url(url)}')
         # A step retry logs one WARNING line (ModelRetryLogLine drops its traceback); the run's failure is reported
         # once, in `durcap run`'s own line (capability, error, innermost cause).
         launch('durcap', system_database_url_=url, one_shot=True, executor_id=options.setting('executor_id'))
@@ -734,7 +727,7 @@ class DBOSAdapter(EngineAdapter):
         try:
             DBOS.register_queue(queue)
             options.notify(f'dbos worker ready: executor {executor!r} (recovering {len(pending)} pending '
-                           f'workflows), queue {queue!r}, system database {_redact(url)}, application version '
+                           f'workflows), queue {queue!r}, system database {redact_database_url(url)}, application version '
                            f'{DBOS.application_version}; Ctrl-C or SIGTERM to stop')
             stop.wait()
         finally:
@@ -773,16 +766,6 @@ class DBOSAdapter(EngineAdapter):
         from . import _dbos_runs
 
         return await _dbos_runs.decide(run_id, decision, settings)
-
-
-def _redact(url: str) -> str:
-    """A database URL without its password."""
-    from sqlalchemy.engine import make_url
-
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - never fail on printing a URL
-        return url.split('@')[-1]
 
 
 def _client(settings: Mapping[str, Any]) -> Any:
