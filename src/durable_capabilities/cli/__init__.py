@@ -7,6 +7,13 @@ prints one line on stderr, never a traceback.
 
 from __future__ import annotations
 
+import gc
+
+# The command's process keeps what is imported so far (pydantic-ai: ~900 modules, a few hundred thousand objects)
+# until it exits: moved to the permanent generation, the cyclic collector stops scanning it again. Measured: one
+# full collection during the CLI's own imports cost ~0.06 s of the ~0.18 s they take (issue 14, item 5).
+gc.freeze()
+
 import json
 import os
 import sys
@@ -371,7 +378,7 @@ def main() -> None:
 
 # The engine commands (`run`, `demo`, `replay`, `worker`, `dev`, `schedule`, `history`) register on `app`
 # when imported; they import the helpers above, so this comes last.
-from . import (  # noqa: E402
+from . import (
     approvals,  # noqa: F401  (`durcap approvals list`, `durcap approve`, `durcap deny`)
     engine_commands,  # noqa: F401
     runs,  # noqa: F401

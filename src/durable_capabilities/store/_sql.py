@@ -252,11 +252,23 @@ class _SQLBackend:
         row = conn.execute(sa.text(sql), {'cid': conversation_id}).first()
         return None if row is None else _decode_row(row)
 
+    def _checked_row(self, conn: sa.Connection, conversation_id: str) -> _Row | None:
+        """The conversation row, checked against its rows as `_check_header` does, in one statement (one
+        snapshot on PostgreSQL, one round trip on both): how every read starts.
+
+        Raises:
+            CorruptedRowError: the row and its rows disagree (see `_verify_header`).
+        """
+        found = conn.execute(sa.text(_CHECKED_ROW), {'cid': conversation_id}).first()
+        if found is None:
+            return None
+        row = _decode_row(found)
+        _verify_header(row, found.head_position, found.logged)
+        return row
+
     def read_record(self, conversation_id: str) -> ConversationRecord | None:
         with self._txn(write=False) as conn:
-            row = self._conversation_row(conn, conversation_id)
-            if row is not None:
-                self._check_header(conn, row)
+            row = self._checked_row(conn, conversation_id)
         return None if row is None or row.deleted else row.record
 
     def read_records(self, scope: str | None, limit: int | None) -> list[ConversationRecord]:
@@ -341,12 +353,11 @@ class _SQLBackend:
 
     def read(self, conversation_id: str, limit: int | None, scope: str | None) -> StoredConversation:
         with self._txn(write=False) as conn:
-            row = self._conversation_row(conn, conversation_id)
+            row = self._checked_row(conn, conversation_id)
             if row is None or row.deleted:
                 raise ConversationNotFoundError(conversation_id, ' (it was deleted)' if row is not None else '')
             if scope is not None and row.record.scope != scope:
                 raise ConversationNotFoundError(conversation_id, f' with scope {scope!r}')
-            self._check_header(conn, row)
             head = row.record.head_id
             rows = [] if head is None else self._history_rows(conn, head, limit, conversation_id)
             if limit is None and len(rows) != row.message_count:
@@ -366,10 +377,9 @@ class _SQLBackend:
         of the last of them, from an earlier read), only the rows after them are read when the history still
         extends that prefix (`StoredJSON.tail`); otherwise the whole history."""
         with self._txn(write=False) as conn:
-            row = self._conversation_row(conn, conversation_id)
+            row = self._checked_row(conn, conversation_id)
             if row is None or row.deleted:
                 raise ConversationNotFoundError(conversation_id, ' (it was deleted)' if row is not None else '')
-            self._check_header(conn, row)
             head = row.record.head_id
             if known is not None and 0 < known[0] <= row.message_count and head is not None:
                 count, last = known
@@ -424,15 +434,14 @@ class _SQLBackend:
         return list(messages), list(entry_ids), list(kinds)
 
     def _check_header(self, conn: sa.Connection, row: _Row) -> None:
-        """Check a live conversation row against its rows: its head entry is at position `message_count`, and
-        its `revision` is the last one its write log records.
+        """Check a conversation row read earlier in this transaction (a write's locked row) against its rows
+        (`_verify_header`); a row another writer committed since is left to that writer's check.
 
         Raises:
             CorruptedRowError: they disagree (the row was edited, or rows are missing); names the conversation.
         """
         if row.deleted:
             return
-        head = row.record.head_id
         # One statement, so one snapshot on PostgreSQL even outside a locked write.
         found = conn.execute(
             sa.text(
@@ -440,21 +449,11 @@ class _SQLBackend:
                 '(SELECT MAX(revision) FROM durcap_writes WHERE conversation_id = :cid) AS logged, '
                 '(SELECT revision FROM durcap_conversations WHERE conversation_id = :cid) AS revision'
             ),
-            {'head': head, 'cid': row.record.conversation_id},
+            {'head': row.record.head_id, 'cid': row.record.conversation_id},
         ).one()
         if found.revision is not None and int(found.revision) != row.revision:
             return  # a writer committed between the two reads; the caller's rows are from before it
-        if head is None:
-            if row.message_count != 0:
-                raise _header_error(row, f'says {row.message_count} message(s) but has no head entry')
-        elif found.head_position is None:
-            raise _header_error(row, f'names head entry {head!r}, which is not in durcap_entries')
-        elif int(found.head_position) != row.message_count:
-            raise _header_error(
-                row, f'says {row.message_count} message(s) but its head entry {head!r} is message {int(found.head_position)}'
-            )
-        if found.logged is not None and int(found.logged) != row.revision:
-            raise _header_error(row, f'is at revision {row.revision} but its write log ends at revision {int(found.logged)}')
+        _verify_header(row, found.head_position, found.logged)
 
     # ---- claim checks (durcap_payloads, see _claim_check) ----------------------------------------
 
@@ -794,6 +793,40 @@ def _is_line(rows: Sequence[Any], anchor: Any, low: int) -> bool:
 
 class _ProbeDone(Exception):
     """Raised inside the writability probe's transaction to roll its write back."""
+
+
+_CHECKED_ROW = (
+    'SELECT ' + ', '.join(f'c.{column.strip()}' for column in _CONVERSATION_COLUMNS.split(',')) + ', '
+    '(SELECT e.position FROM durcap_entries e WHERE e.entry_id = c.head_id) AS head_position, '
+    '(SELECT MAX(w.revision) FROM durcap_writes w WHERE w.conversation_id = c.conversation_id) AS logged '
+    'FROM durcap_conversations c WHERE c.conversation_id = :cid'
+)
+"""`_checked_row`'s statement: the conversation row, the position of its head entry and the last revision its write
+log records."""
+
+
+def _verify_header(row: _Row, head_position: Any, logged: Any) -> None:
+    """Check a live conversation row against its rows: its head entry is at position `message_count`
+    (`head_position`, `None` when the head entry is missing), and its `revision` is the last one its write log
+    records (`logged`, `None` for an empty log). A deleted row is not checked.
+
+    Raises:
+        CorruptedRowError: they disagree (the row was edited, or rows are missing); names the conversation.
+    """
+    if row.deleted:
+        return
+    head = row.record.head_id
+    if head is None:
+        if row.message_count != 0:
+            raise _header_error(row, f'says {row.message_count} message(s) but has no head entry')
+    elif head_position is None:
+        raise _header_error(row, f'names head entry {head!r}, which is not in durcap_entries')
+    elif int(head_position) != row.message_count:
+        raise _header_error(
+            row, f'says {row.message_count} message(s) but its head entry {head!r} is message {int(head_position)}'
+        )
+    if logged is not None and int(logged) != row.revision:
+        raise _header_error(row, f'is at revision {row.revision} but its write log ends at revision {int(logged)}')
 
 
 def _header_error(row: _Row, what: str) -> CorruptedRowError:
