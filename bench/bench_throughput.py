@@ -53,8 +53,9 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -68,6 +69,30 @@ TARGET_FLOOR, TARGET_UPSTREAM, TARGET_RSS = 0.8, 1.0, 1.1
 TARGET_DBOS_FLOOR = 0.6
 KINDS = ('durcap', 'upstream', 'floor', 'durcap-local')
 DBOS_KINDS = ('dbos-durcap', 'dbos-upstream', 'dbos-upstream-steps', 'dbos-floor')
+
+
+T = TypeVar('T')
+
+
+async def interleaved_rounds(
+    rounds: int, kinds: Sequence[str], batch: Callable[[str], Awaitable[T]], show: Callable[[T], str]
+) -> tuple[list[dict[str, T]], list[float]]:
+    """`rounds` rounds of one `batch(kind)` per kind, each round in the next permutation of `kinds` (so no kind
+    always runs first or last), printing each round with `show` and the 1-minute load average.
+
+    Returns:
+        `(per_round, loads)`: each round's `{kind: batch result}` and the load average after it.
+    """
+    orders = list(itertools.permutations(kinds))
+    per_round: list[dict[str, T]] = []
+    loads: list[float] = []
+    for r in range(rounds):
+        figures = {kind: await batch(kind) for kind in orders[r % len(orders)]}
+        loads.append(os.getloadavg()[0])
+        per_round.append(figures)
+        print(f'round {r + 1}: ' + ', '.join(f'{k} {show(v)}' for k, v in figures.items()) + f' (load {loads[-1]:.1f})',
+              flush=True)
+    return per_round, loads
 
 
 def durcap_agent(local: bool = False) -> Any:
@@ -209,17 +234,7 @@ async def amain_temporal(args: argparse.Namespace) -> None:
         await batch('durcap')
         await batch('durcap-local')
         kinds = KINDS
-        orders = list(itertools.permutations(kinds))
-        per_round: list[dict[str, float]] = []
-        loads = []
-        for r in range(args.rounds):
-            figures = {}
-            for kind in orders[r % len(orders)]:
-                figures[kind] = await batch(kind)
-            loads.append(os.getloadavg()[0])
-            per_round.append(figures)
-            print(f'round {r + 1}: ' + ', '.join(f'{k} {v:.1f} runs/s' for k, v in figures.items())
-                  + f' (load {os.getloadavg()[0]:.1f})', flush=True)
+        per_round, loads = await interleaved_rounds(args.rounds, kinds, batch, lambda v: f'{v:.1f} runs/s')
         rss = {k: w.peak_rss_mib() for k, w in workers.items()}
     finally:
         for w in workers.values():
@@ -416,16 +431,8 @@ async def amain_dbos(args: argparse.Namespace) -> None:
 
         for kind in DBOS_KINDS:  # warm-up: every process's first batch
             await batch(kind)
-        orders = list(itertools.permutations(DBOS_KINDS))
-        for r in range(args.rounds):
-            figures = {}
-            for kind in orders[r % len(orders)]:
-                figures[kind] = await batch(kind)
-            loads.append(os.getloadavg()[0])
-            per_round.append(figures)
-            print(f'round {r + 1}: ' + ', '.join(f'{k} {v[0]:.1f} runs/s ({v[1] * 1e3:.0f} ms CPU/run)'
-                                                 for k, v in figures.items())
-                  + f' (load {os.getloadavg()[0]:.1f})', flush=True)
+        per_round, loads = await interleaved_rounds(args.rounds, DBOS_KINDS, batch,
+                                                    lambda v: f'{v[0]:.1f} runs/s ({v[1] * 1e3:.0f} ms CPU/run)')
         rss = {k: p.peak_rss_mib() for k, p in procs.items()}
     finally:
         for proc in procs.values():
