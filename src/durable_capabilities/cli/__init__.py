@@ -372,8 +372,27 @@ def _valid_agents(
 
 
 def main() -> None:
-    """Console-script entry point (`durcap`)."""
-    app()
+    """Console-script entry point (`durcap`).
+
+    Once a Temporal client ran in this process, every command leaves with its exit code but without interpreter
+    finalization (output flushed, `os._exit`): temporalio's core runtime can abort the interpreter while it shuts
+    down ("Fatal Python error: PyGILState_Release", exit -6; temporalio/sdk-python#300), which turned a finished
+    `durcap demo --engine temporal --deny` into a failure about one time in fifty.
+    """
+    code: int | str | None = 0
+    try:
+        app()
+    except SystemExit as exc:
+        code = exc.code
+        if 'temporalio.client' not in sys.modules:
+            raise
+    if 'temporalio.client' in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if isinstance(code, str):  # SystemExit('message'): printed and status 1, as the interpreter does
+            print(code, file=sys.stderr, flush=True)
+            code = 1
+        os._exit(code or 0)
 
 
 # The engine commands (`run`, `demo`, `replay`, `worker`, `dev`, `schedule`, `history`) register on `app`
