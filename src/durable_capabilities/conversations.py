@@ -234,10 +234,11 @@ async def load_conversation(agent: DurableAgent[Any, Any], conversation_id: str)
     key = (url, conversation_id)
     cached = _LOAD_CACHE.get(key)
     store = process_store(url)
-    await store.check_writable()  # refuse a read-only or unreachable store before the run, not after it
     try:
+        # check_writable: refuse a read-only or unreachable store before the run, not after it
         stored = await store.read_json(
-            conversation_id, known=(len(cached.rows), cached.entry_ids[-1]) if cached and cached.rows else None
+            conversation_id, known=(len(cached.rows), cached.entry_ids[-1]) if cached and cached.rows else None,
+            check_writable=True,
         )
     except ConversationNotFoundError:
         _LOAD_CACHE.pop(key, None)

@@ -403,7 +403,9 @@ class SQLConversationStore(ConversationStore):
             raise ValueError('`limit` must not be negative')
         return await asyncio.to_thread(self._sql.read, conversation_id, limit, scope)
 
-    async def read_json(self, conversation_id: str, *, known: tuple[int, str] | None = None) -> StoredJSON:
+    async def read_json(
+        self, conversation_id: str, *, known: tuple[int, str] | None = None, check_writable: bool = False
+    ) -> StoredJSON:
         """Read a conversation's messages as their stored JSON, without decoding them (what a load unit hands
         to the run, which decodes once), in one transaction with the header checks of `read`.
 
@@ -411,6 +413,8 @@ class SQLConversationStore(ConversationStore):
             conversation_id: The conversation.
             known: `(message count, entry id of the last of them)` from an earlier `read_json`: when the
                 stored history still extends that prefix, only the messages after it are read (`tail=True`).
+            check_writable: Run `check_writable`'s probe first, in the same worker thread (one hop instead of two:
+                what a load unit does before a run whose turn will be appended). Its errors are raised as there.
 
         Returns:
             A `StoredJSON`. Rows are not validated here: `decode_json` (or `ModelMessagesTypeAdapter`) does that.
@@ -420,7 +424,7 @@ class SQLConversationStore(ConversationStore):
             CorruptedRowError: the header disagrees with the rows, or the chain of entries is broken.
             SchemaVersionError, StoreUnavailableError: see the class docstrings.
         """
-        return await asyncio.to_thread(self._sql.read_json, conversation_id, known)
+        return await asyncio.to_thread(self._sql.read_json, conversation_id, known, check_writable)
 
     async def append(
         self,

@@ -372,10 +372,13 @@ class _SQLBackend:
             first_position=rows[0].position if rows else row.message_count + 1,
         )
 
-    def read_json(self, conversation_id: str, known: tuple[int, str] | None) -> StoredJSON:
+    def read_json(self, conversation_id: str, known: tuple[int, str] | None, check_writable: bool = False) -> StoredJSON:
         """`read` without decoding: each message's stored JSON. With `known` (a message count and the entry id
         of the last of them, from an earlier read), only the rows after them are read when the history still
-        extends that prefix (`StoredJSON.tail`); otherwise the whole history."""
+        extends that prefix (`StoredJSON.tail`); otherwise the whole history. With `check_writable`,
+        `probe_writable` first."""
+        if check_writable:
+            self.probe_writable()
         with self._txn(write=False) as conn:
             row = self._checked_row(conn, conversation_id)
             if row is None or row.deleted:
