@@ -271,3 +271,15 @@ def private_file(path: str | Path) -> Path:
         os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         os.chmod(path, 0o600)
     return path
+
+
+def redact_database_url(url: str) -> str:
+    """`url` (a database URL, e.g. `postgresql://user:secret@db:5432/dbos`) with its password shown as `***`, by
+    SQLAlchemy's own `URL.render_as_string(hide_password=True)`: what a page, a log line or an error may show.
+    A string SQLAlchemy cannot parse is shown from after its last `@` (user info dropped). Never raises."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - never fail on showing a URL
+        return url.split('@')[-1]

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ._limits import redact_database_url
 from .store import DEFAULT_URL
 
 DEFAULT_TEMPORAL_ADDRESS = '127.0.0.1:7233'
@@ -65,14 +66,3 @@ class Settings:
                 'DBOS system database': redact_database_url(self.db) if self.db else 'SQLite .durcap/dbos.sqlite',
                 'conversation store': redact_database_url(self.store)}
 
-
-def redact_database_url(url: str) -> str:
-    """`url` (a database URL, e.g. `postgresql://user:secret@db:5432/dbos`) with its password shown as `***`, by
-    SQLAlchemy's own `URL.render_as_string(hide_password=True)`: what a page, a log line or an error may show.
-    A string SQLAlchemy cannot parse is shown from after its last `@` (user info dropped). Never raises."""
-    from sqlalchemy.engine import make_url
-
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - never fail on showing a URL
-        return url.split('@')[-1]

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from dbos import DBOS
 
+from .._limits import redact_database_url
 from ..approvals import ApprovalError, Decision, PendingCall, already_decided, check_decision
-from ..settings import redact_database_url
 from ..turn import RunReport
 from ._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
 from ._dbos_approvals import DECISION_TOPIC, PENDING_EVENT

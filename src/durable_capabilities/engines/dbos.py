@@ -42,9 +42,8 @@ from pydantic_ai.toolsets import AbstractToolset, FunctionToolset, WrapperToolse
 from pydantic_core import to_jsonable_python
 
 from .. import _registry, _upstream
-from .._limits import private_file
+from .._limits import private_file, redact_database_url
 from ..conversations import append_conversation, load_conversation
-from ..settings import redact_database_url
 from ..store import AppendIdReuseError, ConversationConflictError, CorruptedRowError, NewerHistoryError, SchemaVersionError
 from ..turn import RunReport, Turn, deps_from_json, run_turn
 from ..validation import DurableConfigError
