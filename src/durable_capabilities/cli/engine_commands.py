@@ -43,6 +43,7 @@ from . import (
     engine_metavar,
     engine_name,
 )
+from ._options import DbOption
 from .history import history_app
 
 worker_app = typer.Typer(help='Run workers.', no_args_is_help=True)
@@ -285,7 +286,7 @@ def run(
                                                      'none: start the embedded dev server).')] = None,
     task_queue: Annotated[str, typer.Option(help='Temporal task queue.')] = 'durcap',
     inline_worker: Annotated[bool, typer.Option(help='Serve the Temporal task queue from this process for the run.')] = False,
-    db: Annotated[str | None, typer.Option(help='DBOS system database URL (default: SQLite .durcap/dbos.sqlite).')] = None,
+    db: DbOption = None,
     conversation: Annotated[str | None, typer.Option('--conversation', help='Conversation id: resume its stored history '
                                                      'and append this run to it (any engine).')] = None,
     store: Annotated[str | None, typer.Option('--store', help='Conversation store URL (default: $DURCAP_STORE or '
@@ -343,7 +344,7 @@ def demo(
     base_url: BaseUrlOption = None,
     prompt: Annotated[str, typer.Option(help='The customer message.')] = 'Where is my order ABC-123? It should have arrived by now.',
     address: Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: start the embedded dev server).')] = None,
-    db: Annotated[str | None, typer.Option(help='DBOS system database URL (default: SQLite .durcap/dbos.sqlite).')] = None,
+    db: DbOption = None,
     task_queue: Annotated[str, typer.Option(help='Temporal task queue.')] = 'durcap-demo',
     inline_worker: Annotated[bool, typer.Option(help='Serve the Temporal task queue from this process (off: use a '
                                                      'running `durcap worker temporal`).')] = True,
@@ -537,7 +538,7 @@ def _worker_command(engine: str) -> Any:
         allow_drift: Annotated[bool, typer.Option('--allow-drift', help='Start even when durable unit names differ from the lockfile.')] = False,
         store: Annotated[str | None, typer.Option('--store', help='Conversation store URL for runs with a conversation id '
                                                   '(default: $DURCAP_STORE or sqlite:///.durcap/conversations.db).')] = None,
-        db: Annotated[str | None, typer.Option(help='DBOS system database URL (default: SQLite .durcap/dbos.sqlite).')] = None,
+        db: DbOption = None,
         executor_id: Annotated[str | None, typer.Option('--executor-id', help='DBOS executor id; its pending workflows '
                                                         'are recovered at start (default: local, as DBOS does).')] = None,
         versioning: Annotated[bool, typer.Option(help='Temporal Worker Versioning: runs stay pinned to the worker '
