@@ -58,6 +58,19 @@ def test_a_header_that_disagrees_with_its_rows_is_refused(store: SQLConversation
     assert snapshot(store_url) == before  # nothing written past the end, nothing rewritten
 
 
+def test_a_damaged_conversation_of_another_scope_reads_as_not_found(store: SQLConversationStore, store_url: str) -> None:  # noqa: F811
+    """A reader of scope `b` learns nothing about a conversation of scope `a`, damaged or not: the header check runs in
+    the same statement as the row (`_checked_row`), but only for the scope asked."""
+    from durable_capabilities.store import ConversationNotFoundError
+
+    run(store.append('c', TURN, expected_revision=None, scope='a'))
+    sql(store_url, "UPDATE durcap_conversations SET message_count = 7 WHERE conversation_id = 'c'")
+    with pytest.raises(ConversationNotFoundError, match="with scope 'b'"):
+        run(store.read('c', scope='b'))
+    with pytest.raises(CorruptedRowError, match="says 7 message"):
+        run(store.read('c', scope='a'))
+
+
 def test_a_header_missing_a_write_log_row_is_refused(store: SQLConversationStore, store_url: str) -> None:  # noqa: F811
     _two_turns(store, 'c')
     sql(store_url, "DELETE FROM durcap_writes WHERE conversation_id = 'c' AND revision = 2")

@@ -252,9 +252,10 @@ class _SQLBackend:
         row = conn.execute(sa.text(sql), {'cid': conversation_id}).first()
         return None if row is None else _decode_row(row)
 
-    def _checked_row(self, conn: sa.Connection, conversation_id: str) -> _Row | None:
+    def _checked_row(self, conn: sa.Connection, conversation_id: str, scope: str | None = None) -> _Row | None:
         """The conversation row, checked against its rows as `_check_header` does, in one statement (one
-        snapshot on PostgreSQL, one round trip on both): how every read starts.
+        snapshot on PostgreSQL, one round trip on both): how every read starts. A row of another `scope` than the
+        one given is returned unchecked (the caller reports it as not found, saying nothing more about it).
 
         Raises:
             CorruptedRowError: the row and its rows disagree (see `_verify_header`).
@@ -263,7 +264,8 @@ class _SQLBackend:
         if found is None:
             return None
         row = _decode_row(found)
-        _verify_header(row, found.head_position, found.logged)
+        if scope is None or row.record.scope == scope:
+            _verify_header(row, found.head_position, found.logged)
         return row
 
     def read_record(self, conversation_id: str) -> ConversationRecord | None:
@@ -353,7 +355,7 @@ class _SQLBackend:
 
     def read(self, conversation_id: str, limit: int | None, scope: str | None) -> StoredConversation:
         with self._txn(write=False) as conn:
-            row = self._checked_row(conn, conversation_id)
+            row = self._checked_row(conn, conversation_id, scope)
             if row is None or row.deleted:
                 raise ConversationNotFoundError(conversation_id, ' (it was deleted)' if row is not None else '')
             if scope is not None and row.record.scope != scope:
