@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -356,6 +357,28 @@ def test_store_and_dbos_db_from_the_environment_are_checked_like_the_options(tmp
     assert 'Traceback' not in memory.stderr and memory.stdout == ''
     bad_db = durcap('runs', 'list', '--engine', 'dbos', env={**env, 'DURCAP_DBOS_DB': 'mysql://u@h/db'})
     assert bad_db.returncode == 2 and 'DC040 $DURCAP_DBOS_DB' in bad_db.stderr, bad_db.stderr
+
+
+def test_a_two_slash_sqlite_url_is_refused_with_the_url_meant() -> None:
+    """`--db sqlite://relative.db` names a host, so SQLAlchemy would open an in-memory database: refused (DC040, exit
+    2) with the three-slash URL the user meant and the DBOS file as the example (not the conversation store's)."""
+    result = durcap('runs', 'list', '--engine', 'dbos', '--db', 'sqlite://relative.db')
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert 'did you mean sqlite:///relative.db?' in result.stderr and 'e.g. sqlite:///.durcap/dbos.sqlite' in result.stderr
+
+
+@pytest.mark.parametrize('command', [('runs', 'list', '--engine', 'temporal'),
+                                     ('run', 'tests/engines/ledger_agent.py:agent', 'x', '--engine', 'temporal')])
+def test_an_unreachable_temporal_server_is_one_line_and_exit_2(command: tuple[str, ...]) -> None:
+    """Nothing listens on the address (a port this test holds closed): one line naming the address, the reason
+    and the fix, exit 2, instead of temporalio's Rust transport error (exit 1 for `run` before)."""
+    with socket.socket() as held:  # bound, never listening: connections to it are refused
+        held.bind(('127.0.0.1', 0))
+        address = f'127.0.0.1:{held.getsockname()[1]}'
+        result = durcap(*command, '--address', address, env={**os.environ, 'PYTHONPATH': str(ROOT)})
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f'cannot reach the Temporal server at {address} (Connection refused)' in result.stderr, result.stderr
+    assert 'tonic' not in result.stderr and 'Traceback' not in result.stderr
 
 
 @pytest.mark.parametrize('args', [

@@ -208,6 +208,9 @@ def test_run_killed_mid_tool_is_resumed_by_runs_resume(engine: str, tmp_path: Pa
     statuses = {r['run_id']: r['status'] for r in map(json.loads, listed.stdout.splitlines())}
     assert statuses.get(run_id) == info['status'], statuses  # list says what show says
     if engine == 'dbos':
+        # The way out it names carries the database this command was given, so it finds the same run.
+        assert any(f'durcap runs resume {run_id} --engine dbos --db {conn[1]} --target TARGET' in n
+                   for n in info['notes']), info['notes']
         orphaned = durcap('runs', 'list', '--engine', engine, '--status', 'orphaned', '--format', 'json', *conn, env=env)
         assert run_id in orphaned.stdout, orphaned.stdout
         assert run_id not in durcap('runs', 'list', '--engine', engine, '--status', 'running', *conn, env=env).stdout

@@ -144,14 +144,17 @@ def database_url(value: str | None, option: str, *, probe: bool = False) -> str 
     except Exception:  # noqa: BLE001 - sqlalchemy raises ArgumentError and ValueError for malformed URLs
         _unusable(f'{INPUT_CODE} {option} {shown} is not a database URL: {fix}')
     backend = url.get_backend_name()
+    example = 'sqlite:///.durcap/dbos.sqlite' if option.endswith('--db') or option.endswith('--db)') else \
+        'sqlite:///.durcap/conversations.db'
     if backend == 'sqlite' and url.database in _MEMORY:
-        _unusable(f'{INPUT_CODE} {option} {shown} is an in-memory SQLite database, gone when this command exits: '
-                  'give a file, sqlite:///.durcap/conversations.db')
+        # `sqlite://name.db` (two slashes) names a host, not a file: SQLAlchemy then opens an in-memory database.
+        meant = f' (did you mean sqlite:///{url.host}?)' if url.host else ''
+        _unusable(f'{INPUT_CODE} {option} {shown} is an in-memory SQLite database, gone when this command exits{meant}: '
+                  f'give a file, e.g. {example}')
     if backend not in ('sqlite', 'postgresql'):
         _unusable(f'{INPUT_CODE} {option} {shown}: scheme {printable(url.drivername)!r} is not supported: {fix}')
     if backend == 'sqlite' and (problem := _sqlite_file_problem(str(url.database))):
-        _unusable(f'{INPUT_CODE} {option} {shown}: {problem}: give a file in a folder you can write, e.g. '
-                  'sqlite:///.durcap/conversations.db')
+        _unusable(f'{INPUT_CODE} {option} {shown}: {problem}: give a file in a folder you can write, e.g. {example}')
     if probe and backend == 'postgresql':
         try:
             engine = sa.create_engine(url.set(drivername='postgresql+psycopg'), connect_args={'connect_timeout': 5})

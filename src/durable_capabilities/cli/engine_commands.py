@@ -24,7 +24,7 @@ from rich.text import Text
 from .. import runner
 from .._limits import INPUT_CODE, InputError, load_json, one_line, printable
 from ..agent import DurableAgent
-from ..engines import ENGINES, RunOptions, get
+from ..engines import ENGINES, EngineUnreachableError, RunOptions, get
 from ..ids import redact_url
 from ..replay import ReplayTimeout, replay_histories
 from ..savings import compare_first_request
@@ -326,6 +326,8 @@ def run(
     except KeyboardInterrupt:
         _err.print(_interrupted(engine, started[0] if started else None, target, address=address, db=db), markup=False)
         _exit_now(130)
+    except EngineUnreachableError as exc:  # the engine's server is not there: nothing ran, like a bad --db
+        _unusable(str(exc))
     except Exception as exc:  # noqa: BLE001 - the run failed in the engine: one line, no traceback
         _run_failed(engine, agent, exc)
     except BaseException as exc:
@@ -380,6 +382,8 @@ def demo(
                 lambda started: _run_on(agent, prompt, engine, make_store(), address=run_address, task_queue=task_queue,
                                         db=db, inline_worker=inline_worker, started=started), engine, settings,
                 '; or run the demo with --approve/--deny'))
+        except EngineUnreachableError as exc:
+            _unusable(str(exc))
         except Exception as exc:  # noqa: BLE001 - the run failed in the engine: one line, no traceback
             _run_failed(engine, agent, exc)  # exits; an embedded server dies with this process
     _print_run(report)

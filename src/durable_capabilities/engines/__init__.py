@@ -13,6 +13,7 @@ from typing import Any, Literal, overload
 from ._adapter import (
     RUN_STATUSES,
     EngineAdapter,
+    EngineUnreachableError,
     LazyAdapter,
     RunInfo,
     RunNotFoundError,
@@ -22,7 +23,8 @@ from ._adapter import (
 )
 
 __all__ = [
-    'ALL_ENGINES', 'DURABLE_ENGINES', 'ENGINES', 'RUN_STATUSES', 'EngineAdapter', 'LazyAdapter', 'RunInfo',
+    'ALL_ENGINES', 'DURABLE_ENGINES', 'ENGINES', 'RUN_STATUSES', 'EngineAdapter', 'EngineUnreachableError', 'LazyAdapter',
+    'RunInfo',
     'RunNotFoundError', 'RunOptions', 'RunUnit', 'get', 'register', 'unit_kind',
 ]
 

@@ -119,6 +119,15 @@ class RunNotFoundError(LookupError):
     """The engine has no run with that id (message names the id and where it looked)."""
 
 
+class EngineUnreachableError(RuntimeError):
+    """The engine's server cannot be reached (message: one line naming the address, the reason and the fix).
+
+    A `RuntimeError`, as the SDK's own connection error it replaces (temporalio raises `RuntimeError('Failed client
+    connect: ...')` with the Rust transport error inside), so code that caught that still catches this. The CLI
+    prints it as one line and exits 2, as it does for a database it cannot connect to.
+    """
+
+
 def loaded_capabilities_in(values: Iterable[Any]) -> list[str]:
     """Capability ids of every `load_capability` tool call found in `values` (model responses, message lists,
     or their JSON, as data or as one JSON string), in order, each once."""

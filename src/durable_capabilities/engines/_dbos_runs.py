@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 # ---- runs (`durcap runs`) ------------------------------------------------------------------------------
 
 
-async def _info(client: Any, status: Any, with_steps: bool = True, with_units: bool = False) -> RunInfo:
+async def _info(client: Any, status: Any, with_steps: bool = True, with_units: bool = False,
+                settings: Mapping[str, Any] | None = None) -> RunInfo:
     from datetime import datetime
 
     steps = await client.list_workflow_steps_async(status.workflow_id) if with_steps else []
@@ -48,9 +49,11 @@ async def _info(client: Any, status: Any, with_steps: bool = True, with_units: b
     outputs = [status.output] + [step.get('output') for step in steps]
     engine_status = str(status.status)
     gone = engine_status in ('PENDING', 'ENQUEUED') and executor_process_gone(status.executor_id)
+    # The database the caller named goes into the commands (password shown as ***), so they find the same run.
+    db = f' --db {redact_database_url(settings["db"])}' if settings and settings.get('db') else ''
     notes = [(f'its process ({status.executor_id}) is gone: finish it with `durcap runs resume '
-              f'{status.workflow_id} --engine dbos --target TARGET`, or by `durcap worker dbos TARGET --executor-id '
-              f'{status.executor_id}` (a worker recovers only its own executor\'s workflows)')] if gone else []
+              f'{status.workflow_id} --engine dbos{db} --target TARGET`, or by `durcap worker dbos TARGET{db} '
+              f'--executor-id {status.executor_id}` (a worker recovers only its own executor\'s workflows)')] if gone else []
     return RunInfo(
         'dbos', status.workflow_id, agent, 'orphaned' if gone else _DBOS_STATUS.get(engine_status, 'running'),
         engine_status,
@@ -73,7 +76,7 @@ async def list_runs(settings: Mapping[str, Any], *, status: str | None = None, l
         found = [w for w in found if (w.name or '').startswith(WORKFLOW_NAME_PREFIX)]
         infos = []
         for workflow in found:
-            info = await _info(client, workflow)
+            info = await _info(client, workflow, settings=settings)
             if status is None or info.status == status:
                 infos.append(info)
             if len(infos) == limit:
@@ -89,7 +92,7 @@ async def show_run(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
         found = await client.list_workflows_async(workflow_ids=[run_id])
         if not found:
             raise RunNotFoundError(f'no DBOS workflow {run_id!r} in {redact_database_url(system_database_url(settings.get("db")))}')
-        return await _info(client, found[0], with_units=True)
+        return await _info(client, found[0], with_units=True, settings=settings)
     finally:
         client.destroy()
 

@@ -86,7 +86,8 @@ async def _connect(settings: Mapping[str, Any]) -> Client:
     return await connect(settings.get('address') or '127.0.0.1:7233', settings.get('namespace') or 'default')
 
 
-async def _info(client: Client, description: Any, with_history: bool = True, with_units: bool = False) -> RunInfo:
+async def _info(client: Client, description: Any, with_history: bool = True, with_units: bool = False,
+                settings: Mapping[str, Any] | None = None) -> RunInfo:
     from temporalio.api.enums.v1 import EventType
 
     workflow_type = description.workflow_type or ''
@@ -127,9 +128,11 @@ async def _info(client: Client, description: Any, with_history: bool = True, wit
     if engine_status == 'RUNNING':
         try:
             if not await task_queue_pollers(client, client.namespace, description.task_queue):
+                # The server the caller named goes into the commands, so they reach the same run.
+                at = f' --address {settings["address"]}' if settings and settings.get('address') else ''
                 notes.append(f'no worker polls task queue {description.task_queue!r}: start `durcap worker temporal '
-                             f'TARGET --task-queue {description.task_queue}` or `durcap runs resume {description.id} '
-                             '--engine temporal --target TARGET`')
+                             f'TARGET{at} --task-queue {description.task_queue}` or `durcap runs resume {description.id} '
+                             f'--engine temporal{at} --target TARGET`')
         except Exception:  # noqa: BLE001, S110 - a hint only
             pass
     return RunInfo(
@@ -148,7 +151,7 @@ async def list_runs(settings: Mapping[str, Any], *, status: str | None = None, l
     if status:
         query += f' AND {_STATUS_QUERY[status]}'
     found = [d async for d in client.list_workflows(query, limit=limit)]
-    return [await _info(client, d) for d in found]
+    return [await _info(client, d, settings=settings) for d in found]
 
 
 async def show_run(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
@@ -161,7 +164,7 @@ async def show_run(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
         if exc.status == RPCStatusCode.NOT_FOUND:
             raise RunNotFoundError(f'no Temporal workflow {run_id!r} in namespace {client.namespace!r}') from None
         raise
-    return await _info(client, description, with_units=True)
+    return await _info(client, description, with_units=True, settings=settings)
 
 
 async def cancel(run_id: str, settings: Mapping[str, Any]) -> RunInfo:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import signal
 import threading
 import uuid
@@ -50,7 +51,7 @@ from ..store._claim_check import (
 )
 from ..turn import RunReport
 from . import _mcp, _payload_guard, _retry_log
-from ._adapter import EngineAdapter, RunInfo, RunOptions
+from ._adapter import EngineAdapter, EngineUnreachableError, RunInfo, RunOptions
 from ._retry_after import MAX_RETRY_AFTER_SECONDS
 from ._temporal_history import HistoryReplayer, export_history, units_recorded
 from ._temporal_workflow import (  # noqa: F401 - public here: the workflow code's names, as before the split
@@ -182,7 +183,17 @@ async def connect(address: str = '127.0.0.1:7233', namespace: str = 'default', *
     (`store._claim_check.ClaimCheckCodec`) on `store` (default `$DURCAP_STORE`, else the default store): payloads
     over 256 KiB travel by reference. Workers made from this client use the same codec."""
     codec = DataConverter(payload_codec=default_codec(store))  # PydanticAIPlugin keeps the codec, swaps the converter
-    return await Client.connect(address, namespace=namespace, plugins=[PydanticAIPlugin()], data_converter=codec)
+    try:
+        return await Client.connect(address, namespace=namespace, plugins=[PydanticAIPlugin()], data_converter=codec)
+    except RuntimeError as exc:
+        if 'client connect' not in str(exc):
+            raise
+        # temporalio's message is the Rust transport error's debug form; its `message: "..."` is the readable reason.
+        reason = re.findall(r'message: "([^"]+)"', str(exc))
+        raise EngineUnreachableError(
+            f'cannot reach the Temporal server at {address} ({reason[-1] if reason else str(exc).splitlines()[0][:200]}): '
+            'start one (`durcap dev temporal`) or point --address / $DURCAP_TEMPORAL_ADDRESS at yours'
+        ) from exc
 
 
 LOCAL_TOOLSETS_OPTION = 'local_activity_toolsets'
@@ -458,7 +469,8 @@ class TemporalAdapter(EngineAdapter):
         namespace = options.setting('namespace', 'default')
         server = None
         if address is not None:
-            options.notify(f'temporal server: {address}, namespace {namespace!r} (configured: --address, $DURCAP_TEMPORAL_ADDRESS or the address setting)')
+            options.notify(f'temporal server: {address}, namespace {namespace!r} (the address this run was given: --address, '
+                           "$DURCAP_TEMPORAL_ADDRESS, the address setting, or the demo's own embedded server)")
         elif port_open('127.0.0.1', 7233):
             address = '127.0.0.1:7233'  # the default a `durcap worker temporal` and `durcap dev temporal` use
             options.notify(f'temporal server: using the existing server at {address}, namespace {namespace!r} (found '
