@@ -198,6 +198,7 @@ def test_runs_list_shows_a_dbos_and_a_temporal_support_run_with_capabilities_and
 
     browser.get(ui.url + '/')
     row(browser, dbos_id).find_element(By.TAG_NAME, 'a').click()
+    settle(browser, lambda d: d.find_elements(By.ID, 'run-id'))
     assert browser.find_element(By.ID, 'run-id').text == dbos_id
     units = [[c.text for c in r.find_elements(By.TAG_NAME, 'td')] for r in browser.find_elements(By.CSS_SELECTOR, '#timeline tr.unit')]
     kinds = [u[2] for u in units]
@@ -344,6 +345,7 @@ def test_a_decision_without_the_token_or_csrf_is_refused_and_changes_nothing(ui:
     proc, run_id, call, crash_dir = start_gated(ui, spawn, tmp_path, 'revoke carol')
     browser.get(ui.url + '/approvals')
     call_box(browser, run_id).find_element(By.CSS_SELECTOR, 'form.approve button').click()
+    settle(browser, lambda d: d.find_elements(By.ID, 'error-title'))  # the refusal page loads after the click returns
     assert browser.find_element(By.ID, 'error-title').text == 'Refused'
     assert 'decision token' in browser.find_element(By.ID, 'error').text
     form = {'engine': 'dbos', 'run_id': run_id, 'call_id': call['call_id'], 'fingerprint': call['fingerprint'],
@@ -399,6 +401,7 @@ def test_html_and_script_in_a_tool_argument_and_a_conversation_id_render_as_text
     conversation_link = browser.find_element(By.CSS_SELECTOR, '#run-info a')
     assert conversation_link.text == conversation
     conversation_link.click()
+    settle(browser, lambda d: d.find_elements(By.CSS_SELECTOR, '#conversation h2 .mono'))
     clean()
     assert browser.find_element(By.CSS_SELECTOR, '#conversation h2 .mono').text == conversation
     calls = [r.text for r in browser.find_elements(By.CSS_SELECTOR, '#messages tr.part-tool-call')]
