@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from enum import Enum
 from typing import Annotated, Any
 
@@ -50,16 +49,6 @@ def _engine_list(engine: str | None) -> list[str] | None:
             _unusable(str(exc))
         return [engine]
     return None
-
-
-def _finish() -> None:
-    """Once a Temporal client ran in this process, leave without interpreter finalization (`_exit_now(0)`, output
-    flushed): temporalio's core runtime can abort the interpreter while it shuts down (sdk-python#300), which turned
-    a printed `runs list --engine temporal` into exit -6 about one time in three."""
-    if 'temporalio.client' in sys.modules:
-        from .engine_commands import _exit_now
-
-        _exit_now(0)
 
 
 def _row(info: Any) -> list[str]:
@@ -111,7 +100,6 @@ def list_runs(
         _print_runs(listing.runs, fmt)
     if listing.problems and engine is not None:
         raise typer.Exit(2)
-    _finish()
 
 
 def _find(run_id: str, engine: str | None, settings: Settings) -> tuple[Any, Any]:
@@ -141,7 +129,6 @@ def show(
     _, info = _find(run_id, engine, connection_settings(db, address, namespace))
     if fmt is RunsFormat.json:
         _out.print(json.dumps(info.to_json(), default=str), markup=False)
-        _finish()
         return
     for label, value in zip(('id', 'engine', 'agent', 'status', 'started (UTC)', 'capabilities loaded', 'conversation',
                              'units done'), _row(info), strict=True):
@@ -152,7 +139,6 @@ def show(
             _out.print(printable(f'{key}: {value}'), markup=False)
     for note in info.notes:
         _out.print(printable(f'note: {note}'), markup=False)
-    _finish()
 
 
 @runs_app.command('cancel')
@@ -168,7 +154,6 @@ def cancel(
     adapter, _ = _find(run_id, engine, settings)
     info = asyncio.run(adapter.cancel(run_id, settings.engine()))
     _out.print(printable(f'{info.run_id}: {info.status} ({info.engine_status})'), markup=False)
-    _finish()
 
 
 @runs_app.command('resume')
@@ -193,4 +178,3 @@ def resume(
     except (RuntimeError, NotImplementedError) as exc:
         _unusable(str(exc).splitlines()[0])
     _print_run(report)
-    _finish()
