@@ -500,6 +500,8 @@ async def profile_variants(variants: list[Variant], args: argparse.Namespace) ->
             await variant.run()
         profiler.disable()
         stats.append(pstats.Stats(profiler))
+        if os.environ.get('BENCH_PROFILE_DUMP'):
+            profiler.dump_stats(f"{os.environ['BENCH_PROFILE_DUMP']}-{variant.label.replace(' ', '_')}.prof")
 
     def by_function(s: pstats.Stats) -> dict[tuple[str, int, str], tuple[float, float, int]]:
         return {k: (v[2], v[3], v[1]) for k, v in s.stats.items()}  # tottime, cumtime, calls

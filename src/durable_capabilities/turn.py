@@ -80,7 +80,6 @@ def current_turn() -> TurnState | None:
     return _current.get()
 
 
-@dataclass
 class Turn:
     """What one turn produced.
 
@@ -89,14 +88,26 @@ class Turn:
         state: The turn's `TurnState` (starting history, loaded revision).
         new_messages: The messages the run added, as message JSON, in the order they were created: the
             prompt, every response and tool return, and any message a history processor introduced (a
-            compaction), even when the processor dropped earlier ones from the run's list.
+            compaction), even when the processor dropped earlier ones from the run's list. Built from the
+            message objects on first read, once (a run whose caller never reads them, e.g. a DBOS workflow that
+            returns only the output and stores nothing, never pays for it).
         usage: The run's usage as JSON-compatible data.
     """
 
-    result: Any
-    state: TurnState
-    new_messages: list[dict[str, Any]]
-    usage: dict[str, Any]
+    def __init__(self, result: Any, state: TurnState, messages: Sequence[ModelMessage],
+                 usage: dict[str, Any], added: Sequence[dict[str, Any]] = ()):
+        self.result, self.state, self.usage = result, state, usage
+        self._messages, self._added = list(messages), list(added)
+        self._json: list[dict[str, Any]] | None = None
+
+    @property
+    def new_messages(self) -> list[dict[str, Any]]:
+        if self._json is None:
+            self._json = [*ModelMessagesTypeAdapter.dump_python(self._messages, mode='json'), *self._added]
+        return self._json
+
+    def __repr__(self) -> str:
+        return f'Turn(result={self.result!r}, new_messages={len(self._messages) + len(self._added)})'
 
     def payload(self, *, messages_as_json: bool = False) -> dict[str, Any]:
         """`{'output', 'new_messages', 'usage'}` as JSON-compatible data (what DBOS and Prefect containers return).
@@ -105,11 +116,16 @@ class Turn:
             messages_as_json: `new_messages` as one JSON string (a JSON array of message JSON) instead of a list:
                 the Prefect flow returns it so, as Prefect walks every item of a flow's return value (looking for
                 futures and states) before persisting it: about 18,000 calls for the 11 messages of a 6-request run,
-                against a handful for one string. `RunReport.from_payload` reads either form.
+                against a handful for one string. Written from the message objects in one pass when the list was
+                not built. `RunReport.from_payload` reads either form.
         """
-        messages: Any = self.new_messages
-        if messages_as_json:
-            messages = to_json(messages).decode()
+        messages: Any
+        if not messages_as_json:
+            messages = self.new_messages
+        elif self._json is None and not self._added:
+            messages = ModelMessagesTypeAdapter.dump_json(self._messages).decode()
+        else:
+            messages = to_json(self.new_messages).decode()
         return {'output': to_jsonable_python(self.result.output), 'new_messages': messages, 'usage': self.usage}
 
 
@@ -171,15 +187,19 @@ async def run_turn(
             result = await run(prompt, deps=deps, message_history=history, **run_kwargs)
             state.log.observe(result.all_messages(), result.run_id)
         # The run's messages by run, not by index: a history processor may have rewritten the list (_turn_log).
-        new_messages = ModelMessagesTypeAdapter.dump_python(state.log.messages, mode='json')
+        logged = list(state.log.messages)
+        added: list[dict[str, Any]] = []
+        if gate is not None and _approval_requests(result) is not None:
+            # Written now: the continuation runs on these message objects.
+            added, logged = ModelMessagesTypeAdapter.dump_python(logged, mode='json'), []
         usage = result.usage
         while gate is not None and _approval_requests(result) is not None:
-            result, added = await _await_decisions(agent, gate, run, result, conversation_id, deps, run_kwargs)
-            new_messages += added
+            result, more = await _await_decisions(agent, gate, run, result, conversation_id, deps, run_kwargs)
+            added += more
             usage = usage + result.usage
     finally:
         _current.reset(token)
-    turn = Turn(result, state, new_messages, to_jsonable_python(usage))
+    turn = Turn(result, state, logged, to_jsonable_python(usage), added)
     if conversation_id is not None:
         appended = await (append or _local_append(agent))(conversation_id, turn.new_messages, revision, turn.usage)
         if isinstance(appended, int) and not isinstance(appended, bool) and state.log.messages:

@@ -49,10 +49,10 @@ def test_dbos_lock_is_exactly_the_registered_and_wrapped_steps(tmp_path: Path) -
     # the approval clock step (a run waiting for a person): nothing more, nothing less.
     assert sorted({*registered['steps'], *report['tool_steps'], *conversation}) == lock['steps']
     assert registered['steps'] and report['tool_steps']
-    # The tool steps come from the durability capability itself: no capability is added to the hook chain for them
-    # (`RetryAfterSleep` is the model request's durable retry-after wait, issue 15), and each leaf's step wrapper is
-    # built once, not per run.
-    assert report['hook_chain']['dbos'] == [*report['hook_chain']['local'], 'RetryAfterSleep', 'ToolStepDurability']
+    # The tool steps and the model request's durable retry-after wait (issue 15) come from the durability capability
+    # itself: no capability is added to the hook chain for them, and each leaf's step wrapper is built once, not per
+    # run.
+    assert report['hook_chain']['dbos'] == [*report['hook_chain']['local'], 'ToolStepDurability']
     assert report['steps_kept']
     # And a real run only records steps the lock lists.
     assert report['recorded'], 'the run recorded no steps'
@@ -90,3 +90,54 @@ def test_lockfile_sections_come_from_the_adapter(engine: str) -> None:
     adapter = get(engine)
     assert list(entry) == list(adapter.lock_sections)
     assert entry == adapter.durable_names(support)
+
+
+RETRY_AFTER_CHAINS = '''
+import json
+from pydantic_ai import Agent
+from pydantic_ai.capabilities import Capability, ModelFallback
+from pydantic_ai.models.function import FunctionModel, AgentInfo
+from pydantic_ai.messages import ModelResponse, TextPart
+from durable_capabilities import DurableAgent
+from durable_capabilities.engines import dbos as engine
+
+def answer(messages, info: AgentInfo) -> ModelResponse:
+    return ModelResponse(parts=[TextPart('ok')])
+
+def stamp(order_id: str) -> str:
+    """Stamp an order."""
+    return order_id
+
+def chain(agent):
+    found = []
+    agent.build('dbos').root_capability.apply(found.append)
+    durability = next(c for c in found if isinstance(c, engine.ToolStepDurability))
+    names = [type(c.wrapped if type(c).__name__ == 'StableIdCapability' else c).__name__ for c in found]
+    return {'chain': names, 'folded': isinstance(durability.retry_after, engine.RetryAfterSleep),
+            'attempts': durability.retry_after.max_attempts if durability.retry_after else None}
+
+tools = Capability(id='orders', tools=[stamp])
+plain = DurableAgent('retry-after-plain', FunctionModel(answer), capabilities=[tools])
+fallback = DurableAgent('retry-after-fallback', FunctionModel(answer),
+                        capabilities=[tools, ModelFallback([FunctionModel(answer)])])
+print(json.dumps({'plain': chain(plain), 'fallback': chain(fallback)}))
+'''
+
+
+def test_dbos_retry_after_wait_adds_no_capability_unless_one_handles_model_request_errors() -> None:
+    """The DBOS `retry-after` wait (`RetryAfterSleep`) runs from the durability capability's own
+    `on_model_request_error`: one capability fewer on every hook of every run (a `RunContext` copy and a pass-through
+    call each). With a capability that handles model request errors itself (`ModelFallback`), it stays a capability of
+    its own, where it was before: pydantic-ai calls error handlers innermost first, and run from the (innermost)
+    durability capability the wait would come before the fallback's move to its next model. The wait itself is exercised against a real provider 429 in
+    `test_providers.py::test_429_then_success_and_a_cut_stream[dbos]`. Run in a subprocess: building a DBOS agent
+    registers its steps in DBOS's process-wide registry."""
+    done = subprocess.run([sys.executable, '-c', RETRY_AFTER_CHAINS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    plain, fallback = report['plain'], report['fallback']
+    assert 'RetryAfterSleep' not in plain['chain'] and plain['folded'] and plain['attempts'] == 3, plain
+    assert plain['chain'][-1] == 'ToolStepDurability', plain
+    assert not fallback['folded'], fallback
+    assert 'ModelFallback' in fallback['chain'], fallback
+    assert fallback['chain'][-2:] == ['RetryAfterSleep', 'ToolStepDurability'], fallback  # as before the fold

@@ -199,15 +199,26 @@ class ToolStepDurability(DBOSDurability):
         tool_steps: The steps' retry policy (`ToolStepConfig`, default `ToolStepConfig()`), or `False`: function
             tools run inline in workflow code, as upstream runs them.
         tool_step_agent: The name step names start with (the agent's durable name); default: the agent's name.
+        retry_after: The durable `retry-after` wait of the model request step (`RetryAfterSleep`), run from this
+            capability's own `on_model_request_error` so that it adds no capability to the hook chain either.
         kwargs: `DBOSDurability`'s own arguments.
     """
 
     def __init__(self, *, tool_steps: ToolStepConfig | Literal[False] | None = None, tool_step_agent: str | None = None,
-                 **kwargs: Any):
+                 retry_after: RetryAfterSleep | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.tool_steps = tool_steps
         self._tool_step_agent = tool_step_agent
         self._steps: ToolSteps | None = None
+        self.retry_after = retry_after
+
+    async def on_model_request_error(self, ctx: Any, *, request_context: Any, error: Exception) -> Any:
+        """`retry_after.on_model_request_error` (the provider's `retry-after` waited in `DBOS.sleep`), or re-raise
+        `error` when no `retry_after` was given (`durability_parts` then adds `RetryAfterSleep` as its own
+        capability)."""
+        if self.retry_after is None:
+            raise error
+        return await self.retry_after.on_model_request_error(ctx, request_context=request_context, error=error)
 
     def get_wrapper_toolset(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any] | None:
         wrapped = super().get_wrapper_toolset(toolset)
@@ -258,8 +269,9 @@ also carries the provider SDK's own retries (openai and anthropic SDKs: 2 retrie
 
 @dataclass
 class RetryAfterSleep(AbstractCapability[Any]):
-    """Waits a provider's `retry-after` durably before the model request step runs again (added with
-    `DBOSDurability` by `durability_parts`).
+    """Waits a provider's `retry-after` durably before the model request step runs again (`durability_parts` hands it
+    to `ToolStepDurability(retry_after=...)`, whose `on_model_request_error` runs it, or adds it to the agent as a
+    capability of its own when one of the agent's capabilities handles model request errors).
 
     A DBOS step retries at its own fixed interval, and only the step's final outcome is recorded. So the model request
     step does not retry an error carrying `retry_after` (`retry_model_step`): it fails, and its error is recorded as the
@@ -300,8 +312,10 @@ _dbos_logger = logging.getLogger('dbos')
 
 
 def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-    """`ToolStepDurability(...)` keyword arguments (upstream's `DBOSDurability` ones plus the tool steps) and our
-    capabilities: `RetryAfterSleep` (bounded by the model step's attempts) and the MCP guard.
+    """`ToolStepDurability(...)` keyword arguments (upstream's `DBOSDurability` ones plus the tool steps and the
+    `retry_after` wait, `RetryAfterSleep` bounded by the model step's attempts) and our capabilities: the MCP guard, and
+    `RetryAfterSleep` itself instead when a capability of the agent handles model request errors
+    (`_handles_model_request_errors`).
 
     `options['tool_steps']` may be a `ToolStepConfig` (default: `ToolStepConfig()`), or `False` to leave function tools
     inline as upstream does. `options['model_step_config']` is merged over `DEFAULT_MODEL_STEP_CONFIG` (the user's
@@ -313,9 +327,32 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     options.setdefault('tool_steps', ToolStepConfig())
     options['tool_step_agent'] = agent.durable_name
     attempts = int(model_step.get('max_attempts') or 1) if model_step.get('retries_allowed') else 1
-    extra: list[Any] = [RetryAfterSleep(max_attempts=attempts)]
+    sleeper = RetryAfterSleep(max_attempts=attempts)
+    extra: list[Any] = []
+    if _handles_model_request_errors(agent):
+        extra.append(sleeper)  # its own capability, in the order the user's error handlers expect (see below)
+    else:
+        options['retry_after'] = sleeper
     extra += _mcp_defaults(agent, options)
     return options, extra
+
+
+def _handles_model_request_errors(agent: DurableAgent[Any, Any]) -> bool:
+    """Whether a capability of `agent` (a group's members one by one; a wrapper counts, whatever it wraps) overrides
+    `on_model_request_error`, as `ModelFallback` does.
+
+    pydantic-ai calls `on_model_request_error` innermost first. The durability capability is innermost, so a
+    `retry-after` wait run from it would come before such a handler (`ModelFallback` would no longer move on to its
+    next model at once). For these agents `RetryAfterSleep` stays a capability of its own, placed by the agent's list
+    (before the innermost ones), as before.
+    """
+    from pydantic_ai.capabilities import CombinedCapability
+
+    registered: list[AbstractCapability[Any]] = []
+    for capability in agent.user_capabilities:
+        capability.apply(registered.append)
+    base = AbstractCapability.on_model_request_error
+    return any(type(c).on_model_request_error is not base for c in registered if not isinstance(c, CombinedCapability))
 
 
 def mcp_step_config(attempts: int = _mcp.DEFAULT_MCP_ATTEMPTS) -> dict[str, Any]:
