@@ -404,3 +404,49 @@ def test_a_malformed_temporal_address_is_bad_input(command: tuple[str, ...], add
     env = {**os.environ, 'PYTHONPATH': str(ROOT), 'DURCAP_TEMPORAL_ADDRESS': address}
     from_env = durcap(*command, env=env)
     assert from_env.returncode == 2 and 'DC040 $DURCAP_TEMPORAL_ADDRESS' in from_env.stderr, from_env.stderr
+
+
+def test_reading_runs_of_a_dbos_database_where_nothing_ran_creates_nothing_and_says_one_line(tmp_path: Path) -> None:
+    """`runs list` of a SQLite system database that does not exist, or holds no DBOS tables, lists no runs (exit 0)
+    and creates no file at a mistyped path; `runs show|resume|cancel` of a run there is one line naming the database,
+    exit 2 (before: DBOS's `no such table` error, then a second line, and an empty file left behind)."""
+    missing, empty = tmp_path / 'typo.sqlite', tmp_path / 'empty.sqlite'
+    empty.touch()
+    for path in (missing, empty):
+        listed = durcap('runs', 'list', '--engine', 'dbos', '--db', f'sqlite:///{path}')
+        assert listed.returncode == 0, listed.stdout + listed.stderr
+        assert listed.stderr == '' and 'no such table' not in listed.stdout, listed.stdout + listed.stderr
+        for command in ('show', 'resume', 'cancel'):
+            found = durcap('runs', command, 'nope-1', '--engine', 'dbos', '--db', f'sqlite:///{path}')
+            assert found.returncode == 2, found.stdout + found.stderr
+            lines = found.stderr.strip().splitlines()
+            assert len(lines) == 1 and "no DBOS workflow 'nope-1'" in lines[0], found.stderr
+            if path == missing:
+                assert f'no system database at {missing}' in lines[0], lines
+    assert not missing.exists()
+
+
+def test_runs_list_keeps_the_id_and_the_short_columns_whole_at_80_columns() -> None:
+    """The run id (what `runs show` takes), the engine and the status are never cut, even at 80 columns (before: the
+    id column was moved first after the others were added, and rich, padding by the place a column was added at, cut
+    the engine header to `engi…` at any width)."""
+    from datetime import UTC, datetime
+
+    from rich.console import Console
+
+    from durable_capabilities.cli import runs
+    from durable_capabilities.engines import RunInfo
+
+    info = RunInfo('temporal', 'durcap-run-9f2c4e1b7a30', 'support', 'completed', 'COMPLETED',
+                   datetime(2026, 12, 1, tzinfo=UTC), ['orders', 'account-security'], 'conv-1234', 10)
+    for width in (80, 160):
+        console = Console(width=width, record=True, highlight=False)
+        saved, runs._out = runs._out, console
+        try:
+            runs._print_runs([info], runs.RunsFormat.text)
+        finally:
+            runs._out = saved
+        text = console.export_text()
+        header = text.split('durcap-run')[0]
+        assert 'durcap-run-9f2c4e1b7a30  temporal  support  completed' in text, text
+        assert 'engine' in header and 'status' in header and 'engi…' not in header, text

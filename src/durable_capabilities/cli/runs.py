@@ -12,7 +12,7 @@ from enum import Enum
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 from .._limits import printable
@@ -63,11 +63,13 @@ def _print_runs(infos: list[Any], fmt: RunsFormat) -> None:
         for info in infos:
             _out.print(json.dumps(info.to_json(), default=str), markup=False)
         return
-    table = Table('engine', 'agent', 'status', 'started (UTC)', 'capabilities loaded', 'conversation',
-                  'units done', box=None, pad_edge=False)
-    # The run id is what `runs show/resume/cancel` take: never cut it, whatever the terminal width.
-    table.add_column('id', no_wrap=True, min_width=max((len(str(i.run_id)) for i in infos), default=2))
-    table.columns.insert(0, table.columns.pop())
+    # The run id is what `runs show/resume/cancel` take: never cut it, whatever the terminal width. On a narrow
+    # terminal (80 columns) the long headers and values wrap onto more lines; the short columns keep their width.
+    # (Built in display order: rich pads a column by its place when it was added, so moving one afterwards cut cells.)
+    table = Table(Column('id', no_wrap=True, min_width=max((len(str(i.run_id)) for i in infos), default=2)),
+                  Column('engine', no_wrap=True), Column('agent', no_wrap=True), Column('status', no_wrap=True),
+                  Column('started (UTC)', min_width=10), Column('capabilities loaded', min_width=6),
+                  Column('conversation', min_width=5), Column('units done', min_width=5), box=None, pad_edge=False)
     for info in infos:
         table.add_row(*map(Text, _row(info)))
     _out.print(table)
@@ -111,7 +113,10 @@ def _find(run_id: str, engine: str | None, settings: Settings) -> tuple[Any, Any
         _engine_list(engine)  # exit 2 when the engine is not installed
         return asyncio.run(find_run(run_id, settings, engine))
     except RunNotFoundError as exc:
-        for problem in exc.args[1] if len(exc.args) > 1 else []:
+        problems = exc.args[1] if len(exc.args) > 1 else []
+        if engine is not None and len(problems) == 1:
+            _unusable(problems[0])  # the one engine asked says why, in one line
+        for problem in problems:
             _err.print(printable(problem), markup=False)
     _unusable(f'no run {run_id!r} found' + ('' if engine else ' on any engine (pass --engine and its connection options)'))
 

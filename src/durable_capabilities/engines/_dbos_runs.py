@@ -7,9 +7,11 @@ inside the adapter's methods (so either may be imported first).
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import UTC
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dbos import DBOS
@@ -20,6 +22,7 @@ from ..turn import RunReport
 from ._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
 from ._dbos_approvals import DECISION_TOPIC, PENDING_EVENT
 from .dbos import (
+    DEFAULT_SQLITE_PATH,
     RUN_EXECUTOR_PREFIX,
     WORKFLOW_NAME_PREFIX,
     _client,
@@ -68,11 +71,18 @@ async def _info(client: Any, status: Any, with_steps: bool = True, with_units: b
 async def list_runs(settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
     """`durcap.*` workflows, newest first; a PENDING or ENQUEUED one whose `durcap run` process is gone is
     `orphaned` (as `show_run` says), not `running`."""
+    if _missing_sqlite_file(settings) is not None:
+        return []  # nothing has run there (and reading does not create the file)
     client = _client(settings)
     try:
         engine_statuses = ('PENDING', 'ENQUEUED') if status == 'orphaned' else [k for k, v in _DBOS_STATUS.items() if v == status]
-        found = await client.list_workflows_async(status=list(engine_statuses) if status else None, sort_desc=True,
-                                                  limit=limit * 4, load_output=True)
+        try:
+            found = await client.list_workflows_async(status=list(engine_statuses) if status else None, sort_desc=True,
+                                                      limit=limit * 4, load_output=True)
+        except Exception as exc:
+            if _no_dbos_tables(exc):
+                return []  # a database DBOS never launched on: no runs
+            raise
         found = [w for w in found if (w.name or '').startswith(WORKFLOW_NAME_PREFIX)]
         infos = []
         for workflow in found:
@@ -87,9 +97,18 @@ async def list_runs(settings: Mapping[str, Any], *, status: str | None = None, l
 
 
 async def show_run(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
+    missing = _missing_sqlite_file(settings)
+    if missing is not None:
+        raise RunNotFoundError(f'no DBOS workflow {run_id!r}: no system database at {missing} (nothing has run there; '
+                               'pass the --db the run used)')
     client = _client(settings)
     try:
-        found = await client.list_workflows_async(workflow_ids=[run_id])
+        try:
+            found = await client.list_workflows_async(workflow_ids=[run_id])
+        except Exception as exc:
+            if not _no_dbos_tables(exc):
+                raise
+            found = []
         if not found:
             raise RunNotFoundError(f'no DBOS workflow {run_id!r} in {redact_database_url(system_database_url(settings.get("db")))}')
         return await _info(client, found[0], with_units=True, settings=settings)
@@ -268,6 +287,28 @@ def _recorded_decision(status: Any, call_id: str, pending: list[PendingCall]) ->
     if waiting is not None and waiting.requested_at != requested_at:
         return None, None
     return Decision.from_json(record), (False if waiting is not None else None)
+
+
+def _missing_sqlite_file(settings: Mapping[str, Any]) -> str | None:
+    """The path of the SQLite system database `settings` name (`db`, else `$DURCAP_DBOS_DB`, else the default file)
+    when that file does not exist: nothing has run there. Reading commands ask this first, so that they neither create
+    an empty file at a mistyped path (as opening it would) nor report DBOS's missing tables as an error."""
+    url = settings.get('db') or os.environ.get('DURCAP_DBOS_DB') or None
+    if url is None:
+        path = str(DEFAULT_SQLITE_PATH)
+    elif url.startswith('sqlite:///'):
+        path = url.split('?', 1)[0][len('sqlite:///'):]
+    else:
+        return None
+    return path if path not in ('', ':memory:') and not Path(path).exists() else None
+
+
+def _no_dbos_tables(exc: BaseException) -> bool:
+    """Whether `exc` says the system database has no DBOS tables (DBOS never launched on it): SQLite's `no such
+    table`, PostgreSQL's undefined table (`ProgrammingError`). A database that cannot be reached is not this."""
+    from sqlalchemy.exc import OperationalError, ProgrammingError
+
+    return isinstance(exc, ProgrammingError) or (isinstance(exc, OperationalError) and 'no such table' in str(exc))
 
 
 def _db_label(settings: Mapping[str, Any]) -> str:
