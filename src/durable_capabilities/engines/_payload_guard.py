@@ -5,7 +5,8 @@ What it cannot carry it must refuse, and where it refuses matters: a codec error
 completes (the inputs of the activities the workflow schedules) makes Temporal retry that task forever and
 the client wait forever. So the sizes are checked where a refusal fails the turn:
 
-- `PayloadGuard`, a capability hook in workflow code before every model request, measures the history the
+- `PayloadGuard`, run in workflow code before every model request (from the durability capability's own
+  `before_model_request`: `engines.temporal.GuardedTemporalDurability`), measures the history the
   model-request activity will carry (each message measured once per run) and fails the workflow with a
   non-retryable DC030 `ApplicationError` naming the conversation, the size and the limit.
 - `check_loaded`, in the conversation-load activity: a stored history over the maximum fails that activity
@@ -21,7 +22,6 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelResponse
 from pydantic_core import to_json
 from temporalio import workflow
@@ -65,8 +65,9 @@ def _subject(conversation_id: str | None = None) -> str:
 
 
 @dataclass
-class PayloadGuard(AbstractCapability[Any]):
-    """Always-on capability (Temporal): refuse a model request whose input would be over `maximum` bytes.
+class PayloadGuard:
+    """The check `GuardedTemporalDurability` runs before every model request (Temporal): refuse a model request whose
+    input would be over `maximum` bytes.
 
     Attributes:
         maximum: The single-payload maximum in bytes (read from `$DURCAP_PAYLOAD_MAXIMUM` when the worker

@@ -141,11 +141,36 @@ upstream's 0.5 s cadence reaches the server: one small RPC per running tool acti
 
 
 
+class GuardedTemporalDurability(TemporalDurability[Any]):
+    """Upstream's `TemporalDurability` that also refuses, in workflow code, a model request whose input no payload can
+    carry (problem DC030: `_payload_guard.PayloadGuard`), from its own `before_model_request`.
+
+    The check runs after upstream's own `before_model_request` (its continue-as-new, then its final repair of the
+    request), so it measures the request the model-request activity will carry. Done here rather than as a capability
+    of its own because every capability of an agent costs a `RunContext` copy on every hook of every run, which in
+    Temporal's workflow sandbox is about 0.1 ms of CPU each (`bench/README.md`, issue 14).
+
+    Args:
+        payload_guard: The check (`durability_parts` gives one); `None`: no check, as upstream.
+        kwargs: `TemporalDurability`'s own arguments.
+    """
+
+    def __init__(self, *, payload_guard: _payload_guard.PayloadGuard | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.payload_guard = payload_guard
+
+    async def before_model_request(self, ctx: Any, request_context: Any) -> Any:
+        request_context = await super().before_model_request(ctx, request_context)
+        if self.payload_guard is not None:
+            request_context = await self.payload_guard.before_model_request(ctx, request_context)
+        return request_context
+
+
 def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-    """`TemporalDurability(...)` keyword arguments: ours (every tool activity: `DEFAULT_TOOL_HEARTBEAT_TIMEOUT` and,
+    """`GuardedTemporalDurability(...)` keyword arguments: ours (every tool activity: `DEFAULT_TOOL_HEARTBEAT_TIMEOUT` and,
     MCP leaves aside, a retry policy from `TOOL_RETRY_INITIAL_INTERVAL`; model requests: `DEFAULT_MODEL_HEARTBEAT_TIMEOUT`
     and the bounded `DEFAULT_MODEL_RETRY_POLICY`) merged with `options` (the user's win, per toolset id and per key),
-    and the MCP guard (`_mcp.py`) when there are MCP leaves."""
+    the payload guard (`payload_guard`), and the MCP guard (`_mcp.py`) when there are MCP leaves."""
     options = dict(options)
     options.pop(LOCAL_TOOLSETS_OPTION, None)  # ours, read by `make_worker` (see `local_tool_activities`)
     configs: dict[str, Any] = {
@@ -166,7 +191,7 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
         if leaf not in mcp:
             config.setdefault('retry_policy', RetryPolicy(
                 initial_interval=TOOL_RETRY_INITIAL_INTERVAL, maximum_interval=TOOL_RETRY_MAXIMUM_INTERVAL))
-    extra.append(_payload_guard.PayloadGuard())  # DC030 before a model request no payload can carry
+    options['payload_guard'] = _payload_guard.PayloadGuard()  # DC030 before a model request no payload can carry
     options.setdefault('continue_as_new', continue_as_new_handler(agent))
     return {'toolset_activity_config': configs, **options}, extra
 
@@ -420,7 +445,7 @@ class TemporalAdapter(EngineAdapter):
     lock_sections: Mapping[str, str] = {'workflows': 'workflow', 'activities': 'activity'}
 
     def durability_class(self) -> Any:
-        return TemporalDurability
+        return GuardedTemporalDurability
 
     def durability_parts(self, agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
         return durability_parts(agent, options)
