@@ -7,11 +7,9 @@ inside the adapter's methods (so either may be imported first).
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import UTC
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dbos import DBOS
@@ -22,13 +20,13 @@ from ..turn import RunReport
 from ._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
 from ._dbos_approvals import DECISION_TOPIC, PENDING_EVENT
 from .dbos import (
-    DEFAULT_SQLITE_PATH,
     RUN_EXECUTOR_PREFIX,
     WORKFLOW_NAME_PREFIX,
     _client,
     agent_workflow,
     executor_process_gone,
     launch,
+    system_database_file,
     system_database_url,
 )
 
@@ -290,17 +288,11 @@ def _recorded_decision(status: Any, call_id: str, pending: list[PendingCall]) ->
 
 
 def _missing_sqlite_file(settings: Mapping[str, Any]) -> str | None:
-    """The path of the SQLite system database `settings` name (`db`, else `$DURCAP_DBOS_DB`, else the default file)
-    when that file does not exist: nothing has run there. Reading commands ask this first, so that they neither create
-    an empty file at a mistyped path (as opening it would) nor report DBOS's missing tables as an error."""
-    url = settings.get('db') or os.environ.get('DURCAP_DBOS_DB') or None
-    if url is None:
-        path = str(DEFAULT_SQLITE_PATH)
-    elif url.startswith('sqlite:///'):
-        path = url.split('?', 1)[0][len('sqlite:///'):]
-    else:
-        return None
-    return path if path not in ('', ':memory:') and not Path(path).exists() else None
+    """The path of the SQLite system database `settings` name (`system_database_file`) when that file does not exist:
+    nothing has run there. Reading commands ask this first, so that they neither create an empty file at a mistyped
+    path (as opening it would) nor report DBOS's missing tables as an error."""
+    path = system_database_file(settings.get('db'))
+    return str(path) if path is not None and not path.exists() else None
 
 
 def _no_dbos_tables(exc: BaseException) -> bool:

@@ -375,15 +375,27 @@ def _mcp_defaults(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> lis
     return [found] if found is not None else []
 
 
+def system_database_file(url: str | None = None) -> Path | None:
+    """The SQLite file the system database of `url` lives in, without creating anything: `url`, else
+    `$DURCAP_DBOS_DB`, else `DEFAULT_SQLITE_PATH` (as `system_database_url` resolves them); `None` for a database
+    that is not a SQLite file (PostgreSQL, `sqlite:///:memory:`)."""
+    url = url or os.environ.get('DURCAP_DBOS_DB') or None
+    if url is None:
+        return DEFAULT_SQLITE_PATH
+    parsed = url.split('?', 1)[0]
+    if parsed.startswith('sqlite:///') and parsed[len('sqlite:///'):] not in ('', ':memory:'):
+        return Path(parsed[len('sqlite:///'):])
+    return None
+
+
 def system_database_url(url: str | None = None) -> str:
     """`url`, else `$DURCAP_DBOS_DB` (the default of every command's `--db`, `settings.py`), else SQLite at
     `.durcap/dbos.sqlite` (folder created 0700, file 0600, WAL journal mode). A SQLite URL naming a file that does
     not exist yet gets the same private folder and file."""
     url = url or os.environ.get('DURCAP_DBOS_DB') or None
     if url:
-        parsed = url.split('?', 1)[0]
-        if parsed.startswith('sqlite:///') and parsed[len('sqlite:///'):] not in ('', ':memory:'):
-            private_file(parsed[len('sqlite:///'):])
+        if (path := system_database_file(url)) is not None:
+            private_file(path)
         return url
     private_file(DEFAULT_SQLITE_PATH)
     # WAL journal mode (persistent in the file): each step commit no longer syncs the whole journal,
