@@ -260,6 +260,21 @@ def _url_cases() -> list[Case]:
         Case('db-run-no-database', ['run', PLAIN, 'hi', '--engine', 'dbos', '--db',
                                     'postgresql://postgres@127.0.0.1:5432/no_such_db_xyz'], 2, 'no_such_db_xyz'),
     ]
+    # The operator commands on a DBOS system database that is down, refused by DBOS, or not a database: one line
+    # naming the database (password as ***), exit 2, never SQLAlchemy's traceback or "nothing waits".
+    operator = {'runs-list': ['runs', 'list', '--engine', 'dbos'], 'runs-show': ['runs', 'show', 'r1', '--engine', 'dbos'],
+                'approvals-list': ['approvals', 'list', '--engine', 'dbos'],
+                'approve': ['approve', 'r1', 'c1', '--engine', 'dbos'], 'deny': ['deny', 'r1', 'c1', '--engine', 'dbos', '--reason', 'no']}
+    for name, argv in operator.items():
+        cases += [
+            Case(f'db-{name}-unreachable', [*argv, '--db', 'postgresql://x:secret@127.0.0.1:1/nope'], 2,
+                 'cannot connect to the DBOS system database postgresql://x:***@127.0.0.1:1/nope'),
+            Case(f'db-{name}-no-database-name', [*argv, '--db', 'postgresql://:x@/'], 2, 'Database name must be specified'),
+            Case(f'db-{name}-not-a-database', [*argv, '--db', 'sqlite:///{tmp}/x.db'], 2, 'file is not a database',
+                 {'x.db': 'this is not a database'}),
+        ]
+    cases.append(Case('approve-unknown-run', ['approve', 'nosuch', 'c1', '--engine', 'dbos'], 2,
+                      "durcap: error: no DBOS workflow 'nosuch'"))
     return cases
 
 

@@ -93,7 +93,7 @@ def _decide(engine: str, run_id: str, call_id: str, settings: dict[str, Any], **
     try:
         decision = asyncio.run(runner.decide(run_id, call_id, engine=engine, **kwargs, **settings))
     except ApprovalError as exc:
-        _err.print(printable(f'error ({exc.kind}): {exc}'), markup=False)
+        _err.print(printable(f'durcap: error: {exc} ({exc.kind})'), markup=False)
         raise typer.Exit(2) from None
     except (OSError, RuntimeError) as exc:  # the engine's server or database cannot be reached
         _unreachable(engine, exc)

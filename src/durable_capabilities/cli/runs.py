@@ -96,8 +96,11 @@ def list_runs(
                                     status=status, limit=limit))
     for note in listing.notes:
         _err.print(printable(f'note: {note}'), markup=False)
+    # An engine that could not be read: an error when it was the one asked for (exit 2), else a warning (the other
+    # engines' runs are listed, exit 0).
+    level = 'error' if engine is not None else 'warning'
     for problem in listing.problems:
-        _err.print(printable(problem), markup=False)
+        _err.print(printable(f'durcap: {level}: {problem}'), markup=False)
     if listing.runs or not listing.problems:  # no empty table under an engine that could not be read
         _print_runs(listing.runs, fmt)
     if listing.problems and engine is not None:

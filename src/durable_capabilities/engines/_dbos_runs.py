@@ -202,8 +202,8 @@ def _unit(step: Any) -> RunUnit:
 
 async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
     """Pending calls of waiting `durcap.*` workflows (or of `run_id`), read with a `DBOSClient` on `settings['db']`."""
-    from sqlalchemy.exc import OperationalError, ProgrammingError
-
+    if _missing_sqlite_file(settings) is not None:
+        return []  # nothing has run there (and reading does not create the file)
     client = _client(settings)
     try:
         if run_id is not None:
@@ -216,8 +216,10 @@ async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = No
             for data in await client.get_event_async(workflow_id, PENDING_EVENT, timeout_seconds=0) or []:
                 calls.append(PendingCall.from_json({**data, 'engine': 'dbos'}))
         return calls
-    except (OperationalError, ProgrammingError):  # no DBOS tables yet: nothing has run, nothing waits
-        return []
+    except Exception as exc:
+        if _no_dbos_tables(exc):
+            return []  # no DBOS tables yet: nothing has run, nothing waits
+        raise _unreachable(exc, settings) from exc  # an unreachable database is not "nothing waits"
     finally:
         client.destroy()
 
@@ -238,14 +240,17 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
         ApprovalError: unknown run (no such workflow, or it waits for nothing), unknown call, stale fingerprint, or
             a call already decided (`approvals.already_decided`: names the earlier decision).
     """
-    from sqlalchemy.exc import OperationalError, ProgrammingError
-
+    if (missing := _missing_sqlite_file(settings)) is not None:
+        raise ApprovalError('unknown-run', f'no DBOS workflow {run_id!r}: no system database at {missing} (nothing '
+                                           'has run there; pass the --db the run used)')
     client = _client(settings)
     try:
         try:
             status = await client.list_workflows_async(workflow_ids=[run_id], load_input=False, load_output=False)
-        except (OperationalError, ProgrammingError):  # no DBOS tables yet
-            status = []
+        except Exception as exc:
+            if not _no_dbos_tables(exc):
+                raise _unreachable(exc, settings) from exc
+            status = []  # no DBOS tables yet
         if not status:
             raise ApprovalError('unknown-run', f'no DBOS workflow {run_id!r} in {_db_label(settings)}')
         pending = [PendingCall.from_json(d) for d in
@@ -301,6 +306,17 @@ def _no_dbos_tables(exc: BaseException) -> bool:
     from sqlalchemy.exc import OperationalError, ProgrammingError
 
     return isinstance(exc, ProgrammingError) or (isinstance(exc, OperationalError) and 'no such table' in str(exc))
+
+
+def _unreachable(exc: BaseException, settings: Mapping[str, Any]) -> BaseException:
+    """`exc` as the `RuntimeError` the CLI reports in one line (`cannot reach dbos: ...`) when it is a database error
+    (SQLAlchemy's: the system database is down or refuses the connection); any other error unchanged."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    if not isinstance(exc, SQLAlchemyError):
+        return exc
+    detail = str(getattr(exc, 'orig', None) or exc).strip().splitlines()
+    return RuntimeError(f'the system database {_db_label(settings)} cannot be read: {detail[0] if detail else type(exc).__name__}')
 
 
 def _db_label(settings: Mapping[str, Any]) -> str:

@@ -817,10 +817,35 @@ class DBOSAdapter(EngineAdapter):
 
 
 def _client(settings: Mapping[str, Any]) -> Any:
-    """A `DBOSClient` on `settings['db']` (default system database): runs and approvals read and send through it."""
+    """A `DBOSClient` on `settings['db']` (default system database): runs and approvals read and send through it.
+
+    Raises:
+        RuntimeError: the system database cannot be reached (DBOSClient checks the connection when it is made) or
+            DBOS refuses its URL (no database name); one line naming the database (password shown as ***) and the driver's reason, instead of SQLAlchemy's
+            traceback and DBOS's own log line saying the same.
+    """
+    import logging
+
     from dbos import DBOSClient
 
-    return DBOSClient(system_database_url=system_database_url(settings.get('db')))
+    url = system_database_url(settings.get('db'))
+    dbos_logger = logging.getLogger('dbos')
+    level = dbos_logger.level
+    dbos_logger.setLevel(logging.CRITICAL)  # the error is raised below, in one line
+    try:
+        return DBOSClient(system_database_url=url)
+    except Exception as exc:
+        from sqlalchemy.exc import SQLAlchemyError
+
+        from .._upstream import dbos_error_classes
+
+        if not isinstance(exc, (SQLAlchemyError, dbos_error_classes()[0])):  # DBOS's own: a URL it refuses
+            raise
+        detail = str(getattr(exc, 'orig', None) or exc).strip().splitlines()
+        raise RuntimeError(f'cannot connect to the DBOS system database {redact_database_url(url)}: '
+                           f'{detail[0] if detail else type(exc).__name__}') from None
+    finally:
+        dbos_logger.setLevel(level)
 
 
 ADAPTER = DBOSAdapter()
