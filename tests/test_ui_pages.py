@@ -53,3 +53,24 @@ def test_bad_query_parameters_are_a_400_page_naming_each_one(tmp_path: Path) -> 
     assert "'engine' is 'nope'" in both and "'limit' is '0'" in both
     assert client.get('/?engine=&status=&capability=&limit=').status_code == 200
     assert client.get('/?engine=dbos&status=running&limit=7').status_code == 200
+
+
+def test_a_call_decided_but_not_received_shows_the_decision_and_no_forms() -> None:
+    """The approvals page's call block (`_pending.html`, rendered as `create_app` does): a call a decision was already
+    sent on (DBOS, the run's process down) says so and offers no second decision; a waiting one offers both forms."""
+    from jinja2 import Environment, FileSystemLoader
+
+    from durable_capabilities.approvals import PendingCall
+    from durable_capabilities.ui import TEMPLATES, _json_text
+
+    env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=True, trim_blocks=True, lstrip_blocks=True)
+    env.filters['tojson_text'] = _json_text
+    call = PendingCall('run-1', 'call-1', 'revoke_sessions', {'user': 'alice'}, 'f' * 64, '2026-12-01T06:00:00+00:00',
+                       '2026-12-02T06:00:00+00:00', 'gated', None, 'dbos')
+    decided = PendingCall(**{**call.to_json(), 'decided': 'approved by alice-admin at 2026-12-01T06:05:00+00:00'})
+    waiting_html = env.get_template('_pending.html').render(pending=[call], csrf='x')
+    decided_html = env.get_template('_pending.html').render(pending=[decided], csrf='x')
+    assert waiting_html.count('<form') == 2 and 'already' not in waiting_html
+    assert '<form' not in decided_html
+    assert 'already <strong>approved by alice-admin at 2026-12-01T06:05:00+00:00</strong>' in decided_html
+    assert 'durcap runs resume run-1' in decided_html

@@ -73,6 +73,10 @@ class PendingCall:
         agent: The agent's name.
         conversation_id: The conversation the run appends to, or `None`.
         engine: The engine the run is on (filled by the listing).
+        decided: A decision already sent on this call that the run has not received yet (its process is down, or
+            it has not reached the wait), as `'approved by alice at 2026-12-01T06:40:00+00:00'`; `None` when none
+            was sent. Only DBOS reports it: there a decision waits in the system database for the run to read it,
+            and the call stays published as pending until then (`durcap runs resume` the run if it is orphaned).
     """
 
     run_id: str
@@ -85,6 +89,7 @@ class PendingCall:
     agent: str = ''
     conversation_id: str | None = None
     engine: str = ''
+    decided: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The call as JSON-compatible data (what engines record and `durcap approvals list --format json` prints)."""
@@ -193,11 +198,15 @@ def already_decided(run_id: str, call_id: str, earlier: Decision, *, received: b
         An `ApprovalError` of kind `unknown-call` (the kind of a call that is no longer pending), naming the run, the
         call and the earlier decision (approved or denied, by whom, when); the caller raises it, and sends nothing.
     """
-    verb = 'approved' if earlier.approve else 'denied'
     state = ' (the run has not received it yet: it does when the run next runs)' if received is False else ''
     return ApprovalError('unknown-call', (
-        f'run {run_id!r}: call {call_id!r} was already {verb} by {earlier.by or "someone"} at {earlier.at}{state}; '
+        f'run {run_id!r}: call {call_id!r} was already {describe_decision(earlier)}{state}; '
         'a call is decided once: this decision was refused and nothing was sent'))
+
+
+def describe_decision(decision: Decision) -> str:
+    """`'approved by alice at 2026-12-01T06:40:00+00:00'` (or `denied`; `someone` when `by` is empty)."""
+    return f'{"approved" if decision.approve else "denied"} by {decision.by or "someone"} at {decision.at}'
 
 
 def pending_calls(

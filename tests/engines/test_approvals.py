@@ -111,7 +111,13 @@ def test_dbos_approve_after_process_killed_while_waiting(backend: str, spawn, tm
         said = second_decision.stderr.replace('\n', ' ')
         assert 'unknown-call' in said and run_id in said and call['call_id'] in said, said
         assert 'already approved by alice-admin' in said and 'has not received it yet' in said, said
-        assert pending(engine_args, run_id) == [call]  # still waiting: only the first decision was sent
+        # Still published as pending (only the first decision was sent), and listed as decided, not yet received.
+        [waiting] = pending(engine_args, run_id)
+        assert waiting == {**call, 'decided': waiting['decided']}, waiting
+        assert waiting['decided'].startswith('approved by alice-admin at '), waiting
+        listed = durcap('approvals', 'list', *engine_args)  # the table folds long cells: check the words it keeps
+        assert listed.returncode == 0 and 'decided,' in listed.stdout and 'approved' in listed.stdout, listed.stdout
+        assert 'durcap runs resume' in listed.stderr, listed.stderr
     second = spawn(*args, env=env)  # DBOS recovers the workflow: it waits again, until the same deadline
     second.wait_for('DBOS STARTED', 90)
     if backend != 'sqlite':

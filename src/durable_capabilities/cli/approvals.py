@@ -71,13 +71,17 @@ def list_approvals(
     for name in ('agent', 'conversation'):
         table.add_column(name, overflow='fold')
     table.add_column('tool', no_wrap=True, min_width=max(len(printable(c.tool_name)) for c in calls))
-    for name in ('arguments', 'fingerprint', 'requested at', 'deadline'):
+    decided = any(c.decided for c in calls)
+    for name in ('arguments', 'fingerprint', 'requested at', 'deadline') + (('decided, not yet received',) if decided else ()):
         table.add_column(name, overflow='fold')
     for c in calls:
         table.add_row(*(Text(printable(cell)) for cell in (
             c.run_id, c.call_id, c.agent, c.conversation_id or '-', c.tool_name, json.dumps(c.args, sort_keys=True),
-            c.fingerprint[:12], c.requested_at, c.deadline)))
+            c.fingerprint[:12], c.requested_at, c.deadline) + ((c.decided or '-',) if decided else ())))
     _out.print(table)
+    if decided:
+        _err.print('note: a call decided but not yet received waits for its run to run again (`durcap runs list '
+                   '--status orphaned`, then `durcap runs resume RUN_ID`)', markup=False)
 
 
 def _unreachable(engine: str, exc: BaseException) -> NoReturn:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from dbos import DBOS
 
 from .._limits import redact_database_url
-from ..approvals import ApprovalError, Decision, PendingCall, already_decided, check_decision
+from ..approvals import ApprovalError, Decision, PendingCall, already_decided, check_decision, describe_decision
 from ..turn import RunReport
 from ._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
 from ._dbos_approvals import DECISION_TOPIC, PENDING_EVENT
@@ -207,14 +207,20 @@ async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = No
     client = _client(settings)
     try:
         if run_id is not None:
-            ids = [run_id]
+            workflows = await client.list_workflows_async(workflow_ids=[run_id], load_input=False, load_output=False)
         else:
             workflows = await client.list_workflows_async(status='PENDING', load_input=False, load_output=False)
-            ids = [w.workflow_id for w in workflows if (w.name or '').startswith(WORKFLOW_NAME_PREFIX)]
+            workflows = [w for w in workflows if (w.name or '').startswith(WORKFLOW_NAME_PREFIX)]
         calls: list[PendingCall] = []
-        for workflow_id in ids:
-            for data in await client.get_event_async(workflow_id, PENDING_EVENT, timeout_seconds=0) or []:
-                calls.append(PendingCall.from_json({**data, 'engine': 'dbos'}))
+        for workflow in workflows:
+            waiting = [PendingCall.from_json({**data, 'engine': 'dbos'}) for data in
+                       await client.get_event_async(workflow.workflow_id, PENDING_EVENT, timeout_seconds=0) or []]
+            for call in waiting:
+                # A decision sent but not read yet (the run's process is down): the call is still published as
+                # pending; say so, rather than list it as waiting for a decision.
+                earlier, _ = _recorded_decision(workflow, call.call_id, waiting)
+                call.decided = describe_decision(earlier) if earlier is not None else None
+            calls += waiting
         return calls
     except Exception as exc:
         if _no_dbos_tables(exc):
@@ -258,7 +264,7 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
         earlier, received = _recorded_decision(status[0], decision.call_id, pending)
         if earlier is not None:
             raise already_decided(run_id, decision.call_id, earlier, received=received)
-        if status[0].status != 'PENDING' or not pending:
+        if status[0].status not in ('PENDING', 'ENQUEUED') or not pending:  # ENQUEUED: recovered, not yet running
             raise ApprovalError('unknown-run', f'DBOS workflow {run_id!r} is not waiting for approval '
                                                f'(status {status[0].status})')
         call = check_decision(pending, decision, run_id)
