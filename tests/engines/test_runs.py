@@ -26,6 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DURCAP = [sys.executable, '-m', 'durable_capabilities.cli']
 LEDGER = 'tests/engines/ledger_agent.py:agent'
 CRASH = 'tests/engines/crash_agent.py:agent'
+WIDE = ('--limit', '500')
+"""`runs list` past the 20 newest: the Temporal and Prefect servers are shared with tests running at the same time
+(pytest-xdist), which may start runs meanwhile."""
 
 
 def env_with(**extra: str) -> dict[str, str]:
@@ -203,7 +206,7 @@ def test_run_killed_mid_tool_is_resumed_by_runs_resume(engine: str, tmp_path: Pa
     assert info['conversation_id'] == conversation
     assert info['agent'] == crash['DURCAP_CRASH_AGENT']
     assert info['units_done'] >= 3, info  # at least the load, two model requests before the charge
-    listed = durcap('runs', 'list', '--engine', engine, '--format', 'json', *conn, env=env)
+    listed = durcap('runs', 'list', *WIDE, '--engine', engine, '--format', 'json', *conn, env=env)
     assert listed.returncode == 0, listed.stderr
     statuses = {r['run_id']: r['status'] for r in map(json.loads, listed.stdout.splitlines())}
     assert statuses.get(run_id) == info['status'], statuses  # list says what show says
@@ -211,7 +214,7 @@ def test_run_killed_mid_tool_is_resumed_by_runs_resume(engine: str, tmp_path: Pa
         # The way out it names carries the database this command was given, so it finds the same run.
         assert any(f'durcap runs resume {run_id} --engine dbos --db {conn[1]} --target TARGET' in n
                    for n in info['notes']), info['notes']
-        orphaned = durcap('runs', 'list', '--engine', engine, '--status', 'orphaned', '--format', 'json', *conn, env=env)
+        orphaned = durcap('runs', 'list', *WIDE, '--engine', engine, '--status', 'orphaned', '--format', 'json', *conn, env=env)
         assert run_id in orphaned.stdout, orphaned.stdout
         assert run_id not in durcap('runs', 'list', '--engine', engine, '--status', 'running', *conn, env=env).stdout
 
@@ -256,7 +259,7 @@ def test_temporal_run_whose_process_died_is_resumed_by_runs_resume(temporal_addr
     assert shown.returncode == 0, shown.stdout + shown.stderr
     running = json.loads(shown.stdout)
     assert running['status'] == 'running' and running['capabilities'] == ['ops'], running  # loaded so far, before the memo
-    listed = durcap('runs', 'list', '--engine', 'temporal', '--status', 'running', '--format', 'json', *conn, env=env)
+    listed = durcap('runs', 'list', *WIDE, '--engine', 'temporal', '--status', 'running', '--format', 'json', *conn, env=env)
     assert {r['run_id']: r['capabilities'] for r in map(json.loads, listed.stdout.splitlines())}.get(run_id) == ['ops']
     resumed = durcap('runs', 'resume', run_id, '--engine', 'temporal', '--target', CRASH, *conn, env=env)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
@@ -291,12 +294,12 @@ def test_runs_list_show_cancel_a_run_in_flight(engine: str, tmp_path: Path, requ
         server = {'dbos': f'dbos system database: {conn[-1] if conn else ""}', 'prefect': f'prefect server: {env.get("PREFECT_API_URL")}'}
         wait_text(log, server[engine], proc, 1)  # which server the run used, printed before its id
         wait_file(ledger / 'charge-started-C-3', 120)
-        listed = durcap('runs', 'list', '--engine', engine, '--status', 'running', '--format', 'json', *conn, env=env)
+        listed = durcap('runs', 'list', *WIDE, '--engine', engine, '--status', 'running', '--format', 'json', *conn, env=env)
         assert listed.returncode == 0, listed.stderr
         runs = {r['run_id']: r for r in map(json.loads, listed.stdout.splitlines())}
         assert run_id in runs, listed.stdout
         assert runs[run_id]['agent'] == env['DURCAP_LEDGER_AGENT'] and runs[run_id]['status'] == 'running'
-        text = durcap('runs', 'list', '--engine', engine, *conn, env=env)
+        text = durcap('runs', 'list', *WIDE, '--engine', engine, *conn, env=env)
         assert run_id in text.stdout and 'running' in text.stdout, text.stdout
         shown = durcap('runs', 'show', run_id, '--engine', engine, *conn, env=env)
         assert shown.returncode == 0, shown.stderr
@@ -348,7 +351,7 @@ def test_temporal_run_without_worker_says_so_and_runs_finds_and_cancels_it(tempo
         notice = wait_text(log, 'no worker polls task queue', proc, 5.5)
         assert time.monotonic() - started <= 5.5 and queue in notice, notice
         assert proc.poll() is None, 'the run stopped waiting'
-        listed = durcap('runs', 'list', '--engine', 'temporal', '--status', 'running', '--format', 'json', *conn, env=env)
+        listed = durcap('runs', 'list', *WIDE, '--engine', 'temporal', '--status', 'running', '--format', 'json', *conn, env=env)
         assert listed.returncode == 0, listed.stderr
         assert run_id in [json.loads(x)['run_id'] for x in listed.stdout.splitlines()], listed.stdout
         shown = durcap('runs', 'show', run_id, '--engine', 'temporal', *conn, env=env)

@@ -32,7 +32,8 @@ import pytest
 from durable_capabilities._servers import free_port
 from tests.engines.test_approvals import TARGET, env_for, pending, revocations
 
-pytestmark = pytest.mark.slow
+# One worker runs this module's tests (pytest-xdist `loadgroup`): they share a module-scoped fixture.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('ui')]
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / '.durcap' / 'artifacts' / 'ui'
@@ -83,7 +84,8 @@ def ui(tmp_path_factory: pytest.TempPathFactory, temporal_address: str) -> Itera
     with open(log, 'wb') as handle:
         proc = subprocess.Popen(
             [sys.executable, '-m', 'durable_capabilities.cli', 'ui', '--port', str(port), '--engine', 'dbos',
-             '--engine', 'temporal', '--db', db, '--address', temporal_address, '--store', store],
+             '--engine', 'temporal', '--db', db, '--address', temporal_address, '--store', store,
+             '--limit', '300'],  # past the 50 newest: the Temporal server is shared with tests running meanwhile
             cwd=home, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, 'PYTHONPATH': str(ROOT), 'DURCAP_UI_TOKEN': token},
         )
