@@ -34,7 +34,8 @@ NAMES = ('temporal', 'prefect', 'temporal-worker', 'dbos-app', 'prefect-flows')
 PROMPT = 'Where is my order ABC-123? It should have arrived by now.'
 ANSWER = 'Order ABC-123: Blue denim jacket (size M): shipped 2026-04-28 via UPS, arriving 2026-05-02.'
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# One worker runs this module's tests (pytest-xdist `loadgroup`): they share a module-scoped fixture.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group('local-stack')]
 
 
 # ---- processes, read from /proc independently of deploy/local/stack.py ----------------------------

@@ -54,6 +54,10 @@ from durable_capabilities.store import (
     tools_called,
 )
 
+# One worker runs this module's tests (pytest-xdist `loadgroup`): they share a module-scoped fixture.
+pytestmark = pytest.mark.xdist_group('store')
+
+
 PG_ADMIN = 'postgresql://postgres@127.0.0.1:5432/postgres'
 
 

@@ -434,6 +434,7 @@ def pending_prefect(engine_args: list[str], run_id: str, env: dict[str, str], ti
 # ---- durcap demo --approve / --deny ----------------------------------------------------------------
 
 
+@pytest.mark.xdist_group('port-7233')  # its Temporal demo looks at 127.0.0.1:7233 (tests/engines/test_local_servers.py)
 @pytest.mark.parametrize(('engine', 'flag'), [('dbos', '--approve'), ('dbos', '--deny'), ('temporal', '--deny'),
                                               ('temporal-embedded', '--approve'), ('prefect', '--approve')])
 def test_demo_shows_pause_pending_call_and_decision(engine: str, flag: str, tmp_path: Path, temporal_address: str,

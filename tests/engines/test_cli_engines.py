@@ -131,6 +131,7 @@ def test_schedule_prefect_serves_a_deployment_whose_runs_complete(prefect_api_ur
                 kill(serve)
 
 
+@pytest.mark.xdist_group('port-7233')  # its Temporal demo looks at 127.0.0.1:7233 (tests/engines/test_local_servers.py)
 @pytest.mark.parametrize('engine', ['dbos', 'temporal'])
 def test_demo_runs_in_an_empty_folder_and_leaves_no_server(engine: str, tmp_path: Path) -> None:
     """The main job: `durcap demo` with nothing started first (DBOS on SQLite; Temporal starts its own dev server)."""

@@ -48,7 +48,8 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 from durable_capabilities import DurableAgent, runner
 from durable_capabilities._servers import free_port, port_open, temporal_cli
 
-pytestmark = pytest.mark.slow
+# One worker runs this module's tests (pytest-xdist `loadgroup`): they share a module-scoped fixture.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('continue-as-new')]
 
 SUGGEST_AFTER_EVENTS = 40
 COUNT = 12

@@ -27,7 +27,9 @@ from tests.engines.test_runs import (
     wait_text,
 )
 
-pytestmark = pytest.mark.slow
+# One worker runs these and the other tests of group `port-7233`, one at a time (pytest-xdist `loadgroup`): they
+# hold or need 127.0.0.1:7233, the port `durcap` uses when no Temporal address is configured.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('port-7233')]
 
 
 def children(pid: int) -> list[int]:

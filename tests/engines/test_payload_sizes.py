@@ -40,7 +40,8 @@ from pydantic_ai.messages import (
 
 from durable_capabilities.store import SQLConversationStore
 
-pytestmark = pytest.mark.slow
+# One worker runs this module's tests (pytest-xdist `loadgroup`): they share a module-scoped fixture.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('payload-sizes')]
 
 ROOT = Path(__file__).resolve().parents[2]
 MAXIMUM = 12_000_000  # the configured single-payload maximum of these runs (bytes)

@@ -48,7 +48,8 @@ import pytest
 from examples.support.agent import make_store
 from tests.engines._pg import create_database, drop_database
 
-pytestmark = pytest.mark.slow
+# One worker runs this module's tests (pytest-xdist `loadgroup`): they share a module-scoped fixture.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('resume-matrix')]
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER_TIMEOUT = 300.0

@@ -34,7 +34,8 @@ import pytest
 from tests.engines._pg import create_database, drop_database
 from tests.engines.seed_driver import ORDER_LINE
 
-pytestmark = pytest.mark.slow
+# One worker runs this module's tests (pytest-xdist `loadgroup`): they share a module-scoped fixture.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('seed-examples')]
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER_TIMEOUT = 300.0
