@@ -207,18 +207,23 @@ async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = No
     client = _client(settings)
     try:
         if run_id is not None:
-            workflows = await client.list_workflows_async(workflow_ids=[run_id], load_input=False, load_output=False)
+            ids = [run_id]
         else:
             workflows = await client.list_workflows_async(status='PENDING', load_input=False, load_output=False)
-            workflows = [w for w in workflows if (w.name or '').startswith(WORKFLOW_NAME_PREFIX)]
+            ids = [w.workflow_id for w in workflows if (w.name or '').startswith(WORKFLOW_NAME_PREFIX)]
         calls: list[PendingCall] = []
-        for workflow in workflows:
+        for workflow_id in ids:
             waiting = [PendingCall.from_json({**data, 'engine': 'dbos'}) for data in
-                       await client.get_event_async(workflow.workflow_id, PENDING_EVENT, timeout_seconds=0) or []]
+                       await client.get_event_async(workflow_id, PENDING_EVENT, timeout_seconds=0) or []]
+            if not waiting:
+                continue
+            # A decision sent but not read yet (the run's process is down): the call is still published as pending;
+            # say so, rather than list it as waiting for a decision. (The status is read only when calls wait: a
+            # caller polling one run, in a process whose DBOS has just been destroyed, never waits on it.)
+            [status] = await client.list_workflows_async(workflow_ids=[workflow_id], load_input=False,
+                                                         load_output=False) or [None]
             for call in waiting:
-                # A decision sent but not read yet (the run's process is down): the call is still published as
-                # pending; say so, rather than list it as waiting for a decision.
-                earlier, _ = _recorded_decision(workflow, call.call_id, waiting)
+                earlier, _ = _recorded_decision(status, call.call_id, waiting) if status is not None else (None, None)
                 call.decided = describe_decision(earlier) if earlier is not None else None
             calls += waiting
         return calls

@@ -106,10 +106,21 @@ async def list_runs(settings: Mapping[str, Any], *, status: str | None = None, l
         if status:
             types = [StateType[k] for k, v in _PREFECT_STATUS.items() if v == status]
             run_filter.state = FlowRunFilterState(type=FlowRunFilterStateType(any_=types))
-        runs = await client.read_flow_runs(
-            flow_filter=FlowFilter(id=FlowFilterId(any_=[f.id for f in flows])), flow_run_filter=run_filter,
-            sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=limit)
+        runs: list[Any] = []
+        while len(runs) < limit:  # in pages: the server refuses a larger limit than its own (422)
+            want = min(PREFECT_PAGE, limit - len(runs))
+            page = await client.read_flow_runs(
+                flow_filter=FlowFilter(id=FlowFilterId(any_=[f.id for f in flows])), flow_run_filter=run_filter,
+                sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=want, offset=len(runs))
+            runs += page
+            if len(page) < want:
+                break
         return await _runs(client, runs)
+
+
+PREFECT_PAGE = 200
+"""Flow runs read per request by `list_runs`: the Prefect server's own cap on a filter's `limit` (its setting
+`PREFECT_API_DEFAULT_LIMIT`, 200 by default; a larger limit is refused with 422 `Invalid limit`)."""
 
 
 async def show_run(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
