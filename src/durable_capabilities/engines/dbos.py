@@ -821,8 +821,8 @@ def _client(settings: Mapping[str, Any]) -> Any:
 
     Raises:
         RuntimeError: the system database cannot be reached (DBOSClient checks the connection when it is made) or
-            DBOS refuses its URL (no database name); one line naming the database (password shown as ***) and the driver's reason, instead of SQLAlchemy's
-            traceback and DBOS's own log line saying the same.
+            DBOS refuses its URL (no database name): one line naming the database (password shown as ***) and the
+            driver's reason, instead of SQLAlchemy's traceback and DBOS's own log line saying the same.
     """
     import logging
 
@@ -830,8 +830,8 @@ def _client(settings: Mapping[str, Any]) -> Any:
 
     url = system_database_url(settings.get('db'))
     dbos_logger = logging.getLogger('dbos')
-    level = dbos_logger.level
-    dbos_logger.setLevel(logging.CRITICAL)  # the error is raised below, in one line
+    quiet = _DropRecords('Error connecting to the DBOS system database')  # raised below, in one line
+    dbos_logger.addFilter(quiet)  # this call's own filter: concurrent calls never undo each other's
     try:
         return DBOSClient(system_database_url=url)
     except Exception as exc:
@@ -845,7 +845,17 @@ def _client(settings: Mapping[str, Any]) -> Any:
         raise RuntimeError(f'cannot connect to the DBOS system database {redact_database_url(url)}: '
                            f'{detail[0] if detail else type(exc).__name__}') from None
     finally:
-        dbos_logger.setLevel(level)
+        dbos_logger.removeFilter(quiet)
+
+
+class _DropRecords:
+    """A `logging` filter dropping the records whose message starts with `prefix`."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def filter(self, record: Any) -> bool:
+        return not record.getMessage().startswith(self.prefix)
 
 
 ADAPTER = DBOSAdapter()
