@@ -24,6 +24,7 @@ from .dbos import (
     WORKFLOW_NAME_PREFIX,
     _client,
     agent_workflow,
+    database_error_line,
     executor_process_gone,
     launch,
     system_database_file,
@@ -326,8 +327,7 @@ def _unreachable(exc: BaseException, settings: Mapping[str, Any]) -> BaseExcepti
 
     if not isinstance(exc, SQLAlchemyError):
         return exc
-    detail = str(getattr(exc, 'orig', None) or exc).strip().splitlines()
-    return RuntimeError(f'the system database {_db_label(settings)} cannot be read: {detail[0] if detail else type(exc).__name__}')
+    return RuntimeError(f'the system database {_db_label(settings)} cannot be read: {database_error_line(exc)}')
 
 
 def _db_label(settings: Mapping[str, Any]) -> str:

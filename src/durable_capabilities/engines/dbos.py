@@ -841,11 +841,17 @@ def _client(settings: Mapping[str, Any]) -> Any:
 
         if not isinstance(exc, (SQLAlchemyError, dbos_error_classes()[0])):  # DBOS's own: a URL it refuses
             raise
-        detail = str(getattr(exc, 'orig', None) or exc).strip().splitlines()
         raise RuntimeError(f'cannot connect to the DBOS system database {redact_database_url(url)}: '
-                           f'{detail[0] if detail else type(exc).__name__}') from None
+                           f'{database_error_line(exc)}') from None
     finally:
         dbos_logger.removeFilter(quiet)
+
+
+def database_error_line(exc: BaseException) -> str:
+    """The first line of the database driver's own message (SQLAlchemy's `orig`), else of `exc`, else its type name:
+    what the operator commands print after naming the system database."""
+    detail = str(getattr(exc, 'orig', None) or exc).strip().splitlines()
+    return detail[0] if detail else type(exc).__name__
 
 
 class _DropRecords:
