@@ -387,9 +387,10 @@ async def activity_attempts(address: str, workflow_id: str, type_contains: str) 
 
 def test_temporal_run_survives_a_server_restart_and_records_capabilities(tmp_path: Path) -> None:
     """The test's own dev server (file database) is stopped while the run is inside its side effect and started
-    again on the same port 6 s later: `durcap run` reconnects, keeps waiting and exits 0 with the answer; the side
-    effect ran once. The run recorded its loaded capability as memo and as search attribute `DurcapCapabilities`:
-    `temporal workflow list --query "DurcapCapabilities = 'account-security'"` returns it."""
+    again on the same port 6 s later: `durcap run` says it lost the server (its health check sees the outage even
+    when the SDK's own retries hide it) and that it reached it again, keeps waiting and exits 0 with the answer; the
+    side effect ran once. The run recorded its loaded capability as memo and as search attribute
+    `DurcapCapabilities`: `temporal workflow list --query "DurcapCapabilities = 'account-security'"` returns it."""
     import asyncio
 
     from durable_capabilities._servers import (
@@ -441,6 +442,7 @@ def test_temporal_run_survives_a_server_restart_and_records_capabilities(tmp_pat
     out = (tmp_path / 'run.log').read_text()
     assert 'answer (temporal): charged E-5' in out, out
     assert 'lost the Temporal server' in out, out
+    assert out.index('lost the Temporal server') < out.index('reached the Temporal server at') < out.index('answer ('), out
     assert listed == [run_id], listed
     assert run_id in cli.stdout, cli.stdout + cli.stderr
     # Temporal runs an activity at least once: a completion the stopped server never received is retried. The

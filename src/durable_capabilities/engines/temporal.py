@@ -401,29 +401,77 @@ async def _await_result(client: Client, address: str, namespace: str, workflow_i
     """The run's `AgentRunOutput`, waiting through server restarts: a lost connection is retried (a new client
     after repeated failures) and never reported as the run's failure. Returns the client that answered.
 
+    An outage is said once, when it starts, and once more when the server answers again. It is seen by a health
+    check every `RECONNECT_SECONDS` (gRPC health, no retry, `HEALTH_TIMEOUT_SECONDS`) as well as by the result
+    wait failing: the SDK's own retries (temporalio `RetryConfig`, ~10 attempts with backoff) can ride out a short
+    restart without the wait ever failing.
+
     Raises:
         temporalio.client.WorkflowFailureError: the run itself failed, was cancelled or terminated.
     """
     from temporalio.service import RPCError
 
+    outage = _Outage(address, workflow_id, notify)
+    watch = asyncio.create_task(_watch_health(lambda: client, outage))
     failures = 0
+    try:
+        while True:
+            try:
+                result = await client.get_workflow_handle(workflow_id, result_type=AgentRunOutput).result()
+                return client, result
+            except (RPCError, RuntimeError, OSError) as exc:
+                if isinstance(exc, RPCError) and exc.status.name in ('NOT_FOUND', 'INVALID_ARGUMENT', 'PERMISSION_DENIED'):
+                    raise
+                failures += 1
+                outage.lost(exc)
+                await asyncio.sleep(RECONNECT_SECONDS)
+                if failures % 5 == 0:
+                    try:
+                        client = await connect(address, namespace)
+                    except Exception:  # noqa: BLE001, S112 - still down: keep trying
+                        continue
+    finally:
+        watch.cancel()
+
+
+HEALTH_TIMEOUT_SECONDS = 2.0
+"""How long one health check of the Temporal server may take before the server counts as lost."""
+
+
+class _Outage:
+    """Says when the Temporal server is lost while a run is awaited, and when it answers again: once each."""
+
+    def __init__(self, address: str, workflow_id: str, notify: Callable[[str], None]) -> None:
+        self.address, self.workflow_id, self.notify, self.down = address, workflow_id, notify, False
+
+    def lost(self, exc: BaseException) -> None:
+        if not self.down:
+            self.down = True
+            reason = (str(exc).splitlines() or [''])[0][:120]
+            self.notify(f'lost the Temporal server at {self.address} ({type(exc).__name__}: {reason}); the run goes '
+                        f'on there: reconnecting and waiting for workflow {self.workflow_id}')
+
+    def back(self) -> None:
+        if self.down:
+            self.down = False
+            self.notify(f'reached the Temporal server at {self.address} again; waiting for workflow {self.workflow_id}')
+
+
+async def _watch_health(current: Callable[[], Client], outage: _Outage) -> None:
+    """Check the server's gRPC health every `RECONNECT_SECONDS` until cancelled, telling `outage` what it sees."""
+    from datetime import timedelta
+
     while True:
+        await asyncio.sleep(RECONNECT_SECONDS)
         try:
-            result = await client.get_workflow_handle(workflow_id, result_type=AgentRunOutput).result()
-            return client, result
-        except (RPCError, RuntimeError, OSError) as exc:
-            if isinstance(exc, RPCError) and exc.status.name in ('NOT_FOUND', 'INVALID_ARGUMENT', 'PERMISSION_DENIED'):
-                raise
-            failures += 1
-            if failures == 1:
-                notify(f'lost the Temporal server at {address} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); '
-                       f'the run goes on there: reconnecting and waiting for workflow {workflow_id}')
-            await asyncio.sleep(RECONNECT_SECONDS)
-            if failures % 5 == 0:
-                try:
-                    client = await connect(address, namespace)
-                except Exception:  # noqa: BLE001, S112 - still down: keep trying
-                    continue
+            healthy = await current().service_client.check_health(timeout=timedelta(seconds=HEALTH_TIMEOUT_SECONDS))
+        except Exception as exc:  # noqa: BLE001 - any failure to answer is an outage to report
+            outage.lost(exc)
+            continue
+        if healthy:
+            outage.back()
+        else:
+            outage.lost(RuntimeError('the server reports it is not serving'))
 
 
 
