@@ -273,6 +273,11 @@ def _url_cases() -> list[Case]:
             Case(f'db-{name}-not-a-database', [*argv, '--db', 'sqlite:///{tmp}/x.db'], 2, 'file is not a database',
                  {'x.db': 'this is not a database'}),
         ]
+    for name, argv in {'runs-list': operator['runs-list'], 'approvals-list': operator['approvals-list']}.items():
+        # A mistyped SQLite path: the listing is empty, and a note says no system database is there (exit 0; the
+        # file is not created).
+        cases.append(Case(f'db-{name}-missing-sqlite', [*argv, '--db', 'sqlite:///{tmp}/typo/dbos.sqlite'], 0,
+                          'note: dbos: no system database at '))
     cases.append(Case('approve-unknown-run', ['approve', 'nosuch', 'c1', '--engine', 'dbos'], 2,
                       "durcap: error: no DBOS workflow 'nosuch'"))
     return cases
@@ -498,6 +503,10 @@ PROCESS_CASES = [
          env={'DURCAP_REPLAY_TIMEOUT': '0.001'}),
     Case('dbos-run-unreachable-db', ['run', PLAIN, 'hi', '--engine', 'dbos', '--db', 'postgresql://x@127.0.0.1:1/nope'],
          2, 'cannot connect'),
+    # DBOS logs its own failed event read with a traceback (dbos `get_event_check`): a real process shows it.
+    *(Case(f'{verb}-not-a-database', [verb, 'r1', 'c1', '--engine', 'dbos', '--db', 'sqlite:///{tmp}/x.db', *extra],
+           2, 'file is not a database', {'x.db': 'this is not a database'})
+      for verb, extra in (('approve', []), ('deny', ['--reason', 'no']))),
     Case('local-failing-tool', ['run', f'{AGENTS}:failing', 'hi'], 1,
          "agent 'input-failing' failed on local in capability 'broken' (tool 'explode')"),
 ]

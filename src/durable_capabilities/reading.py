@@ -40,9 +40,13 @@ def durable_adapters(engine: str | None = None) -> list[EngineAdapter]:
 
 
 def problem_line(adapter: EngineAdapter, exc: BaseException, what: str = 'runs') -> str:
-    """`'{engine}: cannot read {what}: {Error}: {first line}'`: how one unreachable engine is reported."""
+    """`'{engine}: cannot read {what}: {Error}: {first line}'`: how one unreachable engine is reported. `{Error}: `
+    is left out for durcap's own errors and `RuntimeError` (the engines' worded reasons, e.g. `cannot connect to the
+    DBOS system database ...`); a driver's or the OS's error keeps its class name (`ConnectionRefusedError: ...`)."""
     detail = str(exc).splitlines()[0] if str(exc) else ''
-    return f'{adapter.name}: cannot read {what}: {type(exc).__name__}: {detail}'
+    ours = type(exc) is RuntimeError or type(exc).__module__.startswith('durable_capabilities')
+    kind = '' if ours and detail else f'{type(exc).__name__}: '
+    return f'{adapter.name}: cannot read {what}: {kind}{detail}'
 
 
 @dataclass
@@ -53,7 +57,8 @@ class RunListing:
         runs: Every engine's runs, newest first per engine, engines in registry order.
         problems: One line per engine that could not be read (`problem_line`); its runs are missing.
         notes: One line per engine skipped because it is not configured (`EngineAdapter.unconfigured`: asking it
-            would start a server of its own, e.g. Prefect's temporary one).
+            would start a server of its own, e.g. Prefect's temporary one), and per engine whose given address holds
+            nothing yet (`EngineAdapter.nothing_recorded`, e.g. a mistyped `--db` SQLite path).
     """
 
     runs: list[RunInfo] = field(default_factory=list)
@@ -92,6 +97,8 @@ async def list_runs(settings: Settings, *, engines: list[str] | None = None, sta
     else:
         adapters = _configured(durable_adapters(), settings, listing.notes)
     for adapter in adapters:
+        if (note := adapter.nothing_recorded(settings.engine())) is not None:
+            listing.notes.append(note)
         try:
             listing.runs += await adapter.list_runs(settings.engine(), status=status, limit=limit)
         except Exception as exc:  # noqa: BLE001 - one engine down must not hide the others' runs

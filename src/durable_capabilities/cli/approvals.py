@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import textwrap
 from enum import Enum
 from typing import Annotated, Any, NoReturn
 
@@ -53,6 +54,10 @@ def list_approvals(
     from .. import runner
 
     settings = _settings(address, namespace, db)  # exits 2 on a bad --db before any engine is asked
+    from ..engines import get
+
+    if (note := get(engine).nothing_recorded(settings)) is not None:
+        _err.print(printable(f'note: {note}'), markup=False)
     try:
         calls: list[PendingCall] = asyncio.run(runner.approvals(run_id, engine=engine, **settings))
     except (OSError, RuntimeError) as exc:  # the engine's server or database cannot be reached
@@ -86,7 +91,7 @@ def list_approvals(
 
 def _unreachable(engine: str, exc: BaseException) -> NoReturn:
     """One line naming the engine and the first line of its error (no traceback), exit 2."""
-    detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    detail = textwrap.shorten(str(exc).splitlines()[0], 200, placeholder=' ...') if str(exc) else type(exc).__name__
     _err.print(printable(f'durcap: error: cannot reach {engine}: {detail} (check --address / --db)'), markup=False)
     raise typer.Exit(2)
 

@@ -302,6 +302,12 @@ class EngineAdapter(ABC):
         is configured; else one line saying what is missing (the engine would start a server of its own)."""
         return None
 
+    def nothing_recorded(self, settings: Mapping[str, Any]) -> str | None:
+        """A note when the place `settings` name explicitly holds nothing yet (DBOS: a `--db` SQLite file that does not
+        exist: nothing has run there, or the path is mistyped); `None` otherwise. The listing commands print it, so
+        that an empty answer from a wrong address is never silent."""
+        return None
+
     def run_notes(self, options: RunOptions) -> list[str]:
         """Lines `durcap run` prints before the run (e.g. which store a remote worker uses)."""
         return []
@@ -482,6 +488,9 @@ class LazyAdapter(EngineAdapter):
 
     def unconfigured(self, settings: Mapping[str, Any]) -> str | None:
         return self.loaded.unconfigured(settings)
+
+    def nothing_recorded(self, settings: Mapping[str, Any]) -> str | None:
+        return self.loaded.nothing_recorded(settings)
 
     def serve_worker(self, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> None:
         return self.loaded.serve_worker(agents, options)

@@ -27,6 +27,7 @@ from .dbos import (
     database_error_line,
     executor_process_gone,
     launch,
+    quiet_dbos_log,
     system_database_file,
     system_database_url,
 )
@@ -214,8 +215,9 @@ async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = No
             ids = [w.workflow_id for w in workflows if (w.name or '').startswith(WORKFLOW_NAME_PREFIX)]
         calls: list[PendingCall] = []
         for workflow_id in ids:
-            waiting = [PendingCall.from_json({**data, 'engine': 'dbos'}) for data in
-                       await client.get_event_async(workflow_id, PENDING_EVENT, timeout_seconds=0) or []]
+            with quiet_dbos_log(FALLBACK_POLL_LOG):  # a database error is raised below, in one line
+                published = await client.get_event_async(workflow_id, PENDING_EVENT, timeout_seconds=0)
+            waiting = [PendingCall.from_json({**data, 'engine': 'dbos'}) for data in published or []]
             if not waiting:
                 continue
             # A decision sent but not read yet (the run's process is down): the call is still published as pending;
@@ -265,8 +267,9 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
             status = []  # no DBOS tables yet
         if not status:
             raise ApprovalError('unknown-run', f'no DBOS workflow {run_id!r} in {_db_label(settings)}')
-        pending = [PendingCall.from_json(d) for d in
-                   await client.get_event_async(run_id, PENDING_EVENT, timeout_seconds=0) or []]
+        with quiet_dbos_log(FALLBACK_POLL_LOG):
+            published = await client.get_event_async(run_id, PENDING_EVENT, timeout_seconds=0)
+        pending = [PendingCall.from_json(d) for d in published or []]
         earlier, received = _recorded_decision(status[0], decision.call_id, pending)
         if earlier is not None:
             raise already_decided(run_id, decision.call_id, earlier, received=received)
@@ -282,6 +285,11 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
         return call
     finally:
         client.destroy()
+
+
+FALLBACK_POLL_LOG = 'Fallback workflow event poll failed'
+"""The start of the warning (with a traceback) DBOS logs when its direct read of a workflow event fails (dbos
+`SystemDatabase.get_event_check`); the readers here drop it and raise the error in one line instead."""
 
 
 DECISION_ATTRIBUTE = 'durcap.decision.'

@@ -19,8 +19,8 @@ import os
 import socket
 import sqlite3
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from contextlib import closing
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
@@ -700,6 +700,15 @@ class DBOSAdapter(EngineAdapter):
     features = frozenset({'worker'})
     lock_sections: Mapping[str, str] = {'workflows': 'workflow', 'steps': 'step'}
 
+    def nothing_recorded(self, settings: Mapping[str, Any]) -> str | None:
+        """A note when `--db` names a SQLite file that does not exist (the listings then show nothing, and reading
+        does not create the file); the default system database, absent before the first run, gets none."""
+        from ._dbos_runs import _missing_sqlite_file
+
+        if not settings.get('db') or (missing := _missing_sqlite_file(settings)) is None:
+            return None
+        return f'dbos: no system database at {missing}: nothing has run there (check the path: pass the --db the runs used)'
+
     def durability_class(self) -> Any:
         return ToolStepDurability
 
@@ -824,16 +833,12 @@ def _client(settings: Mapping[str, Any]) -> Any:
             DBOS refuses its URL (no database name): one line naming the database (password shown as ***) and the
             driver's reason, instead of SQLAlchemy's traceback and DBOS's own log line saying the same.
     """
-    import logging
-
     from dbos import DBOSClient
 
     url = system_database_url(settings.get('db'))
-    dbos_logger = logging.getLogger('dbos')
-    quiet = _DropRecords('Error connecting to the DBOS system database')  # raised below, in one line
-    dbos_logger.addFilter(quiet)  # this call's own filter: concurrent calls never undo each other's
     try:
-        return DBOSClient(system_database_url=url)
+        with quiet_dbos_log('Error connecting to the DBOS system database'):  # raised below, in one line
+            return DBOSClient(system_database_url=url)
     except Exception as exc:
         from sqlalchemy.exc import SQLAlchemyError
 
@@ -843,6 +848,19 @@ def _client(settings: Mapping[str, Any]) -> Any:
             raise
         raise RuntimeError(f'cannot connect to the DBOS system database {redact_database_url(url)}: '
                            f'{database_error_line(exc)}') from None
+
+
+@contextmanager
+def quiet_dbos_log(*prefixes: str) -> Iterator[None]:
+    """Drop the `dbos` logger's records whose message starts with one of `prefixes` while the block runs: for a
+    database error the caller raises itself, in one line, which DBOS would also log with its traceback. The filter is
+    the block's own (added and removed), so concurrent blocks never undo each other's, and the logger's level is
+    never changed."""
+    dbos_logger = logging.getLogger('dbos')
+    quiet = _DropRecords(prefixes)
+    dbos_logger.addFilter(quiet)
+    try:
+        yield
     finally:
         dbos_logger.removeFilter(quiet)
 
@@ -855,13 +873,13 @@ def database_error_line(exc: BaseException) -> str:
 
 
 class _DropRecords:
-    """A `logging` filter dropping the records whose message starts with `prefix`."""
+    """A `logging` filter dropping the records whose message starts with one of `prefixes`."""
 
-    def __init__(self, prefix: str):
-        self.prefix = prefix
+    def __init__(self, prefixes: tuple[str, ...]):
+        self.prefixes = prefixes
 
     def filter(self, record: Any) -> bool:
-        return not record.getMessage().startswith(self.prefix)
+        return not record.getMessage().startswith(self.prefixes)
 
 
 ADAPTER = DBOSAdapter()
