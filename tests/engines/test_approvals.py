@@ -118,6 +118,8 @@ def test_dbos_approve_after_process_killed_while_waiting(backend: str, spawn, tm
         listed = durcap('approvals', 'list', *engine_args)  # the table folds long cells: check the words it keeps
         assert listed.returncode == 0 and 'decided,' in listed.stdout and 'approved' in listed.stdout, listed.stdout
         assert 'durcap runs resume' in listed.stderr, listed.stderr
+        as_json = durcap('approvals', 'list', *engine_args, '--format', 'json')  # the note on stderr, stdout JSON
+        assert json.loads(as_json.stdout)[0]['decided'] and 'durcap runs resume' in as_json.stderr, as_json.stderr
     second = spawn(*args, env=env)  # DBOS recovers the workflow: it waits again, until the same deadline
     second.wait_for('DBOS STARTED', 90)
     if backend != 'sqlite':

@@ -64,6 +64,7 @@ def list_approvals(
         _unreachable(engine, exc)
     if output_format is _Format.json:
         _out.print(json.dumps([c.to_json() for c in calls], indent=2), markup=False)
+        _resume_note(calls)  # on stderr: stdout stays one JSON document
         return
     if not calls:
         _out.print('no calls waiting for approval')
@@ -84,7 +85,13 @@ def list_approvals(
             c.run_id, c.call_id, c.agent, c.conversation_id or '-', c.tool_name, json.dumps(c.args, sort_keys=True),
             c.fingerprint[:12], c.requested_at, c.deadline) + ((c.decided or '-',) if decided else ())))
     _out.print(table)
-    if decided:
+    _resume_note(calls)
+
+
+def _resume_note(calls: list[PendingCall]) -> None:
+    """A note on stderr when a listed call is decided but not yet received (`PendingCall.decided`): its run waits for
+    a process (DBOS: the one that ran it is gone) and `durcap runs resume` gives it one."""
+    if any(c.decided for c in calls):
         _err.print('note: a call decided but not yet received waits for its run to run again (`durcap runs list '
                    '--status orphaned`, then `durcap runs resume RUN_ID`)', markup=False)
 
