@@ -50,7 +50,9 @@ def list_approvals(
     namespace: NamespaceOpt = 'default',
     db: DbOpt = None,
 ) -> None:
-    """List the calls waiting for a decision: run, agent, conversation, tool, arguments, requested at, deadline."""
+    """List the calls waiting for a decision: run, agent, conversation, tool, arguments, requested at, deadline.
+
+    A table when it fits the terminal, else one block per call, a field per line."""
     from .. import runner
 
     settings = _settings(address, namespace, db)  # exits 2 on a bad --db before any engine is asked
@@ -69,22 +71,29 @@ def list_approvals(
     if not calls:
         _out.print('no calls waiting for approval')
         return
-    table = Table()
-    # The run and call ids are what `durcap approve|deny` take, and the tool is what a person reviews: never cut
-    # them, whatever the terminal width. The other columns fold (wrap inside a word) rather than lose characters.
-    table.add_column('run', no_wrap=True, min_width=max(len(printable(c.run_id)) for c in calls))
-    table.add_column('call', no_wrap=True, min_width=max(len(printable(c.call_id)) for c in calls))
-    for name in ('agent', 'conversation'):
-        table.add_column(name, overflow='fold')
-    table.add_column('tool', no_wrap=True, min_width=max(len(printable(c.tool_name)) for c in calls))
     decided = any(c.decided for c in calls)
-    for name in ('arguments', 'fingerprint', 'requested at', 'deadline') + (('decided, not yet received',) if decided else ()):
-        table.add_column(name, overflow='fold')
-    for c in calls:
-        table.add_row(*(Text(printable(cell)) for cell in (
-            c.run_id, c.call_id, c.agent, c.conversation_id or '-', c.tool_name, json.dumps(c.args, sort_keys=True),
-            c.fingerprint[:12], c.requested_at, c.deadline) + ((c.decided or '-',) if decided else ())))
-    _out.print(table)
+    headers = ('run', 'call', 'agent', 'conversation', 'tool', 'arguments', 'fingerprint', 'requested at', 'deadline')
+    headers += ('decided, not yet received',) if decided else ()
+    rows = [[printable(cell) for cell in (
+        c.run_id, c.call_id, c.agent, c.conversation_id or '-', c.tool_name, json.dumps(c.args, sort_keys=True),
+        c.fingerprint[:12], c.requested_at, c.deadline) + ((c.decided or '-',) if decided else ())] for c in calls]
+    # A table when every cell fits on one line (three characters of border and padding per column); else one block
+    # per call, a field per line, which stays readable at any width (a table folded to 80 columns is not).
+    fits = sum(max(len(h), *(len(r[i]) for r in rows)) + 3 for i, h in enumerate(headers)) + 1 <= _out.width
+    if fits:
+        table = Table()
+        for header in headers:
+            table.add_column(header, no_wrap=True)
+        for row in rows:
+            table.add_row(*(Text(cell) for cell in row))
+        _out.print(table)
+    else:
+        label = max(len(h) for h in headers)
+        for n, row in enumerate(rows):
+            if n:
+                _out.print('')
+            for header, cell in zip(headers, row, strict=True):
+                _out.print(Text(f'{header:<{label}}  {cell}'), overflow='fold')
     _resume_note(calls)
 
 
