@@ -692,3 +692,55 @@ def test_loaded_ids_and_drift_count_only_the_window_after_a_compaction() -> None
     problems = drift(compacted, DurableAgent('window', 'test', engines=()), severity='error')
     assert [(p.code, p.message.split(' (message ')[1].split(')')[0]) for p in problems] == [('DC018', '4'), ('DC019', '5')]
     assert 'gone-late' in problems[0].message and 'vanished_late' in problems[1].message
+
+
+# ---- the turn recorder: only where the message list can be rewritten -------------------------------------------
+
+
+class _Compacting(Capability[Any]):
+    """A capability with a hook that sees the message list (as upstream `ProcessHistory` has; `test_compaction`
+    runs a real compaction on every engine). It leaves the list alone: what counts here is that it could change it."""
+
+    async def before_model_request(self, ctx: Any, request_context: Any) -> Any:
+        return request_context
+
+
+def test_turn_recorder_only_where_a_hook_can_rewrite_the_messages_and_turns_stay_whole(store_url: str) -> None:
+    """`TurnRecorder` (one more capability on every hook call) is built in only when a capability, wrapped or combined,
+    has a hook that sees the message list, or `history_processors` are given. With and without it, two turns of a
+    conversation (a local run, real store, scripted `FunctionModel`) store exactly every message of both runs."""
+    from pydantic_ai.capabilities import CombinedCapability
+
+    from durable_capabilities._turn_log import TurnRecorder
+
+    def recorders(agent: DurableAgent[Any, Any]) -> int:
+        return sum(isinstance(c, TurnRecorder) for c in agent.build('local').root_capability.capabilities)
+
+    plain = make_agent(Script(), conversation_store=store_url)
+    assert not plain.records_turn and recorders(plain) == 0
+    compacting = make_agent(Script(), [orders_capability(), _Compacting(id='compact')], conversation_store=store_url)
+    nested = make_agent(Script(), [CombinedCapability([orders_capability(), _Compacting(id='compact')])])
+    processors = make_agent(Script(), history_processors=[lambda messages: messages])
+    assert compacting.records_turn and nested.records_turn and processors.records_turn and recorders(compacting) == 1
+
+    for agent, conversation in ((plain, 'c-plain'), (compacting, 'c-compact')):
+        first = run(agent.run('Where is order A-1?', conversation_id=conversation))
+        second = run(agent.run('And order A-2?', conversation_id=conversation))
+        with SQLConversationStore(store_url) as opened:
+            stored = run(opened.read(conversation)).messages
+        assert stored == [*first.all_messages(), *second.new_messages()], conversation
+        prompts = [p.content for m in stored for p in m.parts if isinstance(p, UserPromptPart)]
+        assert prompts == ['Where is order A-1?', 'And order A-2?'], prompts
+        assert sum(isinstance(p, ToolReturnPart) and p.tool_name == 'track_order' for m in stored for p in m.parts) == 2
+
+    # History given without run ids (an older store, or messages built by hand) is history, not part of the turn.
+    from dataclasses import replace
+
+    from pydantic_ai.messages import ModelMessagesTypeAdapter
+
+    from durable_capabilities.turn import run_turn
+
+    unstamped = [replace(m, run_id=None) for m in run(plain.run('Where is order A-1?')).all_messages()]
+    turn = run(run_turn(plain, plain.build('local').run, 'And order A-2?', message_history=unstamped))
+    assert turn.new_messages == ModelMessagesTypeAdapter.dump_python(turn.result.new_messages(), mode='json')
+    assert len(turn.new_messages) == 5 and turn.new_messages[0]["parts"][0]["content"] == "And order A-2?"

@@ -79,8 +79,14 @@ class TurnLog:
         normalization assembled from parts already seen (consecutive requests merged) adds nothing, a
         compaction adds its new part, and a copy equal by value to a recorded message is skipped. The run's
         own messages are appended in the order they appear; an unstamped one (a compaction) is inserted
-        before the first recorded message that follows it in `messages`, else appended.
+        before the first recorded message that follows it in `messages`, else appended. The first observation
+        with a `run_id` starts the log (`start`) when nothing observed the run before.
         """
+        if not self.started and run_id is not None:
+            # No `TurnRecorder` saw the run (none was needed: `may_rewrite_history`): this first observation
+            # separates the history (messages not stamped with `run_id`) from what the run added.
+            self.start(messages, run_id)
+            return
         if run_id is not None and self.run_id is None:
             self.run_id = run_id
         messages = list(messages)
@@ -167,3 +173,34 @@ class TurnRecorder(AbstractCapability[Any]):
     @classmethod
     def get_serialization_name(cls) -> str | None:
         return None
+
+
+MESSAGE_HOOKS = ('before_run', 'wrap_run', 'after_run', 'before_node_run', 'wrap_node_run', 'after_node_run',
+                 'before_model_request', 'prepare_model_request', 'wrap_model_request', 'after_model_request')
+"""The capability hooks that see the run's message list (`ctx.messages`, `request_context.messages`) and so could
+rewrite it, as a history processor does (upstream `ProcessHistory` works from `before_model_request`)."""
+
+
+def may_rewrite_history(capability: AbstractCapability[Any]) -> bool:
+    """Whether `capability` (or one it wraps or combines) implements a hook that could rewrite the run's message list
+    (`MESSAGE_HOOKS`). Without one in the agent, and without `history_processors`, the run's list only grows, so its
+    final `all_messages()` is the whole turn and `TurnRecorder` (one more capability on every hook call: pydantic-ai
+    copies the `RunContext` for each capability on each call) is left out.
+
+    Conservative: a hook counts when the class overrides it, whatever it does; a wrapper counts for its own
+    overrides and for what it wraps. durcap's `CapabilityAliases` (it renames ids in the response only) does not
+    count.
+    """
+    from pydantic_ai.capabilities import CombinedCapability, WrapperCapability
+
+    from .aliases import CapabilityAliases
+
+    if isinstance(capability, CapabilityAliases):
+        return False
+    if isinstance(capability, CombinedCapability):
+        return any(may_rewrite_history(c) for c in capability.capabilities)
+    base: type[Any] = WrapperCapability if isinstance(capability, WrapperCapability) else AbstractCapability
+    cls = type(capability)
+    if any(getattr(cls, name) is not getattr(base, name) for name in MESSAGE_HOOKS):
+        return True
+    return isinstance(capability, WrapperCapability) and may_rewrite_history(capability.wrapped)

@@ -11,7 +11,7 @@ from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.toolsets import FunctionToolset
 
 from . import _registry
-from ._turn_log import TurnRecorder
+from ._turn_log import TurnRecorder, may_rewrite_history
 from .aliases import CapabilityAliases
 from .approvals import timeout_seconds
 from .checks import CheckContext, run_checks
@@ -168,6 +168,14 @@ class DurableAgent(Generic[DepsT, OutputT]):
         """Ids of every registered capability (groups and members), in definition order."""
         return [walk.cap_id for walk in self._stabilized.registered if walk.cap_id is not None]
 
+    @property
+    def records_turn(self) -> bool:
+        """Whether built agents carry `TurnRecorder`: when a capability could rewrite the run's message list
+        (`_turn_log.may_rewrite_history`) or `history_processors` are given. Otherwise the run's final
+        `all_messages()` already holds every message the turn added."""
+        return bool(self.agent_kwargs.get('history_processors')) or any(
+            may_rewrite_history(c) for c in self._stabilized.capabilities)
+
     def build(self, engine: str = 'local') -> Agent[Any, Any]:
         """The `pydantic_ai.Agent` for `engine`, with upstream's durability capability attached.
 
@@ -188,8 +196,11 @@ class DurableAgent(Generic[DepsT, OutputT]):
             return self._built[engine]
         adapter = ENGINES[engine]
         durability_cls = adapter.durability_class()
-        # Outermost: records each message the run adds before a history processor can rewrite the list.
-        capabilities: list[Any] = [TurnRecorder(), *self._stabilized.capabilities]
+        # Outermost: records each message the run adds before a history processor can rewrite the list; left out
+        # when nothing in the agent could rewrite it (the run's final messages are then the whole turn).
+        capabilities: list[Any] = list(self._stabilized.capabilities)
+        if self.records_turn:
+            capabilities.insert(0, TurnRecorder())
         if self.aliases:
             capabilities.append(CapabilityAliases(aliases=self.aliases))
         kwargs, extra = adapter.durability_parts(self, self.engine_options.get(engine, {}))
