@@ -3,12 +3,14 @@
 A history processor (upstream `ProcessHistory`, e.g. one writing a `CompactionPart`) rewrites the run's
 message list in place before a model request: messages before an index move or disappear, so
 `result.new_messages()` (an index) can start in the middle of the turn, without its prompt and with a
-tool return whose call was compacted away. `TurnRecorder`, attached to every built agent as the
-outermost capability, watches the run's message list at every model request and node and records, in
-the order they first appear, every message the run created (upstream stamps them with the run's
-`run_id`) and every message a capability introduced (the compaction), before any processor can drop
-them. The conversation store then keeps the whole turn plus the compaction, and grows only, as
-upstream's `ConversationStore` contract asks of a history a capability rewrote.
+tool return whose call was compacted away. `TurnRecorder`, the outermost capability of every built agent
+that has a capability able to rewrite the list (`may_rewrite_history`), watches the run's message list at
+every model request and node and records, in the order they first appear, every message the run created
+(upstream stamps them with the run's `run_id`) and every message a capability introduced (the
+compaction), before any processor can drop them. The conversation store then keeps the whole turn plus
+the compaction, and grows only, as upstream's `ConversationStore` contract asks of a history a capability
+rewrote. An agent with no such capability gets no recorder (it would be one more capability on every hook
+call); its run's list only grows, and the log is read from it once, after the run.
 
 `turn.run_turn` opens a `TurnLog` with `recording()` around the run; outside one the recorder does
 nothing.
