@@ -257,6 +257,10 @@ def _url_cases() -> list[Case]:
              2, 'cannot connect'),
         Case('db-worker-unreachable', ['worker', 'dbos', PLAIN, '--db', 'postgresql://x@127.0.0.1:1/nope'], 2,
              'cannot connect'),
+        Case('db-demo-query-password', ['demo', '--db', 'postgresql://x@127.0.0.1:1/nope?password=secret'], 2,
+             'nope?password=***: cannot connect'),
+        Case('db-demo-unsupported-scheme-password', ['demo', '--db', 'mysql://u:secret@h/x'], 2,
+             "'mysql://u:***@h/x': scheme 'mysql' is not supported"),
         Case('db-run-no-database', ['run', PLAIN, 'hi', '--engine', 'dbos', '--db',
                                     'postgresql://postgres@127.0.0.1:5432/no_such_db_xyz'], 2, 'no_such_db_xyz'),
     ]
@@ -269,6 +273,10 @@ def _url_cases() -> list[Case]:
         cases += [
             Case(f'db-{name}-unreachable', [*argv, '--db', 'postgresql://x:secret@127.0.0.1:1/nope'], 2,
                  'cannot connect to the DBOS system database postgresql://x:***@127.0.0.1:1/nope'),
+            Case(f'db-{name}-query-password', [*argv, '--db', 'postgresql://x@127.0.0.1:1/nope?password=secret'], 2,
+                 'postgresql://x@127.0.0.1:1/nope?password=***'),
+            Case(f'db-{name}-database-missing', [*argv, '--db', 'postgresql://postgres@127.0.0.1:5432/no_such_db_xyz'],
+                 2, 'database "no_such_db_xyz" does not exist'),
             Case(f'db-{name}-no-database-name', [*argv, '--db', 'postgresql://:x@/'], 2, 'Database name must be specified'),
             Case(f'db-{name}-not-a-database', [*argv, '--db', 'sqlite:///{tmp}/x.db'], 2, 'file is not a database',
                  {'x.db': 'this is not a database'}),
@@ -446,6 +454,8 @@ def _materialize(case: Case, tmp: Path) -> list[str]:
 
 def _assert_one_clean_failure(case: Case, code: int, output: str) -> None:
     assert 'Traceback' not in output, output[-3000:]
+    if any('secret' in arg for arg in case.argv):  # a password given in a URL is never printed
+        assert 'secret' not in output, output[-2000:]
     assert code == case.code, f'exit {code}, expected {case.code}: {output[-2000:]}'
     assert case.fragment in output, f'{case.fragment!r} not in: {output[-2000:]}'
     for char in ('\x1b', '\u202e', '\x00', '\x07'):

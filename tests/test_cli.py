@@ -408,14 +408,17 @@ def test_a_malformed_temporal_address_is_bad_input(command: tuple[str, ...], add
 
 def test_reading_runs_of_a_dbos_database_where_nothing_ran_creates_nothing_and_says_one_line(tmp_path: Path) -> None:
     """`runs list` of a SQLite system database that does not exist, or holds no DBOS tables, lists no runs (exit 0)
-    and creates no file at a mistyped path; `runs show|resume|cancel` of a run there is one line naming the database,
-    exit 2 (before: DBOS's `no such table` error, then a second line, and an empty file left behind)."""
+    and creates no file at a mistyped path (a missing file gets one `note:` line saying so); `runs show|resume|cancel`
+    of a run there is one line naming the database, exit 2 (before: DBOS's `no such table` error, then a second line,
+    and an empty file left behind)."""
     missing, empty = tmp_path / 'typo.sqlite', tmp_path / 'empty.sqlite'
     empty.touch()
     for path in (missing, empty):
         listed = durcap('runs', 'list', '--engine', 'dbos', '--db', f'sqlite:///{path}')
         assert listed.returncode == 0, listed.stdout + listed.stderr
-        assert listed.stderr == '' and 'no such table' not in listed.stdout, listed.stdout + listed.stderr
+        said = f'note: dbos: no system database at {missing}: nothing has run there' if path == missing else ''
+        assert listed.stderr.startswith(said) and listed.stderr.count('\n') == (path == missing), listed.stderr
+        assert 'no such table' not in listed.stdout, listed.stdout + listed.stderr
         for command in ('show', 'resume', 'cancel'):
             found = durcap('runs', command, 'nope-1', '--engine', 'dbos', '--db', f'sqlite:///{path}')
             assert found.returncode == 2, found.stdout + found.stderr

@@ -273,13 +273,28 @@ def private_file(path: str | Path) -> Path:
     return path
 
 
+SECRET_QUERY_KEYS = frozenset({'password', 'sslpassword', 'passwd', 'pwd', 'secret', 'token', 'access_token',
+                               'api_key', 'apikey', 'key'})
+"""Query parameters of a database URL whose value `redact_database_url` hides: libpq takes `password` and `sslpassword`
+there (`postgresql://u@host/db?password=...`, PostgreSQL docs, "Connection URIs"); the rest are common spellings."""
+
+
 def redact_database_url(url: str) -> str:
     """`url` (a database URL, e.g. `postgresql://user:secret@db:5432/dbos`) with its password shown as `***`, by
-    SQLAlchemy's own `URL.render_as_string(hide_password=True)`: what a page, a log line or an error may show.
-    A string SQLAlchemy cannot parse is shown from after its last `@` (user info dropped). Never raises."""
+    SQLAlchemy's own `URL.render_as_string(hide_password=True)`, and the value of every secret query parameter
+    (`SECRET_QUERY_KEYS`, e.g. `?password=...`) shown as `***` too: what a page, a log line or an error may show.
+    A string SQLAlchemy cannot parse is shown from after its last `@` (user info dropped), without its query.
+    Never raises."""
     from sqlalchemy.engine import make_url
 
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        parsed = make_url(url)
+        shown = parsed.render_as_string(hide_password=True)
     except Exception:  # noqa: BLE001 - never fail on showing a URL
-        return url.split('@')[-1]
+        return url.split('@')[-1].split('?')[0]
+    if not any(key.lower() in SECRET_QUERY_KEYS for key in parsed.query):
+        return shown
+    base = shown.split('?')[0]
+    pairs = [(key, '***' if key.lower() in SECRET_QUERY_KEYS else value) for key, values in parsed.query.items()
+             for value in ((values,) if isinstance(values, str) else values)]
+    return base + '?' + '&'.join(f'{key}={value}' for key, value in pairs)

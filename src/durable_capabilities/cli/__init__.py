@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .._limits import INPUT_CODE, one_line, printable
+from .._limits import INPUT_CODE, one_line, printable, redact_database_url
 from ..agent import DurableAgent
 from ..engines import ALL_ENGINES, DURABLE_ENGINES
 from ..lockfile import write_lock
@@ -135,7 +135,7 @@ def database_url(value: str | None, option: str, *, probe: bool = False) -> str 
         return None
     import sqlalchemy as sa
 
-    shown = printable(repr(value))[:200]
+    shown = printable(repr(redact_database_url(value)))[:200]  # a password, in user info or query, as ***
     fix = 'give sqlite:///path/to/file.db or postgresql://user@host:5432/database, or leave the option out'
     if not value.strip():
         _unusable(f'{INPUT_CODE} {option} is empty: {fix}')
@@ -163,7 +163,7 @@ def database_url(value: str | None, option: str, *, probe: bool = False) -> str 
             engine.dispose()
         except Exception as exc:  # noqa: BLE001 - the driver's reason, one line
             cause = getattr(exc, 'orig', None) or exc
-            _unusable(f'{INPUT_CODE} {option} {printable(url.render_as_string(hide_password=True))}: cannot connect '
+            _unusable(f'{INPUT_CODE} {option} {printable(redact_database_url(value))}: cannot connect '
                       f'({type(cause).__name__}: {one_line(str(cause))}); start the database or fix the URL')
     return value
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import textwrap
 from enum import Enum
 from typing import Annotated, Any, NoReturn
 
@@ -105,10 +104,17 @@ def _resume_note(calls: list[PendingCall]) -> None:
                    '--status orphaned`, then `durcap runs resume RUN_ID`)', markup=False)
 
 
+_WHERE = {'temporal': '--address', 'dbos': '--db', 'prefect': 'PREFECT_API_URL'}
+"""What says where each engine is: the hint `_unreachable` adds when the error does not name it already."""
+
+
 def _unreachable(engine: str, exc: BaseException) -> NoReturn:
-    """One line naming the engine and the first line of its error (no traceback), exit 2."""
-    detail = textwrap.shorten(str(exc).splitlines()[0], 200, placeholder=' ...') if str(exc) else type(exc).__name__
-    _err.print(printable(f'durcap: error: cannot reach {engine}: {detail} (check --address / --db)'), markup=False)
+    """One line naming the engine and the whole first line of its error (the driver's reason comes last in it, e.g.
+    `database "x" does not exist`: never cut), no traceback, exit 2."""
+    detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    where = _WHERE.get(engine)
+    hint = f' (check {where})' if where is not None and where not in detail else ''
+    _err.print(printable(f'durcap: error: cannot reach {engine}: {detail}{hint}'), markup=False)
     raise typer.Exit(2)
 
 
@@ -150,7 +156,8 @@ def approve(
             _err.print(f'durcap: error: {exc}', markup=False)
             raise typer.Exit(2) from None
         if not isinstance(override, dict):
-            _err.print('--args must be a JSON object', markup=False)
+            _err.print('durcap: error: --args must be a JSON object of the tool\'s arguments, e.g. \'{"user": "alice"}\'',
+                       markup=False)
             raise typer.Exit(2)
     _decide(engine, run_id, call_id, _settings(address, namespace, db), approve=True, reason=reason,
             override_args=override, by=by, fingerprint_=fingerprint)

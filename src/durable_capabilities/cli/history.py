@@ -125,7 +125,7 @@ def _clip(text: str) -> str:
 
 
 def _unusable(message: str) -> NoReturn:
-    typer.echo(f'error: {printable(_flat(message))}', err=True)
+    typer.echo(f'durcap: error: {printable(_flat(message))}', err=True)
     raise typer.Exit(2)
 
 

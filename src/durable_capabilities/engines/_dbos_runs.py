@@ -339,5 +339,4 @@ def _unreachable(exc: BaseException, settings: Mapping[str, Any]) -> BaseExcepti
 
 
 def _db_label(settings: Mapping[str, Any]) -> str:
-    url = settings.get('db') or 'sqlite:///.durcap/dbos.sqlite'
-    return url.split('@')[-1]
+    return redact_database_url(settings.get('db') or 'sqlite:///.durcap/dbos.sqlite')

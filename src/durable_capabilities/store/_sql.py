@@ -28,7 +28,7 @@ from sqlalchemy import event as sa_event
 from sqlalchemy import exc as sa_exc
 
 from .. import store
-from .._limits import private_file
+from .._limits import private_file, redact_database_url
 from . import (
     AppendIdReuseError,
     AppendResult,
@@ -114,7 +114,7 @@ class _SQLBackend:
     def __init__(self, url: sa.URL, *, create: bool) -> None:
         self.url = url
         self.create = create
-        self.display_url = url.render_as_string(hide_password=True)
+        self.display_url = redact_database_url(url.render_as_string(hide_password=False))
         self.is_pg = url.get_backend_name() == 'postgresql'
         self._ready = False
         self._ready_file: tuple[int, int, int] | None = None
