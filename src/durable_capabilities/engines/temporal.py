@@ -458,14 +458,26 @@ class _Outage:
 
 
 async def _watch_health(current: Callable[[], Client], outage: _Outage) -> None:
-    """Check the server's gRPC health every `RECONNECT_SECONDS` until cancelled, telling `outage` what it sees."""
+    """Check the server's gRPC health every `RECONNECT_SECONDS` until cancelled, telling `outage` what it sees.
+
+    Only a server that does not answer counts as lost (no connection, `UNAVAILABLE`, the timeout). A server that
+    answers with another gRPC error (no health service behind a proxy, `UNIMPLEMENTED`; a credential that may not
+    ask, `PERMISSION_DENIED`) is up: the watch stops there and the result wait alone reports trouble."""
     from datetime import timedelta
+
+    from temporalio.service import RPCError, RPCStatusCode
 
     while True:
         await asyncio.sleep(RECONNECT_SECONDS)
         try:
             healthy = await current().service_client.check_health(timeout=timedelta(seconds=HEALTH_TIMEOUT_SECONDS))
-        except Exception as exc:  # noqa: BLE001 - any failure to answer is an outage to report
+        except RPCError as exc:
+            if exc.status not in (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.UNKNOWN):
+                outage.back()
+                return
+            outage.lost(exc)
+            continue
+        except Exception as exc:  # noqa: BLE001 - no answer at all (connection refused, reset): an outage
             outage.lost(exc)
             continue
         if healthy:
