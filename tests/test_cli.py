@@ -453,3 +453,20 @@ def test_runs_list_keeps_the_id_and_the_short_columns_whole_at_80_columns() -> N
         header = text.split('durcap-run')[0]
         assert 'durcap-run-9f2c4e1b7a30  temporal  support  completed' in text, text
         assert 'engine' in header and 'status' in header and 'engi…' not in header, text
+
+
+def test_listing_prefect_without_an_api_says_it_reads_the_temporary_server(tmp_path: Path) -> None:
+    """`runs list --engine prefect` and `approvals list --engine prefect` with no Prefect API configured read
+    Prefect's temporary local server: `listing_note` says so (before: ~10 s, then only "no calls waiting"). With
+    `PREFECT_API_URL` set there is no note. Real Prefect settings, resolved in a fresh process (no server started)."""
+    code = ('from durable_capabilities.engines import get\n'
+            "print(get('prefect').listing_note({}))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith('PREFECT_')}
+    env.update(PREFECT_HOME=str(tmp_path / 'prefect'), PYTHONPATH=str(ROOT / 'src'))
+    bare = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=120)
+    assert bare.returncode == 0, bare.stderr
+    assert bare.stdout.startswith("prefect: no PREFECT_API_URL configured: reading the database of Prefect's "
+                                  'temporary local server'), bare.stdout
+    configured = subprocess.run([sys.executable, '-c', code], env={**env, 'PREFECT_API_URL': 'http://127.0.0.1:9/api'},
+                                capture_output=True, text=True, timeout=120)
+    assert configured.returncode == 0 and configured.stdout.strip() == 'None', configured.stdout + configured.stderr

@@ -58,7 +58,7 @@ class RunListing:
         problems: One line per engine that could not be read (`problem_line`); its runs are missing.
         notes: One line per engine skipped because it is not configured (`EngineAdapter.unconfigured`: asking it
             would start a server of its own, e.g. Prefect's temporary one), and per engine whose given address holds
-            nothing yet (`EngineAdapter.nothing_recorded`, e.g. a mistyped `--db` SQLite path).
+            nothing yet or may not be the user's (`EngineAdapter.listing_note`, e.g. a mistyped `--db` SQLite path).
     """
 
     runs: list[RunInfo] = field(default_factory=list)
@@ -97,7 +97,7 @@ async def list_runs(settings: Settings, *, engines: list[str] | None = None, sta
     else:
         adapters = _configured(durable_adapters(), settings, listing.notes)
     for adapter in adapters:
-        if (note := adapter.nothing_recorded(settings.engine())) is not None:
+        if (note := adapter.listing_note(settings.engine())) is not None:
             listing.notes.append(note)
         try:
             listing.runs += await adapter.list_runs(settings.engine(), status=status, limit=limit)

@@ -57,7 +57,7 @@ def list_approvals(
     settings = _settings(address, namespace, db)  # exits 2 on a bad --db before any engine is asked
     from ..engines import get
 
-    if (note := get(engine).nothing_recorded(settings)) is not None:
+    if (note := get(engine).listing_note(settings)) is not None:
         _err.print(printable(f'note: {note}'), markup=False)
     try:
         calls: list[PendingCall] = asyncio.run(runner.approvals(run_id, engine=engine, **settings))

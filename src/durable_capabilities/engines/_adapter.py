@@ -302,10 +302,11 @@ class EngineAdapter(ABC):
         is configured; else one line saying what is missing (the engine would start a server of its own)."""
         return None
 
-    def nothing_recorded(self, settings: Mapping[str, Any]) -> str | None:
-        """A note when the place `settings` name explicitly holds nothing yet (DBOS: a `--db` SQLite file that does not
-        exist: nothing has run there, or the path is mistyped); `None` otherwise. The listing commands print it, so
-        that an empty answer from a wrong address is never silent."""
+    def listing_note(self, settings: Mapping[str, Any]) -> str | None:
+        """A note the listing commands (`runs list`, `approvals list`) print before reading this engine when the place
+        they read may not be the one the user means (DBOS: a `--db` SQLite file that does not exist, so nothing has run
+        there or the path is mistyped; Prefect: no API configured, so Prefect's temporary server is read); `None`
+        otherwise. An empty answer from the wrong place is then never silent."""
         return None
 
     def run_notes(self, options: RunOptions) -> list[str]:
@@ -489,8 +490,8 @@ class LazyAdapter(EngineAdapter):
     def unconfigured(self, settings: Mapping[str, Any]) -> str | None:
         return self.loaded.unconfigured(settings)
 
-    def nothing_recorded(self, settings: Mapping[str, Any]) -> str | None:
-        return self.loaded.nothing_recorded(settings)
+    def listing_note(self, settings: Mapping[str, Any]) -> str | None:
+        return self.loaded.listing_note(settings)
 
     def serve_worker(self, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> None:
         return self.loaded.serve_worker(agents, options)

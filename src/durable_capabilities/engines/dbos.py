@@ -700,7 +700,7 @@ class DBOSAdapter(EngineAdapter):
     features = frozenset({'worker'})
     lock_sections: Mapping[str, str] = {'workflows': 'workflow', 'steps': 'step'}
 
-    def nothing_recorded(self, settings: Mapping[str, Any]) -> str | None:
+    def listing_note(self, settings: Mapping[str, Any]) -> str | None:
         """A note when `--db` names a SQLite file that does not exist (the listings then show nothing, and reading
         does not create the file); the default system database, absent before the first run, gets none."""
         from ._dbos_runs import _missing_sqlite_file

@@ -616,6 +616,14 @@ class PrefectAdapter(EngineAdapter):
         return ('prefect: skipped, no PREFECT_API_URL configured (`--engine prefect` reads the database of Prefect\'s '
                 'temporary local server)')
 
+    def listing_note(self, settings: Mapping[str, Any]) -> str | None:
+        """When no Prefect API is configured: the listing reads the database of Prefect's temporary local server, which
+        holds only the runs made here without a server (a command asking every engine skips Prefect instead)."""
+        if configured_api() or _TEMPORARY_SERVER:
+            return None
+        return ('prefect: no PREFECT_API_URL configured: reading the database of Prefect\'s temporary local server (set '
+                'PREFECT_API_URL to read your server)')
+
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
 
         os.environ.setdefault('PREFECT_SERVER_ANALYTICS_ENABLED', 'false')
