@@ -418,6 +418,7 @@ async def _await_result(client: Client, address: str, namespace: str, workflow_i
         while True:
             try:
                 result = await client.get_workflow_handle(workflow_id, result_type=AgentRunOutput).result()
+                outage.back()  # the result came from the server: it is back, whether or not a check saw it
                 return client, result
             except (RPCError, RuntimeError, OSError) as exc:
                 if isinstance(exc, RPCError) and exc.status.name in ('NOT_FOUND', 'INVALID_ARGUMENT', 'PERMISSION_DENIED'):
@@ -460,26 +461,28 @@ class _Outage:
 async def _watch_health(current: Callable[[], Client], outage: _Outage) -> None:
     """Check the server's gRPC health every `RECONNECT_SECONDS` until cancelled, telling `outage` what it sees.
 
-    Only a server that does not answer counts as lost (no connection, `UNAVAILABLE`, the timeout). A server that
-    answers with another gRPC error (no health service behind a proxy, `UNIMPLEMENTED`; a credential that may not
-    ask, `PERMISSION_DENIED`) is up: the watch stops there and the result wait alone reports trouble."""
+    If the very first check fails with a gRPC error other than "no answer" (`UNAVAILABLE`, `DEADLINE_EXCEEDED`), the
+    server has no health check this client may ask (no health service behind a proxy, `UNIMPLEMENTED`; a credential
+    that may not ask, `PERMISSION_DENIED`): the watch stops, and the result wait alone reports trouble. Once a check
+    has passed, any failure counts (a stopping server may also end a call with `CANCELLED` or `UNKNOWN`)."""
     from datetime import timedelta
 
     from temporalio.service import RPCError, RPCStatusCode
 
+    answered = False
     while True:
         await asyncio.sleep(RECONNECT_SECONDS)
         try:
             healthy = await current().service_client.check_health(timeout=timedelta(seconds=HEALTH_TIMEOUT_SECONDS))
         except RPCError as exc:
-            if exc.status not in (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.UNKNOWN):
-                outage.back()
+            if not answered and exc.status not in (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED):
                 return
             outage.lost(exc)
             continue
         except Exception as exc:  # noqa: BLE001 - no answer at all (connection refused, reset): an outage
             outage.lost(exc)
             continue
+        answered = True
         if healthy:
             outage.back()
         else:
