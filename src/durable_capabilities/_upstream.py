@@ -30,6 +30,7 @@ __all__ = [
     'explicit_toolset_id',
     'interchangeable_leaves',
     'is_mcp_toolset',
+    'runtime_rejected_kinds',
     'temporal_activity_name',
     'temporal_set_deadlock_timeout',
     'temporal_worker_registrations',
@@ -220,3 +221,16 @@ def dbos_error_classes() -> tuple[type[BaseException], type[BaseException]]:
     from dbos._error import DBOSException, DBOSMaxStepRetriesExceeded  # lazily: dbos is an optional extra
 
     return DBOSException, DBOSMaxStepRetriesExceeded
+
+
+def runtime_rejected_kinds(durability_class: type) -> frozenset[str]:
+    """The leaf toolset kinds (`'function' | 'mcp' | 'dynamic'`) upstream's durability capability `durability_class`
+    (`TemporalDurability`, `DBOSDurability`, `PrefectDurability`, or a subclass) refuses inside a durable run unless
+    they are the objects it wrapped at build time: its `engine_spec.unsupported_runtime_toolset_kinds`
+    (`pydantic_ai.durable_exec._spec.DurabilityEngineSpec`, a private module; the attribute is read, never copied).
+
+    Raises:
+        AttributeError: upstream renamed the spec or the field (tests/test_upstream_contract.py says which).
+    """
+    spec = durability_class.engine_spec  # type: ignore[attr-defined]
+    return frozenset(str(kind) for kind in spec.unsupported_runtime_toolset_kinds)

@@ -63,11 +63,20 @@ class Finding(NamedTuple):
     problem: Problem
 
 
+class EngineSpecInfo(Protocol):
+    """What the checks read of an engine's spec (`engines.EngineSpec`, DC024)."""
+
+    def rejected_at_run_time(self) -> frozenset[str]: ...
+
+
 class EngineInfo(Protocol):
-    """What the checks read of an engine's registry entry (DC017)."""
+    """What the checks read of an engine's registry entry (DC017, DC024)."""
 
     @property
     def extra(self) -> str | None: ...
+
+    @property
+    def spec(self) -> EngineSpecInfo: ...
 
     def available(self) -> bool: ...
 
@@ -355,10 +364,15 @@ def leaf_without_scope(ctx: CheckContext) -> Iterator[Finding]:
             yield Finding(Stage.LEAF_PLANS, at, found)
 
 
-_REJECTED_AT_RUN_TIME = {'FunctionToolset': ('temporal', 'prefect'), 'MCPToolset': None, 'DynamicToolset': None}
-"""Leaf kinds a durable engine refuses inside a run unless they are the objects it wrapped at build time, and
-the engines that refuse them (`None`: every durable engine). Source: upstream's engine specs,
-`unsupported_runtime_toolset_kinds` (DBOS runs function tools inline, so it accepts a new `FunctionToolset`)."""
+_LEAF_KIND = {'FunctionToolset': 'function', 'MCPToolset': 'mcp', 'DynamicToolset': 'dynamic'}
+"""Leaf classes in upstream's words for them (`RuntimeToolsetKind`)."""
+
+
+def _refusing(ctx: CheckContext, kind: str) -> tuple[str, ...]:
+    """The durable engines of the definition that refuse a new leaf of `kind` inside a run unless it is the object
+    they wrapped at build time: what each engine's spec reads from upstream (`EngineSpec.rejected_at_run_time`;
+    DBOS runs function tools inline, so it accepts a new `FunctionToolset`)."""
+    return tuple(e for e in ctx.durable if e in ctx.known_engines and kind in ctx.known_engines[e].spec.rejected_at_run_time())
 
 
 @check('DC024')
@@ -372,11 +386,9 @@ def new_leaves_per_call(ctx: CheckContext) -> Iterator[Finding]:
             continue
         for number, (first, second) in enumerate(zip(walk.leaves, again, strict=True)):
             kind = type(first).__name__
-            if kind not in _REJECTED_AT_RUN_TIME or _upstream.interchangeable_leaves(first, second):
+            if kind not in _LEAF_KIND or _upstream.interchangeable_leaves(first, second):
                 continue
-            engines = _REJECTED_AT_RUN_TIME[kind]
-            scope = tuple(e for e in ctx.durable if engines is None or e in engines)
-            if scope:
+            if scope := _refusing(ctx, _LEAF_KIND[kind]):
                 found = problem('DC024', _where(planned), scope, kind=kind, toolset_id=first.id or planned.stable.scope)
                 yield Finding(Stage.LEAF_PLANS, (index, 3, number), found)
 

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 
 from ._limits import MAX_LOCK_BYTES, InputError, load_yaml, one_line, printable, read_bytes
 from .agent import DurableAgent
-from .engines import ENGINES
+from .engines import ENGINES, specs
 from .validation import DurableConfigError, Problem, Report
 
 LOCK_VERSION = 1
@@ -47,7 +47,7 @@ def lock_data(agents: Sequence[DurableAgent[Any, Any]]) -> dict[str, Any]:
         'lock_version': LOCK_VERSION,
         'generated_by': {
             name: _package_version(name)
-            for name in ('durable-capabilities', 'pydantic-ai-slim', 'temporalio', 'dbos', 'prefect')
+            for name in ('durable-capabilities', 'pydantic-ai-slim', *(p for spec in specs() for p in spec.packages))
             if _package_version(name) is not None
         },
         'agents': {},

@@ -1,7 +1,9 @@
 """Where the engines and the conversation store are: the one settings object of `durcap runs`, `durcap approvals`,
 `durcap approve|deny` and `durcap ui`.
 
-Each field comes from its CLI flag, else its environment variable, else the default:
+Each field comes from its CLI flag, else its environment variables (the first one set), else the default. The
+fields are the connection settings every registered engine declares in its spec (`engines.EngineSpec.settings`
+offered to the `read` commands), plus `store`:
 
 | field | flag | environment | default |
 |---|---|---|---|
@@ -17,52 +19,123 @@ command does.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from ._limits import redact_database_url
+from .engines import ConnectionSetting, specs
+from .engines._specs import DEFAULT_TEMPORAL_ADDRESS
 from .store import DEFAULT_URL
 
-DEFAULT_TEMPORAL_ADDRESS = '127.0.0.1:7233'
-"""The Temporal frontend asked when neither `--address` nor the environment names one."""
+__all__ = ['DEFAULT_TEMPORAL_ADDRESS', 'Settings', 'read_settings']
 
 
-@dataclass(frozen=True)
+def read_settings(command: str = 'read') -> list[ConnectionSetting]:
+    """The connection settings of every registered engine offered to `command` (`'read' | 'run' | 'demo'`), in
+    registration order, each field once (the first engine declaring it owns it)."""
+    seen: dict[str, ConnectionSetting] = {}
+    for spec in specs():
+        for setting in spec.settings:
+            if command in setting.commands:
+                seen.setdefault(setting.field, setting)
+    return list(seen.values())
+
+
+def _from_env(setting: ConnectionSetting) -> Any:
+    return next((os.environ[name] for name in setting.env if os.environ.get(name)), None)
+
+
 class Settings:
-    """Connection settings for reading and deciding on runs.
+    """Connection settings for reading and deciding on runs: one attribute per engine connection setting
+    (`address`, `namespace`, `db`, ...) plus `store`, the conversation store URL.
 
-    Attributes:
-        address: Temporal frontend `HOST:PORT`.
-        namespace: Temporal namespace.
-        db: DBOS system database URL, `None` for the default SQLite file (`engines.dbos.system_database_url`).
-        store: Conversation store URL (`sqlite:///path.db` or `postgresql://...`).
+    `Settings(*values, store=...)` takes the engine fields positionally in `read_settings()` order, then `store`;
+    a field not given is its default. Immutable; equal when every field is.
+
+    Raises:
+        TypeError: more positional values than fields, or an unknown keyword.
+        AttributeError: reading a field no registered engine declares.
     """
 
-    address: str = DEFAULT_TEMPORAL_ADDRESS
-    namespace: str = 'default'
-    db: str | None = None
-    store: str = DEFAULT_URL
+    __slots__ = ('_values',)
+
+    def __init__(self, *values: Any, **fields: Any):
+        names = [s.field for s in read_settings()] + ['store']
+        if len(values) > len(names):
+            raise TypeError(f'Settings takes at most {len(names)} values ({", ".join(names)})')
+        unknown = set(fields) - set(names)
+        if unknown:
+            raise TypeError(f'Settings has no field {", ".join(sorted(unknown))}')
+        resolved = {s.field: s.default for s in read_settings()} | {'store': DEFAULT_URL}
+        resolved |= dict(zip(names, values, strict=False)) | fields
+        object.__setattr__(self, '_values', resolved)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f'Settings has no field {name!r}') from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError('Settings is immutable')
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Settings) and self._values == other._values
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted((k, str(v)) for k, v in self._values.items())))
+
+    def __repr__(self) -> str:
+        shown = {k: redact_database_url(v) if isinstance(v, str) and _secret(k) else v for k, v in self._values.items()}
+        return 'Settings(' + ', '.join(f'{k}={v!r}' for k, v in shown.items()) + ')'
+
+    @property
+    def store(self) -> str:
+        """Conversation store URL (`sqlite:///path.db` or `postgresql://...`)."""
+        return self._values['store']
 
     @classmethod
-    def resolve(cls, *, address: str | None = None, namespace: str | None = None, db: str | None = None,
-                store: str | None = None) -> Settings:
-        """Settings from flags (`None`: not given), then the environment, then the defaults (module table)."""
-        env = os.environ.get
-        return cls(
-            address=address or env('DURCAP_TEMPORAL_ADDRESS') or env('TEMPORAL_ADDRESS') or DEFAULT_TEMPORAL_ADDRESS,
-            namespace=namespace or 'default',
-            db=db or env('DURCAP_DBOS_DB') or None,
-            store=store or env('DURCAP_STORE') or DEFAULT_URL,
-        )
+    def resolve(cls, *, store: str | None = None, **flags: Any) -> Settings:
+        """Settings from flags (`None`: not given), then the environment, then the defaults (module table).
+
+        Args:
+            store: `--store`.
+            flags: The engine settings by field (`address=`, `namespace=`, `db=`, ...).
+        """
+        values = {s.field: flags.get(s.field) or _from_env(s) or s.default for s in read_settings()}
+        return cls(**values, store=store or os.environ.get('DURCAP_STORE') or DEFAULT_URL)
 
     def engine(self) -> dict[str, Any]:
         """The engine settings the adapters read (`EngineAdapter.list_runs / show_run / pending_approvals / decide`):
-        `{'address', 'namespace', 'db'}`."""
-        return {'address': self.address, 'namespace': self.namespace, 'db': self.db}
+        every field but `store`."""
+        return {k: v for k, v in self._values.items() if k != 'store'}
 
     def describe(self) -> dict[str, str]:
-        """What a page or a log line may show: every field, database URLs without their passwords."""
-        return {'Temporal': f'{self.address} (namespace {self.namespace})',
-                'DBOS system database': redact_database_url(self.db) if self.db else 'SQLite .durcap/dbos.sqlite',
-                'conversation store': redact_database_url(self.store)}
+        """What a page or a log line may show: each engine's line (`EngineSpec.describe`), then the store; database
+        URLs without their passwords."""
+        shown: dict[str, str] = {}
+        for spec in specs():
+            if spec.describe is None:
+                continue
+            label, template = spec.describe
+            shown[label] = template.format_map(_Shown(self._values, {s.field: s for s in spec.settings}))
+        shown['conversation store'] = redact_database_url(self.store)
+        return shown
 
+
+def _secret(field: str) -> bool:
+    return any(s.secret for s in read_settings() if s.field == field)
+
+
+class _Shown(dict[str, str]):
+    """Field values for a `describe` template: secrets redacted, `None` as the setting's `unset` text."""
+
+    def __init__(self, values: Mapping[str, Any], settings: Mapping[str, ConnectionSetting]):
+        super().__init__()
+        self._values, self._settings = values, settings
+
+    def __missing__(self, key: str) -> str:
+        value, setting = self._values.get(key), self._settings.get(key)
+        if value is None:
+            return (setting.unset if setting is not None else None) or '-'
+        return redact_database_url(value) if setting is not None and setting.secret else str(value)

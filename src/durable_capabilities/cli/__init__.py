@@ -28,7 +28,7 @@ from rich.text import Text
 
 from .._limits import INPUT_CODE, one_line, printable, redact_database_url
 from ..agent import DurableAgent
-from ..engines import ALL_ENGINES, DURABLE_ENGINES
+from ..engines import ALL_ENGINES, DURABLE_ENGINES, specs
 from ..lockfile import write_lock
 from ..savings import UNKNOWN_TOOLS, SavingsReport, measure_savings
 from ..targets import TARGET_HELP, UnusableTarget, check_lock, load, load_checked
@@ -89,8 +89,12 @@ def _unusable(message: str) -> NoReturn:
 _MEMORY = (None, '', ':memory:')
 
 
-_OPTION_ENV = {'--store': 'DURCAP_STORE', '--db': 'DURCAP_DBOS_DB'}
-"""The environment variable each database option falls back to (checked the same way when the option is absent)."""
+def _option_env(option: str) -> str | None:
+    """The environment variable a database option falls back to (checked the same way when the option is absent):
+    `$DURCAP_STORE` for `--store`, else the first variable of the engine setting named `option` (`engines.EngineSpec`)."""
+    if option == '--store':
+        return 'DURCAP_STORE'
+    return next((s.env[0] for spec in specs() for s in spec.settings if s.option == option and s.env), None)
 
 
 def temporal_address(value: str | None, option: str = '--address') -> str | None:
@@ -129,7 +133,7 @@ def database_url(value: str | None, option: str, *, probe: bool = False) -> str 
     `probe`) a PostgreSQL server that cannot be reached.
     """
     if value is None:
-        env = _OPTION_ENV.get(option)
+        env = _option_env(option)
         if env is not None and os.environ.get(env):  # empty: unset, the built-in default applies
             database_url(os.environ[env], f'${env} (the default of {option})', probe=probe)
         return None

@@ -16,8 +16,9 @@ from rich.text import Text
 
 from .._limits import InputError, load_json, printable
 from ..approvals import ApprovalError, PendingCall
+from ..engines import DEFAULT_ENGINE, get
 from . import _err, _out, app, engine_metavar, engine_name
-from ._options import AddressOption, DbOption, NamespaceOption, connection_settings
+from ._options import connection_options, connection_settings
 
 approvals_app = typer.Typer(help='Tool calls waiting for a person in durable runs.', no_args_is_help=True)
 app.add_typer(approvals_app, name='approvals')
@@ -30,33 +31,27 @@ class _Format(str, Enum):
 
 EngineOpt = Annotated[str, typer.Option('--engine', metavar=engine_metavar(), parser=engine_name(),
                                         help='The engine the run waits on.')]
-AddressOpt = AddressOption
-NamespaceOpt = NamespaceOption
-DbOpt = DbOption
 
 
-def _settings(address: str | None, namespace: str, db: str | None) -> dict[str, Any]:
+def _settings(conn: dict[str, Any] | None) -> dict[str, Any]:
     """The engine settings (`settings.Settings.engine()`) of the flags given."""
-    return connection_settings(db, address, namespace).engine()
+    return connection_settings(conn or {}).engine()
 
 
 @approvals_app.command('list')
+@connection_options('read')
 def list_approvals(
-    engine: EngineOpt = 'dbos',
+    engine: EngineOpt = DEFAULT_ENGINE,
     run_id: Annotated[str | None, typer.Option('--run', help='Only this run.')] = None,
     output_format: Annotated[_Format, typer.Option('--format', help='text (a table) or json.')] = _Format.text,
-    address: AddressOpt = None,
-    namespace: NamespaceOpt = 'default',
-    db: DbOpt = None,
+    conn: dict[str, Any] | None = None,
 ) -> None:
     """List the calls waiting for a decision: run, agent, conversation, tool, arguments, requested at, deadline.
 
     A table when it fits the terminal, else one block per call, a field per line."""
     from .. import runner
 
-    settings = _settings(address, namespace, db)  # exits 2 on a bad --db before any engine is asked
-    from ..engines import get
-
+    settings = _settings(conn)  # exits 2 on a bad --db before any engine is asked
     if (note := get(engine).listing_note(settings)) is not None:
         _err.print(printable(f'note: {note}'), markup=False)
     try:
@@ -104,15 +99,11 @@ def _resume_note(calls: list[PendingCall]) -> None:
                    '--status orphaned`, then `durcap runs resume RUN_ID`)', markup=False)
 
 
-_WHERE = {'temporal': '--address', 'dbos': '--db', 'prefect': 'PREFECT_API_URL'}
-"""What says where each engine is: the hint `_unreachable` adds when the error does not name it already."""
-
-
 def _unreachable(engine: str, exc: BaseException) -> NoReturn:
     """One line naming the engine and the whole first line of its error (the driver's reason comes last in it, e.g.
     `database "x" does not exist`: never cut), no traceback, exit 2."""
     detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    where = _WHERE.get(engine)
+    where = get(engine).spec.where  # what says where the engine is (`EngineSpec.where`)
     hint = f' (check {where})' if where is not None and where not in detail else ''
     _err.print(printable(f'durcap: error: cannot reach {engine}: {detail}{hint}'), markup=False)
     raise typer.Exit(2)
@@ -134,18 +125,17 @@ def _decide(engine: str, run_id: str, call_id: str, settings: dict[str, Any], **
 
 
 @app.command()
+@connection_options('read')
 def approve(
     run_id: Annotated[str, typer.Argument(help='The waiting run (workflow id, flow run id).')],
     call_id: Annotated[str, typer.Argument(help='The call (see `durcap approvals list`).')],
-    engine: EngineOpt = 'dbos',
+    engine: EngineOpt = DEFAULT_ENGINE,
     args: Annotated[str | None, typer.Option('--args', help='JSON object: run the call with these arguments.')] = None,
     fingerprint: Annotated[str | None, typer.Option(help='The fingerprint you reviewed (refused when the call '
                                                          'changed); default: the pending one.')] = None,
     by: Annotated[str | None, typer.Option(help='Who decides (default: the OS user).')] = None,
     reason: Annotated[str | None, typer.Option(help='Why (stored in the audit).')] = None,
-    address: AddressOpt = None,
-    namespace: NamespaceOpt = 'default',
-    db: DbOpt = None,
+    conn: dict[str, Any] | None = None,
 ) -> None:
     """Approve a waiting call: the run executes it (once) and continues."""
     override = None
@@ -159,22 +149,21 @@ def approve(
             _err.print('durcap: error: --args must be a JSON object of the tool\'s arguments, e.g. \'{"user": "alice"}\'',
                        markup=False)
             raise typer.Exit(2)
-    _decide(engine, run_id, call_id, _settings(address, namespace, db), approve=True, reason=reason,
+    _decide(engine, run_id, call_id, _settings(conn), approve=True, reason=reason,
             override_args=override, by=by, fingerprint_=fingerprint)
 
 
 @app.command()
+@connection_options('read')
 def deny(
     run_id: Annotated[str, typer.Argument(help='The waiting run (workflow id, flow run id).')],
     call_id: Annotated[str, typer.Argument(help='The call (see `durcap approvals list`).')],
     reason: Annotated[str, typer.Option('--reason', help='Returned to the model as the call\'s result.')],
-    engine: EngineOpt = 'dbos',
+    engine: EngineOpt = DEFAULT_ENGINE,
     fingerprint: Annotated[str | None, typer.Option(help='The fingerprint you reviewed; default: the pending one.')] = None,
     by: Annotated[str | None, typer.Option(help='Who decides (default: the OS user).')] = None,
-    address: AddressOpt = None,
-    namespace: NamespaceOpt = 'default',
-    db: DbOpt = None,
+    conn: dict[str, Any] | None = None,
 ) -> None:
     """Deny a waiting call: it never runs; the model receives the reason."""
-    _decide(engine, run_id, call_id, _settings(address, namespace, db), approve=False, reason=reason, by=by,
+    _decide(engine, run_id, call_id, _settings(conn), approve=False, reason=reason, by=by,
             fingerprint_=fingerprint)

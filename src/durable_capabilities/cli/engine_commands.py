@@ -24,7 +24,7 @@ from rich.text import Text
 from .. import runner
 from .._limits import INPUT_CODE, InputError, load_json, one_line, printable
 from ..agent import DurableAgent
-from ..engines import ENGINES, EngineUnreachableError, RunOptions, get
+from ..engines import DEFAULT_ENGINE, ENGINES, EngineUnreachableError, RunOptions, get
 from ..ids import redact_url
 from ..replay import ReplayTimeout, replay_histories
 from ..savings import compare_first_request
@@ -43,7 +43,7 @@ from . import (
     engine_metavar,
     engine_name,
 )
-from ._options import DbOption
+from ._options import checked, connection_options, run_settings, where_flags
 from .history import history_app
 
 worker_app = typer.Typer(help='Run workers.', no_args_is_help=True)
@@ -128,26 +128,14 @@ def _failure(agent: DurableAgent[Any, Any], engine: str, exc: BaseException, whe
     return printable(line)
 
 
-def _temporal_address(address: str | None) -> str | None:
-    """`--address`, else `$DURCAP_TEMPORAL_ADDRESS`, else `$TEMPORAL_ADDRESS` (each checked: exit 2 on a malformed
-    one), else `None`."""
-    from . import temporal_address
-
-    for value, option in ((address, '--address'), (os.environ.get('DURCAP_TEMPORAL_ADDRESS'), '$DURCAP_TEMPORAL_ADDRESS'),
-                          (os.environ.get('TEMPORAL_ADDRESS'), '$TEMPORAL_ADDRESS')):
-        if value:
-            return temporal_address(value, option)
-    return None
-
-
 async def _run_on(
-    agent: DurableAgent[Any, Any], prompt: str, engine: str, deps: Any, *, address: str | None, task_queue: str,
-    db: str | None, inline_worker: bool, conversation_id: str | None = None, store: str | None = None,
-    started: list[str] | None = None,
+    agent: DurableAgent[Any, Any], prompt: str, engine: str, deps: Any, *, settings: dict[str, Any],
+    conversation_id: str | None = None, store: str | None = None, started: list[str] | None = None,
 ) -> RunReport:
-    """One run through the runner; the engine's notes (e.g. which store its worker uses) printed first."""
+    """One run through the runner with the engines' run `settings` (`_options.run_settings`); the engine's notes
+    (e.g. which store its worker uses) printed first."""
 
-    settings = {'address': address, 'task_queue': task_queue, 'db': db, 'inline_worker': inline_worker, 'store': store}
+    settings = {**settings, 'store': store}
     for note in get(engine).run_notes(RunOptions(deps, None, conversation_id, None, settings)):
         _err.print(note)
     return await runner.run(agent, prompt, engine=engine, deps=deps, conversation_id=conversation_id,
@@ -247,46 +235,45 @@ def _exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _interrupted(engine: str, run_id: str | None, target: str, *, address: str | None, db: str | None) -> str:
-    """What `durcap run` says when interrupted: how to find, resume or cancel the run it started."""
+def _interrupted(engine: str, run_id: str | None, target: str, *, settings: dict[str, Any], flags: dict[str, Any]) -> str:
+    """What `durcap run` says when interrupted: how to find, resume or cancel the run it started (`flags`: the
+    connection flags given, repeated in the commands shown)."""
     if run_id is None:
         return 'interrupted before the run started on the engine: nothing to resume'
-    from .._servers import port_open
-
-    if engine == 'temporal' and _temporal_address(address) is None and not port_open('127.0.0.1', 7233):
-        return (f'interrupted; the run ({_adapter(engine).run_id_label} {run_id}) was on the embedded in-memory Temporal '
-                'dev server, which stopped with this command: the run is gone. Run it again, or start a server '
-                '(`durcap dev temporal`) and pass --address to keep runs past the command')
-    where = f' --engine {engine}' + (f' --address {address}' if address else '') + (f' --db {db}' if db else '')
-    return (f'interrupted; the run goes on in {engine} ({_adapter(engine).run_id_label} {run_id}): '
+    adapter = _adapter(engine)
+    embedded = adapter.spec.embedded
+    if embedded is not None and settings.get(embedded.setting) is None and not embedded.listening():
+        option = adapter.spec.setting(embedded.setting).option
+        return (f'interrupted; the run ({adapter.run_id_label} {run_id}) was on the embedded in-memory {embedded.label}, '
+                f'which stopped with this command: the run is gone. Run it again, or start a server '
+                f'(`durcap dev {engine}`) and pass {option} to keep runs past the command')
+    where = f' --engine {engine}' + where_flags(engine, flags)
+    return (f'interrupted; the run goes on in {engine} ({adapter.run_id_label} {run_id}): '
             f'find it with `durcap runs show {run_id}{where}`, finish it with `durcap runs resume {run_id}{where} '
             f'--target {target}`, or cancel it with `durcap runs cancel {run_id}{where}`')
 
 
-def _approvals_settings(engine: str, address: str | None, db: str | None) -> dict[str, Any] | None:
-    """Where `durcap run` reads its run's pending calls (`_watch_approvals`): the run's `address` (Temporal: else the
-    127.0.0.1:7233 server the run uses) and `db`. `None` for a Temporal run on an embedded in-memory server, which
-    only the run's own process knows."""
-    if engine == 'temporal' and address is None:
-        from .._servers import port_open
-
-        if not port_open('127.0.0.1', 7233):
+def _approvals_settings(engine: str, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """Where `durcap run` reads its run's pending calls (`_watch_approvals`): the engine's connection settings of the
+    run (an engine with an embedded server and none configured: the default server when one listens there). `None`
+    for a run on an embedded in-memory server, which only the run's own process knows."""
+    spec = _adapter(engine).spec
+    values = {s.field: settings[s.field] for s in spec.settings if 'read' in s.commands and s.field in settings}
+    embedded = spec.embedded
+    if embedded is not None and values.get(embedded.setting) is None:
+        if not embedded.listening():
             return None
-        address = '127.0.0.1:7233'
-    return {'address': address, 'db': db}
+        values[embedded.setting] = embedded.default
+    return values
 
 
 @app.command()
+@connection_options('run')
 def run(
     target: Annotated[str, typer.Argument(help=TARGET_HELP)],
     prompt: Annotated[str, typer.Argument(help='The user prompt.')],
     engine: Annotated[str, _engine_option('Where to run.')] = 'local',
     deps_json: Annotated[str | None, typer.Option('--deps-json', help="The run's deps as JSON, validated into deps_type.")] = None,
-    address: Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS; '
-                                                     'none: start the embedded dev server).')] = None,
-    task_queue: Annotated[str, typer.Option(help='Temporal task queue.')] = 'durcap',
-    inline_worker: Annotated[bool, typer.Option(help='Serve the Temporal task queue from this process for the run.')] = False,
-    db: DbOption = None,
     conversation: Annotated[str | None, typer.Option('--conversation', help='Conversation id: resume its stored history '
                                                      'and append this run to it (any engine).')] = None,
     store: Annotated[str | None, typer.Option('--store', help='Conversation store URL (default: $DURCAP_STORE or '
@@ -294,6 +281,7 @@ def run(
     model: Annotated[str | None, typer.Option(help="A pydantic-ai model name replacing TARGET's model for this run "
                                                    "(a separate Temporal worker uses its own).")] = None,
     base_url: BaseUrlOption = None,
+    conn: dict[str, Any] | None = None,
 ) -> None:
     """Run TARGET once on ENGINE and print the answer, loaded capabilities and durable units."""
     # A durable run registers durable units: refuse on drift from the durable.lock beside TARGET, as a worker does.
@@ -304,27 +292,24 @@ def run(
     if conversation is not None and not conversation.strip():
         _unusable('--conversation must not be empty')
     store = database_url(store, '--store')
-    db = database_url(db, '--db', probe=engine == 'dbos')
+    settings = run_settings(conn or {}, engine)  # each flag checked (exit 2), the run's engine database probed
     if deps_json is None and agent.deps_type is not type(None):
         _unusable(f'{agent.name!r} takes deps of type {agent.deps_type.__name__}: pass them with --deps-json')
     if store:
         os.environ['DURCAP_STORE'] = store  # read where the store I/O runs (this process, or an inline worker)
     deps = _deps(agent, deps_json)  # bad deps are unusable input (exit 2), before anything runs
-    run_address = _temporal_address(address)  # likewise a malformed address
     started: list[str] = []
     try:
         report = asyncio.run(_watch_approvals(lambda run_ids: _run_on(
-            agent, prompt, engine, deps, address=run_address,
-            task_queue=task_queue, db=db, inline_worker=inline_worker, conversation_id=conversation, store=store,
-            started=run_ids,
-        ), engine, _approvals_settings(engine, run_address, db), started=started))
+            agent, prompt, engine, deps, settings=settings, conversation_id=conversation, store=store, started=run_ids,
+        ), engine, _approvals_settings(engine, settings), started=started))
     except DurableConfigError as exc:
         _print_text(exc.report, exc.subject)
         raise typer.Exit(1) from None
     except StoreError as exc:
         _unusable(str(exc).splitlines()[0])
     except KeyboardInterrupt:
-        _err.print(_interrupted(engine, started[0] if started else None, target, address=address, db=db), markup=False)
+        _err.print(_interrupted(engine, started[0] if started else None, target, settings=settings, flags=conn or {}), markup=False)
         _exit_now(130)
     except EngineUnreachableError as exc:  # the engine's server is not there: nothing ran, like a bad --db
         _unusable(str(exc))
@@ -333,32 +318,29 @@ def run(
     except BaseException as exc:
         if type(exc).__name__ != 'TerminationSignal':  # Prefect turns SIGTERM into prefect.exceptions.TerminationSignal
             raise
-        _err.print(_interrupted(engine, started[0] if started else None, target, address=address, db=db), markup=False)
+        _err.print(_interrupted(engine, started[0] if started else None, target, settings=settings, flags=conn or {}), markup=False)
         _exit_now(143)
     _print_run(report)
 
 
 @app.command()
+@connection_options('demo')
 def demo(
-    engine: Annotated[str, _engine_option('Engine (default: DBOS on SQLite, nothing to start).')] = 'dbos',
+    engine: Annotated[str, _engine_option('Engine (default: DBOS on SQLite, nothing to start).')] = DEFAULT_ENGINE,
     model: Annotated[str | None, typer.Option(help='A pydantic-ai model name for a real provider (needs its API key, '
                                                    'or --base-url); default: the scripted support model.')] = None,
     base_url: BaseUrlOption = None,
     prompt: Annotated[str, typer.Option(help='The customer message.')] = 'Where is my order ABC-123? It should have arrived by now.',
-    address: Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: start the embedded dev server).')] = None,
-    db: DbOption = None,
-    task_queue: Annotated[str, typer.Option(help='Temporal task queue.')] = 'durcap-demo',
-    inline_worker: Annotated[bool, typer.Option(help='Serve the Temporal task queue from this process (off: use a '
-                                                     'running `durcap worker temporal`).')] = True,
     decision: Annotated[bool | None, typer.Option('--approve/--deny', help='Show the approval gate: ask to revoke the '
                                                   'sessions of acct-42 (account-security requires approval), show the '
                                                   'pause and the pending call, then approve or deny it.')] = None,
+    conn: dict[str, Any] | None = None,
 ) -> None:
     """Run the support example durably and show what deferral saved on the first request.
 
     Model: the scripted `FunctionModel` of examples/support/scripted.py unless --model is given.
     """
-    db = database_url(db, '--db', probe=engine == 'dbos')
+    settings = run_settings(conn or {}, engine)  # each flag checked (exit 2), the run's engine database probed
     if model:
         os.environ['SUPPORT_MODEL'] = model
     point_model(model, base_url)
@@ -367,21 +349,17 @@ def demo(
         _unusable(f'the support example is not installed with this package (looked for {target})')
     agent = _one_agent(f'{target}:support', use_lock=engine != 'local')
     make_store = sys.modules[agent.defined_in].make_store
-    with _demo_server(engine, _temporal_address(address)) as (run_address, approvals_address):
-        # The demo's own embedded server has no other worker: serve the task queue from this process.
-        inline_worker = inline_worker or (run_address is not None and _temporal_address(address) is None)
+    with _demo_server(engine, settings) as (run_values, approvals_values):
         if decision is not None:
-            _gate_demo(sys.modules[agent.defined_in], engine, decision, address=run_address, db=db, task_queue=task_queue,
-                       inline_worker=inline_worker, approvals_address=approvals_address)
+            _gate_demo(sys.modules[agent.defined_in], engine, decision, settings=run_values,
+                       approvals_settings=approvals_values)
             return
         _out.print(f'[bold]support demo[/bold] on {engine}, model: {model or "scripted FunctionModel (no provider)"}')
         _out.print(f'customer: {prompt}')
-        settings = {'address': approvals_address, 'db': db}
         try:
             report = asyncio.run(_watch_approvals(
-                lambda started: _run_on(agent, prompt, engine, make_store(), address=run_address, task_queue=task_queue,
-                                        db=db, inline_worker=inline_worker, started=started), engine, settings,
-                '; or run the demo with --approve/--deny'))
+                lambda started: _run_on(agent, prompt, engine, make_store(), settings=run_values, started=started),
+                engine, approvals_values, '; or run the demo with --approve/--deny'))
         except EngineUnreachableError as exc:
             _unusable(str(exc))
         except Exception as exc:  # noqa: BLE001 - the run failed in the engine: one line, no traceback
@@ -398,20 +376,27 @@ def demo(
 
 
 @contextlib.contextmanager
-def _demo_server(engine: str, address: str | None) -> Any:
-    """`(address for the run, address for approvals)`: on Temporal with no server configured or listening on
-    127.0.0.1:7233, an embedded in-memory dev server started here (dying with this command), so the demo can also
-    read and decide the run's approvals; otherwise `(address, address or the 127.0.0.1:7233 default)`."""
-    from .._servers import port_open, start_temporal_dev_server
-
-    if engine != 'temporal' or address is not None or port_open('127.0.0.1', 7233):
-        yield address, address or '127.0.0.1:7233'
+def _demo_server(engine: str, settings: dict[str, Any]) -> Any:
+    """`(settings for the run, settings for approvals)`: on an engine with an embedded server (`EngineSpec.embedded`)
+    and none configured or listening at its default address, an embedded in-memory server started here (dying with
+    this command; the settings it implies, e.g. an inline worker, applied), so the demo can also read and decide the
+    run's approvals; otherwise `settings`, approvals asking the default server when none is configured."""
+    spec = _adapter(engine).spec
+    embedded = spec.embedded
+    if embedded is None or settings.get(embedded.setting) is not None or embedded.listening():
+        approvals = dict(settings)
+        if embedded is not None:
+            approvals[embedded.setting] = settings.get(embedded.setting) or embedded.default
+        yield settings, approvals
         return
-    _err.print('temporal server: none configured (--address, $DURCAP_TEMPORAL_ADDRESS) or listening on 127.0.0.1:7233: '
+    setting = spec.setting(embedded.setting)
+    named = ', '.join([setting.option, *(f'${env}' for env in setting.env[:1])]) if setting else embedded.setting
+    _err.print(f'{engine} server: none configured ({named}) or listening on {embedded.default}: '
                'starting an embedded in-memory dev server for this demo (it stops with the demo)')
-    server = start_temporal_dev_server(state_dir='.durcap', persistent=False)
+    server = embedded.starter()(state_dir='.durcap', persistent=False)
     try:
-        yield server.address, server.address
+        values = {**settings, **embedded.implies, embedded.setting: server.address}
+        yield values, values
     finally:
         server.stop()
 
@@ -464,13 +449,10 @@ def paused_line(pending: Sequence[Any], engine: str, settings: dict[str, Any]) -
     Args:
         pending: The run's `approvals.PendingCall`s (at least one).
         engine: The engine's name.
-        settings: The run's settings: `address`, `db`.
+        settings: The run's connection settings (`address`, `db`, ...): those the engine's spec offers the operator
+            commands are repeated as flags.
     """
-    where = f' --engine {engine}'
-    if engine == 'temporal' and settings.get('address'):
-        where += f' --address {settings["address"]}'
-    if settings.get('db'):
-        where += f' --db {settings["db"]}'
+    where = f' --engine {engine}' + where_flags(engine, settings)
     calls = ' and '.join(f'{call.tool_name}({json.dumps(call.args, sort_keys=True)})' for call in pending)
     commands = '; '.join(f'`durcap approve {call.run_id} {call.call_id}{where}` or '
                          f'`durcap deny {call.run_id} {call.call_id}{where} --reason TEXT`' for call in pending)
@@ -482,8 +464,8 @@ def paused_line(pending: Sequence[Any], engine: str, settings: dict[str, Any]) -
 GATE_PROMPT = 'Someone keeps trying to log into my account acct-42 from abroad.'
 
 
-def _gate_demo(module: Any, engine: str, approve: bool, *, address: str | None, db: str | None, task_queue: str,
-               inline_worker: bool, approvals_address: str | None) -> None:
+def _gate_demo(module: Any, engine: str, approve: bool, *, settings: dict[str, Any],
+               approvals_settings: dict[str, Any]) -> None:
     """`durcap demo --approve|--deny`: the support agent (`account-security`'s approval gate is on by default), one
     run that pauses on `revoke_sessions`, the pending call, the decision, and the answer."""
     import asyncio
@@ -495,7 +477,7 @@ def _gate_demo(module: Any, engine: str, approve: bool, *, address: str | None, 
     if not _adapter(engine).durable:
         _unusable('--approve/--deny needs a durable engine: a local run cannot wait for a person')
     agent = module.make_support()
-    settings = {'address': approvals_address, 'db': db, 'task_queue': task_queue, 'inline_worker': inline_worker}
+    run_settings, settings = settings, approvals_settings
     run_id = f'support-gate-{uuid.uuid4().hex[:8]}'
     _out.print(f'[bold]support demo, approval gate[/bold] on {engine}; customer: {GATE_PROMPT}')
 
@@ -504,7 +486,7 @@ def _gate_demo(module: Any, engine: str, approve: bool, *, address: str | None, 
         # whose pending call appears after the start.
         before = {c.run_id for c in await runner.approvals(engine=engine, **settings)}
         run = asyncio.create_task(runner.run(agent, GATE_PROMPT, engine=engine, deps=module.make_store(), run_id=run_id,
-                                             notify=_err.print, **{**settings, 'address': address}))
+                                             notify=_err.print, **run_settings))
         pending: list[Any] = []
         while not pending:
             if run.done():
@@ -535,14 +517,11 @@ def _worker_command(engine: str) -> Any:
     def worker(
         target: Annotated[str, typer.Argument(help=TARGET_HELP)],
         task_queue: Annotated[str, typer.Option(help='Task queue to poll (DBOS: the queue to serve).')] = 'durcap',
-        address: Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS or 127.0.0.1:7233).')] = None,
-        namespace: Annotated[str, typer.Option(help='Temporal namespace.')] = 'default',
         graceful_shutdown: Annotated[float, typer.Option(help='Seconds in-flight activities get to finish after SIGTERM.')] = 30.0,
         lock: Annotated[Path | None, typer.Option('--lock', help="Lockfile to check against (default: durable.lock beside TARGET's module file).")] = None,
         allow_drift: Annotated[bool, typer.Option('--allow-drift', help='Start even when durable unit names differ from the lockfile.')] = False,
         store: Annotated[str | None, typer.Option('--store', help='Conversation store URL for runs with a conversation id '
                                                   '(default: $DURCAP_STORE or sqlite:///.durcap/conversations.db).')] = None,
-        db: DbOption = None,
         executor_id: Annotated[str | None, typer.Option('--executor-id', help='DBOS executor id; its pending workflows '
                                                         'are recovered at start (default: local, as DBOS does).')] = None,
         versioning: Annotated[bool, typer.Option(help='Temporal Worker Versioning: runs stay pinned to the worker '
@@ -553,18 +532,18 @@ def _worker_command(engine: str) -> Any:
                                                             '(default: durcap-TASK_QUEUE).')] = None,
         set_current: Annotated[bool, typer.Option(help="Make this worker's version the deployment's current version "
                                                   '(new Temporal runs go to it).')] = True,
+        conn: dict[str, Any] | None = None,
     ) -> None:
         """Validate TARGET and serve its workflows and activities; refuse to start on any error or lockfile drift;
         drain on SIGTERM."""
         agents = _valid_agents(target, use_lock=True, lock=lock, allow_drift=allow_drift, refused='worker not started: '
                                'fix the errors above' + ('' if allow_drift else ' (or pass --allow-drift on lockfile drift)'))
-        address = _temporal_address(address) or '127.0.0.1:7233'
         store = database_url(store, '--store')
-        db = database_url(db, '--db', probe=engine == 'dbos')
+        connection = run_settings(conn or {}, engine, defaults=True)  # checked; the worker's engine database probed
         if store:
             os.environ['DURCAP_STORE'] = store  # the conversation units run in this process
-        settings = {'address': address, 'task_queue': task_queue, 'namespace': namespace,
-                    'graceful_shutdown': graceful_shutdown, 'db': db, 'executor_id': executor_id,
+        settings = {**connection, 'task_queue': task_queue,
+                    'graceful_shutdown': graceful_shutdown, 'executor_id': executor_id,
                     'versioning': versioning, 'build_id': build_id, 'deployment_name': deployment_name,
                     'set_current': set_current}
         try:
@@ -579,7 +558,7 @@ def _worker_command(engine: str) -> Any:
         os._exit(0)
 
     worker.__name__ = f'worker_{engine}'
-    return worker
+    return connection_options('read')(worker)
 
 
 
@@ -670,7 +649,8 @@ def history_export(
     adapter = next((a for a in ENGINES.values() if 'history' in a.features and a.available()), None)
     if adapter is None:
         _unusable('no installed engine records histories to export (pip install "durable-capabilities[temporal]")')
-    settings = {'address': _temporal_address(address), 'namespace': namespace}
+    setting = adapter.spec.setting('address')
+    settings = {'address': checked(setting, address) if setting is not None else address, 'namespace': namespace}
     try:
         path = asyncio.run(adapter.export_history(workflow_id, output, settings))
     except Exception as exc:  # noqa: BLE001 - one line for the user, whatever the client raised

@@ -19,7 +19,7 @@ from .._limits import printable
 from ..settings import Settings
 from ..targets import TARGET_HELP
 from . import _err, _out, _unusable, _valid_agents, app, engine_metavar, engine_name
-from ._options import AddressOption, DbOption, NamespaceOption, connection_settings
+from ._options import connection_options, connection_settings
 
 runs_app = typer.Typer(help='Find, resume and cancel durable runs on every engine.', no_args_is_help=True)
 app.add_typer(runs_app, name='runs')
@@ -76,14 +76,13 @@ def _print_runs(infos: list[Any], fmt: RunsFormat) -> None:
 
 
 @runs_app.command('list')
+@connection_options('read')
 def list_runs(
     engine: Annotated[str | None, _engine_option()] = None,
     status: Annotated[str | None, typer.Option(help='running, queued, orphaned (its process is gone: `runs resume` it), completed, failed or cancelled.')] = None,
     limit: Annotated[int, typer.Option(help='At most this many runs per engine, newest first.', min=1)] = 20,
     fmt: FormatOption = RunsFormat.text,
-    db: DbOption = None,
-    address: AddressOption = None,
-    namespace: NamespaceOption = 'default',
+    conn: dict[str, Any] | None = None,
 ) -> None:
     """List durcap runs: id, agent, status, start time, capabilities loaded, conversation, durable units done."""
     from ..engines import RUN_STATUSES
@@ -92,7 +91,7 @@ def list_runs(
         _unusable(f'--status must be one of {", ".join(RUN_STATUSES)}, not {status!r}')
     from ..reading import list_runs as read_runs
 
-    listing = asyncio.run(read_runs(connection_settings(db, address, namespace), engines=_engine_list(engine),
+    listing = asyncio.run(read_runs(connection_settings(conn or {}), engines=_engine_list(engine),
                                     status=status, limit=limit))
     for note in listing.notes:
         _err.print(printable(f'note: {note}'), markup=False)
@@ -125,16 +124,15 @@ def _find(run_id: str, engine: str | None, settings: Settings) -> tuple[Any, Any
 
 
 @runs_app.command('show')
+@connection_options('read')
 def show(
     run_id: Annotated[str, typer.Argument(help='The run id (workflow id, flow run id).')],
     engine: Annotated[str | None, _engine_option()] = None,
     fmt: FormatOption = RunsFormat.text,
-    db: DbOption = None,
-    address: AddressOption = None,
-    namespace: NamespaceOption = 'default',
+    conn: dict[str, Any] | None = None,
 ) -> None:
     """Show one run: status, start time, capabilities loaded, conversation, durable units done, and what to do."""
-    _, info = _find(run_id, engine, connection_settings(db, address, namespace))
+    _, info = _find(run_id, engine, connection_settings(conn or {}))
     if fmt is RunsFormat.json:
         _out.print(json.dumps(info.to_json(), default=str), markup=False)
         return
@@ -150,35 +148,33 @@ def show(
 
 
 @runs_app.command('cancel')
+@connection_options('read')
 def cancel(
     run_id: Annotated[str, typer.Argument(help='The run id.')],
     engine: Annotated[str | None, _engine_option()] = None,
-    db: DbOption = None,
-    address: AddressOption = None,
-    namespace: NamespaceOption = 'default',
+    conn: dict[str, Any] | None = None,
 ) -> None:
     """Cancel a run on its engine and print its status afterwards."""
-    settings = connection_settings(db, address, namespace)
+    settings = connection_settings(conn or {})
     adapter, _ = _find(run_id, engine, settings)
     info = asyncio.run(adapter.cancel(run_id, settings.engine()))
     _out.print(printable(f'{info.run_id}: {info.status} ({info.engine_status})'), markup=False)
 
 
 @runs_app.command('resume')
+@connection_options('read')
 def resume(
     run_id: Annotated[str, typer.Argument(help='The run id.')],
     target: Annotated[str | None, typer.Option('--target', help=TARGET_HELP + ' The definition the run was started '
                                                'from: its code runs the rest of the run.')] = None,
     engine: Annotated[str | None, _engine_option()] = None,
-    db: DbOption = None,
-    address: AddressOption = None,
-    namespace: NamespaceOption = 'default',
+    conn: dict[str, Any] | None = None,
 ) -> None:
     """Finish a run whose process died, without repeating a completed durable unit, and print its answer."""
     from ..engines import RunOptions
     from .engine_commands import _print_run
 
-    settings = connection_settings(db, address, namespace)
+    settings = connection_settings(conn or {})
     adapter, _ = _find(run_id, engine, settings)
     agents = _valid_agents(target, use_lock=True, refused='not resumed: fix the errors above') if target else []
     try:

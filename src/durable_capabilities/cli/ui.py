@@ -6,12 +6,12 @@ Exit codes: 0 stopped (Ctrl-C / SIGTERM); 2 unusable input (an engine not instal
 from __future__ import annotations
 
 import os
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from . import _err, _unusable, app, engine_metavar, engine_name
-from ._options import AddressOption, DbOption, NamespaceOption, StoreOption, connection_settings
+from ._options import StoreOption, connection_options, connection_settings
 
 TOKEN_ENV = 'DURCAP_UI_TOKEN'  # noqa: S105 - the variable's name, not a token
 """The environment variable holding the decision token (otherwise one is generated and printed at start)."""
@@ -20,6 +20,7 @@ LOOPBACK = ('127.0.0.1', '::1', 'localhost')
 
 
 @app.command()
+@connection_options('read')
 def ui(
     host: Annotated[str, typer.Option(help='Interface to bind (default loopback only: the pages show run data).')] = '127.0.0.1',
     port: Annotated[int, typer.Option(help='TCP port.', min=1, max=65535)] = 8765,
@@ -27,10 +28,8 @@ def ui(
                                                      metavar=engine_metavar(True),
                                                      help='Engines to read (repeatable; default: every installed durable engine).')] = None,
     limit: Annotated[int, typer.Option(help='Runs listed per engine, newest first.', min=1)] = 50,
-    db: DbOption = None,
-    address: AddressOption = None,
-    namespace: NamespaceOption = 'default',
     store: StoreOption = None,
+    conn: dict[str, Any] | None = None,
 ) -> None:
     """Serve runs, one run's durable units and conversation, and pending approvals (approve / deny) as web pages.
 
@@ -47,7 +46,7 @@ def ui(
     from ..reading import EngineNotInstalled
 
     token = os.environ.get(TOKEN_ENV) or new_token()
-    settings = connection_settings(db, address, namespace, store)
+    settings = connection_settings(conn or {}, store)
     try:
         application = create_app(settings, token, engines=engine, limit=limit)
     except EngineNotInstalled as exc:

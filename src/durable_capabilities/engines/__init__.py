@@ -1,15 +1,16 @@
 """The engine registry: one line per engine, one adapter module each (see `_adapter.EngineAdapter`).
 
-Built-in engines are registered lazily (`LazyAdapter`): their module, and the engine's SDK, is imported
-only when something beyond the name, the extra and the availability is asked. `register` adds an engine
+Built-in engines are registered from their spec (`LazyAdapter(spec)`, see `_protocol.EngineSpec`): their module,
+and the engine's SDK, is imported only when something beyond what the spec declares is asked. `register` adds an engine
 (a test module can add its own); the CLI, runner, lockfile, replay and the MCP guard look engines up here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal, overload
+from typing import Any, overload
 
+from . import _specs
 from ._adapter import (
     RUN_STATUSES,
     EngineAdapter,
@@ -21,14 +22,29 @@ from ._adapter import (
     RunUnit,
     unit_kind,
 )
+from ._protocol import ConnectionSetting, EngineSpec
+from ._specs import DEFAULT_ENGINE
 
 __all__ = [
-    'ALL_ENGINES', 'DURABLE_ENGINES', 'ENGINES', 'RUN_STATUSES', 'EngineAdapter', 'EngineUnreachableError', 'LazyAdapter',
+    'ALL_ENGINES',
+    'DEFAULT_ENGINE',
+    'DURABLE_ENGINES',
+    'ENGINES',
+    'RUN_STATUSES',
+    'ConnectionSetting',
+    'EngineAdapter',
+    'EngineSpec',
+    'EngineUnreachableError',
+    'LazyAdapter',
     'RunInfo',
-    'RunNotFoundError', 'RunOptions', 'RunUnit', 'get', 'register', 'unit_kind',
+    'RunNotFoundError',
+    'RunOptions',
+    'RunUnit',
+    'get',
+    'register',
+    'specs',
+    'unit_kind',
 ]
-
-EngineName = Literal['local', 'temporal', 'dbos', 'prefect']
 
 ENGINES: dict[str, EngineAdapter] = {}
 """Every registered engine by name, in registration order (live: `register` adds to it)."""
@@ -44,6 +60,11 @@ def register(adapter: EngineAdapter) -> EngineAdapter:
     """
     ENGINES[adapter.name] = adapter
     return adapter
+
+
+def specs() -> list[EngineSpec]:
+    """The spec of every registered engine, in registration order (what settings, flags and hints are built from)."""
+    return [adapter.spec for adapter in ENGINES.values()]
 
 
 def get(name: str) -> EngineAdapter:
@@ -89,10 +110,7 @@ DURABLE_ENGINES: Sequence[str] = _Names(durable_only=True)
 ALL_ENGINES: Sequence[str] = _Names(durable_only=False)
 """Names of every registered engine."""
 
-register(LazyAdapter('local', 'durable_capabilities.engines.local', durable=False))
-register(LazyAdapter('temporal', 'durable_capabilities.engines.temporal', extra='temporal', requires='temporalio',
-                     features=frozenset({'worker', 'dev-server', 'history'})))
-register(LazyAdapter('dbos', 'durable_capabilities.engines.dbos', extra='dbos', requires='dbos',
-                     features=frozenset({'worker'})))
-register(LazyAdapter('prefect', 'durable_capabilities.engines.prefect', extra='prefect', requires='prefect',
-                     features=frozenset({'schedule'})))
+register(LazyAdapter(_specs.LOCAL))
+register(LazyAdapter(_specs.TEMPORAL))
+register(LazyAdapter(_specs.DBOS))
+register(LazyAdapter(_specs.PREFECT))

@@ -1,7 +1,8 @@
 """The engine adapter protocol: everything the rest of the package asks of an engine.
 
 One module per engine implements it (`local.py`, `temporal.py`, `dbos.py`, `prefect.py`) and
-exposes the instance as `ADAPTER`; `engines/__init__.py` registers each one with one line. The CLI,
+exposes the instance as `ADAPTER`; what the rest of the package knows of an engine without importing it is its
+`_protocol.EngineSpec`, and `engines/__init__.py` registers each one with one line, `LazyAdapter(spec)`. The CLI,
 the runner, the lockfile, replay and the MCP guard look engines up by name and never name one.
 """
 
@@ -15,6 +16,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
+
+from ._protocol import ConnectionSetting, EngineSpec
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
@@ -261,6 +264,19 @@ class EngineAdapter(ABC):
         """Whether the engine's SDK is installed, without importing it (importing Prefect alone takes ~1.4 s)."""
         return self.requires is None or importlib.util.find_spec(self.requires) is not None
 
+    @property
+    def spec(self) -> EngineSpec:
+        """The engine's `EngineSpec`: for an adapter registered directly (not from a spec), one built from its
+        attributes, with no connection settings (override `connection_settings` to declare some)."""
+        return EngineSpec(
+            name=self.name, module=type(self).__module__, durable=self.durable, extra=self.extra, requires=self.requires,
+            label=self.name, settings=tuple(self.connection_settings), lock_sections=self.lock_sections, unit=self.unit,
+            units=self.units, container=self.container, run_id_label=self.run_id_label, features=self.features,
+        )
+
+    connection_settings: Sequence[ConnectionSetting] = ()
+    """Connection settings of an adapter registered without a spec (see `spec`)."""
+
     def durability_class(self) -> Callable[..., Any] | None:
         """Upstream's durability capability class, or a subclass of it (`None`: the agent is built without one, as locally).
 
@@ -428,21 +444,44 @@ class EngineAdapter(ABC):
         """
 
 
-class LazyAdapter(EngineAdapter):
-    """A registry entry that imports its engine module (and SDK) only when something beyond the name is asked.
+if TYPE_CHECKING:
+    _Forwarding = EngineAdapter  # what a type checker sees: every member of the adapter protocol
+else:
+    _Forwarding = object
+
+
+class LazyAdapter(_Forwarding):
+    """A registry entry built from an `EngineSpec`: answers what the spec declares (name, extra, availability,
+    durable, features, nouns, lock sections) without importing anything, and forwards every other member of
+    `EngineAdapter` to the engine module's `ADAPTER`, imported (with the engine's SDK) on first use.
 
     Args:
-        name: The engine's name.
-        module: The module holding the adapter as `ADAPTER`.
-        extra / requires / durable / features: As `EngineAdapter` (known without importing `module`).
+        spec: The engine's spec (`spec.module` holds the adapter as `ADAPTER`).
     """
 
-    def __init__(
-        self, name: str, module: str, *, extra: str | None = None, requires: str | None = None, durable: bool = True,
-        features: frozenset[str] = frozenset(),
-    ):
-        self.name, self.module, self.extra, self.requires = name, module, extra, requires
-        self.durable, self.features = durable, frozenset(features)
+    def __init__(self, spec: EngineSpec):
+        self._spec = spec
+
+    @property
+    def spec(self) -> EngineSpec:
+        return self._spec
+
+    # What the spec answers (no import).
+    name = property(lambda self: self.spec.name)  # type: ignore[assignment]
+    extra = property(lambda self: self.spec.extra)  # type: ignore[assignment]
+    requires = property(lambda self: self.spec.requires)  # type: ignore[assignment]
+    durable = property(lambda self: self.spec.durable)  # type: ignore[assignment]
+    features = property(lambda self: self.spec.features)  # type: ignore[assignment]
+    unit = property(lambda self: self.spec.unit)  # type: ignore[assignment]
+    units = property(lambda self: self.spec.units)  # type: ignore[assignment]
+    container = property(lambda self: self.spec.container)  # type: ignore[assignment]
+    run_id_label = property(lambda self: self.spec.run_id_label)  # type: ignore[assignment]
+    lock_sections = property(lambda self: self.spec.lock_sections)  # type: ignore[assignment]
+    module = property(lambda self: self.spec.module)
+
+    def available(self) -> bool:
+        """Whether the engine's SDK is installed, without importing it."""
+        return self.spec.available()
 
     @property
     def loaded(self) -> EngineAdapter:
@@ -451,83 +490,19 @@ class LazyAdapter(EngineAdapter):
         Raises:
             ImportError: the engine's extra is not installed.
         """
-        return importlib.import_module(self.module).ADAPTER
-
-    # The engine's words and lock sections live in its module: read them there (the base class has defaults).
-    unit = property(lambda self: self.loaded.unit)  # type: ignore[assignment]
-    units = property(lambda self: self.loaded.units)  # type: ignore[assignment]
-    container = property(lambda self: self.loaded.container)  # type: ignore[assignment]
-    run_id_label = property(lambda self: self.loaded.run_id_label)  # type: ignore[assignment]
-    lock_sections = property(lambda self: self.loaded.lock_sections)  # type: ignore[assignment]
+        return importlib.import_module(self.spec.module).ADAPTER
 
     def __repr__(self) -> str:
-        return f'LazyAdapter({self.name!r}, {self.module!r})'
+        return f'LazyAdapter({self.spec.name!r}, {self.spec.module!r})'
 
-    def durability_class(self) -> Callable[..., Any] | None:
-        return self.loaded.durability_class()
-
-    def durability_parts(self, agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-        return self.loaded.durability_parts(agent, options)
-
-    def durable_names(self, agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
-        return self.loaded.durable_names(agent)
-
-    def conversation_units(self, agent: DurableAgent[Any, Any]) -> list[str]:
-        return self.loaded.conversation_units(agent)
-
-    def mcp_retry_hint(self, leaf_id: str) -> str | None:
-        return self.loaded.mcp_retry_hint(leaf_id)
-
-    def mcp_passes_through(self, error: BaseException) -> bool:
-        return self.loaded.mcp_passes_through(error)
-
-    def mcp_upstream_schedule(self) -> bool:
-        return self.loaded.mcp_upstream_schedule()
-
-    def run_notes(self, options: RunOptions) -> list[str]:
-        return self.loaded.run_notes(options)
-
-    def unconfigured(self, settings: Mapping[str, Any]) -> str | None:
-        return self.loaded.unconfigured(settings)
-
-    def listing_note(self, settings: Mapping[str, Any]) -> str | None:
-        return self.loaded.listing_note(settings)
-
-    def serve_worker(self, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> None:
-        return self.loaded.serve_worker(agents, options)
-
-    def serve_dev_server(self, port: int, state_dir: Any, notify: Callable[[str], None], ui_port: int | None = None) -> None:
-        return self.loaded.serve_dev_server(port, state_dir, notify, ui_port)
-
-    def serve_schedule(self, agent: DurableAgent[Any, Any], **kwargs: Any) -> None:
-        return self.loaded.serve_schedule(agent, **kwargs)
-
-    async def export_history(self, run_id: str, output: Any, settings: Mapping[str, Any]) -> Any:
-        return await self.loaded.export_history(run_id, output, settings)
-
-    def replayer(self, agents: Sequence[DurableAgent[Any, Any]], *, store: str | None = None) -> Any | None:
-        return self.loaded.replayer(agents, store=store)
-
-    async def pending_approvals(self, settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
-        return await self.loaded.pending_approvals(settings, run_id)
-
-    async def decide(self, run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
-        return await self.loaded.decide(run_id, decision, settings)
-
-    async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
-        return await self.loaded.run(agent, prompt, options)
-
-    async def list_runs(self, settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
-        return await self.loaded.list_runs(settings, status=status, limit=limit)
-
-    async def show_run(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
-        return await self.loaded.show_run(run_id, settings)
-
-    async def resume(self, run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
-        return await self.loaded.resume(run_id, agents, options)
-
-    async def cancel(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
-        return await self.loaded.cancel(run_id, settings)
+    if TYPE_CHECKING:
+        async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport: ...
+    else:
+        def __getattr__(self, member: str) -> Any:
+            """Every other member of the adapter protocol, from the loaded adapter (private names are not forwarded)."""
+            if member.startswith('_'):
+                raise AttributeError(member)
+            return getattr(self.loaded, member)
 
 
 _KIND_BY_CLASS = {'FunctionToolset': 'function', 'MCPToolset': 'mcp', 'DynamicToolset': 'dynamic'}

@@ -1,0 +1,87 @@
+"""The built-in engines' specs (`_protocol.EngineSpec`): local, Temporal, DBOS, Prefect.
+
+Each moves into its engine's subpackage (`engines/<name>/_spec.py`) once engines are subpackages; the registry
+(`engines/__init__.py`) registers one `LazyAdapter(spec)` per engine.
+"""
+
+from __future__ import annotations
+
+from ._protocol import ConnectionSetting, EmbeddedServer, EngineSpec
+
+DEFAULT_TEMPORAL_ADDRESS = '127.0.0.1:7233'
+"""The Temporal frontend asked when neither `--address` nor the environment names one."""
+
+LOCAL = EngineSpec(name='local', module='durable_capabilities.engines.local', durable=False, label='local')
+
+TEMPORAL = EngineSpec(
+    name='temporal',
+    module='durable_capabilities.engines.temporal',
+    extra='temporal',
+    requires='temporalio',
+    durability='pydantic_ai.durable_exec.temporal:TemporalDurability',
+    label='Temporal',
+    settings=(
+        ConnectionSetting(
+            'address', ('--address',), 'Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS or 127.0.0.1:7233).',
+            env=('DURCAP_TEMPORAL_ADDRESS', 'TEMPORAL_ADDRESS'), default=DEFAULT_TEMPORAL_ADDRESS, kind='address',
+            commands=frozenset({'read', 'run', 'demo'}), resolve_in_cli=True,
+            help_in={'run': 'Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS; none: start the embedded '
+                            'dev server).',
+                     'demo': 'Temporal frontend HOST:PORT (default: start the embedded dev server).'}),
+        ConnectionSetting('namespace', ('--namespace',), 'Temporal namespace.', default='default',
+                          default_in={'read': 'default'}),
+        ConnectionSetting('task_queue', ('--task-queue',), 'Temporal task queue.', commands=frozenset({'run', 'demo'}),
+                          default_in={'run': 'durcap', 'demo': 'durcap-demo'}),
+        ConnectionSetting('inline_worker', ('--inline-worker',), 'Serve the Temporal task queue from this process for '
+                          'the run.', kind='flag', commands=frozenset({'run', 'demo'}),
+                          default_in={'run': False, 'demo': True},
+                          help_in={'demo': 'Serve the Temporal task queue from this process (off: use a running '
+                                           '`durcap worker temporal`).'}),
+    ),
+    describe=('Temporal', '{address} (namespace {namespace})'),
+    where='--address',
+    lock_sections={'workflows': 'workflow', 'activities': 'activity'},
+    packages=('temporalio',),
+    unit='activity', units='activities', container='workflow', run_id_label='workflow id',
+    features=frozenset({'worker', 'dev-server', 'history', 'approvals'}),
+    embedded=EmbeddedServer('address', DEFAULT_TEMPORAL_ADDRESS, 'durable_capabilities._servers:start_temporal_dev_server',
+                            'Temporal dev server', implies={'inline_worker': True}),
+)
+
+DBOS = EngineSpec(
+    name='dbos',
+    module='durable_capabilities.engines.dbos',
+    extra='dbos',
+    requires='dbos',
+    durability='pydantic_ai.durable_exec.dbos:DBOSDurability',
+    label='DBOS',
+    settings=(
+        ConnectionSetting('db', ('--db',), 'DBOS system database URL (default: $DURCAP_DBOS_DB or SQLite '
+                          '.durcap/dbos.sqlite).', env=('DURCAP_DBOS_DB',), kind='database', secret=True,
+                          commands=frozenset({'read', 'run', 'demo'}), unset='SQLite .durcap/dbos.sqlite'),
+    ),
+    describe=('DBOS system database', '{db}'),
+    where='--db',
+    lock_sections={'workflows': 'workflow', 'steps': 'step'},
+    packages=('dbos',),
+    unit='step', units='steps', container='workflow', run_id_label='workflow id',
+    features=frozenset({'worker', 'approvals'}),
+)
+
+PREFECT = EngineSpec(
+    name='prefect',
+    module='durable_capabilities.engines.prefect',
+    extra='prefect',
+    requires='prefect',
+    durability='pydantic_ai.durable_exec.prefect:PrefectDurability',
+    label='Prefect',
+    # No setting of ours: Prefect's client reads PREFECT_API_URL (environment or Prefect profile).
+    where='PREFECT_API_URL',
+    lock_sections={'flows': 'flow', 'tasks': 'task', 'cache_toolset_ids': 'cache toolset id'},
+    packages=('prefect',),
+    unit='task', units='tasks', container='flow', run_id_label='flow run id',
+    features=frozenset({'schedule', 'approvals'}),
+)
+
+DEFAULT_ENGINE = DBOS.name
+"""The engine commands use when `--engine` is not given (`durcap demo`, `approvals`): DBOS on SQLite, nothing to start."""
