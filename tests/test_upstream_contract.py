@@ -484,3 +484,18 @@ def test_upstream_module_exports_are_all_covered() -> None:
         '_telemetry_url_derived_id',
         '_workflow_worker',
     ], f'_upstream.py now touches {sorted(private)}; add contract tests for the new ones'
+
+
+def test_runtime_rejected_kinds_are_read_from_upstreams_durability_classes() -> None:
+    """`EngineSpec.rejected_at_run_time` (DC024) reads `engine_spec.unsupported_runtime_toolset_kinds` of upstream's
+    durability classes through `_upstream.runtime_rejected_kinds`: the attribute exists and holds upstream's kinds."""
+    from durable_capabilities.engines import ENGINES
+
+    for adapter in ENGINES.values():
+        spec = adapter.spec
+        if spec.durability is None:
+            continue
+        module, _, name = spec.durability.partition(':')
+        kinds = _upstream.runtime_rejected_kinds(getattr(importlib.import_module(module), name))
+        assert kinds and kinds <= {'function', 'mcp', 'dynamic'}, changed(f'{name}.engine_spec.unsupported_runtime_toolset_kinds')
+        assert spec.rejected_at_run_time() == kinds

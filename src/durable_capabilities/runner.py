@@ -11,7 +11,7 @@ from typing import Any
 
 from .agent import DurableAgent
 from .approvals import Decision, PendingCall, default_user, fingerprint
-from .engines import RunOptions, get
+from .engines import DEFAULT_ENGINE, RunOptions, get
 from .engines._adapter import _stderr
 from .turn import RunReport
 
@@ -66,7 +66,7 @@ async def run(
     return await get(engine).run(agent, prompt, options)
 
 
-async def approvals(run_id: str | None = None, *, engine: str = 'dbos', **settings: Any) -> list[PendingCall]:
+async def approvals(run_id: str | None = None, *, engine: str = DEFAULT_ENGINE, **settings: Any) -> list[PendingCall]:
     """Tool calls waiting for a person on `engine` (only those of run `run_id` when given).
 
     Args:
@@ -89,7 +89,7 @@ async def decide(
     override_args: dict[str, Any] | None = None,
     by: str | None = None,
     fingerprint_: str | None = None,
-    engine: str = 'dbos',
+    engine: str = DEFAULT_ENGINE,
     **settings: Any,
 ) -> Decision:
     """Approve or deny one waiting call; the run continues once all its pending calls are decided.
