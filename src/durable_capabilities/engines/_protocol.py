@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Callable, Mapping
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -57,8 +58,8 @@ class ConnectionSetting:
     kind: SettingKind = 'text'
     secret: bool = False
     commands: frozenset[Command] = frozenset({'read'})
-    help_in: Mapping[str, str] = field(default_factory=dict)
-    default_in: Mapping[str, Any] = field(default_factory=dict)
+    help_in: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    default_in: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     unset: str | None = None
     resolve_in_cli: bool = False
 
