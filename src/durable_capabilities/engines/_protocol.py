@@ -8,10 +8,10 @@ flags, its settings and its lock section without another module naming it. Nothi
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 from collections.abc import Callable, Mapping
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
