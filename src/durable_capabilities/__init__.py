@@ -5,7 +5,10 @@ The public API is re-exported here; every other name is private.
 
 from typing import TYPE_CHECKING, Any
 
+from ._limits import InputError
 from .agent import DurableAgent, validate_together
+from .approvals import ApprovalError
+from .errors import DurcapError
 from .ids import MAX_ID_LENGTH, id_syntax_error, redact_url
 from .runbook import RunbookRequired
 from .skills import InvalidSkill, load_skill, load_skills
@@ -13,34 +16,62 @@ from .validation import CODES, DurableConfigError, Problem, Report
 from .worker_secrets import SecretNotFoundError, WorkerSecret, set_secret_resolver
 
 if TYPE_CHECKING:
-    from .store import ConversationConflictError, ConversationNotFoundError, SQLConversationStore, StoreError, drift
+    from .engines import EngineUnreachableError, RunNotFoundError
+    from .lockfile import LockfileError
+    from .store import (
+        ConversationConflictError,
+        ConversationNotFoundError,
+        SQLConversationStore,
+        StoreError,
+        StoreUnavailableError,
+        StoreURLError,
+        drift,
+    )
+    from .targets import UnusableTarget
 
-_FROM_STORE = frozenset({'ConversationConflictError', 'ConversationNotFoundError', 'SQLConversationStore', 'StoreError', 'drift'})
+_LAZY = {
+    **dict.fromkeys(('ConversationConflictError', 'ConversationNotFoundError', 'SQLConversationStore', 'StoreError',
+                     'StoreURLError', 'StoreUnavailableError', 'drift'), 'store'),
+    'LockfileError': 'lockfile',
+    'UnusableTarget': 'targets',
+    'RunNotFoundError': 'engines',
+    'EngineUnreachableError': 'engines',
+}
+"""Names imported on first use, with their module: the store brings SQLAlchemy (about 0.4 s and 300 modules), which an
+agent without a conversation never needs (issue 14, item 5); the lockfile and TARGET loader are for tools."""
 
 
 def __getattr__(name: str) -> Any:
-    """The conversation store's names, imported on first use: the store brings SQLAlchemy (about 0.4 s and
-    300 modules), which an agent without a conversation never needs (issue 14, item 5; PEP 562)."""
-    if name in _FROM_STORE:
-        from . import store
+    """The names of `_LAZY`, imported on first use (PEP 562)."""
+    if name in _LAZY:
+        import importlib
 
-        return getattr(store, name)
+        return getattr(importlib.import_module(f'.{_LAZY[name]}', __name__), name)
     raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 __all__ = [
     'CODES',
     'MAX_ID_LENGTH',
+    'ApprovalError',
     'ConversationConflictError',
     'ConversationNotFoundError',
     'DurableAgent',
     'DurableConfigError',
+    'DurcapError',
+    'EngineUnreachableError',
+    'InputError',
     'InvalidSkill',
+    'LockfileError',
     'Problem',
     'Report',
+    'RunNotFoundError',
     'RunbookRequired',
     'SQLConversationStore',
     'SecretNotFoundError',
     'StoreError',
+    'StoreURLError',
+    'StoreUnavailableError',
+    'UnusableTarget',
     'WorkerSecret',
     'drift',
     'id_syntax_error',

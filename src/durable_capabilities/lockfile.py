@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from ._limits import MAX_LOCK_BYTES, InputError, load_yaml, one_line, printable, read_bytes
 from .agent import DurableAgent
 from .engines import ENGINES
+from .errors import DurcapError
 from .validation import DurableConfigError, Problem, Report
 
 LOCK_VERSION = 1
@@ -89,7 +90,7 @@ def write_lock(agents: Sequence[DurableAgent[Any, Any]], path: str | Path = DEFA
     return path
 
 
-class LockfileError(ValueError):
+class LockfileError(ValueError, DurcapError, code='lockfile'):
     """The lockfile cannot be read (missing, not YAML, over a bound, wrong shape, or a newer lock format).
 
     The message is one line; for a bound or a wrong shape it starts with code DC040 (`validation.CODES`).
