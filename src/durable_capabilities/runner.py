@@ -1,7 +1,7 @@
 """Run a `DurableAgent` once on any registered engine and report what the engine recorded.
 
 Used by `durcap run` and `durcap demo`. The engine is looked up in the registry (`engines.get`); each
-adapter runs the path its users know (see `engines/<name>.py`) and returns a `turn.RunReport`.
+adapter runs the path its users know (see `engines/<name>.py`) and returns a `report.RunReport`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from .agent import DurableAgent
 from .approvals import Decision, PendingCall, default_user, fingerprint
 from .engines import RunOptions, get
 from .engines._adapter import _stderr
-from .turn import RunReport
+from .report import RunReport
 
 __all__ = ['RunReport', 'approvals', 'decide', 'run']
 

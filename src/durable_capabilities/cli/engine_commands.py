@@ -27,10 +27,10 @@ from ..agent import DurableAgent
 from ..engines import ENGINES, EngineUnreachableError, RunOptions, get
 from ..ids import redact_url
 from ..replay import ReplayTimeout, replay_histories
+from ..report import RunReport
 from ..savings import compare_first_request
 from ..store import StoreError
 from ..targets import TARGET_HELP
-from ..turn import RunReport
 from ..validation import DurableConfigError
 from . import (
     _err,

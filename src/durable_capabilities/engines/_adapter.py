@@ -21,7 +21,7 @@ from ..errors import DurcapError
 if TYPE_CHECKING:
     from ..agent import DurableAgent
     from ..approvals import Decision, PendingCall
-    from ..turn import RunReport
+    from ..report import RunReport
 
 
 def _stderr(message: str) -> None:

@@ -44,8 +44,9 @@ from pydantic_core import to_jsonable_python
 from .. import _registry, _upstream
 from .._limits import private_file, redact_database_url
 from ..conversations import append_conversation, load_conversation
+from ..report import RunReport
 from ..store import AppendIdReuseError, ConversationConflictError, CorruptedRowError, NewerHistoryError, SchemaVersionError
-from ..turn import RunReport, Turn, deps_from_json, run_turn
+from ..turn import Turn, deps_from_json, run_turn
 from ..validation import DurableConfigError
 from . import _mcp, _retry_after, _retry_log
 from ._adapter import EngineAdapter, RunInfo, RunOptions, leaf_kinds
