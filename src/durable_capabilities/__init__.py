@@ -5,9 +5,11 @@ The public API is re-exported here; every other name is private.
 
 from typing import TYPE_CHECKING, Any
 
+from . import _hooks, engines, runner
 from ._limits import InputError
 from .agent import DurableAgent, validate_together
 from .approvals import ApprovalError
+from .engines import EngineUnreachableError, RunNotFoundError
 from .errors import DurcapError
 from .ids import MAX_ID_LENGTH, id_syntax_error, redact_url
 from .runbook import RunbookRequired
@@ -15,8 +17,11 @@ from .skills import InvalidSkill, load_skill, load_skills
 from .validation import CODES, DurableConfigError, Problem, Report
 from .worker_secrets import SecretNotFoundError, WorkerSecret, set_secret_resolver
 
+# The composition root (issue 23, item 4): core (`agent`) imports nothing above it; the engine registry and the
+# in-process turn are handed to it here, once, before any module of the package can construct an agent.
+_hooks.install(engines=engines.ENGINES, run_in_process=runner.run_in_process)
+
 if TYPE_CHECKING:
-    from .engines import EngineUnreachableError, RunNotFoundError
     from .lockfile import LockfileError
     from .store import (
         ConversationConflictError,
@@ -34,8 +39,6 @@ _LAZY = {
                      'StoreURLError', 'StoreUnavailableError', 'drift'), 'store'),
     'LockfileError': 'lockfile',
     'UnusableTarget': 'targets',
-    'RunNotFoundError': 'engines',
-    'EngineUnreachableError': 'engines',
 }
 """Names imported on first use, with their module: the store brings SQLAlchemy (about 0.4 s and 300 modules), which an
 agent without a conversation never needs (issue 14, item 5); the lockfile and TARGET loader are for tools."""

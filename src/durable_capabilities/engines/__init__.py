@@ -93,6 +93,6 @@ register(LazyAdapter('local', 'durable_capabilities.engines.local', durable=Fals
 register(LazyAdapter('temporal', 'durable_capabilities.engines.temporal', extra='temporal', requires='temporalio',
                      features=frozenset({'worker', 'dev-server', 'history'})))
 register(LazyAdapter('dbos', 'durable_capabilities.engines.dbos', extra='dbos', requires='dbos',
-                     features=frozenset({'worker'})))
+                     features=frozenset({'worker', 'fixed-model'})))
 register(LazyAdapter('prefect', 'durable_capabilities.engines.prefect', extra='prefect', requires='prefect',
                      features=frozenset({'schedule'})))

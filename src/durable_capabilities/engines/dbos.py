@@ -698,7 +698,7 @@ class DBOSAdapter(EngineAdapter):
     name = 'dbos'
     unit, units, container, run_id_label = 'step', 'steps', 'workflow', 'workflow id'
     extra, requires = 'dbos', 'dbos'
-    features = frozenset({'worker'})
+    features = frozenset({'worker', 'fixed-model'})  # fixed-model: `_hooks.FIXED_MODEL` (steps registered with the model)
     lock_sections: Mapping[str, str] = {'workflows': 'workflow', 'steps': 'step'}
 
     def listing_note(self, settings: Mapping[str, Any]) -> str | None:
