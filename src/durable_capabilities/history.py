@@ -28,7 +28,6 @@ from pydantic_ai.toolsets import FunctionToolset
 from .validation import Problem
 
 
-
 class Definition(Protocol):
     """What `drift` and `known_tool` read of a definition (`DurableAgent` has it): typed here, so the store, which
     imports this module, does not reach the agent module."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._limits import redact_database_url
-from .store import DEFAULT_URL
+from .store import DEFAULT_URL, resolve_url
 
 DEFAULT_TEMPORAL_ADDRESS = '127.0.0.1:7233'
 """The Temporal frontend asked when neither `--address` nor the environment names one."""
@@ -52,7 +52,7 @@ class Settings:
             address=address or env('DURCAP_TEMPORAL_ADDRESS') or env('TEMPORAL_ADDRESS') or DEFAULT_TEMPORAL_ADDRESS,
             namespace=namespace or 'default',
             db=db or env('DURCAP_DBOS_DB') or None,
-            store=store or env('DURCAP_STORE') or DEFAULT_URL,
+            store=resolve_url(store),
         )
 
     def engine(self) -> dict[str, Any]:

@@ -70,6 +70,14 @@ def _engine_option(help: str) -> Any:
     return typer.Option('--engine', '-e', parser=engine_name(durable_only=False), metavar=engine_metavar(False), help=help)
 
 
+def _require_installed(engine: str) -> None:
+    """Exit 2 with the extra to install when `engine`'s SDK is not installed (before TARGET is loaded: a definition
+    defaults to the installed engines, so it would otherwise fail later with a traceback or a lock error)."""
+    adapter = get(engine)
+    if not adapter.available():
+        _unusable(f"engine {engine!r} is not installed: pip install 'durable-capabilities[{adapter.extra}]'")
+
+
 def _one_agent(target: str, *, use_lock: bool = False) -> DurableAgent[Any, Any]:
     """Load TARGET as exactly one valid definition (with `use_lock`, matching the durable.lock beside it);
     print its errors and exit 1 otherwise."""
@@ -296,6 +304,7 @@ def run(
     base_url: BaseUrlOption = None,
 ) -> None:
     """Run TARGET once on ENGINE and print the answer, loaded capabilities and durable units."""
+    _require_installed(engine)
     # A durable run registers durable units: refuse on drift from the durable.lock beside TARGET, as a worker does.
     agent = _one_agent(target, use_lock=engine != 'local')
     if model:
@@ -356,8 +365,10 @@ def demo(
 ) -> None:
     """Run the support example durably and show what deferral saved on the first request.
 
-    Model: the scripted `FunctionModel` of examples/support/scripted.py unless --model is given.
+    Model: the scripted `FunctionModel` of examples/support/scripted.py unless --model is given. Runs on any
+    installed engine; an engine whose extra is missing exits 2 naming the extra.
     """
+    _require_installed(engine)
     db = database_url(db, '--db', probe=engine == 'dbos')
     if model:
         os.environ['SUPPORT_MODEL'] = model

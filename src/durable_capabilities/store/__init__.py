@@ -35,6 +35,7 @@ Layout: this module is the public API (the store, its results and errors); the S
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -73,6 +74,7 @@ __all__ = [
     'WriteRecord',
     'drift',
     'loaded_capability_ids',
+    'resolve_url',
     'tools_called',
 ]
 
@@ -81,6 +83,13 @@ STORE_ENV = 'DURCAP_STORE'
 
 DEFAULT_URL = 'sqlite:///.durcap/conversations.db'
 """Where the store lives when no URL is given: `.durcap/conversations.db` under the current directory."""
+
+
+def resolve_url(explicit: str | None = None) -> str:
+    """The conversation store URL: `explicit` (a flag, `DurableAgent(conversation_store=...)`), else `$DURCAP_STORE`,
+    else `DEFAULT_URL`. The one place that reads `$DURCAP_STORE` (at the edge: where the store is opened); empty
+    values count as not given. The URL is not validated here (`SQLConversationStore` raises `StoreURLError`)."""
+    return explicit or os.environ.get(STORE_ENV) or DEFAULT_URL
 
 SCHEMA_VERSION = 2
 """The newest schema this code writes and reads."""
