@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 from durable_capabilities import engines
 from durable_capabilities.agent import DurableAgent
 from durable_capabilities.engines import EngineAdapter, RunOptions
-from durable_capabilities.turn import RunReport, run_turn
+from durable_capabilities.report import RunReport
+from durable_capabilities.turn import run_turn
 
 
 class InlineAdapter(EngineAdapter):

@@ -5,42 +5,76 @@ The public API is re-exported here; every other name is private.
 
 from typing import TYPE_CHECKING, Any
 
+from . import _hooks, engines, runner
+from ._limits import InputError
 from .agent import DurableAgent, validate_together
+from .approvals import ApprovalError
+from .engines import EngineUnreachableError, RunNotFoundError
+from .errors import DurcapError
 from .ids import MAX_ID_LENGTH, id_syntax_error, redact_url
 from .runbook import RunbookRequired
 from .skills import InvalidSkill, load_skill, load_skills
 from .validation import CODES, DurableConfigError, Problem, Report
 from .worker_secrets import SecretNotFoundError, WorkerSecret, set_secret_resolver
 
-if TYPE_CHECKING:
-    from .store import ConversationConflictError, ConversationNotFoundError, SQLConversationStore, StoreError, drift
+# The composition root (issue 23, item 4): core (`agent`) imports nothing above it; the engine registry and the
+# in-process turn are handed to it here, once, before any module of the package can construct an agent.
+_hooks.install(engines=engines.ENGINES, run_in_process=runner.run_in_process)
 
-_FROM_STORE = frozenset({'ConversationConflictError', 'ConversationNotFoundError', 'SQLConversationStore', 'StoreError', 'drift'})
+if TYPE_CHECKING:
+    from .lockfile import LockfileError
+    from .store import (
+        ConversationConflictError,
+        ConversationNotFoundError,
+        SQLConversationStore,
+        StoreError,
+        StoreUnavailableError,
+        StoreURLError,
+        drift,
+    )
+    from .targets import UnusableTarget
+
+_LAZY = {
+    **dict.fromkeys(('ConversationConflictError', 'ConversationNotFoundError', 'SQLConversationStore', 'StoreError',
+                     'StoreURLError', 'StoreUnavailableError', 'drift'), 'store'),
+    'LockfileError': 'lockfile',
+    'UnusableTarget': 'targets',
+}
+"""Names imported on first use, with their module: the store brings SQLAlchemy (about 0.4 s and 300 modules), which an
+agent without a conversation never needs (issue 14, item 5); the lockfile and TARGET loader are for tools."""
 
 
 def __getattr__(name: str) -> Any:
-    """The conversation store's names, imported on first use: the store brings SQLAlchemy (about 0.4 s and
-    300 modules), which an agent without a conversation never needs (issue 14, item 5; PEP 562)."""
-    if name in _FROM_STORE:
-        from . import store
+    """The names of `_LAZY`, imported on first use (PEP 562)."""
+    if name in _LAZY:
+        import importlib
 
-        return getattr(store, name)
+        return getattr(importlib.import_module(f'.{_LAZY[name]}', __name__), name)
     raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 __all__ = [
     'CODES',
     'MAX_ID_LENGTH',
+    'ApprovalError',
     'ConversationConflictError',
     'ConversationNotFoundError',
     'DurableAgent',
     'DurableConfigError',
+    'DurcapError',
+    'EngineUnreachableError',
+    'InputError',
     'InvalidSkill',
+    'LockfileError',
     'Problem',
     'Report',
+    'RunNotFoundError',
     'RunbookRequired',
     'SQLConversationStore',
     'SecretNotFoundError',
     'StoreError',
+    'StoreURLError',
+    'StoreUnavailableError',
+    'UnusableTarget',
     'WorkerSecret',
     'drift',
     'id_syntax_error',

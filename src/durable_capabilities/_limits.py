@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from .errors import DurcapError
+
 MAX_DEPTH = 64
 """Nesting bound for JSON and YAML inputs (lists and mappings inside each other). Our own files nest at
 most 5 levels (a lockfile) or about 20 (a Temporal history export); deps rarely more than a few."""
@@ -49,7 +51,7 @@ histories replay in under a second each on a 2-core machine."""
 INPUT_CODE = 'DC040'
 
 
-class InputError(ValueError):
+class InputError(ValueError, DurcapError, code='DC040'):
     """An input is unusable: over a size, depth, expansion or time bound, not a regular file, not of the
     expected shape, or an unusable option value.
 

@@ -9,14 +9,13 @@ used, so running it twice, or after the workflow's own append finally succeeded,
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelResponse, TextPart
 from pydantic_ai.usage import RunUsage
 
-from .store import DEFAULT_URL, STORE_ENV, SQLConversationStore
+from .store import SQLConversationStore, resolve_url
 
 
 @dataclass
@@ -70,7 +69,7 @@ async def repair_temporal(client: Any, workflow_id: str, *, store: str | None = 
         elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
             scheduled.pop(event.activity_task_completed_event_attributes.scheduled_event_id, None)
     repaired: list[Repaired] = []
-    async with SQLConversationStore(store or os.environ.get(STORE_ENV) or DEFAULT_URL) as opened:
+    async with SQLConversationStore(resolve_url(store)) as opened:
         for attributes in scheduled.values():
             [params] = await client.data_converter.decode(attributes.input.payloads, [AppendInput])
             messages = ModelMessagesTypeAdapter.validate_python(params.messages)

@@ -28,6 +28,8 @@ from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.capabilities.abstract import CapabilityOrdering
 from pydantic_ai.messages import ModelMessage
 
+from .aliases import CapabilityAliases
+
 
 @dataclass
 class TurnLog:
@@ -194,8 +196,6 @@ def may_rewrite_history(capability: AbstractCapability[Any]) -> bool:
     count.
     """
     from pydantic_ai.capabilities import CombinedCapability, WrapperCapability
-
-    from .aliases import CapabilityAliases
 
     if isinstance(capability, CapabilityAliases):
         return False

@@ -10,12 +10,11 @@ from pydantic_ai import Agent
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.toolsets import FunctionToolset
 
-from . import _registry
+from . import _hooks, _registry
 from ._turn_log import TurnRecorder, may_rewrite_history
 from .aliases import CapabilityAliases
 from .approvals import timeout_seconds
 from .checks import CheckContext, run_checks
-from .engines import ALL_ENGINES, DURABLE_ENGINES, ENGINES
 from .ids import LeafPlan, stabilize
 from .skills import InvalidSkill
 from .validation import DurableConfigError, Report, problem
@@ -27,6 +26,10 @@ OutputT = TypeVar('OutputT')
 class DurableAgent(Generic[DepsT, OutputT]):
     """An agent definition that runs on any engine, with stable leaf ids and every problem reported at once.
 
+    A definition, in the core layer: it imports no engine and no runner. What it needs of them, the engine registry
+    (for `build` and the checks) and the in-process turn (for `run`), it reads from `_hooks`, which the package fills
+    when it is imported (`durable_capabilities/__init__.py`); an engine's quirks arrive as data of its registry entry.
+
     Args:
         name: Agent name. It is part of every durable unit name (`agent__{name}__...` on Temporal,
             `{name}__...` on DBOS), so it follows the id syntax (see `ids.id_syntax_error`).
@@ -37,7 +40,10 @@ class DurableAgent(Generic[DepsT, OutputT]):
             Outputs of `load_skills()` may be mixed in; a malformed skill file becomes problem DC016.
         tools: Agent-level tools (functions or `Tool`s), always visible.
         output_type: Passed through to `pydantic_ai.Agent`.
-        engines: Engines the definition must be valid for, among `'temporal' | 'dbos' | 'prefect'`.
+        engines: Engines the definition must be valid for, among the registered durable engines (`'temporal' |
+            'dbos' | 'prefect'`). Default: those whose extra is installed here, so `pip install
+            'durable-capabilities[dbos]'` alone gives valid definitions; an engine listed explicitly whose extra is
+            missing is DC017.
         engine_options: Per engine, keyword arguments for upstream's durability capability
             (`{'temporal': {'toolset_activity_config': {...}}}`), plus ours: `{'dbos': {'tool_steps':
             ToolStepConfig(...) | False}}`.
@@ -71,7 +77,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
         capabilities: Sequence[AbstractCapability[Any]] = (),
         tools: Sequence[Any] = (),
         output_type: Any = str,
-        engines: Iterable[str] = DURABLE_ENGINES,
+        engines: Iterable[str] | None = None,
         engine_options: dict[str, dict[str, Any]] | None = None,
         aliases: dict[str, str] | None = None,
         previous_names: Sequence[str] = (),
@@ -87,7 +93,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
         self.deps_type = deps_type
         self.output_type = output_type
         self.tools = list(tools)
-        self.engines = tuple(engines)
+        self.engines = tuple(engines) if engines is not None else _hooks.installed_durable_engines()
         self.agent_kwargs = agent_kwargs
         self.engine_options = {k: dict(v) for k, v in (engine_options or {}).items()}
         self.aliases = dict(aliases or {})
@@ -190,11 +196,12 @@ class DurableAgent(Generic[DepsT, OutputT]):
             ValueError: unknown engine.
             ImportError: the engine's extra (`durable-capabilities[temporal]`, ...) is not installed.
         """
-        if engine not in ENGINES:
-            raise ValueError(f'unknown engine {engine!r}; expected one of {", ".join(ALL_ENGINES)}')
+        entries = _hooks.engines()
+        if engine not in entries:
+            raise ValueError(f'unknown engine {engine!r}; expected one of {", ".join(entries)}')
         if engine in self._built:
             return self._built[engine]
-        adapter = ENGINES[engine]
+        adapter = entries[engine]
         durability_cls = adapter.durability_class()
         # Outermost: records each message the run adds before a history processor can rewrite the list; left out
         # when nothing in the agent could rewrite it (the run's final messages are then the whole turn).
@@ -228,10 +235,13 @@ class DurableAgent(Generic[DepsT, OutputT]):
         are dropped and built again on their next use.
 
         Raises:
-            RuntimeError: the DBOS agent was already built (DBOS registered its steps with the first model).
+            RuntimeError: the agent was already built for an engine that registers its model process-wide (its
+                registry entry has the `_hooks.FIXED_MODEL` feature: DBOS registers its steps with the first model).
         """
-        if 'dbos' in self._built:
-            raise RuntimeError(f'{self.name!r}: the model cannot change after the DBOS agent was built')
+        entries = _hooks.engines()
+        fixed = [e for e in self._built if e in entries and _hooks.FIXED_MODEL in entries[e].features]
+        if fixed:
+            raise RuntimeError(f'{self.name!r}: the model cannot change after the {fixed[0]} agent was built')
         self.model = model
         self._built.clear()
 
@@ -262,18 +272,16 @@ class DurableAgent(Generic[DepsT, OutputT]):
     ) -> Any:
         """Run in-process on the local engine (no durability); returns upstream's `AgentRunResult`.
 
-        With `conversation_id`, the stored history is loaded first (and checked for drift) and the new
-        messages are appended after the run; `message_history` is then ignored.
+        A thin call into `runner.run_in_process` (through `_hooks`): the turn lives above core. With
+        `conversation_id`, the stored history is loaded first (and checked for drift) and the new messages are
+        appended after the run; `message_history` is then ignored.
 
         Raises:
             DurableConfigError: capabilities passed per run (DC012); drift in the stored history (DC018/DC019).
             ConversationConflictError: another run appended to the conversation meanwhile.
         """
-        from .turn import run_turn
-
-        turn = await run_turn(self, self.build('local').run, prompt, deps=deps, message_history=message_history,
-                              conversation_id=conversation_id, capabilities=capabilities, **kwargs)
-        return turn.result
+        return await _hooks.run_in_process()(self, prompt, deps=deps, message_history=message_history,
+                                             conversation_id=conversation_id, capabilities=capabilities, **kwargs)
 
     # ---- validation -------------------------------------------------------------------------
 
@@ -281,7 +289,8 @@ class DurableAgent(Generic[DepsT, OutputT]):
         """Every problem of this definition: each check of `checks.CHECKS` over one shared context."""
         return run_checks(
             CheckContext(
-                self.name, self.engines, ENGINES, tuple(DURABLE_ENGINES), self.tools, self._invalid_skills, self._stabilized
+                self.name, self.engines, _hooks.engines(), _hooks.durable_engines(), self.tools, self._invalid_skills,
+                self._stabilized,
             )
         )
 

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from .errors import DurcapError
+
 DEFAULT_APPROVAL_TIMEOUT = timedelta(hours=24)
 """How long a gated call waits for a decision unless `DurableAgent(approval_timeout=...)` says otherwise."""
 
@@ -133,7 +135,7 @@ class Decision:
         return cls(**data)
 
 
-class ApprovalError(LookupError):
+class ApprovalError(LookupError, DurcapError, code='approval'):
     """A decision that cannot be applied: unknown run, unknown (or already decided) call, or stale fingerprint.
 
     Attributes:

@@ -26,7 +26,7 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.usage import RunUsage
 
-from .store import DEFAULT_URL, STORE_ENV, ConversationNotFoundError, SQLConversationStore, drift
+from .store import ConversationNotFoundError, SQLConversationStore, drift, resolve_url
 from .validation import DurableConfigError, Report
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ logger = logging.getLogger('durable_capabilities.conversations')
 def store_url(agent: DurableAgent[Any, Any]) -> str:
     """The store URL for `agent`: `DurableAgent(conversation_store=...)`, else `$DURCAP_STORE`, else SQLite
     at `.durcap/conversations.db` (resolved where the durable unit runs, e.g. on the worker)."""
-    return agent.conversation_store or os.environ.get(STORE_ENV) or DEFAULT_URL
+    return resolve_url(agent.conversation_store)
 
 
 _STORES: dict[tuple[str, int], SQLConversationStore] = {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic_ai.messages import (
     CapabilityLoadDeltaPart,
@@ -27,8 +27,19 @@ from pydantic_ai.toolsets import FunctionToolset
 
 from .validation import Problem
 
-if TYPE_CHECKING:
-    from .agent import DurableAgent
+
+class Definition(Protocol):
+    """What `drift` and `known_tool` read of a definition (`DurableAgent` has it): typed here, so the store, which
+    imports this module, does not reach the agent module."""
+
+    @property
+    def output_type(self) -> Any: ...
+    @property
+    def tools(self) -> Sequence[Any]: ...
+
+    def capability_ids(self) -> list[str]: ...
+
+    def tool_names_by_capability(self) -> tuple[dict[str, set[str]], set[str]]: ...
 
 __all__ = ['drift', 'loaded_capability_ids', 'tools_called']
 
@@ -154,7 +165,7 @@ def tools_called(messages: Sequence[ModelMessage]) -> dict[str, int]:
 
 def drift(
     history: Sequence[ModelMessage],
-    definition: DurableAgent[Any, Any],
+    definition: Definition,
     *,
     severity: Literal['error', 'warning'] = 'error',
     conversation_id: str | None = None,
@@ -247,7 +258,7 @@ def drift(
     return problems
 
 
-def known_tool(definition: DurableAgent[Any, Any]) -> Callable[[str], bool]:
+def known_tool(definition: Definition) -> Callable[[str], bool]:
     """`known(tool name)`: whether `drift` never reports a call of that tool for `definition` (a tool some
     capability or the agent defines, an output tool, `load_capability`), for scans that skip such calls."""
     static, _ = definition.tool_names_by_capability()
@@ -256,7 +267,7 @@ def known_tool(definition: DurableAgent[Any, Any]) -> Callable[[str], bool]:
     return lambda tool: tool in names or _is_output_tool(tool, output_names)
 
 
-def _agent_tool_names(definition: DurableAgent[Any, Any]) -> list[str]:
+def _agent_tool_names(definition: Definition) -> list[str]:
     return list(FunctionToolset(list(definition.tools)).tools)
 
 

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from ._limits import MAX_LOCK_BYTES, InputError, load_yaml, one_line, printable, read_bytes
 from .agent import DurableAgent
 from .engines import ENGINES, specs
+from .errors import DurcapError
 from .validation import DurableConfigError, Problem, Report
 
 LOCK_VERSION = 1
@@ -89,7 +90,7 @@ def write_lock(agents: Sequence[DurableAgent[Any, Any]], path: str | Path = DEFA
     return path
 
 
-class LockfileError(ValueError):
+class LockfileError(ValueError, DurcapError, code='lockfile'):
     """The lockfile cannot be read (missing, not YAML, over a bound, wrong shape, or a newer lock format).
 
     The message is one line; for a bound or a wrong shape it starts with code DC040 (`validation.CODES`).
@@ -188,7 +189,10 @@ def diff_lock(locked: dict[str, Any], agents: Sequence[DurableAgent[Any, Any]]) 
 
     A durable unit name (or workflow / flow name, or Prefect cache toolset id) in the lock but no longer
     produced is an error DC020 naming the capability, toolset or agent it belonged to and the engines
-    affected; a whole agent missing is DC021; a name added is info DC022.
+    affected; a whole agent missing is DC021; a name added is info DC022. The section of an engine whose extra is
+    not installed in this process, and which the definition does not list (`DurableAgent(engines=...)` defaults to
+    the installed engines), is not compared: `pip install 'durable-capabilities[dbos]'` alone can check the DBOS
+    names of a lock written with every engine.
     """
     report = Report()
     current = lock_data(agents)['agents']
@@ -210,6 +214,8 @@ def diff_lock(locked: dict[str, Any], agents: Sequence[DurableAgent[Any, Any]]) 
         for engine in ENGINES:  # registry order: messages list engines the same way every time
             if not isinstance(old.get(engine), dict) or not ENGINES[engine].durable:
                 continue
+            if engine not in new and not ENGINES[engine].available():
+                continue  # its extra is not installed here: its names cannot be computed, which is no rename
             words = ENGINES[engine].lock_sections
             for section in words:
                 before = set(old[engine].get(section, []))

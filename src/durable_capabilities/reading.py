@@ -14,13 +14,14 @@ from pydantic_ai.usage import RequestUsage
 from pydantic_core import to_jsonable_python
 
 from .engines import DURABLE_ENGINES, EngineAdapter, RunInfo, RunNotFoundError, get
+from .errors import DurcapError
 from .settings import Settings
 from .store import SQLConversationStore, StoredConversation, WriteRecord, loaded_capability_ids, tools_called
 
 __all__ = ['RunListing', 'approval_audit', 'durable_adapters', 'find_run', 'list_runs', 'read_conversation', 'summarize']
 
 
-class EngineNotInstalled(LookupError):
+class EngineNotInstalled(LookupError, DurcapError, code='engine-not-installed'):
     """`--engine NAME` names a durable engine whose extra is not installed (message says what to install)."""
 
 

@@ -23,7 +23,7 @@ from .agent import DurableAgent
 from .engines import ENGINES
 
 
-class ReplayTimeout(InputError):
+class ReplayTimeout(InputError, code='DC040'):
     """A history did not replay within `_limits.replay_timeout()` seconds (the replayer may still hold a thread)."""
 
 

@@ -1,7 +1,7 @@
 """Run a `DurableAgent` once on any registered engine and report what the engine recorded.
 
 Used by `durcap run` and `durcap demo`. The engine is looked up in the registry (`engines.get`); each
-adapter runs the path its users know (see `engines/<name>.py`) and returns a `turn.RunReport`.
+adapter runs the path its users know (see `engines/<name>.py`) and returns a `report.RunReport`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,41 @@ from .agent import DurableAgent
 from .approvals import Decision, PendingCall, default_user, fingerprint
 from .engines import DEFAULT_ENGINE, RunOptions, get
 from .engines._adapter import _stderr
-from .turn import RunReport
+from .report import RunReport
+from .turn import run_turn
 
-__all__ = ['RunReport', 'approvals', 'decide', 'run']
+__all__ = ['RunReport', 'approvals', 'decide', 'run', 'run_in_process']
+
+
+async def run_in_process(
+    agent: DurableAgent[Any, Any],
+    prompt: str | None,
+    *,
+    deps: Any = None,
+    message_history: Sequence[Any] | None = None,
+    conversation_id: str | None = None,
+    capabilities: Sequence[Any] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """One turn of `agent` in this process on the local engine (no durability): what `DurableAgent.run` calls.
+
+    Args:
+        agent: The definition.
+        prompt: The user prompt (`None` to continue from the history alone).
+        deps / message_history / conversation_id: As for `run`.
+        capabilities: Refused (DC012): a durable definition takes no capabilities per run.
+        kwargs: Passed to upstream's `Agent.run` (`model_settings`, `usage_limits`, ...).
+
+    Returns:
+        Upstream's `AgentRunResult`.
+
+    Raises:
+        DurableConfigError: capabilities passed per run (DC012); drift in the stored history (DC018/DC019).
+        ConversationConflictError: another run appended to the conversation meanwhile.
+    """
+    turn = await run_turn(agent, agent.build('local').run, prompt, deps=deps, message_history=message_history,
+                          conversation_id=conversation_id, capabilities=capabilities, **kwargs)
+    return turn.result
 
 
 async def run(

@@ -25,7 +25,7 @@ from typing import Any
 from ._limits import redact_database_url
 from .engines import ConnectionSetting, specs
 from .engines._specs import DEFAULT_TEMPORAL_ADDRESS
-from .store import DEFAULT_URL
+from .store import DEFAULT_URL, resolve_url
 
 __all__ = ['DEFAULT_TEMPORAL_ADDRESS', 'Settings', 'read_settings']
 
@@ -103,7 +103,7 @@ class Settings:
             flags: The engine settings by field (`address=`, `namespace=`, `db=`, ...).
         """
         values = {s.field: flags.get(s.field) or _from_env(s) or s.default for s in read_settings()}
-        return cls(**values, store=store or os.environ.get('DURCAP_STORE') or DEFAULT_URL)
+        return cls(**values, store=resolve_url(store))
 
     def engine(self) -> dict[str, Any]:
         """The engine settings the adapters read (`EngineAdapter.list_runs / show_run / pending_approvals / decide`):

@@ -31,6 +31,7 @@ from typing import Any, Literal
 from . import _registry
 from ._limits import printable
 from .agent import DurableAgent, validate_together
+from .errors import DurcapError
 from .lockfile import DEFAULT_LOCK_NAME, LockfileError, diff_lock, read_lock
 from .validation import DurableConfigError, Problem, Report
 
@@ -45,7 +46,7 @@ MAX_TARGET_CHARS = 1024
 """Longest TARGET accepted (Linux paths are at most 4,096 bytes; a module path and attribute fit in far less)."""
 
 
-class UnusableTarget(Exception):
+class UnusableTarget(DurcapError, code='target'):
     """TARGET cannot give agents (malformed, missing file or module, import failure, wrong attribute type).
 
     The message is one line, printed as is (exit code 2 in the CLI).

@@ -2,8 +2,8 @@
 
 Every engine's durable container calls `run_turn` (the Temporal workflow body, the DBOS workflow and
 `@dbos.workflow` functions through `BoundAgent`, the Prefect flow) and so does a local run; only the
-two store units differ (an activity, a step, a task, or a plain call in-process). `RunReport` is what
-every runner path returns and what `durcap run` prints.
+two store units differ (an activity, a step, a task, or a plain call in-process). What a run returns,
+`report.RunReport`, is built from a turn's payload.
 
 Messages cross engine boundaries as pydantic-ai's message JSON (`ModelMessagesTypeAdapter`), which
 every engine can record and which keeps instruction ids intact.
@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter
-from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ToolCallPart
-from pydantic_ai.usage import RunUsage
+from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
 from pydantic_core import to_json, to_jsonable_python
 
 from ._turn_log import TurnLog, recording
@@ -275,45 +274,3 @@ def _local_append(agent: DurableAgent[Any, Any]) -> AppendUnit:
                                          append_id=f'local:{uuid.uuid4()}', usage=usage)
 
     return append
-
-
-@dataclass
-class RunReport:
-    """What one run produced, on any engine (returned by every runner path, printed by `durcap run`).
-
-    Attributes:
-        engine: The engine it ran on.
-        run_id: The engine's id of the run (workflow id, flow run id); `None` locally.
-        output: The agent's output.
-        new_messages: Messages the run added.
-        usage: Tokens and requests (`RunUsage`).
-        durable_units: Names of the durable units the engine recorded, in order (activity types,
-            step names, task run names).
-    """
-
-    engine: str
-    run_id: str | None
-    output: Any
-    new_messages: list[ModelMessage]
-    usage: RunUsage
-    durable_units: list[str] = field(default_factory=list)
-
-    @classmethod
-    def from_payload(cls, engine: str, run_id: str | None, payload: dict[str, Any], units: list[str] | None = None) -> RunReport:
-        """A report from a container's `{'output', 'new_messages', 'usage'}` JSON payload (see `Turn.payload`;
-        `new_messages` a list of message JSON, or one JSON string of it)."""
-        messages = payload['new_messages']
-        decoded = (ModelMessagesTypeAdapter.validate_json(messages) if isinstance(messages, str | bytes)
-                   else ModelMessagesTypeAdapter.validate_python(messages))
-        return cls(engine, run_id, payload['output'], decoded, RunUsage(**payload['usage']), list(units or []))
-
-    def loaded_capabilities(self) -> list[str]:
-        """Capability ids the run loaded with `load_capability`, in order."""
-        loaded: list[str] = []
-        for message in self.new_messages:
-            for part in getattr(message, 'parts', []):
-                if isinstance(part, ToolCallPart) and part.tool_name == 'load_capability':
-                    cap = part.args_as_dict().get('id')
-                    if cap and cap not in loaded:
-                        loaded.append(cap)
-        return loaded

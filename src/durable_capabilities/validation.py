@@ -12,6 +12,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Self
 
+from .errors import DurcapError
+
 Severity = Literal['error', 'warning', 'info']
 
 
@@ -381,16 +383,19 @@ def _escape_property(value: str) -> str:
     )
 
 
-class DurableConfigError(ValueError):
+class DurableConfigError(ValueError, DurcapError, code='config'):
     """Raised when a definition has at least one error-severity problem.
 
-    `.report` holds every problem found (errors and warnings), not only the first.
+    `.report` holds every problem found (errors and warnings), not only the first. `.code` is the first error's
+    code (`'DC001'`, ...), or `'config'` for a report without errors.
     """
 
     def __init__(self, report: Report, subject: str = 'definition'):
         self.report = report
         self.subject = subject
         errors = report.errors
+        if errors:
+            self.code = errors[0].code
         head = f'{subject} has {len(errors)} error(s):'
         super().__init__('\n'.join([head, *(f'  {p.format()}' for p in errors)]))
 

@@ -25,13 +25,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from .errors import DurcapError
+
 SecretResolver = Callable[[str], 'str | None']
 """`name -> value`, or `None` when the resolver does not know the name."""
 
 _resolver: SecretResolver | None = None
 
 
-class SecretNotFoundError(LookupError):
+class SecretNotFoundError(LookupError, DurcapError, code='secret-not-found'):
     """A `WorkerSecret` was read in a process that has no value for its name.
 
     Attributes:

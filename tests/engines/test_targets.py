@@ -240,20 +240,63 @@ def test_lock_lives_beside_the_target_module_for_lock_check_and_run(tmp_path: Pa
 # ---- the demo ships with the package -----------------------------------------------------------------------------
 
 
+@pytest.fixture(scope='module')
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package's wheel, built once for this module's wheel tests."""
+    dist = tmp_path_factory.mktemp('dist')
+    built = subprocess.run([sys.executable, '-m', 'build', '--wheel', '--outdir', str(dist), str(ROOT)],
+                           capture_output=True, text=True, timeout=600, check=False)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    return next(dist.glob('*.whl'))
+
+
+def _venv_with(wheel: Path, extras: str, venv: Path) -> dict[str, str]:
+    """A fresh venv (no system site-packages: a file missing from the wheel cannot hide) with `wheel[extras]`
+    installed; returns the environment that runs its `durcap` (the caller's PYTHONPATH and engine settings dropped)."""
+    subprocess.run([sys.executable, '-m', 'venv', str(venv)], check=True, timeout=300)
+    pip = subprocess.run([str(venv / 'bin' / 'python'), '-m', 'pip', 'install', '--quiet', f'{wheel}[{extras}]'],
+                         capture_output=True, text=True, timeout=900, check=False)
+    assert pip.returncode == 0, pip.stdout[-3000:] + pip.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ('PYTHONPATH', 'VIRTUAL_ENV', 'DURCAP_TEMPORAL_ADDRESS', 'DURCAP_STORE', 'DURCAP_DBOS_DB')}
+    env['PATH'] = f'{venv / "bin"}{os.pathsep}{env.get("PATH", "")}'
+    return env
+
+
+@pytest.mark.slow
+def test_wheel_with_only_the_dbos_extra_runs_the_demo_and_names_the_missing_extra(tmp_path: Path, wheel: Path) -> None:
+    """Issue 23, item 6: `pip install '<wheel>[dbos]'` then `durcap demo` in an empty folder exits 0 (it was exit 1,
+    DC017 "engine 'temporal' is listed but its packages are not installed"); `--engine temporal` exits 2 naming the
+    extra to install, without a traceback."""
+    venv = tmp_path / 'venv'
+    env = _venv_with(wheel, 'dbos', venv)
+    probe = subprocess.run([str(venv / 'bin' / 'python'), '-c', 'import importlib.util as u; print(u.find_spec("temporalio"), u.find_spec("prefect"))'],
+                           env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert probe.stdout.strip() == 'None None', probe.stdout + probe.stderr  # really without the other engines
+    durcap_bin = shutil.which('durcap', path=str(venv / 'bin'))
+    assert durcap_bin is not None
+    empty = tmp_path / 'empty'
+    empty.mkdir()
+    demo = subprocess.run([durcap_bin, 'demo'], cwd=empty, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+    assert 'answer (dbos):' in demo.stdout and 'ABC-123' in demo.stdout, demo.stdout
+    temporal = subprocess.run([durcap_bin, 'demo', '--engine', 'temporal'], cwd=empty, env=env, capture_output=True,
+                              text=True, timeout=300, check=False)
+    assert temporal.returncode == 2, temporal.stdout + temporal.stderr
+    assert "pip install 'durable-capabilities[temporal]'" in temporal.stderr, temporal.stderr
+    assert 'Traceback' not in temporal.stdout + temporal.stderr
+    assert not (empty / 'durable.lock').exists()
+
+
 @pytest.mark.slow
 def test_wheel_ships_the_demo_and_durcap_demo_runs_from_an_installed_wheel(
-    tmp_path: Path, temporal_address: str, prefect_api_url: str
+    tmp_path: Path, wheel: Path, temporal_address: str, prefect_api_url: str
 ) -> None:
     """Build the wheel, install it with every engine's extra into a fresh venv (no system site-packages: a file
     missing from the wheel cannot hide), and run `durcap demo` on every engine from an empty folder outside the
     checkout. Temporal: the test dev server, with the demo's inline worker; Prefect: the test server."""
     import zipfile
 
-    dist = tmp_path / 'dist'
-    built = subprocess.run([sys.executable, '-m', 'build', '--wheel', '--outdir', str(dist), str(ROOT)],
-                           capture_output=True, text=True, timeout=600, check=False)
-    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
-    wheel = next(dist.glob('*.whl'))
     names = zipfile.ZipFile(wheel).namelist()
     for shipped in ('agent.py', 'scripted.py', 'durable.lock', '__init__.py', 'skills/returns.md'):
         assert f'durable_capabilities/_examples/support/{shipped}' in names, names
@@ -264,14 +307,9 @@ def test_wheel_ships_the_demo_and_durcap_demo_runs_from_an_installed_wheel(
     assert stray == []
     assert not [n for n in names if n.startswith(('tests/', 'examples/', 'docs/', 'bench/'))]
     venv = tmp_path / 'venv'
-    subprocess.run([sys.executable, '-m', 'venv', str(venv)], check=True, timeout=300)
-    pip = subprocess.run([str(venv / 'bin' / 'python'), '-m', 'pip', 'install', '--quiet', f'{wheel}[temporal,dbos,prefect]'],
-                         capture_output=True, text=True, timeout=900, check=False)
-    assert pip.returncode == 0, pip.stdout[-3000:] + pip.stderr[-3000:]
+    env = _venv_with(wheel, 'temporal,dbos,prefect', venv)
     empty = tmp_path / 'empty'
     empty.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'VIRTUAL_ENV', 'DURCAP_TEMPORAL_ADDRESS')}
-    env['PATH'] = f'{venv / "bin"}{os.pathsep}{env.get("PATH", "")}'
     where = subprocess.run([str(venv / 'bin' / 'python'), '-c', 'import durable_capabilities; print(durable_capabilities.__file__)'],
                            cwd=empty, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert where.stdout.startswith(str(venv)), where.stdout + where.stderr

@@ -27,10 +27,10 @@ from ..agent import DurableAgent
 from ..engines import DEFAULT_ENGINE, ENGINES, EngineUnreachableError, RunOptions, get
 from ..ids import redact_url
 from ..replay import ReplayTimeout, replay_histories
+from ..report import RunReport
 from ..savings import compare_first_request
 from ..store import StoreError
 from ..targets import TARGET_HELP
-from ..turn import RunReport
 from ..validation import DurableConfigError
 from . import (
     _err,
@@ -68,6 +68,14 @@ def demo_target() -> Path:
 def _engine_option(help: str) -> Any:
     """`--engine/-e`: one of the registered engines (local included)."""
     return typer.Option('--engine', '-e', parser=engine_name(durable_only=False), metavar=engine_metavar(False), help=help)
+
+
+def _require_installed(engine: str) -> None:
+    """Exit 2 with the extra to install when `engine`'s SDK is not installed (before TARGET is loaded: a definition
+    defaults to the installed engines, so it would otherwise fail later with a traceback or a lock error)."""
+    adapter = get(engine)
+    if not adapter.available():
+        _unusable(f"engine {engine!r} is not installed: pip install 'durable-capabilities[{adapter.extra}]'")
 
 
 def _one_agent(target: str, *, use_lock: bool = False) -> DurableAgent[Any, Any]:
@@ -284,6 +292,7 @@ def run(
     conn: dict[str, Any] | None = None,
 ) -> None:
     """Run TARGET once on ENGINE and print the answer, loaded capabilities and durable units."""
+    _require_installed(engine)
     # A durable run registers durable units: refuse on drift from the durable.lock beside TARGET, as a worker does.
     agent = _one_agent(target, use_lock=engine != 'local')
     if model:
@@ -338,8 +347,10 @@ def demo(
 ) -> None:
     """Run the support example durably and show what deferral saved on the first request.
 
-    Model: the scripted `FunctionModel` of examples/support/scripted.py unless --model is given.
+    Model: the scripted `FunctionModel` of examples/support/scripted.py unless --model is given. Runs on any
+    installed engine; an engine whose extra is missing exits 2 naming the extra.
     """
+    _require_installed(engine)
     settings = run_settings(conn or {}, engine)  # each flag checked (exit 2), the run's engine database probed
     if model:
         os.environ['SUPPORT_MODEL'] = model

@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from ..errors import DurcapError
 from ._protocol import ConnectionSetting, EngineSpec
 
 if TYPE_CHECKING:
     from ..agent import DurableAgent
     from ..approvals import Decision, PendingCall
-    from ..turn import RunReport
+    from ..report import RunReport
 
 
 def _stderr(message: str) -> None:
@@ -118,11 +119,11 @@ class RunInfo:
         return data
 
 
-class RunNotFoundError(LookupError):
+class RunNotFoundError(LookupError, DurcapError, code='run-not-found'):
     """The engine has no run with that id (message names the id and where it looked)."""
 
 
-class EngineUnreachableError(RuntimeError):
+class EngineUnreachableError(RuntimeError, DurcapError, code='engine-unreachable'):
     """The engine's server cannot be reached (message: one line naming the address, the reason and the fix).
 
     A `RuntimeError`, as the SDK's own connection error it replaces (temporalio raises `RuntimeError('Failed client

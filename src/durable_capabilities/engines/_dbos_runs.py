@@ -16,7 +16,7 @@ from dbos import DBOS
 
 from .._limits import redact_database_url
 from ..approvals import ApprovalError, Decision, PendingCall, already_decided, check_decision, describe_decision
-from ..turn import RunReport
+from ..report import RunReport
 from ._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
 from ._dbos_approvals import DECISION_TOPIC, PENDING_EVENT
 from .dbos import (

@@ -65,6 +65,7 @@ from pydantic_ai.exceptions import (
 from pydantic_ai.toolsets import AbstractToolset, CombinedToolset, WrapperToolset
 
 from .._upstream import is_mcp_toolset
+from ..errors import DurcapError
 from ..ids import StableIdCapability, collect_leaves, redact_url
 from . import get
 
@@ -95,7 +96,7 @@ _CONTROL_FLOW: tuple[type[BaseException], ...] = (
 )
 
 
-class MCPCapabilityError(AgentRunError):
+class MCPCapabilityError(AgentRunError, DurcapError, code='mcp-capability'):
     """An MCP capability's server could not be used: it names the capability id and the redacted URL.
 
     Attributes:

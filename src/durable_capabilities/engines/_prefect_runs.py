@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..approvals import ApprovalError, Decision, PendingCall, already_decided, check_decision
-from ..turn import RunReport
+from ..report import RunReport
 from ._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
 from ._prefect_approvals import DECISION_INPUT_PREFIX, PENDING_INPUT, _input_key
 from .prefect import FLOW_NAME_PREFIX, _run_flow_run, agent_flow, ensure_api, server_line

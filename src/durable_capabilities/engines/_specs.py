@@ -65,7 +65,7 @@ DBOS = EngineSpec(
     lock_sections={'workflows': 'workflow', 'steps': 'step'},
     packages=('dbos',),
     unit='step', units='steps', container='workflow', run_id_label='workflow id',
-    features=frozenset({'worker', 'approvals'}),
+    features=frozenset({'worker', 'approvals', 'fixed-model'}),
 )
 
 PREFECT = EngineSpec(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from temporalio.client import Client
 
 from ..approvals import ApprovalError, Decision, PendingCall, check_decision
-from ..turn import RunReport
+from ..report import RunReport
 from ._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
 from ._temporal_history import units_recorded
 from ._temporal_worker import make_worker

@@ -44,8 +44,9 @@ from pydantic_core import to_jsonable_python
 from .. import _registry, _upstream
 from .._limits import private_file, redact_database_url
 from ..conversations import append_conversation, load_conversation
+from ..report import RunReport
 from ..store import AppendIdReuseError, ConversationConflictError, CorruptedRowError, NewerHistoryError, SchemaVersionError
-from ..turn import RunReport, Turn, deps_from_json, run_turn
+from ..turn import Turn, deps_from_json, run_turn
 from ..validation import DurableConfigError
 from . import _mcp, _retry_after, _retry_log
 from ._adapter import EngineAdapter, RunInfo, RunOptions, leaf_kinds
@@ -697,7 +698,7 @@ class DBOSAdapter(EngineAdapter):
     name = 'dbos'
     unit, units, container, run_id_label = 'step', 'steps', 'workflow', 'workflow id'
     extra, requires = 'dbos', 'dbos'
-    features = frozenset({'worker'})
+    features = frozenset({'worker', 'fixed-model'})  # fixed-model: `_hooks.FIXED_MODEL` (steps registered with the model)
     lock_sections: Mapping[str, str] = {'workflows': 'workflow', 'steps': 'step'}
 
     def listing_note(self, settings: Mapping[str, Any]) -> str | None:

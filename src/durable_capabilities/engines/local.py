@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic_ai.messages import ModelMessagesTypeAdapter
 
 from ..approvals import ApprovalGate, Decision, PendingCall, utc_now
-from ..turn import RunReport, run_turn
+from ..report import RunReport
+from ..turn import run_turn
 from . import _mcp
 from ._adapter import EngineAdapter, RunOptions
 

@@ -42,8 +42,9 @@ from pydantic_core import to_jsonable_python
 from .. import _registry
 from .._limits import one_line, printable
 from ..conversations import LoadedConversation, append_conversation, load_conversation
+from ..report import RunReport
 from ..store import AppendIdReuseError, ConversationConflictError, CorruptedRowError
-from ..turn import RunReport, deps_from_json, run_turn
+from ..turn import deps_from_json, run_turn
 from . import _mcp, _retry_after, _retry_log
 from ._adapter import EngineAdapter, RunInfo, RunOptions, leaf_kinds
 from ._prefect_approvals import (  # noqa: F401 - public here, as before the split

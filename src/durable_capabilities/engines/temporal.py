@@ -45,11 +45,11 @@ from temporalio.worker.workflow_sandbox import (
 
 from .. import _upstream
 from .._servers import CAPABILITIES_SEARCH_ATTRIBUTE, free_port, port_open, start_temporal_dev_server
+from ..report import RunReport
 from ..store._claim_check import (
     ClaimCheckCodec,  # noqa: F401 - public here: the codec `connect` installs
     default_codec,
 )
-from ..turn import RunReport
 from . import _mcp, _payload_guard, _retry_log
 from ._adapter import EngineAdapter, EngineUnreachableError, RunInfo, RunOptions
 from ._retry_after import MAX_RETRY_AFTER_SECONDS

@@ -35,6 +35,7 @@ Layout: this module is the public API (the store, its results and errors); the S
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -50,6 +51,7 @@ from pydantic_ai.messages import ModelMessage
 from pydantic_ai.tools import DeferredToolRequests
 from pydantic_ai.usage import RunUsage
 
+from ..errors import DurcapError
 from ..history import drift, loaded_capability_ids, tools_called
 
 __all__ = [
@@ -72,6 +74,7 @@ __all__ = [
     'WriteRecord',
     'drift',
     'loaded_capability_ids',
+    'resolve_url',
     'tools_called',
 ]
 
@@ -81,6 +84,13 @@ STORE_ENV = 'DURCAP_STORE'
 DEFAULT_URL = 'sqlite:///.durcap/conversations.db'
 """Where the store lives when no URL is given: `.durcap/conversations.db` under the current directory."""
 
+
+def resolve_url(explicit: str | None = None) -> str:
+    """The conversation store URL: `explicit` (a flag, `DurableAgent(conversation_store=...)`), else `$DURCAP_STORE`,
+    else `DEFAULT_URL`. The one place that reads `$DURCAP_STORE` (at the edge: where the store is opened); empty
+    values count as not given. The URL is not validated here (`SQLConversationStore` raises `StoreURLError`)."""
+    return explicit or os.environ.get(STORE_ENV) or DEFAULT_URL
+
 SCHEMA_VERSION = 2
 """The newest schema this code writes and reads."""
 
@@ -88,7 +98,7 @@ SCHEMA_VERSION = 2
 # ---- errors -----------------------------------------------------------------------------------
 
 
-class StoreError(Exception):
+class StoreError(DurcapError, code='store'):
     """Base of every error the SQL store raises of its own; catch it to handle any store failure.
 
     Every subclass pickles with its attributes (DBOS records a failed step's exception by pickling it).
@@ -105,21 +115,21 @@ def _restore_error(cls: type[StoreError], args: tuple[Any, ...], state: dict[str
     return error
 
 
-class StoreURLError(StoreError, ValueError):
+class StoreURLError(StoreError, ValueError, code='store-url'):
     """The store URL is malformed or names a database the store does not support."""
 
 
-class StoreUnavailableError(StoreError):
+class StoreUnavailableError(StoreError, code='store-unavailable'):
     """The database cannot be reached, or (with `create=False`) holds no conversation store."""
 
 
-class StoreReadOnlyError(StoreUnavailableError):
+class StoreReadOnlyError(StoreUnavailableError, code='store-read-only'):
     """The database can be read but not written (a read-only SQLite file, a PostgreSQL database or server in
     read-only mode). Raised by `check_writable` before a run, so no side effect happens for a turn that could
     not be stored."""
 
 
-class SchemaVersionError(StoreError):
+class SchemaVersionError(StoreError, code='store-schema-version'):
     """The database's schema version is newer than this code knows; nothing was read or changed.
 
     Attributes:
@@ -133,7 +143,7 @@ class SchemaVersionError(StoreError):
         self.supported = supported
 
 
-class ConversationNotFoundError(StoreError, LookupError):
+class ConversationNotFoundError(StoreError, LookupError, code='conversation-not-found'):
     """The conversation id is not in the store (never saved, or deleted).
 
     Attributes:
@@ -148,7 +158,7 @@ class ConversationNotFoundError(StoreError, LookupError):
         return str(self.args[0])
 
 
-class ConversationConflictError(StoreError, ConversationConflict):
+class ConversationConflictError(StoreError, ConversationConflict, code='conversation-conflict'):
     """A write expected a revision the conversation no longer has; nothing was written.
 
     A subclass of upstream's `ConversationConflict`, so code written against upstream's store
@@ -174,7 +184,7 @@ class ConversationConflictError(StoreError, ConversationConflict):
         Exception.__init__(self, message)
 
 
-class AppendIdReuseError(StoreError):
+class AppendIdReuseError(StoreError, code='append-id-reuse'):
     """An `append_id` already stored for this conversation came back with a different number of messages.
 
     A retried durable unit sends the same messages (at most rebuilt with new timestamps), so this
@@ -182,7 +192,7 @@ class AppendIdReuseError(StoreError):
     """
 
 
-class CorruptedRowError(StoreError):
+class CorruptedRowError(StoreError, code='store-corrupted-row'):
     """A stored row is not what the store wrote: invalid JSON, not a pydantic-ai message, a broken link.
 
     Nothing was changed. Attributes: `conversation_id`, `table`, `row` (the row's key), `position`
@@ -197,7 +207,7 @@ class CorruptedRowError(StoreError):
         self.position = position
 
 
-class NewerHistoryError(StoreError):
+class NewerHistoryError(StoreError, code='newer-history'):
     """A stored message has a kind or part kind this pydantic-ai does not know: a newer one wrote it.
 
     Nothing was changed. Attributes: `conversation_id`, `row` (entry id), `position`, `tag` (the unknown

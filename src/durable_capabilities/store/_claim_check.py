@@ -35,7 +35,7 @@ from temporalio.api.common.v1 import Payload
 from temporalio.converter import PayloadCodec
 from temporalio.exceptions import ApplicationError
 
-from . import DEFAULT_URL, STORE_ENV, CorruptedRowError, SQLConversationStore, StoreError
+from . import CorruptedRowError, SQLConversationStore, StoreError, resolve_url
 
 ENCODING = b'binary/durcap-claim-check'
 """`encoding` metadata of a reference payload."""
@@ -194,4 +194,4 @@ class ClaimCheckCodec(PayloadCodec):
 def default_codec(store: str | None = None) -> ClaimCheckCodec:
     """The codec every durcap Temporal client, worker and replayer uses: on `store`, else `$DURCAP_STORE`,
     else the default store (`store.DEFAULT_URL`), as the conversation activities resolve it."""
-    return ClaimCheckCodec(store or os.environ.get(STORE_ENV) or DEFAULT_URL)
+    return ClaimCheckCodec(resolve_url(store))

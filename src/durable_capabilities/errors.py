@@ -1,0 +1,50 @@
+"""`DurcapError`: the one base of every error durable-capabilities raises for a user to catch.
+
+Each error class keeps the built-in base it always had (`ValueError`, `LookupError`, `RuntimeError`, upstream's
+`AgentRunError` or `ConversationConflict`), so `except ValueError` written against an earlier version still
+catches it; `DurcapError` is added beside it, so `except DurcapError` catches them all:
+
+```python
+from durable_capabilities import DurcapError
+
+try:
+    ...
+except DurcapError as exc:
+    print(exc.code, exc)
+```
+
+`code` is a stable string: the `DC0xx` code of `validation.CODES` where the failure has one (`DC040` for an unusable
+input, the first error's code for a `DurableConfigError`), else a short name of its own (`'store-unavailable'`,
+`'run-not-found'`, ...), given on the class line: `class StoreError(DurcapError, code='store')`. `docs/errors.md` ("Exception types") lists every class with its code; a code never
+changes meaning. Private control-flow exceptions (`store._sql._ProbeDone`, `wire._Cut`) are not `DurcapError`s:
+they never leave the package.
+
+This module is the bottom layer: it imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+__all__ = ['DurcapError']
+
+
+class DurcapError(Exception):
+    """Base of every error durable-capabilities raises for its users to catch.
+
+    Attributes:
+        code: The error's stable code (a class attribute; a few classes set it per instance, e.g.
+            `DurableConfigError` to its first error's `DC0xx` code). `'durcap'` on the base itself.
+    """
+
+    code: str = 'durcap'
+
+    def __init_subclass__(cls, code: str | None = None, **kwargs: object) -> None:
+        """`class StoreError(DurcapError, code='store')`: the code is given on the class line.
+
+        Raises:
+            TypeError: `code` is empty or not a string.
+        """
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            if not isinstance(code, str) or not code:
+                raise TypeError(f'{cls.__name__}: code must be a non-empty string, not {code!r}')
+            cls.code = code

@@ -1,0 +1,56 @@
+"""`RunReport`: what one run produced, on any engine (every adapter's `run` returns it, `durcap run` prints it).
+
+Core: it imports nothing of the package, so engines, the runner and the CLI all read it from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ToolCallPart
+from pydantic_ai.usage import RunUsage
+
+__all__ = ['RunReport']
+
+
+@dataclass
+class RunReport:
+    """What one run produced, on any engine (returned by every runner path, printed by `durcap run`).
+
+    Attributes:
+        engine: The engine it ran on.
+        run_id: The engine's id of the run (workflow id, flow run id); `None` locally.
+        output: The agent's output.
+        new_messages: Messages the run added.
+        usage: Tokens and requests (`RunUsage`).
+        durable_units: Names of the durable units the engine recorded, in order (activity types,
+            step names, task run names).
+    """
+
+    engine: str
+    run_id: str | None
+    output: Any
+    new_messages: list[ModelMessage]
+    usage: RunUsage
+    durable_units: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_payload(cls, engine: str, run_id: str | None, payload: dict[str, Any], units: list[str] | None = None) -> RunReport:
+        """A report from a container's `{'output', 'new_messages', 'usage'}` JSON payload (see `Turn.payload`;
+        `new_messages` a list of message JSON, or one JSON string of it)."""
+        messages = payload['new_messages']
+        decoded = (ModelMessagesTypeAdapter.validate_json(messages) if isinstance(messages, str | bytes)
+                   else ModelMessagesTypeAdapter.validate_python(messages))
+        return cls(engine, run_id, payload['output'], decoded, RunUsage(**payload['usage']), list(units or []))
+
+    def loaded_capabilities(self) -> list[str]:
+        """Capability ids the run loaded with `load_capability`, in order."""
+        loaded: list[str] = []
+        for message in self.new_messages:
+            for part in getattr(message, 'parts', []):
+                if isinstance(part, ToolCallPart) and part.tool_name == 'load_capability':
+                    cap = part.args_as_dict().get('id')
+                    if cap and cap not in loaded:
+                        loaded.append(cap)
+        return loaded
