@@ -41,7 +41,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import WorkerDeploymentConfig
 
 if TYPE_CHECKING:
-    from ..agent import DurableAgent
+    from ...agent import DurableAgent
 
 BUILD_ID_PREFIX = 'durcap-'
 DEPLOYMENT_PREFIX = 'durcap-'
