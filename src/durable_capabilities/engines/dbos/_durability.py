@@ -15,18 +15,12 @@ them as failures; recovery replays them as they happened.
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import sqlite3
-import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from contextlib import closing, contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
-from dbos import DBOS, SetWorkflowID
-from pydantic_ai.capabilities import AbstractCapability
+from dbos import DBOS
+from pydantic_ai.capabilities import AbstractCapability, CombinedCapability
 from pydantic_ai.durable_exec import (
     ModelCancelSuspendedResponseId,
     ModelCompactMessagesId,
@@ -37,36 +31,25 @@ from pydantic_ai.durable_exec import (
 )
 from pydantic_ai.durable_exec.dbos import DBOSDurability, DBOSOperationNamer
 from pydantic_ai.exceptions import ApprovalRequired, CallDeferred, ModelAPIError, ModelRetry, RetryModelRequest
-from pydantic_ai.messages import ModelMessagesTypeAdapter
 from pydantic_ai.toolsets import AbstractToolset, FunctionToolset, WrapperToolset
-from pydantic_core import to_jsonable_python
 
-from .. import _registry, _upstream
-from .._limits import private_file, redact_database_url
-from ..conversations import append_conversation, load_conversation
-from ..store import AppendIdReuseError, ConversationConflictError, CorruptedRowError, NewerHistoryError, SchemaVersionError
-from ..turn import RunReport, Turn, deps_from_json, run_turn
-from ..validation import DurableConfigError
-from . import _mcp, _retry_after, _retry_log
-from ._adapter import EngineAdapter, RunInfo, RunOptions, leaf_kinds
-from ._dbos_approvals import (  # noqa: F401 - public here, as before the split
-    DECISION_TOPIC,
-    PENDING_EVENT,
-    DBOSApprovalGate,
+from .. import _mcp, _retry_after, _retry_log
+from .._adapter import leaf_kinds
+from .._retry_after import MAX_RETRY_AFTER_SECONDS
+from ._conversation import Raised, in_workflow_code
+from ._spec import (
+    ENGINE,
+    MODEL_STEP_ATTEMPTS,
+    MODEL_STEP_INTERVAL_SECONDS,
+    TOOL_STEP_ATTEMPTS,
+    TOOL_STEP_INTERVAL_SECONDS,
     approval_step_name,
+    conversation_step_names,
+    workflow_names,
 )
-from ._retry_after import MAX_RETRY_AFTER_SECONDS
 
 if TYPE_CHECKING:
-    from ..agent import DurableAgent
-    from ..approvals import Decision, PendingCall
-
-WORKFLOW_NAME_PREFIX = 'durcap.'
-"""Workflow name of `agent_workflow`: `durcap.{agent name}`. Compatibility data, listed in `durable.lock`."""
-
-DEFAULT_SQLITE_PATH = Path('.durcap') / 'dbos.sqlite'
-"""System database used when no URL is given: `sqlite:///.durcap/dbos.sqlite` (DBOS supports SQLite
-for development; use PostgreSQL in production)."""
+    from ...agent import DurableAgent
 
 _CONTROL_FLOW = (ModelRetry, ApprovalRequired, CallDeferred)
 
@@ -83,20 +66,11 @@ class ToolStepConfig:
     """
 
     retries_allowed: bool = True
-    max_attempts: int = 3
-    interval_seconds: float = 1.0
+    max_attempts: int = TOOL_STEP_ATTEMPTS
+    interval_seconds: float = TOOL_STEP_INTERVAL_SECONDS
     backoff_rate: float = 2.0
 
 
-@dataclass
-class _Raised:
-    """A control-flow exception recorded as a step result (pickled by DBOS)."""
-
-    error: BaseException
-
-
-def _in_workflow_code() -> bool:
-    return DBOS.workflow_id is not None and DBOS.step_id is None
 
 
 @dataclass
@@ -134,19 +108,19 @@ class StepToolset(WrapperToolset[Any]):
         return self if replaced is self.wrapped else StepToolset(replaced, self.step_name, self.config)
 
     async def call_tool(self, name: str, tool_args: dict[str, Any], ctx: Any, tool: Any) -> Any:
-        if not _in_workflow_code():
+        if not in_workflow_code():
             return await self.wrapped.call_tool(name, tool_args, ctx, tool)
         result = await DBOS.run_step_async(self.options, self._step, name, tool_args, ctx, tool)  # type: ignore[arg-type]
-        if isinstance(result, _Raised):
+        if isinstance(result, Raised):
             raise result.error
         return result
 
     async def _step(self, name: str, tool_args: dict[str, Any], ctx: Any, tool: Any) -> Any:
-        """The step body: the tool call, with control-flow exceptions returned as `_Raised` (recorded, not retried)."""
+        """The step body: the tool call, with control-flow exceptions returned as `Raised` (recorded, not retried)."""
         try:
             return await self.wrapped.call_tool(name, tool_args, ctx, tool)
         except _CONTROL_FLOW as error:
-            return _Raised(error)
+            return Raised(error)
 
 
 class ToolSteps:
@@ -257,7 +231,8 @@ def retry_model_step(error: BaseException) -> bool:
     return not _retry_after.unfixable(error) and _retry_after.retry_after(error) is None
 
 
-DEFAULT_MODEL_STEP_CONFIG: dict[str, Any] = {'retries_allowed': True, 'max_attempts': 3, 'interval_seconds': 2.0,
+DEFAULT_MODEL_STEP_CONFIG: dict[str, Any] = {'retries_allowed': True, 'max_attempts': MODEL_STEP_ATTEMPTS,
+                                             'interval_seconds': MODEL_STEP_INTERVAL_SECONDS,
                                              'backoff_rate': 2.0, 'should_retry': retry_model_step}
 """The model request step's retries, under the keys of `engine_options['dbos']['model_step_config']` (the user's keys
 win): 3 attempts, 2 s then 4 s apart, not for errors another attempt cannot fix nor for a provider's `retry-after`
@@ -292,7 +267,7 @@ class RetryAfterSleep(AbstractCapability[Any]):
 
     async def on_model_request_error(self, ctx: Any, *, request_context: Any, error: Exception) -> Any:
         seconds = getattr(error, 'retry_after', None) if isinstance(error, ModelAPIError) else None
-        if seconds is None or not _in_workflow_code():
+        if seconds is None or not in_workflow_code():
             raise error
         attempt = int(getattr(request_context, 'attempt', 1))
         detail = str(error).splitlines()[0] if str(error) else ''
@@ -346,8 +321,6 @@ def _handles_model_request_errors(agent: DurableAgent[Any, Any]) -> bool:
     next model at once). For these agents `RetryAfterSleep` stays a capability of its own, placed by the agent's list
     (before the innermost ones), as before.
     """
-    from pydantic_ai.capabilities import CombinedCapability
-
     registered: list[AbstractCapability[Any]] = []
     for capability in agent.user_capabilities:
         capability.apply(registered.append)
@@ -371,303 +344,9 @@ def _mcp_defaults(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> lis
         return []
     config = options.setdefault('mcp_step_config', mcp_step_config())
     tries = (config.get('max_attempts') or _mcp.DEFAULT_MCP_ATTEMPTS) if config.get('retries_allowed') else 1
-    found = _mcp.guard(agent, 'dbos', lambda leaf_id: tries)
+    found = _mcp.guard(agent, ENGINE, lambda leaf_id: tries)
     return [found] if found is not None else []
 
-
-def system_database_file(url: str | None = None) -> Path | None:
-    """The SQLite file the system database of `url` lives in, without creating anything: `url`, else
-    `$DURCAP_DBOS_DB`, else `DEFAULT_SQLITE_PATH` (as `system_database_url` resolves them); `None` for a database
-    that is not a SQLite file (PostgreSQL, `sqlite:///:memory:`)."""
-    url = url or os.environ.get('DURCAP_DBOS_DB') or None
-    if url is None:
-        return DEFAULT_SQLITE_PATH
-    parsed = url.split('?', 1)[0]
-    if parsed.startswith('sqlite:///') and parsed[len('sqlite:///'):] not in ('', ':memory:'):
-        return Path(parsed[len('sqlite:///'):])
-    return None
-
-
-def system_database_url(url: str | None = None) -> str:
-    """`url`, else `$DURCAP_DBOS_DB` (the default of every command's `--db`, `settings.py`), else SQLite at
-    `.durcap/dbos.sqlite` (folder created 0700, file 0600, WAL journal mode). A SQLite URL naming a file that does
-    not exist yet gets the same private folder and file."""
-    url = url or os.environ.get('DURCAP_DBOS_DB') or None
-    if url:
-        if (path := system_database_file(url)) is not None:
-            private_file(path)
-        return url
-    private_file(DEFAULT_SQLITE_PATH)
-    # WAL journal mode (persistent in the file): each step commit no longer syncs the whole journal,
-    # measured 1.5-2.1 ms per step against 2-16 ms under other I/O in the default mode.
-    with closing(sqlite3.connect(DEFAULT_SQLITE_PATH)) as conn:
-        conn.execute('PRAGMA journal_mode=WAL')
-    return f'sqlite:///{DEFAULT_SQLITE_PATH.resolve()}'
-
-
-RUN_EXECUTOR_PREFIX = 'durcap-run'
-"""Executor ids of one-shot `durcap run` processes: `durcap-run-{host}-{pid}-{random}`."""
-
-WORKER_QUEUE = 'durcap'
-"""The DBOS queue `durcap worker dbos` serves and `durcap runs resume` hands a run to (default)."""
-
-
-def one_shot_executor_id() -> str:
-    """A fresh executor id for one process that runs one workflow and exits: DBOS recovers, at launch, only
-    the pending workflows of the launching executor id, so a one-shot run recovers nothing it will not
-    finish, and its own run (if the process dies) is left to `durcap runs resume` / a worker."""
-    return f'{RUN_EXECUTOR_PREFIX}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}'
-
-
-def executor_process_gone(executor_id: str | None) -> bool:
-    """Whether `executor_id` is a one-shot `durcap run` executor of this host whose process no longer exists."""
-    prefix = f'{RUN_EXECUTOR_PREFIX}-{socket.gethostname()}-'
-    if not executor_id or not executor_id.startswith(prefix):
-        return False
-    pid_text = executor_id[len(prefix):].split('-', 1)[0]
-    if not pid_text.isdigit():
-        return False
-    try:
-        os.kill(int(pid_text), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-def launch(
-    name: str = 'durcap',
-    *,
-    system_database_url_: str | None = None,
-    agents: Sequence[DurableAgent[Any, Any]] = (),
-    lock: str | Path | None = None,
-    allow_drift: bool = False,
-    one_shot: bool = False,
-    listen: Sequence[str] = (),
-    **config: Any,
-) -> DBOS:
-    """Configure and launch DBOS (call after every agent was built and every workflow decorated).
-
-    Args:
-        name: DBOS application name.
-        system_database_url_: PostgreSQL or SQLite URL; default SQLite at `.durcap/dbos.sqlite`.
-        agents: The definitions this app serves; checked against `lock` (or `./durable.lock`) first, so a
-            rename cannot strand workflows DBOS would recover at launch.
-        lock / allow_drift: See `lockfile.enforce_lock`.
-        one_shot: This process runs its own workflow and exits: a fresh executor id (`one_shot_executor_id`, unless
-            `config['executor_id']` is given) so launch recovers no one else's pending workflows, and no user queue
-            is served but those named in `listen` (`DBOS.listen_queues`), so work handed to a worker's queue stays there.
-        config: Other `DBOSConfig` keys (`log_level` defaults to `'WARNING'`; `executor_id` defaults to DBOS's
-            `local`, whose pending workflows launch recovers; `application_version` defaults to
-            `application_version(name)`, which stays the same when an agent is renamed with `previous_names`).
-
-    Returns:
-        The `DBOS` instance.
-    """
-    for agent in agents:
-        BoundAgent(agent)  # claims its names (DC011 against another definition of the same name)
-    if agents:
-        from ..lockfile import enforce_lock
-
-        enforce_lock(agents, lock, allow_drift=allow_drift)
-    config.setdefault('log_level', 'WARNING')
-    if config.get('application_version') is None and not os.environ.get('DBOS__APPVERSION') and not config.get('enable_patching'):
-        config['application_version'] = application_version(name)
-    if one_shot and not config.get('executor_id'):
-        config['executor_id'] = one_shot_executor_id()
-    dbos = DBOS(config={'name': name, 'system_database_url': system_database_url(system_database_url_), **config})  # type: ignore[typeddict-item]
-    if one_shot:
-        DBOS.listen_queues(list(listen))
-    DBOS.launch()
-    return dbos
-
-
-def application_version(name: str = 'durcap') -> str:
-    """The DBOS application version `launch(name)` runs as unless one is configured.
-
-    DBOS recovers a pending workflow only in a process of the version that recorded it, and by default computes
-    the version from the sources of every registered workflow. Registering an agent's previous names
-    (`DurableAgent(previous_names=[...])`) adds a workflow per name, which changed the version, so a workflow in
-    flight when the agent was renamed was never recovered. This is DBOS's own computation over the registered
-    workflows except those registered only for previous names: the same as DBOS's default when no agent was
-    renamed, and unchanged by a rename that keeps the old name in `previous_names`. A change to any other workflow
-    (your own `@DBOS.workflow` functions included) still changes it, as DBOS intends.
-
-    Args:
-        name: The DBOS application name.
-
-    Returns:
-        A 32-character hex string (DBOS's MD5 form). `DBOSConfig['application_version']` or `$DBOS__APPVERSION`
-        override it, as they override DBOS's default.
-    """
-    return _upstream.dbos_application_version(name, _PREVIOUS_NAME_WORKFLOWS)
-
-
-P = ParamSpec('P')
-R = TypeVar('R')
-
-
-def _claim(definition: DurableAgent[Any, Any]) -> None:
-    """Claim the agent's names in this process; its steps are global by name (DC011 on a clash)."""
-    for name in (definition.name, *definition.previous_names):
-        _registry.claim('DBOS agent', name, definition, 'registered with DBOS in this process')
-
-
-class BoundAgent:
-    """What a `@workflow(agent)` function receives as its first argument: `run()` durably inside the workflow."""
-
-    def __init__(self, definition: DurableAgent[Any, Any]):
-        _claim(definition)
-        self.definition = definition
-        self.agent = definition.build('dbos')
-
-    async def run(self, prompt: str | None = None, *, conversation_id: str | None = None, **kwargs: Any) -> Any:
-        """One turn (`turn.run_turn`) on the DBOS-built agent; returns upstream's `AgentRunResult`.
-
-        With `conversation_id`, the stored history is loaded and the new messages appended in DBOS steps
-        (`durcap__{name}__conversation.load` / `.append`, the append idempotent by workflow id).
-
-        Raises:
-            DurableConfigError: capabilities passed per run (DC012); drift in the stored history.
-        """
-        return (await self.turn(prompt, conversation_id=conversation_id, **kwargs)).result
-
-    async def turn(self, prompt: str | None = None, *, conversation_id: str | None = None, **kwargs: Any) -> Turn:
-        """As `run`, returning the whole `turn.Turn`."""
-        load, append = _conversation_steps(self.definition)
-        return await run_turn(self.definition, self.agent.run, prompt, conversation_id=conversation_id, load=load,
-                              append=append, gate=DBOSApprovalGate(self.definition), **kwargs)
-
-
-def _conversation_steps(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
-    """The store units as DBOS steps: recovery returns the recorded history instead of reading again, and the
-    append (idempotent by workflow id) is retried by DBOS while the store is down (`APPEND_STEP_RETRIES`),
-    never on a conflict (`PERMANENT_STORE_ERRORS`)."""
-    load_step, append_step = conversation_step_names(agent)
-
-    async def load(conversation_id: str) -> Any:
-        return await DBOS.run_step_async({'name': load_step}, load_conversation, agent, conversation_id)
-
-    async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> Any:
-        async def body() -> Any:
-            try:
-                return await append_conversation(
-                    agent, conversation_id, messages, expected_revision=revision,
-                    append_id=f'dbos:{DBOS.workflow_id}', usage=usage,
-                )
-            except PERMANENT_STORE_ERRORS as error:
-                return _Raised(error)  # a conflict cannot succeed: recorded, not retried
-
-        result = await DBOS.run_step_async({'name': append_step, **APPEND_STEP_RETRIES}, body)  # type: ignore[arg-type]
-        if isinstance(result, _Raised):
-            raise result.error
-        return result
-
-    return load, append
-
-
-def conversation_step_names(agent: DurableAgent[Any, Any]) -> tuple[str, str]:
-    """Step names of the conversation load and append: `durcap__{name}__conversation.load` / `.append`."""
-    prefix = f'durcap__{agent.durable_name}__conversation'
-    return f'{prefix}.load', f'{prefix}.append'
-
-
-def workflow_names(agent: DurableAgent[Any, Any]) -> list[str]:
-    """The DBOS workflow names `agent_workflow` registers: `durcap.{name}` and one per previous name."""
-    return [f'{WORKFLOW_NAME_PREFIX}{n}' for n in (agent.name, *agent.previous_names)]
-
-
-def workflow(agent: DurableAgent[Any, Any], *, name: str | None = None, **dbos_workflow_kwargs: Any) -> Callable[
-    [Callable[..., Awaitable[R]]], Callable[..., Awaitable[R]]
-]:
-    """Decorate an async function as a `@DBOS.workflow` that receives the agent first.
-
-    ```python
-    @durable_capabilities.dbos.workflow(support)
-    async def handle_ticket(agent, ticket_id: str) -> str:
-        return (await agent.run(f'Ticket {ticket_id}')).output
-    ```
-
-    The agent is built (its steps registered with DBOS) when the decorator runs, so decorate at
-    import time, before `DBOS.launch()`, as DBOS requires for every workflow and step. Call the
-    decorated function without the agent argument: `await handle_ticket('T-1')`.
-
-    Args:
-        agent: The definition to run.
-        name: DBOS workflow name (default: the function's qualified name, as `@DBOS.workflow`).
-        dbos_workflow_kwargs: Passed to `DBOS.workflow` (e.g. `max_recovery_attempts`).
-    """
-    bound = BoundAgent(agent)
-
-    def decorate(func: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
-        async def body(*args: Any, **kwargs: Any) -> R:
-            return await func(bound, *args, **kwargs)
-
-        # Not `functools.wraps`: its `__wrapped__` would show the agent parameter to callers.
-        for attr in ('__module__', '__name__', '__qualname__', '__doc__'):
-            setattr(body, attr, getattr(func, attr))
-        return DBOS.workflow(name=name or func.__qualname__, **dbos_workflow_kwargs)(body)
-
-    return decorate
-
-
-_WORKFLOWS: dict[str, Any] = {}
-_PREVIOUS_NAME_WORKFLOWS: set[str] = set()
-"""DBOS workflow names `agent_workflow` registered only for an agent's previous names (see `application_version`)."""
-
-APPEND_STEP_RETRIES: dict[str, Any] = {'retries_allowed': True, 'interval_seconds': 1.0, 'backoff_rate': 1.5, 'max_attempts': 40}
-"""Retries of the conversation-append step: the run's side effects happened, so keep trying while the store is
-down: 1 s, then x1.5 each time (DBOS caps a wait at 1 h), 40 attempts, about 22 hours in all."""
-
-
-def _permanent_store_errors() -> tuple[type[BaseException], ...]:
-    return (ConversationConflictError, AppendIdReuseError, CorruptedRowError, NewerHistoryError, SchemaVersionError,
-            DurableConfigError)
-
-
-PERMANENT_STORE_ERRORS = _permanent_store_errors()
-"""Store errors a retried append cannot fix: the append step records them as its result and raises them after."""
-
-
-def agent_workflow(agent: DurableAgent[Any, Any]) -> Callable[..., Awaitable[dict[str, Any]]]:
-    """A DBOS workflow named `durcap.{agent name}` that runs `agent` once (registered on first call).
-
-    Call before `DBOS.launch()`. Arguments: `prompt: str | None`, `deps: dict | None` (validated into
-    `deps_type`), `message_history: list[dict] | None` (pydantic-ai message JSON), `conversation_id`
-    (load the stored history in step `durcap__{name}__conversation.load`, append the new messages in
-    step `...append`, idempotent by workflow id). Returns
-    `{'output', 'new_messages', 'usage'}` as JSON-compatible data.
-    """
-    existing = _WORKFLOWS.get(agent.name)
-    if existing is not None:
-        _claim(agent)  # DC011 when another definition has one of the agent's names
-        return existing
-    bound = BoundAgent(agent)  # claims the agent's names first
-
-    async def run_agent(
-        prompt: str | None, deps: Any = None, message_history: Any = None, conversation_id: str | None = None
-    ) -> dict[str, Any]:
-        turn = await bound.turn(prompt, deps=deps_from_json(agent, deps), message_history=message_history,
-                                conversation_id=conversation_id)
-        return turn.payload()
-
-    name, *previous_names = workflow_names(agent)
-    registered = DBOS.workflow(name=name)(run_agent)
-    for previous in previous_names:
-        # Workflows recorded under an earlier agent name recover through the same body.
-        async def run_previous(
-            prompt: str | None, deps: Any = None, message_history: Any = None, conversation_id: str | None = None
-        ) -> dict[str, Any]:
-            return await run_agent(prompt, deps, message_history, conversation_id)
-
-        DBOS.workflow(name=previous)(run_previous)
-        _PREVIOUS_NAME_WORKFLOWS.add(previous)
-    _WORKFLOWS[agent.name] = registered
-    return registered
-
-
-# ---- the adapter ---------------------------------------------------------------------------------
 
 
 def _journal_ids(agent: DurableAgent[Any, Any]) -> list[Any]:
@@ -688,198 +367,10 @@ def _journal_ids(agent: DurableAgent[Any, Any]) -> list[Any]:
     return ids
 
 
-class DBOSAdapter(EngineAdapter):
-    """DBOS: a workflow per agent (`agent_workflow`), steps for model requests, tools, MCP and the store.
-
-    Run settings: `db` (system database URL; default SQLite at `.durcap/dbos.sqlite`).
-    """
-
-    name = 'dbos'
-    unit, units, container, run_id_label = 'step', 'steps', 'workflow', 'workflow id'
-    extra, requires = 'dbos', 'dbos'
-    features = frozenset({'worker'})
-    lock_sections: Mapping[str, str] = {'workflows': 'workflow', 'steps': 'step'}
-
-    def listing_note(self, settings: Mapping[str, Any]) -> str | None:
-        """A note when `--db` names a SQLite file that does not exist (the listings then show nothing, and reading
-        does not create the file); the default system database, absent before the first run, gets none."""
-        from ._dbos_runs import _missing_sqlite_file
-
-        if not settings.get('db') or (missing := _missing_sqlite_file(settings)) is None:
-            return None
-        return f'dbos: no system database at {missing}: nothing has run there (check the path: pass the --db the runs used)'
-
-    def durability_class(self) -> Any:
-        return ToolStepDurability
-
-    def durability_parts(self, agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-        return durability_parts(agent, options)
-
-    def durable_names(self, agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
-        """Step names from upstream's `DBOSOperationNamer` (the names `DBOSDurability` and `ToolStepDurability`
-        register), the conversation steps, and the workflow names of `agent_workflow`."""
-        namer = DBOSOperationNamer(agent.durable_name)
-        steps = {namer.operation_name(i) for i in _journal_ids(agent)} | set(conversation_step_names(agent))
-        steps.add(approval_step_name(agent))
-        return {'workflows': sorted(workflow_names(agent)), 'steps': sorted(steps)}
-
-    def conversation_units(self, agent: DurableAgent[Any, Any]) -> list[str]:
-        return list(conversation_step_names(agent))
-
-    def mcp_retry_hint(self, leaf_id: str) -> str | None:
-        return "DurableAgent(engine_options={'dbos': {'mcp_step_config': {'max_attempts': ...}}})"
-
-    def mcp_passes_through(self, error: BaseException) -> bool:
-        dbos_error, retries_exceeded = _upstream.dbos_error_classes()
-        return isinstance(error, dbos_error) and not isinstance(error, retries_exceeded)
-
-    async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
-
-        workflow_fn = agent_workflow(agent)
-        url = system_database_url(options.setting('db'))
-        options.notify(f'dbos system database: {redact_database_url(url)}')
-        # A step retry logs one WARNING line (ModelRetryLogLine drops its traceback); the run's failure is reported
-        # once, in `durcap run`'s own line (capability, error, innermost cause).
-        launch('durcap', system_database_url_=url, one_shot=True, executor_id=options.setting('executor_id'))
-        try:
-            workflow_id = options.run_id or f'{agent.name}-{uuid.uuid4()}'
-            options.started(workflow_id, f'dbos workflow id: {workflow_id} (executor {DBOS.executor_id})')
-            history = options.message_history
-            history_json = ModelMessagesTypeAdapter.dump_python(list(history), mode='json') if history else None
-            deps = to_jsonable_python(options.deps) if options.deps is not None else None
-            with SetWorkflowID(workflow_id):
-                payload = await workflow_fn(prompt, deps, history_json, options.conversation_id)
-            steps = await DBOS.list_workflow_steps_async(workflow_id)
-        finally:
-            DBOS.destroy()
-        return RunReport.from_payload('dbos', workflow_id, payload, [step['function_name'] for step in steps])
-
-    def serve_worker(self, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> None:
-        """Serve `agents`' workflows as a long-lived DBOS executor until SIGTERM / SIGINT.
-
-        Settings: `db` (system database URL), `executor_id` (default `local`, DBOS's own default: launch
-        recovers that executor's pending workflows), `task_queue` (the DBOS queue served, default `durcap`,
-        where `durcap runs resume` hands runs), `graceful_shutdown` (seconds running workflows get to finish).
-        """
-        import signal
-        import threading
-
-        for agent in agents:
-            agent_workflow(agent)
-        executor = options.setting('executor_id', 'local')
-        queue = options.setting('task_queue', WORKER_QUEUE)
-        url = system_database_url(options.setting('db'))
-        from sqlalchemy.exc import OperationalError, ProgrammingError
-
-        client = _client({'db': url})
-        try:
-            pending = client.list_workflows(status='PENDING', executor_id=executor, load_input=False, load_output=False)
-        except (OperationalError, ProgrammingError):  # a new system database: DBOS creates its tables at launch
-            pending = []
-        finally:
-            client.destroy()
-        launch('durcap', system_database_url_=url, executor_id=executor)
-        stop = threading.Event()
-        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            DBOS.register_queue(queue)
-            options.notify(f'dbos worker ready: executor {executor!r} (recovering {len(pending)} pending '
-                           f'workflows), queue {queue!r}, system database {redact_database_url(url)}, application version '
-                           f'{DBOS.application_version}; Ctrl-C or SIGTERM to stop')
-            stop.wait()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            DBOS.destroy(workflow_completion_timeout_sec=int(options.setting('graceful_shutdown', 30)))
-
-    # ---- the operator side (`durcap runs`, `durcap approvals`): `_dbos_runs` ----------------------------------
-
-    async def list_runs(self, settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
-        from . import _dbos_runs
-
-        return await _dbos_runs.list_runs(settings, status=status, limit=limit)
-
-    async def show_run(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
-        from . import _dbos_runs
-
-        return await _dbos_runs.show_run(run_id, settings)
-
-    async def cancel(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
-        from . import _dbos_runs
-
-        return await _dbos_runs.cancel(run_id, settings)
-
-    async def resume(self, run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
-        from . import _dbos_runs
-
-        return await _dbos_runs.resume(run_id, agents, options)
-
-    async def pending_approvals(self, settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
-        from . import _dbos_runs
-
-        return await _dbos_runs.pending_approvals(settings, run_id)
-
-    async def decide(self, run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
-        from . import _dbos_runs
-
-        return await _dbos_runs.decide(run_id, decision, settings)
-
-
-def _client(settings: Mapping[str, Any]) -> Any:
-    """A `DBOSClient` on `settings['db']` (default system database): runs and approvals read and send through it.
-
-    Raises:
-        RuntimeError: the system database cannot be reached (DBOSClient checks the connection when it is made) or
-            DBOS refuses its URL (no database name): one line naming the database (password shown as ***) and the
-            driver's reason, instead of SQLAlchemy's traceback and DBOS's own log line saying the same.
-    """
-    from dbos import DBOSClient
-
-    url = system_database_url(settings.get('db'))
-    try:
-        with quiet_dbos_log('Error connecting to the DBOS system database'):  # raised below, in one line
-            return DBOSClient(system_database_url=url)
-    except Exception as exc:
-        from sqlalchemy.exc import SQLAlchemyError
-
-        from .._upstream import dbos_error_classes
-
-        if not isinstance(exc, (SQLAlchemyError, dbos_error_classes()[0])):  # DBOS's own: a URL it refuses
-            raise
-        raise RuntimeError(f'cannot connect to the DBOS system database {redact_database_url(url)}: '
-                           f'{database_error_line(exc)}') from None
-
-
-@contextmanager
-def quiet_dbos_log(*prefixes: str) -> Iterator[None]:
-    """Drop the `dbos` logger's records whose message starts with one of `prefixes` while the block runs: for a
-    database error the caller raises itself, in one line, which DBOS would also log with its traceback. The filter is
-    the block's own (added and removed), so concurrent blocks never undo each other's, and the logger's level is
-    never changed."""
-    dbos_logger = logging.getLogger('dbos')
-    quiet = _DropRecords(prefixes)
-    dbos_logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        dbos_logger.removeFilter(quiet)
-
-
-def database_error_line(exc: BaseException) -> str:
-    """The first line of the database driver's own message (SQLAlchemy's `orig`), else of `exc`, else its type name:
-    what the operator commands print after naming the system database."""
-    detail = str(getattr(exc, 'orig', None) or exc).strip().splitlines()
-    return detail[0] if detail else type(exc).__name__
-
-
-class _DropRecords:
-    """A `logging` filter dropping the records whose message starts with one of `prefixes`."""
-
-    def __init__(self, prefixes: tuple[str, ...]):
-        self.prefixes = prefixes
-
-    def filter(self, record: Any) -> bool:
-        return not record.getMessage().startswith(self.prefixes)
-
-
-ADAPTER = DBOSAdapter()
+def durable_names(agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
+    """Step names from upstream's `DBOSOperationNamer` (the names `DBOSDurability` and `ToolStepDurability`
+    register), the conversation steps, the approval clock step, and the workflow names of `agent_workflow`."""
+    namer = DBOSOperationNamer(agent.durable_name)
+    steps = {namer.operation_name(i) for i in _journal_ids(agent)} | set(conversation_step_names(agent))
+    steps.add(approval_step_name(agent))
+    return {'workflows': sorted(workflow_names(agent)), 'steps': sorted(steps)}
