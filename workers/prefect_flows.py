@@ -44,8 +44,7 @@ if __name__ == '__main__':
 from _common import DEFAULT_TARGET
 from _common import load_agents as _load_agents
 
-from durable_capabilities.engines.prefect import agent_flow
-from durable_capabilities.engines.prefect import TARGET_ENV, entrypoint
+from durable_capabilities.engines.prefect import TARGET_ENV, agent_flow, entrypoint
 
 CONNECT_RETRY_SECONDS = 120.0
 

@@ -19,7 +19,6 @@ from ._client import client, database_error_line, quiet_dbos_log
 from ._conversation import APPEND_STEP_RETRIES, PERMANENT_STORE_ERRORS, Raised
 from ._durability import (
     DEFAULT_MODEL_STEP_CONFIG,
-    ModelRetryLogLine,
     RetryAfterSleep,
     StepToolset,
     ToolStepConfig,
@@ -66,7 +65,6 @@ __all__ = [
     'BoundAgent',
     'DBOSAdapter',
     'DBOSApprovalGate',
-    'ModelRetryLogLine',
     'Raised',
     'RetryAfterSleep',
     'StepToolset',

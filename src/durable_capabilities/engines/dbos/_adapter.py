@@ -71,7 +71,7 @@ class DBOSAdapter(EngineAdapter):
         workflow_fn = agent_workflow(agent)
         url = system_database_url(options.setting('db'))
         options.notify(f'dbos system database: {redact_database_url(url)}')
-        # A step retry logs one WARNING line (ModelRetryLogLine drops its traceback); the run's failure is reported
+        # A step retry logs one WARNING line (`_retry_log.ModelRetryLogLine` drops its traceback); the run's failure is reported
         # once, in `durcap run`'s own line (capability, error, innermost cause).
         launch(APP_NAME, system_database_url_=url, one_shot=True, executor_id=options.setting('executor_id'))
         try:

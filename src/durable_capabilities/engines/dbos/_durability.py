@@ -206,21 +206,19 @@ class ToolStepDurability(DBOSDurability):
         return steps.wrap(wrapped or toolset)
 
 
-class ModelRetryLogLine(logging.Filter):
-    """DBOS's "Step being automatically retried (attempt 2 of 3)" warning as one line without the traceback:
-    `model request step (attempt 2 of 3) failed: ModelRateLimitError: ...` for a model error, `step (attempt 2 of 3)
-    failed: RuntimeError: ...` for any other (a tool step). Installed on the `dbos` logger when this module is
-    imported."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = str(record.msg)
-        if message.startswith('Step being automatically retried'):
-            if not _retry_log.shorten(record, message.replace('Step being automatically retried', 'model request step')):
-                _retry_log.shorten_any(record, message.replace('Step being automatically retried', 'step'))
-        return True
+def step_retry_attempt(record: logging.LogRecord) -> tuple[str, str | None] | None:
+    """DBOS's "Step being automatically retried (attempt 2 of 3)" warning as `model request step (attempt 2 of 3)` for
+    a model error, `step (attempt 2 of 3)` for any other (a tool step)."""
+    message = str(record.msg)
+    if not message.startswith(_STEP_RETRIED):
+        return None
+    return message.replace(_STEP_RETRIED, 'model request step'), message.replace(_STEP_RETRIED, 'step')
 
 
-logging.getLogger('dbos').addFilter(ModelRetryLogLine())
+_STEP_RETRIED = 'Step being automatically retried'
+
+
+logging.getLogger('dbos').addFilter(_retry_log.ModelRetryLogLine(step_retry_attempt))  # when this module is imported
 
 
 def retry_model_step(error: BaseException) -> bool:

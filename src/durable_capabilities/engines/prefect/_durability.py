@@ -201,7 +201,7 @@ def normalized_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
 
 
 for _logger_name in ('prefect.task_runs', 'prefect.flow_runs'):  # a failed model request: Prefect's one line, no traceback
-    logging.getLogger(_logger_name).addFilter(_retry_log.TracebacklessModelErrors())
+    logging.getLogger(_logger_name).addFilter(_retry_log.ModelRetryLogLine())
 
 _logger = logging.getLogger(__name__)
 

@@ -50,7 +50,6 @@ from ._spec import (
 from ._versioning import WorkerVersion
 from ._worker import (
     LocalToolActivities,
-    ModelRetryLogLine,
     RetryAfterCap,
     UnstickOnRetry,
     deadlock_timeout,
@@ -89,7 +88,6 @@ __all__ = [
     'GuardedTemporalDurability',
     'HistoryReplayer',
     'LocalToolActivities',
-    'ModelRetryLogLine',
     'Repaired',
     'RetryAfterCap',
     'TemporalAdapter',

@@ -138,21 +138,18 @@ class _NoLocalHeartbeats(ActivityInboundInterceptor):
         super().init(Outbound(outbound))
 
 
-class ModelRetryLogLine(logging.Filter):
-    """Turns temporalio's "Completing activity as failed" warning of a model request activity (a traceback of the
-    provider SDK's and httpx's exception chain, 25-30 lines per attempt) into one line per failed attempt:
-    `agent__support__model_request attempt 2 failed: ModelConnectionError: Connection error.` (the streamed request's
-    `__model_request_stream` activity too). Other activities'
-    failures keep their tracebacks. Installed on the `temporalio.activity` logger by `make_worker`."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        info = getattr(record, 'temporal_activity', None) or {}
-        if str(info.get('activity_type', '')).endswith(MODEL_REQUEST_ACTIVITIES):
-            _retry_log.shorten(record, f"{info.get('activity_type')} attempt {info.get('attempt')}")
-        return True
+def model_request_attempt(record: logging.LogRecord) -> tuple[str, str | None] | None:
+    """temporalio's "Completing activity as failed" warning of a model request activity (the streamed request's
+    `__model_request_stream` too) as `agent__support__model_request attempt 2`; other activities' failures keep their
+    tracebacks (`None`)."""
+    info = getattr(record, 'temporal_activity', None) or {}
+    if str(info.get('activity_type', '')).endswith(MODEL_REQUEST_ACTIVITIES):
+        return f"{info.get('activity_type')} attempt {info.get('attempt')}", None
+    return None
 
 
-_MODEL_RETRY_LOG_LINE = ModelRetryLogLine()
+_MODEL_RETRY_LOG_LINE = _retry_log.ModelRetryLogLine(model_request_attempt)
+"""Installed on the `temporalio.activity` logger by `make_worker`."""
 
 
 _BACKGROUND: set[asyncio.Task[Any]] = set()
