@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from ..approvals import ApprovalError
+
 if TYPE_CHECKING:
     from ..agent import DurableAgent
     from ..approvals import Decision, PendingCall
@@ -431,8 +433,6 @@ class EngineAdapter(ABC):
         """
         if self.operator is not None:
             return await self.operator.decide(run_id, decision, settings)
-        from ..approvals import ApprovalError
-
         raise ApprovalError('unknown-run', f'engine {self.name!r} runs do not wait for approval')
 
     @abstractmethod
