@@ -24,18 +24,16 @@ from .._conversation_unit import (
     load_unit,
 )
 from . import _payloads
-from ._spec import CONVERSATION_APPEND_SUFFIX, CONVERSATION_LOAD_SUFFIX, STORE_ACTIVITY_TIMEOUT
+from ._spec import (
+    APPEND_RETRY,
+    CONVERSATION_APPEND_SUFFIX,
+    CONVERSATION_LOAD_SUFFIX,
+    LOAD_RETRY,
+    STORE_ACTIVITY_TIMEOUT,
+)
 
 if TYPE_CHECKING:
     from ...agent import DurableAgent
-
-LOAD_RETRY = UnitRetry(attempts=5)
-"""The load activity: 5 attempts (Temporal's default waits, 1 s doubling)."""
-
-APPEND_RETRY = UnitRetry(attempts=0, initial_seconds=1.0, backoff=1.5, maximum_seconds=60.0)
-"""The append activity: the run's side effects happened, so retry until the store takes it (no attempt cap,
-backoff 1.5x up to a minute); an error of `PERMANENT_APPEND_ERRORS` fails at once."""
-
 
 def _policy(retry: UnitRetry, permanent: tuple[type[BaseException], ...], *, waits: bool) -> RetryPolicy:
     if not waits:  # the load keeps Temporal's own default waits

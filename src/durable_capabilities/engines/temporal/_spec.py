@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from .._conversation_unit import UnitRetry
+
 ENGINE = 'temporal'
 
 WORKFLOW_NAME_PREFIX = 'durcap.'
@@ -129,6 +131,13 @@ LOCAL_RETRY_THRESHOLD = timedelta(seconds=10)
 """Past this backoff a local activity's retry is scheduled through the server with a timer, as Temporal does."""
 
 MCP_RETRY_MAXIMUM_INTERVAL = timedelta(seconds=10)
+
+LOAD_RETRY = UnitRetry(attempts=5)
+"""The load activity: 5 attempts (Temporal's default waits, 1 s doubling)."""
+
+APPEND_RETRY = UnitRetry(attempts=0, initial_seconds=1.0, backoff=1.5, maximum_seconds=60.0)
+"""The append activity: the run's side effects happened, so retry until the store takes it (no attempt cap,
+backoff 1.5x up to a minute); an error of `PERMANENT_APPEND_ERRORS` fails at once."""
 
 STORE_ACTIVITY_TIMEOUT = timedelta(seconds=15)
 """`start_to_close_timeout` of the conversation activities: a store call takes milliseconds, and a killed worker's
