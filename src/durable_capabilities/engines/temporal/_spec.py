@@ -63,6 +63,15 @@ The activity type names do not change, so `durable.lock` is the same; histories 
 
 LOCAL_TOOLS_PATCH_ID = 'durcap-local-tool-activities'
 
+# ---- Worker Versioning (`_versioning`) ---------------------------------------------------------------------------
+
+BUILD_ID_PREFIX = 'durcap-'
+DEPLOYMENT_PREFIX = 'durcap-'
+IDENTITY = 'durcap worker temporal'
+REGISTRATION_TIMEOUT = 60.0
+"""Seconds `make_current` waits for a new version to register its task queues (its pollers reach the server in
+about a second; the server refuses to make current a version missing a task queue of the current one)."""
+
 DEFAULT_ADDRESS = '127.0.0.1:7233'
 DEFAULT_NAMESPACE = 'default'
 DEFAULT_TASK_QUEUE = 'durcap'
