@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -144,8 +145,6 @@ def loaded_capabilities_in(values: Iterable[Any]) -> list[str]:
 
     def add(args: Any) -> None:
         if isinstance(args, str):
-            import json
-
             try:
                 args = json.loads(args)
             except ValueError:
@@ -174,8 +173,6 @@ def loaded_capabilities_in(values: Iterable[Any]) -> list[str]:
         elif isinstance(value, str):
             # A message list as one JSON string (the Prefect flow's `new_messages`): decoded only when it names the tool.
             if value.startswith('[') and '"load_capability"' in value:
-                import json
-
                 try:
                     visit(json.loads(value))
                 except ValueError:
