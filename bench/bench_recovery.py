@@ -14,7 +14,7 @@ Measured from the kill (wall clock, `time.time()` in this process and in the too
 - completion: until this process has the workflow's result. Target <= 3 s + the tool's 3 s.
 Counted: `charge` ran exactly once; `slow_export` started twice (one aborted attempt) and finished once.
 
-What decides the figures (engines/temporal.py): `DEFAULT_TOOL_HEARTBEAT_TIMEOUT` (2 s), `HEARTBEAT_THROTTLE`,
+What decides the figures (engines/temporal/_spec.py): `DEFAULT_TOOL_HEARTBEAT_TIMEOUT` (2 s), `HEARTBEAT_THROTTLE`,
 `TOOL_RETRY_INITIAL_INTERVAL` (0.5 s), `DEFAULT_STICKY_SCHEDULE_TO_START` (1 s).
 """
 

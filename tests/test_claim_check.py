@@ -10,8 +10,8 @@ import pytest
 from temporalio.converter import DataConverter
 from temporalio.exceptions import ApplicationError
 
+from durable_capabilities.engines.temporal._payloads import ENCODING, ClaimCheckCodec, default_codec
 from durable_capabilities.store import CorruptedRowError
-from durable_capabilities.store._claim_check import ENCODING, ClaimCheckCodec, default_codec
 from tests.test_store import sql, store_url  # noqa: F401 - fixture
 
 

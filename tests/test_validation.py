@@ -650,7 +650,7 @@ def test_zz_every_code_is_exercised(request: pytest.FixtureRequest) -> None:
     unreachable = set(CODES) - codes_with_a_producer()  # declared, but no module ever writes them
     assert unreachable <= {'DC018', 'DC019'}, f'codes nothing produces: {sorted(unreachable)}'
     elsewhere = {'DC018', 'DC019'}  # history drift: produced by history.py, exercised in tests/test_store.py
-    # Temporal payload limits: produced by store/_claim_check.py, exercised in tests/engines/test_payload_sizes.py and
+    # Temporal payload limits: produced by engines/temporal/_payloads.py, exercised in tests/engines/test_payload_sizes.py and
     # by the examples of docs/errors.md (tests/test_docs.py).
     elsewhere |= {'DC030', 'DC031'}
     # Unusable input (lockfiles, histories, JSON options, URLs): produced by _limits, lockfile, replay and the CLI,

@@ -10,7 +10,7 @@ Start a run from anywhere that reaches the API:
         --param deps='{"orders": {"ABC-123": "shipped"}}'
 
 How a run executes: the runner starts `python -m prefect.engine`, which loads the flow from the
-deployment's entrypoint, `durable_capabilities.engines.prefect_entry:flow__<agent name>`, built on
+deployment's entrypoint, `durable_capabilities.engines.prefect._entry:flow__<agent name>`, built on
 first access from `DURCAP_TARGET`, so every flow run builds its agent inside its own process. (`agent_flow(agent).serve()` would instead hand the in-memory flow to a spawned subprocess
 through cloudpickle, and the built pydantic-ai agent does not pickle: every run would crash.)
 
@@ -44,8 +44,7 @@ if __name__ == '__main__':
 from _common import DEFAULT_TARGET
 from _common import load_agents as _load_agents
 
-from durable_capabilities.engines.prefect import agent_flow
-from durable_capabilities.engines.prefect_entry import TARGET_ENV, entrypoint
+from durable_capabilities.engines.prefect import TARGET_ENV, agent_flow, entrypoint
 
 CONNECT_RETRY_SECONDS = 120.0
 
@@ -123,7 +122,7 @@ def main() -> None:
         raise SystemExit(2)
     from prefect import serve
 
-    os.environ[TARGET_ENV] = target  # flow-run processes build the agent from it (prefect_entry)
+    os.environ[TARGET_ENV] = target  # flow-run processes build the agent from it (engines/prefect/_entry.py)
     agents = load_agents(target)
     deployments = []
     for agent in agents:

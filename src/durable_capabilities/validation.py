@@ -242,12 +242,12 @@ CODES: dict[str, Code] = {
     'DC030': Code(
         'A Temporal payload is over the configured maximum (a tool result, a message, a history).',
         'error',
-        written_by='engines._payload_guard',
+        written_by='engines.temporal._payloads',
     ),
     'DC031': Code(
         'A large Temporal payload could not be stored by reference (the conversation store is down).',
         'error',
-        written_by='store._claim_check',
+        written_by='engines.temporal._payloads',
     ),
     'DC040': Code(
         'An input is unusable: over a size, nesting, expansion or time bound, not a regular file, of the wrong '

@@ -22,8 +22,7 @@ import uuid
 def serve(target: str, agent_name: str, deployment_name: str) -> None:
     from prefect import serve as prefect_serve
 
-    from durable_capabilities.engines.prefect import agent_flow, watch_deadlines
-    from durable_capabilities.engines.prefect_entry import TARGET_ENV, entrypoint
+    from durable_capabilities.engines.prefect import TARGET_ENV, agent_flow, entrypoint, watch_deadlines
     from durable_capabilities.targets import load_checked
 
     os.environ[TARGET_ENV] = target  # inherited by each flow run's process

@@ -49,7 +49,7 @@ def test_marked_leaf_runs_its_tools_as_local_activities_and_old_histories_replay
     from temporalio.api.enums.v1 import EventType
 
     from durable_capabilities.engines import temporal
-    from durable_capabilities.engines._temporal_history import HistoryReplayer
+    from durable_capabilities.engines.temporal import HistoryReplayer
 
     name = f'lt_{uuid.uuid4().hex[:8]}'
     agent = _agent(name)
@@ -66,7 +66,7 @@ def test_marked_leaf_runs_its_tools_as_local_activities_and_old_histories_replay
                     if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
 
         assert scheduled(before).count(f'agent__{name}__toolset__ops__call_tool') == 4
-        # The recovery settings as Temporal recorded them (engines/temporal.py: DEFAULT_TOOL_HEARTBEAT_TIMEOUT,
+        # The recovery settings as Temporal recorded them (engines/temporal/_spec.py: DEFAULT_TOOL_HEARTBEAT_TIMEOUT,
         # TOOL_RETRY_INITIAL_INTERVAL, DEFAULT_MODEL_HEARTBEAT_TIMEOUT).
         for event in before:
             if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:

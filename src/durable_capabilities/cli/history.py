@@ -147,8 +147,7 @@ def repair(
     Idempotent: an append the store already has is not written again. Exit 2 when the conversation moved on
     since the turn loaded it (nothing is written), or the workflow or the store cannot be read.
     """
-    from .._repair import repair_temporal  # lazily: Temporal-only, and temporalio is an optional extra
-    from ..engines.temporal import connect
+    from ..engines.temporal import connect, repair_temporal  # lazily: Temporal-only, temporalio is an optional extra
 
     async def go() -> Any:
         client = await connect(address or os.environ.get('DURCAP_TEMPORAL_ADDRESS') or '127.0.0.1:7233', namespace, store=store)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from ..approvals import ApprovalError
 from ..errors import DurcapError
 from ._protocol import ConnectionSetting, EngineSpec
 
@@ -146,8 +148,6 @@ def loaded_capabilities_in(values: Iterable[Any]) -> list[str]:
 
     def add(args: Any) -> None:
         if isinstance(args, str):
-            import json
-
             try:
                 args = json.loads(args)
             except ValueError:
@@ -176,8 +176,6 @@ def loaded_capabilities_in(values: Iterable[Any]) -> list[str]:
         elif isinstance(value, str):
             # A message list as one JSON string (the Prefect flow's `new_messages`): decoded only when it names the tool.
             if value.startswith('[') and '"load_capability"' in value:
-                import json
-
                 try:
                     visit(json.loads(value))
                 except ValueError:
@@ -374,6 +372,11 @@ class EngineAdapter(ABC):
         return None
 
     # ---- runs the engine recorded (`durcap runs`) ---------------------------------------------------
+    # Written once here over the engine's operator primitives: `operator` is the engine's `_runs` module (or any
+    # object) with `list_runs`, `show_run`, `cancel`, `resume`, `pending_approvals` and `decide` functions of the
+    # signatures below minus `self`; `None` (the local engine): no runs, nothing to approve.
+
+    operator: Any = None
 
     async def list_runs(self, settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
         """The engine's durcap runs, newest first (at most `limit`), with `status` one of `RUN_STATUSES` or `None`.
@@ -384,7 +387,9 @@ class EngineAdapter(ABC):
             NotImplementedError: the engine keeps no runs (local).
             OSError / RuntimeError: the engine's server or database cannot be reached.
         """
-        raise NotImplementedError(f'engine {self.name!r} keeps no runs')
+        if self.operator is None:
+            raise NotImplementedError(f'engine {self.name!r} keeps no runs')
+        return await self.operator.list_runs(settings, status=status, limit=limit)
 
     async def show_run(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
         """One run by id.
@@ -393,7 +398,9 @@ class EngineAdapter(ABC):
             RunNotFoundError: no run has that id.
             NotImplementedError: the engine keeps no runs.
         """
-        raise NotImplementedError(f'engine {self.name!r} keeps no runs')
+        if self.operator is None:
+            raise NotImplementedError(f'engine {self.name!r} keeps no runs')
+        return await self.operator.show_run(run_id, settings)
 
     async def resume(self, run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
         """Finish a run whose process died, in this process, without repeating a completed durable unit.
@@ -404,7 +411,9 @@ class EngineAdapter(ABC):
             RunNotFoundError: no run has that id.
             RuntimeError: the run cannot be resumed here (message says why and what to do).
         """
-        raise NotImplementedError(f'engine {self.name!r} cannot resume runs')
+        if self.operator is None:
+            raise NotImplementedError(f'engine {self.name!r} cannot resume runs')
+        return await self.operator.resume(run_id, agents, options)
 
     async def cancel(self, run_id: str, settings: Mapping[str, Any]) -> RunInfo:
         """Cancel a run on the engine; returns it as recorded after the cancellation.
@@ -412,7 +421,9 @@ class EngineAdapter(ABC):
         Raises:
             RunNotFoundError: no run has that id.
         """
-        raise NotImplementedError(f'engine {self.name!r} cannot cancel runs')
+        if self.operator is None:
+            raise NotImplementedError(f'engine {self.name!r} cannot cancel runs')
+        return await self.operator.cancel(run_id, settings)
 
     # ---- approvals (`durcap approvals`) -------------------------------------------------------------
 
@@ -420,7 +431,9 @@ class EngineAdapter(ABC):
         """Tool calls waiting for a person in the engine's runs (only `run_id`'s when given), from outside the
         runs (a client). `settings` as `RunOptions.settings` (`address`, `namespace`, `db`). Durable runs wait in
         the engine's `approvals.ApprovalGate`, which the engine's container passes to `turn.run_turn`."""
-        return []
+        if self.operator is None:
+            return []
+        return await self.operator.pending_approvals(settings, run_id)
 
     async def decide(self, run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
         """Deliver `decision` to the waiting run `run_id`, after checking it against the run's pending calls.
@@ -431,8 +444,8 @@ class EngineAdapter(ABC):
         Raises:
             approvals.ApprovalError: unknown run, unknown call, stale fingerprint (nothing was delivered).
         """
-        from ..approvals import ApprovalError
-
+        if self.operator is not None:
+            return await self.operator.decide(run_id, decision, settings)
         raise ApprovalError('unknown-run', f'engine {self.name!r} runs do not wait for approval')
 
     @abstractmethod

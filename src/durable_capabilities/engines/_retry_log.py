@@ -1,10 +1,12 @@
 """One log line per failed model request attempt instead of a traceback (Temporal activity retries, DBOS step
-retries): the engines log a retried attempt with `exc_info`, which for a provider error is 25-30 lines of the
-SDK's and httpx's exception chain per attempt."""
+retries, Prefect task retries): the engines log a retried attempt with `exc_info`, which for a provider error is
+25-30 lines of the SDK's and httpx's exception chain per attempt. `ModelRetryLogLine` is the one filter; each engine
+gives it the function that recognises its own retry records."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 
 def model_error(error: BaseException | None) -> BaseException | None:
@@ -48,9 +50,31 @@ def drop_traceback(record: logging.LogRecord) -> bool:
     return True
 
 
-class TracebacklessModelErrors(logging.Filter):
-    """A logging filter applying `drop_traceback` to every record (Prefect's task and flow run loggers)."""
+AttemptNames = Callable[[logging.LogRecord], tuple[str, str | None] | None]
+"""What an engine's retry record is: `(prefix for a model error, prefix for any other error or None)`, or `None` for a
+record that reports no failed attempt."""
+
+
+class ModelRetryLogLine(logging.Filter):
+    """The one model-retry log filter of every engine: a failed attempt's record becomes one line,
+    `{prefix} failed: {ErrorClass}: {first line}`, without the 25-30 lines of the provider SDK's and httpx's traceback.
+
+    Args:
+        attempt: Names the attempt a record reports (`AttemptNames`): Temporal's activity-failure warning of a model
+            request activity, DBOS's "Step being automatically retried" warning. `None`: the engine's own message
+            already names the error (Prefect's "Task run failed with exception: ..."), and only the traceback of a
+            model error is dropped.
+    """
+
+    def __init__(self, attempt: AttemptNames | None = None):
+        super().__init__()
+        self.attempt = attempt
 
     def filter(self, record: logging.LogRecord) -> bool:
-        drop_traceback(record)
+        if self.attempt is None:
+            drop_traceback(record)
+        elif (names := self.attempt(record)) is not None:
+            model, other = names
+            if not shorten(record, model) and other is not None:
+                shorten_any(record, other)
         return True

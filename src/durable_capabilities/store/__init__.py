@@ -18,7 +18,7 @@ Storage (schema version 2, tables prefixed `durcap_`):
   revision token, usage, scope, fork and branch bookkeeping.
 - `durcap_writes`: one row per write (append, save, delete), keyed by `(conversation_id, revision)`;
   `append_id` is unique per conversation. It is the audit log `durcap history show` prints.
-- `durcap_payloads` (version 2): Temporal payloads stored by the claim-check codec (`_claim_check`), keyed
+- `durcap_payloads` (version 2): Temporal payloads stored by the claim-check codec (`engines.temporal._payloads`), keyed
   by the sha256 of their bytes; written once, never updated.
 - `durcap_schema_version`: the migrations applied. A store whose version is newer than this code
   knows is refused (`SchemaVersionError`) and never touched.

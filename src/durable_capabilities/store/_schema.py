@@ -76,7 +76,7 @@ _MIGRATIONS: dict[int, list[str]] = {
         'CREATE UNIQUE INDEX durcap_writes_append_id ON durcap_writes (conversation_id, append_id)',
     ],
     2: [
-        # Claim checks (`_claim_check.ClaimCheckCodec`): Temporal payloads too large to travel inline, keyed by
+        # Claim checks (`engines.temporal._payloads.ClaimCheckCodec`): Temporal payloads too large to travel inline, keyed by
         # the sha256 of their bytes. `{BLOB}` is BLOB on SQLite, BYTEA on PostgreSQL.
         """CREATE TABLE durcap_payloads (
             sha256 TEXT PRIMARY KEY,

@@ -460,7 +460,7 @@ class _SQLBackend:
             return  # a writer committed between the two reads; the caller's rows are from before it
         _verify_header(row, found.head_position, found.logged)
 
-    # ---- claim checks (durcap_payloads, see _claim_check) ----------------------------------------
+    # ---- claim checks (durcap_payloads, see engines/temporal/_payloads.py) ----------------------------------------
 
     def put_payload(self, digest: str, data: bytes) -> None:
         """Store `data` under its sha256 `digest`; a digest already stored is left as it is (idempotent)."""

@@ -1,26 +1,50 @@
 """Prefect, operator side: the runs (`durcap runs list|show|cancel|resume`) and the approvals (`durcap approvals`) of
 `durcap-*` flow runs, read and driven through the Prefect API.
 
-`PrefectAdapter` delegates to these functions. This module imports `engines.prefect`, and `engines.prefect` imports
-it only inside the adapter's methods (so either may be imported first).
+`PrefectAdapter` (its `operator`) delegates to these functions: the shared operator methods of `EngineAdapter`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import uuid
+import uuid as uuid_
 from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from ..approvals import ApprovalError, Decision, PendingCall, already_decided, check_decision
-from ..report import RunReport
-from ._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
-from ._prefect_approvals import DECISION_INPUT_PREFIX, PENDING_INPUT, _input_key
-from .prefect import FLOW_NAME_PREFIX, _run_flow_run, agent_flow, ensure_api, server_line
+from prefect import get_client
+from prefect.client.schemas.filters import (
+    FlowFilter,
+    FlowFilterId,
+    FlowFilterName,
+    FlowRunFilter,
+    FlowRunFilterExpectedStartTime,
+    FlowRunFilterId,
+    FlowRunFilterState,
+    FlowRunFilterStateName,
+    FlowRunFilterStateType,
+)
+from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.sorting import FlowRunSort
+from prefect.exceptions import NotPausedError, ObjectNotFound, PrefectHTTPStatusError
+from prefect.flow_runs import aresume_flow_run
+from prefect.input import acreate_flow_run_input, aread_flow_run_input
+from prefect.states import Cancelled, Scheduled
+
+from ...approvals import ApprovalError, Decision, PendingCall, already_decided, check_decision
+from ...report import RunReport
+from .._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
+from ._approvals import _input_key
+from ._client import run_flow_run
+from ._flow import agent_flow
+from ._server import ensure_api, server_line
+from ._spec import DECISION_INPUT_PREFIX, ENGINE, FLOW_NAME_PREFIX, PENDING_INPUT
 
 if TYPE_CHECKING:
-    from ..agent import DurableAgent
+    from ...agent import DurableAgent
 
 _PREFECT_STATUS = {
     'RUNNING': 'running', 'PENDING': 'running', 'PAUSED': 'running', 'SCHEDULED': 'queued', 'COMPLETED': 'completed',
@@ -29,8 +53,6 @@ _PREFECT_STATUS = {
 
 
 async def _read_flow_run(client: Any, run_id: str) -> Any:
-    from prefect.exceptions import ObjectNotFound
-
     try:
         return await client.read_flow_run(uuid.UUID(run_id))
     except (ObjectNotFound, ValueError):
@@ -41,13 +63,6 @@ async def _read_flow_run(client: Any, run_id: str) -> Any:
 
 
 async def _runs(client: Any, flow_runs: list[Any], with_units: bool = False) -> list[RunInfo]:
-    from prefect.client.schemas.filters import (
-        FlowFilter,
-        FlowFilterId,
-        FlowRunFilter,
-        FlowRunFilterId,
-    )
-
     flow_ids = list({r.flow_id for r in flow_runs})
     flows = {f.id: f.name for f in await client.read_flows(flow_filter=FlowFilter(id=FlowFilterId(any_=flow_ids)))} \
         if flow_ids else {}
@@ -69,7 +84,7 @@ async def _runs(client: Any, flow_runs: list[Any], with_units: bool = False) -> 
             notes.append(f'finish it with `durcap runs resume {run.id} --engine prefect --target TARGET` '
                          '(completed tasks return their cached results)')
         infos.append(RunInfo(
-            'prefect', str(run.id), agent, _PREFECT_STATUS.get(state, 'running'), state,
+            ENGINE, str(run.id), agent, _PREFECT_STATUS.get(state, 'running'), state,
             run.start_time or run.expected_start_time, caps, (run.parameters or {}).get('conversation_id'),
             sum(1 for t in tasks if t.state_type is not None and t.state_type.name == 'COMPLETED'), notes,
             {'flow': name, 'flow_run_name': run.name, 'deployment_id': str(run.deployment_id) if run.deployment_id else None},
@@ -81,26 +96,11 @@ async def _runs(client: Any, flow_runs: list[Any], with_units: bool = False) -> 
 
 async def list_runs(settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
     ensure_api()  # the configured server, or this process's temporary one
-    from prefect import get_client
-    from prefect.client.schemas.filters import (
-        FlowFilter,
-        FlowFilterName,
-        FlowRunFilter,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-    )
-    from prefect.client.schemas.objects import StateType
-    from prefect.client.schemas.sorting import FlowRunSort
-
     async with get_client() as client:
         flows = [f for f in await client.read_flows(flow_filter=FlowFilter(name=FlowFilterName(like_=FLOW_NAME_PREFIX)))
                  if f.name.startswith(FLOW_NAME_PREFIX)]
         if not flows:
             return []
-        from datetime import UTC, datetime
-
-        from prefect.client.schemas.filters import FlowFilterId, FlowRunFilterExpectedStartTime
-
         # Runs due by now: a schedule's future runs are not runs yet (and would fill the list).
         run_filter = FlowRunFilter(expected_start_time=FlowRunFilterExpectedStartTime(before_=datetime.now(UTC)))  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType] - Prefect's pydantic model takes a datetime
         if status:
@@ -125,8 +125,6 @@ PREFECT_PAGE = 200
 
 async def show_run(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
     ensure_api()  # the configured server, or this process's temporary one
-    from prefect import get_client
-
     async with get_client() as client:
         run = await _read_flow_run(client, run_id)
         return (await _runs(client, [run], with_units=True))[0]
@@ -135,9 +133,6 @@ async def show_run(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
 async def cancel(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
     """Set the flow run Cancelled (forced: a flow run started by `durcap run` has no worker to hand a
     Cancelling state to); the process running it, if any, stops at its next task."""
-    from prefect import get_client
-    from prefect.states import Cancelled
-
     ensure_api()
     async with get_client() as client:
         run = await _read_flow_run(client, run_id)
@@ -149,9 +144,6 @@ async def cancel(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
 async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
     """Run the flow run again in this process: tasks completed before (model requests, tools, the store
     load) return their cached results, so none repeats; the conversation append is idempotent."""
-    from prefect import get_client
-    from prefect.states import Scheduled
-
     options.notify(server_line())
     info = await show_run(run_id, options.settings)
     by_name = {a.name: a for a in agents}
@@ -167,7 +159,7 @@ async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options:
         if info.status != 'completed':
             await client.set_flow_run_state(run.id, Scheduled(message='durcap runs resume'), force=True)
     options.notify(f'resuming prefect flow run {run_id} ({info.engine_status}) in this process')
-    return await _run_flow_run(flow_, run.id, dict(run.parameters or {}))
+    return await run_flow_run(flow_, run.id, dict(run.parameters or {}))
 
 
 def _unit(task_run: Any) -> RunUnit:
@@ -184,14 +176,6 @@ def _unit(task_run: Any) -> RunUnit:
 async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
     """Pending calls of Paused or Suspended `durcap-*` flow runs (or of flow run `run_id`), from flow run input `PENDING_INPUT`."""
     ensure_api()  # the configured server, or this process's temporary one
-    from prefect import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterState,
-        FlowRunFilterStateName,
-    )
-    from prefect.input import aread_flow_run_input
-
     async with get_client() as client:
         if run_id is not None:
             ids = [_flow_run_uuid(run_id)]
@@ -202,7 +186,7 @@ async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = No
     calls: list[PendingCall] = []
     for flow_run_id in ids:
         for data in await aread_flow_run_input(PENDING_INPUT, flow_run_id=flow_run_id) or []:
-            calls.append(PendingCall.from_json({**data, 'engine': 'prefect'}))
+            calls.append(PendingCall.from_json({**data, 'engine': ENGINE}))
     return calls
 
 
@@ -218,13 +202,6 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
         ApprovalError: unknown run (no such flow run, or not waiting), unknown call, stale fingerprint, or a call
             already decided (`approvals.already_decided`: names the earlier decision).
     """
-    import asyncio
-
-    from prefect import get_client
-    from prefect.exceptions import NotPausedError, ObjectNotFound, PrefectHTTPStatusError
-    from prefect.flow_runs import aresume_flow_run
-    from prefect.input import acreate_flow_run_input, aread_flow_run_input
-
     flow_run_id = _flow_run_uuid(run_id)
     ensure_api()
     async with get_client() as client:
@@ -269,8 +246,6 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
 
 
 def _flow_run_uuid(run_id: str) -> Any:
-    import uuid as uuid_
-
     try:
         return uuid_.UUID(run_id)
     except ValueError:

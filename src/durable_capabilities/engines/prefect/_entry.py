@@ -1,24 +1,25 @@
-"""Importable flow entrypoints for Prefect deployments: `durable_capabilities.engines.prefect_entry:flow__<agent>`.
+"""Importable flow entrypoints for Prefect deployments: `durable_capabilities.engines.prefect._entry:flow__<agent>`.
 
 Prefect runs each deployment's flow run in a new process that imports the flow from the deployment's
 entrypoint (a served in-memory flow would be pickled instead, and a built pydantic-ai agent does not
 pickle). This module builds the flow on first attribute access from `$DURCAP_TARGET`
 (any TARGET form, see `durable_capabilities.targets`), so every flow run builds its agent in its own process.
+
+The module `__getattr__` below is this module's purpose, not a way around an import cycle: Prefect resolves an
+entrypoint `module:attribute` with `getattr` on the module, and the attributes (`flow__<agent name>`) exist only
+once `$DURCAP_TARGET` is loaded in the flow-run process.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
-FLOW_ATTR_PREFIX = 'flow__'
-TARGET_ENV = 'DURCAP_TARGET'
+from ...targets import load_checked
+from ._flow import agent_flow
+from ._spec import FLOW_ATTR_PREFIX, TARGET_ENV, flow_attr
 
-
-def flow_attr(agent_name: str) -> str:
-    """The attribute naming an agent's flow: `flow__` + the name, other characters as `_xx` hex."""
-    return FLOW_ATTR_PREFIX + re.sub(r'[^A-Za-z0-9]', lambda m: f'_{ord(m.group()):02x}', agent_name)
+__all__ = ['TARGET_ENV', 'entrypoint', 'flow_attr']
 
 
 def entrypoint(agent_name: str) -> str:
@@ -27,15 +28,17 @@ def entrypoint(agent_name: str) -> str:
 
 
 def __getattr__(name: str) -> Any:
+    """`flow__<agent name>`: the agent's flow, its definition loaded from `$DURCAP_TARGET` (checked as the serving
+    process checks it: every definition valid, no drift from the durable.lock beside TARGET).
+
+    Raises:
+        AttributeError: not a flow attribute, `$DURCAP_TARGET` unset, or no agent of that name there.
+    """
     if not name.startswith(FLOW_ATTR_PREFIX):
         raise AttributeError(name)
-    from ..targets import load_checked
-    from .prefect import agent_flow
-
     target = os.environ.get(TARGET_ENV)
     if not target:
         raise AttributeError(f'{name}: ${TARGET_ENV} is not set')
-    # Like the serving process: every definition valid, and no drift from the durable.lock beside TARGET.
     agents = load_checked(target, lock=os.environ.get('DURCAP_LOCK') or None,
                           allow_drift=os.environ.get('DURCAP_ALLOW_DRIFT') == '1').agents
     for agent in agents:

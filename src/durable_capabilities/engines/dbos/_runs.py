@@ -1,39 +1,31 @@
 """DBOS, operator side: the runs (`durcap runs list|show|cancel|resume`) and the approvals (`durcap approvals`) of
 `durcap.*` workflows, read and driven through a `DBOSClient` on the system database.
 
-`DBOSAdapter` delegates to these functions. This module imports `engines.dbos`, and `engines.dbos` imports it only
-inside the adapter's methods (so either may be imported first).
+`DBOSAdapter` (its `operator`) delegates to these functions: the shared operator methods of `EngineAdapter`.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
-from datetime import UTC
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from dbos import DBOS
+from sqlalchemy.exc import OperationalError, ProgrammingError, SQLAlchemyError
 
-from .._limits import redact_database_url
-from ..approvals import ApprovalError, Decision, PendingCall, already_decided, check_decision, describe_decision
-from ..report import RunReport
-from ._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
-from ._dbos_approvals import DECISION_TOPIC, PENDING_EVENT
-from .dbos import (
-    RUN_EXECUTOR_PREFIX,
-    WORKFLOW_NAME_PREFIX,
-    _client,
-    agent_workflow,
-    database_error_line,
-    executor_process_gone,
-    launch,
-    quiet_dbos_log,
-    system_database_file,
-    system_database_url,
-)
+from ..._limits import redact_database_url
+from ...approvals import ApprovalError, Decision, PendingCall, already_decided, check_decision, describe_decision
+from ...report import RunReport
+from .._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
+from ._client import client as _client
+from ._client import database_error_line, quiet_dbos_log
+from ._server import executor_process_gone, launch, system_database_file, system_database_url
+from ._spec import APP_NAME, DECISION_TOPIC, ENGINE, PENDING_EVENT, RUN_EXECUTOR_PREFIX, WORKFLOW_NAME_PREFIX
+from ._workflow import agent_workflow
 
 if TYPE_CHECKING:
-    from ..agent import DurableAgent
+    from ...agent import DurableAgent
 
 
 # ---- runs (`durcap runs`) ------------------------------------------------------------------------------
@@ -41,8 +33,6 @@ if TYPE_CHECKING:
 
 async def _info(client: Any, status: Any, with_steps: bool = True, with_units: bool = False,
                 settings: Mapping[str, Any] | None = None) -> RunInfo:
-    from datetime import datetime
-
     steps = await client.list_workflow_steps_async(status.workflow_id) if with_steps else []
     name = status.name or ''
     agent = name[len(WORKFLOW_NAME_PREFIX):] if name.startswith(WORKFLOW_NAME_PREFIX) else None
@@ -58,7 +48,7 @@ async def _info(client: Any, status: Any, with_steps: bool = True, with_units: b
               f'{status.workflow_id} --engine dbos{db} --target TARGET`, or by `durcap worker dbos TARGET{db} '
               f'--executor-id {status.executor_id}` (a worker recovers only its own executor\'s workflows)')] if gone else []
     return RunInfo(
-        'dbos', status.workflow_id, agent, 'orphaned' if gone else _DBOS_STATUS.get(engine_status, 'running'),
+        ENGINE, status.workflow_id, agent, 'orphaned' if gone else _DBOS_STATUS.get(engine_status, 'running'),
         engine_status,
         datetime.fromtimestamp(status.created_at / 1000, UTC) if status.created_at else None,
         loaded_capabilities_in(outputs), conversation, sum(1 for step in steps if step.get('error') is None), notes,
@@ -145,7 +135,7 @@ async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options:
             p for a in agents for p in a.previous_names}:
         raise RuntimeError(f'workflow {run_id} runs agent {info.agent!r}, which the target does not define')
     queue = f'durcap-resume-{uuid.uuid4().hex[:8]}'
-    launch('durcap', system_database_url_=options.setting('db'), one_shot=True, listen=[queue],
+    launch(APP_NAME, system_database_url_=options.setting('db'), one_shot=True, listen=[queue],
            executor_id=options.setting('executor_id'))
     try:
         if info.status != 'completed':
@@ -158,7 +148,7 @@ async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options:
         steps = await DBOS.list_workflow_steps_async(run_id)
     finally:
         DBOS.destroy()
-    return RunReport.from_payload('dbos', run_id, payload, [step['function_name'] for step in steps])
+    return RunReport.from_payload(ENGINE, run_id, payload, [step['function_name'] for step in steps])
 
 
 def _error_line(error: Any) -> str | None:
@@ -189,8 +179,6 @@ _DBOS_STATUS = {
 
 def _unit(step: Any) -> RunUnit:
     """A recorded DBOS step (`list_workflow_steps` entry) as a `RunUnit`."""
-    from datetime import datetime
-
     started = step.get('started_at_epoch_ms')
     status = 'failed' if step.get('error') is not None else ('done' if step.get('completed_at_epoch_ms') or
                                                               step.get('output') is not None else 'started')
@@ -217,7 +205,7 @@ async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = No
         for workflow_id in ids:
             with quiet_dbos_log(FALLBACK_POLL_LOG):  # a database error is raised below, in one line
                 published = await client.get_event_async(workflow_id, PENDING_EVENT, timeout_seconds=0)
-            waiting = [PendingCall.from_json({**data, 'engine': 'dbos'}) for data in published or []]
+            waiting = [PendingCall.from_json({**data, 'engine': ENGINE}) for data in published or []]
             if not waiting:
                 continue
             # A decision sent but not read yet (the run's process is down): the call is still published as pending;
@@ -323,16 +311,12 @@ def _missing_sqlite_file(settings: Mapping[str, Any]) -> str | None:
 def _no_dbos_tables(exc: BaseException) -> bool:
     """Whether `exc` says the system database has no DBOS tables (DBOS never launched on it): SQLite's `no such
     table`, PostgreSQL's undefined table (`ProgrammingError`). A database that cannot be reached is not this."""
-    from sqlalchemy.exc import OperationalError, ProgrammingError
-
     return isinstance(exc, ProgrammingError) or (isinstance(exc, OperationalError) and 'no such table' in str(exc))
 
 
 def _unreachable(exc: BaseException, settings: Mapping[str, Any]) -> BaseException:
     """`exc` as the `RuntimeError` the CLI reports in one line (`cannot reach dbos: ...`) when it is a database error
     (SQLAlchemy's: the system database is down or refuses the connection); any other error unchanged."""
-    from sqlalchemy.exc import SQLAlchemyError
-
     if not isinstance(exc, SQLAlchemyError):
         return exc
     return RuntimeError(f'the system database {_db_label(settings)} cannot be read: {database_error_line(exc)}')

@@ -1,36 +1,22 @@
 """DBOS approvals, workflow side: the gate a `durcap.*` workflow waits in for decisions (`DBOSApprovalGate`), the
 event it publishes its pending calls under and the message topic decisions arrive on. The client side (list,
-decide) is `_dbos_runs`.
-
-This module never imports `engines.dbos`, which imports its names.
+decide) is `_runs`.
 """
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from dbos import DBOS
 
-from ..approvals import ApprovalError, ApprovalGate, Decision, PendingCall, check_decision
+from ...approvals import ApprovalError, ApprovalGate, Decision, PendingCall, check_decision, utc_now
+from ._spec import DECISION_TOPIC, PENDING_EVENT, approval_step_name
 
 if TYPE_CHECKING:
-    from ..agent import DurableAgent
-
-PENDING_EVENT = 'durcap.approvals'
-"""DBOS event key under which a waiting workflow publishes its pending calls (JSON list of `PendingCall`)."""
-
-DECISION_TOPIC = 'durcap.decisions'
-"""DBOS message topic a waiting workflow receives decisions on (one `Decision` JSON per message)."""
-
-
-def approval_step_name(agent: DurableAgent[Any, Any]) -> str:
-    """Name of the step that reads the clock while a run waits for approval: `durcap__{name}__approval.clock`."""
-    return f'durcap__{agent.durable_name}__approval.clock'
-
+    from ...agent import DurableAgent
 
 def _clock() -> str:
-    from ..approvals import utc_now
-
     return utc_now().isoformat()
 
 
@@ -44,14 +30,10 @@ class DBOSApprovalGate(ApprovalGate):
         self.run_id = DBOS.workflow_id or ''
 
     async def now(self) -> Any:
-        from datetime import datetime
-
         stamp = await DBOS.run_step_async({'name': approval_step_name(self.agent)}, _clock)  # type: ignore[arg-type]
         return datetime.fromisoformat(stamp)
 
     async def wait(self, pending: list[PendingCall], timeout: float) -> dict[str, Decision]:
-        from datetime import datetime
-
         deadline = datetime.fromisoformat(pending[0].deadline)
         remaining, decisions = list(pending), {}
         await DBOS.set_event_async(PENDING_EVENT, [call.to_json() for call in remaining])

@@ -40,15 +40,10 @@ from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import WorkerDeploymentConfig
 
-if TYPE_CHECKING:
-    from ..agent import DurableAgent
+from ._spec import BUILD_ID_PREFIX, DEPLOYMENT_PREFIX, IDENTITY, REGISTRATION_TIMEOUT
 
-BUILD_ID_PREFIX = 'durcap-'
-DEPLOYMENT_PREFIX = 'durcap-'
-IDENTITY = 'durcap worker temporal'
-REGISTRATION_TIMEOUT = 60.0
-"""Seconds `make_current` waits for a new version to register its task queues (its pollers reach the server in
-about a second; the server refuses to make current a version missing a task queue of the current one)."""
+if TYPE_CHECKING:
+    from ...agent import DurableAgent
 
 
 @dataclass(frozen=True)

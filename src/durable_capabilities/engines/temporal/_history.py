@@ -1,7 +1,15 @@
-"""Temporal histories: the activities a run recorded, exporting a run's history, and replaying exported ones.
+"""Temporal histories: the activities a run recorded, exporting a run's history, replaying exported ones, and
+repairing a turn whose conversation append never completed (`repair_temporal`, `durcap history repair`).
 
-Used by `engines.temporal` (`TemporalAdapter.run`, `.replayer`, `.export_history`), which re-exports these
-names. This module never imports `engines.temporal`: a replay is handed the workflow classes and sandbox runner.
+A replay is handed the workflow classes and sandbox runner (the adapter's `replayer`).
+
+Repair: Recover a turn whose conversation append never completed, from Temporal's own record of the run.
+
+A Temporal workflow records the input of every activity it schedules. When a turn's append activity never
+completed (the workflow was terminated or timed out while the store was down, or the append was refused),
+its input still holds the turn's new messages. `repair_temporal` reads them from the workflow's history
+(through the claim-check codec of the client) and appends them with the same idempotency key the workflow
+used, so running it twice, or after the workflow's own append finally succeeded, stores nothing twice.
 """
 
 from __future__ import annotations
@@ -9,19 +17,25 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic_ai.durable_exec.temporal import PydanticAIPlugin
+from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelResponse, TextPart
+from pydantic_ai.usage import RunUsage
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHistory
 from temporalio.converter import DataConverter
 from temporalio.worker import Replayer, WorkflowRunner
 
-from ..store._claim_check import default_codec
+from ...store import SQLConversationStore, resolve_url
+from ._conversation import AppendInput
+from ._payloads import default_codec
+from ._spec import CONVERSATION_APPEND_SUFFIX
 
 if TYPE_CHECKING:
-    from ..agent import DurableAgent
+    from ...agent import DurableAgent
 
 
 async def units_recorded(client: Client, workflow_id: str, first_run_id: str | None) -> list[str]:
@@ -126,3 +140,71 @@ class HistoryReplayer:
                     f"`DurableAgent(..., aliases={{'<new id>': '{toolset}'}})`."
                 )
         return 'the workflow code no longer matches the recorded history (nondeterminism); see the temporal message.'
+
+
+# ---- repair: a turn whose append never completed ---------------------------------------------------------
+
+
+@dataclass
+class Repaired:
+    """What `repair_temporal` did for one pending append.
+
+    Attributes:
+        conversation_id: The conversation appended to.
+        append_id: The idempotency key of the workflow's append.
+        messages: How many messages the append carries.
+        revision: The conversation's revision after it.
+        already_stored: True when the store already had this append (nothing written).
+        answer: The text of the turn's last model response (`None` when it has none).
+    """
+
+    conversation_id: str
+    append_id: str
+    messages: int
+    revision: int
+    already_stored: bool
+    answer: str | None
+
+
+async def repair_temporal(client: Any, workflow_id: str, *, store: str | None = None, run_id: str | None = None) -> list[Repaired]:
+    """Append every conversation append the workflow scheduled but never completed, oldest first.
+
+    Args:
+        client: A client from `connect` (its codec reads claim-checked inputs).
+        workflow_id / run_id: The workflow (its latest run by default).
+        store: The conversation store URL (default `$DURCAP_STORE`, else the default store).
+
+    Returns:
+        One `Repaired` per append recovered (empty: nothing was pending).
+
+    Raises:
+        ConversationConflictError: the conversation moved on since the turn loaded it; nothing was written.
+        StoreError: the store is unusable.
+        temporalio.service.RPCError: no such workflow.
+    """
+    handle = client.get_workflow_handle(workflow_id, run_id=run_id)
+    scheduled: dict[int, Any] = {}
+    async for event in handle.fetch_history_events():
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            attributes = event.activity_task_scheduled_event_attributes
+            if attributes.activity_type.name.endswith(CONVERSATION_APPEND_SUFFIX):
+                scheduled[event.event_id] = attributes
+        elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+            scheduled.pop(event.activity_task_completed_event_attributes.scheduled_event_id, None)
+    repaired: list[Repaired] = []
+    async with SQLConversationStore(resolve_url(store)) as opened:
+        for attributes in scheduled.values():
+            [params] = await client.data_converter.decode(attributes.input.payloads, [AppendInput])
+            messages = ModelMessagesTypeAdapter.validate_python(params.messages)
+            result = await opened.append(
+                params.conversation_id, messages, expected_revision=params.expected_revision,
+                append_id=params.append_id, usage=RunUsage(**params.usage) if params.usage else None,
+            )
+            answer = next(
+                (part.content for message in reversed(messages) if isinstance(message, ModelResponse)
+                 for part in message.parts if isinstance(part, TextPart)),
+                None,
+            )
+            repaired.append(Repaired(params.conversation_id, params.append_id, len(messages), result.revision,
+                                     result.replayed, answer))
+    return repaired

@@ -1,41 +1,49 @@
 """Prefect approvals, flow side: the gate a `durcap-*` flow run waits in for decisions (`PrefectApprovalGate`: it
 pauses or suspends the flow run), the flow run inputs that carry the pending calls and the decisions, and the
-deadline watcher that resumes suspended runs whose calls timed out. The client side (list, decide) is
-`_prefect_runs`.
-
-`engines.prefect` imports these names (and re-exports them); this module imports `engines.prefect` only inside
-`resume_expired` (for the flow's name).
+deadline watcher that resumes suspended runs whose calls timed out. The client side (list, decide) is `_runs`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import logging
+import math
 import re
+import threading
 import time
+import uuid as uuid_
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from ..approvals import ApprovalError, ApprovalGate, Decision, PendingCall, check_decision
+from prefect import get_client, pause_flow_run, task
+from prefect.cache_policies import INPUTS, RUN_ID
+from prefect.client.schemas.filters import (
+    DeploymentFilter,
+    DeploymentFilterId,
+    FlowFilter,
+    FlowFilterName,
+    FlowRunFilter,
+    FlowRunFilterState,
+    FlowRunFilterStateName,
+)
+from prefect.context import FlowRunContext
+from prefect.exceptions import FlowPauseTimeout, NotPausedError, ObjectNotFound, PrefectHTTPStatusError
+from prefect.flow_runs import aresume_flow_run, asuspend_flow_run
+from prefect.input import acreate_flow_run_input, adelete_flow_run_input, aread_flow_run_input
+from prefect.runtime import flow_run
+from prefect.states import Running
+
+from ...approvals import ApprovalError, ApprovalGate, Decision, PendingCall, check_decision, utc_now
+from ._spec import APPROVAL_CLOCK_TASK, DECISION_INPUT_PREFIX, PENDING_INPUT, SUSPEND_GRACE_SECONDS, flow_name
 
 if TYPE_CHECKING:
-    from ..agent import DurableAgent
-
-APPROVAL_CLOCK_TASK = 'Approval Clock'
-"""Task that reads the clock when a run starts waiting (cached per flow run: a re-run keeps the deadline)."""
-
-PENDING_INPUT = 'durcap-pending'
-"""Flow run input key holding the pending calls (JSON list of `PendingCall`)."""
-
-DECISION_INPUT_PREFIX = 'durcap-decision-'
-"""Flow run input key prefix of a decision: `durcap-decision-{call id}` (written by `decide`)."""
-
+    from ...agent import DurableAgent
 
 def _clock_task() -> Any:
-    from prefect import task
-    from prefect.cache_policies import INPUTS, RUN_ID
 
     async def clock(pause: int) -> str:
-        from ..approvals import utc_now
 
         return utc_now().isoformat()
 
@@ -63,7 +71,6 @@ class PrefectApprovalGate(ApprovalGate):
     cached tasks and finds the decisions already stored."""
 
     def __init__(self, agent: DurableAgent[Any, Any]):
-        from prefect.runtime import flow_run
 
         self.agent = agent
         self.run_id = str(flow_run.id)
@@ -71,25 +78,11 @@ class PrefectApprovalGate(ApprovalGate):
         self.clock = _clock_task()
 
     async def now(self) -> Any:
-        from datetime import datetime
 
         self.pauses += 1
         return datetime.fromisoformat(await self.clock(self.pauses))
 
     async def wait(self, pending: list[PendingCall], timeout: float) -> dict[str, Decision]:
-        import hashlib
-        import math
-        import uuid as uuid_
-        from datetime import datetime
-
-        from prefect import get_client, pause_flow_run
-        from prefect.context import FlowRunContext
-        from prefect.exceptions import FlowPauseTimeout
-        from prefect.flow_runs import asuspend_flow_run
-        from prefect.input import aread_flow_run_input
-        from prefect.states import Running
-
-        from ..approvals import utc_now
 
         context = FlowRunContext.get()
         deployed = context is not None and context.flow_run is not None and context.flow_run.deployment_id is not None
@@ -131,10 +124,6 @@ class PrefectApprovalGate(ApprovalGate):
         return decisions
 
 
-SUSPEND_GRACE_SECONDS = 3600
-"""Seconds past an approval deadline before Prefect fails a Suspended flow run nobody resumed (see `watch_deadlines`)."""
-
-
 async def resume_expired(agent: DurableAgent[Any, Any], deployment_id: Any = None) -> list[str]:
     """Resume every Suspended flow run of `agent`'s flow (of deployment `deployment_id` if given) whose pending
     calls are all past their deadline: Prefect schedules it again from its deployment and the rerun gate denies
@@ -142,24 +131,6 @@ async def resume_expired(agent: DurableAgent[Any, Any], deployment_id: Any = Non
 
     A run resumed meanwhile (by a decision) is skipped: the resume is refused and ignored.
     """
-    from datetime import datetime
-
-    from prefect import get_client
-    from prefect.client.schemas.filters import (
-        DeploymentFilter,
-        DeploymentFilterId,
-        FlowFilter,
-        FlowFilterName,
-        FlowRunFilter,
-        FlowRunFilterState,
-        FlowRunFilterStateName,
-    )
-    from prefect.exceptions import FlowPauseTimeout, NotPausedError
-    from prefect.flow_runs import aresume_flow_run
-    from prefect.input import aread_flow_run_input
-
-    from ..approvals import utc_now
-    from .prefect import flow_name
 
     async with get_client() as client:
         runs = await client.read_flow_runs(
@@ -179,8 +150,6 @@ async def resume_expired(agent: DurableAgent[Any, Any], deployment_id: Any = Non
 def watch_deadlines(agent: DurableAgent[Any, Any], deployment_id: Any = None, every: float = 5.0) -> Any:
     """Start a daemon thread that calls `resume_expired(agent, deployment_id)` every `every` seconds (errors
     are logged and retried next round); returns the thread. Run by the process serving the deployment."""
-    import logging
-    import threading
 
     def loop() -> None:
         while True:
@@ -197,8 +166,6 @@ def watch_deadlines(agent: DurableAgent[Any, Any], deployment_id: Any = None, ev
 
 async def _put_input(key: str, value: Any) -> None:
     """Set the current flow run's input `key` to `value` (inputs are write-once: delete, then create)."""
-    from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
-    from prefect.input import acreate_flow_run_input, adelete_flow_run_input
 
     with contextlib.suppress(ObjectNotFound, PrefectHTTPStatusError):  # not there yet
         await adelete_flow_run_input(key)

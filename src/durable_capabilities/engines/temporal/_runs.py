@@ -1,8 +1,7 @@
 """Temporal, operator side: the runs (`durcap runs list|show|cancel|resume`) and the approvals (`durcap approvals`)
 of `durcap.*` workflows, read and driven from a client.
 
-`TemporalAdapter` delegates to these functions; this module imports `engines.temporal` (and `engines.temporal`
-imports it only inside the adapter's methods), so a worker process never loads it.
+`TemporalAdapter` (its `operator`) delegates to these functions: the shared operator methods of `EngineAdapter`.
 """
 
 from __future__ import annotations
@@ -13,25 +12,29 @@ from contextlib import AsyncExitStack
 from datetime import UTC
 from typing import TYPE_CHECKING, Any
 
-from temporalio.client import Client
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.service import RPCError, RPCStatusCode
 
-from ..approvals import ApprovalError, Decision, PendingCall, check_decision
-from ..report import RunReport
-from ._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
-from ._temporal_history import units_recorded
-from ._temporal_worker import make_worker
-from ._temporal_workflow import (
+from ...approvals import ApprovalError, Decision, PendingCall, check_decision
+from ...report import RunReport
+from .._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
+from ._client import await_result, connect, task_queue_pollers
+from ._history import units_recorded
+from ._spec import (
     CAPABILITIES_MEMO,
     DECIDE_UPDATE,
+    DEFAULT_ADDRESS,
+    DEFAULT_NAMESPACE,
+    ENGINE,
     PENDING_MEMO,
     WORKFLOW_NAME_PREFIX,
-    AgentRunInput,
-    AgentRunOutput,
 )
-from .temporal import _await_result, connect, task_queue_pollers
+from ._worker import make_worker
+from ._workflow import AgentRunInput, AgentRunOutput
 
 if TYPE_CHECKING:
-    from ..agent import DurableAgent
+    from ...agent import DurableAgent
 
 _TEMPORAL_STATUS = {
     'RUNNING': 'running', 'COMPLETED': 'completed', 'FAILED': 'failed', 'CANCELED': 'cancelled',
@@ -47,14 +50,14 @@ _STATUS_QUERY = {'running': "ExecutionStatus = 'Running'", 'completed': "Executi
 
 async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
     """Pending calls from the `PENDING_MEMO` memo of running `durcap.*` workflows (no worker needed)."""
-    client = await connect(settings.get('address') or '127.0.0.1:7233', settings.get('namespace') or 'default')
+    client = await connect(settings.get('address') or DEFAULT_ADDRESS, settings.get('namespace') or DEFAULT_NAMESPACE)
     if run_id is not None:
         return await _memo_pending(client.get_workflow_handle(run_id))
     calls: list[PendingCall] = []
     async for execution in client.list_workflows("ExecutionStatus = 'Running'"):
         if execution.workflow_type.startswith(WORKFLOW_NAME_PREFIX):
             memo = await execution.memo()
-            calls += [PendingCall.from_json({**d, 'engine': 'temporal'}) for d in memo.get(PENDING_MEMO) or []]
+            calls += [PendingCall.from_json({**d, 'engine': ENGINE}) for d in memo.get(PENDING_MEMO) or []]
     return calls
 
 
@@ -64,9 +67,7 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
     Raises:
         ApprovalError: unknown run (no such workflow, or not waiting), unknown call, stale fingerprint.
     """
-    from temporalio.client import WorkflowUpdateFailedError
-
-    client = await connect(settings.get('address') or '127.0.0.1:7233', settings.get('namespace') or 'default')
+    client = await connect(settings.get('address') or DEFAULT_ADDRESS, settings.get('namespace') or DEFAULT_NAMESPACE)
     handle = client.get_workflow_handle(run_id)
     pending = await _memo_pending(handle)
     if not pending:
@@ -83,13 +84,11 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
 
 
 async def _connect(settings: Mapping[str, Any]) -> Client:
-    return await connect(settings.get('address') or '127.0.0.1:7233', settings.get('namespace') or 'default')
+    return await connect(settings.get('address') or DEFAULT_ADDRESS, settings.get('namespace') or DEFAULT_NAMESPACE)
 
 
 async def _info(client: Client, description: Any, with_history: bool = True, with_units: bool = False,
                 settings: Mapping[str, Any] | None = None) -> RunInfo:
-    from temporalio.api.enums.v1 import EventType
-
     workflow_type = description.workflow_type or ''
     agent = workflow_type[len(WORKFLOW_NAME_PREFIX):] if workflow_type.startswith(WORKFLOW_NAME_PREFIX) else None
     engine_status = description.status.name if description.status is not None else 'UNKNOWN'
@@ -136,7 +135,7 @@ async def _info(client: Client, description: Any, with_history: bool = True, wit
         except Exception:  # noqa: BLE001, S110 - a hint only
             pass
     return RunInfo(
-        'temporal', description.id, agent, _TEMPORAL_STATUS.get(engine_status, 'running'), engine_status,
+        ENGINE, description.id, agent, _TEMPORAL_STATUS.get(engine_status, 'running'), engine_status,
         description.start_time, caps, conversation, units_done, notes,
         {'task_queue': description.task_queue, 'run_id': description.run_id, 'workflow_type': workflow_type},
         list(units.values()) if with_units else [],
@@ -155,8 +154,6 @@ async def list_runs(settings: Mapping[str, Any], *, status: str | None = None, l
 
 
 async def show_run(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
-    from temporalio.service import RPCError, RPCStatusCode
-
     client = await _connect(settings)
     try:
         description = await client.get_workflow_handle(run_id).describe()
@@ -195,8 +192,8 @@ async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options:
         RuntimeError: no worker polls the run's queue and no TARGET was given.
     """
     info = await show_run(run_id, options.settings)
-    address = options.setting('address', '127.0.0.1:7233')
-    namespace = options.setting('namespace', 'default')
+    address = options.setting('address', DEFAULT_ADDRESS)
+    namespace = options.setting('namespace', DEFAULT_NAMESPACE)
     client = await connect(address, namespace)
     queue = info.detail['task_queue']
 
@@ -216,16 +213,14 @@ async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options:
             else:
                 options.notify(f'a worker polled task queue {queue!r} recently: waiting for it to finish {run_id} '
                                '(if that worker is gone, stop this and pass --target TARGET to serve the queue from here)')
-        client, result = await _await_result(client, address, namespace, run_id, options.notify)
+        client, result = await await_result(client, address, namespace, run_id, options.notify)
         units = await units_recorded(client, run_id, None)
-    return RunReport('temporal', run_id, result.output, result.messages(), result.usage, units)
+    return RunReport(ENGINE, run_id, result.output, result.messages(), result.usage, units)
 
 
 async def _track_unit(client: Client, event: Any, units: dict[int, RunUnit]) -> None:
     """Fold one history event into `units` (activities by their scheduled event id): scheduled -> `started`,
     completed -> `done` (with the capabilities its decoded result asked to load), failed / timed out -> `failed`."""
-    from temporalio.api.enums.v1 import EventType
-
     kind = event.event_type
     if kind == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
         name = event.activity_task_scheduled_event_attributes.activity_type.name
@@ -248,8 +243,6 @@ async def _track_unit(client: Client, event: Any, units: dict[int, RunUnit]) -> 
 
 
 async def _memo_pending(handle: Any) -> list[PendingCall]:
-    from temporalio.service import RPCError
-
     try:
         description = await handle.describe()
     except RPCError:
@@ -257,4 +250,4 @@ async def _memo_pending(handle: Any) -> list[PendingCall]:
     if description.status is None or description.status.name != 'RUNNING':
         return []
     memo = await description.memo()
-    return [PendingCall.from_json({**d, 'engine': 'temporal'}) for d in memo.get(PENDING_MEMO) or []]
+    return [PendingCall.from_json({**d, 'engine': ENGINE}) for d in memo.get(PENDING_MEMO) or []]

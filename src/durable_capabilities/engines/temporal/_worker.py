@@ -1,10 +1,6 @@
 """Temporal worker: `make_worker` (the workflows and activities of some agents on a task queue, with durcap's
 worker options and interceptors), `run_worker`, the Worker Versioning version a worker declares, and what
 `durcap worker temporal` runs.
-
-Imports `engines.temporal` (the workflow classes, the activities, the options); `engines.temporal` imports this
-module only inside the functions that need it and re-exports its public names lazily (`make_worker`, `run_worker`,
-`worker_version`, `LocalToolActivities`, ...), so either module may be imported first.
 """
 
 from __future__ import annotations
@@ -18,7 +14,10 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from pydantic_ai.models import infer_model
 from temporalio import activity, workflow
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.workflowservice.v1 import ResetStickyTaskQueueRequest
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import (
@@ -34,40 +33,33 @@ from temporalio.worker import (
     WorkflowOutboundInterceptor,
 )
 
-from .. import _upstream
-from . import _mcp, _retry_after
-from ._adapter import RunOptions
-from ._retry_after import MAX_RETRY_AFTER_SECONDS
-from ._temporal_versioning import WorkerVersion, make_current
-from ._temporal_versioning import worker_version as _worker_version
-from ._temporal_workflow import conversation_activities, workflow_classes
-from .temporal import (
-    _MODEL_RETRY_LOG_LINE,
-    ADAPTER,
-    DEFAULT_LOCAL_TOOL_CONFIG,
+from ... import _upstream
+from ..._limits import InputError
+from .. import _mcp, _retry_after, _retry_log
+from .._adapter import RunOptions
+from .._retry_after import MAX_RETRY_AFTER_SECONDS
+from ._client import connect
+from ._conversation import conversation_activities
+from ._durability import DEFAULT_LOCAL_TOOL_CONFIG, durable_names, sandbox_runner
+from ._spec import (
+    DEADLOCK_TIMEOUT_ENV,
+    DEFAULT_ADDRESS,
+    DEFAULT_DEADLOCK_TIMEOUT,
+    DEFAULT_NAMESPACE,
+    DEFAULT_STICKY_SCHEDULE_TO_START,
+    DEFAULT_TASK_QUEUE,
+    ENGINE,
     HEARTBEAT_THROTTLE,
     LOCAL_TOOLS_PATCH_ID,
     LOCAL_TOOLSETS_OPTION,
     MODEL_REQUEST_ACTIVITIES,
-    TemporalAdapter,
-    connect,
-    sandbox_runner,
 )
+from ._versioning import WorkerVersion, make_current
+from ._versioning import worker_version as _worker_version
+from ._workflow import workflow_classes
 
 if TYPE_CHECKING:
-    from ..agent import DurableAgent
-
-DEFAULT_STICKY_SCHEDULE_TO_START = timedelta(milliseconds=500)
-"""How long a workflow task waits on a worker's sticky queue before any worker may take it.
-
-Temporal's default is 5 s. After a SIGKILL the server does not know the worker is gone, so the next workflow task of
-every workflow it cached (the one that records the re-run tool's result) waits this long on the dead worker's sticky
-queue before another worker gets it: it adds to the recovery time once per killed worker and run (measured: 1.0 s with
-1 s, on top of the re-run and the replay). 0.5 s keeps a recovered run near 3 s + tool time. Trade-off: a live worker
-that has no sticky poll waiting for 0.5 s (all workflow task slots busy under load) loses the task to the normal queue,
-where a worker replays the history from the start: more CPU, same result (`bench/bench_throughput.py` shows the cost).
-Pass `sticky_queue_schedule_to_start_timeout=` to `make_worker` to change it."""
-
+    from ...agent import DurableAgent
 
 def local_tool_activities(agent: DurableAgent[Any, Any]) -> dict[str, dict[str, Any]]:
     """Activity type name -> local-activity options, for the tool activities of the leaves `agent` marks short
@@ -77,12 +69,12 @@ def local_tool_activities(agent: DurableAgent[Any, Any]) -> dict[str, dict[str, 
         ValueError: a marked leaf id is not one of the agent's leaf toolsets with tool activities, or is an MCP leaf
             (MCP calls are network calls: never short by contract); the message names the leaf and the ids that fit.
     """
-    marked = (agent.engine_options.get('temporal') or {}).get(LOCAL_TOOLSETS_OPTION) or {}
+    marked = (agent.engine_options.get(ENGINE) or {}).get(LOCAL_TOOLSETS_OPTION) or {}
     if not marked:
         return {}
     leaves = [leaf for ids in agent.leaf_ids().values() for leaf in ids]
     mcp = set(_mcp.mcp_leaves(agent))
-    names = ADAPTER.durable_names(agent)['activities']
+    names = durable_names(agent)['activities']
     found: dict[str, dict[str, Any]] = {}
     for leaf, config in marked.items():
         name = next((n for n in names if n.endswith(f'__toolset__{leaf}__call_tool')), None)
@@ -146,13 +138,24 @@ class _NoLocalHeartbeats(ActivityInboundInterceptor):
         super().init(Outbound(outbound))
 
 
+def model_request_attempt(record: logging.LogRecord) -> tuple[str, str | None] | None:
+    """temporalio's "Completing activity as failed" warning of a model request activity (the streamed request's
+    `__model_request_stream` too) as `agent__support__model_request attempt 2`; other activities' failures keep their
+    tracebacks (`None`)."""
+    info = getattr(record, 'temporal_activity', None) or {}
+    if str(info.get('activity_type', '')).endswith(MODEL_REQUEST_ACTIVITIES):
+        return f"{info.get('activity_type')} attempt {info.get('attempt')}", None
+    return None
+
+
+_MODEL_RETRY_LOG_LINE = _retry_log.ModelRetryLogLine(model_request_attempt)
+"""Installed on the `temporalio.activity` logger by `make_worker`."""
+
+
 _BACKGROUND: set[asyncio.Task[Any]] = set()
 
 
 async def _reset_sticky(client: Client, namespace: str, workflow_id: str, run_id: str) -> None:
-    from temporalio.api.common.v1 import WorkflowExecution
-    from temporalio.api.workflowservice.v1 import ResetStickyTaskQueueRequest
-
     try:
         await client.workflow_service.reset_sticky_task_queue(ResetStickyTaskQueueRequest(
             namespace=namespace, execution=WorkflowExecution(workflow_id=workflow_id, run_id=run_id)))
@@ -223,8 +226,6 @@ def warm_model(model: Any) -> None:
     A model that cannot be built here (no API key) is left for the run to report."""
     if not isinstance(model, str):
         return
-    from pydantic_ai.models import infer_model
-
     with contextlib.suppress(Exception):
         infer_model(model)
 
@@ -265,18 +266,6 @@ def make_worker(
     return worker
 
 
-DEFAULT_DEADLOCK_TIMEOUT = 8.0
-"""Seconds a workflow activation may run before the worker fails it as deadlocked (temporalio's own default is 2 s).
-
-Measured with `tests/engines/test_payload_sizes.py` (a 10,000-message, 7.6 MB conversation resumed on Temporal): a
-busy 2-core machine (load average 7) took over 2 s for one activation and the run never ended, each retry of the
-workflow task failing the same way. 8 s keeps real deadlocks (a blocking call in workflow code) reported, and stays
-under the workflow task timeout (10 s by default), which would otherwise fail the task first. Change it with
-`make_worker(deadlock_timeout=...)` or `$DURCAP_TEMPORAL_DEADLOCK_TIMEOUT`."""
-
-DEADLOCK_TIMEOUT_ENV = 'DURCAP_TEMPORAL_DEADLOCK_TIMEOUT'
-
-
 def deadlock_timeout(value: float | None = None) -> float:
     """The deadlock timeout in seconds: `value`, else `$DURCAP_TEMPORAL_DEADLOCK_TIMEOUT`, else
     `DEFAULT_DEADLOCK_TIMEOUT`.
@@ -292,8 +281,6 @@ def deadlock_timeout(value: float | None = None) -> float:
     except ValueError:
         seconds = float('nan')
     if not 0 < seconds <= 600:
-        from .._limits import InputError
-
         where = f'${DEADLOCK_TIMEOUT_ENV}' if value is None else 'make_worker(deadlock_timeout=...)'
         raise InputError(where, f'{raw!r} is not a number of seconds in (0, 600]; set it to seconds, e.g. '
                                 f'{DEFAULT_DEADLOCK_TIMEOUT:g}, or unset it for the default')
@@ -304,8 +291,8 @@ async def run_worker(
     agents: Sequence[DurableAgent[Any, Any]],
     *,
     task_queue: str,
-    address: str = '127.0.0.1:7233',
-    namespace: str = 'default',
+    address: str = DEFAULT_ADDRESS,
+    namespace: str = DEFAULT_NAMESPACE,
     ready: asyncio.Event | None = None,
     graceful_shutdown_seconds: float = 30.0,
     version: WorkerVersion | None = None,
@@ -335,7 +322,7 @@ async def run_worker(
 
 
 def worker_version(
-    agents: Sequence[DurableAgent[Any, Any]], task_queue: str = 'durcap', *, deployment_name: str | None = None,
+    agents: Sequence[DurableAgent[Any, Any]], task_queue: str = DEFAULT_TASK_QUEUE, *, deployment_name: str | None = None,
     build_id: str | None = None,
 ) -> WorkerVersion:
     """The Worker Deployment Version a worker of `agents` on `task_queue` declares.
@@ -348,7 +335,7 @@ def worker_version(
             SHA-256 over the worker's durable names, so it changes exactly when a name in `durable.lock` would
             (a rename declared with `aliases` or `previous_names` keeps it).
     """
-    return _worker_version(agents, task_queue, TemporalAdapter().durable_names, deployment_name=deployment_name,
+    return _worker_version(agents, task_queue, durable_names, deployment_name=deployment_name,
                            build_id_=build_id)
 
 
@@ -371,8 +358,8 @@ def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) 
     true: Worker Versioning, see `worker_version`), `deployment_name`, `build_id`, `set_current` (default
     true: the worker's version becomes the deployment's current version).
     """
-    address = options.setting('address', '127.0.0.1:7233')
-    task_queue = options.setting('task_queue', 'durcap')
+    address = options.setting('address', DEFAULT_ADDRESS)
+    task_queue = options.setting('task_queue', DEFAULT_TASK_QUEUE)
     version = None
     if options.setting('versioning', True):
         version = worker_version(agents, task_queue, deployment_name=options.setting('deployment_name'),
@@ -382,7 +369,7 @@ def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) 
     async def serve() -> None:
         ready = asyncio.Event()
         task = asyncio.create_task(run_worker(
-            agents, task_queue=task_queue, address=address, namespace=options.setting('namespace', 'default'),
+            agents, task_queue=task_queue, address=address, namespace=options.setting('namespace', DEFAULT_NAMESPACE),
             ready=ready, graceful_shutdown_seconds=options.setting('graceful_shutdown', 30.0), version=version,
             set_current=set_current,
         ))

@@ -1,0 +1,105 @@
+"""The conversation load/append unit, shared by every durable engine: one body and one retry policy.
+
+Each engine wraps `load_unit(agent)` and `append_unit(agent)` in its own durable unit (a Temporal activity, a DBOS
+step, a Prefect task), so store I/O runs only inside a unit, and takes its retry numbers from `UnitRetry` values in
+its `_spec`. What every engine shares: the bodies below, and which store errors no retry can fix
+(`PERMANENT_LOAD_ERRORS`, `PERMANENT_APPEND_ERRORS`: fail the unit at once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..conversations import LoadedConversation, append_conversation, load_conversation
+from ..store import (
+    AppendIdReuseError,
+    ConversationConflictError,
+    CorruptedRowError,
+    NewerHistoryError,
+    SchemaVersionError,
+    StoreReadOnlyError,
+    StoreURLError,
+)
+from ..validation import DurableConfigError
+
+if TYPE_CHECKING:
+    from ..agent import DurableAgent
+
+_NEVER_FIXED_BY_A_RETRY: tuple[type[BaseException], ...] = (
+    DurableConfigError, ConversationConflictError, CorruptedRowError, NewerHistoryError, SchemaVersionError, StoreURLError,
+)
+PERMANENT_LOAD_ERRORS: tuple[type[BaseException], ...] = (*_NEVER_FIXED_BY_A_RETRY, StoreReadOnlyError)
+"""Errors a retried load cannot fix: the definition, the stored rows or the URL are wrong."""
+
+PERMANENT_APPEND_ERRORS: tuple[type[BaseException], ...] = (*_NEVER_FIXED_BY_A_RETRY, AppendIdReuseError)
+"""Errors a retried append cannot fix: another run appended since this one loaded, the append id was reused with
+other messages, the store is corrupted or newer. A read-only store is retried: it may be a failover in progress."""
+
+
+def error_names(errors: tuple[type[BaseException], ...]) -> list[str]:
+    """The class names of `errors` (Temporal's `RetryPolicy(non_retryable_error_types=...)` matches on names)."""
+    return [error.__name__ for error in errors]
+
+
+@dataclass(frozen=True)
+class UnitRetry:
+    """How an engine retries one conversation unit.
+
+    Attributes:
+        attempts: Attempts in all, the first included (0: no cap).
+        initial_seconds: Wait before the first retry.
+        backoff: Multiplier of the wait after each retry.
+        maximum_seconds: Cap of one wait.
+    """
+
+    attempts: int
+    initial_seconds: float = 1.0
+    backoff: float = 2.0
+    maximum_seconds: float = 60.0
+
+    def delays(self) -> list[float]:
+        """The waits before each retry, in seconds (`attempts - 1` of them; needs a capped `attempts`)."""
+        waits, wait = [], self.initial_seconds
+        for _ in range(max(self.attempts - 1, 0)):
+            waits.append(min(wait, self.maximum_seconds))
+            wait *= self.backoff
+        return waits
+
+
+LoadUnit = Callable[[str], Awaitable[LoadedConversation]]
+AppendUnitBody = Callable[..., Awaitable[int]]
+
+
+def load_unit(agent: DurableAgent[Any, Any], check: Callable[[str, list[Any]], None] | None = None) -> LoadUnit:
+    """The body of the conversation-load unit of `agent`: read the conversation (checked for drift).
+
+    Args:
+        agent: The definition whose conversations are read.
+        check: Called with the conversation id and the rows (or messages) read, before they cross the engine's
+            boundary (Temporal's payload guard: DC030 in the activity, not in a workflow task).
+    """
+
+    async def load(conversation_id: str) -> LoadedConversation:
+        loaded = await load_conversation(agent, conversation_id)
+        if check is not None:
+            check(conversation_id, loaded.rows if loaded.rows is not None else loaded.messages)
+        return loaded
+
+    return load
+
+
+def append_unit(agent: DurableAgent[Any, Any]) -> AppendUnitBody:
+    """The body of the conversation-append unit of `agent`: `(conversation_id, messages, expected_revision,
+    append_id, usage) -> new revision`, idempotent by `append_id`.
+
+    Raises (from the store): one of `PERMANENT_APPEND_ERRORS`, or a `StoreError` another attempt may fix.
+    """
+
+    async def append(conversation_id: str, messages: list[dict[str, Any]], expected_revision: int | None,
+                     append_id: str, usage: dict[str, Any] | None = None) -> int:
+        return await append_conversation(agent, conversation_id, messages, expected_revision=expected_revision,
+                                         append_id=append_id, usage=usage)
+
+    return append

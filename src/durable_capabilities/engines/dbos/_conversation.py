@@ -1,0 +1,70 @@
+"""DBOS's conversation units: the load and append steps (store I/O runs only in steps), and `Raised`, the form an
+error takes when a step records it as its result instead of failing.
+
+The bodies and the errors no retry fixes are the engines' shared ones (`engines._conversation_unit`); the retry
+numbers are DBOS's (`_spec.APPEND_RETRY`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dbos import DBOS
+
+from .._conversation_unit import PERMANENT_APPEND_ERRORS, append_unit, load_unit
+from ._spec import APPEND_RETRY, conversation_step_names
+
+if TYPE_CHECKING:
+    from ...agent import DurableAgent
+
+
+@dataclass
+class Raised:
+    """An exception recorded as a step result (pickled by DBOS), raised again after the step: a tool's control-flow
+    exception, or a store error no retry fixes."""
+
+    error: BaseException
+
+
+# Pickled step results name this class by module and name: keep the path recorded before the package split, so
+# workflows recorded then recover (`engines.dbos` re-exports it as `_Raised`).
+Raised.__module__, Raised.__qualname__, Raised.__name__ = 'durable_capabilities.engines.dbos', '_Raised', '_Raised'
+
+
+def in_workflow_code() -> bool:
+    """Whether this code runs in a DBOS workflow, outside any step."""
+    return DBOS.workflow_id is not None and DBOS.step_id is None
+
+
+APPEND_STEP_RETRIES: dict[str, Any] = {'retries_allowed': True, 'interval_seconds': APPEND_RETRY.initial_seconds,
+                                       'backoff_rate': APPEND_RETRY.backoff, 'max_attempts': APPEND_RETRY.attempts}
+"""`DBOS.run_step_async` options of the conversation-append step (`_spec.APPEND_RETRY`)."""
+
+PERMANENT_STORE_ERRORS = PERMANENT_APPEND_ERRORS
+"""Store errors a retried append cannot fix: the append step records them as its result and raises them after."""
+
+
+def conversation_steps(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
+    """The store units as DBOS steps: recovery returns the recorded history instead of reading again, and the
+    append (idempotent by workflow id) is retried by DBOS while the store is down (`APPEND_STEP_RETRIES`),
+    never on a conflict (`PERMANENT_STORE_ERRORS`)."""
+    load_step, append_step = conversation_step_names(agent)
+    load_body, append_body = load_unit(agent), append_unit(agent)
+
+    async def load(conversation_id: str) -> Any:
+        return await DBOS.run_step_async({'name': load_step}, load_body, conversation_id)
+
+    async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> Any:
+        async def body() -> Any:
+            try:
+                return await append_body(conversation_id, messages, revision, f'dbos:{DBOS.workflow_id}', usage)
+            except PERMANENT_STORE_ERRORS as error:
+                return Raised(error)  # a conflict cannot succeed: recorded, not retried
+
+        result = await DBOS.run_step_async({'name': append_step, **APPEND_STEP_RETRIES}, body)  # type: ignore[arg-type]
+        if isinstance(result, Raised):
+            raise result.error
+        return result
+
+    return load, append

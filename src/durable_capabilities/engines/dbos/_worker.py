@@ -1,0 +1,55 @@
+"""`durcap worker dbos`: a long-lived DBOS executor serving agents' workflows and a queue until SIGTERM / SIGINT."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from dbos import DBOS
+from sqlalchemy.exc import OperationalError, ProgrammingError
+
+from ..._limits import redact_database_url
+from .._adapter import RunOptions
+from ._client import client as dbos_client
+from ._server import launch, system_database_url
+from ._spec import APP_NAME, WORKER_EXECUTOR, WORKER_QUEUE
+from ._workflow import agent_workflow
+
+if TYPE_CHECKING:
+    from ...agent import DurableAgent
+
+
+def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> None:
+    """Serve `agents`' workflows as a long-lived DBOS executor until SIGTERM / SIGINT.
+
+    Settings: `db` (system database URL), `executor_id` (default `local`, DBOS's own default: launch
+    recovers that executor's pending workflows), `task_queue` (the DBOS queue served, default `durcap`,
+    where `durcap runs resume` hands runs), `graceful_shutdown` (seconds running workflows get to finish).
+    """
+    for agent in agents:
+        agent_workflow(agent)
+    executor = options.setting('executor_id', WORKER_EXECUTOR)
+    queue = options.setting('task_queue', WORKER_QUEUE)
+    url = system_database_url(options.setting('db'))
+    client = dbos_client({'db': url})
+    try:
+        pending = client.list_workflows(status='PENDING', executor_id=executor, load_input=False, load_output=False)
+    except (OperationalError, ProgrammingError):  # a new system database: DBOS creates its tables at launch
+        pending = []
+    finally:
+        client.destroy()
+    launch(APP_NAME, system_database_url_=url, executor_id=executor)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        DBOS.register_queue(queue)
+        options.notify(f'dbos worker ready: executor {executor!r} (recovering {len(pending)} pending '
+                       f'workflows), queue {queue!r}, system database {redact_database_url(url)}, application version '
+                       f'{DBOS.application_version}; Ctrl-C or SIGTERM to stop')
+        stop.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        DBOS.destroy(workflow_completion_timeout_sec=int(options.setting('graceful_shutdown', 30)))

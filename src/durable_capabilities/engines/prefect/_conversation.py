@@ -1,0 +1,39 @@
+"""Prefect's conversation units: the `Load Conversation` and `Append Conversation` tasks (store I/O runs only in
+tasks).
+
+The bodies and the errors no retry fixes are the engines' shared ones (`engines._conversation_unit`); the retry
+numbers are Prefect's (`_spec.APPEND_RETRY`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from prefect import task
+from prefect.cache_policies import INPUTS, RUN_ID
+
+from .._conversation_unit import PERMANENT_APPEND_ERRORS, append_unit, load_unit
+from ._spec import APPEND_RETRY, CONVERSATION_TASKS
+
+if TYPE_CHECKING:
+    from ...agent import DurableAgent
+
+
+def conversation_tasks(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
+    """Prefect tasks `Load Conversation` and `Append Conversation` (store I/O only runs in tasks).
+
+    Cached on their inputs and the flow run id, so a flow run resumed after a crash replays them
+    instead of reading or appending again; the append is also idempotent by its append id, and retried while the
+    store is down (`_spec.APPEND_RETRY`), never on an error no retry fixes.
+    """
+    options: dict[str, Any] = {'cache_policy': INPUTS + RUN_ID, 'persist_result': True}
+    return (
+        task(name=CONVERSATION_TASKS[0], **options)(load_unit(agent)),
+        task(name=CONVERSATION_TASKS[1], retries=APPEND_RETRY.attempts - 1, retry_delay_seconds=APPEND_RETRY.delays(),
+             retry_condition_fn=_retry_append, **options)(append_unit(agent)),
+    )
+
+
+def _retry_append(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect retry condition of the append task: retry unless the store refused for good (a conflict)."""
+    return not isinstance(getattr(state, 'data', None), PERMANENT_APPEND_ERRORS)

@@ -1,0 +1,58 @@
+"""Prefect container code: the flow per agent (`agent_flow`), run in this process, by a deployment's flow-run
+process (`_entry`) or by `durcap runs resume`."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from ... import _registry
+from ...turn import deps_from_json, run_turn
+from ._approvals import PrefectApprovalGate
+from ._conversation import conversation_tasks
+from ._spec import ENGINE, flow_name
+
+if TYPE_CHECKING:
+    from ...agent import DurableAgent
+
+_FLOWS: dict[str, Any] = {}
+
+
+def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
+    """The Prefect flow that runs `agent` (one per agent name and process).
+
+    Flow parameters (JSON, so deployments and schedules can carry them): `prompt: str | None`,
+    `deps: dict | None` (validated into `deps_type`), `message_history: list[dict] | None`
+    (pydantic-ai's message JSON), `conversation_id: str | None`. Returns
+    `{'output': ..., 'new_messages': '[...]', 'usage': {...}}` as JSON-compatible data, `new_messages` being the new
+    messages as one JSON string (`ModelMessagesTypeAdapter.validate_json` reads it; see `Turn.payload` for why).
+    """
+    _registry.claim('Prefect flow', agent.name, agent, 'given Prefect flows in this process')  # DC011 on a clash
+    existing = _FLOWS.get(agent.name)
+    if existing is not None and existing.__durcap_agent__ is agent:
+        return existing
+    built = agent.build(ENGINE)
+    load_task, append_task = conversation_tasks(agent)
+
+    async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> Any:
+        return await append_task(conversation_id, messages, revision, f'prefect:{flow_run.id}', usage)
+
+    async def run_agent(
+        prompt: str | None = None,
+        deps: dict[str, Any] | None = None,
+        message_history: list[dict[str, Any]] | None = None,
+        conversation_id: str | None = None,
+    ) -> dict[str, Any]:
+        turn = await run_turn(agent, built.run, prompt, deps=deps_from_json(agent, deps), message_history=message_history,
+                              conversation_id=conversation_id, load=load_task, append=append,
+                              gate=PrefectApprovalGate(agent))
+        return turn.payload(messages_as_json=True)
+
+    run_agent.__name__ = re.sub(r'\W', '_', f'run_{agent.name}')
+    decorated = flow(name=flow_name(agent), persist_result=True)(run_agent)
+    decorated.__durcap_agent__ = agent  # type: ignore[attr-defined]
+    _FLOWS[agent.name] = decorated
+    return decorated

@@ -1,0 +1,219 @@
+"""Temporal's client side: `connect` (with the claim-check codec), `start_run` / `run`, and the waits of `durcap run`
+(no worker polling the task queue, the result through server restarts)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from pydantic_ai.durable_exec.temporal import PydanticAIPlugin
+from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
+from pydantic_core import to_jsonable_python
+from temporalio.api.enums.v1 import TaskQueueType
+from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
+from temporalio.client import Client
+from temporalio.converter import DataConverter
+from temporalio.service import RPCError, RPCStatusCode
+
+from ..._servers import CAPABILITIES_SEARCH_ATTRIBUTE
+from .._adapter import EngineUnreachableError
+from ._payloads import default_codec
+from ._spec import (
+    AGENT_MEMO,
+    DEFAULT_ADDRESS,
+    DEFAULT_NAMESPACE,
+    HEALTH_TIMEOUT_SECONDS,
+    NO_POLLER_NOTICE_SECONDS,
+    RECONNECT_SECONDS,
+    SEARCH_ATTRIBUTE_MEMO,
+)
+from ._workflow import AgentRunInput, AgentRunOutput, workflow_name
+
+if TYPE_CHECKING:
+    from ...agent import DurableAgent
+
+
+async def connect(address: str = DEFAULT_ADDRESS, namespace: str = DEFAULT_NAMESPACE, *, store: str | None = None) -> Client:
+    """A Temporal client with pydantic-ai's payload converter (`PydanticAIPlugin`) and the claim-check codec
+    (`_payloads.ClaimCheckCodec`) on `store` (default `$DURCAP_STORE`, else the default store): payloads
+    over 256 KiB travel by reference. Workers made from this client use the same codec."""
+    codec = DataConverter(payload_codec=default_codec(store))  # PydanticAIPlugin keeps the codec, swaps the converter
+    try:
+        return await Client.connect(address, namespace=namespace, plugins=[PydanticAIPlugin()], data_converter=codec)
+    except RuntimeError as exc:
+        if 'client connect' not in str(exc):
+            raise
+        # temporalio's message is the Rust transport error's debug form; its `message: "..."` is the readable reason.
+        reason = re.findall(r'message: "([^"]+)"', str(exc))
+        raise EngineUnreachableError(
+            f'cannot reach the Temporal server at {address} ({reason[-1] if reason else str(exc).splitlines()[0][:200]}): '
+            'start one (`durcap dev temporal`) or point --address / $DURCAP_TEMPORAL_ADDRESS at yours'
+        ) from exc
+
+
+
+async def start_run(
+    client: Client,
+    agent: DurableAgent[Any, Any],
+    prompt: str | None,
+    *,
+    task_queue: str,
+    workflow_id: str,
+    deps: Any = None,
+    conversation_id: str | None = None,
+    message_history: list[ModelMessage] | None = None,
+    namespace: str = 'default',
+    eager: bool = False,
+) -> Any:
+    """Start the agent's workflow; returns the `WorkflowHandle` (await `handle.result()` for `AgentRunOutput`).
+
+    `eager=True` asks for Temporal's eager workflow start (`request_eager_start`): when a worker of this client
+    runs in this process and polls `task_queue`, the server hands it the first workflow task in the start
+    response instead of through a poll (one round trip less; issue 14 measured 5-14% of a 6-request run on the
+    dev server). Without such a worker, or a server that disables it, the start is an ordinary one. Only ask
+    for it with a worker in this process: `durcap run --inline-worker` and the embedded dev server do.
+
+    The workflow records its loaded capability ids as memo `durcap_capabilities`, and as search attribute
+    `DurcapCapabilities` when the namespace has it registered (checked here).
+    """
+
+    params = AgentRunInput(
+        prompt=prompt,
+        conversation_id=conversation_id,
+        deps=to_jsonable_python(deps) if deps is not None else None,
+        message_history=ModelMessagesTypeAdapter.dump_python(message_history, mode='json') if message_history else None,
+    )
+    memo = {AGENT_MEMO: agent.name, SEARCH_ATTRIBUTE_MEMO: await capabilities_attribute_registered(client, namespace)}
+    return await client.start_workflow(
+        workflow_name(agent), params, id=workflow_id, task_queue=task_queue, result_type=AgentRunOutput, memo=memo,
+        request_eager_start=eager,
+    )
+
+
+async def run(client: Client, agent: DurableAgent[Any, Any], prompt: str | None, **kwargs: Any) -> AgentRunOutput:
+    """Start the agent's workflow and wait for its `AgentRunOutput`. Keyword arguments as for `start_run`."""
+    handle = await start_run(client, agent, prompt, **kwargs)
+    return await handle.result()
+
+async def capabilities_attribute_registered(client: Client, namespace: str) -> bool:
+    """Whether the namespace has the `DurcapCapabilities` search attribute (Temporal's ListSearchAttributes)."""
+    try:
+        response = await client.operator_service.list_search_attributes(ListSearchAttributesRequest(namespace=namespace))
+    except Exception:  # noqa: BLE001 - not allowed to ask (cloud): do not upsert
+        return False
+    return CAPABILITIES_SEARCH_ATTRIBUTE in response.custom_attributes
+
+
+
+async def task_queue_pollers(client: Client, namespace: str, task_queue: str) -> int:
+    """How many workers polled `task_queue` (workflow tasks) recently (Temporal's DescribeTaskQueue)."""
+    response = await client.workflow_service.describe_task_queue(DescribeTaskQueueRequest(
+        namespace=namespace, task_queue=TaskQueue(name=task_queue),
+        task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW))
+    return len(response.pollers)
+
+
+async def notice_no_poller(client: Client, namespace: str, task_queue: str, notify: Callable[[str], None]) -> None:
+    """Say, within `NO_POLLER_NOTICE_SECONDS`, when no worker polls `task_queue` (the run waits for one)."""
+    deadline = asyncio.get_running_loop().time() + NO_POLLER_NOTICE_SECONDS
+    while True:
+        try:
+            if await task_queue_pollers(client, namespace, task_queue):
+                return
+        except Exception:  # noqa: BLE001 - a notice only; the run's own wait reports server trouble
+            return
+        if asyncio.get_running_loop().time() >= deadline:
+            break
+        await asyncio.sleep(0.5)
+    notify(f'no worker polls task queue {task_queue!r}: the run waits until one does (start '
+           f'`durcap worker temporal TARGET --task-queue {task_queue}`, or run with --inline-worker)')
+
+
+
+async def await_result(client: Client, address: str, namespace: str, workflow_id: str,
+                        notify: Callable[[str], None]) -> tuple[Client, AgentRunOutput]:
+    """The run's `AgentRunOutput`, waiting through server restarts: a lost connection is retried (a new client
+    after repeated failures) and never reported as the run's failure. Returns the client that answered.
+
+    An outage is said once, when it starts, and once more when the server answers again. It is seen by a health
+    check every `RECONNECT_SECONDS` (gRPC health, no retry, `HEALTH_TIMEOUT_SECONDS`) as well as by the result
+    wait failing: the SDK's own retries (temporalio `RetryConfig`, ~10 attempts with backoff) can ride out a short
+    restart without the wait ever failing.
+
+    Raises:
+        temporalio.client.WorkflowFailureError: the run itself failed, was cancelled or terminated.
+    """
+    outage = _Outage(address, workflow_id, notify)
+    watch = asyncio.create_task(_watch_health(lambda: client, outage))
+    failures = 0
+    try:
+        while True:
+            try:
+                result = await client.get_workflow_handle(workflow_id, result_type=AgentRunOutput).result()
+                outage.back()  # the result came from the server: it is back, whether or not a check saw it
+                return client, result
+            except (RPCError, RuntimeError, OSError) as exc:
+                if isinstance(exc, RPCError) and exc.status.name in ('NOT_FOUND', 'INVALID_ARGUMENT', 'PERMISSION_DENIED'):
+                    raise
+                failures += 1
+                outage.lost(exc)
+                await asyncio.sleep(RECONNECT_SECONDS)
+                if failures % 5 == 0:
+                    try:
+                        client = await connect(address, namespace)
+                    except Exception:  # noqa: BLE001, S112 - still down: keep trying
+                        continue
+    finally:
+        watch.cancel()
+
+
+
+class _Outage:
+    """Says when the Temporal server is lost while a run is awaited, and when it answers again: once each."""
+
+    def __init__(self, address: str, workflow_id: str, notify: Callable[[str], None]) -> None:
+        self.address, self.workflow_id, self.notify, self.down = address, workflow_id, notify, False
+
+    def lost(self, exc: BaseException) -> None:
+        if not self.down:
+            self.down = True
+            reason = (str(exc).splitlines() or [''])[0][:120]
+            self.notify(f'lost the Temporal server at {self.address} ({type(exc).__name__}: {reason}); the run goes '
+                        f'on there: reconnecting and waiting for workflow {self.workflow_id}')
+
+    def back(self) -> None:
+        if self.down:
+            self.down = False
+            self.notify(f'reached the Temporal server at {self.address} again; waiting for workflow {self.workflow_id}')
+
+
+async def _watch_health(current: Callable[[], Client], outage: _Outage) -> None:
+    """Check the server's gRPC health every `RECONNECT_SECONDS` until cancelled, telling `outage` what it sees.
+
+    If the very first check fails with a gRPC error other than "no answer" (`UNAVAILABLE`, `DEADLINE_EXCEEDED`), the
+    server has no health check this client may ask (no health service behind a proxy, `UNIMPLEMENTED`; a credential
+    that may not ask, `PERMISSION_DENIED`): the watch stops, and the result wait alone reports trouble. Once a check
+    has passed, any failure counts (a stopping server may also end a call with `CANCELLED` or `UNKNOWN`)."""
+    answered = False
+    while True:
+        await asyncio.sleep(RECONNECT_SECONDS)
+        try:
+            healthy = await current().service_client.check_health(timeout=timedelta(seconds=HEALTH_TIMEOUT_SECONDS))
+        except RPCError as exc:
+            if not answered and exc.status not in (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED):
+                return
+            outage.lost(exc)
+            continue
+        except Exception as exc:  # noqa: BLE001 - no answer at all (connection refused, reset): an outage
+            outage.lost(exc)
+            continue
+        answered = True
+        if healthy:
+            outage.back()
+        else:
+            outage.lost(RuntimeError('the server reports it is not serving'))

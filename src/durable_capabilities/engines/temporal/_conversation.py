@@ -1,0 +1,118 @@
+"""Temporal's conversation units: the load and append activities (store I/O runs only in activities) and the
+workflow-side calls that schedule them.
+
+The bodies and the errors no retry fixes are the engines' shared ones (`engines._conversation_unit`); the retry
+numbers are Temporal's (`_spec`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from temporalio import activity, workflow
+from temporalio.common import RetryPolicy
+
+from ...conversations import LoadedConversation
+from .._conversation_unit import (
+    PERMANENT_APPEND_ERRORS,
+    PERMANENT_LOAD_ERRORS,
+    UnitRetry,
+    append_unit,
+    error_names,
+    load_unit,
+)
+from . import _payloads
+from ._spec import (
+    APPEND_RETRY,
+    CONVERSATION_APPEND_SUFFIX,
+    CONVERSATION_LOAD_SUFFIX,
+    LOAD_RETRY,
+    STORE_ACTIVITY_TIMEOUT,
+)
+
+if TYPE_CHECKING:
+    from ...agent import DurableAgent
+
+def _policy(retry: UnitRetry, permanent: tuple[type[BaseException], ...], *, waits: bool) -> RetryPolicy:
+    if not waits:  # the load keeps Temporal's own default waits
+        return RetryPolicy(maximum_attempts=retry.attempts, non_retryable_error_types=error_names(permanent))
+    return RetryPolicy(initial_interval=timedelta(seconds=retry.initial_seconds), backoff_coefficient=retry.backoff,
+                       maximum_interval=timedelta(seconds=retry.maximum_seconds), maximum_attempts=retry.attempts,
+                       non_retryable_error_types=error_names(permanent))
+
+
+STORE_ACTIVITY_OPTIONS: dict[str, Any] = {
+    'start_to_close_timeout': STORE_ACTIVITY_TIMEOUT,
+    'retry_policy': _policy(LOAD_RETRY, PERMANENT_LOAD_ERRORS, waits=False),
+}
+
+APPEND_ACTIVITY_OPTIONS: dict[str, Any] = {
+    'start_to_close_timeout': STORE_ACTIVITY_TIMEOUT,
+    'retry_policy': _policy(APPEND_RETRY, PERMANENT_APPEND_ERRORS, waits=True),
+}
+
+
+@dataclass
+class AppendInput:
+    """Input of the conversation-append activity (message JSON, see `AgentRunInput`)."""
+
+    conversation_id: str
+    messages: list[dict[str, Any]]
+    expected_revision: int | None
+    append_id: str
+    usage: dict[str, Any] | None = None
+
+
+def conversation_activity_names(agent: DurableAgent[Any, Any]) -> tuple[str, str]:
+    """Activity type names of the conversation load and append: `agent__{name}__conversation_load` / `_append`."""
+    return (f'agent__{agent.durable_name}{CONVERSATION_LOAD_SUFFIX}',
+            f'agent__{agent.durable_name}{CONVERSATION_APPEND_SUFFIX}')
+
+
+_ACTIVITIES: dict[str, list[Any]] = {}
+
+
+def conversation_activities(agent: DurableAgent[Any, Any]) -> list[Any]:
+    """The activities that read and append the agent's conversations (store I/O runs only in activities)."""
+    if agent.durable_name in _ACTIVITIES:
+        return _ACTIVITIES[agent.durable_name]
+    load_name, append_name = conversation_activity_names(agent)
+    load_body = load_unit(agent, _payloads.check_loaded)  # DC030 here, not in a workflow task
+    append_body = append_unit(agent)
+
+    @activity.defn(name=load_name)
+    async def load(conversation_id: str) -> LoadedConversation:
+        return await load_body(conversation_id)
+
+    @activity.defn(name=append_name)
+    async def append(params: AppendInput) -> int:
+        return await append_body(params.conversation_id, params.messages, params.expected_revision, params.append_id,
+                                 params.usage)
+
+    _ACTIVITIES[agent.durable_name] = [load, append]
+    return _ACTIVITIES[agent.durable_name]
+
+
+def workflow_units(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
+    """In workflow code: `(load, append)` for `run_turn`, each scheduling the agent's conversation activity."""
+    load_name, _ = conversation_activity_names(agent)
+
+    async def load(conversation_id: str) -> LoadedConversation:
+        return await workflow.execute_activity(
+            load_name, conversation_id, result_type=LoadedConversation, **STORE_ACTIVITY_OPTIONS
+        )
+
+    async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> int:
+        info = workflow.info()
+        return await append_activity(
+            agent, AppendInput(conversation_id, messages, revision, f'{info.workflow_id}:{info.run_id}', usage))
+
+    return load, append
+
+
+async def append_activity(agent: DurableAgent[Any, Any], params: AppendInput) -> int:
+    """In workflow code: run the agent's append activity with `params`; returns the new revision."""
+    _, append_name = conversation_activity_names(agent)
+    return await workflow.execute_activity(append_name, params, result_type=int, **APPEND_ACTIVITY_OPTIONS)
