@@ -35,10 +35,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger('durable_capabilities.conversations')
 
 
-def store_url(agent: DurableAgent[Any, Any]) -> str:
-    """The store URL for `agent`: `DurableAgent(conversation_store=...)`, else `$DURCAP_STORE`, else SQLite
-    at `.durcap/conversations.db` (resolved where the durable unit runs, e.g. on the worker)."""
-    return resolve_url(agent.conversation_store)
+def store_url(agent: DurableAgent[Any, Any], store: str | None = None) -> str:
+    """The store URL for `agent`: `DurableAgent(conversation_store=...)`, else `store` (the run's or the worker's
+    `--store`, passed down by the engine), else `$DURCAP_STORE`, else SQLite at `.durcap/conversations.db`
+    (`store.resolve_url`, resolved where the durable unit runs, e.g. on the worker)."""
+    return resolve_url(agent.conversation_store or store)
 
 
 _STORES: dict[tuple[str, int], SQLConversationStore] = {}
@@ -213,8 +214,9 @@ def _remember(key: tuple[str, str], messages: list[ModelMessage]) -> None:
         _DECODED.popitem(last=False)
 
 
-async def load_conversation(agent: DurableAgent[Any, Any], conversation_id: str) -> LoadedConversation:
-    """Read a conversation for a run of `agent` and check it for drift.
+async def load_conversation(agent: DurableAgent[Any, Any], conversation_id: str, *,
+                            store: str | None = None) -> LoadedConversation:
+    """Read a conversation for a run of `agent` and check it for drift, from the store `store_url(agent, store)`.
 
     Returns the stored JSON of each message (`LoadedConversation.rows`), which is what crosses the engine's
     boundary (an activity result, a step output). Drift is checked on the decoded history, decoded through
@@ -230,13 +232,13 @@ async def load_conversation(agent: DurableAgent[Any, Any], conversation_id: str)
             has (DC018 / DC019) and `DurableAgent(drift='error')` (the default).
         StoreError: the store is unusable (corrupted rows, unknown schema, newer pydantic-ai).
     """
-    url = store_url(agent)
+    url = store_url(agent, store)
     key = (url, conversation_id)
     cached = _LOAD_CACHE.get(key)
-    store = process_store(url)
+    opened = process_store(url)
     try:
         # check_writable: refuse a read-only or unreachable store before the run, not after it
-        stored = await store.read_json(
+        stored = await opened.read_json(
             conversation_id, known=(len(cached.rows), cached.entry_ids[-1]) if cached and cached.rows else None,
             check_writable=True,
         )
@@ -273,15 +275,16 @@ async def append_conversation(
     expected_revision: int | None,
     append_id: str,
     usage: dict[str, Any] | None = None,
+    store: str | None = None,
 ) -> int:
-    """Append a run's new messages (message JSON) and return the new revision.
+    """Append a run's new messages (message JSON) to the store `store_url(agent, store)` and return the new revision.
 
     A repeated `append_id` (a retried durable unit) stores nothing and returns the earlier revision.
 
     Raises:
         ConversationConflictError: another run appended since this one loaded (`expected_revision` is stale).
     """
-    result = await process_store(store_url(agent)).append(
+    result = await process_store(store_url(agent, store)).append(
         conversation_id,
         ModelMessagesTypeAdapter.validate_python(messages),
         expected_revision=expected_revision,

@@ -139,6 +139,7 @@ async def run_turn(
     load: LoadUnit | None = None,
     append: AppendUnit | None = None,
     gate: ApprovalGate | None = None,
+    store: str | None = None,
     **run_kwargs: Any,
 ) -> Turn:
     """One turn of `agent`: load the conversation, run, append the new messages.
@@ -152,11 +153,13 @@ async def run_turn(
             `conversation_id` is given.
         conversation_id: Conversation to load from and append to, or `None`.
         load / append: The engine's durable units around the store (an activity, a step, a task);
-            default: in-process calls (`load_conversation`, `append_conversation` with a fresh append id).
+            default: in-process calls (`load_conversation`, `append_conversation` with a fresh append id) on `store`.
         gate: The engine's `approvals.ApprovalGate`: when given, a run that ends with `DeferredToolRequests`
             (tool calls needing approval) waits on it for decisions and continues with `DeferredToolResults`
             until the agent produces its final output; the audit of each pause is stored in the `metadata`
             of the request carrying the decided results (`approvals.AUDIT_METADATA_KEY`).
+        store: The store URL of the default `load` / `append` (the run's `--store`; `None`: `$DURCAP_STORE`, else
+            the default store; `DurableAgent(conversation_store=...)` wins, see `conversations.store_url`).
 
     Returns:
         The `Turn`.
@@ -170,7 +173,7 @@ async def run_turn(
     revision: int | None = None
     cache_key = (agent.durable_name, conversation_id) if conversation_id is not None else None
     if conversation_id is not None:
-        loaded = await (load or _local_load(agent))(conversation_id)
+        loaded = await (load or _local_load(agent, store))(conversation_id)
         revision = loaded.revision
         if loaded.rows is not None:
             messages = decode_history(cache_key, loaded.rows, conversation_id)  # type: ignore[arg-type]
@@ -200,7 +203,7 @@ async def run_turn(
         _current.reset(token)
     turn = Turn(result, state, logged, to_jsonable_python(usage), added)
     if conversation_id is not None:
-        appended = await (append or _local_append(agent))(conversation_id, turn.new_messages, revision, turn.usage)
+        appended = await (append or _local_append(agent, store))(conversation_id, turn.new_messages, revision, turn.usage)
         if isinstance(appended, int) and not isinstance(appended, bool) and state.log.messages:
             _remember(cache_key, [*messages, *state.log.messages])  # type: ignore[arg-type]
     return turn
@@ -264,13 +267,13 @@ def deps_from_json(agent: DurableAgent[Any, Any], deps: Any) -> Any:
     return TypeAdapter(agent.deps_type).validate_python(deps) if deps is not None else None
 
 
-def _local_load(agent: DurableAgent[Any, Any]) -> LoadUnit:
-    return lambda conversation_id: load_conversation(agent, conversation_id)
+def _local_load(agent: DurableAgent[Any, Any], store: str | None) -> LoadUnit:
+    return lambda conversation_id: load_conversation(agent, conversation_id, store=store)
 
 
-def _local_append(agent: DurableAgent[Any, Any]) -> AppendUnit:
+def _local_append(agent: DurableAgent[Any, Any], store: str | None) -> AppendUnit:
     async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> int:
         return await append_conversation(agent, conversation_id, messages, expected_revision=revision,
-                                         append_id=f'local:{uuid.uuid4()}', usage=usage)
+                                         append_id=f'local:{uuid.uuid4()}', usage=usage, store=store)
 
     return append

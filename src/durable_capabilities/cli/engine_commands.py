@@ -29,7 +29,7 @@ from ..ids import redact_url
 from ..replay import ReplayTimeout, replay_histories
 from ..report import RunReport
 from ..savings import compare_first_request
-from ..store import StoreError
+from ..store import StoreError, resolve_url
 from ..targets import TARGET_HELP
 from ..validation import DurableConfigError
 from . import (
@@ -140,12 +140,13 @@ async def _run_on(
     agent: DurableAgent[Any, Any], prompt: str, engine: str, deps: Any, *, settings: dict[str, Any],
     conversation_id: str | None = None, store: str | None = None, started: list[str] | None = None,
 ) -> RunReport:
-    """One run through the runner with the engines' run `settings` (`_options.run_settings`); the engine's notes
-    (e.g. which store its worker uses) printed first."""
+    """One run through the runner with the engines' run `settings` (`_options.run_settings`) and the conversation
+    store `store` (the `--store` flag; resolved here, once: `store.resolve_url`), passed to the engine as the
+    `store` setting; the engine's notes (e.g. which store its worker uses) printed first."""
 
-    settings = {**settings, 'store': store}
-    for note in get(engine).run_notes(RunOptions(deps, None, conversation_id, None, settings)):
+    for note in get(engine).run_notes(RunOptions(deps, None, conversation_id, None, {**settings, 'store': store})):
         _err.print(note)
+    settings = {**settings, 'store': resolve_url(store)}
     return await runner.run(agent, prompt, engine=engine, deps=deps, conversation_id=conversation_id,
                             notify=_err.print, on_start=None if started is None else started.append, **settings)
 
@@ -304,8 +305,6 @@ def run(
     settings = run_settings(conn or {}, engine)  # each flag checked (exit 2), the run's engine database probed
     if deps_json is None and agent.deps_type is not type(None):
         _unusable(f'{agent.name!r} takes deps of type {agent.deps_type.__name__}: pass them with --deps-json')
-    if store:
-        os.environ['DURCAP_STORE'] = store  # read where the store I/O runs (this process, or an inline worker)
     deps = _deps(agent, deps_json)  # bad deps are unusable input (exit 2), before anything runs
     started: list[str] = []
     try:
@@ -551,9 +550,7 @@ def _worker_command(engine: str) -> Any:
                                'fix the errors above' + ('' if allow_drift else ' (or pass --allow-drift on lockfile drift)'))
         store = database_url(store, '--store')
         connection = run_settings(conn or {}, engine, defaults=True)  # checked; the worker's engine database probed
-        if store:
-            os.environ['DURCAP_STORE'] = store  # the conversation units run in this process
-        settings = {**connection, 'task_queue': task_queue,
+        settings = {**connection, 'store': resolve_url(store), 'task_queue': task_queue,
                     'graceful_shutdown': graceful_shutdown, 'executor_id': executor_id,
                     'versioning': versioning, 'build_id': build_id, 'deployment_name': deployment_name,
                     'set_current': set_current}

@@ -70,19 +70,29 @@ class UnitRetry:
 
 LoadUnit = Callable[[str], Awaitable[LoadedConversation]]
 AppendUnitBody = Callable[..., Awaitable[int]]
+StoreSource = str | Callable[[], str | None] | None
+"""Where a unit finds its store URL: the URL, a callable read each time the unit runs (an engine whose units are
+built once per process but run for callers with different stores), or `None` (`$DURCAP_STORE`, else the default).
+`DurableAgent(conversation_store=...)` wins over it (`conversations.store_url`)."""
 
 
-def load_unit(agent: DurableAgent[Any, Any], check: Callable[[str, list[Any]], None] | None = None) -> LoadUnit:
+def _url(store: StoreSource) -> str | None:
+    return store() if callable(store) else store
+
+
+def load_unit(agent: DurableAgent[Any, Any], check: Callable[[str, list[Any]], None] | None = None, *,
+              store: StoreSource = None) -> LoadUnit:
     """The body of the conversation-load unit of `agent`: read the conversation (checked for drift).
 
     Args:
         agent: The definition whose conversations are read.
         check: Called with the conversation id and the rows (or messages) read, before they cross the engine's
             boundary (Temporal's payload guard: DC030 in the activity, not in a workflow task).
+        store: The store URL (or where to read it, see `StoreSource`): the run's or the worker's `--store`.
     """
 
     async def load(conversation_id: str) -> LoadedConversation:
-        loaded = await load_conversation(agent, conversation_id)
+        loaded = await load_conversation(agent, conversation_id, store=_url(store))
         if check is not None:
             check(conversation_id, loaded.rows if loaded.rows is not None else loaded.messages)
         return loaded
@@ -90,9 +100,9 @@ def load_unit(agent: DurableAgent[Any, Any], check: Callable[[str, list[Any]], N
     return load
 
 
-def append_unit(agent: DurableAgent[Any, Any]) -> AppendUnitBody:
+def append_unit(agent: DurableAgent[Any, Any], *, store: StoreSource = None) -> AppendUnitBody:
     """The body of the conversation-append unit of `agent`: `(conversation_id, messages, expected_revision,
-    append_id, usage) -> new revision`, idempotent by `append_id`.
+    append_id, usage) -> new revision`, idempotent by `append_id`, on the store `store` (see `load_unit`).
 
     Raises (from the store): one of `PERMANENT_APPEND_ERRORS`, or a `StoreError` another attempt may fix.
     """
@@ -100,6 +110,6 @@ def append_unit(agent: DurableAgent[Any, Any]) -> AppendUnitBody:
     async def append(conversation_id: str, messages: list[dict[str, Any]], expected_revision: int | None,
                      append_id: str, usage: dict[str, Any] | None = None) -> int:
         return await append_conversation(agent, conversation_id, messages, expected_revision=expected_revision,
-                                         append_id=append_id, usage=usage)
+                                         append_id=append_id, usage=usage, store=_url(store))
 
     return append

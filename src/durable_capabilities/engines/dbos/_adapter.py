@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 class DBOSAdapter(EngineAdapter):
     """DBOS: a workflow per agent (`agent_workflow`), steps for model requests, tools, MCP and the store.
 
-    Run settings: `db` (system database URL; default SQLite at `.durcap/dbos.sqlite`).
+    Run settings: `db` (system database URL; default SQLite at `.durcap/dbos.sqlite`), `store` (conversation store
+    URL of the run's steps).
     """
 
     name = ENGINE
@@ -68,7 +69,7 @@ class DBOSAdapter(EngineAdapter):
         return isinstance(error, dbos_error) and not isinstance(error, retries_exceeded)
 
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
-        workflow_fn = agent_workflow(agent)
+        workflow_fn = agent_workflow(agent, store=options.setting('store'))
         url = system_database_url(options.setting('db'))
         options.notify(f'dbos system database: {redact_database_url(url)}')
         # A step retry logs one WARNING line (`_retry_log.ModelRetryLogLine` drops its traceback); the run's failure is reported

@@ -45,12 +45,13 @@ PERMANENT_STORE_ERRORS = PERMANENT_APPEND_ERRORS
 """Store errors a retried append cannot fix: the append step records them as its result and raises them after."""
 
 
-def conversation_steps(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
+def conversation_steps(agent: DurableAgent[Any, Any], store: str | None = None) -> tuple[Any, Any]:
     """The store units as DBOS steps: recovery returns the recorded history instead of reading again, and the
     append (idempotent by workflow id) is retried by DBOS while the store is down (`APPEND_STEP_RETRIES`),
-    never on a conflict (`PERMANENT_STORE_ERRORS`)."""
+    never on a conflict (`PERMANENT_STORE_ERRORS`). On the store `store` (the run's or the worker's `--store`;
+    `None`: `$DURCAP_STORE`, else the default store; `DurableAgent(conversation_store=...)` wins)."""
     load_step, append_step = conversation_step_names(agent)
-    load_body, append_body = load_unit(agent), append_unit(agent)
+    load_body, append_body = load_unit(agent, store=store), append_unit(agent, store=store)
 
     async def load(conversation_id: str) -> Any:
         return await DBOS.run_step_async({'name': load_step}, load_body, conversation_id)

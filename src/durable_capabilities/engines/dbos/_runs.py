@@ -130,7 +130,7 @@ async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options:
         options.notify(f'dbos workflow {run_id} belongs to executor {info.detail["executor_id"]}, which may still '
                        'run it; resuming hands it to this process')
     for agent in agents:
-        agent_workflow(agent)
+        agent_workflow(agent, store=options.setting('store'))
     if info.agent is not None and info.agent not in {a.name for a in agents} | {
             p for a in agents for p in a.previous_names}:
         raise RuntimeError(f'workflow {run_id} runs agent {info.agent!r}, which the target does not define')

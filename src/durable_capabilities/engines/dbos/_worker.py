@@ -26,10 +26,11 @@ def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) 
 
     Settings: `db` (system database URL), `executor_id` (default `local`, DBOS's own default: launch
     recovers that executor's pending workflows), `task_queue` (the DBOS queue served, default `durcap`,
-    where `durcap runs resume` hands runs), `graceful_shutdown` (seconds running workflows get to finish).
+    where `durcap runs resume` hands runs), `graceful_shutdown` (seconds running workflows get to finish), `store`
+    (conversation store URL of the steps this worker runs).
     """
     for agent in agents:
-        agent_workflow(agent)
+        agent_workflow(agent, store=options.setting('store'))
     executor = options.setting('executor_id', WORKER_EXECUTOR)
     queue = options.setting('task_queue', WORKER_QUEUE)
     url = system_database_url(options.setting('db'))

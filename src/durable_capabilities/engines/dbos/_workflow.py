@@ -28,12 +28,19 @@ def _claim(definition: DurableAgent[Any, Any]) -> None:
 
 
 class BoundAgent:
-    """What a `@workflow(agent)` function receives as its first argument: `run()` durably inside the workflow."""
+    """What a `@workflow(agent)` function receives as its first argument: `run()` durably inside the workflow.
 
-    def __init__(self, definition: DurableAgent[Any, Any]):
+    Attributes:
+        store: The conversation store URL of its steps (`None`: `$DURCAP_STORE`, else the default store;
+            `DurableAgent(conversation_store=...)` wins). DBOS runs one executor per process, so this is the
+            process's value: `agent_workflow(store=...)` sets it for the one-shot run or the worker.
+    """
+
+    def __init__(self, definition: DurableAgent[Any, Any], store: str | None = None):
         _claim(definition)
         self.definition = definition
         self.agent = definition.build(ENGINE)
+        self.store = store
 
     async def run(self, prompt: str | None = None, *, conversation_id: str | None = None, **kwargs: Any) -> Any:
         """One turn (`turn.run_turn`) on the DBOS-built agent; returns upstream's `AgentRunResult`.
@@ -48,7 +55,7 @@ class BoundAgent:
 
     async def turn(self, prompt: str | None = None, *, conversation_id: str | None = None, **kwargs: Any) -> Turn:
         """As `run`, returning the whole `turn.Turn`."""
-        load, append = conversation_steps(self.definition)
+        load, append = conversation_steps(self.definition, self.store)
         return await run_turn(self.definition, self.agent.run, prompt, conversation_id=conversation_id, load=load,
                               append=append, gate=DBOSApprovalGate(self.definition), **kwargs)
 
@@ -89,12 +96,17 @@ def workflow(agent: DurableAgent[Any, Any], *, name: str | None = None, **dbos_w
 
 
 _WORKFLOWS: dict[str, Any] = {}
+_BOUND: dict[str, BoundAgent] = {}
 _PREVIOUS_NAME_WORKFLOWS: set[str] = set()
 """DBOS workflow names `agent_workflow` registered only for an agent's previous names (see `application_version`)."""
 
 
-def agent_workflow(agent: DurableAgent[Any, Any]) -> Callable[..., Awaitable[dict[str, Any]]]:
+def agent_workflow(agent: DurableAgent[Any, Any], *, store: str | None = None) -> Callable[..., Awaitable[dict[str, Any]]]:
     """A DBOS workflow named `durcap.{agent name}` that runs `agent` once (registered on first call).
+
+    `store`: the conversation store URL its steps use from now on in this process (the run's or the worker's
+    `--store`; `None`: `$DURCAP_STORE`, else the default store). Not a workflow input: a store URL may carry a
+    password, and a recovered workflow uses the store of the process that recovers it.
 
     Call before `DBOS.launch()`. Arguments: `prompt: str | None`, `deps: dict | None` (validated into
     `deps_type`), `message_history: list[dict] | None` (pydantic-ai message JSON), `conversation_id`
@@ -105,8 +117,9 @@ def agent_workflow(agent: DurableAgent[Any, Any]) -> Callable[..., Awaitable[dic
     existing = _WORKFLOWS.get(agent.name)
     if existing is not None:
         _claim(agent)  # DC011 when another definition has one of the agent's names
+        _BOUND[agent.name].store = store
         return existing
-    bound = BoundAgent(agent)  # claims the agent's names first
+    bound = _BOUND[agent.name] = BoundAgent(agent, store)  # claims the agent's names first
 
     async def run_agent(
         prompt: str | None, deps: Any = None, message_history: Any = None, conversation_id: str | None = None

@@ -18,7 +18,7 @@ from .._adapter import EngineAdapter, RunOptions
 from . import _runs
 from ._client import run_flow_run
 from ._durability import durability_parts, durable_names
-from ._flow import agent_flow
+from ._flow import agent_flow, run_store
 from ._server import _TEMPORARY_SERVER, configured_api, ensure_api, server_line
 from ._spec import CONVERSATION_TASKS, ENGINE
 from ._worker import serve_schedule
@@ -87,7 +87,8 @@ class PrefectAdapter(EngineAdapter):
         async with get_client() as client:
             flow_run = await client.create_flow_run(flow_, parameters=parameters)
         options.started(str(flow_run.id), f'prefect flow run id: {flow_run.id} (at {ensure_api()[0]})')
-        return await run_flow_run(flow_, flow_run.id, parameters)
+        with run_store(options.setting('store')):
+            return await run_flow_run(flow_, flow_run.id, parameters)
 
     def serve_schedule(
         self, agent: DurableAgent[Any, Any], *, target: str, prompt: str, cron: str | None, interval_seconds: float | None,

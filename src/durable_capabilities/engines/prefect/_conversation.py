@@ -12,15 +12,16 @@ from typing import TYPE_CHECKING, Any
 from prefect import task
 from prefect.cache_policies import INPUTS, RUN_ID
 
-from .._conversation_unit import PERMANENT_APPEND_ERRORS, append_unit, load_unit
+from .._conversation_unit import PERMANENT_APPEND_ERRORS, StoreSource, append_unit, load_unit
 from ._spec import APPEND_RETRY, CONVERSATION_TASKS
 
 if TYPE_CHECKING:
     from ...agent import DurableAgent
 
 
-def conversation_tasks(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
-    """Prefect tasks `Load Conversation` and `Append Conversation` (store I/O only runs in tasks).
+def conversation_tasks(agent: DurableAgent[Any, Any], store: StoreSource = None) -> tuple[Any, Any]:
+    """Prefect tasks `Load Conversation` and `Append Conversation` (store I/O only runs in tasks), on the store
+    `store` (`_conversation_unit.StoreSource`; `agent_flow` passes the run's, read when the task runs).
 
     Cached on their inputs and the flow run id, so a flow run resumed after a crash replays them
     instead of reading or appending again; the append is also idempotent by its append id, and retried while the
@@ -28,9 +29,9 @@ def conversation_tasks(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
     """
     options: dict[str, Any] = {'cache_policy': INPUTS + RUN_ID, 'persist_result': True}
     return (
-        task(name=CONVERSATION_TASKS[0], **options)(load_unit(agent)),
+        task(name=CONVERSATION_TASKS[0], **options)(load_unit(agent, store=store)),
         task(name=CONVERSATION_TASKS[1], retries=APPEND_RETRY.attempts - 1, retry_delay_seconds=APPEND_RETRY.delays(),
-             retry_condition_fn=_retry_append, **options)(append_unit(agent)),
+             retry_condition_fn=_retry_append, **options)(append_unit(agent, store=store)),
     )
 
 

@@ -4,6 +4,9 @@ process (`_entry`) or by `durcap runs resume`."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from prefect import flow
@@ -20,6 +23,22 @@ if TYPE_CHECKING:
 
 _FLOWS: dict[str, Any] = {}
 
+_RUN_STORE: ContextVar[str | None] = ContextVar('durcap_prefect_run_store', default=None)
+
+
+@contextmanager
+def run_store(url: str | None) -> Iterator[None]:
+    """Within this block (this task and the tasks it starts), a flow run of `agent_flow` in this process loads and
+    appends its conversation on `url` (the run's `--store`; `None`: `$DURCAP_STORE`, else the default store).
+
+    A value of the run, not a flow parameter: a store URL may carry a password, and Prefect records parameters. A
+    flow run a deployment starts in its own process has none: it resolves `$DURCAP_STORE` there."""
+    token = _RUN_STORE.set(url)
+    try:
+        yield
+    finally:
+        _RUN_STORE.reset(token)
+
 
 def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
     """The Prefect flow that runs `agent` (one per agent name and process).
@@ -35,7 +54,7 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
     if existing is not None and existing.__durcap_agent__ is agent:
         return existing
     built = agent.build(ENGINE)
-    load_task, append_task = conversation_tasks(agent)
+    load_task, append_task = conversation_tasks(agent, _RUN_STORE.get)
 
     async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> Any:
         return await append_task(conversation_id, messages, revision, f'prefect:{flow_run.id}', usage)

@@ -39,7 +39,7 @@ from ...report import RunReport
 from .._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
 from ._approvals import _input_key
 from ._client import run_flow_run
-from ._flow import agent_flow
+from ._flow import agent_flow, run_store
 from ._server import ensure_api, server_line
 from ._spec import DECISION_INPUT_PREFIX, ENGINE, FLOW_NAME_PREFIX, PENDING_INPUT
 
@@ -159,7 +159,8 @@ async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options:
         if info.status != 'completed':
             await client.set_flow_run_state(run.id, Scheduled(message='durcap runs resume'), force=True)
     options.notify(f'resuming prefect flow run {run_id} ({info.engine_status}) in this process')
-    return await run_flow_run(flow_, run.id, dict(run.parameters or {}))
+    with run_store(options.setting('store')):
+        return await run_flow_run(flow_, run.id, dict(run.parameters or {}))
 
 
 def _unit(task_run: Any) -> RunUnit:

@@ -34,7 +34,8 @@ class TemporalAdapter(EngineAdapter):
 
     Run settings: `address` (HOST:PORT; none: 127.0.0.1:7233 when it serves, else an embedded in-memory dev
     server with an inline worker), `task_queue` (default `durcap`), `inline_worker` (serve the queue from this
-    process for the run), `namespace`.
+    process for the run), `namespace`, `store` (the claim-check codec's store, and an inline worker's conversation
+    store; a separate worker uses its own).
     """
 
     name = ENGINE
@@ -88,12 +89,13 @@ class TemporalAdapter(EngineAdapter):
     async def _run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions, address: str,
                    inline_worker: bool) -> RunReport:
         namespace = options.setting('namespace', DEFAULT_NAMESPACE)
-        client = await connect(address, namespace)
+        store = options.setting('store')  # the claim-check codec's store; an inline worker's conversation store too
+        client = await connect(address, namespace, store=store)
         task_queue = options.setting('task_queue', DEFAULT_TASK_QUEUE)
         workflow_id = options.run_id or f'{agent.name}-{uuid.uuid4()}'
         async with AsyncExitStack() as stack:
             if inline_worker:
-                await stack.enter_async_context(make_worker(client, [agent], task_queue))
+                await stack.enter_async_context(make_worker(client, [agent], task_queue, store=store))
             await start_run(
                 client, agent, prompt, task_queue=task_queue, workflow_id=workflow_id, deps=options.deps,
                 message_history=list(options.message_history) if options.message_history else None,
@@ -124,7 +126,8 @@ class TemporalAdapter(EngineAdapter):
 
     async def export_history(self, run_id: str, output: Any, settings: Mapping[str, Any]) -> Any:
         """The workflow's history as JSON (`_history.export_history`); settings `address`, `namespace`."""
-        client = await connect(settings.get('address') or DEFAULT_ADDRESS, settings.get('namespace') or DEFAULT_NAMESPACE)
+        client = await connect(settings.get('address') or DEFAULT_ADDRESS, settings.get('namespace') or DEFAULT_NAMESPACE,
+                               store=settings.get('store'))
         return await export_history(client, run_id, output)
 
 

@@ -40,8 +40,12 @@ if TYPE_CHECKING:
 
 async def connect(address: str = DEFAULT_ADDRESS, namespace: str = DEFAULT_NAMESPACE, *, store: str | None = None) -> Client:
     """A Temporal client with pydantic-ai's payload converter (`PydanticAIPlugin`) and the claim-check codec
-    (`_payloads.ClaimCheckCodec`) on `store` (default `$DURCAP_STORE`, else the default store): payloads
-    over 256 KiB travel by reference. Workers made from this client use the same codec."""
+    (`_payloads.ClaimCheckCodec`) on `store` (the `--store` of the run or worker; `None`: `$DURCAP_STORE`, else the
+    default store): payloads over 256 KiB travel by reference. Workers made from this client use the same codec.
+
+    Raises:
+        EngineUnreachableError: no Temporal server answers at `address`.
+    """
     codec = DataConverter(payload_codec=default_codec(store))  # PydanticAIPlugin keeps the codec, swaps the converter
     try:
         return await Client.connect(address, namespace=namespace, plugins=[PydanticAIPlugin()], data_converter=codec)
@@ -55,6 +59,11 @@ async def connect(address: str = DEFAULT_ADDRESS, namespace: str = DEFAULT_NAMES
             'start one (`durcap dev temporal`) or point --address / $DURCAP_TEMPORAL_ADDRESS at yours'
         ) from exc
 
+
+
+def codec_store(client: Client) -> str | None:
+    """The store URL of `client`'s claim-check codec (`connect(store=...)`), `None` for a client without one."""
+    return getattr(client.data_converter.payload_codec, 'store_url', None)
 
 
 async def start_run(
@@ -165,7 +174,7 @@ async def await_result(client: Client, address: str, namespace: str, workflow_id
                 await asyncio.sleep(RECONNECT_SECONDS)
                 if failures % 5 == 0:
                     try:
-                        client = await connect(address, namespace)
+                        client = await connect(address, namespace, store=codec_store(client))
                     except Exception:  # noqa: BLE001, S112 - still down: keep trying
                         continue
     finally:

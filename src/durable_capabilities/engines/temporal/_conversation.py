@@ -71,16 +71,19 @@ def conversation_activity_names(agent: DurableAgent[Any, Any]) -> tuple[str, str
             f'agent__{agent.durable_name}{CONVERSATION_APPEND_SUFFIX}')
 
 
-_ACTIVITIES: dict[str, list[Any]] = {}
+_ACTIVITIES: dict[tuple[str, str | None], list[Any]] = {}
 
 
-def conversation_activities(agent: DurableAgent[Any, Any]) -> list[Any]:
-    """The activities that read and append the agent's conversations (store I/O runs only in activities)."""
-    if agent.durable_name in _ACTIVITIES:
-        return _ACTIVITIES[agent.durable_name]
+def conversation_activities(agent: DurableAgent[Any, Any], store: str | None = None) -> list[Any]:
+    """The activities that read and append the agent's conversations (store I/O runs only in activities), on the
+    store `store` (the worker's `--store`; `None`: `$DURCAP_STORE`, else the default store, read where the activity
+    runs; `DurableAgent(conversation_store=...)` wins). One pair per agent and store in a process."""
+    key = (agent.durable_name, store)
+    if key in _ACTIVITIES:
+        return _ACTIVITIES[key]
     load_name, append_name = conversation_activity_names(agent)
-    load_body = load_unit(agent, _payloads.check_loaded)  # DC030 here, not in a workflow task
-    append_body = append_unit(agent)
+    load_body = load_unit(agent, _payloads.check_loaded, store=store)  # DC030 here, not in a workflow task
+    append_body = append_unit(agent, store=store)
 
     @activity.defn(name=load_name)
     async def load(conversation_id: str) -> LoadedConversation:
@@ -91,8 +94,8 @@ def conversation_activities(agent: DurableAgent[Any, Any]) -> list[Any]:
         return await append_body(params.conversation_id, params.messages, params.expected_revision, params.append_id,
                                  params.usage)
 
-    _ACTIVITIES[agent.durable_name] = [load, append]
-    return _ACTIVITIES[agent.durable_name]
+    _ACTIVITIES[key] = [load, append]
+    return _ACTIVITIES[key]
 
 
 def workflow_units(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:

@@ -50,7 +50,8 @@ _STATUS_QUERY = {'running': "ExecutionStatus = 'Running'", 'completed': "Executi
 
 async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
     """Pending calls from the `PENDING_MEMO` memo of running `durcap.*` workflows (no worker needed)."""
-    client = await connect(settings.get('address') or DEFAULT_ADDRESS, settings.get('namespace') or DEFAULT_NAMESPACE)
+    client = await connect(settings.get('address') or DEFAULT_ADDRESS, settings.get('namespace') or DEFAULT_NAMESPACE,
+                           store=settings.get('store'))
     if run_id is not None:
         return await _memo_pending(client.get_workflow_handle(run_id))
     calls: list[PendingCall] = []
@@ -67,7 +68,8 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
     Raises:
         ApprovalError: unknown run (no such workflow, or not waiting), unknown call, stale fingerprint.
     """
-    client = await connect(settings.get('address') or DEFAULT_ADDRESS, settings.get('namespace') or DEFAULT_NAMESPACE)
+    client = await connect(settings.get('address') or DEFAULT_ADDRESS, settings.get('namespace') or DEFAULT_NAMESPACE,
+                           store=settings.get('store'))
     handle = client.get_workflow_handle(run_id)
     pending = await _memo_pending(handle)
     if not pending:
@@ -84,7 +86,8 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
 
 
 async def _connect(settings: Mapping[str, Any]) -> Client:
-    return await connect(settings.get('address') or DEFAULT_ADDRESS, settings.get('namespace') or DEFAULT_NAMESPACE)
+    return await connect(settings.get('address') or DEFAULT_ADDRESS, settings.get('namespace') or DEFAULT_NAMESPACE,
+                           store=settings.get('store'))
 
 
 async def _info(client: Client, description: Any, with_history: bool = True, with_units: bool = False,
@@ -194,7 +197,8 @@ async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options:
     info = await show_run(run_id, options.settings)
     address = options.setting('address', DEFAULT_ADDRESS)
     namespace = options.setting('namespace', DEFAULT_NAMESPACE)
-    client = await connect(address, namespace)
+    store = options.setting('store')
+    client = await connect(address, namespace, store=store)
     queue = info.detail['task_queue']
 
     async with AsyncExitStack() as stack:
@@ -206,7 +210,7 @@ async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options:
                 seen = f' ({pollers} other poller(s) seen recently)' if pollers else ''
                 options.notify(f'{"no worker polls" if not pollers else "serving"} task queue {queue!r}'
                                f'{": serving it" if not pollers else seen} from this process until {run_id} finishes')
-                await stack.enter_async_context(make_worker(client, agents, queue))
+                await stack.enter_async_context(make_worker(client, agents, queue, store=store))
             elif not pollers:
                 raise RuntimeError(f'no worker polls task queue {queue!r}: start `durcap worker temporal TARGET '
                                    f'--task-queue {queue}`, or pass --target TARGET to serve it from here')

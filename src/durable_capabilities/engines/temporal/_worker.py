@@ -232,9 +232,12 @@ def warm_model(model: Any) -> None:
 
 def make_worker(
     client: Client, agents: Sequence[DurableAgent[Any, Any]], task_queue: str, *, version: WorkerVersion | None = None,
-    **worker_kwargs: Any,
+    store: str | None = None, **worker_kwargs: Any,
 ) -> Worker:
     """A `temporalio.worker.Worker` registering each agent's workflow and activities on `task_queue`.
+
+    The conversation activities use the store `store` (the worker's `--store`; `None`: `$DURCAP_STORE`, else the
+    default store); give `client` the same one (`connect(store=...)`): its codec reads and writes claim checks there.
 
     With `version` (see `worker_version`), the worker uses Worker Versioning and its workflows are pinned to the
     version that started them. Keyword arguments are passed to `Worker` (ours by default: the sandbox runner,
@@ -252,7 +255,7 @@ def make_worker(
     logging.getLogger('temporalio.activity').addFilter(_MODEL_RETRY_LOG_LINE)  # a set: adding it again is a no-op
     for agent in agents:
         warm_model(agent.model)
-    activities = [fn for agent in agents for fn in conversation_activities(agent)]
+    activities = [fn for agent in agents for fn in conversation_activities(agent, store)]
     activities += worker_kwargs.pop('activities', [])
     deadlock = worker_kwargs.pop('deadlock_timeout', None)
     worker = Worker(
@@ -297,6 +300,7 @@ async def run_worker(
     graceful_shutdown_seconds: float = 30.0,
     version: WorkerVersion | None = None,
     set_current: bool = True,
+    store: str | None = None,
 ) -> None:
     """Run a worker until SIGTERM or SIGINT, then drain: in-flight activities get up to
     `graceful_shutdown_seconds` to finish before the worker stops (Temporal's graceful shutdown).
@@ -304,10 +308,14 @@ async def run_worker(
     With `version`, the worker is versioned (see `make_worker`) and, unless `set_current` is false, makes its
     version the deployment's current one once it polls, before `ready` is set: new runs go to it, runs started
     on another version stay there.
+
+    `store`: the conversation store of the worker's activities and claim-check codec (`None`: `$DURCAP_STORE`,
+    else the default store).
     """
-    client = await connect(address, namespace)
+    client = await connect(address, namespace, store=store)
     worker = make_worker(
-        client, agents, task_queue, version=version, graceful_shutdown_timeout=timedelta(seconds=graceful_shutdown_seconds)
+        client, agents, task_queue, version=version, store=store,
+        graceful_shutdown_timeout=timedelta(seconds=graceful_shutdown_seconds),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -354,7 +362,8 @@ def _version_line(version: WorkerVersion | None, set_current: bool) -> str:
 def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> None:
     """Serve `agents` on a task queue until SIGTERM / SIGINT.
 
-    Settings: `address`, `namespace`, `task_queue`, `graceful_shutdown` (seconds), `versioning` (default
+    Settings: `address`, `namespace`, `task_queue`, `store` (conversation store URL of the activities and the
+    claim-check codec), `graceful_shutdown` (seconds), `versioning` (default
     true: Worker Versioning, see `worker_version`), `deployment_name`, `build_id`, `set_current` (default
     true: the worker's version becomes the deployment's current version).
     """
@@ -371,7 +380,7 @@ def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) 
         task = asyncio.create_task(run_worker(
             agents, task_queue=task_queue, address=address, namespace=options.setting('namespace', DEFAULT_NAMESPACE),
             ready=ready, graceful_shutdown_seconds=options.setting('graceful_shutdown', 30.0), version=version,
-            set_current=set_current,
+            set_current=set_current, store=options.setting('store'),
         ))
         ready_wait = asyncio.create_task(ready.wait())
         await asyncio.wait({task, ready_wait}, return_when=asyncio.FIRST_COMPLETED)
