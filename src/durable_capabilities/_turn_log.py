@@ -9,7 +9,9 @@ every model request and node and records, in the order they first appear, every 
 (upstream stamps them with the run's `run_id`) and every message a capability introduced (the
 compaction), before any processor can drop them. The conversation store then keeps the whole turn plus
 the compaction, and grows only, as upstream's `ConversationStore` contract asks of a history a capability
-rewrote. An agent with no such capability gets no recorder (it would be one more capability on every hook
+rewrote. Each summary is stored once, after the messages it summarizes and where no tool call waits for its
+return, so upstream's `post_compaction_window` of the stored conversation opens on it (`TurnLog.split`).
+An agent with no such capability gets no recorder (it would be one more capability on every hook
 call); its run's list only grows, and the log is read from it once, after the run.
 
 `turn.run_turn` opens a `TurnLog` with `recording()` around the run; outside one the recorder does

@@ -6,7 +6,9 @@ whole turn.
 Model: the scripted `FunctionModel` of tests/engines/compaction_agent.py (no provider) counting with `tick`;
 its processor compacts everything but the last two messages above six messages. Two turns per conversation,
 `Count to 5.` then `Count to 12.`: each must answer its own count, and the store must hold each turn whole (its
-prompt, every tick call with its return, the answer) plus the compactions, and only grow.
+prompt, every tick call with its return, the answer) plus the compactions, and only grow; each summary once,
+never between a call and its return nor before the ticks it summarizes, and the post-compaction window of the
+stored conversation without an orphan tool return (issue 24 item 5, `assert_compactions_in_order`).
 
 Real servers: local in-process; Temporal on a dev server of its own started with
 `--dynamic-config-value limit.historyCount.suggestContinueAsNew=40` (the fixture of test_continue_as_new.py)
