@@ -140,6 +140,7 @@ async def run_turn(
     append: AppendUnit | None = None,
     gate: ApprovalGate | None = None,
     store: str | None = None,
+    carried: Sequence[dict[str, Any]] | None = None,
     **run_kwargs: Any,
 ) -> Turn:
     """One turn of `agent`: load the conversation, run, append the new messages.
@@ -160,6 +161,8 @@ async def run_turn(
             of the request carrying the decided results (`approvals.AUDIT_METADATA_KEY`).
         store: The store URL of the default `load` / `append` (the run's `--store`; `None`: `$DURCAP_STORE`, else
             the default store; `DurableAgent(conversation_store=...)` wins, see `conversations.store_url`).
+        carried: Compaction summaries (message JSON) an earlier part of this agent run wrote and did not store
+            (Temporal's continue-as-new: `TurnLog.split`); stored with this part's messages where they fit.
 
     Returns:
         The `Turn`.
@@ -185,27 +188,33 @@ async def run_turn(
     try:
         if gate is not None:
             run_kwargs.setdefault('output_type', _with_deferred(agent.output_type))
-        with recording(history) as state.log:
+        with recording(history, _as_messages(carried)) as state.log:
             result = await run(prompt, deps=deps, message_history=history, **run_kwargs)
             state.log.observe(result.all_messages(), result.run_id)
-        # The run's messages by run, not by index: a history processor may have rewritten the list (_turn_log).
-        logged = list(state.log.messages)
+        # The run's messages by run, not by index: a history processor may have rewritten the list (_turn_log),
+        # with its summaries where the stored conversation's post-compaction window stays whole.
+        logged = state.log.stored()
         added: list[dict[str, Any]] = []
+        pending: list[ModelMessage] = []
         if gate is not None and _approval_requests(result) is not None:
-            # Written now: the continuation runs on these message objects.
-            added, logged = ModelMessagesTypeAdapter.dump_python(logged, mode='json'), []
+            # Written now: the continuation runs on these message objects. Summaries with no place before the
+            # calls waiting for approval go after the continuation (which returns them).
+            placed, pending = state.log.split()
+            added, logged = ModelMessagesTypeAdapter.dump_python(placed, mode='json'), []
         usage = result.usage
         while gate is not None and _approval_requests(result) is not None:
             result, more = await _await_decisions(agent, gate, run, result, conversation_id, deps, run_kwargs)
             added += more
             usage = usage + result.usage
+            if _approval_requests(result) is None and pending:
+                added += ModelMessagesTypeAdapter.dump_python(pending, mode='json')
     finally:
         _current.reset(token)
     turn = Turn(result, state, logged, to_jsonable_python(usage), added)
     if conversation_id is not None:
         appended = await (append or _local_append(agent, store))(conversation_id, turn.new_messages, revision, turn.usage)
-        if isinstance(appended, int) and not isinstance(appended, bool) and state.log.messages:
-            _remember(cache_key, [*messages, *state.log.messages])  # type: ignore[arg-type]
+        if isinstance(appended, int) and not isinstance(appended, bool) and logged and not added:
+            _remember(cache_key, [*messages, *logged])  # type: ignore[arg-type]
     return turn
 
 

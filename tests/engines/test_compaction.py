@@ -6,7 +6,9 @@ whole turn.
 Model: the scripted `FunctionModel` of tests/engines/compaction_agent.py (no provider) counting with `tick`;
 its processor compacts everything but the last two messages above six messages. Two turns per conversation,
 `Count to 5.` then `Count to 12.`: each must answer its own count, and the store must hold each turn whole (its
-prompt, every tick call with its return, the answer) plus the compactions, and only grow.
+prompt, every tick call with its return, the answer) plus the compactions, and only grow; each summary once,
+never between a call and its return nor before the ticks it summarizes, and the post-compaction window of the
+stored conversation without an orphan tool return (issue 24 item 5, `assert_compactions_in_order`).
 
 Real servers: local in-process; Temporal on a dev server of its own started with
 `--dynamic-config-value limit.historyCount.suggestContinueAsNew=40` (the fixture of test_continue_as_new.py)
@@ -36,6 +38,7 @@ from pydantic_ai.messages import (
     ToolCallPart,
     ToolReturnPart,
     UserPromptPart,
+    post_compaction_window,
 )
 
 from durable_capabilities import runner
@@ -60,13 +63,16 @@ def prompts_of(messages: list[ModelMessage]) -> list[str]:
     return [str(p.content) for m in messages if isinstance(m, ModelRequest) for p in m.parts if isinstance(p, UserPromptPart)]
 
 
+def is_summary(message: ModelMessage) -> bool:
+    return isinstance(message, ModelRequest) and all(isinstance(p, CompactionPart) for p in message.parts)
+
+
 def assert_whole_turn(messages: list[ModelMessage], prompt: str, n: int) -> None:
-    """One turn: its prompt first (after the summary a compaction wrote of earlier turns, which precedes the
-    prompt it kept), every tick call 1..n with its return in order, ends with the answer."""
-    lead = next(i for i, m in enumerate(messages) if not all(isinstance(p, CompactionPart) for p in m.parts))
-    assert all(isinstance(m, ModelRequest) for m in messages[:lead])
+    """One turn: its prompt first, every tick call 1..n with its return in order, ends with the answer; the
+    summaries a compaction wrote sit among them (their order: `assert_compactions_in_order`)."""
+    messages = [m for m in messages if not is_summary(m)]
     assert prompts_of(messages) == [prompt]
-    first = messages[lead]
+    first = messages[0]
     assert isinstance(first, ModelRequest) and any(isinstance(p, UserPromptPart) for p in first.parts), \
         'the turn does not start with its prompt'
     calls = [p for m in messages if isinstance(m, ModelResponse) for p in m.parts if isinstance(p, ToolCallPart)]
@@ -86,6 +92,35 @@ def assert_whole_turn(messages: list[ModelMessage], prompt: str, n: int) -> None
     assert last.parts[-1].content == answer(n)
 
 
+def assert_compactions_in_order(messages: list[ModelMessage], prior: list[ModelMessage] = ()) -> None:  # type: ignore[assignment]
+    """Each summary stored once, never between a tool call and its return, never before the tick returns it
+    summarizes (of its prompt), and upstream's `post_compaction_window` of `prior + messages` starts with no tool
+    return whose call it left out (issue 24 item 5)."""
+    whole = [*prior, *messages]
+    summaries = [p.content for p in compactions(whole)]
+    assert len(summaries) == len(set(summaries)), f'a summary stored twice: {summaries}'
+    pending: set[str] = set()
+    returned: dict[str, set[int]] = {}
+    for index, message in enumerate(whole):
+        for part in message.parts:
+            if isinstance(part, ToolCallPart):
+                pending.add(part.tool_call_id)
+            elif isinstance(part, ToolReturnPart):
+                pending.discard(part.tool_call_id)
+                target = next(str(p) for p in prompts_of(whole[:index]) if f'to {part.tool_call_id.split("-")[1]}.' in p)
+                returned.setdefault(target, set()).add(int(part.content))
+            elif isinstance(part, CompactionPart):
+                assert not pending, f'summary at {index} between the calls {pending} and their returns'
+                summary = json.loads(part.content[len('count-state '):])  # type: ignore[index]
+                assert set(summary['ticks']) <= returned.get(summary['prompt'], set()), \
+                    f'summary at {index} stored before the ticks it summarizes'
+    window = post_compaction_window(whole)
+    called = {p.tool_call_id for m in window if isinstance(m, ModelResponse) for p in m.parts if isinstance(p, ToolCallPart)}
+    orphans = [p.tool_call_id for m in window if isinstance(m, ModelRequest) for p in m.parts
+               if isinstance(p, ToolReturnPart) and p.tool_call_id not in called]
+    assert not orphans, f'the post-compaction window starts with orphan returns {orphans}'
+
+
 def compactions(messages: list[ModelMessage]) -> list[CompactionPart]:
     return [p for m in messages for p in m.parts if isinstance(p, CompactionPart)]
 
@@ -103,6 +138,7 @@ def assert_stored_conversation(url: str, conversation_id: str, turn_messages: li
     """The store holds both turns whole, in order, with the compactions, and each turn's reported messages."""
     stored, _ = read_store(url, conversation_id)
     assert prompts_of(stored) == [p for p, _ in TURNS]
+    assert_compactions_in_order(stored)
     second = len(turn_messages[0])
     assert_whole_turn(stored[:second], *TURNS[0])
     assert_whole_turn(stored[second:], *TURNS[1])
@@ -138,6 +174,7 @@ def test_local_compaction_without_a_conversation_keeps_the_turn(tmp_path: Path) 
         assert_whole_turn(report.new_messages, prompt, n)
         history = [*history, *report.new_messages]
     assert compactions(history)
+    assert_compactions_in_order(history)
 
 
 # ---- engines, in driver subprocesses --------------------------------------------------------------

@@ -76,10 +76,14 @@ class ContinuedRun:
         new_from: Index in the new run's starting history where this agent run's own messages begin (valid
             across compactions: the stored and the carried histories only grow).
         usage: Usage of the earlier parts.
+        summaries: Compaction summaries (message JSON) the earlier parts wrote with no place yet in the stored
+            or carried messages (`TurnLog.split`: a tool call was waiting at every point after them); the new run
+            stores them where they fit (`run_turn(carried=)`). Empty in inputs recorded before this field.
     """
 
     new_from: int = 0
     usage: RunUsage = field(default_factory=RunUsage)
+    summaries: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -158,7 +162,8 @@ def _run_method(agent: DurableAgent[Any, Any], built: Any, class_name: str) -> A
         try:
             turn = await run_turn(agent, built.run, params.prompt, deps=deps, message_history=params.message_history,
                                   conversation_id=params.conversation_id, load=load, append=append,
-                                  gate=TemporalApprovalGate(self))
+                                  gate=TemporalApprovalGate(self),
+                                  carried=params.continued.summaries if params.continued else None)
         finally:
             _current_run.reset(token)
         _record_capabilities(turn.new_messages)
@@ -193,11 +198,14 @@ def continue_as_new_handler(agent: DurableAgent[Any, Any]) -> Any:
             return
         # The turn's messages so far by run (`_turn_log`), not `ctx.messages` sliced by an index: a history
         # processor may have compacted `ctx.messages`, and the whole turn must be carried (or stored).
+        # Summaries with no place yet (a tool call waits after them) ride along instead of being stored here.
         turn.log.observe(ctx.messages, getattr(ctx, 'run_id', None))
-        added = ModelMessagesTypeAdapter.dump_python(list(turn.log.messages), mode='json')
+        placed, pending = turn.log.split()
+        added = ModelMessagesTypeAdapter.dump_python(placed, mode='json')
         earlier = params.continued
         continued = ContinuedRun(
-            earlier.new_from if earlier else len(turn.messages), (earlier.usage if earlier else RunUsage()) + ctx.usage
+            earlier.new_from if earlier else len(turn.messages), (earlier.usage if earlier else RunUsage()) + ctx.usage,
+            ModelMessagesTypeAdapter.dump_python(pending, mode='json'),
         )
         if params.conversation_id is None:
             workflow.continue_as_new(AgentRunInput(None, None, params.deps, [*turn.history, *added], continued))
