@@ -425,13 +425,34 @@ def check_loaded(conversation_id: str, messages: list[Any], maximum: int | None 
         raise too_large(size, limit, f'conversation {conversation_id!r}: its stored history')
 
 
-def named(error: BaseException, conversation_id: str | None) -> BaseException:
+_TOOL_ACTIVITY = re.compile(r'__toolset__(?P<capability>.+)__call_tool$')
+
+
+def _carrier(error: ActivityError, tool: str | None) -> str | None:
+    """What the refused payload was, from the activity that carried it: a tool's result (its capability is the
+    toolset id in the activity type `agent__{agent}__toolset__{id}__call_tool`) or a model request's response."""
+    activity = error.activity_type or ''
+    if match := _TOOL_ACTIVITY.search(activity):
+        name = f'tool {tool!r}' if tool else 'a tool'
+        return f'the result of {name} (capability {match["capability"]!r}, activity {activity!r})'
+    if '__model_request' in activity:
+        return f'the response of the model request (activity {activity!r})'
+    return None
+
+
+def named(error: BaseException, conversation_id: str | None, tool: str | None = None) -> BaseException:
     """`error`, or, when it is an activity failure caused by the codec's refusal, the same refusal naming the
-    conversation (a non-retryable `ApplicationError` the workflow fails with). Call in workflow code."""
+    conversation and what the payload was (the tool, `tool` when given, and its capability, or the model request):
+    a non-retryable `ApplicationError` the workflow fails with. Call in workflow code."""
     cause = error.__cause__ if isinstance(error, ActivityError) else None
-    if isinstance(cause, ApplicationError) and cause.type in (TOO_LARGE, UNAVAILABLE):
+    if isinstance(error, ActivityError) and isinstance(cause, ApplicationError) and cause.type in (TOO_LARGE, UNAVAILABLE):
         code, _, rest = cause.message.partition(' ')
+        what = _carrier(error, tool)
+        if what is not None and rest.startswith('Temporal payload: '):
+            rest = f'{what}: {rest.removeprefix("Temporal payload: ")}'
+        elif what is not None and code == CLAIM_CHECK_UNAVAILABLE:
+            rest = f'{what}: {rest}'
         if conversation_id is not None and rest.startswith(f'conversation {conversation_id!r}'):
-            return ApplicationError(cause.message, *cause.details, type=cause.type, non_retryable=True)
+            return ApplicationError(f'{code} {rest}', *cause.details, type=cause.type, non_retryable=True)
         return ApplicationError(f'{code} {_subject(conversation_id)}: {rest}', *cause.details, type=cause.type, non_retryable=True)
     return error
