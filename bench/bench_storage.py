@@ -11,7 +11,8 @@ text that differs every turn (`storage_agent.py`), the answer; 2 model requests 
 
 - `messages`: the JSON bytes of the conversation's messages (`ModelMessagesTypeAdapter.dump_json` of what the store
   holds), the denominator;
-- `store`: the store's SQLite files (database + WAL): the conversation rows and the claim checks (`durcap_payloads`);
+- `store`: the store's SQLite files (database + WAL, after a `wal_checkpoint(TRUNCATE)`): the conversation rows and
+  the claim checks (`durcap_payloads`);
 - `pieces`: `SUM(size)` of `durcap_payloads` (the claim checks alone);
 - `temporal`: the growth of the dev server's SQLite files (`--db-filename`, database + WAL, less their size when the
   server came up): histories, with payloads under the 256 KiB threshold inline and references for the rest.
@@ -52,6 +53,14 @@ def files_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.parent.glob(path.name + '*') if p.is_file())
 
 
+def checkpoint(db: Path) -> None:
+    """Move the store's write-ahead log into the database and truncate it, so the file holds the data, not a log."""
+    import sqlite3
+
+    with sqlite3.connect(db) as conn:
+        conn.execute('PRAGMA wal_checkpoint(TRUNCATE)')
+
+
 def payload_bytes(db: Path) -> int:
     import sqlite3
 
@@ -86,6 +95,7 @@ def measure(layout: str, checkpoints: list[int], folder: Path) -> list[dict[str,
             assert 'read a report' in str(report.output), report.output
             if n in checkpoints:
                 count, size = asyncio.run(conversation_bytes(url, cid))
+                checkpoint(db)
                 store, pieces = files_size(db), payload_bytes(db)
                 temporal = files_size(folder / 'temporal' / 'temporal.db') - temporal_base
                 row = {'layout': layout, 'turns': n, 'messages': count, 'message_bytes': size, 'store_bytes': store,

@@ -10,13 +10,12 @@ sha256 of its bytes, written once) and replaced by a small reference payload:
 
 Pieces that repeat are stored once. Every model request carries the whole conversation, so storing each
 large payload whole (0.2's layout) made a conversation's storage grow with the square of its length. The
-payload's bytes are cut into pieces at JSON object boundaries (after a `}` followed by `,{"` or `]`: between
-messages and between parts, so an appended message never changes the pieces before it), small pieces merged
-up to `PIECE_MINIMUM` bytes. Each piece is a `durcap_payloads` row keyed
-by its sha256 and written once; the ordered list of piece digests (32 bytes each) is cut into pages of
-`PAGE_DIGESTS` digests, stored the same way; the reference lists the pages and the sha256 of the whole payload.
-A payload that makes a single piece is stored whole, as in 0.2. References written by 0.2 (no `pages`) decode
-as before.
+payload's body is cut into pieces where its content says (`cut`): before each message and after each list of
+objects, so an appended message never changes the pieces before it, and a message is the same piece in every
+payload that carries it. Each piece is a `durcap_payloads` row keyed by its sha256 and written once; the ordered
+list of piece digests (32 bytes each) is cut into pages of `PAGE_DIGESTS` digests, stored the same way; the
+reference lists the pages and the sha256 of the whole payload. A payload whose body makes a single piece is
+stored whole, as in 0.2. References written by 0.2 (no `pages`) decode as before.
 
 Decoding fetches the bytes back and checks the whole payload's digest. Workflow inputs, activity inputs and results
 (model requests, tool results, the conversation history), signals, queries and failures all pass through
@@ -88,16 +87,14 @@ MAXIMUM_ENV = 'DURCAP_PAYLOAD_MAXIMUM'
 """Environment variables overriding `DEFAULT_THRESHOLD` / `DEFAULT_MAXIMUM` (bytes), read where the client or
 worker connects; give every client and worker of a deployment the same values."""
 
-PIECE_MINIMUM = 2 * 1024
-"""Pieces are cut at JSON object boundaries once at least this many bytes have accumulated (bytes)."""
+PAGE_DIGESTS = 32
+"""Piece digests per page (1 KiB a page: the last page of a growing list is written again with every payload)."""
 
-PAGE_DIGESTS = 128
-"""Piece digests per page (4 KiB a page)."""
-
-_BOUNDARY = re.compile(rb'\}(?=,\{"|\])')
-"""The end of an object followed by the next element of its list or by the list's end: a cut goes after it. A
-quote inside a JSON string is escaped, so `},{"` never matches inside a string (`}]` may; any cut is correct,
-only sharing depends on where they fall)."""
+_CUT = re.compile(rb'(?<=[\[,])\{"parts":\[|\}\]')
+"""Where pieces are cut: before a message (pydantic-ai writes `parts` first in both message kinds) that opens an
+element of a list, and after the end of a list of objects (a message's parts, the message list itself). A quote
+inside a JSON string is escaped, so `{"parts":[` never matches inside one (`}]` may; any cut is correct, only
+sharing depends on where they fall)."""
 
 PAYLOAD_TOO_LARGE = 'DC030'
 CLAIM_CHECK_UNAVAILABLE = 'DC031'
@@ -290,18 +287,19 @@ def _split(page: bytes) -> list[bytes]:
     return [page[i:i + 32] for i in range(0, len(page), 32)]
 
 
-def cut(data: bytes, minimum: int = PIECE_MINIMUM) -> list[tuple[int, int]]:
-    """The `(start, end)` of each piece of `data`: cut after a JSON object that ends an element of a list, once at
-    least `minimum` bytes have accumulated since the last cut.
+def cut(data: bytes) -> list[tuple[int, int]]:
+    """The `(start, end)` of each piece of `data`, cut where its content says (`_CUT`): before each message
+    (`{"parts":[` opening an element of a list) and after each list of objects (`}]`).
 
-    Deterministic from the left: two payloads with the same first N bytes have the same pieces up to the last
-    cut within them, so a message list that grew at its end shares every piece but the last with the shorter one.
+    Content-defined: where a cut falls depends only on the bytes around it, not on what came before, so a message
+    list that grew at its end shares every piece but the last with the shorter one, and the same message carried
+    in another payload (the conversation-load result, a later model request) is the same piece.
     """
     bounds: list[tuple[int, int]] = []
     start = 0
-    for match in _BOUNDARY.finditer(data):
-        end = match.end()
-        if end - start >= minimum:
+    for match in _CUT.finditer(data):
+        end = match.start() if match.group() != b'}]' else match.end()
+        if end > start:
             bounds.append((start, end))
             start = end
     if start < len(data) or not bounds:
