@@ -6,12 +6,21 @@ payloads made by temporalio's pydantic data converter as pydantic-ai's Temporal 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 from typing import Any
 
 import pytest
-from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelRequest, ModelResponse, TextPart, ToolCallPart, ToolReturnPart, UserPromptPart
+from pydantic_ai.messages import (
+    ModelMessagesTypeAdapter,
+    ModelRequest,
+    ModelResponse,
+    TextPart,
+    ToolCallPart,
+    ToolReturnPart,
+    UserPromptPart,
+)
 from temporalio.api.common.v1 import Payload
 from temporalio.contrib.pydantic import pydantic_data_converter
 
@@ -63,7 +72,6 @@ def test_cut_pieces_cover_the_payload_and_keep_the_prefix() -> None:
 
 def test_a_growing_conversation_stores_its_messages_once(store_url: str) -> None:  # noqa: F811
     codec = ClaimCheckCodec(store_url, threshold=100_000)
-    import dataclasses
 
     converter = dataclasses.replace(pydantic_data_converter, payload_codec=codec)
     messages = conversation(24)
