@@ -221,6 +221,8 @@ def test_temporal_payload_over_the_maximum_fails_fast_with_the_coded_problem(wor
     error = result['error']
     assert 'DC030' in error and f"conversation '{cid}'" in error and f'{MAXIMUM:,} bytes' in error, error
     assert 'DurcapPayloadTooLarge' in error or 'over the maximum' in error
+    # The caller's error names the tool and its capability (issue 24 item 6), not only the worker log.
+    assert f"DC030 conversation '{cid}': the result of tool 'produce' (capability 'bulk'" in error, error
     with pytest.raises(Exception, match='not in the store'):
         read(world['store'], cid)  # nothing half-stored
 

@@ -69,6 +69,10 @@ _PG_MIGRATION_LOCK = 0x6475726361700001  # 'durcap' + 1: serializes migrations a
 # ---- URLs and engines -------------------------------------------------------------------------
 
 
+_IN_BATCH = 500
+"""Digests per `IN (...)` of the claim-check reads (under every backend's limit on bound parameters)."""
+
+
 def _parse_url(url: str) -> sa.URL:
     """The SQLAlchemy URL for `url`, with PostgreSQL pinned to psycopg 3.
 
@@ -472,6 +476,50 @@ class _SQLBackend:
                 ),
                 {'d': digest, 'n': len(data), 'data': data, 'at': _utcnow(), 'w': _WRITER},
             )
+
+    def put_payloads(self, pieces: Sequence[tuple[str, bytes]]) -> int:
+        """Store each `(digest, data)` not stored yet, in one transaction; returns the bytes newly written.
+
+        The digests already stored are read first (in batches), so a piece shared with earlier payloads is
+        neither sent again nor rewritten; a concurrent writer of the same piece is absorbed by
+        `ON CONFLICT DO NOTHING`.
+        """
+        unique = dict(pieces)
+        if not unique:
+            return 0
+        written = 0
+        with self._txn(write=True) as conn:
+            known: set[str] = set()
+            digests = list(unique)
+            for start in range(0, len(digests), _IN_BATCH):
+                batch = digests[start:start + _IN_BATCH]
+                found = conn.execute(sa.text('SELECT sha256 FROM durcap_payloads WHERE sha256 IN :ds').bindparams(
+                    sa.bindparam('ds', expanding=True)), {'ds': batch})
+                known.update(row[0] for row in found)
+            at = _utcnow()
+            rows = [{'d': d, 'n': len(data), 'data': data, 'at': at, 'w': _WRITER} for d, data in unique.items() if d not in known]
+            if rows:
+                conn.execute(
+                    sa.text(
+                        'INSERT INTO durcap_payloads (sha256, size, data, created_at, writer) VALUES (:d, :n, :data, :at, :w) '
+                        'ON CONFLICT (sha256) DO NOTHING'
+                    ),
+                    rows,
+                )
+                written = sum(row['n'] for row in rows)
+        return written
+
+    def get_payloads(self, digests: Sequence[str]) -> dict[str, bytes]:
+        """`{digest: bytes}` of the stored ones among `digests` (read in batches, one transaction)."""
+        result: dict[str, bytes] = {}
+        wanted = list(dict.fromkeys(digests))
+        with self._txn(write=False) as conn:
+            for start in range(0, len(wanted), _IN_BATCH):
+                batch = wanted[start:start + _IN_BATCH]
+                found = conn.execute(sa.text('SELECT sha256, data FROM durcap_payloads WHERE sha256 IN :ds').bindparams(
+                    sa.bindparam('ds', expanding=True)), {'ds': batch})
+                result.update((row[0], bytes(row[1])) for row in found)
+        return result
 
     def get_payload(self, digest: str) -> bytes | None:
         """The bytes stored under `digest`, or `None`."""

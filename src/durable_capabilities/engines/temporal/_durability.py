@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from pydantic_ai.durable_exec.temporal import TemporalDurability
+from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
@@ -86,6 +87,15 @@ class GuardedTemporalDurability(TemporalDurability[Any]):
         if self.payload_guard is not None:
             request_context = await self.payload_guard.before_model_request(ctx, request_context)
         return request_context
+
+    async def on_tool_execute_error(self, ctx: Any, *, call: Any, tool_def: Any, args: Any, error: Exception) -> Any:
+        """A tool result the claim-check codec refused (DC030/DC031) fails the turn naming the conversation, the tool
+        and its capability (in workflow code; the caller's error says which tool, not only the worker log)."""
+        if workflow.in_workflow():
+            named = _payloads.named(error, None, tool=call.tool_name)
+            if named is not error:
+                raise named from error
+        return await super().on_tool_execute_error(ctx, call=call, tool_def=tool_def, args=args, error=error)
 
 
 def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:

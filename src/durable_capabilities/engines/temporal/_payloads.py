@@ -6,9 +6,18 @@ is above `threshold` is written to the conversation store's database (table `dur
 sha256 of its bytes, written once) and replaced by a small reference payload:
 
     metadata: {'encoding': b'binary/durcap-claim-check'}
-    data:     {"sha256": "<hex>", "size": <bytes>}
+    data:     {"sha256": "<hex>", "size": <bytes>, "pages": ["<hex>", ...]}
 
-Decoding fetches the bytes back and checks their digest. Workflow inputs, activity inputs and results
+Pieces that repeat are stored once. Every model request carries the whole conversation, so storing each
+large payload whole (0.2's layout) made a conversation's storage grow with the square of its length. The
+payload's body is cut into pieces where its content says (`cut`): before each message and after each list of
+objects, so an appended message never changes the pieces before it, and a message is the same piece in every
+payload that carries it. Each piece is a `durcap_payloads` row keyed by its sha256 and written once; the ordered
+list of piece digests (32 bytes each) is cut into pages of `PAGE_DIGESTS` digests, stored the same way; the
+reference lists the pages and the sha256 of the whole payload. A payload whose body makes a single piece is
+stored whole, as in 0.2. References written by 0.2 (no `pages`) decode as before.
+
+Decoding fetches the bytes back and checks the whole payload's digest. Workflow inputs, activity inputs and results
 (model requests, tool results, the conversation history), signals, queries and failures all pass through
 it, so the size of a conversation is bounded by the database, not by Temporal. `temporal workflow show`
 prints the references; `durcap history export` writes them as they are, and `durcap replay` decodes them
@@ -45,6 +54,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -76,6 +86,15 @@ THRESHOLD_ENV = 'DURCAP_CLAIM_CHECK_THRESHOLD'
 MAXIMUM_ENV = 'DURCAP_PAYLOAD_MAXIMUM'
 """Environment variables overriding `DEFAULT_THRESHOLD` / `DEFAULT_MAXIMUM` (bytes), read where the client or
 worker connects; give every client and worker of a deployment the same values."""
+
+PAGE_DIGESTS = 32
+"""Piece digests per page (1 KiB a page: the last page of a growing list is written again with every payload)."""
+
+_CUT = re.compile(rb'(?<=[\[,])\{"parts":\[|\}\]')
+"""Where pieces are cut: before a message (pydantic-ai writes `parts` first in both message kinds) that opens an
+element of a list, and after the end of a list of objects (a message's parts, the message list itself). A quote
+inside a JSON string is escaped, so `{"parts":[` never matches inside one (`}]` may; any cut is correct, only
+sharing depends on where they fall)."""
 
 PAYLOAD_TOO_LARGE = 'DC030'
 CLAIM_CHECK_UNAVAILABLE = 'DC031'
@@ -166,9 +185,9 @@ class ClaimCheckCodec(PayloadCodec):
             if size > self.maximum:
                 raise too_large(size, self.maximum, 'Temporal payload')
             data = payload.SerializeToString(deterministic=True)
-            digest = hashlib.sha256(data).hexdigest()
             try:
-                await asyncio.to_thread(self._store._sql.put_payload, digest, data)
+                body = len(payload.data) if data.endswith(payload.data) else len(data)
+                reference = await asyncio.to_thread(self._put, data, body)
             except StoreError as exc:
                 if size <= self.inline_limit:
                     logger.warning('claim check: %s; sending a payload of %d bytes inline', exc, size)
@@ -181,9 +200,35 @@ class ClaimCheckCodec(PayloadCodec):
                     type=UNAVAILABLE,
                     non_retryable=True,
                 ) from None
-            reference = json.dumps({'sha256': digest, 'size': len(data)}).encode()
             result.append(Payload(metadata={'encoding': ENCODING}, data=reference))
         return result
+
+    def _put(self, data: bytes, body: int) -> bytes:
+        """Store `data`, a serialized payload whose last `body` bytes are its `data` field (its pieces and pages,
+        or whole), and return the reference's JSON. Runs in a thread."""
+        digest = hashlib.sha256(data).hexdigest()
+        head = len(data) - body  # metadata and the body's length: differs with every size, so a piece of its own
+        bounds = [(head + start, head + end) for start, end in cut(data[head:])]
+        if head:
+            bounds.insert(0, (0, head))
+        if len(bounds) <= 2:  # the body in one piece: stored whole, 0.2's layout
+            self._store._sql.put_payload(digest, data)
+            return json.dumps({'sha256': digest, 'size': len(data)}).encode()
+        rows: list[tuple[str, bytes]] = []
+        digests = bytearray()
+        for start, end in bounds:
+            piece = data[start:end]
+            raw = hashlib.sha256(piece).digest()
+            digests += raw
+            rows.append((raw.hex(), piece))
+        pages: list[str] = []
+        step = 32 * PAGE_DIGESTS
+        for start in range(0, len(digests), step):
+            page = bytes(digests[start:start + step])
+            pages.append(hashlib.sha256(page).hexdigest())
+            rows.append((pages[-1], page))
+        self._store._sql.put_payloads(rows)
+        return json.dumps({'sha256': digest, 'size': len(data), 'pages': pages}).encode()
 
     async def decode(self, payloads: Sequence[Payload]) -> list[Payload]:
         """Each payload as it is, or, for a reference, the stored payload it names.
@@ -199,18 +244,67 @@ class ClaimCheckCodec(PayloadCodec):
                 result.append(payload)
                 continue
             reference = json.loads(payload.data)
-            digest = reference['sha256']
-            data = await asyncio.to_thread(self._store._sql.get_payload, digest)
-            if data is None or hashlib.sha256(data).hexdigest() != digest:
-                what = 'is not in' if data is None else 'does not match its sha256 in'
-                raise CorruptedRowError(
-                    f'claim check {digest} ({reference.get("size")} bytes) {what} durcap_payloads of '
-                    f'{self._store._sql.display_url}: a Temporal history refers to it. Restore the row from a backup, '
-                    'or point the worker at the store its clients use ($DURCAP_STORE).',
-                    conversation_id=None, table='durcap_payloads', row=digest,
-                )
+            data = await asyncio.to_thread(self._get, reference)
             result.append(Payload.FromString(data))
         return result
+
+    def _get(self, reference: dict[str, Any]) -> bytes:
+        """The bytes a reference names (whole, or from its pages and pieces), checked. Runs in a thread."""
+        digest = reference['sha256']
+        pages = reference.get('pages')
+        sql = self._store._sql
+        if pages is None:  # stored whole (0.2, or a single piece)
+            data = sql.get_payload(digest)
+            if data is None:
+                raise self._corrupted(reference, digest, 'is not in')
+        else:
+            found = sql.get_payloads(pages)
+            for page in pages:
+                if page not in found:
+                    raise self._corrupted(reference, page, 'has a page that is not in')
+                if hashlib.sha256(found[page]).hexdigest() != page:
+                    raise self._corrupted(reference, page, 'has a page that does not match its sha256 in')
+            digests = [raw.hex() for page in pages for raw in _split(found[page])]
+            pieces = sql.get_payloads(digests)
+            missing = next((d for d in digests if d not in pieces), None)
+            if missing is not None:
+                raise self._corrupted(reference, missing, 'has a piece that is not in')
+            data = b''.join(pieces[d] for d in digests)
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise self._corrupted(reference, digest, 'does not match its sha256 in')
+        return data
+
+    def _corrupted(self, reference: dict[str, Any], row: str, what: str) -> CorruptedRowError:
+        return CorruptedRowError(
+            f'claim check {reference["sha256"]} ({reference.get("size")} bytes) {what} durcap_payloads of '
+            f'{self._store._sql.display_url}: a Temporal history refers to it (row {row}). Restore the row from a '
+            'backup, or point the worker at the store its clients use ($DURCAP_STORE).',
+            conversation_id=None, table='durcap_payloads', row=row,
+        )
+
+
+def _split(page: bytes) -> list[bytes]:
+    return [page[i:i + 32] for i in range(0, len(page), 32)]
+
+
+def cut(data: bytes) -> list[tuple[int, int]]:
+    """The `(start, end)` of each piece of `data`, cut where its content says (`_CUT`): before each message
+    (`{"parts":[` opening an element of a list) and after each list of objects (`}]`).
+
+    Content-defined: where a cut falls depends only on the bytes around it, not on what came before, so a message
+    list that grew at its end shares every piece but the last with the shorter one, and the same message carried
+    in another payload (the conversation-load result, a later model request) is the same piece.
+    """
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    for match in _CUT.finditer(data):
+        end = match.start() if match.group() != b'}]' else match.end()
+        if end > start:
+            bounds.append((start, end))
+            start = end
+    if start < len(data) or not bounds:
+        bounds.append((start, len(data)))
+    return bounds
 
 
 def default_codec(store: str | None = None) -> ClaimCheckCodec:
@@ -329,13 +423,34 @@ def check_loaded(conversation_id: str, messages: list[Any], maximum: int | None 
         raise too_large(size, limit, f'conversation {conversation_id!r}: its stored history')
 
 
-def named(error: BaseException, conversation_id: str | None) -> BaseException:
+_TOOL_ACTIVITY = re.compile(r'__toolset__(?P<capability>.+)__call_tool$')
+
+
+def _carrier(error: ActivityError, tool: str | None) -> str | None:
+    """What the refused payload was, from the activity that carried it: a tool's result (its capability is the
+    toolset id in the activity type `agent__{agent}__toolset__{id}__call_tool`) or a model request's response."""
+    activity = error.activity_type or ''
+    if match := _TOOL_ACTIVITY.search(activity):
+        name = f'tool {tool!r}' if tool else 'a tool'
+        return f'the result of {name} (capability {match["capability"]!r}, activity {activity!r})'
+    if '__model_request' in activity:
+        return f'the response of the model request (activity {activity!r})'
+    return None
+
+
+def named(error: BaseException, conversation_id: str | None, tool: str | None = None) -> BaseException:
     """`error`, or, when it is an activity failure caused by the codec's refusal, the same refusal naming the
-    conversation (a non-retryable `ApplicationError` the workflow fails with). Call in workflow code."""
+    conversation and what the payload was (the tool, `tool` when given, and its capability, or the model request):
+    a non-retryable `ApplicationError` the workflow fails with. Call in workflow code."""
     cause = error.__cause__ if isinstance(error, ActivityError) else None
-    if isinstance(cause, ApplicationError) and cause.type in (TOO_LARGE, UNAVAILABLE):
+    if isinstance(error, ActivityError) and isinstance(cause, ApplicationError) and cause.type in (TOO_LARGE, UNAVAILABLE):
         code, _, rest = cause.message.partition(' ')
+        what = _carrier(error, tool)
+        if what is not None and rest.startswith('Temporal payload: '):
+            rest = f'{what}: {rest.removeprefix("Temporal payload: ")}'
+        elif what is not None and code == CLAIM_CHECK_UNAVAILABLE:
+            rest = f'{what}: {rest}'
         if conversation_id is not None and rest.startswith(f'conversation {conversation_id!r}'):
-            return ApplicationError(cause.message, *cause.details, type=cause.type, non_retryable=True)
+            return ApplicationError(f'{code} {rest}', *cause.details, type=cause.type, non_retryable=True)
         return ApplicationError(f'{code} {_subject(conversation_id)}: {rest}', *cause.details, type=cause.type, non_retryable=True)
     return error

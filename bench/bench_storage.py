@@ -1,0 +1,142 @@
+"""Bytes stored per byte of conversation, on Temporal (a real dev server on a file database), before and after the
+claim checks in shared pieces (issue 24).
+
+    .venv/bin/python bench/bench_storage.py                        # 12, 24, 50 turns; both layouts side by side
+    .venv/bin/python bench/bench_storage.py --turns 12 24 50 100 200
+    .venv/bin/python bench/bench_storage.py --layout pieces --json
+
+One conversation, one `runner.run(..., engine='temporal', conversation_id=...)` per turn (an inline worker in this
+process, the client's and worker's claim-check codec on a SQLite store): the prompt, a tool call returning ~50 KB of
+text that differs every turn (`storage_agent.py`), the answer; 2 model requests a turn. At each checkpoint:
+
+- `messages`: the JSON bytes of the conversation's messages (`ModelMessagesTypeAdapter.dump_json` of what the store
+  holds), the denominator;
+- `store`: the store's SQLite files (database + WAL, after a `wal_checkpoint(TRUNCATE)`): the conversation rows and
+  the claim checks (`durcap_payloads`);
+- `pieces`: `SUM(size)` of `durcap_payloads` (the claim checks alone);
+- `temporal`: the growth of the dev server's SQLite files (`--db-filename`, database + WAL, less their size when the
+  server came up): histories, with payloads under the 256 KiB threshold inline and references for the rest.
+
+Layouts: `whole` is 0.2's codec (every payload over the threshold stored whole under its sha256; run here by making
+the cutter return one piece), `pieces` the current one. Each layout gets its own server and store. Target (issue 24):
+store / messages <= 3x at every size, not growing with the number of turns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pydantic_ai.messages import ModelMessagesTypeAdapter
+
+from bench.storage_agent import agent
+from durable_capabilities import runner
+from durable_capabilities._servers import start_temporal_dev_server
+from durable_capabilities.engines.temporal import _payloads
+from durable_capabilities.store import SQLConversationStore
+
+TARGET = 3.0
+
+
+def files_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.parent.glob(path.name + '*') if p.is_file())
+
+
+def checkpoint(db: Path) -> None:
+    """Move the store's write-ahead log into the database and truncate it, so the file holds the data, not a log."""
+    import sqlite3
+
+    with sqlite3.connect(db) as conn:
+        conn.execute('PRAGMA wal_checkpoint(TRUNCATE)')
+
+
+def payload_bytes(db: Path) -> int:
+    import sqlite3
+
+    with sqlite3.connect(db) as conn:
+        return int(conn.execute('SELECT COALESCE(SUM(size), 0) FROM durcap_payloads').fetchone()[0])
+
+
+async def conversation_bytes(url: str, cid: str) -> tuple[int, int]:
+    stored = await SQLConversationStore(url).read(cid)
+    assert stored is not None
+    return len(stored.messages), len(ModelMessagesTypeAdapter.dump_json(stored.messages))
+
+
+def measure(layout: str, checkpoints: list[int], folder: Path) -> list[dict[str, Any]]:
+    """Run max(checkpoints) turns of one conversation in `layout` on a fresh server and store; a row per checkpoint."""
+    original = _payloads.cut
+    if layout == 'whole':
+        _payloads.cut = lambda data, minimum=0: [(0, len(data))]  # 0.2: the body in one piece, stored whole
+    folder.mkdir(parents=True)
+    db = folder / 'conversations.db'
+    url = f'sqlite:///{db}'
+    os.environ['DURCAP_STORE'] = url
+    server = start_temporal_dev_server(state_dir=folder / 'temporal', persistent=True)
+    temporal_base = files_size(folder / 'temporal' / 'temporal.db')  # an empty server's database
+    rows: list[dict[str, Any]] = []
+    cid = f'bench-{layout}'
+    started = time.monotonic()
+    try:
+        settings = {'address': server.address, 'task_queue': f'storage-{uuid.uuid4().hex[:8]}', 'inline_worker': True}
+        for n in range(1, max(checkpoints) + 1):
+            report = asyncio.run(runner.run(agent, f'turn {n}: fetch the report', engine='temporal', conversation_id=cid, **settings))
+            assert 'read a report' in str(report.output), report.output
+            if n in checkpoints:
+                count, size = asyncio.run(conversation_bytes(url, cid))
+                checkpoint(db)
+                store, pieces = files_size(db), payload_bytes(db)
+                temporal = files_size(folder / 'temporal' / 'temporal.db') - temporal_base
+                row = {'layout': layout, 'turns': n, 'messages': count, 'message_bytes': size, 'store_bytes': store,
+                       'pieces_bytes': pieces, 'temporal_bytes': temporal, 'store_ratio': store / size,
+                       'pieces_ratio': pieces / size, 'temporal_ratio': temporal / size, 'seconds': time.monotonic() - started}
+                rows.append(row)
+                print(f'  {layout:6} {n:4} turns {count:5} msgs {size / 1e6:7.2f} MB | store {row["store_ratio"]:6.2f}x '
+                      f'(pieces {row["pieces_ratio"]:5.2f}x) target <= {TARGET}x | temporal db {row["temporal_ratio"]:6.2f}x '
+                      f'| {row["seconds"]:.0f} s', flush=True)
+    finally:
+        server.stop()
+        _payloads.cut = original
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--turns', type=int, nargs='+', default=[12, 24, 50])
+    parser.add_argument('--layout', choices=['whole', 'pieces', 'both'], default='both')
+    parser.add_argument('--json', action='store_true')
+    args = parser.parse_args()
+    load = os.getloadavg()
+    print(f'load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} CPUs', flush=True)
+    layouts = ['whole', 'pieces'] if args.layout == 'both' else [args.layout]
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix='bench-storage-') as tmp:
+        for layout in layouts:
+            rows += measure(layout, sorted(args.turns), Path(tmp) / layout)
+    load = os.getloadavg()
+    print(f'load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}')
+    if args.layout == 'both':
+        print('\nturns | store whole | store pieces | pieces/whole | temporal db (both layouts)')
+        for turns in sorted(args.turns):
+            whole = next(r for r in rows if r['layout'] == 'whole' and r['turns'] == turns)
+            pieces = next(r for r in rows if r['layout'] == 'pieces' and r['turns'] == turns)
+            verdict = 'met' if pieces['store_ratio'] <= TARGET else 'MISSED'
+            print(f'{turns:5} | {whole["store_ratio"]:9.2f}x | {pieces["store_ratio"]:10.2f}x ({verdict}, target <= {TARGET}x) | '
+                  f'{pieces["store_bytes"] / whole["store_bytes"]:.3f} | {whole["temporal_ratio"]:.2f}x / {pieces["temporal_ratio"]:.2f}x')
+    if args.json:
+        print(json.dumps(rows, indent=2))
+
+
+if __name__ == '__main__':
+    main()

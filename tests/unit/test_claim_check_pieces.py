@@ -1,0 +1,135 @@
+"""Claim checks that share what repeats (issue 24 item 1): a large payload holding a message list is stored as
+content-addressed pieces written once, so a conversation's claim checks grow linearly with its messages, not with
+the number of model requests. Real SQLite files and real PostgreSQL databases (`store_url` of tests/test_store.py),
+payloads made by temporalio's pydantic data converter as pydantic-ai's Temporal integration sends them."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+import pytest
+from pydantic_ai.messages import (
+    ModelMessagesTypeAdapter,
+    ModelRequest,
+    ModelResponse,
+    TextPart,
+    ToolCallPart,
+    ToolReturnPart,
+    UserPromptPart,
+)
+from temporalio.api.common.v1 import Payload
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+from durable_capabilities.engines.temporal._payloads import ENCODING, ClaimCheckCodec, cut
+from durable_capabilities.store import CorruptedRowError
+from tests.test_store import sql, store_url  # noqa: F401 - fixture
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def conversation(turns: int, result_bytes: int = 50_000) -> list[Any]:
+    """`turns` turns of: a prompt, a tool call, a ~`result_bytes` tool result, an answer."""
+    messages: list[Any] = []
+    for i in range(turns):
+        messages.append(ModelRequest(parts=[UserPromptPart(f'turn {i}: look it up')]))
+        messages.append(ModelResponse(parts=[ToolCallPart('lookup', {'turn': i}, tool_call_id=f'call-{i}')]))
+        messages.append(ModelRequest(parts=[ToolReturnPart('lookup', f'{i} ' + 'lorem ipsum ' * (result_bytes // 12), tool_call_id=f'call-{i}')]))
+        messages.append(ModelResponse(parts=[TextPart(f'answer {i}')]))
+    return messages
+
+
+def request(messages: list[Any]) -> dict[str, Any]:
+    """A model-request activity input's shape: the messages, then settings and tool definitions."""
+    return {
+        'messages': ModelMessagesTypeAdapter.dump_python(messages, mode='json'),
+        'model_settings': {'temperature': 0.0},
+        'model_request_parameters': {'function_tools': [{'name': 'lookup', 'description': 'd' * 2000}]},
+    }
+
+
+def stored_bytes(url: str) -> int:
+    return int(sql(url, 'SELECT COALESCE(SUM(size), 0) FROM durcap_payloads')[0][0])
+
+
+def test_cut_pieces_cover_the_payload_and_keep_the_prefix() -> None:
+    messages = conversation(9)
+    short = json.dumps(request(messages[:24]), separators=(',', ':')).encode()
+    longer = json.dumps(request(messages), separators=(',', ':')).encode()
+    for data in (short, longer, b'', b'no objects here', b'{"a":[{"b":1},{"c":2}]}'):
+        bounds = cut(data)
+        assert b''.join(data[a:b] for a, b in bounds) == data
+        assert all(a < b for a, b in bounds) or data == b''
+    first, second = cut(short), cut(longer)
+    assert len(first) > 5
+    assert first[:-2] == second[:len(first) - 2]  # all but the pieces after the messages are shared with the longer one
+
+
+def test_a_growing_conversation_stores_its_messages_once(store_url: str) -> None:  # noqa: F811
+    codec = ClaimCheckCodec(store_url, threshold=100_000)
+
+    converter = dataclasses.replace(pydantic_data_converter, payload_codec=codec)
+    messages = conversation(24)
+    payloads: list[Payload] = []
+    sizes: dict[int, int] = {}
+    whole = 0  # what 0.2 stored: every payload over the threshold, whole
+    for count in range(1, len(messages) + 1):  # every model request carries the conversation so far
+        value = request(messages[:count])
+        [encoded] = run(converter.encode([value]))
+        [plain] = run(pydantic_data_converter.encode([value]))
+        whole += plain.ByteSize() if plain.ByteSize() > codec.threshold else 0
+        payloads.append(encoded)
+        if count in (48, 96):
+            sizes[count] = stored_bytes(store_url)
+        assert run(converter.decode([encoded], [dict[str, Any]])) == [value]
+    conversation_bytes = len(ModelMessagesTypeAdapter.dump_json(messages))
+    assert all(p.metadata['encoding'] == ENCODING for p in payloads[8:])
+    assert max(p.ByteSize() for p in payloads[8:]) < 1_000  # references, not the payloads
+    # Stored: about the conversation once (0.2 stored every request whole: `whole`, ~40x here).
+    assert sizes[96] < 1.3 * conversation_bytes, (sizes, conversation_bytes, whole)
+    assert whole > 20 * sizes[96], (sizes, whole)
+    second_half = conversation_bytes - len(ModelMessagesTypeAdapter.dump_json(messages[:48]))
+    assert sizes[96] - sizes[48] < 1.2 * second_half  # linear: the second 12 turns cost about their own bytes
+    # Stored again (a retried activity): nothing new.
+    run(converter.encode([request(messages)]))
+    assert stored_bytes(store_url) == sizes[96]
+
+
+def test_a_reference_written_by_0_2_still_decodes(store_url: str) -> None:  # noqa: F811
+    """0.2's layout, as its codec wrote it: the whole serialized payload under its sha256, the reference
+    `{"sha256": ..., "size": ...}`. Next to it, a new reference in pieces for the same value."""
+    value = request(conversation(8))
+    [plain] = run(pydantic_data_converter.encode([value]))
+    data = plain.SerializeToString(deterministic=True)
+    digest = hashlib.sha256(data).hexdigest()
+    sql(store_url, 'SELECT 1')  # the database exists; the codec creates the schema
+    codec = ClaimCheckCodec(store_url, threshold=1000)
+    codec._store._sql.put_payload(digest, data)  # 0.2's `encode`: one row, keyed by the whole payload's digest
+    old = Payload(metadata={'encoding': b'binary/durcap-claim-check'}, data=json.dumps({'sha256': digest, 'size': len(data)}).encode())
+    [new] = run(codec.encode([plain]))
+    assert json.loads(new.data)['sha256'] == digest and json.loads(new.data)['pages']  # same digest, in pieces
+    decoded = run(codec.decode([old, new]))
+    assert decoded == [plain, plain]
+
+
+def test_a_missing_or_altered_piece_is_a_corrupted_row(store_url: str) -> None:  # noqa: F811
+    codec = ClaimCheckCodec(store_url, threshold=1000)
+    [plain] = run(pydantic_data_converter.encode([request(conversation(3, 5000))]))
+    [reference] = run(codec.encode([plain]))
+    pages = json.loads(reference.data)['pages']
+    pieces = [d for (d,) in sql(store_url, 'SELECT sha256 FROM durcap_payloads') if d not in pages]
+    assert len(pieces) > 5
+    sql(store_url, 'UPDATE durcap_payloads SET data = :junk WHERE sha256 = :d', {'junk': b'not the piece', 'd': pieces[2]})
+    with pytest.raises(CorruptedRowError, match='does not match its sha256 in durcap_payloads'):
+        run(codec.decode([reference]))
+    sql(store_url, 'DELETE FROM durcap_payloads WHERE sha256 = :d', {'d': pieces[2]})
+    with pytest.raises(CorruptedRowError, match='has a piece that is not in durcap_payloads'):
+        run(codec.decode([reference]))
+    sql(store_url, 'DELETE FROM durcap_payloads WHERE sha256 = :d', {'d': pages[0]})
+    with pytest.raises(CorruptedRowError, match='has a page that is not in durcap_payloads'):
+        run(codec.decode([reference]))
