@@ -3,7 +3,8 @@
 Temporal refuses a payload over 2 MiB and a history over 50 MB. `ClaimCheckCodec` is a
 `temporalio.converter.PayloadCodec` (Temporal's own extension point): every payload whose serialized size
 is above `threshold` is written to the conversation store's database (table `durcap_payloads`, keyed by the
-sha256 of its bytes, written once) and replaced by a small reference payload:
+sha256 of its bytes, written once; the workflow it belongs to is recorded in `durcap_payload_refs`) and replaced
+by a small reference payload:
 
     metadata: {'encoding': b'binary/durcap-claim-check'}
     data:     {"sha256": "<hex>", "size": <bytes>}
@@ -41,6 +42,7 @@ the client wait forever. So the sizes are checked where a refusal fails the turn
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import json
 import logging
@@ -54,7 +56,7 @@ from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelResponse
 from pydantic_core import to_json
 from temporalio import workflow
 from temporalio.api.common.v1 import Payload
-from temporalio.converter import PayloadCodec
+from temporalio.converter import PayloadCodec, SerializationContext, WithSerializationContext
 from temporalio.exceptions import ActivityError, ApplicationError
 
 from ...store import CorruptedRowError, SQLConversationStore, StoreError, resolve_url
@@ -113,7 +115,7 @@ def too_large(size: int, maximum: int, where: str) -> ApplicationError:
     )
 
 
-class ClaimCheckCodec(PayloadCodec):
+class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
     """Stores payloads above `threshold` bytes in the conversation store and sends a reference instead.
 
     Args:
@@ -146,6 +148,16 @@ class ClaimCheckCodec(PayloadCodec):
         self.inline_limit = inline_limit
         self.store_url = store_url
         self._store = SQLConversationStore(store_url)
+        self.owner: str | None = None
+        """The workflow id the payloads being encoded belong to (Temporal's serialization context), recorded with
+        each claim check (`durcap_payload_refs`) so `durcap history delete` can delete a conversation's own."""
+
+    def with_context(self, context: SerializationContext) -> ClaimCheckCodec:
+        """A copy (same store) that records `context.workflow_id` as the owner of what it stores (Temporal calls
+        this for each workflow and activity)."""
+        bound = copy.copy(self)
+        bound.owner = getattr(context, 'workflow_id', None) or None
+        return bound
 
     def __repr__(self) -> str:
         return f'ClaimCheckCodec({self._store._sql.display_url!r}, threshold={self.threshold}, maximum={self.maximum})'
@@ -168,7 +180,7 @@ class ClaimCheckCodec(PayloadCodec):
             data = payload.SerializeToString(deterministic=True)
             digest = hashlib.sha256(data).hexdigest()
             try:
-                await asyncio.to_thread(self._store._sql.put_payload, digest, data)
+                await asyncio.to_thread(self._store._sql.put_payload, digest, data, self.owner)
             except StoreError as exc:
                 if size <= self.inline_limit:
                     logger.warning('claim check: %s; sending a payload of %d bytes inline', exc, size)
