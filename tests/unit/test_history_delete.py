@@ -186,3 +186,23 @@ def test_creating_a_store_file_says_where(tmp_path: Path) -> None:
     finally:
         store_module.on_create(None)
     assert heard == [str((tmp_path / 'deep' / 'conversations.db').resolve())]  # once, when created
+
+
+def test_the_ui_conversation_page_shows_its_bytes(tmp_path: Path) -> None:
+    from starlette.testclient import TestClient
+
+    from durable_capabilities.settings import Settings
+    from durable_capabilities.ui import create_app
+
+    url = f'sqlite:///{tmp_path}/c.db'
+    with SQLConversationStore(url) as store:
+        run(store.append('page-c', turn('hello there', 'hi'), expected_revision=None, append_id='wf-page:r'))
+    run(claim_checks(url, 'wf-page', 'P' * 5000))
+    expected = run(SQLConversationStore(url).conversation_stats('page-c'))
+    app = create_app(Settings.resolve(db=f'sqlite:///{tmp_path}/dbos.sqlite', store=url), 'tok', engines=['dbos'])
+    page = TestClient(app).get('/conversations/page-c')
+    assert page.status_code == 200, page.text[-1500:]
+    assert (f'stored: messages {expected.message_bytes:,} bytes, claim checks of its own {expected.payload_bytes:,} bytes, '
+            'shared with other conversations 0 bytes') in page.text
+    assert expected.payload_bytes > 5000
+

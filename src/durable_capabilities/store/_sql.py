@@ -39,10 +39,10 @@ from . import (
     CorruptedRowError,
     PurgeReport,
     SchemaVersionError,
-    StoreStats,
     StoredConversation,
     StoredJSON,
     StoreReadOnlyError,
+    StoreStats,
     StoreUnavailableError,
     StoreURLError,
     WriteRecord,
@@ -196,7 +196,7 @@ class _SQLBackend:
                 path = Path(self.url.database)  # type: ignore[arg-type]
                 if not path.exists():
                     if not self.create:
-                        raise StoreUnavailableError(f'no conversation store at {self.display_url} (file {path} does not exist)')
+                        raise StoreUnavailableError(f'no conversation store at {self.display_url} (file {path.resolve()} does not exist)')
                     private_file(path)  # 0600 in a 0700 folder: conversations hold users' messages
                     created = str(path.resolve())
             try:
