@@ -206,9 +206,15 @@ def test_temporal_payloads_over_the_threshold_travel_as_claim_checks(world: dict
     try:
         with engine.connect() as conn:
             count, largest = conn.execute(sa.text('SELECT COUNT(*), MAX(size) FROM durcap_payloads')).one()
+            # Each claim check records the workflow that wrote it (Temporal's serialization context), which
+            # `durcap history delete` and `durcap store stats` read.
+            unowned = conn.execute(sa.text(
+                'SELECT COUNT(*) FROM durcap_payloads p WHERE NOT EXISTS '
+                '(SELECT 1 FROM durcap_payload_refs r WHERE r.sha256 = p.sha256)')).scalar()
     finally:
         engine.dispose()
     assert count >= 3 and largest > 3_000_000  # the 3 MB tool result at least
+    assert unowned == 0
 
 
 def test_temporal_payload_over_the_maximum_fails_fast_with_the_coded_problem(world: dict[str, Any]) -> None:

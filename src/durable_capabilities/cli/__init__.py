@@ -31,6 +31,7 @@ from ..agent import DurableAgent
 from ..engines import ALL_ENGINES, DURABLE_ENGINES, specs
 from ..lockfile import write_lock
 from ..savings import UNKNOWN_TOOLS, SavingsReport, measure_savings
+from ..store import on_create as on_store_create
 from ..targets import TARGET_HELP, UnusableTarget, check_lock, load, load_checked
 from ..validation import DurableConfigError, Report
 
@@ -45,6 +46,16 @@ app = typer.Typer(
 # Piped output is not wrapped at 80 columns: a table keeps its rows on one line each.
 _out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _store_created(path: str) -> None:
+    """Say where a new conversation store went (once: when this process creates its file), so a run from an
+    unexpected folder does not fill a `.durcap/` there unnoticed."""
+    _err.print(Text(f'durcap: created the conversation store {one_line(path)} (--store or $DURCAP_STORE choose '
+                    'another)'))
+
+
+on_store_create(_store_created)
 
 
 def engine_name(durable_only: bool = True) -> Any:
@@ -408,6 +419,7 @@ from . import (
     approvals,  # noqa: F401  (`durcap approvals list`, `durcap approve`, `durcap deny`)
     engine_commands,  # noqa: F401
     runs,  # noqa: F401
+    store,  # noqa: F401  (`durcap store stats`)
     ui,  # noqa: F401  (`durcap ui`)
     wire,  # noqa: F401  (`durcap wire`)
 )

@@ -4,6 +4,8 @@ Registered by `cli/engine_commands.py` as `app.add_typer(history_app, name='hist
 
 Exit codes: 0 shown; 2 unusable input (bad store URL, no store there, unknown conversation, a row that
 does not decode, a schema newer than this code), with one line on stderr and no traceback.
+
+`durcap history delete ID`: a user's right to be forgotten (`forgetting.delete_conversation`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 from enum import Enum
 from typing import Annotated, Any, NoReturn
 
@@ -18,8 +21,10 @@ import typer
 from pydantic_ai.messages import ModelMessage
 
 from .._limits import printable
+from ..errors import DurcapError
 from ..reading import approval_audit, read_conversation, summarize
-from ..store import DEFAULT_URL, StoreError
+from ..store import DEFAULT_URL, StoreError, resolve_url
+from ._options import StoreOption, connection_options, connection_settings
 
 __all__ = ['approval_audit', 'history_app', 'summarize']
 
@@ -164,3 +169,82 @@ def repair(
         typer.echo(f'conversation {item.conversation_id!r}: {done} {item.messages} message(s) at revision {item.revision}')
         if item.answer is not None:
             typer.echo(f'answer: {item.answer}')
+
+
+# ---- `durcap history delete`: a user's right to be forgotten --------------------------------------------
+
+
+@history_app.command('delete')
+@connection_options('read')
+def delete(
+    conversation_id: Annotated[str, typer.Argument(metavar='ID', help='The conversation id.')],
+    store: StoreOption = None,
+    yes: Annotated[bool, typer.Option('--yes', '-y', help='Do not ask for confirmation.')] = False,
+    dry_run: Annotated[bool, typer.Option('--dry-run', help='List what would be deleted; change nothing.')] = False,
+    engines: Annotated[bool, typer.Option(
+        '--engines', help="Also check the engines for a run of it in flight (refused if one is) and delete the "
+                          "engines' own records of its runs (Temporal history, DBOS step outputs, Prefect flow "
+                          'runs).')] = False,
+    format: Annotated[HistoryFormat, typer.Option('--format', help='text or json.')] = HistoryFormat.text,
+    conn: dict[str, Any] | None = None,
+) -> None:
+    """Delete a conversation for good: its messages, header, write log, and the claim checks no other conversation
+    shares; say what each engine still holds of its runs and how to remove it.
+
+    Exit 2 (nothing deleted) for an unknown conversation, a conversation others were forked from, or, with
+    --engines, a run of it still in flight; without --engines the store cannot tell whether a run is in flight and
+    a warning says so. Asks for confirmation unless --yes.
+    """
+    from ..forgetting import delete_conversation, engine_records, plan_delete
+
+    url = resolve_url(store)
+    try:
+        plan = asyncio.run(plan_delete(url, conversation_id))
+    except DurcapError as exc:
+        _unusable(str(exc))
+    if not dry_run and not yes:
+        if format is HistoryFormat.text:
+            typer.echo(_plan_text(plan, engine_records(plan), planned=True))
+        if not sys.stdin.isatty():
+            _unusable(f'deleting conversation {conversation_id!r} needs confirmation: pass --yes (or --dry-run to list)')
+        if not typer.confirm(f'Delete conversation {conversation_id!r} for good?', err=True):
+            typer.echo('nothing deleted', err=True)
+            raise typer.Exit(1)
+    try:
+        done = asyncio.run(delete_conversation(url, conversation_id, settings=connection_settings(conn or {}, store),
+                                               engines=engines, dry_run=dry_run))
+    except DurcapError as exc:
+        _unusable(str(exc))
+    for note in done.notes:
+        typer.echo(printable(f'durcap: warning: {note}'), err=True)
+    if format is HistoryFormat.json:
+        typer.echo(json.dumps({'conversation_id': conversation_id, 'dry_run': dry_run,
+                               'store': {'rows': done.purge.rows, 'message_bytes': done.purge.message_bytes,
+                                         'payload_bytes': done.purge.payload_bytes,
+                                         'shared_payloads_kept': done.purge.shared_payloads,
+                                         'shared_payload_bytes_kept': done.purge.shared_payload_bytes},
+                               'engines': [r.to_json() for r in done.engines]}, indent=2))
+    else:
+        typer.echo(_plan_text(done.purge, done.engines, planned=dry_run))
+    if any(r.deleted is False for r in done.engines):
+        raise typer.Exit(1)
+
+
+def _plan_text(purge: Any, records: list[Any], *, planned: bool) -> str:
+    verb = 'would delete' if planned else 'deleted'
+    rows = ', '.join(f'{table} {count}' for table, count in purge.rows.items())
+    lines = [
+        f'conversation {purge.conversation_id}: {verb} {rows} (rows); messages {purge.message_bytes:,} bytes, own claim '
+        f'checks {purge.payload_bytes:,} bytes',
+    ]
+    if purge.shared_payloads:
+        lines.append(f'  kept: {purge.shared_payloads} claim check(s) shared with another conversation '
+                     f'({purge.shared_payload_bytes:,} bytes)')
+    if records:
+        lines.append('what the engines still hold of its runs:' if not any(r.deleted for r in records) else 'engines:')
+        for r in records:
+            state = {True: 'deleted', False: f'NOT deleted ({r.error})', None: f'remove with: {r.remove}'}[r.deleted]
+            lines.append(f'  {r.engine} {r.run_id}: {r.retains}; {state}')
+    else:
+        lines.append('no durable run appended to it (nothing of it on an engine that the store knows of)')
+    return '\n'.join(printable(line) for line in lines)

@@ -425,6 +425,18 @@ class EngineAdapter(ABC):
             raise NotImplementedError(f'engine {self.name!r} cannot cancel runs')
         return await self.operator.cancel(run_id, settings)
 
+    async def delete_run(self, run_id: str, settings: Mapping[str, Any]) -> None:
+        """Delete the engine's records of one run (its history, step outputs, results): `durcap history delete
+        --engines`.
+
+        Raises:
+            RunNotFoundError: no run has that id.
+            NotImplementedError: the engine keeps no runs, or cannot delete one.
+        """
+        if self.operator is None or not hasattr(self.operator, 'delete_run'):
+            raise NotImplementedError(f'engine {self.name!r} cannot delete runs')
+        await self.operator.delete_run(run_id, settings)
+
     # ---- approvals (`durcap approvals`) -------------------------------------------------------------
 
     async def pending_approvals(self, settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:

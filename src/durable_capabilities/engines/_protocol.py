@@ -135,6 +135,9 @@ class EngineSpec:
         features: What else the engine offers, each a command: `worker`, `dev-server`, `schedule`, `history`,
             and what its runs support: `approvals`, `streams`.
         embedded: The throwaway server a command starts when none is configured, if any.
+        retains: What the engine keeps of a run after it ends, and for how long (`durcap history delete` says it).
+        forget: How to remove one run's records on the engine, `{run_id}` standing for the run's id (printed by
+            `durcap history delete`; `--engines` calls the adapter's `delete_run` instead).
     """
 
     name: str
@@ -155,6 +158,8 @@ class EngineSpec:
     run_id_label: str = 'run id'
     features: frozenset[str] = frozenset()
     embedded: EmbeddedServer | None = None
+    retains: str = ''
+    forget: str = ''
 
     def available(self) -> bool:
         """Whether the engine's SDK is installed, without importing it (importing Prefect alone takes ~1.4 s)."""

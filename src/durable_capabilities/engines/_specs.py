@@ -46,6 +46,10 @@ TEMPORAL = EngineSpec(
     features=frozenset({'worker', 'dev-server', 'history', 'approvals'}),
     embedded=EmbeddedServer('address', DEFAULT_TEMPORAL_ADDRESS, 'durable_capabilities._servers:start_temporal_dev_server',
                             'Temporal dev server', implies={'inline_worker': True}),
+    retains=('the workflow history: the input and result of every activity (messages and tool results inline up to the '
+             'claim-check threshold, larger ones as references into the store), until the namespace\'s retention '
+             'period after the workflow closes'),
+    forget='temporal workflow delete --workflow-id {run_id}',
 )
 
 DBOS = EngineSpec(
@@ -66,6 +70,9 @@ DBOS = EngineSpec(
     packages=('dbos',),
     unit='step', units='steps', container='workflow', run_id_label='workflow id',
     features=frozenset({'worker', 'approvals', 'fixed-model'}),
+    retains=('the workflow\'s status, inputs and the output of every step (the loaded history, model responses, tool '
+             'results) in its system database, until deleted'),
+    forget="python -c \"from dbos import DBOSClient; DBOSClient(system_database_url='<--db>').delete_workflows(['{run_id}'])\"",
 )
 
 PREFECT = EngineSpec(
@@ -81,6 +88,9 @@ PREFECT = EngineSpec(
     packages=('prefect',),
     unit='task', units='tasks', container='flow', run_id_label='flow run id',
     features=frozenset({'schedule', 'approvals'}),
+    retains=('the flow run, its task runs and their parameters in the Prefect API\'s database, and the tasks\' persisted '
+             'results in result storage (by default ~/.prefect/storage), until deleted'),
+    forget='prefect flow-run delete {run_id} (and the result files of its task runs in result storage)',
 )
 
 DEFAULT_ENGINE = DBOS.name

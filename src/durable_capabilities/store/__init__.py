@@ -9,10 +9,10 @@ adds what a durable runner needs:
 - `append(id, messages, expected_revision=N, append_id=...)`: optimistic concurrency on an integer
   revision, idempotent by `append_id` so a retried activity / step / task never appends twice.
 
-Storage (schema version 2, tables prefixed `durcap_`):
+Storage (schema version 3, tables prefixed `durcap_`):
 - `durcap_entries`: one row per message, the message as pydantic-ai's own JSON
   (`ModelMessagesTypeAdapter`), its parent entry and its 1-based position in its history. Rows are
-  never updated or deleted.
+  never updated, and deleted only by `purge` (`durcap history delete`).
 - `durcap_conversations`: one row per conversation: the head entry, the integer `revision` (+1 on
   every write, never reused: a deleted conversation keeps a tombstone row), upstream's opaque
   revision token, usage, scope, fork and branch bookkeeping.
@@ -20,6 +20,8 @@ Storage (schema version 2, tables prefixed `durcap_`):
   `append_id` is unique per conversation. It is the audit log `durcap history show` prints.
 - `durcap_payloads` (version 2): Temporal payloads stored by the claim-check codec (`engines.temporal._payloads`), keyed
   by the sha256 of their bytes; written once, never updated.
+- `durcap_payload_refs` (version 3): which durable run (a Temporal workflow id) refers to which claim check, so
+  `purge` deletes a conversation's own claim checks and `stats` counts them.
 - `durcap_schema_version`: the migrations applied. A store whose version is newer than this code
   knows is refused (`SchemaVersionError`) and never touched.
 
@@ -35,8 +37,9 @@ Layout: this module is the public API (the store, its results and errors); the S
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Self
@@ -60,13 +63,17 @@ __all__ = [
     'AppendIdReuseError',
     'AppendResult',
     'ConversationConflictError',
+    'ConversationHasForksError',
     'ConversationNotFoundError',
+    'ConversationStats',
     'CorruptedRowError',
     'NewerHistoryError',
+    'PurgeReport',
     'SQLConversationStore',
     'SchemaVersionError',
     'StoreError',
     'StoreReadOnlyError',
+    'StoreStats',
     'StoreURLError',
     'StoreUnavailableError',
     'StoredConversation',
@@ -74,7 +81,9 @@ __all__ = [
     'WriteRecord',
     'drift',
     'loaded_capability_ids',
+    'on_create',
     'resolve_url',
+    'run_of',
     'tools_called',
 ]
 
@@ -91,8 +100,40 @@ def resolve_url(explicit: str | None = None) -> str:
     values count as not given. The URL is not validated here (`SQLConversationStore` raises `StoreURLError`)."""
     return explicit or os.environ.get(STORE_ENV) or DEFAULT_URL
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The newest schema this code writes and reads."""
+
+logger = logging.getLogger('durable_capabilities.store')
+_creation_notice: Callable[[str], None] | None = None
+
+
+def on_create(notice: Callable[[str], None] | None) -> None:
+    """Call `notice(absolute path)` whenever this process creates a SQLite store file (the `durcap` command prints it
+    to stderr, so a run from an unexpected folder says where its data went); `None` restores the default, a log
+    record on logger `durable_capabilities.store` at INFO."""
+    global _creation_notice
+    _creation_notice = notice
+
+
+def _announce_created(path: str) -> None:
+    if _creation_notice is not None:
+        _creation_notice(path)
+    else:
+        logger.info('created the conversation store %s', path)
+
+
+def run_of(append_id: str) -> tuple[str, str] | None:
+    """The durable run an append came from, read from its `append_id`: `('temporal', workflow id)` for
+    `workflow_id:run_id`, `('dbos', workflow id)` for `dbos:ID`, `('prefect', flow run id)` for `prefect:ID`;
+    `None` for a local run (`local:...`) or an id without a run in it."""
+    engine, sep, rest = append_id.partition(':')
+    if not sep or not rest:
+        return None
+    if engine in ('dbos', 'prefect'):
+        return (engine, rest)
+    if engine == 'local':
+        return None
+    return ('temporal', append_id.rpartition(':')[0])
 
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -223,7 +264,92 @@ class NewerHistoryError(StoreError, code='newer-history'):
         self.written_by = written_by
 
 
+class ConversationHasForksError(StoreError, code='conversation-has-forks'):
+    """`purge` refused: other conversations' histories run through this conversation's messages (they were forked
+    from it). Nothing was deleted. Attributes: `conversation_id`, `forks` (the other conversations' ids)."""
+
+    def __init__(self, message: str, *, conversation_id: str, forks: list[str]):
+        super().__init__(message)
+        self.conversation_id = conversation_id
+        self.forks = forks
+
+
 # ---- results ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PurgeReport:
+    """What `purge` deleted (or, with `dry_run`, would delete).
+
+    Attributes:
+        conversation_id: The conversation.
+        dry_run: True when nothing was changed.
+        rows: `{table: rows}` of the conversation's own rows in each table (`durcap_payloads`: the claim checks
+            only its runs referred to).
+        runs: `(engine, run id)` of every durable run that appended to it (`run_of`), oldest first: what the
+            engines may still hold.
+        message_bytes: Bytes of its messages' JSON.
+        payload_bytes: Bytes of the claim checks deleted with it.
+        shared_payloads: Claim checks its runs referred to that another conversation's runs refer to too (kept).
+        shared_payload_bytes: Their bytes.
+    """
+
+    conversation_id: str
+    dry_run: bool
+    rows: dict[str, int]
+    runs: list[tuple[str, str]]
+    message_bytes: int
+    payload_bytes: int
+    shared_payloads: int
+    shared_payload_bytes: int
+
+
+@dataclass(frozen=True)
+class ConversationStats:
+    """One conversation's bytes in the store (`stats`).
+
+    Attributes:
+        conversation_id: Its id.
+        deleted: Hidden by upstream's `delete` (its rows are still here).
+        message_count: Its own rows in `durcap_entries` (a fork's shared prefix is counted where it was written).
+        message_bytes: Bytes of those messages' JSON.
+        payload_bytes: Bytes of the claim checks only its runs refer to (`payloads` of them).
+        shared_payload_bytes: Bytes of the claim checks its runs share with another conversation's (each counted
+            in full for every conversation sharing it; `shared_payloads` of them).
+    """
+
+    conversation_id: str
+    deleted: bool
+    message_count: int
+    message_bytes: int
+    payload_bytes: int
+    shared_payload_bytes: int
+    payloads: int
+    shared_payloads: int
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """What the store holds (`stats`).
+
+    Attributes:
+        location: A SQLite file's absolute path, or the URL with its password hidden.
+        conversations: One `ConversationStats` per conversation, by id.
+        message_bytes: Bytes of every stored message's JSON.
+        payload_bytes: Bytes of every claim check (`payloads` of them), each counted once.
+        unattributed_payload_bytes: Bytes of claim checks no conversation's run is known to refer to: written
+            before schema version 3, or by a run that stored no turn (failed, or still in flight).
+        database_bytes: The database's size on disk (SQLite file and its WAL, PostgreSQL `pg_database_size`),
+            `None` for an in-memory store.
+    """
+
+    location: str
+    conversations: list[ConversationStats]
+    message_bytes: int
+    payload_bytes: int
+    payloads: int
+    unattributed_payload_bytes: int
+    database_bytes: int | None
 
 
 @dataclass(frozen=True)
@@ -494,6 +620,52 @@ class SQLConversationStore(ConversationStore):
             SchemaVersionError: see the class docstring.
         """
         await asyncio.to_thread(self._sql.probe_writable)
+
+    async def purge(self, conversation_id: str, *, dry_run: bool = False) -> PurgeReport:
+        """Delete a conversation for good (a user's right to be forgotten), in one transaction: its
+        `durcap_conversations`, `durcap_entries` and `durcap_writes` rows, the claim-check references of its
+        runs (`durcap_payload_refs`), and the claim checks (`durcap_payloads`) no other run refers to. Unlike
+        upstream's `delete` (a tombstone that keeps the entries), nothing of it is left; the id can be used again
+        from revision 1. What the engines keep of its runs is not touched: see `PurgeReport.runs`.
+
+        The store records no lease on a conversation, so it cannot tell whether a run of it is in flight: a run
+        that appends after the purge creates the conversation again. Claim checks written before schema version
+        3 have no recorded owner and are kept.
+
+        Args:
+            conversation_id: The conversation (live, or hidden by upstream's `delete`).
+            dry_run: Count what would be deleted and change nothing.
+
+        Returns:
+            A `PurgeReport`.
+
+        Raises:
+            ConversationNotFoundError: no row of it in the store.
+            ConversationHasForksError: another conversation's history runs through its messages; nothing deleted.
+            SchemaVersionError, StoreUnavailableError: see the class docstrings.
+        """
+        return await asyncio.to_thread(self._sql.purge, conversation_id, dry_run)
+
+    async def stats(self) -> StoreStats:
+        """Bytes per conversation (messages, own and shared claim checks) and in total, and the store's location.
+
+        Raises:
+            SchemaVersionError, StoreUnavailableError: see the class docstrings.
+        """
+        return await asyncio.to_thread(self._sql.stats)
+
+    async def conversation_stats(self, conversation_id: str) -> ConversationStats:
+        """One conversation's bytes (messages, own and shared claim checks), without reading the whole store.
+
+        Raises:
+            ConversationNotFoundError: no row of it; SchemaVersionError, StoreUnavailableError: see the class docstrings.
+        """
+        return await asyncio.to_thread(self._sql.conversation_stats, conversation_id)
+
+    @property
+    def location(self) -> str:
+        """Where the store is, for people: a SQLite file's absolute path, else the URL with its password hidden."""
+        return self._sql.location
 
     async def writes(self, conversation_id: str) -> list[WriteRecord]:
         """The conversation's write log, oldest first (empty for an unknown id)."""

@@ -86,6 +86,19 @@ _MIGRATIONS: dict[int, list[str]] = {
             writer TEXT NOT NULL
         )""",
     ],
+    3: [
+        # Who refers to a claim check (`durcap history delete`, `durcap store stats`): one row per (payload, owner),
+        # the owner being the durable run that wrote it (a Temporal workflow id, from the codec's serialization
+        # context). A run's conversation is found through its append (`durcap_writes.append_id`). Payloads written
+        # before this version have no row: their owner is unknown and they are never deleted as someone's own.
+        """CREATE TABLE durcap_payload_refs (
+            sha256 TEXT NOT NULL,
+            owner TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            PRIMARY KEY (sha256, owner)
+        )""",
+        'CREATE INDEX durcap_payload_refs_owner ON durcap_payload_refs (owner)',
+    ],
 }
 """`{version: DDL statements}`: applying version N's statements to a version N-1 database gives version N.
 

@@ -33,12 +33,16 @@ from . import (
     AppendIdReuseError,
     AppendResult,
     ConversationConflictError,
+    ConversationHasForksError,
     ConversationNotFoundError,
+    ConversationStats,
     CorruptedRowError,
+    PurgeReport,
     SchemaVersionError,
     StoredConversation,
     StoredJSON,
     StoreReadOnlyError,
+    StoreStats,
     StoreUnavailableError,
     StoreURLError,
     WriteRecord,
@@ -191,16 +195,20 @@ class _SQLBackend:
             if self._ready:
                 self.engine.dispose()
             self._ready = False
+            created = None
             if not self.is_pg and self.url.database not in (None, '', ':memory:'):
                 path = Path(self.url.database)  # type: ignore[arg-type]
                 if not path.exists():
                     if not self.create:
-                        raise StoreUnavailableError(f'no conversation store at {self.display_url} (file {path} does not exist)')
+                        raise StoreUnavailableError(f'no conversation store at {self.display_url} (file {path.resolve()} does not exist)')
                     private_file(path)  # 0600 in a 0700 folder: conversations hold users' messages
+                    created = str(path.resolve())
             try:
                 self._migrate()
             except sa_exc.DBAPIError as exc:
                 raise StoreUnavailableError(f'cannot use the conversation store {self.display_url}: {_first_line(exc)}') from None
+            if created is not None:
+                store._announce_created(created)
             self._ready_file = self._file_identity()
             self._ready = True
 
@@ -466,8 +474,10 @@ class _SQLBackend:
 
     # ---- claim checks (durcap_payloads, see engines/temporal/_payloads.py) ----------------------------------------
 
-    def put_payload(self, digest: str, data: bytes) -> None:
-        """Store `data` under its sha256 `digest`; a digest already stored is left as it is (idempotent)."""
+    def put_payload(self, digest: str, data: bytes, owner: str | None = None) -> None:
+        """Store `data` under its sha256 `digest`; a digest already stored is left as it is (idempotent). With
+        `owner` (the durable run that refers to it: a Temporal workflow id), record the reference in
+        `durcap_payload_refs` (once per owner), which `purge` and `stats` read."""
         with self._txn(write=True) as conn:
             conn.execute(
                 sa.text(
@@ -476,13 +486,22 @@ class _SQLBackend:
                 ),
                 {'d': digest, 'n': len(data), 'data': data, 'at': _utcnow(), 'w': _WRITER},
             )
+            if owner:
+                conn.execute(
+                    sa.text(
+                        'INSERT INTO durcap_payload_refs (sha256, owner, created_at) VALUES (:d, :o, :at) '
+                        'ON CONFLICT (sha256, owner) DO NOTHING'
+                    ),
+                    {'d': digest, 'o': owner, 'at': _utcnow()},
+                )
 
-    def put_payloads(self, pieces: Sequence[tuple[str, bytes]]) -> int:
+    def put_payloads(self, pieces: Sequence[tuple[str, bytes]], owner: str | None = None) -> int:
         """Store each `(digest, data)` not stored yet, in one transaction; returns the bytes newly written.
 
         The digests already stored are read first (in batches), so a piece shared with earlier payloads is
         neither sent again nor rewritten; a concurrent writer of the same piece is absorbed by
-        `ON CONFLICT DO NOTHING`.
+        `ON CONFLICT DO NOTHING`. With `owner`, every piece's reference is recorded in `durcap_payload_refs`
+        (once per owner), as `put_payload` does, so `purge` and `stats` see which runs share a piece.
         """
         unique = dict(pieces)
         if not unique:
@@ -507,6 +526,14 @@ class _SQLBackend:
                     rows,
                 )
                 written = sum(row['n'] for row in rows)
+            if owner:
+                conn.execute(
+                    sa.text(
+                        'INSERT INTO durcap_payload_refs (sha256, owner, created_at) VALUES (:d, :o, :at) '
+                        'ON CONFLICT (sha256, owner) DO NOTHING'
+                    ),
+                    [{'d': d, 'o': owner, 'at': at} for d in unique],
+                )
         return written
 
     def get_payloads(self, digests: Sequence[str]) -> dict[str, bytes]:
@@ -526,6 +553,163 @@ class _SQLBackend:
         with self._txn(write=False) as conn:
             row = conn.execute(sa.text('SELECT data FROM durcap_payloads WHERE sha256 = :d'), {'d': digest}).first()
         return None if row is None else bytes(row[0])
+
+    # ---- deleting a conversation and measuring the store (`durcap history delete`, `durcap store stats`) ---------
+
+    def _runs_of(self, conn: sa.Connection, conversation_id: str) -> list[tuple[str, str]]:
+        rows = conn.execute(
+            sa.text('SELECT append_id FROM durcap_writes WHERE conversation_id = :cid AND append_id IS NOT NULL ORDER BY revision'),
+            {'cid': conversation_id},
+        ).all()
+        runs = [run for (append_id,) in rows if (run := store.run_of(append_id)) is not None]
+        return list(dict.fromkeys(runs))
+
+    def _usage(self, conn: sa.Connection, conversation_id: str) -> _Usage:
+        """The conversation's rows per table, its runs, and the claim checks its runs refer to (own and shared).
+
+        Raises:
+            ConversationNotFoundError: no row of it.
+        """
+        counts: dict[str, int] = {}
+        for table in ('durcap_conversations', 'durcap_entries', 'durcap_writes'):
+            counts[table] = int(conn.execute(
+                sa.text(f'SELECT COUNT(*) FROM {table} WHERE conversation_id = :cid'), {'cid': conversation_id}).scalar() or 0)
+        if not any(counts.values()):
+            raise ConversationNotFoundError(conversation_id)
+        length = 'OCTET_LENGTH(message)' if self.is_pg else 'LENGTH(CAST(message AS BLOB))'
+        message_bytes = int(conn.execute(
+            sa.text(f'SELECT SUM({length}) FROM durcap_entries WHERE conversation_id = :cid'), {'cid': conversation_id},
+        ).scalar() or 0)
+        deleted = conn.execute(sa.text('SELECT deleted FROM durcap_conversations WHERE conversation_id = :cid'),
+                               {'cid': conversation_id}).scalar()
+        runs = self._runs_of(conn, conversation_id)
+        owners = sorted({owner for engine, owner in runs if engine == 'temporal'})
+        everyone = {f'a{i}': owner for i, owner in enumerate(owners)}
+        own: dict[str, int] = {}
+        shared: dict[str, int] = {}
+        refs = 0
+        for chunk in _chunks(owners):
+            params = {f'o{i}': owner for i, owner in enumerate(chunk)}
+            marks = ', '.join(f':{key}' for key in params)
+            rows = conn.execute(
+                sa.text(
+                    'SELECT r.sha256, p.size, (SELECT COUNT(*) FROM durcap_payload_refs x WHERE x.sha256 = r.sha256 '
+                    f'AND x.owner NOT IN ({", ".join(f":{key}" for key in everyone)})) FROM durcap_payload_refs r '
+                    f'LEFT JOIN durcap_payloads p ON p.sha256 = r.sha256 WHERE r.owner IN ({marks})'
+                ),
+                params | everyone,
+            ).all()
+            refs += len(rows)
+            for digest, size, others in rows:
+                (shared if others else own)[digest] = int(size or 0)
+        for digest in set(own) & set(shared):  # one run shares it, another of ours does not: shared
+            own.pop(digest)
+        counts['durcap_payload_refs'] = refs
+        counts['durcap_payloads'] = len(own)
+        return _Usage(counts, runs, owners, own, shared, message_bytes, bool(deleted))
+
+    def purge(self, conversation_id: str, dry_run: bool) -> PurgeReport:
+        """Delete every row of the conversation and the claim checks only its runs refer to (see
+        `SQLConversationStore.purge`); with `dry_run`, count them and change nothing."""
+        with self._txn(write=not dry_run) as conn:
+            usage = self._usage(conn, conversation_id)
+            forks = [row[0] for row in conn.execute(sa.text(_FORKS), {'cid': conversation_id}).all()]
+            if forks:
+                raise ConversationHasForksError(
+                    f'conversation {conversation_id!r}: the histories of {", ".join(map(repr, sorted(forks)))} run through '
+                    'its messages (forked from it); nothing was deleted. Delete those conversations first.',
+                    conversation_id=conversation_id, forks=sorted(forks),
+                )
+            if not dry_run:
+                for table in ('durcap_entries', 'durcap_writes', 'durcap_conversations'):
+                    conn.execute(sa.text(f'DELETE FROM {table} WHERE conversation_id = :cid'), {'cid': conversation_id})
+                for chunk in _chunks(usage.owners):
+                    params = {f'o{i}': owner for i, owner in enumerate(chunk)}
+                    marks = ', '.join(f':{key}' for key in params)
+                    conn.execute(sa.text(f'DELETE FROM durcap_payload_refs WHERE owner IN ({marks})'), params)
+                for chunk in _chunks(sorted(usage.own)):
+                    params = {f'd{i}': digest for i, digest in enumerate(chunk)}
+                    marks = ', '.join(f':{key}' for key in params)
+                    conn.execute(
+                        sa.text(
+                            f'DELETE FROM durcap_payloads WHERE sha256 IN ({marks}) AND NOT EXISTS '
+                            '(SELECT 1 FROM durcap_payload_refs r WHERE r.sha256 = durcap_payloads.sha256)'
+                        ),
+                        params,
+                    )
+        return PurgeReport(
+            conversation_id=conversation_id, dry_run=dry_run, rows=usage.counts, runs=usage.runs,
+            message_bytes=usage.message_bytes, payload_bytes=sum(usage.own.values()), shared_payloads=len(usage.shared),
+            shared_payload_bytes=sum(usage.shared.values()),
+        )
+
+    def conversation_stats(self, conversation_id: str) -> ConversationStats:
+        """One conversation's bytes (see `SQLConversationStore.conversation_stats`)."""
+        with self._txn(write=False) as conn:
+            usage = self._usage(conn, conversation_id)
+        return ConversationStats(
+            conversation_id=conversation_id, deleted=usage.deleted, message_count=usage.counts['durcap_entries'],
+            message_bytes=usage.message_bytes, payload_bytes=sum(usage.own.values()),
+            shared_payload_bytes=sum(usage.shared.values()), payloads=len(usage.own), shared_payloads=len(usage.shared),
+        )
+
+    def stats(self) -> StoreStats:
+        """Bytes per conversation and in total (see `SQLConversationStore.stats`)."""
+        length = 'OCTET_LENGTH(message)' if self.is_pg else 'LENGTH(CAST(message AS BLOB))'
+        with self._txn(write=False) as conn:
+            headers = {row[0]: bool(row[1]) for row in conn.execute(
+                sa.text('SELECT conversation_id, deleted FROM durcap_conversations')).all()}
+            messages = {row[0]: (int(row[1]), int(row[2] or 0)) for row in conn.execute(
+                sa.text(f'SELECT conversation_id, COUNT(*), SUM({length}) FROM durcap_entries GROUP BY conversation_id')).all()}
+            owner_of: dict[str, set[str]] = {}
+            for cid, append_id in conn.execute(
+                    sa.text('SELECT conversation_id, append_id FROM durcap_writes WHERE append_id IS NOT NULL')).all():
+                run = store.run_of(append_id)
+                if run is not None and run[0] == 'temporal':
+                    owner_of.setdefault(run[1], set()).add(cid)
+            sizes = {row[0]: int(row[1]) for row in conn.execute(sa.text('SELECT sha256, size FROM durcap_payloads')).all()}
+            users: dict[str, set[str | None]] = {}
+            for digest, owner in conn.execute(sa.text('SELECT sha256, owner FROM durcap_payload_refs')).all():
+                users.setdefault(digest, set()).update(owner_of.get(owner) or {None})
+            database_bytes = (int(conn.execute(sa.text('SELECT pg_database_size(current_database())')).scalar() or 0)
+                              if self.is_pg else None)
+        if database_bytes is None and self.url.database not in (None, '', ':memory:'):
+            database_bytes = sum(
+                os.path.getsize(f) for f in (str(self.url.database), f'{self.url.database}-wal') if os.path.exists(f))
+        per: dict[str, dict[str, int]] = {}
+        unattributed = 0
+        for digest, size in sizes.items():
+            who = users.get(digest, {None})
+            known = sorted(c for c in who if c is not None)
+            if not known:
+                unattributed += size
+                continue
+            key = 'own' if len(who) == 1 else 'shared'
+            for cid in known:
+                slot = per.setdefault(cid, {'own': 0, 'shared': 0, 'own_n': 0, 'shared_n': 0})
+                slot[key] += size
+                slot[f'{key}_n'] += 1
+        conversations = []
+        for cid in sorted(set(headers) | set(messages)):
+            count, size = messages.get(cid, (0, 0))
+            slot = per.get(cid, {})
+            conversations.append(ConversationStats(
+                conversation_id=cid, deleted=headers.get(cid, False), message_count=count, message_bytes=size,
+                payload_bytes=slot.get('own', 0), shared_payload_bytes=slot.get('shared', 0),
+                payloads=slot.get('own_n', 0), shared_payloads=slot.get('shared_n', 0),
+            ))
+        return StoreStats(
+            location=self.location, conversations=conversations,
+            message_bytes=sum(c.message_bytes for c in conversations), payload_bytes=sum(sizes.values()),
+            payloads=len(sizes), unattributed_payload_bytes=unattributed, database_bytes=database_bytes,
+        )
+
+    @property
+    def location(self) -> str:
+        """The store's location for people: a SQLite file's absolute path, else the URL with its password hidden."""
+        if not self.is_pg and self.url.database not in (None, '', ':memory:'):
+            return str(Path(self.url.database).resolve())  # type: ignore[arg-type]
+        return self.display_url
 
     def probe_writable(self) -> None:
         """Open a write transaction and write nothing: fails when the database is unreachable or read-only.
@@ -823,6 +1007,31 @@ class _SQLBackend:
                  'cid': conversation_id, 'old': old.revision},
             )
             self._log_write(conn, conversation_id, revision, 'delete', entry_ids=[], first_position=None)
+
+
+_FORKS = (
+    'SELECT DISTINCT e.conversation_id FROM durcap_entries e JOIN durcap_entries p ON e.parent_id = p.entry_id '
+    'WHERE p.conversation_id = :cid AND e.conversation_id <> :cid '
+    'UNION SELECT c.conversation_id FROM durcap_conversations c JOIN durcap_entries p ON c.head_id = p.entry_id '
+    'WHERE p.conversation_id = :cid AND c.conversation_id <> :cid'
+)
+"""The other conversations whose histories run through the conversation's own entries (forked from it)."""
+
+
+@dataclasses.dataclass
+class _Usage:
+    counts: dict[str, int]
+    runs: list[tuple[str, str]]
+    owners: list[str]
+    own: dict[str, int]
+    shared: dict[str, int]
+    message_bytes: int
+    deleted: bool
+
+
+def _chunks(values: Sequence[str], size: int = 500) -> Iterator[Sequence[str]]:
+    for start in range(0, len(values), size):
+        yield values[start:start + size]
 
 
 def _json_columns(rows: Sequence[Any]) -> tuple[list[str], list[str], list[str]]:

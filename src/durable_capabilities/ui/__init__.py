@@ -31,6 +31,7 @@ from starlette.routing import Route
 from .._limits import printable
 from ..approvals import ApprovalError, PendingCall, default_user
 from ..engines import RUN_STATUSES, RunNotFoundError
+from ..forgetting import conversation_bytes
 from ..reading import durable_adapters, find_run, list_runs, problem_line, read_conversation, summarize
 from ..settings import Settings
 from ..store import StoreError
@@ -237,6 +238,7 @@ class _UI:
             return None, str(exc).splitlines()[0]
         summary = summarize(stored, writes)
         summary['rows'] = message_rows(summary['messages'], stored.message_count - len(summary['messages']) + 1)
+        summary['bytes'] = await conversation_bytes(self.settings.store, conversation_id)
         return summary, None
 
 

@@ -116,6 +116,16 @@ async def cancel(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
     return await show_run(run_id, settings)
 
 
+async def delete_run(run_id: str, settings: Mapping[str, Any]) -> None:
+    """Delete the workflow's status, inputs and step outputs from the system database (`DBOSClient.delete_workflows`)."""
+    await show_run(run_id, settings)
+    client = _client(settings)
+    try:
+        await client.delete_workflows_async([run_id])
+    finally:
+        client.destroy()
+
+
 async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
     """Resume the workflow on this process's own DBOS queue (a fresh executor id, no other queue served) and
     wait for its result: recorded steps return their recorded results, the rest run once."""

@@ -141,6 +141,15 @@ async def cancel(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
     return await show_run(run_id, settings)
 
 
+async def delete_run(run_id: str, settings: Mapping[str, Any]) -> None:
+    """Delete the flow run and its task runs from the Prefect API (`delete_flow_run`). Result files the tasks
+    persisted in result storage are not the API's to delete: `durcap history delete` names them."""
+    ensure_api()
+    async with get_client() as client:
+        run = await _read_flow_run(client, run_id)
+        await client.delete_flow_run(run.id)
+
+
 async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
     """Run the flow run again in this process: tasks completed before (model requests, tools, the store
     load) return their cached results, so none repeats; the conversation append is idempotent."""

@@ -3,7 +3,8 @@
 Temporal refuses a payload over 2 MiB and a history over 50 MB. `ClaimCheckCodec` is a
 `temporalio.converter.PayloadCodec` (Temporal's own extension point): every payload whose serialized size
 is above `threshold` is written to the conversation store's database (table `durcap_payloads`, keyed by the
-sha256 of its bytes, written once) and replaced by a small reference payload:
+sha256 of its bytes, written once; the workflow it belongs to is recorded in `durcap_payload_refs`) and replaced
+by a small reference payload:
 
     metadata: {'encoding': b'binary/durcap-claim-check'}
     data:     {"sha256": "<hex>", "size": <bytes>, "pages": ["<hex>", ...]}
@@ -50,6 +51,7 @@ the client wait forever. So the sizes are checked where a refusal fails the turn
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import json
 import logging
@@ -64,7 +66,7 @@ from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelResponse
 from pydantic_core import to_json
 from temporalio import workflow
 from temporalio.api.common.v1 import Payload
-from temporalio.converter import PayloadCodec
+from temporalio.converter import PayloadCodec, SerializationContext, WithSerializationContext
 from temporalio.exceptions import ActivityError, ApplicationError
 
 from ...store import CorruptedRowError, SQLConversationStore, StoreError, resolve_url
@@ -132,7 +134,7 @@ def too_large(size: int, maximum: int, where: str) -> ApplicationError:
     )
 
 
-class ClaimCheckCodec(PayloadCodec):
+class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
     """Stores payloads above `threshold` bytes in the conversation store and sends a reference instead.
 
     Args:
@@ -165,6 +167,16 @@ class ClaimCheckCodec(PayloadCodec):
         self.inline_limit = inline_limit
         self.store_url = store_url
         self._store = SQLConversationStore(store_url)
+        self.owner: str | None = None
+        """The workflow id the payloads being encoded belong to (Temporal's serialization context), recorded with
+        each claim check (`durcap_payload_refs`) so `durcap history delete` can delete a conversation's own."""
+
+    def with_context(self, context: SerializationContext) -> ClaimCheckCodec:
+        """A copy (same store) that records `context.workflow_id` as the owner of what it stores (Temporal calls
+        this for each workflow and activity)."""
+        bound = copy.copy(self)
+        bound.owner = getattr(context, 'workflow_id', None) or None
+        return bound
 
     def __repr__(self) -> str:
         return f'ClaimCheckCodec({self._store._sql.display_url!r}, threshold={self.threshold}, maximum={self.maximum})'
@@ -212,7 +224,7 @@ class ClaimCheckCodec(PayloadCodec):
         if head:
             bounds.insert(0, (0, head))
         if len(bounds) <= 2:  # the body in one piece: stored whole, 0.2's layout
-            self._store._sql.put_payload(digest, data)
+            self._store._sql.put_payload(digest, data, self.owner)
             return json.dumps({'sha256': digest, 'size': len(data)}).encode()
         rows: list[tuple[str, bytes]] = []
         digests = bytearray()
@@ -227,7 +239,7 @@ class ClaimCheckCodec(PayloadCodec):
             page = bytes(digests[start:start + step])
             pages.append(hashlib.sha256(page).hexdigest())
             rows.append((pages[-1], page))
-        self._store._sql.put_payloads(rows)
+        self._store._sql.put_payloads(rows, self.owner)
         return json.dumps({'sha256': digest, 'size': len(data), 'pages': pages}).encode()
 
     async def decode(self, payloads: Sequence[Payload]) -> list[Payload]:

@@ -186,6 +186,22 @@ async def cancel(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
     return await show_run(run_id, settings)
 
 
+async def delete_run(run_id: str, settings: Mapping[str, Any]) -> None:
+    """Delete the workflow's executions and their histories (Temporal's DeleteWorkflowExecution; a running one is
+    terminated first by the server)."""
+    from temporalio.api.common.v1 import WorkflowExecution
+    from temporalio.api.workflowservice.v1 import DeleteWorkflowExecutionRequest
+
+    client = await _connect(settings)
+    try:
+        await client.workflow_service.delete_workflow_execution(DeleteWorkflowExecutionRequest(
+            namespace=client.namespace, workflow_execution=WorkflowExecution(workflow_id=run_id)))
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            raise RunNotFoundError(f'no Temporal workflow {run_id!r} in namespace {client.namespace!r}') from None
+        raise
+
+
 async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
     """Wait for the run; with `agents` (`runs resume --target`), serve its task queue from this process until it
     finishes, whether or not a poller is listed (Temporal keeps listing a killed worker as a poller for a while).

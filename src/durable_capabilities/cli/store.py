@@ -1,0 +1,65 @@
+"""`durcap store stats`: what the conversation store holds, per conversation and in total, and where it is.
+
+Exit codes: 0 shown; 2 unusable input (bad store URL, no store there, a schema newer than this code).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from enum import Enum
+from typing import Annotated
+
+import typer
+
+from .._limits import printable
+from ..errors import DurcapError
+from ..store import resolve_url
+from . import _unusable, app
+from ._options import StoreOption
+
+store_app = typer.Typer(help='Look at the conversation store: its size per conversation.', no_args_is_help=True)
+app.add_typer(store_app, name='store')
+
+
+class StatsFormat(str, Enum):
+    text = 'text'
+    json = 'json'
+
+
+@store_app.command('stats')
+def stats(
+    store: StoreOption = None,
+    format: Annotated[StatsFormat, typer.Option('--format', help='text or json.')] = StatsFormat.text,
+) -> None:
+    """Bytes per conversation (messages, claim checks of its own and shared with others), totals, and the store's
+    location (a SQLite file's absolute path, or the URL with its password hidden)."""
+    from ..forgetting import store_stats
+
+    try:
+        found = asyncio.run(store_stats(resolve_url(store)))
+    except DurcapError as exc:
+        _unusable(str(exc))
+    if format is StatsFormat.json:
+        data = {
+            'location': found.location, 'database_bytes': found.database_bytes, 'message_bytes': found.message_bytes,
+            'payload_bytes': found.payload_bytes, 'payloads': found.payloads,
+            'unattributed_payload_bytes': found.unattributed_payload_bytes,
+            'conversations': [dict(c.__dict__) for c in found.conversations],
+        }
+        typer.echo(json.dumps(data, indent=2))
+        return
+    size = 'in memory' if found.database_bytes is None else f'{found.database_bytes:,} bytes on disk'
+    lines = [f'store: {found.location} ({size})',
+             f'{len(found.conversations)} conversation(s): messages {found.message_bytes:,} bytes; {found.payloads} claim '
+             f'check(s) {found.payload_bytes:,} bytes ({found.unattributed_payload_bytes:,} of them not attributed to a '
+             'conversation)']
+    if found.conversations:
+        width = max(len('conversation'), *(len(c.conversation_id) + 10 * c.deleted for c in found.conversations))
+        lines.append(f'{"conversation":<{width}}  {"messages":>8}  {"message bytes":>14}  {"own claim checks":>16}  '
+                     f'{"shared claim checks":>19}')
+        for c in found.conversations:
+            name = c.conversation_id + (' (deleted)' if c.deleted else '')
+            lines.append(f'{name:<{width}}  {c.message_count:>8}  {c.message_bytes:>14,}  {c.payload_bytes:>16,}  '
+                         f'{c.shared_payload_bytes:>19,}')
+    typer.echo('\n'.join(printable(line) for line in lines))

@@ -1,0 +1,63 @@
+"""`durcap history delete` and `durcap store stats` as a user runs them: subprocesses of the CLI in a fresh folder, a
+real DBOS SQLite system database (the engine's own deletion with `--engines`), a real local run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def durcap(*args: str, cwd: Path) -> Any:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ('DURCAP_STORE', 'DURCAP_DBOS_DB')}
+    return subprocess.run([sys.executable, '-m', 'durable_capabilities.cli', *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+
+def test_the_commands(tmp_path: Path) -> None:
+    """`durcap run` says where it created the store (once); `store stats` lists it; `history delete` lists with
+    --dry-run, refuses without --yes when it cannot ask, deletes with --yes (and the DBOS run with --engines)."""
+    import json
+    import socket
+
+    target = str(ROOT / 'tests/fixtures/counting_agent.py') + ':counted'
+    first = durcap('run', target, 'hi', '--engine', 'dbos', '--conversation', 'gone', cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    where = str((tmp_path / '.durcap' / 'conversations.db').resolve())
+    assert f'durcap: created the conversation store {where}' in first.stderr
+    second = durcap('run', target, 'hi', '--engine', 'local', '--conversation', 'kept', cwd=tmp_path)
+    assert second.returncode == 0 and 'created the conversation store' not in second.stderr, second.stderr
+
+    stats = json.loads(durcap('store', 'stats', '--format', 'json', cwd=tmp_path).stdout)
+    assert stats['location'] == where and stats['database_bytes'] > 0
+    assert {c['conversation_id']: c['message_count'] for c in stats['conversations']} == {'gone': 2, 'kept': 2}
+    text = durcap('store', 'stats', cwd=tmp_path).stdout
+    assert f'store: {where}' in text and 'gone' in text
+
+    listed = durcap('history', 'delete', 'gone', '--dry-run', cwd=tmp_path)
+    assert listed.returncode == 0 and 'would delete durcap_conversations 1, durcap_entries 2' in listed.stdout, listed.stdout
+    assert 'dbos counted-' in listed.stdout and 'delete_workflows' in listed.stdout
+    assert 'cannot tell whether a run of it is in flight' in listed.stderr
+    unasked = durcap('history', 'delete', 'gone', cwd=tmp_path)
+    assert unasked.returncode == 2 and 'pass --yes' in unasked.stderr
+    with socket.socket() as s:  # a Temporal address nothing listens on: that engine is reported as not checked
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    done = durcap('history', 'delete', 'gone', '--yes', '--engines', '--address', f'127.0.0.1:{port}', '--format', 'json',
+                  cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report['store']['rows']['durcap_entries'] == 2
+    assert [(r['engine'], r['deleted']) for r in report['engines']] == [('dbos', True)]
+    assert 'not checked for runs in flight: temporal' in done.stderr
+    runs = durcap('runs', 'list', '--engine', 'dbos', '--format', 'json', cwd=tmp_path)
+    assert 'gone' not in runs.stdout, runs.stdout
+    assert durcap('history', 'show', 'gone', cwd=tmp_path).returncode == 2
+    assert durcap('history', 'show', 'kept', cwd=tmp_path).returncode == 0
+    missing = durcap('history', 'delete', 'gone', '--yes', cwd=tmp_path)
+    assert missing.returncode == 2 and "conversation 'gone' is not in the store" in missing.stderr
