@@ -6,7 +6,7 @@
 The command tree is walked from the Click command Typer builds for `durable_capabilities.cli.app`, and
 each command's help is what `durcap <command> --help` prints. It is rendered without Rich
 (`TYPER_USE_RICH=0`) at a fixed width of 80 columns, so the file is the same on every machine and
-in every terminal. `tests/test_docs.py` runs `--check`, so the committed page never drifts from the CLI.
+in every terminal. `tests/unit/test_docs.py` runs `--check`, so the committed page never drifts from the CLI.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ HEADER = """\
      run `.venv/bin/python scripts/gen_cli_reference.py` after changing a command. -->
 
 This page is generated from `durcap` itself: each section is the output of `durcap <command> --help`.
-A test (`tests/test_docs.py`) regenerates it and fails when the committed page differs, so it always
+A test (`tests/unit/test_docs.py`) regenerates it and fails when the committed page differs, so it always
 matches the installed CLI.
 
 """

@@ -3,7 +3,7 @@
     .venv/bin/python scripts/record_support_histories.py                  # an in-memory dev server started here
     .venv/bin/python scripts/record_support_histories.py --address HOST:PORT
 
-`tests/test_support_deploy_safety.py` replays these histories against the support definition: a change that would
+`tests/unit/test_support_deploy_safety.py` replays these histories against the support definition: a change that would
 make an in-flight run nondeterministic fails there. Re-record them (and read the diff) only after an intended change
 of the workflow's behaviour, e.g. the approval gate of `account-security` turned on by default.
 

@@ -3,7 +3,7 @@
     .venv/bin/python scripts/refresh_docs_output.py docs/errors.md docs/concepts/ids.md
     .venv/bin/python scripts/refresh_docs_output.py            # every page that needs no server
 
-`tests/test_docs.py` fails when a page's output block differs from what its example prints (compared
+`tests/unit/test_docs.py` fails when a page's output block differs from what its example prints (compared
 with whitespace collapsed). After an intended change to a message, run this, read the diff, and commit
 it. Blocks run exactly as the test runs them (same directives, a fresh temporary directory per page);
 lines longer than 100 characters are wrapped at spaces. Pages that need a server

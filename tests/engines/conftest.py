@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,10 +24,7 @@ from durable_capabilities._servers import (
     start_prefect_server,
     start_temporal_dev_server,
 )
-from tests.engines._pg import create_database, drop_database
-from tests.engines._pg import url as pg_url
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests._helpers import ROOT, postgres_database, subprocess_env, wait_for_line
 
 
 @pytest.fixture(scope='session')
@@ -58,11 +54,8 @@ def prefect_api_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture
 def postgres_url() -> Iterator[str]:
     """A fresh PostgreSQL database on 127.0.0.1:5432, dropped after the test."""
-    name = create_database('durcap')
-    try:
-        yield pg_url(name)
-    finally:
-        drop_database(name)
+    with postgres_database('durcap') as url:
+        yield url
 
 
 @dataclass
@@ -78,15 +71,11 @@ class Proc:
         return self.log.read_text(errors='replace')
 
     def wait_for(self, needle: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in self.text().splitlines():
-                if needle in line:
-                    return line
-            if self.popen.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise AssertionError(f'{needle!r} not seen within {timeout} s (exit {self.popen.poll()}):\n{self.text()[-4000:]}')
+        """The first output line containing `needle`; fails when the process exits or `timeout` s pass first."""
+        try:
+            return wait_for_line(self.log, needle, timeout, alive=lambda: self.popen.poll() is None)
+        except AssertionError as exc:
+            raise AssertionError(f'{exc}\n(exit {self.popen.poll()})') from None
 
     def kill9(self) -> None:
         if self.popen.poll() is None:
@@ -119,9 +108,7 @@ def spawn(tmp_path: Path) -> Iterator[callable]:
         popen = subprocess.Popen(
             [sys.executable, '-m', 'tests.engines.drive', *args],
             cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
-            # the caller's PYTHONPATH stays after the root (a worktree's src/ before the venv's editable install)
-            env={**os.environ, 'PYTHONPATH': os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')])),
-                 **(env or {})},
+            env=subprocess_env(env),
         )
         handle.close()
         proc = Proc(popen, log)

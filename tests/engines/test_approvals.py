@@ -25,10 +25,8 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')]))
-"""Subprocesses' PYTHONPATH: the repo root, then the caller's (a worktree's src/ before the venv's editable install),
-as the `spawn` fixture does."""
+from tests._helpers import ROOT, durcap, subprocess_env
+
 TARGET = 'tests.engines.approval_agent:gated'
 
 
@@ -38,13 +36,6 @@ def env_for(tmp_path: Path, timeout: float | None = None) -> tuple[dict[str, str
     if timeout is not None:
         env['DURCAP_APPROVAL_TIMEOUT'] = str(timeout)
     return env, crash_dir
-
-
-def durcap(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, '-m', 'durable_capabilities.cli', *args], cwd=ROOT, capture_output=True, text=True,
-        env={**os.environ, 'PYTHONPATH': PYTHONPATH, **(env or {})}, timeout=120, check=False,
-    )
 
 
 def pending(engine_args: list[str], run_id: str | None = None, timeout: float = 90) -> list[dict]:
@@ -326,7 +317,7 @@ def test_dbos_twenty_runs_waiting_in_one_process_approved_in_random_order(tmp_pa
     log = tmp_path / 'worker.log'
     with open(log, 'wb') as handle:
         worker = subprocess.Popen([sys.executable, '-m', 'durable_capabilities.cli', 'worker', 'dbos', TARGET, '--db', db],
-                                  cwd=ROOT, env={**os.environ, 'PYTHONPATH': PYTHONPATH, **env}, stdout=handle,
+                                  cwd=ROOT, env=subprocess_env(env), stdout=handle,
                                   stderr=subprocess.STDOUT, start_new_session=True)
     client = None
     try:
@@ -438,9 +429,11 @@ def pending_prefect(engine_args: list[str], run_id: str, env: dict[str, str], ti
 # ---- durcap demo --approve / --deny ----------------------------------------------------------------
 
 
-@pytest.mark.xdist_group('port-7233')  # its Temporal demo looks at 127.0.0.1:7233 (tests/engines/test_local_servers.py)
-@pytest.mark.parametrize(('engine', 'flag'), [('dbos', '--approve'), ('dbos', '--deny'), ('temporal', '--deny'),
-                                              ('temporal-embedded', '--approve'), ('prefect', '--approve')])
+@pytest.mark.parametrize(('engine', 'flag'), [
+    ('dbos', '--approve'), ('dbos', '--deny'), ('temporal', '--deny'),
+    # its Temporal demo looks at 127.0.0.1:7233 (tests/engines/test_local_servers.py): one worker runs those
+    pytest.param('temporal-embedded', '--approve', marks=pytest.mark.xdist_group('port-7233')),
+    ('prefect', '--approve')])
 def test_demo_shows_pause_pending_call_and_decision(engine: str, flag: str, tmp_path: Path, temporal_address: str,
                                                     prefect_api_url: str) -> None:
     """Model: the support example's scripted FunctionModel; account-security's gate is on by default (the demo's
@@ -450,8 +443,8 @@ def test_demo_shows_pause_pending_call_and_decision(engine: str, flag: str, tmp_
     result = subprocess.run(
         [sys.executable, '-m', 'durable_capabilities.cli', 'demo', '--engine', engine.split('-')[0], flag, *extra],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, 'PYTHONPATH': PYTHONPATH, 'PREFECT_API_URL': prefect_api_url, 'DURCAP_TEMPORAL_ADDRESS': '',
-             'TEMPORAL_ADDRESS': ''},
+        env=subprocess_env({'PREFECT_API_URL': prefect_api_url, 'DURCAP_TEMPORAL_ADDRESS': '',
+                            'TEMPORAL_ADDRESS': ''}),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
@@ -470,7 +463,7 @@ def test_demo_without_a_decision_says_how_to_approve_and_waits(tmp_path: Path) -
     """`durcap demo` (DBOS on SQLite) with a prompt that reaches the gate and neither --approve nor --deny: it says the
     run waits for a person, with the exact `durcap approve` command; that command, run as printed from another
     process, lets the demo finish with the call run once. Model: the support example's scripted FunctionModel."""
-    env = {**os.environ, 'PYTHONPATH': PYTHONPATH}
+    env = subprocess_env()
     log = tmp_path / 'demo.log'
     with open(log, 'wb') as handle:
         demo = subprocess.Popen([sys.executable, '-m', 'durable_capabilities.cli', 'demo', '--engine', 'dbos', '--prompt',
@@ -502,7 +495,7 @@ def test_demo_without_a_decision_says_how_to_approve_and_waits(tmp_path: Path) -
 
 def _deploy_driver(*args: str, env: dict[str, str]) -> str:
     out = subprocess.run([sys.executable, '-m', 'tests.engines.prefect_deploy_driver', *args], cwd=ROOT,
-                         capture_output=True, text=True, env={**os.environ, 'PYTHONPATH': PYTHONPATH, **env},
+                         capture_output=True, text=True, env=subprocess_env(env),
                          timeout=120, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
@@ -561,7 +554,7 @@ def _serving(tmp_path: Path, env: dict[str, str], deployment: str) -> Iterator[s
         server = subprocess.Popen(
             [sys.executable, '-m', 'tests.engines.prefect_deploy_driver', 'serve', TARGET, 'gated', deployment],
             cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, 'PYTHONPATH': PYTHONPATH, **env})
+            env=subprocess_env(env))
     try:
         deadline = time.monotonic() + 90
         while 'SERVING' not in log.read_text(errors='replace'):

@@ -18,10 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from tests._helpers import ROOT, subprocess_env, wait_for_line
+
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, 'PYTHONPATH': str(ROOT)}
+
+ENV = subprocess_env()
 DURCAP = [sys.executable, '-m', 'durable_capabilities.cli']
 
 
@@ -34,14 +36,7 @@ def start(args: list[str], log: Path, env: dict[str, str] | None = None, cwd: Pa
 
 
 def wait_for(log: Path, needle: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if needle in log.read_text(errors='replace'):
-            return
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    raise AssertionError(f'{needle!r} not seen (exit {proc.poll()}):\n{log.read_text(errors="replace")[-3000:]}')
+    wait_for_line(log, needle, timeout, alive=lambda: proc.poll() is None)
 
 
 def kill(proc: subprocess.Popen[bytes]) -> None:
@@ -131,8 +126,8 @@ def test_schedule_prefect_serves_a_deployment_whose_runs_complete(prefect_api_ur
                 kill(serve)
 
 
-@pytest.mark.xdist_group('port-7233')  # its Temporal demo looks at 127.0.0.1:7233 (tests/engines/test_local_servers.py)
-@pytest.mark.parametrize('engine', ['dbos', 'temporal'])
+# Its Temporal demo looks at 127.0.0.1:7233 (tests/engines/test_local_servers.py): one worker runs those.
+@pytest.mark.parametrize('engine', ['dbos', pytest.param('temporal', marks=pytest.mark.xdist_group('port-7233'))])
 def test_demo_runs_in_an_empty_folder_and_leaves_no_server(engine: str, tmp_path: Path) -> None:
     """The main job: `durcap demo` with nothing started first (DBOS on SQLite; Temporal starts its own dev server)."""
     result = subprocess.run([*DURCAP, 'demo', '--engine', engine], cwd=tmp_path, env={**ENV, 'DURCAP_TEMPORAL_ADDRESS': ''},

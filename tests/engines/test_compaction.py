@@ -43,6 +43,7 @@ from pydantic_ai.messages import (
 
 from durable_capabilities import runner
 from durable_capabilities.store import SQLConversationStore
+from tests._helpers import subprocess_env
 from tests.engines.compaction_agent import make_agent
 from tests.engines.test_continue_as_new import (  # noqa: F401 - the fixture: a server suggesting continue-as-new
     run_chain,
@@ -51,7 +52,6 @@ from tests.engines.test_continue_as_new import (  # noqa: F401 - the fixture: a 
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 TURNS = [('Count to 5.', 5), ('Count to 12.', 12)]
 
 
@@ -190,12 +190,11 @@ def drive(engine: str, prompt: str, *, tmp: Path, store: str, conversation: str 
     if engine == 'dbos':
         args += ['--db', f'sqlite:///{tmp / "dbos.sqlite"}']
     log = tmp / f'{engine}-{uuid.uuid4().hex[:8]}.log'
-    env = {
-        **os.environ, 'PYTHONPATH': os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')])),
+    env = subprocess_env({
         'DURCAP_STORE': store, 'PREFECT_HOME': str(tmp / 'prefect-home'),
         'PREFECT_LOCAL_STORAGE_PATH': str(tmp / 'prefect-results'),
         **({'PREFECT_API_URL': prefect} if prefect else {}), **({'DURCAP_LEDGER': str(ledger)} if ledger else {}),
-    }
+    })
     with open(log, 'wb') as handle:
         popen = subprocess.Popen(args, cwd=tmp, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:

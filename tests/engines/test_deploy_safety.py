@@ -7,7 +7,6 @@ server; DBOS: SQLite. Every `durcap` and driver process is a real subprocess sto
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
@@ -16,17 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from tests._helpers import ROOT, durcap, subprocess_env
+
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
+
 TARGET = 'tests.engines.rename_agents:agent'
-
-
-def durcap(*args: str, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, '-m', 'durable_capabilities.cli', *args],
-        cwd=ROOT, env={**os.environ, 'PYTHONPATH': str(ROOT), **env}, capture_output=True, text=True, timeout=timeout,
-    )
 
 
 @pytest.fixture
@@ -124,7 +118,7 @@ def test_worker_refuses_to_start_on_drift_unless_allowed(tmp_path: Path, base_en
     proc = subprocess.Popen(
         [sys.executable, '-m', 'durable_capabilities.cli', 'worker', 'temporal', TARGET, '--lock', str(lock),
          '--address', temporal_address, '--allow-drift', '--task-queue', f'drift-{uuid.uuid4().hex[:6]}'],
-        cwd=ROOT, env={**os.environ, 'PYTHONPATH': str(ROOT), **base_env, 'DURCAP_RENAME_VARIANT': 'v2'},
+        cwd=ROOT, env=subprocess_env({**base_env, 'DURCAP_RENAME_VARIANT': 'v2'}),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     try:

@@ -8,7 +8,6 @@ scripted `FunctionModel`.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests._helpers import ROOT, subprocess_env
 
 
 def probe(engine: str, out: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -25,7 +24,7 @@ def probe(engine: str, out: Path, *args: str, env: dict[str, str] | None = None)
     result = subprocess.run(
         [sys.executable, '-m', 'tests.engines.names_driver', engine, '--out', str(out), *args],
         cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
-        env={**os.environ, 'PYTHONPATH': str(ROOT), 'PYTHONHASHSEED': '0', **(env or {})},
+        env=subprocess_env({'PYTHONHASHSEED': '0', **(env or {})}),
     )
     lines = [line for line in result.stdout.splitlines() if line.startswith('REPORT ')]
     assert result.returncode == 0 and lines, f'exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}'

@@ -36,9 +36,11 @@ from typing import Any
 
 import pytest
 
+from tests._helpers import ROOT, subprocess_env
+
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
+
 ENGINES = ['temporal', 'dbos', 'prefect']
 
 FAILURE_BOUND_SECONDS = 60
@@ -98,7 +100,7 @@ def mcp_server(tmp_path: Path) -> Iterator[Callable[[str], McpServer]]:
             popen = subprocess.Popen(
                 [sys.executable, '-m', 'tests.engines.mcp_server', '--name', name, '--calls', str(tmp_path / f'{name}.calls')],
                 cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, 'PYTHONPATH': str(ROOT)},
+                env=subprocess_env(),
             )
         server = McpServer(name, '', tmp_path / f'{name}.calls', popen)
         servers.append(server)
@@ -153,15 +155,13 @@ def drive(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[.
         index = len(procs)
         work = tmp_path / f'run-{index}'
         work.mkdir()
-        env = {
-            **os.environ,
-            'PYTHONPATH': str(ROOT),
+        env = subprocess_env({
             'DURCAP_MCP_AGENT': agent or f'agt-{uuid.uuid4().hex[:8]}',
             'DURCAP_MCP_SERVERS': json.dumps(servers),
             'DURCAP_MCP_PLAN': json.dumps(plan),
             'DURCAP_MCP_DIR': str(work),
             'DURCAP_MCP_SECRETS': json.dumps([SECRET_USER, SECRET_PASSWORD, SECRET_TOKEN]),
-        }
+        })
         if upstream:
             env['DURCAP_MCP_UPSTREAM'] = '1'
         args = [sys.executable, '-m', 'tests.engines.mcp_driver', engine, '--wait', str(wait), *extra_args]

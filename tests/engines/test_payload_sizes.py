@@ -39,11 +39,12 @@ from pydantic_ai.messages import (
 )
 
 from durable_capabilities.store import SQLConversationStore
+from tests._helpers import ROOT, subprocess_env, wait_for
 
 # One worker runs this module's tests (pytest-xdist `loadgroup`): they share a module-scoped fixture.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('payload-sizes')]
 
-ROOT = Path(__file__).resolve().parents[2]
+
 MAXIMUM = 12_000_000  # the configured single-payload maximum of these runs (bytes)
 ENGINES = ('temporal', 'dbos', 'prefect')
 
@@ -62,12 +63,11 @@ def drive(engine: str, conversation: str, prompt: str, *, store: str, tmp: Path,
     if workflow_id:
         args += ['--workflow-id', workflow_id]
     log = tmp / f'{engine}-{uuid.uuid4().hex[:8]}.log'
-    environment = {
-        **os.environ, 'PYTHONPATH': os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')])),
+    environment = subprocess_env({
         'DURCAP_STORE': store, 'DURCAP_PAYLOAD_MAXIMUM': str(MAXIMUM), 'PREFECT_API_URL': prefect,
         'PREFECT_HOME': str(tmp / 'prefect-home'), 'PREFECT_LOCAL_STORAGE_PATH': str(tmp / 'prefect-results'),
         **(env or {}),
-    }
+    })
     with open(log, 'wb') as handle:
         popen = subprocess.Popen(args, cwd=tmp, stdout=handle, stderr=subprocess.STDOUT, env=environment,
                                  start_new_session=True)
@@ -138,8 +138,7 @@ def tool_outputs(pairs: int) -> list[Any]:
 @pytest.fixture(scope='module')
 def world(tmp_path_factory: pytest.TempPathFactory, temporal_address: str, prefect_api_url: str) -> Any:
     """One fresh PostgreSQL store for the module, seeded once per engine."""
-    from tests.engines._pg import create_database, drop_database
-    from tests.engines._pg import url as pg_url
+    from tests._helpers import create_database, drop_database, pg_url
 
     name = create_database('durcap_sizes')
     store = pg_url(name)
@@ -159,6 +158,39 @@ def turn(world: dict[str, Any], engine: str, conversation: str, prompt: str, **k
     tmp.mkdir(exist_ok=True)
     return drive(engine, conversation, prompt, store=world['store'], tmp=tmp, address=world['address'],
                  prefect=world['prefect'], **kwargs)
+
+
+def temporal_retries(world: dict[str, Any], workflow_id: str) -> dict[str, Any]:
+    """What Temporal retried for `workflow_id`: `{'started': bool, 'attempts': [activity attempts], 'task_failures': n,
+    'closed': event type name of the last event}` (`started` False when no workflow was ever started). The "fails fast"
+    tests check these counts instead of wall time: a payload over the maximum must fail the run, not be retried."""
+    from temporalio.api.enums.v1 import EventType
+    from temporalio.service import RPCError
+
+    from durable_capabilities.engines.temporal import connect
+
+    async def go() -> dict[str, Any]:
+        client = await connect(world['address'])
+        try:
+            events = [e async for e in client.get_workflow_handle(workflow_id).fetch_history_events()]
+        except RPCError:
+            return {'started': False, 'attempts': [], 'task_failures': 0, 'closed': None}
+        return {
+            'started': True,
+            'attempts': [e.activity_task_started_event_attributes.attempt for e in events
+                         if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED],
+            'task_failures': sum(e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED for e in events),
+            'closed': EventType.Name(events[-1].event_type),
+        }
+
+    return run(go())
+
+
+def assert_failed_without_retrying(world: dict[str, Any], workflow_id: str) -> None:
+    """The workflow (if one started) failed at once: no activity attempt past the first, no workflow task retried."""
+    retries = temporal_retries(world, workflow_id)
+    assert all(a == 1 for a in retries['attempts']) and retries['task_failures'] == 0, retries
+    assert not retries['started'] or retries['closed'] == 'EVENT_TYPE_WORKFLOW_EXECUTION_FAILED', retries
 
 
 # ---- sizes --------------------------------------------------------------------------------------
@@ -219,11 +251,10 @@ def test_temporal_payloads_over_the_threshold_travel_as_claim_checks(world: dict
 
 def test_temporal_payload_over_the_maximum_fails_fast_with_the_coded_problem(world: dict[str, Any]) -> None:
     cid = 'over-max-temporal'
-    started = time.monotonic()
-    result = turn(world, 'temporal', cid, f'tool {MAXIMUM + 1_000_000}', timeout=60)
-    elapsed = time.monotonic() - started
+    workflow_id = f'{cid}-{uuid.uuid4().hex[:8]}'
+    result = turn(world, 'temporal', cid, f'tool {MAXIMUM + 1_000_000}', timeout=60, workflow_id=workflow_id)
     assert not result['ok'], result
-    assert elapsed < 30, elapsed
+    assert_failed_without_retrying(world, workflow_id)
     error = result['error']
     assert 'DC030' in error and f"conversation '{cid}'" in error and f'{MAXIMUM:,} bytes' in error, error
     assert 'DurcapPayloadTooLarge' in error or 'over the maximum' in error
@@ -236,10 +267,11 @@ def test_temporal_payload_over_the_maximum_fails_fast_with_the_coded_problem(wor
 def test_temporal_history_over_the_maximum_fails_fast_with_the_coded_problem(world: dict[str, Any]) -> None:
     cid = 'big-temporal-over-max'
     seed(world['store'], cid, ten_thousand())
-    started = time.monotonic()
-    result = turn(world, 'temporal', cid, 'hello', env={'DURCAP_PAYLOAD_MAXIMUM': '5000000'}, timeout=60)
+    workflow_id = f'{cid}-{uuid.uuid4().hex[:8]}'
+    result = turn(world, 'temporal', cid, 'hello', env={'DURCAP_PAYLOAD_MAXIMUM': '5000000'}, timeout=60,
+                  workflow_id=workflow_id)
     assert not result['ok'], result
-    assert time.monotonic() - started < 30
+    assert_failed_without_retrying(world, workflow_id)
     assert f"DC030 conversation '{cid}': its stored history: a payload of" in result['error'], result['error']
     assert result['error'].count(f"conversation '{cid}'") == 2 and '5,000,000 bytes' in result['error']  # raised, then named
 
@@ -398,8 +430,8 @@ def test_a_conflicting_append_fails_at_once_and_is_not_retried(world: dict[str, 
 def test_a_read_only_store_is_refused_before_any_side_effect(world: dict[str, Any], engine: str, tmp_path: Path) -> None:
     import psycopg
 
-    from tests.engines._pg import ADMIN_URL, create_database, drop_database
-    from tests.engines._pg import url as pg_url
+    from tests._helpers import PG_ADMIN_URL as ADMIN_URL
+    from tests._helpers import create_database, drop_database, pg_url
 
     name = create_database('durcap_ro')
     try:
@@ -428,8 +460,7 @@ def test_export_keeps_claim_checks_and_replay_reads_them_from_the_store(world: d
     result = turn(world, 'temporal', 'replay-temporal', 'tool 3000000', workflow_id=workflow_id)
     assert result['ok'], result['log']
     durcap = [sys.executable, '-m', 'durable_capabilities.cli']
-    env = {**os.environ, 'PYTHONPATH': os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')])),
-           'DURCAP_STORE': world['store']}
+    env = subprocess_env({'DURCAP_STORE': world['store']})
     exported = tmp_path / 'history.json'
     done = subprocess.run([*durcap, 'history', 'export', '--workflow-id', workflow_id, '-o', str(exported),
                            '--address', world['address']], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
@@ -480,7 +511,14 @@ def test_history_repair_stores_a_turn_whose_workflow_ended_before_its_append(wor
             time.sleep(0.05)
         assert ledger.exists(), outcome
         proxy.stop()
-        time.sleep(5)  # the append activity is now failing and retrying
+
+        async def retrying() -> bool:
+            client = await temporal.connect(world['address'], store=world['store'])
+            described = await client.get_workflow_handle(workflow_id).describe()
+            return any(p.attempt >= 2 for p in described.raw_description.pending_activities)
+
+        wait_for(lambda: run(retrying()), 90, interval=0.5,  # the append activity is now failing and retrying
+                 message=lambda: f'no append activity retried: {outcome}')
 
         async def terminate() -> None:
             client = await temporal.connect(world['address'], store=world['store'])
@@ -494,7 +532,7 @@ def test_history_repair_stores_a_turn_whose_workflow_ended_before_its_append(wor
 
         durcap = [sys.executable, '-m', 'durable_capabilities.cli', 'history', 'repair', workflow_id,
                   '--store', world['store'], '--address', world['address']]
-        env = {**os.environ, 'PYTHONPATH': os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')]))}
+        env = subprocess_env()
         first = subprocess.run(durcap, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
         assert first.returncode == 0, first.stdout + first.stderr
         assert f"conversation '{cid}': stored 4 message(s) at revision 2" in first.stdout
@@ -514,10 +552,11 @@ def test_temporal_model_request_growing_over_the_maximum_fails_fast_with_the_cod
     request would carry both: the workflow fails before scheduling it (workflow code, not a workflow task)."""
     cid = 'grows-over-max-temporal'
     seed(world['store'], cid, ten_thousand()[:5000])  # ~3.8 MB
-    started = time.monotonic()
-    result = turn(world, 'temporal', cid, 'tool 1500000', env={'DURCAP_PAYLOAD_MAXIMUM': '5000000'}, timeout=60)
+    workflow_id = f'{cid}-{uuid.uuid4().hex[:8]}'
+    result = turn(world, 'temporal', cid, 'tool 1500000', env={'DURCAP_PAYLOAD_MAXIMUM': '5000000'}, timeout=60,
+                  workflow_id=workflow_id)
     assert not result['ok'], result
-    assert time.monotonic() - started < 30
+    assert_failed_without_retrying(world, workflow_id)
     assert f"DC030 conversation '{cid}': the model request: a payload of" in result['error'], result['error']
     assert 'over the maximum of 5,000,000 bytes' in result['error']
     assert read(world['store'], cid)[0].message_count == 5000  # nothing appended

@@ -27,7 +27,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,11 +38,12 @@ pytest.importorskip('openai')
 pytest.importorskip('anthropic')
 
 from durable_capabilities.wire import SUPPORT_SCRIPT, Fault, Script, Step, ToolCall, Turn, WireServer
+from tests import _helpers
+from tests._helpers import ROOT, subprocess_env
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')]))  # the caller's PYTHONPATH (a worktree's src) stays
+
 DURCAP = [sys.executable, '-m', 'durable_capabilities.cli']
 KINDS = ('openai-responses', 'openai-chat', 'anthropic')
 API = {'openai-responses': 'responses', 'openai-chat': 'chat', 'anthropic': 'anthropic'}
@@ -53,7 +53,7 @@ DEPS = json.dumps({'orders': {'ABC-123': 'Blue denim jacket (size M): shipped 20
 
 def engine_env(engine: str, request: pytest.FixtureRequest, tmp_path: Path) -> tuple[list[str], dict[str, str]]:
     """`durcap run` connection flags and environment for `engine` on the session's servers."""
-    env = {'PYTHONPATH': PYTHONPATH, 'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}'}
+    env = {'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}'}
     if engine == 'dbos':
         return ['--db', f'sqlite:///{tmp_path / "dbos.sqlite"}'], env
     if engine == 'temporal':
@@ -67,7 +67,7 @@ def engine_env(engine: str, request: pytest.FixtureRequest, tmp_path: Path) -> t
 def durcap_run(target: str, prompt: str, engine: str, flags: list[str], env: dict[str, str], *extra: str,
                timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*DURCAP, 'run', target, prompt, '--engine', engine, *flags, *extra], cwd=ROOT,
-                          env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
+                          env=subprocess_env(env), capture_output=True, text=True, timeout=timeout)
 
 
 SERVER_ERRORS = {('temporal', 'anthropic'): (529, 'ModelOverloadedError'), ('dbos', 'openai-responses'): (500, 'ModelServerError'),
@@ -251,18 +251,15 @@ RETRY_LINES = {'temporal': ('model_request attempt', 5), 'dbos': ('model request
 @pytest.mark.parametrize('engine', ['temporal', 'dbos', 'prefect'])
 def test_unreachable_provider_ends_the_run_with_one_line(engine: str, request: pytest.FixtureRequest,
                                                          tmp_path: Path) -> None:
-    """Connection refused (Temporal's default retry policy alone would retry forever): the run fails in under a
-    minute, one log line per retried attempt (no traceback), a last line naming the model and the base URL
-    without its password."""
+    """Connection refused (Temporal's default retry policy alone would retry forever): the run fails after a bounded
+    number of attempts (`RETRY_LINES`: one log line per retried attempt, no traceback; was: under 60 s of wall
+    time), a last line naming the model and the base URL without its password."""
     flags, env = engine_env(engine, request, tmp_path)
-    started = time.monotonic()
     out = subprocess.run([*DURCAP, 'run', 'examples.support.agent:support', 'Where is my order ABC-123?',
                           '--engine', engine, *flags, '--deps-json', DEPS, '--model', 'openai-chat:gpt-4o',
                           '--base-url', 'http://user:s3cret@127.0.0.1:9/v1'],
-                         cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
-    elapsed = time.monotonic() - started
+                         cwd=ROOT, env=subprocess_env(env), capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stdout + out.stderr
-    assert elapsed < 60, elapsed
     text = out.stdout + out.stderr
     assert 'Traceback' not in text and 's3cret' not in text, text
     needle, count = RETRY_LINES[engine]
@@ -293,13 +290,11 @@ def test_request_no_retry_can_fix_ends_the_run(engine: str, fault: Fault, reques
     with WireServer(script) as wire:
         url = wire.url.replace('http://', 'http://user:s3cret@')
         env |= {'DURCAP_WIRE_KIND': 'openai-responses', 'DURCAP_WIRE_URL': url}
-        started = time.monotonic()
-        out = durcap_run('tests.engines.wire_agent:support', 'hello', engine, flags, env, '--deps-json', DEPS)
-        elapsed = time.monotonic() - started
+        # 120 s: a 300 s retry-after slept through would time out (the attempt count below is the check)
+        out = durcap_run('tests.engines.wire_agent:support', 'hello', engine, flags, env, '--deps-json', DEPS, timeout=120)
         served = len(wire.log)
     assert out.returncode == 1, out.stdout + out.stderr
-    assert served == 1, served  # the SDK does not retry it, nor does the engine
-    assert elapsed < 60, elapsed
+    assert served == 1, served  # the SDK does not retry it, nor does the engine (was also: under 60 s of wall time)
     text = out.stdout + out.stderr
     assert 'Traceback' not in text and 's3cret' not in text, text
     last = out.stderr.strip().splitlines()[-1]
@@ -312,12 +307,7 @@ def test_request_no_retry_can_fix_ends_the_run(engine: str, fault: Fault, reques
 
 
 def wait_for(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f'{what} not seen within {timeout} s')
+    _helpers.wait_for(predicate, timeout, message=f'{what} not seen')
 
 
 @pytest.fixture
@@ -357,7 +347,7 @@ def test_worker_killed_while_a_model_request_is_in_flight(engine: str, request: 
     limit = Fault(status=429, retry_after=1)
     script = ledger_script((0, limit), (0, limit), (0, limit), (2, Fault(delay=30)))
     with WireServer(script) as wire:
-        env = {'PYTHONPATH': PYTHONPATH, 'DURCAP_WIRE_KIND': 'anthropic', 'DURCAP_WIRE_URL': wire.url,
+        env = {'DURCAP_WIRE_KIND': 'anthropic', 'DURCAP_WIRE_URL': wire.url,
                'DURCAP_LEDGER_DIR': str(ledger_dir), 'DURCAP_LEDGER_CHARGE_SECONDS': '0',
                'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}'}
         held = lambda: any(e['step'] == 2 for e in wire.log)  # noqa: E731

@@ -46,12 +46,12 @@ from typing import Any
 import pytest
 
 from examples.support.agent import make_store
-from tests.engines._pg import create_database, drop_database
+from tests._helpers import ROOT, create_database, drop_database, subprocess_env
 
 # One worker runs this module's tests (pytest-xdist `loadgroup`): they share a module-scoped fixture.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('resume-matrix')]
 
-ROOT = Path(__file__).resolve().parents[2]
+
 DRIVER_TIMEOUT = 300.0
 ENGINES = ('local', 'temporal', 'dbos', 'prefect')
 DURABLE = ('temporal', 'dbos', 'prefect')
@@ -116,7 +116,7 @@ def start_driver(engine: str, plan: list[dict[str, Any]], out_dir: Path, env: di
             [sys.executable, '-m', 'tests.engines.resume_driver', engine, '--plan', str(plan_path), '--out-dir', str(out_dir),
              *extra],
             cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, 'PYTHONPATH': os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')])), **env},
+            env=subprocess_env(env),
         )
     return Driver(engine, popen, log)
 

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from tests._helpers import ROOT, durcap, subprocess_env, wait_for_line
 from tests.engines.test_crash import assert_exactly_once, wait_file
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
+
 DURCAP = [sys.executable, '-m', 'durable_capabilities.cli']
 LEDGER = 'tests/engines/ledger_agent.py:agent'
 CRASH = 'tests/engines/crash_agent.py:agent'
@@ -32,7 +33,7 @@ WIDE = ('--limit', '500')
 
 
 def env_with(**extra: str) -> dict[str, str]:
-    return {**os.environ, 'PYTHONPATH': str(ROOT), **extra}
+    return subprocess_env(extra)
 
 
 def _default_sigint() -> None:
@@ -56,19 +57,7 @@ def kill9(proc: subprocess.Popen[bytes]) -> None:
 
 
 def wait_text(log: Path, needle: str, proc: subprocess.Popen[bytes] | None, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in log.read_text(errors='replace').splitlines():
-            if needle in line:
-                return line
-        if proc is not None and proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    raise AssertionError(f'{needle!r} not seen within {timeout} s:\n{log.read_text(errors="replace")[-3000:]}')
-
-
-def durcap(*args: str, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*DURCAP, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return wait_for_line(log, needle, timeout, alive=lambda: proc is None or proc.poll() is None)
 
 
 def test_two_concurrent_dbos_runs_each_do_their_own_work_once(postgres_url: str, tmp_path: Path) -> None:

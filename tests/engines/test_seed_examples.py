@@ -31,13 +31,13 @@ from typing import Any
 
 import pytest
 
-from tests.engines._pg import create_database, drop_database
+from tests._helpers import ROOT, create_database, drop_database, subprocess_env
 from tests.engines.seed_driver import ORDER_LINE
 
 # One worker runs this module's tests (pytest-xdist `loadgroup`): they share a module-scoped fixture.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('seed-examples')]
 
-ROOT = Path(__file__).resolve().parents[2]
+
 DRIVER_TIMEOUT = 300.0
 ENGINES = ('temporal', 'dbos-sqlite', 'dbos-postgres', 'prefect')
 EXAMPLES = ('capability', 'account-security', 'orders-security', 'runbook', 'skills')
@@ -97,7 +97,7 @@ def _drive(args: list[str], env: dict[str, str], out_dir: Path) -> dict[str, Any
         popen = subprocess.Popen(
             [sys.executable, '-m', 'tests.engines.seed_driver', *args, '--out-dir', str(out_dir)],
             cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, 'PYTHONPATH': str(ROOT), **env},
+            env=subprocess_env(env),
         )
     try:
         popen.wait(timeout=DRIVER_TIMEOUT)

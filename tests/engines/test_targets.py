@@ -19,18 +19,14 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests._helpers import ROOT, durcap, subprocess_env
+
 FIXTURES = ROOT / 'tests' / 'fixtures'
 BOTH_MODULES = ('tests.fixtures.same_name_a at tests/fixtures/same_name_a.py', 'tests.fixtures.same_name_b at tests/fixtures/same_name_b.py')
 
 
-def durcap(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, '-m', 'durable_capabilities.cli', *args], cwd=cwd, env={**os.environ, **(env or {})},
-                          capture_output=True, text=True, timeout=timeout, check=False)
-
-
 def python(code: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, '-c', textwrap.dedent(code)], cwd=ROOT, env={**os.environ, **(env or {})},
+    return subprocess.run([sys.executable, '-c', textwrap.dedent(code)], cwd=ROOT, env=subprocess_env(env),
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
@@ -214,7 +210,7 @@ def test_lock_lives_beside_the_target_module_for_lock_check_and_run(tmp_path: Pa
     project.mkdir()
     elsewhere.mkdir()
     module = _copy_rename_fixture(project)
-    env = {'PYTHONPATH': f'{project}{os.pathsep}{os.environ.get("PYTHONPATH", "")}'}
+    env = {'PYTHONPATH': str(project)}  # before this checkout's entries (tests/_helpers.py)
     # A dotted target, run from another folder: the lock goes beside pkg/agents.py, not into the current folder.
     made = durcap('lock', 'pkg.agents:agent', cwd=elsewhere, env=env)
     assert made.returncode == 0, made.stderr

@@ -8,16 +8,15 @@ SQLite. The model is the support example's scripted `FunctionModel`.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests._helpers import ROOT, subprocess_env
 
 
 def test_dbos_users_workflow_keeps_a_conversation_through_the_turn(tmp_path: Path) -> None:
-    env = {**os.environ, 'PYTHONPATH': str(ROOT), 'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}'}
+    env = subprocess_env({'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}'})
     result = subprocess.run(
         [sys.executable, '-m', 'tests.engines.dbos_user_conversation', f'sqlite:///{tmp_path / "app.sqlite"}'],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False,

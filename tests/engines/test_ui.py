@@ -30,12 +30,13 @@ from pathlib import Path
 import pytest
 
 from durable_capabilities._servers import free_port
+from tests._helpers import ROOT, subprocess_env
 from tests.engines.test_approvals import TARGET, env_for, pending, revocations
 
 # One worker runs this module's tests (pytest-xdist `loadgroup`): they share a module-scoped fixture.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('ui')]
 
-ROOT = Path(__file__).resolve().parents[2]
+
 ARTIFACTS = ROOT / '.durcap' / 'artifacts' / 'ui'
 CHROMIUM, CHROMEDRIVER = Path('/usr/bin/chromium'), Path('/usr/bin/chromedriver')
 SUPPORT = 'examples.support.agent:support'
@@ -87,7 +88,7 @@ def ui(tmp_path_factory: pytest.TempPathFactory, temporal_address: str) -> Itera
              '--engine', 'temporal', '--db', db, '--address', temporal_address, '--store', store,
              '--limit', '300'],  # past the 50 newest: the Temporal server is shared with tests running meanwhile
             cwd=home, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, 'PYTHONPATH': str(ROOT), 'DURCAP_UI_TOKEN': token},
+            env=subprocess_env({'DURCAP_UI_TOKEN': token}),
         )
     server = UI(f'http://127.0.0.1:{port}', token, db, store, temporal_address, proc, log)
     try:
@@ -145,7 +146,7 @@ def durcap_run(ui: UI, engine: str, conversation: str, tmp_path: Path) -> str:
         [sys.executable, '-m', 'durable_capabilities.cli', 'run', SUPPORT, 'Where is order ABC-123?', '--engine', engine,
          '--deps-json', ORDERS, '--conversation', conversation, '--store', ui.store, *extra],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, 'PYTHONPATH': str(ROOT)},
+        env=subprocess_env(),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f'answer ({engine}):' in result.stdout and 'ABC-123' in result.stdout

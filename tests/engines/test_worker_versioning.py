@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +21,9 @@ import pytest
 from pydantic_ai.capabilities import Capability
 
 from durable_capabilities import DurableAgent
+from tests import _helpers
+from tests._helpers import ROOT, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[2]
 TARGET = 'tests.engines.versioned_agent:agent'
 
 
@@ -66,7 +66,7 @@ def workers(tmp_path: Path) -> Iterator[Any]:
         handle = open(log, 'wb')
         proc = subprocess.Popen(
             [sys.executable, '-m', 'durable_capabilities.cli', 'worker', 'temporal', TARGET, *args],
-            cwd=ROOT, env={**os.environ, 'PYTHONPATH': str(ROOT), **env}, stdout=handle, stderr=subprocess.STDOUT,
+            cwd=ROOT, env=subprocess_env(env), stdout=handle, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         handle.close()
@@ -81,22 +81,11 @@ def workers(tmp_path: Path) -> Iterator[Any]:
 
 
 def wait_for_line(log: Path, needle: str, proc: subprocess.Popen[bytes], timeout: float = 90) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in log.read_text(errors='replace').splitlines():
-            if needle in line:
-                return line
-        if proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    raise AssertionError(f'{needle!r} not seen (exit {proc.poll()}):\n{log.read_text(errors="replace")[-3000:]}')
+    return _helpers.wait_for_line(log, needle, timeout, alive=lambda: proc.poll() is None)
 
 
 def wait_for_file(path: Path, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f'{path} not created within {timeout} s'
-        time.sleep(0.1)
+    _helpers.wait_for_file(path, timeout)
 
 
 @pytest.mark.slow

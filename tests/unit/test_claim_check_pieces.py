@@ -1,6 +1,6 @@
 """Claim checks that share what repeats (issue 24 item 1): a large payload holding a message list is stored as
 content-addressed pieces written once, so a conversation's claim checks grow linearly with its messages, not with
-the number of model requests. Real SQLite files and real PostgreSQL databases (`store_url` of tests/test_store.py),
+the number of model requests. Real SQLite files and real PostgreSQL databases (`store_url` of tests/conftest.py: SQLite here, PostgreSQL again from tests/engines/test_stores_on_postgresql.py),
 payloads made by temporalio's pydantic data converter as pydantic-ai's Temporal integration sends them."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 
 from durable_capabilities.engines.temporal._payloads import ENCODING, ClaimCheckCodec, cut
 from durable_capabilities.store import CorruptedRowError
-from tests.test_store import sql, store_url  # noqa: F401 - fixture
+from tests._helpers import sql
 
 
 def run(coro: Any) -> Any:
@@ -70,7 +70,7 @@ def test_cut_pieces_cover_the_payload_and_keep_the_prefix() -> None:
     assert first[:-2] == second[:len(first) - 2]  # all but the pieces after the messages are shared with the longer one
 
 
-def test_a_growing_conversation_stores_its_messages_once(store_url: str) -> None:  # noqa: F811
+def test_a_growing_conversation_stores_its_messages_once(store_url: str) -> None:
     codec = ClaimCheckCodec(store_url, threshold=100_000)
 
     converter = dataclasses.replace(pydantic_data_converter, payload_codec=codec)
@@ -100,7 +100,7 @@ def test_a_growing_conversation_stores_its_messages_once(store_url: str) -> None
     assert stored_bytes(store_url) == sizes[96]
 
 
-def test_a_reference_written_by_0_2_still_decodes(store_url: str) -> None:  # noqa: F811
+def test_a_reference_written_by_0_2_still_decodes(store_url: str) -> None:
     """0.2's layout, as its codec wrote it: the whole serialized payload under its sha256, the reference
     `{"sha256": ..., "size": ...}`. Next to it, a new reference in pieces for the same value."""
     value = request(conversation(8))
@@ -117,7 +117,7 @@ def test_a_reference_written_by_0_2_still_decodes(store_url: str) -> None:  # no
     assert decoded == [plain, plain]
 
 
-def test_a_missing_or_altered_piece_is_a_corrupted_row(store_url: str) -> None:  # noqa: F811
+def test_a_missing_or_altered_piece_is_a_corrupted_row(store_url: str) -> None:
     codec = ClaimCheckCodec(store_url, threshold=1000)
     [plain] = run(pydantic_data_converter.encode([request(conversation(3, 5000))]))
     [reference] = run(codec.encode([plain]))

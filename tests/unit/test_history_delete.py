@@ -10,8 +10,6 @@ conversation is left, every row of the other is as it was, and the other still l
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,25 +25,6 @@ from durable_capabilities.store import (
     SQLConversationStore,
     run_of,
 )
-
-PG_ADMIN = 'postgresql://postgres@127.0.0.1:5432/postgres'
-
-
-@pytest.fixture(params=['sqlite', 'postgresql'])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == 'sqlite':
-        yield f'sqlite:///{tmp_path}/conversations.db'
-        return
-    import psycopg
-
-    name = f'durcap_delete_{uuid.uuid4().hex[:12]}'
-    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield f'postgresql://postgres@127.0.0.1:5432/{name}'
-    finally:
-        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def run(coro: Any) -> Any:

@@ -1,7 +1,8 @@
 """Integrity on read (issue 10 item 5): a `durcap_conversations` row that disagrees with its entries or its
 write log is a `CorruptedRowError` naming the conversation on the next read and before any append; nothing
 is written past the end. Also the claim-check table and the writability probe. Real SQLite files and real
-PostgreSQL databases (the `store_url` fixture of tests/test_store.py)."""
+PostgreSQL databases (the `store_url` fixture of tests/conftest.py; PostgreSQL in
+tests/engines/test_stores_on_postgresql.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from durable_capabilities.store import (
     StoreReadOnlyError,
     StoreUnavailableError,
 )
-from tests.test_store import run, snapshot, sql, store, store_url  # noqa: F401 - fixtures
+from tests._helpers import snapshot, sql
+from tests.unit.test_store import run
 
 TURN = [ModelRequest(parts=[UserPromptPart('hi')]), ModelResponse(parts=[TextPart('hello')])]
 
@@ -43,7 +45,7 @@ def _two_turns(opened: SQLConversationStore, cid: str) -> None:
     ],
     ids=['count-up', 'count-down', 'revision', 'head-missing', 'head-null'],
 )
-def test_a_header_that_disagrees_with_its_rows_is_refused(store: SQLConversationStore, store_url: str, edit: str, says: str) -> None:  # noqa: F811
+def test_a_header_that_disagrees_with_its_rows_is_refused(store: SQLConversationStore, store_url: str, edit: str, says: str) -> None:
     _two_turns(store, 'c')
     sql(store_url, edit)
     before = snapshot(store_url)
@@ -58,7 +60,7 @@ def test_a_header_that_disagrees_with_its_rows_is_refused(store: SQLConversation
     assert snapshot(store_url) == before  # nothing written past the end, nothing rewritten
 
 
-def test_a_damaged_conversation_of_another_scope_reads_as_not_found(store: SQLConversationStore, store_url: str) -> None:  # noqa: F811
+def test_a_damaged_conversation_of_another_scope_reads_as_not_found(store: SQLConversationStore, store_url: str) -> None:
     """A reader of scope `b` learns nothing about a conversation of scope `a`, damaged or not: the header check runs in
     the same statement as the row (`_checked_row`), but only for the scope asked."""
     from durable_capabilities.store import ConversationNotFoundError
@@ -71,7 +73,7 @@ def test_a_damaged_conversation_of_another_scope_reads_as_not_found(store: SQLCo
         run(store.read('c', scope='a'))
 
 
-def test_a_header_missing_a_write_log_row_is_refused(store: SQLConversationStore, store_url: str) -> None:  # noqa: F811
+def test_a_header_missing_a_write_log_row_is_refused(store: SQLConversationStore, store_url: str) -> None:
     _two_turns(store, 'c')
     sql(store_url, "DELETE FROM durcap_writes WHERE conversation_id = 'c' AND revision = 2")
     with pytest.raises(CorruptedRowError, match='is at revision 2 but its write log ends at revision 1'):
@@ -79,7 +81,7 @@ def test_a_header_missing_a_write_log_row_is_refused(store: SQLConversationStore
     assert sql(store_url, "SELECT COUNT(*) FROM durcap_entries WHERE conversation_id = 'c'")[0][0] == 4
 
 
-def test_a_consistent_conversation_still_reads_and_appends(store: SQLConversationStore) -> None:  # noqa: F811
+def test_a_consistent_conversation_still_reads_and_appends(store: SQLConversationStore) -> None:
     _two_turns(store, 'c')
     stored = run(store.read('c'))
     assert (stored.message_count, stored.revision) == (4, 2)
@@ -87,7 +89,7 @@ def test_a_consistent_conversation_still_reads_and_appends(store: SQLConversatio
     assert run(store.append('c', TURN, expected_revision=2)).message_count == 6
 
 
-def test_claim_check_rows_are_content_addressed_and_idempotent(store: SQLConversationStore, store_url: str) -> None:  # noqa: F811
+def test_claim_check_rows_are_content_addressed_and_idempotent(store: SQLConversationStore, store_url: str) -> None:
     backend = store._sql
     backend.put_payload('ab' * 32, b'\x00big\xff' * 1000)
     backend.put_payload('ab' * 32, b'\x00big\xff' * 1000)  # a retried encode
@@ -96,7 +98,7 @@ def test_claim_check_rows_are_content_addressed_and_idempotent(store: SQLConvers
     assert sql(store_url, 'SELECT COUNT(*), MAX(size) FROM durcap_payloads')[0] == (1, 5000)
 
 
-def test_writability_probe(tmp_path: Path, store_url: str) -> None:  # noqa: F811
+def test_writability_probe(tmp_path: Path, store_url: str) -> None:
     with SQLConversationStore(store_url) as writable:
         writable._sql.probe_writable()
     unreachable = SQLConversationStore('postgresql://postgres@127.0.0.1:1/none')
@@ -131,22 +133,6 @@ def test_writability_probe(tmp_path: Path, store_url: str) -> None:  # noqa: F81
     with SQLConversationStore(f'sqlite:///{path}') as writable:
         run(writable.check_writable())
         assert files() == before  # the probe's write was rolled back: nothing reached the file or its WAL
-
-
-def test_writability_probe_refuses_a_read_only_postgresql_database() -> None:
-    from tests.engines._pg import create_database, drop_database
-    from tests.engines._pg import url as pg_url
-
-    name = create_database('durcap_ro')
-    try:
-        url = pg_url(name)
-        with SQLConversationStore(url) as made:
-            made._sql.probe_writable()
-        sql(url, f'ALTER DATABASE {name} SET default_transaction_read_only = on')
-        with pytest.raises(StoreReadOnlyError, match='is read-only'):
-            run(SQLConversationStore(url).check_writable())
-    finally:
-        drop_database(name)
 
 
 def test_the_store_a_worker_keeps_open_follows_a_replaced_or_deleted_sqlite_file(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from pydantic_ai.capabilities import Capability
 import durable_capabilities
 from durable_capabilities import DurableAgent, DurcapError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PRIVATE = {'_ProbeDone', '_Cut'}
 """Private control-flow exceptions: they never leave the package (`store._sql`, `wire`)."""
 

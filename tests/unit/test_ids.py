@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -49,6 +48,7 @@ from durable_capabilities import (
     redact_url,
 )
 from durable_capabilities.ids import collect_leaves
+from tests._helpers import subprocess_env
 
 ENGINES = ('local', 'temporal', 'dbos', 'prefect')
 MCP_URL = 'http://127.0.0.1:8931/mcp'  # building never connects; nothing needs to listen here
@@ -617,7 +617,7 @@ def test_ids_identical_across_processes_and_hash_seeds(tmp_path: Path, skills_di
     script.write_text(ID_SCRIPT)
     outputs = []
     for seed in ('1', '2', '987654'):
-        env = {**os.environ, 'PYTHONHASHSEED': seed}
+        env = subprocess_env({'PYTHONHASHSEED': seed})
         done = subprocess.run(
             [sys.executable, str(script), str(skills_dir)], env=env, capture_output=True, text=True, timeout=300
         )

@@ -37,7 +37,7 @@ from durable_capabilities import (
     load_skills,
 )
 
-EXAMPLE_SKILLS = Path(__file__).resolve().parents[1] / 'examples' / 'support' / 'skills'
+EXAMPLE_SKILLS = Path(__file__).resolve().parents[2] / 'examples' / 'support' / 'skills'
 
 REFUNDS = """---
 id: refunds

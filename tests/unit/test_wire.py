@@ -111,16 +111,11 @@ def test_load_script_reads_yaml(tmp_path) -> None:
 
 def test_durcap_wire_refuses_a_bad_script_with_one_line(tmp_path) -> None:
     """`durcap wire --script` of a file that is not a wire script: exit 2, one line naming the file, no traceback."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests._helpers import durcap
 
-    root = Path(__file__).resolve().parents[1]
     bad = tmp_path / 'bad.yaml'
     bad.write_text('steps: []\n')
-    out = subprocess.run([sys.executable, '-m', 'durable_capabilities.cli', 'wire', '--script', str(bad)], cwd=root,
-                         env={**os.environ, 'PYTHONPATH': str(root)}, capture_output=True, text=True, timeout=60)
+    out = durcap('wire', '--script', str(bad), timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip() == f'durcap: error: cannot read the wire script {bad}: {bad}: a wire script is a mapping ' \
                                  'with a non-empty `turns` list'

@@ -1,5 +1,5 @@
 """The claim-check codec on its own (no Temporal server): real SQLite files and real PostgreSQL databases
-(the `store_url` fixture of tests/test_store.py), payloads made by temporalio's own `DataConverter`."""
+(the `store_url` fixture of tests/conftest.py), payloads made by temporalio's own `DataConverter`."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from temporalio.exceptions import ApplicationError
 
 from durable_capabilities.engines.temporal._payloads import ENCODING, ClaimCheckCodec, default_codec
 from durable_capabilities.store import CorruptedRowError
-from tests.test_store import sql, store_url  # noqa: F401 - fixture
+from tests._helpers import sql
 
 
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-def test_large_payloads_travel_by_reference_and_come_back_whole(store_url: str) -> None:  # noqa: F811
+def test_large_payloads_travel_by_reference_and_come_back_whole(store_url: str) -> None:
     codec = ClaimCheckCodec(store_url, threshold=1000, maximum=10_000_000)
     converter = DataConverter(payload_codec=codec)
     small, large = 'x' * 500, {'text': 'é' * 600_000}
@@ -32,7 +32,7 @@ def test_large_payloads_travel_by_reference_and_come_back_whole(store_url: str) 
     assert sql(store_url, 'SELECT COUNT(*) FROM durcap_payloads')[0][0] == 1
 
 
-def test_a_payload_over_the_maximum_is_refused_for_good(store_url: str) -> None:  # noqa: F811
+def test_a_payload_over_the_maximum_is_refused_for_good(store_url: str) -> None:
     converter = DataConverter(payload_codec=ClaimCheckCodec(store_url, threshold=1000, maximum=50_000))
     run(converter.encode(['y' * 2000]))  # one claim check stored
     with pytest.raises(ApplicationError, match=r'DC030 Temporal payload: a payload of 60,0\d\d bytes is over the maximum of 50,000 bytes') as raised:
@@ -51,7 +51,7 @@ def test_store_down_inline_when_temporal_can_carry_it_else_dc031() -> None:
     assert raised.value.non_retryable and raised.value.type == 'DurcapClaimCheckUnavailable'
 
 
-def test_a_reference_whose_payload_is_missing_or_altered_is_a_corrupted_row(store_url: str) -> None:  # noqa: F811
+def test_a_reference_whose_payload_is_missing_or_altered_is_a_corrupted_row(store_url: str) -> None:
     converter = DataConverter(payload_codec=ClaimCheckCodec(store_url, threshold=1000))
     [reference] = run(converter.encode(['x' * 5000]))
     assert run(converter.decode([reference], [str])) == ['x' * 5000]

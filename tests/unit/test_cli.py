@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests._helpers import ROOT, durcap, durcap_here, subprocess_env
+
 FIXTURES = 'tests/fixtures'
 GOOD = f'{FIXTURES}/good_agent.py'
 BAD = f'{FIXTURES}/bad_agent.py:bad'
@@ -20,17 +21,6 @@ COUNTING = f'{FIXTURES}/counting_agent.py'
 # The five mistakes built into bad_agent.py, plus what they imply (DC015: the id-less capability's
 # toolset; DC004: the two 'orders' capabilities' toolsets share an id).
 BAD_CODES = {'DC001', 'DC002', 'DC003', 'DC008', 'DC009'}
-
-
-def durcap(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, '-m', 'durable_capabilities.cli', *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 # ---- check ------------------------------------------------------------------------------------
@@ -47,7 +37,8 @@ def test_installed_script_and_module_target() -> None:
     """The `durcap` console script, with a dotted module target importable from the working directory."""
     script = Path(sys.executable).with_name('durcap')
     result = subprocess.run(
-        [str(script), 'check', 'good_agent:agents'], cwd=ROOT / FIXTURES, capture_output=True, text=True, timeout=120
+        [str(script), 'check', 'good_agent:agents'], cwd=ROOT / FIXTURES, capture_output=True, text=True, timeout=120,
+        env=subprocess_env(),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "'good', 'second'" in result.stdout
@@ -234,7 +225,7 @@ def test_demo_and_savings_print_one_saving_per_request(tmp_path: Path) -> None:
     it by the fixed cost of deferring, which both the text and the JSON state."""
     import re
 
-    demo = durcap('demo', '--engine', 'local', env={**os.environ, 'DURCAP_STORE': f'sqlite:///{tmp_path}/c.db'})
+    demo = durcap('demo', '--engine', 'local', env={'DURCAP_STORE': f'sqlite:///{tmp_path}/c.db'})
     assert demo.returncode == 0, demo.stderr
     [(deferred, always, saved)] = re.findall(
         r'(\d+) with deferred capabilities vs (\d+) with every capability always on \(\S+\): deferral saves (\d+) tokens',
@@ -265,8 +256,8 @@ def test_savings_uses_the_models_own_counter() -> None:
 
 
 def test_savings_falls_back_without_credentials() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.endswith('_API_KEY')}
-    result = durcap('savings', f'{COUNTING}:unreachable', '--format', 'json', env=env)
+    result = durcap('savings', f'{COUNTING}:unreachable', '--format', 'json',
+                    unset=[k for k in os.environ if k.endswith('_API_KEY')])
     assert result.returncode == 0, result.stderr
     [agent] = json.loads(result.stdout)['agents']
     assert agent['estimated'] is True
@@ -349,13 +340,12 @@ def test_ui_on_a_taken_port_is_unusable_input(tmp_path: Path) -> None:
 def test_store_and_dbos_db_from_the_environment_are_checked_like_the_options(tmp_path: Path) -> None:
     """`$DURCAP_STORE=sqlite://` (an in-memory store: the turn would be gone at exit) is refused as `--store
     sqlite://` is, with DC040 and exit 2, before anything runs; so is a malformed `$DURCAP_DBOS_DB` for `runs`."""
-    env = {k: v for k, v in os.environ.items() if k not in ('DURCAP_STORE', 'DURCAP_DBOS_DB')}
     memory = durcap('run', 'examples/support/agent.py:support', 'hi', '--engine', 'local', cwd=ROOT,
-                    env={**env, 'DURCAP_STORE': 'sqlite://'})
+                    env={'DURCAP_STORE': 'sqlite://'}, unset=['DURCAP_DBOS_DB'])
     assert memory.returncode == 2, memory.stdout + memory.stderr
     assert 'DC040 $DURCAP_STORE (the default of --store)' in memory.stderr and 'in-memory' in memory.stderr
     assert 'Traceback' not in memory.stderr and memory.stdout == ''
-    bad_db = durcap('runs', 'list', '--engine', 'dbos', env={**env, 'DURCAP_DBOS_DB': 'mysql://u@h/db'})
+    bad_db = durcap('runs', 'list', '--engine', 'dbos', env={'DURCAP_DBOS_DB': 'mysql://u@h/db'}, unset=['DURCAP_STORE'])
     assert bad_db.returncode == 2 and 'DC040 $DURCAP_DBOS_DB' in bad_db.stderr, bad_db.stderr
 
 
@@ -375,7 +365,7 @@ def test_an_unreachable_temporal_server_is_one_line_and_exit_2(command: tuple[st
     with socket.socket() as held:  # bound, never listening: connections to it are refused
         held.bind(('127.0.0.1', 0))
         address = f'127.0.0.1:{held.getsockname()[1]}'
-        result = durcap(*command, '--address', address, env={**os.environ, 'PYTHONPATH': str(ROOT)})
+        result = durcap(*command, '--address', address)
     assert result.returncode == 2, result.stdout + result.stderr
     assert f'cannot reach the Temporal server at {address} (Connection refused)' in result.stderr, result.stderr
     assert 'tonic' not in result.stderr and 'Traceback' not in result.stderr
@@ -387,9 +377,10 @@ def test_an_unreachable_temporal_server_is_one_line_and_exit_2(command: tuple[st
     ('dev', 'temporal', '--port', '-5'),
 ])
 def test_ports_and_limits_out_of_range_are_refused(args: tuple[str, ...]) -> None:
-    """A port outside 1-65535 or a limit below 1: typer's one-line usage error, exit 2, nothing started."""
-    result = durcap(*args)
-    assert result.returncode == 2, result.stdout + result.stderr
+    """A port outside 1-65535 or a limit below 1: typer's one-line usage error, exit 2, nothing started (in this
+    process: an argument check; the same error in a real process is in tests/unit/test_bad_inputs.py)."""
+    result = durcap_here(*args)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), (result.output, result.exception)
     assert 'Traceback' not in result.stderr and 'Invalid value for' in result.stderr, result.stderr
 
 
@@ -398,12 +389,13 @@ def test_ports_and_limits_out_of_range_are_refused(args: tuple[str, ...]) -> Non
                                      ('run', 'tests/engines/ledger_agent.py:agent', 'x', '--engine', 'temporal')])
 def test_a_malformed_temporal_address_is_bad_input(command: tuple[str, ...], address: str) -> None:
     """`--address` (and `$DURCAP_TEMPORAL_ADDRESS`) must be HOST:PORT with a port in 1-65535: DC040, exit 2, before
-    anything connects (temporalio would fail later with a raw transport error, or only warn about a scheme)."""
-    flag = durcap(*command, '--address', address, env={**os.environ, 'PYTHONPATH': str(ROOT)})
-    assert flag.returncode == 2 and 'DC040 --address' in flag.stderr, flag.stdout + flag.stderr
-    env = {**os.environ, 'PYTHONPATH': str(ROOT), 'DURCAP_TEMPORAL_ADDRESS': address}
-    from_env = durcap(*command, env=env)
-    assert from_env.returncode == 2 and 'DC040 $DURCAP_TEMPORAL_ADDRESS' in from_env.stderr, from_env.stderr
+    anything connects (temporalio would fail later with a raw transport error, or only warn about a scheme). In this
+    process (an argument check, nothing connects); `test_an_unreachable_temporal_server_is_one_line_and_exit_2` runs
+    the same commands as real processes."""
+    flag = durcap_here(*command, '--address', address, env={'DURCAP_TEMPORAL_ADDRESS': None})
+    assert flag.exit_code == 2 and 'DC040 --address' in flag.stderr, (flag.output, flag.exception)
+    from_env = durcap_here(*command, env={'DURCAP_TEMPORAL_ADDRESS': address})
+    assert from_env.exit_code == 2 and 'DC040 $DURCAP_TEMPORAL_ADDRESS' in from_env.stderr, (from_env.output, from_env.exception)
 
 
 def test_reading_runs_of_a_dbos_database_where_nothing_ran_creates_nothing_and_says_one_line(tmp_path: Path) -> None:
@@ -461,8 +453,8 @@ def test_listing_prefect_without_an_api_says_it_reads_the_temporary_server(tmp_p
     `PREFECT_API_URL` set there is no note. Real Prefect settings, resolved in a fresh process (no server started)."""
     code = ('from durable_capabilities.engines import get\n'
             "print(get('prefect').listing_note({}))\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith('PREFECT_')}
-    env.update(PREFECT_HOME=str(tmp_path / 'prefect'), PYTHONPATH=str(ROOT / 'src'))
+    env = subprocess_env({'PREFECT_HOME': str(tmp_path / 'prefect')},
+                         unset=[k for k in os.environ if k.startswith('PREFECT_') and k != 'PREFECT_HOME'])
     bare = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=120)
     assert bare.returncode == 0, bare.stderr
     assert bare.stdout.startswith("prefect: no PREFECT_API_URL configured: reading the database of Prefect's "

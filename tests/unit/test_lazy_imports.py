@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 
+from tests._helpers import subprocess_env
+
 _PROBE = textwrap.dedent(
     """
     import json, sys
@@ -34,7 +36,8 @@ _PROBE = textwrap.dedent(
 
 def _imported(*modules: str, extra: str = '') -> dict[str, bool]:
     out = subprocess.run(
-        [sys.executable, '-c', _PROBE.replace('EXTRA', extra or 'pass'), *modules], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, '-c', _PROBE.replace('EXTRA', extra or 'pass'), *modules], capture_output=True, text=True, timeout=120, check=True,
+        env=subprocess_env(),
     ).stdout
     return json.loads(out.strip().splitlines()[-1])
 

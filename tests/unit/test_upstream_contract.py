@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 import importlib
 import inspect
-import os
 from pathlib import Path
 from typing import Any
 
@@ -402,10 +401,12 @@ def test_dbos_application_version_is_dbos_own_computation_without_the_excluded_w
     import subprocess
     import sys
 
+    from tests._helpers import pythonpath, subprocess_env
+
     script = tmp_path / 'versions.py'  # a file: DBOS hashes the workflows' source code
     script.write_text(_DBOS_VERSION_SCRIPT)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True,
-                            env={**os.environ, 'PYTHONPATH': os.pathsep.join(sys.path)})
+                            env=subprocess_env({'PYTHONPATH': pythonpath(*sys.path)}))
     data = json.loads(result.stdout.strip().splitlines()[-1])
     assert data['ours_all'] == data['default_two'], changed('DBOSRegistry.compute_app_version is no longer what we call')
     assert data['ours_without_second'] == data['default_one'] != data['default_two'], changed(
@@ -452,7 +453,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
         'dbos_error_classes',
         'derived_id_source',
         'explicit_toolset_id',
-        'is_mcp_toolset',  # tests/test_lazy_imports.py
+        'is_mcp_toolset',  # tests/unit/test_lazy_imports.py
         'interchangeable_leaves',
         'temporal_activity_name',
         'temporal_set_deadlock_timeout',  # test_temporal_workflow_worker_keeps_its_deadlock_timeout_in_one_attribute

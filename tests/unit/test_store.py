@@ -1,6 +1,7 @@
-"""`SQLConversationStore` on SQLite and PostgreSQL, drift on resume, and `durcap history show`.
+"""`SQLConversationStore`, drift on resume, and `durcap history show`.
 
-PostgreSQL: 127.0.0.1:5432, user postgres, trust auth; every test gets a fresh database, dropped after.
+Here on SQLite files; tests/engines/test_stores_on_postgresql.py runs every test that takes `store_url` again on a
+fresh PostgreSQL database (127.0.0.1:5432, trust auth), dropped after.
 The histories are real: a `DurableAgent` on the local engine with a scripted `FunctionModel` that loads
 the deferred capability `orders` and calls its tool `track_order`.
 """
@@ -13,8 +14,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,68 +52,14 @@ from durable_capabilities.store import (
     loaded_capability_ids,
     tools_called,
 )
+from tests._helpers import python, snapshot, sql, subprocess_env
 
-# One worker runs this module's tests (pytest-xdist `loadgroup`): they share a module-scoped fixture.
-pytestmark = pytest.mark.xdist_group('store')
-
-
-PG_ADMIN = 'postgresql://postgres@127.0.0.1:5432/postgres'
-
-
-# ---- fixtures ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(params=['sqlite', 'postgresql'])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A URL to an empty store: a SQLite file under `tmp_path`, or a fresh PostgreSQL database (dropped after)."""
-    if request.param == 'sqlite':
-        yield f'sqlite:///{tmp_path}/conversations.db'
-        return
-    import psycopg
-
-    name = f'durcap_store_{uuid.uuid4().hex[:12]}'
-    try:
-        admin = psycopg.connect(PG_ADMIN, autocommit=True)
-    except psycopg.OperationalError as exc:  # pragma: no cover - the machine runs PostgreSQL
-        pytest.fail(f'PostgreSQL is not reachable at {PG_ADMIN}: {exc}')
-    with admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield f'postgresql://postgres@127.0.0.1:5432/{name}'
-    finally:
-        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-@pytest.fixture
-def store(store_url: str) -> Iterator[SQLConversationStore]:
-    with SQLConversationStore(store_url) as opened:
-        yield opened
+# ---- fixtures: `store_url` and `store` in tests/conftest.py (SQLite here; PostgreSQL in
+# tests/engines/test_stores_on_postgresql.py) ---------------------------------------------------
 
 
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
-
-
-def sql(url: str, statement: str, params: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
-    """Run one statement on the store's database outside the store (to corrupt rows, read them raw)."""
-    import sqlalchemy as sa
-
-    engine = sa.create_engine(url.replace('postgresql://', 'postgresql+psycopg://', 1))
-    try:
-        with engine.begin() as conn:
-            result = conn.execute(sa.text(statement), params or {})
-            return [tuple(row) for row in result] if result.returns_rows else []
-    finally:
-        engine.dispose()
-
-
-def snapshot(url: str) -> dict[str, list[tuple[Any, ...]]]:
-    """Every row of every store table, to show a failed read changed nothing."""
-    return {
-        table: sorted(sql(url, f'SELECT * FROM {table}'), key=repr)
-        for table in ('durcap_schema_version', 'durcap_conversations', 'durcap_entries', 'durcap_writes')
-    }
 
 
 # ---- a real history ---------------------------------------------------------------------------
@@ -365,7 +310,7 @@ def test_200_concurrent_appends_from_4_processes(store: SQLConversationStore, st
     writers = [
         subprocess.Popen(
             [sys.executable, '-c', WRITER, store_url, 't-race', f'w{k}', '50', str(go)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
         )
         for k in range(4)
     ]
@@ -625,7 +570,7 @@ def test_drift_with_an_alias_is_info_and_resume_keeps_the_capability(store: SQLC
 
 def _show(*args: str) -> subprocess.CompletedProcess[str]:
     code = 'from durable_capabilities.cli.history import history_app; history_app(prog_name="durcap history")'
-    return subprocess.run([sys.executable, '-c', code, *args], check=False, capture_output=True, text=True, timeout=120)
+    return python(code, *args, timeout=120)
 
 
 def test_history_show_text_and_json(store: SQLConversationStore, store_url: str, history: list[ModelMessage]) -> None:

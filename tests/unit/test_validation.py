@@ -28,6 +28,9 @@ from durable_capabilities import (
     validate_together,
 )
 
+# test_zz_every_code_is_exercised reads what every test of this module produced: the module runs on one xdist worker.
+pytestmark = pytest.mark.xdist_group('validation-codes')
+
 SEEN_CODES: set[str] = set()
 """Every code any test in this module produced; the last test checks it covers `CODES`."""
 
@@ -649,12 +652,12 @@ def test_zz_every_code_is_exercised(request: pytest.FixtureRequest) -> None:
         pytest.skip('only meaningful when the whole module runs')
     unreachable = set(CODES) - codes_with_a_producer()  # declared, but no module ever writes them
     assert unreachable <= {'DC018', 'DC019'}, f'codes nothing produces: {sorted(unreachable)}'
-    elsewhere = {'DC018', 'DC019'}  # history drift: produced by history.py, exercised in tests/test_store.py
+    elsewhere = {'DC018', 'DC019'}  # history drift: produced by history.py, exercised in tests/unit/test_store.py
     # Temporal payload limits: produced by engines/temporal/_payloads.py, exercised in tests/engines/test_payload_sizes.py and
-    # by the examples of docs/errors.md (tests/test_docs.py).
+    # by the examples of docs/errors.md (tests/unit/test_docs.py).
     elsewhere |= {'DC030', 'DC031'}
     # Unusable input (lockfiles, histories, JSON options, URLs): produced by _limits, lockfile, replay and the CLI,
-    # exercised in tests/test_bad_inputs.py and by the examples of docs/errors.md.
+    # exercised in tests/unit/test_bad_inputs.py and by the examples of docs/errors.md.
     elsewhere |= {'DC040'}
     missing = set(CODES) - SEEN_CODES - unreachable - elsewhere
     assert not missing, f'codes no test produced: {sorted(missing)}'

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,8 +38,7 @@ from examples.support.agent import (
     support,
 )
 from examples.support.scripted import SCRIPTED_MODEL_NAME, SupportScript
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests._helpers import ROOT
 
 CATALOG = {
     'orders': 'Use for order tracking, delivery status, or questions involving an order ID.',

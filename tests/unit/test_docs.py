@@ -47,8 +47,8 @@ from pathlib import Path
 import pytest
 
 from durable_capabilities import CODES, DurableConfigError
+from tests._helpers import ROOT, pythonpath, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / 'docs'
 BIN = Path(sys.executable).parent
 
@@ -343,7 +343,9 @@ def start_background(block: Block, run: PageRun) -> None:
 
 @contextlib.contextmanager
 def page_servers(page: Path, tmp: Path) -> Iterator[dict[str, str]]:
-    """Start the servers the page needs; yields the environment variables that point at them."""
+    """Start the servers the page needs; yields the environment variables that point at them. The servers `.ci/run`
+    started for the session (`$DURCAP_TEST_TEMPORAL_ADDRESS`, `$DURCAP_TEST_PREFECT_API_URL`) are used when set, as
+    tests/engines/conftest.py does (the pages' task queue and deployment names are used by no other test)."""
     needs = set()
     for match in PAGE_DIRECTIVE_RE.finditer(page.read_text(encoding='utf-8')):
         needs.update(filter(None, parse_directive(match['body']).get('needs', '').split(',')))
@@ -352,11 +354,11 @@ def page_servers(page: Path, tmp: Path) -> Iterator[dict[str, str]]:
     with contextlib.ExitStack() as stack:
         env: dict[str, str] = {}
         if 'temporal' in needs:
-            server = stack.enter_context(testing.temporal_dev_server(tmp / '.temporal'))
-            env['DURCAP_TEMPORAL_ADDRESS'] = server.address
+            env['DURCAP_TEMPORAL_ADDRESS'] = os.environ.get('DURCAP_TEST_TEMPORAL_ADDRESS') or stack.enter_context(
+                testing.temporal_dev_server(tmp / '.temporal')).address
         if 'prefect' in needs:
-            server = stack.enter_context(testing.prefect_server(tmp / '.prefect-server'))
-            env['PREFECT_API_URL'] = server.address
+            env['PREFECT_API_URL'] = os.environ.get('DURCAP_TEST_PREFECT_API_URL') or stack.enter_context(
+                testing.prefect_server(tmp / '.prefect-server')).address
         yield env
 
 
@@ -365,13 +367,18 @@ def needs_servers(page: Path) -> bool:
 
 
 RUNNABLE_PAGES = [p for p in [*pages(), README] if any(b.lang in ('python', 'console') for b in read_blocks(p))]
+SERVER_PAGES = [p for p in RUNNABLE_PAGES if needs_servers(p)]
+"""Pages that start a Temporal or Prefect server (`docs-test-page: needs=...`): run by tests/engines/test_docs_servers.py."""
 
 
-@pytest.mark.parametrize(
-    'page',
-    [pytest.param(p, id=page_id(p), marks=[pytest.mark.slow] if needs_servers(p) else []) for p in RUNNABLE_PAGES],
-)
+@pytest.mark.parametrize('page', [pytest.param(p, id=page_id(p)) for p in RUNNABLE_PAGES if p not in SERVER_PAGES])
 def test_page_code_runs(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_page(page, tmp_path, monkeypatch)
+
+
+def run_page(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run every block of `page` in `tmp_path` (the servers it needs started first); fails on the first block that does
+    not do what the page says."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     before = set(sys.modules)
@@ -380,7 +387,7 @@ def test_page_code_runs(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
             **os.environ,
             **server_env,
             'PATH': f'{BIN}{os.pathsep}{os.environ.get("PATH", "")}',
-            'PYTHONPATH': os.pathsep.join([str(tmp_path), str(ROOT)]),
+            'PYTHONPATH': pythonpath(tmp_path),  # the page's folder, then this checkout
             'PREFECT_HOME': str(tmp_path / '.prefect-home'),
             'PREFECT_SERVER_ANALYTICS_ENABLED': 'false',
             'NO_COLOR': '1',
@@ -419,7 +426,7 @@ def test_page_code_runs(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_cli_reference_matches_the_cli() -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / 'scripts' / 'gen_cli_reference.py'), '--check'],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, f'docs/cli.md is stale; run scripts/gen_cli_reference.py\n{result.stdout[-6000:]}{result.stderr}'
 
@@ -430,7 +437,7 @@ def test_benchmarks_page_includes_the_bench_figures() -> None:
 
 
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
-    env = {**os.environ, 'NO_MKDOCS_2_WARNING': '1', 'NO_COLOR': '1'}
+    env = subprocess_env({'NO_MKDOCS_2_WARNING': '1', 'NO_COLOR': '1'})
     result = subprocess.run(
         [str(BIN / 'mkdocs'), 'build', '--strict', '--config-file', str(ROOT / 'mkdocs.yml'), '--site-dir', str(tmp_path / 'site')],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,

@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 
 from durable_capabilities._servers import free_port
+from tests._helpers import DURCAP, ROOT, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / 'deploy' / 'local'
 PG_BASE = 'postgresql://postgres@127.0.0.1:5432'
 NAMES = ('temporal', 'prefect', 'temporal-worker', 'dbos-app', 'prefect-flows')
@@ -100,7 +100,8 @@ class Stack:
 
 
 def durcap(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, '-m', 'durable_capabilities.cli', *args], check=False, cwd=ROOT, env=env,
+    """`durcap` with exactly `env` (`clean_env()`: no variable pointing at another server), not `_helpers.durcap`'s."""
+    return subprocess.run([*DURCAP, *args], check=False, cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
@@ -111,12 +112,9 @@ def python(code: str, env: dict[str, str], timeout: float = 300) -> subprocess.C
 
 def clean_env() -> dict[str, str]:
     """This environment without anything that would point a process at another server."""
-    env = dict(os.environ)
-    for key in ('PREFECT_API_URL', 'DURCAP_TEMPORAL_ADDRESS', 'TEMPORAL_ADDRESS', 'DBOS_SYSTEM_DATABASE_URL',
-                'DURCAP_TASK_QUEUE', 'DURCAP_DBOS_QUEUE', 'DURCAP_TARGET', 'DURCAP_READY_FILE', 'SUPPORT_MODEL'):
-        env.pop(key, None)
-    env['PREFECT_SERVER_ANALYTICS_ENABLED'] = 'false'
-    return env
+    return subprocess_env({'PREFECT_SERVER_ANALYTICS_ENABLED': 'false'}, unset=(
+        'PREFECT_API_URL', 'DURCAP_TEMPORAL_ADDRESS', 'TEMPORAL_ADDRESS', 'DBOS_SYSTEM_DATABASE_URL',
+        'DURCAP_TASK_QUEUE', 'DURCAP_DBOS_QUEUE', 'DURCAP_TARGET', 'DURCAP_READY_FILE', 'SUPPORT_MODEL'))
 
 
 def drop_database(name: str) -> None:

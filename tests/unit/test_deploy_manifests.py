@@ -17,7 +17,6 @@ import hashlib
 import json
 import re
 import shlex
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -28,7 +27,8 @@ import yaml
 from kubernetes_validate.utils import SchemaNotFoundError, all_versions
 from packaging.version import Version
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests._helpers import ROOT
+
 DEPLOY = ROOT / 'deploy'
 COMPOSE_DIR = DEPLOY / 'compose'
 COMPOSE_FILE = COMPOSE_DIR / 'compose.yaml'

@@ -18,8 +18,6 @@ import asyncio
 import json
 import os
 import stat
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,8 +42,9 @@ from durable_capabilities.cli import app
 from durable_capabilities.lockfile import LockfileError, read_lock
 from durable_capabilities.replay import read_history
 from durable_capabilities.skills import InvalidSkill, load_skill, load_skills
+from tests import _helpers
+from tests._helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / 'tests' / 'fixtures'
 AGENTS = FIXTURES / 'input_agents.py'
 DEPS = f'{AGENTS}:with_deps'
@@ -489,10 +488,7 @@ def test_bad_input(case: Case, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
 def durcap(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = CASE_SECONDS) -> tuple[int, str]:
     """The console module in a subprocess (killed by `subprocess.run` on timeout); (exit code, stdout + stderr)."""
-    full_env = {**os.environ, 'PYTHONPATH': str(ROOT / 'src'), **(env or {})}
-    full_env.pop('DURCAP_STORE', None)
-    result = subprocess.run([sys.executable, '-m', 'durable_capabilities.cli', *args], cwd=cwd, env=full_env,
-                            capture_output=True, text=True, timeout=timeout)
+    result = _helpers.durcap(*args, cwd=cwd, env=env, unset=['DURCAP_STORE'], timeout=timeout)
     return result.returncode, result.stdout + result.stderr
 
 
@@ -614,13 +610,40 @@ def test_read_lock_raises_only_lockfile_errors(tmp_path: Path, text: str) -> Non
         assert isinstance(data['agents'], dict) and type(data['lock_version']) is int
 
 
+def _yaml_aliases(text: str) -> bool:
+    """Whether PyYAML's own parser sees an alias in `text` (`False` when it cannot parse it)."""
+    try:
+        return any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, Loader=yaml.SafeLoader))
+    except yaml.YAMLError:
+        return False
+
+
+LAUGHS = 'a: &a [x, x]\nb: &b [*a, *a]\nc: &c [*b, *b]\nd: [*c, *c]\n'
+
+
+@pytest.mark.parametrize('text', ['a: &x 1\nb: *x\n', '- &a [1]\n- *a\n', '{x: &y {}, z: *y}\n', LAUGHS])
+def test_load_yaml_refuses_aliases_and_depth(text: str) -> None:
+    """An alias is refused (a `yaml.YAMLError` naming it), however small; so is nesting past `MAX_DEPTH`, in flow
+    and in block style, while `MAX_DEPTH` levels load."""
+    assert _yaml_aliases(text) and yaml.safe_load(text) is not None  # plain PyYAML takes it
+    with pytest.raises(yaml.YAMLError, match='aliases'):
+        load_yaml(text, where='x')
+    for deep in ('[' * (MAX_DEPTH + 1) + ']' * (MAX_DEPTH + 1),
+                 ''.join(f'{"  " * i}k{i}:\n' for i in range(MAX_DEPTH)) + '  ' * MAX_DEPTH + 'v\n'):
+        with pytest.raises(yaml.YAMLError, match=f'deeper than {MAX_DEPTH}'):
+            load_yaml(deep, where='x')
+    assert load_yaml('[' * MAX_DEPTH + ']' * MAX_DEPTH, where='x') is not None
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_YAML_ALPHABET, max_size=60).map(''.join))
-def test_load_yaml_refuses_aliases_and_depth(text: str) -> None:
+def test_load_yaml_raises_only_yaml_errors_and_never_loads_an_alias(text: str) -> None:
     try:
         load_yaml(text, where='x')
     except (yaml.YAMLError, ValueError, TypeError):
         pass  # the errors read_lock and load_skill word; nothing else may escape
+    else:
+        assert not _yaml_aliases(text), f'{text!r} loaded although it holds an alias'
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -12,8 +12,7 @@ import pytest
 
 from durable_capabilities.testing import assert_histories_replay, assert_lock_matches
 from examples.support.agent import support
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests._helpers import ROOT
 
 
 def test_committed_lock_matches_the_support_definition() -> None:
