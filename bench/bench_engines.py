@@ -197,8 +197,8 @@ async def bench_temporal(args: argparse.Namespace, tmp: Path) -> EngineResult:
     from temporalio.worker import Worker
     from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
-    from durable_capabilities._servers import start_temporal_dev_server
     from durable_capabilities.engines import temporal as durcap_temporal
+    from durable_capabilities.engines.temporal import start_temporal_dev_server
 
     durcap = _durcap_agent('bench_durcap_temporal')
     durcap_local = _durcap_agent('bench_durcap_temporal_local',
@@ -383,7 +383,7 @@ def _redact(url: str) -> str:
 
 
 async def bench_prefect(args: argparse.Namespace, tmp: Path) -> EngineResult:
-    from durable_capabilities._servers import start_prefect_server
+    from durable_capabilities.engines.prefect import start_prefect_server
 
     server = start_prefect_server(home=tmp / 'prefect')
     print(f'  prefect server pid {server.pid} at {server.address}', flush=True)

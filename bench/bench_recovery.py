@@ -135,8 +135,7 @@ async def one_kill(client, workers: list[WorkerProc], queue: str, ledger_dir: Pa
 
 
 async def amain(args: argparse.Namespace) -> int:
-    from durable_capabilities._servers import start_temporal_dev_server
-    from durable_capabilities.engines.temporal import connect
+    from durable_capabilities.engines.temporal import connect, start_temporal_dev_server
 
     address, server = args.address or os.environ.get('DURCAP_TEMPORAL_ADDRESS') or os.environ.get(
         'DURCAP_TEST_TEMPORAL_ADDRESS'), None

@@ -174,9 +174,8 @@ async def amain_temporal(args: argparse.Namespace) -> None:
     from temporalio.api.enums.v1 import EventType
     from temporalio.client import Client
 
-    from durable_capabilities._servers import start_temporal_dev_server
     from durable_capabilities.engines import temporal
-    from durable_capabilities.engines.temporal import AgentRunInput, AgentRunOutput
+    from durable_capabilities.engines.temporal import AgentRunInput, AgentRunOutput, start_temporal_dev_server
 
     tmp = Path(tempfile.mkdtemp(prefix='bench-throughput-'))
     server = None

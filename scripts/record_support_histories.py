@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from durable_capabilities import runner
-from durable_capabilities._servers import start_temporal_dev_server
 from durable_capabilities.engines import get
+from durable_capabilities.engines.temporal import start_temporal_dev_server
 from examples.support.agent import make_store, support
 
 PROMPTS = {

@@ -294,10 +294,8 @@ def up() -> int:
 
 
 def _up(state: dict[str, Any], started_now: dict[str, dict[str, Any]]) -> None:
-    from durable_capabilities._servers import (
-        start_prefect_server,
-        start_temporal_dev_server,
-    )
+    from durable_capabilities.engines.prefect import start_prefect_server
+    from durable_capabilities.engines.temporal import start_temporal_dev_server
 
     directory = state_dir()
     state['target'] = os.environ.get('DURCAP_TARGET') or state.get('target') or 'examples.support.agent:support'

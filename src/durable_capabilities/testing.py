@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ._servers import ServerProcess, start_prefect_server, start_temporal_dev_server
+from ._servers import ServerProcess
 from .agent import DurableAgent
 from .lockfile import diff_lock, read_lock
 from .replay import replay_histories
@@ -29,7 +29,14 @@ __all__ = ['assert_histories_replay', 'assert_lock_matches', 'prefect_server', '
 
 @contextmanager
 def temporal_dev_server(state_dir: str | Path = '.durcap/test-temporal') -> Iterator[ServerProcess]:
-    """A Temporal dev server (in-memory) on a free port; `.address` is `127.0.0.1:PORT`."""
+    """A Temporal dev server (in-memory) on a free port; `.address` is `127.0.0.1:PORT`.
+
+    Raises:
+        ImportError: the `temporal` extra is not installed. FileNotFoundError / RuntimeError / TimeoutError: as
+            `engines.temporal.start_temporal_dev_server`.
+    """
+    from .engines.temporal import start_temporal_dev_server  # lazily: temporalio is an optional extra
+
     server = start_temporal_dev_server(state_dir=state_dir, persistent=False)
     try:
         yield server
@@ -39,7 +46,14 @@ def temporal_dev_server(state_dir: str | Path = '.durcap/test-temporal') -> Iter
 
 @contextmanager
 def prefect_server(home: str | Path = '.durcap/test-prefect') -> Iterator[ServerProcess]:
-    """A Prefect server on a free port; `.address` is its API URL (set `PREFECT_API_URL` to it)."""
+    """A Prefect server on a free port; `.address` is its API URL (set `PREFECT_API_URL` to it).
+
+    Raises:
+        ImportError: the `prefect` extra is not installed. RuntimeError / TimeoutError: as
+            `engines.prefect.start_prefect_server`.
+    """
+    from .engines.prefect import start_prefect_server  # lazily: prefect is an optional extra
+
     server = start_prefect_server(home=home)
     try:
         yield server

@@ -20,10 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from durable_capabilities._servers import (
-    start_prefect_server,
-    start_temporal_dev_server,
-)
 from tests._helpers import ROOT, postgres_database, subprocess_env, wait_for_line
 
 
@@ -32,6 +28,9 @@ def temporal_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if address := os.environ.get('DURCAP_TEST_TEMPORAL_ADDRESS'):
         yield address
         return
+    # Lazily, so this process imports an engine SDK only when a test asks for its server.
+    from durable_capabilities.engines.temporal import start_temporal_dev_server
+
     server = start_temporal_dev_server(state_dir=tmp_path_factory.mktemp('temporal'), persistent=False)
     try:
         yield server.address
@@ -44,6 +43,8 @@ def prefect_api_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if url := os.environ.get('DURCAP_TEST_PREFECT_API_URL'):
         yield url
         return
+    from durable_capabilities.engines.prefect import start_prefect_server
+
     server = start_prefect_server(home=tmp_path_factory.mktemp('prefect-server'))
     try:
         yield server.address

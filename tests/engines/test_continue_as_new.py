@@ -46,7 +46,8 @@ from pydantic_ai.messages import (
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from durable_capabilities import DurableAgent, runner
-from durable_capabilities._servers import free_port, port_open, temporal_cli
+from durable_capabilities._servers import free_port, port_open
+from durable_capabilities.engines.temporal import temporal_cli
 
 # One worker runs this module's tests (pytest-xdist `loadgroup`): they share a module-scoped fixture.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('continue-as-new')]

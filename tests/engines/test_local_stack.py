@@ -220,7 +220,7 @@ def demo_args(stack: Stack, engine: str) -> tuple[list[str], dict[str, str]]:
 
 
 def temporal_cli(*args: str) -> Any:
-    from durable_capabilities._servers import temporal_cli as cli
+    from durable_capabilities.engines.temporal import temporal_cli as cli
 
     result = subprocess.run([cli(), *args, '--output', 'json'], check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

@@ -382,12 +382,8 @@ def test_temporal_run_survives_a_server_restart_and_records_capabilities(tmp_pat
     `DurcapCapabilities`: `temporal workflow list --query "DurcapCapabilities = 'account-security'"` returns it."""
     import asyncio
 
-    from durable_capabilities._servers import (
-        free_port,
-        start_temporal_dev_server,
-        temporal_cli,
-    )
-    from durable_capabilities.engines.temporal import connect
+    from durable_capabilities._servers import free_port
+    from durable_capabilities.engines.temporal import connect, start_temporal_dev_server, temporal_cli
 
     port = free_port()
     state = tmp_path / 'temporal'

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from durable_capabilities._servers import temporal_cli
+from durable_capabilities.engines.temporal import temporal_cli
 
 pytestmark = pytest.mark.slow
 

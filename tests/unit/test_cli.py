@@ -349,6 +349,19 @@ def test_store_and_dbos_db_from_the_environment_are_checked_like_the_options(tmp
     assert bad_db.returncode == 2 and 'DC040 $DURCAP_DBOS_DB' in bad_db.stderr, bad_db.stderr
 
 
+def test_history_repair_reads_its_address_through_the_temporal_setting(tmp_path: Path) -> None:
+    """`durcap history repair --address` is the Temporal spec's address setting, as in the other commands: a
+    malformed flag, or a malformed `$TEMPORAL_ADDRESS` (the setting's second variable, which a direct read of
+    `$DURCAP_TEMPORAL_ADDRESS` missed), exits 2 with DC040 before anything connects."""
+    env = {k: v for k, v in os.environ.items() if k not in ('DURCAP_TEMPORAL_ADDRESS', 'TEMPORAL_ADDRESS')}
+    store = f'sqlite:///{tmp_path / "c.db"}'
+    flag = durcap('history', 'repair', 'wf-1', '--store', store, '--address', 'nohost', env=env)
+    assert flag.returncode == 2 and 'DC040 --address' in flag.stderr, flag.stdout + flag.stderr
+    from_env = durcap('history', 'repair', 'wf-1', '--store', store, env={**env, 'TEMPORAL_ADDRESS': 'not-an-address'})
+    assert from_env.returncode == 2 and 'DC040 $TEMPORAL_ADDRESS' in from_env.stderr, from_env.stdout + from_env.stderr
+    assert 'Traceback' not in flag.stderr + from_env.stderr
+
+
 def test_a_two_slash_sqlite_url_is_refused_with_the_url_meant() -> None:
     """`--db sqlite://relative.db` names a host, so SQLAlchemy would open an in-memory database: refused (DC040, exit
     2) with the three-slash URL the user meant and the DBOS file as the example (not the conversation store's)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 from enum import Enum
 from typing import Annotated, Any, NoReturn
@@ -21,10 +20,14 @@ import typer
 from pydantic_ai.messages import ModelMessage
 
 from .._limits import printable
+from ..engines._specs import TEMPORAL
 from ..errors import DurcapError
 from ..reading import approval_audit, read_conversation, summarize
 from ..store import DEFAULT_URL, StoreError, resolve_url
-from ._options import StoreOption, connection_options, connection_settings
+from ._options import StoreOption, checked, connection_options, connection_settings
+
+_TEMPORAL_ADDRESS = next(s for s in TEMPORAL.settings if s.field == 'address')
+"""`durcap history repair`'s `--address`: the Temporal spec's connection setting (flag, environment, default)."""
 
 __all__ = ['approval_audit', 'history_app', 'summarize']
 
@@ -144,7 +147,7 @@ def repair(
         str | None,
         typer.Option('--store', envvar='DURCAP_STORE', help=f'Store URL (default {DEFAULT_URL}): the workers\' store.'),
     ] = None,
-    address: Annotated[str | None, typer.Option(help='Temporal frontend HOST:PORT (default: $DURCAP_TEMPORAL_ADDRESS or 127.0.0.1:7233).')] = None,
+    address: Annotated[str | None, typer.Option(help=_TEMPORAL_ADDRESS.help)] = None,
     namespace: Annotated[str, typer.Option(help='Temporal namespace.')] = 'default',
 ) -> None:
     """Store a turn whose conversation append never completed, from the Temporal workflow's own record, and print its answer.
@@ -154,8 +157,12 @@ def repair(
     """
     from ..engines.temporal import connect, repair_temporal  # lazily: Temporal-only, temporalio is an optional extra
 
+    # As `history export` and the operator commands: the flag, else the setting's environment variables, else its
+    # default; a malformed HOST:PORT exits 2 before anything connects.
+    target = checked(_TEMPORAL_ADDRESS, address) or _TEMPORAL_ADDRESS.default
+
     async def go() -> Any:
-        client = await connect(address or os.environ.get('DURCAP_TEMPORAL_ADDRESS') or '127.0.0.1:7233', namespace, store=store)
+        client = await connect(target, namespace, store=store)
         return await repair_temporal(client, workflow_id, store=store)
 
     try:

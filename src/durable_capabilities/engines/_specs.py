@@ -44,7 +44,7 @@ TEMPORAL = EngineSpec(
     packages=('temporalio',),
     unit='activity', units='activities', container='workflow', run_id_label='workflow id',
     features=frozenset({'worker', 'dev-server', 'history', 'approvals'}),
-    embedded=EmbeddedServer('address', DEFAULT_TEMPORAL_ADDRESS, 'durable_capabilities._servers:start_temporal_dev_server',
+    embedded=EmbeddedServer('address', DEFAULT_TEMPORAL_ADDRESS, 'durable_capabilities.engines.temporal._server:start_temporal_dev_server',
                             'Temporal dev server', implies={'inline_worker': True}),
     retains=('the workflow history: the input and result of every activity (messages and tool results inline up to the '
              'claim-check threshold, larger ones as references into the store), until the namespace\'s retention '

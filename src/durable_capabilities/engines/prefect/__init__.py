@@ -5,7 +5,7 @@ The private modules, one concern each, `_spec` at the bottom:
 - `_durability`: the options of upstream's `PrefectDurability` (deterministic cache keys, retries, tool run names);
 - `_conversation`, `_approvals`: the conversation tasks and the approval wait (pause / suspend);
 - `_flow`: `agent_flow`; `_entry`: the deployments' importable entrypoints;
-- `_server`: which Prefect API a process uses; `_client`: running a flow run here and reading its task runs;
+- `_server`: `start_prefect_server`, which Prefect API a process uses; `_client`: running a flow run here and reading its task runs;
 - `_worker`: `durcap schedule prefect` (`serve`); `_runs`: the operator side; `_adapter`: `PrefectAdapter`.
 """
 
@@ -22,7 +22,7 @@ from ._durability import (
 )
 from ._entry import entrypoint
 from ._flow import agent_flow
-from ._server import configured_api, ensure_api, server_line
+from ._server import configured_api, ensure_api, server_line, start_prefect_server
 from ._spec import (
     AGENT_TOOLSET_ID,
     APPROVAL_CLOCK_TASK,
@@ -68,6 +68,7 @@ __all__ = [
     'retry_model_request',
     'serve',
     'server_line',
+    'start_prefect_server',
     'tool_run_namer',
     'watch_deadlines',
 ]

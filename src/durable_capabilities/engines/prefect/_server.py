@@ -1,15 +1,23 @@
-"""Which Prefect API a process talks to: the configured one, else a temporary local server it starts once."""
+"""Prefect's server (`start_prefect_server`: `prefect server start`) and which Prefect API a process talks to: the
+configured one, else a temporary local server it starts once. The process helpers (free ports, readiness, stopping
+by pid) are `_servers`'."""
 
 from __future__ import annotations
 
 import atexit
 import os
+import subprocess
+import tempfile
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 from prefect.context import refresh_global_settings_context
 from prefect.settings import get_current_settings
 
-from ..._servers import start_prefect_server
+from ..._limits import private_dir
+from ..._servers import ServerProcess, bind_to_parent, command_path, free_port, wait_until_ready
+from ._spec import ENGINE
 
 _TEMPORARY_SERVER: list[Any] = []
 """The temporary local Prefect server this process started (at most one; see `ensure_api`)."""
@@ -27,7 +35,7 @@ def ensure_api() -> tuple[str, bool]:
     start` on a free port, on the database of the user's Prefect home, as Prefect's own temporary server would) and
     points every Prefect client of the process at (`PREFECT_API_URL` and `refresh_global_settings_context`, so
     Prefect's background threads see it too). The server dies with this process, even on `kill -9`
-    (`_servers.start_prefect_server(die_with_parent=True)`), and is stopped at exit.
+    (`start_prefect_server(die_with_parent=True)`), and is stopped at exit.
 
     Raises:
         RuntimeError / TimeoutError: the temporary server did not come up.
@@ -52,3 +60,60 @@ def server_line() -> str:
         return (f'prefect server: temporary local server at {url}, started by this command and stopped with it '
                 '(PREFECT_API_URL is not set)')
     return f'prefect server: {url}'
+
+
+def start_prefect_server(
+    *, port: int | None = None, home: str | Path | None = '.durcap/prefect', timeout: float = 120.0,
+    die_with_parent: bool = False,
+) -> ServerProcess:
+    """Start `prefect server start` on 127.0.0.1 and wait for `/api/health`.
+
+    Args:
+        port: The API port (default: a free one).
+        home: `PREFECT_HOME` of the server (its SQLite database, the log); `None` keeps this process's Prefect home
+            (the database Prefect's own temporary server uses) and writes the log to the temp folder.
+        timeout: Seconds to wait for readiness.
+        die_with_parent: SIGKILL the server when the thread that started it dies, however it dies (Linux:
+            `PR_SET_PDEATHSIG`): the temporary server of `durcap run --engine prefect` (`prefect server start` is one
+            process; Prefect's own temporary server, a uvicorn child, outlived a `kill -9` of its parent).
+
+    Returns:
+        A `ServerProcess` whose `address` is the API URL `http://127.0.0.1:PORT/api`.
+
+    Raises:
+        RuntimeError / TimeoutError: the server exited or was not ready within `timeout`.
+    """
+    port = port or free_port()
+    api = f'http://127.0.0.1:{port}/api'
+    env = dict(os.environ, PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED='false', PREFECT_UI_ENABLED='false',
+               PREFECT_LOGGING_LEVEL='WARNING')
+    extra: dict[str, str] = {}
+    if home is None:
+        log_dir = Path(tempfile.gettempdir())
+    else:
+        log_dir = Path(home).resolve()
+        private_dir(log_dir)
+        env['PREFECT_HOME'] = extra['PREFECT_HOME'] = str(log_dir)
+    log_path = log_dir / f'{"durcap-prefect-" if home is None else ""}server-{port}.log'
+    log = open(log_path, 'wb')  # noqa: SIM115
+    process = subprocess.Popen(
+        [command_path('prefect') or 'prefect', 'server', 'start', '--host', '127.0.0.1', '--port', str(port), '--analytics-off', '--no-ui'],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+        **({'preexec_fn': bind_to_parent} if die_with_parent else {'start_new_session': True}),  # type: ignore[call-overload]
+    )
+    log.close()
+    server = ServerProcess(ENGINE, process, api, log_path, extra)
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(f'{api}/health', timeout=1) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    try:
+        wait_until_ready(healthy, process, timeout, 'prefect server', log_path)
+    except BaseException:
+        server.stop()
+        raise
+    return server

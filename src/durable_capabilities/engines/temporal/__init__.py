@@ -12,7 +12,8 @@ The private modules, one concern each, `_spec` at the bottom:
 - `_conversation`, `_approvals`: the conversation activities and the approval wait;
 - `_workflow`: the workflow classes, their input and output, continue-as-new;
 - `_durability`: the options of upstream's `TemporalDurability` (heartbeats, bounded retries, MCP);
-- `_client`, `_server`: connecting, starting and awaiting runs; which server a run uses, `durcap dev temporal`;
+- `_client`, `_server`: connecting, starting and awaiting runs; the dev server (`start_temporal_dev_server`), which
+  server a run uses, `durcap dev temporal`;
 - `_worker`, `_versioning`: `make_worker`, `run_worker`, its interceptors, Worker Versioning;
 - `_history`: history export, replay and repair; `_runs`: the operator side; `_adapter`: `TemporalAdapter`.
 """
@@ -30,8 +31,10 @@ from ._durability import (
 )
 from ._history import HistoryReplayer, Repaired, export_history, repair_temporal, units_recorded
 from ._payloads import ClaimCheckCodec, default_codec
+from ._server import start_temporal_dev_server, temporal_cli
 from ._spec import (
     CAPABILITIES_MEMO,
+    CAPABILITIES_SEARCH_ATTRIBUTE,
     DEADLOCK_TIMEOUT_ENV,
     DECIDE_UPDATE,
     DEFAULT_DEADLOCK_TIMEOUT,
@@ -64,6 +67,7 @@ from ._workflow import AgentRunInput, AgentRunOutput, ContinuedRun, workflow_cla
 __all__ = [
     'ADAPTER',
     'CAPABILITIES_MEMO',
+    'CAPABILITIES_SEARCH_ATTRIBUTE',
     'DEADLOCK_TIMEOUT_ENV',
     'DECIDE_UPDATE',
     'DEFAULT_DEADLOCK_TIMEOUT',
@@ -109,7 +113,9 @@ __all__ = [
     'run_worker',
     'sandbox_runner',
     'start_run',
+    'start_temporal_dev_server',
     'task_queue_pollers',
+    'temporal_cli',
     'units_recorded',
     'warm_model',
     'worker_version',

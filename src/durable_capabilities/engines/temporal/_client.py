@@ -20,11 +20,11 @@ from temporalio.client import Client
 from temporalio.converter import DataConverter
 from temporalio.service import RPCError, RPCStatusCode
 
-from ..._servers import CAPABILITIES_SEARCH_ATTRIBUTE
 from .._adapter import EngineUnreachableError
 from ._payloads import default_codec
 from ._spec import (
     AGENT_MEMO,
+    CAPABILITIES_SEARCH_ATTRIBUTE,
     DEFAULT_ADDRESS,
     DEFAULT_NAMESPACE,
     HEALTH_TIMEOUT_SECONDS,

@@ -36,6 +36,11 @@ SEARCH_ATTRIBUTE_MEMO = 'durcap_search_attribute'
 CAPABILITIES_MEMO = 'durcap_capabilities'
 """Memo key holding a run's loaded capability ids."""
 
+CAPABILITIES_SEARCH_ATTRIBUTE = 'DurcapCapabilities'
+"""Search attribute (KeywordList) holding a run's loaded capability ids; the dev servers `durcap` starts
+(`_server.start_temporal_dev_server`) register it. On another server: `temporal operator search-attribute create
+--name DurcapCapabilities --type KeywordList`."""
+
 CONVERSATION_LOAD_SUFFIX = '__conversation_load'
 CONVERSATION_APPEND_SUFFIX = '__conversation_append'
 """Suffixes of the conversation activity types: `agent__{name}__conversation_load` / `_append`."""

@@ -28,7 +28,6 @@ from temporalio.common import SearchAttributeKey
 from temporalio.exceptions import ActivityError
 
 from ... import _registry
-from ..._servers import CAPABILITIES_SEARCH_ATTRIBUTE
 from ...store import StoreError
 from ...turn import current_turn, run_turn
 from .._adapter import loaded_capabilities_in
@@ -39,6 +38,7 @@ from ._payloads import current_run as _current_run
 from ._spec import (
     CAPABILITIES_MEMO,
     CAPABILITIES_PATCH_ID,
+    CAPABILITIES_SEARCH_ATTRIBUTE,
     SEARCH_ATTRIBUTE_MEMO,
     WORKFLOW_CLASS_PREFIX,
     workflow_type,
