@@ -42,8 +42,7 @@ from pydantic_ai.messages import ModelMessagesTypeAdapter
 
 from bench.storage_agent import agent
 from durable_capabilities import runner
-from durable_capabilities.engines.temporal import start_temporal_dev_server
-from durable_capabilities.engines.temporal import _payloads
+from durable_capabilities.engines.temporal import _payloads, start_temporal_dev_server
 from durable_capabilities.store import SQLConversationStore
 
 TARGET = 3.0
