@@ -454,6 +454,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
         'derived_id_source',
         'explicit_toolset_id',
         'is_mcp_toolset',  # tests/unit/test_lazy_imports.py
+        'runtime_rejected_kinds',  # test_runtime_rejected_kinds_are_read_from_upstreams_durability_classes
         'interchangeable_leaves',
         'temporal_activity_name',
         'temporal_set_deadlock_timeout',  # test_temporal_workflow_worker_keeps_its_deadlock_timeout_in_one_attribute

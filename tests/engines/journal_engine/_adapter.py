@@ -16,7 +16,8 @@ from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.messages import ModelMessagesTypeAdapter
 
 from durable_capabilities.engines import EngineAdapter, RunInfo, RunNotFoundError, RunOptions
-from durable_capabilities.turn import RunReport, run_turn
+from durable_capabilities.report import RunReport
+from durable_capabilities.turn import run_turn
 
 from . import SPEC
 
