@@ -42,6 +42,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_core import to_jsonable_python
 
 from durable_capabilities import DurableAgent
+from durable_capabilities.engines import DURABLE_ENGINES
 
 NO_ID = '<no id>'
 
@@ -83,7 +84,7 @@ def build_agent() -> DurableAgent[Any, Any]:
     options = {}
     if os.environ.get('DURCAP_MCP_UPSTREAM'):
         # Upstream's MCP handling, to show the gap the guard closes: no guard, no retry bounds.
-        options = {engine: {'mcp_guard': False} for engine in ('temporal', 'dbos', 'prefect')}
+        options = {engine: {'mcp_guard': False} for engine in DURABLE_ENGINES}
     return DurableAgent(
         os.environ['DURCAP_MCP_AGENT'], FunctionModel(script), capabilities=capabilities, engine_options=options
     )

@@ -95,16 +95,21 @@ def prefect(args: argparse.Namespace) -> dict[str, Any]:
     return {'registered': {'flows': [flow.name]}, 'recorded': report.durable_units, 'model': support.build('prefect').model.model_name}
 
 
+DRIVERS = {'temporal': temporal, 'dbos': dbos, 'prefect': prefect}
+"""Exactly the engines this driver knows what each registers (one function each); `test_durable_names` checks they
+are every durable engine."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument('engine', choices=['temporal', 'dbos', 'prefect'])
+    parser.add_argument('engine', choices=list(DRIVERS))
     parser.add_argument('--out', type=Path, required=True)
     parser.add_argument('--address')
     args = parser.parse_args()
     import os
 
     os.environ['DURCAP_STORE'] = f'sqlite:///{args.out / "conversations.db"}'
-    result = {'temporal': temporal, 'dbos': dbos, 'prefect': prefect}[args.engine](args)
+    result = DRIVERS[args.engine](args)
     print('REPORT ' + json.dumps(to_jsonable_python({'lock': get(args.engine).durable_names(support), **result})), flush=True)
 
 

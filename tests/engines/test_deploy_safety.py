@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from durable_capabilities.engines import DURABLE_ENGINES
 from tests._helpers import ROOT, durcap, subprocess_env
 
 pytestmark = pytest.mark.slow
@@ -92,7 +93,7 @@ def test_lock_diff_shows_a_capability_rename_and_the_alias_clears_it(tmp_path: P
     renamed = durcap('check', TARGET, '--lock', str(lock), env=base_env | {'DURCAP_RENAME_VARIANT': 'v2'})
     assert renamed.returncode == 1
     assert 'DC020' in renamed.stdout and "capability 'greet'" in renamed.stdout
-    for engine in ('temporal', 'dbos', 'prefect'):
+    for engine in DURABLE_ENGINES:
         assert engine in renamed.stdout
     aliased = durcap('check', TARGET, '--lock', str(lock), env=base_env | {'DURCAP_RENAME_VARIANT': 'v2-alias'})
     assert aliased.returncode == 0, aliased.stdout

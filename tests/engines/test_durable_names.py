@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from durable_capabilities.engines import DURABLE_ENGINES
 from tests._helpers import ROOT, subprocess_env
 
 
@@ -29,6 +30,13 @@ def probe(engine: str, out: Path, *args: str, env: dict[str, str] | None = None)
     lines = [line for line in result.stdout.splitlines() if line.startswith('REPORT ')]
     assert result.returncode == 0 and lines, f'exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}'
     return json.loads(lines[-1].removeprefix('REPORT '))
+
+
+def test_every_durable_engine_has_a_names_probe() -> None:
+    """`names_driver` (and one test below) covers each durable engine: a new engine's lock cannot go unchecked."""
+    from tests.engines.names_driver import DRIVERS
+
+    assert set(DRIVERS) == set(DURABLE_ENGINES)
 
 
 def test_temporal_lock_is_exactly_what_the_worker_registers(temporal_address: str, tmp_path: Path) -> None:
@@ -78,7 +86,7 @@ def test_prefect_lock_names_the_flow_and_every_task_a_run_creates(prefect_api_ur
     assert {'Load Conversation', 'Append Conversation', 'Call Tool: order_status'} <= set(recorded)
 
 
-@pytest.mark.parametrize('engine', ['temporal', 'dbos', 'prefect'])
+@pytest.mark.parametrize('engine', DURABLE_ENGINES)
 def test_lockfile_sections_come_from_the_adapter(engine: str) -> None:
     """`durable.lock`'s entry per engine is the adapter's `durable_names`, in the adapter's sections."""
     from durable_capabilities.engines import get

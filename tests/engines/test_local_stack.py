@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from durable_capabilities._servers import free_port
+from durable_capabilities.engines import DURABLE_ENGINES
 from tests._helpers import DURCAP, ROOT, subprocess_env
 
 LOCAL = ROOT / 'deploy' / 'local'
@@ -210,6 +211,11 @@ DEMO_UNITS = {
 }
 
 
+def test_demo_units_name_every_durable_engine() -> None:
+    """`DEMO_UNITS` has an entry for each durable engine, so a new engine's demo cannot go unchecked."""
+    assert set(DEMO_UNITS) == set(DURABLE_ENGINES)
+
+
 def demo_args(stack: Stack, engine: str) -> tuple[list[str], dict[str, str]]:
     a = stack.addresses
     if engine == 'temporal':
@@ -243,7 +249,7 @@ def dbos_workflows(url: str) -> list[tuple[str, str, str | None]]:
     return [(r[0], r[1], r[2]) for r in rows]
 
 
-@pytest.mark.parametrize('engine', ['temporal', 'dbos', 'prefect'])
+@pytest.mark.parametrize('engine', DURABLE_ENGINES)
 def test_demo_runs_against_the_stack(stack: Stack, engine: str) -> None:
     args, env = demo_args(stack, engine)
     result = durcap('demo', '--engine', engine, *args, env=env)

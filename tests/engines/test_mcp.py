@@ -36,12 +36,13 @@ from typing import Any
 
 import pytest
 
+from durable_capabilities.engines import DURABLE_ENGINES
 from tests._helpers import ROOT, subprocess_env
 
 pytestmark = pytest.mark.slow
 
 
-ENGINES = ['temporal', 'dbos', 'prefect']
+ENGINES = DURABLE_ENGINES
 
 FAILURE_BOUND_SECONDS = 60
 """A run whose loaded MCP server is down must end (fail) within this many seconds: the driver stops

@@ -38,6 +38,7 @@ from pydantic_ai.messages import (
     UserPromptPart,
 )
 
+from durable_capabilities.engines import DURABLE_ENGINES
 from durable_capabilities.store import SQLConversationStore
 from tests._helpers import ROOT, subprocess_env, wait_for
 
@@ -46,7 +47,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('payload-sizes')]
 
 
 MAXIMUM = 12_000_000  # the configured single-payload maximum of these runs (bytes)
-ENGINES = ('temporal', 'dbos', 'prefect')
+ENGINES = DURABLE_ENGINES
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -83,7 +84,7 @@ def drive(engine: str, conversation: str, prompt: str, *, store: str, tmp: Path,
     for line in text.splitlines():
         for tag in ('REPORT ', 'FAILED '):
             if line.startswith(tag):
-                return {'ok': tag == 'REPORT ', **json.loads(line.removeprefix(tag)), 'log': text[-3000:]}
+                return {'ok': tag == 'REPORT ', **json.loads(line.removeprefix(tag)), 'log': text[-3000:], 'log_file': log}
     raise AssertionError(f'{engine} driver gave no report within {timeout} s (exit {popen.returncode}):\n{text[-6000:]}')
 
 
@@ -191,6 +192,43 @@ def assert_failed_without_retrying(world: dict[str, Any], workflow_id: str) -> N
     retries = temporal_retries(world, workflow_id)
     assert all(a == 1 for a in retries['attempts']) and retries['task_failures'] == 0, retries
     assert not retries['started'] or retries['closed'] == 'EVENT_TYPE_WORKFLOW_EXECUTION_FAILED', retries
+
+
+def prefect_run_counts(world: dict[str, Any], flow_run_id: str) -> dict[str, Any]:
+    """How often Prefect ran the flow run and each of its task runs, once every one is final: `{'flow': run_count,
+    'tasks': [(task run name, run_count)]}` (a retried task run counts each attempt; Prefect records task runs from
+    events, so they are read until none is missing or unfinished, within 60 s)."""
+    import httpx
+
+    def read() -> dict[str, Any] | None:
+        with httpx.Client(base_url=world['prefect'], timeout=30) as client:
+            flow = client.get(f'/flow_runs/{flow_run_id}').json()
+            tasks = client.post('/task_runs/filter', json={'flow_runs': {'id': {'any_': [flow_run_id]}}}).json()
+        final = ('COMPLETED', 'FAILED', 'CRASHED', 'CANCELLED')
+        if flow.get('state_type') not in final or not tasks or any(t.get('state_type') not in final for t in tasks):
+            return None
+        return {'flow': flow['run_count'], 'tasks': sorted((t['name'], t['run_count']) for t in tasks)}
+
+    return wait_for(read, 60, interval=0.5, message=f'the final flow run and task runs of {flow_run_id}')
+
+
+def assert_no_retry_ran(world: dict[str, Any], engine: str, result: dict[str, Any], workflow_id: str, unit: str) -> None:
+    """The failed turn made one attempt of each durable unit (the attempts the engine itself recorded), `unit` among
+    them: Temporal's history (no activity attempt past the first, no workflow task retried, the workflow failed);
+    DBOS's run (no "Step being automatically retried" warning, which DBOS logs before each retry of a step); Prefect's
+    flow run and task runs (each ran once)."""
+    log = Path(result['log_file']).read_text(errors='replace')
+    if engine == 'temporal':
+        assert_failed_without_retrying(world, workflow_id)
+    elif engine == 'dbos':
+        assert f'dbos workflow id: {workflow_id}' in log, log[-3000:]
+        retried = [line for line in log.splitlines() if 'automatically retried' in line or ' (attempt ' in line]
+        assert retried == [], retried
+    else:
+        flow_run_id = log.split('prefect flow run id: ')[1].split()[0]
+        counts = prefect_run_counts(world, flow_run_id)
+        assert counts['flow'] == 1 and all(count == 1 for _, count in counts['tasks']), counts
+        assert any(name.startswith(unit) for name, _ in counts['tasks']), counts
 
 
 # ---- sizes --------------------------------------------------------------------------------------
@@ -391,12 +429,13 @@ def test_a_conflicting_append_fails_at_once_and_is_not_retried(world: dict[str, 
     """Another writer appends while the turn's tool runs: the turn's append conflicts, and the engine reports the
     `ConversationConflictError` at once instead of retrying it (DBOS used to report `DBOSMaxStepRetriesExceeded`)."""
     cid = f'conflict-{engine}'
+    workflow_id = f'{cid}-{uuid.uuid4().hex[:8]}'
     seed(world['store'], cid, [ModelRequest(parts=[UserPromptPart('hi')]), ModelResponse(parts=[TextPart('hello')])])
     ledger = tmp_path / 'ledger'
     outcome: dict[str, Any] = {}
 
     def go() -> None:
-        outcome.update(turn(world, engine, cid, 'tool 10', timeout=120,
+        outcome.update(turn(world, engine, cid, 'tool 10', timeout=120, workflow_id=workflow_id,
                             env={'DURCAP_LEDGER': str(ledger), 'DURCAP_TOOL_PAUSE': '2'}))
 
     runner = threading.Thread(target=go)
@@ -411,12 +450,12 @@ def test_a_conflicting_append_fails_at_once_and_is_not_retried(world: dict[str, 
             await store.append(cid, [ModelRequest(parts=[UserPromptPart('meanwhile')])], expected_revision=1)
 
     run(interleave())
-    written = time.monotonic()
     runner.join(timeout=120)
     assert not outcome['ok'], outcome
     assert 'ConversationConflictError' in outcome['error'] or 'changed since it was read' in outcome['error'], outcome['error']
     assert 'MaxStepRetriesExceeded' not in outcome['error']
-    assert time.monotonic() - written < 20  # no retry schedule ran (the first DBOS retry alone waits 1 s, then 1.5 s, ...)
+    # No retry schedule ran: the attempts each engine recorded (was: under 20 s of wall time after the other write).
+    assert_no_retry_ran(world, engine, outcome, workflow_id, 'Append Conversation')
     stored, writes = read(world['store'], cid)
     assert stored.message_count == 3 and len(writes) == 2  # the interleaved append stands; nothing else written
     if engine == 'dbos':
@@ -440,12 +479,14 @@ def test_a_read_only_store_is_refused_before_any_side_effect(world: dict[str, An
         with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
             admin.execute(f'ALTER DATABASE {name} SET default_transaction_read_only = on')
         ledger = tmp_path / 'ledger'
-        started = time.monotonic()
-        result = turn(world | {'store': store}, engine, 'ro', 'tool 10', timeout=120, env={'DURCAP_LEDGER': str(ledger)})
+        workflow_id = f'ro-{engine}-{uuid.uuid4().hex[:8]}'
+        result = turn(world | {'store': store}, engine, 'ro', 'tool 10', timeout=120, workflow_id=workflow_id,
+                      env={'DURCAP_LEDGER': str(ledger)})
         assert not result['ok'], result
         assert 'is read-only' in result['error'], result['error']
         assert not ledger.exists()  # the tool never ran
-        assert time.monotonic() - started < 30
+        # Refused at once, not retried: the attempts each engine recorded (was: under 30 s of wall time).
+        assert_no_retry_ran(world, engine, result, workflow_id, 'Load Conversation')
     finally:
         drop_database(name)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from pydantic_ai.messages import ModelMessagesTypeAdapter
 
+from durable_capabilities.engines import DURABLE_ENGINES
 from durable_capabilities.store import SQLConversationStore
 from tests.engines.parts_agent import dump, rich_history
 from tests.engines.test_providers import DURCAP, ROOT, durcap_run, engine_env
@@ -41,7 +42,7 @@ def test_store_round_trip_is_exact(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('engine', ['temporal', 'dbos', 'prefect'])
+@pytest.mark.parametrize('engine', DURABLE_ENGINES)
 def test_history_crosses_the_engine_boundary_unchanged(engine: str, request: pytest.FixtureRequest,
                                                        tmp_path: Path) -> None:
     """A conversation stored with every part kind, continued with `durcap run --conversation` on ENGINE: the model

@@ -37,6 +37,7 @@ import pytest
 pytest.importorskip('openai')
 pytest.importorskip('anthropic')
 
+from durable_capabilities.engines import DURABLE_ENGINES
 from durable_capabilities.wire import SUPPORT_SCRIPT, Fault, Script, Step, ToolCall, Turn, WireServer
 from tests import _helpers
 from tests._helpers import ROOT, subprocess_env
@@ -77,7 +78,7 @@ and its two retries), so the engine's durable unit retries it once."""
 
 
 @pytest.mark.parametrize('kind', KINDS)
-@pytest.mark.parametrize('engine', ['temporal', 'dbos', 'prefect'])
+@pytest.mark.parametrize('engine', DURABLE_ENGINES)
 def test_support_conversation_on_every_engine(engine: str, kind: str, request: pytest.FixtureRequest,
                                               tmp_path: Path) -> None:
     """The support example on a real provider model: `orders` loads, `order_status` runs as the engine's durable
@@ -140,7 +141,7 @@ def ledger_lines(ledger_dir: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-@pytest.mark.parametrize('engine', ['temporal', 'dbos', 'prefect'])
+@pytest.mark.parametrize('engine', DURABLE_ENGINES)
 def test_429_then_success_and_a_cut_stream(engine: str, request: pytest.FixtureRequest, tmp_path: Path,
                                             ledger_dir: Path) -> None:
     """OpenAIChatModel (streaming): the first request gets 429 `retry-after: 1` three times (the SDK's own two
@@ -248,7 +249,12 @@ RETRY_LINES = {'temporal': ('model_request attempt', 5), 'dbos': ('model request
                'prefect': ("Task run failed with exception: ModelConnectionError('Connection error.') - Retry", 2)}
 
 
-@pytest.mark.parametrize('engine', ['temporal', 'dbos', 'prefect'])
+def test_retry_lines_name_every_durable_engine() -> None:
+    """`RETRY_LINES` has the bounded retry of each durable engine, so a new engine cannot skip the check below."""
+    assert set(RETRY_LINES) == set(DURABLE_ENGINES)
+
+
+@pytest.mark.parametrize('engine', DURABLE_ENGINES)
 def test_unreachable_provider_ends_the_run_with_one_line(engine: str, request: pytest.FixtureRequest,
                                                          tmp_path: Path) -> None:
     """Connection refused (Temporal's default retry policy alone would retry forever): the run fails after a bounded
@@ -334,7 +340,7 @@ def kill9(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(timeout=30)
 
 
-@pytest.mark.parametrize('engine', ['temporal', 'dbos', 'prefect'])
+@pytest.mark.parametrize('engine', DURABLE_ENGINES)
 def test_worker_killed_while_a_model_request_is_in_flight(engine: str, request: pytest.FixtureRequest,
                                                           tmp_path: Path, ledger_dir: Path,
                                                           procs: list[subprocess.Popen[bytes]]) -> None:

@@ -45,6 +45,7 @@ from typing import Any
 
 import pytest
 
+from durable_capabilities.engines import DURABLE_ENGINES
 from examples.support.agent import make_store
 from tests._helpers import ROOT, create_database, drop_database, subprocess_env
 
@@ -53,8 +54,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('resume-matrix')]
 
 
 DRIVER_TIMEOUT = 300.0
-ENGINES = ('local', 'temporal', 'dbos', 'prefect')
-DURABLE = ('temporal', 'dbos', 'prefect')
+DURABLE = tuple(DURABLE_ENGINES)
+ENGINES = ('local', *DURABLE)
 BACKENDS = ('sqlite', 'postgres')
 
 FIRST = 'Where is my order ABC-123?'

@@ -207,12 +207,18 @@ def test_run_killed_mid_tool_is_resumed_by_runs_resume(engine: str, tmp_path: Pa
         assert run_id in orphaned.stdout, orphaned.stdout
         assert run_id not in durcap('runs', 'list', '--engine', engine, '--status', 'running', *conn, env=env).stdout
 
-    began = time.monotonic()
     resumed = durcap('runs', 'resume', run_id, '--engine', engine, '--target', CRASH, *conn, env=env)
-    took = time.monotonic() - began
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    # Prefect's resume used to wait 30 s more, for the task run the killed process had left Running.
-    assert took < 25, f'runs resume took {took:.1f} s'
+    # `slow_export` ran twice in all: the attempt the kill cut short, then once in the resuming process.
+    exports = (crash_dir / 'exports').read_text().splitlines()
+    assert len(exports) == 2 and exports[0] != exports[1], exports
+    if engine == 'prefect':
+        # Prefect's resume used to wait 30 s more (its settle loop's whole timeout) for the task run the killed
+        # process had left Running, and then reported it too. The units it reports are the settled ones: the new
+        # `slow_export` task run once, the dead one left out (was: `runs resume` under 25 s of wall time).
+        listed = resumed.stdout.split('durable units recorded (tasks, in order):\n')[1].split('usage: ')[0]
+        units = [line.strip() for line in listed.splitlines()]
+        assert [u for u in units if u.endswith('.slow_export')] == ['ops.slow_export'], resumed.stdout
     if engine == 'prefect':
         assert f'prefect server: {env["PREFECT_API_URL"]}' in resumed.stderr, resumed.stderr
     assert f'answer ({engine}): charged and exported' in resumed.stdout
@@ -338,6 +344,8 @@ def test_temporal_run_without_worker_says_so_and_runs_finds_and_cancels_it(tempo
         assert f"temporal server: {temporal_address}, namespace 'default'" in server, server
         run_id = line.split('temporal workflow id: ')[1].split()[0]
         notice = wait_text(log, 'no worker polls task queue', proc, 5.5)
+        # A documented promise, so wall time stays the check: docs/operators.md says `durcap run` "says within 5 s when
+        # no worker polls the task queue" (`NO_POLLER_NOTICE_SECONDS` = 3 s of polling DescribeTaskQueue, then the line).
         assert time.monotonic() - started <= 5.5 and queue in notice, notice
         assert proc.poll() is None, 'the run stopped waiting'
         listed = durcap('runs', 'list', *WIDE, '--engine', 'temporal', '--status', 'running', '--format', 'json', *conn, env=env)

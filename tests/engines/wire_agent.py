@@ -33,6 +33,7 @@ from pydantic_ai.messages import (
 from pydantic_ai.models import Model
 
 from durable_capabilities import DurableAgent
+from durable_capabilities.engines import DURABLE_ENGINES
 from examples.support.agent import make_support
 from tests.engines.ledger_agent import billing
 
@@ -59,7 +60,7 @@ def streaming(kind: str | None = None) -> dict[str, dict[str, Any]]:
     """`engine_options` making an `openai-chat` agent stream on every engine (`record_stream`); none otherwise."""
     if (kind or os.environ.get('DURCAP_WIRE_KIND', 'openai-responses')) != 'openai-chat':
         return {}
-    return {engine: {'event_stream_handler': record_stream} for engine in ('temporal', 'dbos', 'prefect')}
+    return {engine: {'event_stream_handler': record_stream} for engine in DURABLE_ENGINES}
 
 
 def provider_model(kind: str | None = None, url: str | None = None) -> Model:

@@ -39,6 +39,7 @@ from durable_capabilities._limits import (
     private_file,
 )
 from durable_capabilities.cli import app
+from durable_capabilities.engines import DURABLE_ENGINES
 from durable_capabilities.lockfile import LockfileError, read_lock
 from durable_capabilities.replay import read_history
 from durable_capabilities.skills import InvalidSkill, load_skill, load_skills
@@ -697,7 +698,7 @@ def test_history_show_escapes_ids_and_stored_values(tmp_path: Path, monkeypatch:
 def test_check_json_lists_the_engines_it_checked() -> None:
     result = CliRunner().invoke(app, ['check', PLAIN, '--format', 'json'])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)['engines'] == ['temporal', 'dbos', 'prefect']
+    assert json.loads(result.output)['engines'] == list(DURABLE_ENGINES)  # every durable engine, `local` not
     result = CliRunner().invoke(app, ['check', PLAIN, '--format', 'json', '--engine', 'dbos'])
     assert json.loads(result.output)['engines'] == ['dbos']
 

@@ -27,6 +27,7 @@ from durable_capabilities import (
     load_skills,
     validate_together,
 )
+from durable_capabilities.engines import DURABLE_ENGINES
 
 # test_zz_every_code_is_exercised reads what every test of this module produced: the module runs on one xdist worker.
 pytestmark = pytest.mark.xdist_group('validation-codes')
@@ -574,7 +575,7 @@ def test_a_deferred_capability_building_new_leaves_per_call_is_dc024(agent_name:
     """Durable engines run only the leaf objects they wrapped at build time; the model's load fetches the toolset
     again. A new `FunctionToolset` fails on Temporal and Prefect (DBOS runs function tools inline), a new toolset
     function on every engine. Toolset functions in `Capability(toolsets=[...])` and not-deferred capabilities pass."""
-    for kind, engines in (('function', ('temporal', 'prefect')), ('closure', ('temporal', 'dbos', 'prefect'))):
+    for kind, engines in (('function', ('temporal', 'prefect')), ('closure', tuple(DURABLE_ENGINES))):
         capability = FreshToolsets(id=f'fresh-{kind}', description='Fresh.', defer_loading=True, kind=kind)
         with pytest.raises(DurableConfigError) as info:
             DurableAgent(agent_name(kind), 'test', capabilities=[capability])
