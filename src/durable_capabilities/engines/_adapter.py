@@ -263,10 +263,25 @@ class EngineAdapter(ABC):
         """Whether the engine's SDK is installed, without importing it (importing Prefect alone takes ~1.4 s)."""
         return self.requires is None or importlib.util.find_spec(self.requires) is not None
 
+    _declared: EngineSpec | None = None
+
+    def __init_subclass__(cls, spec: EngineSpec | None = None, **kwargs: Any) -> None:
+        """`class XAdapter(EngineAdapter, spec=SPEC)`: the adapter's name, nouns, extra, requirement, durability,
+        features and lock sections are read from `SPEC`, so an engine states them once (its spec)."""
+        super().__init_subclass__(**kwargs)
+        if spec is not None:
+            cls._declared = spec
+            cls.name, cls.durable, cls.extra, cls.requires = spec.name, spec.durable, spec.extra, spec.requires
+            cls.unit, cls.units, cls.container, cls.run_id_label = spec.unit, spec.units, spec.container, spec.run_id_label
+            cls.features, cls.lock_sections = spec.features, spec.lock_sections
+
     @property
     def spec(self) -> EngineSpec:
-        """The engine's `EngineSpec`: for an adapter registered directly (not from a spec), one built from its
-        attributes, with no connection settings (override `connection_settings` to declare some)."""
+        """The engine's `EngineSpec`: the one the adapter class declares (`spec=` in its class line), else, for an
+        adapter registered directly, one built from its attributes, with no connection settings (override
+        `connection_settings` to declare some)."""
+        if self._declared is not None:
+            return self._declared
         return EngineSpec(
             name=self.name, module=type(self).__module__, durable=self.durable, extra=self.extra, requires=self.requires,
             label=self.name, settings=tuple(self.connection_settings), lock_sections=self.lock_sections, unit=self.unit,

@@ -1,7 +1,10 @@
 """The built-in engines' specs (`_protocol.EngineSpec`): local, Temporal, DBOS, Prefect.
 
-Each moves into its engine's subpackage (`engines/<name>/_spec.py`) once engines are subpackages; the registry
-(`engines/__init__.py`) registers one `LazyAdapter(spec)` per engine.
+The registry (`engines/__init__.py`) registers one `LazyAdapter(spec)` per engine, and each built-in adapter class
+takes its name, nouns, extra and features from its spec (`class DBOSAdapter(EngineAdapter, spec=DBOS)`). The specs
+live here rather than in `engines/<name>/_spec.py` because importing a module of an engine's subpackage runs that
+package's `__init__`, which imports the engine's SDK: the registry answers `--help`, `check` and the availability of
+an extra without importing any SDK. An engine's own constants (unit names, prefixes, retry numbers) are in its `_spec`.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from ... import _upstream
 from ..._limits import redact_database_url
 from ...report import RunReport
 from .._adapter import EngineAdapter, RunOptions
+from .._specs import DBOS as SPEC
 from . import _runs
 from ._durability import ToolStepDurability, durability_parts, durable_names
 from ._runs import _missing_sqlite_file
@@ -27,18 +28,13 @@ if TYPE_CHECKING:
     from ...agent import DurableAgent
 
 
-class DBOSAdapter(EngineAdapter):
+class DBOSAdapter(EngineAdapter, spec=SPEC):
     """DBOS: a workflow per agent (`agent_workflow`), steps for model requests, tools, MCP and the store.
 
     Run settings: `db` (system database URL; default SQLite at `.durcap/dbos.sqlite`), `store` (conversation store
     URL of the run's steps).
     """
 
-    name = ENGINE
-    unit, units, container, run_id_label = 'step', 'steps', 'workflow', 'workflow id'
-    extra, requires = 'dbos', 'dbos'
-    features = frozenset({'worker', 'fixed-model'})  # fixed-model: `_hooks.FIXED_MODEL` (steps registered with the model)
-    lock_sections: Mapping[str, str] = {'workflows': 'workflow', 'steps': 'step'}
     operator = _runs  # `durcap runs` / `durcap approvals`: the base class's methods over `_runs`
 
     def listing_note(self, settings: Mapping[str, Any]) -> str | None:

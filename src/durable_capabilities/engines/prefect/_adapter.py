@@ -15,29 +15,25 @@ from pydantic_core import to_jsonable_python
 
 from ...report import RunReport
 from .._adapter import EngineAdapter, RunOptions
+from .._specs import PREFECT as SPEC
 from . import _runs
 from ._client import run_flow_run
 from ._durability import durability_parts, durable_names
 from ._flow import agent_flow, run_store
 from ._server import _TEMPORARY_SERVER, configured_api, ensure_api, server_line
-from ._spec import CONVERSATION_TASKS, ENGINE
+from ._spec import CONVERSATION_TASKS
 from ._worker import serve_schedule
 
 if TYPE_CHECKING:
     from ...agent import DurableAgent
 
 
-class PrefectAdapter(EngineAdapter):
+class PrefectAdapter(EngineAdapter, spec=SPEC):
     """Prefect: a flow per agent (`agent_flow`), tasks for model requests, tools, MCP and the store.
 
     Runs go to `PREFECT_API_URL` when set, else to Prefect's ephemeral local server.
     """
 
-    name = ENGINE
-    unit, units, container, run_id_label = 'task', 'tasks', 'flow', 'flow run id'
-    extra, requires = 'prefect', 'prefect'
-    features = frozenset({'schedule'})
-    lock_sections: Mapping[str, str] = {'flows': 'flow', 'tasks': 'task', 'cache_toolset_ids': 'cache toolset id'}
     operator = _runs  # `durcap runs` / `durcap approvals`: the base class's methods over `_runs`
 
     def durability_class(self) -> Any:

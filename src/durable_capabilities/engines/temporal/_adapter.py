@@ -15,6 +15,7 @@ from temporalio.exceptions import ActivityError, TemporalError
 from ...report import RunReport
 from .. import _mcp
 from .._adapter import EngineAdapter, RunOptions
+from .._specs import TEMPORAL as SPEC
 from . import _runs
 from ._client import await_result, connect, notice_no_poller, start_run
 from ._conversation import conversation_activity_names
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from ...agent import DurableAgent
 
 
-class TemporalAdapter(EngineAdapter):
+class TemporalAdapter(EngineAdapter, spec=SPEC):
     """Temporal: a workflow per agent, activities for model requests, tools, MCP and the store.
 
     Run settings: `address` (HOST:PORT; none: 127.0.0.1:7233 when it serves, else an embedded in-memory dev
@@ -38,11 +39,6 @@ class TemporalAdapter(EngineAdapter):
     store; a separate worker uses its own).
     """
 
-    name = ENGINE
-    unit, units, container, run_id_label = 'activity', 'activities', 'workflow', 'workflow id'
-    extra, requires = 'temporal', 'temporalio'
-    features = frozenset({'worker', 'dev-server', 'history'})
-    lock_sections: Mapping[str, str] = {'workflows': 'workflow', 'activities': 'activity'}
     operator = _runs  # `durcap runs` / `durcap approvals`: the base class's methods over `_runs`
 
     def durability_class(self) -> Any:
