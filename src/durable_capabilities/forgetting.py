@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .engines import ALL_ENGINES, RunInfo, get
+from .engines import EngineSpec, RunInfo, get, run_of, specs
 from .errors import DurcapError
 from .reading import _configured, durable_adapters, problem_line
 from .settings import Settings
@@ -76,14 +76,14 @@ class Deletion:
 
 def engine_records(purge: PurgeReport) -> list[EngineRecords]:
     """What each engine keeps of the runs `purge` names, and how to remove it (engines not registered are skipped)."""
-    records = []
-    for engine, run_id in purge.runs:
-        if engine not in ALL_ENGINES:
-            continue
-        spec = get(engine).spec
-        records.append(EngineRecords(engine, run_id, spec.retains or 'nothing known',
-                                     spec.forget.format(run_id=run_id) if spec.forget else 'nothing to remove'))
-    return records
+    runs: dict[tuple[str, str], EngineSpec] = {}
+    for append_id in purge.appends:
+        found = run_of(specs(), append_id)
+        if found is not None and found[0].durable:
+            runs.setdefault((found[0].name, found[1]), found[0])
+    return [EngineRecords(name, run_id, spec.retains or 'nothing known',
+                          spec.forget.format(run_id=run_id) if spec.forget else 'nothing to remove')
+            for (name, run_id), spec in runs.items()]
 
 
 async def plan_delete(store_url: str, conversation_id: str) -> PurgeReport:

@@ -18,12 +18,13 @@ import sqlalchemy as sa
 from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, UserPromptPart
 from temporalio.converter import DataConverter, WorkflowSerializationContext
 
+from durable_capabilities.engines import run_of, specs
 from durable_capabilities.engines.temporal._payloads import ClaimCheckCodec
+from durable_capabilities.forgetting import engine_records
 from durable_capabilities.store import (
     ConversationHasForksError,
     ConversationNotFoundError,
     SQLConversationStore,
-    run_of,
 )
 
 
@@ -95,7 +96,8 @@ def test_delete_leaves_nothing_of_the_conversation_and_touches_nothing_of_the_ot
     assert stats.payloads == 4 and stats.unattributed_payload_bytes > len(legacy)
     assert plan.rows == {'durcap_conversations': 1, 'durcap_entries': 4, 'durcap_writes': 2,
                          'durcap_payload_refs': 3, 'durcap_payloads': 1}
-    assert plan.runs == [('temporal', 'wf-alpha-1'), ('temporal', 'wf-alpha-2')]
+    assert plan.appends == ['wf-alpha-1:run-1', 'wf-alpha-2:run-1']
+    assert [(r.engine, r.run_id) for r in engine_records(plan)] == [('temporal', 'wf-alpha-1'), ('temporal', 'wf-alpha-2')]
     assert plan.shared_payloads == 1 and plan.payload_bytes > len(alpha_only)
 
     with SQLConversationStore(store_url) as store:
@@ -143,11 +145,18 @@ def test_a_conversation_others_were_forked_from_is_not_deleted(store_url: str) -
 
 
 def test_run_of_reads_each_engines_append_id() -> None:
-    assert run_of('support-1b2c:0f3e-run') == ('temporal', 'support-1b2c')
-    assert run_of('a:b:c') == ('temporal', 'a:b')
-    assert run_of('dbos:wf-1') == ('dbos', 'wf-1')
-    assert run_of('prefect:7d1e') == ('prefect', '7d1e')
-    assert run_of('local:123') is None and run_of('plain') is None
+    """Which engine run wrote an append, from the engines' specs (`append_prefix`, `run_of_append`)."""
+    def read(append_id: str) -> tuple[str, str] | None:
+        found = run_of(specs(), append_id)
+        return None if found is None else (found[0].name, found[1])
+
+    assert read('support-1b2c:0f3e-run') == ('temporal', 'support-1b2c')
+    assert read('a:b:c') == ('temporal', 'a:b')
+    assert read('wf-1:5e7c:continue-as-new') == ('temporal', 'wf-1')  # the part stored before continue-as-new
+    assert read('dbos:wf-1') == ('dbos', 'wf-1')
+    assert read('prefect:7d1e') == ('prefect', '7d1e')
+    assert read('local:123') == ('local', '123')  # claimed by local, which engine_records skips (not durable)
+    assert read('plain') is None
 
 
 def test_creating_a_store_file_says_where(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from ._adapter import (
     RunUnit,
     unit_kind,
 )
-from ._protocol import ConnectionSetting, EngineSpec
+from ._protocol import ConnectionSetting, EngineSpec, run_of
 from ._specs import DEFAULT_ENGINE
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     'RunUnit',
     'get',
     'register',
+    'run_of',
     'specs',
     'unit_kind',
 ]

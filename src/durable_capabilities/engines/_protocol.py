@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -136,6 +136,10 @@ class EngineSpec:
             and what its runs support: `approvals`, `streams`.
         embedded: The throwaway server a command starts when none is configured, if any.
         retains: What the engine keeps of a run after it ends, and for how long (`durcap history delete` says it).
+        append_prefix: The engine's conversation appends are `append_prefix` + the run id (`'dbos:'`): the store
+            keeps `append_id`s as given, and `durcap history delete` reads from them which runs wrote (`run_of`).
+        run_of_append: For an engine whose appends have no prefix of their own: the run id its `append_id` names,
+            `None` when the id is not one of its (tried after every engine's `append_prefix`).
         forget: How to remove one run's records on the engine, `{run_id}` standing for the run's id (printed by
             `durcap history delete`; `--engines` calls the adapter's `delete_run` instead).
     """
@@ -160,6 +164,8 @@ class EngineSpec:
     embedded: EmbeddedServer | None = None
     retains: str = ''
     forget: str = ''
+    append_prefix: str | None = None
+    run_of_append: Callable[[str], str | None] | None = None
 
     def available(self) -> bool:
         """Whether the engine's SDK is installed, without importing it (importing Prefect alone takes ~1.4 s)."""
@@ -183,3 +189,17 @@ class EngineSpec:
         except ImportError:
             return frozenset(LEAF_KINDS)
         return _upstream.runtime_rejected_kinds(cls)
+
+
+def run_of(specs: Sequence[EngineSpec], append_id: str) -> tuple[EngineSpec, str] | None:
+    """`(engine spec, run id)` of the run that wrote a conversation append, from its `append_id`: first the
+    engines whose appends carry a prefix of their own (`append_prefix`), then those that parse theirs
+    (`run_of_append`); `None` when no engine claims it."""
+    for spec in specs:
+        prefix = spec.append_prefix
+        if prefix and append_id.startswith(prefix) and len(append_id) > len(prefix):
+            return spec, append_id[len(prefix):]
+    for spec in specs:
+        if spec.append_prefix is None and spec.run_of_append is not None and (run := spec.run_of_append(append_id)):
+            return spec, run
+    return None

@@ -14,7 +14,20 @@ from ._protocol import ConnectionSetting, EmbeddedServer, EngineSpec
 DEFAULT_TEMPORAL_ADDRESS = '127.0.0.1:7233'
 """The Temporal frontend asked when neither `--address` nor the environment names one."""
 
-LOCAL = EngineSpec(name='local', module='durable_capabilities.engines.local', durable=False, label='local')
+
+_CONTINUE_AS_NEW = ':continue-as-new'
+
+
+def _temporal_run_of(append_id: str) -> str | None:
+    """Temporal's appends are `WORKFLOW_ID:RUN_ID`, or `WORKFLOW_ID:RUN_ID:continue-as-new` for the part stored before
+    continue-as-new (`engines/temporal/_conversation.py`, `_workflow.py`); the run id (a UUID) has no ':', the
+    workflow id may."""
+    body = append_id.removesuffix(_CONTINUE_AS_NEW)
+    workflow_id, sep, run_id = body.rpartition(':')
+    return workflow_id if sep and workflow_id and run_id else None
+
+LOCAL = EngineSpec(name='local', module='durable_capabilities.engines.local', durable=False, label='local',
+                   append_prefix='local:')
 
 TEMPORAL = EngineSpec(
     name='temporal',
@@ -53,6 +66,7 @@ TEMPORAL = EngineSpec(
              'claim-check threshold, larger ones as references into the store), until the namespace\'s retention '
              'period after the workflow closes'),
     forget='temporal workflow delete --workflow-id {run_id}',
+    run_of_append=_temporal_run_of,
 )
 
 DBOS = EngineSpec(
@@ -76,6 +90,7 @@ DBOS = EngineSpec(
     retains=('the workflow\'s status, inputs and the output of every step (the loaded history, model responses, tool '
              'results) in its system database, until deleted'),
     forget="python -c \"from dbos import DBOSClient; DBOSClient(system_database_url='<--db>').delete_workflows(['{run_id}'])\"",
+    append_prefix='dbos:',
 )
 
 PREFECT = EngineSpec(
@@ -94,6 +109,7 @@ PREFECT = EngineSpec(
     retains=('the flow run, its task runs and their parameters in the Prefect API\'s database, and the tasks\' persisted '
              'results in result storage (by default ~/.prefect/storage), until deleted'),
     forget='prefect flow-run delete {run_id} (and the result files of its task runs in result storage)',
+    append_prefix='prefect:',
 )
 
 DEFAULT_ENGINE = DBOS.name

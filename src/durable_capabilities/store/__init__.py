@@ -83,7 +83,6 @@ __all__ = [
     'loaded_capability_ids',
     'on_create',
     'resolve_url',
-    'run_of',
     'tools_called',
 ]
 
@@ -120,20 +119,6 @@ def _announce_created(path: str) -> None:
         _creation_notice(path)
     else:
         logger.info('created the conversation store %s', path)
-
-
-def run_of(append_id: str) -> tuple[str, str] | None:
-    """The durable run an append came from, read from its `append_id`: `('temporal', workflow id)` for
-    `workflow_id:run_id`, `('dbos', workflow id)` for `dbos:ID`, `('prefect', flow run id)` for `prefect:ID`;
-    `None` for a local run (`local:...`) or an id without a run in it."""
-    engine, sep, rest = append_id.partition(':')
-    if not sep or not rest:
-        return None
-    if engine in ('dbos', 'prefect'):
-        return (engine, rest)
-    if engine == 'local':
-        return None
-    return ('temporal', append_id.rpartition(':')[0])
 
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -286,8 +271,8 @@ class PurgeReport:
         dry_run: True when nothing was changed.
         rows: `{table: rows}` of the conversation's own rows in each table (`durcap_payloads`: the claim checks
             only its runs referred to).
-        runs: `(engine, run id)` of every durable run that appended to it (`run_of`), oldest first: what the
-            engines may still hold.
+        appends: The `append_id` of every write to it, oldest first: each names the run that wrote it, so what the
+            engines may still hold (`forgetting.engine_records` reads them with the engines' specs).
         message_bytes: Bytes of its messages' JSON.
         payload_bytes: Bytes of the claim checks deleted with it.
         shared_payloads: Claim checks its runs referred to that another conversation's runs refer to too (kept).
@@ -297,7 +282,7 @@ class PurgeReport:
     conversation_id: str
     dry_run: bool
     rows: dict[str, int]
-    runs: list[tuple[str, str]]
+    appends: list[str]
     message_bytes: int
     payload_bytes: int
     shared_payloads: int
@@ -626,7 +611,7 @@ class SQLConversationStore(ConversationStore):
         `durcap_conversations`, `durcap_entries` and `durcap_writes` rows, the claim-check references of its
         runs (`durcap_payload_refs`), and the claim checks (`durcap_payloads`) no other run refers to. Unlike
         upstream's `delete` (a tombstone that keeps the entries), nothing of it is left; the id can be used again
-        from revision 1. What the engines keep of its runs is not touched: see `PurgeReport.runs`.
+        from revision 1. What the engines keep of its runs is not touched: see `PurgeReport.appends`.
 
         The store records no lease on a conversation, so it cannot tell whether a run of it is in flight: a run
         that appends after the purge creates the conversation again. Claim checks written before schema version

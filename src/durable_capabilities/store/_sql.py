@@ -556,13 +556,17 @@ class _SQLBackend:
 
     # ---- deleting a conversation and measuring the store (`durcap history delete`, `durcap store stats`) ---------
 
-    def _runs_of(self, conn: sa.Connection, conversation_id: str) -> list[tuple[str, str]]:
+    def _appends_of(self, conn: sa.Connection, conversation_id: str) -> list[str]:
+        """The conversation's distinct `append_id`s, oldest first."""
         rows = conn.execute(
             sa.text('SELECT append_id FROM durcap_writes WHERE conversation_id = :cid AND append_id IS NOT NULL ORDER BY revision'),
             {'cid': conversation_id},
         ).all()
-        runs = [run for (append_id,) in rows if (run := store.run_of(append_id)) is not None]
-        return list(dict.fromkeys(runs))
+        return list(dict.fromkeys(append_id for (append_id,) in rows))
+
+    def _owners(self, conn: sa.Connection) -> set[str]:
+        """Every claim-check owner recorded (`durcap_payload_refs.owner`: the run the codec stored it for)."""
+        return {owner for (owner,) in conn.execute(sa.text('SELECT DISTINCT owner FROM durcap_payload_refs')).all()}
 
     def _usage(self, conn: sa.Connection, conversation_id: str) -> _Usage:
         """The conversation's rows per table, its runs, and the claim checks its runs refer to (own and shared).
@@ -582,8 +586,9 @@ class _SQLBackend:
         ).scalar() or 0)
         deleted = conn.execute(sa.text('SELECT deleted FROM durcap_conversations WHERE conversation_id = :cid'),
                                {'cid': conversation_id}).scalar()
-        runs = self._runs_of(conn, conversation_id)
-        owners = sorted({owner for engine, owner in runs if engine == 'temporal'})
+        appends = self._appends_of(conn, conversation_id)
+        known = self._owners(conn)
+        owners = sorted({owner for append_id in appends if (owner := _owner_of(append_id, known)) is not None})
         everyone = {f'a{i}': owner for i, owner in enumerate(owners)}
         own: dict[str, int] = {}
         shared: dict[str, int] = {}
@@ -606,7 +611,7 @@ class _SQLBackend:
             own.pop(digest)
         counts['durcap_payload_refs'] = refs
         counts['durcap_payloads'] = len(own)
-        return _Usage(counts, runs, owners, own, shared, message_bytes, bool(deleted))
+        return _Usage(counts, appends, owners, own, shared, message_bytes, bool(deleted))
 
     def purge(self, conversation_id: str, dry_run: bool) -> PurgeReport:
         """Delete every row of the conversation and the claim checks only its runs refer to (see
@@ -638,7 +643,7 @@ class _SQLBackend:
                         params,
                     )
         return PurgeReport(
-            conversation_id=conversation_id, dry_run=dry_run, rows=usage.counts, runs=usage.runs,
+            conversation_id=conversation_id, dry_run=dry_run, rows=usage.counts, appends=usage.appends,
             message_bytes=usage.message_bytes, payload_bytes=sum(usage.own.values()), shared_payloads=len(usage.shared),
             shared_payload_bytes=sum(usage.shared.values()),
         )
@@ -662,11 +667,12 @@ class _SQLBackend:
             messages = {row[0]: (int(row[1]), int(row[2] or 0)) for row in conn.execute(
                 sa.text(f'SELECT conversation_id, COUNT(*), SUM({length}) FROM durcap_entries GROUP BY conversation_id')).all()}
             owner_of: dict[str, set[str]] = {}
+            known = self._owners(conn)
             for cid, append_id in conn.execute(
                     sa.text('SELECT conversation_id, append_id FROM durcap_writes WHERE append_id IS NOT NULL')).all():
-                run = store.run_of(append_id)
-                if run is not None and run[0] == 'temporal':
-                    owner_of.setdefault(run[1], set()).add(cid)
+                owner = _owner_of(append_id, known)
+                if owner is not None:
+                    owner_of.setdefault(owner, set()).add(cid)
             sizes = {row[0]: int(row[1]) for row in conn.execute(sa.text('SELECT sha256, size FROM durcap_payloads')).all()}
             users: dict[str, set[str | None]] = {}
             for digest, owner in conn.execute(sa.text('SELECT sha256, owner FROM durcap_payload_refs')).all():
@@ -1018,10 +1024,23 @@ _FORKS = (
 """The other conversations whose histories run through the conversation's own entries (forked from it)."""
 
 
+def _owner_of(append_id: str, owners: set[str]) -> str | None:
+    """The claim-check owner an `append_id` belongs to: the longest recorded owner it begins with, followed by ':'
+    (a durable run's appends begin with its id, `WORKFLOW_ID:RUN_ID`; ids of engines that store no claim checks begin
+    with no owner). Engine-neutral: the owners are whatever the codec recorded."""
+    found = None
+    cut = append_id.find(':')
+    while cut > 0:
+        if append_id[:cut] in owners:
+            found = append_id[:cut]
+        cut = append_id.find(':', cut + 1)
+    return found
+
+
 @dataclasses.dataclass
 class _Usage:
     counts: dict[str, int]
-    runs: list[tuple[str, str]]
+    appends: list[str]
     owners: list[str]
     own: dict[str, int]
     shared: dict[str, int]
