@@ -27,6 +27,7 @@ from pydantic_ai.messages import (
 from pydantic_ai.usage import RunUsage
 
 from .store import ConversationNotFoundError, SQLConversationStore, drift, resolve_url
+from .store._schema import _decode_messages, _encode
 from .validation import DurableConfigError, Report
 
 if TYPE_CHECKING:
@@ -194,8 +195,6 @@ def _decode_rows(rows: list[str], conversation_id: str, offset: int, kinds: list
                 return messages
         except ValueError:
             pass
-    from .store._schema import _decode_messages
-
     # Slow path: the row at fault, by position (and entry id when known).
     return _decode_messages(
         [_RowText(text, kinds[i] if kinds else 'message', offset + i + 1, entry_ids[i] if entry_ids else '', conversation_id)
@@ -206,8 +205,6 @@ def _decode_rows(rows: list[str], conversation_id: str, offset: int, kinds: list
 
 def _remember(key: tuple[str, str], messages: list[ModelMessage]) -> None:
     """After an append: the conversation's whole history, for the next turn's `decode_history`."""
-    from .store._schema import _encode
-
     _DECODED[key] = _Decoded(len(messages), _encode(messages[-1]), messages)
     _DECODED.move_to_end(key)
     while len(_DECODED) > DECODED_CACHE_SIZE:
