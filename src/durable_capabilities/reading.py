@@ -102,9 +102,21 @@ async def list_runs(settings: Settings, *, engines: list[str] | None = None, sta
             listing.notes.append(note)
         try:
             listing.runs += await adapter.list_runs(settings.engine(), status=status, limit=limit)
+            if status == 'running':
+                await _note_orphans(adapter, settings, listing.notes, limit)
         except Exception as exc:  # noqa: BLE001 - one engine down must not hide the others' runs
             listing.problems.append(problem_line(adapter, exc))
     return listing
+
+
+async def _note_orphans(adapter: EngineAdapter, settings: Settings, notes: list[str], limit: int) -> None:
+    """Under `--status running`: a note naming how many runs of `adapter` are `orphaned` (started, their process
+    gone: a DBOS workflow whose executor died), which that filter leaves out, and how to see and finish them."""
+    orphans = await adapter.list_runs(settings.engine(), status='orphaned', limit=limit)
+    if orphans:
+        shown = f'{len(orphans)}+' if len(orphans) >= limit else str(len(orphans))
+        notes.append(f'{adapter.name}: {shown} orphaned run(s) not listed (started, their process is gone): '
+                     f'`durcap runs list --engine {adapter.name} --status orphaned`, then `durcap runs resume ID`')
 
 
 async def find_run(run_id: str, settings: Settings, engine: str | None = None) -> tuple[EngineAdapter, RunInfo]:

@@ -19,7 +19,7 @@ command does.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ._limits import redact_database_url
@@ -110,12 +110,17 @@ class Settings:
         every field but `store`."""
         return {k: v for k, v in self._values.items() if k != 'store'}
 
-    def describe(self) -> dict[str, str]:
+    def describe(self, engines: Iterable[str] | None = None) -> dict[str, str]:
         """What a page or a log line may show: each engine's line (`EngineSpec.describe`), then the store; database
-        URLs without their passwords."""
+        URLs without their passwords.
+
+        Args:
+            engines: Only these engines' lines (names as in `EngineSpec.name`); `None`: every engine's.
+        """
+        wanted = None if engines is None else set(engines)
         shown: dict[str, str] = {}
         for spec in specs():
-            if spec.describe is None:
+            if spec.describe is None or (wanted is not None and spec.name not in wanted):
                 continue
             label, template = spec.describe
             shown[label] = template.format_map(_Shown(self._values, {s.field: s for s in spec.settings}))

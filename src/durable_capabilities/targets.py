@@ -212,7 +212,7 @@ def load(target: str) -> Target:
     if _is_path(module_part):
         path = Path(module_part).resolve()
         if not path.is_file():
-            raise UnusableTarget(f'no such file: {module_part}')
+            raise UnusableTarget(_not_a_module_file(module_part, path))
         root, module_name = _package_root(path)
         if str(root) not in sys.path:
             sys.path.insert(0, str(root))
@@ -261,6 +261,16 @@ def lock_diff(agents: list[DurableAgent[Any, Any]], lock: str | Path, *, allow_d
             for p in report
         ])
     return report
+
+
+def _not_a_module_file(name: str, path: Path) -> str:
+    """Why `path` (TARGET's file part, `name` as given) cannot be imported: missing, a folder, or not a regular file."""
+    if path.is_dir():
+        return (f'{printable(name)} is a folder, not a module file: name a file (`{printable(name.rstrip("/"))}/agents.py:attr`)'
+                ' or a package by its dotted name (`pkg.module:attr`)')
+    if path.exists():
+        return f'{printable(name)} is not a regular file (a FIFO, socket or device): TARGET names a Python module file'
+    return f'no such file: {printable(name)}'
 
 
 def check_lock(loaded: Target, lock: str | Path | None = None, *, allow_drift: bool = False) -> Path | None:

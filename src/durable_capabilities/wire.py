@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from ._limits import load_yaml, one_line
+
 __all__ = ['SUPPORT_SCRIPT', 'Fault', 'Script', 'Step', 'ToolCall', 'Turn', 'WireServer', 'create_app', 'load_script']
 
 
@@ -137,13 +139,17 @@ def load_script(source: str | Path | dict[str, Any]) -> Script:
     """A `Script` from a JSON/YAML file path or an already parsed mapping (`{'turns': [...]}`).
 
     Raises:
-        ValueError: the file is neither JSON nor YAML, or a turn has no steps.
+        ValueError: the file is neither JSON nor YAML (`yaml.YAMLError` is a `ValueError` here), nests deeper than
+            `_limits.MAX_DEPTH` levels, uses a YAML alias, or a turn has no steps.
     """
     data: Any = source
     if isinstance(source, str | Path):
         import yaml
 
-        data = yaml.safe_load(Path(source).read_text(encoding='utf-8'))  # YAML is a superset of JSON
+        try:  # YAML is a superset of JSON; bounded: a 3,000-level script is an error, not a RecursionError
+            data = load_yaml(Path(source).read_text(encoding='utf-8'), where=str(source))
+        except yaml.YAMLError as exc:
+            raise ValueError(f'{source}: not a wire script: {one_line(str(exc))}') from None
     if not isinstance(data, dict) or not data.get('turns'):
         raise ValueError(f'{source}: a wire script is a mapping with a non-empty `turns` list')
     turns = []

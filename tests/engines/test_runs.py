@@ -205,7 +205,10 @@ def test_run_killed_mid_tool_is_resumed_by_runs_resume(engine: str, tmp_path: Pa
                    for n in info['notes']), info['notes']
         orphaned = durcap('runs', 'list', *WIDE, '--engine', engine, '--status', 'orphaned', '--format', 'json', *conn, env=env)
         assert run_id in orphaned.stdout, orphaned.stdout
-        assert run_id not in durcap('runs', 'list', '--engine', engine, '--status', 'running', *conn, env=env).stdout
+        running = durcap('runs', 'list', '--engine', engine, '--status', 'running', *conn, env=env)
+        assert run_id not in running.stdout
+        # ... and that filter says it left orphaned runs out, and how to see them (issue 29, item 6).
+        assert 'orphaned run(s) not listed' in running.stderr and '--status orphaned' in running.stderr, running.stderr
 
     resumed = durcap('runs', 'resume', run_id, '--engine', engine, '--target', CRASH, *conn, env=env)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
@@ -306,7 +309,10 @@ def test_runs_list_show_cancel_a_run_in_flight(engine: str, tmp_path: Path, requ
         assert f'{run_id}: cancelled' in cancelled.stdout, cancelled.stdout
         after = json.loads(durcap('runs', 'show', run_id, '--engine', engine, '--format', 'json', *conn, env=env).stdout)
         assert after['status'] == 'cancelled', after
-        assert run_id not in durcap('runs', 'list', '--engine', engine, '--status', 'running', *conn, env=env).stdout
+        running = durcap('runs', 'list', '--engine', engine, '--status', 'running', *conn, env=env)
+        assert run_id not in running.stdout
+        # ... and that filter says it left orphaned runs out, and how to see them (issue 29, item 6).
+        assert 'orphaned run(s) not listed' in running.stderr and '--status orphaned' in running.stderr, running.stderr
     finally:
         kill9(proc)
 

@@ -147,7 +147,7 @@ BAD_TARGETS: list[tuple[str, str, str]] = [
     ('no-attr', f'{AGENTS}:', 'must be `pkg.module:attr`'),
     ('no-module', 'no_such_module_xyz:agent', "no module named 'no_such_module_xyz'"),
     ('no-file', 'no/such/file.py:agent', 'no such file'),
-    ('folder', f'{FIXTURES}/:agent', 'no such file'),
+    ('folder', f'{FIXTURES}/:agent', 'is a folder, not a module file'),
     ('dev-null', '/dev/null:agent', 'no such file'),
     ('no-such-attr', f'{AGENTS}:nope', "has no attribute 'nope'"),
     ('attr-str', f'{AGENTS}:with_deps.name', 'is a str, not a DurableAgent'),
@@ -185,6 +185,8 @@ def _target_cases() -> list[Case]:
         Case('target-exits', ['check', '{tmp}/exits.py:x'], 2, 'raised SystemExit', {'exits.py': 'import sys\nsys.exit(3)\n'}),
         Case('target-recursion', ['check', '{tmp}/recurses.py:x'], 2, 'raised RecursionError',
              {'recurses.py': 'def f():\n    return f()\nf()\n'}),
+        Case('target-folder-module', ['check', '{tmp}/pkg'], 2, 'is a folder, not a module file',
+             {'pkg': lambda p: p.mkdir()}),
         Case('target-empty-list', ['check', '{tmp}/empty.py:agents'], 2, 'is an empty list', {'empty.py': 'agents = []\n'}),
         Case('target-import-missing', ['check', '{tmp}/imp.py:x'], 2, 'does not import',
              {'imp.py': 'import no_such_dependency_xyz\n'}),
@@ -278,7 +280,7 @@ def _url_cases() -> list[Case]:
             Case(f'db-{name}-database-missing', [*argv, '--db', 'postgresql://postgres@127.0.0.1:5432/no_such_db_xyz'],
                  2, 'database "no_such_db_xyz" does not exist'),
             Case(f'db-{name}-no-database-name', [*argv, '--db', 'postgresql://:x@/'], 2, 'Database name must be specified'),
-            Case(f'db-{name}-not-a-database', [*argv, '--db', 'sqlite:///{tmp}/x.db'], 2, 'file is not a database',
+            Case(f'db-{name}-not-a-database', [*argv, '--db', 'sqlite:///{tmp}/x.db'], 2, 'is not a SQLite database',
                  {'x.db': 'this is not a database'}),
         ]
     for name, argv in {'runs-list': operator['runs-list'], 'approvals-list': operator['approvals-list']}.items():
@@ -434,6 +436,11 @@ def _option_cases() -> list[Case]:
         Case('approve-args-huge', ['approve', 'r', 'c', '--args', '"' + 'x' * (1024 * 1024 + 1) + '"'], 2, 'over the limit'),
         Case('runs-status-unknown', ['runs', 'list', '--status', 'nope'], 2, '--status must be one of'),
         Case('replay-no-target', ['replay', str(HISTORY)], 2, "Missing option '--target'"),
+        # Issue 29, item 6: a 3,000-level wire script was a RecursionError traceback.
+        Case('wire-script-deep', ['wire', '--script', '{tmp}/deep.yaml'], 2, 'nests deeper than',
+             {'deep.yaml': _deep(3000) + '\n'}),
+        Case('wire-script-deep-block', ['wire', '--script', '{tmp}/deep.yaml'], 2, 'nests deeper than',
+             {'deep.yaml': ''.join(f'{"  " * i}k{i}:\n' for i in range(3000)) + '  ' * 3000 + 'v\n'}),
     ]
 
 
@@ -510,10 +517,15 @@ PROCESS_CASES = [
          env={'DURCAP_REPLAY_TIMEOUT': '0.001'}),
     Case('dbos-run-unreachable-db', ['run', PLAIN, 'hi', '--engine', 'dbos', '--db', 'postgresql://x@127.0.0.1:1/nope'],
          2, 'cannot connect'),
-    # DBOS logs its own failed event read with a traceback (dbos `get_event_check`): a real process shows it.
+    # A file that is not a SQLite database is refused before DBOS opens it (DBOS itself would log a traceback from its
+    # failed event read, dbos `get_event_check`): a real process shows no such line.
     *(Case(f'{verb}-not-a-database', [verb, 'r1', 'c1', '--engine', 'dbos', '--db', 'sqlite:///{tmp}/x.db', *extra],
-           2, 'file is not a database', {'x.db': 'this is not a database'})
+           2, 'is not a SQLite database', {'x.db': 'this is not a database'})
       for verb, extra in (('approve', []), ('deny', ['--reason', 'no']))),
+    # Issue 29, item 6: a file that is not a SQLite database, as DBOS's system database, is one line before DBOS starts.
+    Case('dbos-db-not-sqlite', ['demo', '--engine', 'dbos', '--db', 'sqlite:///{tmp}/passwd'], 2,
+         'is not a SQLite database', {'passwd': 'root:x:0:0:root:/root:/bin/bash\n'}),
+    Case('target-fifo', ['check', '{tmp}/pipe.py:x'], 2, 'is not a regular file (a FIFO', {'pipe.py': _fifo}),
     Case('local-failing-tool', ['run', f'{AGENTS}:failing', 'hi'], 1,
          "agent 'input-failing' failed on local in capability 'broken' (tool 'explode')"),
 ]

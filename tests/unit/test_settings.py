@@ -39,3 +39,21 @@ def test_describe_hides_passwords() -> None:
     shown = Settings.resolve(db='postgresql://durcap:s3cret@db:5432/dbos', store='postgresql://a:pw@db/conv').describe()
     assert 's3cret' not in str(shown) and 'pw@' not in str(shown)
     assert shown['DBOS system database'] == 'postgresql://durcap:***@db:5432/dbos'
+
+
+def test_describe_names_only_the_engines_asked_for() -> None:
+    """`durcap ui --engine dbos` names DBOS and the store at start, not Temporal's 127.0.0.1:7233 (issue 29, item 6)."""
+    settings = Settings.resolve(db='sqlite:///x.db')
+    every = settings.describe()
+    dbos_only = settings.describe(['dbos'])
+    assert any('Temporal' in label for label in every)
+    assert [label for label in dbos_only] == ['DBOS system database', 'conversation store'], dbos_only
+    assert settings.describe([]) == {'conversation store': every['conversation store']}
+
+
+def test_ui_app_records_the_engines_it_reads() -> None:
+    """The pages' app says which engines it reads: `durcap ui` describes exactly those."""
+    from durable_capabilities.ui import create_app
+
+    app = create_app(Settings.resolve(), 'token', engines=['dbos'])
+    assert app.state.engines == ['dbos']

@@ -169,7 +169,8 @@ def database_url(value: str | None, option: str, *, probe: bool = False) -> str 
     if backend not in ('sqlite', 'postgresql'):
         _unusable(f'{INPUT_CODE} {option} {shown}: scheme {printable(url.drivername)!r} is not supported: {fix}')
     if backend == 'sqlite' and (problem := _sqlite_file_problem(str(url.database))):
-        _unusable(f'{INPUT_CODE} {option} {shown}: {problem}: give a file in a folder you can write, e.g. {example}')
+        where = 'a new or SQLite file' if problem.endswith(_NOT_SQLITE) else 'a file in a folder you can write'
+        _unusable(f'{INPUT_CODE} {option} {shown}: {problem}: give {where}, e.g. {example}')
     if probe and backend == 'postgresql':
         try:
             engine = sa.create_engine(url.set(drivername='postgresql+psycopg'), connect_args={'connect_timeout': 5})
@@ -186,12 +187,16 @@ def database_url(value: str | None, option: str, *, probe: bool = False) -> str 
 def _sqlite_file_problem(database: str) -> str | None:
     """Why a SQLite database file cannot be used, or `None`: an existing path that is not a regular file, or a new
     file whose nearest existing folder takes no new file (`/proc`, a read-only mount, no permission); checked by
-    creating and removing a temporary file there. A file that exists is left to the store to check."""
+    creating and removing a temporary file there. An existing file must be empty or begin with SQLite's 16-byte
+    header (`SQLite format 3\\0`, https://www.sqlite.org/fileformat.html): `--db sqlite:////etc/passwd` is one line
+    here, not the engine's traceback after it started."""
     import tempfile
 
     path = Path(database)
     if path.exists():
-        return None if path.is_file() else f'{printable(str(path))} is {"a folder" if path.is_dir() else "not a regular file"}'
+        if not path.is_file():
+            return f'{printable(str(path))} is {"a folder" if path.is_dir() else "not a regular file"}'
+        return _sqlite_header_problem(path)
     folder = path.parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
@@ -202,6 +207,22 @@ def _sqlite_file_problem(database: str) -> str | None:
             pass
     except OSError as exc:
         return f'cannot create a file in {printable(str(folder))} ({type(exc).__name__}: {one_line(exc.strerror or str(exc))})'
+    return None
+
+
+_SQLITE_HEADER = b'SQLite format 3\x00'
+_NOT_SQLITE = "is not a SQLite database (it does not begin with SQLite's header)"
+
+
+def _sqlite_header_problem(path: Path) -> str | None:
+    """Why the existing file `path` is not a SQLite database, or `None` (empty, or SQLite's header)."""
+    try:
+        with path.open('rb') as file:
+            head = file.read(len(_SQLITE_HEADER))
+    except OSError as exc:
+        return f'cannot read {printable(str(path))} ({type(exc).__name__}: {one_line(exc.strerror or str(exc))})'
+    if head and head != _SQLITE_HEADER:
+        return f'{printable(str(path))} {_NOT_SQLITE}'
     return None
 
 

@@ -60,7 +60,7 @@ def ui(
         _err.print(f'durcap ui: warning: serving on {host}, not loopback: anyone who reaches it sees run data '
                    '(decisions still need the token)', markup=False)
     shown = f'[{host}]' if ':' in host else host
-    where = ', '.join(f'{k} {v}' for k, v in settings.describe().items())
+    where = ', '.join(f'{k} {v}' for k, v in settings.describe(application.state.engines).items())
     _err.print(f'durcap ui: http://{shown}:{port}/ ({where})', markup=False)
     _err.print(f'durcap ui: decision token from ${TOKEN_ENV}' if os.environ.get(TOKEN_ENV)
                else f'durcap ui: decision token: {token}', markup=False)

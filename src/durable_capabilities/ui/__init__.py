@@ -70,10 +70,12 @@ def create_app(settings: Settings, token: str, *, engines: Sequence[str] | None 
     env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=True, trim_blocks=True, lstrip_blocks=True)
     env.filters['tojson_text'] = _json_text
     ui = _UI(settings, token, names, limit, env)
-    return Starlette(routes=[
+    app = Starlette(routes=[
         Route('/', ui.runs), Route('/runs/{engine}/{run_id:path}', ui.run), Route('/approvals', ui.approvals),
         Route('/conversations/{conversation_id:path}', ui.conversation), Route('/decide', ui.decide, methods=['POST']),
     ], exception_handlers={HTTPException: ui.http_error})
+    app.state.engines = names  # the engines the pages read (`durcap ui` names only these at start)
+    return app
 
 
 class _UI:
