@@ -132,6 +132,9 @@ def test_dbos_worker_recovers_its_executors_pending_workflow(postgres_url: str, 
                        tmp_path / 'worker.log', env)
         line = wait_text(tmp_path / 'worker.log', 'dbos worker ready', worker, 90)
         assert f"executor '{executor}' (recovering 1 pending workflows)" in line, line
+        # Never silent before ready (issue 29, item 6): a line as the command starts, one before DBOS launches.
+        before = (tmp_path / 'worker.log').read_text().split('dbos worker ready')[0]
+        assert before.index('dbos worker: loading') < before.index(f"dbos worker starting: executor '{executor}'"), before
         wait_status(postgres_url, workflow_id, 'SUCCESS', 90)
         os.killpg(worker.pid, signal.SIGTERM)
         assert worker.wait(timeout=60) == 0, (tmp_path / 'worker.log').read_text()

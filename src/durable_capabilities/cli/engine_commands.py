@@ -546,6 +546,8 @@ def _worker_command(engine: str) -> Any:
     ) -> None:
         """Validate TARGET and serve its workflows and activities; refuse to start on any error or lockfile drift;
         drain on SIGTERM."""
+        _err.print(f'{engine} worker: loading {printable(target)} and checking it (every engine, durable.lock) ...',
+                   markup=False)
         agents = _valid_agents(target, use_lock=True, lock=lock, allow_drift=allow_drift, refused='worker not started: '
                                'fix the errors above' + ('' if allow_drift else ' (or pass --allow-drift on lockfile drift)'))
         store = database_url(store, '--store')

@@ -41,10 +41,19 @@ def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) 
         pending = []
     finally:
         client.destroy()
-    launch(APP_NAME, system_database_url_=url, executor_id=executor)
+    # A progress line before DBOS launches (creating a new system database's tables and recovering pending workflows
+    # take seconds), and the stop handlers before it too: a SIGTERM while launching is reported, not silent.
+    options.notify(f'dbos worker starting: executor {executor!r}, system database {redact_database_url(url)}, '
+                   f'{len(pending)} pending workflows to recover ...')
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    launched = False
     try:
+        launch(APP_NAME, system_database_url_=url, executor_id=executor)
+        launched = True
+        if stop.is_set():
+            options.notify('dbos worker: stop requested while launching; stopping before ready')
+            return
         DBOS.register_queue(queue)
         options.notify(f'dbos worker ready: executor {executor!r} (recovering {len(pending)} pending '
                        f'workflows), queue {queue!r}, system database {redact_database_url(url)}, application version '
@@ -53,4 +62,5 @@ def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        DBOS.destroy(workflow_completion_timeout_sec=int(options.setting('graceful_shutdown', 30)))
+        if launched:
+            DBOS.destroy(workflow_completion_timeout_sec=int(options.setting('graceful_shutdown', 30)))
