@@ -148,7 +148,7 @@ BAD_TARGETS: list[tuple[str, str, str]] = [
     ('no-module', 'no_such_module_xyz:agent', "no module named 'no_such_module_xyz'"),
     ('no-file', 'no/such/file.py:agent', 'no such file'),
     ('folder', f'{FIXTURES}/:agent', 'is a folder, not a module file'),
-    ('dev-null', '/dev/null:agent', 'no such file'),
+    ('dev-null', '/dev/null:agent', 'is not a regular file (a FIFO, socket or device)'),
     ('no-such-attr', f'{AGENTS}:nope', "has no attribute 'nope'"),
     ('attr-str', f'{AGENTS}:with_deps.name', 'is a str, not a DurableAgent'),
     ('attr-type', f'{AGENTS}:Shop', 'is a type, not a DurableAgent'),
