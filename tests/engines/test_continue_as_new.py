@@ -66,21 +66,27 @@ MODEL_REQUESTS = COUNT + 2  # the load, 12 ticks, the answer
 @pytest.fixture(scope='module')
 def temporal_suggesting_continue_as_new(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A dev server (in-memory) that suggests continue-as-new after `SUGGEST_AFTER_EVENTS` events."""
-    port = free_port()
     log_path = tmp_path_factory.mktemp('temporal-can') / 'server.log'
-    cmd = [
-        temporal_cli(), 'server', 'start-dev', '--ip', '127.0.0.1', '--port', str(port), '--headless',
-        '--log-level', 'error', '--http-port', str(free_port()), '--metrics-port', str(free_port()),
-        '--dynamic-config-value', f'limit.historyCount.suggestContinueAsNew={SUGGEST_AFTER_EVENTS}',
-    ]
-    with open(log_path, 'wb') as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    # Three free ports are picked before the server binds them; another process of the suite can take one in between
+    # ("bind: address already in use", seen in a CI run): try again with new ports, at most 3 times.
+    for _attempt in range(3):
+        port = free_port()
+        cmd = [
+            temporal_cli(), 'server', 'start-dev', '--ip', '127.0.0.1', '--port', str(port), '--headless',
+            '--log-level', 'error', '--http-port', str(free_port()), '--metrics-port', str(free_port()),
+            '--dynamic-config-value', f'limit.historyCount.suggestContinueAsNew={SUGGEST_AFTER_EVENTS}',
+        ]
+        with open(log_path, 'wb') as log:
+            process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
-        while not port_open('127.0.0.1', port):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f'temporal dev server did not start (exit {process.poll()}):\n{log_path.read_text()[-2000:]}')
+        while not port_open('127.0.0.1', port) and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
+        if port_open('127.0.0.1', port) or 'address already in use' not in log_path.read_text():
+            break
+        process.wait(timeout=20)
+    try:
+        if not port_open('127.0.0.1', port):
+            raise RuntimeError(f'temporal dev server did not start (exit {process.poll()}):\n{log_path.read_text()[-2000:]}')
         yield f'127.0.0.1:{port}'
     finally:
         if process.poll() is None:

@@ -147,8 +147,10 @@ async def _info(client: Client, description: Any, with_history: bool = True, wit
 
 async def list_runs(settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
     client = await _connect(settings)
-    if status == 'queued':
-        return []  # Temporal has no queued state: a run waiting for a worker is Running
+    if status in ('queued', 'orphaned'):
+        # Temporal has no queued state (a run waiting for a worker is Running) and no orphaned one (any worker polling
+        # the task queue takes a run whose worker died).
+        return []
     query = f"WorkflowType STARTS_WITH '{WORKFLOW_NAME_PREFIX}'"
     if status:
         query += f' AND {_STATUS_QUERY[status]}'
