@@ -384,6 +384,34 @@ def test_an_unreachable_temporal_server_is_one_line_and_exit_2(command: tuple[st
     assert 'tonic' not in result.stderr and 'Traceback' not in result.stderr
 
 
+@pytest.mark.parametrize('command', [('runs', 'list', '--engine', 'temporal'),
+                                     ('run', 'tests/engines/ledger_agent.py:agent', 'x', '--engine', 'temporal'),
+                                     ('worker', 'temporal', 'tests/engines/ledger_agent.py:agent')])
+def test_an_address_that_accepts_and_never_answers_times_out_saying_what_it_waits_for(command: tuple[str, ...]) -> None:
+    """Something listens on the address but never answers (this test's socket: the kernel completes the handshake,
+    nobody reads): the command gives up after `$DURCAP_TEMPORAL_CONNECT_TIMEOUT` (1 s here; 10 s by default) with one
+    line saying nothing answers Temporal's gRPC there and how to wait longer, exit 2. Before, temporalio retried for
+    ~33 s in silence (issue 29 item 6). A real socket and real `durcap` subprocesses; no model runs."""
+    with socket.socket() as listening:
+        listening.bind(('127.0.0.1', 0))
+        listening.listen(16)
+        address = f'127.0.0.1:{listening.getsockname()[1]}'
+        result = durcap(*command, '--address', address, env={'DURCAP_TEMPORAL_CONNECT_TIMEOUT': '1'})
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f'no answer from a Temporal server at {address} within 1 s' in result.stderr, result.stderr
+    assert '$DURCAP_TEMPORAL_CONNECT_TIMEOUT' in result.stderr and 'Traceback' not in result.stderr
+
+
+def test_a_bad_connect_timeout_is_dc040_naming_the_variable() -> None:
+    """`$DURCAP_TEMPORAL_CONNECT_TIMEOUT` that is not a number of seconds above 0: DC040 naming it, exit 2, before
+    anything connects (a real `durcap` subprocess; the address is never dialled)."""
+    for value in ('soon', '0', '-1', 'inf'):
+        result = durcap('runs', 'list', '--engine', 'temporal', '--address', '127.0.0.1:1',
+                        env={'DURCAP_TEMPORAL_CONNECT_TIMEOUT': value})
+        assert result.returncode == 2, (value, result.stdout + result.stderr)
+        assert 'DC040 $DURCAP_TEMPORAL_CONNECT_TIMEOUT' in result.stderr and 'Traceback' not in result.stderr, value
+
+
 @pytest.mark.parametrize('args', [
     ('ui', '--port', '99999', '--engine', 'dbos'), ('ui', '--port', '0'), ('ui', '--limit', '0'),
     ('runs', 'list', '--engine', 'dbos', '--limit', '-1'), ('wire', '--port', '70000'),

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 from collections.abc import Callable
 from datetime import timedelta
@@ -20,11 +21,14 @@ from temporalio.client import Client
 from temporalio.converter import DataConverter
 from temporalio.service import RPCError, RPCStatusCode
 
+from ..._limits import InputError
 from .._adapter import EngineUnreachableError
 from ._payloads import default_codec
 from ._spec import (
     AGENT_MEMO,
     CAPABILITIES_SEARCH_ATTRIBUTE,
+    CONNECT_TIMEOUT_ENV,
+    CONNECT_TIMEOUT_SECONDS,
     DEFAULT_ADDRESS,
     DEFAULT_NAMESPACE,
     HEALTH_TIMEOUT_SECONDS,
@@ -43,12 +47,24 @@ async def connect(address: str = DEFAULT_ADDRESS, namespace: str = DEFAULT_NAMES
     (`_payloads.ClaimCheckCodec`) on `store` (the `--store` of the run or worker; `None`: `$DURCAP_STORE`, else the
     default store): payloads over 256 KiB travel by reference. Workers made from this client use the same codec.
 
+    Waits at most `connect_timeout()` seconds (`$DURCAP_TEMPORAL_CONNECT_TIMEOUT`, default 10) for the server to
+    answer.
+
     Raises:
-        EngineUnreachableError: no Temporal server answers at `address`.
+        EngineUnreachableError: no Temporal server answers at `address` (refused, or no answer within the timeout).
+        InputError: `$DURCAP_TEMPORAL_CONNECT_TIMEOUT` is not a number of seconds above 0 (DC040).
     """
     codec = DataConverter(payload_codec=default_codec(store))  # PydanticAIPlugin keeps the codec, swaps the converter
+    timeout = connect_timeout()
     try:
-        return await Client.connect(address, namespace=namespace, plugins=[PydanticAIPlugin()], data_converter=codec)
+        return await asyncio.wait_for(
+            Client.connect(address, namespace=namespace, plugins=[PydanticAIPlugin()], data_converter=codec), timeout)
+    except TimeoutError as exc:
+        raise EngineUnreachableError(
+            f'no answer from a Temporal server at {address} within {timeout:g} s: something accepts connections there '
+            'but does not answer Temporal\'s gRPC (another service, a proxy, or a server still starting). Point '
+            f'--address / $DURCAP_TEMPORAL_ADDRESS at the Temporal frontend, or wait longer with ${CONNECT_TIMEOUT_ENV}'
+        ) from exc
     except RuntimeError as exc:
         if 'client connect' not in str(exc):
             raise
@@ -59,6 +75,25 @@ async def connect(address: str = DEFAULT_ADDRESS, namespace: str = DEFAULT_NAMES
             'start one (`durcap dev temporal`) or point --address / $DURCAP_TEMPORAL_ADDRESS at yours'
         ) from exc
 
+
+def connect_timeout() -> float:
+    """Seconds `connect` waits for the server: `$DURCAP_TEMPORAL_CONNECT_TIMEOUT` when set, else
+    `CONNECT_TIMEOUT_SECONDS` (10).
+
+    Raises:
+        InputError: the variable is set to something that is not a number above 0 (DC040; the message names it).
+    """
+    raw = os.environ.get(CONNECT_TIMEOUT_ENV, '').strip()
+    if not raw:
+        return CONNECT_TIMEOUT_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float('nan')
+    if not value > 0 or value == float('inf'):
+        raise InputError(f'${CONNECT_TIMEOUT_ENV}', f'{raw!r} is not a number of seconds above 0: set it to e.g. 30, '
+                         'or unset it for the default (10)')
+    return value
 
 
 def codec_store(client: Client) -> str | None:

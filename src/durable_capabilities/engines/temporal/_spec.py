@@ -188,6 +188,13 @@ RECONNECT_SECONDS = 1.0
 HEALTH_TIMEOUT_SECONDS = 2.0
 """How long one health check of the Temporal server may take before the server counts as lost."""
 
+CONNECT_TIMEOUT_SECONDS = 10.0
+"""Seconds `connect` waits for a Temporal server to answer before it gives up (issue 29 item 6): an address that
+accepts TCP connections but never answers gRPC (a wrong port, a proxy, a server that is still starting) kept the
+SDK retrying for about 33 s without a word. Change it with `$DURCAP_TEMPORAL_CONNECT_TIMEOUT` (seconds, > 0)."""
+
+CONNECT_TIMEOUT_ENV = 'DURCAP_TEMPORAL_CONNECT_TIMEOUT'
+
 
 def workflow_type(agent_name: str) -> str:
     """The workflow type name of an agent name: `durcap.{agent name}`."""
