@@ -223,7 +223,8 @@ def test_demo_on_temporal_says_it_uses_the_server_on_7233(tmp_path: Path) -> Non
 def test_kill9_of_durcap_run_on_prefect_leaves_no_temporary_server(tmp_path: Path) -> None:
     """`durcap run --engine prefect` without PREFECT_API_URL starts a temporary local Prefect server and says where;
     `kill -9` of the command mid-tool leaves no process listening on that port within 5 s (Prefect's own temporary
-    server, a uvicorn child, outlived its parent)."""
+    server, a uvicorn child, outlived its parent). The server is launched early (`warm_up`) and a line says so
+    before the wait."""
     ledger = tmp_path / 'ledger'
     env = {k: v for k, v in env_with(
         PREFECT_HOME=str(tmp_path / 'prefect-home'), PREFECT_LOCAL_STORAGE_PATH=str(tmp_path / 'results'),
@@ -234,6 +235,9 @@ def test_kill9_of_durcap_run_on_prefect_leaves_no_temporary_server(tmp_path: Pat
     try:
         line = wait_text(tmp_path / 'run.log', 'prefect server: temporary local server at http://127.0.0.1:', run, 120)
         port = int(line.split('http://127.0.0.1:')[1].split('/')[0])
+        log = (tmp_path / 'run.log').read_text()  # the wait is said before it starts (issue 29 item 6), once
+        assert log.count('prefect server: starting a temporary local server, as PREFECT_API_URL is not set') == 1, log
+        assert log.index('starting a temporary local server') < log.index('temporary local server at'), log
         assert port_open('127.0.0.1', port)
         pid = next(c for c in children(run.pid) if port in listening_ports(c))
         wait_text(tmp_path / 'run.log', 'prefect flow run id: ', run, 120)

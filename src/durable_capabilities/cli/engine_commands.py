@@ -306,6 +306,7 @@ def run(
     if deps_json is None and agent.deps_type is not type(None):
         _unusable(f'{agent.name!r} takes deps of type {agent.deps_type.__name__}: pass them with --deps-json')
     deps = _deps(agent, deps_json)  # bad deps are unusable input (exit 2), before anything runs
+    _adapter(engine).warm_up(settings, _err.print)  # e.g. Prefect's temporary server, saying so
     started: list[str] = []
     try:
         report = asyncio.run(_watch_approvals(lambda run_ids: _run_on(
@@ -351,6 +352,7 @@ def demo(
     """
     _require_installed(engine)
     settings = run_settings(conn or {}, engine)  # each flag checked (exit 2), the run's engine database probed
+    _adapter(engine).warm_up(settings, _err.print)  # launched now, it overlaps loading the example (Prefect: 10-30 s)
     if model:
         os.environ['SUPPORT_MODEL'] = model
     point_model(model, base_url)

@@ -339,6 +339,12 @@ class EngineAdapter(ABC):
         otherwise. An empty answer from the wrong place is then never silent."""
         return None
 
+    def warm_up(self, settings: Mapping[str, Any], notify: Callable[[str], None]) -> None:
+        """Start, without waiting, what a run on this engine will need and can start early (Prefect: its temporary
+        local server when no API is configured), so it overlaps loading TARGET; say so on `notify`. Called by
+        `durcap run` and `durcap demo` once the flags are checked. Default: nothing."""
+        return None
+
     def run_notes(self, options: RunOptions) -> list[str]:
         """Lines `durcap run` prints before the run (e.g. which store a remote worker uses)."""
         return []

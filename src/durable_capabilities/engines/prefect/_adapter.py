@@ -20,7 +20,7 @@ from . import _runs
 from ._client import run_flow_run
 from ._durability import durability_parts, durable_names
 from ._flow import agent_flow, run_store
-from ._server import _TEMPORARY_SERVER, configured_api, ensure_api, server_line
+from ._server import _TEMPORARY_SERVER, configured_api, ensure_api, server_line, warm_up
 from ._spec import CONVERSATION_TASKS
 from ._worker import serve_schedule
 
@@ -60,6 +60,10 @@ class PrefectAdapter(EngineAdapter, spec=SPEC):
             return None
         return ('prefect: skipped, no PREFECT_API_URL configured (`--engine prefect` reads the database of Prefect\'s '
                 'temporary local server)')
+
+    def warm_up(self, settings: Mapping[str, Any], notify: Callable[[str], None]) -> None:
+        """Launch Prefect's temporary local server now when no API is configured (`_server.warm_up`)."""
+        warm_up(notify)
 
     def listing_note(self, settings: Mapping[str, Any]) -> str | None:
         """When no Prefect API is configured: the listing reads the database of Prefect's temporary local server, which

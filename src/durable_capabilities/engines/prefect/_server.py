@@ -9,6 +9,7 @@ import os
 import subprocess
 import tempfile
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,9 @@ from ._spec import ENGINE
 
 _TEMPORARY_SERVER: list[Any] = []
 """The temporary local Prefect server this process started (at most one; see `ensure_api`)."""
+
+_LAUNCHED: list[tuple[ServerProcess, Callable[[], None]]] = []
+"""A temporary server `warm_up` launched and nobody has waited for yet: `(server, wait until ready)`."""
 
 
 def configured_api() -> str | None:
@@ -35,22 +39,41 @@ def ensure_api() -> tuple[str, bool]:
     start` on a free port, on the database of the user's Prefect home, as Prefect's own temporary server would) and
     points every Prefect client of the process at (`PREFECT_API_URL` and `refresh_global_settings_context`, so
     Prefect's background threads see it too). The server dies with this process, even on `kill -9`
-    (`start_prefect_server(die_with_parent=True)`), and is stopped at exit.
+    (`start_prefect_server(die_with_parent=True)`), and is stopped at exit. A server launched early by `warm_up`
+    is the one waited for here.
 
     Raises:
         RuntimeError / TimeoutError: the temporary server did not come up.
     """
     if _TEMPORARY_SERVER:
         return _TEMPORARY_SERVER[0].address, True
-    url = configured_api()
-    if url:
-        return url, False
-    server = start_prefect_server(home=None, die_with_parent=True)
+    if _LAUNCHED:
+        server, ready = _LAUNCHED.pop()
+        ready()
+    else:
+        url = configured_api()
+        if url:
+            return url, False
+        server = start_prefect_server(home=None, die_with_parent=True)
     _TEMPORARY_SERVER.append(server)
     atexit.register(server.stop)
     os.environ['PREFECT_API_URL'] = server.address
     refresh_global_settings_context()
     return server.address, True
+
+
+def warm_up(notify: Callable[[str], None]) -> None:
+    """Launch the temporary local server now, when a run will need one (no Prefect API configured), without waiting
+    for it: `ensure_api` waits for it later, so the 10-30 s `prefect server start` takes (its imports, and the
+    migrations of the Prefect home's database on a first start) overlap loading TARGET (issue 29 item 6: the
+    Prefect demo took 65 s). Says so on `notify`, so the wait is explained. Does nothing when an API is configured
+    or a server is already launched. Call it from the thread that will run the flow (`die_with_parent` binds the
+    server to the launching thread)."""
+    if _TEMPORARY_SERVER or _LAUNCHED or configured_api():
+        return
+    notify('prefect server: starting a temporary local server, as PREFECT_API_URL is not set (it takes 10-30 s; '
+           'set PREFECT_API_URL to use a running server)')
+    _LAUNCHED.append(launch_prefect_server(home=None, die_with_parent=True))
 
 
 def server_line() -> str:
@@ -83,6 +106,22 @@ def start_prefect_server(
     Raises:
         RuntimeError / TimeoutError: the server exited or was not ready within `timeout`.
     """
+    server, ready = launch_prefect_server(port=port, home=home, timeout=timeout, die_with_parent=die_with_parent)
+    ready()
+    return server
+
+
+def launch_prefect_server(
+    *, port: int | None = None, home: str | Path | None = '.durcap/prefect', timeout: float = 120.0,
+    die_with_parent: bool = False,
+) -> tuple[ServerProcess, Callable[[], None]]:
+    """Launch `prefect server start` (arguments as for `start_prefect_server`) without waiting for it.
+
+    Returns:
+        `(server, ready)`: call `ready()` to wait for `/api/health`; it raises RuntimeError (the server exited; the
+        message ends with its log) or TimeoutError (not ready within `timeout` seconds of the call), stopping the
+        server first.
+    """
     port = port or free_port()
     api = f'http://127.0.0.1:{port}/api'
     env = dict(os.environ, PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED='false', PREFECT_UI_ENABLED='false',
@@ -111,9 +150,11 @@ def start_prefect_server(
         except OSError:
             return False
 
-    try:
-        wait_until_ready(healthy, process, timeout, 'prefect server', log_path)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    def ready() -> None:
+        try:
+            wait_until_ready(healthy, process, timeout, 'prefect server', log_path)
+        except BaseException:
+            server.stop()
+            raise
+
+    return server, ready
