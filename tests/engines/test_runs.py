@@ -7,6 +7,7 @@ server and Prefect server. Model: the scripted `FunctionModel`s of `tests/engine
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -365,6 +366,38 @@ def test_temporal_run_without_worker_says_so_and_runs_finds_and_cancels_it(tempo
         assert 'failed on temporal: ' in log.read_text()
     finally:
         kill9(proc)
+
+
+def test_sigterm_of_a_temporal_worker_mid_tool_lets_the_tool_finish_and_nothing_reruns(
+        temporal_address: str, tmp_path: Path) -> None:
+    """A rolling deploy (issue 29 item 2): SIGTERM reaches `durcap worker temporal` while `charge` runs (4 s). The
+    worker drains (Temporal's graceful shutdown, `--graceful-shutdown`): the tool finishes and its result is
+    recorded, the worker exits 0, a second worker started after the signal takes the rest of the run, and
+    `charge` ran once in one attempt: nothing re-ran. Real dev server and worker processes; model: the ledger
+    agent's scripted `FunctionModel`."""
+    ledger = tmp_path / 'ledger'
+    env = env_with(DURCAP_LEDGER_DIR=str(ledger), DURCAP_LEDGER_AGENT=f'ledger-{uuid.uuid4().hex[:6]}',
+                   DURCAP_LEDGER_CHARGE_SECONDS='4')
+    queue = f'drain-{uuid.uuid4().hex[:8]}'
+    common = ['--address', temporal_address, '--task-queue', queue]
+    first = start(['worker', 'temporal', LEDGER, *common, '--graceful-shutdown', '30'], tmp_path / 'first.log', env)
+    second = run = None
+    try:
+        wait_text(tmp_path / 'first.log', 'worker ready', first, 90)
+        run = start(['run', LEDGER, 'charge order D-1', '--engine', 'temporal', *common], tmp_path / 'run.log', env)
+        run_id = wait_text(tmp_path / 'run.log', 'temporal workflow id: ', run, 90).split('workflow id: ')[1].split()[0]
+        wait_file(ledger / 'charge-started-D-1', 90)
+        os.killpg(first.pid, signal.SIGTERM)
+        second = start(['worker', 'temporal', LEDGER, *common], tmp_path / 'second.log', env)
+        assert first.wait(timeout=60) == 0, (tmp_path / 'first.log').read_text()
+        assert run.wait(timeout=120) == 0, (tmp_path / 'run.log').read_text()
+        assert 'charged D-1' in (tmp_path / 'run.log').read_text()
+    finally:
+        for proc in (run, second, first):
+            if proc is not None:
+                kill9(proc)
+    assert (ledger / 'charges').read_text().splitlines() == ['D-1'], 'the drained tool ran again'
+    assert asyncio.run(activity_attempts(temporal_address, run_id, '__call_tool')) == 1
 
 
 async def activity_attempts(address: str, workflow_id: str, type_contains: str) -> int:
