@@ -400,6 +400,46 @@ def test_sigterm_of_a_temporal_worker_mid_tool_lets_the_tool_finish_and_nothing_
     assert asyncio.run(activity_attempts(temporal_address, run_id, '__call_tool')) == 1
 
 
+def test_runs_resume_of_a_versioned_run_serves_its_version_or_names_the_build_id(
+        temporal_address: str, tmp_path: Path) -> None:
+    """A run started by a versioned `durcap worker temporal` is pinned to that worker's build id; its worker and
+    its `durcap run` are killed (SIGKILL) mid-tool (issue 29 item 2). `runs show` names the version it is pinned
+    to. `runs resume --target` with code whose durable names differ (another capability id: another build id)
+    exits 2 naming the run's build id instead of serving the queue unversioned and waiting for ever; with the
+    run's own code it serves the run as its version and completes (the killed tool re-ran at most once). Real dev
+    server and processes; model: the ledger agent's scripted `FunctionModel`."""
+    ledger = tmp_path / 'ledger'
+    env = env_with(DURCAP_LEDGER_DIR=str(ledger), DURCAP_LEDGER_AGENT=f'ledger-{uuid.uuid4().hex[:6]}',
+                   DURCAP_LEDGER_CHARGE_SECONDS='300')
+    queue = f'pinned-{uuid.uuid4().hex[:8]}'
+    common = ['--address', temporal_address]
+    worker = start(['worker', 'temporal', LEDGER, *common, '--task-queue', queue], tmp_path / 'worker.log', env)
+    run = None
+    try:
+        line = wait_text(tmp_path / 'worker.log', "build id '", worker, 90)
+        build = line.split("build id '")[1].split("'")[0]
+        run = start(['run', LEDGER, 'charge order D-2', '--engine', 'temporal', *common, '--task-queue', queue],
+                    tmp_path / 'run.log', env)
+        run_id = wait_text(tmp_path / 'run.log', 'temporal workflow id: ', run, 90).split('workflow id: ')[1].split()[0]
+        wait_file(ledger / 'charge-started-D-2', 90)
+    finally:
+        for proc in (run, worker):
+            if proc is not None:
+                kill9(proc)
+    shown = durcap('runs', 'show', run_id, '--engine', 'temporal', *common, env=env, timeout=60)
+    assert f'pinned to worker version durcap-{queue}/{build}' in shown.stdout + shown.stderr, shown.stdout + shown.stderr
+    other = durcap('runs', 'resume', run_id, '--engine', 'temporal', *common, '--target', LEDGER,
+                   env={**env, 'DURCAP_LEDGER_CAPABILITY': 'other-billing'}, timeout=60)
+    assert other.returncode == 2, other.stdout + other.stderr
+    assert f'pinned to worker version durcap-{queue}/{build}' in other.stderr and '--build-id' in other.stderr
+    assert 'Traceback' not in other.stderr
+    resumed = durcap('runs', 'resume', run_id, '--engine', 'temporal', *common, '--target', LEDGER,
+                     env={**env, 'DURCAP_LEDGER_CHARGE_SECONDS': '0.1'}, timeout=120)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f'as worker version durcap-{queue}/{build}' in resumed.stderr and 'charged D-2' in resumed.stdout
+    assert (ledger / 'charges').read_text().splitlines() == ['D-2', 'D-2'], 'the killed tool re-ran more than once'
+
+
 async def activity_attempts(address: str, workflow_id: str, type_contains: str) -> int:
     """Attempts the server recorded for the workflow's (one) activity whose type contains `type_contains`."""
     from temporalio.api.enums.v1 import EventType

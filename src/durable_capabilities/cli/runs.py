@@ -168,6 +168,9 @@ def resume(
     target: Annotated[str | None, typer.Option('--target', help=TARGET_HELP + ' The definition the run was started '
                                                'from: its code runs the rest of the run.')] = None,
     engine: Annotated[str | None, _engine_option()] = None,
+    build_id: Annotated[str | None, typer.Option('--build-id', help='Temporal: the build id a run is pinned to, when '
+                                                 'its worker was given one by hand (--build-id); TARGET is served as '
+                                                 'that version. Derived build ids need no flag.')] = None,
     conn: dict[str, Any] | None = None,
 ) -> None:
     """Finish a run whose process died, without repeating a completed durable unit, and print its answer."""
@@ -178,7 +181,8 @@ def resume(
     adapter, _ = _find(run_id, engine, settings)
     agents = _valid_agents(target, use_lock=True, refused='not resumed: fix the errors above') if target else []
     try:
-        report = asyncio.run(adapter.resume(run_id, agents, RunOptions(settings=settings.engine(), notify=_err.print)))
+        engine_settings = {**settings.engine(), **({'build_id': build_id} if build_id else {})}
+        report = asyncio.run(adapter.resume(run_id, agents, RunOptions(settings=engine_settings, notify=_err.print)))
     except (RuntimeError, NotImplementedError) as exc:
         _unusable(str(exc).splitlines()[0])
     _print_run(report)

@@ -30,7 +30,8 @@ from ._spec import (
     PENDING_MEMO,
     WORKFLOW_NAME_PREFIX,
 )
-from ._worker import make_worker
+from ._versioning import WorkerVersion
+from ._worker import make_worker, worker_version
 from ._workflow import AgentRunInput, AgentRunOutput
 
 if TYPE_CHECKING:
@@ -127,6 +128,11 @@ async def _info(client: Client, description: Any, with_history: bool = True, wit
     if not caps and units:
         caps = list(dict.fromkeys(c for unit in units.values() for c in unit.capabilities))
     notes: list[str] = []
+    pinned = _pinned_version(description)
+    if pinned and engine_status == 'RUNNING':
+        notes.append(f'pinned to worker version {pinned["deployment_name"]}/{pinned["build_id"]}: only a worker of '
+                     'that build id takes its tasks (the code that started it: the same durable names give the same '
+                     'build id; `durcap runs resume --target TARGET` serves it as that version)')
     if engine_status == 'RUNNING':
         try:
             if not await task_queue_pollers(client, client.namespace, description.task_queue):
@@ -140,9 +146,26 @@ async def _info(client: Client, description: Any, with_history: bool = True, wit
     return RunInfo(
         ENGINE, description.id, agent, _TEMPORAL_STATUS.get(engine_status, 'running'), engine_status,
         description.start_time, caps, conversation, units_done, notes,
-        {'task_queue': description.task_queue, 'run_id': description.run_id, 'workflow_type': workflow_type},
+        {'task_queue': description.task_queue, 'run_id': description.run_id, 'workflow_type': workflow_type,
+         **({'worker_version': pinned} if pinned else {})},
         list(units.values()) if with_units else [],
     )
+
+
+def _pinned_version(description: Any) -> dict[str, str] | None:
+    """`{'deployment_name', 'build_id'}` of the worker version the run is pinned to (Worker Versioning's
+    `versioning_info`, PINNED behaviour), or `None`: unversioned, auto-upgrade, or no workflow task done yet."""
+    from temporalio.api.enums.v1 import VersioningBehavior
+
+    raw = getattr(description, 'raw_description', None)  # describe(); a listed execution has `raw_info`
+    execution = raw.workflow_execution_info if raw is not None else getattr(description, 'raw_info', None)
+    info = execution.versioning_info if execution is not None and execution.HasField('versioning_info') else None
+    if info is None or info.behavior != VersioningBehavior.VERSIONING_BEHAVIOR_PINNED:
+        return None
+    version = info.deployment_version
+    if not version.build_id:
+        return None
+    return {'deployment_name': version.deployment_name, 'build_id': version.build_id}
 
 
 async def list_runs(settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
@@ -209,8 +232,14 @@ async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options:
     finishes, whether or not a poller is listed (Temporal keeps listing a killed worker as a poller for a while).
     Without `agents`: say which queue has no worker, or wait for the worker that polls it.
 
+    A run pinned to a worker version (started by a versioned `durcap worker temporal`) takes tasks only from a
+    worker of that version, so the worker served here declares the run's version: when `agents` give that build
+    id (the same durable names; or the `build_id` setting names it), it is served as that version, without
+    making it the deployment's current one. An unversioned worker would wait for ever (issue 29 item 2).
+
     Raises:
-        RuntimeError: no worker polls the run's queue and no TARGET was given.
+        RuntimeError: no worker polls the run's queue and no TARGET was given; or the run is pinned to a build id
+            `agents` do not give (the message names both and the way out).
     """
     info = await show_run(run_id, options.settings)
     address = options.setting('address', DEFAULT_ADDRESS)
@@ -223,12 +252,15 @@ async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options:
         if info.status in ('running', 'queued'):
             pollers = await task_queue_pollers(client, namespace, queue)
             if agents:
+                version = _resume_version(run_id, info, agents, options.setting('build_id'))
                 # Served from here even when a poller is listed: Temporal lists a worker killed with SIGKILL as a
                 # poller for a while after it died, and a second worker on the queue is harmless.
                 seen = f' ({pollers} other poller(s) seen recently)' if pollers else ''
+                as_version = f' as worker version {version}' if version else ''
                 options.notify(f'{"no worker polls" if not pollers else "serving"} task queue {queue!r}'
-                               f'{": serving it" if not pollers else seen} from this process until {run_id} finishes')
-                await stack.enter_async_context(make_worker(client, agents, queue, store=store))
+                               f'{": serving it" if not pollers else seen}{as_version} from this process until '
+                               f'{run_id} finishes')
+                await stack.enter_async_context(make_worker(client, agents, queue, store=store, version=version))
             elif not pollers:
                 raise RuntimeError(f'no worker polls task queue {queue!r}: start `durcap worker temporal TARGET '
                                    f'--task-queue {queue}`, or pass --target TARGET to serve it from here')
@@ -238,6 +270,29 @@ async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options:
         client, result = await await_result(client, address, namespace, run_id, options.notify)
         units = await units_recorded(client, run_id, None)
     return RunReport(ENGINE, run_id, result.output, result.messages(), result.usage, units)
+
+
+def _resume_version(run_id: str, info: RunInfo, agents: Sequence[DurableAgent[Any, Any]],
+                    build_id: str | None) -> WorkerVersion | None:
+    """The worker version `runs resume --target` serves the run as: `None` for an unpinned run, else the run's own
+    version when `agents` derive its build id (or `build_id` names it).
+
+    Raises:
+        RuntimeError: the run is pinned to a build id that `agents` do not derive and `build_id` does not name.
+    """
+    pinned = info.detail.get('worker_version')
+    if not pinned:
+        return None
+    deployment, pinned_build = str(pinned['deployment_name']), str(pinned['build_id'])
+    derived = worker_version(agents, info.detail['task_queue'], deployment_name=deployment)
+    if pinned_build in (derived.build_id, build_id):
+        return WorkerVersion(deployment, pinned_build, derived=pinned_build == derived.build_id)
+    raise RuntimeError(
+        f'run {run_id} is pinned to worker version {deployment}/{pinned_build}: only a worker of that build id takes '
+        f'its tasks, and TARGET gives {derived.build_id} (its durable names differ from the code that started the '
+        f'run). Resume with the TARGET of that code, or, if the build id was given by hand (--build-id), pass '
+        f'--build-id {pinned_build} with the code it names'
+    )
 
 
 async def _track_unit(client: Client, event: Any, units: dict[int, RunUnit]) -> None:
