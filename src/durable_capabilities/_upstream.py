@@ -26,6 +26,7 @@ __all__ = [
     'capability_url_derived_id',
     'dbos_application_version',
     'dbos_error_classes',
+    'dbos_recover_pending_workflows',
     'derived_id_source',
     'explicit_toolset_id',
     'interchangeable_leaves',
@@ -221,6 +222,24 @@ def dbos_error_classes() -> tuple[type[BaseException], type[BaseException]]:
     from dbos._error import DBOSException, DBOSMaxStepRetriesExceeded  # lazily: dbos is an optional extra
 
     return DBOSException, DBOSMaxStepRetriesExceeded
+
+
+def dbos_recover_pending_workflows(executor_ids: list[str]) -> list[str]:
+    """Ask the launched DBOS of this process to recover the PENDING workflows of `executor_ids` (of this process's
+    application version); returns their workflow ids.
+
+    DBOS's own recovery, as its launch runs for its own executor id and as its admin API's workflow-recovery
+    endpoint runs for the ids it is given (`DBOS._recover_pending_workflows`, a private classmethod): each
+    workflow is re-enqueued on DBOS's internal queue, whose ENQUEUED -> PENDING hand-off admits one runner, so a
+    recovery asked twice runs each workflow once.
+
+    Raises:
+        ImportError: the `dbos` extra is not installed.
+        AttributeError: DBOS renamed it (tests/unit/test_upstream_contract.py says which).
+    """
+    from dbos import DBOS  # lazily: dbos is an optional extra
+
+    return [handle.workflow_id for handle in DBOS._recover_pending_workflows(list(executor_ids))]
 
 
 def runtime_rejected_kinds(durability_class: type) -> frozenset[str]:

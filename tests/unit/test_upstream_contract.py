@@ -416,6 +416,85 @@ def test_dbos_application_version_is_dbos_own_computation_without_the_excluded_w
     assert data['still_registered'] == ['contract.first', 'contract.second']
 
 
+_DBOS_RECOVER_SCRIPT = """
+import asyncio, json, os, sys, time
+from pathlib import Path
+from dbos import DBOS
+from durable_capabilities import _upstream
+
+phase, db, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+
+@DBOS.step(name='contract.mark')
+async def mark() -> None:
+    with open(work / 'marks', 'a') as f:
+        f.write(phase + '\\n')
+
+@DBOS.step(name='contract.hold')
+async def hold() -> str:
+    (work / 'holding').write_text(phase)
+    while not (work / 'release').exists():
+        await asyncio.sleep(0.05)
+    return 'released in ' + phase
+
+@DBOS.workflow(name='contract.recovered')
+async def recovered() -> str:
+    await mark()
+    return await hold()
+
+DBOS(config={'name': 'contract', 'system_database_url': db, 'executor_id': phase, 'application_version': 'v1',
+             'log_level': 'WARNING'})
+DBOS.launch()
+
+async def main() -> None:
+    if phase == 'dead':
+        await DBOS.start_workflow_async(recovered)
+        while True:
+            await asyncio.sleep(1)
+    (work / 'release').write_text('')
+    ids = _upstream.dbos_recover_pending_workflows(['dead'])
+    again = _upstream.dbos_recover_pending_workflows(['dead'])
+    results = [await (await DBOS.retrieve_workflow_async(i)).get_result() for i in ids]
+    print(json.dumps({'ids': ids, 'again': again, 'results': results}))
+
+asyncio.run(main())
+"""
+
+
+def test_dbos_recover_pending_workflows_recovers_another_executors_workflow_once(tmp_path: Path) -> None:
+    """`DBOS._recover_pending_workflows` (the private classmethod `_upstream.dbos_recover_pending_workflows` wraps):
+    a workflow left PENDING by executor `dead` (a real subprocess SIGKILLed inside its second step) is recovered by
+    a process launched as executor `alive`: the id comes back, the workflow completes there, its checkpointed first
+    step is not run again, and asking again while it is recovered does not run it twice. DBOS on SQLite."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests._helpers import pythonpath, subprocess_env
+
+    script, db = tmp_path / 'recover.py', f'sqlite:///{tmp_path / "dbos.sqlite"}'
+    script.write_text(_DBOS_RECOVER_SCRIPT)
+    env = subprocess_env({'PYTHONPATH': pythonpath(*sys.path)})
+    dead = subprocess.Popen([sys.executable, str(script), 'dead', db, str(tmp_path)], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / 'holding').exists():
+            assert dead.poll() is None and time.monotonic() < deadline, 'the first executor never reached its step'
+            time.sleep(0.05)
+    finally:
+        os.killpg(dead.pid, signal.SIGKILL)
+        dead.wait(timeout=30)
+    result = subprocess.run([sys.executable, str(script), 'alive', db, str(tmp_path)], capture_output=True, text=True,
+                            timeout=120, env=env)
+    assert result.returncode == 0, changed(f'DBOS._recover_pending_workflows failed: {result.stderr[-2000:]}')
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(data['ids']) == 1 and data['results'] == ['released in alive'], data
+    assert (tmp_path / 'marks').read_text().splitlines() == ['dead'], 'the checkpointed step ran again'
+    assert data['again'] in ([], data['ids']), data
+
+
 def test_dbos_error_classes_tell_control_flow_from_exhausted_retries() -> None:
     dbos_error, retries_exceeded = _upstream.dbos_error_classes()
     assert issubclass(dbos_error, Exception) and issubclass(retries_exceeded, dbos_error), (
@@ -451,6 +530,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
         'capability_url_derived_id',
         'dbos_application_version',
         'dbos_error_classes',
+        'dbos_recover_pending_workflows',  # test_dbos_recover_pending_workflows_recovers_another_executors_workflow_once
         'derived_id_source',
         'explicit_toolset_id',
         'is_mcp_toolset',  # tests/unit/test_lazy_imports.py
@@ -483,6 +563,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
         '_error',
         '_explicit_id',
         '_id',
+        '_recover_pending_workflows',
         '_telemetry_url_derived_id',
         '_workflow_worker',
     ], f'_upstream.py now touches {sorted(private)}; add contract tests for the new ones'

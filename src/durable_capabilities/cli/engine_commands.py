@@ -535,7 +535,14 @@ def _worker_command(engine: str) -> Any:
         store: Annotated[str | None, typer.Option('--store', help='Conversation store URL for runs with a conversation id '
                                                   '(default: $DURCAP_STORE or sqlite:///.durcap/conversations.db).')] = None,
         executor_id: Annotated[str | None, typer.Option('--executor-id', help='DBOS executor id; its pending workflows '
-                                                        'are recovered at start (default: local, as DBOS does).')] = None,
+                                                        'are recovered at start (default: local, as DBOS does). Give '
+                                                        'each worker its own for peer recovery (e.g. the pod name).')] = None,
+        concurrency: Annotated[int | None, typer.Option('--concurrency', min=1, help='DBOS: runs this worker takes from '
+                                                        'the queue at once, so the others go to other workers '
+                                                        '(default: 8).')] = None,
+        peer_timeout: Annotated[float, typer.Option('--peer-timeout', min=0, help="DBOS: seconds without a peer "
+                                                    "worker's heartbeat before this worker recovers its pending "
+                                                    'workflows (0: off).')] = 15.0,
         versioning: Annotated[bool, typer.Option(help='Temporal Worker Versioning: runs stay pinned to the worker '
                                                  'version that started them.')] = True,
         build_id: Annotated[str | None, typer.Option('--build-id', help='Temporal build id (default: durcap- and a hash '
@@ -556,6 +563,7 @@ def _worker_command(engine: str) -> Any:
         connection = run_settings(conn or {}, engine, defaults=True)  # checked; the worker's engine database probed
         settings = {**connection, 'store': resolve_url(store), 'task_queue': task_queue,
                     'graceful_shutdown': graceful_shutdown, 'executor_id': executor_id,
+                    'concurrency': concurrency, 'peer_timeout': peer_timeout,
                     'versioning': versioning, 'build_id': build_id, 'deployment_name': deployment_name,
                     'set_current': set_current}
         try:

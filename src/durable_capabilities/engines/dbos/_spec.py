@@ -34,6 +34,11 @@ RUN_EXECUTOR_PREFIX = 'durcap-run'
 WORKER_QUEUE = 'durcap'
 """The DBOS queue `durcap worker dbos` serves and `durcap runs resume` hands a run to (default)."""
 
+DEFAULT_WORKER_CONCURRENCY = 8
+"""Runs one `durcap worker dbos` takes from its queue at once (DBOS's `worker_concurrency`; `--concurrency`). DBOS's
+own default is no limit, so 40 runs enqueued at once all went to the first worker that polled (issue 29); with a
+limit, the rest stay on the queue for the other workers. One worker with more concurrent runs than this queues them."""
+
 WORKER_EXECUTOR = 'local'
 """The executor id of `durcap worker dbos` by default (DBOS's own default: launch recovers its pending workflows)."""
 

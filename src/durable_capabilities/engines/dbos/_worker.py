@@ -13,8 +13,9 @@ from sqlalchemy.exc import OperationalError, ProgrammingError
 from ..._limits import redact_database_url
 from .._adapter import RunOptions
 from ._client import client as dbos_client
+from ._peers import DEFAULT_PEER_TIMEOUT, HEARTBEAT_SECONDS, Peers
 from ._server import launch, system_database_url
-from ._spec import APP_NAME, WORKER_EXECUTOR, WORKER_QUEUE
+from ._spec import APP_NAME, DEFAULT_WORKER_CONCURRENCY, WORKER_EXECUTOR, WORKER_QUEUE
 from ._workflow import agent_workflow
 
 if TYPE_CHECKING:
@@ -26,7 +27,10 @@ def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) 
 
     Settings: `db` (system database URL), `executor_id` (default `local`, DBOS's own default: launch
     recovers that executor's pending workflows), `task_queue` (the DBOS queue served, default `durcap`,
-    where `durcap runs resume` hands runs), `graceful_shutdown` (seconds running workflows get to finish), `store`
+    where `durcap runs resume` and `durcap run --queue` hand runs), `concurrency` (runs this worker takes from the
+    queue at once: DBOS's `worker_concurrency`, default `DEFAULT_WORKER_CONCURRENCY`), `peer_timeout` (seconds of
+    silence after which a peer worker's pending workflows are recovered here, `_peers`; 0: off; default
+    `DEFAULT_PEER_TIMEOUT`), `graceful_shutdown` (seconds running workflows get to finish), `store`
     (conversation store URL of the steps this worker runs).
     """
     for agent in agents:
@@ -48,19 +52,38 @@ def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     launched = False
+    peers: Peers | None = None
+    watch: threading.Thread | None = None
     try:
         launch(APP_NAME, system_database_url_=url, executor_id=executor)
         launched = True
         if stop.is_set():
             options.notify('dbos worker: stop requested while launching; stopping before ready')
             return
-        DBOS.register_queue(queue)
+        concurrency = int(options.setting('concurrency') or DEFAULT_WORKER_CONCURRENCY)
+        DBOS.register_queue(queue, worker_concurrency=concurrency)
+        timeout = float(options.setting('peer_timeout', DEFAULT_PEER_TIMEOUT) or 0)
+        if timeout > 0:
+            peers = Peers(url, executor, queue, timeout, options.notify)
+            shared = peers.shared_with()
+            if shared:
+                options.notify(f'dbos worker: another live worker beats as executor {executor!r} ({shared}): if either '
+                               'dies, the other cannot notice; give each worker its own --executor-id')
+            peers.beat()
+            watch = threading.Thread(target=peers.watch, args=(stop,), name='durcap-dbos-peers', daemon=True)
+            watch.start()
+        watching = (f'recovers peers silent for {timeout:g} s' if timeout > 0 else 'peer recovery off')
         options.notify(f'dbos worker ready: executor {executor!r} (recovering {len(pending)} pending '
-                       f'workflows), queue {queue!r}, system database {redact_database_url(url)}, application version '
-                       f'{DBOS.application_version}; Ctrl-C or SIGTERM to stop')
+                       f'workflows), queue {queue!r} (at most {concurrency} runs at once here; {watching}), system '
+                       f'database {redact_database_url(url)}, application version {DBOS.application_version}; '
+                       'Ctrl-C or SIGTERM to stop')
         stop.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if watch is not None:
+            watch.join(timeout=HEARTBEAT_SECONDS * 2)
+        if peers is not None:
+            peers.leave()
         if launched:
             DBOS.destroy(workflow_completion_timeout_sec=int(options.setting('graceful_shutdown', 30)))
