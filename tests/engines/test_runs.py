@@ -146,6 +146,64 @@ def test_dbos_worker_recovers_its_executors_pending_workflow(postgres_url: str, 
     assert_exactly_once(crash_dir)
 
 
+def test_dbos_runs_handed_to_a_queue_spread_over_workers_and_a_killed_workers_runs_finish_on_its_peers(
+        postgres_url: str, tmp_path: Path) -> None:
+    """Scale-out on DBOS (issue 29 item 1), PostgreSQL system database, model: the ledger agent's scripted
+    `FunctionModel`. Three `durcap worker dbos` processes (own executor ids, `--concurrency 2`, `--peer-timeout 4`)
+    serve one queue; `durcap run --engine dbos --queue` hands one run to them and waits (this process runs
+    nothing), and five more are enqueued with `DBOSClient`. The six in-flight charges are spread over all three
+    workers (2 each: the limit keeps the rest on the queue). The first worker is SIGKILLed while its charges run:
+    no operator action, every run completes, exactly one survivor says it recovered the dead executor (both look),
+    the dead worker's charges ran twice (in flight, re-run once) and every other charge once."""
+    from dbos import DBOSClient
+
+    ledger = tmp_path / 'ledger'
+    agent_name = f'ledger-{uuid.uuid4().hex[:6]}'
+    env = env_with(DURCAP_LEDGER_DIR=str(ledger), DURCAP_LEDGER_AGENT=agent_name, DURCAP_LEDGER_CHARGE_SECONDS='8')
+    queue = f'spread-{uuid.uuid4().hex[:6]}'
+    workers = [start(['worker', 'dbos', LEDGER, '--db', postgres_url, '--task-queue', queue, '--executor-id', f'w{i}',
+                      '--concurrency', '2', '--peer-timeout', '4'], tmp_path / f'w{i}.log', env) for i in range(3)]
+    run = None
+    client = None
+    try:
+        for i, worker in enumerate(workers):
+            line = wait_text(tmp_path / f'w{i}.log', 'dbos worker ready', worker, 120)
+            assert 'at most 2 runs at once here; recovers peers silent for 4 s' in line, line
+        run = start(['run', LEDGER, 'charge order Q-0', '--engine', 'dbos', '--db', postgres_url, '--queue', queue],
+                    tmp_path / 'run.log', env)
+        line = wait_text(tmp_path / 'run.log', 'dbos workflow id: ', run, 90)
+        assert f"handed to queue '{queue}'" in line, line
+        client = DBOSClient(system_database_url=postgres_url)
+        ids = [client.enqueue({'queue_name': queue, 'workflow_name': f'durcap.{agent_name}',
+                               'workflow_id': f'{agent_name}-q{n}'}, f'charge order Q-{n}', None, None, None).workflow_id
+               for n in range(1, 6)]
+        orders = [f'Q-{n}' for n in range(6)]
+        for order in orders:
+            wait_file(ledger / f'charge-started-{order}', 120)
+        by_pid: dict[str, list[str]] = {}
+        for order in orders:
+            by_pid.setdefault((ledger / f'charge-started-{order}').read_text(), []).append(order)
+        pids = {str(w.pid): i for i, w in enumerate(workers)}
+        assert sorted(len(v) for v in by_pid.values()) == [2, 2, 2] and set(by_pid) <= set(pids), by_pid
+        killed = next(orders_ for pid, orders_ in by_pid.items() if pids.get(pid) == 0)
+        kill9(workers[0])
+        assert run.wait(timeout=180) == 0, (tmp_path / 'run.log').read_text()
+        assert 'charged Q-0' in (tmp_path / 'run.log').read_text()
+        for workflow_id in ids:
+            wait_status(postgres_url, workflow_id, 'SUCCESS', 120)  # bounded: a stranded run fails here
+            assert client.retrieve_workflow(workflow_id).get_result()['output'].startswith('charged')
+    finally:
+        if client is not None:
+            client.destroy()
+        for proc in [run, *workers]:
+            if proc is not None:
+                kill9(proc)
+    said = [i for i in (1, 2) if "executor 'w0' silent for" in (tmp_path / f'w{i}.log').read_text()]
+    assert len(said) == 1, 'not exactly one survivor recovered the dead executor'
+    charges = (ledger / 'charges').read_text().splitlines()
+    assert sorted(charges) == sorted(orders + killed), (charges, killed)
+
+
 def stored_history(store: str, conversation: str) -> dict:
     """The conversation as `durcap history show --format json` prints it (a real read of the store)."""
     result = durcap('history', 'show', conversation, '--store', store, '--format', 'json', env=env_with(), timeout=60)

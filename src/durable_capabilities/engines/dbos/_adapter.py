@@ -21,7 +21,7 @@ from ._durability import ToolStepDurability, durability_parts, durable_names
 from ._runs import _missing_sqlite_file
 from ._server import launch, system_database_url
 from ._spec import APP_NAME, ENGINE, conversation_step_names
-from ._worker import serve_worker
+from ._worker import enqueue_and_wait, serve_worker
 from ._workflow import agent_workflow
 
 if TYPE_CHECKING:
@@ -68,17 +68,20 @@ class DBOSAdapter(EngineAdapter, spec=SPEC):
         workflow_fn = agent_workflow(agent, store=options.setting('store'))
         url = system_database_url(options.setting('db'))
         options.notify(f'dbos system database: {redact_database_url(url)}')
+        workflow_id = options.run_id or f'{agent.name}-{uuid.uuid4()}'
+        history = options.message_history
+        history_json = ModelMessagesTypeAdapter.dump_python(list(history), mode='json') if history else None
+        deps = to_jsonable_python(options.deps) if options.deps is not None else None
+        args = (prompt, deps, history_json, options.conversation_id)
+        if options.setting('queue'):
+            return await enqueue_and_wait(agent, url, options.setting('queue'), workflow_id, args, options)
         # A step retry logs one WARNING line (`_retry_log.ModelRetryLogLine` drops its traceback); the run's failure is reported
         # once, in `durcap run`'s own line (capability, error, innermost cause).
         launch(APP_NAME, system_database_url_=url, one_shot=True, executor_id=options.setting('executor_id'))
         try:
-            workflow_id = options.run_id or f'{agent.name}-{uuid.uuid4()}'
             options.started(workflow_id, f'dbos workflow id: {workflow_id} (executor {DBOS.executor_id})')
-            history = options.message_history
-            history_json = ModelMessagesTypeAdapter.dump_python(list(history), mode='json') if history else None
-            deps = to_jsonable_python(options.deps) if options.deps is not None else None
             with SetWorkflowID(workflow_id):
-                payload = await workflow_fn(prompt, deps, history_json, options.conversation_id)
+                payload = await workflow_fn(*args)
             steps = await DBOS.list_workflow_steps_async(workflow_id)
         finally:
             DBOS.destroy()

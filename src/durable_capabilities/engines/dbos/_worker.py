@@ -11,11 +11,12 @@ from dbos import DBOS
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from ..._limits import redact_database_url
+from ...report import RunReport
 from .._adapter import RunOptions
 from ._client import client as dbos_client
 from ._peers import DEFAULT_PEER_TIMEOUT, HEARTBEAT_SECONDS, Peers
 from ._server import launch, system_database_url
-from ._spec import APP_NAME, DEFAULT_WORKER_CONCURRENCY, WORKER_EXECUTOR, WORKER_QUEUE
+from ._spec import APP_NAME, DEFAULT_WORKER_CONCURRENCY, ENGINE, WORKER_EXECUTOR, WORKER_QUEUE
 from ._workflow import agent_workflow
 
 if TYPE_CHECKING:
@@ -87,3 +88,51 @@ def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) 
             peers.leave()
         if launched:
             DBOS.destroy(workflow_completion_timeout_sec=int(options.setting('graceful_shutdown', 30)))
+
+
+async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, workflow_id: str,
+                           args: tuple[Any, ...], options: RunOptions) -> RunReport:
+    """`durcap run --engine dbos --queue QUEUE`: hand one run of `agent` to the workers serving `queue` and wait.
+
+    The run is enqueued through a `DBOSClient` (DBOS's own way to start a workflow from outside the application),
+    without an application version, so the latest version of the workers takes it (DBOS's rule for client
+    enqueues), and this process runs nothing. Says so when no worker serving `queue` has beaten in the last
+    `DEFAULT_PEER_TIMEOUT` seconds (`_peers`): the run waits on the queue until one does.
+
+    Args:
+        agent: The agent (its workflow `durcap.{name}` must be served by the workers).
+        url: The system database URL.
+        queue: The DBOS queue.
+        workflow_id: The run's workflow id.
+        args: The workflow's arguments `(prompt, deps JSON, message history JSON, conversation id)`.
+        options: The run's options (`started`, `notify`).
+
+    Returns:
+        The run's `RunReport` (steps as DBOS recorded them).
+
+    Raises:
+        RuntimeError: the system database cannot be reached (one line).
+        Exception: the workflow's own error, as DBOS re-raises it.
+    """
+    from dbos import EnqueueOptions
+
+    from ._peers import live_executors
+    from ._spec import workflow_names
+
+    client = dbos_client({'db': url})
+    try:
+        enqueue: EnqueueOptions = {'queue_name': queue, 'workflow_name': workflow_names(agent)[0],
+                                   'workflow_id': workflow_id}
+        handle = await client.enqueue_async(enqueue, *args)
+        options.started(workflow_id, f'dbos workflow id: {workflow_id} (handed to queue {queue!r}: a '
+                        '`durcap worker dbos` serving it runs it)')
+        serving = [e for e in live_executors(url) if e['queue'] == queue and e['age'] < DEFAULT_PEER_TIMEOUT]
+        if not serving:
+            options.notify(f'no `durcap worker dbos` serving queue {queue!r} was seen in the last '
+                           f'{DEFAULT_PEER_TIMEOUT:g} s: the run waits on the queue until one does (start '
+                           f'`durcap worker dbos TARGET --task-queue {queue}`)')
+        payload = await handle.get_result()
+        steps = await client.list_workflow_steps_async(workflow_id)
+    finally:
+        client.destroy()
+    return RunReport.from_payload(ENGINE, workflow_id, payload, [step['function_name'] for step in steps])
