@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 ENV = subprocess_env()
+FLOW_PREFIX = 'durcap-'  # engines.prefect._spec.FLOW_NAME_PREFIX: the flow of agent A is `durcap-A`
 DURCAP = [sys.executable, '-m', 'durable_capabilities.cli']
 
 
@@ -146,3 +147,79 @@ def test_demo_runs_in_an_empty_folder_and_leaves_no_server(engine: str, tmp_path
     else:
         assert 'support__function_toolset__orders.call_tool' in result.stdout
         assert (tmp_path / '.durcap' / 'dbos.sqlite').exists()
+
+
+def test_two_prefect_serving_processes_share_a_deployment_and_one_reschedules_a_crashed_run(
+        prefect_api_url: str, tmp_path: Path) -> None:
+    """Issue 29 item 3, on the session's Prefect server; model: the ledger agent's scripted `FunctionModel`. Two
+    `durcap schedule prefect` processes serve one deployment (`--limit 1` each). Two flow runs created at once go
+    one to each process. The flow-run process running the first charge is SIGKILLed (the kill -9 of a flow run's
+    process): its serving process marks it CRASHED, exactly one of the two processes claims the crash and
+    reschedules it, and it completes from its cached tasks: the model requests before the charge are not made
+    again and the killed charge re-ran once. SIGTERM of one serving process leaves the deployment unpaused."""
+    import httpx
+
+    ledger = tmp_path / 'ledger'
+    agent_name = f'ledger-{uuid.uuid4().hex[:6]}'
+    deployment = f'shared-{uuid.uuid4().hex[:6]}'
+    env = {'PREFECT_API_URL': prefect_api_url, 'PREFECT_HOME': str(tmp_path / 'prefect-home'),
+           'PREFECT_LOCAL_STORAGE_PATH': str(tmp_path / 'results'), 'DURCAP_LEDGER_DIR': str(ledger),
+           'DURCAP_LEDGER_AGENT': agent_name, 'DURCAP_LEDGER_CHARGE_SECONDS': '20'}
+    argv = [*DURCAP, 'schedule', 'prefect', 'tests/engines/ledger_agent.py:agent', '--prompt', 'charge order P-0',
+            '--interval', '86400', '--name', deployment, '--limit', '1']
+    serving = [start(argv, tmp_path / f's{i}.log', env) for i in range(2)]
+
+    def found() -> dict:  # Prefect's REST API directly: this test process's Prefect settings point elsewhere
+        response = httpx.get(f'{prefect_api_url}/deployments/name/{FLOW_PREFIX}{agent_name}/{deployment}', timeout=10)
+        response.raise_for_status()
+        return response.json()
+
+    def create(parameters: dict) -> str:
+        return httpx.post(f'{prefect_api_url}/deployments/{found()["id"]}/create_flow_run',
+                          json={'parameters': parameters}, timeout=10).json()['id']
+
+    def state(flow_run_id: str) -> str:
+        return httpx.get(f'{prefect_api_url}/flow_runs/{flow_run_id}', timeout=10).json()['state_type']
+
+    try:
+        for i, proc in enumerate(serving):
+            wait_for(tmp_path / f's{i}.log', 'serving deployment', proc, 120)
+        deadline = time.monotonic() + 120
+        while httpx.get(f'{prefect_api_url}/deployments/name/{FLOW_PREFIX}{agent_name}/{deployment}',
+                        timeout=10).status_code == 404:  # `serve` creates it after the line above
+            assert time.monotonic() < deadline and all(p.poll() is None for p in serving), 'no deployment'
+            time.sleep(0.3)
+        runs = [create({'prompt': f'charge order P-{n}', 'deps': None}) for n in (1, 2)]
+        for n in (1, 2):
+            wait_file_(ledger / f'charge-started-P-{n}', 150)  # both in flight at once (20 s charges; a runner polls every 10 s)
+        parents = {n: _parent((ledger / f'charge-started-P-{n}').read_text()) for n in (1, 2)}
+        assert parents[1] != parents[2] and set(parents.values()) == {p.pid for p in serving}, parents
+        (ledger / 'charge-started-P-1').rename(ledger / 'first-charge-P-1')
+        os.kill(int((ledger / 'first-charge-P-1').read_text()), signal.SIGKILL)  # the flow-run process only
+        deadline = time.monotonic() + 150
+        while state(runs[0]) != 'COMPLETED' or state(runs[1]) != 'COMPLETED':
+            assert time.monotonic() < deadline, [(tmp_path / f's{i}.log').read_text()[-2000:] for i in range(2)]
+            time.sleep(0.5)
+        os.killpg(serving[0].pid, signal.SIGTERM)
+        assert serving[0].wait(timeout=60) in (0, 143, -15), (tmp_path / 's0.log').read_text()[-2000:]
+        assert found()['paused'] is False, 'stopping one serving process paused the shared deployment'
+    finally:
+        for proc in serving:
+            kill(proc)
+    said = [i for i in range(2) if f'prefect flow run {runs[0]}' in (tmp_path / f's{i}.log').read_text()]
+    assert len(said) == 1, 'not exactly one serving process rescheduled the crashed run'
+    assert sorted((ledger / 'charges').read_text().splitlines()) == ['P-1', 'P-1', 'P-2'], 'a charge ran again'
+    requests = (ledger / 'model-requests').read_text().splitlines()
+    assert requests.count('P-1:0') == 1 and requests.count('P-1:1') == 1, requests  # cached: not requested again
+
+
+def _parent(pid: str) -> int:
+    """The parent pid of process `pid` (from /proc; the process is alive)."""
+    return int(Path(f'/proc/{pid.strip()}/stat').read_text().rsplit(')', 1)[1].split()[1])
+
+
+def wait_file_(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f'{path} not created within {timeout} s'
+        time.sleep(0.1)

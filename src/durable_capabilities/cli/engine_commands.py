@@ -616,6 +616,8 @@ def _schedule_command(engine: str) -> Any:
         name: Annotated[str | None, typer.Option(help='Deployment name (default: <agent>-scheduled).')] = None,
         lock: Annotated[Path | None, typer.Option('--lock', help="Lockfile to check against (default: durable.lock beside TARGET's module file).")] = None,
         allow_drift: Annotated[bool, typer.Option('--allow-drift', help='Serve even when durable unit names differ from the lockfile.')] = False,
+        limit: Annotated[int | None, typer.Option('--limit', min=1, help='Flow runs this process runs at once; other '
+                                                  'serving processes of the deployment take the rest (default: 5).')] = None,
     ) -> None:
         """Serve TARGET's flow as a scheduled Prefect deployment (`prefect.serve`) until interrupted;
         refuse to start on errors or lockfile drift."""
@@ -632,7 +634,7 @@ def _schedule_command(engine: str) -> Any:
         deps = json.loads(deps_json) if deps_json else None  # what every run gets, as JSON data
         try:
             get(engine).serve_schedule(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval,
-                                       deps=deps, deployment_name=name, notify=_err.print)
+                                       deps=deps, deployment_name=name, notify=_err.print, limit=limit)
         except (RuntimeError, ValueError) as exc:
             _unusable(str(exc))
 

@@ -372,11 +372,12 @@ class EngineAdapter(ABC):
 
     def serve_schedule(
         self, agent: DurableAgent[Any, Any], *, target: str, prompt: str, cron: str | None, interval_seconds: float | None,
-        deps: Any, deployment_name: str | None, notify: Callable[[str], None],
+        deps: Any, deployment_name: str | None, notify: Callable[[str], None], limit: int | None = None,
     ) -> None:
         """Serve scheduled runs of `agent` (loaded in each run's process from `target`) until interrupted.
 
-        `deps` is JSON data; exactly one of `cron` and `interval_seconds` is set.
+        `deps` is JSON data; exactly one of `cron` and `interval_seconds` is set; `limit`: runs this process runs at
+        once (`None`: the engine's default).
         """
         raise NotImplementedError(f'engine {self.name!r} has no schedules')
 

@@ -1,15 +1,37 @@
 """`durcap schedule prefect`: the agent's flow served as a scheduled deployment (Prefect `serve`), with the
-approval deadline watcher."""
+approval deadline watcher and the crashed-run watcher.
+
+Several serving processes may serve one deployment (issue 29 item 3): each takes at most `limit` flow runs at once
+(Prefect's runner limit; `durcap schedule prefect --limit`, default `DEFAULT_SERVE_LIMIT`), stopping one leaves the
+deployment running for the others (`pause_on_shutdown=False`: Prefect's default pauses the deployment they share),
+and each watches the deployment for flow runs left CRASHED by a process that died (`watch_crashed`): one of them
+claims the crash and reschedules the run, which a serving process then runs again from its cached tasks."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from prefect import get_client
 from prefect import serve as prefect_serve
+from prefect.client.schemas.filters import (
+    DeploymentFilter,
+    DeploymentFilterId,
+    FlowRunFilter,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+)
+from prefect.client.schemas.objects import StateType
 from prefect.client.schemas.schedules import CronSchedule
+from prefect.exceptions import PrefectHTTPStatusError
+from prefect.input import acreate_flow_run_input
 from prefect.settings import get_current_settings
+from prefect.states import Scheduled
 from pydantic import ValidationError
 
 from ..._limits import one_line, printable
@@ -31,11 +53,14 @@ def serve(
     interval_seconds: float | None = None,
     deps: dict[str, Any] | None = None,
     deployment_name: str | None = None,
+    limit: int | None = None,
+    notify: Callable[[str], None] | None = None,
 ) -> None:
     """Serve the agent's flow as a scheduled deployment (Prefect `serve`); blocks until interrupted.
 
-    Also runs `watch_deadlines`: a flow run of the deployment Suspended on an approval gate is resumed (and its
-    calls denied) once their deadline has passed.
+    Also runs `watch_deadlines` (a flow run of the deployment Suspended on an approval gate is resumed, and its
+    calls denied, once their deadline has passed) and `watch_crashed` (a flow run left CRASHED by a dead process is
+    rescheduled, by one serving process). Stopping this process does not pause the deployment.
 
     Args:
         agent: The definition (already validated).
@@ -43,6 +68,8 @@ def serve(
             Prefect starts each scheduled run in a new process from the deployment's entrypoint.
         prompt: The prompt of every run. cron / interval_seconds: the schedule (exactly one).
         deps: JSON deps of every run. deployment_name: default `<agent>-scheduled`.
+        limit: Flow runs this process runs at once (default `DEFAULT_SERVE_LIMIT`).
+        notify: Where the crashed-run watcher reports a reschedule (default: the log).
 
     Raises:
         ValueError: neither or both of `cron` and `interval_seconds` given.
@@ -58,12 +85,77 @@ def serve(
     )
     deployment.entrypoint = entrypoint(agent.name)
     watch_deadlines(agent)  # resumes suspended runs whose approval deadline passed (see PrefectApprovalGate)
-    prefect_serve(deployment, print_starting_message=False)
+    watch_crashed(deployment.name, flow_name(agent), notify or logging.getLogger(__name__).warning)
+    prefect_serve(deployment, print_starting_message=False, pause_on_shutdown=False,
+                  limit=limit or DEFAULT_SERVE_LIMIT)
+
+
+DEFAULT_SERVE_LIMIT = 5
+"""Flow runs one `durcap schedule prefect` process runs at once (Prefect's runner limit; Prefect's own workers cap at
+5 by default, where `serve` without a limit has none)."""
+
+MAX_CRASH_RESUMES = 3
+"""How many times `watch_crashed` reschedules one flow run (its `run_count` counts the tries): a run that crashes
+every time (a tool that kills its process) is left CRASHED for an operator after that."""
+
+CRASH_CLAIM_PREFIX = 'durcap-crash-resume-'
+"""Flow run input key prefix of a crash claim (`CRASH_CLAIM_PREFIX` + the crashed state's id). Flow run inputs are
+write-once on the server, so of several serving processes that see one crash, exactly one creates the key."""
+
+
+async def resume_crashed(deployment_name: str, flow: str, notify: Callable[[str], None]) -> list[str]:
+    """One round of `watch_crashed`: reschedule each CRASHED flow run of the deployment that this process claims.
+
+    Returns the ids rescheduled here. A crash is claimed by creating flow run input `CRASH_CLAIM_PREFIX` + the
+    crashed state's id (a 409 means another process claimed it); the claimed run is set SCHEDULED without force,
+    which Prefect accepts from CRASHED for a run of a deployment, and a serving process (this one or another)
+    then runs it: its completed tasks return their cached results, so none repeats.
+    """
+    async with get_client() as client:
+        deployment = await client.read_deployment_by_name(f'{flow}/{deployment_name}')
+        runs = await client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])),
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.CRASHED]))))
+        rescheduled = []
+        for run in runs:
+            if run.state is None or run.run_count > MAX_CRASH_RESUMES:
+                continue
+            try:
+                await acreate_flow_run_input(f'{CRASH_CLAIM_PREFIX}{run.state.id}', {'pid': os.getpid()},
+                                             flow_run_id=run.id)
+            except PrefectHTTPStatusError as exc:
+                if exc.response.status_code == 409:  # claimed by another serving process
+                    continue
+                raise
+            result = await client.set_flow_run_state(
+                run.id, Scheduled(message=f'durcap: rescheduled after its process died (try {run.run_count + 1})'))
+            if result.status.value == 'ACCEPT':
+                rescheduled.append(str(run.id))
+                notify(f'prefect flow run {run.id} ({run.name}) crashed (its process died): rescheduled; a serving '
+                       'process runs it again from its cached tasks')
+        return rescheduled
+
+
+def watch_crashed(deployment_name: str, flow: str, notify: Callable[[str], None], every: float = 2.0) -> Any:
+    """Start a daemon thread that calls `resume_crashed` every `every` seconds (errors logged, retried next round);
+    returns the thread."""
+
+    def loop() -> None:
+        while True:
+            try:
+                asyncio.run(resume_crashed(deployment_name, flow, notify))
+            except Exception:  # the server may be briefly unreachable, the deployment not yet created: next round
+                logging.getLogger(__name__).debug('crashed-run check failed', exc_info=True)
+            time.sleep(every)
+
+    thread = threading.Thread(target=loop, name=f'durcap-crashed-{deployment_name}', daemon=True)
+    thread.start()
+    return thread
 
 
 def serve_schedule(
     agent: DurableAgent[Any, Any], *, target: str, prompt: str, cron: str | None, interval_seconds: float | None,
-    deps: Any, deployment_name: str | None, notify: Callable[[str], None],
+    deps: Any, deployment_name: str | None, notify: Callable[[str], None], limit: int | None = None,
 ) -> None:
     """A scheduled deployment of the agent's flow, served by `prefect.serve` (see `serve`).
 
@@ -86,4 +178,4 @@ def serve_schedule(
     notify(f'serving deployment {deployment_name or agent.name + "-scheduled"!r} of flow {flow_name(agent)} '
            f'({"cron " + cron if cron else f"every {interval_seconds:g} s"}); Ctrl-C or SIGTERM to stop')
     serve(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval_seconds, deps=deps,
-          deployment_name=deployment_name)
+          deployment_name=deployment_name, limit=limit, notify=notify)
