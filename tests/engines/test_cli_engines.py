@@ -164,7 +164,8 @@ def test_two_prefect_serving_processes_share_a_deployment_and_one_reschedules_a_
     deployment = f'shared-{uuid.uuid4().hex[:6]}'
     env = {'PREFECT_API_URL': prefect_api_url, 'PREFECT_HOME': str(tmp_path / 'prefect-home'),
            'PREFECT_LOCAL_STORAGE_PATH': str(tmp_path / 'results'), 'DURCAP_LEDGER_DIR': str(ledger),
-           'DURCAP_LEDGER_AGENT': agent_name, 'DURCAP_LEDGER_CHARGE_SECONDS': '20'}
+           'DURCAP_LEDGER_AGENT': agent_name, 'DURCAP_LEDGER_CHARGE_SECONDS': '10',
+           'PREFECT_RUNNER_POLL_FREQUENCY': '1'}  # each runner looks for scheduled runs every second (10 by default)
     argv = [*DURCAP, 'schedule', 'prefect', 'tests/engines/ledger_agent.py:agent', '--prompt', 'charge order P-0',
             '--interval', '86400', '--name', deployment, '--limit', '1']
     serving = [start(argv, tmp_path / f's{i}.log', env) for i in range(2)]
@@ -191,7 +192,7 @@ def test_two_prefect_serving_processes_share_a_deployment_and_one_reschedules_a_
             time.sleep(0.3)
         runs = [create({'prompt': f'charge order P-{n}', 'deps': None}) for n in (1, 2)]
         for n in (1, 2):
-            wait_file_(ledger / f'charge-started-P-{n}', 150)  # both in flight at once (20 s charges; a runner polls every 10 s)
+            wait_file_(ledger / f'charge-started-P-{n}', 150)  # both in flight at once (10 s charges)
         parents = {n: _parent((ledger / f'charge-started-P-{n}').read_text()) for n in (1, 2)}
         assert parents[1] != parents[2] and set(parents.values()) == {p.pid for p in serving}, parents
         (ledger / 'charge-started-P-1').rename(ledger / 'first-charge-P-1')
