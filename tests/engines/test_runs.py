@@ -198,6 +198,9 @@ def test_dbos_runs_handed_to_a_queue_spread_over_workers_and_a_killed_workers_ru
         for proc in [run, *workers]:
             if proc is not None:
                 kill9(proc)
+    listed = durcap('runs', 'list', '--engine', 'dbos', '--db', postgres_url, '--limit', '20', env=env, timeout=60)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    assert 'executor w1' in listed.stdout and 'executor w2' in listed.stdout, listed.stdout  # the "held by" column
     said = [i for i in (1, 2) if "executor 'w0' silent for" in (tmp_path / f'w{i}.log').read_text()]
     assert len(said) == 1, 'not exactly one survivor recovered the dead executor'
     charges = (ledger / 'charges').read_text().splitlines()

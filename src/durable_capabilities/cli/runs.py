@@ -55,7 +55,21 @@ def _row(info: Any) -> list[str]:
     started = info.started_at.strftime('%Y-%m-%d %H:%M:%S') if info.started_at else '-'
     units = '-' if info.units_done is None else str(info.units_done)
     return [printable(cell) for cell in (info.run_id, info.engine, info.agent or '-', info.status, started,
-                                         ', '.join(info.capabilities) or '-', info.conversation_id or '-', units)]
+                                         ', '.join(info.capabilities) or '-', info.conversation_id or '-', units,
+                                         _held_by(info))]
+
+
+def _held_by(info: Any) -> str:
+    """Where the run is held: the DBOS executor running it (its queue while it waits), the Temporal task queue, or
+    `-` (Prefect: the serving process is not recorded on the run)."""
+    detail = info.detail or {}
+    if detail.get('executor_id'):
+        return f'executor {detail["executor_id"]}'
+    if detail.get('queue'):
+        return f'queue {detail["queue"]}'
+    if detail.get('task_queue'):
+        return f'task queue {detail["task_queue"]}'
+    return '-'
 
 
 def _print_runs(infos: list[Any], fmt: RunsFormat) -> None:
@@ -69,7 +83,8 @@ def _print_runs(infos: list[Any], fmt: RunsFormat) -> None:
     table = Table(Column('id', no_wrap=True, min_width=max((len(str(i.run_id)) for i in infos), default=2)),
                   Column('engine', no_wrap=True), Column('agent', no_wrap=True), Column('status', no_wrap=True),
                   Column('started (UTC)', min_width=10), Column('capabilities loaded', min_width=6),
-                  Column('conversation', min_width=5), Column('units done', min_width=5), box=None, pad_edge=False)
+                  Column('conversation', min_width=5), Column('units done', min_width=5), Column('held by', min_width=5),
+                  box=None, pad_edge=False)
     for info in infos:
         table.add_row(*map(Text, _row(info)))
     _out.print(table)
@@ -84,7 +99,8 @@ def list_runs(
     fmt: FormatOption = RunsFormat.text,
     conn: dict[str, Any] | None = None,
 ) -> None:
-    """List durcap runs: id, agent, status, start time, capabilities loaded, conversation, durable units done."""
+    """List durcap runs: id, agent, status, start time, capabilities loaded, conversation, durable units done,
+    and where each is held (DBOS executor, Temporal task queue)."""
     from ..engines import RUN_STATUSES
 
     if status is not None and status not in RUN_STATUSES:
