@@ -34,8 +34,13 @@ io = Capability(id='io', description='Use to wait on I/O.', instructions='Wait o
 
 @io.tool_plain
 async def wait_on_io() -> str:
-    """Wait on I/O (sleeps; no CPU)."""
+    """Wait on I/O (sleeps; no CPU). With `$BENCH_SCALEOUT_LEDGER` set, appends this process's pid to that file
+    (which worker ran the tool, on engines that do not record it)."""
     await asyncio.sleep(float(os.environ.get('BENCH_SCALEOUT_TOOL_SECONDS', '1')))
+    ledger = os.environ.get('BENCH_SCALEOUT_LEDGER')
+    if ledger:
+        with open(ledger, 'a', encoding='utf-8') as f:
+            f.write(f'{os.getpid()}\n')
     return 'waited'
 
 

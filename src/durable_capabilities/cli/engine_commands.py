@@ -539,7 +539,8 @@ def _worker_command(engine: str) -> Any:
                                                         'each worker its own for peer recovery (e.g. the pod name).')] = None,
         concurrency: Annotated[int | None, typer.Option('--concurrency', min=1, help='DBOS: runs this worker takes from '
                                                         'the queue at once, so the others go to other workers '
-                                                        '(default: 8).')] = None,
+                                                        '(default: 8). Temporal: activities at once (default: '
+                                                        "the SDK's, 100).")] = None,
         peer_timeout: Annotated[float, typer.Option('--peer-timeout', min=0, help="DBOS: seconds without a peer "
                                                     "worker's heartbeat before this worker recovers its pending "
                                                     'workflows (0: off).')] = 15.0,

@@ -301,6 +301,7 @@ async def run_worker(
     version: WorkerVersion | None = None,
     set_current: bool = True,
     store: str | None = None,
+    concurrency: int | None = None,
 ) -> None:
     """Run a worker until SIGTERM or SIGINT, then drain: in-flight activities get up to
     `graceful_shutdown_seconds` to finish before the worker stops (Temporal's graceful shutdown).
@@ -310,12 +311,15 @@ async def run_worker(
     on another version stay there.
 
     `store`: the conversation store of the worker's activities and claim-check codec (`None`: `$DURCAP_STORE`,
-    else the default store).
+    else the default store). `concurrency`: activities (model requests, tool calls) this worker runs at once
+    (temporalio's `max_concurrent_activities`; `None`: the SDK's default, 100), so a worker at its limit leaves
+    the next activities to the other workers of the task queue.
     """
     client = await connect(address, namespace, store=store)
+    limits = {'max_concurrent_activities': concurrency} if concurrency else {}
     worker = make_worker(
         client, agents, task_queue, version=version, store=store,
-        graceful_shutdown_timeout=timedelta(seconds=graceful_shutdown_seconds),
+        graceful_shutdown_timeout=timedelta(seconds=graceful_shutdown_seconds), **limits,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -363,7 +367,7 @@ def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) 
     """Serve `agents` on a task queue until SIGTERM / SIGINT.
 
     Settings: `address`, `namespace`, `task_queue`, `store` (conversation store URL of the activities and the
-    claim-check codec), `graceful_shutdown` (seconds), `versioning` (default
+    claim-check codec), `graceful_shutdown` (seconds), `concurrency` (activities at once), `versioning` (default
     true: Worker Versioning, see `worker_version`), `deployment_name`, `build_id`, `set_current` (default
     true: the worker's version becomes the deployment's current version).
     """
@@ -380,7 +384,7 @@ def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) 
         task = asyncio.create_task(run_worker(
             agents, task_queue=task_queue, address=address, namespace=options.setting('namespace', DEFAULT_NAMESPACE),
             ready=ready, graceful_shutdown_seconds=options.setting('graceful_shutdown', 30.0), version=version,
-            set_current=set_current, store=options.setting('store'),
+            set_current=set_current, store=options.setting('store'), concurrency=options.setting('concurrency'),
         ))
         ready_wait = asyncio.create_task(ready.wait())
         await asyncio.wait({task, ready_wait}, return_when=asyncio.FIRST_COMPLETED)
