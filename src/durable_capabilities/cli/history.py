@@ -6,6 +6,7 @@ Exit codes: 0 shown; 2 unusable input (bad store URL, no store there, unknown co
 does not decode, a schema newer than this code), with one line on stderr and no traceback.
 
 `durcap history delete ID`: a user's right to be forgotten (`forgetting.delete_conversation`).
+`durcap history fork ID --at-turn N --to NEW_ID`: a new conversation from the first N turns (`forks.fork_at_turn`).
 """
 
 from __future__ import annotations
@@ -176,6 +177,46 @@ def repair(
         typer.echo(f'conversation {item.conversation_id!r}: {done} {item.messages} message(s) at revision {item.revision}')
         if item.answer is not None:
             typer.echo(f'answer: {item.answer}')
+
+
+# ---- `durcap history fork`: start again from an earlier turn ----------------------------------------------
+
+
+@history_app.command('fork')
+def fork(
+    conversation_id: Annotated[str, typer.Argument(metavar='ID', help='The conversation to fork (left unchanged).')],
+    at_turn: Annotated[int, typer.Option('--at-turn', help='How many of its turns the fork keeps (1 = the first).')],
+    to: Annotated[str, typer.Option('--to', help='The new conversation id (must not exist).')],
+    store: StoreOption = None,
+    format: Annotated[HistoryFormat, typer.Option('--format', help='text or json.')] = HistoryFormat.text,
+) -> None:
+    """Start a new conversation from the first N turns of a stored one: its messages are shared, not copied (the new
+    one costs a row until its next turn), and its next run, on any engine, loads the capabilities they loaded.
+
+    Exit 2, nothing written, for an unknown conversation, a turn outside 1..its turns, or a NEW_ID already stored.
+    """
+    from ..forks import fork_at_turn
+    from ..store import SQLConversationStore
+
+    url = resolve_url(store)
+
+    async def go() -> Any:
+        async with SQLConversationStore(url, create=False) as opened:
+            return await fork_at_turn(opened, conversation_id, at_turn, to)
+
+    try:
+        done = asyncio.run(go())
+    except DurcapError as exc:
+        _unusable(str(exc))
+    if format is HistoryFormat.json:
+        typer.echo(json.dumps({'conversation_id': done.new_id, 'forked_from': done.source_id, 'turns': done.turns,
+                               'source_turns': done.source_turns, 'messages': done.messages,
+                               'capabilities': done.capabilities}, indent=2))
+        return
+    caps = ', '.join(done.capabilities) or 'none'
+    typer.echo(printable(f'forked {done.source_id!r} at turn {done.turns} of {done.source_turns} into {done.new_id!r}: '
+                         f'{done.messages} messages (shared), capabilities loaded: {caps}; continue it with '
+                         f'`durcap run TARGET PROMPT --conversation {done.new_id}` on any engine'))
 
 
 # ---- `durcap history delete`: a user's right to be forgotten --------------------------------------------
