@@ -187,8 +187,6 @@ def gone_owners(owners: Sequence[ClaimCheckOwner], answers: Sequence[RunStates],
 async def _ask(adapter: EngineAdapter, owners: list[str], settings: Settings) -> RunStates:
     try:
         return await adapter.run_states(owners, settings.engine())
-    except DurcapError:
-        raise
     except Exception as exc:  # noqa: BLE001 - any failure to ask refuses the collection, worded once
         raise GcEngineError(f'{problem_line(adapter, exc, "run states")}; nothing was deleted. Fix: make the engine '
                             'reachable (--address, --namespace) and run gc again.') from None
