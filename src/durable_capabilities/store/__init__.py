@@ -19,9 +19,9 @@ Storage (schema version 3, tables prefixed `durcap_`):
 - `durcap_writes`: one row per write (append, save, delete), keyed by `(conversation_id, revision)`;
   `append_id` is unique per conversation. It is the audit log `durcap history show` prints.
 - `durcap_payloads` (version 2): Temporal payloads stored by the claim-check codec (`engines.temporal._payloads`), keyed
-  by the sha256 of their bytes; written once, never updated.
+  by the sha256 of their bytes; written once, never updated, deleted by `purge` and `collect` (`durcap store gc`).
 - `durcap_payload_refs` (version 3): which durable run (a Temporal workflow id) refers to which claim check, so
-  `purge` deletes a conversation's own claim checks and `stats` counts them.
+  `purge` deletes a conversation's own claim checks, `stats` counts them and `collect` deletes those of runs gone.
 - `durcap_schema_version`: the migrations applied. A store whose version is newer than this code
   knows is refused (`SchemaVersionError`) and never touched.
 
