@@ -35,7 +35,7 @@ from durable_capabilities.collecting import collect_garbage
 from durable_capabilities.engines import RunState, RunStates
 from durable_capabilities.settings import Settings
 from durable_capabilities.store import SQLConversationStore
-from tests._helpers import durcap, postgres_database, sqlite_url, subprocess_env, wait_for
+from tests._helpers import durcap, postgres_database, sqlite_url, subprocess_env, wait_for, wait_for_line
 from tests.unit.test_store_gc import *  # noqa: F403
 from tests.unit.test_store_gc import codec_converter, decodes, everything, history
 
@@ -269,3 +269,39 @@ def test_postgresql_gc_decodes_what_it_kept(store_url: str) -> None:
     assert decodes(store_url, 'wf-live', refs) == [history(4, 'LIVE')]
     assert set(refs_of(store_url)) == {'wf-live'}
 
+
+
+def test_a_worker_with_gc_every_frees_a_closed_runs_claim_checks_on_schedule(temporal_address: str, tmp_path: Path) -> None:
+    """`durcap worker temporal ... --gc-every 1s --gc-apply` (with a 1 s retention, no grace): a pass logs what it
+    freed, and the closed workflow's claim checks are gone from the store while the worker keeps serving."""
+    store = sqlite_url(tmp_path)
+    wf = f'gc-w-{uuid.uuid4().hex[:8]}'
+    popen, log = driver(f'gc-conv-w-{wf}', 'tool 300000', wf, store=store, address=temporal_address, cwd=tmp_path)
+    try:
+        popen.wait(timeout=300)
+    finally:
+        stop(popen)
+    assert 'REPORT ' in log.read_text(), log.read_text()[-3000:]
+    own = refs_of(store)[wf]
+    assert own
+    worker_log = tmp_path / 'worker.log'
+    with open(worker_log, 'wb') as handle:
+        worker = subprocess.Popen(
+            [sys.executable, '-m', 'durable_capabilities.cli', 'worker', 'temporal', 'tests.engines.size_agent:agent',
+             '--address', temporal_address, '--store', store, '--task-queue', f'gc-{wf}', '--gc-every', '1s', '--gc-apply',
+             '--gc-retention', '1s', '--gc-grace', '0s'],
+            cwd=tmp_path, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True, env=subprocess_env())
+    try:
+        line = wait_for_line(worker_log, 'store gc: freed ', 180, alive=lambda: worker.poll() is None)
+        assert not line.startswith('store gc: freed 0 piece(s)') and 'of 1 workflow(s)' in line, line
+        assert refs_of(store).get(wf) is None
+        text = worker_log.read_text(errors='replace')
+        assert f'store gc every 1s on {store} (deleting)' in text and 'Traceback' not in text
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGTERM)
+            try:
+                worker.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait(timeout=30)

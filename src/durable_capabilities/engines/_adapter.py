@@ -276,7 +276,8 @@ class EngineAdapter(ABC):
         features: What else the engine offers, each a CLI command: `'worker'` (`durcap worker NAME`,
             `serve_worker`), `'dev-server'` (`durcap dev NAME`, `serve_dev_server`), `'schedule'`
             (`durcap schedule NAME`, `serve_schedule`), `'history'` (`durcap history export`, `export_history`,
-            and `replayer` for `durcap replay`).
+            and `replayer` for `durcap replay`), `'claim-checks'` (its runs store claim checks: `run_states` for
+            `durcap store gc`).
         lock_sections: Section names of the engine's `durable.lock` entry, mapped to the singular word
             used in messages (`{'workflows': 'workflow', 'activities': 'activity'}`).
     """
