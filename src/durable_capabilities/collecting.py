@@ -150,7 +150,8 @@ def gone_owners(owners: Sequence[ClaimCheckOwner], answers: Sequence[RunStates],
     """
     gone: dict[str, str] = {}
     kept: dict[str, int] = {}
-    longest = retention or max((a.retention for a in answers if a.retention is not None), default=None)
+    longest = retention if retention is not None else max(
+        (a.retention for a in answers if a.retention is not None), default=None)
 
     def keep(why: str) -> None:
         kept[why] = kept.get(why, 0) + 1
@@ -163,7 +164,7 @@ def gone_owners(owners: Sequence[ClaimCheckOwner], answers: Sequence[RunStates],
         if states:
             closed = []
             for answer, s in states:
-                limit = retention or answer.retention
+                limit = retention if retention is not None else answer.retention
                 if limit is None or s.closed_at is None:
                     break
                 if now - s.closed_at < limit:
@@ -233,7 +234,7 @@ async def collect_garbage(store_url: str, *, settings: Settings | None = None, r
                                     'nothing was deleted. Fix: pass --retention DURATION (at least its retention period).')
         gone, kept = gone_owners(owners, answers, now, retention)
         report = await store.collect(sorted(gone), before=now - grace, dry_run=not apply)
-    used = {a.engine: retention or a.retention for a in answers}
+    used = {a.engine: retention if retention is not None else a.retention for a in answers}
     return Collection(report, gone, kept, {e: d for e, d in used.items() if d is not None}, grace,
                       {a.engine: a.where for a in answers})
 

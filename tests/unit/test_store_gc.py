@@ -243,6 +243,9 @@ def test_gone_owners_merges_what_several_engines_say() -> None:
     assert set(gone) == {'w1', 'w4'} and gone['w4'].startswith('unknown to one, two')
     assert kept == {'open': 1, 'unknown to the engines but referenced within the retention period (starting, or another '
                                 'namespace)': 1}
+    # A zero --retention is a retention (not "none given"): every closed or unknown owner is past it.
+    zero, none_kept = gone_owners(owners, [first], now, retention=timedelta(0))
+    assert set(zero) == {'w1', 'w2', 'w3', 'w4'} and none_kept == {}
 
 
 # ---- output and flags ---------------------------------------------------------------------------------
