@@ -5,7 +5,8 @@
 - any other prompt: the model answers `seen M messages` (M: the messages it was sent).
 `produce` appends one line per execution to `$DURCAP_LEDGER` (the side effect a test counts), sleeps
 `$DURCAP_TOOL_PAUSE` seconds after writing it (so a test can cut the store before the append), and returns
-N characters.
+N characters. With `$DURCAP_TOOL_HOLD_AFTER=K`, every call after the first K in this process never returns (its
+ledger line written first): a test kills the process there, leaving the run open on its engine.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def _record(ledger: str, size: int) -> None:
 
 
 bulk = Capability(id='bulk', description='Produces text of a given size.')
+_calls = 0
 
 
 @bulk.tool_plain
@@ -56,6 +58,11 @@ async def produce(size: int) -> str:
     ledger = os.environ.get('DURCAP_LEDGER')
     if ledger:
         await asyncio.to_thread(_record, ledger, size)
+    global _calls
+    _calls += 1
+    hold = os.environ.get('DURCAP_TOOL_HOLD_AFTER')
+    if hold and _calls > int(hold):
+        await asyncio.Event().wait()  # never set: the test kills this process
     pause = float(os.environ.get('DURCAP_TOOL_PAUSE') or 0)
     if pause:
         await asyncio.sleep(pause)

@@ -14,6 +14,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -43,7 +44,7 @@ from . import (
     engine_metavar,
     engine_name,
 )
-from ._options import checked, connection_options, run_settings, where_flags
+from ._options import checked, connection_options, connection_settings, run_settings, where_flags
 from .history import history_app
 
 worker_app = typer.Typer(help='Run workers.', no_args_is_help=True)
@@ -523,6 +524,34 @@ def _gate_demo(module: Any, engine: str, approve: bool, *, settings: dict[str, A
     _print_run(asyncio.run(scenario()))
 
 
+def _gc_schedule(engine: str, every: str | None, apply: bool, retention: str | None, grace: str, store: str | None,
+                 conn: dict[str, Any]) -> Any:
+    """The worker's scheduled `durcap store gc` (`collecting.GcSchedule`), `None` without --gc-every; exit 2 (DC040)
+    on a bad duration, or --gc-* on an engine whose runs store no claim checks."""
+    from ..collecting import FEATURE, GcSchedule, parse_duration
+
+    if every is None:
+        if apply or retention is not None:
+            _unusable(f'{INPUT_CODE} --gc-apply and --gc-retention need --gc-every DURATION (e.g. --gc-every 6h)')
+        return None
+    if FEATURE not in get(engine).features:
+        _unusable(f'{INPUT_CODE} --gc-every: {engine} runs store no claim checks; run it on a worker of an engine '
+                  'whose runs do (temporal), or use `durcap store gc`')
+    try:
+        interval = parse_duration(every, '--gc-every')
+        kept_for = None if retention is None else parse_duration(retention, '--gc-retention')
+        window = parse_duration(grace, '--gc-grace')
+    except ValueError as exc:
+        _unusable(f'{INPUT_CODE} {exc}')
+    if interval <= timedelta(0):
+        _unusable(f'{INPUT_CODE} --gc-every {every!r} must be longer than 0s')
+    settings = connection_settings(conn, store)
+    _err.print(f'store gc every {every} on {resolve_url(store)} ({"deleting" if apply else "dry run, logged"})',
+               markup=False)
+    return GcSchedule(resolve_url(store), settings, interval, lambda line: _err.print(line, markup=False), apply=apply,
+                      retention=kept_for, grace=window)
+
+
 def _worker_command(engine: str) -> Any:
     """`durcap worker ENGINE`: the command of an engine with a worker (`EngineAdapter.worker`)."""
 
@@ -552,10 +581,19 @@ def _worker_command(engine: str) -> Any:
                                                             '(default: durcap-TASK_QUEUE).')] = None,
         set_current: Annotated[bool, typer.Option(help="Make this worker's version the deployment's current version "
                                                   '(new Temporal runs go to it).')] = True,
+        gc_every: Annotated[str | None, typer.Option('--gc-every', metavar='DURATION', help=(
+            'Run `durcap store gc` on the store every DURATION (e.g. 6h) from this worker: a logged dry run unless '
+            '--gc-apply (engines whose runs store claim checks: Temporal). Off by default.'))] = None,
+        gc_apply: Annotated[bool, typer.Option('--gc-apply', help='With --gc-every: delete, not only log.')] = False,
+        gc_retention: Annotated[str | None, typer.Option('--gc-retention', metavar='DURATION', help=(
+            "With --gc-every: as `durcap store gc --retention` (default: the namespace's retention period)."))] = None,
+        gc_grace: Annotated[str, typer.Option('--gc-grace', metavar='DURATION', help=(
+            'With --gc-every: as `durcap store gc --grace`.'))] = '15m',
         conn: dict[str, Any] | None = None,
     ) -> None:
         """Validate TARGET and serve its workflows and activities; refuse to start on any error or lockfile drift;
         drain on SIGTERM."""
+        schedule = _gc_schedule(engine, gc_every, gc_apply, gc_retention, gc_grace, store, conn or {})
         _err.print(f'{engine} worker: loading {printable(target)} and checking it (every engine, durable.lock) ...',
                    markup=False)
         agents = _valid_agents(target, use_lock=True, lock=lock, allow_drift=allow_drift, refused='worker not started: '
@@ -567,10 +605,15 @@ def _worker_command(engine: str) -> Any:
                     'concurrency': concurrency, 'peer_timeout': peer_timeout,
                     'versioning': versioning, 'build_id': build_id, 'deployment_name': deployment_name,
                     'set_current': set_current}
+        if schedule is not None:
+            schedule.start()
         try:
             get(engine).serve_worker(agents, RunOptions(settings=settings, notify=_err.print))
         except (OSError, RuntimeError) as exc:
             _unusable(f'cannot serve {engine}: {exc}')
+        finally:
+            if schedule is not None:
+                schedule.stop()
         _err.print('worker drained and stopped')
         sys.stdout.flush()
         sys.stderr.flush()

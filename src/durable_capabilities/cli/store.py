@@ -1,6 +1,8 @@
-"""`durcap store stats`: what the conversation store holds, per conversation and in total, and where it is.
+"""`durcap store stats`: what the conversation store holds, per conversation and in total, and where it is;
+`durcap store gc`: delete the claim checks no open run, and no closed run within its engine's retention, refers to.
 
-Exit codes: 0 shown; 2 unusable input (bad store URL, no store there, a schema newer than this code).
+Exit codes: 0 shown (gc: done or planned); 2 unusable input (bad store URL, no store there, a schema newer than this
+code, a bad duration, an engine that cannot be asked).
 """
 
 from __future__ import annotations
@@ -8,17 +10,18 @@ from __future__ import annotations
 import asyncio
 import json
 from enum import Enum
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from .._limits import printable
+from .._limits import INPUT_CODE, printable
 from ..errors import DurcapError
 from ..store import resolve_url
 from . import _unusable, app
-from ._options import StoreOption
+from ._options import StoreOption, connection_options, connection_settings
 
-store_app = typer.Typer(help='Look at the conversation store: its size per conversation.', no_args_is_help=True)
+store_app = typer.Typer(help='Look at the conversation store: its size per conversation; collect claim checks no run needs.',
+                        no_args_is_help=True)
 app.add_typer(store_app, name='store')
 
 
@@ -63,3 +66,40 @@ def stats(
             lines.append(f'{name:<{width}}  {c.message_count:>8}  {c.message_bytes:>14,}  {c.payload_bytes:>16,}  '
                          f'{c.shared_payload_bytes:>19,}')
     typer.echo('\n'.join(printable(line) for line in lines))
+
+
+@store_app.command('gc')
+@connection_options('read')
+def gc(
+    store: StoreOption = None,
+    apply: Annotated[bool, typer.Option('--apply', help='Delete (default: a dry run that prints what would be freed).')] = False,
+    retention: Annotated[str | None, typer.Option(
+        '--retention', metavar='DURATION',
+        help="Keep a closed workflow's claim checks this long after it closed, instead of the engine's retention "
+             '(Temporal: the namespace retention period). E.g. 7d, 36h.')] = None,
+    grace: Annotated[str, typer.Option(
+        '--grace', metavar='DURATION',
+        help='Never delete anything written in this last while (a run in flight may have stored a piece its engine '
+             'does not show yet).')] = '15m',
+    format: Annotated[StatsFormat, typer.Option('--format', help='text or json.')] = StatsFormat.text,
+    conn: dict[str, Any] | None = None,
+) -> None:
+    """Delete the claim-check data (Temporal payload pieces) that no open workflow, and no closed workflow within its
+    namespace's retention period, refers to; pieces a live workflow shares are kept. A dry run unless --apply."""
+    from ..collecting import collect_garbage, parse_duration
+
+    try:
+        kept_for = None if retention is None else parse_duration(retention, '--retention')
+        window = parse_duration(grace, '--grace')
+    except ValueError as exc:
+        _unusable(f'{INPUT_CODE} {exc}')
+    settings = connection_settings(conn or {}, store)
+    try:
+        found = asyncio.run(collect_garbage(resolve_url(store), settings=settings, retention=kept_for, grace=window,
+                                            apply=apply))
+    except DurcapError as exc:
+        _unusable(str(exc))
+    if format is StatsFormat.json:
+        typer.echo(json.dumps(found.to_json(), indent=2))
+        return
+    typer.echo('\n'.join(printable(line) for line in found.lines()))

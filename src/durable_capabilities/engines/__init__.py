@@ -19,6 +19,8 @@ from ._adapter import (
     RunInfo,
     RunNotFoundError,
     RunOptions,
+    RunState,
+    RunStates,
     RunUnit,
     unit_kind,
 )
@@ -39,6 +41,8 @@ __all__ = [
     'RunInfo',
     'RunNotFoundError',
     'RunOptions',
+    'RunState',
+    'RunStates',
     'RunUnit',
     'get',
     'register',

@@ -15,7 +15,7 @@ import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..approvals import ApprovalError
@@ -119,6 +119,39 @@ class RunInfo:
         if not data['units']:
             del data['units']
         return data
+
+
+@dataclass(frozen=True)
+class RunState:
+    """Whether one run is still open on its engine, or when it closed (`EngineAdapter.run_states`).
+
+    Attributes:
+        run_id: The engine's id of the run (a Temporal workflow id: its latest execution is meant).
+        open: The run is still running (or waiting); a continued-as-new workflow is open while its latest run is.
+        closed_at: When it closed (UTC), `None` while open.
+    """
+
+    run_id: str
+    open: bool
+    closed_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class RunStates:
+    """What an engine says of a set of runs (`EngineAdapter.run_states`).
+
+    Attributes:
+        engine: The engine's name.
+        where: Where it was asked (`namespace 'default' at 127.0.0.1:7233`), for messages.
+        retention: How long the engine keeps a closed run's records (a Temporal namespace's retention period),
+            `None` when it cannot tell.
+        states: `{run id: RunState}` of the runs it knows; a run it does not know is absent.
+    """
+
+    engine: str
+    where: str
+    retention: timedelta | None
+    states: dict[str, RunState] = field(default_factory=dict)
 
 
 class RunNotFoundError(LookupError, DurcapError, code='run-not-found'):
@@ -243,7 +276,8 @@ class EngineAdapter(ABC):
         features: What else the engine offers, each a CLI command: `'worker'` (`durcap worker NAME`,
             `serve_worker`), `'dev-server'` (`durcap dev NAME`, `serve_dev_server`), `'schedule'`
             (`durcap schedule NAME`, `serve_schedule`), `'history'` (`durcap history export`, `export_history`,
-            and `replayer` for `durcap replay`).
+            and `replayer` for `durcap replay`), `'claim-checks'` (its runs store claim checks: `run_states` for
+            `durcap store gc`).
         lock_sections: Section names of the engine's `durable.lock` entry, mapped to the singular word
             used in messages (`{'workflows': 'workflow', 'activities': 'activity'}`).
     """
@@ -458,6 +492,19 @@ class EngineAdapter(ABC):
         if self.operator is None or not hasattr(self.operator, 'delete_run'):
             raise NotImplementedError(f'engine {self.name!r} cannot delete runs')
         await self.operator.delete_run(run_id, settings)
+
+    async def run_states(self, run_ids: Sequence[str], settings: Mapping[str, Any]) -> RunStates:
+        """Whether each of `run_ids` is open or when it closed, and the engine's retention of closed runs: what
+        `durcap store gc` needs to tell which claim checks no run can read any more. Asked of the engines whose
+        runs record claim checks (Temporal); the answer must be current (not an eventually consistent listing).
+
+        Raises:
+            NotImplementedError: the engine records no claim checks.
+            OSError / RuntimeError: the engine's server cannot be reached.
+        """
+        if self.operator is None or not hasattr(self.operator, 'run_states'):
+            raise NotImplementedError(f'engine {self.name!r} records no claim checks')
+        return await self.operator.run_states(run_ids, settings)
 
     # ---- approvals (`durcap approvals`) -------------------------------------------------------------
 

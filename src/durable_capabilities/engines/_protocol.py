@@ -133,7 +133,8 @@ class EngineSpec:
         packages: The distributions whose versions `durable.lock` records for the engine.
         unit / units / container / run_id_label: The engine's nouns (activity/activities, workflow, workflow id).
         features: What else the engine offers, each a command: `worker`, `dev-server`, `schedule`, `history`,
-            and what its runs support: `approvals`, `streams`.
+            and what its runs support: `approvals`, `streams`, `claim-checks` (its runs store large payloads in the
+            conversation store: `durcap store gc` asks it `EngineAdapter.run_states`).
         embedded: The throwaway server a command starts when none is configured, if any.
         retains: What the engine keeps of a run after it ends, and for how long (`durcap history delete` says it).
         append_prefix: The engine's conversation appends are `append_prefix` + the run id (`'dbos:'`): the store

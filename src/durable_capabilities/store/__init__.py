@@ -19,9 +19,9 @@ Storage (schema version 3, tables prefixed `durcap_`):
 - `durcap_writes`: one row per write (append, save, delete), keyed by `(conversation_id, revision)`;
   `append_id` is unique per conversation. It is the audit log `durcap history show` prints.
 - `durcap_payloads` (version 2): Temporal payloads stored by the claim-check codec (`engines.temporal._payloads`), keyed
-  by the sha256 of their bytes; written once, never updated.
+  by the sha256 of their bytes; written once, never updated, deleted by `purge` and `collect` (`durcap store gc`).
 - `durcap_payload_refs` (version 3): which durable run (a Temporal workflow id) refers to which claim check, so
-  `purge` deletes a conversation's own claim checks and `stats` counts them.
+  `purge` deletes a conversation's own claim checks, `stats` counts them and `collect` deletes those of runs gone.
 - `durcap_schema_version`: the migrations applied. A store whose version is newer than this code
   knows is refused (`SchemaVersionError`) and never touched.
 
@@ -62,12 +62,15 @@ __all__ = [
     'SCHEMA_VERSION',
     'AppendIdReuseError',
     'AppendResult',
+    'ClaimCheckOwner',
+    'CollectReport',
     'ConversationConflictError',
     'ConversationHasForksError',
     'ConversationNotFoundError',
     'ConversationStats',
     'CorruptedRowError',
     'NewerHistoryError',
+    'OwnerCollected',
     'PurgeReport',
     'SQLConversationStore',
     'SchemaVersionError',
@@ -335,6 +338,72 @@ class StoreStats:
     payloads: int
     unattributed_payload_bytes: int
     database_bytes: int | None
+
+
+@dataclass(frozen=True)
+class ClaimCheckOwner:
+    """One durable run that claim checks are recorded for (`claim_check_owners`, read by `durcap store gc`).
+
+    Attributes:
+        owner: The run's id as the codec recorded it (`durcap_payload_refs.owner`: a Temporal workflow id).
+        conversations: The conversations it appended to (from `durcap_writes.append_id`), sorted; empty when it
+            stored no turn (failed, or still in flight).
+        refs: Its `durcap_payload_refs` rows (pieces and pages it refers to).
+        newest: When its newest reference was first written (UTC).
+    """
+
+    owner: str
+    conversations: list[str]
+    refs: int
+    newest: datetime
+
+
+@dataclass(frozen=True)
+class OwnerCollected:
+    """What `collect` deleted (or would delete) of one owner.
+
+    Attributes:
+        owner: The run's id (`ClaimCheckOwner.owner`).
+        conversations: Its conversations (`ClaimCheckOwner.conversations`).
+        refs: Its `durcap_payload_refs` rows deleted.
+        payloads: `durcap_payloads` rows freed that it referred to (a piece several collected owners referred to is
+            counted for each of them).
+        payload_bytes: Their bytes.
+    """
+
+    owner: str
+    conversations: list[str]
+    refs: int
+    payloads: int
+    payload_bytes: int
+
+
+@dataclass(frozen=True)
+class CollectReport:
+    """What `collect` deleted (or, with `dry_run`, would delete).
+
+    Attributes:
+        dry_run: True when nothing was changed.
+        before: The cutoff (UTC): nothing written at or after it was deleted.
+        owners: One `OwnerCollected` per owner whose references were deleted, by owner id.
+        skipped: Owners asked for that were kept because a reference of theirs was written at or after `before`.
+        refs: `durcap_payload_refs` rows deleted.
+        payloads: `durcap_payloads` rows deleted (each counted once).
+        payload_bytes: Their bytes.
+        shared_payloads: Pieces the collected owners referred to that are kept because another owner still refers
+            to them (or they were written at or after `before`).
+        shared_payload_bytes: Their bytes.
+    """
+
+    dry_run: bool
+    before: datetime
+    owners: list[OwnerCollected]
+    skipped: list[str]
+    refs: int
+    payloads: int
+    payload_bytes: int
+    shared_payloads: int
+    shared_payload_bytes: int
 
 
 @dataclass(frozen=True)
@@ -646,6 +715,38 @@ class SQLConversationStore(ConversationStore):
             ConversationNotFoundError: no row of it; SchemaVersionError, StoreUnavailableError: see the class docstrings.
         """
         return await asyncio.to_thread(self._sql.conversation_stats, conversation_id)
+
+    async def claim_check_owners(self) -> list[ClaimCheckOwner]:
+        """Every run claim checks are recorded for (`durcap_payload_refs`), by owner id, with its conversations.
+
+        Raises:
+            SchemaVersionError, StoreUnavailableError: see the class docstrings.
+        """
+        return await asyncio.to_thread(self._sql.claim_check_owners)
+
+    async def collect(self, owners: Sequence[str], *, before: datetime, dry_run: bool = False) -> CollectReport:
+        """Delete the claim-check references of `owners` (runs the caller found gone: closed past their engine's
+        retention, or unknown to it) and the pieces no other run refers to, in one transaction (`durcap store gc`).
+
+        Race-safe: an owner with a reference written at or after `before` is kept whole (`CollectReport.skipped`), a
+        piece written at or after `before` is kept, and a piece is deleted only when no reference to it is left when
+        the transaction deletes it. On PostgreSQL the transaction holds `durcap_payload_refs` in SHARE ROW EXCLUSIVE
+        mode, so a writer that records a reference (the codec records its references before it looks for the pieces
+        already stored) either committed before and is seen, or waits and then writes the piece again. Pieces with no
+        recorded owner (written before schema version 3) are never deleted.
+
+        Args:
+            owners: Owner ids (`ClaimCheckOwner.owner`); unknown ones are ignored.
+            before: The cutoff (timezone-aware; naive means UTC): `now - grace`.
+            dry_run: Count what would be deleted and change nothing.
+
+        Returns:
+            A `CollectReport`.
+
+        Raises:
+            SchemaVersionError, StoreUnavailableError: see the class docstrings.
+        """
+        return await asyncio.to_thread(self._sql.collect, list(dict.fromkeys(owners)), before, dry_run)
 
     @property
     def location(self) -> str:

@@ -32,11 +32,14 @@ from .._limits import private_file, redact_database_url
 from . import (
     AppendIdReuseError,
     AppendResult,
+    ClaimCheckOwner,
+    CollectReport,
     ConversationConflictError,
     ConversationHasForksError,
     ConversationNotFoundError,
     ConversationStats,
     CorruptedRowError,
+    OwnerCollected,
     PurgeReport,
     SchemaVersionError,
     StoredConversation,
@@ -477,15 +480,11 @@ class _SQLBackend:
     def put_payload(self, digest: str, data: bytes, owner: str | None = None) -> None:
         """Store `data` under its sha256 `digest`; a digest already stored is left as it is (idempotent). With
         `owner` (the durable run that refers to it: a Temporal workflow id), record the reference in
-        `durcap_payload_refs` (once per owner), which `purge` and `stats` read."""
+        `durcap_payload_refs` (once per owner), which `purge`, `stats` and `collect` read.
+
+        The reference is written first: on PostgreSQL that waits for a `collect` in progress (it holds the table),
+        so the piece is then looked for after the collection committed and written again if it was deleted."""
         with self._txn(write=True) as conn:
-            conn.execute(
-                sa.text(
-                    'INSERT INTO durcap_payloads (sha256, size, data, created_at, writer) VALUES (:d, :n, :data, :at, :w) '
-                    'ON CONFLICT (sha256) DO NOTHING'
-                ),
-                {'d': digest, 'n': len(data), 'data': data, 'at': _utcnow(), 'w': _WRITER},
-            )
             if owner:
                 conn.execute(
                     sa.text(
@@ -494,6 +493,13 @@ class _SQLBackend:
                     ),
                     {'d': digest, 'o': owner, 'at': _utcnow()},
                 )
+            conn.execute(
+                sa.text(
+                    'INSERT INTO durcap_payloads (sha256, size, data, created_at, writer) VALUES (:d, :n, :data, :at, :w) '
+                    'ON CONFLICT (sha256) DO NOTHING'
+                ),
+                {'d': digest, 'n': len(data), 'data': data, 'at': _utcnow(), 'w': _WRITER},
+            )
 
     def put_payloads(self, pieces: Sequence[tuple[str, bytes]], owner: str | None = None) -> int:
         """Store each `(digest, data)` not stored yet, in one transaction; returns the bytes newly written.
@@ -501,13 +507,24 @@ class _SQLBackend:
         The digests already stored are read first (in batches), so a piece shared with earlier payloads is
         neither sent again nor rewritten; a concurrent writer of the same piece is absorbed by
         `ON CONFLICT DO NOTHING`. With `owner`, every piece's reference is recorded in `durcap_payload_refs`
-        (once per owner), as `put_payload` does, so `purge` and `stats` see which runs share a piece.
+        (once per owner), as `put_payload` does, so `purge`, `stats` and `collect` see which runs share a piece. The
+        references are written before the stored digests are read: a `collect` in progress (which holds the table on
+        PostgreSQL) is waited for, so a piece it deleted is not taken for stored.
         """
         unique = dict(pieces)
         if not unique:
             return 0
         written = 0
         with self._txn(write=True) as conn:
+            at = _utcnow()
+            if owner:
+                conn.execute(
+                    sa.text(
+                        'INSERT INTO durcap_payload_refs (sha256, owner, created_at) VALUES (:d, :o, :at) '
+                        'ON CONFLICT (sha256, owner) DO NOTHING'
+                    ),
+                    [{'d': d, 'o': owner, 'at': at} for d in unique],
+                )
             known: set[str] = set()
             digests = list(unique)
             for start in range(0, len(digests), _IN_BATCH):
@@ -515,7 +532,6 @@ class _SQLBackend:
                 found = conn.execute(sa.text('SELECT sha256 FROM durcap_payloads WHERE sha256 IN :ds').bindparams(
                     sa.bindparam('ds', expanding=True)), {'ds': batch})
                 known.update(row[0] for row in found)
-            at = _utcnow()
             rows = [{'d': d, 'n': len(data), 'data': data, 'at': at, 'w': _WRITER} for d, data in unique.items() if d not in known]
             if rows:
                 conn.execute(
@@ -526,14 +542,6 @@ class _SQLBackend:
                     rows,
                 )
                 written = sum(row['n'] for row in rows)
-            if owner:
-                conn.execute(
-                    sa.text(
-                        'INSERT INTO durcap_payload_refs (sha256, owner, created_at) VALUES (:d, :o, :at) '
-                        'ON CONFLICT (sha256, owner) DO NOTHING'
-                    ),
-                    [{'d': d, 'o': owner, 'at': at} for d in unique],
-                )
         return written
 
     def get_payloads(self, digests: Sequence[str]) -> dict[str, bytes]:
@@ -646,6 +654,90 @@ class _SQLBackend:
             conversation_id=conversation_id, dry_run=dry_run, rows=usage.counts, appends=usage.appends,
             message_bytes=usage.message_bytes, payload_bytes=sum(usage.own.values()), shared_payloads=len(usage.shared),
             shared_payload_bytes=sum(usage.shared.values()),
+        )
+
+    # ---- collecting claim checks no run needs (`durcap store gc`) ---------------------------------------------------
+
+    def _conversations_of_owners(self, conn: sa.Connection, owners: set[str]) -> dict[str, set[str]]:
+        """`{owner: conversation ids}` from the appends (`durcap_writes.append_id`) of the owners' runs."""
+        found: dict[str, set[str]] = {}
+        for cid, append_id in conn.execute(
+                sa.text('SELECT conversation_id, append_id FROM durcap_writes WHERE append_id IS NOT NULL')).all():
+            owner = _owner_of(append_id, owners)
+            if owner is not None:
+                found.setdefault(owner, set()).add(cid)
+        return found
+
+    def claim_check_owners(self) -> list[ClaimCheckOwner]:
+        """Every recorded claim-check owner (see `SQLConversationStore.claim_check_owners`)."""
+        with self._txn(write=False) as conn:
+            rows = conn.execute(sa.text(
+                'SELECT owner, COUNT(*), MAX(created_at) FROM durcap_payload_refs GROUP BY owner ORDER BY owner')).all()
+            conversations = self._conversations_of_owners(conn, {row[0] for row in rows})
+        return [ClaimCheckOwner(owner, sorted(conversations.get(owner, ())), int(count), datetime.fromisoformat(newest))
+                for owner, count, newest in rows]
+
+    def collect(self, owners: list[str], before: datetime, dry_run: bool) -> CollectReport:
+        """Delete the references of `owners` and the pieces left unreferenced (see `SQLConversationStore.collect`)."""
+        cutoff = _iso(before)
+        with self._txn(write=not dry_run) as conn:
+            if self.is_pg and not dry_run:
+                # Writers record their references first (`put_payloads`): holding the table here makes each of them
+                # either committed before this transaction's statements (and seen) or wait until it commits.
+                conn.execute(sa.text('LOCK TABLE durcap_payload_refs IN SHARE ROW EXCLUSIVE MODE'))
+            newest: dict[str, str] = {}
+            for chunk in _chunks(owners):
+                newest.update(conn.execute(sa.text(
+                    'SELECT owner, MAX(created_at) FROM durcap_payload_refs WHERE owner IN :os GROUP BY owner').bindparams(
+                        sa.bindparam('os', expanding=True)), {'os': list(chunk)}).all())
+            doomed = sorted(owner for owner, at in newest.items() if at < cutoff)
+            skipped = sorted(owner for owner, at in newest.items() if at >= cutoff)
+            refs: dict[str, set[str]] = {}  # owner -> digests it refers to
+            for chunk in _chunks(doomed):
+                for owner, digest in conn.execute(sa.text(
+                        'SELECT owner, sha256 FROM durcap_payload_refs WHERE owner IN :os').bindparams(
+                            sa.bindparam('os', expanding=True)), {'os': list(chunk)}).all():
+                    refs.setdefault(owner, set()).add(digest)
+            candidates = sorted(set().union(*refs.values())) if refs else []
+            dead = set(doomed)
+            kept: set[str] = set()
+            pieces: dict[str, tuple[int, str]] = {}  # digest -> (size, created_at)
+            for chunk in _chunks(candidates):
+                params = {'ds': list(chunk)}
+                for digest, owner in conn.execute(sa.text('SELECT sha256, owner FROM durcap_payload_refs WHERE sha256 IN :ds')
+                                                  .bindparams(sa.bindparam('ds', expanding=True)), params).all():
+                    if owner not in dead:
+                        kept.add(digest)
+                pieces.update((d, (int(n), at)) for d, n, at in conn.execute(
+                    sa.text('SELECT sha256, size, created_at FROM durcap_payloads WHERE sha256 IN :ds').bindparams(
+                        sa.bindparam('ds', expanding=True)), params).all())
+            kept |= {d for d, (_, at) in pieces.items() if at >= cutoff}
+            freed = sorted(d for d in pieces if d not in kept)
+            deleted_refs = sum(len(digests) for digests in refs.values())
+            if not dry_run:
+                deleted_refs = 0
+                for chunk in _chunks(doomed):
+                    deleted_refs += conn.execute(sa.text(
+                        'DELETE FROM durcap_payload_refs WHERE owner IN :os AND created_at < :cut').bindparams(
+                            sa.bindparam('os', expanding=True)), {'os': list(chunk), 'cut': cutoff}).rowcount
+                gone: set[str] = set()
+                for chunk in _chunks(freed):
+                    gone.update(row[0] for row in conn.execute(sa.text(
+                        'DELETE FROM durcap_payloads WHERE sha256 IN :ds AND created_at < :cut AND NOT EXISTS '
+                        '(SELECT 1 FROM durcap_payload_refs r WHERE r.sha256 = durcap_payloads.sha256) RETURNING sha256')
+                        .bindparams(sa.bindparam('ds', expanding=True)), {'ds': list(chunk), 'cut': cutoff}).all())
+                kept |= set(freed) - gone
+                freed = sorted(gone)
+            conversations = self._conversations_of_owners(conn, set(doomed)) if doomed else {}
+        freed_set = set(freed)
+        per = [OwnerCollected(owner, sorted(conversations.get(owner, ())), len(refs.get(owner, ())),
+                              len(mine := refs.get(owner, set()) & freed_set), sum(pieces[d][0] for d in mine))
+               for owner in doomed]
+        shared = {d for digests in refs.values() for d in digests if d in pieces and d not in freed_set}
+        return CollectReport(
+            dry_run=dry_run, before=before, owners=per, skipped=skipped, refs=deleted_refs, payloads=len(freed),
+            payload_bytes=sum(pieces[d][0] for d in freed), shared_payloads=len(shared),
+            shared_payload_bytes=sum(pieces[d][0] for d in shared),
         )
 
     def conversation_stats(self, conversation_id: str) -> ConversationStats:

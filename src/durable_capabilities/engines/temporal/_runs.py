@@ -18,7 +18,16 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from ...approvals import ApprovalError, Decision, PendingCall, check_decision
 from ...report import RunReport
-from .._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
+from .._adapter import (
+    RunInfo,
+    RunNotFoundError,
+    RunOptions,
+    RunState,
+    RunStates,
+    RunUnit,
+    loaded_capabilities_in,
+    unit_kind,
+)
 from ._client import await_result, connect, task_queue_pollers
 from ._history import units_recorded
 from ._spec import (
@@ -225,6 +234,40 @@ async def delete_run(run_id: str, settings: Mapping[str, Any]) -> None:
         if exc.status == RPCStatusCode.NOT_FOUND:
             raise RunNotFoundError(f'no Temporal workflow {run_id!r} in namespace {client.namespace!r}') from None
         raise
+
+
+_DESCRIBE_CONCURRENCY = 16
+"""Workflows described at once by `run_states`."""
+
+
+async def run_states(run_ids: Sequence[str], settings: Mapping[str, Any]) -> RunStates:
+    """Each workflow's latest execution as DescribeWorkflowExecution reports it (strongly consistent, unlike the
+    visibility listing, which a just-started workflow may not be in yet), and the namespace's retention period
+    (DescribeNamespace). A workflow id the namespace no longer has (deleted, or past retention) is left out."""
+    from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
+
+    client = await _connect(settings)
+    namespace = await client.workflow_service.describe_namespace(DescribeNamespaceRequest(namespace=client.namespace))
+    ttl = namespace.config.workflow_execution_retention_ttl
+    retention = ttl.ToTimedelta() if ttl.seconds or ttl.nanos else None
+    gate = asyncio.Semaphore(_DESCRIBE_CONCURRENCY)
+
+    async def state(run_id: str) -> RunState | None:
+        async with gate:
+            try:
+                description = await client.get_workflow_handle(run_id).describe()
+            except RPCError as exc:
+                if exc.status == RPCStatusCode.NOT_FOUND:
+                    return None
+                raise
+        status = description.status.name if description.status is not None else 'RUNNING'
+        if status == 'RUNNING' or description.close_time is None:
+            return RunState(run_id, True)
+        return RunState(run_id, False, description.close_time.astimezone(UTC))
+
+    found = await asyncio.gather(*(state(run_id) for run_id in dict.fromkeys(run_ids)))
+    where = f'namespace {client.namespace!r} at {settings.get("address") or DEFAULT_ADDRESS}'
+    return RunStates(ENGINE, where, retention, {s.run_id: s for s in found if s is not None})
 
 
 async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:

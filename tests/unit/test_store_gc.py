@@ -1,0 +1,353 @@
+"""`durcap store gc` (`collecting.collect_garbage`, `SQLConversationStore.collect`) on real SQLite files (and, through
+tests/engines/test_store_gc.py, on fresh PostgreSQL databases: every test here that takes `store_url`).
+
+The claim checks are written through the real codec (`ClaimCheckCodec`, with Temporal's serialization context naming
+the workflow), so their pieces and reference rows are what a Temporal run leaves. What the engine says of the runs is
+given as data (`engines.RunStates`, the answer `EngineAdapter.run_states` returns): the decision and the deletion are
+tested here; tests/engines/test_store_gc.py asks a real Temporal dev server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, UserPromptPart
+from temporalio.converter import DataConverter, WorkflowSerializationContext
+
+from durable_capabilities.collecting import (
+    GcEngineError,
+    GcSchedule,
+    collect_garbage,
+    gone_owners,
+    parse_duration,
+)
+from durable_capabilities.engines import RunState, RunStates
+from durable_capabilities.engines.temporal._payloads import ClaimCheckCodec
+from durable_capabilities.settings import Settings
+from durable_capabilities.store import SQLConversationStore
+from tests._helpers import durcap, sqlite_url
+
+HOUR = timedelta(hours=1)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def everything(url: str) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of every table of the store's database (bytes as bytes)."""
+    engine = sa.create_engine(url.replace('postgresql://', 'postgresql+psycopg://'))
+    try:
+        with engine.connect() as conn:
+            return {t: sorted((tuple(bytes(v) if isinstance(v, memoryview) else v for v in row)
+                               for row in conn.execute(sa.text(f'SELECT * FROM {t}')).all()), key=repr)
+                    for t in sa.inspect(conn).get_table_names()}
+    finally:
+        engine.dispose()
+
+
+def execute(url: str, statement: str, params: dict[str, Any] | None = None) -> None:
+    engine = sa.create_engine(url.replace('postgresql://', 'postgresql+psycopg://'))
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(statement), params or {})
+    finally:
+        engine.dispose()
+
+
+def codec_converter(url: str, workflow_id: str | None) -> DataConverter:
+    converter = DataConverter(payload_codec=ClaimCheckCodec(url, threshold=1000))
+    if workflow_id is not None:
+        converter = converter.with_context(WorkflowSerializationContext(namespace='default', workflow_id=workflow_id))
+    return converter
+
+
+def history(n: int, marker: str) -> list[dict[str, Any]]:
+    """A message-list-like value the codec cuts into pieces (one per message)."""
+    return [{'parts': [{'content': f'{marker} message {i} ' + 'x' * 400}], 'kind': 'request'} for i in range(n)]
+
+
+SHARED = 'SHARED-TOOL-RESULT ' * 200
+
+
+def seed(url: str) -> dict[str, Any]:
+    """Two conversations: `wf-a` (conversation conv-a: a history of its own and SHARED) and `wf-b` (conv-b: SHARED and
+    a history of its own), and a claim check written without a workflow (no recorded owner). Returns the references."""
+
+    async def go() -> dict[str, Any]:
+        with SQLConversationStore(url) as store:
+            for cid, wf in (('conv-a', 'wf-a'), ('conv-b', 'wf-b')):
+                await store.append(cid, [ModelRequest(parts=[UserPromptPart(f'{cid} prompt')]),
+                                         ModelResponse(parts=[TextPart('ok')])], expected_revision=None,
+                                   append_id=f'{wf}:run-1')
+        a = await codec_converter(url, 'wf-a').encode([history(5, 'ALPHA'), SHARED])
+        b = await codec_converter(url, 'wf-b').encode([SHARED, history(4, 'BETA')])
+        legacy = await codec_converter(url, None).encode(['LEGACY-UNOWNED ' * 200])
+        return {'a': a, 'b': b, 'legacy': legacy}
+
+    return run(go())
+
+
+def decodes(url: str, workflow_id: str | None, references: list[Any]) -> list[Any]:
+    return run(codec_converter(url, workflow_id).decode(references))
+
+
+def answer(now: datetime, **states: RunState) -> RunStates:
+    return RunStates('temporal', "namespace 'default' (given)", HOUR, dict(states))
+
+
+def closed(run_id: str, ago: timedelta, now: datetime) -> RunState:
+    return RunState(run_id, False, now - ago)
+
+
+def gc(url: str, answers: list[RunStates], *, apply: bool, grace: timedelta = timedelta(0), now: datetime | None = None,
+       retention: timedelta | None = None) -> Any:
+    return run(collect_garbage(url, answers=answers, apply=apply, grace=grace, retention=retention,
+                               now=now or datetime.now(UTC), settings=Settings.resolve()))
+
+
+def digests_of(url: str, owner: str) -> set[str]:
+    return {row[0] for row in everything(url)['durcap_payload_refs'] if row[1] == owner}
+
+
+# ---- what is freed --------------------------------------------------------------------------------
+
+
+def test_dry_run_changes_nothing_and_apply_frees_exactly_the_closed_runs_unshared_pieces(store_url: str) -> None:
+    refs = seed(store_url)
+    now = datetime.now(UTC)
+    a_pieces, b_pieces = digests_of(store_url, 'wf-a'), digests_of(store_url, 'wf-b')
+    shared = a_pieces & b_pieces
+    # SHARED (stored whole) and the pieces both histories cut alike (their ends) are shared; ALPHA's messages are its own.
+    assert len(shared) >= 1 and len(a_pieces - b_pieces) >= 5
+    answers = [answer(now, **{'wf-a': closed('wf-a', 2 * HOUR, now), 'wf-b': RunState('wf-b', True)})]
+    before = everything(store_url)
+
+    plan = gc(store_url, answers, apply=False, now=now)
+    assert everything(store_url) == before  # the dry run changed nothing
+    assert plan.report.dry_run and [o.owner for o in plan.report.owners] == ['wf-a']
+    sizes = {row[0]: row[1] for row in before['durcap_payloads']}
+    assert plan.report.payloads == len(a_pieces - b_pieces)
+    assert plan.report.payload_bytes == sum(sizes[d] for d in a_pieces - b_pieces)
+    assert plan.report.refs == len(a_pieces)
+    assert (plan.report.shared_payloads, plan.report.shared_payload_bytes) == (len(shared), sum(sizes[d] for d in shared))
+    assert plan.report.owners[0].conversations == ['conv-a']
+    assert plan.kept == {'open': 1}
+    assert 'closed' in plan.reasons['wf-a'] and 'past the 1h retention' in plan.reasons['wf-a']
+
+    done = gc(store_url, answers, apply=True, now=now)
+    after = everything(store_url)
+    assert not done.report.dry_run
+    assert (done.report.payloads, done.report.payload_bytes, done.report.refs) == (
+        plan.report.payloads, plan.report.payload_bytes, plan.report.refs)
+    left = {row[0] for row in after['durcap_payloads']}
+    assert left == {row[0] for row in before['durcap_payloads']} - (a_pieces - b_pieces)  # exactly those freed
+    assert shared <= left and b_pieces <= left
+    assert digests_of(store_url, 'wf-a') == set() and digests_of(store_url, 'wf-b') == b_pieces
+    for table in ('durcap_conversations', 'durcap_entries', 'durcap_writes'):
+        assert after[table] == before[table], table  # conversations are not gc's business
+    # The open run's claim checks (the shared piece included) and the unowned one still decode.
+    assert decodes(store_url, 'wf-b', refs['b']) == [SHARED, history(4, 'BETA')]
+    assert decodes(store_url, None, refs['legacy']) == ['LEGACY-UNOWNED ' * 200]
+
+    again = gc(store_url, answers, apply=True, now=now)
+    assert (again.report.payloads, again.report.refs, again.report.owners) == (0, 0, [])  # nothing left to free
+
+
+def test_a_run_closed_within_the_retention_and_a_piece_shared_with_it_are_kept(store_url: str) -> None:
+    seed(store_url)
+    now = datetime.now(UTC)
+    before = everything(store_url)
+    answers = [answer(now, **{'wf-a': closed('wf-a', timedelta(minutes=30), now), 'wf-b': closed('wf-b', 3 * HOUR, now)})]
+    done = gc(store_url, answers, apply=True, now=now)
+    assert [o.owner for o in done.report.owners] == ['wf-b']
+    assert done.kept == {'closed within the retention period': 1}
+    left = {row[0] for row in everything(store_url)['durcap_payloads']}
+    a_pieces = {row[0] for row in before['durcap_payload_refs'] if row[1] == 'wf-a'}
+    assert a_pieces <= left  # wf-a's, the shared pieces among them, kept
+    assert done.report.shared_payloads == len(a_pieces & digests_of(store_url, 'wf-b') or a_pieces & {
+        row[0] for row in before['durcap_payload_refs'] if row[1] == 'wf-b'})
+    # --retention overrides the engine's: with 10 minutes, wf-a is past it too.
+    later = gc(store_url, answers, apply=True, now=now, retention=timedelta(minutes=10))
+    assert [o.owner for o in later.report.owners] == ['wf-a'] and later.report.payloads == len(a_pieces)
+
+
+def test_an_owner_the_engine_does_not_know_goes_only_once_its_references_are_past_the_retention(store_url: str) -> None:
+    seed(store_url)
+    now = datetime.now(UTC)
+    answers = [answer(now, **{'wf-b': RunState('wf-b', True)})]  # wf-a: deleted from the engine, or not started yet
+    recent = gc(store_url, answers, apply=True, now=now)
+    assert recent.report.owners == [] and len(digests_of(store_url, 'wf-a')) > 0
+    assert any('unknown' in why for why in recent.kept)
+    old = (now - 2 * HOUR).isoformat(timespec='microseconds')
+    execute(store_url, "UPDATE durcap_payload_refs SET created_at = :at WHERE owner = 'wf-a'", {'at': old})
+    execute(store_url, 'UPDATE durcap_payloads SET created_at = :at', {'at': old})
+    gone = gc(store_url, answers, apply=True, now=now)
+    assert [o.owner for o in gone.report.owners] == ['wf-a'] and 'unknown to temporal' in gone.reasons['wf-a']
+    assert digests_of(store_url, 'wf-a') == set()
+
+
+# ---- the grace window ------------------------------------------------------------------------------
+
+
+def test_the_grace_window_keeps_owners_and_pieces_written_in_it(store_url: str) -> None:
+    seed(store_url)
+    now = datetime.now(UTC)
+    before = everything(store_url)
+    answers = [answer(now, **{'wf-a': closed('wf-a', 2 * HOUR, now), 'wf-b': RunState('wf-b', True)})]
+    # Everything was written just now: with a 15-minute grace, wf-a is skipped whole, nothing is deleted.
+    kept = gc(store_url, answers, apply=True, now=now, grace=timedelta(minutes=15))
+    assert kept.report.owners == [] and kept.report.skipped == ['wf-a'] and everything(store_url) == before
+    assert 'within the grace window: wf-a' in '\n'.join(kept.lines())
+    # wf-a's references are old, but one of its pieces was (re)written inside the grace window: that piece stays.
+    old = (now - 2 * HOUR).isoformat(timespec='microseconds')
+    execute(store_url, "UPDATE durcap_payload_refs SET created_at = :at WHERE owner = 'wf-a'", {'at': old})
+    a_only = digests_of(store_url, 'wf-a') - digests_of(store_url, 'wf-b')
+    young = sorted(a_only)[0]
+    execute(store_url, 'UPDATE durcap_payloads SET created_at = :at WHERE sha256 <> :d', {'at': old, 'd': young})
+    done = gc(store_url, answers, apply=True, now=now, grace=timedelta(minutes=15))
+    left = {row[0] for row in everything(store_url)['durcap_payloads']}
+    assert young in left and not (a_only - {young}) & left
+    shared = digests_of(store_url, 'wf-b') & {row[0] for row in before['durcap_payload_refs'] if row[1] == 'wf-a'}
+    assert done.report.payloads == len(a_only) - 1 and done.report.shared_payloads == len(shared) + 1  # and the young one
+
+
+def test_nothing_is_deleted_when_the_engine_cannot_tell_its_retention(store_url: str) -> None:
+    seed(store_url)
+    now = datetime.now(UTC)
+    before = everything(store_url)
+    unknown = RunStates('temporal', "namespace 'x'", None, {'wf-a': closed('wf-a', 2 * HOUR, now)})
+    with pytest.raises(GcEngineError, match='--retention') as caught:
+        gc(store_url, [unknown], apply=True, now=now)
+    assert caught.value.code == 'gc-engine-unavailable' and everything(store_url) == before
+    done = gc(store_url, [unknown], apply=True, now=now, retention=HOUR)  # the override lets it decide
+    assert [o.owner for o in done.report.owners] == ['wf-a']
+
+
+def test_gone_owners_merges_what_several_engines_say() -> None:
+    from durable_capabilities.store import ClaimCheckOwner
+
+    now = datetime.now(UTC)
+    owners = [ClaimCheckOwner(name, [], 1, now - 2 * HOUR) for name in ('w1', 'w2', 'w3')]
+    owners.append(ClaimCheckOwner('w4', [], 1, now - 4 * HOUR))
+    first = RunStates('one', 'x', HOUR, {'w1': closed('w1', 2 * HOUR, now), 'w2': closed('w2', 2 * HOUR, now)})
+    second = RunStates('two', 'y', 3 * HOUR, {'w2': RunState('w2', True)})
+    gone, kept = gone_owners(owners, [first, second], now)
+    # w2 is open on the second engine; w3 is unknown to both and younger than the longest retention (3 h), w4 older.
+    assert set(gone) == {'w1', 'w4'} and gone['w4'].startswith('unknown to one, two')
+    assert kept == {'open': 1, 'unknown to the engines but referenced within the retention period (starting, or another '
+                                'namespace)': 1}
+    # A zero --retention is a retention (not "none given"): every closed or unknown owner is past it.
+    zero, none_kept = gone_owners(owners, [first], now, retention=timedelta(0))
+    assert set(zero) == {'w1', 'w2', 'w3', 'w4'} and none_kept == {}
+
+
+# ---- output and flags ---------------------------------------------------------------------------------
+
+
+def test_the_json_and_text_reports_name_each_workflow_its_conversation_and_bytes(tmp_path: Path) -> None:
+    url = sqlite_url(tmp_path)
+    seed(url)
+    now = datetime.now(UTC)
+    found = gc(url, [answer(now, **{'wf-a': closed('wf-a', 2 * HOUR, now), 'wf-b': RunState('wf-b', True)})],
+               apply=False, now=now)
+    data = json.loads(json.dumps(found.to_json()))
+    assert data['dry_run'] is True and data['retention_seconds'] == {'temporal': 3600.0} and data['grace_seconds'] == 0
+    assert data['freed']['payloads'] == found.report.payloads > 0
+    assert data['freed']['payload_bytes'] == found.report.payload_bytes
+    (owner,) = data['owners']
+    assert (owner['owner'], owner['conversations'], owner['payloads']) == ('wf-a', ['conv-a'], found.report.payloads)
+    assert owner['reason'].startswith('closed ') and data['kept_shared']['payloads'] == found.report.shared_payloads >= 1
+    assert data['kept_owners'] == {'open': 1}
+    text = found.lines()
+    assert text[0].startswith('store gc (dry run; temporal retention 1h; grace 0s') and 'would free' in text[0]
+    assert text[1].startswith('  wf-a (conversation conv-a): ') and text[-1] == 'nothing was deleted: pass --apply to delete'
+
+
+def test_the_cli_prints_json_for_a_store_without_claim_checks_and_asks_no_engine(tmp_path: Path) -> None:
+    url = sqlite_url(tmp_path)
+    run(SQLConversationStore(url).check_writable())
+    # No owner recorded: nothing to ask, so an address where nothing listens is never dialled.
+    done = durcap('store', 'gc', '--store', url, '--format', 'json', '--address', '127.0.0.1:9')
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data['freed'] == {'refs': 0, 'payloads': 0, 'payload_bytes': 0} and data['owners'] == [] and data['dry_run']
+    text = durcap('store', 'gc', '--store', url, '--apply', '--grace', '0s')
+    assert text.returncode == 0 and 'applied' in text.stdout and 'freed 0 piece(s)' in text.stdout, text.stdout
+
+
+def test_gc_refuses_with_one_line_when_the_engine_cannot_be_reached(tmp_path: Path) -> None:
+    url = sqlite_url(tmp_path)
+    seed(url)
+    before = everything(url)
+    done = durcap('store', 'gc', '--store', url, '--apply', '--address', '127.0.0.1:9', timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('durcap: error: temporal: cannot read run states: '), done.stderr
+    assert 'nothing was deleted' in lines[0] and everything(url) == before
+
+
+@pytest.mark.parametrize(('args', 'expected'), [
+    (['--grace', '5x'], "DC040 --grace '5x' is not a duration"),
+    (['--retention', 'soon'], "DC040 --retention 'soon' is not a duration"),
+    (['--retention', '-1h'], "DC040 --retention '-1h' is not a duration"),
+])
+def test_bad_durations_are_one_coded_line(tmp_path: Path, args: list[str], expected: str) -> None:
+    done = durcap('store', 'gc', '--store', sqlite_url(tmp_path), *args)
+    assert done.returncode == 2 and done.stdout == ''
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f'durcap: error: {expected}'), done.stderr
+    assert 'e.g. 90s, 15m, 1h30m, 7d' in lines[0]
+
+
+def test_a_missing_store_is_one_line_and_not_created(tmp_path: Path) -> None:
+    url = sqlite_url(tmp_path, 'absent.db')
+    done = durcap('store', 'gc', '--store', url)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert 'no conversation store' in done.stderr and not (tmp_path / 'absent.db').exists()
+
+
+@pytest.mark.parametrize(('engine', 'args', 'expected'), [
+    ('temporal', ['--gc-every', 'often'], "DC040 --gc-every 'often' is not a duration"),
+    ('temporal', ['--gc-every', '0s'], "DC040 --gc-every '0s' must be longer than 0s"),
+    ('temporal', ['--gc-apply'], 'DC040 --gc-apply and --gc-retention need --gc-every DURATION'),
+    ('dbos', ['--gc-every', '1h'], 'DC040 --gc-every: dbos runs store no claim checks'),
+])
+def test_bad_worker_gc_flags_are_one_coded_line_before_the_worker_starts(engine: str, args: list[str], expected: str) -> None:
+    done = durcap('worker', engine, 'tests.fixtures.good_agent:agent', *args)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f'durcap: error: {expected}'), done.stderr
+
+
+def test_the_worker_schedule_logs_one_line_per_pass(tmp_path: Path) -> None:
+    url = sqlite_url(tmp_path)
+    run(SQLConversationStore(url).check_writable())
+    lines: list[str] = []
+    schedule = GcSchedule(url, Settings.resolve(), timedelta(hours=1), lines.append)
+    found = schedule.run_once()
+    assert found is not None and found.report.dry_run
+    assert lines == ['store gc: would free 0 piece(s), 0 bytes, of 0 workflow(s); kept 0 shared piece(s); 0 workflow(s) '
+                     'live (dry run: --gc-apply deletes)']
+    missing = GcSchedule(sqlite_url(tmp_path, 'absent.db'), Settings.resolve(), timedelta(hours=1), lines.append)
+    assert missing.run_once() is None and lines[-1].startswith('store gc: failed, nothing deleted: no conversation store')
+    with pytest.raises(ValueError, match='positive'):
+        GcSchedule(url, Settings.resolve(), timedelta(0), lines.append)
+
+
+@pytest.mark.parametrize(('text', 'seconds'), [('90s', 90), ('15m', 900), ('1h30m', 5400), ('7d', 604800), ('2w', 1209600),
+                                               ('250ms', 0.25), ('45', 45), ('0s', 0), ('1.5h', 5400)])
+def test_parse_duration(text: str, seconds: float) -> None:
+    assert parse_duration(text, '--grace').total_seconds() == seconds
+
+
+@pytest.mark.parametrize('text', ['', 'h', '1y', '-5m', '5 m m', '1h-2m'])
+def test_parse_duration_refuses(text: str) -> None:
+    with pytest.raises(ValueError, match='is not a duration'):
+        parse_duration(text, '--grace')
