@@ -37,10 +37,11 @@ from ._spec import (
     TARGET_ENV,
     flow_name,
 )
-from ._worker import serve
+from ._worker import DEFAULT_SERVE_LIMIT, serve, watch_crashed
 
 __all__ = [
     'ADAPTER',
+    'DEFAULT_SERVE_LIMIT',
     'AGENT_TOOLSET_ID',
     'APPROVAL_CLOCK_TASK',
     'CONVERSATION_TASKS',
@@ -70,5 +71,6 @@ __all__ = [
     'server_line',
     'start_prefect_server',
     'tool_run_namer',
+    'watch_crashed',
     'watch_deadlines',
 ]
