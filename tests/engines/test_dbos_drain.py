@@ -74,6 +74,20 @@ def enqueue(env: dict[str, str], order: str) -> str:
         client.destroy()
 
 
+def run_on(a: subprocess.Popen[bytes], b: subprocess.Popen[bytes], env: dict[str, str], tmp_path: Path,
+           order: str) -> str:
+    """Enqueue a run of `order` while replica b is paused (SIGSTOP), so replica a takes it; b resumes once the run's
+    `charge` started in a. Returns the workflow id."""
+    os.killpg(b.pid, signal.SIGSTOP)
+    try:
+        workflow_id = enqueue(env, order)
+        wait_file(tmp_path / 'ledger' / f'charge-started-{order}', 120)
+    finally:
+        os.killpg(b.pid, signal.SIGCONT)
+    assert (tmp_path / 'ledger' / f'charge-started-{order}').read_text() == str(a.pid)
+    return workflow_id
+
+
 def heartbeats(url: str) -> set[str]:
     from durable_capabilities.engines.dbos._peers import live_executors
 
@@ -87,26 +101,21 @@ def test_sigterm_past_the_drain_leaves_the_run_to_a_peer(tmp_path: Path, ledger:
     the row was deleted on every stop, and with a per-pod executor id nothing would ever recover the run."""
     env = ledger | {'DURCAP_LEDGER_CHARGE_SECONDS': '8'}
     a, a_log = start_app(tmp_path, 'replica-a', env, DURCAP_GRACEFUL_SHUTDOWN='1', DURCAP_DBOS_PEER_TIMEOUT='4')
-    b = None
+    b, b_log = start_app(tmp_path, 'replica-b', env, DURCAP_GRACEFUL_SHUTDOWN='30', DURCAP_DBOS_PEER_TIMEOUT='4')
     try:
         wait_ready(a, 'replica-a', tmp_path, a_log)
-        workflow_id = enqueue(env, 'D-1')
-        wait_file(tmp_path / 'ledger' / 'charge-started-D-1', 120)
-        assert (tmp_path / 'ledger' / 'charge-started-D-1').read_text() == str(a.pid)
-        b, b_log = start_app(tmp_path, 'replica-b', env, DURCAP_GRACEFUL_SHUTDOWN='30', DURCAP_DBOS_PEER_TIMEOUT='4')
         wait_ready(b, 'replica-b', tmp_path, b_log)
+        workflow_id = run_on(a, b, env, tmp_path, 'D-1')
         os.killpg(a.pid, signal.SIGTERM)
         assert a.wait(timeout=40) == 0, a_log.read_text()
         text = a_log.read_text()
         assert "dbos worker 'replica-a': 1 workflows still running when the 1 s drain ended stay PENDING" in text, text
         assert 'Traceback' not in text, text
-        assert 'replica-a' in heartbeats(env['DBOS_SYSTEM_DATABASE_URL'])  # kept for a peer to find
         wait_status(env['DBOS_SYSTEM_DATABASE_URL'], workflow_id, 'SUCCESS', 90)
-        assert "executor 'replica-a' silent for" in b_log.read_text()
+        assert "executor 'replica-a' silent for" in b_log.read_text()  # found through the row a kept
     finally:
         stop(a)
-        if b is not None:
-            stop(b)
+        stop(b)
     assert (tmp_path / 'ledger' / 'charges').read_text().splitlines() == ['D-1', 'D-1']  # in flight, re-run once
 
 
@@ -121,19 +130,13 @@ def test_sigterm_within_the_drain_finishes_the_run_there_once(tmp_path: Path, le
     try:
         wait_ready(a, 'replica-a', tmp_path, a_log)
         wait_ready(b, 'replica-b', tmp_path, b_log)
-        os.killpg(b.pid, signal.SIGSTOP)  # the run goes to replica-a (b resumes before a stops)
-        try:
-            workflow_id = enqueue(env, 'D-2')
-            wait_file(tmp_path / 'ledger' / 'charge-started-D-2', 120)
-        finally:
-            os.killpg(b.pid, signal.SIGCONT)
-        assert (tmp_path / 'ledger' / 'charge-started-D-2').read_text() == str(a.pid)
+        workflow_id = run_on(a, b, env, tmp_path, 'D-2')
         os.killpg(a.pid, signal.SIGTERM)
         assert a.wait(timeout=60) == 0, a_log.read_text()
         assert 'Traceback' not in a_log.read_text(), a_log.read_text()
         wait_status(env['DBOS_SYSTEM_DATABASE_URL'], workflow_id, 'SUCCESS', 30)
         assert 'replica-a' not in heartbeats(env['DBOS_SYSTEM_DATABASE_URL'])
-        assert 'silent for' not in b_log.read_text(), b_log.read_text()
+        assert "executor 'replica-a' silent for" not in b_log.read_text(), b_log.read_text()
     finally:
         stop(a)
         stop(b)
