@@ -517,7 +517,7 @@ def test_kubernetes_disruption_budget_selects_each_worker() -> None:
 
 def test_kubernetes_grace_period_outlasts_the_drain() -> None:
     config = _config()
-    for script, dep, container in _worker_deployments():
+    for _, dep, container in _worker_deployments():
         env = {v['name']: v.get('value') for v in container.get('env', [])}
         drain = float(env.get('DURCAP_GRACEFUL_SHUTDOWN') or config.get('DURCAP_GRACEFUL_SHUTDOWN')
                       or DEFAULT_DRAIN_SECONDS)
