@@ -18,8 +18,16 @@ Environment:
     DURCAP_TARGET: `pkg.module:attr`, `path/to/file.py:attr` or a whole module (default `examples.support.agent:support`).
     PREFECT_API_URL: the Prefect server's API (required: a deployment served on Prefect's ephemeral
         in-process server could not be reached by anyone).
+    DURCAP_PREFECT_LIMIT: flow runs this process runs at once (Prefect's runner limit, default 5, as
+        `durcap schedule prefect --limit`); other processes serving the deployment take the rest.
     DURCAP_READY_FILE: optional; a file written once every deployment is registered and removed when
         the runner stops.
+
+Several of these processes may serve the same deployments (the manifests run 3): each runs at most
+DURCAP_PREFECT_LIMIT flow runs at once, stopping one never pauses the deployments for the others, and
+each watches them for flow runs left CRASHED by a process that died: one of the serving processes
+reschedules such a run (at most 3 times), which then runs again from its cached tasks
+(`durable_capabilities.engines.prefect.watch_crashed`, as `durcap schedule prefect`).
 
 Run from the folder TARGET is importable from (flow runs inherit the working directory). Invalid
 definitions exit 1, an unusable target or no PREFECT_API_URL exits 2, a server still unreachable after
@@ -41,10 +49,10 @@ if __name__ == '__main__':
     # connected or written yet, and a SystemExit raised inside an import would be reported as a broken target.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
 
-from _common import DEFAULT_TARGET
+from _common import DEFAULT_TARGET, env_number
 from _common import load_agents as _load_agents
 
-from durable_capabilities.engines.prefect import TARGET_ENV, agent_flow, entrypoint
+from durable_capabilities.engines.prefect import DEFAULT_SERVE_LIMIT, TARGET_ENV, agent_flow, entrypoint, watch_crashed
 
 CONNECT_RETRY_SECONDS = 120.0
 
@@ -90,7 +98,8 @@ def _wait_for_server(api_url: str, names: list[str]) -> dict[str, Any]:
 
 
 def _mark_ready_when_registered(
-    api_url: str, names: list[str], before: dict[str, Any], ready_file: Path | None, done: threading.Event
+    api_url: str, names: list[str], before: dict[str, Any], ready_file: Path | None, done: threading.Event,
+    limit: int,
 ) -> None:
     """Poll the API until this process registered every deployment (each exists and its `updated`
     timestamp changed since `before`; no clock is compared), then log it and write `ready_file`."""
@@ -100,7 +109,8 @@ def _mark_ready_when_registered(
         except Exception:  # noqa: BLE001 - the server is still starting
             now = {}
         if len(now) == len(names) and all(now[n] != before.get(n) for n in names):
-            log(f'ready: deployments {", ".join(names)} served at {api_url} (pid {os.getpid()})')
+            log(f'ready: deployments {", ".join(names)} served at {api_url} (pid {os.getpid()}, at most '
+                f'{limit} flow runs at once here)')
             if ready_file is not None:
                 ready_file.parent.mkdir(parents=True, exist_ok=True)
                 ready_file.write_text(f'{os.getpid()}\n')
@@ -120,6 +130,8 @@ def main() -> None:
     if not api_url:
         log('error: PREFECT_API_URL is not set; point it at a Prefect server (`prefect server start`)')
         raise SystemExit(2)
+    limit = int(env_number('DURCAP_PREFECT_LIMIT', os.environ.get('DURCAP_PREFECT_LIMIT'), DEFAULT_SERVE_LIMIT, log,
+                           minimum=1, integer=True))
     from prefect import serve
 
     os.environ[TARGET_ENV] = target  # flow-run processes build the agent from it (engines/prefect/_entry.py)
@@ -133,7 +145,7 @@ def main() -> None:
     before = _wait_for_server(api_url, names)
     done = threading.Event()
     watcher = threading.Thread(
-        target=_mark_ready_when_registered, args=(api_url, names, before, ready_file, done), daemon=True
+        target=_mark_ready_when_registered, args=(api_url, names, before, ready_file, done, limit), daemon=True
     )
     # From here until Prefect's runner installs its own SIGTERM handler (when `Runner.start` begins, after
     # the deployments are registered and the ready file may already be written), SIGTERM unwinds through
@@ -141,7 +153,11 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         watcher.start()
-        serve(*deployments, print_starting_message=False)
+        for deployment in deployments:
+            watch_crashed(deployment.name, deployment.flow_name, log)
+        # Shared with the other serving processes: at most `limit` flow runs here, and no pause on the way out
+        # (Prefect's default pauses the deployments, for every process serving them).
+        serve(*deployments, print_starting_message=False, pause_on_shutdown=False, limit=limit)
     except KeyboardInterrupt:
         pass
     finally:

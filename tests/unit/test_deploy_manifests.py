@@ -145,7 +145,7 @@ def test_compose_file_matches_the_compose_specification() -> None:
 def test_compose_file_validates_with_a_password_set() -> None:
     model = compose_model({'DURCAP_POSTGRES_PASSWORD': 's3cret'})
     assert not list(compose_validator().iter_errors(model))
-    env = model['services']['dbos-app']['environment']
+    env = model['services']['dbos-app-1']['environment']
     assert env['DBOS_SYSTEM_DATABASE_URL'] == 'postgresql://durcap:s3cret@postgresql:5432/durcap_dbos'
 
 
@@ -154,7 +154,7 @@ def test_compose_file_validates_with_a_password_set() -> None:
     [
         lambda m: m['services']['temporal-worker'].update(comand=['python']),  # unknown key
         lambda m: m['services']['temporal'].update(ports=7233),  # wrong type (a list is required)
-        lambda m: m['services']['dbos-app']['depends_on'].update(postgresql={'condition': 'healthy'}),  # bad enum
+        lambda m: m['services']['dbos-app-1']['depends_on'].update(postgresql={'condition': 'healthy'}),  # bad enum
         lambda m: m.update(servics={}),  # unknown top-level key
     ],
     ids=['unknown-key', 'wrong-type', 'bad-enum', 'unknown-top-level'],
@@ -167,10 +167,11 @@ def test_compose_validation_catches_mistakes(mutate: Any) -> None:
 
 def test_compose_services() -> None:
     services = compose_model()['services']
-    assert set(services) == {'postgresql', 'temporal', 'temporal-worker', 'dbos-app', 'prefect-server', 'prefect-flows'}
-    by_script = {command_script(s.get('command')): name for name, s in services.items() if command_script(s.get('command'))}
-    assert set(by_script) == set(WORKER_SCRIPTS)
-    for name in by_script.values():
+    assert set(services) == {'postgresql', 'temporal', 'temporal-worker', 'dbos-app-1', 'dbos-app-2', 'dbos-app-3',
+                             'prefect-server', 'prefect-flows'}
+    by_script = {name: command_script(s.get('command')) for name, s in services.items() if command_script(s.get('command'))}
+    assert set(by_script.values()) == set(WORKER_SCRIPTS)
+    for name in by_script:
         service = services[name]
         assert service['build'] == {'context': '../..', 'dockerfile': 'deploy/Dockerfile'}
         assert service['healthcheck']['test'] == ['CMD', 'test', '-f', service['environment']['DURCAP_READY_FILE']]
@@ -182,7 +183,7 @@ def test_compose_addresses_name_its_services() -> None:
     services = compose_model()['services']
     env = {name: s.get('environment', {}) for name, s in services.items()}
     assert env['temporal-worker']['DURCAP_TEMPORAL_ADDRESS'].split(':')[0] in services
-    for url in (env['dbos-app']['DBOS_SYSTEM_DATABASE_URL'], env['prefect-flows']['PREFECT_API_URL'],
+    for url in (*(env[f'dbos-app-{i}']['DBOS_SYSTEM_DATABASE_URL'] for i in (1, 2, 3)), env['prefect-flows']['PREFECT_API_URL'],
                 env['prefect-server']['PREFECT_API_DATABASE_CONNECTION_URL']):
         assert urlsplit(url).hostname in services, url
     assert env['temporal']['POSTGRES_SEEDS'] in services
@@ -366,9 +367,12 @@ def test_files_referenced_exist() -> None:
 
 def test_workers_read_the_documented_variables() -> None:
     expected = {
-        'workers/temporal_worker.py': {'DURCAP_TARGET', 'DURCAP_TEMPORAL_ADDRESS', 'DURCAP_TASK_QUEUE', 'DURCAP_READY_FILE'},
-        'workers/dbos_app.py': {'DURCAP_TARGET', 'DBOS_SYSTEM_DATABASE_URL', 'DURCAP_DBOS_QUEUE', 'DURCAP_READY_FILE'},
-        'workers/prefect_flows.py': {'DURCAP_TARGET', 'PREFECT_API_URL', 'DURCAP_READY_FILE'},
+        'workers/temporal_worker.py': {'DURCAP_TARGET', 'DURCAP_TEMPORAL_ADDRESS', 'DURCAP_TASK_QUEUE',
+                                       'DURCAP_GRACEFUL_SHUTDOWN', 'DURCAP_READY_FILE'},
+        'workers/dbos_app.py': {'DURCAP_TARGET', 'DBOS_SYSTEM_DATABASE_URL', 'DURCAP_DBOS_QUEUE', 'DURCAP_DBOS_EXECUTOR_ID',
+                                'DURCAP_DBOS_CONCURRENCY', 'DURCAP_DBOS_PEER_TIMEOUT', 'DURCAP_GRACEFUL_SHUTDOWN',
+                                'DURCAP_READY_FILE'},
+        'workers/prefect_flows.py': {'DURCAP_TARGET', 'PREFECT_API_URL', 'DURCAP_PREFECT_LIMIT', 'DURCAP_READY_FILE'},
     }
     for script, names in expected.items():
         found = worker_env_vars(script)
@@ -407,3 +411,128 @@ def test_every_variable_a_worker_reads_is_set_in_kubernetes() -> None:
             probe = container['readinessProbe']['exec']['command']
             assert probe == ['test', '-f', objects[('ConfigMap', 'durcap-config')]['data']['DURCAP_READY_FILE']]
     assert covered == set(WORKER_SCRIPTS)
+
+
+# ---- three workers per engine: replicas, executor ids, drain time, disruption budgets ------------------
+
+WORKERS_PER_ENGINE = 3
+DRAIN_MARGIN_SECONDS = 10
+"""What a grace period must leave beyond the drain: the DBOS app stops its heartbeat thread (up to 4 s) before
+DBOS's own drain, and the interpreter exits after it."""
+
+DEFAULT_DRAIN_SECONDS = 30.0  # workers/_common.py DEFAULT_GRACEFUL_SHUTDOWN
+
+
+def _seconds(duration: str) -> float:
+    """A Compose duration (`45s`, `1m30s`, `500ms`) in seconds."""
+    parts = re.findall(r'(\d+(?:\.\d+)?)(ms|us|h|m|s)', duration)
+    assert parts and ''.join(n + u for n, u in parts) == duration, f'not a duration: {duration!r}'
+    scale = {'h': 3600, 'm': 60, 's': 1, 'ms': 1e-3, 'us': 1e-6}
+    return sum(float(n) * scale[u] for n, u in parts)
+
+
+def _compose_workers() -> dict[str, list[tuple[str, dict[str, Any]]]]:
+    """`{worker script: [(service name, service)]}` of the compose file."""
+    found: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for name, service in compose_model()['services'].items():
+        if script := command_script(service.get('command')):
+            found.setdefault(script, []).append((name, service))
+    return found
+
+
+def test_compose_runs_three_of_each_worker() -> None:
+    workers = _compose_workers()
+    assert set(workers) == set(WORKER_SCRIPTS)
+    for script, services in workers.items():
+        count = sum(service.get('deploy', {}).get('replicas', 1) for _, service in services)
+        assert count == WORKERS_PER_ENGINE, f'{script}: {count} containers'
+
+
+def test_compose_dbos_apps_have_distinct_stable_executor_ids() -> None:
+    """Each DBOS app container is a service of its own with a fixed executor id (so a recreated container recovers
+    its own pending workflows at launch, and peers tell each other apart); a replicated service would share one."""
+    services = _compose_workers()['workers/dbos_app.py']
+    assert all(service.get('deploy', {}).get('replicas', 1) == 1 for _, service in services)
+    ids = [service['environment']['DURCAP_DBOS_EXECUTOR_ID'] for _, service in services]
+    assert len(set(ids)) == len(ids) == WORKERS_PER_ENGINE, ids
+    assert all(executor_id.strip() for executor_id in ids)
+    urls = {service['environment']['DBOS_SYSTEM_DATABASE_URL'] for _, service in services}
+    queues = {service['environment']['DURCAP_DBOS_QUEUE'] for _, service in services}
+    assert len(urls) == 1 and urls.pop().startswith('postgresql://') and len(queues) == 1  # one application
+
+
+def test_compose_grace_period_outlasts_the_drain() -> None:
+    for script, services in _compose_workers().items():
+        for name, service in services:
+            drain = float(service['environment'].get('DURCAP_GRACEFUL_SHUTDOWN', DEFAULT_DRAIN_SECONDS))
+            grace = _seconds(service['stop_grace_period'])
+            assert grace >= drain + DRAIN_MARGIN_SECONDS, f'{name} ({script}): {grace:g} s grace, {drain:g} s drain'
+
+
+def _worker_deployments() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """`(worker script, Deployment, its worker container)` of the Kubernetes manifests."""
+    found = []
+    for _, doc in kubernetes_documents():
+        if doc['kind'] != 'Deployment':
+            continue
+        for container in doc['spec']['template']['spec']['containers']:
+            if script := command_script(container.get('command', []) + container.get('args', [])):
+                found.append((script, doc, container))
+    return found
+
+
+def _config() -> dict[str, str]:
+    return next(d for _, d in kubernetes_documents() if d['kind'] == 'ConfigMap'
+                and d['metadata']['name'] == 'durcap-config')['data']
+
+
+def test_kubernetes_runs_three_of_each_worker_and_rolls_without_losing_one() -> None:
+    deployments = _worker_deployments()
+    assert sorted(script for script, _, _ in deployments) == sorted(WORKER_SCRIPTS)
+    for script, dep, _ in deployments:
+        spec = dep['spec']
+        assert spec['replicas'] == WORKERS_PER_ENGINE, script
+        # A new pod is ready before an old one stops: never fewer than 3 serving during a rollout.
+        assert spec['strategy'] == {'type': 'RollingUpdate', 'rollingUpdate': {'maxSurge': 1, 'maxUnavailable': 0}}, script
+
+
+def test_kubernetes_disruption_budget_selects_each_worker() -> None:
+    docs = [d for _, d in kubernetes_documents()]
+    budgets = [d for d in docs if d['kind'] == 'PodDisruptionBudget']
+    for script, dep, _ in _worker_deployments():
+        labels = dep['spec']['template']['metadata']['labels']
+        selecting = [b for b in budgets if b['metadata']['namespace'] == dep['metadata']['namespace']
+                     and all(labels.get(k) == v for k, v in b['spec']['selector']['matchLabels'].items())]
+        assert len(selecting) == 1, f'{dep["metadata"]["name"]} ({script}): {len(selecting)} PodDisruptionBudgets'
+        spec = selecting[0]['spec']
+        # Keeps 2 of 3 through voluntary disruptions, and still lets a drain evict one at a time.
+        assert spec.get('maxUnavailable') == 1 or spec.get('minAvailable') == WORKERS_PER_ENGINE - 1, spec
+        assert set(spec) & {'maxUnavailable', 'minAvailable'} and not {'maxUnavailable', 'minAvailable'} <= set(spec)
+    for budget in budgets:  # no budget selects something else (the servers, PostgreSQL)
+        selected = [dep for _, dep, _ in _worker_deployments() if all(
+            dep['spec']['template']['metadata']['labels'].get(k) == v
+            for k, v in budget['spec']['selector']['matchLabels'].items())]
+        assert len(selected) == 1, budget['metadata']['name']
+
+
+def test_kubernetes_grace_period_outlasts_the_drain() -> None:
+    config = _config()
+    for _, dep, container in _worker_deployments():
+        env = {v['name']: v.get('value') for v in container.get('env', [])}
+        drain = float(env.get('DURCAP_GRACEFUL_SHUTDOWN') or config.get('DURCAP_GRACEFUL_SHUTDOWN')
+                      or DEFAULT_DRAIN_SECONDS)
+        grace = dep['spec']['template']['spec'].get('terminationGracePeriodSeconds', 30)  # Kubernetes' default: 30
+        assert grace >= drain + DRAIN_MARGIN_SECONDS, f'{dep["metadata"]["name"]}: {grace} s grace, {drain:g} s drain'
+
+
+def test_kubernetes_dbos_replicas_each_get_their_own_executor_id() -> None:
+    """The executor id comes from the pod's own name (downward API), distinct for every replica, never from the shared
+    ConfigMap or a literal (which every replica would share)."""
+    config = _config()
+    assert 'DURCAP_DBOS_EXECUTOR_ID' not in config
+    (dep, container), = [(d, c) for script, d, c in _worker_deployments() if script == 'workers/dbos_app.py']
+    (var,) = [v for v in container['env'] if v['name'] == 'DURCAP_DBOS_EXECUTOR_ID']
+    assert var == {'name': 'DURCAP_DBOS_EXECUTOR_ID', 'valueFrom': {'fieldRef': {'fieldPath': 'metadata.name'}}}
+    assert dep['spec']['replicas'] == WORKERS_PER_ENGINE
+    assert float(config['DURCAP_DBOS_PEER_TIMEOUT']) > 0  # peers recover a lost pod's workflows
+    assert int(config['DURCAP_DBOS_CONCURRENCY']) >= 1

@@ -15,6 +15,9 @@ a SIGKILLed worker's id). Here:
   any worker of the same application version may take them.
 - A worker restarted with the dead executor's id upserts the row again, and DBOS's launch recovers its own pending
   workflows as before.
+- A worker stopped with SIGTERM keeps beating while DBOS drains (`--graceful-shutdown`), then deletes its row if none
+  of its workflows is left PENDING; otherwise the row goes stale and a peer recovers what the drain left (a pod's
+  executor id is never launched again).
 
 Executor ids must differ between live workers for this to work (two workers sharing `local` keep one row fresh
 between them): `durcap worker dbos --executor-id` (e.g. the pod name). A worker's own `durcap run` one-shot executors
@@ -156,7 +159,12 @@ class Peers:
             with self.engine.begin() as conn:
                 conn.execute(_EXECUTORS.delete().where(_EXECUTORS.c.executor_id == self.executor_id))
         finally:
-            self.engine.dispose()
+            self.close()
+
+    def close(self) -> None:
+        """Close the connections and keep this worker's row: it goes stale, and a peer recovers this executor's
+        pending workflows after the timeout (a stop that left workflows unfinished)."""
+        self.engine.dispose()
 
 
 def live_executors(url: str) -> list[dict[str, Any]]:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dbos import DBOS
@@ -32,7 +33,8 @@ def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) 
     queue at once: DBOS's `worker_concurrency`, default `DEFAULT_WORKER_CONCURRENCY`), `peer_timeout` (seconds of
     silence after which a peer worker's pending workflows are recovered here, `_peers`; 0: off; default
     `DEFAULT_PEER_TIMEOUT`), `graceful_shutdown` (seconds running workflows get to finish), `store`
-    (conversation store URL of the steps this worker runs).
+    (conversation store URL of the steps this worker runs), `ready` (a callable without arguments, called once the
+    worker serves, right after its ready line: `workers/dbos_app.py` writes its ready file there).
     """
     for agent in agents:
         agent_workflow(agent, store=options.setting('store'))
@@ -78,16 +80,72 @@ def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) 
                        f'workflows), queue {queue!r} (at most {concurrency} runs at once here; {watching}), system '
                        f'database {redact_database_url(url)}, application version {DBOS.application_version}; '
                        'Ctrl-C or SIGTERM to stop')
+        ready = options.setting('ready')
+        if ready is not None:
+            ready()
         stop.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if watch is not None:
             watch.join(timeout=HEARTBEAT_SECONDS * 2)
-        if peers is not None:
-            peers.leave()
         if launched:
-            DBOS.destroy(workflow_completion_timeout_sec=int(options.setting('graceful_shutdown', 30)))
+            _drain(peers, url, executor, int(options.setting('graceful_shutdown', 30)), options.notify)
+
+
+def _drain(peers: Peers | None, url: str, executor: str, seconds: int, notify: Callable[[str], None]) -> None:
+    """Stop a launched worker: DBOS's own drain (`DBOS.destroy`: running workflows get `seconds` to finish), then
+    this worker's heartbeat row (`_peers`).
+
+    The row is kept fresh while DBOS drains (a peer must not recover workflows that still run here), deleted when
+    none of this executor's workflows is left PENDING, and otherwise left to go stale, so that a peer recovers what
+    the drain did not finish after its peer timeout: with an executor id per pod, no later process would ever
+    launch under this id and recover them itself (a process that does, e.g. a compose service restarted under its
+    fixed id, recovers them at launch; DBOS runs each recovered workflow once either way).
+    """
+    drained = threading.Event()
+    beating: threading.Thread | None = None
+    if peers is not None:
+        def beat() -> None:
+            while True:
+                with contextlib.suppress(Exception):  # a missed beat while draining: the next one may land
+                    peers.beat()
+                if drained.wait(HEARTBEAT_SECONDS):
+                    return
+
+        beating = threading.Thread(target=beat, name='durcap-dbos-drain-beat', daemon=True)
+        beating.start()
+    try:
+        DBOS.destroy(workflow_completion_timeout_sec=seconds)
+    finally:
+        drained.set()
+        if beating is not None:
+            beating.join(timeout=HEARTBEAT_SECONDS * 2)
+        if peers is not None:
+            left = _pending_count(url, executor)
+            if left == 0:
+                peers.leave()
+            else:
+                peers.close()
+                notify(f'dbos worker {executor!r}: '
+                       + (f'{left} workflows still running when the {seconds} s drain ended stay PENDING'
+                          if left is not None else 'could not count the workflows left PENDING')
+                       + f'; a peer recovers them after {peers.timeout:g} s without this heartbeat (or this '
+                       'executor id launching again)')
+
+
+def _pending_count(url: str, executor: str) -> int | None:
+    """How many workflows of `executor` are PENDING in the system database at `url` (`None`: it cannot be read)."""
+    try:
+        client = dbos_client({'db': url})
+    except Exception:  # noqa: BLE001 - unknown is reported as such; the row stays, and a peer's recovery is harmless
+        return None
+    try:
+        return len(client.list_workflows(status='PENDING', executor_id=executor, load_input=False, load_output=False))
+    except Exception:  # noqa: BLE001 - as above
+        return None
+    finally:
+        client.destroy()
 
 
 async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, workflow_id: str,

@@ -37,7 +37,7 @@ from ._spec import (
     TARGET_ENV,
     flow_name,
 )
-from ._worker import serve
+from ._worker import DEFAULT_SERVE_LIMIT, serve, watch_crashed
 
 __all__ = [
     'ADAPTER',
@@ -47,6 +47,7 @@ __all__ = [
     'DECISION_INPUT_PREFIX',
     'DEFAULT_MODEL_RETRIES',
     'DEFAULT_MODEL_RETRY_DELAYS',
+    'DEFAULT_SERVE_LIMIT',
     'DEFAULT_TOOL_RETRIES',
     'FLOW_NAME_PREFIX',
     'PENDING_INPUT',
@@ -70,5 +71,6 @@ __all__ = [
     'server_line',
     'start_prefect_server',
     'tool_run_namer',
+    'watch_crashed',
     'watch_deadlines',
 ]

@@ -1,0 +1,143 @@
+"""`workers/dbos_app.py` (the DBOS app of deploy/compose and deploy/kubernetes) stopped with SIGTERM mid-run, next
+to a peer: what a rolling update does to one of its 3 replicas, each with its own executor id.
+
+Real parts: two `workers/dbos_app.py` subprocesses on one PostgreSQL system database and queue (their executor ids,
+concurrency, peer timeout and drain time from the environment, as the manifests set them), runs enqueued with
+`DBOSClient`. Model: the ledger agent's scripted `FunctionModel` (tests/engines/ledger_agent.py), whose `charge`
+tool logs each execution to a file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests._helpers import ROOT, subprocess_env
+from tests.engines.test_crash import wait_file
+from tests.engines.test_runs import wait_status
+
+pytestmark = pytest.mark.slow
+
+LEDGER = 'tests/engines/ledger_agent.py:agent'
+
+
+def start_app(tmp_path: Path, name: str, env: dict[str, str], **settings: str) -> tuple[subprocess.Popen[bytes], Path]:
+    """`workers/dbos_app.py` with executor id `name` and `settings` (DURCAP_* variables); returns it and its log."""
+    log = tmp_path / f'{name}.log'
+    app_env = env | {'DURCAP_DBOS_EXECUTOR_ID': name, 'DURCAP_READY_FILE': str(tmp_path / f'{name}.ready'), **settings}
+    with open(log, 'wb') as out:
+        proc = subprocess.Popen([sys.executable, str(ROOT / 'workers' / 'dbos_app.py')], cwd=ROOT, env=app_env,
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    return proc, log
+
+
+def wait_ready(proc: subprocess.Popen[bytes], name: str, tmp_path: Path, log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not (tmp_path / f'{name}.ready').exists():
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, f'{name} not ready:\n{log.read_text()}'
+        time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def ledger(tmp_path: Path, postgres_url: str) -> dict[str, str]:
+    agent = f'ledger-{uuid.uuid4().hex[:6]}'
+    return subprocess_env({
+        'DURCAP_LEDGER_DIR': str(tmp_path / 'ledger'), 'DURCAP_LEDGER_AGENT': agent, 'DURCAP_TARGET': LEDGER,
+        'DBOS_SYSTEM_DATABASE_URL': postgres_url, 'DURCAP_DBOS_QUEUE': f'drain-{uuid.uuid4().hex[:6]}',
+        'DURCAP_DBOS_CONCURRENCY': '2',
+    })
+
+
+def enqueue(env: dict[str, str], order: str) -> str:
+    from dbos import DBOSClient
+
+    client = DBOSClient(system_database_url=env['DBOS_SYSTEM_DATABASE_URL'])
+    try:
+        agent = env['DURCAP_LEDGER_AGENT']
+        return client.enqueue({'queue_name': env['DURCAP_DBOS_QUEUE'], 'workflow_name': f'durcap.{agent}',
+                               'workflow_id': f'{agent}-{order}'}, f'charge order {order}', None, None, None).workflow_id
+    finally:
+        client.destroy()
+
+
+def run_on(a: subprocess.Popen[bytes], b: subprocess.Popen[bytes], env: dict[str, str], tmp_path: Path,
+           order: str) -> str:
+    """Enqueue a run of `order` while replica b is paused (SIGSTOP), so replica a takes it; b resumes once the run's
+    `charge` started in a. Returns the workflow id."""
+    os.killpg(b.pid, signal.SIGSTOP)
+    try:
+        workflow_id = enqueue(env, order)
+        wait_file(tmp_path / 'ledger' / f'charge-started-{order}', 120)
+    finally:
+        os.killpg(b.pid, signal.SIGCONT)
+    assert (tmp_path / 'ledger' / f'charge-started-{order}').read_text() == str(a.pid)
+    return workflow_id
+
+
+def heartbeats(url: str) -> set[str]:
+    from durable_capabilities.engines.dbos._peers import live_executors
+
+    return {e['executor_id'] for e in live_executors(url)}
+
+
+def test_sigterm_past_the_drain_leaves_the_run_to_a_peer(tmp_path: Path, ledger: dict[str, str]) -> None:
+    """A replica stopped while its run's `charge` (8 s) outlasts its drain (DURCAP_GRACEFUL_SHUTDOWN=1): it exits 0,
+    says the workflow stays PENDING, keeps its heartbeat row (stale from then on), and the other replica (peer
+    timeout 4 s) recovers and completes the run with no operator action: the in-flight charge re-ran once. Before,
+    the row was deleted on every stop, and with a per-pod executor id nothing would ever recover the run."""
+    env = ledger | {'DURCAP_LEDGER_CHARGE_SECONDS': '8'}
+    a, a_log = start_app(tmp_path, 'replica-a', env, DURCAP_GRACEFUL_SHUTDOWN='1', DURCAP_DBOS_PEER_TIMEOUT='4')
+    b, b_log = start_app(tmp_path, 'replica-b', env, DURCAP_GRACEFUL_SHUTDOWN='30', DURCAP_DBOS_PEER_TIMEOUT='4')
+    try:
+        wait_ready(a, 'replica-a', tmp_path, a_log)
+        wait_ready(b, 'replica-b', tmp_path, b_log)
+        workflow_id = run_on(a, b, env, tmp_path, 'D-1')
+        os.killpg(a.pid, signal.SIGTERM)
+        assert a.wait(timeout=40) == 0, a_log.read_text()
+        text = a_log.read_text()
+        assert "dbos worker 'replica-a': 1 workflows still running when the 1 s drain ended stay PENDING" in text, text
+        assert 'Traceback' not in text, text
+        wait_status(env['DBOS_SYSTEM_DATABASE_URL'], workflow_id, 'SUCCESS', 90)
+        assert "executor 'replica-a' silent for" in b_log.read_text()  # found through the row a kept
+    finally:
+        stop(a)
+        stop(b)
+    assert (tmp_path / 'ledger' / 'charges').read_text().splitlines() == ['D-1', 'D-1']  # in flight, re-run once
+
+
+def test_sigterm_within_the_drain_finishes_the_run_there_once(tmp_path: Path, ledger: dict[str, str]) -> None:
+    """A replica stopped while its run's `charge` (8 s) fits in its drain (DURCAP_GRACEFUL_SHUTDOWN=30): the run
+    completes in the stopping replica, the charge ran once, and the other replica (peer timeout 5 s, shorter than
+    the drain) recovered nothing, because the stopping replica kept beating while it drained; once drained with
+    nothing pending, its heartbeat row is gone."""
+    env = ledger | {'DURCAP_LEDGER_CHARGE_SECONDS': '8'}
+    a, a_log = start_app(tmp_path, 'replica-a', env, DURCAP_GRACEFUL_SHUTDOWN='30', DURCAP_DBOS_PEER_TIMEOUT='5')
+    b, b_log = start_app(tmp_path, 'replica-b', env, DURCAP_GRACEFUL_SHUTDOWN='30', DURCAP_DBOS_PEER_TIMEOUT='5')
+    try:
+        wait_ready(a, 'replica-a', tmp_path, a_log)
+        wait_ready(b, 'replica-b', tmp_path, b_log)
+        workflow_id = run_on(a, b, env, tmp_path, 'D-2')
+        os.killpg(a.pid, signal.SIGTERM)
+        assert a.wait(timeout=60) == 0, a_log.read_text()
+        assert 'Traceback' not in a_log.read_text(), a_log.read_text()
+        wait_status(env['DBOS_SYSTEM_DATABASE_URL'], workflow_id, 'SUCCESS', 30)
+        assert 'replica-a' not in heartbeats(env['DBOS_SYSTEM_DATABASE_URL'])
+        assert "executor 'replica-a' silent for" not in b_log.read_text(), b_log.read_text()
+    finally:
+        stop(a)
+        stop(b)
+    assert (tmp_path / 'ledger' / 'charges').read_text().splitlines() == ['D-2']
