@@ -21,6 +21,7 @@ from pydantic import TypeAdapter
 from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
 from pydantic_core import to_json, to_jsonable_python
 
+from . import streams
 from ._turn_log import TurnLog, recording
 from .aliases import rewrite_history
 from .conversations import (  # noqa: F401 - _DECODED and DECODED_CACHE_SIZE re-exported (tests, bench)
@@ -184,6 +185,12 @@ async def run_turn(
             messages = ModelMessagesTypeAdapter.validate_python(loaded.messages) if loaded.messages else []
     history = rewrite_history(messages or None, agent.aliases)
     state = TurnState(conversation_id, revision, messages)
+    stream = streams.current_stream()
+    if stream is not None:
+        stream.conversation_id = conversation_id
+        await streams.publish_run('run_started', {'agent': agent.name, 'engine': stream.engine,
+                                                  'conversation_id': conversation_id, 'prompt': prompt})
+        await streams.publish_run('capability_catalog', {'capabilities': agent.capability_ids()})
     token = _current.set(state)
     try:
         if gate is not None:
@@ -208,6 +215,10 @@ async def run_turn(
             usage = usage + result.usage
             if _approval_requests(result) is None and pending:
                 added += ModelMessagesTypeAdapter.dump_python(pending, mode='json')
+    except BaseException as error:
+        if stream is not None and isinstance(error, Exception):
+            await streams.publish_run('run_failed', {'error': f'{type(error).__name__}: {error}'}, close=True)
+        raise
     finally:
         _current.reset(token)
     turn = Turn(result, state, logged, to_jsonable_python(usage), added)
@@ -215,6 +226,12 @@ async def run_turn(
         appended = await (append or _local_append(agent, store))(conversation_id, turn.new_messages, revision, turn.usage)
         if isinstance(appended, int) and not isinstance(appended, bool) and logged and not added:
             _remember(cache_key, [*messages, *logged])  # type: ignore[arg-type]
+        if stream is not None:
+            await streams.publish_run('turn_stored', {'conversation_id': conversation_id,
+                                                      'messages': len(turn.new_messages)})
+    if stream is not None:
+        await streams.publish_run('run_completed', {'output': streams.jsonable(result.output), 'usage': turn.usage,
+                                                    'new_messages': len(turn.new_messages)}, close=True)
     return turn
 
 
@@ -252,7 +269,9 @@ async def _await_decisions(
     timeout = approvals.timeout_seconds(getattr(agent, 'approval_timeout', None))
     pending = approvals.pending_calls(_approval_requests(result), run_id=gate.run_id, agent=agent.name,
                                       conversation_id=conversation_id, now=await gate.now(), timeout=timeout)
+    await streams.publish_run('approval_waiting', {'calls': [streams.jsonable(c) for c in pending]})
     decisions = await gate.wait(pending, timeout)
+    await streams.publish_run('approval_decided', {'decisions': [streams.jsonable(d) for d in decisions.values()]})
     results = approvals.deferred_results(pending, decisions)
     continued = await run(None, deps=deps, message_history=result.all_messages(), deferred_tool_results=results,
                           **run_kwargs)

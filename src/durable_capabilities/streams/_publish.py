@@ -1,0 +1,248 @@
+"""Publishing a run's events: the run's context (`publishing`), the container's own events (`publish_run`), and the
+model request wrapper that publishes from inside the durable unit (`StreamingModel`).
+
+What runs where:
+- `publishing(run_id, engine, store_url)` is entered by the engine's container code around the turn (the local run,
+  the DBOS workflow, the Prefect flow); it puts the run's `StreamContext` in a context variable, which the durable
+  units the container awaits in the same process see.
+- The container's events (run started, approvals, turn stored, run completed) are unit `run`, attempt 0, numbered in
+  the order the container publishes them: a replayed container (DBOS recovery, a retried Prefect flow) publishes the
+  same keys, which the log skips.
+- `StreamingModel` wraps the agent's model *inside* the engine's model request unit (a DBOS step, a Prefect task),
+  so the unit keeps its name (`...__model.request`): it sends the request streamed (`request_stream`) and publishes
+  each event as it arrives. A model without streaming (a `FunctionModel` without `stream_function`) is sent the
+  plain request, and the response's events are published at its end. Each execution of the unit is a new attempt;
+  when an earlier attempt published events, a `retry` event comes first, naming the attempts to discard.
+Without a `StreamContext` (a Temporal activity, a run outside `publishing`) the wrapper is a plain pass-through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pydantic_ai.messages import (
+    FunctionToolCallEvent,
+    FunctionToolResultEvent,
+    ModelMessage,
+    ModelRequest,
+    ModelResponse,
+    PartEndEvent,
+    PartStartEvent,
+    ToolCallPart,
+    ToolReturnPart,
+)
+from pydantic_ai.models import Model, ModelRequestParameters
+from pydantic_ai.models.wrapper import WrapperModel
+from pydantic_ai.settings import ModelSettings
+from pydantic_core import to_jsonable_python
+
+from ._events import dump_event, kind_of
+
+if TYPE_CHECKING:
+    from ._log import EventLog, Item
+
+TOOL_RESULT_SUMMARY_CHARS = 4_000
+"""A tool result longer than this (as JSON text) is published cut to it, with `data['truncated']` holding its full
+size and the conversation it is stored in (the whole result is the `ToolReturnPart` of that conversation)."""
+
+FLUSH_SECONDS = 0.05
+"""A unit's events are written at most this long after they arrive (and at the unit's end)."""
+
+RUN_UNIT = 'run'
+
+
+@dataclass
+class StreamContext:
+    """The stream of the run running in this context.
+
+    Attributes:
+        run_id: The run's id (the stream's key).
+        engine: The engine it runs on.
+        log: The event log it publishes to.
+        conversation_id: The conversation the turn appends to, if any.
+        seq: The next sequence number of the container's own events (unit `run`).
+    """
+
+    run_id: str
+    engine: str
+    log: EventLog
+    conversation_id: str | None = None
+    seq: int = 0
+    closed: bool = field(default=False)
+
+
+_current: ContextVar[StreamContext | None] = ContextVar('durcap_stream', default=None)
+
+
+def current_stream() -> StreamContext | None:
+    """The `StreamContext` of the run publishing in this context, `None` outside `publishing`."""
+    return _current.get()
+
+
+@contextmanager
+def publishing(run_id: str, engine: str, store_url: str, *, conversation_id: str | None = None) -> Iterator[StreamContext]:
+    """Publish the events of the run in this context to the stream of `run_id` in the store at `store_url`.
+
+    Args:
+        run_id: The run's id (workflow id, flow run id, `local-{uuid}`).
+        engine: The engine's name.
+        store_url: The conversation store holding the stream.
+        conversation_id: The conversation of the turn, shown in `run_started`.
+    """
+    from ._log import EventLog  # the store and SQLAlchemy: only once a run publishes
+
+    context = StreamContext(run_id, engine, EventLog(store_url), conversation_id)
+    token = _current.set(context)
+    try:
+        yield context
+    finally:
+        _current.reset(token)
+
+
+async def publish_run(kind: str, data: dict[str, Any], *, close: bool = False) -> None:
+    """Publish one of the container's own events (unit `run`, attempt 0) to the current stream, if any; `close`
+    marks the stream finished (`run_completed`, `run_failed`)."""
+    context = _current.get()
+    if context is None or context.closed:
+        return
+    from ._log import Item
+
+    seq = context.seq
+    context.seq += 1
+    await context.log.append(context.run_id, context.engine, [Item(RUN_UNIT, 0, seq, kind, {'data': data})],
+                             close=close)
+    context.closed = close
+
+
+class _UnitPublisher:
+    """The events of one execution (attempt) of one durable unit, written in batches."""
+
+    def __init__(self, context: StreamContext, unit: str):
+        self.context, self.unit = context, unit
+        self.attempt, self.seq = 1, 0
+        self.pending: list[Item] = []
+        self.last_flush = time.monotonic()
+        self.loads: dict[str, str] = {}
+
+    async def start(self) -> None:
+        attempt, earlier = await asyncio.to_thread(self.context.log.next_attempt_sync, self.context.run_id, self.unit)
+        self.attempt = attempt
+        if earlier:
+            self._add('retry', {'data': {'discard_attempts': earlier}})
+            await self.flush()
+
+    def _add(self, kind: str, body: dict[str, Any]) -> None:
+        from ._log import Item
+
+        self.pending.append(Item(self.unit, self.attempt, self.seq, kind, body))
+        self.seq += 1
+
+    async def event(self, event: Any, data: dict[str, Any] | None = None) -> None:
+        self._add(kind_of(event), {'event': dump_event(event), **({'data': data} if data else {})})
+        if time.monotonic() - self.last_flush >= FLUSH_SECONDS:
+            await self.flush()
+
+    async def flush(self) -> None:
+        if self.pending:
+            items, self.pending = self.pending, []
+            await self.context.log.append(self.context.run_id, self.context.engine, items)
+        self.last_flush = time.monotonic()
+
+    async def tool_results(self, messages: list[ModelMessage]) -> None:
+        """The results of the tool calls the previous response made (the last request's tool returns)."""
+        calls = {p.tool_call_id: p for m in messages if isinstance(m, ModelResponse) for p in m.parts
+                 if isinstance(p, ToolCallPart)}
+        last = messages[-1] if messages else None
+        if not isinstance(last, ModelRequest):
+            return
+        for part in last.parts:
+            if not isinstance(part, ToolReturnPart):
+                continue
+            data, shown = None, part
+            text = part.model_response_str()
+            if len(text) > TOOL_RESULT_SUMMARY_CHARS:
+                data = {'truncated': {'size': len(text), 'conversation_id': self.context.conversation_id,
+                                      'tool_call_id': part.tool_call_id}}
+                shown = ToolReturnPart(part.tool_name, text[:TOOL_RESULT_SUMMARY_CHARS] + '...',
+                                       tool_call_id=part.tool_call_id, timestamp=part.timestamp)
+            await self.event(FunctionToolResultEvent(shown), data)
+            call = calls.get(part.tool_call_id)
+            if part.tool_name == 'load_capability' and call is not None:
+                self._add('capability_loaded', {'data': {'capability': call.args_as_dict().get('id'),
+                                                         'tool_call_id': part.tool_call_id}})
+
+    async def tool_calls(self, response: ModelResponse) -> None:
+        for part in response.parts:
+            if isinstance(part, ToolCallPart):
+                await self.event(FunctionToolCallEvent(part))
+
+
+def _streams(model: Model) -> bool:
+    """Whether `model` can send a streamed request (a `FunctionModel` needs a `stream_function`)."""
+    return getattr(model, 'stream_function', True) is not None
+
+
+def _response_events(response: ModelResponse) -> Iterator[Any]:
+    """A finished response as the events a stream of it would have produced (start and end of each part)."""
+    for index, part in enumerate(response.parts):
+        yield PartStartEvent(index=index, part=part)
+        yield PartEndEvent(index=index, part=part)
+
+
+class StreamingModel(WrapperModel):
+    """The agent's model as seen inside the engine's model request unit: publishes the request's events to the run's
+    stream (see the module docstring). Outside a `publishing` context it only forwards.
+
+    Args:
+        wrapped: The agent's model (a `Model`, or a name `infer_model` resolves).
+    """
+
+    async def request(self, messages: list[ModelMessage], model_settings: ModelSettings | None,
+                      model_request_parameters: ModelRequestParameters) -> ModelResponse:
+        context = _current.get()
+        if context is None:
+            return await self.wrapped.request(messages, model_settings, model_request_parameters)
+        unit = _UnitPublisher(context, f'model_request:{len(messages)}')
+        await unit.start()
+        await unit.tool_results(messages)
+        if _streams(self.wrapped):
+            async with self.wrapped.request_stream(messages, model_settings, model_request_parameters) as stream:
+                async for event in stream:
+                    await unit.event(event)
+            response = stream.get()
+        else:
+            response = await self.wrapped.request(messages, model_settings, model_request_parameters)
+            for event in _response_events(response):
+                await unit.event(event)
+        await unit.tool_calls(response)
+        await unit.flush()
+        return response
+
+    @asynccontextmanager
+    async def request_stream(self, messages: list[ModelMessage], model_settings: ModelSettings | None,
+                             model_request_parameters: ModelRequestParameters,
+                             run_context: Any = None) -> AsyncIterator[Any]:
+        async with self.wrapped.request_stream(messages, model_settings, model_request_parameters,
+                                               run_context) as stream:
+            yield stream
+
+
+def wrap_model(model: Any) -> Any:
+    """`model` wrapped in `StreamingModel` (`None` and an already wrapped model as given)."""
+    if model is None or isinstance(model, StreamingModel):
+        return model
+    return StreamingModel(model)
+
+
+def jsonable(value: Any) -> Any:
+    """`value` as JSON-compatible data (pydantic-ai's serialization), `repr` when it has none."""
+    try:
+        return to_jsonable_python(value)
+    except Exception:  # noqa: BLE001 - an output type pydantic cannot dump is shown by its repr
+        return repr(value)
