@@ -12,17 +12,21 @@ lock on the run's stream row); the async API runs them in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from pydantic_core import to_json
 
 from ..conversations import process_store
+
+T = TypeVar('T')
 
 DEFAULT_MAX_EVENTS = 100_000
 """Events a run's stream keeps (`$DURCAP_STREAM_MAX_EVENTS`); beyond it the oldest are dropped (`dropped` counts them)."""
@@ -108,6 +112,16 @@ class StreamInfo:
     dropped: int
     started_at: str
     closed_at: str | None
+
+
+_EXECUTOR = ThreadPoolExecutor(max_workers=4, thread_name_prefix='durcap-streams')
+"""The threads the async API runs its SQL in: its own, not the loop's default executor (DBOS installs its own as the
+default and shuts it down with DBOS, after which a subscriber in the same process still reads)."""
+
+
+async def in_thread(func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`func(*args, **kwargs)` in one of `_EXECUTOR`'s threads."""
+    return await asyncio.get_running_loop().run_in_executor(_EXECUTOR, functools.partial(func, *args, **kwargs))
 
 
 def _now() -> str:
@@ -224,7 +238,7 @@ class EventLog:
 
     async def append(self, run_id: str, engine: str, items: Sequence[Item], *, close: bool = False) -> list[int]:
         """`append_sync` in a worker thread."""
-        return await asyncio.to_thread(self.append_sync, run_id, engine, items, close=close)
+        return await in_thread(self.append_sync, run_id, engine, items, close=close)
 
     # ---- reading ------------------------------------------------------------------------------
 

@@ -18,7 +18,8 @@ Without a `StreamContext` (a Temporal activity, a run outside `publishing`) the 
 
 from __future__ import annotations
 
-import asyncio
+import logging
+import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -75,7 +76,26 @@ class StreamContext:
     conversation_id: str | None = None
     seq: int = 0
     closed: bool = field(default=False)
+    failed: bool = field(default=False)
 
+    async def write(self, items: list[Any], *, close: bool = False) -> None:
+        """Store `items`; a store that cannot be written stops this run's publishing (one warning) and never fails
+        the run itself."""
+        if self.failed:
+            return
+        try:
+            await self.log.append(self.run_id, self.engine, items, close=close)
+        except Exception as error:  # noqa: BLE001 - the run goes on without its stream
+            self.fail(error)
+
+    def fail(self, error: BaseException) -> None:
+        """Stop publishing this run's events, saying why once."""
+        self.failed = True
+        _logger.warning('run %s: its event stream stops here (the store could not be written: %s: %s); the run goes on',
+                        self.run_id, type(error).__name__, str(error).splitlines()[0] if str(error) else '')
+
+
+_logger = logging.getLogger('durable_capabilities.streams')
 
 _current: ContextVar[StreamContext | None] = ContextVar('durcap_stream', default=None)
 
@@ -85,8 +105,18 @@ def current_stream() -> StreamContext | None:
     return _current.get()
 
 
+STREAMS_ENV = 'DURCAP_STREAMS'
+"""`DURCAP_STREAMS=0` (or `off`, `false`, `no`) in the process running a run's units: the run publishes no events."""
+
+
+def enabled() -> bool:
+    """Whether runs in this process publish their events (`$DURCAP_STREAMS`, default on)."""
+    return os.environ.get(STREAMS_ENV, '').strip().lower() not in ('0', 'off', 'false', 'no')
+
+
 @contextmanager
-def publishing(run_id: str, engine: str, store_url: str, *, conversation_id: str | None = None) -> Iterator[StreamContext]:
+def publishing(run_id: str, engine: str, store_url: str, *,
+               conversation_id: str | None = None) -> Iterator[StreamContext | None]:
     """Publish the events of the run in this context to the stream of `run_id` in the store at `store_url`.
 
     Args:
@@ -94,7 +124,13 @@ def publishing(run_id: str, engine: str, store_url: str, *, conversation_id: str
         engine: The engine's name.
         store_url: The conversation store holding the stream.
         conversation_id: The conversation of the turn, shown in `run_started`.
+
+    Yields:
+        The `StreamContext`, or `None` when `$DURCAP_STREAMS` turns publishing off.
     """
+    if not enabled():
+        yield None
+        return
     from ._log import EventLog  # the store and SQLAlchemy: only once a run publishes
 
     context = StreamContext(run_id, engine, EventLog(store_url), conversation_id)
@@ -115,8 +151,7 @@ async def publish_run(kind: str, data: dict[str, Any], *, close: bool = False) -
 
     seq = context.seq
     context.seq += 1
-    await context.log.append(context.run_id, context.engine, [Item(RUN_UNIT, 0, seq, kind, {'data': data})],
-                             close=close)
+    await context.write([Item(RUN_UNIT, 0, seq, kind, {'data': data})], close=close)
     context.closed = close
 
 
@@ -131,7 +166,15 @@ class _UnitPublisher:
         self.loads: dict[str, str] = {}
 
     async def start(self) -> None:
-        attempt, earlier = await asyncio.to_thread(self.context.log.next_attempt_sync, self.context.run_id, self.unit)
+        from ._log import in_thread
+
+        if self.context.failed:
+            return
+        try:
+            attempt, earlier = await in_thread(self.context.log.next_attempt_sync, self.context.run_id, self.unit)
+        except Exception as error:  # noqa: BLE001 - the run goes on without its stream
+            self.context.fail(error)
+            return
         self.attempt = attempt
         if earlier:
             self._add('retry', {'data': {'discard_attempts': earlier}})
@@ -151,7 +194,7 @@ class _UnitPublisher:
     async def flush(self) -> None:
         if self.pending:
             items, self.pending = self.pending, []
-            await self.context.log.append(self.context.run_id, self.context.engine, items)
+            await self.context.write(items)
         self.last_flush = time.monotonic()
 
     async def tool_results(self, messages: list[ModelMessage]) -> None:

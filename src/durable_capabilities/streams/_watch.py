@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from ..errors import DurcapError
 from ._events import TERMINAL_KINDS, RunEvent, load_event
-from ._log import EventLog, StoredEvent
+from ._log import EventLog, StoredEvent, in_thread
 
 POLL_SECONDS = 0.05
 """How often a subscriber reads the log for new events while the run is going."""
@@ -66,14 +66,14 @@ async def watch(run_id: str, *, engine: str | None = None, from_offset: int = 0,
         raise ValueError(f'from_offset={from_offset}: expected the offset of the last event seen, 0 or more')
     log = EventLog(resolve_url(store))
     deadline = time.monotonic() + wait_for_start
-    while (info := await asyncio.to_thread(log.info_sync, run_id)) is None:
+    while (info := await in_thread(log.info_sync, run_id)) is None:
         if not follow or time.monotonic() > deadline:
             raise StreamNotFoundError(f'run {run_id!r} has published no events to {log._backend.display_url} '
                                       f'(waited {wait_for_start:g} s); check the run id and --store')
         await asyncio.sleep(poll)
     after = from_offset
     while True:
-        rows = await asyncio.to_thread(log.read_sync, run_id, after)
+        rows = await in_thread(log.read_sync, run_id, after)
         for row in rows:
             after = row.offset
             event = to_run_event(run_id, row)
@@ -84,7 +84,7 @@ async def watch(run_id: str, *, engine: str | None = None, from_offset: int = 0,
             continue
         if not follow:
             return
-        info = await asyncio.to_thread(log.info_sync, run_id)
+        info = await in_thread(log.info_sync, run_id)
         if info is not None and info.closed_at is not None and after >= info.next_offset - 1:
             return
         await asyncio.sleep(poll)
