@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -42,7 +43,9 @@ PRODUCED: list[float] = []
 def model(deltas: int, delay: float = 0.0) -> FunctionModel:
     words = [f'w{n} ' for n in range(deltas)]
 
-    def plain(messages: list[Any], info: AgentInfo) -> ModelResponse:
+    async def plain(messages: list[Any], info: AgentInfo) -> ModelResponse:
+        if delay:
+            await asyncio.sleep(delay * deltas)  # the same generation time, unstreamed
         return ModelResponse(parts=[TextPart(''.join(words))])
 
     async def stream(messages: list[Any], info: AgentInfo) -> Any:
@@ -67,36 +70,43 @@ async def one_run(engine: str, streamed: bool, deltas: int, folder: Path, run_id
     return time.perf_counter() - started
 
 
-def wall_times(engines: list[str], runs: int, deltas: int, folder: Path) -> None:
-    print(f'(a) wall time, streamed over unstreamed, {deltas} deltas per answer, {runs} runs each, alternating')
+def wall_times(engines: list[str], runs: int, deltas: int, folder: Path, delay: float) -> None:
+    print(f'(a) wall time, streamed over unstreamed, {deltas} deltas per answer {delay * 1000:g} ms apart, {runs} runs '
+          'each, alternating')
     for engine in engines:
-        asyncio.run(one_run(engine, True, deltas, folder))  # warm-up (imports, store schema, DBOS tables)
-        asyncio.run(one_run(engine, False, deltas, folder))
+        asyncio.run(one_run(engine, True, deltas, folder, delay=delay))  # warm-up (imports, store schema, DBOS tables)
+        asyncio.run(one_run(engine, False, deltas, folder, delay=delay))
         times: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(runs):
             for streamed in (False, True):
-                times[streamed].append(asyncio.run(one_run(engine, streamed, deltas, folder)))
+                times[streamed].append(asyncio.run(one_run(engine, streamed, deltas, folder, delay=delay)))
         on, off = statistics.median(times[True]), statistics.median(times[False])
         print(f'  {engine:6s} streamed {on * 1000:8.1f} ms  unstreamed {off * 1000:8.1f} ms  ratio {on / off:.2f}x '
               f'(target <= 1.10x)')
 
 
-def latency(engine: str, deltas: int, folder: Path) -> None:
+def latency(engine: str, deltas: int, folder: Path, delay: float) -> None:
     run_id = f'bench-latency-{uuid.uuid4().hex[:8]}' if engine != 'local' else f'local-{uuid.uuid4().hex}'
     store = f'sqlite:///{folder / "conversations.db"}'
     env = {**os.environ, 'PYTHONPATH': str(ROOT / 'src')}
     watcher = subprocess.Popen([sys.executable, '-m', 'durable_capabilities.cli', 'runs', 'watch', run_id, '--store',
                                 store, '--format', 'jsonl', '--wait', '120'], stdout=subprocess.PIPE, text=True, env=env)
     received: list[float] = []
-    try:
-        time.sleep(2.0)  # the subscriber is up and polling before the run starts
-        PRODUCED.clear()
-        asyncio.run(one_run(engine, True, deltas, folder, run_id=run_id, delay=0.01))
+
+    def read() -> None:  # each line timed as it arrives, while the run goes on
         assert watcher.stdout is not None
         for line in watcher.stdout:
             if json.loads(line)['kind'] == 'text_delta':
                 received.append(time.time())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        time.sleep(3.0)  # the subscriber is up and polling before the run starts
+        PRODUCED.clear()
+        asyncio.run(one_run(engine, True, deltas, folder, run_id=run_id, delay=delay))
         watcher.wait(timeout=60)
+        reader.join(timeout=10)
     finally:
         if watcher.poll() is None:
             watcher.kill()
@@ -154,14 +164,17 @@ def main() -> None:
     parser.add_argument('--runs', type=int, default=5)
     parser.add_argument('--engines', default='local,dbos')
     parser.add_argument('--deltas', type=int, default=200)
+    parser.add_argument('--delay', type=float, default=0.0, help='seconds between the model\'s deltas (0: as fast as '
+                        'the scripted model goes; the unstreamed side sends the plain request, with no delay)')
     args = parser.parse_args()
     engines = args.engines.split(',')
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        wall_times(engines, args.runs, args.deltas, folder)
-        print('(b) delta latency, model -> subscriber in another process (durcap runs watch --format jsonl)')
+        wall_times(engines, args.runs, args.deltas, folder, args.delay)
+        print('(b) delta latency, model -> subscriber in another process (durcap runs watch --format jsonl), '
+              '100 deltas 20 ms apart')
         for engine in engines:
-            latency(engine, 100, folder)
+            latency(engine, 100, folder, 0.02)
         subscriber_memory(folder)
 
 

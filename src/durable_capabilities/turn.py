@@ -189,8 +189,8 @@ async def run_turn(
     if stream is not None:
         stream.conversation_id = conversation_id
         await streams.publish_run('run_started', {'agent': agent.name, 'engine': stream.engine,
-                                                  'conversation_id': conversation_id, 'prompt': prompt})
-        await streams.publish_run('capability_catalog', {'capabilities': agent.capability_ids()})
+                                                  'conversation_id': conversation_id, 'prompt': prompt},
+                                  ('capability_catalog', {'capabilities': agent.capability_ids()}))
     token = _current.set(state)
     try:
         if gate is not None:

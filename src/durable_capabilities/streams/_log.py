@@ -15,6 +15,7 @@ import asyncio
 import functools
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,6 +36,10 @@ DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600
 """How long a closed run's stream is kept (`$DURCAP_STREAM_RETENTION`, seconds); older ones are deleted when another
 run's stream closes."""
+
+
+PRUNE_EVERY_SECONDS = 60.0
+"""A process deletes expired streams at most this often (when a run's stream closes)."""
 
 
 @dataclass(frozen=True)
@@ -146,38 +151,71 @@ class EventLog:
     def append_sync(self, run_id: str, engine: str, items: Sequence[Item], *, close: bool = False) -> list[int]:
         """Store `items` for `run_id` (those whose key is already stored are skipped); with `close`, mark the stream
         closed. Returns the offsets given to the new items, in order."""
-        backend = self._backend
-        with backend._txn(write=True) as conn:
-            lock = ' FOR UPDATE' if backend.is_pg else ''
-            row = conn.execute(sa.text('SELECT next_offset, event_count, bytes FROM durcap_run_streams '
-                                       f'WHERE run_id = :r{lock}'), {'r': run_id}).first()
-            if row is None:
-                conn.execute(sa.text(
-                    'INSERT INTO durcap_run_streams (run_id, engine, next_offset, first_offset, event_count, bytes, '
-                    'dropped, started_at, closed_at, writer) VALUES (:r, :e, 1, 1, 0, 0, 0, :at, NULL, :w)'),
-                    {'r': run_id, 'e': engine, 'at': _now(), 'w': 'durable-capabilities'})
-                next_offset, count, size = 1, 0, 0
-            else:
-                next_offset, count, size = int(row[0]), int(row[1]), int(row[2])
-            offsets: list[int] = []
-            now = _now()
-            for item in self._new(conn, run_id, items):
-                body = to_json(item.body, fallback=repr).decode()
-                conn.execute(sa.text(
-                    'INSERT INTO durcap_run_events (run_id, event_offset, unit, attempt, seq, kind, body, created_at) '
-                    'VALUES (:r, :o, :u, :a, :s, :k, :b, :at)'),
-                    {'r': run_id, 'o': next_offset, 'u': item.unit, 'a': item.attempt, 's': item.seq, 'k': item.kind,
-                     'b': body, 'at': now})
-                offsets.append(next_offset)
-                next_offset, count, size = next_offset + 1, count + 1, size + len(body)
-            conn.execute(sa.text('UPDATE durcap_run_streams SET next_offset = :n, event_count = :c, bytes = :b'
-                                 + (', closed_at = COALESCE(closed_at, :at)' if close else '') + ' WHERE run_id = :r'),
-                         {'n': next_offset, 'c': count, 'b': size, 'r': run_id, **({'at': now} if close else {})})
-            if count > self.limits.max_events or size > self.limits.max_bytes:
-                self._trim(conn, run_id, count, size)
+        with self._backend._txn(write=True) as conn:
+            offsets = self._append(conn, run_id, engine, items, close=close)
         if close:
-            self.prune_sync()
+            self._maybe_prune()
         return offsets
+
+    def append_unit_sync(self, run_id: str, engine: str, unit: str, entries: Sequence[tuple[int, str, dict[str, Any]]],
+                         attempt: int | None) -> int:
+        """Store `entries` (`(seq, kind, body)`) of one execution of `unit`; `attempt=None` for its first batch: the
+        execution's attempt is then claimed in the same transaction (one more than the unit's last), after a `retry`
+        event (seq -1) naming the earlier attempts when there are any. Returns the attempt."""
+        with self._backend._txn(write=True) as conn:
+            items: list[Item] = []
+            if attempt is None:
+                rows = conn.execute(sa.text('SELECT DISTINCT attempt FROM durcap_run_events WHERE run_id = :r AND '
+                                            'unit = :u'), {'r': run_id, 'u': unit}).all()
+                earlier = sorted(int(r[0]) for r in rows)
+                attempt = max(earlier) + 1 if earlier else 1
+                if earlier:
+                    items.append(Item(unit, attempt, -1, 'retry', {'data': {'discard_attempts': earlier}}))
+            items += [Item(unit, attempt, seq, kind, body) for seq, kind, body in entries]
+            self._append(conn, run_id, engine, items, close=False)
+        return attempt
+
+    def _append(self, conn: sa.Connection, run_id: str, engine: str, items: Sequence[Item], *, close: bool) -> list[int]:
+        backend = self._backend
+        lock = ' FOR UPDATE' if backend.is_pg else ''
+        row = conn.execute(sa.text('SELECT next_offset, event_count, bytes FROM durcap_run_streams '
+                                   f'WHERE run_id = :r{lock}'), {'r': run_id}).first()
+        if row is None:
+            conn.execute(sa.text(
+                'INSERT INTO durcap_run_streams (run_id, engine, next_offset, first_offset, event_count, bytes, '
+                'dropped, started_at, closed_at, writer) VALUES (:r, :e, 1, 1, 0, 0, 0, :at, NULL, :w)'),
+                {'r': run_id, 'e': engine, 'at': _now(), 'w': 'durable-capabilities'})
+            next_offset, count, size = 1, 0, 0
+        else:
+            next_offset, count, size = int(row[0]), int(row[1]), int(row[2])
+        offsets: list[int] = []
+        now = _now()
+        rows = []
+        for item in self._new(conn, run_id, items):
+            body = to_json(item.body, fallback=repr).decode()
+            rows.append({'r': run_id, 'o': next_offset, 'u': item.unit, 'a': item.attempt, 's': item.seq,
+                         'k': item.kind, 'b': body, 'at': now})
+            offsets.append(next_offset)
+            next_offset, count, size = next_offset + 1, count + 1, size + len(body)
+        if rows:
+            conn.execute(sa.text(
+                'INSERT INTO durcap_run_events (run_id, event_offset, unit, attempt, seq, kind, body, created_at) '
+                'VALUES (:r, :o, :u, :a, :s, :k, :b, :at)'), rows)
+        conn.execute(sa.text('UPDATE durcap_run_streams SET next_offset = :n, event_count = :c, bytes = :b'
+                             + (', closed_at = COALESCE(closed_at, :at)' if close else '') + ' WHERE run_id = :r'),
+                     {'n': next_offset, 'c': count, 'b': size, 'r': run_id, **({'at': now} if close else {})})
+        if count > self.limits.max_events or size > self.limits.max_bytes:
+            self._trim(conn, run_id, count, size)
+        return offsets
+
+    _last_prune: float = 0.0
+
+    def _maybe_prune(self) -> None:
+        """`prune_sync`, at most once a minute per process and store (it scans the closed streams)."""
+        now = time.monotonic()
+        if now - EventLog._last_prune >= PRUNE_EVERY_SECONDS or self.limits.retention_seconds < PRUNE_EVERY_SECONDS:
+            EventLog._last_prune = now
+            self.prune_sync()
 
     def _new(self, conn: sa.Connection, run_id: str, items: Sequence[Item]) -> list[Item]:
         """The items whose `(unit, attempt, seq)` is not stored yet (and not repeated within `items`)."""

@@ -18,6 +18,7 @@ Without a `StreamContext` (a Temporal activity, a run outside `publishing`) the 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -46,7 +47,7 @@ from pydantic_core import to_jsonable_python
 from ._events import dump_event, kind_of
 
 if TYPE_CHECKING:
-    from ._log import EventLog, Item
+    from ._log import EventLog
 
 TOOL_RESULT_SUMMARY_CHARS = 4_000
 """A tool result longer than this (as JSON text) is published cut to it, with `data['truncated']` holding its full
@@ -141,61 +142,75 @@ def publishing(run_id: str, engine: str, store_url: str, *,
         _current.reset(token)
 
 
-async def publish_run(kind: str, data: dict[str, Any], *, close: bool = False) -> None:
-    """Publish one of the container's own events (unit `run`, attempt 0) to the current stream, if any; `close`
-    marks the stream finished (`run_completed`, `run_failed`)."""
+async def publish_run(kind: str, data: dict[str, Any], *more: tuple[str, dict[str, Any]], close: bool = False) -> None:
+    """Publish the container's own events (unit `run`, attempt 0) to the current stream, if any, in one write:
+    `kind` with `data`, then each `(kind, data)` of `more`; `close` marks the stream finished (`run_completed`,
+    `run_failed`)."""
     context = _current.get()
     if context is None or context.closed:
         return
     from ._log import Item
 
-    seq = context.seq
-    context.seq += 1
-    await context.write([Item(RUN_UNIT, 0, seq, kind, {'data': data})], close=close)
+    items = []
+    for event_kind, event_data in ((kind, data), *more):
+        items.append(Item(RUN_UNIT, 0, context.seq, event_kind, {'data': event_data}))
+        context.seq += 1
+    await context.write(items, close=close)
     context.closed = close
 
 
 class _UnitPublisher:
-    """The events of one execution (attempt) of one durable unit, written in batches."""
+    """The events of one execution (attempt) of one durable unit, written in batches by a chain of background
+    writes (in order), so the model's stream is read on while a batch is stored; `close` waits for the last one. The
+    first batch claims the attempt (`EventLog.append_unit_sync`)."""
 
     def __init__(self, context: StreamContext, unit: str):
         self.context, self.unit = context, unit
-        self.attempt, self.seq = 1, 0
-        self.pending: list[Item] = []
+        self.attempt: int | None = None
+        self.seq = 0
+        self.pending: list[tuple[int, str, dict[str, Any]]] = []
         self.last_flush = time.monotonic()
-        self.loads: dict[str, str] = {}
+        self.writing: asyncio.Future[None] | None = None
 
     async def start(self) -> None:
-        from ._log import in_thread
-
-        if self.context.failed:
-            return
-        try:
-            attempt, earlier = await in_thread(self.context.log.next_attempt_sync, self.context.run_id, self.unit)
-        except Exception as error:  # noqa: BLE001 - the run goes on without its stream
-            self.context.fail(error)
-            return
-        self.attempt = attempt
-        if earlier:
-            self._add('retry', {'data': {'discard_attempts': earlier}})
-            await self.flush()
+        """Claim the execution's attempt now (its `retry` event, if any, goes first)."""
+        self.flush()
 
     def _add(self, kind: str, body: dict[str, Any]) -> None:
-        from ._log import Item
-
-        self.pending.append(Item(self.unit, self.attempt, self.seq, kind, body))
+        self.pending.append((self.seq, kind, body))
         self.seq += 1
 
     async def event(self, event: Any, data: dict[str, Any] | None = None) -> None:
         self._add(kind_of(event), {'event': dump_event(event), **({'data': data} if data else {})})
         if time.monotonic() - self.last_flush >= FLUSH_SECONDS:
-            await self.flush()
+            self.flush()
 
-    async def flush(self) -> None:
-        if self.pending:
-            items, self.pending = self.pending, []
-            await self.context.write(items)
+    def flush(self) -> None:
+        """Hand the pending events to the next background write."""
+        if self.context.failed:
+            return
+        entries, self.pending = self.pending, []
+        self.writing = asyncio.ensure_future(self._write(self.writing, entries))
         self.last_flush = time.monotonic()
+
+    async def _write(self, previous: asyncio.Future[None] | None, entries: list[tuple[int, str, dict[str, Any]]]) -> None:
+        from ._log import in_thread
+
+        if previous is not None:
+            await previous
+        if self.context.failed or (not entries and self.attempt is not None):
+            return
+        try:
+            self.attempt = await in_thread(self.context.log.append_unit_sync, self.context.run_id, self.context.engine,
+                                           self.unit, entries, self.attempt)
+        except Exception as error:  # noqa: BLE001 - the run goes on without its stream
+            self.context.fail(error)
+
+    async def close(self) -> None:
+        """Write what is pending and wait for every write."""
+        self.flush()
+        if self.writing is not None:
+            await self.writing
 
     async def tool_results(self, messages: list[ModelMessage]) -> None:
         """The results of the tool calls the previous response made (the last request's tool returns)."""
@@ -253,18 +268,21 @@ class StreamingModel(WrapperModel):
             return await self.wrapped.request(messages, model_settings, model_request_parameters)
         unit = _UnitPublisher(context, f'model_request:{len(messages)}')
         await unit.start()
-        await unit.tool_results(messages)
-        if _streams(self.wrapped):
-            async with self.wrapped.request_stream(messages, model_settings, model_request_parameters) as stream:
-                async for event in stream:
+        try:
+            await unit.tool_results(messages)
+            if _streams(self.wrapped):
+                async with self.wrapped.request_stream(messages, model_settings, model_request_parameters) as stream:
+                    async for event in stream:
+                        await unit.event(event)
+                response = stream.get()
+            else:
+                response = await self.wrapped.request(messages, model_settings, model_request_parameters)
+                for event in _response_events(response):
                     await unit.event(event)
-            response = stream.get()
-        else:
-            response = await self.wrapped.request(messages, model_settings, model_request_parameters)
-            for event in _response_events(response):
-                await unit.event(event)
-        await unit.tool_calls(response)
-        await unit.flush()
+            await unit.tool_calls(response)
+        finally:
+            # Also when the request failed: its partial events are stored before a retry claims the next attempt.
+            await unit.close()
         return response
 
     @asynccontextmanager
