@@ -96,7 +96,7 @@ def test_tool_calls_results_and_large_results_are_summarised(tmp_path: Path) -> 
     result = next(e for e in events if e.kind == 'tool_result')
     assert call.event.part.tool_name == 'big_report' and call.offset < result.offset  # type: ignore[union-attr]
     assert result.data['truncated'] == {'size': len('ABC-123' * 5_000), 'conversation_id': None, 'tool_call_id': 'c1'}
-    assert len(result.event.result.content) <= streams.TOOL_RESULT_SUMMARY_CHARS + 3  # type: ignore[union-attr]
+    assert len(result.event.part.content) <= streams.TOOL_RESULT_SUMMARY_CHARS + 3  # type: ignore[union-attr]
     assert answer_text(events) == 'done'
 
 

@@ -196,7 +196,7 @@ def _summary(event: Any) -> str:
     if event.kind == 'tool_call' and inner is not None:
         return f'{inner.part.tool_name}({inner.part.args_as_json_str()})'
     if event.kind == 'tool_result' and inner is not None:
-        return f'{inner.result.tool_name} -> {one_line(str(inner.result.content))[:200]}'
+        return f'{inner.part.tool_name} -> {one_line(str(inner.part.content))[:200]}'
     if event.kind == 'retry':
         return f'{event.unit} attempt {event.attempt}: discard attempts {event.data.get("discard_attempts")}'
     if event.kind == 'model_event' and inner is not None:
