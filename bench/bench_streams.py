@@ -44,8 +44,9 @@ def model(deltas: int, delay: float = 0.0) -> FunctionModel:
     words = [f'w{n} ' for n in range(deltas)]
 
     async def plain(messages: list[Any], info: AgentInfo) -> ModelResponse:
-        if delay:
-            await asyncio.sleep(delay * deltas)  # the same generation time, unstreamed
+        for _ in words:  # the same generation, token by token, unstreamed (one sleep per token, as the stream)
+            if delay:
+                await asyncio.sleep(delay)
         return ModelResponse(parts=[TextPart(''.join(words))])
 
     async def stream(messages: list[Any], info: AgentInfo) -> Any:
@@ -93,16 +94,26 @@ def latency(engine: str, deltas: int, folder: Path, delay: float) -> None:
                                 store, '--format', 'jsonl', '--wait', '120'], stdout=subprocess.PIPE, text=True, env=env)
     received: list[float] = []
 
+    ready = threading.Event()
+
     def read() -> None:  # each line timed as it arrives, while the run goes on
         assert watcher.stdout is not None
         for line in watcher.stdout:
+            ready.set()
             if json.loads(line)['kind'] == 'text_delta':
                 received.append(time.time())
 
+    # A first event, before the run, that the subscriber must print: it is then up and polling (starting the CLI takes
+    # seconds on a loaded machine, which is not the delay measured here).
+    from durable_capabilities.streams import EventLog
+    from durable_capabilities.streams._log import Item
+
+    EventLog(store).append_sync(run_id, engine, [Item('bench', 0, 0, 'model_event', {})])
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        time.sleep(3.0)  # the subscriber is up and polling before the run starts
+        while not ready.is_set() and watcher.poll() is None:
+            time.sleep(0.05)
         PRODUCED.clear()
         asyncio.run(one_run(engine, True, deltas, folder, run_id=run_id, delay=delay))
         watcher.wait(timeout=60)
