@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ def model(deltas: int, delay: float = 0.0) -> FunctionModel:
                 await asyncio.sleep(delay)
         return ModelResponse(parts=[TextPart(''.join(words))])
 
-    async def stream(messages: list[Any], info: AgentInfo) -> Any:
+    async def stream(messages: list[Any], info: AgentInfo) -> AsyncIterator[str]:
         for word in words:
             if delay:
                 await asyncio.sleep(delay)

@@ -80,7 +80,7 @@ def test_dbos_support_demo_streams_every_event_to_a_subscriber_in_another_proces
         demo = subprocess.Popen([*DURCAP, 'demo', '--engine', 'dbos', '--db', f'sqlite:///{tmp_path / "dbos.sqlite"}'],
                                 cwd=tmp_path, env=subprocess_env(env), stdout=out, stderr=errors, start_new_session=True)
     try:
-        line = wait_for(lambda: next((x for x in err.read_text().splitlines() if 'dbos workflow id:' in x), None), 180)
+        line: str = wait_for(lambda: next((x for x in err.read_text().splitlines() if 'dbos workflow id:' in x), None), 180)
         run_id = line.split('dbos workflow id:', 1)[1].split()[0]
         live = subscribers(tmp_path, run_id, env, name='live')
         assert demo.wait(timeout=300) == 0, err.read_text()

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, ToolCallPart, UserPromptPart
+from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, TextPart, ToolCallPart, UserPromptPart
 from pydantic_ai.models import ModelRequestParameters
 from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
 
@@ -115,7 +115,7 @@ def test_a_retried_model_request_publishes_the_retry_marker_and_no_duplicate(tmp
             yield word
 
     wrapped = streams.StreamingModel(FunctionModel(stream_function=flaky))
-    messages = [ModelRequest(parts=[UserPromptPart('where is ABC-123?')])]
+    messages: list[ModelMessage] = [ModelRequest(parts=[UserPromptPart('where is ABC-123?')])]
 
     async def scenario() -> None:
         with streams.publishing('run-retry', 'local', store):
