@@ -11,6 +11,7 @@ every engine can record and which keeps instruction ids intact.
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
@@ -21,7 +22,6 @@ from pydantic import TypeAdapter
 from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
 from pydantic_core import to_json, to_jsonable_python
 
-from . import streams
 from ._turn_log import TurnLog, recording
 from .aliases import rewrite_history
 from .conversations import (  # noqa: F401 - _DECODED and DECODED_CACHE_SIZE re-exported (tests, bench)
@@ -73,6 +73,13 @@ class TurnState:
 
 
 _current: ContextVar[TurnState | None] = ContextVar('durcap_turn', default=None)
+
+
+def _streams() -> Any:
+    """The `streams` package when this process imported it (every container that publishes does, before its turn),
+    else `None`: a Temporal workflow's sandbox never imports it (the schemas of its event types cost a workflow task
+    seconds on a loaded machine), and its turns publish nothing."""
+    return sys.modules.get(f'{__package__}.streams')
 
 
 def current_turn() -> TurnState | None:
@@ -185,7 +192,8 @@ async def run_turn(
             messages = ModelMessagesTypeAdapter.validate_python(loaded.messages) if loaded.messages else []
     history = rewrite_history(messages or None, agent.aliases)
     state = TurnState(conversation_id, revision, messages)
-    stream = streams.current_stream()
+    streams = _streams()
+    stream = streams.current_stream() if streams is not None else None
     if stream is not None:
         stream.conversation_id = conversation_id
         await streams.publish_run('run_started', {'agent': agent.name, 'engine': stream.engine,
@@ -216,7 +224,7 @@ async def run_turn(
             if _approval_requests(result) is None and pending:
                 added += ModelMessagesTypeAdapter.dump_python(pending, mode='json')
     except BaseException as error:
-        if stream is not None and isinstance(error, Exception):
+        if stream is not None and isinstance(error, Exception):  # streams is set when stream is
             await streams.publish_run('run_failed', {'error': f'{type(error).__name__}: {error}'}, close=True)
         raise
     finally:
@@ -269,9 +277,12 @@ async def _await_decisions(
     timeout = approvals.timeout_seconds(getattr(agent, 'approval_timeout', None))
     pending = approvals.pending_calls(_approval_requests(result), run_id=gate.run_id, agent=agent.name,
                                       conversation_id=conversation_id, now=await gate.now(), timeout=timeout)
-    await streams.publish_run('approval_waiting', {'calls': [streams.jsonable(c) for c in pending]})
+    streams = _streams()
+    if streams is not None:
+        await streams.publish_run('approval_waiting', {'calls': [streams.jsonable(c) for c in pending]})
     decisions = await gate.wait(pending, timeout)
-    await streams.publish_run('approval_decided', {'decisions': [streams.jsonable(d) for d in decisions.values()]})
+    if streams is not None:
+        await streams.publish_run('approval_decided', {'decisions': [streams.jsonable(d) for d in decisions.values()]})
     results = approvals.deferred_results(pending, decisions)
     continued = await run(None, deps=deps, message_history=result.all_messages(), deferred_tool_results=results,
                           **run_kwargs)

@@ -77,7 +77,7 @@ def test_dbos_support_demo_streams_every_event_to_a_subscriber_in_another_proces
     env = {'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}'}
     err = tmp_path / 'demo.err'
     with open(tmp_path / 'demo.out', 'wb') as out, open(err, 'wb') as errors:
-        demo = subprocess.Popen([*DURCAP, 'demo', '--engine', 'dbos', '--db', f'sqlite:///{tmp_path / "dbos.sqlite"}'],
+        demo = subprocess.Popen([*DURCAP, 'demo', '--stream', '--engine', 'dbos', '--db', f'sqlite:///{tmp_path / "dbos.sqlite"}'],
                                 cwd=tmp_path, env=subprocess_env(env), stdout=out, stderr=errors, start_new_session=True)
     try:
         line: str = wait_for(lambda: next((x for x in err.read_text().splitlines() if 'dbos workflow id:' in x), None), 180)

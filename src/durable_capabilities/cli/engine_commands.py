@@ -337,9 +337,9 @@ def run(
     model: Annotated[str | None, typer.Option(help="A pydantic-ai model name replacing TARGET's model for this run "
                                                    "(a separate Temporal worker uses its own).")] = None,
     base_url: BaseUrlOption = None,
-    stream: Annotated[bool, typer.Option('--stream/--no-stream', help="Print the answer as the run streams it "
-                                         "(default; from the run's event stream, docs/watching.md), or wait for the "
-                                         'end.')] = True,
+    stream: Annotated[bool, typer.Option('--stream/--no-stream', help="Print the answer as the run streams it, from "
+                                         "the run's event stream (docs/watching.md), before the summary; default: "
+                                         'wait for the end.')] = False,
     conn: dict[str, Any] | None = None,
 ) -> None:
     """Run TARGET once on ENGINE and print the answer, loaded capabilities and durable units."""
@@ -394,8 +394,8 @@ def demo(
     decision: Annotated[bool | None, typer.Option('--approve/--deny', help='Show the approval gate: ask to revoke the '
                                                   'sessions of acct-42 (account-security requires approval), show the '
                                                   'pause and the pending call, then approve or deny it.')] = None,
-    stream: Annotated[bool, typer.Option('--stream/--no-stream', help='Print the answer as the run streams it '
-                                         '(default), or wait for the end.')] = True,
+    stream: Annotated[bool, typer.Option('--stream/--no-stream', help='Print the answer as the run streams it, '
+                                         'before the summary; default: wait for the end.')] = False,
     conn: dict[str, Any] | None = None,
 ) -> None:
     """Run the support example durably and show what deferral saved on the first request.
