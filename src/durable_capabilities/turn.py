@@ -82,6 +82,18 @@ def _streams() -> Any:
     return sys.modules.get(f'{__package__}.streams')
 
 
+async def _publish(kind: str, data: dict[str, Any], *more: tuple[str, dict[str, Any]], close: bool = False) -> None:
+    """`streams.publish_run` when the package is imported (a no-op outside a publishing container)."""
+    module = _streams()
+    if module is not None:
+        await module.publish_run(kind, data, *more, close=close)
+
+
+def _jsonable(value: Any) -> Any:
+    module = _streams()
+    return module.jsonable(value) if module is not None else repr(value)
+
+
 def current_turn() -> TurnState | None:
     """The `TurnState` of the turn running in this context (`None` outside `run_turn`)."""
     return _current.get()
@@ -192,11 +204,11 @@ async def run_turn(
             messages = ModelMessagesTypeAdapter.validate_python(loaded.messages) if loaded.messages else []
     history = rewrite_history(messages or None, agent.aliases)
     state = TurnState(conversation_id, revision, messages)
-    streams = _streams()
-    stream = streams.current_stream() if streams is not None else None
+    module = _streams()
+    stream = module.current_stream() if module is not None else None
     if stream is not None:
         stream.conversation_id = conversation_id
-        await streams.publish_run('run_started', {'agent': agent.name, 'engine': stream.engine,
+        await _publish('run_started', {'agent': agent.name, 'engine': stream.engine,
                                                   'conversation_id': conversation_id, 'prompt': prompt},
                                   ('capability_catalog', {'capabilities': agent.capability_ids()}))
     token = _current.set(state)
@@ -224,8 +236,8 @@ async def run_turn(
             if _approval_requests(result) is None and pending:
                 added += ModelMessagesTypeAdapter.dump_python(pending, mode='json')
     except BaseException as error:
-        if stream is not None and isinstance(error, Exception):  # streams is set when stream is
-            await streams.publish_run('run_failed', {'error': f'{type(error).__name__}: {error}'}, close=True)
+        if stream is not None and isinstance(error, Exception):
+            await _publish('run_failed', {'error': f'{type(error).__name__}: {error}'}, close=True)
         raise
     finally:
         _current.reset(token)
@@ -235,10 +247,10 @@ async def run_turn(
         if isinstance(appended, int) and not isinstance(appended, bool) and logged and not added:
             _remember(cache_key, [*messages, *logged])  # type: ignore[arg-type]
         if stream is not None:
-            await streams.publish_run('turn_stored', {'conversation_id': conversation_id,
+            await _publish('turn_stored', {'conversation_id': conversation_id,
                                                       'messages': len(turn.new_messages)})
     if stream is not None:
-        await streams.publish_run('run_completed', {'output': streams.jsonable(result.output), 'usage': turn.usage,
+        await _publish('run_completed', {'output': _jsonable(result.output), 'usage': turn.usage,
                                                     'new_messages': len(turn.new_messages)}, close=True)
     return turn
 
@@ -277,12 +289,9 @@ async def _await_decisions(
     timeout = approvals.timeout_seconds(getattr(agent, 'approval_timeout', None))
     pending = approvals.pending_calls(_approval_requests(result), run_id=gate.run_id, agent=agent.name,
                                       conversation_id=conversation_id, now=await gate.now(), timeout=timeout)
-    streams = _streams()
-    if streams is not None:
-        await streams.publish_run('approval_waiting', {'calls': [streams.jsonable(c) for c in pending]})
+    await _publish('approval_waiting', {'calls': [_jsonable(c) for c in pending]})
     decisions = await gate.wait(pending, timeout)
-    if streams is not None:
-        await streams.publish_run('approval_decided', {'decisions': [streams.jsonable(d) for d in decisions.values()]})
+    await _publish('approval_decided', {'decisions': [_jsonable(d) for d in decisions.values()]})
     results = approvals.deferred_results(pending, decisions)
     continued = await run(None, deps=deps, message_history=result.all_messages(), deferred_tool_results=results,
                           **run_kwargs)
