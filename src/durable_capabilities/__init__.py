@@ -19,7 +19,14 @@ from .worker_secrets import SecretNotFoundError, WorkerSecret, set_secret_resolv
 
 # The composition root (issue 23, item 4): core (`agent`) imports nothing above it; the engine registry and the
 # in-process turn are handed to it here, once, before any module of the package can construct an agent.
-_hooks.install(engines=engines.ENGINES, run_in_process=runner.run_in_process)
+_hooks.install(engines=engines.ENGINES, run_in_process=runner.run_in_process, wrap_model=lambda model: _streams().wrap_model(model))
+
+
+def _streams() -> Any:
+    """The `streams` package, imported on first use (it brings the store and SQLAlchemy)."""
+    import importlib
+
+    return importlib.import_module('.streams', __name__)
 
 if TYPE_CHECKING:
     from .lockfile import LockfileError
@@ -32,12 +39,14 @@ if TYPE_CHECKING:
         StoreURLError,
         drift,
     )
+    from .streams import RunEvent, watch
     from .targets import UnusableTarget
 
 _LAZY = {
     **dict.fromkeys(('ConversationConflictError', 'ConversationNotFoundError', 'SQLConversationStore', 'StoreError',
                      'StoreURLError', 'StoreUnavailableError', 'drift'), 'store'),
     'LockfileError': 'lockfile',
+    **dict.fromkeys(('watch', 'RunEvent'), 'streams'),
     'UnusableTarget': 'targets',
 }
 """Names imported on first use, with their module: the store brings SQLAlchemy (about 0.4 s and 300 modules), which an
@@ -67,6 +76,7 @@ __all__ = [
     'LockfileError',
     'Problem',
     'Report',
+    'RunEvent',
     'RunNotFoundError',
     'RunbookRequired',
     'SQLConversationStore',
@@ -83,5 +93,6 @@ __all__ = [
     'redact_url',
     'set_secret_resolver',
     'validate_together',
+    'watch',
 ]
 __version__ = '0.1.0'

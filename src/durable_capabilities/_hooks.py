@@ -17,6 +17,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 FIXED_MODEL = 'fixed-model'
+STREAMS = 'streams'
+"""Feature of an engine whose runs publish their events to the run's stream: its built agent's model is wrapped by the
+installed `wrap_model` (`streams.StreamingModel`, which publishes from inside the model request unit)."""
 """Feature of an engine whose built agent registers its model process-wide (DBOS registers its steps when the agent
 is constructed): the model cannot change afterwards."""
 
@@ -47,17 +50,28 @@ RunInProcess = Callable[..., Awaitable[Any]]
 
 _engines: Mapping[str, EngineEntry] | None = None
 _run_in_process: RunInProcess | None = None
+_wrap_model: Callable[[Any], Any] | None = None
 
 
-def install(*, engines: Mapping[str, EngineEntry], run_in_process: RunInProcess) -> None:
+def install(*, engines: Mapping[str, EngineEntry], run_in_process: RunInProcess,
+            wrap_model: Callable[[Any], Any] | None = None) -> None:
     """Fill the hooks (called once, by `durable_capabilities/__init__.py`; calling again replaces them).
 
     Args:
         engines: The live engine registry, `{name: entry}` (`engines.ENGINES`; `engines.register` adds to it later).
         run_in_process: The in-process turn `DurableAgent.run` calls.
+        wrap_model: Wraps the model of an agent built for an engine with the `STREAMS` feature (`None`: not wrapped).
     """
-    global _engines, _run_in_process
-    _engines, _run_in_process = engines, run_in_process
+    global _engines, _run_in_process, _wrap_model
+    _engines, _run_in_process, _wrap_model = engines, run_in_process, wrap_model
+
+
+def wrap_model(model: Any, features: frozenset[str]) -> Any:
+    """`model` as the agent built for an engine with `features` gets it: wrapped by the installed `wrap_model` when
+    the engine has the `STREAMS` feature, else as given."""
+    if _wrap_model is None or STREAMS not in features or model is None:
+        return model
+    return _wrap_model(model)
 
 
 def engines() -> Mapping[str, EngineEntry]:

@@ -216,7 +216,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
             kwargs.setdefault('name', self.durable_name)
             capabilities.append(durability_cls(**kwargs))
         agent: Agent[Any, Any] = Agent(
-            self.model,
+            _hooks.wrap_model(self.model, adapter.features),
             # Durable engines see the kept name: Prefect's task cache keys hash the agent name (`ctx.agent.name`),
             # so a renamed agent with `previous_names` replays the finished tasks of a run in flight.
             name=self.durable_name if durability_cls is not None else self.name,

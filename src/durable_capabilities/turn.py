@@ -11,6 +11,7 @@ every engine can record and which keeps instruction ids intact.
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
@@ -72,6 +73,25 @@ class TurnState:
 
 
 _current: ContextVar[TurnState | None] = ContextVar('durcap_turn', default=None)
+
+
+def _streams() -> Any:
+    """The `streams` package when this process imported it (every container that publishes does, before its turn),
+    else `None`: a Temporal workflow's sandbox never imports it (the schemas of its event types cost a workflow task
+    seconds on a loaded machine), and its turns publish nothing."""
+    return sys.modules.get(f'{__package__}.streams')
+
+
+async def _publish(kind: str, data: dict[str, Any], *more: tuple[str, dict[str, Any]], close: bool = False) -> None:
+    """`streams.publish_run` when the package is imported (a no-op outside a publishing container)."""
+    module = _streams()
+    if module is not None:
+        await module.publish_run(kind, data, *more, close=close)
+
+
+def _jsonable(value: Any) -> Any:
+    module = _streams()
+    return module.jsonable(value) if module is not None else repr(value)
 
 
 def current_turn() -> TurnState | None:
@@ -184,6 +204,13 @@ async def run_turn(
             messages = ModelMessagesTypeAdapter.validate_python(loaded.messages) if loaded.messages else []
     history = rewrite_history(messages or None, agent.aliases)
     state = TurnState(conversation_id, revision, messages)
+    module = _streams()
+    stream = module.current_stream() if module is not None else None
+    if stream is not None:
+        stream.conversation_id = conversation_id
+        await _publish('run_started', {'agent': agent.name, 'engine': stream.engine,
+                                                  'conversation_id': conversation_id, 'prompt': prompt},
+                                  ('capability_catalog', {'capabilities': agent.capability_ids()}))
     token = _current.set(state)
     try:
         if gate is not None:
@@ -208,6 +235,10 @@ async def run_turn(
             usage = usage + result.usage
             if _approval_requests(result) is None and pending:
                 added += ModelMessagesTypeAdapter.dump_python(pending, mode='json')
+    except BaseException as error:
+        if stream is not None and isinstance(error, Exception):
+            await _publish('run_failed', {'error': f'{type(error).__name__}: {error}'}, close=True)
+        raise
     finally:
         _current.reset(token)
     turn = Turn(result, state, logged, to_jsonable_python(usage), added)
@@ -215,6 +246,12 @@ async def run_turn(
         appended = await (append or _local_append(agent, store))(conversation_id, turn.new_messages, revision, turn.usage)
         if isinstance(appended, int) and not isinstance(appended, bool) and logged and not added:
             _remember(cache_key, [*messages, *logged])  # type: ignore[arg-type]
+        if stream is not None:
+            await _publish('turn_stored', {'conversation_id': conversation_id,
+                                                      'messages': len(turn.new_messages)})
+    if stream is not None:
+        await _publish('run_completed', {'output': _jsonable(result.output), 'usage': turn.usage,
+                                                    'new_messages': len(turn.new_messages)}, close=True)
     return turn
 
 
@@ -252,7 +289,9 @@ async def _await_decisions(
     timeout = approvals.timeout_seconds(getattr(agent, 'approval_timeout', None))
     pending = approvals.pending_calls(_approval_requests(result), run_id=gate.run_id, agent=agent.name,
                                       conversation_id=conversation_id, now=await gate.now(), timeout=timeout)
+    await _publish('approval_waiting', {'calls': [_jsonable(c) for c in pending]})
     decisions = await gate.wait(pending, timeout)
+    await _publish('approval_decided', {'decisions': [_jsonable(d) for d in decisions.values()]})
     results = approvals.deferred_results(pending, decisions)
     continued = await run(None, deps=deps, message_history=result.all_messages(), deferred_tool_results=results,
                           **run_kwargs)

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import traceback
+import uuid
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -140,16 +141,62 @@ def _failure(agent: DurableAgent[Any, Any], engine: str, exc: BaseException, whe
 async def _run_on(
     agent: DurableAgent[Any, Any], prompt: str, engine: str, deps: Any, *, settings: dict[str, Any],
     conversation_id: str | None = None, store: str | None = None, started: list[str] | None = None,
+    stream: bool = False,
 ) -> RunReport:
     """One run through the runner with the engines' run `settings` (`_options.run_settings`) and the conversation
     store `store` (the `--store` flag; resolved here, once: `store.resolve_url`), passed to the engine as the
-    `store` setting; the engine's notes (e.g. which store its worker uses) printed first."""
+    `store` setting; the engine's notes (e.g. which store its worker uses) printed first. With `stream` (and an
+    engine whose runs publish their events), the answer's text is printed to stdout as the run streams it."""
 
     for note in get(engine).run_notes(RunOptions(deps, None, conversation_id, None, {**settings, 'store': store})):
         _err.print(note)
     settings = {**settings, 'store': resolve_url(store)}
-    return await runner.run(agent, prompt, engine=engine, deps=deps, conversation_id=conversation_id,
-                            notify=_err.print, on_start=None if started is None else started.append, **settings)
+    ids: list[str] = started if started is not None else []
+    run_id = None
+    if stream and 'streams' in get(engine).features and not get(engine).durable:
+        run_id = f'local-{uuid.uuid4().hex}'  # an in-process run takes its stream's id from here
+    run = runner.run(agent, prompt, engine=engine, deps=deps, conversation_id=conversation_id, run_id=run_id,
+                     notify=_err.print, on_start=ids.append, **settings)
+    if not stream or 'streams' not in get(engine).features:
+        return await run
+    return await _streamed(run, run_id, ids, settings['store'])
+
+
+STREAM_DRAIN_SECONDS = 10.0
+"""How long `durcap run` waits, after the run returned, for its stream's last events."""
+
+
+async def _streamed(run: Any, run_id: str | None, ids: list[str], store: str) -> RunReport:
+    """Await `run` while printing the text of its stream (`run_id`, or the first id the engine reports in `ids`) to
+    stdout as it arrives; the stream's end is awaited up to `STREAM_DRAIN_SECONDS` after the run returned."""
+    from .. import streams
+
+    async def show() -> None:
+        while run_id is None and not ids:
+            await asyncio.sleep(0.02)
+        printed = False
+        async for event in streams.watch(run_id or ids[0], store=store, wait_for_start=3600):
+            if event.kind == 'text_delta':
+                sys.stdout.write(printable(event.text, keep_newlines=True))
+                sys.stdout.flush()
+                printed = True
+            elif event.kind == 'retry':
+                sys.stdout.write('\n[retried: the text above is being sent again]\n')
+            elif printed and event.kind in ('tool_call', 'run_completed', 'run_failed'):
+                sys.stdout.write('\n')
+                printed = False
+        sys.stdout.flush()
+
+    shown = asyncio.create_task(show())
+    try:
+        report = await run
+        with contextlib.suppress(asyncio.TimeoutError, Exception):
+            await asyncio.wait_for(asyncio.shield(shown), STREAM_DRAIN_SECONDS)
+        return report
+    finally:
+        shown.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await shown
 
 
 def _adapter(engine: str) -> Any:
@@ -291,6 +338,9 @@ def run(
     model: Annotated[str | None, typer.Option(help="A pydantic-ai model name replacing TARGET's model for this run "
                                                    "(a separate Temporal worker uses its own).")] = None,
     base_url: BaseUrlOption = None,
+    stream: Annotated[bool, typer.Option('--stream/--no-stream', help="Print the answer as the run streams it, from "
+                                         "the run's event stream (docs/watching.md), before the summary; default: "
+                                         'wait for the end.')] = False,
     conn: dict[str, Any] | None = None,
 ) -> None:
     """Run TARGET once on ENGINE and print the answer, loaded capabilities and durable units."""
@@ -312,6 +362,7 @@ def run(
     try:
         report = asyncio.run(_watch_approvals(lambda run_ids: _run_on(
             agent, prompt, engine, deps, settings=settings, conversation_id=conversation, store=store, started=run_ids,
+            stream=stream,
         ), engine, _approvals_settings(engine, settings), started=started))
     except DurableConfigError as exc:
         _print_text(exc.report, exc.subject)
@@ -344,6 +395,8 @@ def demo(
     decision: Annotated[bool | None, typer.Option('--approve/--deny', help='Show the approval gate: ask to revoke the '
                                                   'sessions of acct-42 (account-security requires approval), show the '
                                                   'pause and the pending call, then approve or deny it.')] = None,
+    stream: Annotated[bool, typer.Option('--stream/--no-stream', help='Print the answer as the run streams it, '
+                                         'before the summary; default: wait for the end.')] = False,
     conn: dict[str, Any] | None = None,
 ) -> None:
     """Run the support example durably and show what deferral saved on the first request.
@@ -371,7 +424,8 @@ def demo(
         _out.print(f'customer: {prompt}')
         try:
             report = asyncio.run(_watch_approvals(
-                lambda started: _run_on(agent, prompt, engine, make_store(), settings=run_values, started=started),
+                lambda started: _run_on(agent, prompt, engine, make_store(), settings=run_values, started=started,
+                                        stream=stream),
                 engine, approvals_values, '; or run the demo with --approve/--deny'))
         except EngineUnreachableError as exc:
             _unusable(str(exc))

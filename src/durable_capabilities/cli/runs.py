@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from enum import Enum
 from typing import Annotated, Any
 
@@ -15,11 +16,11 @@ import typer
 from rich.table import Column, Table
 from rich.text import Text
 
-from .._limits import printable
+from .._limits import one_line, printable
 from ..settings import Settings
 from ..targets import TARGET_HELP
 from . import _err, _out, _unusable, _valid_agents, app, engine_metavar, engine_name
-from ._options import connection_options, connection_settings
+from ._options import StoreOption, connection_options, connection_settings
 
 runs_app = typer.Typer(help='Find, resume and cancel durable runs on every engine.', no_args_is_help=True)
 app.add_typer(runs_app, name='runs')
@@ -202,3 +203,62 @@ def resume(
     except (RuntimeError, NotImplementedError) as exc:
         _unusable(str(exc).splitlines()[0])
     _print_run(report)
+
+
+class WatchFormat(str, Enum):
+    text = 'text'
+    jsonl = 'jsonl'
+
+
+def _summary(event: Any) -> str:
+    """One line saying what a non-text event is (`durcap runs watch --format text`)."""
+    inner = event.event
+    if event.kind == 'tool_call' and inner is not None:
+        return f'{inner.part.tool_name}({inner.part.args_as_json_str()})'
+    if event.kind == 'tool_result' and inner is not None:
+        return f'{inner.part.tool_name} -> {one_line(str(inner.part.content))[:200]}'
+    if event.kind == 'retry':
+        return f'{event.unit} attempt {event.attempt}: discard attempts {event.data.get("discard_attempts")}'
+    if event.kind == 'model_event' and inner is not None:
+        return type(inner).__name__
+    return one_line(json.dumps(event.data, default=str))[:300]
+
+
+@runs_app.command('watch')
+def watch_run(
+    run_id: Annotated[str, typer.Argument(help='The run id (workflow id, flow run id, local-...).')],
+    from_offset: Annotated[int, typer.Option('--from', min=0, help='The offset of the last event already seen: only '
+                                             'later events are printed (0: from the first).')] = 0,
+    fmt: Annotated[WatchFormat, typer.Option('--format', help='text (the answer as it streams, one line per other '
+                                             'event), or jsonl (one RunEvent JSON object per line).')] = WatchFormat.text,
+    engine: Annotated[str | None, typer.Option('--engine', '-e', help='The engine the run is on (local, dbos, prefect; '
+                                               'default: any).')] = None,
+    store: StoreOption = None,
+    follow: Annotated[bool, typer.Option('--follow/--no-follow', help='Wait for new events until the run ends '
+                                         '(default), or print what the store retains now.')] = True,
+    wait: Annotated[float, typer.Option('--wait', min=0, help='Seconds to wait for a run that has published nothing '
+                                        'yet.')] = 30.0,
+) -> None:
+    """Print a run's events as it publishes them: those the store retains first, then each new one once, until the
+    run completes or fails (docs/watching.md)."""
+    from .. import streams
+
+    url = connection_settings({}, store).store
+
+    async def follow_run() -> None:
+        async for event in streams.watch(run_id, engine=engine, from_offset=from_offset, store=url, follow=follow,
+                                         wait_for_start=wait):
+            if fmt is WatchFormat.jsonl:
+                sys.stdout.write(event.model_dump_json() + '\n')
+            elif event.kind == 'text_delta':
+                sys.stdout.write(printable(event.text, keep_newlines=True))
+            else:
+                sys.stdout.write(f'\n[{event.offset}] {event.kind} {printable(_summary(event))}\n')
+            sys.stdout.flush()
+
+    try:
+        asyncio.run(follow_run())
+    except (streams.StreamNotFoundError, streams.StreamUnsupportedError, ValueError) as exc:
+        _unusable(str(exc))
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None

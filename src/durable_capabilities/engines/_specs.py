@@ -27,7 +27,7 @@ def _temporal_run_of(append_id: str) -> str | None:
     return workflow_id if sep and workflow_id and run_id else None
 
 LOCAL = EngineSpec(name='local', module='durable_capabilities.engines.local', durable=False, label='local',
-                   append_prefix='local:')
+                   append_prefix='local:', features=frozenset({'streams'}))
 
 TEMPORAL = EngineSpec(
     name='temporal',
@@ -89,7 +89,7 @@ DBOS = EngineSpec(
     lock_sections={'workflows': 'workflow', 'steps': 'step'},
     packages=('dbos',),
     unit='step', units='steps', container='workflow', run_id_label='workflow id',
-    features=frozenset({'worker', 'approvals', 'fixed-model'}),
+    features=frozenset({'worker', 'approvals', 'fixed-model', 'streams'}),
     retains=('the workflow\'s status, inputs and the output of every step (the loaded history, model responses, tool '
              'results) in its system database, until deleted'),
     forget="python -c \"from dbos import DBOSClient; DBOSClient(system_database_url='<--db>').delete_workflows(['{run_id}'])\"",
@@ -108,7 +108,7 @@ PREFECT = EngineSpec(
     lock_sections={'flows': 'flow', 'tasks': 'task', 'cache_toolset_ids': 'cache toolset id'},
     packages=('prefect',),
     unit='task', units='tasks', container='flow', run_id_label='flow run id',
-    features=frozenset({'schedule', 'approvals'}),
+    features=frozenset({'schedule', 'approvals', 'streams'}),
     retains=('the flow run, its task runs and their parameters in the Prefect API\'s database, and the tasks\' persisted '
              'results in result storage (by default ~/.prefect/storage), until deleted'),
     forget='prefect flow-run delete {run_id} (and the result files of its task runs in result storage)',

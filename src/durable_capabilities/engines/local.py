@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pydantic_ai.messages import ModelMessagesTypeAdapter
 
+from .. import streams
 from ..approvals import ApprovalGate, Decision, PendingCall, utc_now
+from ..conversations import store_url
 from ..report import RunReport
 from ..turn import run_turn
 from . import _mcp
@@ -54,9 +57,14 @@ class LocalAdapter(EngineAdapter):
         return dict(options), [guard] if guard is not None else []
 
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
-        turn = await run_turn(agent, agent.build(self.name).run, prompt, deps=options.deps,
-                              message_history=options.message_history, conversation_id=options.conversation_id,
-                              gate=LocalApprovalGate(options.notify), store=options.setting('store'))
+        """One in-process turn; its events go to the stream of `options.run_id` (default `local-{uuid4 hex}`) in the
+        conversation store (`durable_capabilities.watch`). The report's `run_id` stays `None` (nothing durable)."""
+        store = options.setting('store')
+        run_id = options.run_id or f'local-{uuid.uuid4().hex}'
+        with streams.publishing(run_id, self.name, store_url(agent, store), conversation_id=options.conversation_id):
+            turn = await run_turn(agent, agent.build(self.name).run, prompt, deps=options.deps,
+                                  message_history=options.message_history, conversation_id=options.conversation_id,
+                                  gate=LocalApprovalGate(options.notify), store=store)
         # The turn's messages, the ones after an approval pause included (`turn.new_messages`, message JSON).
         messages = ModelMessagesTypeAdapter.validate_python(turn.new_messages)
         return RunReport(self.name, None, turn.result.output, messages, turn.result.usage)

@@ -102,7 +102,7 @@ def resolve_url(explicit: str | None = None) -> str:
     values count as not given. The URL is not validated here (`SQLConversationStore` raises `StoreURLError`)."""
     return explicit or os.environ.get(STORE_ENV) or DEFAULT_URL
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 5
 """The newest schema this code writes and reads."""
 
 logger = logging.getLogger('durable_capabilities.store')

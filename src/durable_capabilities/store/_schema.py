@@ -99,6 +99,37 @@ _MIGRATIONS: dict[int, list[str]] = {
         )""",
         'CREATE INDEX durcap_payload_refs_owner ON durcap_payload_refs (owner)',
     ],
+    5: [
+        # Run event streams (`durable_capabilities.streams`): one row per run (its next offset, what it retains, when
+        # it closed) and one per event, offsets assigned here. A unit's event is keyed by (run, unit, attempt, seq), so a
+        # replayed container or a re-sent batch never stores an event twice. (Version 4 is claimed by another branch;
+        # the migrations apply in order, whichever exist.)
+        """CREATE TABLE durcap_run_streams (
+            run_id TEXT PRIMARY KEY,
+            engine TEXT NOT NULL,
+            next_offset BIGINT NOT NULL,
+            first_offset BIGINT NOT NULL,
+            event_count BIGINT NOT NULL,
+            bytes BIGINT NOT NULL,
+            dropped BIGINT NOT NULL,
+            started_at TEXT NOT NULL,
+            closed_at TEXT,
+            writer TEXT NOT NULL
+        )""",
+        'CREATE INDEX durcap_run_streams_closed ON durcap_run_streams (closed_at)',
+        """CREATE TABLE durcap_run_events (
+            run_id TEXT NOT NULL,
+            event_offset BIGINT NOT NULL,
+            unit TEXT NOT NULL,
+            attempt INTEGER NOT NULL,
+            seq INTEGER NOT NULL,
+            kind TEXT NOT NULL,
+            body TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            PRIMARY KEY (run_id, event_offset)
+        )""",
+        'CREATE UNIQUE INDEX durcap_run_events_key ON durcap_run_events (run_id, unit, attempt, seq)',
+    ],
 }
 """`{version: DDL statements}`: applying version N's statements to a version N-1 database gives version N.
 

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from dbos import DBOS
 
-from ... import _registry
+from ... import _registry, streams
+from ...conversations import store_url
 from ...turn import Turn, deps_from_json, run_turn
 from ._approvals import DBOSApprovalGate
 from ._conversation import conversation_steps
@@ -56,8 +57,27 @@ class BoundAgent:
     async def turn(self, prompt: str | None = None, *, conversation_id: str | None = None, **kwargs: Any) -> Turn:
         """As `run`, returning the whole `turn.Turn`."""
         load, append = conversation_steps(self.definition, self.store)
-        return await run_turn(self.definition, self.agent.run, prompt, conversation_id=conversation_id, load=load,
-                              append=append, gate=DBOSApprovalGate(self.definition), **kwargs)
+        workflow_id = DBOS.workflow_id
+        if workflow_id is None:  # not in a workflow: nothing durable to stream
+            return await run_turn(self.definition, self.agent.run, prompt, conversation_id=conversation_id, load=load,
+                                  append=append, gate=DBOSApprovalGate(self.definition), **kwargs)
+        with streams.publishing(_stream_id(workflow_id), ENGINE, store_url(self.definition, self.store),
+                                conversation_id=conversation_id):
+            return await run_turn(self.definition, self.agent.run, prompt, conversation_id=conversation_id, load=load,
+                                  append=append, gate=DBOSApprovalGate(self.definition), **kwargs)
+
+
+_TURNS: dict[str, int] = {}
+"""Turns each workflow of this process has run so far (a workflow may run the agent more than once)."""
+
+
+def _stream_id(workflow_id: str) -> str:
+    """The stream of the workflow's next turn: the workflow id for its first, `{workflow id}.{n}` for its n-th
+    (the same ids when a recovered workflow runs again: its turns run in the same order)."""
+    count = _TURNS[workflow_id] = _TURNS.get(workflow_id, 0) + 1
+    if len(_TURNS) > 10_000:
+        _TURNS.pop(next(iter(_TURNS)))
+    return workflow_id if count == 1 else f'{workflow_id}.{count}'
 
 
 

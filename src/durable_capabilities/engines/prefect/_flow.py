@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 from prefect import flow
 from prefect.runtime import flow_run
 
-from ... import _registry
+from ... import _registry, streams
+from ...conversations import store_url
 from ...turn import deps_from_json, run_turn
 from ._approvals import PrefectApprovalGate
 from ._conversation import conversation_tasks
@@ -65,9 +66,13 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
         message_history: list[dict[str, Any]] | None = None,
         conversation_id: str | None = None,
     ) -> dict[str, Any]:
-        turn = await run_turn(agent, built.run, prompt, deps=deps_from_json(agent, deps), message_history=message_history,
-                              conversation_id=conversation_id, load=load_task, append=append,
-                              gate=PrefectApprovalGate(agent))
+        # The run's events go to the flow run's stream (a retried flow run keeps its id: the finished tasks are not
+        # run again, and the events the flow's own code publishes again are keys the log already has).
+        with streams.publishing(str(flow_run.id), ENGINE, store_url(agent, _RUN_STORE.get()),
+                                conversation_id=conversation_id):
+            turn = await run_turn(agent, built.run, prompt, deps=deps_from_json(agent, deps),
+                                  message_history=message_history, conversation_id=conversation_id, load=load_task,
+                                  append=append, gate=PrefectApprovalGate(agent))
         return turn.payload(messages_as_json=True)
 
     run_agent.__name__ = re.sub(r'\W', '_', f'run_{agent.name}')

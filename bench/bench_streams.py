@@ -1,0 +1,194 @@
+"""Run event streams: what publishing costs a run, how soon a subscriber in another process sees a delta, and what a
+subscriber's memory does over a 10,000-event run.
+
+    .venv/bin/python bench/bench_streams.py [--runs 5] [--engines local,dbos] [--deltas 200]
+
+Model: a scripted `FunctionModel` with both `function` and `stream_function`, answering in `--deltas` words (no
+provider). Side by side in one process, alternating:
+(a) wall time of a run with its stream published (`$DURCAP_STREAMS` on: the request streamed inside the model
+    request unit, every event written to the store) over the same run unstreamed (`DURCAP_STREAMS=0`: the plain
+    request, nothing written), per engine; target <= 1.10x;
+(b) delay from the model producing a text delta (its wall-clock time, written by the model) to a subscriber in
+    another process (`durcap runs watch --format jsonl`) printing it, median and p95;
+(c) a subscriber process's RSS while it reads a 10,000-event run (`watch()`, events not kept), every 1,000 events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pydantic_ai.messages import ModelResponse, TextPart  # noqa: E402
+from pydantic_ai.models.function import AgentInfo, FunctionModel  # noqa: E402
+
+from durable_capabilities import DurableAgent, runner  # noqa: E402
+
+PRODUCED: list[float] = []
+
+
+def model(deltas: int, delay: float = 0.0) -> FunctionModel:
+    words = [f'w{n} ' for n in range(deltas)]
+
+    async def plain(messages: list[Any], info: AgentInfo) -> ModelResponse:
+        for _ in words:  # the same generation, token by token, unstreamed (one sleep per token, as the stream)
+            if delay:
+                await asyncio.sleep(delay)
+        return ModelResponse(parts=[TextPart(''.join(words))])
+
+    async def stream(messages: list[Any], info: AgentInfo) -> AsyncIterator[str]:
+        for word in words:
+            if delay:
+                await asyncio.sleep(delay)
+            PRODUCED.append(time.time())
+            yield word
+
+    return FunctionModel(plain, stream_function=stream)
+
+
+async def one_run(engine: str, streamed: bool, deltas: int, folder: Path, run_id: str | None = None,
+                  delay: float = 0.0) -> float:
+    os.environ['DURCAP_STREAMS'] = '1' if streamed else '0'
+    agent = DurableAgent(f'bench-{uuid.uuid4().hex[:6]}', model(deltas, delay), engines=[engine] if engine != 'local' else [])
+    settings: dict[str, Any] = {'store': f'sqlite:///{folder / "conversations.db"}'}
+    if engine == 'dbos':
+        settings['db'] = f'sqlite:///{folder / "dbos.sqlite"}'
+    started = time.perf_counter()
+    await runner.run(agent, 'go', engine=engine, run_id=run_id, notify=lambda line: None, **settings)
+    return time.perf_counter() - started
+
+
+def wall_times(engines: list[str], runs: int, deltas: int, folder: Path, delay: float) -> None:
+    print(f'(a) wall time, streamed over unstreamed, {deltas} deltas per answer {delay * 1000:g} ms apart, {runs} runs '
+          'each, alternating')
+    for engine in engines:
+        asyncio.run(one_run(engine, True, deltas, folder, delay=delay))  # warm-up (imports, store schema, DBOS tables)
+        asyncio.run(one_run(engine, False, deltas, folder, delay=delay))
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(runs):
+            for streamed in (False, True):
+                times[streamed].append(asyncio.run(one_run(engine, streamed, deltas, folder, delay=delay)))
+        on, off = statistics.median(times[True]), statistics.median(times[False])
+        print(f'  {engine:6s} streamed {on * 1000:8.1f} ms  unstreamed {off * 1000:8.1f} ms  ratio {on / off:.2f}x '
+              f'(target <= 1.10x)')
+
+
+def latency(engine: str, deltas: int, folder: Path, delay: float) -> None:
+    run_id = f'bench-latency-{uuid.uuid4().hex[:8]}' if engine != 'local' else f'local-{uuid.uuid4().hex}'
+    store = f'sqlite:///{folder / "conversations.db"}'
+    env = {**os.environ, 'PYTHONPATH': str(ROOT / 'src')}
+    watcher = subprocess.Popen([sys.executable, '-m', 'durable_capabilities.cli', 'runs', 'watch', run_id, '--store',
+                                store, '--format', 'jsonl', '--wait', '120'], stdout=subprocess.PIPE, text=True, env=env)
+    received: list[float] = []
+
+    ready = threading.Event()
+
+    def read() -> None:  # each line timed as it arrives, while the run goes on
+        assert watcher.stdout is not None
+        for line in watcher.stdout:
+            ready.set()
+            if json.loads(line)['kind'] == 'text_delta':
+                received.append(time.time())
+
+    # A first event, before the run, that the subscriber must print: it is then up and polling (starting the CLI takes
+    # seconds on a loaded machine, which is not the delay measured here).
+    from durable_capabilities.streams import EventLog
+    from durable_capabilities.streams._log import Item
+
+    EventLog(store).append_sync(run_id, engine, [Item('bench', 0, 0, 'model_event', {})])
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        while not ready.is_set() and watcher.poll() is None:
+            time.sleep(0.05)
+        PRODUCED.clear()
+        asyncio.run(one_run(engine, True, deltas, folder, run_id=run_id, delay=delay))
+        watcher.wait(timeout=60)
+        reader.join(timeout=10)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait()
+    # Lines are read as they come (the pipe is line-buffered by the watcher's flush); the receive time of each is
+    # when this process read it.
+    delays = sorted(max(0.0, r - p) * 1000 for r, p in zip(received, PRODUCED, strict=False))
+    if not delays:
+        print(f'  {engine}: no deltas received')
+        return
+    p95 = delays[min(len(delays) - 1, int(len(delays) * 0.95))]
+    print(f'  {engine:6s} {len(delays)} deltas: median {statistics.median(delays):.1f} ms, p95 {p95:.1f} ms')
+
+
+def subscriber_memory(folder: Path, count: int = 10_000) -> None:
+    from durable_capabilities.streams import EventLog
+    from durable_capabilities.streams._log import Item
+
+    store = f'sqlite:///{folder / "memory.db"}'
+    log = EventLog(store)
+    run_id = f'bench-memory-{uuid.uuid4().hex[:8]}'
+    body = {'event': {'index': 0, 'delta': {'content_delta': 'word ', 'part_delta_kind': 'text'},
+                      'event_kind': 'part_delta'}}
+    for start in range(0, count, 1000):
+        log.append_sync(run_id, 'local', [Item('model_request:1', 1, seq, 'text_delta', body)
+                                          for seq in range(start, start + 1000)])
+    log.append_sync(run_id, 'local', [Item('run', 0, 0, 'run_completed', {'data': {'output': 'x'}})], close=True)
+    code = f"""
+import asyncio, resource
+from durable_capabilities import watch
+
+def rss():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmRSS:'):
+            return int(line.split()[1]) / 1024
+
+async def main():
+    n = 0
+    async for event in watch({run_id!r}, store={store!r}):
+        n += 1
+        if n % 1000 == 0:
+            print(n, round(rss(), 1), flush=True)
+asyncio.run(main())
+"""
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True,
+                         env={**os.environ, 'PYTHONPATH': str(ROOT / 'src')}).stdout.split()
+    samples = [(int(out[i]), float(out[i + 1])) for i in range(0, len(out), 2)]
+    first, last = samples[0][1], samples[-1][1]
+    print(f'(c) subscriber RSS over {count} events: ' + ', '.join(f'{n}: {mb} MB' for n, mb in samples)
+          + f'; growth {last - first:+.1f} MB from 1,000 to {samples[-1][0]} events')
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument('--runs', type=int, default=5)
+    parser.add_argument('--engines', default='local,dbos')
+    parser.add_argument('--deltas', type=int, default=200)
+    parser.add_argument('--delay', type=float, default=0.0, help='seconds between the model\'s deltas (0: as fast as '
+                        'the scripted model goes; the unstreamed side sends the plain request, with no delay)')
+    args = parser.parse_args()
+    engines = args.engines.split(',')
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        wall_times(engines, args.runs, args.deltas, folder, args.delay)
+        print('(b) delta latency, model -> subscriber in another process (durcap runs watch --format jsonl), '
+              '100 deltas 20 ms apart')
+        for engine in engines:
+            latency(engine, 100, folder, 0.02)
+        subscriber_memory(folder)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,90 @@
+"""Subscribing to a run's stream from any process: `watch`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from ..errors import DurcapError
+from ._events import TERMINAL_KINDS, RunEvent, load_event
+from ._log import EventLog, StoredEvent, in_thread
+
+POLL_SECONDS = 0.05
+"""How often a subscriber reads the log for new events while the run is going."""
+
+STREAM_ENGINES = ('local', 'dbos', 'prefect')
+"""The engines whose runs publish to the store's event log."""
+
+
+class StreamNotFoundError(DurcapError, LookupError, code='stream-not-found'):
+    """No run with this id published to the store's event log within the wait."""
+
+
+class StreamUnsupportedError(DurcapError, ValueError, code='stream-unsupported'):
+    """The engine's runs publish no event stream (yet)."""
+
+
+def to_run_event(run_id: str, row: StoredEvent) -> RunEvent:
+    """The `RunEvent` of one stored row."""
+    event = row.body.get('event')
+    return RunEvent(run_id=run_id, offset=row.offset, unit=row.unit, attempt=row.attempt, kind=row.kind,  # type: ignore[arg-type]
+                    at=row.created_at, event=load_event(event) if event is not None else None,  # type: ignore[arg-type]
+                    data=row.body.get('data') or {})
+
+
+async def watch(run_id: str, *, engine: str | None = None, from_offset: int = 0, store: str | None = None,
+                follow: bool = True, wait_for_start: float = 30.0, poll: float = POLL_SECONDS) -> AsyncIterator[RunEvent]:
+    """The events of run `run_id`, in offset order, each once: first those the store retains, then each new one
+    as the run publishes it, until the run completes or fails (its `run_completed` / `run_failed` event is the last).
+
+    Args:
+        run_id: The run (workflow id, flow run id, `local-...`).
+        engine: The engine it runs on (`local`, `dbos`, `prefect`; `None`: any of them). Temporal runs publish no
+            stream yet (`StreamUnsupportedError`).
+        from_offset: The offset of the last event already seen: only later ones are delivered (0: from the start).
+            A subscriber that reconnects with its last offset gets exactly the rest.
+        store: The conversation store URL holding the stream (`None`: `$DURCAP_STORE`, else the default store).
+        follow: Wait for new events until the run ends (`False`: return what is retained now).
+        wait_for_start: Seconds to wait for a run that has published nothing yet.
+        poll: Seconds between reads while waiting.
+
+    Yields:
+        `RunEvent`s.
+
+    Raises:
+        StreamNotFoundError: nothing published for `run_id` within `wait_for_start` seconds.
+        StreamUnsupportedError: `engine` publishes no stream.
+        ValueError: `from_offset` is negative.
+    """
+    from ..store import resolve_url
+
+    if engine is not None and engine not in STREAM_ENGINES:
+        raise StreamUnsupportedError(f'--engine {engine}: runs on {engine} publish no event stream yet; watch a run of '
+                                     f'{", ".join(STREAM_ENGINES)}')
+    if from_offset < 0:
+        raise ValueError(f'from_offset={from_offset}: expected the offset of the last event seen, 0 or more')
+    log = EventLog(resolve_url(store))
+    deadline = time.monotonic() + wait_for_start
+    while (info := await in_thread(log.info_sync, run_id)) is None:
+        if not follow or time.monotonic() > deadline:
+            raise StreamNotFoundError(f'run {run_id!r} has published no events to {log._backend.display_url} '
+                                      f'(waited {wait_for_start:g} s); check the run id and --store')
+        await asyncio.sleep(poll)
+    after = from_offset
+    while True:
+        rows = await in_thread(log.read_sync, run_id, after)
+        for row in rows:
+            after = row.offset
+            event = to_run_event(run_id, row)
+            yield event
+            if event.kind in TERMINAL_KINDS:
+                return
+        if rows:
+            continue
+        if not follow:
+            return
+        info = await in_thread(log.info_sync, run_id)
+        if info is not None and info.closed_at is not None and after >= info.next_offset - 1:
+            return
+        await asyncio.sleep(poll)

@@ -1,0 +1,163 @@
+"""Run event streams on durable engines, watched from other processes (`durcap runs watch --format jsonl`).
+
+Model: scripted `FunctionModel`s (the support example's, and `tests/engines/stream_agent.py`'s, which streams its
+answer word by word). Real parts: DBOS on SQLite, the Prefect server, the conversation store on SQLite, every run,
+worker and subscriber its own process, killed with SIGKILL where the test says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from durable_capabilities.streams import RunEvent, answer_text
+from tests._helpers import DURCAP, ROOT, subprocess_env, wait_for, wait_for_file
+
+pytestmark = pytest.mark.slow
+
+TARGET = 'tests.engines.stream_agent:agent'
+
+
+class Subscriber:
+    """`durcap runs watch RUN --format jsonl` in its own process group, its stdout in a file."""
+
+    def __init__(self, tmp_path: Path, run_id: str, env: dict[str, str], *extra: str, name: str = 'watch'):
+        self.out = tmp_path / f'{name}.jsonl'
+        with open(self.out, 'wb') as out, open(tmp_path / f'{name}.err', 'wb') as err:
+            self.popen = subprocess.Popen([*DURCAP, 'runs', 'watch', run_id, '--format', 'jsonl', '--wait', '120', *extra],
+                                          cwd=ROOT, env=subprocess_env(env), stdout=out, stderr=err,
+                                          start_new_session=True)
+
+    def events(self) -> list[RunEvent]:
+        lines = self.out.read_text().splitlines()
+        return [RunEvent.model_validate_json(line) for line in lines if line.endswith('}')]
+
+    def kill9(self) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        self.popen.wait(timeout=30)
+
+    def finish(self, timeout: float = 180) -> list[RunEvent]:
+        assert self.popen.wait(timeout=timeout) == 0, (self.out.with_suffix('.err')).read_text()
+        return self.events()
+
+
+@pytest.fixture
+def subscribers() -> Any:
+    started: list[Subscriber] = []
+
+    def start(*args: Any, **kwargs: Any) -> Subscriber:
+        sub = Subscriber(*args, **kwargs)
+        started.append(sub)
+        return sub
+
+    yield start
+    for sub in started:
+        sub.kill9()
+
+
+def assert_in_order_once(events: list[RunEvent]) -> None:
+    offsets = [e.offset for e in events]
+    assert offsets == list(range(offsets[0], offsets[0] + len(offsets))), offsets
+    assert len({(e.unit, e.attempt, e.kind, e.offset) for e in events}) == len(events)
+
+
+def test_dbos_support_demo_streams_every_event_to_a_subscriber_in_another_process(tmp_path: Path, subscribers) -> None:
+    """`durcap demo --engine dbos` (SQLite): a subscriber started once the workflow id is printed receives every
+    event in order, from `run_started` to `run_completed`, the text joined equal to the demo's answer; a
+    subscriber started after the run ended gets the same events and ends."""
+    env = {'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}'}
+    err = tmp_path / 'demo.err'
+    with open(tmp_path / 'demo.out', 'wb') as out, open(err, 'wb') as errors:
+        demo = subprocess.Popen([*DURCAP, 'demo', '--stream', '--engine', 'dbos', '--db', f'sqlite:///{tmp_path / "dbos.sqlite"}'],
+                                cwd=tmp_path, env=subprocess_env(env), stdout=out, stderr=errors, start_new_session=True)
+    try:
+        line: str = wait_for(lambda: next((x for x in err.read_text().splitlines() if 'dbos workflow id:' in x), None), 180)
+        run_id = line.split('dbos workflow id:', 1)[1].split()[0]
+        live = subscribers(tmp_path, run_id, env, name='live')
+        assert demo.wait(timeout=300) == 0, err.read_text()
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+    stdout = (tmp_path / 'demo.out').read_text()
+    answer = stdout.split('answer (dbos): ', 1)[1].splitlines()[0]
+    events = live.finish()
+    assert_in_order_once(events)
+    assert events[0].offset == 1 and events[0].kind == 'run_started' and events[-1].kind == 'run_completed'
+    assert answer_text(events) == answer == events[-1].data['output']
+    kinds = {e.kind for e in events}
+    assert {'tool_call', 'tool_result', 'capability_loaded', 'text_delta', 'turn_stored'} <= kinds or \
+        {'tool_call', 'tool_result', 'capability_loaded', 'text_delta'} <= kinds, kinds
+    assert answer in stdout.split('answer (dbos): ', 1)[0]  # printed as it streamed, before the summary
+    late = subscribers(tmp_path, run_id, env, name='late').finish()
+    assert late == events
+
+
+def _dbos_run(spawn: Any, workflow_id: str, db: str, env: dict[str, str]) -> Any:
+    return spawn('dbos', 'run', '--target', TARGET, '--db', db, '--workflow-id', workflow_id, '--prompt', 'where is ABC-123?',
+                 env=env)
+
+
+def test_dbos_worker_killed_mid_stream_and_subscriber_restarted_from_its_offset(tmp_path: Path, spawn, subscribers) -> None:
+    """DBOS on SQLite: subscriber A (another process) is SIGKILLed after a few text deltas; the run's process is
+    SIGKILLed mid-stream; subscriber B starts with A's last offset and a second process recovers the workflow. B gets
+    exactly the events after A's last one (no gap, no repeat), among them the `retry` marker of the answer's model
+    request (attempt 2 discarding attempt 1), and the text with the retry applied equals the answer."""
+    from tests.engines.stream_agent import ANSWER
+
+    stream_dir = tmp_path / 'stream'
+    env = {'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}', 'DURCAP_STREAM_DIR': str(stream_dir),
+           'DURCAP_STREAM_AGENT': f'streamer-{uuid.uuid4().hex[:6]}'}
+    db = f'sqlite:///{tmp_path / "dbos.sqlite"}'
+    workflow_id = f'stream-{uuid.uuid4()}'
+    a = subscribers(tmp_path, workflow_id, env, name='a')
+    first = _dbos_run(spawn, workflow_id, db, env)
+    wait_for(lambda: sum(e.kind == 'text_delta' for e in a.events()) >= 4 or None, 180)
+    a.kill9()
+    seen = a.events()
+    wait_for_file(stream_dir / 'mid-stream', 120)
+    time.sleep(0.3)  # the deltas before the hang reach the log (flushed every 50 ms)
+    first.kill9()
+    b = subscribers(tmp_path, workflow_id, env, '--from', str(seen[-1].offset), name='b')
+    second = _dbos_run(spawn, workflow_id, db, env)
+    report = second.report(timeout=180)
+    rest = b.finish()
+    assert report['output'] == ANSWER
+    assert rest[0].offset == seen[-1].offset + 1
+    whole = [*seen, *rest]
+    assert_in_order_once(whole)
+    retries = [e for e in whole if e.kind == 'retry']
+    assert len(retries) == 1 and retries[0].attempt == 2 and retries[0].data['discard_attempts'] == [1]
+    discarded = [e for e in whole if e.kind == 'text_delta' and e.unit == retries[0].unit and e.attempt == 1]
+    assert len(discarded) >= 5  # the first attempt's partial text was published, then discarded
+    assert answer_text(whole) == ANSWER and whole[-1].kind == 'run_completed'
+
+
+def test_prefect_run_streams_to_a_subscriber_in_another_process(tmp_path: Path, spawn, subscribers,
+                                                                prefect_api_url: str) -> None:
+    """Prefect (the shared server): a subscriber started on the flow run id receives every event in order, the
+    text joined equal to the answer."""
+    from tests.engines.stream_agent import ANSWER
+
+    env = {'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}', 'PREFECT_API_URL': prefect_api_url,
+           'PREFECT_HOME': str(tmp_path / 'prefect-home'), 'PREFECT_LOCAL_STORAGE_PATH': str(tmp_path / 'results'),
+           'DURCAP_STREAM_AGENT': f'streamer-{uuid.uuid4().hex[:6]}', 'DURCAP_STREAM_DELAY': '0.02'}
+    run = spawn('prefect', 'run', '--target', TARGET, '--prompt', 'where is ABC-123?', env=env)
+    flow_run_id = run.wait_for('PREFECT FLOW RUN', 120).split()[-1]
+    live = subscribers(tmp_path, flow_run_id, env, name='live')
+    report = run.report(timeout=240)
+    events = live.finish()
+    assert report['output'] == ANSWER
+    assert_in_order_once(events)
+    assert events[0].offset == 1 and events[-1].kind == 'run_completed'
+    assert answer_text(events) == ANSWER
+    assert [e.kind for e in events].count('text_delta') == len(ANSWER.split(' ')) - 3  # prefix in one delta, then 30
+    assert json.loads(json.dumps(events[-1].data))['output'] == ANSWER

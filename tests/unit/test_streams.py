@@ -1,0 +1,198 @@
+"""Run event streams (`durable_capabilities.streams`) on the local engine and the store's event log.
+
+Model: scripted `pydantic_ai.models.function.FunctionModel`s (one with a `stream_function`, one without, one whose
+stream fails half way). Real parts: a SQLite conversation store per test (tmp_path), the `durcap` CLI in a subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, TextPart, ToolCallPart, UserPromptPart
+from pydantic_ai.models import ModelRequestParameters
+from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
+
+from durable_capabilities import DurableAgent, runner, streams, watch
+from durable_capabilities.streams import EventLog, Limits, answer_text
+from durable_capabilities.streams._log import Item
+from tests._helpers import durcap, sqlite_url
+
+WORDS = ['Order ', 'ABC-123 ', 'is ', 'on ', 'its ', 'way.']
+ANSWER = ''.join(WORDS)
+
+
+async def stream_words(messages: list[Any], info: AgentInfo) -> AsyncIterator[str | dict[int, DeltaToolCall]]:
+    for word in WORDS:
+        yield word
+
+
+def plain_answer(messages: list[Any], info: AgentInfo) -> ModelResponse:
+    return ModelResponse(parts=[TextPart(ANSWER)])
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+async def events_of(run_id: str, store: str, **kwargs: Any) -> list[streams.RunEvent]:
+    return [e async for e in watch(run_id, store=store, wait_for_start=0, **kwargs)]
+
+
+def local_run(model: Any, store: str, run_id: str, name: str = 'streamer', **kwargs: Any) -> Any:
+    agent = DurableAgent(name, model, engines=[], **kwargs)
+    return run(runner.run(agent, 'where is ABC-123?', engine='local', run_id=run_id, store=store))
+
+
+@pytest.mark.parametrize('model', [FunctionModel(stream_function=stream_words), FunctionModel(plain_answer)],
+                         ids=['streamed', 'no-stream-function'])
+def test_local_run_publishes_every_event_in_order_and_the_text_joins_to_the_answer(model: Any, tmp_path: Path) -> None:
+    """A streamed model's deltas arrive one by one; a FunctionModel without `stream_function` is sent the plain
+    request and its text is published at the end of the request. Either way: offsets 1..n, the container's events
+    first and last, the text equal to the answer, and the finished run's watch ends by itself."""
+    store = sqlite_url(tmp_path)
+    report = local_run(model, store, 'local-order')
+    events = run(events_of('local-order', store))
+    assert [e.offset for e in events] == list(range(1, len(events) + 1))
+    assert [e.kind for e in events[:2]] == ['run_started', 'capability_catalog'] and events[-1].kind == 'run_completed'
+    assert answer_text(events) == report.output == ANSWER
+    assert events[-1].data['output'] == ANSWER
+    text = [e for e in events if e.kind == 'text_delta']
+    assert {(e.unit, e.attempt) for e in text} == {('model_request:1', 1)}
+    assert len(text) == (len(WORDS) if model.stream_function else 1)
+
+
+def test_reconnecting_with_the_last_offset_gets_exactly_the_rest(tmp_path: Path) -> None:
+    store = sqlite_url(tmp_path)
+    local_run(FunctionModel(stream_function=stream_words), store, 'local-resume')
+    whole = run(events_of('local-resume', store))
+    for cut in range(len(whole)):
+        rest = run(events_of('local-resume', store, from_offset=whole[cut].offset))
+        assert [e.offset for e in rest] == [e.offset for e in whole[cut + 1:]]
+        assert rest == whole[cut + 1:]
+
+
+def test_tool_calls_results_and_large_results_are_summarised(tmp_path: Path) -> None:
+    """A tool call and its result are published (the result in the next model request's unit); a result over
+    `TOOL_RESULT_SUMMARY_CHARS` is cut, with its full size and where it is stored."""
+    store = sqlite_url(tmp_path)
+
+    def model(messages: list[Any], info: AgentInfo) -> ModelResponse:
+        if len(messages) == 1:
+            return ModelResponse(parts=[ToolCallPart('big_report', {'order': 'ABC-123'}, tool_call_id='c1')])
+        return ModelResponse(parts=[TextPart('done')])
+
+    def big_report(order: str) -> str:
+        """A long report."""
+        return order * 5_000
+
+    local_run(FunctionModel(model), store, 'local-tools', tools=[big_report])
+    events = run(events_of('local-tools', store))
+    call = next(e for e in events if e.kind == 'tool_call')
+    result = next(e for e in events if e.kind == 'tool_result')
+    assert call.event.part.tool_name == 'big_report' and call.offset < result.offset  # type: ignore[union-attr]
+    assert result.data['truncated'] == {'size': len('ABC-123' * 5_000), 'conversation_id': None, 'tool_call_id': 'c1'}
+    assert len(result.event.part.content) <= streams.TOOL_RESULT_SUMMARY_CHARS + 3  # type: ignore[union-attr]
+    assert answer_text(events) == 'done'
+
+
+def test_a_retried_model_request_publishes_the_retry_marker_and_no_duplicate(tmp_path: Path) -> None:
+    """The same model request unit executed twice in one run (what a durable engine does after a crash or a
+    provider error): the second execution is attempt 2, preceded by a `retry` event naming attempt 1, whose partial
+    text `answer_text` discards."""
+    store = sqlite_url(tmp_path)
+    calls = {'n': 0}
+
+    async def flaky(messages: list[Any], info: AgentInfo) -> AsyncIterator[str]:
+        calls['n'] += 1
+        for index, word in enumerate(WORDS):
+            if calls['n'] == 1 and index == 3:
+                raise ConnectionError('stream cut half way')
+            yield word
+
+    wrapped = streams.StreamingModel(FunctionModel(stream_function=flaky))
+    messages: list[ModelMessage] = [ModelRequest(parts=[UserPromptPart('where is ABC-123?')])]
+
+    async def scenario() -> None:
+        with streams.publishing('run-retry', 'local', store):
+            with pytest.raises(ConnectionError):
+                await wrapped.request(messages, None, ModelRequestParameters())
+            await wrapped.request(messages, None, ModelRequestParameters())
+            await streams.publish_run('run_completed', {'output': ANSWER}, close=True)
+
+    run(scenario())
+    events = run(events_of('run-retry', store))
+    retry = next(e for e in events if e.kind == 'retry')
+    assert (retry.unit, retry.attempt, retry.data['discard_attempts']) == ('model_request:1', 2, [1])
+    first = [e for e in events if e.kind == 'text_delta' and e.attempt == 1]
+    assert first and all(e.offset < retry.offset for e in first)
+    assert answer_text(events) == ANSWER
+    assert len({(e.unit, e.attempt, e.offset) for e in events}) == len(events)
+
+
+def test_log_skips_a_key_it_has_and_trims_to_its_limits(tmp_path: Path) -> None:
+    store = sqlite_url(tmp_path)
+    log = EventLog(store, Limits(max_events=5, max_bytes=10_000, retention_seconds=3600))
+    items = [Item('u', 1, seq, 'text_delta', {'data': {'n': seq}}) for seq in range(3)]
+    assert log.append_sync('r', 'local', items) == [1, 2, 3]
+    assert log.append_sync('r', 'local', items) == []  # a replayed or re-sent batch: nothing stored twice
+    assert log.append_sync('r', 'local', [Item('u', 1, seq, 'x', {}) for seq in range(3, 8)]) == [4, 5, 6, 7, 8]
+    info = log.info_sync('r')
+    assert info is not None and (info.first_offset, info.event_count, info.dropped, info.next_offset) == (4, 5, 3, 9)
+    assert [row.offset for row in log.read_sync('r', 0)] == [4, 5, 6, 7, 8]
+    assert log.next_attempt_sync('r', 'u') == (2, [1])
+
+
+def test_closed_streams_are_dropped_after_the_retention(tmp_path: Path) -> None:
+    store = sqlite_url(tmp_path)
+    keep = EventLog(store, Limits(retention_seconds=3600))
+    keep.append_sync('old', 'local', [Item('run', 0, 0, 'run_completed', {})], close=True)
+    assert keep.info_sync('old') is not None
+    short = EventLog(store, Limits(retention_seconds=1e-9))
+    short.append_sync('new', 'local', [Item('run', 0, 0, 'run_completed', {})], close=True)
+    assert keep.info_sync('old') is None and keep.info_sync('new') is None
+
+
+def test_outside_a_run_the_wrapper_only_forwards(tmp_path: Path) -> None:
+    """No `publishing` context (a Temporal activity, `DURCAP_STREAMS=0`): the plain request, nothing published."""
+    seen: list[str] = []
+
+    def model(messages: list[Any], info: AgentInfo) -> ModelResponse:
+        seen.append('request')
+        return ModelResponse(parts=[TextPart('ok')])
+
+    wrapped = streams.StreamingModel(FunctionModel(model))
+    response = run(wrapped.request([ModelRequest(parts=[UserPromptPart('x')])], None, ModelRequestParameters()))
+    assert response.parts[0].content == 'ok' and seen == ['request']  # type: ignore[union-attr]
+
+
+def test_watch_errors_name_what_to_fix(tmp_path: Path) -> None:
+    store = sqlite_url(tmp_path)
+    with pytest.raises(streams.StreamNotFoundError, match="run 'nope' has published no events"):
+        run(events_of('nope', store))
+    with pytest.raises(streams.StreamUnsupportedError, match='--engine temporal'):
+        run(events_of('x', store, engine='temporal'))
+    with pytest.raises(ValueError, match='from_offset=-1'):
+        run(events_of('x', store, from_offset=-1))
+
+
+def test_cli_watch_prints_jsonl_text_and_resumes_from_an_offset(tmp_path: Path) -> None:
+    """`durcap runs watch` in another process: every event as one JSON object per line, `--from N` only the later
+    ones, `--format text` the answer; an unknown run is one error line, exit 2."""
+    store = sqlite_url(tmp_path)
+    local_run(FunctionModel(stream_function=stream_words), store, 'local-cli')
+    jsonl = durcap('runs', 'watch', 'local-cli', '--store', store, '--format', 'jsonl')
+    assert jsonl.returncode == 0, jsonl.stderr
+    offsets = [json.loads(line)['offset'] for line in jsonl.stdout.splitlines()]
+    assert offsets == list(range(1, len(offsets) + 1))
+    later = durcap('runs', 'watch', 'local-cli', '--store', store, '--format', 'jsonl', '--from', '4')
+    assert [json.loads(line)['offset'] for line in later.stdout.splitlines()] == offsets[4:]
+    text = durcap('runs', 'watch', 'local-cli', '--store', store)
+    assert ANSWER in text.stdout and '] run_completed' in text.stdout
+    missing = durcap('runs', 'watch', 'nope', '--store', store, '--wait', '0')
+    assert missing.returncode == 2 and missing.stderr.startswith("durcap: error: run 'nope' has published no events")
+    assert 'Traceback' not in missing.stderr
