@@ -449,16 +449,16 @@ def test_migrations_run_once_and_upgrade_in_place(store_url: str, monkeypatch: p
         run(first.append('t-m', [ModelRequest(parts=[UserPromptPart('x')])], expected_revision=None))
     with SQLConversationStore(store_url) as again:
         run(again.read('t-m'))
-    assert [row[0] for row in sql(store_url, 'SELECT version FROM durcap_schema_version')] == [1, 2, 3]
+    assert [row[0] for row in sql(store_url, 'SELECT version FROM durcap_schema_version')] == [1, 2, 3, 4]
 
     # A later version: applied in place, once, the data kept.
-    monkeypatch.setattr(store_module, 'SCHEMA_VERSION', 4)
-    monkeypatch.setitem(store_module._MIGRATIONS, 4, ['CREATE INDEX durcap_writes_written ON durcap_writes (written_at)'])
+    monkeypatch.setattr(store_module, 'SCHEMA_VERSION', 5)
+    monkeypatch.setitem(store_module._MIGRATIONS, 5, ['CREATE INDEX durcap_writes_written ON durcap_writes (written_at)'])
     with SQLConversationStore(store_url) as upgraded:
         assert run(upgraded.read('t-m')).messages[0].parts[0].content == 'x'
     with SQLConversationStore(store_url) as reopened:
         run(reopened.read('t-m'))
-    assert sorted(row[0] for row in sql(store_url, 'SELECT version FROM durcap_schema_version')) == [1, 2, 3, 4]
+    assert sorted(row[0] for row in sql(store_url, 'SELECT version FROM durcap_schema_version')) == [1, 2, 3, 4, 5]
 
 
 def test_bad_urls_and_missing_stores(tmp_path: Path) -> None:

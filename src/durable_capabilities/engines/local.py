@@ -56,7 +56,8 @@ class LocalAdapter(EngineAdapter):
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
         turn = await run_turn(agent, agent.build(self.name).run, prompt, deps=options.deps,
                               message_history=options.message_history, conversation_id=options.conversation_id,
-                              gate=LocalApprovalGate(options.notify), store=options.setting('store'))
+                              gate=LocalApprovalGate(options.notify), store=options.setting('store'),
+                              busy=options.setting('busy'))
         # The turn's messages, the ones after an approval pause included (`turn.new_messages`, message JSON).
         messages = ModelMessagesTypeAdapter.validate_python(turn.new_messages)
         return RunReport(self.name, None, turn.result.output, messages, turn.result.usage)

@@ -99,6 +99,16 @@ _MIGRATIONS: dict[int, list[str]] = {
         )""",
         'CREATE INDEX durcap_payload_refs_owner ON durcap_payload_refs (owner)',
     ],
+    4: [
+        # One turn at a time per conversation (`SQLConversationStore.claim_turn`): the run whose turn holds the
+        # conversation, from its load until its append lands (released in the append's transaction) or the run ends.
+        """CREATE TABLE durcap_turn_claims (
+            conversation_id TEXT PRIMARY KEY,
+            run_id TEXT NOT NULL,
+            claimed_at TEXT NOT NULL,
+            writer TEXT NOT NULL
+        )""",
+    ],
 }
 """`{version: DDL statements}`: applying version N's statements to a version N-1 database gives version N.
 

@@ -78,7 +78,8 @@ class DBOSAdapter(EngineAdapter, spec=SPEC):
             history_json = ModelMessagesTypeAdapter.dump_python(list(history), mode='json') if history else None
             deps = to_jsonable_python(options.deps) if options.deps is not None else None
             with SetWorkflowID(workflow_id):
-                payload = await workflow_fn(prompt, deps, history_json, options.conversation_id)
+                payload = await workflow_fn(prompt, deps, history_json, options.conversation_id,
+                                            options.setting('busy'))
             steps = await DBOS.list_workflow_steps_async(workflow_id)
         finally:
             DBOS.destroy()
