@@ -2,8 +2,9 @@
 
 Each turn works on the prompt of its own turn (the last user prompt), whatever the history holds: the prompt
 `revoke NAME` makes the model call the gated tool `revoke_sessions(user=NAME)` (requires approval), then answer
-with the tool's result; the prompt `charge NAME` calls `charge(user=NAME)` (no approval), which waits
-`$DURCAP_RACE_TOOL_SECONDS` (default 0) so a test can start another turn while it runs. Every execution of a tool
+with the tool's result; the prompt `charge NAME` calls `charge(user=NAME)` (no approval), which creates
+`started-NAME` and, with `$DURCAP_RACE_HOLD=1`, waits until the test creates `go-NAME` (both in
+`$DURCAP_CRASH_DIR`), so a test can start another turn while it runs. Every execution of a tool
 appends one line `tool:NAME` to `$DURCAP_CRASH_DIR/side-effects` (the side effects that must happen once per turn),
 and every model request `request:NAME` to the same file (a turn refused before any side effect has none).
 """
@@ -59,11 +60,12 @@ def revoke_sessions(user: str) -> str:
 
 
 async def charge(user: str) -> str:
-    """Charge a user (no approval; waits `$DURCAP_RACE_TOOL_SECONDS` first)."""
+    """Charge a user (no approval; with `$DURCAP_RACE_HOLD=1` it waits for the test's `go-NAME` file first)."""
     _record(f'tool:{user}')
-    started = Path(os.environ['DURCAP_CRASH_DIR']) / f'started-{user}'
-    started.write_text(str(os.getpid()))
-    await asyncio.sleep(float(os.environ.get('DURCAP_RACE_TOOL_SECONDS', '0')))
+    folder = Path(os.environ['DURCAP_CRASH_DIR'])
+    (folder / f'started-{user}').write_text(str(os.getpid()))
+    while os.environ.get('DURCAP_RACE_HOLD') == '1' and not (folder / f'go-{user}').exists():
+        await asyncio.sleep(0.05)
     return f'charged {user}'
 
 
