@@ -259,16 +259,22 @@ def check_args(call: PendingCall, args: Any, run_id: str) -> None:
         return
     import jsonschema
 
-    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(call.schema).iter_errors(args))
-    if error is None:
+    errors = sorted(jsonschema.Draft202012Validator(call.schema).iter_errors(args),
+                    key=lambda e: ([str(p) for p in e.absolute_path], e.message))
+    if not errors:
         return
-    field = '$' + ''.join(f'[{p}]' if isinstance(p, int) else f'.{p}' for p in error.absolute_path)
+    found = '; '.join(f'at {_json_path(e.absolute_path)}: {e.message}' for e in errors[:3])
     properties = sorted((call.schema.get('properties') or {}))
     raise ApprovalArgsError('invalid-args', (
-        f'DC051 {where}: the edited arguments do not fit the tool\'s schema at {field}: {error.message}; nothing was '
+        f'DC051 {where}: the edited arguments do not fit the tool\'s schema {found}; nothing was '
         f'sent. The tool takes {", ".join(properties) or "no arguments"} (required: '
         f'{", ".join(call.schema.get("required") or []) or "none"}): fix --args (`override_args`), or approve '
         'without editing'))
+
+
+def _json_path(path: Any) -> str:
+    """`$`, `$.user`, `$.items[0]`: where in the arguments a schema error is."""
+    return '$' + ''.join(f'[{p}]' if isinstance(p, int) else f'.{p}' for p in path)
 
 
 def describe_decision(decision: Decision) -> str:

@@ -257,3 +257,21 @@ def test_a_turn_stored_meanwhile_by_another_writer_is_kept_and_the_waiting_turn_
     assert world.side_effects().count('tool:alice') == 1
     if world.engine != 'local':
         assert [(r['decision'], r['by']) for r in audit] == [('approved', 'ops')]
+
+
+def test_claims_and_rebased_appends_on_postgresql(store: SQLConversationStore) -> None:
+    """The claim's one-statement insert and the rebased append on PostgreSQL (the `store` fixture of tests/engines):
+    eight runs claim one conversation at once and exactly one holds it; a stale append with `rebase` goes after."""
+
+    async def scenario() -> None:
+        holders = await asyncio.gather(*(store.claim_turn('pg-c', f'run-{i}') for i in range(8)))
+        assert sum(1 for h in holders if h is None) == 1, holders
+        [winner] = [f'run-{i}' for i, h in enumerate(holders) if h is None]
+        assert {h[0] for h in holders if h is not None} == {winner}
+        await store.append('pg-c', [ModelRequest(parts=[UserPromptPart('other')])], expected_revision=None)
+        result = await store.append('pg-c', [ModelRequest(parts=[UserPromptPart('mine')])], expected_revision=None,
+                                    rebase=True, release_claim=winner)
+        assert result.rebased and result.revision == 2
+        assert await store.turn_claim('pg-c') is None
+
+    asyncio.run(scenario())
