@@ -259,6 +259,31 @@ def test_a_turn_stored_meanwhile_by_another_writer_is_kept_and_the_waiting_turn_
         assert [(r['decision'], r['by']) for r in audit] == [('approved', 'ops')]
 
 
+def test_a_claim_left_by_a_run_that_is_gone_is_taken_over(world: World) -> None:
+    """A claim whose run is not running (never existed, or ended without releasing it): a durable engine's load asks
+    its server, finds the run gone and takes the conversation; the local engine cannot ask, refuses with DC050, and
+    `durcap history release` frees it."""
+    conversation = f'gone-{uuid.uuid4().hex[:6]}'
+
+    async def claim() -> None:
+        async with SQLConversationStore(world.store) as store:
+            await store.claim_turn(conversation, 'gone-run')
+
+    asyncio.run(claim())
+    turn = world.start('charge bob', conversation)
+    if world.engine == 'local':
+        code, said = turn.finish()
+        assert code == 2 and 'DC050' in said and "run 'gone-run' holds it" in said, said
+        released = durcap('history', 'release', conversation, '--store', world.store, env=world.env)
+        assert released.returncode == 0, released.stderr
+        assert f'conversation {conversation}: released the turn of run gone-run' in released.stdout, released.stdout
+        turn = world.start('charge bob', conversation)
+    code, said = turn.finish()
+    assert code == 0 and 'result: charged bob' in said, said
+    prompts, _, _ = stored(world.store, conversation)
+    assert prompts == ['charge bob'] and world.side_effects().count('tool:bob') == 1
+
+
 def test_claims_and_rebased_appends_on_postgresql(store: SQLConversationStore) -> None:
     """The claim's one-statement insert and the rebased append on PostgreSQL (the `store` fixture of tests/engines):
     eight runs claim one conversation at once and exactly one holds it; a stale append with `rebase` goes after."""

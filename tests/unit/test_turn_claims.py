@@ -127,6 +127,27 @@ def test_local_runs_reject_or_enqueue_behind_a_claim(tmp_path: Path) -> None:
     run(scenario())
 
 
+def test_a_failed_turn_releases_its_claim(tmp_path: Path) -> None:
+    """The model raises mid-turn: nothing is stored, the claim is released, the next turn runs."""
+    from pydantic_ai.models.function import FunctionModel
+
+    url = f'sqlite:///{tmp_path / "c.db"}'
+
+    def broken(messages, info):  # noqa: ANN001, ANN202 - upstream's FunctionModel signature
+        raise RuntimeError('the provider is down')
+
+    agent = DurableAgent('claims-broken', FunctionModel(broken))
+    with pytest.raises(RuntimeError, match='the provider is down'):
+        run(runner.run(agent, 'hi', conversation_id='t', store=url))
+
+    async def after() -> None:
+        async with SQLConversationStore(url) as store:
+            assert await store.turn_claim('t') is None and await store.read_record('t') is None
+
+    run(after())
+    assert run(runner.run(DurableAgent('claims-fixed', TestModel()), 'hi', conversation_id='t', store=url)).output
+
+
 def test_bad_strategies_are_refused() -> None:
     with pytest.raises(ValueError, match="busy must be 'reject' or 'enqueue'"):
         DurableAgent('claims-bad', TestModel(), busy='later')  # type: ignore[arg-type]
