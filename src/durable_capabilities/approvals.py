@@ -264,7 +264,7 @@ def check_args(call: PendingCall, args: Any, run_id: str) -> None:
     if not errors:
         return
     found = '; '.join(f'at {_json_path(e.absolute_path)}: {e.message}' for e in errors[:3])
-    properties = sorted((call.schema.get('properties') or {}))
+    properties = sorted(call.schema.get('properties') or {})
     raise ApprovalArgsError('invalid-args', (
         f'DC051 {where}: the edited arguments do not fit the tool\'s schema {found}; nothing was '
         f'sent. The tool takes {", ".join(properties) or "no arguments"} (required: '

@@ -29,7 +29,7 @@ from durable_capabilities.testing import assert_histories_replay
 from tests._helpers import ROOT, durcap_here
 
 
-def run(coro):  # noqa: ANN001, ANN201 - a test helper
+def run(coro):
     return asyncio.run(coro)
 
 
@@ -73,7 +73,7 @@ def test_local_runs_reject_or_enqueue_behind_a_claim(tmp_path: Path) -> None:
     url = f'sqlite:///{tmp_path / "c.db"}'
     asked: list[int] = []
 
-    def counting(messages, info):  # noqa: ANN001, ANN202 - upstream's FunctionModel signature
+    def counting(messages, info):
         asked.append(len(messages))
         return ModelResponse(parts=[TextPart('answered')])
 
@@ -108,7 +108,7 @@ def test_local_runs_reject_or_enqueue_behind_a_claim(tmp_path: Path) -> None:
                 try:
                     task = asyncio.create_task(waiting())
                     await asyncio.wait_for(event.wait(), 30)  # it waits on the claim
-                    assert not task.done() and len(asked) == 0 or asked[-1] > 0
+                    assert (not task.done() and len(asked) == 0) or asked[-1] > 0
                     count = len(asked)
                     record = await store.read_record('t')
                     revision = (await store.read('t')).revision if record is not None else None
@@ -133,7 +133,7 @@ def test_a_failed_turn_releases_its_claim(tmp_path: Path) -> None:
 
     url = f'sqlite:///{tmp_path / "c.db"}'
 
-    def broken(messages, info):  # noqa: ANN001, ANN202 - upstream's FunctionModel signature
+    def broken(messages, info):
         raise RuntimeError('the provider is down')
 
     agent = DurableAgent('claims-broken', FunctionModel(broken))
@@ -170,7 +170,7 @@ SCHEMA = {'type': 'object', 'properties': {'user': {'type': 'string'}, 'hours': 
     ({'user': 'bob', 'hours': 'two'}, '$.hours', "'two' is not of type 'integer'"),
     (['bob'], None, 'must be a JSON object'),
 ])
-def test_edited_arguments_that_do_not_fit_the_schema_are_dc051_naming_the_field(args, field, said) -> None:  # noqa: ANN001
+def test_edited_arguments_that_do_not_fit_the_schema_are_dc051_naming_the_field(args, field, said) -> None:
     with pytest.raises(ApprovalArgsError) as refused:
         check_decision([_call(SCHEMA)], Decision('call-1', 'f' * 64, True, override_args=args), 'run-1')
     assert refused.value.code == 'DC051' and refused.value.kind == 'invalid-args'

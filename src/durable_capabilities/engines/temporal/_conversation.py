@@ -101,7 +101,7 @@ def conversation_activities(agent: DurableAgent[Any, Any], store: str | None = N
 
 
 def _workflow_id() -> str:
-    return activity.info().workflow_id
+    return activity.info().workflow_id or ''
 
 
 async def _workflow_running(run_id: str) -> bool:
