@@ -61,6 +61,10 @@ class DurableAgent(Generic[DepsT, OutputT]):
         approval_timeout: How long a tool call that needs approval (`ApprovalRequired`, `requires_approval=True`)
             waits for a person in a durable run, as a `timedelta` or seconds (default 24 hours); then it is
             denied with a reason the model sees (see `approvals`).
+        busy: What a turn does when another run's turn holds its conversation (one turn at a time per
+            conversation): `'reject'` (the default: refused before any side effect, `ConversationBusyError`, DC050,
+            naming the run that holds it) or `'enqueue'` (waits until that turn is stored, then runs on top of it).
+            A run's own `busy=` (`durcap run --busy`) wins.
         agent_kwargs: Any other `pydantic_ai.Agent` keyword argument (`retries`, `model_settings`, ...).
 
     Raises:
@@ -84,6 +88,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
         conversation_store: str | None = None,
         drift: Literal['error', 'warning'] = 'error',
         approval_timeout: Any = None,
+        busy: Literal['reject', 'enqueue'] = 'reject',
         **agent_kwargs: Any,
     ) -> None:
         self.name = name
@@ -105,6 +110,9 @@ class DurableAgent(Generic[DepsT, OutputT]):
             raise ValueError(f"drift must be 'error' or 'warning', not {drift!r}")
         self.drift: Literal['error', 'warning'] = drift
         self.approval_timeout = timeout_seconds(approval_timeout)
+        if busy not in ('reject', 'enqueue'):
+            raise ValueError(f"busy must be 'reject' or 'enqueue', not {busy!r}")
+        self.busy: Literal['reject', 'enqueue'] = busy
         self._invalid_skills = [c for c in capabilities if isinstance(c, InvalidSkill)]
         self.user_capabilities = [c for c in capabilities if not isinstance(c, InvalidSkill)]
         self._stabilized = stabilize(self.user_capabilities, self.aliases)
@@ -150,6 +158,15 @@ class DurableAgent(Generic[DepsT, OutputT]):
         for walk in self._stabilized.registered:
             names.update(walk.tool_names or [])
         return sorted(names)
+
+    def tool_schema(self, name: str) -> dict[str, Any] | None:
+        """The parameters JSON schema of tool `name` when the definition knows it without running anything (agent
+        tools and function toolsets of capabilities), else `None` (MCP and other dynamic toolsets)."""
+        toolsets = [FunctionToolset(self.tools), *(leaf for walk in self._stabilized.registered for leaf in walk.leaves)]
+        for toolset in toolsets:
+            if isinstance(toolset, FunctionToolset) and name in toolset.tools:
+                return dict(toolset.tools[name].function_schema.json_schema)
+        return None
 
     def tool_names_by_capability(self) -> tuple[dict[str, set[str]], set[str]]:
         """`({tool name: ids of the capabilities defining it}, ids of capabilities whose tools are only known at run time)`.

@@ -79,6 +79,9 @@ class PendingCall:
             it has not reached the wait), as `'approved by alice at 2026-12-01T06:40:00+00:00'`; `None` when none
             was sent. Only DBOS reports it: there a decision waits in the system database for the run to read it,
             and the call stays published as pending until then (`durcap runs resume` the run if it is orphaned).
+        schema: The tool's parameters JSON schema when the definition knows it (function tools; not MCP tools):
+            arguments a decider edits (`override_args`, `--args`) are validated against it before they are sent
+            (`ApprovalArgsError`, DC051). `None` in calls published before this field.
     """
 
     run_id: str
@@ -92,6 +95,7 @@ class PendingCall:
     conversation_id: str | None = None
     engine: str = ''
     decided: str | None = None
+    schema: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The call as JSON-compatible data (what engines record and `durcap approvals list --format json` prints)."""
@@ -146,6 +150,32 @@ class ApprovalError(LookupError, DurcapError, code='approval'):
         super().__init__(message)
         self.kind = kind
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled by DBOS and Prefect when a step or task raises it
+        return (_restore, (type(self), self.kind, self.args[0] if self.args else ''))
+
+
+def _restore(cls: type[ApprovalError], kind: str, message: str) -> ApprovalError:
+    error = cls.__new__(cls)
+    ApprovalError.__init__(error, kind, message)
+    return error
+
+
+class ApprovalArgsError(ApprovalError, code='DC051'):
+    """Arguments a decider edited (`override_args`, `durcap approve --args`) do not fit the tool's JSON schema:
+    refused before anything is sent (kind `'invalid-args'`); the message names the field and what the schema
+    wants."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(kind, message)
+
+
+class AlreadyDecidedError(ApprovalError, code='approval-already-decided'):
+    """A second decision on a call that was decided already (its first decision delivered or not): refused, nothing
+    sent; the message names the first decision (kind `'unknown-call'`, the kind of a call no longer pending)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(kind, message)
+
 
 def utc_now() -> datetime:
     """The current UTC time (outside durable containers only: engines give their own deterministic clock)."""
@@ -165,12 +195,18 @@ def default_user() -> str:
         return 'unknown'
 
 
-def check_decision(pending: list[PendingCall], decision: Decision, run_id: str) -> PendingCall:
+def check_decision(pending: list[PendingCall], decision: Decision, run_id: str, *,
+                   validate_args: bool = True) -> PendingCall:
     """The pending call `decision` applies to.
+
+    Args:
+        validate_args: Check `decision.override_args` against the call's `schema` (`check_args`); Temporal's update
+            validator, workflow code, passes `False` (its client checked them before sending).
 
     Raises:
         ApprovalError: no pending call has `decision.call_id` (`unknown-call`), or its fingerprint differs
             (`stale-fingerprint`: the person reviewed other arguments).
+        ApprovalArgsError: DC051, `override_args` do not fit the tool's schema.
     """
     for call in pending:
         if call.call_id == decision.call_id:
@@ -181,6 +217,8 @@ def check_decision(pending: list[PendingCall], decision: Decision, run_id: str) 
                     'again (`durcap approvals list`)'))
             if decision.override_args is not None and not decision.approve:
                 raise ApprovalError('unknown-call', 'override_args is only allowed when approving')
+            if validate_args and decision.override_args is not None:
+                check_args(call, decision.override_args, run_id)
             return call
     raise ApprovalError('unknown-call', (
         f'run {run_id!r} has no pending call {decision.call_id!r} (pending: '
@@ -201,9 +239,42 @@ def already_decided(run_id: str, call_id: str, earlier: Decision, *, received: b
         call and the earlier decision (approved or denied, by whom, when); the caller raises it, and sends nothing.
     """
     state = ' (the run has not received it yet: it does when the run next runs)' if received is False else ''
-    return ApprovalError('unknown-call', (
+    return AlreadyDecidedError('unknown-call', (
         f'run {run_id!r}: call {call_id!r} was already {describe_decision(earlier)}{state}; '
         'a call is decided once: this decision was refused and nothing was sent'))
+
+
+def check_args(call: PendingCall, args: Any, run_id: str) -> None:
+    """Refuse edited arguments `args` for `call` that do not fit the tool's JSON schema (`PendingCall.schema`).
+
+    Raises:
+        ApprovalArgsError: DC051: `args` is not a JSON object, or the schema refuses it; the message names the
+            field (a JSON path, `$` for the object itself) and the schema's own reason. Nothing was sent.
+    """
+    where = f'run {run_id!r}: call {call.call_id!r} ({call.tool_name})'
+    if not isinstance(args, dict):
+        raise ApprovalArgsError('invalid-args', f'DC051 {where}: edited arguments must be a JSON object of the '
+                                f'tool\'s parameters, not {type(args).__name__}; nothing was sent')
+    if call.schema is None:
+        return
+    import jsonschema
+
+    errors = sorted(jsonschema.Draft202012Validator(call.schema).iter_errors(args),
+                    key=lambda e: ([str(p) for p in e.absolute_path], e.message))
+    if not errors:
+        return
+    found = '; '.join(f'at {_json_path(e.absolute_path)}: {e.message}' for e in errors[:3])
+    properties = sorted(call.schema.get('properties') or {})
+    raise ApprovalArgsError('invalid-args', (
+        f'DC051 {where}: the edited arguments do not fit the tool\'s schema {found}; nothing was '
+        f'sent. The tool takes {", ".join(properties) or "no arguments"} (required: '
+        f'{", ".join(call.schema.get("required") or []) or "none"}): fix --args (`override_args`), or approve '
+        'without editing'))
+
+
+def _json_path(path: Any) -> str:
+    """`$`, `$.user`, `$.items[0]`: where in the arguments a schema error is."""
+    return '$' + ''.join(f'[{p}]' if isinstance(p, int) else f'.{p}' for p in path)
 
 
 def describe_decision(decision: Decision) -> str:
@@ -213,6 +284,7 @@ def describe_decision(decision: Decision) -> str:
 
 def pending_calls(
     requests: Any, *, run_id: str, agent: str, conversation_id: str | None, now: datetime, timeout: float,
+    schemas: Any = None,
 ) -> list[PendingCall]:
     """One `PendingCall` per approval request of `requests` (a `DeferredToolRequests`).
 
@@ -221,12 +293,13 @@ def pending_calls(
         run_id / agent / conversation_id: Where the calls wait.
         now: The engine's deterministic current time (UTC).
         timeout: Seconds until the calls are denied.
+        schemas: `schemas(tool name) -> JSON schema | None` (`DurableAgent.tool_schema`), or `None`.
     """
     deadline = now + timedelta(seconds=timeout)
     return [
         PendingCall(run_id, part.tool_call_id, part.tool_name, part.args_as_dict(),
                     fingerprint(part.tool_name, part.args_as_dict()), now.isoformat(), deadline.isoformat(),
-                    agent, conversation_id)
+                    agent, conversation_id, schema=schemas(part.tool_name) if schemas is not None else None)
         for part in requests.approvals
     ]
 

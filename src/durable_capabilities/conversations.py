@@ -11,9 +11,11 @@ record and which keeps instruction ids intact.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,7 +28,7 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.usage import RunUsage
 
-from .store import ConversationNotFoundError, SQLConversationStore, drift, resolve_url
+from .store import ConversationBusyError, ConversationNotFoundError, SQLConversationStore, drift, resolve_url
 from .store._schema import _decode_messages, _encode
 from .validation import DurableConfigError, Report
 
@@ -211,6 +213,84 @@ def _remember(key: tuple[str, str], messages: list[ModelMessage]) -> None:
         _DECODED.popitem(last=False)
 
 
+BUSY_STRATEGIES = ('reject', 'enqueue')
+"""What a turn does when another run's turn holds its conversation (`DurableAgent(busy=...)`, `durcap run --busy`):
+`'reject'` refuses it before any side effect (`ConversationBusyError`, DC050, naming the holder); `'enqueue'` waits
+until the holder's turn is stored (or its run released the conversation), then runs on top of it."""
+
+ALIVE_CHECK_SECONDS = 5.0
+"""How often a waiting turn asks the engine whether the run holding its conversation still runs."""
+
+ENQUEUE_POLL_SECONDS = (0.05, 1.0)
+"""How often an enqueued turn looks at the claim again: from the first value, doubling, up to the second."""
+
+
+def check_busy(value: Any, where: str = 'busy') -> str | None:
+    """`value` if it is `None` or one of `BUSY_STRATEGIES`.
+
+    Raises:
+        InputError (DC040): any other value, naming `where` and the accepted ones.
+    """
+    if value is None or value in BUSY_STRATEGIES:
+        return value
+    from ._limits import InputError
+
+    raise InputError(where, f'{value!r} is not a strategy; use one of {", ".join(BUSY_STRATEGIES)}')
+
+
+async def claim_turn(agent: DurableAgent[Any, Any], conversation_id: str, run_id: str, busy: str | None, *,
+                     store: str | None = None, beat: Any = None, alive: Any = None) -> None:
+    """Claim `conversation_id` for the turn of run `run_id` (one turn at a time per conversation), before the turn
+    does anything: the conversation-load unit calls it. Released when the turn's append lands, or by `release_turn`.
+
+    Args:
+        agent / store: Where the conversation is stored (`store_url`).
+        run_id: The durable run (workflow id, flow run id); a retried unit of the same run claims again harmlessly.
+        busy: `'reject'` (default) or `'enqueue'` (`BUSY_STRATEGIES`).
+        beat: Called while an enqueued turn waits (Temporal's activity heartbeat), or `None`.
+        alive: `async alive(holder run id) -> bool`: whether the run holding the claim still runs (the engine asks
+            its server); a claim of a run that ended without releasing it (failed, cancelled, terminated, deleted)
+            is released and taken. `None`: never taken over.
+
+    Raises:
+        ConversationBusyError: DC050, another run holds the conversation and `busy` is `'reject'`.
+    """
+    opened = process_store(store_url(agent, store))
+    delay, cap = ENQUEUE_POLL_SECONDS
+    waited_since: float | None = None
+    asked: dict[str, float] = {}
+    while True:
+        holder = await opened.claim_turn(conversation_id, run_id)
+        if holder is None:
+            if waited_since is not None:
+                logger.info('run %s: conversation %r is free after %.1f s; its turn starts', run_id, conversation_id,
+                            time.monotonic() - waited_since)
+            return
+        if alive is not None and time.monotonic() - asked.get(holder[0], -60.0) >= ALIVE_CHECK_SECONDS:
+            asked[holder[0]] = time.monotonic()
+            if not await alive(holder[0]):
+                logger.warning('conversation %r: run %s holds it but no longer runs; run %s takes it over',
+                               conversation_id, holder[0], run_id)
+                await opened.release_turn(conversation_id, holder[0])
+                continue
+        if (busy or 'reject') == 'reject':
+            raise ConversationBusyError(conversation_id, run_id=run_id, holder=holder[0], claimed_at=holder[1])
+        if waited_since is None:
+            waited_since = time.monotonic()
+            logger.info('run %s waits for run %s, whose turn holds conversation %r', run_id, holder[0], conversation_id)
+        if beat is not None:
+            beat()
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, cap)
+
+
+async def release_turn(agent: DurableAgent[Any, Any], conversation_id: str, run_id: str | None, *,
+                       store: str | None = None) -> bool:
+    """Release the turn claim run `run_id` holds on `conversation_id` (`None`: whoever holds it); idempotent.
+    Returns whether a claim was released."""
+    return await process_store(store_url(agent, store)).release_turn(conversation_id, run_id)
+
+
 async def load_conversation(agent: DurableAgent[Any, Any], conversation_id: str, *,
                             store: str | None = None) -> LoadedConversation:
     """Read a conversation for a run of `agent` and check it for drift, from the store `store_url(agent, store)`.
@@ -273,13 +353,21 @@ async def append_conversation(
     append_id: str,
     usage: dict[str, Any] | None = None,
     store: str | None = None,
+    rebase: bool = False,
+    release_claim: str | None = None,
 ) -> int:
     """Append a run's new messages (message JSON) to the store `store_url(agent, store)` and return the new revision.
 
     A repeated `append_id` (a retried durable unit) stores nothing and returns the earlier revision.
 
+    Args:
+        rebase: When another writer appended since the run loaded, append after it instead of refusing (a turn
+            whose side effects happened is always stored: the turn units pass `True`).
+        release_claim: The run whose turn claim (`claim_turn`) is released in the append's transaction.
+
     Raises:
-        ConversationConflictError: another run appended since this one loaded (`expected_revision` is stale).
+        ConversationConflictError: another run appended since this one loaded (`expected_revision` is stale) and
+            `rebase` is false.
     """
     result = await process_store(store_url(agent, store)).append(
         conversation_id,
@@ -287,5 +375,10 @@ async def append_conversation(
         expected_revision=expected_revision,
         append_id=append_id,
         usage=RunUsage(**usage) if usage else None,
+        rebase=rebase,
+        release_claim=release_claim,
     )
+    if result.rebased:
+        logger.warning('conversation %r: another turn was stored while %s ran; its turn was appended after it '
+                       '(revision %s)', conversation_id, release_claim or append_id, result.revision)
     return result.revision

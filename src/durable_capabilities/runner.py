@@ -11,6 +11,7 @@ from typing import Any
 
 from .agent import DurableAgent
 from .approvals import Decision, PendingCall, default_user, fingerprint
+from .conversations import check_busy
 from .engines import DEFAULT_ENGINE, RunOptions, get
 from .engines._adapter import _stderr
 from .report import RunReport
@@ -61,6 +62,7 @@ async def run(
     run_id: str | None = None,
     notify: Callable[[str], None] = _stderr,
     on_start: Callable[[str], None] | None = None,
+    busy: str | None = None,
     **settings: Any,
 ) -> RunReport:
     """Run one turn of `agent` on `engine`.
@@ -76,6 +78,10 @@ async def run(
         notify: Where the engine reports what it does on the user's behalf (default: stderr); the run's id among the
             first lines, the moment the engine has the run.
         on_start: Called with the run's id the moment the engine has the run (durable engines).
+        busy: What the turn does when another run's turn holds `conversation_id` (one turn at a time per
+            conversation): `'reject'` (refused before any side effect: `ConversationBusyError`, DC050, naming the run
+            that holds it) or `'enqueue'` (waits until that turn is stored, then runs on top of it); `None`: the
+            agent's `DurableAgent(busy=...)` (default `'reject'`).
         settings: Engine settings (`address`, `task_queue`, `inline_worker`, `namespace`, `db`, ...); an engine
             ignores those it does not use. Not `event_stream_handler`: a run streams through the handler given to the
             engine's durability capability, `DurableAgent(engine_options={engine: {'event_stream_handler': h}})`,
@@ -86,6 +92,8 @@ async def run(
 
     Raises:
         ValueError: unknown engine.
+        InputError: DC040, `busy` is not a strategy.
+        ConversationBusyError: DC050 (see `busy`).
         TypeError: `event_stream_handler` passed here (see `settings`).
         DurableConfigError: the definition or the stored history has errors.
         Exception: whatever the engine raised when the run failed.
@@ -94,6 +102,8 @@ async def run(
         raise TypeError(f"runner.run() takes no event_stream_handler: give it to the engine's durability capability, "
                         f"DurableAgent(..., engine_options={{{engine!r}: {{'event_stream_handler': handler}}}}), where it "
                         'runs inside the model request unit (docs/providers.md, "Streaming")')
+    if check_busy(busy) is not None:
+        settings = {**settings, 'busy': busy}
     options = RunOptions(deps, message_history, conversation_id, run_id, settings, notify, on_start)
     return await get(engine).run(agent, prompt, options)
 

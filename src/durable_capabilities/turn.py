@@ -29,8 +29,10 @@ from .conversations import (  # noqa: F401 - _DECODED and DECODED_CACHE_SIZE re-
     DECODED_CACHE_SIZE,
     _remember,
     append_conversation,
+    claim_turn,
     decode_history,
     load_conversation,
+    release_turn,
 )
 
 if TYPE_CHECKING:
@@ -38,8 +40,9 @@ if TYPE_CHECKING:
     from .approvals import ApprovalGate
     from .conversations import LoadedConversation
 
-LoadUnit = Callable[[str], Awaitable['LoadedConversation']]
-"""`load(conversation_id) -> LoadedConversation`: the engine's durable unit that reads the store."""
+LoadUnit = Callable[..., Awaitable['LoadedConversation']]
+"""`load(conversation_id, busy) -> LoadedConversation`: the engine's durable unit that claims the conversation for
+the run's turn (`busy`: `'reject'` | `'enqueue'` | `None`, see `conversations.claim_turn`) and reads it."""
 
 AppendUnit = Callable[[str, list[dict[str, Any]], 'int | None', dict[str, Any]], Awaitable[Any]]
 """`append(conversation_id, new messages JSON, expected revision, usage JSON)`: the engine's unit that appends."""
@@ -161,6 +164,8 @@ async def run_turn(
     gate: ApprovalGate | None = None,
     store: str | None = None,
     carried: Sequence[dict[str, Any]] | None = None,
+    busy: str | None = None,
+    release: Callable[[str], Awaitable[Any]] | None = None,
     **run_kwargs: Any,
 ) -> Turn:
     """One turn of `agent`: load the conversation, run, append the new messages.
@@ -183,25 +188,52 @@ async def run_turn(
             the default store; `DurableAgent(conversation_store=...)` wins, see `conversations.store_url`).
         carried: Compaction summaries (message JSON) an earlier part of this agent run wrote and did not store
             (Temporal's continue-as-new: `TurnLog.split`); stored with this part's messages where they fit.
+        busy: What to do when another run's turn holds the conversation: `'reject'` (DC050 before any side effect)
+            or `'enqueue'` (wait for it); `None`: `DurableAgent(busy=...)`. Passed to `load`, which claims the
+            conversation for this run (one turn at a time per conversation); the append releases the claim.
+        release: The engine's call that frees this run's claim when the turn fails before its append
+            (`release(conversation_id)`, idempotent); default with the default units: in-process.
 
     Returns:
         The `Turn`.
 
     Raises:
         DurableConfigError: drift in the stored history (DC018/DC019), raised by `load`.
-        ConversationConflictError: another run appended since this one loaded.
+        ConversationBusyError: DC050, another run's turn holds the conversation and the strategy is `'reject'`.
     """
     agent.check_run_capabilities(run_kwargs.pop('capabilities', None))
     messages = _as_messages(message_history)
     revision: int | None = None
     cache_key = (agent.durable_name, conversation_id) if conversation_id is not None else None
-    if conversation_id is not None:
-        loaded = await (load or _local_load(agent, store))(conversation_id)
+    if conversation_id is not None and load is None:
+        holder = f'local:{uuid.uuid4()}'
+        load, append, release = _local_load(agent, store, holder), _local_append(agent, store, holder), _local_release(
+            agent, store, holder)
+    elif conversation_id is not None and append is None:
+        append = _local_append(agent, store, f'local:{uuid.uuid4()}')
+    if conversation_id is None:
+        return await _run(agent, run, prompt, deps, messages, conversation_id, revision, cache_key, None, gate,
+                          carried, run_kwargs)
+    loaded = await (load(conversation_id, busy) if busy is not None else load(conversation_id))  # type: ignore[misc]
+    try:
         revision = loaded.revision
         if loaded.rows is not None:
             messages = decode_history(cache_key, loaded.rows, conversation_id)  # type: ignore[arg-type]
         else:
             messages = ModelMessagesTypeAdapter.validate_python(loaded.messages) if loaded.messages else []
+        return await _run(agent, run, prompt, deps, messages, conversation_id, revision, cache_key, append, gate,
+                          carried, run_kwargs)
+    except Exception:
+        if release is not None:  # the turn ends without its append: the conversation is free again
+            await release(conversation_id)
+        raise
+
+
+async def _run(agent: DurableAgent[Any, Any], run: Callable[..., Awaitable[Any]], prompt: str | None, deps: Any,
+               messages: list[ModelMessage], conversation_id: str | None, revision: int | None,
+               cache_key: tuple[str, str] | None, append: AppendUnit | None, gate: ApprovalGate | None,
+               carried: Sequence[dict[str, Any]] | None, run_kwargs: dict[str, Any]) -> Turn:
+    """The turn after its load: run the agent (waiting on `gate` for decisions), then `append` what it added."""
     history = rewrite_history(messages or None, agent.aliases)
     state = TurnState(conversation_id, revision, messages)
     module = _streams()
@@ -242,9 +274,11 @@ async def run_turn(
     finally:
         _current.reset(token)
     turn = Turn(result, state, logged, to_jsonable_python(usage), added)
-    if conversation_id is not None:
-        appended = await (append or _local_append(agent, store))(conversation_id, turn.new_messages, revision, turn.usage)
-        if isinstance(appended, int) and not isinstance(appended, bool) and logged and not added:
+    if conversation_id is not None and append is not None:
+        appended = await append(conversation_id, turn.new_messages, revision, turn.usage)
+        # Not after a rebased append (another turn went in between): the history is no longer `messages + logged`.
+        if isinstance(appended, int) and not isinstance(appended, bool) and appended == (revision or 0) + 1 \
+                and logged and not added:
             _remember(cache_key, [*messages, *logged])  # type: ignore[arg-type]
         if stream is not None:
             await _publish('turn_stored', {'conversation_id': conversation_id,
@@ -288,7 +322,8 @@ async def _await_decisions(
 
     timeout = approvals.timeout_seconds(getattr(agent, 'approval_timeout', None))
     pending = approvals.pending_calls(_approval_requests(result), run_id=gate.run_id, agent=agent.name,
-                                      conversation_id=conversation_id, now=await gate.now(), timeout=timeout)
+                                      conversation_id=conversation_id, now=await gate.now(), timeout=timeout,
+                                      schemas=getattr(agent, 'tool_schema', None))
     await _publish('approval_waiting', {'calls': [_jsonable(c) for c in pending]})
     decisions = await gate.wait(pending, timeout)
     await _publish('approval_decided', {'decisions': [_jsonable(d) for d in decisions.values()]})
@@ -315,13 +350,26 @@ def deps_from_json(agent: DurableAgent[Any, Any], deps: Any) -> Any:
     return TypeAdapter(agent.deps_type).validate_python(deps) if deps is not None else None
 
 
-def _local_load(agent: DurableAgent[Any, Any], store: str | None) -> LoadUnit:
-    return lambda conversation_id: load_conversation(agent, conversation_id, store=store)
+def _local_load(agent: DurableAgent[Any, Any], store: str | None, holder: str) -> LoadUnit:
+    async def load(conversation_id: str, busy: str | None = None) -> LoadedConversation:
+        await claim_turn(agent, conversation_id, holder, busy or agent.busy, store=store)
+        try:
+            return await load_conversation(agent, conversation_id, store=store)
+        except BaseException:
+            await release_turn(agent, conversation_id, holder, store=store)
+            raise
+
+    return load
 
 
-def _local_append(agent: DurableAgent[Any, Any], store: str | None) -> AppendUnit:
+def _local_append(agent: DurableAgent[Any, Any], store: str | None, holder: str) -> AppendUnit:
     async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> int:
         return await append_conversation(agent, conversation_id, messages, expected_revision=revision,
-                                         append_id=f'local:{uuid.uuid4()}', usage=usage, store=store)
+                                         append_id=f'{holder}', usage=usage, store=store, rebase=True,
+                                         release_claim=holder)
 
     return append
+
+
+def _local_release(agent: DurableAgent[Any, Any], store: str | None, holder: str) -> Callable[[str], Awaitable[bool]]:
+    return lambda conversation_id: release_turn(agent, conversation_id, holder, store=store)

@@ -255,6 +255,16 @@ CODES: dict[str, Code] = {
         'error',
         written_by='_limits',
     ),
+    'DC050': Code(
+        "A turn was refused: another run's turn holds the conversation (one turn at a time per conversation).",
+        'error',
+        written_by='conversations',
+    ),
+    'DC051': Code(
+        "Arguments edited in an approval do not fit the tool's schema.",
+        'error',
+        written_by='approvals',
+    ),
 }
 """Every code: its one-line summary (each value is that string), severity, and message and fix templates.
 

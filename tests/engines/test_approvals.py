@@ -162,6 +162,44 @@ def test_dbos_timeout_denies_and_run_completes(tmp_path: Path) -> None:
     assert revocations(crash_dir) == []
 
 
+def test_dbos_workflow_drops_a_stale_decision_sent_straight_to_it(spawn, tmp_path: Path) -> None:
+    """Edited arguments the tool does not take are refused by `durcap approve --args` (DC051, nothing sent). A
+    decision for other arguments sent straight to the waiting workflow (`DBOSClient.send`, bypassing `decide`'s
+    check) approving with other arguments is dropped by the workflow's own fingerprint check: the real decision
+    that follows runs the tool once, for the reviewed arguments (without the workflow-side check, the stale one
+    would run it for `mallory`)."""
+    from dbos import DBOSClient
+
+    from durable_capabilities.approvals import Decision
+    from durable_capabilities.engines.dbos._spec import DECISION_TOPIC
+
+    db = f'sqlite:///{tmp_path / "dbos.sqlite"}'
+    env, crash_dir = env_for(tmp_path)
+    run_id = f'gate-{uuid.uuid4().hex[:8]}'
+    proc = spawn('dbos', 'run', '--target', TARGET, '--db', db, '--workflow-id', run_id, '--prompt', 'revoke kim', env=env)
+    engine_args = ['--engine', 'dbos', '--db', db]
+    [call] = pending(engine_args, run_id)
+    assert call['schema']['required'] == ['user'], call  # the tool's schema is published with the call
+    bad = durcap('approve', run_id, call['call_id'], '--args', '{"nope": 1}', *engine_args)
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    said = bad.stderr.replace('\n', ' ')
+    assert 'DC051' in said and 'nope' in said and 'invalid-args' in said and 'Traceback' not in said, said
+    assert pending(engine_args, run_id) == [call]  # nothing sent
+    client = DBOSClient(system_database_url=db)
+    try:
+        stale = Decision(call['call_id'], '0' * 64, True, override_args={'user': 'mallory'}, by='mallory')
+        client.send(run_id, stale.to_json(), DECISION_TOPIC)
+    finally:
+        client.destroy()
+    approved = durcap('approve', run_id, call['call_id'], '--by', 'ops', *engine_args)
+    assert approved.returncode == 0, approved.stderr
+    report = proc.report(timeout=120)
+    assert report['output'] == 'result: revoked sessions of kim'
+    assert revocations(crash_dir) == ['kim']
+    audit = [r for m in report['new_messages'] for r in (m.get('metadata') or {}).get('durcap_approvals', [])]
+    assert [(r['decision'], r['by'], r['override_args']) for r in audit] == [('approved', 'ops', None)]
+
+
 # ---- Temporal ----------------------------------------------------------------------------------
 
 
@@ -412,6 +450,52 @@ def test_prefect_deny_and_timeout(prefect_api_url: str, spawn, tmp_path: Path) -
     assert out.returncode == 0, out.stderr
     assert denied.report(timeout=180)['output'] == 'result: needs a ticket'
     assert late.report(timeout=180)['output'].startswith('result: No one approved the call to revoke_sessions')
+    assert revocations(crash_dir) == []
+
+
+_WRITE_STALE = """
+import asyncio, json, sys, uuid
+from prefect import get_client
+from prefect.flow_runs import aresume_flow_run
+from prefect.input import acreate_flow_run_input
+from durable_capabilities.engines.prefect._approvals import _input_key
+from durable_capabilities.engines.prefect._spec import DECISION_INPUT_PREFIX
+run_id, call_id, decision = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+async def main():
+    await acreate_flow_run_input(DECISION_INPUT_PREFIX + _input_key(call_id), decision, flow_run_id=uuid.UUID(run_id))
+    async with get_client() as client:
+        for _ in range(600):  # the run publishes its calls just before it pauses
+            state = (await client.read_flow_run(uuid.UUID(run_id))).state
+            if state is not None and state.is_paused():
+                await aresume_flow_run(uuid.UUID(run_id))
+                return
+            await asyncio.sleep(0.1)
+    raise SystemExit('the flow run never paused')
+asyncio.run(main())
+"""
+
+
+def test_prefect_flow_drops_a_stale_decision_written_straight_to_it(prefect_api_url: str, spawn, tmp_path: Path) -> None:
+    """A decision for other arguments written straight to the paused flow run (its decision input, then a resume;
+    bypassing `decide`'s check), approving with other arguments: the flow's own fingerprint check drops it, the
+    call stays undecided until its deadline and is denied; the tool never runs (without the flow-side check it would
+    run for `mallory`)."""
+    from durable_capabilities.approvals import Decision
+
+    env, crash_dir = env_for(tmp_path, timeout=60)  # the writer starts a Prefect client in a new process first
+    env['PREFECT_API_URL'] = prefect_api_url
+    proc = spawn('prefect', 'run', '--target', TARGET, '--prompt', 'revoke lee', env=env)
+    run_id = _prefect_flow_run_id(proc)
+    [call] = pending_prefect(['--engine', 'prefect'], run_id, env)
+    stale = Decision(call['call_id'], '0' * 64, True, override_args={'user': 'mallory'}, by='mallory')
+    log = tmp_path / 'stale.log'
+    with open(log, 'wb') as out:
+        wrote = subprocess.run([sys.executable, '-c', _WRITE_STALE, run_id, call['call_id'], json.dumps(stale.to_json())],
+                               cwd=ROOT, env=subprocess_env(env), stdout=out, stderr=subprocess.STDOUT, timeout=240,
+                               check=False)
+    assert wrote.returncode == 0, log.read_text()[-3000:]
+    report = proc.report(timeout=180)
+    assert report['output'].startswith('result: No one approved the call to revoke_sessions before its deadline')
     assert revocations(crash_dir) == []
 
 

@@ -340,7 +340,8 @@ def test_deny_shows_its_reason_in_the_conversation_view(ui: UI, browser, spawn, 
 
 def test_a_decision_without_the_token_or_csrf_is_refused_and_changes_nothing(ui: UI, browser, spawn, tmp_path: Path) -> None:
     """From the page without the token: 403, nothing delivered. Posted directly (httpx): the right token without
-    the CSRF cookie, or with a wrong CSRF field, is 403 too; the call still waits unchanged and the tool never ran.
+    the CSRF cookie, or with a wrong CSRF field, is 403 too, and so is a wrong non-empty token; edited arguments that
+    do not fit the tool's schema are 409 (DC051); the call still waits unchanged and the tool never ran.
     Then the call is denied with the token, and the run completes."""
     import httpx
     from selenium.webdriver.common.by import By
@@ -361,6 +362,11 @@ def test_a_decision_without_the_token_or_csrf_is_refused_and_changes_nothing(ui:
         assert wrong.status_code == 403
         no_token = client.post('/decide', data={**form, 'csrf': csrf, 'token': ''})
         assert no_token.status_code == 403 and 'token' in no_token.text
+        wrong_token = client.post('/decide', data={**form, 'csrf': csrf, 'token': ui.token[::-1] + 'x'})
+        assert wrong_token.status_code == 403 and 'wrong or missing decision token' in wrong_token.text
+        # Edited arguments the tool does not take: refused before anything is sent (DC051, naming the field).
+        bad_args = client.post('/decide', data={**form, 'csrf': csrf, 'args': '{"nope": 1}'})
+        assert bad_args.status_code == 409 and 'DC051' in bad_args.text and 'nope' in bad_args.text, bad_args.text
         assert pending(['--engine', 'dbos', '--db', ui.db], run_id) == [call]  # nothing changed
         assert revocations(crash_dir) == []
         denied = client.post('/decide', data={**form, 'csrf': csrf, 'decision': 'deny', 'reason': 'not today'})

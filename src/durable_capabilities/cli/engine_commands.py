@@ -26,6 +26,7 @@ from rich.text import Text
 from .. import runner
 from .._limits import INPUT_CODE, InputError, load_json, one_line, printable
 from ..agent import DurableAgent
+from ..conversations import check_busy
 from ..engines import DEFAULT_ENGINE, ENGINES, EngineUnreachableError, RunOptions, get
 from ..ids import redact_url
 from ..replay import ReplayTimeout, replay_histories
@@ -341,6 +342,10 @@ def run(
     stream: Annotated[bool, typer.Option('--stream/--no-stream', help="Print the answer as the run streams it, from "
                                          "the run's event stream (docs/watching.md), before the summary; default: "
                                          'wait for the end.')] = False,
+    busy: Annotated[str | None, typer.Option('--busy', metavar='reject|enqueue', help="When another run's turn holds "
+                                             'the conversation: reject (refused before anything runs, DC050) or '
+                                             "enqueue (wait until that turn is stored). Default: the agent's busy "
+                                             '(reject).')] = None,
     conn: dict[str, Any] | None = None,
 ) -> None:
     """Run TARGET once on ENGINE and print the answer, loaded capabilities and durable units."""
@@ -354,6 +359,11 @@ def run(
         _unusable('--conversation must not be empty')
     store = database_url(store, '--store')
     settings = run_settings(conn or {}, engine)  # each flag checked (exit 2), the run's engine database probed
+    try:
+        if check_busy(busy, '--busy') is not None:
+            settings['busy'] = busy
+    except InputError as exc:
+        _unusable(str(exc))
     if deps_json is None and agent.deps_type is not type(None):
         _unusable(f'{agent.name!r} takes deps of type {agent.deps_type.__name__}: pass them with --deps-json')
     deps = _deps(agent, deps_json)  # bad deps are unusable input (exit 2), before anything runs

@@ -296,3 +296,33 @@ def _plan_text(purge: Any, records: list[Any], *, planned: bool) -> str:
     else:
         lines.append('no durable run appended to it (nothing of it on an engine that the store knows of)')
     return '\n'.join(printable(line) for line in lines)
+
+
+# ---- `durcap history release`: free a conversation held by a run that is gone ---------------------------------
+
+
+@history_app.command('release')
+def release(
+    conversation_id: Annotated[str, typer.Argument(metavar='ID', help='The conversation id.')],
+    store: StoreOption = None,
+    run_id: Annotated[str | None, typer.Option('--run', help='Release only if this run holds it.')] = None,
+) -> None:
+    """Release the turn claim on a conversation (one turn at a time per conversation): what a run that is gone left
+    behind, so a new turn is not refused (DC050). Says which run held it; exit 0 also when none did."""
+    from ..store import SQLConversationStore
+
+    async def go() -> tuple[tuple[str, str] | None, bool]:
+        async with SQLConversationStore(resolve_url(store), create=False) as opened:
+            holder = await opened.turn_claim(conversation_id)
+            return holder, await opened.release_turn(conversation_id, run_id)
+
+    try:
+        holder, released = asyncio.run(go())
+    except StoreError as exc:
+        _unusable(str(exc).splitlines()[0])
+    if released and holder is not None:
+        typer.echo(printable(f'conversation {conversation_id}: released the turn of run {holder[0]} (claimed at {holder[1]})'))
+    elif holder is not None:
+        typer.echo(printable(f'conversation {conversation_id}: held by run {holder[0]}, not {run_id}: nothing released'))
+    else:
+        typer.echo(printable(f'conversation {conversation_id}: no turn holds it'))

@@ -12,9 +12,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..conversations import LoadedConversation, append_conversation, load_conversation
+from ..conversations import LoadedConversation, append_conversation, claim_turn, load_conversation, release_turn
 from ..store import (
     AppendIdReuseError,
+    ConversationBusyError,
     ConversationConflictError,
     CorruptedRowError,
     NewerHistoryError,
@@ -30,8 +31,10 @@ if TYPE_CHECKING:
 _NEVER_FIXED_BY_A_RETRY: tuple[type[BaseException], ...] = (
     DurableConfigError, ConversationConflictError, CorruptedRowError, NewerHistoryError, SchemaVersionError, StoreURLError,
 )
-PERMANENT_LOAD_ERRORS: tuple[type[BaseException], ...] = (*_NEVER_FIXED_BY_A_RETRY, StoreReadOnlyError)
-"""Errors a retried load cannot fix: the definition, the stored rows or the URL are wrong."""
+PERMANENT_LOAD_ERRORS: tuple[type[BaseException], ...] = (*_NEVER_FIXED_BY_A_RETRY, StoreReadOnlyError,
+                                                          ConversationBusyError)
+"""Errors a retried load cannot fix: the definition, the stored rows or the URL are wrong, or the conversation is
+busy and the turn's strategy is `'reject'` (refused before any side effect)."""
 
 PERMANENT_APPEND_ERRORS: tuple[type[BaseException], ...] = (*_NEVER_FIXED_BY_A_RETRY, AppendIdReuseError)
 """Errors a retried append cannot fix: another run appended since this one loaded, the append id was reused with
@@ -68,12 +71,16 @@ class UnitRetry:
         return waits
 
 
-LoadUnit = Callable[[str], Awaitable[LoadedConversation]]
+LoadUnit = Callable[..., Awaitable[LoadedConversation]]
 AppendUnitBody = Callable[..., Awaitable[int]]
 StoreSource = str | Callable[[], str | None] | None
 """Where a unit finds its store URL: the URL, a callable read each time the unit runs (an engine whose units are
 built once per process but run for callers with different stores), or `None` (`$DURCAP_STORE`, else the default).
 `DurableAgent(conversation_store=...)` wins over it (`conversations.store_url`)."""
+
+RunOf = Callable[[], str]
+"""Inside a unit: the id of the durable run it belongs to (Temporal workflow id, DBOS workflow id, Prefect flow run
+id), the holder of the run's turn claim (`conversations.claim_turn`)."""
 
 
 def _url(store: StoreSource) -> str | None:
@@ -81,28 +88,50 @@ def _url(store: StoreSource) -> str | None:
 
 
 def load_unit(agent: DurableAgent[Any, Any], check: Callable[[str, list[Any]], None] | None = None, *,
-              store: StoreSource = None) -> LoadUnit:
-    """The body of the conversation-load unit of `agent`: read the conversation (checked for drift).
+              store: StoreSource = None, run_of: RunOf | None = None,
+              beat: Callable[[], None] | None = None,
+              alive: Callable[[str], Awaitable[bool]] | None = None) -> LoadUnit:
+    """The body of the conversation-load unit of `agent`: claim the conversation for the run's turn, then read it
+    (checked for drift). `load(conversation_id, busy=None)`.
 
     Args:
         agent: The definition whose conversations are read.
         check: Called with the conversation id and the rows (or messages) read, before they cross the engine's
             boundary (Temporal's payload guard: DC030 in the activity, not in a workflow task).
         store: The store URL (or where to read it, see `StoreSource`): the run's or the worker's `--store`.
+        run_of: The run's id inside the unit (`RunOf`); `None`: no claim (a caller that takes none).
+        beat: Called while an enqueued turn waits for the conversation (Temporal's activity heartbeat).
+        alive: Whether the run holding the conversation still runs (asked of the engine's server): the claim of a
+            run that ended without releasing it is taken over (`conversations.claim_turn`).
+
+    The load's `busy` (`'reject'` | `'enqueue'`, `None`: `DurableAgent(busy=...)`) says what to do when another run
+    holds the conversation (`conversations.claim_turn`): `ConversationBusyError` (DC050), or wait.
     """
 
-    async def load(conversation_id: str) -> LoadedConversation:
-        loaded = await load_conversation(agent, conversation_id, store=_url(store))
-        if check is not None:
-            check(conversation_id, loaded.rows if loaded.rows is not None else loaded.messages)
+    async def load(conversation_id: str, busy: str | None = None) -> LoadedConversation:
+        holder = run_of() if run_of is not None else None
+        if holder is not None:
+            await claim_turn(agent, conversation_id, holder, busy or agent.busy, store=_url(store), beat=beat,
+                             alive=alive)
+        try:
+            loaded = await load_conversation(agent, conversation_id, store=_url(store))
+            if check is not None:
+                check(conversation_id, loaded.rows if loaded.rows is not None else loaded.messages)
+        except BaseException:
+            if holder is not None:  # the turn does not start: the conversation is free again
+                await release_turn(agent, conversation_id, holder, store=_url(store))
+            raise
         return loaded
 
     return load
 
 
-def append_unit(agent: DurableAgent[Any, Any], *, store: StoreSource = None) -> AppendUnitBody:
+def append_unit(agent: DurableAgent[Any, Any], *, store: StoreSource = None, run_of: RunOf | None = None) -> AppendUnitBody:
     """The body of the conversation-append unit of `agent`: `(conversation_id, messages, expected_revision,
     append_id, usage) -> new revision`, idempotent by `append_id`, on the store `store` (see `load_unit`).
+
+    A turn whose side effects happened is always stored: when another writer appended since the turn loaded, the
+    messages go after it (`rebase`). The run's turn claim (`run_of`) is released in the append's transaction.
 
     Raises (from the store): one of `PERMANENT_APPEND_ERRORS`, or a `StoreError` another attempt may fix.
     """
@@ -110,6 +139,17 @@ def append_unit(agent: DurableAgent[Any, Any], *, store: StoreSource = None) -> 
     async def append(conversation_id: str, messages: list[dict[str, Any]], expected_revision: int | None,
                      append_id: str, usage: dict[str, Any] | None = None) -> int:
         return await append_conversation(agent, conversation_id, messages, expected_revision=expected_revision,
-                                         append_id=append_id, usage=usage, store=_url(store))
+                                         append_id=append_id, usage=usage, store=_url(store), rebase=True,
+                                         release_claim=run_of() if run_of is not None else None)
 
     return append
+
+
+def release_unit(agent: DurableAgent[Any, Any], *, store: StoreSource = None, run_of: RunOf) -> Callable[[str], Awaitable[bool]]:
+    """The body of a turn's release: `release(conversation_id)` frees the run's turn claim when the turn ends without
+    an append (it failed, was cancelled). Idempotent: running it again (a recovered workflow) changes nothing."""
+
+    async def release(conversation_id: str) -> bool:
+        return await release_turn(agent, conversation_id, run_of(), store=_url(store))
+
+    return release

@@ -64,7 +64,8 @@ class LocalAdapter(EngineAdapter):
         with streams.publishing(run_id, self.name, store_url(agent, store), conversation_id=options.conversation_id):
             turn = await run_turn(agent, agent.build(self.name).run, prompt, deps=options.deps,
                                   message_history=options.message_history, conversation_id=options.conversation_id,
-                                  gate=LocalApprovalGate(options.notify), store=store)
+                                  gate=LocalApprovalGate(options.notify), store=store,
+                                  busy=options.setting('busy'))
         # The turn's messages, the ones after an approval pause included (`turn.new_messages`, message JSON).
         messages = ModelMessagesTypeAdapter.validate_python(turn.new_messages)
         return RunReport(self.name, None, turn.result.output, messages, turn.result.usage)

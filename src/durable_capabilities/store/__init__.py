@@ -9,7 +9,7 @@ adds what a durable runner needs:
 - `append(id, messages, expected_revision=N, append_id=...)`: optimistic concurrency on an integer
   revision, idempotent by `append_id` so a retried activity / step / task never appends twice.
 
-Storage (schema version 3, tables prefixed `durcap_`):
+Storage (schema version 4, tables prefixed `durcap_`):
 - `durcap_entries`: one row per message, the message as pydantic-ai's own JSON
   (`ModelMessagesTypeAdapter`), its parent entry and its 1-based position in its history. Rows are
   never updated, and deleted only by `purge` (`durcap history delete`).
@@ -22,6 +22,8 @@ Storage (schema version 3, tables prefixed `durcap_`):
   by the sha256 of their bytes; written once, never updated, deleted by `purge` and `collect` (`durcap store gc`).
 - `durcap_payload_refs` (version 3): which durable run (a Temporal workflow id) refers to which claim check, so
   `purge` deletes a conversation's own claim checks, `stats` counts them and `collect` deletes those of runs gone.
+- `durcap_turn_claims` (version 4): which run's turn holds a conversation (`claim_turn`), so two turns never run on
+  one conversation at once; released when that turn's append lands, or by `release_turn`.
 - `durcap_schema_version`: the migrations applied. A store whose version is newer than this code
   knows is refused (`SchemaVersionError`) and never touched.
 
@@ -64,6 +66,7 @@ __all__ = [
     'AppendResult',
     'ClaimCheckOwner',
     'CollectReport',
+    'ConversationBusyError',
     'ConversationConflictError',
     'ConversationHasForksError',
     'ConversationNotFoundError',
@@ -211,6 +214,26 @@ class ConversationConflictError(StoreError, ConversationConflict, code='conversa
             f'has {what}{reason}. Nothing was written; read it again and retry with the stored revision.'
         )
         Exception.__init__(self, message)
+
+
+class ConversationBusyError(StoreError, code='DC050'):
+    """Another run's turn holds the conversation (`SQLConversationStore.claim_turn`) and this turn's strategy is
+    `'reject'`: refused before the turn did anything (no model request, no tool).
+
+    Attributes:
+        conversation_id: The busy conversation.
+        run_id: The run that asked.
+        holder: The run whose turn holds the conversation.
+        claimed_at: When `holder` claimed it (ISO 8601 UTC).
+    """
+
+    def __init__(self, conversation_id: str, *, run_id: str, holder: str, claimed_at: str):
+        self.conversation_id, self.run_id, self.holder, self.claimed_at = conversation_id, run_id, holder, claimed_at
+        Exception.__init__(self, (
+            f'DC050 conversation {conversation_id!r} is busy: run {holder!r} holds it (its turn started at '
+            f'{claimed_at} and is not stored yet); run {run_id!r} was refused before doing anything. Send the turn '
+            f'again once {holder!r} is done, or run it with `--busy enqueue` (`busy=\'enqueue\'`) to wait for it; '
+            f'a claim left by a run that is gone is released with `durcap history release {conversation_id}`.'))
 
 
 class AppendIdReuseError(StoreError, code='append-id-reuse'):
@@ -444,6 +467,8 @@ class AppendResult:
         replayed_differently: True when the replayed append came with messages that differ from the
             stored ones (same count): workflow code that ran again after a crash rebuilt them with new
             timestamps or ids. The stored messages stand.
+        rebased: True when the conversation had moved past `expected_revision` and `rebase=True` appended the
+            messages after the other writes instead of refusing them.
     """
 
     conversation_id: str
@@ -453,6 +478,7 @@ class AppendResult:
     message_count: int
     replayed: bool = False
     replayed_differently: bool = False
+    rebased: bool = False
 
 
 @dataclass
@@ -626,6 +652,8 @@ class SQLConversationStore(ConversationStore):
         usage: RunUsage | None = None,
         deferred_tool_requests: DeferredToolRequests | None = None,
         scope: str | None = None,
+        rebase: bool = False,
+        release_claim: str | None = None,
     ) -> AppendResult:
         """Append messages after the conversation's last one, if it is still at `expected_revision`.
 
@@ -642,6 +670,10 @@ class SQLConversationStore(ConversationStore):
             deferred_tool_requests: The tool calls the conversation now waits on (`None`: none).
             scope: Whose conversation it is. A new conversation is stored with it; an existing one
                 must have been stored with it.
+            rebase: When the conversation moved past `expected_revision` (another writer appended), append after
+                its current last message instead of refusing (`AppendResult.rebased`): what a turn whose side effects
+                happened does, so it is never lost.
+            release_claim: A run id: release that run's turn claim (`claim_turn`) in the same transaction.
 
         Returns:
             An `AppendResult` with the new revision.
@@ -661,8 +693,30 @@ class SQLConversationStore(ConversationStore):
             raise ValueError('`expected_revision` must be a revision (>= 1) or None for a new conversation')
         encoded = [_encode(message) for message in messages]
         return await asyncio.to_thread(
-            self._sql.append, conversation_id, encoded, expected_revision, append_id, usage, deferred_tool_requests, scope
+            self._sql.append, conversation_id, encoded, expected_revision, append_id, usage, deferred_tool_requests, scope,
+            rebase, release_claim,
         )
+
+    async def claim_turn(self, conversation_id: str, run_id: str) -> tuple[str, str] | None:
+        """Claim `conversation_id` for the turn of run `run_id`: one turn at a time per conversation.
+
+        Returns:
+            `None` when `run_id` holds the claim now (it was free, or `run_id` held it already: a retried unit);
+            else the holder's `(run_id, claimed_at ISO 8601 UTC)`, and nothing changed.
+
+        Raises:
+            SchemaVersionError, StoreUnavailableError: see the class docstrings.
+        """
+        return await asyncio.to_thread(self._sql.claim_turn, conversation_id, run_id)
+
+    async def release_turn(self, conversation_id: str, run_id: str | None = None) -> bool:
+        """Release the turn claim on `conversation_id` held by `run_id` (`None`: whoever holds it, e.g. a run that
+        is gone). Returns whether a claim was released; releasing twice is harmless."""
+        return await asyncio.to_thread(self._sql.release_turn, conversation_id, run_id)
+
+    async def turn_claim(self, conversation_id: str) -> tuple[str, str] | None:
+        """The `(run_id, claimed_at)` holding `conversation_id`'s turn claim, or `None`."""
+        return await asyncio.to_thread(self._sql.turn_claim, conversation_id)
 
     async def check_writable(self) -> None:
         """Open a write transaction and write nothing: a cheap probe before a run whose turn will be appended.

@@ -99,11 +99,20 @@ _MIGRATIONS: dict[int, list[str]] = {
         )""",
         'CREATE INDEX durcap_payload_refs_owner ON durcap_payload_refs (owner)',
     ],
+    4: [
+        # One turn at a time per conversation (`SQLConversationStore.claim_turn`): the run whose turn holds the
+        # conversation, from its load until its append lands (released in the append's transaction) or the run ends.
+        """CREATE TABLE durcap_turn_claims (
+            conversation_id TEXT PRIMARY KEY,
+            run_id TEXT NOT NULL,
+            claimed_at TEXT NOT NULL,
+            writer TEXT NOT NULL
+        )""",
+    ],
     5: [
         # Run event streams (`durable_capabilities.streams`): one row per run (its next offset, what it retains, when
         # it closed) and one per event, offsets assigned here. A unit's event is keyed by (run, unit, attempt, seq), so a
-        # replayed container or a re-sent batch never stores an event twice. (Version 4 is claimed by another branch;
-        # the migrations apply in order, whichever exist.)
+        # replayed container or a re-sent batch never stores an event twice.
         """CREATE TABLE durcap_run_streams (
             run_id TEXT PRIMARY KEY,
             engine TEXT NOT NULL,

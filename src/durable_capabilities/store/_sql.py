@@ -968,6 +968,8 @@ class _SQLBackend:
         usage: RunUsage | None,
         deferred: DeferredToolRequests | None,
         scope: str | None,
+        rebase: bool = False,
+        release: str | None = None,
     ) -> AppendResult:
         digest = _digest(encoded)
 
@@ -999,7 +1001,8 @@ class _SQLBackend:
                 if live:
                     self._check_header(conn, old)  # type: ignore[arg-type]  # never write past a wrong end
                 stored = old.revision if live else None  # type: ignore[union-attr]
-                if stored != expected:
+                rebased = stored != expected
+                if rebased and not rebase:
                     raise ConversationConflictError(conversation_id, expected=expected, stored=stored)
                 if live and scope is not None and old.record.scope != scope:  # type: ignore[union-attr]
                     raise ConversationConflictError(
@@ -1031,9 +1034,45 @@ class _SQLBackend:
                     conn, conversation_id, revision, 'append', entry_ids=ids, first_position=count + 1,
                     append_id=append_id, digest=digest,
                 )
-                return AppendResult(conversation_id, revision, ids, count + 1, count + len(encoded))
+                if release is not None:
+                    self._release(conn, conversation_id, release)
+                return AppendResult(conversation_id, revision, ids, count + 1, count + len(encoded), rebased=rebased)
 
         return self._retrying_creation(attempt)
+
+    # ---- turn claims ----------------------------------------------------------------------------
+
+    def claim_turn(self, conversation_id: str, run_id: str) -> tuple[str, str] | None:
+        """Claim the conversation for `run_id`'s turn; `None` when claimed (or `run_id` held it already), else the
+        holder's `(run_id, claimed_at)`. One statement per backend that never fails on a concurrent claim."""
+        with self._txn(write=True) as conn:
+            conn.execute(
+                sa.text('INSERT INTO durcap_turn_claims (conversation_id, run_id, claimed_at, writer) '
+                        'VALUES (:cid, :run, :at, :w) ON CONFLICT (conversation_id) DO NOTHING'),
+                {'cid': conversation_id, 'run': run_id, 'at': _utcnow(), 'w': _WRITER},
+            )
+            row = conn.execute(sa.text('SELECT run_id, claimed_at FROM durcap_turn_claims WHERE conversation_id = :cid'),
+                               {'cid': conversation_id}).first()
+        if row is None or row.run_id == run_id:  # None: released between the two statements (not on one txn's view)
+            return None
+        return str(row.run_id), str(row.claimed_at)
+
+    def _release(self, conn: sa.Connection, conversation_id: str, run_id: str | None) -> int:
+        if run_id is None:
+            return conn.execute(sa.text('DELETE FROM durcap_turn_claims WHERE conversation_id = :cid'),
+                                {'cid': conversation_id}).rowcount
+        return conn.execute(sa.text('DELETE FROM durcap_turn_claims WHERE conversation_id = :cid AND run_id = :run'),
+                            {'cid': conversation_id, 'run': run_id}).rowcount
+
+    def release_turn(self, conversation_id: str, run_id: str | None) -> bool:
+        with self._txn(write=True) as conn:
+            return self._release(conn, conversation_id, run_id) > 0
+
+    def turn_claim(self, conversation_id: str) -> tuple[str, str] | None:
+        with self._txn(write=False) as conn:
+            row = conn.execute(sa.text('SELECT run_id, claimed_at FROM durcap_turn_claims WHERE conversation_id = :cid'),
+                               {'cid': conversation_id}).first()
+        return None if row is None else (str(row.run_id), str(row.claimed_at))
 
     def write_record(self, record: ConversationRecord, encoded: list[tuple[ConversationEntry, str]], expected: str | None) -> None:
         cid = record.conversation_id

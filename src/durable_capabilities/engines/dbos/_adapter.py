@@ -81,7 +81,7 @@ class DBOSAdapter(EngineAdapter, spec=SPEC):
         try:
             options.started(workflow_id, f'dbos workflow id: {workflow_id} (executor {DBOS.executor_id})')
             with SetWorkflowID(workflow_id):
-                payload = await workflow_fn(*args)
+                payload = await workflow_fn(*args, options.setting('busy'))
             steps = await DBOS.list_workflow_steps_async(workflow_id)
         finally:
             DBOS.destroy()

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from dbos import DBOS
 
-from .._conversation_unit import PERMANENT_APPEND_ERRORS, append_unit, load_unit
+from .._conversation_unit import PERMANENT_APPEND_ERRORS, append_unit, load_unit, release_unit
 from ._spec import APPEND_RETRY, conversation_step_names
 
 if TYPE_CHECKING:
@@ -45,16 +45,21 @@ PERMANENT_STORE_ERRORS = PERMANENT_APPEND_ERRORS
 """Store errors a retried append cannot fix: the append step records them as its result and raises them after."""
 
 
-def conversation_steps(agent: DurableAgent[Any, Any], store: str | None = None) -> tuple[Any, Any]:
+def conversation_steps(agent: DurableAgent[Any, Any], store: str | None = None) -> tuple[Any, Any, Any]:
     """The store units as DBOS steps: recovery returns the recorded history instead of reading again, and the
     append (idempotent by workflow id) is retried by DBOS while the store is down (`APPEND_STEP_RETRIES`),
     never on a conflict (`PERMANENT_STORE_ERRORS`). On the store `store` (the run's or the worker's `--store`;
-    `None`: `$DURCAP_STORE`, else the default store; `DurableAgent(conversation_store=...)` wins)."""
+    `None`: `$DURCAP_STORE`, else the default store; `DurableAgent(conversation_store=...)` wins). Returns
+    `(load, append, release)` for `turn.run_turn`: the load claims the conversation for the workflow's turn."""
     load_step, append_step = conversation_step_names(agent)
-    load_body, append_body = load_unit(agent, store=store), append_unit(agent, store=store)
+    load_body = load_unit(agent, store=store, run_of=_workflow_id, alive=_workflow_running)
+    append_body = append_unit(agent, store=store, run_of=_workflow_id)
+    release = release_unit(agent, store=store, run_of=_workflow_id)
 
-    async def load(conversation_id: str) -> Any:
-        return await DBOS.run_step_async({'name': load_step}, load_body, conversation_id)
+    async def load(conversation_id: str, busy: str | None = None) -> Any:
+        if busy is None:  # the step's inputs as workflows recorded before `busy` existed gave them
+            return await DBOS.run_step_async({'name': load_step}, load_body, conversation_id)
+        return await DBOS.run_step_async({'name': load_step}, load_body, conversation_id, busy)
 
     async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> Any:
         async def body() -> Any:
@@ -68,4 +73,16 @@ def conversation_steps(agent: DurableAgent[Any, Any], store: str | None = None) 
             raise result.error
         return result
 
-    return load, append
+    # The release runs in workflow code, not in a step: it is idempotent (a recovered workflow runs it again harmlessly).
+    return load, append, release
+
+
+def _workflow_id() -> str:
+    return DBOS.workflow_id or ''
+
+
+async def _workflow_running(run_id: str) -> bool:
+    """Whether DBOS workflow `run_id` (holding a conversation's turn claim) may still run: pending or enqueued. A
+    workflow that succeeded, failed, was cancelled or is unknown left its claim behind."""
+    status = await DBOS.get_workflow_status_async(run_id)
+    return status is not None and status.status in ('PENDING', 'ENQUEUED')

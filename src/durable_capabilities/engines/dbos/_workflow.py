@@ -56,15 +56,15 @@ class BoundAgent:
 
     async def turn(self, prompt: str | None = None, *, conversation_id: str | None = None, **kwargs: Any) -> Turn:
         """As `run`, returning the whole `turn.Turn`."""
-        load, append = conversation_steps(self.definition, self.store)
+        load, append, release = conversation_steps(self.definition, self.store)
         workflow_id = DBOS.workflow_id
         if workflow_id is None:  # not in a workflow: nothing durable to stream
             return await run_turn(self.definition, self.agent.run, prompt, conversation_id=conversation_id, load=load,
-                                  append=append, gate=DBOSApprovalGate(self.definition), **kwargs)
+                                  append=append, release=release, gate=DBOSApprovalGate(self.definition), **kwargs)
         with streams.publishing(_stream_id(workflow_id), ENGINE, store_url(self.definition, self.store),
                                 conversation_id=conversation_id):
             return await run_turn(self.definition, self.agent.run, prompt, conversation_id=conversation_id, load=load,
-                                  append=append, gate=DBOSApprovalGate(self.definition), **kwargs)
+                                  append=append, release=release, gate=DBOSApprovalGate(self.definition), **kwargs)
 
 
 _TURNS: dict[str, int] = {}
@@ -131,7 +131,8 @@ def agent_workflow(agent: DurableAgent[Any, Any], *, store: str | None = None) -
     Call before `DBOS.launch()`. Arguments: `prompt: str | None`, `deps: dict | None` (validated into
     `deps_type`), `message_history: list[dict] | None` (pydantic-ai message JSON), `conversation_id`
     (load the stored history in step `durcap__{name}__conversation.load`, append the new messages in
-    step `...append`, idempotent by workflow id). Returns
+    step `...append`, idempotent by workflow id), `busy: str | None` (what the turn does when another run's turn
+    holds the conversation: `'reject'` | `'enqueue'`, `None`: the agent's `busy`). Returns
     `{'output', 'new_messages', 'usage'}` as JSON-compatible data.
     """
     existing = _WORKFLOWS.get(agent.name)
@@ -142,10 +143,11 @@ def agent_workflow(agent: DurableAgent[Any, Any], *, store: str | None = None) -
     bound = _BOUND[agent.name] = BoundAgent(agent, store)  # claims the agent's names first
 
     async def run_agent(
-        prompt: str | None, deps: Any = None, message_history: Any = None, conversation_id: str | None = None
+        prompt: str | None, deps: Any = None, message_history: Any = None, conversation_id: str | None = None,
+        busy: str | None = None,
     ) -> dict[str, Any]:
         turn = await bound.turn(prompt, deps=deps_from_json(agent, deps), message_history=message_history,
-                                conversation_id=conversation_id)
+                                conversation_id=conversation_id, busy=busy)
         return turn.payload()
 
     name, *previous_names = workflow_names(agent)
@@ -153,9 +155,10 @@ def agent_workflow(agent: DurableAgent[Any, Any], *, store: str | None = None) -
     for previous in previous_names:
         # Workflows recorded under an earlier agent name recover through the same body.
         async def run_previous(
-            prompt: str | None, deps: Any = None, message_history: Any = None, conversation_id: str | None = None
+            prompt: str | None, deps: Any = None, message_history: Any = None, conversation_id: str | None = None,
+            busy: str | None = None,
         ) -> dict[str, Any]:
-            return await run_agent(prompt, deps, message_history, conversation_id)
+            return await run_agent(prompt, deps, message_history, conversation_id, busy)
 
         DBOS.workflow(name=previous)(run_previous)
         _PREVIOUS_NAME_WORKFLOWS.add(previous)

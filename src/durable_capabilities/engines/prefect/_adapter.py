@@ -83,6 +83,8 @@ class PrefectAdapter(EngineAdapter, spec=SPEC):
             'message_history': ModelMessagesTypeAdapter.dump_python(list(history), mode='json') if history else None,
             'conversation_id': options.conversation_id,
         }
+        if options.setting('busy') is not None:  # a parameter only when given: deployments made before it still run
+            parameters['busy'] = options.setting('busy')
         flow_ = agent_flow(agent)
         async with get_client() as client:
             flow_run = await client.create_flow_run(flow_, parameters=parameters)

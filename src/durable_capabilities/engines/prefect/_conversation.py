@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from prefect import task
 from prefect.cache_policies import INPUTS, RUN_ID
 
-from .._conversation_unit import PERMANENT_APPEND_ERRORS, StoreSource, append_unit, load_unit
+from .._conversation_unit import PERMANENT_APPEND_ERRORS, StoreSource, append_unit, load_unit, release_unit
 from ._spec import APPEND_RETRY, CONVERSATION_TASKS
 
 if TYPE_CHECKING:
@@ -29,10 +29,38 @@ def conversation_tasks(agent: DurableAgent[Any, Any], store: StoreSource = None)
     """
     options: dict[str, Any] = {'cache_policy': INPUTS + RUN_ID, 'persist_result': True}
     return (
-        task(name=CONVERSATION_TASKS[0], **options)(load_unit(agent, store=store)),
+        task(name=CONVERSATION_TASKS[0], **options)(load_unit(agent, store=store, run_of=flow_run_id,
+                                                              alive=_flow_run_active)),
         task(name=CONVERSATION_TASKS[1], retries=APPEND_RETRY.attempts - 1, retry_delay_seconds=APPEND_RETRY.delays(),
-             retry_condition_fn=_retry_append, **options)(append_unit(agent, store=store)),
+             retry_condition_fn=_retry_append, **options)(append_unit(agent, store=store, run_of=flow_run_id)),
     )
+
+
+def release(agent: DurableAgent[Any, Any], store: StoreSource = None) -> Any:
+    """In flow code: `release(conversation_id)`, freeing the flow run's turn claim when its turn fails before the
+    append (idempotent: no task needed)."""
+    return release_unit(agent, store=store, run_of=flow_run_id)
+
+
+def flow_run_id() -> str:
+    """The id of the flow run this code runs in (a task's parent flow run): the holder of its turn claim."""
+    from prefect.runtime import flow_run
+
+    return str(flow_run.id)
+
+
+async def _flow_run_active(run_id: str) -> bool:
+    """Whether flow run `run_id` (holding a conversation's turn claim) may still run: not in a final state."""
+    import uuid
+
+    from prefect import get_client
+
+    try:
+        async with get_client() as client:
+            found = await client.read_flow_run(uuid.UUID(run_id))
+    except Exception:  # noqa: BLE001 - unknown (deleted) or not a flow run id: nobody will release it
+        return False
+    return found.state is None or not found.state.is_final()
 
 
 def _retry_append(task: Any, task_run: Any, state: Any) -> bool:

@@ -16,7 +16,7 @@ from ... import _registry, streams
 from ...conversations import store_url
 from ...turn import deps_from_json, run_turn
 from ._approvals import PrefectApprovalGate
-from ._conversation import conversation_tasks
+from ._conversation import conversation_tasks, release
 from ._spec import ENGINE, flow_name
 
 if TYPE_CHECKING:
@@ -46,7 +46,8 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
 
     Flow parameters (JSON, so deployments and schedules can carry them): `prompt: str | None`,
     `deps: dict | None` (validated into `deps_type`), `message_history: list[dict] | None`
-    (pydantic-ai's message JSON), `conversation_id: str | None`. Returns
+    (pydantic-ai's message JSON), `conversation_id: str | None`, `busy: str | None` (what the turn does when another
+    run's turn holds the conversation: `'reject'` | `'enqueue'`, `None`: the agent's `busy`). Returns
     `{'output': ..., 'new_messages': '[...]', 'usage': {...}}` as JSON-compatible data, `new_messages` being the new
     messages as one JSON string (`ModelMessagesTypeAdapter.validate_json` reads it; see `Turn.payload` for why).
     """
@@ -56,6 +57,12 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
         return existing
     built = agent.build(ENGINE)
     load_task, append_task = conversation_tasks(agent, _RUN_STORE.get)
+    release_claim = release(agent, _RUN_STORE.get)
+
+    async def load(conversation_id: str, busy: str | None = None) -> Any:
+        if busy is None:  # the task's inputs (its cache key) as flow runs recorded before `busy` existed gave them
+            return await load_task(conversation_id)
+        return await load_task(conversation_id, busy)
 
     async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> Any:
         return await append_task(conversation_id, messages, revision, f'prefect:{flow_run.id}', usage)
@@ -65,14 +72,15 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
         deps: dict[str, Any] | None = None,
         message_history: list[dict[str, Any]] | None = None,
         conversation_id: str | None = None,
+        busy: str | None = None,
     ) -> dict[str, Any]:
         # The run's events go to the flow run's stream (a retried flow run keeps its id: the finished tasks are not
         # run again, and the events the flow's own code publishes again are keys the log already has).
         with streams.publishing(str(flow_run.id), ENGINE, store_url(agent, _RUN_STORE.get()),
                                 conversation_id=conversation_id):
             turn = await run_turn(agent, built.run, prompt, deps=deps_from_json(agent, deps),
-                                  message_history=message_history, conversation_id=conversation_id, load=load_task,
-                                  append=append, gate=PrefectApprovalGate(agent))
+                                  message_history=message_history, conversation_id=conversation_id, load=load,
+                                  append=append, release=release_claim, gate=PrefectApprovalGate(agent), busy=busy)
         return turn.payload(messages_as_json=True)
 
     run_agent.__name__ = re.sub(r'\W', '_', f'run_{agent.name}')

@@ -96,6 +96,7 @@ class TemporalAdapter(EngineAdapter, spec=SPEC):
                 client, agent, prompt, task_queue=task_queue, workflow_id=workflow_id, deps=options.deps,
                 message_history=list(options.message_history) if options.message_history else None,
                 conversation_id=options.conversation_id, namespace=namespace, eager=inline_worker,
+                busy=options.setting('busy'),
             )
             options.started(workflow_id, f'temporal workflow id: {workflow_id} (task queue {task_queue!r} at {address})')
             watch = None if inline_worker else asyncio.create_task(

@@ -113,6 +113,7 @@ async def start_run(
     message_history: list[ModelMessage] | None = None,
     namespace: str = 'default',
     eager: bool = False,
+    busy: str | None = None,
 ) -> Any:
     """Start the agent's workflow; returns the `WorkflowHandle` (await `handle.result()` for `AgentRunOutput`).
 
@@ -121,6 +122,9 @@ async def start_run(
     response instead of through a poll (one round trip less; issue 14 measured 5-14% of a 6-request run on the
     dev server). Without such a worker, or a server that disables it, the start is an ordinary one. Only ask
     for it with a worker in this process: `durcap run --inline-worker` and the embedded dev server do.
+
+    `busy` (`'reject'` | `'enqueue'`, `None`: the agent's `busy`): what the turn does when another run's turn holds
+    `conversation_id` (`conversations.claim_turn`).
 
     The workflow records its loaded capability ids as memo `durcap_capabilities`, and as search attribute
     `DurcapCapabilities` when the namespace has it registered (checked here).
@@ -131,6 +135,7 @@ async def start_run(
         conversation_id=conversation_id,
         deps=to_jsonable_python(deps) if deps is not None else None,
         message_history=ModelMessagesTypeAdapter.dump_python(message_history, mode='json') if message_history else None,
+        busy=busy,
     )
     memo = {AGENT_MEMO: agent.name, SEARCH_ATTRIBUTE_MEMO: await capabilities_attribute_registered(client, namespace)}
     return await client.start_workflow(

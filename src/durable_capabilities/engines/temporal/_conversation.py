@@ -28,6 +28,7 @@ from ._spec import (
     APPEND_RETRY,
     CONVERSATION_APPEND_SUFFIX,
     CONVERSATION_LOAD_SUFFIX,
+    ENQUEUE_WAIT_TIMEOUT,
     LOAD_RETRY,
     STORE_ACTIVITY_TIMEOUT,
 )
@@ -82,12 +83,13 @@ def conversation_activities(agent: DurableAgent[Any, Any], store: str | None = N
     if key in _ACTIVITIES:
         return _ACTIVITIES[key]
     load_name, append_name = conversation_activity_names(agent)
-    load_body = load_unit(agent, _payloads.check_loaded, store=store)  # DC030 here, not in a workflow task
-    append_body = append_unit(agent, store=store)
+    load_body = load_unit(agent, _payloads.check_loaded, store=store, run_of=_workflow_id,  # DC030 here
+                          beat=activity.heartbeat, alive=_workflow_running)
+    append_body = append_unit(agent, store=store, run_of=_workflow_id)
 
     @activity.defn(name=load_name)
-    async def load(conversation_id: str) -> LoadedConversation:
-        return await load_body(conversation_id)
+    async def load(conversation_id: str, busy: str | None = None) -> LoadedConversation:
+        return await load_body(conversation_id, busy)
 
     @activity.defn(name=append_name)
     async def append(params: AppendInput) -> int:
@@ -98,13 +100,44 @@ def conversation_activities(agent: DurableAgent[Any, Any], store: str | None = N
     return _ACTIVITIES[key]
 
 
+def _workflow_id() -> str:
+    return activity.info().workflow_id or ''
+
+
+async def _workflow_running(run_id: str) -> bool:
+    """In an activity: whether workflow `run_id` (holding a conversation's turn claim) is still running; a claim
+    left by a workflow that failed, was cancelled, terminated or timed out is taken over."""
+    from temporalio.client import WorkflowExecutionStatus
+    from temporalio.service import RPCError, RPCStatusCode
+
+    try:
+        described = await activity.client().get_workflow_handle(run_id).describe()
+    except RPCError as exc:
+        return exc.status != RPCStatusCode.NOT_FOUND
+    return described.status in (WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.CONTINUED_AS_NEW)
+
+
+ENQUEUE_LOAD_OPTIONS: dict[str, Any] = {
+    'start_to_close_timeout': ENQUEUE_WAIT_TIMEOUT,
+    'heartbeat_timeout': timedelta(seconds=30),
+    'retry_policy': STORE_ACTIVITY_OPTIONS['retry_policy'],
+}
+"""The load of an enqueued turn (`busy='enqueue'`): it waits in the activity, heartbeating, for the turn that holds
+the conversation to be stored (`_spec.ENQUEUE_WAIT_TIMEOUT` at most)."""
+
+
 def workflow_units(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
     """In workflow code: `(load, append)` for `run_turn`, each scheduling the agent's conversation activity."""
     load_name, _ = conversation_activity_names(agent)
 
-    async def load(conversation_id: str) -> LoadedConversation:
+    async def load(conversation_id: str, busy: str | None = None) -> LoadedConversation:
+        if busy is None:  # the input runs recorded before `busy` existed scheduled
+            return await workflow.execute_activity(
+                load_name, conversation_id, result_type=LoadedConversation, **STORE_ACTIVITY_OPTIONS
+            )
+        options = ENQUEUE_LOAD_OPTIONS if (busy or agent.busy) == 'enqueue' else STORE_ACTIVITY_OPTIONS
         return await workflow.execute_activity(
-            load_name, conversation_id, result_type=LoadedConversation, **STORE_ACTIVITY_OPTIONS
+            load_name, args=[conversation_id, busy], result_type=LoadedConversation, **options
         )
 
     async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> int:

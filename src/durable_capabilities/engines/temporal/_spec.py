@@ -157,6 +157,10 @@ STORE_ACTIVITY_TIMEOUT = timedelta(seconds=15)
 """`start_to_close_timeout` of the conversation activities: a store call takes milliseconds, and a killed worker's
 call is retried once this expires."""
 
+ENQUEUE_WAIT_TIMEOUT = timedelta(hours=48)
+"""Start-to-close timeout of an enqueued turn's load activity, which waits (heartbeating every poll) for the turn
+holding the conversation: longer than that turn's approval wait (24 hours by default)."""
+
 DEFAULT_STICKY_SCHEDULE_TO_START = timedelta(milliseconds=500)
 """How long a workflow task waits on a worker's sticky queue before any worker may take it.
 

@@ -66,6 +66,7 @@ class AgentRunInput:
     deps: Any = None
     message_history: list[dict[str, Any]] | None = None
     continued: ContinuedRun | None = None
+    busy: str | None = None
 
 
 @dataclass
@@ -163,7 +164,7 @@ def _run_method(agent: DurableAgent[Any, Any], built: Any, class_name: str) -> A
             turn = await run_turn(agent, built.run, params.prompt, deps=deps, message_history=params.message_history,
                                   conversation_id=params.conversation_id, load=load, append=append,
                                   gate=TemporalApprovalGate(self),
-                                  carried=params.continued.summaries if params.continued else None)
+                                  carried=params.continued.summaries if params.continued else None, busy=params.busy)
         finally:
             _current_run.reset(token)
         _record_capabilities(turn.new_messages)

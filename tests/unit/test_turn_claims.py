@@ -1,0 +1,205 @@
+"""One turn at a time per conversation, without servers: the store's turn claims and rebased appends, the local
+engine's strategies, edited approval arguments against the tool's schema, and replay of Temporal histories recorded
+with the code before turn claims (tests/histories/turns, recorded by main's code at 1ecafcb on a real dev server with
+the scripted race agent: an approved first turn and a second turn on the same conversation).
+
+Model: a scripted `FunctionModel` (tests/engines/race_agent.py) or upstream's `TestModel`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, UserPromptPart
+from pydantic_ai.models.test import TestModel
+
+from durable_capabilities import DurableAgent, runner
+from durable_capabilities.approvals import (
+    AlreadyDecidedError,
+    ApprovalArgsError,
+    Decision,
+    PendingCall,
+    already_decided,
+    check_decision,
+)
+from durable_capabilities.store import ConversationBusyError, ConversationConflictError, SQLConversationStore
+from durable_capabilities.testing import assert_histories_replay
+from tests._helpers import ROOT, durcap_here
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def _turn(text: str) -> list:
+    return [ModelRequest(parts=[UserPromptPart(text)]), ModelResponse(parts=[TextPart(f'ok {text}')])]
+
+
+def test_a_claim_is_held_by_one_run_at_a_time_and_released_by_its_append(store: SQLConversationStore) -> None:
+    assert run(store.claim_turn('c', 'run-a')) is None
+    assert run(store.claim_turn('c', 'run-a')) is None  # the same run again (a retried unit): still its own
+    holder = run(store.claim_turn('c', 'run-b'))
+    assert holder is not None and holder[0] == 'run-a'
+    assert run(store.release_turn('c', 'run-b')) is False  # not run-b's to release
+    run(store.append('c', _turn('one'), expected_revision=None, append_id='a-1', release_claim='run-a'))
+    assert run(store.turn_claim('c')) is None  # released in the append's transaction
+    assert run(store.claim_turn('c', 'run-b')) is None
+    assert run(store.release_turn('c')) is True and run(store.release_turn('c')) is False  # by hand; twice is harmless
+
+
+def test_a_rebased_append_goes_after_the_other_write_and_a_plain_one_still_conflicts(store: SQLConversationStore) -> None:
+    run(store.append('c', _turn('first'), expected_revision=None))
+    run(store.append('c', _turn('other'), expected_revision=1))
+    with pytest.raises(ConversationConflictError):
+        run(store.append('c', _turn('late'), expected_revision=1))
+    result = run(store.append('c', _turn('late'), expected_revision=1, append_id='late-1', rebase=True))
+    assert result.rebased and result.revision == 3 and result.first_position == 5
+    again = run(store.append('c', _turn('late'), expected_revision=1, append_id='late-1', rebase=True))
+    assert again.replayed and again.revision == 3  # idempotent by append id: stored once
+    prompts = [m.parts[0].content for m in run(store.read('c')).messages if isinstance(m, ModelRequest)]
+    assert prompts == ['first', 'other', 'late']
+
+
+def test_local_runs_reject_or_enqueue_behind_a_claim(tmp_path: Path) -> None:
+    """`busy='reject'` (the default) refuses a turn on a claimed conversation with DC050 naming the holder, before the
+    model is asked anything; `busy='enqueue'` (per run, or `DurableAgent(busy=...)`) waits for the claim, then runs
+    on top of the turn stored meanwhile; the claim is released when the turn is stored."""
+    import logging
+
+    from pydantic_ai.models.function import FunctionModel
+
+    url = f'sqlite:///{tmp_path / "c.db"}'
+    asked: list[int] = []
+
+    def counting(messages, info):
+        asked.append(len(messages))
+        return ModelResponse(parts=[TextPart('answered')])
+
+    agent = DurableAgent('claims-local', FunctionModel(counting))
+    queued = DurableAgent('claims-queued', FunctionModel(counting), busy='enqueue')
+
+    class Waiting(logging.Handler):
+        def __init__(self, event: asyncio.Event) -> None:
+            super().__init__()
+            self.event = event
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if 'waits for run elsewhere' in record.getMessage():
+                self.event.set()
+
+    async def scenario() -> None:
+        logger = logging.getLogger('durable_capabilities.conversations')
+        async with SQLConversationStore(url) as store:
+            await store.claim_turn('t', 'elsewhere')
+            with pytest.raises(ConversationBusyError) as refused:
+                await runner.run(agent, 'hi', conversation_id='t', store=url)
+            assert refused.value.code == 'DC050' and refused.value.holder == 'elsewhere'
+            assert "run 'elsewhere' holds it" in str(refused.value)
+            assert asked == []  # refused before the model was asked
+            for waiting in (lambda: runner.run(agent, 'hi', conversation_id='t', store=url, busy='enqueue'),
+                            lambda: runner.run(queued, 'hi', conversation_id='t', store=url)):
+                event = asyncio.Event()
+                handler = Waiting(event)
+                logger.addHandler(handler)
+                old_level = logger.level
+                logger.setLevel(logging.INFO)
+                try:
+                    task = asyncio.create_task(waiting())
+                    await asyncio.wait_for(event.wait(), 30)  # it waits on the claim
+                    assert (not task.done() and len(asked) == 0) or asked[-1] > 0
+                    count = len(asked)
+                    record = await store.read_record('t')
+                    revision = (await store.read('t')).revision if record is not None else None
+                    await store.append('t', _turn('elsewhere'), expected_revision=revision, release_claim='elsewhere')
+                    assert (await asyncio.wait_for(task, 30)).output == 'answered'
+                    assert len(asked) == count + 1
+                finally:
+                    logger.removeHandler(handler)
+                    logger.setLevel(old_level)
+                assert await store.turn_claim('t') is None
+                await store.claim_turn('t', 'elsewhere')
+            await store.release_turn('t')
+            prompts = [m.parts[0].content for m in (await store.read('t')).messages if isinstance(m, ModelRequest)]
+            assert prompts == ['elsewhere', 'hi', 'elsewhere', 'hi']
+
+    run(scenario())
+
+
+def test_a_failed_turn_releases_its_claim(tmp_path: Path) -> None:
+    """The model raises mid-turn: nothing is stored, the claim is released, the next turn runs."""
+    from pydantic_ai.models.function import FunctionModel
+
+    url = f'sqlite:///{tmp_path / "c.db"}'
+
+    def broken(messages, info):
+        raise RuntimeError('the provider is down')
+
+    agent = DurableAgent('claims-broken', FunctionModel(broken))
+    with pytest.raises(RuntimeError, match='the provider is down'):
+        run(runner.run(agent, 'hi', conversation_id='t', store=url))
+
+    async def after() -> None:
+        async with SQLConversationStore(url) as store:
+            assert await store.turn_claim('t') is None and await store.read_record('t') is None
+
+    run(after())
+    assert run(runner.run(DurableAgent('claims-fixed', TestModel()), 'hi', conversation_id='t', store=url)).output
+
+
+def test_bad_strategies_are_refused() -> None:
+    with pytest.raises(ValueError, match="busy must be 'reject' or 'enqueue'"):
+        DurableAgent('claims-bad', TestModel(), busy='later')  # type: ignore[arg-type]
+    result = durcap_here('run', 'tests.fixtures.good_agent:second', 'hi', '--busy', 'later')
+    assert result.exit_code == 2, result.stdout + result.stderr
+    assert "DC040 --busy: 'later' is not a strategy; use one of reject, enqueue" in result.stderr
+
+
+def _call(schema: dict | None) -> PendingCall:
+    return PendingCall('run-1', 'call-1', 'revoke_sessions', {'user': 'alice'}, 'f' * 64, '', '', schema=schema)
+
+
+SCHEMA = {'type': 'object', 'properties': {'user': {'type': 'string'}, 'hours': {'type': 'integer'}},
+          'required': ['user'], 'additionalProperties': False}
+
+
+@pytest.mark.parametrize(('args', 'field', 'said'), [
+    ({'nope': 1}, '$', "'nope' was unexpected"),
+    ({}, '$', "'user' is a required property"),
+    ({'user': 'bob', 'hours': 'two'}, '$.hours', "'two' is not of type 'integer'"),
+    (['bob'], None, 'must be a JSON object'),
+])
+def test_edited_arguments_that_do_not_fit_the_schema_are_dc051_naming_the_field(args, field, said) -> None:
+    with pytest.raises(ApprovalArgsError) as refused:
+        check_decision([_call(SCHEMA)], Decision('call-1', 'f' * 64, True, override_args=args), 'run-1')
+    assert refused.value.code == 'DC051' and refused.value.kind == 'invalid-args'
+    text = str(refused.value)
+    assert text.startswith("DC051 run 'run-1': call 'call-1' (revoke_sessions)") and said in text, text
+    if field is not None:
+        assert f'at {field}:' in text and 'The tool takes hours, user (required: user)' in text, text
+    assert check_decision([_call(SCHEMA)], Decision('call-1', 'f' * 64, True, override_args={'user': 'bob'}), 'run-1')
+    # Temporal's update validator (workflow code) skips the schema; its client checked it.
+    check_decision([_call(SCHEMA)], Decision('call-1', 'f' * 64, True, override_args={'nope': 1}), 'run-1',
+                   validate_args=False)
+    check_decision([_call(None)], Decision('call-1', 'f' * 64, True, override_args={'nope': 1}), 'run-1')  # no schema
+
+
+def test_the_published_call_carries_the_tools_schema_and_a_second_decision_is_coded() -> None:
+    from tests.engines.race_agent import racer
+
+    schema = racer.tool_schema('revoke_sessions')
+    assert schema is not None and schema['required'] == ['user'] and racer.tool_schema('no_such_tool') is None
+    first = Decision('call-1', 'f' * 64, True, by='alice')
+    error = already_decided('run-1', 'call-1', first, received=False)
+    assert isinstance(error, AlreadyDecidedError) and error.code == 'approval-already-decided'
+    assert error.kind == 'unknown-call' and 'already approved by alice' in str(error)
+    import pickle
+
+    assert str(pickle.loads(pickle.dumps(error))) == str(error)  # DBOS and Prefect pickle what a step raises
+
+
+def test_temporal_histories_recorded_before_turn_claims_replay() -> None:
+    from tests.engines.race_agent import racer
+
+    assert assert_histories_replay(ROOT / 'tests/histories/turns', [racer]) == 2
