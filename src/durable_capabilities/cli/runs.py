@@ -176,7 +176,8 @@ def resume(
 
     settings = connection_settings(conn or {})
     adapter, _ = _find(run_id, engine, settings)
-    agents = _valid_agents(target, use_lock=True, refused='not resumed: fix the errors above') if target else []
+    agents = _valid_agents(target, use_lock=True, refused='not resumed: fix the errors above',
+                           engine=adapter.name) if target else []
     try:
         report = asyncio.run(adapter.resume(run_id, agents, RunOptions(settings=settings.engine(), notify=_err.print)))
     except (RuntimeError, NotImplementedError) as exc:
