@@ -16,13 +16,13 @@ DEFAULT_GRACEFUL_SHUTDOWN = 30.0
 manifests' termination grace periods are longer (drain + margin), so a container is never killed mid-drain."""
 
 
-def load_agents(target: str, log: Callable[[str], None]) -> list[Any]:
-    """The valid agents of `target`, checked against `$DURCAP_LOCK` or the durable.lock beside TARGET's
-    module file (drift allowed with `DURCAP_ALLOW_DRIFT=1`); exits 2 (unusable target or lockfile) or 1
-    (definition errors, lockfile drift) otherwise."""
+def load_agents(target: str, log: Callable[[str], None], engine: str) -> list[Any]:
+    """The valid agents of `target`, checked against `engine`'s names in `$DURCAP_LOCK` or the durable.lock beside
+    TARGET's module file (drift allowed with `DURCAP_ALLOW_DRIFT=1`; no other engine's SDK is imported); exits 2
+    (unusable target or lockfile) or 1 (definition errors, lockfile drift) otherwise."""
     try:
         loaded = load_checked(target, lock=os.environ.get('DURCAP_LOCK') or None,
-                              allow_drift=os.environ.get('DURCAP_ALLOW_DRIFT') == '1')
+                              allow_drift=os.environ.get('DURCAP_ALLOW_DRIFT') == '1', engines=(engine,))
     except UnusableTarget as exc:
         log(f'error: {exc}')
         raise SystemExit(2) from None

@@ -65,7 +65,7 @@ def log(message: str) -> None:
 
 
 def load_agents(target: str) -> list[Any]:
-    return _load_agents(target, log)
+    return _load_agents(target, log, 'dbos')
 
 
 def main() -> None:

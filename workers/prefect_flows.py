@@ -62,7 +62,7 @@ def log(message: str) -> None:
 
 
 def load_agents(target: str) -> list[Any]:
-    return _load_agents(target, log)
+    return _load_agents(target, log, 'prefect')
 
 
 def _registrations(names: list[str]) -> dict[str, Any]:

@@ -46,7 +46,7 @@ def log(message: str) -> None:
 
 
 def load_agents(target: str) -> list[Any]:
-    return _load_agents(target, log)
+    return _load_agents(target, log, 'temporal')
 
 
 async def serve(agents: list, *, address: str, task_queue: str, ready_file: Path | None,

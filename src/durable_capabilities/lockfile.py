@@ -12,7 +12,7 @@ what changed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -37,12 +37,17 @@ def _package_version(name: str) -> str | None:
         return None
 
 
-def lock_data(agents: Sequence[DurableAgent[Any, Any]]) -> dict[str, Any]:
+def lock_data(agents: Sequence[DurableAgent[Any, Any]], engines: Collection[str] | None = None) -> dict[str, Any]:
     """The lockfile content for `agents` as plain data (see `write_lock`).
 
     Per agent: capability ids, leaf toolset ids per capability, static tool names and, per durable engine the
     definition lists, every durable name its adapter registers (`EngineAdapter.durable_names`); plus the
     versions of pydantic-ai and the engines.
+
+    Args:
+        agents: The definitions.
+        engines: Compute the durable names of these engines only (None: every engine each definition lists).
+            Computing an engine's names imports its SDK (~1-1.5 s of CPU each for Temporal, DBOS and Prefect).
     """
     data: dict[str, Any] = {
         'lock_version': LOCK_VERSION,
@@ -64,7 +69,7 @@ def lock_data(agents: Sequence[DurableAgent[Any, Any]]) -> dict[str, Any]:
         if agent.aliases:
             entry['aliases'] = dict(sorted(agent.aliases.items()))
         for engine in sorted(agent.engines):
-            if engine in ENGINES and ENGINES[engine].durable:
+            if engine in ENGINES and ENGINES[engine].durable and (engines is None or engine in engines):
                 entry[engine] = ENGINES[engine].durable_names(agent)
         data['agents'][agent.name] = entry
     return data
@@ -184,7 +189,9 @@ def _owner_hint(name: str, old_agent: dict[str, Any], agent_name: str) -> str:
     return f'agent {agent_name!r}'
 
 
-def diff_lock(locked: dict[str, Any], agents: Sequence[DurableAgent[Any, Any]]) -> Report:
+def diff_lock(
+    locked: dict[str, Any], agents: Sequence[DurableAgent[Any, Any]], engines: Collection[str] | None = None
+) -> Report:
     """Compare the definitions with a lockfile.
 
     A durable unit name (or workflow / flow name, or Prefect cache toolset id) in the lock but no longer
@@ -193,9 +200,13 @@ def diff_lock(locked: dict[str, Any], agents: Sequence[DurableAgent[Any, Any]]) 
     not installed in this process, and which the definition does not list (`DurableAgent(engines=...)` defaults to
     the installed engines), is not compared: `pip install 'durable-capabilities[dbos]'` alone can check the DBOS
     names of a lock written with every engine.
+
+    `engines` (None: every engine) limits the comparison to those engines' sections (the agents, ids and tool
+    names are compared whatever it is): a command that runs on one engine needs that engine's names only, and the
+    other engines' SDKs are then not imported.
     """
     report = Report()
-    current = lock_data(agents)['agents']
+    current = lock_data(agents, engines)['agents']
     for agent_name, old in sorted(locked['agents'].items()):
         new = current.get(agent_name)
         if new is None:
@@ -214,6 +225,8 @@ def diff_lock(locked: dict[str, Any], agents: Sequence[DurableAgent[Any, Any]]) 
         for engine in ENGINES:  # registry order: messages list engines the same way every time
             if not isinstance(old.get(engine), dict) or not ENGINES[engine].durable:
                 continue
+            if engines is not None and engine not in engines:
+                continue  # not asked for: its names were not computed
             if engine not in new and not ENGINES[engine].available():
                 continue  # its extra is not installed here: its names cannot be computed, which is no rename
             words = ENGINES[engine].lock_sections
@@ -261,9 +274,10 @@ def enforce_lock(
     *,
     target_file: str | Path | None = None,
     allow_drift: bool = False,
+    engines: Collection[str] | None = None,
 ) -> Report:
     """What worker start runs: compare `agents` with `lock` (or the `durable.lock` beside `target_file`,
-    or in the current directory) and refuse on drift.
+    or in the current directory) and refuse on drift; `engines`: the sections compared (see `diff_lock`).
 
     Returns:
         The lock diff (errors downgraded to warnings when `allow_drift`); empty when there is no lockfile.
@@ -275,7 +289,7 @@ def enforce_lock(
     path = Path(lock) if lock is not None else find_lock(target_file)
     if path is None:
         return Report()
-    report = diff_lock(read_lock(path), agents)
+    report = diff_lock(read_lock(path), agents, engines)
     if allow_drift:
         return Report([
             Problem(p.code, 'warning', p.where, p.message, p.fix, p.engines) if p.severity == 'error' else p

@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -246,13 +247,15 @@ def load(target: str) -> Target:
 # ---- the lock -------------------------------------------------------------------------------------
 
 
-def lock_diff(agents: list[DurableAgent[Any, Any]], lock: str | Path, *, allow_drift: bool = False) -> Report:
+def lock_diff(agents: list[DurableAgent[Any, Any]], lock: str | Path, *, allow_drift: bool = False,
+              engines: Collection[str] | None = None) -> Report:
     """The diff of `agents` against the lockfile `lock` (DC020 / DC021 errors, DC022 info).
 
-    With `allow_drift`, errors become warnings. Raises `UnusableTarget` when `lock` cannot be read.
+    With `allow_drift`, errors become warnings; `engines`: compare only these engines' sections (see
+    `lockfile.diff_lock`). Raises `UnusableTarget` when `lock` cannot be read.
     """
     try:
-        report = diff_lock(read_lock(lock), agents)
+        report = diff_lock(read_lock(lock), agents, engines)
     except LockfileError as exc:
         raise UnusableTarget(str(exc)) from None
     if allow_drift:
@@ -273,9 +276,10 @@ def _not_a_module_file(name: str, path: Path) -> str:
     return f'no such file: {printable(name)}'
 
 
-def check_lock(loaded: Target, lock: str | Path | None = None, *, allow_drift: bool = False) -> Path | None:
+def check_lock(loaded: Target, lock: str | Path | None = None, *, allow_drift: bool = False,
+               engines: Collection[str] | None = None) -> Path | None:
     """Add the lock diff to `loaded.report`: against `lock` if given (it must exist), else against the
-    `durable.lock` beside TARGET's file if there is one.
+    `durable.lock` beside TARGET's file if there is one; `engines`: only these engines' sections (None: all).
 
     Returns:
         The lockfile compared with, or None when there was none.
@@ -286,15 +290,17 @@ def check_lock(loaded: Target, lock: str | Path | None = None, *, allow_drift: b
     path = Path(lock) if lock is not None else loaded.lock_path
     if lock is None and not path.is_file():
         return None
-    loaded.report.extend(lock_diff(loaded.agents, path, allow_drift=allow_drift))
+    loaded.report.extend(lock_diff(loaded.agents, path, allow_drift=allow_drift, engines=engines))
     return path
 
 
 def load_checked(
-    target: str, *, lock: str | Path | None = None, allow_drift: bool = False, use_lock: bool = True
+    target: str, *, lock: str | Path | None = None, allow_drift: bool = False, use_lock: bool = True,
+    engines: Collection[str] | None = None,
 ) -> Target:
     """`load` then `check_lock` (unless `use_lock` is False), raising on any error: what a worker, an
-    entrypoint or a durable run needs before it registers anything.
+    entrypoint or a durable run needs before it registers anything. `engines`: the engines whose lock sections
+    are compared (a run or worker passes its own: the other engines' SDKs stay unimported); None: every engine.
 
     Raises:
         UnusableTarget: see `load` and `check_lock`.
@@ -302,6 +308,6 @@ def load_checked(
     """
     loaded = load(target)
     if loaded.report.ok and use_lock:
-        check_lock(loaded, lock, allow_drift=allow_drift)
+        check_lock(loaded, lock, allow_drift=allow_drift, engines=engines)
     loaded.raise_for_errors()
     return loaded

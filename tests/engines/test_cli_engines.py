@@ -94,7 +94,9 @@ def test_schedule_prefect_serves_a_deployment_whose_runs_complete(prefect_api_ur
     import httpx
 
     deployment = f'support-every-5s-{uuid.uuid4().hex[:6]}'
-    env = {'PREFECT_API_URL': prefect_api_url, 'PREFECT_HOME': str(tmp_path / 'prefect-home')}
+    # The runner polls for due runs every second (Prefect's default: 10 s), as in test_approvals' serving tests.
+    env = {'PREFECT_API_URL': prefect_api_url, 'PREFECT_HOME': str(tmp_path / 'prefect-home'),
+           'PREFECT_RUNNER_POLL_FREQUENCY': '1'}
     serve = start([*DURCAP, 'schedule', 'prefect', 'examples.support.agent:support', '--interval', '5',
                    '--prompt', 'Where is my order ABC-123?', '--name', deployment,
                    '--deps-json', json.dumps({'orders': {'ABC-123': 'jacket'}})], tmp_path / 'serve.log', env)
@@ -115,7 +117,7 @@ def test_schedule_prefect_serves_a_deployment_whose_runs_complete(prefect_api_ur
         while time.monotonic() < deadline and not done:
             assert serve.poll() is None, (tmp_path / 'serve.log').read_text()[-3000:]
             done = completed_runs()
-            time.sleep(2)
+            time.sleep(0.5)
         assert done, (tmp_path / 'serve.log').read_text()[-3000:]
         assert done[0]['parameters']['prompt'] == 'Where is my order ABC-123?'
     finally:

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from tests._helpers import subprocess_env
+from tests._helpers import ROOT, subprocess_env
 
 _PROBE = textwrap.dedent(
     """
@@ -65,3 +65,13 @@ def test_mcp_leaf_still_recognised_when_mcp_is_imported() -> None:
     server = MCPToolset('http://127.0.0.1:9/mcp', id='docs')
     assert _upstream.is_mcp_toolset(server)
     assert not _upstream.is_mcp_toolset(object())
+
+
+def test_a_run_on_one_engine_imports_no_other_engines_sdk() -> None:
+    """`durcap run/demo/worker/runs resume --engine dbos` compare the DBOS names of the durable.lock beside TARGET
+    (the support example's lock has every engine's): `load_checked(..., engines=('dbos',))` imports DBOS's SDK to
+    compute them and neither Temporal's nor Prefect's (~1-1.5 s of CPU each, per `durcap` process)."""
+    found = _imported('temporalio', 'prefect', 'dbos', extra=(
+        'from durable_capabilities.targets import load_checked\n'
+        f"assert load_checked({str(ROOT / 'examples' / 'support' / 'agent.py')!r} + ':support', engines=('dbos',)).report.ok"))
+    assert found == {'temporalio': False, 'prefect': False, 'dbos': True}, found

@@ -643,6 +643,31 @@ def test_lockfile_diff_codes_dc020_dc021_dc022(agent_name: Callable[[str], str])
     assert all(p.severity == 'info' for p in report if p.code == 'DC022')
 
 
+def test_lockfile_diff_scoped_to_one_engine_compares_only_its_names(agent_name: Callable[[str], str]) -> None:
+    """`diff_lock(..., engines=('dbos',))` (what `durcap run --engine dbos` and a DBOS worker run): a rename is still
+    DC020, naming DBOS's steps only; the Temporal section of the same lock is neither computed nor reported."""
+    from durable_capabilities.lockfile import diff_lock, lock_data
+
+    name = agent_name('scoped')
+
+    def orders(cap_id: str) -> Capability[Any]:
+        return Capability(id=cap_id, description='Orders.', tools=[check_a], defer_loading=True)
+
+    before = DurableAgent(name, 'test', capabilities=[orders('orders')], engines=('temporal', 'dbos'))
+    locked = lock_data([before])
+    assert set(locked['agents'][name]) >= {'temporal', 'dbos'}
+    assert set(lock_data([before], ('dbos',))['agents'][name]) & {'temporal', 'dbos'} == {'dbos'}
+    after = DurableAgent(name, 'test', capabilities=[orders('orders-v2')], engines=('temporal', 'dbos'))
+    everything = seen(diff_lock(locked, [after]))
+    assert {p.engines for p in everything if p.code == 'DC020'} == {('temporal', 'dbos')}, everything.to_text()
+    scoped = seen(diff_lock(locked, [after], ('dbos',)))
+    [dc020] = [p for p in scoped if p.code == 'DC020']
+    assert dc020.engines == ('dbos',) and "'orders'" in dc020.where
+    assert 'dbos: step' in dc020.message and 'temporal' not in dc020.message
+    assert all(p.engines in ((), ('dbos',)) for p in scoped), scoped.to_text()
+    assert seen(diff_lock(locked, [before], ('dbos',))).problems == []
+
+
 # ---- must stay last -------------------------------------------------------------------------------------------------
 
 

@@ -264,8 +264,9 @@ def check(
     try:
         loaded = load(target)
         report, subject = loaded.report, loaded.subject
-        # The lockfile given, or the one beside TARGET: what a worker and a durable run check at start.
-        check_lock(loaded, lock)
+        # The lockfile given, or the one beside TARGET: what a worker and a durable run check at start (with
+        # --engine, those engines' names only: no other engine's SDK is imported).
+        check_lock(loaded, lock, engines=engine or None)
     except UnusableTarget as exc:
         _unusable(str(exc))
     except DurableConfigError as exc:
@@ -392,12 +393,14 @@ def lock(
 
 def _valid_agents(
     target: str, *, use_lock: bool = False, lock: Path | None = None, allow_drift: bool = False, refused: str = '',
+    engine: str | None = None,
 ) -> list[DurableAgent[Any, Any]]:
     """Load TARGET's definitions (and, with `use_lock`, compare them with `lock` or the durable.lock beside
-    TARGET); print the problems and exit 1 on an error (adding the line `refused` on stderr), 2 when TARGET
-    or the lock is unusable."""
+    TARGET: with `engine`, that engine's sections only, so no other engine's SDK is imported); print the problems
+    and exit 1 on an error (adding the line `refused` on stderr), 2 when TARGET or the lock is unusable."""
     try:
-        loaded = load_checked(target, lock=lock, allow_drift=allow_drift, use_lock=use_lock)
+        loaded = load_checked(target, lock=lock, allow_drift=allow_drift, use_lock=use_lock,
+                              engines=None if engine is None else (engine,))
     except UnusableTarget as exc:
         _unusable(str(exc))
     except DurableConfigError as exc:

@@ -81,10 +81,12 @@ def _require_installed(engine: str) -> None:
         _unusable(f"engine {engine!r} is not installed: pip install 'durable-capabilities[{adapter.extra}]'")
 
 
-def _one_agent(target: str, *, use_lock: bool = False) -> DurableAgent[Any, Any]:
-    """Load TARGET as exactly one valid definition (with `use_lock`, matching the durable.lock beside it);
-    print its errors and exit 1 otherwise."""
-    agents = _valid_agents(target, use_lock=use_lock, refused='not run: fix the errors above' if use_lock else '')
+def _one_agent(target: str, engine: str) -> DurableAgent[Any, Any]:
+    """Load TARGET as exactly one valid definition to run on `engine` (a durable engine: matching that engine's
+    names in the durable.lock beside it); print its errors and exit 1 otherwise."""
+    use_lock = engine != 'local'
+    agents = _valid_agents(target, use_lock=use_lock, refused='not run: fix the errors above' if use_lock else '',
+                           engine=engine)
     if len(agents) != 1:
         _unusable(f'{target} names {len(agents)} agents; name one')
     return agents[0]
@@ -351,7 +353,7 @@ def run(
     """Run TARGET once on ENGINE and print the answer, loaded capabilities and durable units."""
     _require_installed(engine)
     # A durable run registers durable units: refuse on drift from the durable.lock beside TARGET, as a worker does.
-    agent = _one_agent(target, use_lock=engine != 'local')
+    agent = _one_agent(target, engine)
     if model:
         agent.replace_model(model)
     point_model(agent.model, base_url)
@@ -423,7 +425,7 @@ def demo(
     target = demo_target()
     if not target.is_file():
         _unusable(f'the support example is not installed with this package (looked for {target})')
-    agent = _one_agent(f'{target}:support', use_lock=engine != 'local')
+    agent = _one_agent(f'{target}:support', engine)
     make_store = sys.modules[agent.defined_in].make_store
     with _demo_server(engine, settings) as (run_values, approvals_values):
         if decision is not None:
@@ -658,10 +660,11 @@ def _worker_command(engine: str) -> Any:
         """Validate TARGET and serve its workflows and activities; refuse to start on any error or lockfile drift;
         drain on SIGTERM."""
         schedule = _gc_schedule(engine, gc_every, gc_apply, gc_retention, gc_grace, store, conn or {})
-        _err.print(f'{engine} worker: loading {printable(target)} and checking it (every engine, durable.lock) ...',
-                   markup=False)
+        _err.print(f'{engine} worker: loading {printable(target)} and checking it (every engine; its names in '
+                   'durable.lock) ...', markup=False)
         agents = _valid_agents(target, use_lock=True, lock=lock, allow_drift=allow_drift, refused='worker not started: '
-                               'fix the errors above' + ('' if allow_drift else ' (or pass --allow-drift on lockfile drift)'))
+                               'fix the errors above' + ('' if allow_drift else ' (or pass --allow-drift on lockfile drift)'),
+                               engine=engine)
         store = database_url(store, '--store')
         connection = run_settings(conn or {}, engine, defaults=True)  # checked; the worker's engine database probed
         settings = {**connection, 'store': resolve_url(store), 'task_queue': task_queue,
@@ -734,7 +737,8 @@ def _schedule_command(engine: str) -> Any:
         if interval is not None and interval <= 0:
             _unusable('--interval must be a positive number of seconds')
         agents = _valid_agents(target, use_lock=True, lock=lock, allow_drift=allow_drift,
-                               refused='not serving: fix the errors above (or pass --allow-drift on lockfile drift)')
+                               refused='not serving: fix the errors above (or pass --allow-drift on lockfile drift)',
+                               engine=engine)
         if len(agents) != 1:
             _unusable(f'{target} names {len(agents)} agents; name one')
         agent = agents[0]

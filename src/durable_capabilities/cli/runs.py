@@ -196,7 +196,8 @@ def resume(
 
     settings = connection_settings(conn or {})
     adapter, _ = _find(run_id, engine, settings)
-    agents = _valid_agents(target, use_lock=True, refused='not resumed: fix the errors above') if target else []
+    agents = _valid_agents(target, use_lock=True, refused='not resumed: fix the errors above',
+                           engine=adapter.name) if target else []
     try:
         engine_settings = {**settings.engine(), **({'build_id': build_id} if build_id else {})}
         report = asyncio.run(adapter.resume(run_id, agents, RunOptions(settings=engine_settings, notify=_err.print)))

@@ -17,7 +17,7 @@ from dbos import DBOS
 from ... import _upstream
 from ..._limits import private_file
 from ...lockfile import enforce_lock
-from ._spec import APP_NAME, DB_ENV, DEFAULT_SQLITE_PATH, RUN_EXECUTOR_PREFIX
+from ._spec import APP_NAME, DB_ENV, DEFAULT_SQLITE_PATH, ENGINE, RUN_EXECUTOR_PREFIX
 from ._workflow import _PREVIOUS_NAME_WORKFLOWS, BoundAgent
 
 if TYPE_CHECKING:
@@ -96,7 +96,8 @@ def launch(
         name: DBOS application name.
         system_database_url_: PostgreSQL or SQLite URL; default SQLite at `.durcap/dbos.sqlite`.
         agents: The definitions this app serves; checked against `lock` (or `./durable.lock`) first, so a
-            rename cannot strand workflows DBOS would recover at launch.
+            rename cannot strand workflows DBOS would recover at launch (the lock's DBOS names: no other engine's SDK
+            is imported).
         lock / allow_drift: See `lockfile.enforce_lock`.
         one_shot: This process runs its own workflow and exits: a fresh executor id (`one_shot_executor_id`, unless
             `config['executor_id']` is given) so launch recovers no one else's pending workflows, and no user queue
@@ -111,7 +112,7 @@ def launch(
     for agent in agents:
         BoundAgent(agent)  # claims its names (DC011 against another definition of the same name)
     if agents:
-        enforce_lock(agents, lock, allow_drift=allow_drift)
+        enforce_lock(agents, lock, allow_drift=allow_drift, engines=(ENGINE,))  # DBOS's names only
     config.setdefault('log_level', 'WARNING')
     if config.get('application_version') is None and not os.environ.get('DBOS__APPVERSION') and not config.get('enable_patching'):
         config['application_version'] = application_version(name)

@@ -17,7 +17,7 @@ from typing import Any
 
 from ...targets import load_checked
 from ._flow import agent_flow
-from ._spec import FLOW_ATTR_PREFIX, TARGET_ENV, flow_attr
+from ._spec import ENGINE, FLOW_ATTR_PREFIX, TARGET_ENV, flow_attr
 
 __all__ = ['TARGET_ENV', 'entrypoint', 'flow_attr']
 
@@ -29,7 +29,7 @@ def entrypoint(agent_name: str) -> str:
 
 def __getattr__(name: str) -> Any:
     """`flow__<agent name>`: the agent's flow, its definition loaded from `$DURCAP_TARGET` (checked as the serving
-    process checks it: every definition valid, no drift from the durable.lock beside TARGET).
+    process checks it: every definition valid, no drift from Prefect's names in the durable.lock beside TARGET).
 
     Raises:
         AttributeError: not a flow attribute, `$DURCAP_TARGET` unset, or no agent of that name there.
@@ -40,7 +40,7 @@ def __getattr__(name: str) -> Any:
     if not target:
         raise AttributeError(f'{name}: ${TARGET_ENV} is not set')
     agents = load_checked(target, lock=os.environ.get('DURCAP_LOCK') or None,
-                          allow_drift=os.environ.get('DURCAP_ALLOW_DRIFT') == '1').agents
+                          allow_drift=os.environ.get('DURCAP_ALLOW_DRIFT') == '1', engines=(ENGINE,)).agents
     for agent in agents:
         if flow_attr(agent.name) == name:
             return agent_flow(agent)
