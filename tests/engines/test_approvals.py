@@ -354,7 +354,9 @@ def test_dbos_twenty_runs_waiting_in_one_process_approved_in_random_order(tmp_pa
     env, crash_dir = env_for(tmp_path)
     log = tmp_path / 'worker.log'
     with open(log, 'wb') as handle:
-        worker = subprocess.Popen([sys.executable, '-m', 'durable_capabilities.cli', 'worker', 'dbos', TARGET, '--db', db],
+        # --concurrency 20: all 20 at once in this one worker (its default, 8, leaves the rest queued for other workers)
+        worker = subprocess.Popen([sys.executable, '-m', 'durable_capabilities.cli', 'worker', 'dbos', TARGET, '--db', db,
+                                   '--concurrency', '20'],
                                   cwd=ROOT, env=subprocess_env(env), stdout=handle,
                                   stderr=subprocess.STDOUT, start_new_session=True)
     client = None

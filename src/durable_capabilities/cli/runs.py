@@ -154,7 +154,7 @@ def show(
         _out.print(json.dumps(info.to_json(), default=str), markup=False)
         return
     for label, value in zip(('id', 'engine', 'agent', 'status', 'started (UTC)', 'capabilities loaded', 'conversation',
-                             'units done'), _row(info), strict=True):
+                             'units done', 'held by'), _row(info), strict=True):
         _out.print(f'{label}: {value}', markup=False)
     _out.print(printable(f'engine status: {info.engine_status}'), markup=False)
     for key, value in info.detail.items():

@@ -1044,15 +1044,26 @@ class _SQLBackend:
 
     def claim_turn(self, conversation_id: str, run_id: str) -> tuple[str, str] | None:
         """Claim the conversation for `run_id`'s turn; `None` when claimed (or `run_id` held it already), else the
-        holder's `(run_id, claimed_at)`. One statement per backend that never fails on a concurrent claim."""
-        with self._txn(write=True) as conn:
-            conn.execute(
-                sa.text('INSERT INTO durcap_turn_claims (conversation_id, run_id, claimed_at, writer) '
-                        'VALUES (:cid, :run, :at, :w) ON CONFLICT (conversation_id) DO NOTHING'),
-                {'cid': conversation_id, 'run': run_id, 'at': _utcnow(), 'w': _WRITER},
-            )
-            row = conn.execute(sa.text('SELECT run_id, claimed_at FROM durcap_turn_claims WHERE conversation_id = :cid'),
-                               {'cid': conversation_id}).first()
+        holder's `(run_id, claimed_at)`. One statement per backend that never fails on a concurrent claim.
+
+        Raises:
+            StoreReadOnlyError: the database is read-only (the claim is the turn's first write: nothing ran yet).
+            StoreUnavailableError: it cannot be written otherwise, with the database's reason.
+        """
+        try:
+            with self._txn(write=True) as conn:
+                conn.execute(
+                    sa.text('INSERT INTO durcap_turn_claims (conversation_id, run_id, claimed_at, writer) '
+                            'VALUES (:cid, :run, :at, :w) ON CONFLICT (conversation_id) DO NOTHING'),
+                    {'cid': conversation_id, 'run': run_id, 'at': _utcnow(), 'w': _WRITER},
+                )
+                row = conn.execute(sa.text('SELECT run_id, claimed_at FROM durcap_turn_claims WHERE conversation_id = :cid'),
+                                   {'cid': conversation_id}).first()
+        except sa_exc.DBAPIError as exc:
+            if 'readonly' in str(exc).replace('-', '').replace(' ', '').lower():
+                raise StoreReadOnlyError(f'the conversation store {self.display_url} is read-only; nothing was run. Fix: '
+                                         f'point $DURCAP_STORE at a writable database ({_first_line(exc)})') from None
+            raise
         if row is None or row.run_id == run_id:  # None: released between the two statements (not on one txn's view)
             return None
         return str(row.run_id), str(row.claimed_at)
