@@ -24,7 +24,7 @@ from pydantic import TypeAdapter, ValidationError
 from rich.text import Text
 
 from .. import runner
-from .._limits import INPUT_CODE, InputError, load_json, one_line, printable
+from .._limits import INPUT_CODE, InputError, load_json, one_line, printable, redact_database_url
 from ..agent import DurableAgent
 from ..conversations import check_busy
 from ..engines import DEFAULT_ENGINE, ENGINES, EngineUnreachableError, RunOptions, get
@@ -612,8 +612,8 @@ def _gc_schedule(engine: str, every: str | None, apply: bool, retention: str | N
     if interval <= timedelta(0):
         _unusable(f'{INPUT_CODE} --gc-every {every!r} must be longer than 0s')
     settings = connection_settings(conn, store)
-    _err.print(f'store gc every {every} on {resolve_url(store)} ({"deleting" if apply else "dry run, logged"})',
-               markup=False)
+    _err.print(printable(f'store gc every {every} on {redact_database_url(resolve_url(store))} '
+                         f'({"deleting" if apply else "dry run, logged"})'), markup=False)  # a password shown as ***
     return GcSchedule(resolve_url(store), settings, interval, lambda line: _err.print(line, markup=False), apply=apply,
                       retention=kept_for, grace=window)
 
