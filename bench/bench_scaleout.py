@@ -65,6 +65,19 @@ def _wait_line(log: Path, needle: str, proc: subprocess.Popen[bytes], timeout: f
     raise TimeoutError(f'no {needle!r} in {log} within {timeout} s')
 
 
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each worker's process group (they drain), SIGKILL what is still alive after 40 s."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def measure(workers: int, args: argparse.Namespace, scratch: Path) -> dict[str, object]:
     """One configuration: start the workers, enqueue the runs, wait; returns runs/s and runs per executor."""
     from dbos import DBOSClient
@@ -104,15 +117,7 @@ def measure(workers: int, args: argparse.Namespace, scratch: Path) -> dict[str, 
     finally:
         if client is not None:
             client.destroy()
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        _stop(procs)
         _drop(args.postgres, name)
 
 
@@ -155,15 +160,7 @@ def measure_temporal(workers: int, args: argparse.Namespace, scratch: Path, addr
             per[pids.get(line, line)] = per.get(pids.get(line, line), 0) + 1
         return {'workers': workers, 'seconds': seconds, 'runs_per_s': args.runs / seconds, 'per_executor': per}
     finally:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        _stop(procs)
 
 
 def report(title: str, results: list[dict[str, object]]) -> None:

@@ -32,24 +32,13 @@ from durable_capabilities.engines.temporal._payloads import ClaimCheckCodec
 from durable_capabilities.settings import Settings
 from durable_capabilities.store import SQLConversationStore
 from tests._helpers import durcap, sqlite_url
+from tests.unit.test_history_delete import everything
 
 HOUR = timedelta(hours=1)
 
 
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
-
-
-def everything(url: str) -> dict[str, list[tuple[Any, ...]]]:
-    """Every row of every table of the store's database (bytes as bytes)."""
-    engine = sa.create_engine(url.replace('postgresql://', 'postgresql+psycopg://'))
-    try:
-        with engine.connect() as conn:
-            return {t: sorted((tuple(bytes(v) if isinstance(v, memoryview) else v for v in row)
-                               for row in conn.execute(sa.text(f'SELECT * FROM {t}')).all()), key=repr)
-                    for t in sa.inspect(conn).get_table_names()}
-    finally:
-        engine.dispose()
 
 
 def execute(url: str, statement: str, params: dict[str, Any] | None = None) -> None:

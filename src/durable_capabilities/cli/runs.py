@@ -52,6 +52,16 @@ def _engine_list(engine: str | None) -> list[str] | None:
     return None
 
 
+_COLUMN_OPTIONS: dict[str, dict[str, Any]] = {
+    'id': {'no_wrap': True}, 'engine': {'no_wrap': True}, 'agent': {'no_wrap': True}, 'status': {'no_wrap': True},
+    'started (UTC)': {'min_width': 10}, 'capabilities loaded': {'min_width': 6}, 'conversation': {'min_width': 5},
+    'units done': {'min_width': 5}, 'held by': {'min_width': 5},
+}
+"""The columns of `runs list` (in display order) and the labels of `runs show`, one per value of `_row`."""
+
+_LABELS = tuple(_COLUMN_OPTIONS)
+
+
 def _row(info: Any) -> list[str]:
     started = info.started_at.strftime('%Y-%m-%d %H:%M:%S') if info.started_at else '-'
     units = '-' if info.units_done is None else str(info.units_done)
@@ -81,11 +91,9 @@ def _print_runs(infos: list[Any], fmt: RunsFormat) -> None:
     # The run id is what `runs show/resume/cancel` take: never cut it, whatever the terminal width. On a narrow
     # terminal (80 columns) the long headers and values wrap onto more lines; the short columns keep their width.
     # (Built in display order: rich pads a column by its place when it was added, so moving one afterwards cut cells.)
-    table = Table(Column('id', no_wrap=True, min_width=max((len(str(i.run_id)) for i in infos), default=2)),
-                  Column('engine', no_wrap=True), Column('agent', no_wrap=True), Column('status', no_wrap=True),
-                  Column('started (UTC)', min_width=10), Column('capabilities loaded', min_width=6),
-                  Column('conversation', min_width=5), Column('units done', min_width=5), Column('held by', min_width=5),
-                  box=None, pad_edge=False)
+    id_width = max((len(str(i.run_id)) for i in infos), default=2)
+    table = Table(*(Column(label, **({'min_width': id_width} if label == 'id' else {}), **_COLUMN_OPTIONS[label])
+                    for label in _LABELS), box=None, pad_edge=False)
     for info in infos:
         table.add_row(*map(Text, _row(info)))
     _out.print(table)
@@ -153,8 +161,7 @@ def show(
     if fmt is RunsFormat.json:
         _out.print(json.dumps(info.to_json(), default=str), markup=False)
         return
-    for label, value in zip(('id', 'engine', 'agent', 'status', 'started (UTC)', 'capabilities loaded', 'conversation',
-                             'units done', 'held by'), _row(info), strict=True):
+    for label, value in zip(_LABELS, _row(info), strict=True):
         _out.print(f'{label}: {value}', markup=False)
     _out.print(printable(f'engine status: {info.engine_status}'), markup=False)
     for key, value in info.detail.items():
