@@ -277,8 +277,41 @@ class StreamingModel(WrapperModel):
     stream (see the module docstring). Outside a `publishing` context it only forwards.
 
     Args:
-        wrapped: The agent's model (a `Model`, or a name `infer_model` resolves).
+        wrapped: The agent's model (a `Model`, or a name: resolved by `infer_model` on first use, not here, so an
+            agent naming a provider's model is built where its API key is not set, e.g. by `durcap check` or a
+            Temporal client).
     """
+
+    _name: str | None = None
+    _model: Model | None = None
+
+    def __init__(self, wrapped: Model | str):
+        if isinstance(wrapped, str):
+            Model.__init__(self)
+            self._name = wrapped
+        else:
+            super().__init__(wrapped)
+
+    @property  # type: ignore[override]
+    def wrapped(self) -> Model:  # pyright: ignore[reportIncompatibleVariableOverride]
+        """The agent's model (a name is resolved now, once)."""
+        if self._model is None:
+            from pydantic_ai.models import infer_model
+
+            self._model = infer_model(self._name)  # type: ignore[arg-type]
+        return self._model
+
+    @wrapped.setter
+    def wrapped(self, model: Model) -> None:
+        self._model = model
+
+    @property
+    def model_id(self) -> str:
+        """The wrapped model's id; a name not resolved yet is its own id (what upstream's durability
+        capabilities name an agent's model given by name)."""
+        if self._model is None and self._name is not None:
+            return self._name
+        return self.wrapped.model_id
 
     async def request(self, messages: list[ModelMessage], model_settings: ModelSettings | None,
                       model_request_parameters: ModelRequestParameters) -> ModelResponse:
