@@ -1,7 +1,8 @@
 """Run event streams: what publishing costs a run, how soon a subscriber in another process sees a delta, and what a
 subscriber's memory does over a 10,000-event run.
 
-    .venv/bin/python bench/bench_streams.py [--runs 5] [--engines local,dbos] [--deltas 200]
+    .venv/bin/python bench/bench_streams.py [--runs 5] [--engines local,dbos,temporal] [--deltas 200]
+        [--temporal-address HOST:PORT]
 
 Model: a scripted `FunctionModel` with both `function` and `stream_function`, answering in `--deltas` words (no
 provider). Side by side in one process, alternating:
@@ -11,12 +12,17 @@ provider). Side by side in one process, alternating:
 (b) delay from the model producing a text delta (its wall-clock time, written by the model) to a subscriber in
     another process (`durcap runs watch --format jsonl`) printing it, median and p95;
 (c) a subscriber process's RSS while it reads a 10,000-event run (`watch()`, events not kept), every 1,000 events.
+Temporal: one worker of one agent in this process for each series (its activities read `$DURCAP_STREAMS` as each run
+goes), on the server at `--temporal-address` (default `$DURCAP_TEST_TEMPORAL_ADDRESS`, `$DURCAP_TEMPORAL_ADDRESS`,
+else a dev server started here); each run is `runner.run(..., engine='temporal')` against it. Unstreamed, the
+workflow still runs its three `durcap.stream_publish` local activities, which then write nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -72,18 +78,46 @@ async def one_run(engine: str, streamed: bool, deltas: int, folder: Path, run_id
     return time.perf_counter() - started
 
 
+TEMPORAL_ADDRESS: list[str] = []
+
+
+async def temporal_runs(sides: list[tuple[bool, str | None]], deltas: int, folder: Path, delay: float) -> list[float]:
+    """Wall times of runs of one agent on Temporal, one per `(streamed, run id)` of `sides`, with one worker of it in
+    this process on a task queue of its own."""
+    from durable_capabilities.engines.temporal import connect, make_worker
+
+    address, store = TEMPORAL_ADDRESS[0], f'sqlite:///{folder / "conversations.db"}'
+    agent = DurableAgent(f'bench-{uuid.uuid4().hex[:6]}', model(deltas, delay), engines=['temporal'])
+    queue = f'bench-{uuid.uuid4().hex[:8]}'
+    times = []
+    async with make_worker(await connect(address, store=store), [agent], queue, store=store):
+        for streamed, run_id in sides:
+            os.environ['DURCAP_STREAMS'] = '1' if streamed else '0'
+            started = time.perf_counter()
+            await runner.run(agent, 'go', engine='temporal', run_id=run_id, address=address, task_queue=queue,
+                             inline_worker=False, store=store, notify=lambda line: None)
+            times.append(time.perf_counter() - started)
+    return times
+
+
 def wall_times(engines: list[str], runs: int, deltas: int, folder: Path, delay: float) -> None:
     print(f'(a) wall time, streamed over unstreamed, {deltas} deltas per answer {delay * 1000:g} ms apart, {runs} runs '
           'each, alternating')
     for engine in engines:
-        asyncio.run(one_run(engine, True, deltas, folder, delay=delay))  # warm-up (imports, store schema, DBOS tables)
-        asyncio.run(one_run(engine, False, deltas, folder, delay=delay))
         times: dict[bool, list[float]] = {True: [], False: []}
-        for _ in range(runs):
-            for streamed in (False, True):
-                times[streamed].append(asyncio.run(one_run(engine, streamed, deltas, folder, delay=delay)))
+        if engine == 'temporal':
+            order = [True, False] + [streamed for _ in range(runs) for streamed in (False, True)]
+            measured = asyncio.run(temporal_runs([(streamed, None) for streamed in order], deltas, folder, delay))
+            for streamed, took in list(zip(order, measured, strict=True))[2:]:  # the first two warm up
+                times[streamed].append(took)
+        else:
+            asyncio.run(one_run(engine, True, deltas, folder, delay=delay))  # warm-up (imports, store schema, DBOS)
+            asyncio.run(one_run(engine, False, deltas, folder, delay=delay))
+            for _ in range(runs):
+                for streamed in (False, True):
+                    times[streamed].append(asyncio.run(one_run(engine, streamed, deltas, folder, delay=delay)))
         on, off = statistics.median(times[True]), statistics.median(times[False])
-        print(f'  {engine:6s} streamed {on * 1000:8.1f} ms  unstreamed {off * 1000:8.1f} ms  ratio {on / off:.2f}x '
+        print(f'  {engine:8s} streamed {on * 1000:8.1f} ms  unstreamed {off * 1000:8.1f} ms  ratio {on / off:.2f}x '
               f'(target <= 1.10x)')
 
 
@@ -116,7 +150,10 @@ def latency(engine: str, deltas: int, folder: Path, delay: float) -> None:
         while not ready.is_set() and watcher.poll() is None:
             time.sleep(0.05)
         PRODUCED.clear()
-        asyncio.run(one_run(engine, True, deltas, folder, run_id=run_id, delay=delay))
+        if engine == 'temporal':
+            asyncio.run(temporal_runs([(True, run_id)], deltas, folder, delay))
+        else:
+            asyncio.run(one_run(engine, True, deltas, folder, run_id=run_id, delay=delay))
         watcher.wait(timeout=60)
         reader.join(timeout=10)
     finally:
@@ -130,7 +167,7 @@ def latency(engine: str, deltas: int, folder: Path, delay: float) -> None:
         print(f'  {engine}: no deltas received')
         return
     p95 = delays[min(len(delays) - 1, int(len(delays) * 0.95))]
-    print(f'  {engine:6s} {len(delays)} deltas: median {statistics.median(delays):.1f} ms, p95 {p95:.1f} ms')
+    print(f'  {engine:8s} {len(delays)} deltas: median {statistics.median(delays):.1f} ms, p95 {p95:.1f} ms')
 
 
 def subscriber_memory(folder: Path, count: int = 10_000) -> None:
@@ -174,14 +211,26 @@ asyncio.run(main())
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument('--runs', type=int, default=5)
-    parser.add_argument('--engines', default='local,dbos')
+    parser.add_argument('--engines', default='local,dbos,temporal')
     parser.add_argument('--deltas', type=int, default=200)
     parser.add_argument('--delay', type=float, default=0.0, help='seconds between the model\'s deltas (0: as fast as '
                         'the scripted model goes; the unstreamed side sends the plain request, with no delay)')
+    parser.add_argument('--temporal-address', default=os.environ.get('DURCAP_TEST_TEMPORAL_ADDRESS')
+                        or os.environ.get('DURCAP_TEMPORAL_ADDRESS'), help='a Temporal server (default: '
+                        '$DURCAP_TEST_TEMPORAL_ADDRESS, $DURCAP_TEMPORAL_ADDRESS, else a dev server started here)')
     args = parser.parse_args()
     engines = args.engines.split(',')
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         folder = Path(tmp)
+        if 'temporal' in engines:
+            address = args.temporal_address
+            if not address:
+                from durable_capabilities.engines.temporal import start_temporal_dev_server
+
+                server = start_temporal_dev_server(state_dir=folder / 'temporal', persistent=False)
+                stack.callback(server.stop)
+                address = server.address
+            TEMPORAL_ADDRESS.append(address)
         wall_times(engines, args.runs, args.deltas, folder, args.delay)
         print('(b) delta latency, model -> subscriber in another process (durcap runs watch --format jsonl), '
               '100 deltas 20 ms apart')

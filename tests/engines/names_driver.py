@@ -42,9 +42,14 @@ def temporal(args: argparse.Namespace) -> dict[str, Any]:
     async def registered() -> dict[str, Any]:
         client = await engine.connect(args.address)
         config = engine.make_worker(client, [support], 'names-probe').config(active_config=True)
+        # The worker's own local activity that writes the runs' event streams (one per worker, for every agent; never
+        # a task another worker takes): not an agent's durable name.
+        from durable_capabilities.engines.temporal._streams import PUBLISH_ACTIVITY
+
         return {
             'workflows': sorted(temporal_workflow_name(cls) for cls in config.get('workflows', [])),
-            'activities': sorted(temporal_activity_name(fn) for fn in config.get('activities', [])),
+            'activities': sorted(temporal_activity_name(fn) for fn in config.get('activities', [])
+                                 if temporal_activity_name(fn) != PUBLISH_ACTIVITY),
         }
 
     return {'registered': asyncio.run(registered())}

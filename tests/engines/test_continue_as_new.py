@@ -290,9 +290,26 @@ def test_continue_as_new_with_a_conversation_id(temporal_suggesting_continue_as_
     assert record.usage.requests == MODEL_REQUESTS
     assert record.usage.tool_calls == COUNT + 1
 
+    # The run's event stream (docs/watching.md) spans the chain: one stream under the workflow id, offsets 1..n with
+    # no gap, one run_started, run_completed last, the answer's text.
+    from durable_capabilities import streams
 
-def test_continue_as_new_without_a_conversation_id(temporal_suggesting_continue_as_new: str, tmp_path: Path) -> None:
-    """The history so far rides in each continued run's input; no store is touched."""
+    async def events() -> list[streams.RunEvent]:
+        return [e async for e in streams.watch(workflow_id, engine='temporal', store=store_url, follow=False)]
+
+    stream = asyncio.run(events())
+    kinds = [e.kind for e in stream]
+    assert [e.offset for e in stream] == list(range(1, len(stream) + 1))
+    assert kinds.count('run_started') == 1 and kinds[-1] == 'run_completed' and kinds.count('run_completed') == 1
+    assert kinds.count('turn_stored') == 1 and kinds.count('tool_call') == COUNT + 1
+    assert streams.answer_text(stream) == OUTPUT == stream[-1].data['output']
+
+
+def test_continue_as_new_without_a_conversation_id(temporal_suggesting_continue_as_new: str, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The history so far rides in each continued run's input; no store is touched (the run's event stream, which
+    would be written there, is turned off)."""
+    monkeypatch.setenv('DURCAP_STREAMS', '0')
     address = temporal_suggesting_continue_as_new
     unused_store = tmp_path / 'never-created.db'
     counted = counting_agent(f'sqlite:///{unused_store}')

@@ -106,10 +106,9 @@ def test_support_conversation_on_every_engine(engine: str, kind: str, request: p
                   or line.strip() == 'orders.order_status']  # Temporal/DBOS: the toolset's unit; Prefect: the tool's task run
     assert len(tool_units) == 1, out.stdout
     assert 'usage: 3 requests, 2103 input tokens, 73 output tokens' in out.stdout  # 612+701+790, 18+24+31
-    # DBOS and Prefect runs publish their events (docs/watching.md): the model request streams inside its unit
-    # (`streams.StreamingModel`) whatever the agent asked; Temporal's streams only where the agent asked.
-    streamed = kind != 'openai-responses' or engine in ('dbos', 'prefect')
-    assert served == [(API[kind], step, streamed) for step in range(3)]  # each model request answered once
+    # Runs publish their events (docs/watching.md): the model request streams inside its unit
+    # (`streams.StreamingModel`) whatever the agent asked, on every engine.
+    assert served == [(API[kind], step, True) for step in range(3)]  # each model request answered once
     assert faults == [(1, status)] * (3 if status else 0), faults
     retried = [line for line in out.stderr.splitlines() if error and f'{error}' in line]
     assert len(retried) == (1 if status else 0), out.stderr  # the engine's one line for its retry

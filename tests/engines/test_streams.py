@@ -1,8 +1,8 @@
 """Run event streams on durable engines, watched from other processes (`durcap runs watch --format jsonl`).
 
 Model: scripted `FunctionModel`s (the support example's, and `tests/engines/stream_agent.py`'s, which streams its
-answer word by word). Real parts: DBOS on SQLite, the Prefect server, the conversation store on SQLite, every run,
-worker and subscriber its own process, killed with SIGKILL where the test says.
+answer word by word). Real parts: DBOS on SQLite, the Temporal dev server, the Prefect server, the conversation store
+on SQLite, every run, worker and subscriber its own process, killed with SIGKILL where the test says.
 """
 
 from __future__ import annotations
@@ -70,25 +70,31 @@ def assert_in_order_once(events: list[RunEvent]) -> None:
     assert len({(e.unit, e.attempt, e.kind, e.offset) for e in events}) == len(events)
 
 
-def test_dbos_support_demo_streams_every_event_to_a_subscriber_in_another_process(tmp_path: Path, subscribers) -> None:
-    """`durcap demo --engine dbos` (SQLite): a subscriber started once the workflow id is printed receives every
-    event in order, from `run_started` to `run_completed`, the text joined equal to the demo's answer; a
-    subscriber started after the run ended gets the same events and ends."""
+@pytest.mark.parametrize('engine', ['dbos', 'temporal'])
+def test_support_demo_streams_every_event_to_a_subscriber_in_another_process(engine: str, tmp_path: Path, subscribers,
+                                                                             request: pytest.FixtureRequest) -> None:
+    """`durcap demo --stream` on DBOS (SQLite) and on Temporal (the shared dev server, the demo's inline worker): a
+    subscriber started once the workflow id is printed receives every event in order, from `run_started` to
+    `run_completed`, the text joined equal to the demo's answer; a subscriber started after the run ended gets the same
+    events and ends (on Temporal without any worker running: the events are in the store, not in the workflow)."""
     env = {'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}'}
+    where = (['--db', f'sqlite:///{tmp_path / "dbos.sqlite"}'] if engine == 'dbos' else
+             ['--address', request.getfixturevalue('temporal_address'), '--task-queue', f'demo-{uuid.uuid4().hex[:8]}'])
     err = tmp_path / 'demo.err'
     with open(tmp_path / 'demo.out', 'wb') as out, open(err, 'wb') as errors:
-        demo = subprocess.Popen([*DURCAP, 'demo', '--stream', '--engine', 'dbos', '--db', f'sqlite:///{tmp_path / "dbos.sqlite"}'],
+        demo = subprocess.Popen([*DURCAP, 'demo', '--stream', '--engine', engine, *where],
                                 cwd=tmp_path, env=subprocess_env(env), stdout=out, stderr=errors, start_new_session=True)
     try:
-        line: str = wait_for(lambda: next((x for x in err.read_text().splitlines() if 'dbos workflow id:' in x), None), 180)
-        run_id = line.split('dbos workflow id:', 1)[1].split()[0]
-        live = subscribers(tmp_path, run_id, env, name='live')
+        line: str = wait_for(lambda: next((x for x in err.read_text().splitlines() if f'{engine} workflow id:' in x),
+                                          None), 180)
+        run_id = line.split(f'{engine} workflow id:', 1)[1].split()[0]
+        live = subscribers(tmp_path, run_id, env, '--engine', engine, name='live')
         assert demo.wait(timeout=300) == 0, err.read_text()
     finally:
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGKILL)
     stdout = (tmp_path / 'demo.out').read_text()
-    answer = stdout.split('answer (dbos): ', 1)[1].splitlines()[0]
+    answer = stdout.split(f'answer ({engine}): ', 1)[1].splitlines()[0]
     events = live.finish()
     assert_in_order_once(events)
     assert events[0].offset == 1 and events[0].kind == 'run_started' and events[-1].kind == 'run_completed'
@@ -96,7 +102,7 @@ def test_dbos_support_demo_streams_every_event_to_a_subscriber_in_another_proces
     kinds = {e.kind for e in events}
     assert {'tool_call', 'tool_result', 'capability_loaded', 'text_delta', 'turn_stored'} <= kinds or \
         {'tool_call', 'tool_result', 'capability_loaded', 'text_delta'} <= kinds, kinds
-    assert answer in stdout.split('answer (dbos): ', 1)[0]  # printed as it streamed, before the summary
+    assert answer in stdout.split(f'answer ({engine}): ', 1)[0]  # printed as it streamed, before the summary
     late = subscribers(tmp_path, run_id, env, name='late').finish()
     assert late == events
 
@@ -139,6 +145,61 @@ def test_dbos_worker_killed_mid_stream_and_subscriber_restarted_from_its_offset(
     discarded = [e for e in whole if e.kind == 'text_delta' and e.unit == retries[0].unit and e.attempt == 1]
     assert len(discarded) >= 5  # the first attempt's partial text was published, then discarded
     assert answer_text(whole) == ANSWER and whole[-1].kind == 'run_completed'
+
+
+def test_temporal_worker_killed_mid_stream_and_subscriber_restarted_from_its_offset(
+        temporal_address: str, tmp_path: Path, spawn, subscribers) -> None:
+    """Temporal (the shared dev server), `durcap run --engine temporal --stream` against worker 1: subscriber A
+    (another process) is SIGKILLed after a few text deltas; worker 1 is SIGKILLed mid-stream, inside the answer's
+    model request activity; subscriber B starts with A's last offset and worker 2 starts. The activity's heartbeat
+    timeout retries it on worker 2 (Temporal attempt 2): B gets exactly the events after A's last one (no gap, no
+    repeat), among them the `retry` marker (attempt 2 discarding attempt 1), the text with the retry applied equals
+    the answer `durcap run` printed, and `durcap run --stream` printed the text as it streamed, the retry marked."""
+    from tests.engines.stream_agent import ANSWER
+
+    stream_dir = tmp_path / 'stream'
+    env = {'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}', 'DURCAP_STREAM_DIR': str(stream_dir),
+           'DURCAP_STREAM_AGENT': f'streamer-{uuid.uuid4().hex[:6]}', 'DURCAP_STREAM_DELAY': '0.05'}
+    queue = f'stream-{uuid.uuid4().hex[:8]}'
+    worker = ('temporal', 'worker', '--target', TARGET, '--address', temporal_address, '--task-queue', queue)
+    first = spawn(*worker, env=env)
+    first.wait_for('WORKER READY', 90)
+    err = tmp_path / 'run.err'
+    with open(tmp_path / 'run.out', 'wb') as out, open(err, 'wb') as errors:
+        run = subprocess.Popen([*DURCAP, 'run', TARGET, 'where is ABC-123?', '--engine', 'temporal', '--stream',
+                                '--address', temporal_address, '--task-queue', queue, '--no-inline-worker'],
+                               cwd=ROOT, env=subprocess_env(env), stdout=out, stderr=errors, start_new_session=True)
+    try:
+        line: str = wait_for(lambda: next((x for x in err.read_text().splitlines() if 'temporal workflow id:' in x),
+                                          None), 120)
+        run_id = line.split('temporal workflow id:', 1)[1].split()[0]
+        a = subscribers(tmp_path, run_id, env, '--engine', 'temporal', name='a')
+        wait_for(lambda: sum(e.kind == 'text_delta' for e in a.events()) >= 4 or None, 120)
+        a.kill9()
+        seen = a.events()
+        wait_for_file(stream_dir / 'mid-stream', 120)
+        time.sleep(0.3)  # the deltas before the hang reach the log (flushed every 50 ms)
+        first.kill9()
+        b = subscribers(tmp_path, run_id, env, '--engine', 'temporal', '--from', str(seen[-1].offset), name='b')
+        spawn(*worker, env=env)
+        assert run.wait(timeout=180) == 0, err.read_text()
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    stdout = (tmp_path / 'run.out').read_text()
+    assert stdout.split('answer (temporal): ', 1)[1].splitlines()[0] == ANSWER
+    streamed = stdout.split('answer (temporal): ', 1)[0]
+    assert '[retried' in streamed and ANSWER in streamed.split('[retried', 1)[1]
+    rest = b.finish()
+    assert rest[0].offset == seen[-1].offset + 1
+    whole = [*seen, *rest]
+    assert_in_order_once(whole)
+    retries = [e for e in whole if e.kind == 'retry']
+    assert len(retries) == 1 and retries[0].attempt == 2 and retries[0].data['discard_attempts'] == [1]
+    discarded = [e for e in whole if e.kind == 'text_delta' and e.unit == retries[0].unit and e.attempt == 1]
+    assert len(discarded) >= 5  # the first attempt's partial text was published, then discarded
+    assert answer_text(whole) == ANSWER and whole[-1].kind == 'run_completed'
+    assert [e.kind for e in whole[:2]] == ['run_started', 'capability_catalog'] and whole[0].attempt == 0
 
 
 def test_prefect_run_streams_to_a_subscriber_in_another_process(tmp_path: Path, spawn, subscribers,

@@ -174,8 +174,8 @@ def test_watch_errors_name_what_to_fix(tmp_path: Path) -> None:
     store = sqlite_url(tmp_path)
     with pytest.raises(streams.StreamNotFoundError, match="run 'nope' has published no events"):
         run(events_of('nope', store))
-    with pytest.raises(streams.StreamUnsupportedError, match='--engine temporal'):
-        run(events_of('x', store, engine='temporal'))
+    with pytest.raises(streams.StreamUnsupportedError, match='--engine journal'):
+        run(events_of('x', store, engine='journal'))
     with pytest.raises(ValueError, match='from_offset=-1'):
         run(events_of('x', store, from_offset=-1))
 

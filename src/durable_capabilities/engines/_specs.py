@@ -59,7 +59,7 @@ TEMPORAL = EngineSpec(
     lock_sections={'workflows': 'workflow', 'activities': 'activity'},
     packages=('temporalio',),
     unit='activity', units='activities', container='workflow', run_id_label='workflow id',
-    features=frozenset({'worker', 'dev-server', 'history', 'approvals', 'claim-checks'}),
+    features=frozenset({'worker', 'dev-server', 'history', 'approvals', 'claim-checks', 'streams'}),
     embedded=EmbeddedServer('address', DEFAULT_TEMPORAL_ADDRESS, 'durable_capabilities.engines.temporal._server:start_temporal_dev_server',
                             'Temporal dev server', implies={'inline_worker': True}),
     retains=('the workflow history: the input and result of every activity (messages and tool results inline up to the '

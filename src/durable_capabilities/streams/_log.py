@@ -158,17 +158,18 @@ class EventLog:
         return offsets
 
     def append_unit_sync(self, run_id: str, engine: str, unit: str, entries: Sequence[tuple[int, str, dict[str, Any]]],
-                         attempt: int | None) -> int:
+                         attempt: int | None, *, at_least: int | None = None) -> int:
         """Store `entries` (`(seq, kind, body)`) of one execution of `unit`; `attempt=None` for its first batch: the
-        execution's attempt is then claimed in the same transaction (one more than the unit's last), after a `retry`
-        event (seq -1) naming the earlier attempts when there are any. Returns the attempt."""
+        execution's attempt is then claimed in the same transaction (one more than the unit's last, and at least
+        `at_least`: the engine's own attempt number, a Temporal activity's), after a `retry` event (seq -1) naming
+        the earlier attempts when there are any. Returns the attempt."""
         with self._backend._txn(write=True) as conn:
             items: list[Item] = []
             if attempt is None:
                 rows = conn.execute(sa.text('SELECT DISTINCT attempt FROM durcap_run_events WHERE run_id = :r AND '
                                             'unit = :u'), {'r': run_id, 'u': unit}).all()
                 earlier = sorted(int(r[0]) for r in rows)
-                attempt = max(earlier) + 1 if earlier else 1
+                attempt = max(max(earlier) + 1 if earlier else 1, at_least or 1)
                 if earlier:
                     items.append(Item(unit, attempt, -1, 'retry', {'data': {'discard_attempts': earlier}}))
             items += [Item(unit, attempt, seq, kind, body) for seq, kind, body in entries]

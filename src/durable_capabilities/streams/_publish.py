@@ -13,7 +13,9 @@ What runs where:
   each event as it arrives. A model without streaming (a `FunctionModel` without `stream_function`) is sent the
   plain request, and the response's events are published at its end. Each execution of the unit is a new attempt;
   when an earlier attempt published events, a `retry` event comes first, naming the attempts to discard.
-Without a `StreamContext` (a Temporal activity, a run outside `publishing`) the wrapper is a plain pass-through.
+On Temporal, `engines.temporal._streams` enters `publishing` around each model request activity (with the
+activity's attempt), and the workflow's own events go through a local activity (`attached`).
+Without a `StreamContext` (a run outside `publishing`) the wrapper is a plain pass-through.
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ class StreamContext:
         log: The event log it publishes to.
         conversation_id: The conversation the turn appends to, if any.
         seq: The next sequence number of the container's own events (unit `run`).
+        attempt: The engine's own attempt number of the unit running in this context (a Temporal activity's
+            `activity.info().attempt`), or `None` (DBOS, Prefect: the store numbers each execution). A unit's first
+            write claims at least this attempt, one more than any attempt of it already stored.
     """
 
     run_id: str
@@ -76,6 +81,7 @@ class StreamContext:
     log: EventLog
     conversation_id: str | None = None
     seq: int = 0
+    attempt: int | None = None
     closed: bool = field(default=False)
     failed: bool = field(default=False)
 
@@ -116,8 +122,8 @@ def enabled() -> bool:
 
 
 @contextmanager
-def publishing(run_id: str, engine: str, store_url: str, *,
-               conversation_id: str | None = None) -> Iterator[StreamContext | None]:
+def publishing(run_id: str, engine: str, store_url: str, *, conversation_id: str | None = None,
+               attempt: int | None = None) -> Iterator[StreamContext | None]:
     """Publish the events of the run in this context to the stream of `run_id` in the store at `store_url`.
 
     Args:
@@ -125,6 +131,7 @@ def publishing(run_id: str, engine: str, store_url: str, *,
         engine: The engine's name.
         store_url: The conversation store holding the stream.
         conversation_id: The conversation of the turn, shown in `run_started`.
+        attempt: The engine's attempt of the unit running in this context (`StreamContext.attempt`).
 
     Yields:
         The `StreamContext`, or `None` when `$DURCAP_STREAMS` turns publishing off.
@@ -134,7 +141,19 @@ def publishing(run_id: str, engine: str, store_url: str, *,
         return
     from ._log import EventLog  # the store and SQLAlchemy: only once a run publishes
 
-    context = StreamContext(run_id, engine, EventLog(store_url), conversation_id)
+    with attached(StreamContext(run_id, engine, EventLog(store_url), conversation_id, attempt=attempt)) as context:
+        yield context
+
+
+@contextmanager
+def attached(context: StreamContext | None) -> Iterator[StreamContext | None]:
+    """Make `context` the current stream in this context (`None`: no stream), for an engine whose container
+    publishes its own way (a Temporal workflow writes through a local activity: a `StreamContext` subclass whose
+    `write` schedules it).
+
+    Yields:
+        `context`.
+    """
     token = _current.set(context)
     try:
         yield context
@@ -202,7 +221,7 @@ class _UnitPublisher:
             return
         try:
             self.attempt = await in_thread(self.context.log.append_unit_sync, self.context.run_id, self.context.engine,
-                                           self.unit, entries, self.attempt)
+                                           self.unit, entries, self.attempt, at_least=self.context.attempt)
         except Exception as error:  # noqa: BLE001 - the run goes on without its stream
             self.context.fail(error)
 
@@ -258,8 +277,41 @@ class StreamingModel(WrapperModel):
     stream (see the module docstring). Outside a `publishing` context it only forwards.
 
     Args:
-        wrapped: The agent's model (a `Model`, or a name `infer_model` resolves).
+        wrapped: The agent's model (a `Model`, or a name: resolved by `infer_model` on first use, not here, so an
+            agent naming a provider's model is built where its API key is not set, e.g. by `durcap check` or a
+            Temporal client).
     """
+
+    _name: str | None = None
+    _model: Model | None = None
+
+    def __init__(self, wrapped: Model | str):
+        if isinstance(wrapped, str):
+            Model.__init__(self)
+            self._name = wrapped
+        else:
+            super().__init__(wrapped)
+
+    @property  # type: ignore[override]
+    def wrapped(self) -> Model:  # pyright: ignore[reportIncompatibleVariableOverride]
+        """The agent's model (a name is resolved now, once)."""
+        if self._model is None:
+            from pydantic_ai.models import infer_model
+
+            self._model = infer_model(self._name)  # type: ignore[arg-type]
+        return self._model
+
+    @wrapped.setter
+    def wrapped(self, model: Model) -> None:
+        self._model = model
+
+    @property
+    def model_id(self) -> str:
+        """The wrapped model's id; a name not resolved yet is its own id (what upstream's durability
+        capabilities name an agent's model given by name)."""
+        if self._model is None and self._name is not None:
+            return self._name
+        return self.wrapped.model_id
 
     async def request(self, messages: list[ModelMessage], model_settings: ModelSettings | None,
                       model_request_parameters: ModelRequestParameters) -> ModelResponse:

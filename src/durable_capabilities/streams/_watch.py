@@ -13,7 +13,7 @@ from ._log import EventLog, StoredEvent, in_thread
 POLL_SECONDS = 0.05
 """How often a subscriber reads the log for new events while the run is going."""
 
-STREAM_ENGINES = ('local', 'dbos', 'prefect')
+STREAM_ENGINES = ('local', 'dbos', 'prefect', 'temporal')
 """The engines whose runs publish to the store's event log."""
 
 
@@ -40,8 +40,8 @@ async def watch(run_id: str, *, engine: str | None = None, from_offset: int = 0,
 
     Args:
         run_id: The run (workflow id, flow run id, `local-...`).
-        engine: The engine it runs on (`local`, `dbos`, `prefect`; `None`: any of them). Temporal runs publish no
-            stream yet (`StreamUnsupportedError`).
+        engine: The engine it runs on (`local`, `dbos`, `prefect`, `temporal`; `None`: any of them); another
+            name raises `StreamUnsupportedError`.
         from_offset: The offset of the last event already seen: only later ones are delivered (0: from the start).
             A subscriber that reconnects with its last offset gets exactly the rest.
         store: The conversation store URL holding the stream (`None`: `$DURCAP_STORE`, else the default store).

@@ -31,6 +31,9 @@ AGENT_MEMO = 'durcap_agent'
 """Memo key holding the agent's name (set by `start_run`)."""
 
 CAPABILITIES_PATCH_ID = 'durcap-capabilities-memo'
+STREAMS_PATCH_ID = 'durcap-run-streams'
+"""Patch marker of the workflow's own stream events (`_streams.WorkflowStream`: a local activity per publish); a
+history recorded without it replays without them."""
 SEARCH_ATTRIBUTE_MEMO = 'durcap_search_attribute'
 
 CAPABILITIES_MEMO = 'durcap_capabilities'

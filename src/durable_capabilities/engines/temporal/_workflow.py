@@ -80,11 +80,14 @@ class ContinuedRun:
         summaries: Compaction summaries (message JSON) the earlier parts wrote with no place yet in the stored
             or carried messages (`TurnLog.split`: a tool call was waiting at every point after them); the new run
             stores them where they fit (`run_turn(carried=)`). Empty in inputs recorded before this field.
+        stream_seq: The next sequence number of the workflow's own stream events (`_streams.WorkflowStream`), so
+            the new run's follow the earlier runs' in the same stream; `None` when the earlier run published none.
     """
 
     new_from: int = 0
     usage: RunUsage = field(default_factory=RunUsage)
     summaries: list[dict[str, Any]] = field(default_factory=list)
+    stream_seq: int | None = None
 
 
 @dataclass
@@ -158,13 +161,18 @@ def _run_method(agent: DurableAgent[Any, Any], built: Any, class_name: str) -> A
             raise _payloads.named(exc, params.conversation_id) from exc
 
     async def run_body(self: Any, params: AgentRunInput) -> AgentRunOutput:
+        from ... import streams
+        from ._streams import workflow_stream
+
         deps = deps_adapter.validate_python(params.deps) if params.deps is not None else None
+        stream = workflow_stream(agent, params.continued.stream_seq if params.continued else None)
         token = _current_run.set(params)
         try:
-            turn = await run_turn(agent, built.run, params.prompt, deps=deps, message_history=params.message_history,
-                                  conversation_id=params.conversation_id, load=load, append=append,
-                                  gate=TemporalApprovalGate(self),
-                                  carried=params.continued.summaries if params.continued else None, busy=params.busy)
+            with streams.attached(stream):
+                turn = await run_turn(agent, built.run, params.prompt, deps=deps, message_history=params.message_history,
+                                      conversation_id=params.conversation_id, load=load, append=append,
+                                      gate=TemporalApprovalGate(self),
+                                      carried=params.continued.summaries if params.continued else None, busy=params.busy)
         finally:
             _current_run.reset(token)
         _record_capabilities(turn.new_messages)
@@ -204,9 +212,10 @@ def continue_as_new_handler(agent: DurableAgent[Any, Any]) -> Any:
         placed, pending = turn.log.split()
         added = ModelMessagesTypeAdapter.dump_python(placed, mode='json')
         earlier = params.continued
+        stream = _current_stream()
         continued = ContinuedRun(
             earlier.new_from if earlier else len(turn.messages), (earlier.usage if earlier else RunUsage()) + ctx.usage,
-            ModelMessagesTypeAdapter.dump_python(pending, mode='json'),
+            ModelMessagesTypeAdapter.dump_python(pending, mode='json'), stream.seq if stream is not None else None,
         )
         if params.conversation_id is None:
             workflow.continue_as_new(AgentRunInput(None, None, params.deps, [*turn.history, *added], continued))
@@ -217,6 +226,13 @@ def continue_as_new_handler(agent: DurableAgent[Any, Any]) -> Any:
         workflow.continue_as_new(AgentRunInput(None, params.conversation_id, params.deps, None, continued))
 
     return handler
+
+
+def _current_stream() -> Any:
+    """The run's `WorkflowStream` (`None` for a run recorded before streams, or outside a workflow's turn)."""
+    from ... import streams
+
+    return streams.current_stream()
 
 
 def workflow_classes(agent: DurableAgent[Any, Any]) -> list[type]:
