@@ -124,3 +124,170 @@ def test_dbos_turn_streamed_over_sse_and_one_run_per_idempotency_key(dbos_stack:
 
 def _json(response: httpx.Response) -> Any:
     return json.loads(response.text)
+
+
+def _store_rows(store: str) -> dict[str, list[tuple[Any, ...]]]:
+    tables = [r[0] for r in sql(store, "SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE 'durcap_%'")]
+    return {table: sorted(sql(store, f'SELECT * FROM {table}'), key=repr) for table in sorted(tables)}  # noqa: S608
+
+
+def _wait_pending(url: str, run_id: str, timeout: float = 120) -> list[dict[str, Any]]:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pending = httpx.get(f'{url}/v1/runs/{run_id}/approvals', headers=ALICE, timeout=30).json()['pending']
+        if pending:
+            return pending
+        time.sleep(0.2)
+    raise AssertionError(f'run {run_id} never waited for approval')
+
+
+def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_approval_runs_the_tool_once(
+        dbos_stack: Stack) -> None:
+    """A table of 80 bad requests against `durcap serve --engine dbos` while a `gated` run waits for approval (wrong or
+    missing token, another principal's conversation and run, oversized and malformed bodies, unknown agent, run and
+    call, an Idempotency-Key reused for another request, a decision for other arguments, edited arguments outside the
+    tool's schema, unknown routes): each answered with its status and code in a JSON body without a traceback, and
+    every store table and the pending call unchanged, the tool not run. Then the right decision runs the tool once,
+    the SSE stream carries the approval events, and a second decision is refused with 409."""
+    from durable_capabilities.approvals import fingerprint
+    from tests.engines._serve import BOB
+
+    url, conversation = dbos_stack.url, 'c-table'
+    first = _post(url, conversation, {'agent': 'gated', 'prompt': 'revoke alice'}, key='k-table')
+    assert first.status_code == 202, first.text
+    run_id = first.json()['run_id']
+    [call] = _wait_pending(url, run_id)
+    assert call['tool_name'] == 'revoke_sessions' and call['args'] == {'user': 'alice'}
+    assert call['fingerprint'] == fingerprint('revoke_sessions', {'user': 'alice'}) and call['decided'] is None
+    fp, call_id = call['fingerprint'], call['call_id']
+    turns, conv, events = f'/v1/conversations/{conversation}/turns', f'/v1/conversations/{conversation}', f'/v1/runs/{run_id}/events'
+    status, approvals, decide = f'/v1/runs/{run_id}', f'/v1/runs/{run_id}/approvals', f'/v1/runs/{run_id}/approvals/{call_id}'
+    good_turn = json.dumps({'agent': 'gated', 'prompt': 'revoke bob'})
+    good = {'decision': 'approve', 'fingerprint': fp}
+    big = 1024 * 1024 + 10
+    deep: Any = 1
+    for _ in range(100):
+        deep = [deep]
+    endpoints = [('POST', turns, good_turn), ('GET', conv, None), ('GET', events, None), ('GET', status, None),
+                 ('GET', approvals, None), ('POST', decide, json.dumps(good))]
+    cases: list[tuple[str, str, str, dict[str, str], Any, int, str]] = []
+    for method, path, body in endpoints:
+        cases.append((f'no token {method} {path}', method, path, {}, body, 401, 'DC043'))
+        cases.append((f'wrong token {method} {path}', method, path, {'Authorization': 'Bearer token-mallory'}, body, 401, 'DC043'))
+        cases.append((f'bob {method} {path}', method, path, BOB, body, 404, 'DC044'))
+    cases += [
+        ('basic scheme', 'GET', conv, {'Authorization': 'Basic dG9rZW4tYWxpY2U='}, None, 401, 'DC043'),
+        ('bearer without token', 'GET', conv, {'Authorization': 'Bearer'}, None, 401, 'DC043'),
+        ('token with a suffix', 'GET', conv, {'Authorization': 'Bearer token-alice-x'}, None, 401, 'DC043'),
+        ('token in the query', 'GET', conv + '?token=token-alice', {}, None, 401, 'DC043'),
+    ]
+
+    def turn(name: str, body: Any, code_status: tuple[int, str], path: str = turns, **headers: str) -> None:
+        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        cases.append((f'turn: {name}', 'POST', path, {**ALICE, **headers}, content, *code_status))
+
+    bad, too_big, missing = (400, 'DC042'), (413, 'DC041'), (404, 'DC044')
+    turn('body over 1 MiB', b'x' * big, too_big)
+    turn('prompt over 1 MiB', {'agent': 'gated', 'prompt': 'x' * big}, too_big)
+    turn('not JSON', '{', bad)
+    turn('empty body', '', bad)
+    turn('a list', '[]', bad)
+    turn('a string', '"revoke bob"', bad)
+    turn('null', 'null', bad)
+    turn('no prompt', {'agent': 'gated'}, bad)
+    turn('empty prompt', {'agent': 'gated', 'prompt': ''}, bad)
+    turn('prompt a number', {'agent': 'gated', 'prompt': 5}, bad)
+    turn('prompt null', {'agent': 'gated', 'prompt': None}, bad)
+    turn('prompt NaN', '{"agent": "gated", "prompt": NaN}', bad)
+    turn('unknown field', {'agent': 'gated', 'prompt': 'x', 'temperature': 2}, bad)
+    turn('agent a number', {'agent': 7, 'prompt': 'x'}, bad)
+    turn('no agent of two', {'prompt': 'x'}, bad)
+    turn('unknown agent', {'agent': 'nope', 'prompt': 'x'}, missing)
+    turn('deps for an agent without deps', {'agent': 'gated', 'prompt': 'x', 'deps': {'a': 1}}, bad)
+    turn('deps nested 100 deep', {'agent': 'gated', 'prompt': 'x', 'deps': deep}, bad)
+    turn('not UTF-8', b'\xff\xfe{}', bad)
+    turn('conversation id with a space', {'agent': 'gated', 'prompt': 'x'}, bad, path='/v1/conversations/has%20space/turns')
+    turn('conversation id of 300 characters', {'agent': 'gated', 'prompt': 'x'}, bad, path=f'/v1/conversations/{"c" * 300}/turns')
+    turn('conversation id not ASCII', {'agent': 'gated', 'prompt': 'x'}, bad, path='/v1/conversations/caf%C3%A9/turns')
+    turn('conversation id starting with a dash', {'agent': 'gated', 'prompt': 'x'}, bad, path='/v1/conversations/-x/turns')
+    turn('Idempotency-Key with a space', {'agent': 'gated', 'prompt': 'x'}, bad, **{'Idempotency-Key': 'has space'})
+    turn('Idempotency-Key of 300 characters', {'agent': 'gated', 'prompt': 'x'}, bad, **{'Idempotency-Key': 'k' * 300})
+    turn('Idempotency-Key reused for another prompt', {'agent': 'gated', 'prompt': 'revoke bob'}, (409, 'DC045'),
+         **{'Idempotency-Key': 'k-table'})
+    turn('Idempotency-Key reused on another conversation', {'agent': 'gated', 'prompt': 'revoke alice'}, (409, 'DC045'),
+         path='/v1/conversations/c-other/turns', **{'Idempotency-Key': 'k-table'})
+    for name, path in [('events', '/v1/runs/nope/events'), ('status', '/v1/runs/nope'), ('approvals', '/v1/runs/nope/approvals')]:
+        cases.append((f'unknown run: {name}', 'GET', path, ALICE, None, *missing))
+    cases.append(('unknown run: decide', 'POST', '/v1/runs/nope/approvals/x', ALICE, json.dumps(good), *missing))
+    for value in ('abc', '-1', '1e3', '9' * 30):
+        cases.append((f'Last-Event-ID {value}', 'GET', events, {**ALICE, 'Last-Event-ID': value}, None, *bad))
+
+    def decision(name: str, body: Any, code_status: tuple[int, str], path: str = decide) -> None:
+        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        cases.append((f'decision: {name}', 'POST', path, ALICE, content, *code_status))
+
+    other = fingerprint('revoke_sessions', {'user': 'mallory'})
+    decision('decision maybe', {'decision': 'maybe', 'fingerprint': fp}, bad)
+    decision('no decision', {'fingerprint': fp}, bad)
+    decision('no fingerprint', {'decision': 'approve'}, bad)
+    decision('fingerprint too short', {'decision': 'approve', 'fingerprint': 'abc'}, bad)
+    decision('fingerprint in capitals', {'decision': 'approve', 'fingerprint': fp.upper()}, bad)
+    decision('fingerprint a boolean', {'decision': 'approve', 'fingerprint': True}, bad)
+    decision('fingerprint of other arguments', {'decision': 'approve', 'fingerprint': other}, (409, 'approval'))
+    decision('fingerprint of other arguments, deny', {'decision': 'deny', 'fingerprint': other}, (409, 'approval'))
+    decision('fingerprint of zeros', {'decision': 'approve', 'fingerprint': '0' * 64}, (409, 'approval'))
+    decision('unknown call', good, missing, path=f'/v1/runs/{run_id}/approvals/call-nope')
+    decision('args with deny', {'decision': 'deny', 'fingerprint': fp, 'args': {'user': 'bob'}}, bad)
+    decision('args a list', {'decision': 'approve', 'fingerprint': fp, 'args': ['bob']}, bad)
+    decision('args outside the schema', {'decision': 'approve', 'fingerprint': fp, 'args': {'nope': 1}}, (422, 'DC051'))
+    decision('args of the wrong type', {'decision': 'approve', 'fingerprint': fp, 'args': {'user': 5}}, (422, 'DC051'))
+    decision('args without the required field', {'decision': 'approve', 'fingerprint': fp, 'args': {}}, (422, 'DC051'))
+    decision('args with an extra field', {'decision': 'approve', 'fingerprint': fp, 'args': {'user': 'b', 'x': 1}},
+             (422, 'DC051'))
+    decision('reason too long', {'decision': 'deny', 'fingerprint': fp, 'reason': 'r' * 5000}, bad)
+    decision('reason a number', {'decision': 'deny', 'fingerprint': fp, 'reason': 7}, bad)
+    decision('the decider named in the body', {**good, 'by': 'admin'}, bad)
+    decision('not JSON', '{', bad)
+    decision('empty body', '', bad)
+    decision('body over 1 MiB', b'x' * big, too_big)
+    cases += [
+        ('unknown route', 'GET', '/v1/nope', ALICE, None, 404, 'DC044'),
+        ('root', 'GET', '/', ALICE, None, 404, 'DC044'),
+        ('GET on turns', 'GET', turns, ALICE, None, 405, 'method-not-allowed'),
+        ('POST on a run', 'POST', status, ALICE, '{}', 405, 'method-not-allowed'),
+        ('DELETE a conversation', 'DELETE', conv, ALICE, None, 405, 'method-not-allowed'),
+    ]
+    assert len(cases) >= 60 and len({c[0] for c in cases}) == len(cases)
+    before = _store_rows(dbos_stack.store)
+    failures = []
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for name, method, path, headers, content, expected, code in cases:
+            response = client.request(method, path, headers=headers, content=content)
+            text = response.text
+            try:
+                got = json.loads(text)['error']['code']
+            except (ValueError, KeyError, TypeError):
+                got = None
+            if (response.status_code, got) != (expected, code) or 'Traceback' in text or 'File "' in text:
+                failures.append(f'{name}: {response.status_code} {text[:300]}')
+    assert not failures, '\n'.join(failures)
+    assert _store_rows(dbos_stack.store) == before
+    assert _wait_pending(url, run_id) == [call]
+    assert not (dbos_stack.crash_dir / 'revocations').exists()
+    # The right decision: the tool runs once; the stream carries the wait and the decision; a second one is refused.
+    approved = httpx.post(f'{url}{decide}', json=good, headers=ALICE, timeout=30)
+    assert approved.status_code == 200, approved.text
+    assert approved.json()['decision']['by'] == 'serve:alice'
+    streamed = read_sse(f'{url}{events}', ALICE)
+    kinds = [e.kind for e in streamed]
+    assert kinds.index('approval_waiting') < kinds.index('approval_decided') < kinds.index('run_completed')
+    assert streamed[-1].data['data']['output'] == 'result: revoked sessions of alice'
+    for again in (good, {'decision': 'deny', 'fingerprint': fp}):
+        refused = httpx.post(f'{url}{decide}', json=again, headers=ALICE, timeout=30)
+        assert refused.status_code == 409 and refused.json()['error']['code'] == 'approval-already-decided', refused.text
+        assert 'approved by serve:alice' in refused.json()['error']['message']
+    assert (dbos_stack.crash_dir / 'revocations').read_text().splitlines() == ['alice']
+    stored = httpx.get(f'{url}{conv}', headers=ALICE, timeout=30).json()
+    assert [a['decision'] for a in stored['approvals']] == ['approved'] and stored['approvals'][0]['by'] == 'serve:alice'
