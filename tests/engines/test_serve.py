@@ -128,7 +128,7 @@ def _json(response: httpx.Response) -> Any:
 
 def _store_rows(store: str) -> dict[str, list[tuple[Any, ...]]]:
     tables = [r[0] for r in sql(store, "SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE 'durcap_%'")]
-    return {table: sorted(sql(store, f'SELECT * FROM {table}'), key=repr) for table in sorted(tables)}  # noqa: S608
+    return {table: sorted(sql(store, f'SELECT * FROM {table}'), key=repr) for table in sorted(tables)}
 
 
 def _wait_pending(url: str, run_id: str, timeout: float = 120) -> list[dict[str, Any]]:
