@@ -165,6 +165,10 @@ class ServeApp:
 
     async def body(self, request: Request, what: str) -> Any:
         """The request's JSON body, at most `max_body_bytes`, nested at most `MAX_DEPTH` levels."""
+        return (await self.json_body(request, what))[0]
+
+    async def json_body(self, request: Request, what: str) -> tuple[Any, bytes]:
+        """`(JSON value, raw bytes)` of the request's body (see `body`)."""
         declared = request.headers.get('content-length')
         limit = self.max_body_bytes
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -179,7 +183,7 @@ class ServeApp:
         if not raw.strip():
             raise BadRequestError(f'{what}: the body is empty: send a JSON object')
         try:
-            return load_json(raw, where=what, limit=limit, max_depth=MAX_DEPTH)
+            return load_json(raw, where=what, limit=limit, max_depth=MAX_DEPTH), raw
         except InputError as exc:
             raise BadRequestError(f'{what}: {exc.reason}') from None
 
@@ -408,6 +412,16 @@ class ServeApp:
             raise NotFoundError(str(exc), kind=exc.kind) from None
         return JSONResponse({'run_id': row.run_id, 'decision': decision.to_json()})
 
+    async def ag_ui(self, request: Request) -> Response:
+        from ._protocols import protocol_turn
+
+        return await protocol_turn(self, request, 'ag-ui')
+
+    async def vercel_ai(self, request: Request) -> Response:
+        from ._protocols import protocol_turn
+
+        return await protocol_turn(self, request, 'vercel-ai')
+
     async def _decided(self, row: RunRow, call_id: str) -> str | None:
         """`'approved by serve:alice at ...'` when the run received a decision on `call_id`, else `None`."""
         from ..approvals import Decision, describe_decision
@@ -470,6 +484,8 @@ def build(agents: Sequence[DurableAgent[Any, Any]], *, engine: str, settings: Ma
         Route('/v1/runs/{run_id}/approvals', _handler(app, app.approvals), methods=['GET']),
         Route('/v1/runs/{run_id}/approvals/{call_id}', _handler(app, app.decide), methods=['POST']),
         Route('/v1/runs/{run_id}', _handler(app, app.run_status), methods=['GET']),
+        Route('/v1/agents/{agent}/ag-ui', _handler(app, app.ag_ui), methods=['POST']),
+        Route('/v1/agents/{agent}/vercel-ai', _handler(app, app.vercel_ai), methods=['POST']),
     ]
     if chat:
         from ._chat import chat_page
