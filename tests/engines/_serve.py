@@ -60,10 +60,10 @@ def start(args: list[str], log: Path, env: dict[str, str]) -> Proc:
     return Proc(popen, log)
 
 
-def start_server(tmp_path: Path, name: str, env: dict[str, str], *args: str) -> tuple[Proc, str]:
+def start_server(tmp_path: Path, name: str, env: dict[str, str], *args: str, target: str = TARGET) -> tuple[Proc, str]:
     """`durcap serve TARGET --port P *args`; returns it and its base URL once it listens."""
     port = free_port()
-    proc = start(['serve', TARGET, '--port', str(port), *args], tmp_path / f'{name}.log',
+    proc = start(['serve', target, '--port', str(port), *args], tmp_path / f'{name}.log',
                  {**env, 'DURCAP_SERVE_TOKEN': TOKENS})
     proc.wait_for('durcap serve: http://', 90)
     url = f'http://127.0.0.1:{port}'

@@ -291,3 +291,53 @@ def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_a
     assert (dbos_stack.crash_dir / 'revocations').read_text().splitlines() == ['alice']
     stored = httpx.get(f'{url}{conv}', headers=ALICE, timeout=30).json()
     assert [a['decision'] for a in stored['approvals']] == ['approved'] and stored['approvals'][0]['by'] == 'serve:alice'
+
+
+NODE = Path(__file__).with_name('node')
+SUPPORT_DEPS = {'orders': {'ABC-123': 'Blue denim jacket (size M): shipped 2026-04-28 via UPS, arriving 2026-05-02.'}}
+GATE_PROMPT = 'Someone keeps trying to log into my account acct-42 from abroad.'
+
+
+def _node(script: str, *args: str) -> dict[str, Any]:
+    import subprocess
+
+    if not (NODE / 'node_modules').is_dir():  # .ci/run installs them; a developer's first run does it here
+        subprocess.run(['npm', 'ci', '--no-audit', '--no-fund', '--ignore-scripts'], cwd=NODE, check=True,
+                       capture_output=True, timeout=300)
+    done = subprocess.run(['node', script, *args], cwd=NODE, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr + done.stdout
+    line = next(x for x in done.stdout.splitlines() if x.startswith('RESULT '))
+    return json.loads(line.split(' ', 1)[1])
+
+
+def test_node_clients_stream_a_support_turn_on_dbos_receive_the_approval_and_approve_through_the_api(
+        dbos_stack: Stack) -> None:
+    """Real clients from the npm registry (tests/engines/node: `@ag-ui/client`'s HttpAgent, the `ai` SDK's
+    DefaultChatTransport with readUIMessageStream) run by node against a second `durcap serve` process (the support
+    example, `--deps-json`) on the DBOS stack: each streams the support demo's account-takeover turn, receives its
+    protocol's approval event (AG-UI `RUN_FINISHED` interrupt, Vercel AI `tool-approval-request`) for
+    `revoke_sessions`, and approves it through `/v1/runs/{run}/approvals/{call}`; the run then completes with the
+    revocation in its answer, and the conversation's audit records the approval by `serve:alice`."""
+    server, url = start_server(dbos_stack.tmp, 'serve-support', dbos_stack.env, '--engine', 'dbos', '--deps-json',
+                               json.dumps(SUPPORT_DEPS), target='examples.support.agent:support')
+    dbos_stack.procs.append(server)
+    try:
+        for script, thread in (('ag_ui_client.mjs', 'agui-1'), ('vercel_ai_client.mjs', 'vercel-1')):
+            result = _node(script, url, 'token-alice', 'support', thread, GATE_PROMPT)
+            run = result['run']
+            assert run['conversation_id'] == thread, result
+            if script.startswith('ag_ui'):
+                assert result['types'][0] == 'RUN_STARTED' and result['types'][-1] == 'RUN_FINISHED', result['types']
+                assert [i['toolCallId'] for i in result['interrupts']] == [d['call_id'] for d in result['decided']]
+            else:
+                assert result['types'][0] == 'start' and 'tool-approval-request' in result['types'], result['types']
+                assert [a['toolCallId'] for a in result['approvals']] == [d['call_id'] for d in result['decided']]
+            assert [(d['tool'], d['status']) for d in result['decided']] == [('revoke_sessions', 200)], result
+            events = read_sse(url + run['events_url'], ALICE)
+            assert events[-1].kind == 'run_completed', events[-1]
+            assert 'acct-42' in events[-1].data['data']['output']
+            stored = httpx.get(f'{url}/v1/conversations/{thread}', headers=ALICE, timeout=30).json()
+            assert [(a['tool'], a['decision'], a['by']) for a in stored['approvals']] == [
+                ('revoke_sessions', 'approved', 'serve:alice')]
+    finally:
+        server.kill9()
