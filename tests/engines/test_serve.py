@@ -341,3 +341,30 @@ def test_node_clients_stream_a_support_turn_on_dbos_receive_the_approval_and_app
                 ('revoke_sessions', 'approved', 'serve:alice')]
     finally:
         server.kill9()
+
+
+def test_two_serve_processes_a_client_killed_with_its_server_reconnects_to_the_other_and_misses_nothing(
+        dbos_stack: Stack) -> None:
+    """Two `durcap serve` processes on one DBOS system database and store: the turn is started on A; a client streams
+    it from B; B is SIGKILLed mid-stream (the run goes on in the worker); the client reconnects to A with the last
+    `Last-Event-ID` it saw and gets the rest: every event once, offsets 1..N without a gap, the text joined equal to
+    the answer, and the tool (`charge`, a ledger line per execution) ran once. The `ledgered` agent of
+    tests/engines/serve_agents.py (scripted `FunctionModel`, 0.1 s a word)."""
+    from tests.engines.serve_agents import LEDGER_ANSWER
+
+    b, b_url = start_server(dbos_stack.tmp, 'serve-b', dbos_stack.env, '--engine', 'dbos')
+    dbos_stack.procs.append(b)
+    started = _post(dbos_stack.url, 'two-1', {'agent': 'ledgered', 'prompt': 'charge order Q-1'}, key='two-1')
+    assert started.status_code == 202, started.text
+    events_url = started.json()['events_url']
+    from_b = read_sse(b_url + events_url, ALICE, stop_after=12)
+    assert sum(e.kind == 'text_delta' for e in from_b) >= 2 and from_b[-1].kind != 'run_completed', from_b
+    b.kill9()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f'{b_url}/v1/runs/x', headers=ALICE, timeout=2)
+    rest = read_sse(dbos_stack.url + events_url, ALICE, last_event_id=from_b[-1].id)
+    whole = [*from_b, *rest]
+    assert [e.id for e in whole] == list(range(1, len(whole) + 1))
+    assert whole[-1].kind == 'run_completed' and rest[0].id == from_b[-1].id + 1
+    assert answer_text([RunEvent.model_validate(e.data) for e in whole]) == LEDGER_ANSWER
+    assert (dbos_stack.crash_dir / 'ledger').read_text().splitlines() == ['Q-1']
