@@ -1,7 +1,17 @@
-"""The agents `durcap serve` tests serve (one TARGET, so one `durcap worker dbos` runs both). Models: scripted
+"""The agents the `durcap serve` tests serve (one TARGET, so one `durcap worker dbos` runs them all). Models: scripted
 `FunctionModel`s, no provider: `streamer` (tests/engines/stream_agent.py: a tool call, then the answer streamed word
-by word) and `gated` (tests/engines/approval_agent.py: `revoke_sessions(user)` waits for a person's approval)."""
+by word), `gated` (tests/engines/approval_agent.py: `revoke_sessions(user)` waits for a person's approval), the
+support example's `support` (its `SupportScript`; `account-security` waits for approval) and `ledgered` (below)."""
 
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from pydantic_ai.messages import ModelMessage, ToolReturnPart
+from pydantic_ai.models.function import AgentInfo, DeltaToolCall, DeltaToolCalls, FunctionModel
+
+from durable_capabilities import DurableAgent
 from examples.support.agent import support
 from tests.engines.approval_agent import gated
 from tests.engines.stream_agent import agent as streamer
@@ -11,16 +21,6 @@ agents = [streamer, gated, support]
 
 # `ledgered`: a tool with a side effect recorded once per execution, then an answer streamed slowly enough (0.1 s a
 # word, 30 words) for a test to kill the serve process a client streams from while the run goes on elsewhere.
-import asyncio  # noqa: E402
-import os  # noqa: E402
-from collections.abc import AsyncIterator  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from pydantic_ai.messages import ModelMessage, ToolReturnPart  # noqa: E402
-from pydantic_ai.models.function import AgentInfo, DeltaToolCall, DeltaToolCalls, FunctionModel  # noqa: E402
-
-from durable_capabilities import DurableAgent  # noqa: E402
-
 LEDGER_WORDS = [f'part{n:02d} ' for n in range(30)]
 LEDGER_ANSWER = 'Charged order Q-1: ' + ''.join(LEDGER_WORDS).strip()
 
