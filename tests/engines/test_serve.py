@@ -53,7 +53,7 @@ def dbos_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         worker = start(['worker', 'dbos', TARGET, '--db', db], tmp / 'worker.log', env)
         procs.append(worker)
         worker.wait_for('dbos worker ready', 120)
-        server, url = start_server(tmp, 'serve-a', env, '--engine', 'dbos', '--db', db)
+        server, url = start_server(tmp, 'serve-a', env, '--engine', 'dbos', '--db', db, '--chat')
         procs.append(server)
         yield Stack(url, store, env, crash, procs, tmp)
     finally:
@@ -352,6 +352,7 @@ def test_two_serve_processes_a_client_killed_with_its_server_reconnects_to_the_o
     tests/engines/serve_agents.py (scripted `FunctionModel`, 0.1 s a word)."""
     from tests.engines.serve_agents import LEDGER_ANSWER
 
+    before = _ledger(dbos_stack)
     b, b_url = start_server(dbos_stack.tmp, 'serve-b', dbos_stack.env, '--engine', 'dbos')
     dbos_stack.procs.append(b)
     started = _post(dbos_stack.url, 'two-1', {'agent': 'ledgered', 'prompt': 'charge order Q-1'}, key='two-1')
@@ -367,4 +368,82 @@ def test_two_serve_processes_a_client_killed_with_its_server_reconnects_to_the_o
     assert [e.id for e in whole] == list(range(1, len(whole) + 1))
     assert whole[-1].kind == 'run_completed' and rest[0].id == from_b[-1].id + 1
     assert answer_text([RunEvent.model_validate(e.data) for e in whole]) == LEDGER_ANSWER
-    assert (dbos_stack.crash_dir / 'ledger').read_text().splitlines() == ['Q-1']
+    assert _ledger(dbos_stack) == [*before, 'Q-1']
+
+
+def _ledger(stack: Stack) -> list[str]:
+    path = stack.crash_dir / 'ledger'
+    return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.fixture(scope='module')
+def browser() -> Iterator[Any]:
+    """Headless Chromium from Debian's packages through its chromedriver (as tests/engines/test_ui.py drives it)."""
+    import os
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    os.environ['SE_OFFLINE'] = 'true'  # selenium-manager, if ever asked, must not download anything
+    options = webdriver.ChromeOptions()
+    options.binary_location = '/usr/bin/chromium'
+    for arg in ('--headless=new', '--no-sandbox', '--disable-dev-shm-usage', '--window-size=1200,900'):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options, service=Service(executable_path='/usr/bin/chromedriver'))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_chat_page_streams_the_answer_survives_a_reload_and_approves_showing_arguments_as_text(
+        dbos_stack: Stack, browser: Any) -> None:
+    """`durcap serve --chat` in headless Chromium (Selenium), on the DBOS stack: the `ledgered` turn's answer appears
+    on the page while the run is still running; a reload mid-stream continues where it was (the whole answer, once,
+    the tool once); then a `gated` turn whose arguments carry HTML (`<b>mallory</b>`) shows them as text (no element
+    made of them) with approve / deny buttons, and Approve runs the tool once."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.engines.serve_agents import LEDGER_ANSWER
+
+    def start_turn(agent: str, conversation: str, prompt: str) -> str:
+        browser.get(f'{dbos_stack.url}/chat')
+        token = browser.find_element(By.ID, 'token')
+        token.clear()
+        token.send_keys('token-alice')
+        for option in browser.find_elements(By.CSS_SELECTOR, '#agent option'):
+            if option.get_attribute('value') == agent:
+                option.click()
+        field = browser.find_element(By.ID, 'conversation')
+        field.clear()
+        field.send_keys(conversation)
+        browser.find_element(By.ID, 'prompt').send_keys(prompt)
+        browser.find_element(By.ID, 'send').click()
+        return WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, 'run').text)
+
+    def answer() -> str:
+        return browser.find_element(By.ID, 'answer').text
+
+    def run_status(run_id: str) -> str:
+        return httpx.get(f'{dbos_stack.url}/v1/runs/{run_id}', headers=ALICE, timeout=30).json()['status']
+
+    before = _ledger(dbos_stack)
+    run_id = start_turn('ledgered', 'chat-1', 'charge order Q-1')
+    WebDriverWait(browser, 60).until(lambda d: 'part03' in answer())
+    assert run_status(run_id) == 'running' and LEDGER_ANSWER.startswith(answer())  # streamed before the run ended
+    browser.refresh()
+    assert browser.find_element(By.ID, 'run').text == run_id
+    WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, 'status').text == 'completed')
+    assert answer() == LEDGER_ANSWER and run_status(run_id) == 'completed'
+    assert _ledger(dbos_stack) == [*before, 'Q-1']
+    browser.execute_script('sessionStorage.removeItem("durcap-chat")')
+    run_id = start_turn('gated', 'chat-2', 'revoke <b>mallory</b>')
+    approve = WebDriverWait(browser, 60).until(lambda d: d.find_element(By.CSS_SELECTOR, '#approvals button.approve'))
+    args = browser.find_element(By.CSS_SELECTOR, '#approvals pre.args')
+    assert '"user": "<b>mallory</b>"' in args.text
+    assert browser.find_elements(By.CSS_SELECTOR, '#approvals b') == []  # shown as text, never as HTML
+    approve.click()
+    WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, 'status').text == 'completed')
+    assert run_status(run_id) == 'completed'
+    assert (dbos_stack.crash_dir / 'revocations').read_text().splitlines().count('<b>mallory</b>') == 1

@@ -10,7 +10,7 @@ import logging
 import re
 import secrets
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import pydantic
@@ -311,7 +311,7 @@ class ServeApp:
                                   '(an integer, 0 or more)', field='Last-Event-ID')
         after = int(raw)
 
-        async def stream() -> Any:
+        async def stream() -> AsyncIterator[str]:
             yield 'retry: 1000\n\n'
             try:
                 async for event in watch(row.run_id, engine=row.engine, from_offset=after, store=self.store):
