@@ -121,7 +121,7 @@ async def _serve(url: str, turns: int, concurrency: int, firsts: list[float], de
 
 def _p95(values: list[float]) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
 
 
 def main() -> None:
