@@ -255,6 +255,15 @@ CODES: dict[str, Code] = {
         'error',
         written_by='_limits',
     ),
+    'DC041': Code("An HTTP request to `durcap serve` is refused: its body is over the server's bound.", 'error',
+                  written_by='serve'),
+    'DC042': Code('An HTTP request to `durcap serve` is refused: its body or a header is unusable (not JSON, the wrong '
+                  'shape, deps that do not fit).', 'error', written_by='serve'),
+    'DC043': Code('An HTTP request to `durcap serve` is refused: no credentials, or ones the server does not accept.',
+                  'error', written_by='serve'),
+    'DC044': Code('An HTTP request to `durcap serve` names no agent, run, conversation or pending call of this '
+                  'principal.', 'error', written_by='serve'),
+    'DC045': Code('An `Idempotency-Key` was sent again with a different request.', 'error', written_by='serve'),
     'DC050': Code(
         "A turn was refused: another run's turn holds the conversation (one turn at a time per conversation).",
         'error',

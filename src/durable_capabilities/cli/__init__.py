@@ -501,6 +501,7 @@ from . import (
     approvals,  # noqa: F401  (`durcap approvals list`, `durcap approve`, `durcap deny`)
     engine_commands,  # noqa: F401
     runs,  # noqa: F401
+    serve,  # noqa: F401  (`durcap serve`)
     store,  # noqa: F401  (`durcap store stats`)
     ui,  # noqa: F401  (`durcap ui`)
     wire,  # noqa: F401  (`durcap wire`)

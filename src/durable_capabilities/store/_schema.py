@@ -139,6 +139,34 @@ _MIGRATIONS: dict[int, list[str]] = {
         )""",
         'CREATE UNIQUE INDEX durcap_run_events_key ON durcap_run_events (run_id, unit, attempt, seq)',
     ],
+    7: [
+        # `durcap serve` (`durable_capabilities.serve`), shared by every serve process on the store: who owns each
+        # conversation (the principal whose request started its first turn), each run a request started (its owner,
+        # agent, engine), and each `Idempotency-Key` a principal sent (the request's digest and the run it started),
+        # so a retried POST on any process returns the same run instead of a second turn.
+        """CREATE TABLE durcap_serve_owners (
+            conversation_id TEXT PRIMARY KEY,
+            principal TEXT NOT NULL,
+            created_at TEXT NOT NULL
+        )""",
+        """CREATE TABLE durcap_serve_runs (
+            run_id TEXT PRIMARY KEY,
+            principal TEXT NOT NULL,
+            conversation_id TEXT NOT NULL,
+            agent TEXT NOT NULL,
+            engine TEXT NOT NULL,
+            created_at TEXT NOT NULL
+        )""",
+        'CREATE INDEX durcap_serve_runs_conversation ON durcap_serve_runs (conversation_id)',
+        """CREATE TABLE durcap_serve_requests (
+            principal TEXT NOT NULL,
+            idempotency_key TEXT NOT NULL,
+            digest TEXT NOT NULL,
+            run_id TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            PRIMARY KEY (principal, idempotency_key)
+        )""",
+    ],
 }
 """`{version: DDL statements}`: applying version N's statements to a version N-1 database gives version N.
 

@@ -1,0 +1,503 @@
+"""The `/v1` routes of `durcap serve` (see the package docstring and docs/serving.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import json
+import logging
+import re
+import secrets
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import pydantic
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .._limits import MAX_DEPTH, InputError, load_json, one_line, printable
+from ..agent import DurableAgent
+from ..approvals import AlreadyDecidedError, ApprovalArgsError, ApprovalError
+from ..store import ConversationNotFoundError, StoreError
+from ..streams import STREAM_ENGINES, StreamNotFoundError, watch
+from ._errors import (
+    BadRequestError,
+    NotFoundError,
+    RequestTooLargeError,
+    ServeError,
+    UnauthenticatedError,
+)
+from ._rows import RunRow, ServeRows
+
+logger = logging.getLogger('durable_capabilities.serve')
+
+Auth = Callable[[Request], 'str | Awaitable[str | None] | None']
+"""`auth(request) -> principal | None` (sync or async): who sends the request (`None`: refused, 401)."""
+
+DepsFactory = Callable[[str, Request], Any]
+"""`deps_factory(principal, request) -> deps` (sync or async): a run's deps when the request carries none."""
+
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+"""The largest request body read (`create_app(max_body_bytes=...)`); a larger one is refused with DC041 (413)."""
+
+ID_PATTERN = re.compile(r'[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}')
+"""Conversation ids (and Idempotency-Keys) the API accepts: 1-200 characters of letters, digits and `._:@-`."""
+
+FINGERPRINT = re.compile(r'[0-9a-f]{64}')
+
+
+def bearer_auth(tokens: str | Mapping[str, str]) -> Auth:
+    """The default `auth`: `Authorization: Bearer TOKEN`, compared in constant time.
+
+    Args:
+        tokens: One token (its principal is `default`), or `{token: principal}` (several users, one token each).
+
+    Returns:
+        An `Auth` yielding the token's principal, `None` for a missing or wrong token.
+
+    Raises:
+        ValueError: no token, or an empty one.
+    """
+    table = {tokens: 'default'} if isinstance(tokens, str) else dict(tokens)
+    if not table or any(not t for t in table):
+        raise ValueError('bearer_auth needs at least one non-empty token (set $DURCAP_SERVE_TOKEN)')
+    encoded = [(t.encode(), p) for t, p in table.items()]
+
+    def auth(request: Request) -> str | None:
+        header = request.headers.get('authorization', '')
+        scheme, _, given = header.partition(' ')
+        if scheme.lower() != 'bearer' or not given:
+            return None
+        found = None
+        for token, principal in encoded:  # every token compared: the time does not tell which one matched
+            if secrets.compare_digest(given.strip().encode(), token):
+                found = principal
+        return found
+
+    return auth
+
+
+def parse_tokens(value: str) -> str | dict[str, str]:
+    """`$DURCAP_SERVE_TOKEN`: one token, or `alice=TOKEN1,bob=TOKEN2` (a principal per token).
+
+    Raises:
+        ValueError: an empty token or principal in the list.
+    """
+    if '=' not in value:
+        return value
+    table: dict[str, str] = {}
+    for item in value.split(','):
+        principal, _, token = item.strip().partition('=')
+        if not principal or not token:
+            raise ValueError('DURCAP_SERVE_TOKEN: expected one token, or principal=token pairs separated by commas')
+        table[token] = principal
+    return table
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+class _Body(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra='forbid', strict=True)
+
+
+class TurnRequest(_Body):
+    """`POST /v1/conversations/{id}/turns`: `{"agent", "prompt", "deps"?}` (`agent` may be left out when the app
+    serves one agent)."""
+
+    agent: str | None = None
+    prompt: str = pydantic.Field(min_length=1)
+    deps: Any = None
+
+
+class DecisionRequest(_Body):
+    """`POST /v1/runs/{run}/approvals/{call}`: `{"decision", "fingerprint", "args"?, "reason"?}`."""
+
+    decision: str = pydantic.Field(pattern='^(approve|deny)$')
+    fingerprint: str = pydantic.Field(pattern='^[0-9a-f]{64}$')
+    args: dict[str, Any] | None = None
+    reason: str | None = pydantic.Field(default=None, max_length=4000)
+
+
+def _shape_error(exc: pydantic.ValidationError, what: str) -> BadRequestError:
+    first = exc.errors()[0]
+    where = '.'.join(map(str, first['loc'])) or '(the body)'
+    return BadRequestError(f'{what}: {printable(where)}: {one_line(first["msg"])}', field=where)
+
+
+def _error_response(error: ServeError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _coded(status: int, code: str, message: str, **detail: Any) -> JSONResponse:
+    return JSONResponse({'error': {'code': code, 'status': status, 'message': message, **detail}}, status_code=status)
+
+
+class ServeApp:
+    """The route handlers of one app (`create_app`)."""
+
+    def __init__(self, agents: Mapping[str, DurableAgent[Any, Any]], engine: str, settings: Mapping[str, Any],
+                 auth: Auth, deps_factory: DepsFactory | None, max_body_bytes: int):
+        self.agents, self.engine, self.auth = dict(agents), engine, auth
+        self.settings = {k: v for k, v in settings.items() if v is not None}
+        from ..store import resolve_url
+
+        self.store = resolve_url(self.settings.get('store'))
+        self.settings['store'] = self.store
+        self.deps_factory, self.max_body_bytes = deps_factory, max_body_bytes
+        self.rows = ServeRows(self.store)
+        self.tasks: set[asyncio.Task[Any]] = set()
+
+    # ---- the request's parts ------------------------------------------------------------------------
+
+    async def principal(self, request: Request) -> str:
+        principal = await _maybe_await(self.auth(request))
+        if not principal:
+            raise UnauthenticatedError('missing or wrong credentials: send `Authorization: Bearer TOKEN` (the '
+                                       "server's $DURCAP_SERVE_TOKEN)")
+        return str(principal)
+
+    async def body(self, request: Request, what: str) -> Any:
+        """The request's JSON body, at most `max_body_bytes`, nested at most `MAX_DEPTH` levels."""
+        return (await self.json_body(request, what))[0]
+
+    async def json_body(self, request: Request, what: str) -> tuple[Any, bytes]:
+        """`(JSON value, raw bytes)` of the request's body (see `body`)."""
+        declared = request.headers.get('content-length')
+        limit = self.max_body_bytes
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise RequestTooLargeError(f'{what}: the body is {int(declared)} bytes, over the limit of {limit} bytes')
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestTooLargeError(f'{what}: the body is over the limit of {limit} bytes')
+            chunks.append(chunk)
+        raw = b''.join(chunks)
+        if not raw.strip():
+            raise BadRequestError(f'{what}: the body is empty: send a JSON object')
+        try:
+            return load_json(raw, where=what, limit=limit, max_depth=MAX_DEPTH), raw
+        except InputError as exc:
+            raise BadRequestError(f'{what}: {exc.reason}') from None
+
+    @staticmethod
+    def checked_id(value: str, what: str) -> str:
+        if not ID_PATTERN.fullmatch(value):
+            raise BadRequestError(f'{what} {printable(value[:80])!r}: expected 1-200 characters of letters, digits and '
+                                  '`._:@-`, starting with a letter or digit', field=what)
+        return value
+
+    def agent(self, name: str | None) -> DurableAgent[Any, Any]:
+        if name is None:
+            if len(self.agents) == 1:
+                return next(iter(self.agents.values()))
+            raise BadRequestError(f'agent: this server serves {len(self.agents)} agents ({", ".join(sorted(self.agents))}):'
+                                  ' name one in the body', field='agent')
+        agent = self.agents.get(name)
+        if agent is None:
+            raise NotFoundError(f'no agent {printable(name[:80])!r} here (serving {", ".join(sorted(self.agents))})',
+                                field='agent')
+        return agent
+
+    async def deps(self, agent: DurableAgent[Any, Any], given: Any, principal: str, request: Request) -> Any:
+        from ..turn import deps_from_json
+
+        if given is None:
+            if self.deps_factory is None:
+                return None
+            return await _maybe_await(self.deps_factory(principal, request))
+        if agent.deps_type is type(None):
+            raise BadRequestError(f'deps: agent {agent.name!r} takes no deps: leave `deps` out', field='deps')
+        try:
+            return deps_from_json(agent, given)
+        except pydantic.ValidationError as exc:
+            first = exc.errors()[0]
+            where = '.'.join(['deps', *map(str, first['loc'])])
+            raise BadRequestError(f'{where}: {one_line(first["msg"])} (agent {agent.name!r} takes '
+                                  f'{getattr(agent.deps_type, "__name__", agent.deps_type)})', field=where) from None
+
+    async def own_run(self, run_id: str, principal: str) -> RunRow:
+        row = await self.rows.call(self.rows.run_sync, run_id)
+        if row is None or row.principal != principal:
+            raise NotFoundError(f'no run {printable(run_id[:120])!r}', field='run_id')
+        return row
+
+    # ---- turns ------------------------------------------------------------------------------------
+
+    async def start_turn(self, principal: str, conversation_id: str, agent: DurableAgent[Any, Any], prompt: str,
+                         deps: Any, key: str | None, digest_of: Any) -> tuple[RunRow, bool]:
+        """Record and start one turn (or find the run an earlier request with `key` started)."""
+        digest = hashlib.sha256(json.dumps(digest_of, sort_keys=True, default=str).encode()).hexdigest()
+        run_id = f'local-{uuid.uuid4().hex}' if self.engine == 'local' else f'{agent.name}-{uuid.uuid4()}'
+        started = await self.rows.call(self.rows.start_turn_sync, principal=principal, key=key, digest=digest,
+                                       conversation_id=conversation_id, agent=agent.name, engine=self.engine,
+                                       run_id=run_id)
+        if started.created:
+            task = asyncio.get_running_loop().create_task(self._run(started.run, agent, prompt, deps))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        return started.run, started.created
+
+    async def _run(self, row: RunRow, agent: DurableAgent[Any, Any], prompt: str, deps: Any) -> None:
+        from .. import runner
+
+        settings = dict(self.settings)
+        if self.engine == 'dbos':
+            from ..engines.dbos._spec import WORKER_QUEUE
+
+            settings.setdefault('queue', WORKER_QUEUE)
+        try:
+            await runner.run(agent, prompt, engine=self.engine, deps=deps, conversation_id=row.conversation_id,
+                             run_id=row.run_id, notify=lambda line: logger.info('%s', line), **settings)
+        except asyncio.CancelledError:
+            if self.engine == 'local':  # the app stops while its in-process turn runs: the turn is gone, say so
+                await self._close_failed(row, RuntimeError('the serve process stopped while the local run ran'))
+            raise
+        except Exception as error:  # noqa: BLE001 - the run's failure is its stream's last event, and logged
+            logger.warning('run %s failed: %s: %s', row.run_id, type(error).__name__, one_line(str(error)))
+            await self._close_failed(row, error)
+
+    async def _close_failed(self, row: RunRow, error: BaseException) -> None:
+        """End the run's stream with `run_failed` when the run failed before publishing its own (a turn refused at
+        its load: DC050), so a subscriber is told instead of waiting."""
+        from ..streams._log import EventLog, Item
+
+        log = EventLog(self.store)
+        try:
+            info = await self.rows.call(log.info_sync, row.run_id)
+            if info is not None and info.closed_at is not None:
+                return
+            code = getattr(error, 'code', None)
+            await log.append(row.run_id, self.engine, [Item('serve', 0, 0, 'run_failed', {'data': {
+                'error': f'{type(error).__name__}: {one_line(str(error))}', **({'code': code} if code else {})}})],
+                close=True)
+        except Exception:  # the store is down: the run's status says what the engine knows
+            logger.exception('run %s: could not record its failure in the stream', row.run_id)
+
+    async def post_turn(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        conversation_id = self.checked_id(request.path_params['conversation_id'], 'conversation_id')
+        key = request.headers.get('idempotency-key')
+        if key is not None:
+            self.checked_id(key, 'Idempotency-Key')
+        try:
+            body = TurnRequest.model_validate(await self.body(request, 'turn'))
+        except pydantic.ValidationError as exc:
+            raise _shape_error(exc, 'turn') from None
+        agent = self.agent(body.agent)
+        deps = await self.deps(agent, body.deps, principal, request)
+        row, created = await self.start_turn(principal, conversation_id, agent, body.prompt, deps, key,
+                                             [conversation_id, agent.name, body.prompt, body.deps])
+        root = request.scope.get('root_path', '')
+        return JSONResponse({'run_id': row.run_id, 'events_url': f'{root}/v1/runs/{row.run_id}/events',
+                             'status_url': f'{root}/v1/runs/{row.run_id}', 'conversation_id': conversation_id,
+                             'agent': agent.name, 'engine': self.engine, 'created': created}, status_code=202)
+
+    # ---- runs -------------------------------------------------------------------------------------
+
+    async def events(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        row = await self.own_run(request.path_params['run_id'], principal)
+        raw = request.headers.get('last-event-id') or request.query_params.get('after') or '0'
+        if not raw.isdigit() or len(raw) > 18:
+            raise BadRequestError(f'Last-Event-ID {printable(raw[:40])!r}: expected the offset of the last event seen '
+                                  '(an integer, 0 or more)', field='Last-Event-ID')
+        after = int(raw)
+
+        async def stream() -> AsyncIterator[str]:
+            yield 'retry: 1000\n\n'
+            try:
+                async for event in watch(row.run_id, engine=row.engine, from_offset=after, store=self.store):
+                    yield f'id: {event.offset}\nevent: {event.kind}\ndata: {event.model_dump_json()}\n\n'
+            except StreamNotFoundError as exc:
+                yield f'event: error\ndata: {json.dumps({"code": exc.code, "message": str(exc)})}\n\n'
+
+        return StreamingResponse(stream(), media_type='text/event-stream',
+                                 headers={'Cache-Control': 'no-store', 'X-Accel-Buffering': 'no'})
+
+    async def run_status(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        row = await self.own_run(request.path_params['run_id'], principal)
+        milestones = await self.rows.call(self.rows.milestones_sync, row.run_id)
+        status, report, error, waiting = ('queued' if not milestones else 'running'), None, None, False
+        for _offset, kind, body in milestones:
+            data = json.loads(body).get('data') or {}
+            if kind == 'approval_waiting':
+                waiting = True
+            elif kind == 'approval_decided':
+                waiting = False
+            elif kind == 'run_completed':
+                status, report = 'completed', data
+            elif kind == 'run_failed':
+                status, error = 'failed', data.get('error')
+        if status == 'running' and waiting:
+            status = 'waiting'
+        return JSONResponse({'run_id': row.run_id, 'conversation_id': row.conversation_id, 'agent': row.agent,
+                             'engine': row.engine, 'created_at': row.created_at, 'status': status,
+                             'events': milestones[-1][0] if milestones else 0, 'report': report, 'error': error})
+
+    async def conversation(self, request: Request) -> Response:
+        from ..reading import read_conversation, summarize
+
+        principal = await self.principal(request)
+        conversation_id = self.checked_id(request.path_params['conversation_id'], 'conversation_id')
+        owner = await self.rows.call(self.rows.owner_sync, conversation_id)
+        if owner != principal:
+            raise NotFoundError(f'no conversation {conversation_id!r}', field='conversation_id')
+        try:
+            stored, writes = await read_conversation(self.store, conversation_id)
+        except ConversationNotFoundError:
+            raise NotFoundError(f'conversation {conversation_id!r} has no stored turn yet',
+                                field='conversation_id') from None
+        return JSONResponse(summarize(stored, writes))
+
+    # ---- approvals --------------------------------------------------------------------------------
+
+    async def _pending(self, row: RunRow) -> list[Any]:
+        from .. import runner
+
+        if row.engine == 'local':
+            return []  # a local run never waits: its calls needing approval are denied at once
+        return await runner.approvals(row.run_id, engine=row.engine, **self._engine_settings())
+
+    def _engine_settings(self) -> dict[str, Any]:
+        return {k: v for k, v in self.settings.items() if k not in ('queue', 'busy')}
+
+    async def approvals(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        row = await self.own_run(request.path_params['run_id'], principal)
+        pending = await self._pending(row)
+        return JSONResponse({'run_id': row.run_id, 'pending': [call.to_json() for call in pending]})
+
+    async def decide(self, request: Request) -> Response:
+        from .. import runner
+
+        principal = await self.principal(request)
+        row = await self.own_run(request.path_params['run_id'], principal)
+        call_id = request.path_params['call_id']
+        try:
+            body = DecisionRequest.model_validate(await self.body(request, 'decision'))
+        except pydantic.ValidationError as exc:
+            raise _shape_error(exc, 'decision') from None
+        approve = body.decision == 'approve'
+        if body.args is not None and not approve:
+            raise BadRequestError('decision: `args` (edited arguments) only go with "approve"', field='args')
+        pending = {call.call_id: call for call in await self._pending(row)}
+        if call_id not in pending:
+            earlier = await self._decided(row, call_id)
+            if earlier is not None:
+                return _coded(409, AlreadyDecidedError.code, f'run {row.run_id!r}: call {printable(call_id[:120])!r} was '
+                              f'already {earlier}; a call is decided once: this decision was refused and nothing was '
+                              'sent', kind='unknown-call')
+            raise NotFoundError(f'run {row.run_id!r} has no pending call {printable(call_id[:120])!r} (pending: '
+                                f'{", ".join(pending) or "none"})', field='call_id')
+        try:
+            decision = await runner.decide(row.run_id, call_id, approve=approve, reason=body.reason,
+                                           override_args=body.args, by=f'serve:{principal}',
+                                           fingerprint_=body.fingerprint, engine=row.engine, **self._engine_settings())
+        except ApprovalArgsError as exc:
+            return _coded(422, exc.code, str(exc), kind=exc.kind, field='args')
+        except AlreadyDecidedError as exc:
+            return _coded(409, exc.code, str(exc), kind=exc.kind)
+        except ApprovalError as exc:
+            if exc.kind == 'stale-fingerprint':
+                return _coded(409, exc.code, str(exc), kind=exc.kind, field='fingerprint')
+            raise NotFoundError(str(exc), kind=exc.kind) from None
+        return JSONResponse({'run_id': row.run_id, 'decision': decision.to_json()})
+
+    async def ag_ui(self, request: Request) -> Response:
+        from ._protocols import protocol_turn
+
+        return await protocol_turn(self, request, 'ag-ui')
+
+    async def vercel_ai(self, request: Request) -> Response:
+        from ._protocols import protocol_turn
+
+        return await protocol_turn(self, request, 'vercel-ai')
+
+    async def _decided(self, row: RunRow, call_id: str) -> str | None:
+        """`'approved by serve:alice at ...'` when the run received a decision on `call_id`, else `None`."""
+        from ..approvals import Decision, describe_decision
+
+        for _offset, kind, body in await self.rows.call(self.rows.milestones_sync, row.run_id):
+            if kind != 'approval_decided':
+                continue
+            for decision in (json.loads(body).get('data') or {}).get('decisions') or []:
+                if decision.get('call_id') == call_id:
+                    return describe_decision(Decision.from_json(decision))
+        return None
+
+
+def _handler(app: ServeApp, method: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """`method` with every refusal as a coded JSON body and any other failure as a 500 without its traceback."""
+
+    async def handle(request: Request) -> Response:
+        try:
+            return await method(request)
+        except ServeError as error:
+            return _error_response(error)
+        except StoreError as error:
+            logger.warning('%s %s: %s', request.method, request.url.path, error)
+            return _coded(503, error.code, f'the conversation store failed: {one_line(str(error))}')
+        except Exception:
+            logger.exception('%s %s failed', request.method, request.url.path)
+            return _coded(500, 'internal', 'the server failed on this request (its log has the details)')
+
+    return handle
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return _coded(404, NotFoundError.code, f'no route {printable(request.url.path[:200])} (the API is under /v1)')
+    if exc.status_code == 405:
+        return _coded(405, 'method-not-allowed', f'{request.method} is not allowed on {printable(request.url.path[:200])}')
+    return _coded(exc.status_code, 'http', str(exc.detail))
+
+
+def build(agents: Sequence[DurableAgent[Any, Any]], *, engine: str, settings: Mapping[str, Any], auth: Auth,
+          deps_factory: DepsFactory | None, max_body_bytes: int, cors_origins: Sequence[str],
+          chat: bool) -> Starlette:
+    """The Starlette app (`create_app` checks the arguments first)."""
+    if engine not in STREAM_ENGINES:
+        raise ValueError(f'engine {engine!r}: durcap serve runs turns on {", ".join(STREAM_ENGINES)} (their runs '
+                         'publish the event stream the API serves)')
+    names: dict[str, DurableAgent[Any, Any]] = {}
+    for agent in agents:
+        if agent.name in names:
+            raise ValueError(f'two agents are named {agent.name!r}: serve each name once')
+        names[agent.name] = agent
+    if not names:
+        raise ValueError('create_app needs at least one DurableAgent')
+    app = ServeApp(names, engine, settings, auth, deps_factory, max_body_bytes)
+    routes = [
+        Route('/v1/conversations/{conversation_id}/turns', _handler(app, app.post_turn), methods=['POST']),
+        Route('/v1/conversations/{conversation_id}', _handler(app, app.conversation), methods=['GET']),
+        Route('/v1/runs/{run_id}/events', _handler(app, app.events), methods=['GET']),
+        Route('/v1/runs/{run_id}/approvals', _handler(app, app.approvals), methods=['GET']),
+        Route('/v1/runs/{run_id}/approvals/{call_id}', _handler(app, app.decide), methods=['POST']),
+        Route('/v1/runs/{run_id}', _handler(app, app.run_status), methods=['GET']),
+        Route('/v1/agents/{agent}/ag-ui', _handler(app, app.ag_ui), methods=['POST']),
+        Route('/v1/agents/{agent}/vercel-ai', _handler(app, app.vercel_ai), methods=['POST']),
+    ]
+    if chat:
+        from ._chat import chat_page
+
+        routes.append(Route('/chat', chat_page, methods=['GET']))
+    middleware = []
+    if cors_origins:
+        from starlette.middleware import Middleware
+        from starlette.middleware.cors import CORSMiddleware
+
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=['GET', 'POST'],
+                                     allow_headers=['Authorization', 'Content-Type', 'Idempotency-Key', 'Last-Event-ID']))
+    starlette = Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: _http_error})
+    starlette.state.serve = app
+    return starlette

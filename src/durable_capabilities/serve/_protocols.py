@@ -1,0 +1,163 @@
+"""`POST /v1/agents/{agent}/ag-ui` and `/v1/agents/{agent}/vercel-ai`: a durable turn in the AG-UI and Vercel AI
+data-stream protocols, through pydantic-ai's own adapters (`pydantic_ai.ui`).
+
+The request is read by the protocol's adapter (`build_run_input`, `messages`, `conversation_id`): its thread (AG-UI
+`threadId`, Vercel AI chat `id`) is the conversation, its last user prompt the turn's prompt; the history the
+client sends is not used (the conversation store holds the turn's history). The run's stream (`streams.watch`) is
+fed to the protocol's event stream (`build_event_stream().transform_stream`): pydantic-ai's own stream events as
+the model and the tools produced them, then the run's end as an `AgentRunResultEvent` built through the public
+serialization of `AgentRunResult`. A call waiting for approval ends the protocol run with that protocol's approval
+event (AG-UI: `RUN_FINISHED` with an interrupt outcome; Vercel AI: `tool-approval-request`), its `tool_call_id`
+the pending call's id; the client decides through `POST /v1/runs/{run}/approvals/{call}` and follows the rest on
+`/v1/runs/{run}/events`. Where the run is: an AG-UI `CUSTOM` event `durcap.run` / a Vercel AI `data-durcap-run` part
+first, `{run_id, events_url, approvals_url, conversation_id}`, and the `X-Durcap-Run-Id` response header.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import pydantic
+from starlette.requests import Request
+from starlette.responses import Response
+
+from .._limits import one_line
+from ._errors import BadRequestError
+
+if TYPE_CHECKING:
+    from ._app import ServeApp
+    from ._rows import RunRow
+
+_RESULT: Any = None
+
+
+def _run_result(output: Any, response: Any) -> Any:
+    """An `AgentRunResult` with `output` and the one model response `response`, validated from pydantic-ai's own
+    serialized form of a result (`{'output', 'messages', ...}`)."""
+    global _RESULT
+    from pydantic_ai import AgentRunResult
+    from pydantic_ai.messages import ModelMessagesTypeAdapter
+    from pydantic_ai.tools import DeferredToolRequests
+
+    if _RESULT is None:
+        _RESULT = pydantic.TypeAdapter(AgentRunResult[DeferredToolRequests | Any])
+    messages = ModelMessagesTypeAdapter.dump_python([response], mode='json')
+    return _RESULT.validate_python({'output': output, 'messages': messages})
+
+
+def _prompt(adapter: Any) -> str:
+    """The text of the last user prompt of the protocol request."""
+    from pydantic_ai.messages import ModelRequest, UserPromptPart
+
+    for message in reversed(adapter.messages):
+        if isinstance(message, ModelRequest):
+            for part in reversed(message.parts):
+                if isinstance(part, UserPromptPart):
+                    content = part.content
+                    text = content if isinstance(content, str) else ' '.join(c for c in content if isinstance(c, str))
+                    if text.strip():
+                        return text
+    raise BadRequestError('the request carries no user message with text: send the user\'s prompt as the last '
+                          'user message', field='messages')
+
+
+async def _native_events(app: ServeApp, row: RunRow) -> AsyncIterator[Any]:
+    """The run's pydantic-ai events, ended by an `AgentRunResultEvent` (the answer, or the calls waiting for
+    approval), or by the run's error."""
+    from pydantic_ai import AgentRunResultEvent
+    from pydantic_ai.messages import ModelResponse, TextPart, ToolCallPart
+    from pydantic_ai.tools import DeferredToolRequests
+
+    from ..streams import watch
+
+    async for event in watch(row.run_id, engine=row.engine, store=app.store):
+        if event.event is not None:
+            yield event.event
+        elif event.kind == 'approval_waiting':
+            calls = [ToolCallPart(c['tool_name'], c['args'], c['call_id']) for c in event.data.get('calls') or []]
+            response = ModelResponse(parts=list(calls), finish_reason='tool_call')
+            yield AgentRunResultEvent(result=_run_result(DeferredToolRequests(approvals=calls), response))
+            return
+        elif event.kind == 'run_completed':
+            output = event.data.get('output')
+            response = ModelResponse(parts=[TextPart(output if isinstance(output, str) else str(output))],
+                                     finish_reason='stop')
+            yield AgentRunResultEvent(result=_run_result(output, response))
+            return
+        elif event.kind == 'run_failed':
+            raise RuntimeError(one_line(str(event.data.get('error') or 'the run failed')))
+
+
+def _where(app: ServeApp, request: Request, row: RunRow) -> dict[str, str]:
+    root = request.scope.get('root_path', '')
+    return {'run_id': row.run_id, 'conversation_id': row.conversation_id,
+            'events_url': f'{root}/v1/runs/{row.run_id}/events', 'approvals_url': f'{root}/v1/runs/{row.run_id}/approvals'}
+
+
+async def protocol_turn(app: ServeApp, request: Request, protocol: str) -> Response:
+    """One turn in `protocol` (`'ag-ui'` or `'vercel-ai'`), streamed in that protocol."""
+    from pydantic_ai.exceptions import UserError
+
+    principal = await app.principal(request)
+    agent = app.agent(request.path_params['agent'])
+    _value, raw = await app.json_body(request, protocol)  # bounded and JSON, with our codes
+    try:
+        if protocol == 'ag-ui':
+            from pydantic_ai.ui.ag_ui import AGUIAdapter
+
+            adapter: Any = AGUIAdapter(agent.build('local'), AGUIAdapter.build_run_input(raw),
+                                       accept=request.headers.get('accept'))
+            key = f'ag-ui:{adapter.run_input.run_id}'
+        else:
+            from pydantic_ai.ui.vercel_ai import VercelAIAdapter
+
+            adapter = VercelAIAdapter(agent.build('local'), VercelAIAdapter.build_run_input(raw),
+                                      accept=request.headers.get('accept'), sdk_version=6)
+            last = adapter.run_input.messages[-1] if adapter.run_input.messages else None
+            key = f'vercel-ai:{adapter.run_input.id}:{getattr(last, "id", "")}'
+        conversation_id = adapter.conversation_id
+        prompt = _prompt(adapter)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = '.'.join(map(str, first['loc'])) or '(the body)'
+        raise BadRequestError(f'{protocol}: {where}: {one_line(first["msg"])}', field=where) from None
+    except UserError as exc:
+        raise BadRequestError(f'{protocol}: {one_line(str(exc))}') from None
+    if not conversation_id:
+        raise BadRequestError(f'{protocol}: the request names no thread (the conversation id)', field='threadId')
+    app.checked_id(conversation_id, 'conversation_id')
+    deps = await app.deps(agent, None, principal, request)
+    row, _created = await app.start_turn(principal, conversation_id, agent, prompt, None if deps is None else deps,
+                                         _safe_key(key), [protocol, conversation_id, agent.name, prompt])
+    stream = adapter.build_event_stream()
+    where = _where(app, request, row)
+
+    async def events() -> AsyncIterator[Any]:
+        first = True
+        async for event in stream.transform_stream(_native_events(app, row)):
+            yield event
+            if first:  # after the protocol's own start event (AG-UI's RUN_STARTED, Vercel AI's start)
+                first = False
+                yield _announce(protocol, where)
+
+    response = stream.streaming_response(events())
+    response.headers['X-Durcap-Run-Id'] = row.run_id
+    return response
+
+
+def _announce(protocol: str, where: dict[str, str]) -> Any:
+    if protocol == 'ag-ui':
+        from ag_ui.core import CustomEvent
+
+        return CustomEvent(name='durcap.run', value=where)
+    from pydantic_ai.ui.vercel_ai.response_types import DataChunk
+
+    return DataChunk(type='data-durcap-run', data=where)
+
+
+def _safe_key(key: str) -> str:
+    """An Idempotency-Key of the API's alphabet for a protocol request's own ids (AG-UI run id, Vercel AI message)."""
+    import hashlib
+
+    return 'p-' + hashlib.sha256(key.encode()).hexdigest()[:40]

@@ -1,0 +1,133 @@
+"""What `durcap serve` keeps in the conversation store (schema version 7), so that any number of serve processes
+on one store act as one: conversation owners, the runs requests started, and the `Idempotency-Key`s seen.
+
+Every write is one store transaction (SQLite `BEGIN IMMEDIATE`, PostgreSQL a unique key that makes the second of
+two concurrent inserts fail and re-read the winner's row), so two processes receiving the same request at once start
+one run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+
+from ..conversations import process_store
+from ..streams._log import in_thread
+from ._errors import IdempotencyConflictError, NotFoundError
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+@dataclass(frozen=True)
+class RunRow:
+    """One run a request started (`durcap_serve_runs`)."""
+
+    run_id: str
+    principal: str
+    conversation_id: str
+    agent: str
+    engine: str
+    created_at: str
+
+
+@dataclass(frozen=True)
+class Started:
+    """What `ServeRows.start_turn` decided: the run for the request, and whether this call created it (then the
+    caller starts it; otherwise another request, on this process or another, already did)."""
+
+    run: RunRow
+    created: bool
+
+
+class ServeRows:
+    """The serve tables of the conversation store at `store_url` (the store's process-wide backend)."""
+
+    def __init__(self, store_url: str):
+        self.store_url = store_url
+        self._backend = process_store(store_url)._sql
+
+    def start_turn_sync(self, *, principal: str, key: str | None, digest: str, conversation_id: str, agent: str,
+                        engine: str, run_id: str) -> Started:
+        """Claim conversation `conversation_id` for `principal` (the first request on it owns it) and record run
+        `run_id`, unless `key` was sent before by `principal`: then the run it started.
+
+        Raises:
+            NotFoundError: DC044, the conversation belongs to another principal (said as "not found": its existence is
+                not disclosed).
+            IdempotencyConflictError: DC045, `key` was sent before with another request (another digest).
+        """
+        for attempt in range(3):
+            try:
+                return self._start(principal, key, digest, conversation_id, agent, engine, run_id)
+            except sa_exc.IntegrityError:  # a concurrent request inserted the same key or owner first: read it
+                if attempt == 2:
+                    raise
+        raise AssertionError('unreachable')  # pragma: no cover
+
+    def _start(self, principal: str, key: str | None, digest: str, conversation_id: str, agent: str, engine: str,
+               run_id: str) -> Started:
+        with self._backend._txn(write=True) as conn:
+            owner = conn.execute(sa.text('SELECT principal FROM durcap_serve_owners WHERE conversation_id = :c'),
+                                 {'c': conversation_id}).scalar()
+            if owner is not None and owner != principal:
+                raise NotFoundError(f'no conversation {conversation_id!r}')
+            if key is not None:
+                row = conn.execute(sa.text('SELECT digest, run_id FROM durcap_serve_requests WHERE principal = :p AND '
+                                           'idempotency_key = :k'), {'p': principal, 'k': key}).first()
+                if row is not None:
+                    if row[0] != digest:
+                        raise IdempotencyConflictError(
+                            f'Idempotency-Key {key!r} was sent before with another request (it started run {row[1]!r}):'
+                            ' send a new key for a new turn, or the same body to get that run again')
+                    found = self._run(conn, row[1])
+                    assert found is not None
+                    return Started(found, False)
+            now = _now()
+            if owner is None:
+                conn.execute(sa.text('INSERT INTO durcap_serve_owners (conversation_id, principal, created_at) '
+                                     'VALUES (:c, :p, :at)'), {'c': conversation_id, 'p': principal, 'at': now})
+            conn.execute(sa.text('INSERT INTO durcap_serve_runs (run_id, principal, conversation_id, agent, engine, '
+                                 'created_at) VALUES (:r, :p, :c, :a, :e, :at)'),
+                         {'r': run_id, 'p': principal, 'c': conversation_id, 'a': agent, 'e': engine, 'at': now})
+            if key is not None:
+                conn.execute(sa.text('INSERT INTO durcap_serve_requests (principal, idempotency_key, digest, run_id, '
+                                     'created_at) VALUES (:p, :k, :d, :r, :at)'),
+                             {'p': principal, 'k': key, 'd': digest, 'r': run_id, 'at': now})
+            return Started(RunRow(run_id, principal, conversation_id, agent, engine, now), True)
+
+    @staticmethod
+    def _run(conn: sa.Connection, run_id: str) -> RunRow | None:
+        row = conn.execute(sa.text('SELECT run_id, principal, conversation_id, agent, engine, created_at FROM '
+                                   'durcap_serve_runs WHERE run_id = :r'), {'r': run_id}).first()
+        return None if row is None else RunRow(*row)
+
+    def run_sync(self, run_id: str) -> RunRow | None:
+        """The run `run_id` a request started, `None` when no serve process started it."""
+        with self._backend._txn(write=False) as conn:
+            return self._run(conn, run_id)
+
+    def owner_sync(self, conversation_id: str) -> str | None:
+        """The principal owning `conversation_id`, `None` when no request started a turn on it."""
+        with self._backend._txn(write=False) as conn:
+            return conn.execute(sa.text('SELECT principal FROM durcap_serve_owners WHERE conversation_id = :c'),
+                                {'c': conversation_id}).scalar()
+
+    def milestones_sync(self, run_id: str) -> list[tuple[int, str, str]]:
+        """`(offset, kind, body JSON)` of the run's stream events that say where it is (started, approvals, stored,
+        completed, failed), in offset order."""
+        with self._backend._txn(write=False) as conn:
+            rows = conn.execute(sa.text(
+                'SELECT event_offset, kind, body FROM durcap_run_events WHERE run_id = :r AND kind IN '
+                "('run_started', 'approval_waiting', 'approval_decided', 'turn_stored', 'run_completed', 'run_failed') "
+                'ORDER BY event_offset'), {'r': run_id}).all()
+        return [(int(o), str(k), str(b)) for o, k, b in rows]
+
+    async def call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        """`method(*args, **kwargs)` (one of the `*_sync` methods) in the store's worker threads."""
+        return await in_thread(method, *args, **kwargs)

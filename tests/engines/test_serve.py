@@ -1,0 +1,449 @@
+"""`durcap serve` (issue 26): real `durcap serve` subprocesses, real HTTP (httpx), the local engine and DBOS (a real
+`durcap worker dbos` on SQLite), the conversation store on SQLite.
+
+Models: scripted `FunctionModel`s (tests/engines/serve_agents.py: `streamer` streams its answer word by word after a
+tool call; `gated` calls `revoke_sessions`, which waits for a person's approval and records each execution).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from durable_capabilities.streams import RunEvent, answer_text
+from tests._helpers import sql
+from tests.engines._serve import ALICE, TARGET, Proc, read_sse, start, start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('serve-dbos')]
+
+
+@dataclass
+class Stack:
+    """A `durcap serve` on one engine (and, for DBOS, the worker running its turns), sharing one store."""
+
+    url: str
+    store: str
+    env: dict[str, str]
+    crash_dir: Path
+    procs: list[Proc]
+    tmp: Path
+
+
+def _env(tmp: Path) -> tuple[dict[str, str], Path, str]:
+    store = f'sqlite:///{tmp / "conversations.db"}'
+    crash = tmp / 'crash'
+    return ({'DURCAP_STORE': store, 'DURCAP_STREAM_DELAY': '0.02', 'DURCAP_CRASH_DIR': str(crash)}, crash, store)
+
+
+@pytest.fixture(scope='module')
+def dbos_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp('serve-dbos')
+    env, crash, store = _env(tmp)
+    db = f'sqlite:///{tmp / "dbos.sqlite"}'
+    env['DURCAP_DBOS_DB'] = db
+    procs: list[Proc] = []
+    try:
+        worker = start(['worker', 'dbos', TARGET, '--db', db], tmp / 'worker.log', env)
+        procs.append(worker)
+        worker.wait_for('dbos worker ready', 120)
+        server, url = start_server(tmp, 'serve-a', env, '--engine', 'dbos', '--db', db, '--chat')
+        procs.append(server)
+        yield Stack(url, store, env, crash, procs, tmp)
+    finally:
+        for proc in procs:
+            proc.kill9()
+
+
+def _post(url: str, conversation: str, body: dict[str, Any], key: str | None = None,
+          headers: dict[str, str] = ALICE) -> httpx.Response:
+    return httpx.post(f'{url}/v1/conversations/{conversation}/turns', json=body, timeout=30,
+                      headers={**headers, **({'Idempotency-Key': key} if key else {})})
+
+
+async def _post_many(url: str, conversation: str, body: dict[str, Any], key: str, n: int) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=30) as client:
+        return list(await asyncio.gather(*[
+            client.post(f'{url}/v1/conversations/{conversation}/turns', json=body,
+                        headers={**ALICE, 'Idempotency-Key': key}) for _ in range(n)]))
+
+
+def _streamed_idempotent_turn(stack: Stack, conversation: str) -> None:
+    """Three concurrent POSTs with one Idempotency-Key, then a fourth after the run: one run, one turn stored; the
+    run's SSE stream (offsets as ids, in order) joins to the answer; Last-Event-ID resumes exactly after it."""
+    from tests.engines.stream_agent import ANSWER
+
+    body = {'agent': 'streamer', 'prompt': 'where is ABC-123?'}
+    responses = asyncio.run(_post_many(stack.url, conversation, body, f'key-{conversation}', 3))
+    assert [r.status_code for r in responses] == [202] * 3, [r.text for r in responses]
+    answers = [r.json() for r in responses]
+    run_id = answers[0]['run_id']
+    assert {a['run_id'] for a in answers} == {run_id}
+    assert sorted(a['created'] for a in answers) == [False, False, True]
+    events = read_sse(stack.url + answers[0]['events_url'], ALICE)
+    assert [e.id for e in events] == list(range(1, len(events) + 1))
+    assert [e.data['offset'] for e in events] == [e.id for e in events]
+    assert events[0].kind == 'run_started' and events[-1].kind == 'run_completed'
+    run_events = [RunEvent.model_validate(e.data) for e in events]
+    assert sum(e.kind == 'text_delta' for e in run_events) > 10  # streamed, not one block
+    assert answer_text(run_events) == ANSWER == events[-1].data['data']['output']
+    middle = len(events) // 2
+    rest = read_sse(stack.url + answers[0]['events_url'], ALICE, last_event_id=events[middle].id)
+    assert rest == events[middle + 1:]
+    again = _post(stack.url, conversation, body, key=f'key-{conversation}')
+    assert again.status_code == 202 and again.json()['run_id'] == run_id and again.json()['created'] is False
+    status = httpx.get(f'{stack.url}/v1/runs/{run_id}', headers=ALICE, timeout=30).json()
+    assert status['status'] == 'completed' and status['report']['output'] == ANSWER
+    stored = httpx.get(f'{stack.url}/v1/conversations/{conversation}', headers=ALICE, timeout=30).json()
+    assert [w['operation'] for w in stored['writes']] == ['append'] and stored['message_count'] == 4
+    assert sql(stack.store, 'SELECT COUNT(*) FROM durcap_serve_runs WHERE conversation_id = :c',
+               {'c': conversation}) == [(1,)]
+
+
+def test_local_turn_streamed_over_sse_and_one_run_per_idempotency_key(tmp_path: Path) -> None:
+    """`durcap serve --engine local` (the turn runs in the serve process): see `_streamed_idempotent_turn`."""
+    env, crash, store = _env(tmp_path)
+    server, url = start_server(tmp_path, 'serve-local', env, '--engine', 'local')
+    try:
+        _streamed_idempotent_turn(Stack(url, store, env, crash, [server], tmp_path), 'local-1')
+    finally:
+        server.kill9()
+
+
+def test_dbos_turn_streamed_over_sse_and_one_run_per_idempotency_key(dbos_stack: Stack) -> None:
+    """`durcap serve --engine dbos` hands the turn to `durcap worker dbos` (another process) and streams it: see
+    `_streamed_idempotent_turn`."""
+    _streamed_idempotent_turn(dbos_stack, 'dbos-1')
+
+
+def _json(response: httpx.Response) -> Any:
+    return json.loads(response.text)
+
+
+def _store_rows(store: str) -> dict[str, list[tuple[Any, ...]]]:
+    tables = [r[0] for r in sql(store, "SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE 'durcap_%'")]
+    return {table: sorted(sql(store, f'SELECT * FROM {table}'), key=repr) for table in sorted(tables)}
+
+
+def _wait_pending(url: str, run_id: str, timeout: float = 120) -> list[dict[str, Any]]:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pending = httpx.get(f'{url}/v1/runs/{run_id}/approvals', headers=ALICE, timeout=30).json()['pending']
+        if pending:
+            return pending
+        time.sleep(0.2)
+    raise AssertionError(f'run {run_id} never waited for approval')
+
+
+def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_approval_runs_the_tool_once(
+        dbos_stack: Stack) -> None:
+    """A table of 80 bad requests against `durcap serve --engine dbos` while a `gated` run waits for approval (wrong or
+    missing token, another principal's conversation and run, oversized and malformed bodies, unknown agent, run and
+    call, an Idempotency-Key reused for another request, a decision for other arguments, edited arguments outside the
+    tool's schema, unknown routes): each answered with its status and code in a JSON body without a traceback, and
+    every store table and the pending call unchanged, the tool not run. Then the right decision runs the tool once,
+    the SSE stream carries the approval events, and a second decision is refused with 409."""
+    from durable_capabilities.approvals import fingerprint
+    from tests.engines._serve import BOB
+
+    url, conversation = dbos_stack.url, 'c-table'
+    first = _post(url, conversation, {'agent': 'gated', 'prompt': 'revoke alice'}, key='k-table')
+    assert first.status_code == 202, first.text
+    run_id = first.json()['run_id']
+    [call] = _wait_pending(url, run_id)
+    assert call['tool_name'] == 'revoke_sessions' and call['args'] == {'user': 'alice'}
+    assert call['fingerprint'] == fingerprint('revoke_sessions', {'user': 'alice'}) and call['decided'] is None
+    fp, call_id = call['fingerprint'], call['call_id']
+    turns, conv, events = f'/v1/conversations/{conversation}/turns', f'/v1/conversations/{conversation}', f'/v1/runs/{run_id}/events'
+    status, approvals, decide = f'/v1/runs/{run_id}', f'/v1/runs/{run_id}/approvals', f'/v1/runs/{run_id}/approvals/{call_id}'
+    good_turn = json.dumps({'agent': 'gated', 'prompt': 'revoke bob'})
+    good = {'decision': 'approve', 'fingerprint': fp}
+    big = 1024 * 1024 + 10
+    deep: Any = 1
+    for _ in range(100):
+        deep = [deep]
+    endpoints = [('POST', turns, good_turn), ('GET', conv, None), ('GET', events, None), ('GET', status, None),
+                 ('GET', approvals, None), ('POST', decide, json.dumps(good))]
+    cases: list[tuple[str, str, str, dict[str, str], Any, int, str]] = []
+    for method, path, body in endpoints:
+        cases.append((f'no token {method} {path}', method, path, {}, body, 401, 'DC043'))
+        cases.append((f'wrong token {method} {path}', method, path, {'Authorization': 'Bearer token-mallory'}, body, 401, 'DC043'))
+        cases.append((f'bob {method} {path}', method, path, BOB, body, 404, 'DC044'))
+    cases += [
+        ('basic scheme', 'GET', conv, {'Authorization': 'Basic dG9rZW4tYWxpY2U='}, None, 401, 'DC043'),
+        ('bearer without token', 'GET', conv, {'Authorization': 'Bearer'}, None, 401, 'DC043'),
+        ('token with a suffix', 'GET', conv, {'Authorization': 'Bearer token-alice-x'}, None, 401, 'DC043'),
+        ('token in the query', 'GET', conv + '?token=token-alice', {}, None, 401, 'DC043'),
+    ]
+
+    def turn(name: str, body: Any, code_status: tuple[int, str], path: str = turns, **headers: str) -> None:
+        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        cases.append((f'turn: {name}', 'POST', path, {**ALICE, **headers}, content, *code_status))
+
+    bad, too_big, missing = (400, 'DC042'), (413, 'DC041'), (404, 'DC044')
+    turn('body over 1 MiB', b'x' * big, too_big)
+    turn('prompt over 1 MiB', {'agent': 'gated', 'prompt': 'x' * big}, too_big)
+    turn('not JSON', '{', bad)
+    turn('empty body', '', bad)
+    turn('a list', '[]', bad)
+    turn('a string', '"revoke bob"', bad)
+    turn('null', 'null', bad)
+    turn('no prompt', {'agent': 'gated'}, bad)
+    turn('empty prompt', {'agent': 'gated', 'prompt': ''}, bad)
+    turn('prompt a number', {'agent': 'gated', 'prompt': 5}, bad)
+    turn('prompt null', {'agent': 'gated', 'prompt': None}, bad)
+    turn('prompt NaN', '{"agent": "gated", "prompt": NaN}', bad)
+    turn('unknown field', {'agent': 'gated', 'prompt': 'x', 'temperature': 2}, bad)
+    turn('agent a number', {'agent': 7, 'prompt': 'x'}, bad)
+    turn('no agent of two', {'prompt': 'x'}, bad)
+    turn('unknown agent', {'agent': 'nope', 'prompt': 'x'}, missing)
+    turn('deps for an agent without deps', {'agent': 'gated', 'prompt': 'x', 'deps': {'a': 1}}, bad)
+    turn('deps nested 100 deep', {'agent': 'gated', 'prompt': 'x', 'deps': deep}, bad)
+    turn('not UTF-8', b'\xff\xfe{}', bad)
+    turn('conversation id with a space', {'agent': 'gated', 'prompt': 'x'}, bad, path='/v1/conversations/has%20space/turns')
+    turn('conversation id of 300 characters', {'agent': 'gated', 'prompt': 'x'}, bad, path=f'/v1/conversations/{"c" * 300}/turns')
+    turn('conversation id not ASCII', {'agent': 'gated', 'prompt': 'x'}, bad, path='/v1/conversations/caf%C3%A9/turns')
+    turn('conversation id starting with a dash', {'agent': 'gated', 'prompt': 'x'}, bad, path='/v1/conversations/-x/turns')
+    turn('Idempotency-Key with a space', {'agent': 'gated', 'prompt': 'x'}, bad, **{'Idempotency-Key': 'has space'})
+    turn('Idempotency-Key of 300 characters', {'agent': 'gated', 'prompt': 'x'}, bad, **{'Idempotency-Key': 'k' * 300})
+    turn('Idempotency-Key reused for another prompt', {'agent': 'gated', 'prompt': 'revoke bob'}, (409, 'DC045'),
+         **{'Idempotency-Key': 'k-table'})
+    turn('Idempotency-Key reused on another conversation', {'agent': 'gated', 'prompt': 'revoke alice'}, (409, 'DC045'),
+         path='/v1/conversations/c-other/turns', **{'Idempotency-Key': 'k-table'})
+    for name, path in [('events', '/v1/runs/nope/events'), ('status', '/v1/runs/nope'), ('approvals', '/v1/runs/nope/approvals')]:
+        cases.append((f'unknown run: {name}', 'GET', path, ALICE, None, *missing))
+    cases.append(('unknown run: decide', 'POST', '/v1/runs/nope/approvals/x', ALICE, json.dumps(good), *missing))
+    for value in ('abc', '-1', '1e3', '9' * 30):
+        cases.append((f'Last-Event-ID {value}', 'GET', events, {**ALICE, 'Last-Event-ID': value}, None, *bad))
+
+    def decision(name: str, body: Any, code_status: tuple[int, str], path: str = decide) -> None:
+        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        cases.append((f'decision: {name}', 'POST', path, ALICE, content, *code_status))
+
+    other = fingerprint('revoke_sessions', {'user': 'mallory'})
+    decision('decision maybe', {'decision': 'maybe', 'fingerprint': fp}, bad)
+    decision('no decision', {'fingerprint': fp}, bad)
+    decision('no fingerprint', {'decision': 'approve'}, bad)
+    decision('fingerprint too short', {'decision': 'approve', 'fingerprint': 'abc'}, bad)
+    decision('fingerprint in capitals', {'decision': 'approve', 'fingerprint': fp.upper()}, bad)
+    decision('fingerprint a boolean', {'decision': 'approve', 'fingerprint': True}, bad)
+    decision('fingerprint of other arguments', {'decision': 'approve', 'fingerprint': other}, (409, 'approval'))
+    decision('fingerprint of other arguments, deny', {'decision': 'deny', 'fingerprint': other}, (409, 'approval'))
+    decision('fingerprint of zeros', {'decision': 'approve', 'fingerprint': '0' * 64}, (409, 'approval'))
+    decision('unknown call', good, missing, path=f'/v1/runs/{run_id}/approvals/call-nope')
+    decision('args with deny', {'decision': 'deny', 'fingerprint': fp, 'args': {'user': 'bob'}}, bad)
+    decision('args a list', {'decision': 'approve', 'fingerprint': fp, 'args': ['bob']}, bad)
+    decision('args outside the schema', {'decision': 'approve', 'fingerprint': fp, 'args': {'nope': 1}}, (422, 'DC051'))
+    decision('args of the wrong type', {'decision': 'approve', 'fingerprint': fp, 'args': {'user': 5}}, (422, 'DC051'))
+    decision('args without the required field', {'decision': 'approve', 'fingerprint': fp, 'args': {}}, (422, 'DC051'))
+    decision('args with an extra field', {'decision': 'approve', 'fingerprint': fp, 'args': {'user': 'b', 'x': 1}},
+             (422, 'DC051'))
+    decision('reason too long', {'decision': 'deny', 'fingerprint': fp, 'reason': 'r' * 5000}, bad)
+    decision('reason a number', {'decision': 'deny', 'fingerprint': fp, 'reason': 7}, bad)
+    decision('the decider named in the body', {**good, 'by': 'admin'}, bad)
+    decision('not JSON', '{', bad)
+    decision('empty body', '', bad)
+    decision('body over 1 MiB', b'x' * big, too_big)
+    cases += [
+        ('unknown route', 'GET', '/v1/nope', ALICE, None, 404, 'DC044'),
+        ('root', 'GET', '/', ALICE, None, 404, 'DC044'),
+        ('GET on turns', 'GET', turns, ALICE, None, 405, 'method-not-allowed'),
+        ('POST on a run', 'POST', status, ALICE, '{}', 405, 'method-not-allowed'),
+        ('DELETE a conversation', 'DELETE', conv, ALICE, None, 405, 'method-not-allowed'),
+    ]
+    assert len(cases) >= 60 and len({c[0] for c in cases}) == len(cases)
+    before = _store_rows(dbos_stack.store)
+    failures = []
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for name, method, path, headers, content, expected, code in cases:
+            response = client.request(method, path, headers=headers, content=content)
+            text = response.text
+            try:
+                got = json.loads(text)['error']['code']
+            except (ValueError, KeyError, TypeError):
+                got = None
+            if (response.status_code, got) != (expected, code) or 'Traceback' in text or 'File "' in text:
+                failures.append(f'{name}: {response.status_code} {text[:300]}')
+    assert not failures, '\n'.join(failures)
+    assert _store_rows(dbos_stack.store) == before
+    assert _wait_pending(url, run_id) == [call]
+    assert not (dbos_stack.crash_dir / 'revocations').exists()
+    # The right decision: the tool runs once; the stream carries the wait and the decision; a second one is refused.
+    approved = httpx.post(f'{url}{decide}', json=good, headers=ALICE, timeout=30)
+    assert approved.status_code == 200, approved.text
+    assert approved.json()['decision']['by'] == 'serve:alice'
+    streamed = read_sse(f'{url}{events}', ALICE)
+    kinds = [e.kind for e in streamed]
+    assert kinds.index('approval_waiting') < kinds.index('approval_decided') < kinds.index('run_completed')
+    assert streamed[-1].data['data']['output'] == 'result: revoked sessions of alice'
+    for again in (good, {'decision': 'deny', 'fingerprint': fp}):
+        refused = httpx.post(f'{url}{decide}', json=again, headers=ALICE, timeout=30)
+        assert refused.status_code == 409 and refused.json()['error']['code'] == 'approval-already-decided', refused.text
+        assert 'approved by serve:alice' in refused.json()['error']['message']
+    assert (dbos_stack.crash_dir / 'revocations').read_text().splitlines() == ['alice']
+    stored = httpx.get(f'{url}{conv}', headers=ALICE, timeout=30).json()
+    assert [a['decision'] for a in stored['approvals']] == ['approved'] and stored['approvals'][0]['by'] == 'serve:alice'
+
+
+NODE = Path(__file__).with_name('node')
+SUPPORT_DEPS = {'orders': {'ABC-123': 'Blue denim jacket (size M): shipped 2026-04-28 via UPS, arriving 2026-05-02.'}}
+GATE_PROMPT = 'Someone keeps trying to log into my account acct-42 from abroad.'
+
+
+def _node(script: str, *args: str) -> dict[str, Any]:
+    import subprocess
+
+    if not (NODE / 'node_modules').is_dir():  # .ci/run installs them; a developer's first run does it here
+        subprocess.run(['npm', 'ci', '--no-audit', '--no-fund', '--ignore-scripts'], cwd=NODE, check=True,
+                       capture_output=True, timeout=300)
+    done = subprocess.run(['node', script, *args], cwd=NODE, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr + done.stdout
+    line = next(x for x in done.stdout.splitlines() if x.startswith('RESULT '))
+    return json.loads(line.split(' ', 1)[1])
+
+
+def test_node_clients_stream_a_support_turn_on_dbos_receive_the_approval_and_approve_through_the_api(
+        dbos_stack: Stack) -> None:
+    """Real clients from the npm registry (tests/engines/node: `@ag-ui/client`'s HttpAgent, the `ai` SDK's
+    DefaultChatTransport with readUIMessageStream) run by node against a second `durcap serve` process (the support
+    example, `--deps-json`) on the DBOS stack: each streams the support demo's account-takeover turn, receives its
+    protocol's approval event (AG-UI `RUN_FINISHED` interrupt, Vercel AI `tool-approval-request`) for
+    `revoke_sessions`, and approves it through `/v1/runs/{run}/approvals/{call}`; the run then completes with the
+    revocation in its answer, and the conversation's audit records the approval by `serve:alice`."""
+    server, url = start_server(dbos_stack.tmp, 'serve-support', dbos_stack.env, '--engine', 'dbos', '--deps-json',
+                               json.dumps(SUPPORT_DEPS), target='examples.support.agent:support')
+    dbos_stack.procs.append(server)
+    try:
+        for script, thread in (('ag_ui_client.mjs', 'agui-1'), ('vercel_ai_client.mjs', 'vercel-1')):
+            result = _node(script, url, 'token-alice', 'support', thread, GATE_PROMPT)
+            run = result['run']
+            assert run['conversation_id'] == thread, result
+            if script.startswith('ag_ui'):
+                assert result['types'][0] == 'RUN_STARTED' and result['types'][-1] == 'RUN_FINISHED', result['types']
+                assert [i['toolCallId'] for i in result['interrupts']] == [d['call_id'] for d in result['decided']]
+            else:
+                assert result['types'][0] == 'start' and 'tool-approval-request' in result['types'], result['types']
+                assert [a['toolCallId'] for a in result['approvals']] == [d['call_id'] for d in result['decided']]
+            assert [(d['tool'], d['status']) for d in result['decided']] == [('revoke_sessions', 200)], result
+            events = read_sse(url + run['events_url'], ALICE)
+            assert events[-1].kind == 'run_completed', events[-1]
+            assert 'acct-42' in events[-1].data['data']['output']
+            stored = httpx.get(f'{url}/v1/conversations/{thread}', headers=ALICE, timeout=30).json()
+            assert [(a['tool'], a['decision'], a['by']) for a in stored['approvals']] == [
+                ('revoke_sessions', 'approved', 'serve:alice')]
+    finally:
+        server.kill9()
+
+
+def test_two_serve_processes_a_client_killed_with_its_server_reconnects_to_the_other_and_misses_nothing(
+        dbos_stack: Stack) -> None:
+    """Two `durcap serve` processes on one DBOS system database and store: the turn is started on A; a client streams
+    it from B; B is SIGKILLed mid-stream (the run goes on in the worker); the client reconnects to A with the last
+    `Last-Event-ID` it saw and gets the rest: every event once, offsets 1..N without a gap, the text joined equal to
+    the answer, and the tool (`charge`, a ledger line per execution) ran once. The `ledgered` agent of
+    tests/engines/serve_agents.py (scripted `FunctionModel`, 0.1 s a word)."""
+    from tests.engines.serve_agents import LEDGER_ANSWER
+
+    before = _ledger(dbos_stack)
+    b, b_url = start_server(dbos_stack.tmp, 'serve-b', dbos_stack.env, '--engine', 'dbos')
+    dbos_stack.procs.append(b)
+    started = _post(dbos_stack.url, 'two-1', {'agent': 'ledgered', 'prompt': 'charge order Q-1'}, key='two-1')
+    assert started.status_code == 202, started.text
+    events_url = started.json()['events_url']
+    from_b = read_sse(b_url + events_url, ALICE, stop_after=12)
+    assert sum(e.kind == 'text_delta' for e in from_b) >= 2 and from_b[-1].kind != 'run_completed', from_b
+    b.kill9()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f'{b_url}/v1/runs/x', headers=ALICE, timeout=2)
+    rest = read_sse(dbos_stack.url + events_url, ALICE, last_event_id=from_b[-1].id)
+    whole = [*from_b, *rest]
+    assert [e.id for e in whole] == list(range(1, len(whole) + 1))
+    assert whole[-1].kind == 'run_completed' and rest[0].id == from_b[-1].id + 1
+    assert answer_text([RunEvent.model_validate(e.data) for e in whole]) == LEDGER_ANSWER
+    assert _ledger(dbos_stack) == [*before, 'Q-1']
+
+
+def _ledger(stack: Stack) -> list[str]:
+    path = stack.crash_dir / 'ledger'
+    return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.fixture(scope='module')
+def browser() -> Iterator[Any]:
+    """Headless Chromium from Debian's packages through its chromedriver (as tests/engines/test_ui.py drives it)."""
+    import os
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    os.environ['SE_OFFLINE'] = 'true'  # selenium-manager, if ever asked, must not download anything
+    options = webdriver.ChromeOptions()
+    options.binary_location = '/usr/bin/chromium'
+    for arg in ('--headless=new', '--no-sandbox', '--disable-dev-shm-usage', '--window-size=1200,900'):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options, service=Service(executable_path='/usr/bin/chromedriver'))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_chat_page_streams_the_answer_survives_a_reload_and_approves_showing_arguments_as_text(
+        dbos_stack: Stack, browser: Any) -> None:
+    """`durcap serve --chat` in headless Chromium (Selenium), on the DBOS stack: the `ledgered` turn's answer appears
+    on the page while the run is still running; a reload mid-stream continues where it was (the whole answer, once,
+    the tool once); then a `gated` turn whose arguments carry HTML (`<b>mallory</b>`) shows them as text (no element
+    made of them) with approve / deny buttons, and Approve runs the tool once."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.engines.serve_agents import LEDGER_ANSWER
+
+    def start_turn(agent: str, conversation: str, prompt: str) -> str:
+        browser.get(f'{dbos_stack.url}/chat')
+        token = browser.find_element(By.ID, 'token')
+        token.clear()
+        token.send_keys('token-alice')
+        for option in browser.find_elements(By.CSS_SELECTOR, '#agent option'):
+            if option.get_attribute('value') == agent:
+                option.click()
+        field = browser.find_element(By.ID, 'conversation')
+        field.clear()
+        field.send_keys(conversation)
+        browser.find_element(By.ID, 'prompt').send_keys(prompt)
+        browser.find_element(By.ID, 'send').click()
+        return WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, 'run').text)
+
+    def answer() -> str:
+        return browser.find_element(By.ID, 'answer').text
+
+    def run_status(run_id: str) -> str:
+        return httpx.get(f'{dbos_stack.url}/v1/runs/{run_id}', headers=ALICE, timeout=30).json()['status']
+
+    before = _ledger(dbos_stack)
+    run_id = start_turn('ledgered', 'chat-1', 'charge order Q-1')
+    WebDriverWait(browser, 60).until(lambda d: 'part03' in answer())
+    assert run_status(run_id) == 'running' and LEDGER_ANSWER.startswith(answer())  # streamed before the run ended
+    browser.refresh()
+    assert browser.find_element(By.ID, 'run').text == run_id
+    WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, 'status').text == 'completed')
+    assert answer() == LEDGER_ANSWER and run_status(run_id) == 'completed'
+    assert _ledger(dbos_stack) == [*before, 'Q-1']
+    browser.execute_script('sessionStorage.removeItem("durcap-chat")')
+    run_id = start_turn('gated', 'chat-2', 'revoke <b>mallory</b>')
+    approve = WebDriverWait(browser, 60).until(lambda d: d.find_element(By.CSS_SELECTOR, '#approvals button.approve'))
+    args = browser.find_element(By.CSS_SELECTOR, '#approvals pre.args')
+    assert '"user": "<b>mallory</b>"' in args.text
+    assert browser.find_elements(By.CSS_SELECTOR, '#approvals b') == []  # shown as text, never as HTML
+    approve.click()
+    WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, 'status').text == 'completed')
+    assert run_status(run_id) == 'completed'
+    assert (dbos_stack.crash_dir / 'revocations').read_text().splitlines().count('<b>mallory</b>') == 1
