@@ -26,6 +26,9 @@ class RunReport:
         usage: Tokens and requests (`RunUsage`).
         durable_units: Names of the durable units the engine recorded, in order (activity types,
             step names, task run names).
+        budget: With a `Budget` on the definition: the budget key's spend after the run, as stored
+            (`{'key', 'spent': {'input_tokens', 'output_tokens', 'total_tokens', 'cost' (USD), 'requests'},
+            'limits', 'raised', 'in_flight', 'updated_at'}`, see `store.SQLConversationStore.budgets`); else `None`.
     """
 
     engine: str
@@ -34,6 +37,7 @@ class RunReport:
     new_messages: list[ModelMessage]
     usage: RunUsage
     durable_units: list[str] = field(default_factory=list)
+    budget: dict[str, Any] | None = None
 
     @classmethod
     def from_payload(cls, engine: str, run_id: str | None, payload: dict[str, Any], units: list[str] | None = None) -> RunReport:

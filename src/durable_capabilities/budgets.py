@@ -1,0 +1,129 @@
+"""Enforcing a `Budget` inside the model request unit, and reading the ledger (`durcap budgets`).
+
+What runs where:
+- The turn (`turn.py`, the engine's container code) computes the budget key of the run (`Budget.key`) and puts
+  `{key, run, store}` into the run's `model_settings` under `budget.BUDGET_SETTING`, which every engine carries into
+  its model request unit with the request (a Temporal activity's input, a DBOS step's or Prefect task's arguments).
+- `BudgetModel` is the agent's model there: it takes the key out of the settings, reserves the request in the store
+  (`SQLConversationStore.budget_reserve`, refused: `BudgetExceededError`, DC060, before anything is sent), sends it,
+  and settles the reservation with the provider's usage. The reservation is keyed by the run and the request's place
+  in it (`{run}#{number of messages sent}`), the same when the unit is retried, so a request is counted once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from pydantic_ai.messages import ModelMessage, ModelResponse
+from pydantic_ai.models import ModelRequestParameters
+from pydantic_ai.models.wrapper import WrapperModel
+from pydantic_ai.settings import ModelSettings
+
+from .budget import BUDGET_SETTING, Budget, BudgetExceededError
+from .conversations import process_store, store_url
+
+if TYPE_CHECKING:
+    from .agent import DurableAgent
+    from .store import SQLConversationStore
+
+__all__ = ['BudgetModel', 'set_worker_store', 'wrap_budget']
+
+_WORKER_STORES: dict[str, str | None] = {}
+"""`{agent durable name: store URL}` of the workers of this process (a Temporal worker's `--store`): where a model
+request activity, which receives no store from its workflow, keeps the ledger."""
+
+
+def set_worker_store(agent: DurableAgent[Any, Any], store: str | None) -> None:
+    """Make `store` (a worker's `--store`) the ledger of `agent`'s model requests run in this process when the turn
+    named none (Temporal: the workflow does not know the worker's store)."""
+    _WORKER_STORES[agent.durable_name] = store
+
+
+class BudgetModel(WrapperModel):
+    """The agent's model inside its model request unit, when its definition has a `Budget` (see the module docstring).
+
+    Args:
+        wrapped: The model (already wrapped for streams where the engine publishes).
+        agent: The definition (its `budget`, its conversation store).
+    """
+
+    def __init__(self, wrapped: Any, agent: DurableAgent[Any, Any]):
+        super().__init__(wrapped)
+        self.agent = agent
+        assert agent.budget is not None
+        self.budget: Budget = agent.budget
+
+    def _store(self, given: str | None) -> SQLConversationStore:
+        url = self.budget.store or given or _WORKER_STORES.get(self.agent.durable_name)
+        return process_store(store_url(self.agent, url))
+
+    async def _admit(self, messages: list[ModelMessage], settings: dict[str, Any]) -> tuple[Any, str, str, str]:
+        """Reserve the request; refused: `BudgetExceededError`. Returns `(store, key, request id, run id)`."""
+        store = self._store(settings.get('store'))
+        key, run = str(settings['key']), str(settings['run'])
+        request_id = f'{run}#{len(messages)}'
+        refused = await store.budget_reserve(key, request_id, run, self.budget.limits())
+        if refused is not None:
+            from .store._budgets import exceeded
+
+            name = exceeded(refused) or 'total_tokens'
+            limit = refused.limit(name)
+            raise BudgetExceededError(name, key, refused.spent.get(name, 0), limit if limit is not None else 0,
+                                      self.model_name)
+        return store, key, request_id, run
+
+    async def _settle(self, admitted: tuple[Any, str, str, str], response: ModelResponse) -> None:
+        store, key, request_id, run = admitted
+        usage = response.usage
+        await store.budget_settle(key, request_id, run, input_tokens=usage.input_tokens,
+                                  output_tokens=usage.output_tokens, cost=self.budget.price(response))
+
+    async def request(self, messages: list[ModelMessage], model_settings: ModelSettings | None,
+                      model_request_parameters: ModelRequestParameters) -> ModelResponse:
+        settings, budget = _split(model_settings)
+        if budget is None:
+            return await self.wrapped.request(messages, settings, model_request_parameters)
+        admitted = await self._admit(messages, budget)
+        try:
+            response = await self.wrapped.request(messages, settings, model_request_parameters)
+        except BaseException:
+            await admitted[0].budget_release(admitted[1], admitted[2])
+            raise
+        await self._settle(admitted, response)
+        return response
+
+    @asynccontextmanager
+    async def request_stream(self, messages: list[ModelMessage], model_settings: ModelSettings | None,
+                             model_request_parameters: ModelRequestParameters,
+                             run_context: Any = None) -> AsyncIterator[Any]:
+        settings, budget = _split(model_settings)
+        if budget is None:
+            async with self.wrapped.request_stream(messages, settings, model_request_parameters, run_context) as stream:
+                yield stream
+            return
+        admitted = await self._admit(messages, budget)
+        try:
+            async with self.wrapped.request_stream(messages, settings, model_request_parameters, run_context) as stream:
+                yield stream
+        except BaseException:
+            await admitted[0].budget_release(admitted[1], admitted[2])
+            raise
+        await self._settle(admitted, stream.get())
+
+
+def _split(model_settings: ModelSettings | None) -> tuple[ModelSettings | None, dict[str, Any] | None]:
+    """`(the settings without the budget entry, the entry)`; settings without one as given."""
+    if not model_settings or BUDGET_SETTING not in model_settings:
+        return model_settings, None
+    rest = dict(model_settings)
+    entry = rest.pop(BUDGET_SETTING)
+    return (rest or None), entry  # type: ignore[return-value]
+
+
+def wrap_budget(model: Any, agent: DurableAgent[Any, Any]) -> Any:
+    """`model` wrapped in `BudgetModel` for `agent` (`None` as given)."""
+    if model is None or isinstance(model, BudgetModel):
+        return model
+    return BudgetModel(model, agent)
