@@ -8,10 +8,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import TypeAdapter
 from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ToolCallPart
 from pydantic_ai.usage import RunUsage
 
-__all__ = ['RunReport']
+__all__ = ['RunReport', 'usage_from_json']
+
+
+_USAGE: TypeAdapter[RunUsage] = TypeAdapter(RunUsage)
+
+
+def usage_from_json(data: dict[str, Any]) -> RunUsage:
+    """A `RunUsage` from its JSON form (`to_jsonable_python(usage)`): validated, so a priced run's `cost` (a `Decimal`,
+    dumped as a string) is a number again; `RunUsage(**data)` kept the string, and adding two usages then failed."""
+    return _USAGE.validate_python(data)
 
 
 @dataclass
@@ -46,7 +56,7 @@ class RunReport:
         messages = payload['new_messages']
         decoded = (ModelMessagesTypeAdapter.validate_json(messages) if isinstance(messages, str | bytes)
                    else ModelMessagesTypeAdapter.validate_python(messages))
-        return cls(engine, run_id, payload['output'], decoded, RunUsage(**payload['usage']), list(units or []))
+        return cls(engine, run_id, payload['output'], decoded, usage_from_json(payload['usage']), list(units or []))
 
     def loaded_capabilities(self) -> list[str]:
         """Capability ids the run loaded with `load_capability`, in order."""

@@ -1,4 +1,5 @@
-"""Budgets (issue 28) in-process: 20 concurrent runs of one tenant key share one ledger; `Budget`'s bad inputs.
+"""Budgets (issue 28) in-process: 20 concurrent runs of one tenant key share one ledger, read and reset by `durcap
+budgets`; `Budget`'s bad inputs.
 
 Model: a scripted async `FunctionModel` (no provider): each request waits a few milliseconds (so the runs' requests
 interleave), then calls a tool, four times, then answers; every response reports 100 tokens (70 input, 30 output).
@@ -9,6 +10,7 @@ run in the store's worker threads).
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.usage import RequestUsage
 
 from durable_capabilities import Budget, BudgetExceededError, DurableAgent, runner
-from tests._helpers import sql
+from tests._helpers import durcap_here, sql
 
 
 def test_twenty_concurrent_runs_of_one_tenant_overspend_by_at_most_one_request_each(tmp_path: Path) -> None:
@@ -40,7 +42,8 @@ def test_twenty_concurrent_runs_of_one_tenant_overspend_by_at_most_one_request_e
         return 'worked'
 
     agent = DurableAgent('tenant-budget', FunctionModel(script), deps_type=dict, engines=[], tools=[work],
-                         budget=Budget(total_tokens=1_000, scope=lambda deps: f'tenant:{deps["tenant"]}'))
+                         budget=Budget(total_tokens=1_000, scope=lambda deps: f'tenant:{deps["tenant"]}',
+                                       prices={'*': (1.0, 2.0)}))
 
     store = f'sqlite:///{tmp_path / "conversations.db"}'
 
@@ -57,6 +60,22 @@ def test_twenty_concurrent_runs_of_one_tenant_overspend_by_at_most_one_request_e
     assert sql(store, "SELECT total_tokens, input_tokens, output_tokens, requests FROM durcap_budget_ledger") == [
         (100 * len(billed), 70 * len(billed), 30 * len(billed), len(billed))]
     assert sql(store, "SELECT COUNT(*) FROM durcap_budget_reservations WHERE state = 'settled'") == [(len(billed),)]
+    # The price table: $1 / $2 per million input / output tokens, in nano-USD.
+    assert sql(store, 'SELECT cost_nanos FROM durcap_budget_ledger') == [(130_000 * len(billed),)]
+
+    # `durcap budgets list|show|reset` read and reset the same ledger.
+    listed = durcap_here('budgets', 'list', '--store', store, '--format', 'json')
+    assert listed.exit_code == 0, listed.stdout
+    [record] = json.loads(listed.stdout)
+    assert record['key'] == 'tenant:acme' and record['spent']['total_tokens'] == 100 * len(billed)
+    assert record['limits'] == {'total_tokens': 1000} and record['in_flight'] == 0
+    shown = durcap_here('budgets', 'show', 'tenant:acme', '--store', store)
+    assert shown.exit_code == 0 and f'total_tokens: {100 * len(billed):,} / 1,000' in shown.stdout, shown.stdout
+    assert durcap_here('budgets', 'show', 'tenant:other', '--store', store).exit_code == 1
+    assert durcap_here('budgets', 'reset', 'tenant:acme', '--store', store).exit_code == 0
+    assert durcap_here('budgets', 'list', '--store', store).stdout.strip() == 'no budget has spent anything in this store'
+    after = asyncio.run(runner.run(agent, 'again', deps={'tenant': 'acme'}, store=store, notify=lambda line: None))
+    assert after.budget is not None and after.budget['spent']['requests'] == 5  # reset: the next run starts from zero
 
 
 @pytest.mark.parametrize(('kwargs', 'message'), [
