@@ -21,7 +21,8 @@ from .worker_secrets import SecretNotFoundError, WorkerSecret, set_secret_resolv
 # The composition root (issue 23, item 4): core (`agent`) imports nothing above it; the engine registry and the
 # in-process turn are handed to it here, once, before any module of the package can construct an agent.
 _hooks.install(engines=engines.ENGINES, run_in_process=runner.run_in_process, wrap_model=lambda model: _streams().wrap_model(model),
-               wrap_budget=lambda model, agent: _budgets().wrap_budget(model, agent))
+               wrap_budget=lambda model, agent: _budgets().wrap_budget(model, agent),
+               budget_tools=lambda agent: _budgets().budget_tools(agent))
 
 
 def _budgets() -> Any:

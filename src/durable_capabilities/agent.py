@@ -14,7 +14,7 @@ from . import _hooks, _registry
 from ._turn_log import TurnRecorder, may_rewrite_history
 from .aliases import CapabilityAliases
 from .approvals import timeout_seconds
-from .budget import Budget
+from .budget import RAISE_TOOL, Budget
 from .checks import CheckContext, run_checks
 from .ids import LeafPlan, stabilize
 from .skills import InvalidSkill
@@ -162,6 +162,8 @@ class DurableAgent(Generic[DepsT, OutputT]):
     def static_tool_names(self) -> list[str]:
         """Tool names known without running anything (agent tools and function toolsets), sorted."""
         names = set(FunctionToolset(self.tools).tools)
+        if self.budget is not None:  # its approvals' calls are stored in the history (`budget.RAISE_TOOL`)
+            names.add(RAISE_TOOL)
         for walk in self._stabilized.registered:
             names.update(walk.tool_names or [])
         return sorted(names)
@@ -247,7 +249,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
             instructions=self.instructions,
             deps_type=self.deps_type,
             output_type=self.output_type,
-            tools=self.tools,
+            tools=[*self.tools, *_hooks.budget_tools(self)],
             capabilities=capabilities,
             **self.agent_kwargs,
         )

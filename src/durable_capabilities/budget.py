@@ -26,7 +26,7 @@ from pydantic_ai.exceptions import ModelQuotaExceededError
 
 from .errors import DurcapError
 
-__all__ = ['BUDGET_SETTING', 'Budget', 'BudgetExceededError']
+__all__ = ['BUDGET_SETTING', 'RAISE_TOOL', 'Budget', 'BudgetExceededError']
 
 BUDGET_SETTING = 'durcap_budget'
 """The key of the run's `model_settings` that carries the budget's key and run into the model request unit (it
@@ -34,6 +34,11 @@ crosses every engine's boundary with the request's other arguments); `BudgetMode
 sees the settings."""
 
 LIMIT_FIELDS = ('input_tokens', 'output_tokens', 'total_tokens', 'cost')
+
+RAISE_TOOL = 'durcap_raise_budget'
+"""The tool a run over its budget with `on_exceed='approval'` calls (it needs approval): approved, it raises the limit.
+Its calls are stored in the conversation (a tool of the definition, so resuming it is no drift, DC019); the model is
+never sent them."""
 
 
 class BudgetExceededError(ModelQuotaExceededError, DurcapError, code='DC060'):

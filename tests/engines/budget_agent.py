@@ -4,7 +4,8 @@ tokens, `USAGE`); each request it receives is logged as one line (the conversati
 `$DURCAP_BUDGET_LOG` when set, so a test can tell that a refused turn sent no request.
 
 `$DURCAP_BUDGET_AGENT` names the agent (unique per test run); `$DURCAP_BUDGET_SCOPE=tenant` scopes the budget to
-the deps' `tenant` key instead of the conversation, with `$DURCAP_BUDGET_LIMIT` total tokens (default 150).
+the deps' `tenant` key instead of the conversation, with `$DURCAP_BUDGET_LIMIT` total tokens (default 150);
+`$DURCAP_BUDGET_ON_EXCEED=approval` makes a spent budget wait for an operator.
 """
 
 from __future__ import annotations
@@ -39,5 +40,6 @@ def _tenant(deps: object) -> str:
 _scope = _tenant if os.environ.get('DURCAP_BUDGET_SCOPE') == 'tenant' else 'conversation'
 agent = DurableAgent(
     os.environ.get('DURCAP_BUDGET_AGENT', 'budgeted'), FunctionModel(script, model_name='scripted-budget'),
-    deps_type=dict, budget=Budget(total_tokens=int(os.environ.get('DURCAP_BUDGET_LIMIT', '150')), scope=_scope),
+    deps_type=dict, budget=Budget(total_tokens=int(os.environ.get('DURCAP_BUDGET_LIMIT', '150')), scope=_scope,
+                                  on_exceed=os.environ.get('DURCAP_BUDGET_ON_EXCEED', 'error')),  # type: ignore[arg-type]
 )

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests._helpers import ROOT, sql, subprocess_env, wait_for_file
+from tests._helpers import ROOT, durcap, sql, subprocess_env, wait_for_file
+from tests.engines.test_approvals import pending
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('budgets')]
 
@@ -96,3 +97,41 @@ def test_dbos_process_killed_after_model_requests_counts_each_once(spawn, tmp_pa
     rows = sql(store, 'SELECT input_tokens, output_tokens, requests FROM durcap_budget_ledger WHERE budget_key = :k',
                {'k': f'run:{workflow_id}'})
     assert rows == [(sum(u['input_tokens'] for u in reported), sum(u['output_tokens'] for u in reported), 4)]
+
+
+def test_dbos_spent_budget_waits_for_approval_approve_raises_it_deny_fails_the_run(spawn, tmp_path: Path) -> None:
+    """`Budget(total_tokens=50, on_exceed='approval')`, 100 tokens a request, on DBOS: turn 1 completes (spend 100);
+    turn 2 waits as a durable approval of `durcap_raise_budget` ("raise total_tokens of the key by 51?"), `durcap
+    approve` raises the limit to 101 and the turn completes; turn 3 waits again, `durcap deny` fails it with DC060
+    before its model request. The model saw 2 requests, never the raise calls."""
+    store = f'sqlite:///{tmp_path / "conversations.db"}'
+    db = f'sqlite:///{tmp_path / "dbos.sqlite"}'
+    conversation = f'approve-{uuid.uuid4().hex[:6]}'
+    log = tmp_path / 'requests.log'
+    env = {'DURCAP_STORE': store, 'DURCAP_BUDGET_AGENT': f'budget_gate_{uuid.uuid4().hex[:6]}', 'DURCAP_BUDGET_LIMIT': '50',
+           'DURCAP_BUDGET_ON_EXCEED': 'approval', 'DURCAP_BUDGET_LOG': str(log)}
+    engine_args = ['--engine', 'dbos', '--db', db]
+
+    def turn(n: int) -> tuple[str, Any]:
+        run_id = f'{conversation}-{n}'
+        return run_id, spawn('dbos', 'run', '--target', 'tests.engines.budget_agent:agent', '--db', db, '--workflow-id',
+                             run_id, '--prompt', f'turn {n}', '--conversation', conversation, env=env)
+
+    _, first = turn(1)
+    assert first.report(timeout=120)['output'] == 'answer to turn 1'
+    second_id, second = turn(2)
+    [call] = pending(engine_args, second_id)
+    assert call['tool_name'] == 'durcap_raise_budget'
+    assert call['args'] == {'budget': 'total_tokens', 'key': f'conversation:{conversation}', 'by': 51, 'spent': 100,
+                            'limit': 50, 'store': store}
+    approved = durcap('approve', second_id, call['call_id'], *engine_args, env=env)
+    assert approved.returncode == 0, approved.stderr
+    assert second.report(timeout=120)['output'] == 'answer to turn 2'
+    third_id, third = turn(3)
+    [call] = pending(engine_args, third_id)
+    denied = durcap('deny', third_id, call['call_id'], '--reason', 'enough for today', *engine_args, env=env)
+    assert denied.returncode == 0, denied.stderr
+    line = third.wait_for('DC060', timeout=120)
+    assert f"key 'conversation:{conversation}' is spent: 200 tokens of the limit 101 tokens" in line, line
+    assert log.read_text().splitlines() == ['turn 1', 'turn 2']
+    assert sql(store, 'SELECT total_tokens, requests, raised FROM durcap_budget_ledger') == [(200, 2, '{"total_tokens": 51}')]

@@ -175,7 +175,8 @@ def raise_limit(sql: _SQLBackend, key: str, name: str, amount: float) -> BudgetR
     with sql._txn(write=True) as conn:
         row = _ledger(sql, conn, key, lock=True)
         raised = json.loads(row.raised)
-        raised[name] = raised.get(name, 0) + amount
+        value = raised.get(name, 0) + amount
+        raised[name] = int(value) if float(value).is_integer() else value
         conn.execute(sa.text('UPDATE durcap_budget_ledger SET raised = :r, updated_at = :at WHERE budget_key = :k'),
                      {'k': key, 'r': json.dumps(raised, sort_keys=True), 'at': _now()})
         row = conn.execute(sa.text('SELECT * FROM durcap_budget_ledger WHERE budget_key = :k'), {'k': key}).first()
