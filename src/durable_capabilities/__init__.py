@@ -9,6 +9,7 @@ from . import _hooks, engines, runner
 from ._limits import InputError
 from .agent import DurableAgent, validate_together
 from .approvals import ApprovalError
+from .budget import Budget, BudgetExceededError
 from .engines import EngineUnreachableError, RunNotFoundError
 from .errors import DurcapError
 from .ids import MAX_ID_LENGTH, id_syntax_error, redact_url
@@ -19,7 +20,16 @@ from .worker_secrets import SecretNotFoundError, WorkerSecret, set_secret_resolv
 
 # The composition root (issue 23, item 4): core (`agent`) imports nothing above it; the engine registry and the
 # in-process turn are handed to it here, once, before any module of the package can construct an agent.
-_hooks.install(engines=engines.ENGINES, run_in_process=runner.run_in_process, wrap_model=lambda model: _streams().wrap_model(model))
+_hooks.install(engines=engines.ENGINES, run_in_process=runner.run_in_process, wrap_model=lambda model: _streams().wrap_model(model),
+               wrap_budget=lambda model, agent: _budgets().wrap_budget(model, agent),
+               budget_tools=lambda agent: _budgets().budget_tools(agent))
+
+
+def _budgets() -> Any:
+    """The `budgets` module, imported on first use (it brings the store and SQLAlchemy)."""
+    import importlib
+
+    return importlib.import_module('.budgets', __name__)
 
 
 def _streams() -> Any:
@@ -65,6 +75,8 @@ __all__ = [
     'CODES',
     'MAX_ID_LENGTH',
     'ApprovalError',
+    'Budget',
+    'BudgetExceededError',
     'ConversationConflictError',
     'ConversationNotFoundError',
     'DurableAgent',

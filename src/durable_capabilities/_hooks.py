@@ -51,19 +51,41 @@ RunInProcess = Callable[..., Awaitable[Any]]
 _engines: Mapping[str, EngineEntry] | None = None
 _run_in_process: RunInProcess | None = None
 _wrap_model: Callable[[Any], Any] | None = None
+_wrap_budget: Callable[[Any, Any], Any] | None = None
+_budget_tools: Callable[[Any], list[Any]] | None = None
 
 
 def install(*, engines: Mapping[str, EngineEntry], run_in_process: RunInProcess,
-            wrap_model: Callable[[Any], Any] | None = None) -> None:
+            wrap_model: Callable[[Any], Any] | None = None, wrap_budget: Callable[[Any, Any], Any] | None = None,
+            budget_tools: Callable[[Any], list[Any]] | None = None) -> None:
     """Fill the hooks (called once, by `durable_capabilities/__init__.py`; calling again replaces them).
 
     Args:
         engines: The live engine registry, `{name: entry}` (`engines.ENGINES`; `engines.register` adds to it later).
         run_in_process: The in-process turn `DurableAgent.run` calls.
         wrap_model: Wraps the model of an agent built for an engine with the `STREAMS` feature (`None`: not wrapped).
+        wrap_budget: `(model, definition) -> model` enforcing the definition's `Budget` inside the model request
+            unit (`budgets.wrap_budget`).
+        budget_tools: `definition -> [Tool]` the built agent gets for its `Budget` (`budgets.budget_tools`).
     """
-    global _engines, _run_in_process, _wrap_model
-    _engines, _run_in_process, _wrap_model = engines, run_in_process, wrap_model
+    global _engines, _run_in_process, _wrap_model, _wrap_budget, _budget_tools
+    _engines, _run_in_process, _wrap_model, _wrap_budget = engines, run_in_process, wrap_model, wrap_budget
+    _budget_tools = budget_tools
+
+
+def budget_tools(agent: Any) -> list[Any]:
+    """The tools the agent built for `agent` (a `DurableAgent`) gets for its `budget` (none without one)."""
+    if _budget_tools is None or getattr(agent, 'budget', None) is None:
+        return []
+    return _budget_tools(agent)
+
+
+def wrap_budget(model: Any, agent: Any) -> Any:
+    """`model` as the agent built for `agent` (a `DurableAgent`) gets it: wrapped by the installed `wrap_budget` when
+    the definition has a `budget`, else as given."""
+    if _wrap_budget is None or getattr(agent, 'budget', None) is None or model is None:
+        return model
+    return _wrap_budget(model, agent)
 
 
 def wrap_model(model: Any, features: frozenset[str]) -> Any:

@@ -14,6 +14,7 @@ from . import _hooks, _registry
 from ._turn_log import TurnRecorder, may_rewrite_history
 from .aliases import CapabilityAliases
 from .approvals import timeout_seconds
+from .budget import RAISE_TOOL, Budget
 from .checks import CheckContext, run_checks
 from .ids import LeafPlan, stabilize
 from .skills import InvalidSkill
@@ -65,6 +66,8 @@ class DurableAgent(Generic[DepsT, OutputT]):
             conversation): `'reject'` (the default: refused before any side effect, `ConversationBusyError`, DC050,
             naming the run that holds it) or `'enqueue'` (waits until that turn is stored, then runs on top of it).
             A run's own `busy=` (`durcap run --busy`) wins.
+        budget: Spend limits checked before every model request on every engine, counted in the conversation store
+            (`Budget`, docs/budgets.md); `None`: none.
         agent_kwargs: Any other `pydantic_ai.Agent` keyword argument (`retries`, `model_settings`, ...).
 
     Raises:
@@ -89,6 +92,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
         drift: Literal['error', 'warning'] = 'error',
         approval_timeout: Any = None,
         busy: Literal['reject', 'enqueue'] = 'reject',
+        budget: Budget | None = None,
         **agent_kwargs: Any,
     ) -> None:
         self.name = name
@@ -113,6 +117,9 @@ class DurableAgent(Generic[DepsT, OutputT]):
         if busy not in ('reject', 'enqueue'):
             raise ValueError(f"busy must be 'reject' or 'enqueue', not {busy!r}")
         self.busy: Literal['reject', 'enqueue'] = busy
+        if budget is not None and not isinstance(budget, Budget):
+            raise TypeError(f'budget must be a durable_capabilities.Budget, not {type(budget).__name__}')
+        self.budget = budget
         self._invalid_skills = [c for c in capabilities if isinstance(c, InvalidSkill)]
         self.user_capabilities = [c for c in capabilities if not isinstance(c, InvalidSkill)]
         self._stabilized = stabilize(self.user_capabilities, self.aliases)
@@ -155,6 +162,8 @@ class DurableAgent(Generic[DepsT, OutputT]):
     def static_tool_names(self) -> list[str]:
         """Tool names known without running anything (agent tools and function toolsets), sorted."""
         names = set(FunctionToolset(self.tools).tools)
+        if self.budget is not None:  # its approvals' calls are stored in the history (`budget.RAISE_TOOL`)
+            names.add(RAISE_TOOL)
         for walk in self._stabilized.registered:
             names.update(walk.tool_names or [])
         return sorted(names)
@@ -233,14 +242,14 @@ class DurableAgent(Generic[DepsT, OutputT]):
             kwargs.setdefault('name', self.durable_name)
             capabilities.append(durability_cls(**kwargs))
         agent: Agent[Any, Any] = Agent(
-            _hooks.wrap_model(self.model, adapter.features),
+            _hooks.wrap_budget(_hooks.wrap_model(self.model, adapter.features), self),
             # Durable engines see the kept name: Prefect's task cache keys hash the agent name (`ctx.agent.name`),
             # so a renamed agent with `previous_names` replays the finished tasks of a run in flight.
             name=self.durable_name if durability_cls is not None else self.name,
             instructions=self.instructions,
             deps_type=self.deps_type,
             output_type=self.output_type,
-            tools=self.tools,
+            tools=[*self.tools, *_hooks.budget_tools(self)],
             capabilities=capabilities,
             **self.agent_kwargs,
         )

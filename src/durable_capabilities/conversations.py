@@ -26,8 +26,8 @@ from pydantic_ai.messages import (
     ModelMessage,
     ModelMessagesTypeAdapter,
 )
-from pydantic_ai.usage import RunUsage
 
+from .report import usage_from_json
 from .store import ConversationBusyError, ConversationNotFoundError, SQLConversationStore, drift, resolve_url
 from .store._schema import _decode_messages, _encode
 from .validation import DurableConfigError, Report
@@ -374,7 +374,7 @@ async def append_conversation(
         ModelMessagesTypeAdapter.validate_python(messages),
         expected_revision=expected_revision,
         append_id=append_id,
-        usage=RunUsage(**usage) if usage else None,
+        usage=usage_from_json(usage) if usage else None,
         rebase=rebase,
         release_claim=release_claim,
     )

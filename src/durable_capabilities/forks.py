@@ -13,13 +13,15 @@ already a conversation. The source is never changed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 
 from pydantic_ai.exceptions import UserError
+from pydantic_ai.messages import ModelRequest, UserPromptPart
 
 from .history import loaded_capability_ids
 from .store import ConversationConflictError, ConversationNotFoundError, SQLConversationStore, StoreError
 
-__all__ = ['ForkError', 'ForkResult', 'fork_at_turn', 'turn_ends']
+__all__ = ['ForkError', 'ForkResult', 'RunTurn', 'fork_at_turn', 'run_turn_of', 'turn_ends']
 
 
 class ForkError(StoreError, code='fork'):
@@ -101,3 +103,53 @@ async def fork_at_turn(store: SQLConversationStore, conversation_id: str, turns:
         raise ForkError(f'cannot fork {conversation_id!r} at turn {turns}: {exc}') from exc
     return ForkResult(conversation_id, new_id, turns, len(forked.messages), len(ends),
                       loaded_capability_ids(forked.messages))
+
+
+@dataclass(frozen=True)
+class RunTurn:
+    """Where a run's turn is in its conversation (`run_turn_of`; `durcap runs fork`).
+
+    Attributes:
+        before: The turns stored before the run's turn (what a fork of the run keeps).
+        stored: Whether the run's own turn was stored (a finished run), or not (a failed one).
+        prompt: The prompt of the run's stored turn (its first user prompt), `None` when not stored or none.
+    """
+
+    before: int
+    stored: bool
+    prompt: str | None
+
+
+async def run_turn_of(store: SQLConversationStore, conversation_id: str, run_id: str,
+                      started_at: datetime | None = None) -> RunTurn:
+    """The place of run `run_id`'s turn in `conversation_id`: the turn its append stored (the write whose append id
+    names the run), else, for a run whose turn was not stored (it failed), the turns written before it started
+    (`started_at`; `None`: every turn).
+
+    Raises:
+        ConversationNotFoundError: no live conversation `conversation_id`.
+    """
+    ends = await turn_ends(store, conversation_id)
+    writes = [w for w in await store.writes(conversation_id) if w.entry_ids and w.first_position is not None]
+    for write in writes:
+        if write.append_id and run_id in write.append_id.split(':'):
+            end = write.first_position + len(write.entry_ids) - 1  # type: ignore[operator]
+            before = sum(1 for e in ends if e < write.first_position)  # type: ignore[operator]
+            if end not in ends:  # pragma: no cover - a write inside the fork's kept prefix
+                break
+            history = await store.read_history((await store.read_record(conversation_id)).head_id)  # type: ignore[union-attr]
+            first = history[write.first_position - 1].message if len(history) >= write.first_position else None  # type: ignore[operator]
+            return RunTurn(before, True, _prompt(first))
+    if started_at is None:
+        return RunTurn(len(ends), False, None)
+    earlier = [w for w in writes if w.written_at < started_at]
+    last = max((w.first_position + len(w.entry_ids) - 1 for w in earlier), default=0)  # type: ignore[operator]
+    return RunTurn(sum(1 for e in ends if e <= last), False, None)
+
+
+def _prompt(message: object) -> str | None:
+    if isinstance(message, ModelRequest):
+        for part in message.parts:
+            if isinstance(part, UserPromptPart) and isinstance(part.content, str):
+                return part.content
+    return None

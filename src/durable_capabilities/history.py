@@ -25,6 +25,7 @@ from pydantic_ai.messages import (
 from pydantic_ai.output import ToolOutput
 from pydantic_ai.toolsets import FunctionToolset
 
+from .budget import RAISE_TOOL
 from .validation import Problem
 
 
@@ -268,7 +269,10 @@ def known_tool(definition: Definition) -> Callable[[str], bool]:
 
 
 def _agent_tool_names(definition: Definition) -> list[str]:
-    return list(FunctionToolset(list(definition.tools)).tools)
+    names = list(FunctionToolset(list(definition.tools)).tools)
+    if getattr(definition, 'budget', None) is not None:  # its approvals' calls are in the history
+        names.append(RAISE_TOOL)
+    return names
 
 
 def _output_tool_names(output_type: Any) -> set[str]:

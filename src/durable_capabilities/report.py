@@ -8,10 +8,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import TypeAdapter
 from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ToolCallPart
 from pydantic_ai.usage import RunUsage
 
-__all__ = ['RunReport']
+__all__ = ['RunReport', 'usage_from_json']
+
+
+_USAGE: TypeAdapter[RunUsage] = TypeAdapter(RunUsage)
+
+
+def usage_from_json(data: dict[str, Any]) -> RunUsage:
+    """A `RunUsage` from its JSON form (`to_jsonable_python(usage)`): validated, so a priced run's `cost` (a `Decimal`,
+    dumped as a string) is a number again; `RunUsage(**data)` kept the string, and adding two usages then failed."""
+    return _USAGE.validate_python(data)
 
 
 @dataclass
@@ -26,6 +36,9 @@ class RunReport:
         usage: Tokens and requests (`RunUsage`).
         durable_units: Names of the durable units the engine recorded, in order (activity types,
             step names, task run names).
+        budget: With a `Budget` on the definition: the budget key's spend after the run, as stored
+            (`{'key', 'spent': {'input_tokens', 'output_tokens', 'total_tokens', 'cost' (USD), 'requests'},
+            'limits', 'raised', 'in_flight', 'updated_at'}`, see `store.SQLConversationStore.budgets`); else `None`.
     """
 
     engine: str
@@ -34,6 +47,7 @@ class RunReport:
     new_messages: list[ModelMessage]
     usage: RunUsage
     durable_units: list[str] = field(default_factory=list)
+    budget: dict[str, Any] | None = None
 
     @classmethod
     def from_payload(cls, engine: str, run_id: str | None, payload: dict[str, Any], units: list[str] | None = None) -> RunReport:
@@ -42,7 +56,7 @@ class RunReport:
         messages = payload['new_messages']
         decoded = (ModelMessagesTypeAdapter.validate_json(messages) if isinstance(messages, str | bytes)
                    else ModelMessagesTypeAdapter.validate_python(messages))
-        return cls(engine, run_id, payload['output'], decoded, RunUsage(**payload['usage']), list(units or []))
+        return cls(engine, run_id, payload['output'], decoded, usage_from_json(payload['usage']), list(units or []))
 
     def loaded_capabilities(self) -> list[str]:
         """Capability ids the run loaded with `load_capability`, in order."""

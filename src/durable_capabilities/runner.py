@@ -6,6 +6,7 @@ adapter runs the path its users know (see `engines/<name>.py`) and returns a `re
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -104,8 +105,29 @@ async def run(
                         'runs inside the model request unit (docs/providers.md, "Streaming")')
     if check_busy(busy) is not None:
         settings = {**settings, 'busy': busy}
+    adapter = get(engine)
+    if agent.budget is not None and run_id is None and not adapter.durable:  # the run's key needs its id
+        run_id = f'local-{uuid.uuid4().hex}'
     options = RunOptions(deps, message_history, conversation_id, run_id, settings, notify, on_start)
-    return await get(engine).run(agent, prompt, options)
+    report = await adapter.run(agent, prompt, options)
+    if agent.budget is not None:
+        report.budget = await _spend(agent, report.run_id or run_id or '', conversation_id, deps, settings.get('store'))
+    return report
+
+
+async def _spend(agent: DurableAgent[Any, Any], run_id: str, conversation_id: str | None, deps: Any,
+                 store: str | None) -> dict[str, Any] | None:
+    """The spend of the run's budget key as stored (`RunReport.budget`), `None` when the key has none yet."""
+    from .conversations import process_store, store_url
+
+    budget = agent.budget
+    assert budget is not None
+    key = budget.key(run_id=run_id, conversation_id=conversation_id, deps=deps)
+    from .store._budgets import records
+
+    # Read here, not in a thread: DBOS's one-shot run shuts this loop's default executor down when it ends.
+    found = records(process_store(store_url(agent, budget.store or store))._sql, key)
+    return found[0].to_json() if found else None
 
 
 async def approvals(run_id: str | None = None, *, engine: str = DEFAULT_ENGINE, **settings: Any) -> list[PendingCall]:

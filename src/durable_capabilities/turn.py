@@ -166,6 +166,7 @@ async def run_turn(
     carried: Sequence[dict[str, Any]] | None = None,
     busy: str | None = None,
     release: Callable[[str], Awaitable[Any]] | None = None,
+    run_id: str | None = None,
     **run_kwargs: Any,
 ) -> Turn:
     """One turn of `agent`: load the conversation, run, append the new messages.
@@ -193,6 +194,8 @@ async def run_turn(
             conversation for this run (one turn at a time per conversation); the append releases the claim.
         release: The engine's call that frees this run's claim when the turn fails before its append
             (`release(conversation_id)`, idempotent); default with the default units: in-process.
+        run_id: The run's id for the reservations of a `Budget` (default: the run's stream id, else the approval
+            gate's run id, else a fresh `local-{uuid}`).
 
     Returns:
         The `Turn`.
@@ -202,6 +205,9 @@ async def run_turn(
         ConversationBusyError: DC050, another run's turn holds the conversation and the strategy is `'reject'`.
     """
     agent.check_run_capabilities(run_kwargs.pop('capabilities', None))
+    if getattr(agent, 'budget', None) is not None:
+        run_kwargs['model_settings'] = _budget_settings(agent, run_kwargs.get('model_settings'), run_id, gate, store,
+                                                        conversation_id, deps)
     messages = _as_messages(message_history)
     revision: int | None = None
     cache_key = (agent.durable_name, conversation_id) if conversation_id is not None else None
@@ -287,6 +293,23 @@ async def _run(agent: DurableAgent[Any, Any], run: Callable[..., Awaitable[Any]]
         await _publish('run_completed', {'output': _jsonable(result.output), 'usage': turn.usage,
                                                     'new_messages': len(turn.new_messages)}, close=True)
     return turn
+
+
+def _budget_settings(agent: DurableAgent[Any, Any], settings: Any, run_id: str | None, gate: ApprovalGate | None,
+                     store: str | None, conversation_id: str | None, deps: Any) -> dict[str, Any]:
+    """The run's `model_settings` plus its budget's entry (`budgets.context`): what the model request unit reads."""
+    from .budget import BUDGET_SETTING
+
+    module = _streams()
+    stream = module.current_stream() if module is not None else None
+    run = run_id or (stream.run_id if stream is not None else None) or (gate.run_id if gate is not None else None) \
+        or f'local-{uuid.uuid4().hex}'
+    if store is None and stream is not None:
+        store = stream.log.store_url
+    budget = agent.budget
+    assert budget is not None
+    key = budget.key(run_id=run, conversation_id=conversation_id, deps=deps)
+    return {**(settings or {}), BUDGET_SETTING: {'key': key, 'run': run, 'store': store}}
 
 
 def _as_messages(messages: Sequence[Any] | None) -> list[ModelMessage]:

@@ -274,6 +274,11 @@ CODES: dict[str, Code] = {
         'error',
         written_by='approvals',
     ),
+    'DC060': Code(
+        "A model request was refused before it was sent: its budget's key already spent a limit.",
+        'error',
+        written_by='budget',
+    ),
 }
 """Every code: its one-line summary (each value is that string), severity, and message and fix templates.
 

@@ -8,6 +8,7 @@ them across killed and restarted processes:
 - `slow-started`: created by the first execution of `slow_export` (holding its pid), which then sleeps so the
   test can kill the process; later executions find it and return at once;
 - `exports`: one line per execution of `slow_export` (started), holding the pid of the process that ran it.
+With `$DURCAP_CRASH_BUDGET` set, the agent has a run-scoped `Budget` no run reaches (its ledger counts the requests).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pydantic_ai.capabilities import Capability
 from pydantic_ai.messages import ModelMessage, ToolReturnPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from durable_capabilities import DurableAgent
+from durable_capabilities import Budget, DurableAgent
 
 
 def _dir() -> Path:
@@ -81,5 +82,7 @@ def _engine_options() -> dict:
 
 
 agent = DurableAgent(
-    os.environ.get('DURCAP_CRASH_AGENT', 'crashy'), FunctionModel(script), capabilities=[ops], engine_options=_engine_options()
+    os.environ.get('DURCAP_CRASH_AGENT', 'crashy'), FunctionModel(script), capabilities=[ops], engine_options=_engine_options(),
+    # `$DURCAP_CRASH_BUDGET=1`: a run-scoped budget no run reaches, so the ledger counts every model request (test_budgets).
+    budget=Budget(total_tokens=10**9, scope='run') if os.environ.get('DURCAP_CRASH_BUDGET') else None,
 )

@@ -114,3 +114,38 @@ def test_history_fork_from_the_cli_continues_on_another_engine(tmp_path: Path) -
     assert '"load_capability"' not in ''.join(continued[kept:]), 'the fork lost its loaded capability'
     bad = durcap('history', 'fork', 'c', '--at-turn', '3', '--to', 'c3', env=env)
     assert bad.returncode == 2 and 'has 2 turn(s): give 1 to 2' in bad.stderr and 'Traceback' not in bad.stderr
+
+
+def test_runs_fork_reruns_a_dbos_runs_turn_on_a_fork_before_it_on_the_local_engine(tmp_path: Path) -> None:
+    """Turns 1-2 of conversation c by `durcap run` (local), turn 3 by `durcap run --engine dbos` (SQLite); `durcap runs
+    fork <that DBOS run> --on local --to c2` forks c before turn 3 and runs turn 3's prompt again on c2: c2 holds
+    c's first 2 turns plus the new one, c is unchanged. Model: tests/engines/budget_agent.py's scripted
+    `FunctionModel` (its budget far from spent). A run still unknown: exit 2, one line."""
+    url = f'sqlite:///{tmp_path / "conversations.db"}'
+    db = f'sqlite:///{tmp_path / "dbos.sqlite"}'
+    env = {'DURCAP_STORE': url, 'DURCAP_BUDGET_LIMIT': '100000', 'DURCAP_BUDGET_AGENT': 'fork_runs'}
+    target = 'tests.engines.budget_agent:agent'
+    for n in (1, 2):
+        result = durcap('run', target, f'question {n}', '--conversation', 'c', '--deps-json', '{}', env=env, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
+    third = durcap('run', target, 'question 3', '--conversation', 'c', '--deps-json', '{}', '--engine', 'dbos', '--db', db,
+                   env=env, timeout=180)
+    assert third.returncode == 0, third.stdout + third.stderr
+    run_id = third.stderr.split('dbos workflow id: ', 1)[1].split()[0]
+
+    async def read(conversation_id: str) -> list[str]:
+        with SQLConversationStore(url, create=False) as store:
+            return list((await store.read_json(conversation_id)).messages)
+
+    source = asyncio.run(read('c'))
+    forked = durcap('runs', 'fork', run_id, '--target', target, '--engine', 'dbos', '--db', db, '--on', 'local', '--to',
+                    'c2', '--deps-json', '{}', env=env, timeout=180)
+    assert forked.returncode == 0, forked.stdout + forked.stderr
+    assert 'forked c at turn 2 of 3 into c2 (4 messages shared)' in forked.stderr
+    assert 'answer to question 3' in forked.stdout
+    continued = asyncio.run(read('c2'))
+    assert asyncio.run(read('c')) == source, 'the source conversation changed'
+    assert continued[:4] == source[:4] and len(continued) == 6
+    assert 'question 3' in ''.join(continued[4:])
+    unknown = durcap('runs', 'fork', 'no-such-run', '--target', target, '--engine', 'dbos', '--db', db, env=env)
+    assert unknown.returncode == 2 and 'Traceback' not in unknown.stderr, unknown.stderr

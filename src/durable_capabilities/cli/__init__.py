@@ -499,6 +499,7 @@ def main() -> None:
 # when imported; they import the helpers above, so this comes last.
 from . import (
     approvals,  # noqa: F401  (`durcap approvals list`, `durcap approve`, `durcap deny`)
+    budgets,  # noqa: F401  (`durcap budgets list|show|reset`)
     engine_commands,  # noqa: F401
     runs,  # noqa: F401
     serve,  # noqa: F401  (`durcap serve`)

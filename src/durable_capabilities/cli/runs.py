@@ -17,7 +17,9 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from .._limits import one_line, printable
+from ..errors import DurcapError
 from ..settings import Settings
+from ..store import resolve_url
 from ..targets import TARGET_HELP
 from . import _err, _out, _unusable, _valid_agents, app, engine_metavar, engine_name
 from ._options import StoreOption, connection_options, connection_settings
@@ -270,3 +272,59 @@ def watch_run(
         _unusable(str(exc))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
+
+
+@runs_app.command('fork')
+@connection_options('run')
+def fork(
+    run_id: Annotated[str, typer.Argument(help='A finished or failed run that kept a conversation.')],
+    target: Annotated[str, typer.Option('--target', help=TARGET_HELP + ' The definition the new run runs.')],
+    engine: Annotated[str | None, _engine_option()] = None,
+    on: Annotated[str | None, typer.Option('--on', help="The engine of the new run (default: the run's own).")] = None,
+    to: Annotated[str | None, typer.Option('--to', help='The new conversation id (default: {conversation}-fork-{n}).')] = None,
+    prompt: Annotated[str | None, typer.Option('--prompt', help="The new run's prompt (default: the prompt of the "
+                                               "run's stored turn; a failed run's turn was not stored: give one).")] = None,
+    deps_json: Annotated[str | None, typer.Option('--deps-json', help="The new run's deps as JSON.")] = None,
+    store: StoreOption = None,
+    conn: dict[str, Any] | None = None,
+) -> None:
+    """Start a new run from the conversation of a finished or failed run as it was before that run's turn: the
+    conversation is forked there (`durcap history fork`, messages shared) and the new run continues the fork.
+
+    Exit 2, nothing written, for a run still in flight, a run without a conversation, or a failed run without --prompt.
+    """
+    from ..forks import ForkError, fork_at_turn, run_turn_of
+    from ..store import SQLConversationStore
+    from . import engine_commands
+
+    settings = connection_settings(conn or {}, store)
+    _, info = _find(run_id, engine, settings)
+    if info.status not in ('completed', 'failed', 'cancelled'):
+        _unusable(f'run {run_id!r} is {info.status}: fork a finished or failed run (`durcap runs show {run_id}`)')
+    if not info.conversation_id:
+        _unusable(f'run {run_id!r} kept no conversation (it ran without --conversation): there is nothing to fork')
+    url = resolve_url(store)
+
+    async def do_fork() -> tuple[Any, str, str | None]:
+        async with SQLConversationStore(url, create=False) as opened:
+            place = await run_turn_of(opened, info.conversation_id, run_id, info.started_at)
+            if place.before < 1:
+                raise ForkError(f'run {run_id!r} ran the first turn of {info.conversation_id!r}: start a new '
+                                'conversation instead (`durcap run --conversation NEW`)')
+            new_id = to or f'{info.conversation_id}-fork-{run_id[-8:]}'
+            return await fork_at_turn(opened, info.conversation_id, place.before, new_id), new_id, place.prompt
+
+    if prompt is None and info.status != 'completed':
+        _unusable(f"run {run_id!r} {info.status}: its turn was not stored, so its prompt is unknown: give --prompt")
+    try:
+        forked, new_id, stored_prompt = asyncio.run(do_fork())
+    except DurcapError as exc:
+        _unusable(str(exc))
+    _err.print(printable(f'forked {forked.source_id} at turn {forked.turns} of {forked.source_turns} into {new_id} '
+                         f'({forked.messages} messages shared)'), markup=False)
+    the_prompt = prompt if prompt is not None else stored_prompt
+    if the_prompt is None:
+        _unusable(f"run {run_id!r}: its stored turn has no text prompt: give --prompt (the fork {new_id} is stored)")
+    engine_commands.run(target=target, prompt=the_prompt, engine=on or info.engine, deps_json=deps_json,
+                        conversation=new_id, store=store, model=None, base_url=None, stream=False, busy=None,
+                        **(conn or {}))

@@ -9,7 +9,7 @@ adds what a durable runner needs:
 - `append(id, messages, expected_revision=N, append_id=...)`: optimistic concurrency on an integer
   revision, idempotent by `append_id` so a retried activity / step / task never appends twice.
 
-Storage (schema version 4, tables prefixed `durcap_`):
+Storage (schema version 7, tables prefixed `durcap_`):
 - `durcap_entries`: one row per message, the message as pydantic-ai's own JSON
   (`ModelMessagesTypeAdapter`), its parent entry and its 1-based position in its history. Rows are
   never updated, and deleted only by `purge` (`durcap history delete`).
@@ -24,6 +24,10 @@ Storage (schema version 4, tables prefixed `durcap_`):
   `purge` deletes a conversation's own claim checks, `stats` counts them and `collect` deletes those of runs gone.
 - `durcap_turn_claims` (version 4): which run's turn holds a conversation (`claim_turn`), so two turns never run on
   one conversation at once; released when that turn's append lands, or by `release_turn`.
+- `durcap_budget_ledger`, `durcap_budget_reservations` (version 6): what each budget key spent and each model
+  request of it reserved and settled (`budget_reserve`, `budget_settle`; `durable_capabilities.budget`).
+- `durcap_serve_owners`, `durcap_serve_runs`, `durcap_serve_requests` (version 7): `durcap serve`'s state shared by
+  every serve process: who owns each conversation, which run each request started, each `Idempotency-Key` sent.
 - `durcap_schema_version`: the migrations applied. A store whose version is newer than this code
   knows is refused (`SchemaVersionError`) and never touched.
 
@@ -44,7 +48,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from pydantic_ai.conversation_store import (
     ConversationConflict,
@@ -544,6 +548,9 @@ class StoredJSON:
 # so importing the package for its errors or `drift` costs none of it (issue 14, item 5).
 from ._schema import _MIGRATIONS, _encode  # noqa: F401
 
+if TYPE_CHECKING:
+    from ._budgets import BudgetRecord
+
 
 class SQLConversationStore(ConversationStore):
     """Conversations in SQLite or PostgreSQL, append-only, as pydantic-ai's own message JSON.
@@ -717,6 +724,55 @@ class SQLConversationStore(ConversationStore):
     async def turn_claim(self, conversation_id: str) -> tuple[str, str] | None:
         """The `(run_id, claimed_at)` holding `conversation_id`'s turn claim, or `None`."""
         return await asyncio.to_thread(self._sql.turn_claim, conversation_id)
+
+    # ---- budgets (schema version 6, `durable_capabilities.budget`) ------------------------------
+
+    async def budget_reserve(self, key: str, request_id: str, run_id: str, limits: dict[str, float]) -> BudgetRecord | None:
+        """Admit and reserve model request `request_id` (unique within `key`, the same on a retried unit) of budget
+        `key` for run `run_id`, checked against `limits` (`{'total_tokens' | 'input_tokens' | 'output_tokens' |
+        'cost': value}`, cost in USD) plus what operators raised them by.
+
+        Returns:
+            `None` when admitted (or already reserved: a retry); else the key's `BudgetRecord`, which reached a limit.
+
+        Raises:
+            StoreUnavailableError, SchemaVersionError: see the class docstrings.
+        """
+        from . import _budgets
+
+        return await asyncio.to_thread(_budgets.reserve, self._sql, key, request_id, run_id, limits)
+
+    async def budget_settle(self, key: str, request_id: str, run_id: str, *, input_tokens: int, output_tokens: int,
+                            cost: float = 0.0) -> None:
+        """Record the provider-reported usage of completed request `request_id` of `key` (tokens, cost in USD): settling
+        it again replaces its usage, so a retried unit counts once."""
+        from . import _budgets
+
+        await asyncio.to_thread(_budgets.settle, self._sql, key, request_id, run_id, input_tokens, output_tokens, cost)
+
+    async def budget_release(self, key: str, request_id: str) -> None:
+        """Drop the reservation of request `request_id` of `key` that failed before the provider answered."""
+        from . import _budgets
+
+        await asyncio.to_thread(_budgets.release, self._sql, key, request_id)
+
+    async def budgets(self, key: str | None = None) -> list[BudgetRecord]:
+        """Every budget key's `BudgetRecord` (only `key`'s when given), sorted by key."""
+        from . import _budgets
+
+        return await asyncio.to_thread(_budgets.records, self._sql, key)
+
+    async def budget_reset(self, key: str) -> bool:
+        """Forget what budget `key` spent, reserved and was raised by. Returns whether the key existed."""
+        from . import _budgets
+
+        return await asyncio.to_thread(_budgets.reset, self._sql, key)
+
+    async def budget_raise(self, key: str, name: str, amount: float) -> BudgetRecord:
+        """Raise limit `name` (`'total_tokens'`, ..., `'cost'`) of budget `key` by `amount`; the record after."""
+        from . import _budgets
+
+        return await asyncio.to_thread(_budgets.raise_limit, self._sql, key, name, amount)
 
     async def check_writable(self) -> None:
         """Open a write transaction and write nothing: a cheap probe before a run whose turn will be appended.

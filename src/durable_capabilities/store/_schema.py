@@ -139,6 +139,36 @@ _MIGRATIONS: dict[int, list[str]] = {
         )""",
         'CREATE UNIQUE INDEX durcap_run_events_key ON durcap_run_events (run_id, unit, attempt, seq)',
     ],
+    6: [
+        # Budgets (`durable_capabilities.budget`): one ledger row per budget key (what its settled model requests
+        # spent, the limits last checked, what operators raised them by) and one reservation row per model request,
+        # keyed by (key, request id), so a retried model request unit reuses its reservation and is counted once.
+        # Cost in nano-USD (1e-9 USD) as an integer.
+        """CREATE TABLE durcap_budget_ledger (
+            budget_key TEXT PRIMARY KEY,
+            input_tokens BIGINT NOT NULL,
+            output_tokens BIGINT NOT NULL,
+            total_tokens BIGINT NOT NULL,
+            cost_nanos BIGINT NOT NULL,
+            requests BIGINT NOT NULL,
+            limits TEXT NOT NULL,
+            raised TEXT NOT NULL,
+            updated_at TEXT NOT NULL,
+            writer TEXT NOT NULL
+        )""",
+        """CREATE TABLE durcap_budget_reservations (
+            budget_key TEXT NOT NULL,
+            request_id TEXT NOT NULL,
+            run_id TEXT NOT NULL,
+            state TEXT NOT NULL,
+            input_tokens BIGINT NOT NULL,
+            output_tokens BIGINT NOT NULL,
+            cost_nanos BIGINT NOT NULL,
+            created_at TEXT NOT NULL,
+            settled_at TEXT,
+            PRIMARY KEY (budget_key, request_id)
+        )""",
+    ],
     7: [
         # `durcap serve` (`durable_capabilities.serve`), shared by every serve process on the store: who owns each
         # conversation (the principal whose request started its first turn), each run a request started (its owner,

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic_ai.durable_exec.temporal import PydanticAIPlugin
 from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelResponse, TextPart
-from pydantic_ai.usage import RunUsage
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHistory
 from temporalio.converter import DataConverter
 from temporalio.worker import Replayer, WorkflowRunner
 
+from ...report import usage_from_json
 from ...store import SQLConversationStore, resolve_url
 from ._conversation import AppendInput
 from ._payloads import default_codec
@@ -198,7 +198,7 @@ async def repair_temporal(client: Any, workflow_id: str, *, store: str | None = 
             messages = ModelMessagesTypeAdapter.validate_python(params.messages)
             result = await opened.append(
                 params.conversation_id, messages, expected_revision=params.expected_revision,
-                append_id=params.append_id, usage=RunUsage(**params.usage) if params.usage else None,
+                append_id=params.append_id, usage=usage_from_json(params.usage) if params.usage else None,
             )
             answer = next(
                 (part.content for message in reversed(messages) if isinstance(message, ModelResponse)

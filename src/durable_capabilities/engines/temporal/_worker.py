@@ -33,7 +33,7 @@ from temporalio.worker import (
     WorkflowOutboundInterceptor,
 )
 
-from ... import _upstream
+from ... import _upstream, budgets
 from ..._limits import InputError
 from .. import _mcp, _retry_after, _retry_log
 from .._adapter import RunOptions
@@ -261,6 +261,9 @@ def make_worker(
         warm_model(agent.model)
     activities = [fn for agent in agents for fn in conversation_activities(agent, store)]
     activities.append(publish_activity(agents, store))
+    for agent in agents:  # a budget's ledger: the model request activity receives no store from its workflow
+        if agent.budget is not None:
+            budgets.set_worker_store(agent, store)
     activities += worker_kwargs.pop('activities', [])
     deadlock = worker_kwargs.pop('deadlock_timeout', None)
     worker = Worker(

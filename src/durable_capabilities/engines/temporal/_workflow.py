@@ -28,6 +28,7 @@ from temporalio.common import SearchAttributeKey
 from temporalio.exceptions import ActivityError
 
 from ... import _registry
+from ...report import usage_from_json
 from ...store import StoreError
 from ...turn import current_turn, run_turn
 from .._adapter import loaded_capabilities_in
@@ -176,7 +177,7 @@ def _run_method(agent: DurableAgent[Any, Any], built: Any, class_name: str) -> A
         finally:
             _current_run.reset(token)
         _record_capabilities(turn.new_messages)
-        usage = RunUsage(**turn.usage)
+        usage = usage_from_json(turn.usage)
         if params.continued is None:
             return AgentRunOutput(turn.result.output, turn.new_messages, usage)
         # Continued as new: report the whole agent run, earlier parts included.

@@ -1,0 +1,183 @@
+"""The SQL of budgets (schema version 6): a ledger row per budget key, a reservation row per model request.
+
+Synchronous, run by `SQLConversationStore` in a worker thread, on the backend's connections and transactions
+(`_SQLBackend._txn`): a write transaction is `BEGIN IMMEDIATE` on SQLite and locks the key's ledger row
+(`SELECT ... FOR UPDATE`) on PostgreSQL, so two requests of one key are checked and settled one after the other.
+
+A model request is admitted when what the key's settled requests spent is under every limit (plus what an operator
+raised it by); it is then reserved (`state='reserved'`) and, when it completes, settled with the provider's usage
+(`state='settled'`): the ledger takes the difference, so settling the same request again (a retried unit) replaces
+its usage instead of adding it. A reserved request was admitted once: a retry of it is admitted again unchecked.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+from ._schema import _WRITER
+
+if TYPE_CHECKING:
+    from ._sql import _SQLBackend
+
+FIELDS = ('input_tokens', 'output_tokens', 'total_tokens', 'cost')
+"""The limits a budget can set, in the order they are checked (cost in USD)."""
+
+NANOS = 1_000_000_000
+"""Cost is stored in nano-USD (1e-9 USD), as an integer."""
+
+
+@dataclass
+class BudgetRecord:
+    """One budget key as stored.
+
+    Attributes:
+        key: The budget key (`run:{id}`, `conversation:{id}`, or the key computed from the deps).
+        spent: `{'input_tokens', 'output_tokens', 'total_tokens', 'cost' (USD), 'requests'}` of its settled requests.
+        limits: The limits last checked against it (`{field: value}`), as the definition gave them.
+        raised: What operators raised each limit by (`{field: amount}`, approvals of `on_exceed='approval'`).
+        in_flight: Requests reserved and not settled (running, or lost with a killed worker).
+        updated_at: ISO 8601 UTC of the last change.
+    """
+
+    key: str
+    spent: dict[str, float] = field(default_factory=dict)
+    limits: dict[str, float] = field(default_factory=dict)
+    raised: dict[str, float] = field(default_factory=dict)
+    in_flight: int = 0
+    updated_at: str = ''
+
+    def limit(self, name: str) -> float | None:
+        """The effective limit `name` (given plus raised), `None` when the budget sets none."""
+        given = self.limits.get(name)
+        return None if given is None else given + self.raised.get(name, 0)
+
+    def to_json(self) -> dict[str, Any]:
+        """As JSON-compatible data (`durcap budgets show --json`)."""
+        return {'key': self.key, 'spent': self.spent, 'limits': self.limits, 'raised': self.raised,
+                'in_flight': self.in_flight, 'updated_at': self.updated_at}
+
+
+def _now() -> str:
+    from ._sql import _utcnow
+
+    return _utcnow()
+
+
+def _ledger(sql: _SQLBackend, conn: sa.Connection, key: str, *, lock: bool) -> Any:
+    conn.execute(sa.text(
+        'INSERT INTO durcap_budget_ledger (budget_key, input_tokens, output_tokens, total_tokens, cost_nanos, requests, '
+        "limits, raised, updated_at, writer) VALUES (:k, 0, 0, 0, 0, 0, '{}', '{}', :at, :w) "
+        'ON CONFLICT (budget_key) DO NOTHING'), {'k': key, 'at': _now(), 'w': _WRITER})
+    suffix = ' FOR UPDATE' if lock and sql.is_pg else ''
+    return conn.execute(sa.text('SELECT * FROM durcap_budget_ledger WHERE budget_key = :k' + suffix), {'k': key}).first()
+
+
+def _record(row: Any, in_flight: int = 0) -> BudgetRecord:
+    spent = {'input_tokens': int(row.input_tokens), 'output_tokens': int(row.output_tokens),
+             'total_tokens': int(row.total_tokens), 'cost': int(row.cost_nanos) / NANOS, 'requests': int(row.requests)}
+    return BudgetRecord(str(row.budget_key), spent, json.loads(row.limits), json.loads(row.raised), in_flight,
+                        str(row.updated_at))
+
+
+def reserve(sql: _SQLBackend, key: str, request_id: str, run_id: str, limits: dict[str, float]) -> BudgetRecord | None:
+    """Admit and reserve model request `request_id` of `key`: `None` when admitted (or reserved before: a retry),
+    else the key's `BudgetRecord` (nothing reserved), whose `spent` reached one of `limits` (plus raised)."""
+    with sql._txn(write=True) as conn:
+        row = _ledger(sql, conn, key, lock=True)
+        known = conn.execute(sa.text('SELECT state FROM durcap_budget_reservations WHERE budget_key = :k AND '
+                                     'request_id = :r'), {'k': key, 'r': request_id}).first()
+        if known is not None:
+            return None
+        record = _record(row)
+        record.limits = dict(limits)
+        if exceeded(record) is not None:
+            return record
+        conn.execute(sa.text(
+            'INSERT INTO durcap_budget_reservations (budget_key, request_id, run_id, state, input_tokens, output_tokens, '
+            "cost_nanos, created_at) VALUES (:k, :r, :run, 'reserved', 0, 0, 0, :at)"),
+            {'k': key, 'r': request_id, 'run': run_id, 'at': _now()})
+        conn.execute(sa.text('UPDATE durcap_budget_ledger SET limits = :l, updated_at = :at WHERE budget_key = :k'),
+                     {'k': key, 'l': json.dumps(limits, sort_keys=True), 'at': _now()})
+    return None
+
+
+def exceeded(record: BudgetRecord) -> str | None:
+    """The first limit of `record` its spend reached (`FIELDS` order), or `None`."""
+    for name in FIELDS:
+        limit = record.limit(name)
+        if limit is not None and record.spent.get(name, 0) >= limit:
+            return name
+    return None
+
+
+def settle(sql: _SQLBackend, key: str, request_id: str, run_id: str, input_tokens: int, output_tokens: int,
+           cost: float) -> None:
+    """Record the provider's usage of completed request `request_id` of `key` (replacing what an earlier settle of
+    it recorded, so a retried unit counts once); the ledger takes the difference."""
+    nanos = round(cost * NANOS)
+    with sql._txn(write=True) as conn:
+        _ledger(sql, conn, key, lock=True)
+        old = conn.execute(sa.text('SELECT state, input_tokens, output_tokens, cost_nanos FROM durcap_budget_reservations '
+                                   'WHERE budget_key = :k AND request_id = :r'), {'k': key, 'r': request_id}).first()
+        params = {'k': key, 'r': request_id, 'run': run_id, 'i': input_tokens, 'o': output_tokens, 'c': nanos,
+                  'at': _now()}
+        if old is None:
+            conn.execute(sa.text(
+                'INSERT INTO durcap_budget_reservations (budget_key, request_id, run_id, state, input_tokens, '
+                "output_tokens, cost_nanos, created_at, settled_at) VALUES (:k, :r, :run, 'settled', :i, :o, :c, :at, :at)"),
+                params)
+        else:
+            conn.execute(sa.text(
+                "UPDATE durcap_budget_reservations SET state = 'settled', input_tokens = :i, output_tokens = :o, "
+                'cost_nanos = :c, settled_at = :at WHERE budget_key = :k AND request_id = :r'), params)
+        settled = old is not None and old.state == 'settled'
+        di = input_tokens - (int(old.input_tokens) if settled else 0)
+        do = output_tokens - (int(old.output_tokens) if settled else 0)
+        dc = nanos - (int(old.cost_nanos) if settled else 0)
+        conn.execute(sa.text(
+            'UPDATE durcap_budget_ledger SET input_tokens = input_tokens + :di, output_tokens = output_tokens + :do, '
+            'total_tokens = total_tokens + :dt, cost_nanos = cost_nanos + :dc, requests = requests + :dr, '
+            'updated_at = :at WHERE budget_key = :k'),
+            {'k': key, 'di': di, 'do': do, 'dt': di + do, 'dc': dc, 'dr': 0 if settled else 1, 'at': _now()})
+
+
+def release(sql: _SQLBackend, key: str, request_id: str) -> None:
+    """Drop the reservation of a request that failed (the provider billed nothing it reported)."""
+    with sql._txn(write=True) as conn:
+        conn.execute(sa.text("DELETE FROM durcap_budget_reservations WHERE budget_key = :k AND request_id = :r AND "
+                             "state = 'reserved'"), {'k': key, 'r': request_id})
+
+
+def records(sql: _SQLBackend, key: str | None = None) -> list[BudgetRecord]:
+    """Every budget key (or only `key`), sorted by key, with its count of requests in flight."""
+    where, params = (' WHERE budget_key = :k', {'k': key}) if key is not None else ('', {})
+    with sql._txn(write=False) as conn:
+        rows = conn.execute(sa.text('SELECT * FROM durcap_budget_ledger' + where + ' ORDER BY budget_key'), params).all()
+        flying = dict(conn.execute(sa.text(
+            "SELECT budget_key, COUNT(*) FROM durcap_budget_reservations WHERE state = 'reserved'"
+            + where.replace('WHERE', 'AND') + ' GROUP BY budget_key'), params).all())
+    return [_record(row, int(flying.get(row.budget_key, 0))) for row in rows]
+
+
+def reset(sql: _SQLBackend, key: str) -> bool:
+    """Forget what `key` spent, its reservations and raises; whether it existed."""
+    with sql._txn(write=True) as conn:
+        conn.execute(sa.text('DELETE FROM durcap_budget_reservations WHERE budget_key = :k'), {'k': key})
+        return conn.execute(sa.text('DELETE FROM durcap_budget_ledger WHERE budget_key = :k'), {'k': key}).rowcount > 0
+
+
+def raise_limit(sql: _SQLBackend, key: str, name: str, amount: float) -> BudgetRecord:
+    """Raise limit `name` of `key` by `amount` (added to earlier raises); the key's record after."""
+    with sql._txn(write=True) as conn:
+        row = _ledger(sql, conn, key, lock=True)
+        raised = json.loads(row.raised)
+        value = raised.get(name, 0) + amount
+        raised[name] = int(value) if float(value).is_integer() else value
+        conn.execute(sa.text('UPDATE durcap_budget_ledger SET raised = :r, updated_at = :at WHERE budget_key = :k'),
+                     {'k': key, 'r': json.dumps(raised, sort_keys=True), 'at': _now()})
+        row = conn.execute(sa.text('SELECT * FROM durcap_budget_ledger WHERE budget_key = :k'), {'k': key}).first()
+    return _record(row)

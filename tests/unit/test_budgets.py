@@ -1,0 +1,89 @@
+"""Budgets (issue 28) in-process: 20 concurrent runs of one tenant key share one ledger, read and reset by `durcap
+budgets`; `Budget`'s bad inputs.
+
+Model: a scripted async `FunctionModel` (no provider): each request waits a few milliseconds (so the runs' requests
+interleave), then calls a tool, four times, then answers; every response reports 100 tokens (70 input, 30 output).
+The store and its ledger: SQLite in the test's folder (real SQL, every check and settle in its own write transaction,
+run in the store's worker threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from pydantic_ai import ModelResponse, TextPart, ToolCallPart
+from pydantic_ai.messages import ModelMessage
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+from pydantic_ai.usage import RequestUsage
+
+from durable_capabilities import Budget, BudgetExceededError, DurableAgent, runner
+from tests._helpers import durcap_here, sql
+
+
+def test_twenty_concurrent_runs_of_one_tenant_overspend_by_at_most_one_request_each(tmp_path: Path) -> None:
+    """A tenant budget of 10 requests' worth (1,000 tokens), 20 runs at once wanting 5 requests each: at most 10 + 20
+    requests reach the model (each run at most one in flight past the limit), every run that stopped did so with
+    DC060 before a request, and the ledger holds exactly the tokens of the requests the model answered."""
+    billed: list[int] = []
+
+    async def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        await asyncio.sleep(0.005)
+        billed.append(1)
+        usage = RequestUsage(input_tokens=70, output_tokens=30)
+        if sum(1 for m in messages if m.kind == 'response') < 4:
+            return ModelResponse(parts=[ToolCallPart('work', {})], usage=usage)
+        return ModelResponse(parts=[TextPart('done')], usage=usage)
+
+    def work() -> str:
+        """Do some work."""
+        return 'worked'
+
+    agent = DurableAgent('tenant-budget', FunctionModel(script), deps_type=dict, engines=[], tools=[work],
+                         budget=Budget(total_tokens=1_000, scope=lambda deps: f'tenant:{deps["tenant"]}',
+                                       prices={'*': (1.0, 2.0)}))
+
+    store = f'sqlite:///{tmp_path / "conversations.db"}'
+
+    async def main() -> list[object]:
+        return await asyncio.gather(*(runner.run(agent, f'job {n}', deps={'tenant': 'acme'}, store=store,
+                                                 notify=lambda line: None) for n in range(20)), return_exceptions=True)
+
+    outcomes = asyncio.run(main())
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    assert all(isinstance(e, BudgetExceededError) and e.code == 'DC060' and e.key == 'tenant:acme' for e in failed), failed
+    assert failed, 'the budget stopped no run'
+    print(f'billed {len(billed)} requests, {len(failed)} of 20 runs stopped')
+    assert 10 <= len(billed) <= 10 + 20, len(billed)
+    assert sql(store, "SELECT total_tokens, input_tokens, output_tokens, requests FROM durcap_budget_ledger") == [
+        (100 * len(billed), 70 * len(billed), 30 * len(billed), len(billed))]
+    assert sql(store, "SELECT COUNT(*) FROM durcap_budget_reservations WHERE state = 'settled'") == [(len(billed),)]
+    # The price table: $1 / $2 per million input / output tokens, in nano-USD.
+    assert sql(store, 'SELECT cost_nanos FROM durcap_budget_ledger') == [(130_000 * len(billed),)]
+
+    # `durcap budgets list|show|reset` read and reset the same ledger.
+    listed = durcap_here('budgets', 'list', '--store', store, '--format', 'json')
+    assert listed.exit_code == 0, listed.stdout
+    [record] = json.loads(listed.stdout)
+    assert record['key'] == 'tenant:acme' and record['spent']['total_tokens'] == 100 * len(billed)
+    assert record['limits'] == {'total_tokens': 1000} and record['in_flight'] == 0
+    shown = durcap_here('budgets', 'show', 'tenant:acme', '--store', store)
+    assert shown.exit_code == 0 and f'total_tokens: {100 * len(billed):,} / 1,000' in shown.stdout, shown.stdout
+    assert durcap_here('budgets', 'show', 'tenant:other', '--store', store).exit_code == 1
+    assert durcap_here('budgets', 'reset', 'tenant:acme', '--store', store).exit_code == 0
+    assert durcap_here('budgets', 'list', '--store', store).stdout.strip() == 'no budget has spent anything in this store'
+    after = asyncio.run(runner.run(agent, 'again', deps={'tenant': 'acme'}, store=store, notify=lambda line: None))
+    assert after.budget is not None and after.budget['spent']['requests'] == 5  # reset: the next run starts from zero
+
+
+@pytest.mark.parametrize(('kwargs', 'message'), [
+    ({}, 'give at least one limit'),
+    ({'total_tokens': -1}, 'a limit is a number >= 0'),
+    ({'cost': 1.0, 'scope': 'tenant'}, "'run', 'conversation' or a callable"),
+    ({'cost': 1.0, 'on_exceed': 'wait'}, "'error' or 'approval'"),
+])
+def test_budget_refuses_bad_input(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Budget(**kwargs)
