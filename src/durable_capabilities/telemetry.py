@@ -147,7 +147,9 @@ def configure_from_env(service_name: str = 'durcap') -> bool:
     except ImportError as error:
         raise InputError('OTEL_EXPORTER_OTLP_ENDPOINT', f"telemetry needs the OpenTelemetry SDK ({error}): pip install "
                          "'durable-capabilities[telemetry]', or unset the OTEL_* variables") from None
-    attributes = {} if os.environ.get('OTEL_SERVICE_NAME') else {'service.name': service_name}
+    attributes: dict[str, Any] = {'process.pid': os.getpid()}
+    if not os.environ.get('OTEL_SERVICE_NAME'):
+        attributes['service.name'] = service_name
     resource = Resource.create(attributes)
     provider = TracerProvider(resource=resource)
     for name in names:
