@@ -725,8 +725,6 @@ class _Instruments:
         self.retries = meter.create_counter('durcap.unit.retries', unit='{attempt}',
                                             description='Unit executions after the first (retries)')
         self.token_count = meter.create_counter('durcap.tokens', unit='{token}', description='Model tokens')
-        self.waiting = meter.create_up_down_counter('durcap.approvals.waiting', unit='{call}',
-                                                    description='Tool calls waiting for a person (started here)')
         self.wait = meter.create_histogram('durcap.approval.wait', unit='s', description='Approval wait time')
 
     def run_started(self, agent: str, engine: str) -> None:
@@ -762,10 +760,6 @@ class _Instruments:
                  **({'durcap.agent': agent} if agent else {})}
         self.wait.record(seconds, attrs)
 
-    def approvals_waiting(self, agent: str, engine: str, calls: int) -> None:
-        if self.on and calls:
-            self.waiting.add(calls, {'durcap.agent': agent, 'durcap.engine': engine})
-
 
 def _metrics() -> _Instruments:
     provider = _state.meter_provider
@@ -783,9 +777,3 @@ def run_started_metric(agent: str, engine: str) -> None:
     """Count a run started by this client (`durcap.runs.started`)."""
     _metrics().run_started(agent, engine)
 
-
-def approvals_waiting(agent: str, engine: str, delta: int) -> None:
-    """Add `delta` to `durcap.approvals.waiting` (a run's calls start waiting: +n; decided: -n), where the wait
-    executes (not on replay)."""
-    if not replaying():
-        _metrics().approvals_waiting(agent, engine, delta)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from durable_capabilities import telemetry
 from tests._helpers import ROOT, durcap, subprocess_env, wait_for_line
 from tests.engines.test_crash import assert_exactly_once, wait_file
 
@@ -367,13 +368,14 @@ def test_runs_list_show_cancel_a_run_in_flight(engine: str, tmp_path: Path, requ
         shown = durcap('runs', 'show', run_id, '--engine', engine, *conn, env=env)
         assert shown.returncode == 0, shown.stderr
         assert f'id: {run_id}' in shown.stdout and 'status: running' in shown.stdout, shown.stdout
+        assert f'trace id: {telemetry.trace_id(run_id)}' in shown.stdout, shown.stdout  # the run's trace (docs/tracing.md)
         if engine == 'dbos':  # DBOS records model responses as step outputs: the load is visible mid-run
             assert 'capabilities loaded: billing' in shown.stdout, shown.stdout
         cancelled = durcap('runs', 'cancel', run_id, '--engine', engine, *conn, env=env)
         assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
         assert f'{run_id}: cancelled' in cancelled.stdout, cancelled.stdout
         after = json.loads(durcap('runs', 'show', run_id, '--engine', engine, '--format', 'json', *conn, env=env).stdout)
-        assert after['status'] == 'cancelled', after
+        assert after['status'] == 'cancelled' and after['trace_id'] == telemetry.trace_id(run_id), after
         assert run_id not in durcap('runs', 'list', '--engine', engine, '--status', 'running', *conn, env=env).stdout
     finally:
         kill9(proc)
