@@ -311,7 +311,8 @@ def _tracer() -> Any:
         except PackageNotFoundError:  # pragma: no cover - a checkout on sys.path without the metadata
             ours = None
         tracer = provider.get_tracer(TRACER_NAME, ours)
-        if hasattr(tracer, 'id_generator'):  # the SDK's Tracer: the root span gets the run's ids (see `_RunIds`)
+        # The SDK's Tracer (which a provider may hand out again): the root span gets the run's ids (see `_RunIds`).
+        if hasattr(tracer, 'id_generator') and not isinstance(tracer.id_generator, _RunIds):
             tracer.id_generator = _RunIds(tracer.id_generator)
         _state.tracer, _state.tracer_of = tracer, provider
     return _state.tracer
@@ -453,7 +454,7 @@ _open_unit: ContextVar[str | None] = ContextVar('durcap_open_unit', default=None
 
 @contextmanager
 def unit_span(unit: str, name: str | None = None, *, agent: str | None = None, at: Where | None = None,
-              **attributes: Any) -> Iterator[Any]:
+              extra: dict[str, Any] | None = None, **attributes: Any) -> Iterator[Any]:
     """A span around one execution of a unit, in the run's trace; a no-op (yields `None`) when telemetry is off,
     outside a run, or inside a unit span of the same kind (a wrapped call inside the unit that already has one).
 
@@ -463,7 +464,8 @@ def unit_span(unit: str, name: str | None = None, *, agent: str | None = None, a
         name: Attribute `durcap.unit_name` (the engine's unit name, the tool's name).
         agent: The agent's name (attribute `durcap.agent`; default: what the engine says).
         at: Where it runs (default: `where()`).
-        attributes: More attributes (`capability=`, `tool=`, ... become `durcap.*`; dotted names as given).
+        extra: Attributes with dotted names, as given (`gen_ai.request.model`).
+        attributes: More attributes (`capability=`, `tool=`, ... become `durcap.*`).
 
     Yields:
         The span (record more attributes on it), or `None`.
@@ -474,11 +476,11 @@ def unit_span(unit: str, name: str | None = None, *, agent: str | None = None, a
         return
     at = at or where()
     parent = _parent(at)
-    if parent is None:  # not in a run: nothing to attribute the span to
+    if at is None or parent is None:  # not in a run: nothing to attribute the span to
         yield None
         return
     attrs = _attributes({'agent': agent or at.agent, 'engine': at.engine, 'run_id': at.run_id, 'unit': unit,
-                         'unit_name': name, 'attempt': at.attempt, **attributes})
+                         'unit_name': name, 'attempt': at.attempt, **attributes, **(extra or {})})
     if at.durable and unit in ATTEMPT_UNITS:
         marker = tracer.start_span('durcap.attempt', context=parent, attributes=attrs)
         marker.end()
@@ -623,8 +625,8 @@ class TelemetryModel(WrapperModel):
 
     async def request(self, messages: Any, model_settings: Any, model_request_parameters: Any) -> Any:
         _capability_loads(messages, where(), self.agent)
-        with unit_span('model_request', self.model_name, agent=self.agent, **{'gen_ai.request.model': self.model_name}) \
-                as span:
+        with unit_span('model_request', self.model_name, agent=self.agent,
+                       extra={'gen_ai.request.model': self.model_name}) as span:
             response = await self._inner().request(messages, model_settings, model_request_parameters)
             _record_usage(span, response, self.agent)
             return response
@@ -634,7 +636,7 @@ class TelemetryModel(WrapperModel):
                              run_context: Any = None) -> AsyncIterator[Any]:
         _capability_loads(messages, where(), self.agent)
         with unit_span('model_request', self.model_name, agent=self.agent, streamed=True,
-                       **{'gen_ai.request.model': self.model_name}) as span:
+                       extra={'gen_ai.request.model': self.model_name}) as span:
             async with self._inner().request_stream(messages, model_settings, model_request_parameters,
                                                     run_context) as stream:
                 yield stream

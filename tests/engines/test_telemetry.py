@@ -54,8 +54,8 @@ def test_support_demo_on_every_engine_one_span_per_executed_unit(temporal_addres
     """The support demo on local, DBOS, Temporal (inline worker) and Prefect, each in its own driver process at once:
     one `durcap.model_request` per model response of the run, one `durcap.tool_call` per tool return (the tool's
     name, `durcap.capability` orders), one `durcap.capability_load` (orders), one store load and one append, every
-    span in the run's trace under its root; on a durable engine every unit execution has its `durcap.attempt`
-    (attempt 1). Local also runs once with telemetry off first: no `opentelemetry.sdk` module imported."""
+    span in the run's trace under its root; pydantic-ai's own GenAI span once inside each model request span; on a
+    durable engine every unit execution has its `durcap.attempt` (attempt 1). Local also runs once with telemetry off first: no `opentelemetry.sdk` module imported."""
     store = f'sqlite:///{tmp_path / "store.sqlite"}'
     env = subprocess_env({'DURCAP_TEST_TEMPORAL_ADDRESS': temporal_address, 'PREFECT_API_URL': prefect_api_url,
                           'PREFECT_HOME': str(tmp_path / 'prefect-home'),
@@ -91,9 +91,14 @@ def test_support_demo_on_every_engine_one_span_per_executed_unit(temporal_addres
         (load,) = by_name['durcap.capability_load']
         assert load['attributes']['durcap.capability'] == 'orders'
         assert len(by_name['durcap.store.load']) == len(by_name['durcap.store.append']) == 1, engine
-        for span in spans:
+        ours = [s for s in spans if s['name'].startswith('durcap.')]
+        for span in ours:
             assert span['attributes']['durcap.engine'] == engine and span['attributes']['durcap.run_id'] == run_id
             assert span['attributes']['durcap.agent'].startswith(f'tel-{engine}-'), span
+        # pydantic-ai's instrumentation: one GenAI span per request that ran, each inside its durcap.model_request
+        genai = [s for s in spans if s not in ours]
+        assert [s['attributes'].get('gen_ai.operation.name') for s in genai] == ['chat'] * len(models), engine
+        assert {s['parent'] for s in genai} == {m['span_id'] for m in models}, engine
         attempts = by_name.get('durcap.attempt', [])
         if engine == 'local':
             assert out['sdk_modules_when_off'] == [], out['sdk_modules_when_off']
