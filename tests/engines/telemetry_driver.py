@@ -1,7 +1,8 @@
 """Driver of tests/engines/test_telemetry.py: `python -m tests.engines.telemetry_driver ENGINE STORE [--off-first]`.
 
 Runs the support example (`examples/support`, its scripted `FunctionModel` `SupportScript`: no provider) once on
-ENGINE through `runner.run`, with this process's spans going to an in-memory exporter (`telemetry.configure`), and
+ENGINE through `runner.run`, with this process's spans going to an in-memory exporter (`telemetry.configure`; on
+local, the global tracer provider instead, as `logfire.configure()` installs one), and
 pydantic-ai's own instrumentation on (`instrument_pydantic_ai=True`), and prints one `SPANS <json>` line: the report (run id, output, new messages) and every finished span. With
 `--off-first`, a run with telemetry off comes first, and the line says which OpenTelemetry SDK modules it imported.
 Servers: `$DURCAP_TEST_TEMPORAL_ADDRESS` (Temporal, worker inline), `$PREFECT_API_URL`, DBOS on SQLite `--db`.
@@ -56,7 +57,13 @@ def main() -> None:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    telemetry.configure(provider, instrument_pydantic_ai=True)  # pydantic-ai's GenAI spans inside the model unit
+    if args.engine == 'local':  # a global SDK provider someone else installed (what `logfire.configure()` does)
+        from opentelemetry import trace
+
+        trace.set_tracer_provider(provider)
+        telemetry.configure(None, instrument_pydantic_ai=True)
+    else:
+        telemetry.configure(provider, instrument_pydantic_ai=True)  # pydantic-ai's GenAI spans inside the model unit
     report = asyncio.run(demo(args.engine, args.store, args.db))
     out['report'] = {'run_id': report.run_id, 'output': report.output, 'units': report.durable_units,
                      'new_messages': to_jsonable_python(report.new_messages)}
