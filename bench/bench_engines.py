@@ -4,6 +4,7 @@
     .venv/bin/python bench/bench_engines.py --engines dbos,local --runs 31
     .venv/bin/python bench/bench_engines.py --json figures.json    # also write the figures as JSON
     .venv/bin/python bench/bench_engines.py --profile dbos         # cProfile both sides, show where durcap spends more
+    .venv/bin/python bench/bench_engines.py --telemetry            # also durcap with telemetry on vs off, per engine
 
 The run (see `_common.py`): a scripted `FunctionModel` makes 6 model requests: `load_capability('ops')`, four
 calls of the deferred capability's tools, then the answer. Per engine, in one process, engines one after another:
@@ -32,6 +33,11 @@ Every agent has its own model instance and its own `Capability` object (same fun
 cycling through every order of the variants, `gc.collect()` before each run. Every output is checked; one
 extra run per side prints the durable units the engine recorded, to show both sides are really durable.
 
+With `--telemetry`, each engine also runs durcap with telemetry on (`durable_capabilities.telemetry.configure` with an
+SDK `TracerProvider` batching into an in-memory exporter, cleared after each run): an agent (and, on Temporal, a
+worker; on DBOS, a workflow) built while telemetry was on, run with it on, against the same durcap variant built and
+run with it off (no wrapper, no span). Target: <= 1.05x (issue 27).
+
 Reported per comparison: the wall-clock medians (seconds), the ratio of the medians (judged against the target),
 the median of the per-round ratios, and the ratio of this process's CPU-time medians (all threads; the servers
 and other processes excluded, so it is the steadier figure on a shared machine). Targets, printed beside each
@@ -44,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import itertools
 import json
@@ -68,6 +75,7 @@ TARGET_TEMPORAL = 0.75  # issue 14
 TARGET_DBOS_STEPS = 1.15  # issue 14: durcap with tool steps vs upstream with tools inline
 TARGET_DBOS_HAND_STEPS = 1.0  # issue 14: vs upstream with the same tools hand-wrapped in `@DBOS.step`
 TARGET_PREFECT = 1.0  # issue 14
+TARGET_TELEMETRY = 1.05  # issue 27: telemetry on vs off
 ENGINE_ORDER = ('local', 'temporal', 'dbos', 'prefect')
 
 
@@ -153,6 +161,48 @@ def _durcap_agent(name: str, **kwargs: Any) -> Any:
     return DurableAgent(name, c.make_model(), instructions=c.INSTRUCTIONS, capabilities=[c.make_capability()], **kwargs)
 
 
+class Telemetry:
+    """`--telemetry`: one SDK tracer provider batching into an in-memory exporter; `on()` turns durcap's telemetry on
+    (`telemetry.configure`), `off()` off again; `traced(run)` runs `run` with it on and clears what was exported."""
+
+    def __init__(self) -> None:
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        self.exporter = InMemorySpanExporter()
+        self.provider = TracerProvider()
+        self.provider.add_span_processor(BatchSpanProcessor(self.exporter))
+        self.spans = 0
+
+    def on(self) -> None:
+        from durable_capabilities import telemetry
+
+        telemetry.configure(self.provider)
+
+    def off(self) -> None:
+        from durable_capabilities import telemetry
+
+        telemetry.configure(None)
+
+    def traced(self, run: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
+        async def traced_run() -> Any:
+            self.on()
+            try:
+                return await run()
+            finally:
+                self.off()
+                self.provider.force_flush()
+                self.spans = len(self.exporter.get_finished_spans()) or self.spans
+                self.exporter.clear()
+
+        return traced_run
+
+    def comparison(self, engine: str, on: Variant, off: Variant) -> Comparison:
+        print(f'  telemetry on: {self.spans} spans per run', flush=True)
+        return Comparison(engine, 'durcap telemetry on vs off', on.series, off.series, TARGET_TELEMETRY)
+
+
 # ---- local ------------------------------------------------------------------------------------------
 
 
@@ -169,11 +219,20 @@ async def bench_local(args: argparse.Namespace, tmp: Path) -> EngineResult:
     result = await durcap.run(c.PROMPT)
     c.check_messages(result.new_messages())
     variants = [Variant('durcap', run_durcap), Variant('upstream', run_upstream)]
+    tel = Telemetry() if args.telemetry else None
+    if tel is not None:
+        traced_agent = _durcap_agent('bench_durcap_local_telemetry')
+
+        async def run_traced() -> Any:
+            return (await traced_agent.run(c.PROMPT)).output
+
+        variants.append(Variant('durcap (telemetry on)', tel.traced(run_traced)))
     if args.profile == 'local':
-        await profile_variants(variants, args)
+        await profile_variants(variants[:2], args)
     await interleave(variants, args.runs, args.warmup)
     comparison = Comparison('local', 'durcap vs upstream', variants[0].series, variants[1].series, TARGET)
-    return EngineResult('local', [comparison], {})
+    extra = [tel.comparison('local', variants[2], variants[0])] if tel is not None else []
+    return EngineResult('local', [comparison, *extra], {})
 
 
 # ---- temporal ---------------------------------------------------------------------------------------
@@ -201,6 +260,7 @@ async def bench_temporal(args: argparse.Namespace, tmp: Path) -> EngineResult:
     from durable_capabilities.engines.temporal import start_temporal_dev_server
 
     durcap = _durcap_agent('bench_durcap_temporal')
+    tel = Telemetry() if args.telemetry else None
     durcap_local = _durcap_agent('bench_durcap_temporal_local',
                                  engine_options={'temporal': {durcap_temporal.LOCAL_TOOLSETS_OPTION: {c.CAPABILITY_ID: {}}}})
     server = start_temporal_dev_server(state_dir=tmp / 'temporal', persistent=False)
@@ -296,7 +356,8 @@ async def bench_temporal(args: argparse.Namespace, tmp: Path) -> EngineResult:
             local, notes = decide_local_tools(measured, timings)
             apply_lock_decisions([measured], {'agents': {measured.name: {'temporal': {LOCAL_SECTION: local}}}})
             print(f'  durcap measured lock: {"; ".join(notes)}', flush=True)
-            async with durcap_temporal.make_worker(durcap_client, [measured], 'bench-durcap-measured'):
+            async with durcap_temporal.make_worker(durcap_client, [measured], 'bench-durcap-measured'), \
+                    contextlib.AsyncExitStack() as stack:
 
                 async def run_durcap_measured() -> Any:
                     return (await durcap_temporal.run(
@@ -307,8 +368,22 @@ async def bench_temporal(args: argparse.Namespace, tmp: Path) -> EngineResult:
                 variants = [Variant('durcap', run_durcap), Variant('upstream', run_upstream),
                             Variant('durcap local tools', run_durcap_local),
                             Variant('durcap measured lock', run_durcap_measured)]
+                if tel is not None:  # a worker built with telemetry on: its tool span interceptor, the model wrapper
+                    traced_agent = _durcap_agent('bench_durcap_temporal_telemetry')
+                    tel.on()
+                    await stack.enter_async_context(
+                        durcap_temporal.make_worker(durcap_client, [traced_agent], 'bench-durcap-telemetry'))
+                    tel.off()
+
+                    async def run_traced() -> Any:
+                        return (await durcap_temporal.run(
+                            durcap_client, traced_agent, c.PROMPT, task_queue='bench-durcap-telemetry',
+                            workflow_id=f'durcap-tel-{uuid.uuid4()}', eager=True,
+                        )).output
+
+                    variants.append(Variant('durcap (telemetry on)', tel.traced(run_traced)))
                 if args.profile == 'temporal':
-                    await profile_variants(variants, args)
+                    await profile_variants(variants[:4], args)
                 await interleave(variants, args.runs, args.warmup)
     finally:
         server.stop()
@@ -320,6 +395,8 @@ async def bench_temporal(args: argparse.Namespace, tmp: Path) -> EngineResult:
         Comparison('temporal', 'durcap, measured lock, no hand marking (eager) vs upstream', variants[3].series,
                    variants[1].series, TARGET_TEMPORAL),
     ]
+    if tel is not None:
+        comparisons.append(tel.comparison('temporal', variants[4], variants[0]))
     return EngineResult('temporal', comparisons, units, events)
 
 
@@ -358,6 +435,18 @@ async def bench_dbos(args: argparse.Namespace, tmp: Path) -> EngineResult:
     async def upstream_steps_workflow(prompt: str) -> str:
         return (await upstream_steps.run(prompt)).output
 
+    tel = Telemetry() if args.telemetry else None
+    traced_workflow: Any = None
+    if tel is not None:  # built (its steps registered) with telemetry on: the model wrapper, the traced tool leaves
+        tel.on()
+        traced_agent = _durcap_agent('bench_durcap_dbos_telemetry')
+
+        @durcap_dbos.workflow(traced_agent, name='bench.durcap.telemetry')
+        async def traced_workflow(agent: Any, prompt: str) -> str:
+            return (await agent.run(prompt)).output
+
+        tel.off()
+
     url = args.dbos_url or f'sqlite:///{tmp / "dbos.sqlite"}'
     if args.dbos_wal:
         if not url.startswith('sqlite:///'):
@@ -384,6 +473,8 @@ async def bench_dbos(args: argparse.Namespace, tmp: Path) -> EngineResult:
             Variant('upstream', lambda: upstream_workflow(c.PROMPT)),
             Variant('upstream (@DBOS.step tools)', lambda: upstream_steps_workflow(c.PROMPT)),
         ]
+        if tel is not None:
+            variants.append(Variant('durcap (tool steps, telemetry on)', tel.traced(lambda: traced_workflow(c.PROMPT))))
         if args.profile == 'dbos':
             await profile_variants([variants[0], variants[2]], args)
             await profile_variants([variants[0], variants[3]], args)
@@ -391,8 +482,9 @@ async def bench_dbos(args: argparse.Namespace, tmp: Path) -> EngineResult:
         await interleave(variants, args.runs, args.warmup)
     finally:
         DBOS.destroy()
-    steps, inline, base, hand_steps = (v.series for v in variants)
-    return EngineResult('dbos', [
+    steps, inline, base, hand_steps = (v.series for v in variants[:4])
+    extra = [tel.comparison('dbos', variants[4], variants[0])] if tel is not None else []
+    return EngineResult('dbos', [*extra,
         Comparison('dbos', 'durcap (tool_steps=False) vs upstream', inline, base, TARGET),
         Comparison('dbos', 'durcap (tool steps, default) vs upstream (tools inline)', steps, base, TARGET_DBOS_STEPS),
         Comparison('dbos', 'durcap (tool steps) vs upstream (@DBOS.step tools)', steps, hand_steps,
@@ -422,6 +514,7 @@ async def bench_prefect(args: argparse.Namespace, tmp: Path) -> EngineResult:
         PREFECT_LOGGING_LEVEL='WARNING',
         PREFECT_SERVER_ANALYTICS_ENABLED='false',
     )
+    tel = Telemetry() if args.telemetry else None
     try:
         from prefect import flow, get_client
         from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
@@ -491,14 +584,25 @@ async def bench_prefect(args: argparse.Namespace, tmp: Path) -> EngineResult:
 
         variants = [Variant('durcap', run_durcap), Variant('upstream', run_upstream)]
         payload_variant = Variant('upstream (same payload)', run_upstream_payload)
+        more: list[Variant] = []
+        if tel is not None:  # the flow (its agent) built with telemetry on
+            tel.on()
+            traced_flow = durcap_prefect.agent_flow(_durcap_agent('bench_durcap_prefect_telemetry'))
+            tel.off()
+
+            async def run_traced() -> Any:
+                return (await traced_flow(prompt=c.PROMPT))['output']
+
+            more.append(Variant('durcap (telemetry on)', tel.traced(run_traced)))
         if args.profile == 'prefect':
             await profile_variants(variants, args)
             await profile_variants([variants[0], payload_variant], args)
-        await interleave([*variants, payload_variant], args.runs, args.warmup)
+        await interleave([*variants, payload_variant, *more], args.runs, args.warmup)
     finally:
         server.stop()
     ours, base = (v.series for v in variants)
-    return EngineResult('prefect', [
+    extra = [tel.comparison('prefect', more[0], variants[0])] if tel is not None else []
+    return EngineResult('prefect', [*extra,
         Comparison('prefect', 'durcap vs upstream', ours, base, TARGET_PREFECT),
         Comparison('prefect', 'durcap vs upstream returning the same payload', ours, payload_variant.series, None),
     ], units)
@@ -700,6 +804,8 @@ def main() -> None:
     parser.add_argument('--profile', choices=ENGINE_ORDER, help='cProfile both sides of this engine first')
     parser.add_argument('--profile-runs', type=int, default=10, help='profiled runs per side (default 10)')
     parser.add_argument('--profile-top', type=int, default=25, help='functions listed per table (default 25)')
+    parser.add_argument('--telemetry', action='store_true', help='also durcap with telemetry on against off, per '
+                        'engine (an in-memory exporter; target <= 1.05x)')
     args = parser.parse_args()
     args.engines = [e.strip() for e in args.engines.split(',') if e.strip()]
     unknown = set(args.engines) - set(BENCHES)

@@ -10,7 +10,7 @@ from pydantic_ai import Agent
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.toolsets import FunctionToolset
 
-from . import _hooks, _registry
+from . import _hooks, _registry, telemetry
 from ._turn_log import TurnRecorder, may_rewrite_history
 from .aliases import CapabilityAliases
 from .approvals import timeout_seconds
@@ -241,8 +241,12 @@ class DurableAgent(Generic[DepsT, OutputT]):
         if durability_cls is not None:
             kwargs.setdefault('name', self.durable_name)
             capabilities.append(durability_cls(**kwargs))
+        traced = telemetry.enabled()  # spans where the units execute (telemetry.py); nothing added when off
+        if traced:
+            capabilities.append(telemetry.TracedTools(self.name))
+        model = _hooks.wrap_budget(_hooks.wrap_model(self.model, adapter.features), self)
         agent: Agent[Any, Any] = Agent(
-            _hooks.wrap_budget(_hooks.wrap_model(self.model, adapter.features), self),
+            telemetry.wrap_model(model, self.name) if traced else model,
             # Durable engines see the kept name: Prefect's task cache keys hash the agent name (`ctx.agent.name`),
             # so a renamed agent with `previous_names` replays the finished tasks of a run in flight.
             name=self.durable_name if durability_cls is not None else self.name,

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import telemetry
 from .agent import DurableAgent
 from .approvals import Decision, PendingCall, default_user, fingerprint
 from .conversations import check_busy
@@ -47,9 +48,23 @@ async def run_in_process(
         DurableConfigError: capabilities passed per run (DC012); drift in the stored history (DC018/DC019).
         ConversationConflictError: another run appended to the conversation meanwhile.
     """
-    turn = await run_turn(agent, agent.build('local').run, prompt, deps=deps, message_history=message_history,
-                          conversation_id=conversation_id, capabilities=capabilities, **kwargs)
-    return turn.result
+    if not telemetry.enabled():
+        turn = await run_turn(agent, agent.build('local').run, prompt, deps=deps, message_history=message_history,
+                              conversation_id=conversation_id, capabilities=capabilities, **kwargs)
+        return turn.result
+    run_id, start, error = f'local-{uuid.uuid4().hex}', telemetry.run_started(), None
+    telemetry.run_started_metric(agent.name, 'local')
+    try:
+        with telemetry.in_run(run_id, 'local', agent.name):
+            turn = await run_turn(agent, agent.build('local').run, prompt, deps=deps, message_history=message_history,
+                                  conversation_id=conversation_id, capabilities=capabilities, **kwargs)
+        return turn.result
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        telemetry.record_run(run_id, agent=agent.name, engine='local', conversation_id=conversation_id,
+                             start_ns=start, error=error)
 
 
 async def run(
@@ -109,7 +124,10 @@ async def run(
     if agent.budget is not None and run_id is None and not adapter.durable:  # the run's key needs its id
         run_id = f'local-{uuid.uuid4().hex}'
     options = RunOptions(deps, message_history, conversation_id, run_id, settings, notify, on_start)
-    report = await adapter.run(agent, prompt, options)
+    if telemetry.enabled():
+        report = await _traced_run(agent, prompt, engine, options)
+    else:
+        report = await adapter.run(agent, prompt, options)
     if agent.budget is not None:
         report.budget = await _spend(agent, report.run_id or run_id or '', conversation_id, deps, settings.get('store'))
     return report
@@ -128,6 +146,39 @@ async def _spend(agent: DurableAgent[Any, Any], run_id: str, conversation_id: st
     # Read here, not in a thread: DBOS's one-shot run shuts this loop's default executor down when it ends.
     found = records(process_store(store_url(agent, budget.store or store))._sql, key)
     return found[0].to_json() if found else None
+
+
+async def _traced_run(agent: DurableAgent[Any, Any], prompt: str | None, engine: str, options: RunOptions) -> RunReport:
+    """`get(engine).run` with the run's root span (`telemetry.record_run`, emitted when the run ends, from this
+    call's start), its metrics, and, on the local engine, the run's id around its in-process units."""
+    start, started, error = telemetry.run_started(), [options.run_id], None
+    adapter = get(engine)
+    if not adapter.durable and options.run_id is None:
+        options.run_id = started[0] = f'local-{uuid.uuid4().hex}'
+    user_on_start = options.on_start
+
+    def on_start(run_id: str) -> None:
+        started[0] = run_id
+        if user_on_start is not None:
+            user_on_start(run_id)
+
+    options.on_start = on_start
+    telemetry.run_started_metric(agent.name, engine)
+    try:
+        if adapter.durable:
+            report = await adapter.run(agent, prompt, options)
+        else:
+            with telemetry.in_run(started[0] or '', engine, agent.name):
+                report = await adapter.run(agent, prompt, options)
+        started[0] = report.run_id or started[0]
+        return report
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        if started[0]:
+            telemetry.record_run(started[0], agent=agent.name, engine=engine, conversation_id=options.conversation_id,
+                                 start_ns=start, error=error)
 
 
 async def approvals(run_id: str | None = None, *, engine: str = DEFAULT_ENGINE, **settings: Any) -> list[PendingCall]:
@@ -174,10 +225,15 @@ async def decide(
         approvals.ApprovalError: unknown run or call, or `fingerprint_` is not the pending call's (nothing changes).
     """
     adapter = get(engine)
-    if fingerprint_ is None:
+    call = None
+    if fingerprint_ is None or telemetry.enabled():
         pending = {c.call_id: c for c in await adapter.pending_approvals(settings, run_id)}
         call = pending.get(call_id)
+    if fingerprint_ is None:
         fingerprint_ = call.fingerprint if call is not None else fingerprint('', {})
     decision = Decision(call_id, fingerprint_, approve, reason, override_args, by or default_user())
     await adapter.decide(run_id, decision, settings)
+    if call is not None:  # the wait ends where the person decides (the engine's wait replays: no span there)
+        telemetry.record_approval(run_id, engine=engine, agent=call.agent, tool=call.tool_name, call_id=call_id,
+                                  requested_at=call.requested_at, approved=approve, by=decision.by, reason=reason)
     return decision

@@ -22,6 +22,7 @@ from pydantic import TypeAdapter
 from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
 from pydantic_core import to_json, to_jsonable_python
 
+from . import telemetry
 from ._turn_log import TurnLog, recording
 from .aliases import rewrite_history
 from .conversations import (  # noqa: F401 - _DECODED and DECODED_CACHE_SIZE re-exported (tests, bench)
@@ -209,7 +210,6 @@ async def run_turn(
         run_kwargs['model_settings'] = _budget_settings(agent, run_kwargs.get('model_settings'), run_id, gate, store,
                                                         conversation_id, deps)
     messages = _as_messages(message_history)
-    revision: int | None = None
     cache_key = (agent.durable_name, conversation_id) if conversation_id is not None else None
     if conversation_id is not None and load is None:
         holder = f'local:{uuid.uuid4()}'
@@ -217,9 +217,22 @@ async def run_turn(
             agent, store, holder)
     elif conversation_id is not None and append is None:
         append = _local_append(agent, store, f'local:{uuid.uuid4()}')
+    with telemetry.turn_span(agent.name, conversation_id):
+        return await _turn(agent, run, prompt, deps, messages, conversation_id, cache_key, load, append, gate, carried,
+                           busy, release, run_kwargs)
+
+
+async def _turn(agent: DurableAgent[Any, Any], run: Callable[..., Awaitable[Any]], prompt: str | None, deps: Any,
+                messages: list[ModelMessage], conversation_id: str | None, cache_key: tuple[str, str] | None,
+                load: LoadUnit | None, append: AppendUnit | None, gate: ApprovalGate | None,
+                carried: Sequence[dict[str, Any]] | None, busy: str | None,
+                release: Callable[[str], Awaitable[Any]] | None, run_kwargs: dict[str, Any]) -> Turn:
+    """`run_turn` after its units are chosen: load, run, append."""
+    revision: int | None = None
     if conversation_id is None:
         return await _run(agent, run, prompt, deps, messages, conversation_id, revision, cache_key, None, gate,
                           carried, run_kwargs)
+    assert load is not None
     loaded = await (load(conversation_id, busy) if busy is not None else load(conversation_id))  # type: ignore[misc]
     try:
         revision = loaded.revision
@@ -375,21 +388,24 @@ def deps_from_json(agent: DurableAgent[Any, Any], deps: Any) -> Any:
 
 def _local_load(agent: DurableAgent[Any, Any], store: str | None, holder: str) -> LoadUnit:
     async def load(conversation_id: str, busy: str | None = None) -> LoadedConversation:
-        await claim_turn(agent, conversation_id, holder, busy or agent.busy, store=store)
-        try:
-            return await load_conversation(agent, conversation_id, store=store)
-        except BaseException:
-            await release_turn(agent, conversation_id, holder, store=store)
-            raise
+        with telemetry.unit_span('store.load', agent=agent.name, conversation_id=conversation_id):
+            await claim_turn(agent, conversation_id, holder, busy or agent.busy, store=store)
+            try:
+                return await load_conversation(agent, conversation_id, store=store)
+            except BaseException:
+                await release_turn(agent, conversation_id, holder, store=store)
+                raise
 
     return load
 
 
 def _local_append(agent: DurableAgent[Any, Any], store: str | None, holder: str) -> AppendUnit:
     async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> int:
-        return await append_conversation(agent, conversation_id, messages, expected_revision=revision,
-                                         append_id=f'{holder}', usage=usage, store=store, rebase=True,
-                                         release_claim=holder)
+        with telemetry.unit_span('store.append', agent=agent.name, conversation_id=conversation_id,
+                                 messages=len(messages)):
+            return await append_conversation(agent, conversation_id, messages, expected_revision=revision,
+                                             append_id=f'{holder}', usage=usage, store=store, rebase=True,
+                                             release_claim=holder)
 
     return append
 

@@ -55,6 +55,7 @@ async def temporal_worker(args: argparse.Namespace) -> None:
 async def dbos_run(args: argparse.Namespace) -> None:
     from dbos import DBOS, SetWorkflowID
 
+    from durable_capabilities import telemetry
     from durable_capabilities.engines import dbos as dbos_engine
 
     agent = load(args.target)
@@ -69,7 +70,10 @@ async def dbos_run(args: argparse.Namespace) -> None:
         else:
             handle = await DBOS.retrieve_workflow_async(args.workflow_id)
         print('DBOS STARTED', flush=True)
+        start = telemetry.run_started()
         payload = await handle.get_result()
+        telemetry.record_run(args.workflow_id, agent=agent.name, engine='dbos', conversation_id=args.conversation,
+                             start_ns=start)
         steps = await DBOS.list_workflow_steps_async(args.workflow_id)
         emit({'output': payload['output'], 'units': [s['function_name'] for s in steps],
               'new_messages': payload['new_messages']})
@@ -121,7 +125,13 @@ def main() -> None:
     parser.add_argument('--versioned', action='store_true', help='Temporal: Worker Versioning, made current')
     args = parser.parse_args()
     action = {('temporal', 'worker'): temporal_worker, ('dbos', 'run'): dbos_run, ('prefect', 'run'): prefect_run}
-    asyncio.run(action[(args.engine, args.action)](args))
+    from durable_capabilities import telemetry
+
+    telemetry.configure_from_env('durcap-test-driver')  # as every `durcap` command does (OTEL_* variables)
+    try:
+        asyncio.run(action[(args.engine, args.action)](args))
+    finally:
+        telemetry.shutdown()
 
 
 if __name__ == '__main__':

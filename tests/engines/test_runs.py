@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from durable_capabilities import telemetry
 from tests._helpers import ROOT, durcap, subprocess_env, wait_for_line
 from tests.engines.test_crash import assert_exactly_once, wait_file
 
@@ -235,12 +236,19 @@ def run_killed_mid_tool(engine: str, tmp_path: Path, extra_args: list[str], env:
 def test_run_killed_mid_tool_is_resumed_by_runs_resume(engine: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """`kill -9` of `durcap run` inside a tool, then `durcap runs show` (running, with the capability it loaded and
     the units done) and `durcap runs resume ID`: the run completes, its turn is stored once in the conversation,
-    `charge` (checkpointed before the kill) ran once and no model request ran again."""
+    `charge` (checkpointed before the kill) ran once and no model request ran again. Both processes export their
+    spans over OTLP (`tests/_otlp.py`): one trace, the resume's `durcap.resume` span in it, the killed `slow_export`
+    and its re-run as two attempt spans, and no span for the units the resumed run replayed (the model request
+    spans are the 4 requests that ran)."""
+    from tests._otlp import OtlpReceiver
     from tests.engines.test_crash import crash_env
 
     crash, _ = crash_env(tmp_path)
     store = f'sqlite:///{tmp_path / "conversations.db"}'
-    env = env_with(**crash, DURCAP_STORE=store)
+    receiver = OtlpReceiver().__enter__()
+    request.addfinalizer(lambda: receiver.__exit__(None, None, None))
+    env = env_with(**crash, DURCAP_STORE=store, OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+                   OTEL_BSP_SCHEDULE_DELAY='100')
     conversation = f'conv-{uuid.uuid4().hex[:8]}'
     if engine == 'dbos':
         conn = ['--db', request.getfixturevalue('postgres_url')]
@@ -299,6 +307,13 @@ def test_run_killed_mid_tool_is_resumed_by_runs_resume(engine: str, tmp_path: Pa
 
     done = json.loads(durcap('runs', 'show', run_id, '--engine', engine, '--format', 'json', *conn, env=env).stdout)
     assert done['status'] == 'completed' and done['capabilities'] == ['ops'], done
+    spans = receiver.spans
+    assert {s['trace_id'] for s in spans} == {telemetry.trace_id(run_id)}, 'spans outside the run\'s trace'
+    names = [s['name'] for s in spans]
+    assert names.count('durcap.resume') == 1 and names.count('durcap.model_request') == 4, sorted(names)
+    exports = [s for s in spans if s['name'] == 'durcap.attempt' and s['attributes'].get('durcap.tool') == 'slow_export']
+    assert len(exports) == 2 and exports[0]['resource']['process.pid'] != exports[1]['resource']['process.pid'], exports
+    assert [s['attributes']['durcap.tool'] for s in spans if s['name'] == 'durcap.tool_call'] == ['charge', 'slow_export']
 
 
 def test_temporal_run_whose_process_died_is_resumed_by_runs_resume(temporal_address: str, tmp_path: Path) -> None:
@@ -367,13 +382,14 @@ def test_runs_list_show_cancel_a_run_in_flight(engine: str, tmp_path: Path, requ
         shown = durcap('runs', 'show', run_id, '--engine', engine, *conn, env=env)
         assert shown.returncode == 0, shown.stderr
         assert f'id: {run_id}' in shown.stdout and 'status: running' in shown.stdout, shown.stdout
+        assert f'trace id: {telemetry.trace_id(run_id)}' in shown.stdout, shown.stdout  # the run's trace (docs/tracing.md)
         if engine == 'dbos':  # DBOS records model responses as step outputs: the load is visible mid-run
             assert 'capabilities loaded: billing' in shown.stdout, shown.stdout
         cancelled = durcap('runs', 'cancel', run_id, '--engine', engine, *conn, env=env)
         assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
         assert f'{run_id}: cancelled' in cancelled.stdout, cancelled.stdout
         after = json.loads(durcap('runs', 'show', run_id, '--engine', engine, '--format', 'json', *conn, env=env).stdout)
-        assert after['status'] == 'cancelled', after
+        assert after['status'] == 'cancelled' and after['trace_id'] == telemetry.trace_id(run_id), after
         assert run_id not in durcap('runs', 'list', '--engine', engine, '--status', 'running', *conn, env=env).stdout
     finally:
         kill9(proc)

@@ -526,6 +526,11 @@ PROCESS_CASES = [
     Case('dbos-db-not-sqlite', ['demo', '--engine', 'dbos', '--db', 'sqlite:///{tmp}/passwd'], 2,
          'is not a SQLite database', {'passwd': 'root:x:0:0:root:/root:/bin/bash\n'}),
     Case('target-fifo', ['check', '{tmp}/pipe.py:x'], 2, 'is not a regular file (a FIFO', {'pipe.py': _fifo}),
+    # docs/tracing.md: an OTEL_* value durcap cannot export with is one DC040 line naming the variable, before the command.
+    Case('otel-exporter-unknown', ['check', PLAIN], 2, "DC040 OTEL_TRACES_EXPORTER: 'zipkin' is not an exporter",
+         env={'OTEL_TRACES_EXPORTER': 'zipkin'}),
+    Case('otel-protocol-grpc', ['check', PLAIN], 2, 'DC040 OTEL_EXPORTER_OTLP_PROTOCOL: \'grpc\': durcap exports OTLP over '
+         'http/protobuf only', env={'OTEL_EXPORTER_OTLP_ENDPOINT': 'http://127.0.0.1:1', 'OTEL_EXPORTER_OTLP_PROTOCOL': 'grpc'}),
     Case('local-failing-tool', ['run', f'{AGENTS}:failing', 'hi'], 1,
          "agent 'input-failing' failed on local in capability 'broken' (tool 'explode')"),
 ]

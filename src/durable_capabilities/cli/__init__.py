@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .. import telemetry
 from .._limits import INPUT_CODE, one_line, printable, redact_database_url
 from ..agent import DurableAgent
 from ..engines import ALL_ENGINES, DURABLE_ENGINES, specs
@@ -471,6 +472,18 @@ def _valid_agents(
     return loaded.agents
 
 
+def _telemetry_from_env() -> None:
+    """Export traces and metrics when the `OTEL_*` variables ask for it (`telemetry.configure_from_env`); an unusable
+    value is one line on stderr (DC040) and exit code 2."""
+    from .._limits import InputError
+
+    try:
+        telemetry.configure_from_env()
+    except InputError as error:
+        _err.print(Text(f'durcap: {error}'))
+        raise SystemExit(2) from None
+
+
 def main() -> None:
     """Console-script entry point (`durcap`).
 
@@ -481,11 +494,14 @@ def main() -> None:
     """
     code: int | str | None = 0
     try:
+        _telemetry_from_env()
         app()
     except SystemExit as exc:
         code = exc.code
         if 'temporalio.client' not in sys.modules:
+            telemetry.shutdown()
             raise
+    telemetry.shutdown()  # spans and metrics flushed before the exit (below: without interpreter finalization)
     if 'temporalio.client' in sys.modules:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -16,6 +16,7 @@ import typer
 from rich.table import Column, Table
 from rich.text import Text
 
+from .. import telemetry
 from .._limits import one_line, printable
 from ..errors import DurcapError
 from ..settings import Settings
@@ -161,11 +162,14 @@ def show(
     """Show one run: status, start time, capabilities loaded, conversation, durable units done, and what to do."""
     _, info = _find(run_id, engine, connection_settings(conn or {}))
     if fmt is RunsFormat.json:
-        _out.print(json.dumps(info.to_json(), default=str), markup=False)
+        _out.print(json.dumps({**info.to_json(), 'trace_id': telemetry.trace_id(info.run_id)}, default=str),
+                   markup=False)
         return
     for label, value in zip(_LABELS, _row(info), strict=True):
         _out.print(f'{label}: {value}', markup=False)
     _out.print(printable(f'engine status: {info.engine_status}'), markup=False)
+    link = telemetry.trace_link(info.run_id)
+    _out.print(printable(f'trace id: {telemetry.trace_id(info.run_id)}' + (f' ({link})' if link else '')), markup=False)
     for key, value in info.detail.items():
         if value not in (None, '', False):
             _out.print(printable(f'{key}: {value}'), markup=False)
@@ -204,14 +208,19 @@ def resume(
     from .engine_commands import _print_run
 
     settings = connection_settings(conn or {})
-    adapter, _ = _find(run_id, engine, settings)
+    adapter, info = _find(run_id, engine, settings)
     agents = _valid_agents(target, use_lock=True, refused='not resumed: fix the errors above',
                            engine=adapter.name) if target else []
+    start, error = telemetry.run_started(), None
     try:
         engine_settings = {**settings.engine(), **({'build_id': build_id} if build_id else {})}
         report = asyncio.run(adapter.resume(run_id, agents, RunOptions(settings=engine_settings, notify=_err.print)))
     except (RuntimeError, NotImplementedError) as exc:
+        error = exc
         _unusable(str(exc).splitlines()[0])
+    finally:  # this process's part of the run: a child of the run's root, in the run's trace
+        telemetry.record_run(run_id, agent=info.agent or '', engine=adapter.name, conversation_id=info.conversation_id,
+                             start_ns=start, error=error, name='durcap.resume', resumed=True)
     _print_run(report)
 
 

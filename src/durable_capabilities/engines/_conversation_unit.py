@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .. import telemetry
 from ..conversations import LoadedConversation, append_conversation, claim_turn, load_conversation, release_turn
 from ..store import (
     AppendIdReuseError,
@@ -109,6 +110,13 @@ def load_unit(agent: DurableAgent[Any, Any], check: Callable[[str, list[Any]], N
     """
 
     async def load(conversation_id: str, busy: str | None = None) -> LoadedConversation:
+        with telemetry.unit_span('store.load', agent=agent.name, conversation_id=conversation_id) as span:
+            loaded = await _load(conversation_id, busy)
+            if span is not None:
+                span.set_attribute('durcap.revision', loaded.revision or 0)
+            return loaded
+
+    async def _load(conversation_id: str, busy: str | None = None) -> LoadedConversation:
         holder = run_of() if run_of is not None else None
         if holder is not None:
             await claim_turn(agent, conversation_id, holder, busy or agent.busy, store=_url(store), beat=beat,
@@ -138,9 +146,11 @@ def append_unit(agent: DurableAgent[Any, Any], *, store: StoreSource = None, run
 
     async def append(conversation_id: str, messages: list[dict[str, Any]], expected_revision: int | None,
                      append_id: str, usage: dict[str, Any] | None = None) -> int:
-        return await append_conversation(agent, conversation_id, messages, expected_revision=expected_revision,
-                                         append_id=append_id, usage=usage, store=_url(store), rebase=True,
-                                         release_claim=run_of() if run_of is not None else None)
+        with telemetry.unit_span('store.append', agent=agent.name, conversation_id=conversation_id,
+                                 messages=len(messages)):
+            return await append_conversation(agent, conversation_id, messages, expected_revision=expected_revision,
+                                             append_id=append_id, usage=usage, store=_url(store), rebase=True,
+                                             release_claim=run_of() if run_of is not None else None)
 
     return append
 

@@ -33,7 +33,7 @@ from temporalio.worker import (
     WorkflowOutboundInterceptor,
 )
 
-from ... import _upstream, budgets
+from ... import _upstream, budgets, telemetry
 from ..._limits import InputError
 from .. import _mcp, _retry_after, _retry_log
 from .._adapter import RunOptions
@@ -230,6 +230,15 @@ def warm_model(model: Any) -> None:
         infer_model(model)
 
 
+def _telemetry_interceptors() -> list[Any]:
+    """The tool span interceptor when telemetry is on (`_telemetry.ToolSpans`), else none."""
+    if not telemetry.enabled():
+        return []
+    from ._telemetry import ToolSpans
+
+    return [ToolSpans()]
+
+
 def make_worker(
     client: Client, agents: Sequence[DurableAgent[Any, Any]], task_queue: str, *, version: WorkerVersion | None = None,
     store: str | None = None, **worker_kwargs: Any,
@@ -254,7 +263,8 @@ def make_worker(
     local = {name: config for agent in agents for name, config in local_tool_activities(agent).items()}
     worker_kwargs['interceptors'] = [*worker_kwargs.get('interceptors', ()), UnstickOnRetry(), RetryAfterCap(),
                                      *([LocalToolActivities(local)] if local else []),
-                                     PublishFromActivities(store, model_request_activities(agents, durable_names))]
+                                     PublishFromActivities(store, model_request_activities(agents, durable_names)),
+                                     *_telemetry_interceptors()]
     worker_kwargs.setdefault('workflow_runner', sandbox_runner())
     logging.getLogger('temporalio.activity').addFilter(_MODEL_RETRY_LOG_LINE)  # a set: adding it again is a no-op
     for agent in agents:
