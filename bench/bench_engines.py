@@ -37,7 +37,8 @@ the median of the per-round ratios, and the ratio of this process's CPU-time med
 and other processes excluded, so it is the steadier figure on a shared machine). Targets, printed beside each
 ratio: issue 14: Temporal <= 0.75x, Prefect <= 1.0x, DBOS with our tool steps <= 1.15x upstream DBOS with tools
 inline (unrecorded) and <= 1.0x upstream with the same tools hand-wrapped in `@DBOS.step`; issue 3: <= 1.05x
-locally and for DBOS with `tool_steps=False` (the same work as upstream inline).
+locally and for DBOS with `tool_steps=False` (the same work as upstream inline); issue 28: a run whose agent has a
+`Budget` (run-scoped, never reached; its ledger a SQLite file) <= 1.05x the same durcap run without, per engine.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ TARGET_TEMPORAL = 0.75  # issue 14
 TARGET_DBOS_STEPS = 1.15  # issue 14: durcap with tool steps vs upstream with tools inline
 TARGET_DBOS_HAND_STEPS = 1.0  # issue 14: vs upstream with the same tools hand-wrapped in `@DBOS.step`
 TARGET_PREFECT = 1.0  # issue 14
+TARGET_BUDGET = 1.05  # issue 28: a run with a Budget against the same run without, per engine
 ENGINE_ORDER = ('local', 'temporal', 'dbos', 'prefect')
 
 
@@ -153,15 +155,31 @@ def _durcap_agent(name: str, **kwargs: Any) -> Any:
     return DurableAgent(name, c.make_model(), instructions=c.INSTRUCTIONS, capabilities=[c.make_capability()], **kwargs)
 
 
+def _budget(tmp: Path) -> Any:
+    """A run-scoped token budget no run reaches, its ledger in a SQLite file of the bench's folder: every model request
+    is checked and reserved, then settled, in the store (two write transactions)."""
+    from durable_capabilities import Budget
+
+    return Budget(total_tokens=10**12, scope='run', store=f'sqlite:///{tmp / "budgets.db"}')
+
+
+def _budget_comparison(engine: str, budgeted: Variant, plain: Variant) -> Comparison:
+    return Comparison(engine, 'durcap with a budget vs without (issue 28)', budgeted.series, plain.series, TARGET_BUDGET)
+
+
 # ---- local ------------------------------------------------------------------------------------------
 
 
 async def bench_local(args: argparse.Namespace, tmp: Path) -> EngineResult:
     durcap = _durcap_agent('bench_durcap_local')
+    budgeted = _durcap_agent('bench_durcap_local_budget', budget=_budget(tmp))
     upstream = c.upstream_agent('bench_up_local', None)
 
     async def run_durcap() -> Any:
         return (await durcap.run(c.PROMPT)).output
+
+    async def run_budgeted() -> Any:
+        return (await budgeted.run(c.PROMPT)).output
 
     async def run_upstream() -> Any:
         return (await upstream.run(c.PROMPT)).output
@@ -169,11 +187,14 @@ async def bench_local(args: argparse.Namespace, tmp: Path) -> EngineResult:
     result = await durcap.run(c.PROMPT)
     c.check_messages(result.new_messages())
     variants = [Variant('durcap', run_durcap), Variant('upstream', run_upstream)]
+    budget_variant = Variant('durcap with a budget', run_budgeted)
     if args.profile == 'local':
         await profile_variants(variants, args)
-    await interleave(variants, args.runs, args.warmup)
-    comparison = Comparison('local', 'durcap vs upstream', variants[0].series, variants[1].series, TARGET)
-    return EngineResult('local', [comparison], {})
+    await interleave([*variants, budget_variant], args.runs, args.warmup)
+    return EngineResult('local', [
+        Comparison('local', 'durcap vs upstream', variants[0].series, variants[1].series, TARGET),
+        _budget_comparison('local', budget_variant, variants[0]),
+    ], {})
 
 
 # ---- temporal ---------------------------------------------------------------------------------------
@@ -201,6 +222,7 @@ async def bench_temporal(args: argparse.Namespace, tmp: Path) -> EngineResult:
     from durable_capabilities.engines.temporal import start_temporal_dev_server
 
     durcap = _durcap_agent('bench_durcap_temporal')
+    budgeted = _durcap_agent('bench_durcap_temporal_budget', budget=_budget(tmp))
     durcap_local = _durcap_agent('bench_durcap_temporal_local',
                                  engine_options={'temporal': {durcap_temporal.LOCAL_TOOLSETS_OPTION: {c.CAPABILITY_ID: {}}}})
     server = start_temporal_dev_server(state_dir=tmp / 'temporal', persistent=False)
@@ -219,7 +241,14 @@ async def bench_temporal(args: argparse.Namespace, tmp: Path) -> EngineResult:
             ),
         )
         async with durcap_temporal.make_worker(durcap_client, [durcap], 'bench-durcap'), \
-                durcap_temporal.make_worker(durcap_client, [durcap_local], 'bench-durcap-local'), upstream_worker:
+                durcap_temporal.make_worker(durcap_client, [durcap_local], 'bench-durcap-local'), \
+                durcap_temporal.make_worker(durcap_client, [budgeted], 'bench-durcap-budget'), upstream_worker:
+
+            async def run_budgeted() -> Any:
+                return (await durcap_temporal.run(
+                    durcap_client, budgeted, c.PROMPT, task_queue='bench-durcap-budget',
+                    workflow_id=f'durcap-budget-{uuid.uuid4()}', eager=True,
+                )).output
 
             async def start_durcap() -> Any:
                 return await durcap_temporal.start_run(
@@ -280,9 +309,9 @@ async def bench_temporal(args: argparse.Namespace, tmp: Path) -> EngineResult:
             print(f'  durcap local tools: one run records {len(local_history)} history events, '
                   f'{len(units["durcap local tools"])} activities + local activities', flush=True)
             variants = [Variant('durcap', run_durcap), Variant('upstream', run_upstream),
-                        Variant('durcap local tools', run_durcap_local)]
+                        Variant('durcap local tools', run_durcap_local), Variant('durcap with a budget', run_budgeted)]
             if args.profile == 'temporal':
-                await profile_variants(variants, args)
+                await profile_variants(variants[:3], args)
             await interleave(variants, args.runs, args.warmup)
     finally:
         server.stop()
@@ -291,6 +320,7 @@ async def bench_temporal(args: argparse.Namespace, tmp: Path) -> EngineResult:
                    TARGET_TEMPORAL),
         Comparison('temporal', 'durcap, tools local activities (eager) vs upstream', variants[2].series,
                    variants[1].series, TARGET_TEMPORAL),
+        _budget_comparison('temporal', variants[3], variants[0]),
     ]
     return EngineResult('temporal', comparisons, units, events)
 
@@ -306,6 +336,11 @@ async def bench_dbos(args: argparse.Namespace, tmp: Path) -> EngineResult:
 
     steps_agent = _durcap_agent('bench_durcap_dbos')
     inline_agent = _durcap_agent('bench_durcap_dbos_inline', engine_options={'dbos': {'tool_steps': False}})
+    budget_agent = _durcap_agent('bench_durcap_dbos_budget', budget=_budget(tmp))
+
+    @durcap_dbos.workflow(budget_agent, name='bench.durcap.budget')
+    async def durcap_budget(agent: Any, prompt: str) -> str:
+        return (await agent.run(prompt)).output
 
     # durcap: the decorator DBOS users put on their own workflow.
     @durcap_dbos.workflow(steps_agent, name='bench.durcap.steps')
@@ -356,11 +391,12 @@ async def bench_dbos(args: argparse.Namespace, tmp: Path) -> EngineResult:
             Variant('upstream', lambda: upstream_workflow(c.PROMPT)),
             Variant('upstream (@DBOS.step tools)', lambda: upstream_steps_workflow(c.PROMPT)),
         ]
+        budget_variant = Variant('durcap with a budget', lambda: durcap_budget(c.PROMPT))
         if args.profile == 'dbos':
             await profile_variants([variants[0], variants[2]], args)
             await profile_variants([variants[0], variants[3]], args)
             await profile_variants([variants[1], variants[2]], args)
-        await interleave(variants, args.runs, args.warmup)
+        await interleave([*variants, budget_variant], args.runs, args.warmup)
     finally:
         DBOS.destroy()
     steps, inline, base, hand_steps = (v.series for v in variants)
@@ -369,6 +405,7 @@ async def bench_dbos(args: argparse.Namespace, tmp: Path) -> EngineResult:
         Comparison('dbos', 'durcap (tool steps, default) vs upstream (tools inline)', steps, base, TARGET_DBOS_STEPS),
         Comparison('dbos', 'durcap (tool steps) vs upstream (@DBOS.step tools)', steps, hand_steps,
                    TARGET_DBOS_HAND_STEPS),
+        _budget_comparison('dbos', budget_variant, variants[0]),
     ], units)
 
 
@@ -403,6 +440,7 @@ async def bench_prefect(args: argparse.Namespace, tmp: Path) -> EngineResult:
 
         durcap = _durcap_agent('bench_durcap_prefect')
         durcap_flow = durcap_prefect.agent_flow(durcap)
+        budget_flow = durcap_prefect.agent_flow(_durcap_agent('bench_durcap_prefect_budget', budget=_budget(tmp)))
 
         upstream = c.upstream_agent('bench_up_prefect', PrefectDurability())
 
@@ -461,18 +499,23 @@ async def bench_prefect(args: argparse.Namespace, tmp: Path) -> EngineResult:
                 task_runs.sort(key=lambda t: (t.expected_start_time or t.created, t.name))
                 units[label] = [t.name for t in task_runs]
 
+        async def run_budgeted() -> Any:
+            return (await budget_flow(prompt=c.PROMPT))['output']
+
         variants = [Variant('durcap', run_durcap), Variant('upstream', run_upstream)]
         payload_variant = Variant('upstream (same payload)', run_upstream_payload)
+        budget_variant = Variant('durcap with a budget', run_budgeted)
         if args.profile == 'prefect':
             await profile_variants(variants, args)
             await profile_variants([variants[0], payload_variant], args)
-        await interleave([*variants, payload_variant], args.runs, args.warmup)
+        await interleave([*variants, payload_variant, budget_variant], args.runs, args.warmup)
     finally:
         server.stop()
     ours, base = (v.series for v in variants)
     return EngineResult('prefect', [
         Comparison('prefect', 'durcap vs upstream', ours, base, TARGET_PREFECT),
         Comparison('prefect', 'durcap vs upstream returning the same payload', ours, payload_variant.series, None),
+        _budget_comparison('prefect', budget_variant, variants[0]),
     ], units)
 
 

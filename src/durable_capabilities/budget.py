@@ -86,7 +86,8 @@ class Budget:
         on_exceed: `'error'` (the default: `BudgetExceededError`, DC060) or `'approval'` (the run waits as a
             durable approval, "raise the budget by `raise_by`?", decided with `durcap approve` / `deny`; approved, the
             limit is raised and the request sent; denied, the run fails with DC060). Durable engines only (a local
-            run denies it at once, as it does every approval).
+            run denies it at once, as it does every approval; a request sent streamed, with an `event_stream_handler`,
+            fails with DC060 instead).
         raise_by: What an approval raises the reached limit by (default: the limit itself, doubling it).
         prices: `{model name: (USD per million input tokens, USD per million output tokens)}` (`'*'` for any model);
             a model not in it is priced by pydantic-ai (genai-prices), else counted at 0 USD.
