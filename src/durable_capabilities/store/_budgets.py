@@ -152,10 +152,11 @@ def settle(sql: _SQLBackend, key: str, request_id: str, run_id: str, input_token
             conn.execute(sa.text(
                 "UPDATE durcap_budget_reservations SET state = 'settled', input_tokens = :i, output_tokens = :o, "
                 'cost_nanos = :c, settled_at = :at WHERE budget_key = :k AND request_id = :r'), params)
-        settled = old is not None and old.state == 'settled'
-        di = input_tokens - (int(old.input_tokens) if settled else 0)
-        do = output_tokens - (int(old.output_tokens) if settled else 0)
-        dc = nanos - (int(old.cost_nanos) if settled else 0)
+        before = old if old is not None and old.state == 'settled' else None
+        settled = before is not None
+        di = input_tokens - (int(before.input_tokens) if before is not None else 0)
+        do = output_tokens - (int(before.output_tokens) if before is not None else 0)
+        dc = nanos - (int(before.cost_nanos) if before is not None else 0)
         conn.execute(_ADD, {'k': key, 'di': di, 'do': do, 'dt': di + do, 'dc': dc, 'dr': 0 if settled else 1, 'at': _now()})
 
 
