@@ -133,5 +133,6 @@ def test_dbos_spent_budget_waits_for_approval_approve_raises_it_deny_fails_the_r
     assert denied.returncode == 0, denied.stderr
     line = third.wait_for('DC060', timeout=120)
     assert f"key 'conversation:{conversation}' is spent: 200 tokens of the limit 101 tokens" in line, line
+    assert 'an operator denied raising it' in line, line
     assert log.read_text().splitlines() == ['turn 1', 'turn 2']
     assert sql(store, 'SELECT total_tokens, requests, raised FROM durcap_budget_ledger') == [(200, 2, '{"total_tokens": 51}')]
