@@ -43,7 +43,8 @@ the median of the per-round ratios, and the ratio of this process's CPU-time med
 and other processes excluded, so it is the steadier figure on a shared machine). Targets, printed beside each
 ratio: issue 14: Temporal <= 0.75x, Prefect <= 1.0x, DBOS with our tool steps <= 1.15x upstream DBOS with tools
 inline (unrecorded) and <= 1.0x upstream with the same tools hand-wrapped in `@DBOS.step`; issue 3: <= 1.05x
-locally and for DBOS with `tool_steps=False` (the same work as upstream inline).
+locally and for DBOS with `tool_steps=False` (the same work as upstream inline); issue 28: a run whose agent has a
+`Budget` (run-scoped, never reached; its ledger a SQLite file) <= 1.05x the same durcap run without, per engine.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ TARGET_DBOS_STEPS = 1.15  # issue 14: durcap with tool steps vs upstream with to
 TARGET_DBOS_HAND_STEPS = 1.0  # issue 14: vs upstream with the same tools hand-wrapped in `@DBOS.step`
 TARGET_PREFECT = 1.0  # issue 14
 TARGET_TELEMETRY = 1.05  # issue 27: telemetry on vs off
+TARGET_BUDGET = 1.05  # issue 28: a run with a Budget against the same run without, per engine
 ENGINE_ORDER = ('local', 'temporal', 'dbos', 'prefect')
 
 
@@ -203,15 +205,31 @@ class Telemetry:
         return Comparison(engine, 'durcap telemetry on vs off', on.series, off.series, TARGET_TELEMETRY)
 
 
+def _budget(tmp: Path) -> Any:
+    """A run-scoped token budget no run reaches, its ledger in a SQLite file of the bench's folder: every model request
+    is checked and reserved, then settled, in the store (two write transactions)."""
+    from durable_capabilities import Budget
+
+    return Budget(total_tokens=10**12, scope='run', store=f'sqlite:///{tmp / "budgets.db"}')
+
+
+def _budget_comparison(engine: str, budgeted: Variant, plain: Variant) -> Comparison:
+    return Comparison(engine, 'durcap with a budget vs without (issue 28)', budgeted.series, plain.series, TARGET_BUDGET)
+
+
 # ---- local ------------------------------------------------------------------------------------------
 
 
 async def bench_local(args: argparse.Namespace, tmp: Path) -> EngineResult:
     durcap = _durcap_agent('bench_durcap_local')
+    budgeted = _durcap_agent('bench_durcap_local_budget', budget=_budget(tmp))
     upstream = c.upstream_agent('bench_up_local', None)
 
     async def run_durcap() -> Any:
         return (await durcap.run(c.PROMPT)).output
+
+    async def run_budgeted() -> Any:
+        return (await budgeted.run(c.PROMPT)).output
 
     async def run_upstream() -> Any:
         return (await upstream.run(c.PROMPT)).output
@@ -227,12 +245,13 @@ async def bench_local(args: argparse.Namespace, tmp: Path) -> EngineResult:
             return (await traced_agent.run(c.PROMPT)).output
 
         variants.append(Variant('durcap (telemetry on)', tel.traced(run_traced)))
+    budget_variant = Variant('durcap with a budget', run_budgeted)
     if args.profile == 'local':
         await profile_variants(variants[:2], args)
-    await interleave(variants, args.runs, args.warmup)
+    await interleave([*variants, budget_variant], args.runs, args.warmup)
     comparison = Comparison('local', 'durcap vs upstream', variants[0].series, variants[1].series, TARGET)
     extra = [tel.comparison('local', variants[2], variants[0])] if tel is not None else []
-    return EngineResult('local', [comparison, *extra], {})
+    return EngineResult('local', [comparison, *extra, _budget_comparison('local', budget_variant, variants[0])], {})
 
 
 # ---- temporal ---------------------------------------------------------------------------------------
@@ -261,6 +280,7 @@ async def bench_temporal(args: argparse.Namespace, tmp: Path) -> EngineResult:
 
     durcap = _durcap_agent('bench_durcap_temporal')
     tel = Telemetry() if args.telemetry else None
+    budgeted = _durcap_agent('bench_durcap_temporal_budget', budget=_budget(tmp))
     durcap_local = _durcap_agent('bench_durcap_temporal_local',
                                  engine_options={'temporal': {durcap_temporal.LOCAL_TOOLSETS_OPTION: {c.CAPABILITY_ID: {}}}})
     server = start_temporal_dev_server(state_dir=tmp / 'temporal', persistent=False)
@@ -279,7 +299,14 @@ async def bench_temporal(args: argparse.Namespace, tmp: Path) -> EngineResult:
             ),
         )
         async with durcap_temporal.make_worker(durcap_client, [durcap], 'bench-durcap'), \
-                durcap_temporal.make_worker(durcap_client, [durcap_local], 'bench-durcap-local'), upstream_worker:
+                durcap_temporal.make_worker(durcap_client, [durcap_local], 'bench-durcap-local'), \
+                durcap_temporal.make_worker(durcap_client, [budgeted], 'bench-durcap-budget'), upstream_worker:
+
+            async def run_budgeted() -> Any:
+                return (await durcap_temporal.run(
+                    durcap_client, budgeted, c.PROMPT, task_queue='bench-durcap-budget',
+                    workflow_id=f'durcap-budget-{uuid.uuid4()}', eager=True,
+                )).output
 
             async def start_durcap() -> Any:
                 return await durcap_temporal.start_run(
@@ -368,6 +395,7 @@ async def bench_temporal(args: argparse.Namespace, tmp: Path) -> EngineResult:
                 variants = [Variant('durcap', run_durcap), Variant('upstream', run_upstream),
                             Variant('durcap local tools', run_durcap_local),
                             Variant('durcap measured lock', run_durcap_measured)]
+                budget_variant = Variant('durcap with a budget', run_budgeted)
                 if tel is not None:  # a worker built with telemetry on: its tool span interceptor, the model wrapper
                     traced_agent = _durcap_agent('bench_durcap_temporal_telemetry')
                     tel.on()
@@ -384,7 +412,7 @@ async def bench_temporal(args: argparse.Namespace, tmp: Path) -> EngineResult:
                     variants.append(Variant('durcap (telemetry on)', tel.traced(run_traced)))
                 if args.profile == 'temporal':
                     await profile_variants(variants[:4], args)
-                await interleave(variants, args.runs, args.warmup)
+                await interleave([*variants, budget_variant], args.runs, args.warmup)
     finally:
         server.stop()
     comparisons = [
@@ -394,6 +422,7 @@ async def bench_temporal(args: argparse.Namespace, tmp: Path) -> EngineResult:
                    variants[1].series, TARGET_TEMPORAL),
         Comparison('temporal', 'durcap, measured lock, no hand marking (eager) vs upstream', variants[3].series,
                    variants[1].series, TARGET_TEMPORAL),
+        _budget_comparison('temporal', budget_variant, variants[0]),
     ]
     if tel is not None:
         comparisons.append(tel.comparison('temporal', variants[4], variants[0]))
@@ -411,6 +440,11 @@ async def bench_dbos(args: argparse.Namespace, tmp: Path) -> EngineResult:
 
     steps_agent = _durcap_agent('bench_durcap_dbos')
     inline_agent = _durcap_agent('bench_durcap_dbos_inline', engine_options={'dbos': {'tool_steps': False}})
+    budget_agent = _durcap_agent('bench_durcap_dbos_budget', budget=_budget(tmp))
+
+    @durcap_dbos.workflow(budget_agent, name='bench.durcap.budget')
+    async def durcap_budget(agent: Any, prompt: str) -> str:
+        return (await agent.run(prompt)).output
 
     # durcap: the decorator DBOS users put on their own workflow.
     @durcap_dbos.workflow(steps_agent, name='bench.durcap.steps')
@@ -475,11 +509,12 @@ async def bench_dbos(args: argparse.Namespace, tmp: Path) -> EngineResult:
         ]
         if tel is not None:
             variants.append(Variant('durcap (tool steps, telemetry on)', tel.traced(lambda: traced_workflow(c.PROMPT))))
+        budget_variant = Variant('durcap with a budget', lambda: durcap_budget(c.PROMPT))
         if args.profile == 'dbos':
             await profile_variants([variants[0], variants[2]], args)
             await profile_variants([variants[0], variants[3]], args)
             await profile_variants([variants[1], variants[2]], args)
-        await interleave(variants, args.runs, args.warmup)
+        await interleave([*variants, budget_variant], args.runs, args.warmup)
     finally:
         DBOS.destroy()
     steps, inline, base, hand_steps = (v.series for v in variants[:4])
@@ -489,6 +524,7 @@ async def bench_dbos(args: argparse.Namespace, tmp: Path) -> EngineResult:
         Comparison('dbos', 'durcap (tool steps, default) vs upstream (tools inline)', steps, base, TARGET_DBOS_STEPS),
         Comparison('dbos', 'durcap (tool steps) vs upstream (@DBOS.step tools)', steps, hand_steps,
                    TARGET_DBOS_HAND_STEPS),
+        _budget_comparison('dbos', budget_variant, variants[0]),
     ], units)
 
 
@@ -524,6 +560,7 @@ async def bench_prefect(args: argparse.Namespace, tmp: Path) -> EngineResult:
 
         durcap = _durcap_agent('bench_durcap_prefect')
         durcap_flow = durcap_prefect.agent_flow(durcap)
+        budget_flow = durcap_prefect.agent_flow(_durcap_agent('bench_durcap_prefect_budget', budget=_budget(tmp)))
 
         upstream = c.upstream_agent('bench_up_prefect', PrefectDurability())
 
@@ -582,6 +619,9 @@ async def bench_prefect(args: argparse.Namespace, tmp: Path) -> EngineResult:
                 task_runs.sort(key=lambda t: (t.expected_start_time or t.created, t.name))
                 units[label] = [t.name for t in task_runs]
 
+        async def run_budgeted() -> Any:
+            return (await budget_flow(prompt=c.PROMPT))['output']
+
         variants = [Variant('durcap', run_durcap), Variant('upstream', run_upstream)]
         payload_variant = Variant('upstream (same payload)', run_upstream_payload)
         more: list[Variant] = []
@@ -594,10 +634,11 @@ async def bench_prefect(args: argparse.Namespace, tmp: Path) -> EngineResult:
                 return (await traced_flow(prompt=c.PROMPT))['output']
 
             more.append(Variant('durcap (telemetry on)', tel.traced(run_traced)))
+        budget_variant = Variant('durcap with a budget', run_budgeted)
         if args.profile == 'prefect':
             await profile_variants(variants, args)
             await profile_variants([variants[0], payload_variant], args)
-        await interleave([*variants, payload_variant, *more], args.runs, args.warmup)
+        await interleave([*variants, payload_variant, *more, budget_variant], args.runs, args.warmup)
     finally:
         server.stop()
     ours, base = (v.series for v in variants)
@@ -605,6 +646,7 @@ async def bench_prefect(args: argparse.Namespace, tmp: Path) -> EngineResult:
     return EngineResult('prefect', [*extra,
         Comparison('prefect', 'durcap vs upstream', ours, base, TARGET_PREFECT),
         Comparison('prefect', 'durcap vs upstream returning the same payload', ours, payload_variant.series, None),
+        _budget_comparison('prefect', budget_variant, variants[0]),
     ], units)
 
 

@@ -52,18 +52,22 @@ class BudgetExceededError(ModelQuotaExceededError, DurcapError, code='DC060'):
         key: The budget key (`conversation:{id}`, `run:{id}`, or the key computed from the deps).
         spent: What the key's completed requests spent of it (tokens, or USD).
         limit: The limit (plus what operators raised it by).
+        decided: Refused right after an operator's decision on raising it (`on_exceed='approval'`: denied, timed out,
+            or raised too little).
     """
 
-    def __init__(self, budget: str, key: str, spent: float, limit: float, model_name: str = 'budget'):
-        self.budget, self.key, self.spent, self.limit = budget, key, spent, limit
+    def __init__(self, budget: str, key: str, spent: float, limit: float, model_name: str = 'budget',
+                 decided: bool = False):
+        self.budget, self.key, self.spent, self.limit, self.decided = budget, key, spent, limit, decided
         unit = ' USD' if budget == 'cost' else ' tokens'
+        fix = ('an operator denied raising it (or raised it too little, or no one decided in time)' if decided else
+               "or use Budget(on_exceed='approval') to let an operator raise it")
         super().__init__(model_name, f'DC060 budget {budget} of key {key!r} is spent: {_num(spent)}{unit} of the '
                          f'limit {_num(limit)}{unit}; the model request was not sent. Fix: raise the limit '
-                         f'(Budget({budget}=...)), reset the key (`durcap budgets reset {key}`), or use '
-                         "Budget(on_exceed='approval') to let an operator raise it")
+                         f'(Budget({budget}=...)), reset the key (`durcap budgets reset {key}`), {fix}')
 
     def __reduce__(self) -> Any:  # DBOS and Prefect pickle a failed unit's error
-        return (type(self), (self.budget, self.key, self.spent, self.limit, self.model_name))
+        return (type(self), (self.budget, self.key, self.spent, self.limit, self.model_name, self.decided))
 
 
 def _num(value: float) -> str:
@@ -86,7 +90,8 @@ class Budget:
         on_exceed: `'error'` (the default: `BudgetExceededError`, DC060) or `'approval'` (the run waits as a
             durable approval, "raise the budget by `raise_by`?", decided with `durcap approve` / `deny`; approved, the
             limit is raised and the request sent; denied, the run fails with DC060). Durable engines only (a local
-            run denies it at once, as it does every approval).
+            run denies it at once, as it does every approval; a request sent streamed, with an `event_stream_handler`,
+            fails with DC060 instead).
         raise_by: What an approval raises the reached limit by (default: the limit itself, doubling it).
         prices: `{model name: (USD per million input tokens, USD per million output tokens)}` (`'*'` for any model);
             a model not in it is priced by pydantic-ai (genai-prices), else counted at 0 USD.

@@ -80,8 +80,10 @@ class BudgetModel(WrapperModel):
         """With `on_exceed='approval'`: instead of the request, a call of `RAISE_TOOL` (which needs approval), so the
         run waits durably for an operator; refused again right after a decision (denied, or raised too little): the
         error."""
-        if self.budget.on_exceed != 'approval' or _just_decided(messages):
+        if self.budget.on_exceed != 'approval':
             raise error
+        if _just_decided(messages):
+            raise BudgetExceededError(error.budget, error.key, error.spent, error.limit, error.model_name, decided=True)
         by = self.budget.raise_by if self.budget.raise_by is not None else max(error.limit, error.spent - error.limit + 1)
         args = {'budget': error.budget, 'key': error.key, 'by': by, 'spent': error.spent, 'limit': error.limit,
                 'store': settings.get('store')}

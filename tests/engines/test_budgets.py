@@ -133,5 +133,17 @@ def test_dbos_spent_budget_waits_for_approval_approve_raises_it_deny_fails_the_r
     assert denied.returncode == 0, denied.stderr
     line = third.wait_for('DC060', timeout=120)
     assert f"key 'conversation:{conversation}' is spent: 200 tokens of the limit 101 tokens" in line, line
+    assert 'an operator denied raising it' in line, line
     assert log.read_text().splitlines() == ['turn 1', 'turn 2']
     assert sql(store, 'SELECT total_tokens, requests, raised FROM durcap_budget_ledger') == [(200, 2, '{"total_tokens": 51}')]
+
+
+def test_twenty_concurrent_runs_of_one_tenant_on_postgresql(store_url: str) -> None:
+    """tests/unit/test_budgets.py's 20 concurrent runs of one tenant key, the ledger on a fresh PostgreSQL database
+    (`store_url` under tests/engines; row locks `SELECT ... FOR UPDATE`, commits with `synchronous_commit = off`): at
+    most 10 + 20 requests billed and exactly their tokens recorded."""
+    from tests.unit.test_budgets import twenty_concurrent_runs
+
+    assert store_url.startswith('postgresql')
+    _, billed = twenty_concurrent_runs(store_url)
+    assert 10 <= billed <= 30

@@ -23,10 +23,11 @@ from durable_capabilities import Budget, BudgetExceededError, DurableAgent, runn
 from tests._helpers import durcap_here, sql
 
 
-def test_twenty_concurrent_runs_of_one_tenant_overspend_by_at_most_one_request_each(tmp_path: Path) -> None:
-    """A tenant budget of 10 requests' worth (1,000 tokens), 20 runs at once wanting 5 requests each: at most 10 + 20
-    requests reach the model (each run at most one in flight past the limit), every run that stopped did so with
-    DC060 before a request, and the ledger holds exactly the tokens of the requests the model answered."""
+def twenty_concurrent_runs(store: str) -> tuple[DurableAgent, int]:
+    """A tenant budget of 10 requests' worth (1,000 tokens), 20 runs at once (local engine, this process, the store's
+    threads) wanting 5 requests each: at most 10 + 20 requests reach the model (each run at most one in flight past
+    the limit), every run that stopped did so with DC060 before a request, and the ledger holds exactly the tokens
+    of the requests the model answered. Returns the agent and the requests billed."""
     billed: list[int] = []
 
     async def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
@@ -45,8 +46,6 @@ def test_twenty_concurrent_runs_of_one_tenant_overspend_by_at_most_one_request_e
                          budget=Budget(total_tokens=1_000, scope=lambda deps: f'tenant:{deps["tenant"]}',
                                        prices={'*': (1.0, 2.0)}))
 
-    store = f'sqlite:///{tmp_path / "conversations.db"}'
-
     async def main() -> list[object]:
         return await asyncio.gather(*(runner.run(agent, f'job {n}', deps={'tenant': 'acme'}, store=store,
                                                  notify=lambda line: None) for n in range(20)), return_exceptions=True)
@@ -62,15 +61,23 @@ def test_twenty_concurrent_runs_of_one_tenant_overspend_by_at_most_one_request_e
     assert sql(store, "SELECT COUNT(*) FROM durcap_budget_reservations WHERE state = 'settled'") == [(len(billed),)]
     # The price table: $1 / $2 per million input / output tokens, in nano-USD.
     assert sql(store, 'SELECT cost_nanos FROM durcap_budget_ledger') == [(130_000 * len(billed),)]
+    return agent, len(billed)
+
+
+def test_twenty_concurrent_runs_of_one_tenant_overspend_by_at_most_one_request_each(tmp_path: Path) -> None:
+    """`twenty_concurrent_runs` on SQLite (tests/engines/test_budgets.py runs it on PostgreSQL), then `durcap budgets`
+    on its ledger."""
+    store = f'sqlite:///{tmp_path / "conversations.db"}'
+    agent, billed = twenty_concurrent_runs(store)
 
     # `durcap budgets list|show|reset` read and reset the same ledger.
     listed = durcap_here('budgets', 'list', '--store', store, '--format', 'json')
     assert listed.exit_code == 0, listed.stdout
     [record] = json.loads(listed.stdout)
-    assert record['key'] == 'tenant:acme' and record['spent']['total_tokens'] == 100 * len(billed)
+    assert record['key'] == 'tenant:acme' and record['spent']['total_tokens'] == 100 * billed
     assert record['limits'] == {'total_tokens': 1000} and record['in_flight'] == 0
     shown = durcap_here('budgets', 'show', 'tenant:acme', '--store', store)
-    assert shown.exit_code == 0 and f'total_tokens: {100 * len(billed):,} / 1,000' in shown.stdout, shown.stdout
+    assert shown.exit_code == 0 and f'total_tokens: {100 * billed:,} / 1,000' in shown.stdout, shown.stdout
     assert durcap_here('budgets', 'show', 'tenant:other', '--store', store).exit_code == 1
     assert durcap_here('budgets', 'reset', 'tenant:acme', '--store', store).exit_code == 0
     assert durcap_here('budgets', 'list', '--store', store).stdout.strip() == 'no budget has spent anything in this store'

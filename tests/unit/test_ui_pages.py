@@ -74,3 +74,31 @@ def test_a_call_decided_but_not_received_shows_the_decision_and_no_forms() -> No
     assert '<form' not in decided_html
     assert 'already <strong>approved by alice-admin at 2026-12-01T06:05:00+00:00</strong>' in decided_html
     assert 'durcap runs resume run-1' in decided_html
+
+
+def test_budgets_page_lists_each_key_with_spent_and_limits(tmp_path: Path) -> None:
+    """`/budgets` (issue 28): a key's spend of each limit, its raise, requests and in-flight count, from the real
+    SQLite ledger (written through the store's budget calls); an empty store says so; a missing store is one line."""
+    import asyncio
+    import html
+
+    from durable_capabilities.store import SQLConversationStore
+
+    store = f'sqlite:///{tmp_path}/c.db'
+
+    async def spend() -> None:
+        with SQLConversationStore(store) as opened:
+            assert await opened.budget_reserve('tenant:acme', 'r#1', 'r', {'total_tokens': 500}) is None
+            await opened.budget_settle('tenant:acme', 'r#1', 'r', input_tokens=300, output_tokens=100)
+            await opened.budget_raise('tenant:acme', 'total_tokens', 250)
+            assert await opened.budget_reserve('tenant:acme', 'r#3', 'r', {'total_tokens': 500}) is None
+
+    app = create_app(Settings.resolve(db=f'sqlite:///{tmp_path}/dbos.sqlite', store=store), 'tok', engines=['dbos'])
+    asyncio.run(spend())
+    page = html.unescape(re.sub(r'\s+', ' ', TestClient(app).get('/budgets').text))
+    assert 'tenant:acme' in page and '400 / 750 (raised by 250)' in page, page[-2000:]
+    assert '<td>1</td><td>1</td>' in page  # one request settled, one in flight
+    missing = create_app(Settings.resolve(db=f'sqlite:///{tmp_path}/dbos.sqlite', store=f'sqlite:///{tmp_path}/none.db'),
+                         'tok', engines=['dbos'])
+    said = TestClient(missing).get('/budgets')
+    assert said.status_code == 200 and 'no conversation store at' in said.text and 'id="budgets"' not in said.text

@@ -552,6 +552,20 @@ if TYPE_CHECKING:
     from ._budgets import BudgetRecord
 
 
+_BUDGET_POOL: list[Any] = []
+
+
+async def _budget_thread(function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)` in the budget ledger's own worker threads (at most 8), not the loop's default executor: DBOS's
+    one-shot run shuts that one down when it ends (`DBOS.destroy()`), and a budget's model request or report read can
+    come after it in the same loop. One pool per process (a forked child makes its own)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not _BUDGET_POOL or _BUDGET_POOL[0][0] != os.getpid():  # a forked process gets threads of its own
+        _BUDGET_POOL[:] = [(os.getpid(), ThreadPoolExecutor(max_workers=8, thread_name_prefix='durcap-budget'))]
+    return await asyncio.get_running_loop().run_in_executor(_BUDGET_POOL[0][1], lambda: function(*args))
+
+
 class SQLConversationStore(ConversationStore):
     """Conversations in SQLite or PostgreSQL, append-only, as pydantic-ai's own message JSON.
 
@@ -740,7 +754,7 @@ class SQLConversationStore(ConversationStore):
         """
         from . import _budgets
 
-        return await asyncio.to_thread(_budgets.reserve, self._sql, key, request_id, run_id, limits)
+        return await _budget_thread(_budgets.reserve, self._sql, key, request_id, run_id, limits)
 
     async def budget_settle(self, key: str, request_id: str, run_id: str, *, input_tokens: int, output_tokens: int,
                             cost: float = 0.0) -> None:
@@ -748,31 +762,31 @@ class SQLConversationStore(ConversationStore):
         it again replaces its usage, so a retried unit counts once."""
         from . import _budgets
 
-        await asyncio.to_thread(_budgets.settle, self._sql, key, request_id, run_id, input_tokens, output_tokens, cost)
+        await _budget_thread(_budgets.settle, self._sql, key, request_id, run_id, input_tokens, output_tokens, cost)
 
     async def budget_release(self, key: str, request_id: str) -> None:
         """Drop the reservation of request `request_id` of `key` that failed before the provider answered."""
         from . import _budgets
 
-        await asyncio.to_thread(_budgets.release, self._sql, key, request_id)
+        await _budget_thread(_budgets.release, self._sql, key, request_id)
 
     async def budgets(self, key: str | None = None) -> list[BudgetRecord]:
         """Every budget key's `BudgetRecord` (only `key`'s when given), sorted by key."""
         from . import _budgets
 
-        return await asyncio.to_thread(_budgets.records, self._sql, key)
+        return await _budget_thread(_budgets.records, self._sql, key)
 
     async def budget_reset(self, key: str) -> bool:
         """Forget what budget `key` spent, reserved and was raised by. Returns whether the key existed."""
         from . import _budgets
 
-        return await asyncio.to_thread(_budgets.reset, self._sql, key)
+        return await _budget_thread(_budgets.reset, self._sql, key)
 
     async def budget_raise(self, key: str, name: str, amount: float) -> BudgetRecord:
         """Raise limit `name` (`'total_tokens'`, ..., `'cost'`) of budget `key` by `amount`; the record after."""
         from . import _budgets
 
-        return await asyncio.to_thread(_budgets.raise_limit, self._sql, key, name, amount)
+        return await _budget_thread(_budgets.raise_limit, self._sql, key, name, amount)
 
     async def check_writable(self) -> None:
         """Open a write transaction and write nothing: a cheap probe before a run whose turn will be appended.

@@ -155,16 +155,21 @@ class _SQLBackend:
     # ---- connections and schema ---------------------------------------------------------------
 
     @contextmanager
-    def _txn(self, *, write: bool) -> Iterator[sa.Connection]:
+    def _txn(self, *, write: bool, relaxed: bool = False) -> Iterator[sa.Connection]:
+        """A transaction (`BEGIN IMMEDIATE` on SQLite when `write`). `relaxed`: its commit is durable against a crash of
+        any process, not against an OS crash or power loss (SQLite `synchronous=NORMAL` in WAL mode, PostgreSQL
+        `synchronous_commit = off`): no disk flush per commit, for the budget ledger's per-request writes."""
         self._ensure_ready()
         try:
             conn = self.engine.connect()
         except sa_exc.OperationalError as exc:
             raise StoreUnavailableError(f'cannot connect to the conversation store {self.display_url}: {_first_line(exc)}') from None
-        with conn:
+        with conn, self._relaxed(conn, relaxed):
             if write:
                 conn.execution_options(durcap_write=True)
             with conn.begin():
+                if relaxed and self.is_pg:
+                    conn.exec_driver_sql('SET LOCAL synchronous_commit TO OFF')
                 try:
                     yield conn
                 except (sa_exc.OperationalError, sa_exc.ProgrammingError) as exc:
@@ -174,6 +179,20 @@ class _SQLBackend:
                         f'the conversation store {self.display_url} is damaged: {_first_line(exc)}. Nothing was '
                         'changed; restore the database from a backup.'
                     ) from None
+
+    @contextmanager
+    def _relaxed(self, conn: sa.Connection, relaxed: bool) -> Iterator[None]:
+        """On SQLite with `relaxed`: the connection at `synchronous=NORMAL` outside its transaction (SQLite refuses the
+        change inside one), set back to FULL before it returns to the pool."""
+        if not relaxed or self.is_pg:
+            yield
+            return
+        raw = conn.connection.driver_connection
+        raw.execute('PRAGMA synchronous=NORMAL')  # type: ignore[union-attr]
+        try:
+            yield
+        finally:
+            raw.execute('PRAGMA synchronous=FULL')  # type: ignore[union-attr]
 
     def _file_identity(self) -> tuple[int, int, int] | None:
         """`(device, inode, mode)` of the SQLite file, `None` for PostgreSQL, `:memory:` or a missing file."""

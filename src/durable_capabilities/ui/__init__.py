@@ -3,7 +3,8 @@
 
 Pages: `/` runs across the configured engines (filter by engine, status, capability), `/runs/{engine}/{run id}`
 one run (its durable units as a timeline, its conversation), `/conversations/{id}` one stored conversation,
-`/approvals` the calls waiting for a person, each with an approve / deny form posting to `/decide`.
+`/approvals` the calls waiting for a person, each with an approve / deny form posting to `/decide`, `/budgets` what
+each budget key spent of its limits (`durcap budgets list`).
 
 Safety (see docs/ui.md): every value is rendered through jinja2 with autoescape on, and no page carries
 JavaScript; a decision needs the server's token (typed into the form) and a CSRF token (double-submit cookie
@@ -73,6 +74,7 @@ def create_app(settings: Settings, token: str, *, engines: Sequence[str] | None 
     app = Starlette(routes=[
         Route('/', ui.runs), Route('/runs/{engine}/{run_id:path}', ui.run), Route('/approvals', ui.approvals),
         Route('/conversations/{conversation_id:path}', ui.conversation), Route('/decide', ui.decide, methods=['POST']),
+        Route('/budgets', ui.budgets),
     ], exception_handlers={HTTPException: ui.http_error})
     app.state.engines = names  # the engines the pages read (`durcap ui` names only these at start)
     return app
@@ -150,12 +152,28 @@ class _UI:
         status = exc.status_code if isinstance(exc, HTTPException) else 500
         if status == 404:
             message = (f'no page at {printable(request.url.path)[:200]}: the pages are /, /runs/ENGINE/RUN_ID, '
-                       '/conversations/ID and /approvals')
+                       '/conversations/ID, /approvals and /budgets')
         elif status == 405:
             message = f'{printable(request.url.path)[:200]} does not take {request.method} requests'
         else:
             message = str(getattr(exc, 'detail', '')) or 'the request failed'
         return self.page(request, 'error.html', status, title=HTTPStatus(status).phrase, message=message)
+
+    async def budgets(self, request: Request) -> HTMLResponse:
+        """`/budgets`: every budget key in the conversation store, what it spent of each limit (plus raises), its
+        requests and requests in flight (what `durcap budgets list` prints); a store that cannot be read: one line."""
+        from ..store import SQLConversationStore
+
+        try:
+            async with SQLConversationStore(self.settings.store, create=False) as store:
+                records = await store.budgets()
+        except StoreError as exc:
+            return self.page(request, 'budgets.html', records=[], problem=str(exc).splitlines()[0])
+        rows = [{'key': r.key, 'limits': {name: (r.spent.get(name, 0), r.limit(name), r.raised.get(name))
+                                          for name in ('total_tokens', 'input_tokens', 'output_tokens', 'cost')},
+                 'requests': int(r.spent.get('requests', 0)), 'in_flight': r.in_flight, 'updated_at': r.updated_at}
+                for r in records]
+        return self.page(request, 'budgets.html', records=rows, problem=None)
 
     async def approvals(self, request: Request) -> HTMLResponse:
         """`/approvals`: every pending call of the served engines, each with its decision form."""
