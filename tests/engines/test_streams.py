@@ -70,6 +70,21 @@ def assert_in_order_once(events: list[RunEvent]) -> None:
     assert len({(e.unit, e.attempt, e.kind, e.offset) for e in events}) == len(events)
 
 
+def assert_resumed_after_the_kill(seen: list[RunEvent], rest: list[RunEvent], answer: str) -> list[RunEvent]:
+    """Subscriber B (started from A's last offset) got exactly the rest; the stream holds one `retry` marker (attempt
+    2 of the answer's model request, discarding attempt 1, whose partial text was published) and, the retry applied,
+    the answer. Returns the whole stream."""
+    assert rest[0].offset == seen[-1].offset + 1
+    whole = [*seen, *rest]
+    assert_in_order_once(whole)
+    retries = [e for e in whole if e.kind == 'retry']
+    assert len(retries) == 1 and retries[0].attempt == 2 and retries[0].data['discard_attempts'] == [1]
+    discarded = [e for e in whole if e.kind == 'text_delta' and e.unit == retries[0].unit and e.attempt == 1]
+    assert len(discarded) >= 5  # the first attempt's partial text was published, then discarded
+    assert answer_text(whole) == answer and whole[-1].kind == 'run_completed'
+    return whole
+
+
 @pytest.mark.parametrize('engine', ['dbos', 'temporal'])
 def test_support_demo_streams_every_event_to_a_subscriber_in_another_process(engine: str, tmp_path: Path, subscribers,
                                                                              request: pytest.FixtureRequest) -> None:
@@ -137,14 +152,7 @@ def test_dbos_worker_killed_mid_stream_and_subscriber_restarted_from_its_offset(
     report = second.report(timeout=180)
     rest = b.finish()
     assert report['output'] == ANSWER
-    assert rest[0].offset == seen[-1].offset + 1
-    whole = [*seen, *rest]
-    assert_in_order_once(whole)
-    retries = [e for e in whole if e.kind == 'retry']
-    assert len(retries) == 1 and retries[0].attempt == 2 and retries[0].data['discard_attempts'] == [1]
-    discarded = [e for e in whole if e.kind == 'text_delta' and e.unit == retries[0].unit and e.attempt == 1]
-    assert len(discarded) >= 5  # the first attempt's partial text was published, then discarded
-    assert answer_text(whole) == ANSWER and whole[-1].kind == 'run_completed'
+    assert_resumed_after_the_kill(seen, rest, ANSWER)
 
 
 def test_temporal_worker_killed_mid_stream_and_subscriber_restarted_from_its_offset(
@@ -190,15 +198,7 @@ def test_temporal_worker_killed_mid_stream_and_subscriber_restarted_from_its_off
     assert stdout.split('answer (temporal): ', 1)[1].splitlines()[0] == ANSWER
     streamed = stdout.split('answer (temporal): ', 1)[0]
     assert '[retried' in streamed and ANSWER in streamed.split('[retried', 1)[1]
-    rest = b.finish()
-    assert rest[0].offset == seen[-1].offset + 1
-    whole = [*seen, *rest]
-    assert_in_order_once(whole)
-    retries = [e for e in whole if e.kind == 'retry']
-    assert len(retries) == 1 and retries[0].attempt == 2 and retries[0].data['discard_attempts'] == [1]
-    discarded = [e for e in whole if e.kind == 'text_delta' and e.unit == retries[0].unit and e.attempt == 1]
-    assert len(discarded) >= 5  # the first attempt's partial text was published, then discarded
-    assert answer_text(whole) == ANSWER and whole[-1].kind == 'run_completed'
+    whole = assert_resumed_after_the_kill(seen, b.finish(), ANSWER)
     assert [e.kind for e in whole[:2]] == ['run_started', 'capability_catalog'] and whole[0].attempt == 0
 
 

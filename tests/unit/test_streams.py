@@ -145,6 +145,12 @@ def test_log_skips_a_key_it_has_and_trims_to_its_limits(tmp_path: Path) -> None:
     assert info is not None and (info.first_offset, info.event_count, info.dropped, info.next_offset) == (4, 5, 3, 9)
     assert [row.offset for row in log.read_sync('r', 0)] == [4, 5, 6, 7, 8]
     assert log.next_attempt_sync('r', 'u') == (2, [1])
+    # The engine's own attempt (a Temporal activity's; its attempt 2 published nothing) is claimed when it is higher,
+    # the retry marker naming the attempts stored.
+    assert log.append_unit_sync('r', 'temporal', 'u', [(0, 'x', {})], None, at_least=3) == 3
+    retry = log.read_sync('r', 8)[0]
+    assert (retry.kind, retry.attempt, retry.body['data']['discard_attempts']) == ('retry', 3, [1])
+    assert log.append_unit_sync('r', 'temporal', 'v', [(0, 'x', {})], None, at_least=1) == 1
 
 
 def test_closed_streams_are_dropped_after_the_retention(tmp_path: Path) -> None:
