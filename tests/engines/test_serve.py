@@ -218,6 +218,10 @@ def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_a
          **{'Idempotency-Key': 'k-table'})
     turn('Idempotency-Key reused on another conversation', {'agent': 'gated', 'prompt': 'revoke alice'}, (409, 'DC045'),
          path='/v1/conversations/c-other/turns', **{'Idempotency-Key': 'k-table'})
+    turn('busy conversation (the agent rejects)', {'agent': 'gated', 'prompt': 'revoke bob'}, (409, 'DC050'))
+    turn('busy conversation (reject asked)', {'agent': 'gated', 'prompt': 'revoke bob', 'busy': 'reject'}, (409, 'DC050'),
+         **{'Idempotency-Key': 'k-busy'})
+    turn('busy strategy unknown', {'agent': 'gated', 'prompt': 'revoke bob', 'busy': 'interrupt'}, bad)
     for name, path in [('events', '/v1/runs/nope/events'), ('status', '/v1/runs/nope'), ('approvals', '/v1/runs/nope/approvals')]:
         cases.append((f'unknown run: {name}', 'GET', path, ALICE, None, *missing))
     cases.append(('unknown run: decide', 'POST', '/v1/runs/nope/approvals/x', ALICE, json.dumps(good), *missing))

@@ -23,7 +23,7 @@ from starlette.routing import Route
 from .._limits import MAX_DEPTH, InputError, load_json, one_line, printable
 from ..agent import DurableAgent
 from ..approvals import AlreadyDecidedError, ApprovalArgsError, ApprovalError
-from ..store import ConversationNotFoundError, StoreError
+from ..store import ConversationBusyError, ConversationNotFoundError, StoreError
 from ..streams import STREAM_ENGINES, StreamNotFoundError, watch
 from ._errors import (
     BadRequestError,
@@ -108,12 +108,14 @@ class _Body(pydantic.BaseModel):
 
 
 class TurnRequest(_Body):
-    """`POST /v1/conversations/{id}/turns`: `{"agent", "prompt", "deps"?}` (`agent` may be left out when the app
-    serves one agent)."""
+    """`POST /v1/conversations/{id}/turns`: `{"agent", "prompt", "deps"?, "busy"?}` (`agent` may be left out when the
+    app serves one agent; `busy`: `"reject"` or `"enqueue"` when another run's turn holds the conversation, default
+    the agent's `DurableAgent(busy=...)`)."""
 
     agent: str | None = None
     prompt: str = pydantic.Field(min_length=1)
     deps: Any = None
+    busy: str | None = pydantic.Field(default=None, pattern='^(reject|enqueue)$')
 
 
 class DecisionRequest(_Body):
@@ -232,23 +234,25 @@ class ServeApp:
     # ---- turns ------------------------------------------------------------------------------------
 
     async def start_turn(self, principal: str, conversation_id: str, agent: DurableAgent[Any, Any], prompt: str,
-                         deps: Any, key: str | None, digest_of: Any) -> tuple[RunRow, bool]:
-        """Record and start one turn (or find the run an earlier request with `key` started)."""
+                         deps: Any, key: str | None, digest_of: Any, busy: str | None = None) -> tuple[RunRow, bool]:
+        """Record and start one turn (or find the run an earlier request with `key` started); with the `reject`
+        strategy, a conversation another run's turn holds is refused (DC050) before anything is recorded."""
+        strategy = busy or agent.busy
         digest = hashlib.sha256(json.dumps(digest_of, sort_keys=True, default=str).encode()).hexdigest()
         run_id = f'local-{uuid.uuid4().hex}' if self.engine == 'local' else f'{agent.name}-{uuid.uuid4()}'
         started = await self.rows.call(self.rows.start_turn_sync, principal=principal, key=key, digest=digest,
                                        conversation_id=conversation_id, agent=agent.name, engine=self.engine,
-                                       run_id=run_id)
+                                       run_id=run_id, reject_busy=strategy == 'reject')
         if started.created:
-            task = asyncio.get_running_loop().create_task(self._run(started.run, agent, prompt, deps))
+            task = asyncio.get_running_loop().create_task(self._run(started.run, agent, prompt, deps, strategy))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
         return started.run, started.created
 
-    async def _run(self, row: RunRow, agent: DurableAgent[Any, Any], prompt: str, deps: Any) -> None:
+    async def _run(self, row: RunRow, agent: DurableAgent[Any, Any], prompt: str, deps: Any, busy: str) -> None:
         from .. import runner
 
-        settings = dict(self.settings)
+        settings = {**self.settings, 'busy': busy}
         if self.engine == 'dbos':
             from ..engines.dbos._spec import WORKER_QUEUE
 
@@ -294,7 +298,7 @@ class ServeApp:
         agent = self.agent(body.agent)
         deps = await self.deps(agent, body.deps, principal, request)
         row, created = await self.start_turn(principal, conversation_id, agent, body.prompt, deps, key,
-                                             [conversation_id, agent.name, body.prompt, body.deps])
+                                             [conversation_id, agent.name, body.prompt, body.deps], body.busy)
         root = request.scope.get('root_path', '')
         return JSONResponse({'run_id': row.run_id, 'events_url': f'{root}/v1/runs/{row.run_id}/events',
                              'status_url': f'{root}/v1/runs/{row.run_id}', 'conversation_id': conversation_id,
@@ -443,6 +447,8 @@ def _handler(app: ServeApp, method: Callable[[Request], Awaitable[Response]]) ->
             return await method(request)
         except ServeError as error:
             return _error_response(error)
+        except ConversationBusyError as error:
+            return _coded(409, error.code, str(error), holder=error.holder)
         except StoreError as error:
             logger.warning('%s %s: %s', request.method, request.url.path, error)
             return _coded(503, error.code, f'the conversation store failed: {one_line(str(error))}')
