@@ -140,7 +140,8 @@ def _wait_pending(url: str, run_id: str, timeout: float = 120) -> list[dict[str,
         if pending:
             return pending
         time.sleep(0.2)
-    raise AssertionError(f'run {run_id} never waited for approval')
+    status = httpx.get(f'{url}/v1/runs/{run_id}', headers=ALICE, timeout=30).json()
+    raise AssertionError(f'run {run_id} never waited for approval: {status}')
 
 
 def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_approval_runs_the_tool_once(
@@ -451,3 +452,34 @@ def test_chat_page_streams_the_answer_survives_a_reload_and_approves_showing_arg
     WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, 'status').text == 'completed')
     assert run_status(run_id) == 'completed'
     assert (dbos_stack.crash_dir / 'revocations').read_text().splitlines().count('<b>mallory</b>') == 1
+
+
+def test_dbos_second_turn_on_a_busy_conversation_rejected_or_enqueued_per_request(dbos_stack: Stack) -> None:
+    """Two turns on one conversation through `durcap serve --engine dbos`, the first waiting for approval (holding
+    the conversation): a second with `"busy": "reject"` is refused with 409 DC050 naming the first run, before
+    anything is recorded or run; one with `"busy": "enqueue"` is accepted and waits (no call pending); once the first
+    is approved and stored, the second runs on top of it: the tool once, both turns stored in order. The `gated`
+    agent (scripted `FunctionModel`, `revoke_sessions` records each execution)."""
+    url, conversation = dbos_stack.url, 'busy-1'
+    first = _post(url, conversation, {'agent': 'gated', 'prompt': 'revoke dora'}, key='busy-1-a').json()
+    [call] = _wait_pending(url, first['run_id'])
+    refused = _post(url, conversation, {'agent': 'gated', 'prompt': 'revoke erin', 'busy': 'reject'}, key='busy-1-b')
+    assert refused.status_code == 409 and refused.json()['error']['code'] == 'DC050', refused.text
+    assert refused.json()['error']['holder'] == first['run_id']
+    second = _post(url, conversation, {'agent': 'gated', 'prompt': 'revoke erin', 'busy': 'enqueue'}, key='busy-1-c')
+    assert second.status_code == 202, second.text
+    second_id = second.json()['run_id']
+    assert httpx.get(f'{url}/v1/runs/{second_id}/approvals', headers=ALICE, timeout=30).json()['pending'] == []
+    decided = httpx.post(f'{url}/v1/runs/{first["run_id"]}/approvals/{call["call_id"]}', headers=ALICE, timeout=30,
+                         json={'decision': 'approve', 'fingerprint': call['fingerprint']})
+    assert decided.status_code == 200, decided.text
+    assert read_sse(f'{url}/v1/runs/{first["run_id"]}/events', ALICE)[-1].kind == 'run_completed'
+    # The second turn ran after the first was stored: its model saw the first turn's result (the scripted model
+    # answers from the last tool result in the history) and called nothing itself.
+    last = read_sse(f'{url}/v1/runs/{second_id}/events', ALICE)
+    assert last[-1].kind == 'run_completed' and last[-1].data['data']['output'] == 'result: revoked sessions of dora'
+    stored = httpx.get(f'{url}/v1/conversations/{conversation}', headers=ALICE, timeout=30).json()
+    assert [w['append_id'] for w in stored['writes']] == [f'dbos:{first["run_id"]}', f'dbos:{second_id}']
+    assert [a['args'] for a in stored['approvals']] == [{'user': 'dora'}]
+    revoked = (dbos_stack.crash_dir / 'revocations').read_text().splitlines()
+    assert revoked.count('dora') == 1 and 'erin' not in revoked
