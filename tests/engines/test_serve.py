@@ -483,3 +483,34 @@ def test_dbos_second_turn_on_a_busy_conversation_rejected_or_enqueued_per_reques
     assert [a['args'] for a in stored['approvals']] == [{'user': 'dora'}]
     revoked = (dbos_stack.crash_dir / 'revocations').read_text().splitlines()
     assert revoked.count('dora') == 1 and 'erin' not in revoked
+
+
+def test_dbos_workflow_ignores_a_stale_decision_sent_straight_to_it(dbos_stack: Stack) -> None:
+    """The workflow-side fingerprint check on DBOS (issue 26, item 4): a denial quoting the fingerprint of other
+    arguments is sent straight to the waiting workflow (`DBOSClient.send` on the decision topic, past every client
+    check), then the right approval through `durcap serve`. The workflow ignores the stale one: the tool runs once
+    and the audit records the approval (without the check, the denial, arriving first, would win). The `gated` agent
+    (scripted `FunctionModel`)."""
+    from dbos import DBOSClient
+
+    from durable_capabilities.approvals import Decision, fingerprint
+    from durable_capabilities.engines.dbos._spec import DECISION_TOPIC
+
+    url = dbos_stack.url
+    run_id = _post(url, 'stale-1', {'agent': 'gated', 'prompt': 'revoke frank'}, key='stale-1').json()['run_id']
+    [call] = _wait_pending(url, run_id)
+    stale = Decision(call['call_id'], fingerprint('revoke_sessions', {'user': 'mallory'}), False, 'stale', by='mallory')
+    client = DBOSClient(system_database_url=dbos_stack.env['DURCAP_DBOS_DB'])
+    try:
+        client.send(run_id, stale.to_json(), DECISION_TOPIC, idempotency_key='stale-1')
+    finally:
+        client.destroy()
+    decided = httpx.post(f'{url}/v1/runs/{run_id}/approvals/{call["call_id"]}', headers=ALICE, timeout=30,
+                         json={'decision': 'approve', 'fingerprint': call['fingerprint']})
+    assert decided.status_code == 200, decided.text
+    events = read_sse(f'{url}/v1/runs/{run_id}/events', ALICE)
+    assert events[-1].data['data']['output'] == 'result: revoked sessions of frank'
+    assert (dbos_stack.crash_dir / 'revocations').read_text().splitlines().count('frank') == 1
+    stored = httpx.get(f'{url}/v1/conversations/stale-1', headers=ALICE, timeout=30).json()
+    assert [(a['decision'], a['by'], a['fingerprint']) for a in stored['approvals']] == [
+        ('approved', 'serve:alice', call['fingerprint'])]
