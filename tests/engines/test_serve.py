@@ -321,14 +321,16 @@ def test_node_clients_stream_a_support_turn_on_dbos_receive_the_approval_and_app
     DefaultChatTransport with readUIMessageStream) run by node against a second `durcap serve` process (the support
     example, `--deps-json`) on the DBOS stack: each streams the support demo's account-takeover turn, receives its
     protocol's approval event (AG-UI `RUN_FINISHED` interrupt, Vercel AI `tool-approval-request`) for
-    `revoke_sessions`, and approves it through `/v1/runs/{run}/approvals/{call}`; the run then completes with the
-    revocation in its answer, and the conversation's audit records the approval by `serve:alice`."""
+    `revoke_sessions`, and approves it through `/v1/runs/{run}/approvals/{call}`, or (Vercel AI, `native`) sends the
+    chat back with the tool part `approval-responded` as useChat does, and reads the rest of the run on that stream;
+    the run completes with the revocation in its answer, and the audit records the approval by `serve:alice`."""
     server, url = start_server(dbos_stack.tmp, 'serve-support', dbos_stack.env, '--engine', 'dbos', '--deps-json',
                                json.dumps(SUPPORT_DEPS), target='examples.support.agent:support')
     dbos_stack.procs.append(server)
     try:
-        for script, thread in (('ag_ui_client.mjs', 'agui-1'), ('vercel_ai_client.mjs', 'vercel-1')):
-            result = _node(script, url, 'token-alice', 'support', thread, GATE_PROMPT)
+        for script, thread, mode in (('ag_ui_client.mjs', 'agui-1', 'api'), ('vercel_ai_client.mjs', 'vercel-1', 'api'),
+                                     ('vercel_ai_client.mjs', 'vercel-2', 'native')):
+            result = _node(script, url, 'token-alice', 'support', thread, GATE_PROMPT, mode)
             run = result['run']
             assert run['conversation_id'] == thread, result
             if script.startswith('ag_ui'):
@@ -339,6 +341,10 @@ def test_node_clients_stream_a_support_turn_on_dbos_receive_the_approval_and_app
                 assert [a['toolCallId'] for a in result['approvals']] == [d['call_id'] for d in result['decided']]
             assert [(d['tool'], d['status']) for d in result['decided']] == [('revoke_sessions', 200)], result
             events = read_sse(url + run['events_url'], ALICE)
+            if mode == 'native':  # the approval sent back in the chat: its stream carried the rest of the run
+                rest = result['types'][result['types'].index('--native-approval--'):]
+                assert 'tool-output-available' in rest and rest[-1] == 'finish', rest
+                assert result['text'] == events[-1].data['data']['output'], rest
             assert events[-1].kind == 'run_completed', events[-1]
             assert 'acct-42' in events[-1].data['data']['output']
             stored = httpx.get(f'{url}/v1/conversations/{thread}', headers=ALICE, timeout=30).json()

@@ -141,6 +141,14 @@ def _coded(status: int, code: str, message: str, **detail: Any) -> JSONResponse:
     return JSONResponse({'error': {'code': code, 'status': status, 'message': message, **detail}}, status_code=status)
 
 
+class _Refused(Exception):
+    """A refusal answered with its own coded response (a decision's 409 / 422)."""
+
+    def __init__(self, response: Response):
+        super().__init__(response.status_code)
+        self.response = response
+
+
 class ServeApp:
     """The route handlers of one app (`create_app`)."""
 
@@ -381,8 +389,6 @@ class ServeApp:
         return JSONResponse({'run_id': row.run_id, 'pending': [call.to_json() for call in pending]})
 
     async def decide(self, request: Request) -> Response:
-        from .. import runner
-
         principal = await self.principal(request)
         row = await self.own_run(request.path_params['run_id'], principal)
         call_id = request.path_params['call_id']
@@ -393,28 +399,45 @@ class ServeApp:
         approve = body.decision == 'approve'
         if body.args is not None and not approve:
             raise BadRequestError('decision: `args` (edited arguments) only go with "approve"', field='args')
+        decision = await self.apply_decision(row, principal, call_id, approve=approve, reason=body.reason,
+                                             args=body.args, fingerprint=body.fingerprint)
+        return JSONResponse({'run_id': row.run_id, 'decision': decision.to_json()})
+
+    async def apply_decision(self, row: RunRow, principal: str, call_id: str, *, approve: bool, reason: str | None,
+                             args: dict[str, Any] | None, fingerprint: str | None) -> Any:
+        """Deliver a decision on `call_id` of `row`'s run (`fingerprint`: the one the person reviewed; `None`: the pending
+        call's, for the protocols, whose approvals name the call only).
+
+        Returns:
+            The `Decision` delivered.
+
+        Raises:
+            _Refused: 409 (already decided, other arguments), 422 (edited arguments outside the tool's schema).
+            NotFoundError: DC044, no such pending call.
+        """
+        from .. import runner
+
         pending = {call.call_id: call for call in await self._pending(row)}
         if call_id not in pending:
             earlier = await self._decided(row, call_id)
             if earlier is not None:
-                return _coded(409, AlreadyDecidedError.code, f'run {row.run_id!r}: call {printable(call_id[:120])!r} was '
-                              f'already {earlier}; a call is decided once: this decision was refused and nothing was '
-                              'sent', kind='unknown-call')
+                raise _Refused(_coded(409, AlreadyDecidedError.code, f'run {row.run_id!r}: call '
+                                      f'{printable(call_id[:120])!r} was already {earlier}; a call is decided once: this '
+                                      'decision was refused and nothing was sent', kind='unknown-call'))
             raise NotFoundError(f'run {row.run_id!r} has no pending call {printable(call_id[:120])!r} (pending: '
                                 f'{", ".join(pending) or "none"})', field='call_id')
         try:
-            decision = await runner.decide(row.run_id, call_id, approve=approve, reason=body.reason,
-                                           override_args=body.args, by=f'serve:{principal}',
-                                           fingerprint_=body.fingerprint, engine=row.engine, **self._engine_settings())
+            return await runner.decide(row.run_id, call_id, approve=approve, reason=reason, override_args=args,
+                                       by=f'serve:{principal}', fingerprint_=fingerprint or pending[call_id].fingerprint,
+                                       engine=row.engine, **self._engine_settings())
         except ApprovalArgsError as exc:
-            return _coded(422, exc.code, str(exc), kind=exc.kind, field='args')
+            raise _Refused(_coded(422, exc.code, str(exc), kind=exc.kind, field='args')) from None
         except AlreadyDecidedError as exc:
-            return _coded(409, exc.code, str(exc), kind=exc.kind)
+            raise _Refused(_coded(409, exc.code, str(exc), kind=exc.kind)) from None
         except ApprovalError as exc:
             if exc.kind == 'stale-fingerprint':
-                return _coded(409, exc.code, str(exc), kind=exc.kind, field='fingerprint')
+                raise _Refused(_coded(409, exc.code, str(exc), kind=exc.kind, field='fingerprint')) from None
             raise NotFoundError(str(exc), kind=exc.kind) from None
-        return JSONResponse({'run_id': row.run_id, 'decision': decision.to_json()})
 
     async def ag_ui(self, request: Request) -> Response:
         from ._protocols import protocol_turn
@@ -447,6 +470,8 @@ def _handler(app: ServeApp, method: Callable[[Request], Awaitable[Response]]) ->
             return await method(request)
         except ServeError as error:
             return _error_response(error)
+        except _Refused as refused:
+            return refused.response
         except ConversationBusyError as error:
             return _coded(409, error.code, str(error), holder=error.holder)
         except StoreError as error:

@@ -122,6 +122,14 @@ class ServeRows:
         with self._backend._txn(write=False) as conn:
             return self._run(conn, run_id)
 
+    def latest_run_sync(self, principal: str, conversation_id: str) -> RunRow | None:
+        """The newest run `principal` started on `conversation_id`, `None` when there is none."""
+        with self._backend._txn(write=False) as conn:
+            row = conn.execute(sa.text('SELECT run_id, principal, conversation_id, agent, engine, created_at FROM '
+                                       'durcap_serve_runs WHERE conversation_id = :c AND principal = :p ORDER BY '
+                                       'created_at DESC LIMIT 1'), {'c': conversation_id, 'p': principal}).first()
+        return None if row is None else RunRow(*row)
+
     def owner_sync(self, conversation_id: str) -> str | None:
         """The principal owning `conversation_id`, `None` when no request started a turn on it."""
         with self._backend._txn(write=False) as conn:
