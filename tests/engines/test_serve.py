@@ -107,11 +107,18 @@ def _streamed_idempotent_turn(stack: Stack, conversation: str) -> None:
 
 
 def test_local_turn_streamed_over_sse_and_one_run_per_idempotency_key(tmp_path: Path) -> None:
-    """`durcap serve --engine local` (the turn runs in the serve process): see `_streamed_idempotent_turn`."""
+    """`durcap serve --engine local` (the turn runs in the serve process): see `_streamed_idempotent_turn`; then
+    `durcap history delete`'s `delete_conversation` removes the serve rows of the conversation as well."""
     env, crash, store = _env(tmp_path)
     server, url = start_server(tmp_path, 'serve-local', env, '--engine', 'local')
     try:
         _streamed_idempotent_turn(Stack(url, store, env, crash, [server], tmp_path), 'local-1')
+        # `durcap history delete` forgets the serve rows too: the owner, the runs, the idempotency keys.
+        from durable_capabilities.forgetting import delete_conversation
+
+        asyncio.run(delete_conversation(store, 'local-1'))
+        assert [sql(store, f'SELECT COUNT(*) FROM durcap_serve_{t}') for t in ('owners', 'runs', 'requests')] == [[(0,)]] * 3
+        assert httpx.get(f'{url}/v1/conversations/local-1', headers=ALICE, timeout=30).status_code == 404
     finally:
         server.kill9()
 

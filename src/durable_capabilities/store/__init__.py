@@ -24,6 +24,9 @@ Storage (schema version 4, tables prefixed `durcap_`):
   `purge` deletes a conversation's own claim checks, `stats` counts them and `collect` deletes those of runs gone.
 - `durcap_turn_claims` (version 4): which run's turn holds a conversation (`claim_turn`), so two turns never run on
   one conversation at once; released when that turn's append lands, or by `release_turn`.
+- `durcap_serve_owners`, `durcap_serve_runs`, `durcap_serve_requests` (version 7): `durcap serve`'s shared state (the
+  principal owning each conversation, the runs requests started, each `Idempotency-Key` and its run), so several
+  serve processes act as one (`durable_capabilities.serve`); deleted with the conversation by `purge`.
 - `durcap_schema_version`: the migrations applied. A store whose version is newer than this code
   knows is refused (`SchemaVersionError`) and never touched.
 
