@@ -531,3 +531,32 @@ def test_dbos_workflow_ignores_a_stale_decision_sent_straight_to_it(dbos_stack: 
     stored = httpx.get(f'{url}/v1/conversations/stale-1', headers=ALICE, timeout=30).json()
     assert [(a['decision'], a['by'], a['fingerprint']) for a in stored['approvals']] == [
         ('approved', 'serve:alice', call['fingerprint'])]
+
+
+def test_one_run_per_idempotency_key_on_postgresql_under_concurrent_posts(postgres_url: str) -> None:
+    """The serve rows on a PostgreSQL conversation store (the unique keys, not a SQLite write lock, decide): eight
+    concurrent POSTs with one Idempotency-Key to an in-process app (httpx's ASGI transport, the store's writes in
+    worker threads) start one run and store one turn; each answer names that run. Model: pydantic-ai's `TestModel`,
+    local engine."""
+    from pydantic_ai.models.test import TestModel
+
+    from durable_capabilities import DurableAgent
+    from durable_capabilities.serve import bearer_auth, create_app
+
+    app = create_app(DurableAgent('pg-serve', TestModel()), settings={'store': postgres_url},
+                     auth=bearer_auth('token-alice'))
+
+    async def scenario() -> tuple[list[httpx.Response], str]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url='http://serve') as client:
+            answers = await asyncio.gather(*[client.post('/v1/conversations/pg-1/turns', json={'prompt': 'hello'},
+                                                         headers={**ALICE, 'Idempotency-Key': 'pg-key'}) for _ in range(8)])
+            events = await client.get(answers[0].json()['events_url'], headers=ALICE)
+            return list(answers), events.text
+
+    answers, events = asyncio.run(scenario())
+    assert [a.status_code for a in answers] == [202] * 8, [a.text for a in answers]
+    assert len({a.json()['run_id'] for a in answers}) == 1 and sum(a.json()['created'] for a in answers) == 1
+    assert 'event: run_completed' in events
+    assert sql(postgres_url, 'SELECT COUNT(*) FROM durcap_serve_runs') == [(1,)]
+    assert sql(postgres_url, 'SELECT COUNT(*) FROM durcap_writes WHERE conversation_id = :c', {'c': 'pg-1'}) == [(1,)]
