@@ -107,11 +107,18 @@ def _streamed_idempotent_turn(stack: Stack, conversation: str) -> None:
 
 
 def test_local_turn_streamed_over_sse_and_one_run_per_idempotency_key(tmp_path: Path) -> None:
-    """`durcap serve --engine local` (the turn runs in the serve process): see `_streamed_idempotent_turn`."""
+    """`durcap serve --engine local` (the turn runs in the serve process): see `_streamed_idempotent_turn`; then
+    `durcap history delete`'s `delete_conversation` removes the serve rows of the conversation as well."""
     env, crash, store = _env(tmp_path)
     server, url = start_server(tmp_path, 'serve-local', env, '--engine', 'local')
     try:
         _streamed_idempotent_turn(Stack(url, store, env, crash, [server], tmp_path), 'local-1')
+        # `durcap history delete` forgets the serve rows too: the owner, the runs, the idempotency keys.
+        from durable_capabilities.forgetting import delete_conversation
+
+        asyncio.run(delete_conversation(store, 'local-1'))
+        assert [sql(store, f'SELECT COUNT(*) FROM durcap_serve_{t}') for t in ('owners', 'runs', 'requests')] == [[(0,)]] * 3
+        assert httpx.get(f'{url}/v1/conversations/local-1', headers=ALICE, timeout=30).status_code == 404
     finally:
         server.kill9()
 
@@ -140,7 +147,8 @@ def _wait_pending(url: str, run_id: str, timeout: float = 120) -> list[dict[str,
         if pending:
             return pending
         time.sleep(0.2)
-    raise AssertionError(f'run {run_id} never waited for approval')
+    status = httpx.get(f'{url}/v1/runs/{run_id}', headers=ALICE, timeout=30).json()
+    raise AssertionError(f'run {run_id} never waited for approval: {status}')
 
 
 def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_approval_runs_the_tool_once(
@@ -218,6 +226,10 @@ def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_a
          **{'Idempotency-Key': 'k-table'})
     turn('Idempotency-Key reused on another conversation', {'agent': 'gated', 'prompt': 'revoke alice'}, (409, 'DC045'),
          path='/v1/conversations/c-other/turns', **{'Idempotency-Key': 'k-table'})
+    turn('busy conversation (the agent rejects)', {'agent': 'gated', 'prompt': 'revoke bob'}, (409, 'DC050'))
+    turn('busy conversation (reject asked)', {'agent': 'gated', 'prompt': 'revoke bob', 'busy': 'reject'}, (409, 'DC050'),
+         **{'Idempotency-Key': 'k-busy'})
+    turn('busy strategy unknown', {'agent': 'gated', 'prompt': 'revoke bob', 'busy': 'interrupt'}, bad)
     for name, path in [('events', '/v1/runs/nope/events'), ('status', '/v1/runs/nope'), ('approvals', '/v1/runs/nope/approvals')]:
         cases.append((f'unknown run: {name}', 'GET', path, ALICE, None, *missing))
     cases.append(('unknown run: decide', 'POST', '/v1/runs/nope/approvals/x', ALICE, json.dumps(good), *missing))
@@ -316,14 +328,16 @@ def test_node_clients_stream_a_support_turn_on_dbos_receive_the_approval_and_app
     DefaultChatTransport with readUIMessageStream) run by node against a second `durcap serve` process (the support
     example, `--deps-json`) on the DBOS stack: each streams the support demo's account-takeover turn, receives its
     protocol's approval event (AG-UI `RUN_FINISHED` interrupt, Vercel AI `tool-approval-request`) for
-    `revoke_sessions`, and approves it through `/v1/runs/{run}/approvals/{call}`; the run then completes with the
-    revocation in its answer, and the conversation's audit records the approval by `serve:alice`."""
+    `revoke_sessions`, and approves it through `/v1/runs/{run}/approvals/{call}`, or (Vercel AI, `native`) sends the
+    chat back with the tool part `approval-responded` as useChat does, and reads the rest of the run on that stream;
+    the run completes with the revocation in its answer, and the audit records the approval by `serve:alice`."""
     server, url = start_server(dbos_stack.tmp, 'serve-support', dbos_stack.env, '--engine', 'dbos', '--deps-json',
                                json.dumps(SUPPORT_DEPS), target='examples.support.agent:support')
     dbos_stack.procs.append(server)
     try:
-        for script, thread in (('ag_ui_client.mjs', 'agui-1'), ('vercel_ai_client.mjs', 'vercel-1')):
-            result = _node(script, url, 'token-alice', 'support', thread, GATE_PROMPT)
+        for script, thread, mode in (('ag_ui_client.mjs', 'agui-1', 'api'), ('ag_ui_client.mjs', 'agui-2', 'native'),
+                                     ('vercel_ai_client.mjs', 'vercel-1', 'api'), ('vercel_ai_client.mjs', 'vercel-2', 'native')):
+            result = _node(script, url, 'token-alice', 'support', thread, GATE_PROMPT, mode)
             run = result['run']
             assert run['conversation_id'] == thread, result
             if script.startswith('ag_ui'):
@@ -334,6 +348,14 @@ def test_node_clients_stream_a_support_turn_on_dbos_receive_the_approval_and_app
                 assert [a['toolCallId'] for a in result['approvals']] == [d['call_id'] for d in result['decided']]
             assert [(d['tool'], d['status']) for d in result['decided']] == [('revoke_sessions', 200)], result
             events = read_sse(url + run['events_url'], ALICE)
+            if mode == 'native' and script.startswith('ag_ui'):  # resumed in AG-UI: the rest of the run on its stream
+                rest = result['types'][result['types'].index('--native-approval--'):]
+                assert rest[1] == 'RUN_STARTED' and 'TOOL_CALL_RESULT' in rest and rest[-1] == 'RUN_FINISHED', rest
+                assert result['text'] == events[-1].data['data']['output'], rest
+            elif mode == 'native':  # the approval sent back in the chat: its stream carried the rest of the run
+                rest = result['types'][result['types'].index('--native-approval--'):]
+                assert 'tool-output-available' in rest and rest[-1] == 'finish', rest
+                assert result['text'] == events[-1].data['data']['output'], rest
             assert events[-1].kind == 'run_completed', events[-1]
             assert 'acct-42' in events[-1].data['data']['output']
             stored = httpx.get(f'{url}/v1/conversations/{thread}', headers=ALICE, timeout=30).json()
@@ -447,3 +469,94 @@ def test_chat_page_streams_the_answer_survives_a_reload_and_approves_showing_arg
     WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, 'status').text == 'completed')
     assert run_status(run_id) == 'completed'
     assert (dbos_stack.crash_dir / 'revocations').read_text().splitlines().count('<b>mallory</b>') == 1
+
+
+def test_dbos_second_turn_on_a_busy_conversation_rejected_or_enqueued_per_request(dbos_stack: Stack) -> None:
+    """Two turns on one conversation through `durcap serve --engine dbos`, the first waiting for approval (holding
+    the conversation): a second with `"busy": "reject"` is refused with 409 DC050 naming the first run, before
+    anything is recorded or run; one with `"busy": "enqueue"` is accepted and waits (no call pending); once the first
+    is approved and stored, the second runs on top of it: the tool once, both turns stored in order. The `gated`
+    agent (scripted `FunctionModel`, `revoke_sessions` records each execution)."""
+    url, conversation = dbos_stack.url, 'busy-1'
+    first = _post(url, conversation, {'agent': 'gated', 'prompt': 'revoke dora'}, key='busy-1-a').json()
+    [call] = _wait_pending(url, first['run_id'])
+    refused = _post(url, conversation, {'agent': 'gated', 'prompt': 'revoke erin', 'busy': 'reject'}, key='busy-1-b')
+    assert refused.status_code == 409 and refused.json()['error']['code'] == 'DC050', refused.text
+    assert refused.json()['error']['holder'] == first['run_id']
+    second = _post(url, conversation, {'agent': 'gated', 'prompt': 'revoke erin', 'busy': 'enqueue'}, key='busy-1-c')
+    assert second.status_code == 202, second.text
+    second_id = second.json()['run_id']
+    assert httpx.get(f'{url}/v1/runs/{second_id}/approvals', headers=ALICE, timeout=30).json()['pending'] == []
+    decided = httpx.post(f'{url}/v1/runs/{first["run_id"]}/approvals/{call["call_id"]}', headers=ALICE, timeout=30,
+                         json={'decision': 'approve', 'fingerprint': call['fingerprint']})
+    assert decided.status_code == 200, decided.text
+    assert read_sse(f'{url}/v1/runs/{first["run_id"]}/events', ALICE)[-1].kind == 'run_completed'
+    # The second turn ran after the first was stored: its model saw the first turn's result (the scripted model
+    # answers from the last tool result in the history) and called nothing itself.
+    last = read_sse(f'{url}/v1/runs/{second_id}/events', ALICE)
+    assert last[-1].kind == 'run_completed' and last[-1].data['data']['output'] == 'result: revoked sessions of dora'
+    stored = httpx.get(f'{url}/v1/conversations/{conversation}', headers=ALICE, timeout=30).json()
+    assert [w['append_id'] for w in stored['writes']] == [f'dbos:{first["run_id"]}', f'dbos:{second_id}']
+    assert [a['args'] for a in stored['approvals']] == [{'user': 'dora'}]
+    revoked = (dbos_stack.crash_dir / 'revocations').read_text().splitlines()
+    assert revoked.count('dora') == 1 and 'erin' not in revoked
+
+
+def test_dbos_workflow_ignores_a_stale_decision_sent_straight_to_it(dbos_stack: Stack) -> None:
+    """The workflow-side fingerprint check on DBOS (issue 26, item 4): a denial quoting the fingerprint of other
+    arguments is sent straight to the waiting workflow (`DBOSClient.send` on the decision topic, past every client
+    check), then the right approval through `durcap serve`. The workflow ignores the stale one: the tool runs once
+    and the audit records the approval (without the check, the denial, arriving first, would win). The `gated` agent
+    (scripted `FunctionModel`)."""
+    from dbos import DBOSClient
+
+    from durable_capabilities.approvals import Decision, fingerprint
+    from durable_capabilities.engines.dbos._spec import DECISION_TOPIC
+
+    url = dbos_stack.url
+    run_id = _post(url, 'stale-1', {'agent': 'gated', 'prompt': 'revoke frank'}, key='stale-1').json()['run_id']
+    [call] = _wait_pending(url, run_id)
+    stale = Decision(call['call_id'], fingerprint('revoke_sessions', {'user': 'mallory'}), False, 'stale', by='mallory')
+    client = DBOSClient(system_database_url=dbos_stack.env['DURCAP_DBOS_DB'])
+    try:
+        client.send(run_id, stale.to_json(), DECISION_TOPIC, idempotency_key='stale-1')
+    finally:
+        client.destroy()
+    decided = httpx.post(f'{url}/v1/runs/{run_id}/approvals/{call["call_id"]}', headers=ALICE, timeout=30,
+                         json={'decision': 'approve', 'fingerprint': call['fingerprint']})
+    assert decided.status_code == 200, decided.text
+    events = read_sse(f'{url}/v1/runs/{run_id}/events', ALICE)
+    assert events[-1].data['data']['output'] == 'result: revoked sessions of frank'
+    assert (dbos_stack.crash_dir / 'revocations').read_text().splitlines().count('frank') == 1
+    stored = httpx.get(f'{url}/v1/conversations/stale-1', headers=ALICE, timeout=30).json()
+    assert [(a['decision'], a['by'], a['fingerprint']) for a in stored['approvals']] == [
+        ('approved', 'serve:alice', call['fingerprint'])]
+
+
+def test_one_run_per_idempotency_key_on_postgresql_under_concurrent_posts(postgres_url: str) -> None:
+    """The serve rows on a PostgreSQL conversation store (the unique keys, not a SQLite write lock, decide): eight
+    concurrent POSTs with one Idempotency-Key to an in-process app (httpx's ASGI transport, the store's writes in
+    worker threads) start one run and store one turn; each answer names that run. Model: pydantic-ai's `TestModel`,
+    local engine."""
+    from pydantic_ai.models.test import TestModel
+
+    from durable_capabilities import DurableAgent
+    from durable_capabilities.serve import bearer_auth, create_app
+
+    app = create_app(DurableAgent('pg-serve', TestModel()), settings={'store': postgres_url},
+                     auth=bearer_auth('token-alice'))
+
+    async def scenario() -> tuple[list[httpx.Response], str]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url='http://serve') as client:
+            answers = await asyncio.gather(*[client.post('/v1/conversations/pg-1/turns', json={'prompt': 'hello'},
+                                                         headers={**ALICE, 'Idempotency-Key': 'pg-key'}) for _ in range(8)])
+            events = await client.get(answers[0].json()['events_url'], headers=ALICE)
+            return list(answers), events.text
+
+    answers, events = asyncio.run(scenario())
+    assert [a.status_code for a in answers] == [202] * 8, [a.text for a in answers]
+    assert len({a.json()['run_id'] for a in answers}) == 1 and sum(a.json()['created'] for a in answers) == 1
+    assert 'event: run_completed' in events
+    assert sql(postgres_url, 'SELECT COUNT(*) FROM durcap_serve_runs') == [(1,)]
+    assert sql(postgres_url, 'SELECT COUNT(*) FROM durcap_writes WHERE conversation_id = :c', {'c': 'pg-1'}) == [(1,)]

@@ -23,7 +23,7 @@ from starlette.routing import Route
 from .._limits import MAX_DEPTH, InputError, load_json, one_line, printable
 from ..agent import DurableAgent
 from ..approvals import AlreadyDecidedError, ApprovalArgsError, ApprovalError
-from ..store import ConversationNotFoundError, StoreError
+from ..store import ConversationBusyError, ConversationNotFoundError, StoreError
 from ..streams import STREAM_ENGINES, StreamNotFoundError, watch
 from ._errors import (
     BadRequestError,
@@ -108,12 +108,14 @@ class _Body(pydantic.BaseModel):
 
 
 class TurnRequest(_Body):
-    """`POST /v1/conversations/{id}/turns`: `{"agent", "prompt", "deps"?}` (`agent` may be left out when the app
-    serves one agent)."""
+    """`POST /v1/conversations/{id}/turns`: `{"agent", "prompt", "deps"?, "busy"?}` (`agent` may be left out when the
+    app serves one agent; `busy`: `"reject"` or `"enqueue"` when another run's turn holds the conversation, default
+    the agent's `DurableAgent(busy=...)`)."""
 
     agent: str | None = None
     prompt: str = pydantic.Field(min_length=1)
     deps: Any = None
+    busy: str | None = pydantic.Field(default=None, pattern='^(reject|enqueue)$')
 
 
 class DecisionRequest(_Body):
@@ -137,6 +139,14 @@ def _error_response(error: ServeError) -> JSONResponse:
 
 def _coded(status: int, code: str, message: str, **detail: Any) -> JSONResponse:
     return JSONResponse({'error': {'code': code, 'status': status, 'message': message, **detail}}, status_code=status)
+
+
+class _Refused(Exception):
+    """A refusal answered with its own coded response (a decision's 409 / 422)."""
+
+    def __init__(self, response: Response):
+        super().__init__(response.status_code)
+        self.response = response
 
 
 class ServeApp:
@@ -232,23 +242,25 @@ class ServeApp:
     # ---- turns ------------------------------------------------------------------------------------
 
     async def start_turn(self, principal: str, conversation_id: str, agent: DurableAgent[Any, Any], prompt: str,
-                         deps: Any, key: str | None, digest_of: Any) -> tuple[RunRow, bool]:
-        """Record and start one turn (or find the run an earlier request with `key` started)."""
+                         deps: Any, key: str | None, digest_of: Any, busy: str | None = None) -> tuple[RunRow, bool]:
+        """Record and start one turn (or find the run an earlier request with `key` started); with the `reject`
+        strategy, a conversation another run's turn holds is refused (DC050) before anything is recorded."""
+        strategy = busy or agent.busy
         digest = hashlib.sha256(json.dumps(digest_of, sort_keys=True, default=str).encode()).hexdigest()
         run_id = f'local-{uuid.uuid4().hex}' if self.engine == 'local' else f'{agent.name}-{uuid.uuid4()}'
         started = await self.rows.call(self.rows.start_turn_sync, principal=principal, key=key, digest=digest,
                                        conversation_id=conversation_id, agent=agent.name, engine=self.engine,
-                                       run_id=run_id)
+                                       run_id=run_id, reject_busy=strategy == 'reject')
         if started.created:
-            task = asyncio.get_running_loop().create_task(self._run(started.run, agent, prompt, deps))
+            task = asyncio.get_running_loop().create_task(self._run(started.run, agent, prompt, deps, strategy))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
         return started.run, started.created
 
-    async def _run(self, row: RunRow, agent: DurableAgent[Any, Any], prompt: str, deps: Any) -> None:
+    async def _run(self, row: RunRow, agent: DurableAgent[Any, Any], prompt: str, deps: Any, busy: str) -> None:
         from .. import runner
 
-        settings = dict(self.settings)
+        settings = {**self.settings, 'busy': busy}
         if self.engine == 'dbos':
             from ..engines.dbos._spec import WORKER_QUEUE
 
@@ -294,7 +306,7 @@ class ServeApp:
         agent = self.agent(body.agent)
         deps = await self.deps(agent, body.deps, principal, request)
         row, created = await self.start_turn(principal, conversation_id, agent, body.prompt, deps, key,
-                                             [conversation_id, agent.name, body.prompt, body.deps])
+                                             [conversation_id, agent.name, body.prompt, body.deps], body.busy)
         root = request.scope.get('root_path', '')
         return JSONResponse({'run_id': row.run_id, 'events_url': f'{root}/v1/runs/{row.run_id}/events',
                              'status_url': f'{root}/v1/runs/{row.run_id}', 'conversation_id': conversation_id,
@@ -377,8 +389,6 @@ class ServeApp:
         return JSONResponse({'run_id': row.run_id, 'pending': [call.to_json() for call in pending]})
 
     async def decide(self, request: Request) -> Response:
-        from .. import runner
-
         principal = await self.principal(request)
         row = await self.own_run(request.path_params['run_id'], principal)
         call_id = request.path_params['call_id']
@@ -389,28 +399,45 @@ class ServeApp:
         approve = body.decision == 'approve'
         if body.args is not None and not approve:
             raise BadRequestError('decision: `args` (edited arguments) only go with "approve"', field='args')
+        decision = await self.apply_decision(row, principal, call_id, approve=approve, reason=body.reason,
+                                             args=body.args, fingerprint=body.fingerprint)
+        return JSONResponse({'run_id': row.run_id, 'decision': decision.to_json()})
+
+    async def apply_decision(self, row: RunRow, principal: str, call_id: str, *, approve: bool, reason: str | None,
+                             args: dict[str, Any] | None, fingerprint: str | None) -> Any:
+        """Deliver a decision on `call_id` of `row`'s run (`fingerprint`: the one the person reviewed; `None`: the pending
+        call's, for the protocols, whose approvals name the call only).
+
+        Returns:
+            The `Decision` delivered.
+
+        Raises:
+            _Refused: 409 (already decided, other arguments), 422 (edited arguments outside the tool's schema).
+            NotFoundError: DC044, no such pending call.
+        """
+        from .. import runner
+
         pending = {call.call_id: call for call in await self._pending(row)}
         if call_id not in pending:
             earlier = await self._decided(row, call_id)
             if earlier is not None:
-                return _coded(409, AlreadyDecidedError.code, f'run {row.run_id!r}: call {printable(call_id[:120])!r} was '
-                              f'already {earlier}; a call is decided once: this decision was refused and nothing was '
-                              'sent', kind='unknown-call')
+                raise _Refused(_coded(409, AlreadyDecidedError.code, f'run {row.run_id!r}: call '
+                                      f'{printable(call_id[:120])!r} was already {earlier}; a call is decided once: this '
+                                      'decision was refused and nothing was sent', kind='unknown-call'))
             raise NotFoundError(f'run {row.run_id!r} has no pending call {printable(call_id[:120])!r} (pending: '
                                 f'{", ".join(pending) or "none"})', field='call_id')
         try:
-            decision = await runner.decide(row.run_id, call_id, approve=approve, reason=body.reason,
-                                           override_args=body.args, by=f'serve:{principal}',
-                                           fingerprint_=body.fingerprint, engine=row.engine, **self._engine_settings())
+            return await runner.decide(row.run_id, call_id, approve=approve, reason=reason, override_args=args,
+                                       by=f'serve:{principal}', fingerprint_=fingerprint or pending[call_id].fingerprint,
+                                       engine=row.engine, **self._engine_settings())
         except ApprovalArgsError as exc:
-            return _coded(422, exc.code, str(exc), kind=exc.kind, field='args')
+            raise _Refused(_coded(422, exc.code, str(exc), kind=exc.kind, field='args')) from None
         except AlreadyDecidedError as exc:
-            return _coded(409, exc.code, str(exc), kind=exc.kind)
+            raise _Refused(_coded(409, exc.code, str(exc), kind=exc.kind)) from None
         except ApprovalError as exc:
             if exc.kind == 'stale-fingerprint':
-                return _coded(409, exc.code, str(exc), kind=exc.kind, field='fingerprint')
+                raise _Refused(_coded(409, exc.code, str(exc), kind=exc.kind, field='fingerprint')) from None
             raise NotFoundError(str(exc), kind=exc.kind) from None
-        return JSONResponse({'run_id': row.run_id, 'decision': decision.to_json()})
 
     async def ag_ui(self, request: Request) -> Response:
         from ._protocols import protocol_turn
@@ -443,6 +470,10 @@ def _handler(app: ServeApp, method: Callable[[Request], Awaitable[Response]]) ->
             return await method(request)
         except ServeError as error:
             return _error_response(error)
+        except _Refused as refused:
+            return refused.response
+        except ConversationBusyError as error:
+            return _coded(409, error.code, str(error), holder=error.holder)
         except StoreError as error:
             logger.warning('%s %s: %s', request.method, request.url.path, error)
             return _coded(503, error.code, f'the conversation store failed: {one_line(str(error))}')

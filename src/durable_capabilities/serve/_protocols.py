@@ -62,16 +62,16 @@ def _prompt(adapter: Any) -> str:
                           'user message', field='messages')
 
 
-async def _native_events(app: ServeApp, row: RunRow) -> AsyncIterator[Any]:
-    """The run's pydantic-ai events, ended by an `AgentRunResultEvent` (the answer, or the calls waiting for
-    approval), or by the run's error."""
+async def _native_events(app: ServeApp, row: RunRow, after: int = 0) -> AsyncIterator[Any]:
+    """The run's pydantic-ai events after offset `after`, ended by an `AgentRunResultEvent` (the answer, or the calls
+    waiting for approval), or by the run's error."""
     from pydantic_ai import AgentRunResultEvent
     from pydantic_ai.messages import ModelResponse, TextPart, ToolCallPart
     from pydantic_ai.tools import DeferredToolRequests
 
     from ..streams import watch
 
-    async for event in watch(row.run_id, engine=row.engine, store=app.store):
+    async for event in watch(row.run_id, engine=row.engine, store=app.store, from_offset=after):
         if event.event is not None:
             yield event.event
         elif event.kind == 'approval_waiting':
@@ -112,12 +112,13 @@ async def protocol_turn(app: ServeApp, request: Request, protocol: str) -> Respo
         else:
             from pydantic_ai.ui.vercel_ai import VercelAIAdapter
 
-            adapter = VercelAIAdapter(agent.build('local'), VercelAIAdapter.build_run_input(raw),
+            adapter = VercelAIAdapter(agent.build('local'), VercelAIAdapter.build_run_input(_without_raw_input(raw)),
                                       accept=request.headers.get('accept'), sdk_version=6)
-            last = adapter.run_input.messages[-1] if adapter.run_input.messages else None
-            key = f'vercel-ai:{adapter.run_input.id}:{getattr(last, "id", "")}'
+            users = [m for m in adapter.run_input.messages if getattr(m, 'role', None) == 'user']
+            key = f'vercel-ai:{adapter.run_input.id}:{getattr(users[-1], "id", "") if users else ""}'
         conversation_id = adapter.conversation_id
-        prompt = _prompt(adapter)
+        results = adapter.deferred_tool_results
+        prompt = _prompt(adapter) if results is None or not results.approvals else ''
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         where = '.'.join(map(str, first['loc'])) or '(the body)'
@@ -127,15 +128,19 @@ async def protocol_turn(app: ServeApp, request: Request, protocol: str) -> Respo
     if not conversation_id:
         raise BadRequestError(f'{protocol}: the request names no thread (the conversation id)', field='threadId')
     app.checked_id(conversation_id, 'conversation_id')
-    deps = await app.deps(agent, None, principal, request)
-    row, _created = await app.start_turn(principal, conversation_id, agent, prompt, None if deps is None else deps,
-                                         _safe_key(key), [protocol, conversation_id, agent.name, prompt])
+    after = 0
+    if results is not None and results.approvals:
+        row, after = await _decide(app, principal, conversation_id, results)
+    else:
+        deps = await app.deps(agent, None, principal, request)
+        row, _created = await app.start_turn(principal, conversation_id, agent, prompt, deps, _safe_key(key),
+                                             [protocol, conversation_id, agent.name, prompt])
     stream = adapter.build_event_stream()
     where = _where(app, request, row)
 
     async def events() -> AsyncIterator[Any]:
         first = True
-        async for event in stream.transform_stream(_native_events(app, row)):
+        async for event in stream.transform_stream(_native_events(app, row, after)):
             yield event
             if first:  # after the protocol's own start event (AG-UI's RUN_STARTED, Vercel AI's start)
                 first = False
@@ -146,6 +151,30 @@ async def protocol_turn(app: ServeApp, request: Request, protocol: str) -> Respo
     return response
 
 
+async def _decide(app: ServeApp, principal: str, conversation_id: str, results: Any) -> tuple[RunRow, int]:
+    """Apply the protocol's approval responses (Vercel AI `approval-responded` parts, AG-UI `resume` entries) to the
+    principal's newest run on the conversation, as `POST /v1/runs/{run}/approvals/{call}` does (the pending call's
+    fingerprint: the protocols name the call only); a call decided already by this same response (a retried request)
+    is skipped. Returns the run and the offset of its last `approval_waiting` event, from which the rest streams."""
+    from pydantic_ai.tools import ToolApproved, ToolDenied
+
+    from ._errors import NotFoundError
+
+    row = await app.rows.call(app.rows.latest_run_sync, principal, conversation_id)
+    if row is None:
+        raise NotFoundError(f'no run on conversation {conversation_id!r} waits for these approvals',
+                            field='conversation_id')
+    for call_id, value in results.approvals.items():
+        if await app._decided(row, call_id) is not None:
+            continue
+        approve = value is True or isinstance(value, ToolApproved)
+        await app.apply_decision(row, principal, call_id, approve=approve,
+                                 reason=value.message if isinstance(value, ToolDenied) else None,
+                                 args=value.override_args if isinstance(value, ToolApproved) else None, fingerprint=None)
+    waits = [o for o, kind, _ in await app.rows.call(app.rows.milestones_sync, row.run_id) if kind == 'approval_waiting']
+    return row, (waits[-1] if waits else 0)
+
+
 def _announce(protocol: str, where: dict[str, str]) -> Any:
     if protocol == 'ag-ui':
         from ag_ui.core import CustomEvent
@@ -154,6 +183,29 @@ def _announce(protocol: str, where: dict[str, str]) -> Any:
     from pydantic_ai.ui.vercel_ai.response_types import DataChunk
 
     return DataChunk(type='data-durcap-run', data=where)
+
+
+_APPROVAL_STATES = ('approval-requested', 'approval-responded')
+
+
+def _without_raw_input(raw: bytes) -> bytes:
+    """The Vercel AI request without `rawInput` on tool parts in an approval state.
+
+    The `ai` SDK (6.x and 7.x) keeps a streamed tool call's `rawInput` on its part when it moves to
+    `approval-requested` and, after `addToolApprovalResponse`, `approval-responded`; pydantic-ai 2.68's request
+    models (`vercel_ai.request_types`, `extra='forbid'`) accept `rawInput` on `output-error` parts only, so the SDK's
+    own approval response is refused whole. Only the approval (`approval.approved`, `approval.reason`) of such a part
+    is read here (the stored conversation, not the client's copy, is the turn's history), so dropping the field loses
+    nothing.
+    """
+    import json
+
+    data = json.loads(raw)
+    for message in data.get('messages') or [] if isinstance(data, dict) else []:
+        for part in (message.get('parts') or []) if isinstance(message, dict) else []:
+            if isinstance(part, dict) and part.get('state') in _APPROVAL_STATES:
+                part.pop('rawInput', None)
+    return json.dumps(data).encode()
 
 
 def _safe_key(key: str) -> str:

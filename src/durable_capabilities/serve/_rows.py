@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
 from ..conversations import process_store
+from ..store import ConversationBusyError
 from ..streams._log import in_thread
 from ._errors import IdempotencyConflictError, NotFoundError
 
@@ -53,7 +54,7 @@ class ServeRows:
         self._backend = process_store(store_url)._sql
 
     def start_turn_sync(self, *, principal: str, key: str | None, digest: str, conversation_id: str, agent: str,
-                        engine: str, run_id: str) -> Started:
+                        engine: str, run_id: str, reject_busy: bool = False) -> Started:
         """Claim conversation `conversation_id` for `principal` (the first request on it owns it) and record run
         `run_id`, unless `key` was sent before by `principal`: then the run it started.
 
@@ -61,17 +62,20 @@ class ServeRows:
             NotFoundError: DC044, the conversation belongs to another principal (said as "not found": its existence is
                 not disclosed).
             IdempotencyConflictError: DC045, `key` was sent before with another request (another digest).
+            ConversationBusyError: DC050, `reject_busy` and another run's turn holds the conversation (its claim in
+                `durcap_turn_claims`): refused before anything is recorded or started. The turn's own load checks
+                again (the authoritative claim); this answers the common case at once, with 409.
         """
         for attempt in range(3):
             try:
-                return self._start(principal, key, digest, conversation_id, agent, engine, run_id)
+                return self._start(principal, key, digest, conversation_id, agent, engine, run_id, reject_busy)
             except sa_exc.IntegrityError:  # a concurrent request inserted the same key or owner first: read it
                 if attempt == 2:
                     raise
         raise AssertionError('unreachable')  # pragma: no cover
 
     def _start(self, principal: str, key: str | None, digest: str, conversation_id: str, agent: str, engine: str,
-               run_id: str) -> Started:
+               run_id: str, reject_busy: bool) -> Started:
         with self._backend._txn(write=True) as conn:
             owner = conn.execute(sa.text('SELECT principal FROM durcap_serve_owners WHERE conversation_id = :c'),
                                  {'c': conversation_id}).scalar()
@@ -88,6 +92,12 @@ class ServeRows:
                     found = self._run(conn, row[1])
                     assert found is not None
                     return Started(found, False)
+            if reject_busy:
+                claim = conn.execute(sa.text('SELECT run_id, claimed_at FROM durcap_turn_claims WHERE '
+                                             'conversation_id = :c'), {'c': conversation_id}).first()
+                if claim is not None:
+                    raise ConversationBusyError(conversation_id, run_id=run_id, holder=str(claim[0]),
+                                                claimed_at=str(claim[1]))
             now = _now()
             if owner is None:
                 conn.execute(sa.text('INSERT INTO durcap_serve_owners (conversation_id, principal, created_at) '
@@ -111,6 +121,14 @@ class ServeRows:
         """The run `run_id` a request started, `None` when no serve process started it."""
         with self._backend._txn(write=False) as conn:
             return self._run(conn, run_id)
+
+    def latest_run_sync(self, principal: str, conversation_id: str) -> RunRow | None:
+        """The newest run `principal` started on `conversation_id`, `None` when there is none."""
+        with self._backend._txn(write=False) as conn:
+            row = conn.execute(sa.text('SELECT run_id, principal, conversation_id, agent, engine, created_at FROM '
+                                       'durcap_serve_runs WHERE conversation_id = :c AND principal = :p ORDER BY '
+                                       'created_at DESC LIMIT 1'), {'c': conversation_id, 'p': principal}).first()
+        return None if row is None else RunRow(*row)
 
     def owner_sync(self, conversation_id: str) -> str | None:
         """The principal owning `conversation_id`, `None` when no request started a turn on it."""

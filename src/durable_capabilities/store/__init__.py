@@ -26,8 +26,9 @@ Storage (schema version 7, tables prefixed `durcap_`):
   one conversation at once; released when that turn's append lands, or by `release_turn`.
 - `durcap_budget_ledger`, `durcap_budget_reservations` (version 6): what each budget key spent and each model
   request of it reserved and settled (`budget_reserve`, `budget_settle`; `durable_capabilities.budget`).
-- `durcap_serve_owners`, `durcap_serve_runs`, `durcap_serve_requests` (version 7): `durcap serve`'s state shared by
-  every serve process: who owns each conversation, which run each request started, each `Idempotency-Key` sent.
+- `durcap_serve_owners`, `durcap_serve_runs`, `durcap_serve_requests` (version 7): `durcap serve`'s shared state (the
+  principal owning each conversation, the runs requests started, each `Idempotency-Key` and its run), so several
+  serve processes act as one (`durable_capabilities.serve`); deleted with the conversation by `purge`.
 - `durcap_schema_version`: the migrations applied. A store whose version is newer than this code
   knows is refused (`SchemaVersionError`) and never touched.
 

@@ -655,6 +655,11 @@ class _SQLBackend:
             if not dry_run:
                 for table in ('durcap_entries', 'durcap_writes', 'durcap_conversations'):
                     conn.execute(sa.text(f'DELETE FROM {table} WHERE conversation_id = :cid'), {'cid': conversation_id})
+                # `durcap serve`'s rows of it (schema 7): who owned it, the runs requests started, their idempotency keys.
+                conn.execute(sa.text('DELETE FROM durcap_serve_requests WHERE run_id IN (SELECT run_id FROM '
+                                     'durcap_serve_runs WHERE conversation_id = :cid)'), {'cid': conversation_id})
+                for table in ('durcap_serve_runs', 'durcap_serve_owners'):
+                    conn.execute(sa.text(f'DELETE FROM {table} WHERE conversation_id = :cid'), {'cid': conversation_id})
                 for chunk in _chunks(usage.owners):
                     params = {f'o{i}': owner for i, owner in enumerate(chunk)}
                     marks = ', '.join(f':{key}' for key in params)

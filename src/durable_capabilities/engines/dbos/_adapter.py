@@ -74,7 +74,9 @@ class DBOSAdapter(EngineAdapter, spec=SPEC):
         deps = to_jsonable_python(options.deps) if options.deps is not None else None
         args = (prompt, deps, history_json, options.conversation_id)
         if options.setting('queue'):
-            return await enqueue_and_wait(agent, url, options.setting('queue'), workflow_id, args, options)
+            # The turn's busy strategy travels as the workflow's fifth argument, as the inline call below passes it.
+            return await enqueue_and_wait(agent, url, options.setting('queue'), workflow_id,
+                                          (*args, options.setting('busy')), options)
         # A step retry logs one WARNING line (`_retry_log.ModelRetryLogLine` drops its traceback); the run's failure is reported
         # once, in `durcap run`'s own line (capability, error, innermost cause).
         launch(APP_NAME, system_database_url_=url, one_shot=True, executor_id=options.setting('executor_id'))

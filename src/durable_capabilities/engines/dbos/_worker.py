@@ -162,7 +162,7 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
         url: The system database URL.
         queue: The DBOS queue.
         workflow_id: The run's workflow id.
-        args: The workflow's arguments `(prompt, deps JSON, message history JSON, conversation id)`.
+        args: The workflow's arguments `(prompt, deps JSON, message history JSON, conversation id[, busy])`.
         options: The run's options (`started`, `notify`).
 
     Returns:
