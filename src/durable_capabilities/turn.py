@@ -317,8 +317,8 @@ def _budget_settings(agent: DurableAgent[Any, Any], settings: Any, run_id: str |
     stream = module.current_stream() if module is not None else None
     run = run_id or (stream.run_id if stream is not None else None) or (gate.run_id if gate is not None else None) \
         or f'local-{uuid.uuid4().hex}'
-    if store is None and stream is not None:
-        store = stream.log.store_url
+    if store is None and stream is not None and stream.log is not None:  # a Temporal workflow's stream has no log:
+        store = stream.log.store_url  # its model request activity uses the worker's store (`budgets.set_worker_store`)
     budget = agent.budget
     assert budget is not None
     key = budget.key(run_id=run, conversation_id=conversation_id, deps=deps)
