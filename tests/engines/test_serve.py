@@ -355,8 +355,8 @@ def test_node_clients_stream_a_support_turn_receive_the_approval_and_approve_thr
     receives its protocol's approval event (AG-UI `RUN_FINISHED` interrupt, Vercel AI `tool-approval-request`) for
     `revoke_sessions`, and approves it through `/v1/runs/{run}/approvals/{call}`, or (`native`, on DBOS) answers in
     the protocol (AG-UI `resume` entries; Vercel AI the tool part `approval-responded`, as useChat does) and reads the
-    rest of the run on that stream; the run completes with the revocation in its answer, and the audit records the
-    approval by `serve:alice`. Model: the support example's scripted `SupportScript` (FunctionModel)."""
+    rest of the run on that stream; the run completes with the revocation in its answer, a second decision on the call
+    is refused (409 `approval-already-decided`), and the audit records the one approval by `serve:alice`. Model: the support example's scripted `SupportScript` (FunctionModel)."""
     stack: Stack = request.getfixturevalue(f'{engine}_stack')
     server, url = start_server(stack.tmp, f'serve-support-{engine}', stack.env, *stack.serve_args, '--deps-json',
                                json.dumps(SUPPORT_DEPS), target='examples.support.agent:support')
@@ -388,6 +388,13 @@ def test_node_clients_stream_a_support_turn_receive_the_approval_and_approve_thr
                 assert result['text'] == events[-1].data['data']['output'], rest
             assert events[-1].kind == 'run_completed', events[-1]
             assert 'acct-42' in events[-1].data['data']['output']
+            if mode == 'api':  # a second decision on the call the client approved: refused, coded, on this engine too
+                [waiting] = [e for e in events if e.kind == 'approval_waiting']
+                [call] = waiting.data['data']['calls']
+                again = httpx.post(f'{url}/v1/runs/{run["run_id"]}/approvals/{call["call_id"]}', headers=ALICE,
+                                   timeout=30, json={'decision': 'deny', 'fingerprint': call['fingerprint']})
+                assert again.status_code == 409, again.text
+                assert again.json()['error']['code'] == 'approval-already-decided', again.text
             stored = httpx.get(f'{url}/v1/conversations/{thread}', headers=ALICE, timeout=30).json()
             assert [(a['tool'], a['decision'], a['by']) for a in stored['approvals']] == [
                 ('revoke_sessions', 'approved', 'serve:alice')]

@@ -160,6 +160,10 @@ class ServeApp:
 
         self.store = resolve_url(self.settings.get('store'))
         self.settings['store'] = self.store
+        if engine == 'temporal':  # a named server, never the embedded one a bare `runner.run` would start per turn
+            from ..engines.temporal._spec import DEFAULT_ADDRESS
+
+            self.settings.setdefault('address', DEFAULT_ADDRESS)
         self.deps_factory, self.max_body_bytes = deps_factory, max_body_bytes
         self.rows = ServeRows(self.store)
         self.tasks: set[asyncio.Task[Any]] = set()
