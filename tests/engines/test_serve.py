@@ -356,7 +356,8 @@ def test_node_clients_stream_a_support_turn_receive_the_approval_and_approve_thr
     `revoke_sessions`, and approves it through `/v1/runs/{run}/approvals/{call}`, or (`native`, on DBOS) answers in
     the protocol (AG-UI `resume` entries; Vercel AI the tool part `approval-responded`, as useChat does) and reads the
     rest of the run on that stream; the run completes with the revocation in its answer, a second decision on the call
-    is refused (409 `approval-already-decided`), and the audit records the one approval by `serve:alice`. Model: the support example's scripted `SupportScript` (FunctionModel)."""
+    is refused (409 `approval-already-decided`), and the audit records the one approval by `serve:alice`. Model: the
+    support example's scripted `SupportScript` (FunctionModel)."""
     stack: Stack = request.getfixturevalue(f'{engine}_stack')
     server, url = start_server(stack.tmp, f'serve-support-{engine}', stack.env, *stack.serve_args, '--deps-json',
                                json.dumps(SUPPORT_DEPS), target='examples.support.agent:support')
