@@ -1,5 +1,6 @@
-"""`durcap serve` (issue 26): real `durcap serve` subprocesses, real HTTP (httpx), the local engine and DBOS (a real
-`durcap worker dbos` on SQLite), the conversation store on SQLite.
+"""`durcap serve` (issue 26): real `durcap serve` subprocesses, real HTTP (httpx), the local engine, DBOS (a real
+`durcap worker dbos` on SQLite) and Temporal (a real `durcap worker temporal` at the shared dev server, for the node
+clients), the conversation store on SQLite.
 
 Models: scripted `FunctionModel`s (tests/engines/serve_agents.py: `streamer` streams its answer word by word after a
 tool call; `gated` calls `revoke_sessions`, which waits for a person's approval and records each execution).
