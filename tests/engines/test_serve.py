@@ -1,5 +1,6 @@
-"""`durcap serve` (issue 26): real `durcap serve` subprocesses, real HTTP (httpx), the local engine and DBOS (a real
-`durcap worker dbos` on SQLite), the conversation store on SQLite.
+"""`durcap serve` (issue 26): real `durcap serve` subprocesses, real HTTP (httpx), the local engine, DBOS (a real
+`durcap worker dbos` on SQLite) and Temporal (a real `durcap worker temporal` at the shared dev server, for the node
+clients), the conversation store on SQLite.
 
 Models: scripted `FunctionModel`s (tests/engines/serve_agents.py: `streamer` streams its answer word by word after a
 tool call; `gated` calls `revoke_sessions`, which waits for a person's approval and records each execution).
@@ -34,6 +35,7 @@ class Stack:
     crash_dir: Path
     procs: list[Proc]
     tmp: Path
+    serve_args: tuple[str, ...] = ('--engine', 'dbos')  # what a further `durcap serve` on this stack is given
 
 
 def _env(tmp: Path) -> tuple[dict[str, str], Path, str]:
@@ -56,6 +58,28 @@ def dbos_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         server, url = start_server(tmp, 'serve-a', env, '--engine', 'dbos', '--db', db, '--chat')
         procs.append(server)
         yield Stack(url, store, env, crash, procs, tmp)
+    finally:
+        for proc in procs:
+            proc.kill9()
+
+
+@pytest.fixture(scope='module')
+def temporal_stack(tmp_path_factory: pytest.TempPathFactory, temporal_address: str) -> Iterator[Stack]:
+    """A `durcap worker temporal` on a task queue of its own at the shared dev server; the serve processes a test
+    starts hand their turns to it (`Stack.serve_args`: `--engine temporal --address A --task-queue Q`)."""
+    import uuid
+
+    tmp = tmp_path_factory.mktemp('serve-temporal')
+    env, crash, store = _env(tmp)
+    queue = f'serve-{uuid.uuid4().hex[:8]}'
+    procs: list[Proc] = []
+    try:
+        worker = start(['worker', 'temporal', TARGET, '--address', temporal_address, '--task-queue', queue],
+                       tmp / 'worker.log', env)
+        procs.append(worker)
+        worker.wait_for('worker ready', 120)
+        yield Stack('', store, env, crash, procs, tmp,
+                    ('--engine', 'temporal', '--address', temporal_address, '--task-queue', queue))
     finally:
         for proc in procs:
             proc.kill9()
@@ -322,21 +346,29 @@ def _node(script: str, *args: str) -> dict[str, Any]:
     return json.loads(line.split(' ', 1)[1])
 
 
-def test_node_clients_stream_a_support_turn_on_dbos_receive_the_approval_and_approve_through_the_api(
-        dbos_stack: Stack) -> None:
+@pytest.mark.parametrize('engine', ['dbos', 'temporal'])
+def test_node_clients_stream_a_support_turn_receive_the_approval_and_approve_through_the_api(
+        engine: str, request: pytest.FixtureRequest) -> None:
     """Real clients from the npm registry (tests/engines/node: `@ag-ui/client`'s HttpAgent, the `ai` SDK's
-    DefaultChatTransport with readUIMessageStream) run by node against a second `durcap serve` process (the support
-    example, `--deps-json`) on the DBOS stack: each streams the support demo's account-takeover turn, receives its
-    protocol's approval event (AG-UI `RUN_FINISHED` interrupt, Vercel AI `tool-approval-request`) for
-    `revoke_sessions`, and approves it through `/v1/runs/{run}/approvals/{call}`, or (Vercel AI, `native`) sends the
-    chat back with the tool part `approval-responded` as useChat does, and reads the rest of the run on that stream;
-    the run completes with the revocation in its answer, and the audit records the approval by `serve:alice`."""
-    server, url = start_server(dbos_stack.tmp, 'serve-support', dbos_stack.env, '--engine', 'dbos', '--deps-json',
+    DefaultChatTransport with readUIMessageStream) run by node against a `durcap serve` process (the support example,
+    `--deps-json`) on the DBOS stack, and on Temporal (the turn a workflow on the task queue of the module's
+    `durcap worker temporal`, at the shared dev server): each streams the support demo's account-takeover turn,
+    receives its protocol's approval event (AG-UI `RUN_FINISHED` interrupt, Vercel AI `tool-approval-request`) for
+    `revoke_sessions`, and approves it through `/v1/runs/{run}/approvals/{call}`, or (`native`, on DBOS) answers in
+    the protocol (AG-UI `resume` entries; Vercel AI the tool part `approval-responded`, as useChat does) and reads the
+    rest of the run on that stream; the run completes with the revocation in its answer, a second decision on the call
+    is refused (409 `approval-already-decided`), and the audit records the one approval by `serve:alice`. Model: the
+    support example's scripted `SupportScript` (FunctionModel)."""
+    stack: Stack = request.getfixturevalue(f'{engine}_stack')
+    server, url = start_server(stack.tmp, f'serve-support-{engine}', stack.env, *stack.serve_args, '--deps-json',
                                json.dumps(SUPPORT_DEPS), target='examples.support.agent:support')
-    dbos_stack.procs.append(server)
+    stack.procs.append(server)
+    runs = [('ag_ui_client.mjs', 'agui-1', 'api'), ('ag_ui_client.mjs', 'agui-2', 'native'),
+            ('vercel_ai_client.mjs', 'vercel-1', 'api'), ('vercel_ai_client.mjs', 'vercel-2', 'native')]
+    if engine == 'temporal':  # lean: one turn per client, approved through the API
+        runs = [r for r in runs if r[2] == 'api']
     try:
-        for script, thread, mode in (('ag_ui_client.mjs', 'agui-1', 'api'), ('ag_ui_client.mjs', 'agui-2', 'native'),
-                                     ('vercel_ai_client.mjs', 'vercel-1', 'api'), ('vercel_ai_client.mjs', 'vercel-2', 'native')):
+        for script, thread, mode in runs:
             result = _node(script, url, 'token-alice', 'support', thread, GATE_PROMPT, mode)
             run = result['run']
             assert run['conversation_id'] == thread, result
@@ -358,9 +390,19 @@ def test_node_clients_stream_a_support_turn_on_dbos_receive_the_approval_and_app
                 assert result['text'] == events[-1].data['data']['output'], rest
             assert events[-1].kind == 'run_completed', events[-1]
             assert 'acct-42' in events[-1].data['data']['output']
+            if mode == 'api':  # a second decision on the call the client approved: refused, coded, on this engine too
+                [waiting] = [e for e in events if e.kind == 'approval_waiting']
+                [call] = waiting.data['data']['calls']
+                again = httpx.post(f'{url}/v1/runs/{run["run_id"]}/approvals/{call["call_id"]}', headers=ALICE,
+                                   timeout=30, json={'decision': 'deny', 'fingerprint': call['fingerprint']})
+                assert again.status_code == 409, again.text
+                assert again.json()['error']['code'] == 'approval-already-decided', again.text
             stored = httpx.get(f'{url}/v1/conversations/{thread}', headers=ALICE, timeout=30).json()
             assert [(a['tool'], a['decision'], a['by']) for a in stored['approvals']] == [
                 ('revoke_sessions', 'approved', 'serve:alice')]
+            # Stored once, by that engine's run (DBOS: `dbos:WORKFLOW`, Temporal: `WORKFLOW:TEMPORAL_RUN_ID`).
+            [write] = stored['writes']
+            assert write['append_id'].startswith(f'dbos:{run["run_id"]}' if engine == 'dbos' else f'{run["run_id"]}:')
     finally:
         server.kill9()
 

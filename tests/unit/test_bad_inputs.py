@@ -435,7 +435,7 @@ def _option_cases() -> list[Case]:
         Case('approve-args-deep', ['approve', 'r', 'c', '--args', _deep(5000)], 2, 'nests deeper'),
         Case('approve-args-huge', ['approve', 'r', 'c', '--args', '"' + 'x' * (1024 * 1024 + 1) + '"'], 2, 'over the limit'),
         Case('runs-status-unknown', ['runs', 'list', '--status', 'nope'], 2, '--status must be one of'),
-        Case('serve-engine-temporal', ['serve', PLAIN, '--engine', 'temporal'], 2, 'publish event streams'),
+        Case('serve-engine-unknown', ['serve', PLAIN, '--engine', 'nope'], 2, 'publish event streams'),
         Case('serve-deps-not-json', ['serve', DEPS, '--deps-json', '{'], 2, 'not valid JSON'),
         Case('serve-deps-for-no-deps', ['serve', PLAIN, '--deps-json', '{}'], 2, 'takes no deps'),
         Case('serve-port-zero', ['serve', PLAIN, '--port', '0'], 2, "'--port'"),

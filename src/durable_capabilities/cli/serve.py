@@ -15,7 +15,7 @@ from . import _err, _unusable, _valid_agents, app
 from ._options import StoreOption, connection_options, connection_settings
 from .ui import LOOPBACK
 
-SERVE_ENGINES = ('local', 'dbos', 'prefect')
+SERVE_ENGINES = ('local', 'dbos', 'prefect', 'temporal')
 
 
 def _serve_engine(value: str) -> str:
@@ -29,11 +29,14 @@ def _serve_engine(value: str) -> str:
 @connection_options('read')
 def serve(
     target: Annotated[str, typer.Argument(help='module:attr naming the agent(s) to serve.')],
-    engine: Annotated[str, typer.Option('--engine', '-e', parser=_serve_engine, metavar='<local|dbos|prefect>',
-                                        help='Where turns run (dbos: handed to `durcap worker dbos` on --queue).')] = 'local',
+    engine: Annotated[str, typer.Option('--engine', '-e', parser=_serve_engine, metavar='<local|dbos|prefect|temporal>',
+                                        help='Where turns run (dbos: handed to `durcap worker dbos` on --queue; temporal: '
+                                        'started as workflows on --task-queue, run by `durcap worker temporal`).')] = 'local',
     host: Annotated[str, typer.Option(help='Interface to bind (default loopback only).')] = '127.0.0.1',
     port: Annotated[int, typer.Option(help='TCP port.', min=1, max=65535)] = 8780,
     queue: Annotated[str, typer.Option(help='DBOS queue the turns are handed to (served by `durcap worker dbos`).')] = 'durcap',
+    task_queue: Annotated[str, typer.Option('--task-queue', help='Temporal task queue the turns are started on (served '
+                                            'by `durcap worker temporal`).')] = 'durcap',
     deps_json: Annotated[str | None, typer.Option('--deps-json', help="Deps (JSON, of the agent's deps_type) for "
                                                   'turns whose request carries none.')] = None,
     cors_origin: Annotated[list[str] | None, typer.Option('--cors-origin', help='An origin allowed to call the API '
@@ -80,6 +83,8 @@ def serve(
     run_settings: dict[str, Any] = {**settings.engine(), 'store': settings.store}
     if engine == 'dbos':
         run_settings['queue'] = queue
+    elif engine == 'temporal':
+        run_settings['task_queue'] = task_queue
     from ..serve import bearer_auth
 
     application = create_app(agents, engine=engine, settings=run_settings, auth=bearer_auth(tokens),
@@ -96,7 +101,8 @@ def serve(
     where = ', '.join(f'{k} {v}' for k, v in settings.describe([engine]).items())
     names = ', '.join(a.name for a in agents)
     _err.print(f'durcap serve: http://{shown}:{port}/v1 (agents {names}; engine {engine}'
-               + (f', queue {queue!r}' if engine == 'dbos' else '') + f'; {where})'
+               + (f', queue {queue!r}' if engine == 'dbos' else '')
+               + (f', task queue {task_queue!r}' if engine == 'temporal' else '') + f'; {where})'
                + (f'; chat page http://{shown}:{port}/chat' if chat else ''), markup=False)
     _err.print(f'durcap serve: bearer token from ${TOKEN_ENV}' if raw else f'durcap serve: bearer token: {token}',
                markup=False)

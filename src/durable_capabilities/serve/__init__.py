@@ -76,7 +76,9 @@ def create_app(
     Args:
         targets: The agents served (by name): one `DurableAgent`, a list, or a TARGET string (`module:attr`).
         engine: Where turns run: `local` (in this process), `dbos` (handed to the `durcap worker dbos` processes
-            serving the DBOS queue `settings['queue']`, default `durcap`) or `prefect`.
+            serving the DBOS queue `settings['queue']`, default `durcap`), `temporal` (started as workflows on the
+            task queue `settings['task_queue']`, default `durcap`, at `settings['address']`, run by the
+            `durcap worker temporal` processes serving it) or `prefect`.
         settings: Where the engine and the conversation store are: a `Settings` (`Settings.resolve()`), or a mapping
             of run settings (`store`, `db`, `queue`, `busy`, ...); default `Settings.resolve()`.
         auth: `auth(request) -> principal | None` (sync or async); default `bearer_auth($DURCAP_SERVE_TOKEN)`.
@@ -90,7 +92,7 @@ def create_app(
         A Starlette app; `app.state.serve` holds the handlers (its `tasks`: the turns this process runs or awaits).
 
     Raises:
-        ValueError: no agents, two agents of one name, an engine without event streams (Temporal, for now), no
+        ValueError: no agents, two agents of one name, an engine without event streams, no
             `auth` and no `$DURCAP_SERVE_TOKEN`, or `max_body_bytes` under 1.
         targets.UnusableTarget / DurableConfigError: `targets` is a TARGET string that does not load.
     """

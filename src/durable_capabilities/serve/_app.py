@@ -160,6 +160,10 @@ class ServeApp:
 
         self.store = resolve_url(self.settings.get('store'))
         self.settings['store'] = self.store
+        if engine == 'temporal':  # a named server, never the embedded one a bare `runner.run` would start per turn
+            from ..engines.temporal._spec import DEFAULT_ADDRESS
+
+            self.settings.setdefault('address', DEFAULT_ADDRESS)
         self.deps_factory, self.max_body_bytes = deps_factory, max_body_bytes
         self.rows = ServeRows(self.store)
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -265,6 +269,11 @@ class ServeApp:
             from ..engines.dbos._spec import WORKER_QUEUE
 
             settings.setdefault('queue', WORKER_QUEUE)
+        elif self.engine == 'temporal':  # started on the task queue `durcap worker temporal` serves, never inline
+            from ..engines.temporal._spec import DEFAULT_TASK_QUEUE
+
+            settings.setdefault('task_queue', DEFAULT_TASK_QUEUE)
+            settings['inline_worker'] = False
         try:
             await runner.run(agent, prompt, engine=self.engine, deps=deps, conversation_id=row.conversation_id,
                              run_id=row.run_id, notify=lambda line: logger.info('%s', line), **settings)
@@ -380,7 +389,7 @@ class ServeApp:
         return await runner.approvals(row.run_id, engine=row.engine, **self._engine_settings())
 
     def _engine_settings(self) -> dict[str, Any]:
-        return {k: v for k, v in self.settings.items() if k not in ('queue', 'busy')}
+        return {k: v for k, v in self.settings.items() if k not in ('queue', 'task_queue', 'inline_worker', 'busy')}
 
     async def approvals(self, request: Request) -> Response:
         principal = await self.principal(request)
