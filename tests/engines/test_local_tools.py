@@ -206,6 +206,22 @@ def test_lock_measure_decides_local_tools_and_workers_and_replay_follow_the_lock
                and e.marker_recorded_event_attributes.marker_name == 'core_local_activity'
                and b'__call_tool' in e.marker_recorded_event_attributes.SerializeToString()) == 4  # not the stream's
 
+    async def measured_again() -> Any:  # the local run's calls are markers: counted, not timed
+        client = await temporal.connect(temporal_address)
+        query = f'WorkflowType = "durcap.{name}" AND ExecutionStatus != "Running"'
+        for _ in range(200):
+            if (await client.count_workflows(query)).count >= 3:
+                break
+            await asyncio.sleep(0.05)
+        return (await temporal.ADAPTER.measure_tool_calls(with_lock.agents, {'address': temporal_address}, 50))[name]
+
+    async def units() -> list[str]:  # what `durcap demo` / `runs show` list: the tools' local activities too
+        return await temporal.units_recorded(await temporal.connect(temporal_address), workflow_id, None)
+
+    assert asyncio.run(units()).count(f'agent__{name}__toolset__ops__call_tool') == 4
+    ops = asyncio.run(measured_again())['ops']
+    assert (ops.local_calls, len(ops.seconds), ops.runs) == (4, 8, 3)
+
     exported = tmp_path / 'history.json'
     assert durcap('history', 'export', '--workflow-id', workflow_id, '-o', str(exported)).returncode == 0
     replayed = durcap('replay', str(exported), '--target', target)

@@ -308,6 +308,12 @@ def fork(
 
     settings = connection_settings(conn or {}, store)
     _, info = _find(run_id, engine, settings)
+    # The target first: a definition that cannot continue the run refuses before the fork is written.
+    agents = _valid_agents(target, use_lock=True, refused='not forked: fix the errors above')
+    if info.agent is not None and info.agent not in {a.name for a in agents} | {
+            n for a in agents for n in a.previous_names}:
+        _unusable(f'run {run_id!r} is a run of agent {info.agent!r}, which --target {target!r} does not define '
+                  f'(it defines {", ".join(sorted(a.name for a in agents))}): give the target of that agent')
     if info.status not in ('completed', 'failed', 'cancelled'):
         _unusable(f'run {run_id!r} is {info.status}: fork a finished or failed run (`durcap runs show {run_id}`)')
     if not info.conversation_id:
@@ -320,7 +326,12 @@ def fork(
             if place.before < 1:
                 raise ForkError(f'run {run_id!r} ran the first turn of {info.conversation_id!r}: start a new '
                                 'conversation instead (`durcap run --conversation NEW`)')
-            new_id = to or f'{info.conversation_id}-fork-{run_id[-8:]}'
+            new_id = to
+            if new_id is None:  # `{conversation}-fork-{n}`: the first n whose conversation is not stored yet
+                n = 1
+                while await opened.read_record(f'{info.conversation_id}-fork-{n}') is not None:
+                    n += 1
+                new_id = f'{info.conversation_id}-fork-{n}'
             return await fork_at_turn(opened, info.conversation_id, place.before, new_id), new_id, place.prompt
 
     if prompt is None and info.status != 'completed':

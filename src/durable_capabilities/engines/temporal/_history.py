@@ -38,6 +38,22 @@ if TYPE_CHECKING:
     from ...agent import DurableAgent
 
 
+def local_activity_type(marker: Any) -> str | None:
+    """The activity type of a local-activity marker (`MarkerRecordedEventAttributes` named `core_local_activity`),
+    read from the JSON of its `data` detail; None for any other marker."""
+    if marker.marker_name != 'core_local_activity':
+        return None
+    payloads = marker.details.get('data')
+    for payload in payloads.payloads if payloads is not None else ():
+        try:
+            data = json.loads(payload.data)
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get('activity_type'), str):
+            return data['activity_type']
+    return None
+
+
 async def units_recorded(client: Client, workflow_id: str, first_run_id: str | None) -> list[str]:
     """Activity types scheduled by every run of the chain (continue-as-new starts a run with its own history).
 
@@ -55,6 +71,10 @@ async def units_recorded(client: Client, workflow_id: str, first_run_id: str | N
         async for event in run_handle.fetch_history_events():
             if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
                 units.append(event.activity_task_scheduled_event_attributes.activity_type.name)
+            elif event.event_type == EventType.EVENT_TYPE_MARKER_RECORDED:
+                name = local_activity_type(event.marker_recorded_event_attributes)
+                if name is not None and name.startswith('agent__'):  # a tool run as a local activity (not our own)
+                    units.append(name)
             elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW:
                 run_id = event.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
     return units

@@ -17,12 +17,12 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
 from ._durability import durable_names
+from ._history import local_activity_type
 
 if TYPE_CHECKING:
     from ...agent import DurableAgent
 
 _TOOL_SUFFIX = '__call_tool'
-_LOCAL_MARKER = 'core_local_activity'
 
 
 @dataclass
@@ -123,9 +123,9 @@ async def measure_tool_calls(
                         per_leaf.setdefault(scheduled[sid], ToolTiming(scheduled[sid])).failed += 1
                         called.add(scheduled[sid])
                 elif kind == EventType.EVENT_TYPE_MARKER_RECORDED:
-                    attrs = event.marker_recorded_event_attributes
-                    if attrs.marker_name == _LOCAL_MARKER:
-                        leaf = _local_marker_leaf(attrs, prefix)
+                    local_type = local_activity_type(event.marker_recorded_event_attributes)
+                    if local_type is not None:
+                        leaf = _leaf_of(local_type, prefix)
                         if leaf is not None:
                             per_leaf.setdefault(leaf, ToolTiming(leaf)).local_calls += 1
                             called.add(leaf)
@@ -134,20 +134,3 @@ async def measure_tool_calls(
             if read >= runs:
                 break
     return found
-
-
-def _local_marker_leaf(attrs: Any, prefix: str) -> str | None:
-    """The leaf of a local-activity marker, from the activity type in its `data` payloads (JSON), if it is a tool's."""
-    import json
-
-    payloads = attrs.details.get('data')
-    if payloads is None:
-        return None
-    for payload in payloads.payloads:
-        try:
-            data = json.loads(payload.data)
-        except (ValueError, UnicodeDecodeError):
-            continue
-        if isinstance(data, dict) and isinstance(data.get('activity_type'), str):
-            return _leaf_of(data['activity_type'], prefix)
-    return None
