@@ -33,6 +33,7 @@ pydantic-ai, the SDK only by `configure_from_env`.
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import os
 import sys
@@ -47,7 +48,6 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
-from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.models.wrapper import WrapperModel
 
 from ._limits import InputError
@@ -244,6 +244,7 @@ def enabled() -> bool:
 # ---- ids: one trace per run --------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1024)
 def _digest(run_id: str) -> bytes:
     return hashlib.sha256(b'durcap-run\0' + run_id.encode()).digest()
 
@@ -671,29 +672,27 @@ def _traced_call_tool(leaf: Any, agent: str | None) -> Callable[..., Any]:
     return call_tool
 
 
-def _in_workflow_code() -> bool:
-    workflow = sys.modules.get('temporalio.workflow')
-    try:
-        return workflow is not None and workflow.in_workflow()
-    except Exception:  # noqa: BLE001
-        return False
+def trace_agent_tools(built: Any, capabilities: Any, agent: str | None) -> None:
+    """Give the function toolset leaves of a just built agent their traced `call_tool` (`trace_tools`): the agent's
+    own tools (`built.toolsets`) and every capability's toolset (groups walked). Done once, when the agent is built:
+    the leaves a run uses are these very objects (durable engines refuse others, `ids.StableIdCapability` keeps
+    them), so no capability is added to the run's hook chain for it. A toolset built anew on each run step (a
+    `DynamicToolset`) is not reached: its tools get no span, except on Temporal (the activity interceptor).
 
-
-@dataclass
-class TracedTools(AbstractCapability[Any]):
-    """Adds no toolset: gives the run's function toolset leaves their traced `call_tool` (`trace_tools`) once per
-    run. Not in Temporal workflow code: there the activity interceptor emits the tool spans.
-
-    Attributes:
+    Args:
+        built: The `pydantic_ai.Agent`.
+        capabilities: The capabilities it was built with.
         agent: The agent's name (attribute `durcap.agent`).
     """
-
-    agent: str | None = None
-
-    def get_wrapper_toolset(self, toolset: Any) -> Any:
-        if not _in_workflow_code():
-            trace_tools(toolset, self.agent)
-        return None
+    for toolset in built.toolsets:
+        trace_tools(toolset, agent)
+    flat: list[Any] = []
+    for capability in capabilities:
+        capability.apply(flat.append)
+    for capability in flat:
+        toolset = capability.get_toolset()
+        if toolset is not None and hasattr(toolset, 'apply'):
+            trace_tools(toolset, agent)
 
 
 def trace_tools(toolset: Any, agent: str | None) -> None:
