@@ -11,8 +11,9 @@ Spans are emitted only where work executes, never where an engine replays it:
 - `durcap.model_request`: inside the model request unit (the agent's model is wrapped by `TelemetryModel`, which the
   unit calls: a Temporal activity, a DBOS step, a Prefect task); a replayed workflow task, a recovered DBOS workflow
   or a cached Prefect task returns the recorded response without calling it, so no span.
-- `durcap.tool_call`: inside the tool's unit (the function toolset's `call_tool`, which the activity, step or task
-  calls; Temporal: the activity interceptor), with `durcap.capability` when a capability holds the tool.
+- `durcap.tool_call`: inside the tool's unit (the function toolset leaf's `call_tool`, which the activity, step or
+  task calls, traced once when the agent is built: `trace_agent_tools`; Temporal: the activity interceptor), with
+  `durcap.capability` when a capability holds the tool.
 - `durcap.capability_load`: `load_capability` runs in container code (no unit, it replays), so its span comes from
   the model request unit that next executes, from the call to its return.
 - `durcap.store.load` / `durcap.store.append`: inside the conversation units.
@@ -107,9 +108,10 @@ def configure(tracer_provider: Any = None, meter_provider: Any = None, *, instru
         flush_attempts: Flush the provider after each `durcap.attempt` span (a worker that may be killed: the
             attempt is exported before the unit runs). `configure_from_env` sets it.
     """
+    if meter_provider is not _state.meter_provider:
+        _state.instruments = _state.meter_of = None
     _state.tracer_provider, _state.meter_provider = tracer_provider, meter_provider
     _state.instrument, _state.flush_attempts = instrument_pydantic_ai, flush_attempts
-    _state.tracer = _state.tracer_of = _state.instruments = _state.meter_of = None
     _state.owned = False
 
 
@@ -220,7 +222,8 @@ def shutdown() -> None:
         except Exception:  # noqa: BLE001, S110 - an exporter that cannot reach its collector must not fail the exit
             pass
     if _state.owned:
-        _state.tracer_provider = _state.meter_provider = _state.tracer = _state.instruments = None
+        _state.tracer_provider = _state.meter_provider = _state.tracer = _state.tracer_of = None
+        _state.instruments = _state.meter_of = None
         _state.owned = False
 
 
@@ -305,18 +308,23 @@ def _tracer() -> Any:
     if provider is None:
         return None
     if _state.tracer is None or _state.tracer_of is not provider:
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            ours = version('durable-capabilities')
-        except PackageNotFoundError:  # pragma: no cover - a checkout on sys.path without the metadata
-            ours = None
-        tracer = provider.get_tracer(TRACER_NAME, ours)
+        tracer = provider.get_tracer(TRACER_NAME, _version())
         # The SDK's Tracer (which a provider may hand out again): the root span gets the run's ids (see `_RunIds`).
         if hasattr(tracer, 'id_generator') and not isinstance(tracer.id_generator, _RunIds):
             tracer.id_generator = _RunIds(tracer.id_generator)
         _state.tracer, _state.tracer_of = tracer, provider
     return _state.tracer
+
+
+@functools.lru_cache(maxsize=1)
+def _version() -> str | None:
+    """This package's version (the instrumentation scope's), read from its metadata once."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version('durable-capabilities')
+    except PackageNotFoundError:  # pragma: no cover - a checkout on sys.path without the metadata
+        return None
 
 
 # ---- where a unit runs ---------------------------------------------------------------------------------------
@@ -763,14 +771,16 @@ class _Instruments:
 
 
 def _metrics() -> _Instruments:
+    """The instruments, made on first use after `configure` (a global meter provider installed later is not seen)."""
+    if _state.instruments is not None:
+        return _state.instruments
     provider = _state.meter_provider
     if provider is None:
         provider = otel_metrics.get_meter_provider()
         if type(provider).__name__ in ('_ProxyMeterProvider', 'NoOpMeterProvider'):
             provider = None
-    if _state.instruments is None or _state.meter_of is not provider:
-        _state.instruments = _Instruments(provider.get_meter(TRACER_NAME) if provider is not None else None)
-        _state.meter_of = provider
+    _state.instruments = _Instruments(provider.get_meter(TRACER_NAME, _version()) if provider is not None else None)
+    _state.meter_of = provider
     return _state.instruments
 
 
