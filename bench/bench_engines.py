@@ -339,26 +339,52 @@ async def bench_temporal(args: argparse.Namespace, tmp: Path) -> EngineResult:
                 if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
             print(f'  durcap local tools: one run records {len(local_history)} history events, '
                   f'{len(units["durcap local tools"])} activities + local activities', flush=True)
-            variants = [Variant('durcap', run_durcap), Variant('upstream', run_upstream),
-                        Variant('durcap local tools', run_durcap_local)]
-            async with contextlib.AsyncExitStack() as stack:
-                if tel is not None:  # a worker built with telemetry on: its tool span interceptor, the model wrapper
-                    traced_agent = _durcap_agent('bench_durcap_temporal_telemetry')
-                    tel.on()
-                    await stack.enter_async_context(
-                        durcap_temporal.make_worker(durcap_client, [traced_agent], 'bench-durcap-telemetry'))
-                    tel.off()
+            # No hand marking: `durcap lock --measure`'s decision from the plain agent's recorded runs (its steps:
+            # `measure_tool_calls`, `decide_local_tools`, `apply_lock_decisions`), applied to a fresh definition.
+            from durable_capabilities.engines.temporal._measure import measure_tool_calls
+            from durable_capabilities.lockfile import LOCAL_SECTION, apply_lock_decisions, decide_local_tools
 
-                    async def run_traced() -> Any:
-                        return (await durcap_temporal.run(
-                            durcap_client, traced_agent, c.PROMPT, task_queue='bench-durcap-telemetry',
-                            workflow_id=f'durcap-tel-{uuid.uuid4()}', eager=True,
-                        )).output
+            for _ in range(2):
+                await run_durcap()
+            query = f'WorkflowType = "durcap.{durcap.name}" AND ExecutionStatus != "Running"'
+            for _ in range(200):  # visibility is eventually consistent
+                if (await durcap_client.count_workflows(query)).count >= 3:
+                    break
+                await asyncio.sleep(0.05)
+            timings = (await measure_tool_calls(durcap_client, [durcap], runs=50))[durcap.name]
+            measured = _durcap_agent('bench_durcap_temporal_measured')
+            local, notes = decide_local_tools(measured, timings)
+            apply_lock_decisions([measured], {'agents': {measured.name: {'temporal': {LOCAL_SECTION: local}}}})
+            print(f'  durcap measured lock: {"; ".join(notes)}', flush=True)
+            async with durcap_temporal.make_worker(durcap_client, [measured], 'bench-durcap-measured'):
 
-                    variants.append(Variant('durcap (telemetry on)', tel.traced(run_traced)))
-                if args.profile == 'temporal':
-                    await profile_variants(variants[:3], args)
-                await interleave(variants, args.runs, args.warmup)
+                async def run_durcap_measured() -> Any:
+                    return (await durcap_temporal.run(
+                        durcap_client, measured, c.PROMPT, task_queue='bench-durcap-measured',
+                        workflow_id=f'durcap-measured-{uuid.uuid4()}', eager=True,
+                    )).output
+
+                variants = [Variant('durcap', run_durcap), Variant('upstream', run_upstream),
+                            Variant('durcap local tools', run_durcap_local),
+                            Variant('durcap measured lock', run_durcap_measured)]
+                async with contextlib.AsyncExitStack() as stack:
+                    if tel is not None:  # a worker built with telemetry on: its tool span interceptor, the model wrapper
+                        traced_agent = _durcap_agent('bench_durcap_temporal_telemetry')
+                        tel.on()
+                        await stack.enter_async_context(
+                            durcap_temporal.make_worker(durcap_client, [traced_agent], 'bench-durcap-telemetry'))
+                        tel.off()
+
+                        async def run_traced() -> Any:
+                            return (await durcap_temporal.run(
+                                durcap_client, traced_agent, c.PROMPT, task_queue='bench-durcap-telemetry',
+                                workflow_id=f'durcap-tel-{uuid.uuid4()}', eager=True,
+                            )).output
+
+                        variants.append(Variant('durcap (telemetry on)', tel.traced(run_traced)))
+                    if args.profile == 'temporal':
+                        await profile_variants(variants[:4], args)
+                    await interleave(variants, args.runs, args.warmup)
     finally:
         server.stop()
     comparisons = [
@@ -366,9 +392,11 @@ async def bench_temporal(args: argparse.Namespace, tmp: Path) -> EngineResult:
                    TARGET_TEMPORAL),
         Comparison('temporal', 'durcap, tools local activities (eager) vs upstream', variants[2].series,
                    variants[1].series, TARGET_TEMPORAL),
+        Comparison('temporal', 'durcap, measured lock, no hand marking (eager) vs upstream', variants[3].series,
+                   variants[1].series, TARGET_TEMPORAL),
     ]
     if tel is not None:
-        comparisons.append(tel.comparison('temporal', variants[3], variants[0]))
+        comparisons.append(tel.comparison('temporal', variants[4], variants[0]))
     return EngineResult('temporal', comparisons, units, events)
 
 

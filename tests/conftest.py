@@ -107,3 +107,11 @@ def skills_dir(tmp_path: Path) -> Path:
     for name, text in SKILL_FILES.items():
         (directory / name).write_text(text, encoding='utf-8', newline='\n')
     return directory
+
+
+# The suite's `python -m durable_capabilities...` / `python -m tests...` / `python -c` subprocesses fork from a server
+# that has imported pydantic-ai and the other third-party modules once (tests/_zygote.py: ~1.2 s of CPU saved per
+# subprocess); `DURCAP_TEST_ZYGOTE=0` turns it off.
+from tests import _zygote
+
+_zygote.install()

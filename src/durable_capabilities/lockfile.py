@@ -12,7 +12,7 @@ what changed.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,113 @@ def lock_data(agents: Sequence[DurableAgent[Any, Any]], engines: Collection[str]
                 entry[engine] = ENGINES[engine].durable_names(agent)
         data['agents'][agent.name] = entry
     return data
+
+
+LOCAL_SECTION = 'local_activity_toolsets'
+"""Key of an agent's `temporal` entry in `durable.lock`: the leaf toolsets whose tool calls run as Temporal local
+activities, decided by `durcap lock --measure` (`decide_local_tools`). Every process that loads the target with the
+lock (workers, `durcap run`, `durcap runs resume`, `durcap replay`) applies it (`apply_lock_decisions`), so a worker and
+a replay of its histories agree, and the choice changes only when the lock does (a reviewed diff)."""
+
+MEASURED_SECTION = 'local_activity_measured'
+"""Key beside `LOCAL_SECTION`: one line per leaf measured, saying what was measured and what was decided."""
+
+DEFAULT_LOCAL_THRESHOLD = 1.0
+"""Seconds (`durcap lock --measure --threshold`): a leaf runs as local activities when every timed call of it finished
+within this. Temporal's rule for local activities: well within the workflow task timeout (10 s by default), since a
+local activity runs inside the workflow task of the worker holding the workflow."""
+
+DEFAULT_LOCAL_MIN_CALLS = 5
+"""Timed calls a leaf needs (`--min-calls`) before a decision is made about it; fewer keep the previous decision."""
+
+
+def decide_local_tools(
+    agent: DurableAgent[Any, Any], timings: Mapping[str, Any], *, previous: Collection[str] = (),
+    threshold: float = DEFAULT_LOCAL_THRESHOLD, min_calls: int = DEFAULT_LOCAL_MIN_CALLS,
+) -> tuple[list[str], list[str]]:
+    """Which of `agent`'s leaf toolsets run their tool calls as Temporal local activities, from measured calls.
+
+    A leaf is local when it has at least `min_calls` timed calls, none of them retried or failed, and the slowest
+    finished within `threshold` seconds. A leaf with too few timed calls (also one whose calls already ran as local
+    activities, which Temporal records without a start time) keeps its `previous` decision. MCP leaves are never
+    local (network calls; `engines.temporal.local_tool_activities` refuses them).
+
+    Args:
+        agent: The definition (its leaf ids and MCP leaves).
+        timings: `{leaf id: ToolTiming}` (`engines.temporal._measure.measure_tool_calls`; any object with `seconds`,
+            `retried`, `failed`, `local_calls`, `runs`).
+        previous: The leaves the lock marked local before.
+        threshold: Seconds; see `DEFAULT_LOCAL_THRESHOLD`.
+        min_calls: See `DEFAULT_LOCAL_MIN_CALLS`.
+
+    Returns:
+        `(local leaf ids sorted, one note per leaf of the agent)`; the notes go to `MEASURED_SECTION`.
+    """
+    from .engines import _mcp
+
+    mcp = set(_mcp.mcp_leaves(agent))
+    leaves = sorted({leaf for ids in agent.leaf_ids().values() for leaf in ids})
+    local: list[str] = []
+    notes: list[str] = []
+    for leaf in leaves:
+        timing = timings.get(leaf)
+        if leaf in mcp:
+            notes.append(f'{leaf}: not local (an MCP leaf: network calls are never short)')
+            continue
+        kept = leaf in previous
+        if timing is None or len(timing.seconds) < min_calls:
+            calls = 0 if timing is None else len(timing.seconds)
+            local_calls = 0 if timing is None else timing.local_calls
+            seen = f'{calls} timed call(s)' + (f', {local_calls} as local activities (not timed)' if local_calls else '')
+            notes.append(f'{leaf}: {"local" if kept else "not local"} (kept: {seen}, fewer than {min_calls} to decide)')
+            if kept:
+                local.append(leaf)
+            continue
+        ordered = sorted(timing.seconds)
+        median, slowest = ordered[len(ordered) // 2], ordered[-1]
+        seen = (f'{len(ordered)} calls in {timing.runs} run(s), median {median * 1000:.0f} ms, '
+                f'slowest {slowest * 1000:.0f} ms, threshold {threshold * 1000:.0f} ms')
+        if timing.retried or timing.failed:
+            notes.append(f'{leaf}: not local ({timing.retried} retried and {timing.failed} failed of {seen})')
+        elif slowest > threshold:
+            notes.append(f'{leaf}: not local ({seen})')
+        else:
+            local.append(leaf)
+            notes.append(f'{leaf}: local ({seen})')
+    return local, notes
+
+
+def carry_lock_decisions(data: dict[str, Any], old: Mapping[str, Any]) -> dict[str, Any]:
+    """Keep the measured decisions of the lock being replaced (`old`, as `read_lock` returns it) in new lock `data`
+    (`lock_data`): a plain `durcap lock` never changes which tools run as local activities. Leaves no longer defined are
+    dropped. Returns `data`, changed in place."""
+    for name, entry in data['agents'].items():
+        before = (old.get('agents', {}).get(name) or {}).get('temporal') or {}
+        if not isinstance(entry.get('temporal'), dict) or not before.get(LOCAL_SECTION):
+            continue
+        leaves = {leaf for ids in entry['leaf_toolsets'].values() for leaf in ids}
+        entry['temporal'][LOCAL_SECTION] = sorted(set(before[LOCAL_SECTION]) & leaves)
+        entry['temporal'][MEASURED_SECTION] = [n for n in before.get(MEASURED_SECTION, [])
+                                               if n.split(':', 1)[0] in leaves]
+    return data
+
+
+def apply_lock_decisions(agents: Sequence[DurableAgent[Any, Any]], locked: Mapping[str, Any]) -> None:
+    """Mark the tool leaves the lock decided local (`LOCAL_SECTION`) on the definitions, as if each agent had been
+    given `engine_options={'temporal': {'local_activity_toolsets': {leaf: {}}}}`; a leaf the agent already marks by
+    hand keeps its own options. Leaves the agent no longer has are skipped (the lock diff reports the rename)."""
+    for agent in agents:
+        entry = (locked.get('agents', {}).get(agent.name) or {}).get('temporal') or {}
+        decided = entry.get(LOCAL_SECTION) or []
+        leaves = {leaf for ids in agent.leaf_ids().values() for leaf in ids}
+        chosen = [leaf for leaf in decided if leaf in leaves]
+        if not chosen:
+            continue
+        options = agent.engine_options.setdefault('temporal', {})
+        marked = dict(options.get(LOCAL_SECTION) or {})
+        for leaf in chosen:
+            marked.setdefault(leaf, {})
+        options[LOCAL_SECTION] = marked
 
 
 class _NoAliasDumper(yaml.SafeDumper):
@@ -289,7 +396,9 @@ def enforce_lock(
     path = Path(lock) if lock is not None else find_lock(target_file)
     if path is None:
         return Report()
-    report = diff_lock(read_lock(path), agents, engines)
+    locked = read_lock(path)
+    report = diff_lock(locked, agents, engines)
+    apply_lock_decisions(agents, locked)
     if allow_drift:
         return Report([
             Problem(p.code, 'warning', p.where, p.message, p.fix, p.engines) if p.severity == 'error' else p

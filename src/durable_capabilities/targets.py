@@ -33,7 +33,7 @@ from . import _registry
 from ._limits import printable
 from .agent import DurableAgent, validate_together
 from .errors import DurcapError
-from .lockfile import DEFAULT_LOCK_NAME, LockfileError, diff_lock, read_lock
+from .lockfile import DEFAULT_LOCK_NAME, LockfileError, apply_lock_decisions, diff_lock, read_lock
 from .validation import DurableConfigError, Problem, Report
 
 TARGET_HELP = (
@@ -291,6 +291,28 @@ def check_lock(loaded: Target, lock: str | Path | None = None, *, allow_drift: b
     if lock is None and not path.is_file():
         return None
     loaded.report.extend(lock_diff(loaded.agents, path, allow_drift=allow_drift, engines=engines))
+    apply_lock_decisions(loaded.agents, read_lock(path))  # readable: lock_diff read it
+    return path
+
+
+def apply_lock(loaded: Target, lock: str | Path | None = None) -> Path | None:
+    """Apply the decisions recorded in the lock (`lockfile.apply_lock_decisions`: the tools `durcap lock --measure`
+    made Temporal local activities) to `loaded`'s agents without comparing names: what `durcap replay` needs so a
+    replay schedules what the worker did. `lock`: that file (it must exist), else the `durable.lock` beside TARGET.
+
+    Returns:
+        The lockfile applied, or None when there was none.
+
+    Raises:
+        UnusableTarget: the lockfile cannot be read.
+    """
+    path = Path(lock) if lock is not None else loaded.lock_path
+    if lock is None and not path.is_file():
+        return None
+    try:
+        apply_lock_decisions(loaded.agents, read_lock(path))
+    except LockfileError as exc:
+        raise UnusableTarget(str(exc)) from None
     return path
 
 

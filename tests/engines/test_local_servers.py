@@ -175,6 +175,7 @@ def test_stopping_durcap_run_leaves_no_embedded_temporal_server(sig: signal.Sign
         line = wait_text(tmp_path / 'run.log', 'temporal workflow id: ', run, 90)
         assert 'at 127.0.0.1:' in line  # the run says which server it used
         said = wait_text(tmp_path / 'run.log', 'temporal server: starting an embedded in-memory dev server at ', run, 1)
+        ports |= listening_ports(pid)  # the server binds its ports one by one: read them again now that it serves
         assert int(said.split('dev server at 127.0.0.1:')[1].split()[0]) in ports, (said, ports)
         deadline = time.monotonic() + 90
         while not (ledger / 'charge-started-F-6').exists():

@@ -132,3 +132,80 @@ def test_workers_get_a_deadlock_timeout_a_long_history_fits(temporal_address: st
     default, changed, bad = asyncio.run(timeouts())
     assert (default, changed) == (temporal.DEFAULT_DEADLOCK_TIMEOUT, 3.5)
     assert 'DC040' in bad and temporal.DEADLOCK_TIMEOUT_ENV in bad and "'soon'" in bad
+
+
+_TARGET = '''
+import sys
+sys.path.insert(0, {bench!r})
+import _common as c
+from durable_capabilities import DurableAgent
+
+agent = DurableAgent({name!r}, c.make_model(), instructions=c.INSTRUCTIONS, capabilities=[c.make_capability()])
+'''
+
+
+def test_lock_measure_decides_local_tools_and_workers_and_replay_follow_the_lock(temporal_address: str,
+                                                                                 tmp_path: Path) -> None:
+    """`durcap lock --measure` (the real CLI, a subprocess) reads two recorded runs of an agent with no hand marking,
+    finds `ops`'s 8 tool calls fast and records `ops` as local in durable.lock; a plain `durcap lock` afterwards keeps
+    the decision; a worker made from the target loaded with that lock runs `ops` as local activities (markers, no
+    ActivityTaskScheduled), and `durcap replay` of that history passes (the lock is applied), while a replayer without
+    the lock's decision fails it. Real Temporal dev server; model: bench/_common.py's scripted FunctionModel."""
+    import subprocess
+
+    from temporalio.api.enums.v1 import EventType
+
+    from durable_capabilities.engines import temporal
+    from durable_capabilities.lockfile import LOCAL_SECTION, MEASURED_SECTION, read_lock
+    from durable_capabilities.targets import load_checked
+    from tests._helpers import subprocess_env
+
+    name = f'lm_{uuid.uuid4().hex[:8]}'
+    target_file = tmp_path / 'measured_agents.py'
+    target_file.write_text(_TARGET.format(bench=str(Path(str(c.__file__)).parent), name=name), encoding='utf-8')
+    target = f'{target_file}:agent'
+    lock_file = tmp_path / 'durable.lock'
+    env = subprocess_env({'DURCAP_TEMPORAL_ADDRESS': temporal_address})
+
+    def durcap(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, '-m', 'durable_capabilities.cli', *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120, check=False)
+
+    async def record(agents: list[Any], runs: int) -> list[tuple[str, list[Any]]]:
+        client = await temporal.connect(temporal_address)
+        done = [await _run(client, agents[0], f'lm-{uuid.uuid4().hex[:8]}') for _ in range(runs)]
+        query = f'WorkflowType = "durcap.{name}" AND ExecutionStatus != "Running"'
+        for _ in range(200):  # visibility is eventually consistent: wait until the server lists both
+            if (await client.count_workflows(query)).count >= runs:
+                break
+            await asyncio.sleep(0.05)
+        return done
+
+    loaded = load_checked(target, use_lock=False)
+    asyncio.run(record(loaded.agents, 2))
+    out = durcap('lock', target, '--measure', '--output', str(lock_file))
+    assert out.returncode == 0, out.stderr
+    assert f'{name}: ops: local (8 calls in 2 run(s)' in out.stderr, out.stderr
+    entry = read_lock(lock_file)['agents'][name]['temporal']
+    assert entry[LOCAL_SECTION] == ['ops'] and entry[MEASURED_SECTION][0].startswith('ops: local (8 calls')
+
+    again = durcap('lock', target, '--output', str(lock_file))  # no --measure: the decision stays
+    assert again.returncode == 0, again.stderr
+    assert read_lock(lock_file)['agents'][name]['temporal'][LOCAL_SECTION] == ['ops']
+
+    with_lock = load_checked(target)  # the lock beside the target file: decisions applied
+    assert with_lock.agents[0].engine_options['temporal'][temporal.LOCAL_TOOLSETS_OPTION] == {'ops': {}}
+    [(workflow_id, history)] = asyncio.run(record(with_lock.agents, 1))
+    scheduled = [e.activity_task_scheduled_event_attributes.activity_type.name for e in history
+                 if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
+    assert scheduled == [f'agent__{name}__model_request'] * 6
+    assert sum(1 for e in history if e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED
+               and e.marker_recorded_event_attributes.marker_name == 'core_local_activity') == 4
+
+    exported = tmp_path / 'history.json'
+    assert durcap('history', 'export', '--workflow-id', workflow_id, '-o', str(exported)).returncode == 0
+    replayed = durcap('replay', str(exported), '--target', target)
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    lock_file.unlink()  # without the lock's decision the same history does not replay
+    refused = durcap('replay', str(exported), '--target', target)
+    assert refused.returncode == 1 and 'nondeterminism' in refused.stdout, refused.stdout + refused.stderr

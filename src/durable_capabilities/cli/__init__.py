@@ -30,10 +30,11 @@ from .. import telemetry
 from .._limits import INPUT_CODE, one_line, printable, redact_database_url
 from ..agent import DurableAgent
 from ..engines import ALL_ENGINES, DURABLE_ENGINES, specs
-from ..lockfile import write_lock
+from ..errors import DurcapError
+from ..lockfile import LockfileError
 from ..savings import UNKNOWN_TOOLS, SavingsReport, measure_savings
 from ..store import on_create as on_store_create
-from ..targets import TARGET_HELP, UnusableTarget, check_lock, load, load_checked
+from ..targets import TARGET_HELP, UnusableTarget, apply_lock, check_lock, load, load_checked
 from ..validation import DurableConfigError, Report
 
 app = typer.Typer(
@@ -375,8 +376,22 @@ def lock(
     output: Annotated[Path | None, typer.Option(
         '--output', '-o', help="Lockfile to write (default: durable.lock beside TARGET's module file, where "
         'check, run and the workers read it).')] = None,
+    measure: Annotated[bool, typer.Option(
+        '--measure', help='Also decide, from the tool calls of recorded Temporal runs, which leaf toolsets run as local '
+        'activities (every timed call within --threshold); without it the decisions of the lock replaced are kept.')] = False,
+    address: Annotated[str | None, typer.Option(help='With --measure: Temporal frontend HOST:PORT (default: '
+                                                '$DURCAP_TEMPORAL_ADDRESS or 127.0.0.1:7233).')] = None,
+    namespace: Annotated[str, typer.Option(help='With --measure: Temporal namespace.')] = 'default',
+    threshold: Annotated[float, typer.Option(help='With --measure: seconds the slowest timed call of a leaf may take '
+                                             'for the leaf to run as local activities.', min=0.001, max=60)] = 1.0,
+    min_calls: Annotated[int, typer.Option('--min-calls', help='With --measure: timed calls a leaf needs before it is '
+                                           'decided (fewer keep the previous decision).', min=1)] = 5,
+    recent: Annotated[int, typer.Option('--runs', help='With --measure: most recent closed runs read per agent.',
+                                      min=1, max=10_000)] = 50,
 ) -> None:
     """Write every durable unit name of TARGET (per engine), capability and leaf ids, tool names and versions."""
+    from ..lockfile import carry_lock_decisions, dump_lock, lock_data, read_lock
+
     try:
         loaded = load_checked(target, use_lock=False)
     except UnusableTarget as exc:
@@ -385,23 +400,66 @@ def lock(
         _print_text(exc.report, exc.subject)
         raise typer.Exit(1) from None
     output = output or loaded.lock_path
+    data = lock_data(loaded.agents)
+    if output.is_file():
+        try:
+            carry_lock_decisions(data, read_lock(output))
+        except LockfileError:
+            pass  # an unreadable lock is replaced whole, as before
+    if measure:
+        _measure_into(data, loaded.agents, address=address, namespace=namespace, threshold=threshold,
+                      min_calls=min_calls, recent=recent)
     try:
-        path = write_lock(loaded.agents, output)
+        output.write_text(dump_lock(data), encoding='utf-8')
     except OSError as exc:
         _unusable(f'cannot write {output}: {exc.strerror or type(exc).__name__}')
-    _err.print(f'wrote {path} ({", ".join(a.name for a in loaded.agents)})')
+    _err.print(f'wrote {output} ({", ".join(a.name for a in loaded.agents)})')
+
+
+def _measure_into(data: dict[str, Any], agents: list[DurableAgent[Any, Any]], *, address: str | None, namespace: str,
+                  threshold: float, min_calls: int, recent: int) -> None:
+    """`durcap lock --measure`: time the tool calls of recorded Temporal runs and record the decisions in `data`."""
+    import asyncio
+
+    from ..engines import ENGINES
+    from ..lockfile import LOCAL_SECTION, MEASURED_SECTION, decide_local_tools
+
+    adapter = ENGINES.get('temporal')
+    if adapter is None or not adapter.available():
+        _unusable('--measure reads recorded Temporal runs: pip install "durable-capabilities[temporal]"')
+    setting = adapter.spec.setting('address')
+    from ._options import checked
+
+    settings = {'address': checked(setting, address) if setting is not None else address, 'namespace': namespace}
+    measured = [a for a in agents if isinstance(data['agents'][a.name].get('temporal'), dict)]
+    try:
+        timings = asyncio.run(adapter.measure_tool_calls(measured, settings, recent))
+    except DurcapError as exc:
+        _unusable(str(exc))
+    except Exception as exc:  # noqa: BLE001 - one line for the user, whatever the client raised
+        _unusable(f'cannot read recorded runs: {type(exc).__name__}: {one_line(str(exc))}')
+    for agent in measured:
+        entry = data['agents'][agent.name]['temporal']
+        local, notes = decide_local_tools(agent, timings.get(agent.name, {}), previous=entry.get(LOCAL_SECTION, []),
+                                          threshold=threshold, min_calls=min_calls)
+        entry[LOCAL_SECTION], entry[MEASURED_SECTION] = local, notes
+        for note in notes:
+            _err.print(Text(f'{agent.name}: {note}'))
 
 
 def _valid_agents(
     target: str, *, use_lock: bool = False, lock: Path | None = None, allow_drift: bool = False, refused: str = '',
-    engine: str | None = None,
+    engine: str | None = None, decisions: bool = False,
 ) -> list[DurableAgent[Any, Any]]:
     """Load TARGET's definitions (and, with `use_lock`, compare them with `lock` or the durable.lock beside
     TARGET: with `engine`, that engine's sections only, so no other engine's SDK is imported); print the problems
-    and exit 1 on an error (adding the line `refused` on stderr), 2 when TARGET or the lock is unusable."""
+    and exit 1 on an error (adding the line `refused` on stderr), 2 when TARGET or the lock is unusable. `decisions`
+    without `use_lock`: apply the lock's decisions (`targets.apply_lock`) without comparing names."""
     try:
         loaded = load_checked(target, lock=lock, allow_drift=allow_drift, use_lock=use_lock,
                               engines=None if engine is None else (engine,))
+        if decisions and not use_lock:
+            apply_lock(loaded, lock)
     except UnusableTarget as exc:
         _unusable(str(exc))
     except DurableConfigError as exc:

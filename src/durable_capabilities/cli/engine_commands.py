@@ -800,7 +800,7 @@ def replay(
                                               '(default: $DURCAP_STORE or .durcap/conversations.db).')] = None,
 ) -> None:
     """Replay recorded Temporal histories against TARGET; exit 1 naming what changed when one does not replay."""
-    agents = _valid_agents(target)
+    agents = _valid_agents(target, decisions=True)  # the lock's local-activity tools, as the worker ran them
     store = database_url(store, '--store')
     try:
         failures = asyncio.run(replay_histories(files, agents, store=store))

@@ -419,6 +419,12 @@ class EngineAdapter(ABC):
         """Write a recorded run's history to `output` (for `durcap replay`); returns the path written."""
         raise NotImplementedError(f'engine {self.name!r} records no history to export')
 
+    async def measure_tool_calls(self, agents: Sequence[DurableAgent[Any, Any]], settings: Mapping[str, Any],
+                                 runs: int) -> dict[str, dict[str, Any]]:
+        """`{agent name: {leaf id: timing}}` of the tool calls in the agents' most recent `runs` closed runs, for
+        `durcap lock --measure` (`lockfile.decide_local_tools`); only engines with local tool units have it."""
+        raise NotImplementedError(f'engine {self.name!r} has no tool timings to measure')
+
     def replayer(self, agents: Sequence[DurableAgent[Any, Any]], *, store: str | None = None) -> Any | None:
         """For engines whose recorded histories can be replayed against the code (payloads stored by reference
         read from the conversation store `store`), an object with

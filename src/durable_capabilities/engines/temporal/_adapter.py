@@ -128,4 +128,15 @@ class TemporalAdapter(EngineAdapter, spec=SPEC):
         return await export_history(client, run_id, output)
 
 
+    async def measure_tool_calls(self, agents: Sequence[DurableAgent[Any, Any]], settings: Mapping[str, Any],
+                                 runs: int) -> dict[str, dict[str, Any]]:
+        """`{agent: {leaf: ToolTiming}}` from the agents' most recent closed runs (`_measure.measure_tool_calls`);
+        settings `address`, `namespace`. Raises `EngineUnreachableError` when no server answers."""
+        from ._measure import measure_tool_calls
+
+        client = await connect(settings.get('address') or DEFAULT_ADDRESS, settings.get('namespace') or DEFAULT_NAMESPACE,
+                               store=settings.get('store'))
+        return await measure_tool_calls(client, agents, runs=runs)
+
+
 ADAPTER = TemporalAdapter()
