@@ -396,23 +396,24 @@ async def bench_temporal(args: argparse.Namespace, tmp: Path) -> EngineResult:
                             Variant('durcap local tools', run_durcap_local),
                             Variant('durcap measured lock', run_durcap_measured)]
                 budget_variant = Variant('durcap with a budget', run_budgeted)
-                if tel is not None:  # a worker built with telemetry on: its tool span interceptor, the model wrapper
-                    traced_agent = _durcap_agent('bench_durcap_temporal_telemetry')
-                    tel.on()
-                    await stack.enter_async_context(
-                        durcap_temporal.make_worker(durcap_client, [traced_agent], 'bench-durcap-telemetry'))
-                    tel.off()
+                async with contextlib.AsyncExitStack() as stack:
+                    if tel is not None:  # a worker built with telemetry on: its tool span interceptor, the model wrapper
+                        traced_agent = _durcap_agent('bench_durcap_temporal_telemetry')
+                        tel.on()
+                        await stack.enter_async_context(
+                            durcap_temporal.make_worker(durcap_client, [traced_agent], 'bench-durcap-telemetry'))
+                        tel.off()
 
-                    async def run_traced() -> Any:
-                        return (await durcap_temporal.run(
-                            durcap_client, traced_agent, c.PROMPT, task_queue='bench-durcap-telemetry',
-                            workflow_id=f'durcap-tel-{uuid.uuid4()}', eager=True,
-                        )).output
+                        async def run_traced() -> Any:
+                            return (await durcap_temporal.run(
+                                durcap_client, traced_agent, c.PROMPT, task_queue='bench-durcap-telemetry',
+                                workflow_id=f'durcap-tel-{uuid.uuid4()}', eager=True,
+                            )).output
 
-                    variants.append(Variant('durcap (telemetry on)', tel.traced(run_traced)))
-                if args.profile == 'temporal':
-                    await profile_variants(variants[:4], args)
-                await interleave([*variants, budget_variant], args.runs, args.warmup)
+                        variants.append(Variant('durcap (telemetry on)', tel.traced(run_traced)))
+                    if args.profile == 'temporal':
+                        await profile_variants(variants[:4], args)
+                    await interleave([*variants, budget_variant], args.runs, args.warmup)
     finally:
         server.stop()
     comparisons = [

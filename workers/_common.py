@@ -19,7 +19,16 @@ manifests' termination grace periods are longer (drain + margin), so a container
 def load_agents(target: str, log: Callable[[str], None], engine: str) -> list[Any]:
     """The valid agents of `target`, checked against `engine`'s names in `$DURCAP_LOCK` or the durable.lock beside
     TARGET's module file (drift allowed with `DURCAP_ALLOW_DRIFT=1`; no other engine's SDK is imported); exits 2
-    (unusable target or lockfile) or 1 (definition errors, lockfile drift) otherwise."""
+    (unusable target or lockfile) or 1 (definition errors, lockfile drift) otherwise. Telemetry is configured from
+    the `OTEL_*` variables first (`telemetry.configure_from_env`; an unusable value exits 2)."""
+    from durable_capabilities import telemetry
+    from durable_capabilities._limits import InputError
+
+    try:  # OTEL_* variables: spans and metrics exported (docs/tracing.md), flushed at exit; before any agent is built
+        telemetry.configure_from_env(f'durcap-{engine}-worker')
+    except InputError as exc:
+        log(f'error: {exc}')
+        raise SystemExit(2) from None
     try:
         loaded = load_checked(target, lock=os.environ.get('DURCAP_LOCK') or None,
                               allow_drift=os.environ.get('DURCAP_ALLOW_DRIFT') == '1', engines=(engine,))

@@ -242,8 +242,6 @@ class DurableAgent(Generic[DepsT, OutputT]):
             kwargs.setdefault('name', self.durable_name)
             capabilities.append(durability_cls(**kwargs))
         traced = telemetry.enabled()  # spans where the units execute (telemetry.py); nothing added when off
-        if traced:
-            capabilities.append(telemetry.TracedTools(self.name))
         model = _hooks.wrap_budget(_hooks.wrap_model(self.model, adapter.features), self)
         agent: Agent[Any, Any] = Agent(
             telemetry.wrap_model(model, self.name) if traced else model,
@@ -257,6 +255,8 @@ class DurableAgent(Generic[DepsT, OutputT]):
             capabilities=capabilities,
             **self.agent_kwargs,
         )
+        if traced:
+            telemetry.trace_agent_tools(agent, capabilities, self.name)
         self._built[engine] = agent
         return agent
 

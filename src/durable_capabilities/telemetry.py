@@ -11,8 +11,9 @@ Spans are emitted only where work executes, never where an engine replays it:
 - `durcap.model_request`: inside the model request unit (the agent's model is wrapped by `TelemetryModel`, which the
   unit calls: a Temporal activity, a DBOS step, a Prefect task); a replayed workflow task, a recovered DBOS workflow
   or a cached Prefect task returns the recorded response without calling it, so no span.
-- `durcap.tool_call`: inside the tool's unit (the function toolset's `call_tool`, which the activity, step or task
-  calls; Temporal: the activity interceptor), with `durcap.capability` when a capability holds the tool.
+- `durcap.tool_call`: inside the tool's unit (the function toolset leaf's `call_tool`, which the activity, step or
+  task calls, traced once when the agent is built: `trace_agent_tools`; Temporal: the activity interceptor), with
+  `durcap.capability` when a capability holds the tool.
 - `durcap.capability_load`: `load_capability` runs in container code (no unit, it replays), so its span comes from
   the model request unit that next executes, from the call to its return.
 - `durcap.store.load` / `durcap.store.append`: inside the conversation units.
@@ -33,6 +34,7 @@ pydantic-ai, the SDK only by `configure_from_env`.
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import os
 import sys
@@ -47,7 +49,6 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
-from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.models.wrapper import WrapperModel
 
 from ._limits import InputError
@@ -107,9 +108,10 @@ def configure(tracer_provider: Any = None, meter_provider: Any = None, *, instru
         flush_attempts: Flush the provider after each `durcap.attempt` span (a worker that may be killed: the
             attempt is exported before the unit runs). `configure_from_env` sets it.
     """
+    if meter_provider is not _state.meter_provider:
+        _state.instruments = _state.meter_of = None
     _state.tracer_provider, _state.meter_provider = tracer_provider, meter_provider
     _state.instrument, _state.flush_attempts = instrument_pydantic_ai, flush_attempts
-    _state.tracer = _state.tracer_of = _state.instruments = _state.meter_of = None
     _state.owned = False
 
 
@@ -220,7 +222,8 @@ def shutdown() -> None:
         except Exception:  # noqa: BLE001, S110 - an exporter that cannot reach its collector must not fail the exit
             pass
     if _state.owned:
-        _state.tracer_provider = _state.meter_provider = _state.tracer = _state.instruments = None
+        _state.tracer_provider = _state.meter_provider = _state.tracer = _state.tracer_of = None
+        _state.instruments = _state.meter_of = None
         _state.owned = False
 
 
@@ -244,6 +247,7 @@ def enabled() -> bool:
 # ---- ids: one trace per run --------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1024)
 def _digest(run_id: str) -> bytes:
     return hashlib.sha256(b'durcap-run\0' + run_id.encode()).digest()
 
@@ -304,18 +308,23 @@ def _tracer() -> Any:
     if provider is None:
         return None
     if _state.tracer is None or _state.tracer_of is not provider:
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            ours = version('durable-capabilities')
-        except PackageNotFoundError:  # pragma: no cover - a checkout on sys.path without the metadata
-            ours = None
-        tracer = provider.get_tracer(TRACER_NAME, ours)
+        tracer = provider.get_tracer(TRACER_NAME, _version())
         # The SDK's Tracer (which a provider may hand out again): the root span gets the run's ids (see `_RunIds`).
         if hasattr(tracer, 'id_generator') and not isinstance(tracer.id_generator, _RunIds):
             tracer.id_generator = _RunIds(tracer.id_generator)
         _state.tracer, _state.tracer_of = tracer, provider
     return _state.tracer
+
+
+@functools.lru_cache(maxsize=1)
+def _version() -> str | None:
+    """This package's version (the instrumentation scope's), read from its metadata once."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version('durable-capabilities')
+    except PackageNotFoundError:  # pragma: no cover - a checkout on sys.path without the metadata
+        return None
 
 
 # ---- where a unit runs ---------------------------------------------------------------------------------------
@@ -671,29 +680,27 @@ def _traced_call_tool(leaf: Any, agent: str | None) -> Callable[..., Any]:
     return call_tool
 
 
-def _in_workflow_code() -> bool:
-    workflow = sys.modules.get('temporalio.workflow')
-    try:
-        return workflow is not None and workflow.in_workflow()
-    except Exception:  # noqa: BLE001
-        return False
+def trace_agent_tools(built: Any, capabilities: Any, agent: str | None) -> None:
+    """Give the function toolset leaves of a just built agent their traced `call_tool` (`trace_tools`): the agent's
+    own tools (`built.toolsets`) and every capability's toolset (groups walked). Done once, when the agent is built:
+    the leaves a run uses are these very objects (durable engines refuse others, `ids.StableIdCapability` keeps
+    them), so no capability is added to the run's hook chain for it. A toolset built anew on each run step (a
+    `DynamicToolset`) is not reached: its tools get no span, except on Temporal (the activity interceptor).
 
-
-@dataclass
-class TracedTools(AbstractCapability[Any]):
-    """Adds no toolset: gives the run's function toolset leaves their traced `call_tool` (`trace_tools`) once per
-    run. Not in Temporal workflow code: there the activity interceptor emits the tool spans.
-
-    Attributes:
+    Args:
+        built: The `pydantic_ai.Agent`.
+        capabilities: The capabilities it was built with.
         agent: The agent's name (attribute `durcap.agent`).
     """
-
-    agent: str | None = None
-
-    def get_wrapper_toolset(self, toolset: Any) -> Any:
-        if not _in_workflow_code():
-            trace_tools(toolset, self.agent)
-        return None
+    for toolset in built.toolsets:
+        trace_tools(toolset, agent)
+    flat: list[Any] = []
+    for capability in capabilities:
+        capability.apply(flat.append)
+    for capability in flat:
+        toolset = capability.get_toolset()
+        if toolset is not None and hasattr(toolset, 'apply'):
+            trace_tools(toolset, agent)
 
 
 def trace_tools(toolset: Any, agent: str | None) -> None:
@@ -764,14 +771,16 @@ class _Instruments:
 
 
 def _metrics() -> _Instruments:
+    """The instruments, made on first use after `configure` (a global meter provider installed later is not seen)."""
+    if _state.instruments is not None:
+        return _state.instruments
     provider = _state.meter_provider
     if provider is None:
         provider = otel_metrics.get_meter_provider()
         if type(provider).__name__ in ('_ProxyMeterProvider', 'NoOpMeterProvider'):
             provider = None
-    if _state.instruments is None or _state.meter_of is not provider:
-        _state.instruments = _Instruments(provider.get_meter(TRACER_NAME) if provider is not None else None)
-        _state.meter_of = provider
+    _state.instruments = _Instruments(provider.get_meter(TRACER_NAME, _version()) if provider is not None else None)
+    _state.meter_of = provider
     return _state.instruments
 
 

@@ -129,17 +129,31 @@ def test_dbos_approve_after_process_killed_while_waiting(backend: str, spawn, tm
 
 
 def test_dbos_deny_returns_reason_and_tool_never_runs(spawn, tmp_path: Path) -> None:
+    """Also traced (docs/tracing.md): the run's process and `durcap deny` export over OTLP to a receiver on
+    127.0.0.1; the wait is one `durcap.approval_wait` span with the decision, in the run's trace with the run's units."""
+    from durable_capabilities import telemetry
+    from tests._otlp import OtlpReceiver
+
     db = f'sqlite:///{tmp_path / "dbos.sqlite"}'
     env, crash_dir = env_for(tmp_path)
     run_id = f'gate-{uuid.uuid4().hex[:8]}'
-    proc = spawn('dbos', 'run', '--target', TARGET, '--db', db, '--workflow-id', run_id, '--prompt', 'revoke bob', env=env)
-    engine_args = ['--engine', 'dbos', '--db', db]
-    [call] = pending(engine_args, run_id)
-    denied = durcap('deny', run_id, call['call_id'], '--reason', 'bob is the CEO, ask first', *engine_args)
-    assert denied.returncode == 0, denied.stderr
-    report = proc.report(timeout=120)
-    assert report['output'] == 'result: bob is the CEO, ask first'
-    assert revocations(crash_dir) == []
+    with OtlpReceiver() as receiver:
+        env |= {'OTEL_EXPORTER_OTLP_ENDPOINT': receiver.endpoint, 'OTEL_BSP_SCHEDULE_DELAY': '100'}
+        proc = spawn('dbos', 'run', '--target', TARGET, '--db', db, '--workflow-id', run_id, '--prompt', 'revoke bob',
+                     env=env)
+        engine_args = ['--engine', 'dbos', '--db', db]
+        [call] = pending(engine_args, run_id)
+        denied = durcap('deny', run_id, call['call_id'], '--reason', 'bob is the CEO, ask first', *engine_args, env=env)
+        assert denied.returncode == 0, denied.stderr
+        report = proc.report(timeout=120)
+        assert report['output'] == 'result: bob is the CEO, ask first'
+        assert revocations(crash_dir) == []
+        proc.popen.wait(30)  # its spans are flushed before it exits
+        assert {s['trace_id'] for s in receiver.spans} == {telemetry.trace_id(run_id)}
+        [wait] = [s for s in receiver.spans if s['name'] == 'durcap.approval_wait']
+        assert wait['attributes']['durcap.decision'] == 'denied' and wait['attributes']['durcap.tool'] == call['tool_name']
+        assert wait['attributes']['durcap.decision_reason'] == 'bob is the CEO, ask first'
+        assert sum(s['name'] == 'durcap.model_request' for s in receiver.spans) >= 2
 
 
 def test_dbos_timeout_denies_and_run_completes(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from durable_capabilities import telemetry
 from durable_capabilities._servers import free_port
 from tests._helpers import ROOT, subprocess_env
 from tests.engines.test_approvals import TARGET, env_for, pending, revocations
@@ -203,6 +204,7 @@ def test_runs_list_shows_a_dbos_and_a_temporal_support_run_with_capabilities_and
     row(browser, dbos_id).find_element(By.TAG_NAME, 'a').click()
     settle(browser, lambda d: d.find_elements(By.ID, 'run-id'))
     assert browser.find_element(By.ID, 'run-id').text == dbos_id
+    assert browser.find_element(By.ID, 'trace-id').text == telemetry.trace_id(dbos_id)  # docs/tracing.md
     units = [[c.text for c in r.find_elements(By.TAG_NAME, 'td')] for r in browser.find_elements(By.CSS_SELECTOR, '#timeline tr.unit')]
     kinds = [u[2] for u in units]
     assert kinds[0] == 'conversation' and kinds[-1] == 'conversation', units

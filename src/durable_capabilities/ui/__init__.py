@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
+from .. import telemetry
 from .._limits import printable
 from ..approvals import ApprovalError, PendingCall, default_user
 from ..engines import RUN_STATUSES, RunNotFoundError
@@ -135,8 +136,10 @@ class _UI:
                              details=exc.args[1] if len(exc.args) > 1 else [])
         pending, problems = await self.pending(engine, run_id)
         conversation, conversation_error = await self.read(info.conversation_id)
+        link = telemetry.trace_link(run_id)
         return self.page(request, 'run.html', info=info, pending=pending, problems=problems, conversation=conversation,
-                         conversation_error=conversation_error)
+                         conversation_error=conversation_error, trace_id=telemetry.trace_id(run_id),
+                         trace_link=link if link and link.startswith(('http://', 'https://')) else None)
 
     async def conversation(self, request: Request) -> HTMLResponse:
         """`/conversations/{id}`: one stored conversation (messages, loaded capabilities, usage, approval audit)."""
