@@ -98,7 +98,8 @@ class Budget:
         store: The store of the ledger (default: the agent's conversation store).
 
     Raises:
-        ValueError: no limit given, a negative limit, or an unknown `scope` / `on_exceed`.
+        ValueError: no limit given, a negative limit, an unknown `scope` / `on_exceed`, a `raise_by` that is not above
+            0, or a price that is not two numbers >= 0.
     """
 
     total_tokens: int | None = None
@@ -122,6 +123,14 @@ class Budget:
             raise ValueError(f"Budget(scope=...): 'run', 'conversation' or a callable deps -> key, not {self.scope!r}")
         if self.on_exceed not in ('error', 'approval'):
             raise ValueError(f"Budget(on_exceed=...): 'error' or 'approval', not {self.on_exceed!r}")
+        if self.raise_by is not None and (not isinstance(self.raise_by, int | float) or isinstance(self.raise_by, bool)
+                                          or self.raise_by <= 0):
+            raise ValueError(f'Budget(raise_by=...): what an approval adds is a number > 0, not {self.raise_by!r}')
+        for model, price in dict(self.prices).items():
+            if (not isinstance(price, tuple | list) or len(price) != 2
+                    or any(not isinstance(p, int | float) or isinstance(p, bool) or p < 0 for p in price)):
+                raise ValueError(f'Budget(prices={{{model!r}: ...}}): a price is (USD per million input tokens, USD per '
+                                 f'million output tokens), two numbers >= 0, not {price!r}')
 
     def limits(self) -> dict[str, float]:
         """`{field: limit}` of the limits set (`'input_tokens'`, `'output_tokens'`, `'total_tokens'`, `'cost'`)."""

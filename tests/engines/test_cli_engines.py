@@ -178,8 +178,16 @@ def test_two_prefect_serving_processes_share_a_deployment_and_one_reschedules_a_
         return response.json()
 
     def create(parameters: dict) -> str:
-        return httpx.post(f'{prefect_api_url}/deployments/{found()["id"]}/create_flow_run',
-                          json={'parameters': parameters}, timeout=10).json()['id']
+        # The second serving process upserts the deployment too, possibly just now: a refusal in that window is
+        # retried with the deployment read again (seen once in CI: a response without an id).
+        deadline = time.monotonic() + 30
+        while True:
+            response = httpx.post(f'{prefect_api_url}/deployments/{found()["id"]}/create_flow_run',
+                                  json={'parameters': parameters}, timeout=10)
+            if response.status_code < 300 or time.monotonic() > deadline:
+                assert response.status_code < 300, (response.status_code, response.text)
+                return response.json()['id']
+            time.sleep(0.3)
 
     def state(flow_run_id: str) -> str:
         return httpx.get(f'{prefect_api_url}/flow_runs/{flow_run_id}', timeout=10).json()['state_type']

@@ -90,6 +90,10 @@ def test_twenty_concurrent_runs_of_one_tenant_overspend_by_at_most_one_request_e
     ({'total_tokens': -1}, 'a limit is a number >= 0'),
     ({'cost': 1.0, 'scope': 'tenant'}, "'run', 'conversation' or a callable"),
     ({'cost': 1.0, 'on_exceed': 'wait'}, "'error' or 'approval'"),
+    ({'total_tokens': 10, 'raise_by': -5}, r'raise_by=\.\.\.\): what an approval adds is a number > 0, not -5'),
+    ({'total_tokens': 10, 'raise_by': 0}, 'a number > 0, not 0'),
+    ({'cost': 1.0, 'prices': {'*': (-1, 2)}}, r"prices=\{'\*': \.\.\.\}\): a price is .* not \(-1, 2\)"),
+    ({'cost': 1.0, 'prices': {'gpt': (1,)}}, 'two numbers >= 0'),
 ])
 def test_budget_refuses_bad_input(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
