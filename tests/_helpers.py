@@ -53,10 +53,14 @@ def subprocess_env(extra: Mapping[str, str] | None = None, *, unset: Iterable[st
         unset: variables to remove (after `extra` is applied), e.g. `DURCAP_STORE`.
 
     Returns:
-        A new dict: `os.environ` + `extra`, `PYTHONPATH` from `pythonpath()`, minus `unset`.
+        A new dict: `os.environ` + `extra`, `PYTHONPATH` from `pythonpath()`, `PYTHONDONTWRITEBYTECODE=1` unless
+        `extra` says otherwise, minus `unset`.
+
+    Subprocesses read the package's cached bytecode (`.ci/run` compiles it first) but write none: a test that
+    rewrites a module in its `tmp_path` within a second, to the same size, would otherwise import the old bytecode.
     """
     extra = dict(extra or {})
-    env = {**os.environ, **extra, 'PYTHONPATH': pythonpath(extra.get('PYTHONPATH'))}
+    env = {**os.environ, 'PYTHONDONTWRITEBYTECODE': '1', **extra, 'PYTHONPATH': pythonpath(extra.get('PYTHONPATH'))}
     for key in unset:
         env.pop(key, None)
     return env

@@ -90,6 +90,7 @@ def _child(request: dict[str, Any], fds: list[int], base_path: list[str], warnin
         env = request['env']
         os.environ.clear()
         os.environ.update(env)
+        sys.dont_write_bytecode = bool(env.get('PYTHONDONTWRITEBYTECODE'))  # as the interpreter reads it at start
         os.chdir(request['cwd'] or '.')
         unbuffered = request['unbuffered'] or bool(env.get('PYTHONUNBUFFERED'))
         sys.stdin = open(0, encoding='utf-8', closefd=False)

@@ -189,6 +189,7 @@ def test_lock_measure_decides_local_tools_and_workers_and_replay_follow_the_lock
     out = durcap('lock', target, '--measure', '--output', str(lock_file))
     assert out.returncode == 0, out.stderr
     assert f'{name}: ops: local (8 calls in 2 run(s)' in out.stderr, out.stderr
+    assert 'ms) [changed: was not local]' in out.stderr, out.stderr  # the first decision is a change
     entry = read_lock(lock_file)['agents'][name]['temporal']
     assert entry[LOCAL_SECTION] == ['ops'] and entry[MEASURED_SECTION][0].startswith('ops: local (8 calls')
 

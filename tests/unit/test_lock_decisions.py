@@ -5,6 +5,7 @@ measurement is tests/engines/test_local_tools.py). The agent's model is pydantic
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from durable_capabilities.lockfile import (
     carry_lock_decisions,
     decide_local_tools,
     lock_data,
+    read_lock,
 )
 
 
@@ -84,3 +86,32 @@ def test_nothing_decided_changes_nothing(decided: list[str]) -> None:
     agent = _agent()
     apply_lock_decisions([agent], {'agents': {'decide': {'temporal': {LOCAL_SECTION: decided}}}})
     assert LOCAL_TOOLSETS_OPTION not in agent.engine_options.get('temporal', {})
+
+
+_TWO = '''
+from pydantic_ai.models.test import TestModel
+from durable_capabilities import DurableAgent
+
+{first} = DurableAgent({first!r}, TestModel(), engines=())
+two = DurableAgent('two', TestModel(), engines=())
+'''
+
+
+def test_a_module_locked_whole_checks_each_of_its_agents_and_a_rename_is_still_refused(tmp_path: Path) -> None:
+    """`durable.lock` is one per module folder: `durcap lock mod.py:one` writes every agent the module defines, and
+    `durcap check mod.py:two` against it passes (it failed DC021 for `one`, which the module still defines). An agent
+    renamed in the module is in neither the target nor the module: still DC021. The real CLI in a subprocess."""
+    from tests._helpers import durcap
+
+    module = tmp_path / 'two_agents.py'
+    module.write_text(_TWO.format(first='one'), encoding='utf-8')
+    wrote = durcap('lock', f'{module}:one', cwd=tmp_path)
+    assert wrote.returncode == 0 and '(one, two)' in wrote.stderr, wrote.stderr
+    assert set(read_lock(tmp_path / 'durable.lock')['agents']) == {'one', 'two'}
+    checked = durcap('check', f'{module}:two', cwd=tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    # `one` renamed without previous_names (a name of another length: a rewrite of the same size within the same
+    # second would let Python reuse the module's cached bytecode)
+    module.write_text(_TWO.format(first='first_renamed'), encoding='utf-8')
+    refused = durcap('check', f'{module}:two', cwd=tmp_path)
+    assert refused.returncode == 1 and 'DC021' in refused.stdout and "'one'" in refused.stdout, refused.stdout

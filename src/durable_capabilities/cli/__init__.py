@@ -400,20 +400,23 @@ def lock(
         _print_text(exc.report, exc.subject)
         raise typer.Exit(1) from None
     output = output or loaded.lock_path
-    data = lock_data(loaded.agents)
+    # The lock beside the module holds every agent the module defines, whichever TARGET names (`module.py:one`
+    # rewrote it with `one` alone, and `durcap check module.py:two` then failed DC021).
+    agents = loaded.module_agents if output == loaded.lock_path and loaded.module_agents else loaded.agents
+    data = lock_data(agents)
     if output.is_file():
         try:
             carry_lock_decisions(data, read_lock(output))
         except LockfileError:
             pass  # an unreadable lock is replaced whole, as before
     if measure:
-        _measure_into(data, loaded.agents, address=address, namespace=namespace, threshold=threshold,
+        _measure_into(data, agents, address=address, namespace=namespace, threshold=threshold,
                       min_calls=min_calls, recent=recent)
     try:
         output.write_text(dump_lock(data), encoding='utf-8')
     except OSError as exc:
         _unusable(f'cannot write {output}: {exc.strerror or type(exc).__name__}')
-    _err.print(f'wrote {output} ({", ".join(a.name for a in loaded.agents)})')
+    _err.print(f'wrote {output} ({", ".join(a.name for a in agents)})')
 
 
 def _measure_into(data: dict[str, Any], agents: list[DurableAgent[Any, Any]], *, address: str | None, namespace: str,
@@ -440,11 +443,19 @@ def _measure_into(data: dict[str, Any], agents: list[DurableAgent[Any, Any]], *,
         _unusable(f'cannot read recorded runs: {type(exc).__name__}: {one_line(str(exc))}')
     for agent in measured:
         entry = data['agents'][agent.name]['temporal']
-        local, notes = decide_local_tools(agent, timings.get(agent.name, {}), previous=entry.get(LOCAL_SECTION, []),
-                                          threshold=threshold, min_calls=min_calls)
+        before = set(entry.get(LOCAL_SECTION, []))
+        found = timings.get(agent.name, {})
+        if not found:
+            _err.print(Text(f'{agent.name}: no tool call in its recorded runs on the server (none closed yet, or none '
+                            'called a tool): nothing measured'))
+        local, notes = decide_local_tools(agent, found, previous=sorted(before), threshold=threshold,
+                                          min_calls=min_calls)
         entry[LOCAL_SECTION], entry[MEASURED_SECTION] = local, notes
         for note in notes:
-            _err.print(Text(f'{agent.name}: {note}'))
+            leaf = note.split(':', 1)[0]
+            changed = ' [changed: was local]' if leaf in before and leaf not in local else (
+                ' [changed: was not local]' if leaf in local and leaf not in before else '')
+            _err.print(Text(f'{agent.name}: {note}{changed}'))
 
 
 def _valid_agents(

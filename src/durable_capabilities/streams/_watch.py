@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from ..errors import DurcapError
 from ._events import TERMINAL_KINDS, RunEvent, load_event
@@ -64,8 +65,18 @@ async def watch(run_id: str, *, engine: str | None = None, from_offset: int = 0,
                                      f'{", ".join(STREAM_ENGINES)}')
     if from_offset < 0:
         raise ValueError(f'from_offset={from_offset}: expected the offset of the last event seen, 0 or more')
-    log = EventLog(resolve_url(store))
+    url = resolve_url(store)
     deadline = time.monotonic() + wait_for_start
+    if url.startswith('sqlite:///') and ':memory:' not in url:
+        # A reader never creates a store (as `durcap history show`): wait for the run to create it.
+        path = Path(url[len('sqlite:///'):].split('?', 1)[0])
+        while not path.is_file():
+            if not follow or time.monotonic() > deadline:
+                waited = f' (waited {wait_for_start:g} s)' if follow else ''
+                raise StreamNotFoundError(f'no conversation store at {path}{waited}: nothing was published there; '
+                                          'check --store (the store the run writes to)')
+            await asyncio.sleep(poll)
+    log = EventLog(url)
     while (info := await in_thread(log.info_sync, run_id)) is None:
         if not follow or time.monotonic() > deadline:
             raise StreamNotFoundError(f'run {run_id!r} has published no events to {log._backend.display_url} '
