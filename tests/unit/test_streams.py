@@ -178,6 +178,11 @@ def test_outside_a_run_the_wrapper_only_forwards(tmp_path: Path) -> None:
 
 def test_watch_errors_name_what_to_fix(tmp_path: Path) -> None:
     store = sqlite_url(tmp_path)
+    # No store at that path: said so, and none is created (a reader never creates a store).
+    with pytest.raises(streams.StreamNotFoundError, match=r'no conversation store at .*: nothing was published there'):
+        run(events_of('nope', store))
+    assert not (tmp_path / 'conversations.db').exists()
+    assert streams.EventLog(store).info_sync('nope') is None  # the store now exists, without that run
     with pytest.raises(streams.StreamNotFoundError, match="run 'nope' has published no events"):
         run(events_of('nope', store))
     with pytest.raises(streams.StreamUnsupportedError, match='--engine journal'):
