@@ -119,6 +119,9 @@ class Decision:
         override_args: Arguments to run the call with instead of the model's (approvals only).
         by: Who decided (a user name; default the OS user).
         at: When, ISO 8601 UTC.
+        not_after: ISO 8601 UTC time after which the run refuses the decision (`check_not_expired`), `None`: no
+            limit. Temporal sets it (`DURCAP_DECISION_WAIT`): a decision no worker accepted while its command waited is
+            never delivered later, when nobody is watching.
     """
 
     call_id: str
@@ -128,15 +131,22 @@ class Decision:
     override_args: dict[str, Any] | None = None
     by: str = ''
     at: str = field(default_factory=lambda: utc_now().isoformat())
+    not_after: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The decision as JSON-compatible data (the payload sent to the waiting run)."""
-        return asdict(self)
+        """The decision as JSON-compatible data (the payload sent to the waiting run); `not_after` only when set, so
+        a decision without one is the same JSON as before the field existed."""
+        data = asdict(self)
+        if data['not_after'] is None:
+            del data['not_after']
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Decision:
-        """The inverse of `to_json`."""
-        return cls(**data)
+        """The inverse of `to_json`. Keys this version does not know are ignored (a decision sent by a newer
+        client to an older run)."""
+        known = cls.__dataclass_fields__
+        return cls(**{key: value for key, value in data.items() if key in known})
 
 
 class ApprovalError(LookupError, DurcapError, code='approval'):
@@ -167,6 +177,60 @@ class ApprovalArgsError(ApprovalError, code='DC051'):
 
     def __init__(self, kind: str, message: str):
         super().__init__(kind, message)
+
+
+class DecisionNotDeliveredError(ApprovalError, code='DC052'):
+    """DC052: a decision that no run received: no worker serves the run (refused before it is sent, kind
+    `'no-worker'`), no worker accepted it while its command waited (kind `'not-delivered'`), or the run received it
+    after its `Decision.not_after` and refused it (kind `'expired'`). Either way the call is still pending and
+    nothing ran: decide again once a worker serves the run."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(kind, message)
+
+
+DECISION_WAIT_ENV = 'DURCAP_DECISION_WAIT'
+DEFAULT_DECISION_WAIT = 30.0
+"""How long (seconds) a Temporal decision waits for a worker to accept it (`$DURCAP_DECISION_WAIT`) before its
+command gives up with DC052; the decision's `not_after` is that much after it was sent."""
+
+
+def decision_wait() -> float:
+    """Seconds a decision waits for a worker to accept it: `$DURCAP_DECISION_WAIT`, else `DEFAULT_DECISION_WAIT`.
+
+    Raises:
+        InputError: DC040, the variable is not a number of seconds above 0 (nothing is sent).
+    """
+    raw = os.environ.get(DECISION_WAIT_ENV)
+    if not raw:
+        return DEFAULT_DECISION_WAIT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float('inf'):
+        from ._limits import InputError
+
+        raise InputError(f'${DECISION_WAIT_ENV}', f'must be a number of seconds above 0, got {raw!r}. Fix: unset it '
+                         f'(default {DEFAULT_DECISION_WAIT:g} s) or give e.g. 60.')
+    return value
+
+
+def check_not_expired(decision: Decision, now: datetime, run_id: str) -> None:
+    """Refuse `decision` when `now` (an aware datetime: the run's clock) is past its `not_after`.
+
+    Raises:
+        DecisionNotDeliveredError: DC052, kind `'expired'`: the command that sent the decision gave up on it, so the
+            run must not act on it.
+    """
+    if decision.not_after is None:
+        return
+    limit = datetime.fromisoformat(decision.not_after)
+    if now > limit:
+        raise DecisionNotDeliveredError('expired', (
+            f'DC052 run {run_id!r}: the decision on call {decision.call_id!r} by {decision.by or "?"} arrived after '
+            f'{decision.not_after}, when its command had given up waiting for a worker: refused, the call is still '
+            'pending. Fix: decide again.'))
 
 
 class AlreadyDecidedError(ApprovalError, code='approval-already-decided'):

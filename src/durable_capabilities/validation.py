@@ -274,6 +274,11 @@ CODES: dict[str, Code] = {
         'error',
         written_by='approvals',
     ),
+    'DC052': Code(
+        'A decision reached no run: no worker serves the run, or none accepted the decision in time.',
+        'error',
+        written_by='approvals',
+    ),
     'DC060': Code(
         "A model request was refused before it was sent: its budget's key already spent a limit.",
         'error',

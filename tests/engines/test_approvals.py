@@ -276,6 +276,50 @@ def test_temporal_approve_after_worker_killed_while_waiting(temporal_address: st
     assert revocations(crash_dir) == ['dave2']  # exactly once
 
 
+def test_temporal_decision_no_worker_accepted_is_refused_and_never_delivered_later(temporal_address: str, spawn,
+                                                                                      tmp_path: Path) -> None:
+    """Issue 26 item 5: with the run's only worker killed (SIGKILL; the dead worker is still listed as a poller for
+    minutes, so the decision is sent), `durcap approve` gives up after `$DURCAP_DECISION_WAIT` with DC052
+    (`not-delivered`) instead of blocking; a worker started later receives that decision (the server kept the update)
+    and its validator refuses it as expired, so the call still waits: a second approval with other arguments is the one
+    that runs, once. Without the `not_after` check the first decision would run the tool with `dave2` and the second
+    approval would be refused."""
+    from durable_capabilities.engines.temporal import AgentRunInput, AgentRunOutput, connect
+
+    env, crash_dir = env_for(tmp_path)
+    queue = f'gate-{uuid.uuid4().hex[:8]}'
+    worker_args = ('temporal', 'worker', '--target', TARGET, '--address', temporal_address, '--task-queue', queue)
+    engine_args = ['--engine', 'temporal', '--address', temporal_address]
+    first = spawn(*worker_args, env=env)
+    first.wait_for('WORKER READY', 90)
+    run_id = f'late-decision-{uuid.uuid4().hex[:8]}'
+
+    async def start() -> None:
+        client = await connect(temporal_address)
+        await client.start_workflow('durcap.gated', AgentRunInput(prompt='revoke dave'), id=run_id, task_queue=queue)
+
+    asyncio.run(start())
+    [call] = pending(engine_args, run_id)
+    first.kill9()
+    gave_up = durcap('approve', run_id, call['call_id'], '--args', '{"user": "dave2"}', *engine_args,
+                     env={'DURCAP_DECISION_WAIT': '2'}, timeout=60)
+    assert gave_up.returncode == 2, gave_up.stdout + gave_up.stderr
+    assert 'DC052' in gave_up.stderr and 'not-delivered' in gave_up.stderr, gave_up.stderr
+    assert 'Traceback' not in gave_up.stderr
+    second = spawn(*worker_args, env=env)
+    second.wait_for('WORKER READY', 90)
+    approved = durcap('approve', run_id, call['call_id'], '--args', '{"user": "dave3"}', *engine_args)
+    assert approved.returncode == 0, approved.stderr
+
+    async def result() -> AgentRunOutput:
+        client = await connect(temporal_address)
+        return await asyncio.wait_for(client.get_workflow_handle(run_id, result_type=AgentRunOutput).result(), 90)
+
+    output = asyncio.run(result())
+    assert output.output == 'result: revoked sessions of dave3'
+    assert revocations(crash_dir) == ['dave3']  # the expired decision never ran the tool
+
+
 def test_temporal_deny_and_timeout(temporal_address: str, spawn, tmp_path: Path) -> None:
     from durable_capabilities.engines.temporal import (
         AgentRunInput,

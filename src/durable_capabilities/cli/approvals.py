@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .._limits import InputError, load_json, printable
-from ..approvals import ApprovalError, PendingCall
+from ..approvals import ApprovalError, PendingCall, decision_wait
 from ..engines import DEFAULT_ENGINE, get
 from . import _err, _out, app, engine_metavar, engine_name
 from ._options import connection_options, connection_settings
@@ -113,9 +113,13 @@ def _decide(engine: str, run_id: str, call_id: str, settings: dict[str, Any], **
     from .. import runner
 
     try:
+        decision_wait()  # refuse an unusable $DURCAP_DECISION_WAIT before anything is read or sent
         decision = asyncio.run(runner.decide(run_id, call_id, engine=engine, **kwargs, **settings))
     except ApprovalError as exc:
         _err.print(printable(f'durcap: error: {exc} ({exc.kind})'), markup=False)
+        raise typer.Exit(2) from None
+    except InputError as exc:  # an unusable setting ($DURCAP_DECISION_WAIT): nothing was sent
+        _err.print(printable(f'durcap: error: {exc}'), markup=False)
         raise typer.Exit(2) from None
     except (OSError, RuntimeError) as exc:  # the engine's server or database cannot be reached
         _unreachable(engine, exc)

@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from .._limits import MAX_DEPTH, InputError, load_json, one_line, printable
 from ..agent import DurableAgent
-from ..approvals import AlreadyDecidedError, ApprovalArgsError, ApprovalError
+from ..approvals import AlreadyDecidedError, ApprovalArgsError, ApprovalError, DecisionNotDeliveredError
 from ..store import ConversationBusyError, ConversationNotFoundError, StoreError
 from ..streams import STREAM_ENGINES, StreamNotFoundError, watch
 from ._errors import (
@@ -421,7 +421,8 @@ class ServeApp:
             The `Decision` delivered.
 
         Raises:
-            _Refused: 409 (already decided, other arguments), 422 (edited arguments outside the tool's schema).
+            _Refused: 409 (already decided, other arguments), 422 (edited arguments outside the tool's schema), 503
+                (DC052: no worker took the decision; nothing ran, decide again).
             NotFoundError: DC044, no such pending call.
         """
         from .. import runner
@@ -443,6 +444,8 @@ class ServeApp:
             raise _Refused(_coded(422, exc.code, str(exc), kind=exc.kind, field='args')) from None
         except AlreadyDecidedError as exc:
             raise _Refused(_coded(409, exc.code, str(exc), kind=exc.kind)) from None
+        except DecisionNotDeliveredError as exc:  # no worker took it: nothing ran, the call is still pending
+            raise _Refused(_coded(503, exc.code, str(exc), kind=exc.kind)) from None
         except ApprovalError as exc:
             if exc.kind == 'stale-fingerprint':
                 raise _Refused(_coded(409, exc.code, str(exc), kind=exc.kind, field='fingerprint')) from None

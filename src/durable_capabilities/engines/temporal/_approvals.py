@@ -12,7 +12,7 @@ from typing import Any
 
 from temporalio import workflow
 
-from ...approvals import ApprovalGate, Decision, PendingCall, check_decision
+from ...approvals import ApprovalGate, Decision, PendingCall, check_decision, check_not_expired
 from ._spec import DECIDE_UPDATE, PENDING_MEMO, PENDING_QUERY
 
 
@@ -58,8 +58,12 @@ def approval_handlers(class_name: str, module: str) -> dict[str, Any]:
     and `module` as its own."""
 
     def validate_decision(self: Any, decision: dict[str, Any]) -> None:
-        check_decision(_pending_of(self), Decision.from_json(decision), workflow.info().workflow_id,
+        parsed = Decision.from_json(decision)
+        check_decision(_pending_of(self), parsed, workflow.info().workflow_id,
                        validate_args=False)  # workflow code: the client checked them (no jsonschema here)
+        # A decision its command gave up on (not accepted before `not_after`) is refused: validators do not run on
+        # replay and a refused update leaves no event, so this changes no recorded history.
+        check_not_expired(parsed, workflow.now(), workflow.info().workflow_id)
 
     async def decide(self: Any, decision: dict[str, Any]) -> dict[str, Any]:
         parsed = Decision.from_json(decision)

@@ -9,14 +9,24 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
-from datetime import UTC
+from dataclasses import replace
+from datetime import UTC, timedelta
 from typing import TYPE_CHECKING, Any
 
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowUpdateFailedError, WorkflowUpdateRPCTimeoutOrCancelledError
+from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from ...approvals import ApprovalError, Decision, PendingCall, check_decision
+from ...approvals import (
+    ApprovalError,
+    Decision,
+    DecisionNotDeliveredError,
+    PendingCall,
+    check_decision,
+    decision_wait,
+    utc_now,
+)
 from ...report import RunReport
 from .._adapter import (
     RunInfo,
@@ -72,12 +82,27 @@ async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = No
     return calls
 
 
+DECISION_GRACE_SECONDS = 10.0
+"""How long past a decision's `not_after` its command still waits for the run's answer: a worker that accepted the
+decision just in time answers within it, so the command never reports "not delivered" for a delivered decision."""
+
+
 async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
     """Check `decision` against the memo, then send the `DECIDE_UPDATE` update (its validator checks again).
 
+    An update waits for a worker to accept it. So that a decision never blocks silently, and never reaches the run
+    later, after its command gave up (killed, or out of patience), the decision is refused before it is sent when
+    no worker polls the run's task queue, and is sent with `not_after` = now + `approvals.decision_wait()` seconds:
+    the workflow's validator refuses it after that (`approvals.check_not_expired`), and the command waits that long
+    plus `DECISION_GRACE_SECONDS` for the answer.
+
     Raises:
         ApprovalError: unknown run (no such workflow, or not waiting), unknown call, stale fingerprint.
+        DecisionNotDeliveredError: DC052, no worker polls the task queue (`no-worker`, nothing sent), or none accepted
+            the decision in time (`not-delivered`: it expires and is never delivered).
+        InputError: DC040, `$DURCAP_DECISION_WAIT` is not a number of seconds above 0 (nothing sent).
     """
+    wait = decision_wait()
     client = await connect(settings.get('address') or DEFAULT_ADDRESS, settings.get('namespace') or DEFAULT_NAMESPACE,
                            store=settings.get('store'))
     handle = client.get_workflow_handle(run_id)
@@ -85,9 +110,25 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
     if not pending:
         raise ApprovalError('unknown-run', f'Temporal workflow {run_id!r} is not waiting for approval')
     check_decision(pending, decision, run_id)
+    queue = (await handle.describe()).task_queue
+    if not await task_queue_pollers(client, client.namespace, queue):
+        raise DecisionNotDeliveredError('no-worker', (
+            f'DC052 run {run_id!r} waits on Temporal task queue {queue!r}, which no worker polls: the decision was not '
+            f'sent. Fix: start `durcap worker temporal TARGET --task-queue {queue}`, then decide again.'))
+    not_after = (utc_now() + timedelta(seconds=wait)).isoformat()
     try:
-        result = await handle.execute_update(DECIDE_UPDATE, decision.to_json(), result_type=dict)
+        result = await asyncio.wait_for(
+            handle.execute_update(DECIDE_UPDATE, replace(decision, not_after=not_after).to_json(), result_type=dict),
+            wait + DECISION_GRACE_SECONDS)
+    except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):  # the SDK's form of a cancelled wait
+        raise DecisionNotDeliveredError('not-delivered', (
+            f'DC052 run {run_id!r}: no worker on Temporal task queue {queue!r} accepted the decision within {wait:g} s; '
+            f'it expires at {not_after} and the run will refuse it if it arrives later (the call is still pending). '
+            f'Fix: check the workers (`durcap runs show {run_id}`), then decide again.')) from None
     except WorkflowUpdateFailedError as exc:
+        cause = exc.cause
+        if isinstance(cause, ApplicationError) and cause.type == DecisionNotDeliveredError.__name__:
+            raise DecisionNotDeliveredError('expired', str(cause.message)) from None
         raise ApprovalError('unknown-call', f'run {run_id!r} refused the decision: {exc.cause}') from None
     return PendingCall.from_json(result)
 
