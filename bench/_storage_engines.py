@@ -66,6 +66,23 @@ def sqlite_tables(path: Path) -> dict[str, int]:
     return dict(sorted(sizes.items(), key=lambda item: -item[1]))
 
 
+def result_kinds(folder: Path) -> dict[str, int]:
+    """Bytes of Prefect's persisted results under `folder` by what they hold (the result's class; `flow result` for
+    a flow's return value), each file a JSON record with the pickled result in base64."""
+    import base64
+    import pickle
+
+    sizes: dict[str, int] = {}
+    for path in (p for p in folder.rglob('*') if p.is_file()) if folder.exists() else ():
+        try:
+            value = pickle.loads(base64.b64decode(json.loads(path.read_bytes())['result']))  # noqa: S301 - our own files
+            kind = 'flow result' if isinstance(value, dict) and 'output' in value else type(value).__name__
+        except Exception:  # noqa: BLE001 - a record of another form: counted as such
+            kind = 'other'
+        sizes[kind] = sizes.get(kind, 0) + path.stat().st_size
+    return dict(sorted(sizes.items(), key=lambda item: -item[1]))
+
+
 def folder_files(folder: Path) -> tuple[int, int]:
     """`(bytes, files)` of every file under `folder`."""
     files = [p for p in folder.rglob('*') if p.is_file()] if folder.exists() else []
@@ -222,7 +239,7 @@ def measure_prefect(checkpoints: list[int], folder: Path) -> list[dict[str, Any]
             def breakdown() -> dict[str, Any]:
                 kept, files = folder_files(results)
                 return {'prefect server': sqlite_tables(database),
-                        'result storage': f'{kept / 1e6:.2f} MB in {files} files'}
+                        f'result storage ({kept / 1e6:.2f} MB in {files} files)': result_kinds(results)}
 
             return _conversation('prefect', checkpoints, folder, {'engine': 'prefect'}, size, breakdown)
     finally:
