@@ -150,15 +150,16 @@ def _conversation(engine: str, checkpoints: list[int], folder: Path, settings: d
 def _postgres_database(name: str) -> Iterator[str]:
     """A fresh PostgreSQL database `name` (URL yielded), dropped at the end."""
     import psycopg
+    from psycopg import sql
 
     with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
+        conn.execute(sql.SQL('CREATE DATABASE {}').format(sql.Identifier(name)))
     base = POSTGRES_ADMIN_URL.rsplit('/', 1)[0]
     try:
         yield f'{base}/{name}'
     finally:
         with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            conn.execute(sql.SQL('DROP DATABASE IF EXISTS {} WITH (FORCE)').format(sql.Identifier(name)))
 
 
 def _postgres_relations(url: str) -> dict[str, int]:
@@ -178,11 +179,11 @@ def measure_dbos(checkpoints: list[int], folder: Path, backend: str = 'sqlite') 
     """Run max(checkpoints) turns of one conversation on DBOS with a fresh system database (`backend`: `'sqlite'`, a
     file under `folder`; `'postgres'`, a new database at `$BENCH_POSTGRES_URL`'s server, dropped at the end) and a
     fresh store under `folder` (created). Returns one row per checkpoint (see the module docstring)."""
+    from dbos import DBOS
+
     from bench.storage_agent import agent
     from durable_capabilities.engines.dbos import agent_workflow
     from durable_capabilities.engines.dbos._server import launch
-
-    from dbos import DBOS
 
     folder.mkdir(parents=True)
     engine = f'dbos-{backend}'
@@ -261,7 +262,7 @@ MEASURES: dict[str, Callable[[list[int], Path], list[dict[str, Any]]]] = {
 def main() -> None:
     import tempfile
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or '').splitlines()[0])
     parser.add_argument('--engine', nargs='+', choices=list(MEASURES), default=list(MEASURES))
     parser.add_argument('--turns', type=int, nargs='+', default=[50, 100, 200])
     parser.add_argument('--json', action='store_true')

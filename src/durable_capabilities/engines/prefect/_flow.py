@@ -14,8 +14,8 @@ from prefect.runtime import flow_run
 
 from ... import _registry, streams
 from ...conversations import store_url
-from .._conversation_unit import read_back
 from ...turn import deps_from_json, run_turn
+from .._conversation_unit import read_back
 from ._approvals import PrefectApprovalGate
 from ._conversation import conversation_tasks, release
 from ._spec import ENGINE, flow_name
