@@ -68,14 +68,18 @@ def sqlite_tables(path: Path) -> dict[str, int]:
 
 def result_kinds(folder: Path) -> dict[str, int]:
     """Bytes of Prefect's persisted results under `folder` by what they hold (the result's class; `flow result` for
-    a flow's return value), each file a JSON record with the pickled result in base64."""
+    a flow's return value): a task's file is a JSON record with the pickled result in base64, a flow's the base64
+    alone."""
     import base64
     import pickle
 
     sizes: dict[str, int] = {}
     for path in (p for p in folder.rglob('*') if p.is_file()) if folder.exists() else ():
+        data = path.read_bytes()
         try:
-            value = pickle.loads(base64.b64decode(json.loads(path.read_bytes())['result']))  # noqa: S301 - our own files
+            # A task's result: a JSON record with the pickle in base64; a flow's: the base64 pickle alone.
+            encoded = json.loads(data)['result'] if data.startswith(b'{') else data
+            value = pickle.loads(base64.b64decode(encoded))  # noqa: S301 - our own files
             kind = 'flow result' if isinstance(value, dict) and 'output' in value else type(value).__name__
         except Exception:  # noqa: BLE001 - a record of another form: counted as such
             kind = 'other'
