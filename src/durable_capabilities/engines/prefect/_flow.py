@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from prefect import flow
 from prefect.runtime import flow_run
 
-from ... import _registry, streams
+from ... import _registry, interrupts, streams
 from ...conversations import store_url
 from ...turn import deps_from_json, run_turn
 from ._approvals import PrefectApprovalGate
@@ -76,8 +76,10 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
     ) -> dict[str, Any]:
         # The run's events go to the flow run's stream (a retried flow run keeps its id: the finished tasks are not
         # run again, and the events the flow's own code publishes again are keys the log already has).
-        with streams.publishing(str(flow_run.id), ENGINE, store_url(agent, _RUN_STORE.get()),
-                                conversation_id=conversation_id):
+        url = store_url(agent, _RUN_STORE.get())
+        # The model request tasks check whether a newer turn asked this flow run's turn to stop (`interrupts`).
+        with streams.publishing(str(flow_run.id), ENGINE, url, conversation_id=conversation_id), \
+                interrupts.watching(str(flow_run.id) if conversation_id is not None else None, url):
             turn = await run_turn(agent, built.run, prompt, deps=deps_from_json(agent, deps),
                                   message_history=message_history, conversation_id=conversation_id, load=load,
                                   append=append, release=release_claim, gate=PrefectApprovalGate(agent), busy=busy)
