@@ -253,7 +253,7 @@ def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_a
     turn('busy conversation (the agent rejects)', {'agent': 'gated', 'prompt': 'revoke bob'}, (409, 'DC050'))
     turn('busy conversation (reject asked)', {'agent': 'gated', 'prompt': 'revoke bob', 'busy': 'reject'}, (409, 'DC050'),
          **{'Idempotency-Key': 'k-busy'})
-    turn('busy strategy unknown', {'agent': 'gated', 'prompt': 'revoke bob', 'busy': 'interrupt'}, bad)
+    turn('busy strategy unknown', {'agent': 'gated', 'prompt': 'revoke bob', 'busy': 'later'}, bad)
     for name, path in [('events', '/v1/runs/nope/events'), ('status', '/v1/runs/nope'), ('approvals', '/v1/runs/nope/approvals')]:
         cases.append((f'unknown run: {name}', 'GET', path, ALICE, None, *missing))
     cases.append(('unknown run: decide', 'POST', '/v1/runs/nope/approvals/x', ALICE, json.dumps(good), *missing))

@@ -357,3 +357,33 @@ def test_temporal_histories_recorded_before_turn_claims_replay() -> None:
     from tests.engines.race_agent import racer
 
     assert assert_histories_replay(ROOT / 'tests/histories/turns', [racer]) == 2
+
+
+def test_the_api_refuses_interrupt_for_an_agent_whose_output_is_not_text(tmp_path: Path) -> None:
+    """`POST /v1/conversations/{id}/turns` with `"busy": "interrupt"`: 400 DC053 naming the field for an agent with a
+    structured output, nothing started or stored; an unknown strategy is 400 DC042 (the body's shape)."""
+    from pydantic import BaseModel
+    from starlette.testclient import TestClient
+
+    from durable_capabilities.serve import bearer_auth, create_app
+
+    class Verdict(BaseModel):
+        ok: bool
+
+    typed = DurableAgent('claims-api-typed', TestModel(), output_type=Verdict)
+    url = f'sqlite:///{tmp_path / "serve.db"}'
+    app = create_app(typed, settings={'store': url}, auth=bearer_auth('s3cret'))
+    headers = {'Authorization': 'Bearer s3cret'}
+    with TestClient(app) as client:
+        refused = client.post('/v1/conversations/t/turns', json={'prompt': 'hi', 'busy': 'interrupt'}, headers=headers)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()['error']
+        assert error['code'] == 'DC053' and error['field'] == 'busy' and 'Verdict' in error['message'], error
+        unknown = client.post('/v1/conversations/t/turns', json={'prompt': 'hi', 'busy': 'later'}, headers=headers)
+        assert unknown.status_code == 400 and unknown.json()['error']['code'] == 'DC042', unknown.text
+
+    async def nothing_stored() -> None:
+        async with SQLConversationStore(url) as store:
+            assert await store.read_record('t') is None and await store.turn_claim('t') is None
+
+    run(nothing_stored())
