@@ -12,7 +12,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, UserPromptPart
+from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, TextPart, UserPromptPart
 from pydantic_ai.models.test import TestModel
 
 from durable_capabilities import DurableAgent, runner
@@ -288,7 +288,7 @@ def test_the_model_wrapper_answers_a_stopped_turn_also_when_streamed(store: SQLC
         yield 'sent'
 
     model = InterruptModel(FunctionModel(answer, stream_function=stream))
-    messages = [ModelRequest(parts=[UserPromptPart('hi')])]
+    messages: list[ModelMessage] = [ModelRequest(parts=[UserPromptPart('hi')])]
     params = ModelRequestParameters()
 
     async def scenario() -> None:
