@@ -126,8 +126,10 @@ async def run(
         raise TypeError(f"runner.run() takes no event_stream_handler: give it to the engine's durability capability, "
                         f"DurableAgent(..., engine_options={{{engine!r}: {{'event_stream_handler': handler}}}}), where it "
                         'runs inside the model request unit (docs/providers.md, "Streaming")')
-    if check_busy(busy, agent=agent) is not None:
-        settings = {**settings, 'busy': busy}
+    # The agent's own strategy travels with the run when it waits (as `durcap serve` passes it): an engine that picks
+    # the load unit's options from it (Temporal: the heartbeating 48-hour load) must see it.
+    if check_busy(busy, agent=agent) is not None or agent.busy != 'reject':
+        settings = {**settings, 'busy': busy or agent.busy}
     adapter = get(engine)
     if agent.budget is not None and run_id is None and not adapter.durable:  # the run's key needs its id
         run_id = f'local-{uuid.uuid4().hex}'
