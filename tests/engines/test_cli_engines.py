@@ -224,6 +224,72 @@ def test_two_prefect_serving_processes_share_a_deployment_and_one_reschedules_a_
     assert requests.count('P-1:0') == 1 and requests.count('P-1:1') == 1, requests  # cached: not requested again
 
 
+def test_a_prefect_flow_run_lost_with_its_serving_process_is_found_and_finished_by_the_other(
+        prefect_api_url: str, tmp_path: Path) -> None:
+    """Issue 29 item 3, on the session's Prefect server; model: the ledger agent's scripted `FunctionModel`. Two
+    `durcap schedule prefect` processes serve one deployment (`--limit 1` each) and run one flow run each. One serving
+    process and its flow-run process are SIGKILLed at once (a lost machine): nobody reports a crash, so Prefect keeps
+    that run RUNNING. Its beats stop (`_liveness`), the surviving serving process marks it CRASHED and reschedules it,
+    and runs it from its cached tasks: the model requests before the charge are not made again, and the killed charge
+    re-ran once. Without the beats the run would stay RUNNING and the test time out."""
+    import httpx
+
+    ledger = tmp_path / 'ledger'
+    agent_name = f'ledger-{uuid.uuid4().hex[:6]}'
+    deployment = f'lost-{uuid.uuid4().hex[:6]}'
+    env = {'PREFECT_API_URL': prefect_api_url, 'PREFECT_HOME': str(tmp_path / 'prefect-home'),
+           'PREFECT_LOCAL_STORAGE_PATH': str(tmp_path / 'results'), 'DURCAP_LEDGER_DIR': str(ledger),
+           'DURCAP_LEDGER_AGENT': agent_name, 'DURCAP_LEDGER_CHARGE_SECONDS': '10',
+           'PREFECT_RUNNER_POLL_FREQUENCY': '1', 'DURCAP_PREFECT_BEAT_SECONDS': '1', 'DURCAP_PREFECT_STALE_SECONDS': '10'}
+    argv = [*DURCAP, 'schedule', 'prefect', 'tests/engines/ledger_agent.py:agent', '--prompt', 'charge order P-0',
+            '--interval', '86400', '--name', deployment, '--limit', '1']
+    serving = [start(argv, tmp_path / f's{i}.log', env) for i in range(2)]
+    url = f'{prefect_api_url}/deployments/name/{FLOW_PREFIX}{agent_name}/{deployment}'
+
+    def create(parameters: dict) -> str:
+        deadline = time.monotonic() + 30
+        while True:  # the other serving process may be upserting the deployment just now: retried
+            response = httpx.post(f'{prefect_api_url}/deployments/{httpx.get(url, timeout=10).json()["id"]}/create_flow_run',
+                                  json={'parameters': parameters}, timeout=10)
+            if response.status_code < 300 or time.monotonic() > deadline:
+                assert response.status_code < 300, (response.status_code, response.text)
+                return response.json()['id']
+            time.sleep(0.3)
+
+    def state(flow_run_id: str) -> str:
+        return httpx.get(f'{prefect_api_url}/flow_runs/{flow_run_id}', timeout=10).json()['state_type']
+
+    try:
+        for i, proc in enumerate(serving):
+            wait_for(tmp_path / f's{i}.log', 'serving deployment', proc, 120)
+        deadline = time.monotonic() + 120
+        while httpx.get(url, timeout=10).status_code == 404:  # `serve` creates it after the line above
+            assert time.monotonic() < deadline and all(p.poll() is None for p in serving), 'no deployment'
+            time.sleep(0.3)
+        runs = [create({'prompt': f'charge order P-{n}', 'deps': None}) for n in (1, 2)]
+        for n in (1, 2):
+            wait_file_(ledger / f'charge-started-P-{n}', 150)  # both in flight at once (10 s charges)
+        flow_process = int((ledger / 'charge-started-P-1').read_text())
+        lost = next(p for p in serving if p.pid == _parent(str(flow_process)))
+        survivor = next(i for i, p in enumerate(serving) if p is not lost)
+        (ledger / 'charge-started-P-1').rename(ledger / 'first-charge-P-1')
+        os.kill(lost.pid, signal.SIGKILL)  # the serving process first, so nobody sees its flow run end
+        os.kill(flow_process, signal.SIGKILL)
+        lost.wait(timeout=30)
+        deadline = time.monotonic() + 240
+        while state(runs[0]) != 'COMPLETED' or state(runs[1]) != 'COMPLETED':
+            assert time.monotonic() < deadline, (state(runs[0]), (tmp_path / f's{survivor}.log').read_text()[-3000:])
+            time.sleep(0.5)
+    finally:
+        for proc in serving:
+            kill(proc)
+    said = (tmp_path / f's{survivor}.log').read_text()
+    assert f'prefect flow run {runs[0]}' in said and 'stopped beating' in said, said[-3000:]
+    assert sorted((ledger / 'charges').read_text().splitlines()) == ['P-1', 'P-1', 'P-2'], 'a charge ran again'
+    requests = (ledger / 'model-requests').read_text().splitlines()
+    assert requests.count('P-1:0') == 1 and requests.count('P-1:1') == 1, requests  # cached: not requested again
+
+
 def _parent(pid: str) -> int:
     """The parent pid of process `pid` (from /proc; the process is alive)."""
     return int(Path(f'/proc/{pid.strip()}/stat').read_text().rsplit(')', 1)[1].split()[1])

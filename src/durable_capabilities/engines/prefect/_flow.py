@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from prefect import flow
+from prefect.context import FlowRunContext
 from prefect.runtime import flow_run
 
 from ... import _registry, interrupts, streams
@@ -17,6 +18,7 @@ from ...conversations import store_url
 from ...turn import deps_from_json, run_turn
 from ._approvals import PrefectApprovalGate
 from ._conversation import conversation_tasks, release
+from ._liveness import beating
 from ._spec import ENGINE, flow_name
 
 if TYPE_CHECKING:
@@ -76,9 +78,13 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
     ) -> dict[str, Any]:
         # The run's events go to the flow run's stream (a retried flow run keeps its id: the finished tasks are not
         # run again, and the events the flow's own code publishes again are keys the log already has).
+        # A deployment's flow run beats while it runs (`_liveness`): one that dies with its serving process is found.
+        context = FlowRunContext.get()
+        deployed = context is not None and context.flow_run is not None and context.flow_run.deployment_id is not None
         url = store_url(agent, _RUN_STORE.get())
         # The model request tasks check whether a newer turn asked this flow run's turn to stop (`interrupts`).
-        with streams.publishing(str(flow_run.id), ENGINE, url, conversation_id=conversation_id), \
+        with beating(str(flow_run.id)) if deployed else nullcontext(), \
+                streams.publishing(str(flow_run.id), ENGINE, url, conversation_id=conversation_id), \
                 interrupts.watching(str(flow_run.id) if conversation_id is not None else None, url):
             turn = await run_turn(agent, built.run, prompt, deps=deps_from_json(agent, deps),
                                   message_history=message_history, conversation_id=conversation_id, load=load,

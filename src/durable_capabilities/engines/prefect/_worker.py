@@ -4,8 +4,9 @@ approval deadline watcher and the crashed-run watcher.
 Several serving processes may serve one deployment (issue 29 item 3): each takes at most `limit` flow runs at once
 (Prefect's runner limit; `durcap schedule prefect --limit`, default `DEFAULT_SERVE_LIMIT`), stopping one leaves the
 deployment running for the others (`pause_on_shutdown=False`: Prefect's default pauses the deployment they share),
-and each watches the deployment for flow runs left CRASHED by a process that died (`watch_crashed`): one of them
-claims the crash and reschedules the run, which a serving process then runs again from its cached tasks."""
+and each watches the deployment for flow runs left CRASHED by a process that died, or left RUNNING by one that died
+with no word (`watch_crashed`, `_liveness`): one of them claims the crash and reschedules the run, which a serving
+process then runs again from its cached tasks."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from ..._limits import one_line, printable
 from ._approvals import watch_deadlines
 from ._entry import entrypoint
 from ._flow import agent_flow
+from ._liveness import DeadRunWatch, stale_seconds
 from ._spec import TARGET_ENV, flow_name
 
 if TYPE_CHECKING:
@@ -137,13 +139,23 @@ async def resume_crashed(deployment_name: str, flow: str, notify: Callable[[str]
 
 
 def watch_crashed(deployment_name: str, flow: str, notify: Callable[[str], None], every: float = 2.0) -> Any:
-    """Start a daemon thread that calls `resume_crashed` every `every` seconds (errors logged, retried next round);
-    returns the thread."""
+    """Start a daemon thread that, every `every` seconds, marks CRASHED the deployment's RUNNING flow runs that stopped
+    beating (`_liveness.DeadRunWatch`: their process died with no word, e.g. with this deployment's other serving
+    process) and calls `resume_crashed` (errors logged, retried next round); returns the thread."""
+    watches: list[DeadRunWatch] = []
+
+    async def one_round() -> None:
+        if not watches:
+            async with get_client() as client:
+                deployment = await client.read_deployment_by_name(f'{flow}/{deployment_name}')
+            watches.append(DeadRunWatch(deployment.id, notify))
+        await watches[0].round()
+        await resume_crashed(deployment_name, flow, notify)
 
     def loop() -> None:
         while True:
             try:
-                asyncio.run(resume_crashed(deployment_name, flow, notify))
+                asyncio.run(one_round())
             except Exception:  # the server may be briefly unreachable, the deployment not yet created: next round
                 logging.getLogger(__name__).debug('crashed-run check failed', exc_info=True)
             time.sleep(every)
@@ -162,8 +174,10 @@ def serve_schedule(
     Raises:
         RuntimeError: no Prefect API is configured (`PREFECT_API_URL` in the environment or the Prefect
             profile): a schedule on Prefect's temporary local server would never run.
-        ValueError: `cron` is not a cron expression Prefect accepts (code DC040), checked before anything starts.
+        ValueError: `cron` is not a cron expression Prefect accepts (code DC040), checked before anything starts;
+            `InputError` (DC040): `$DURCAP_PREFECT_BEAT_SECONDS` or `$DURCAP_PREFECT_STALE_SECONDS` is unusable.
     """
+    stale_seconds()  # both liveness settings, read again by every flow-run process and watch round: refused now
     if cron is not None:
         try:
             CronSchedule(cron=cron)

@@ -1,0 +1,192 @@
+"""Prefect: a flow run whose process died without a word (issue 29 item 3) is marked CRASHED, so `watch_crashed`
+reschedules it.
+
+Prefect marks a flow run CRASHED when its process reports the crash, or when the serving process that started it
+sees it exit. When both die at once (a machine or container lost, a process group killed with SIGKILL), nobody
+reports anything and the run stays RUNNING for good; Prefect's own flow-run heartbeat events come at most every
+30 s and the open-source server acts on none of them. So:
+
+- `beating(flow_run_id)`: a flow run of a deployment (what `durcap schedule prefect` serves) beats while it runs: a
+  daemon thread sets the flow run's label `BEAT_LABEL` to a new value every `beat_seconds()` seconds (one small
+  PATCH to the Prefect API; at 2 s, 100 running flow runs make 50 requests a second).
+- `DeadRunWatch`, in every serving process (`_worker.watch_crashed` runs a round every 2 s): a RUNNING flow run of the
+  deployment whose beat label this process has seen unchanged for `stale_seconds()` seconds of its own clock (no
+  clock is compared across machines) is dead. The process that creates the write-once flow run input
+  `DEAD_CLAIM_PREFIX` + the running state's id (the server refuses a second with 409) marks it CRASHED; the crash is
+  then rescheduled once, like any other (`_worker.resume_crashed`), and runs again from its cached tasks.
+
+A flow run that never beat (started by an earlier version, or outside a deployment: `durcap run` waits for its own
+run in its own process) is never declared dead. A process that stalls longer than the stale time (a debugger, a
+swapped-out machine) is declared dead while alive: raise `$DURCAP_PREFECT_STALE_SECONDS` where that can happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from prefect import get_client
+from prefect.client.schemas.filters import (
+    DeploymentFilter,
+    DeploymentFilterId,
+    FlowRunFilter,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+)
+from prefect.client.schemas.objects import StateType
+from prefect.exceptions import PrefectHTTPStatusError
+from prefect.input import acreate_flow_run_input
+from prefect.states import Crashed
+
+BEAT_LABEL = 'durcap.beat'
+"""The flow run label a running flow run's process sets to a new value every beat (`<pid>:<count>`)."""
+
+BEAT_SECONDS_ENV = 'DURCAP_PREFECT_BEAT_SECONDS'
+STALE_SECONDS_ENV = 'DURCAP_PREFECT_STALE_SECONDS'
+DEFAULT_BEAT_SECONDS = 2.0
+"""Seconds between two beats of a running flow run (`$DURCAP_PREFECT_BEAT_SECONDS`)."""
+DEFAULT_STALE_SECONDS = 15.0
+"""Seconds a serving process must see a RUNNING flow run's beat unchanged before it marks the run CRASHED
+(`$DURCAP_PREFECT_STALE_SECONDS`; at least three beats)."""
+
+DEAD_CLAIM_PREFIX = 'durcap-dead-'
+"""Flow run input key prefix of a dead-run claim (+ the RUNNING state's id): write-once, so one process marks it."""
+
+logger = logging.getLogger(__name__)
+
+
+def _seconds(name: str, default: float) -> float:
+    """`$name` as seconds above 0, else `default`.
+
+    Raises:
+        InputError: DC040, the variable is set to something else.
+    """
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float('inf'):
+        from ..._limits import InputError
+
+        raise InputError(f'${name}', f'must be a number of seconds above 0, got {raw!r}. Fix: unset it (default '
+                         f'{default:g} s) or give e.g. {default:g}.')
+    return value
+
+
+def beat_seconds() -> float:
+    """Seconds between two beats (`$DURCAP_PREFECT_BEAT_SECONDS`, default `DEFAULT_BEAT_SECONDS`).
+
+    Raises:
+        InputError: DC040, an unusable value.
+    """
+    return _seconds(BEAT_SECONDS_ENV, DEFAULT_BEAT_SECONDS)
+
+
+def stale_seconds() -> float:
+    """Seconds without a new beat after which a RUNNING flow run is dead (`$DURCAP_PREFECT_STALE_SECONDS`, default
+    `DEFAULT_STALE_SECONDS`, never under three beats).
+
+    Raises:
+        InputError: DC040, an unusable value.
+    """
+    return max(_seconds(STALE_SECONDS_ENV, DEFAULT_STALE_SECONDS), 3 * beat_seconds())
+
+
+@contextmanager
+def beating(flow_run_id: str) -> Iterator[None]:
+    """While the block runs, flow run `flow_run_id` beats (`BEAT_LABEL` set anew every `beat_seconds()` from a daemon
+    thread with its own event loop). A beat that fails (the API briefly unreachable) is logged and the next one tried:
+    a missed beat or two never declares the run dead."""
+    every = beat_seconds()
+    stop = threading.Event()
+
+    async def loop() -> None:
+        count = 0
+        async with get_client() as client:
+            while not stop.is_set():
+                count += 1
+                try:
+                    await client.update_flow_run_labels(uuid.UUID(flow_run_id), {BEAT_LABEL: f'{os.getpid()}:{count}'})
+                except Exception:  # next beat; the run goes on either way
+                    logger.debug('flow run %s: beat %d failed', flow_run_id, count, exc_info=True)
+                await asyncio.to_thread(stop.wait, every)
+
+    thread = threading.Thread(target=lambda: asyncio.run(loop()), name=f'durcap-beat-{flow_run_id}', daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+
+
+class DeadRunWatch:
+    """One serving process's view of the beats of its deployment's RUNNING flow runs (see the module docstring).
+
+    Args:
+        deployment_id: The deployment whose flow runs are watched.
+        notify: Called with one line per flow run this process marked CRASHED.
+        clock: Seconds, monotonic (this process's own clock; never compared with another machine's).
+    """
+
+    def __init__(self, deployment_id: Any, notify: Callable[[str], None], clock: Callable[[], float] = time.monotonic):
+        self.deployment_id = deployment_id
+        self.notify = notify
+        self.clock = clock
+        self.seen: dict[tuple[str, str], tuple[str, float]] = {}
+        """(flow run id, RUNNING state id) -> (the last beat seen, when this process first saw it)."""
+
+    async def round(self) -> list[str]:
+        """Look at the deployment's RUNNING flow runs once; mark CRASHED those dead (and claimed here).
+
+        Returns:
+            The ids of the flow runs this process marked CRASHED in this round.
+        """
+        stale = stale_seconds()
+        now = self.clock()
+        marked: list[str] = []
+        async with get_client() as client:
+            runs = await client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[self.deployment_id])),
+                flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
+                    any_=[StateType.RUNNING]))))
+            current: dict[tuple[str, str], tuple[str, float]] = {}
+            for run in runs:
+                beat = (run.labels or {}).get(BEAT_LABEL)
+                if beat is None or run.state is None:
+                    continue  # never beat: an earlier version's run, never declared dead
+                key = (str(run.id), str(run.state.id))
+                last = self.seen.get(key)
+                since = last[1] if last is not None and last[0] == str(beat) else now
+                current[key] = (str(beat), since)
+                if now - since < stale:
+                    continue
+                if await self._mark(client, run, now - since):
+                    marked.append(str(run.id))
+            self.seen = current
+        return marked
+
+    async def _mark(self, client: Any, run: Any, silent: float) -> bool:
+        try:
+            await acreate_flow_run_input(f'{DEAD_CLAIM_PREFIX}{run.state.id}', {'pid': os.getpid()}, flow_run_id=run.id)
+        except PrefectHTTPStatusError as exc:
+            if exc.response.status_code == 409:  # another serving process claimed it
+                return False
+            raise
+        result = await client.set_flow_run_state(run.id, Crashed(
+            message=f'durcap: no beat for {silent:.0f} s: its process died without reporting it'))
+        if result.status.value != 'ACCEPT':
+            logger.warning('flow run %s: marking it CRASHED was refused (%s)', run.id, result.status.value)
+            return False
+        self.notify(f'prefect flow run {run.id} ({run.name}) stopped beating {silent:.0f} s ago (its process died '
+                    'with no word): marked CRASHED, to be rescheduled')
+        return True
