@@ -22,7 +22,15 @@ from .worker_secrets import SecretNotFoundError, WorkerSecret, set_secret_resolv
 # in-process turn are handed to it here, once, before any module of the package can construct an agent.
 _hooks.install(engines=engines.ENGINES, run_in_process=runner.run_in_process, wrap_model=lambda model: _streams().wrap_model(model),
                wrap_budget=lambda model, agent: _budgets().wrap_budget(model, agent),
-               budget_tools=lambda agent: _budgets().budget_tools(agent))
+               budget_tools=lambda agent: _budgets().budget_tools(agent),
+               wrap_interrupt=lambda model, agent: _interrupts().wrap_interrupt(model, agent))
+
+
+def _interrupts() -> Any:
+    """The `interrupts` module, imported on first use (it brings the store and SQLAlchemy)."""
+    import importlib
+
+    return importlib.import_module('.interrupts', __name__)
 
 
 def _budgets() -> Any:

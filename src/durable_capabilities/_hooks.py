@@ -53,11 +53,13 @@ _run_in_process: RunInProcess | None = None
 _wrap_model: Callable[[Any], Any] | None = None
 _wrap_budget: Callable[[Any, Any], Any] | None = None
 _budget_tools: Callable[[Any], list[Any]] | None = None
+_wrap_interrupt: Callable[[Any, Any], Any] | None = None
 
 
 def install(*, engines: Mapping[str, EngineEntry], run_in_process: RunInProcess,
             wrap_model: Callable[[Any], Any] | None = None, wrap_budget: Callable[[Any, Any], Any] | None = None,
-            budget_tools: Callable[[Any], list[Any]] | None = None) -> None:
+            budget_tools: Callable[[Any], list[Any]] | None = None,
+            wrap_interrupt: Callable[[Any, Any], Any] | None = None) -> None:
     """Fill the hooks (called once, by `durable_capabilities/__init__.py`; calling again replaces them).
 
     Args:
@@ -67,10 +69,12 @@ def install(*, engines: Mapping[str, EngineEntry], run_in_process: RunInProcess,
         wrap_budget: `(model, definition) -> model` enforcing the definition's `Budget` inside the model request
             unit (`budgets.wrap_budget`).
         budget_tools: `definition -> [Tool]` the built agent gets for its `Budget` (`budgets.budget_tools`).
+        wrap_interrupt: `(model, definition) -> model` checking inside the model request unit whether a newer turn
+            asked the run's turn to stop (`interrupts.wrap_interrupt`, `busy='interrupt'`).
     """
-    global _engines, _run_in_process, _wrap_model, _wrap_budget, _budget_tools
+    global _engines, _run_in_process, _wrap_model, _wrap_budget, _budget_tools, _wrap_interrupt
     _engines, _run_in_process, _wrap_model, _wrap_budget = engines, run_in_process, wrap_model, wrap_budget
-    _budget_tools = budget_tools
+    _budget_tools, _wrap_interrupt = budget_tools, wrap_interrupt
 
 
 def budget_tools(agent: Any) -> list[Any]:
@@ -86,6 +90,14 @@ def wrap_budget(model: Any, agent: Any) -> Any:
     if _wrap_budget is None or getattr(agent, 'budget', None) is None or model is None:
         return model
     return _wrap_budget(model, agent)
+
+
+def wrap_interrupt(model: Any, agent: Any) -> Any:
+    """`model` as the agent built for `agent` (a `DurableAgent`) gets it: wrapped by the installed `wrap_interrupt`
+    (which leaves the model of an agent whose output cannot be text as given)."""
+    if _wrap_interrupt is None or model is None:
+        return model
+    return _wrap_interrupt(model, agent)
 
 
 def wrap_model(model: Any, features: frozenset[str]) -> Any:

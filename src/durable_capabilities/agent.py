@@ -11,6 +11,7 @@ from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.toolsets import FunctionToolset
 
 from . import _hooks, _registry, telemetry
+from ._limits import InputError
 from ._turn_log import TurnRecorder, may_rewrite_history
 from .aliases import CapabilityAliases
 from .approvals import timeout_seconds
@@ -22,6 +23,12 @@ from .validation import DurableConfigError, Report, problem
 
 DepsT = TypeVar('DepsT')
 OutputT = TypeVar('OutputT')
+
+
+def text_output_type(output_type: Any) -> bool:
+    """Whether an agent with `output_type` may end with plain text (`str`, or a list of output types holding `str`):
+    the agents a turn can interrupt (`busy='interrupt'`), since an interrupted turn ends with a text answer."""
+    return output_type is str or (isinstance(output_type, list | tuple) and str in output_type)
 
 
 class DurableAgent(Generic[DepsT, OutputT]):
@@ -64,8 +71,10 @@ class DurableAgent(Generic[DepsT, OutputT]):
             denied with a reason the model sees (see `approvals`).
         busy: What a turn does when another run's turn holds its conversation (one turn at a time per
             conversation): `'reject'` (the default: refused before any side effect, `ConversationBusyError`, DC050,
-            naming the run that holds it) or `'enqueue'` (waits until that turn is stored, then runs on top of it).
-            A run's own `busy=` (`durcap run --busy`) wins.
+            naming the run that holds it), `'enqueue'` (waits until that turn is stored, then runs on top of it) or
+            `'interrupt'` (asks that turn to stop at its next safe point, then waits for it as `'enqueue'` does; only
+            for an agent whose output may be text, else `InputError` DC053). A run's own `busy=` (`durcap run
+            --busy`) wins.
         budget: Spend limits checked before every model request on every engine, counted in the conversation store
             (`Budget`, docs/budgets.md); `None`: none.
         agent_kwargs: Any other `pydantic_ai.Agent` keyword argument (`retries`, `model_settings`, ...).
@@ -91,7 +100,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
         conversation_store: str | None = None,
         drift: Literal['error', 'warning'] = 'error',
         approval_timeout: Any = None,
-        busy: Literal['reject', 'enqueue'] = 'reject',
+        busy: Literal['reject', 'enqueue', 'interrupt'] = 'reject',
         budget: Budget | None = None,
         **agent_kwargs: Any,
     ) -> None:
@@ -114,9 +123,15 @@ class DurableAgent(Generic[DepsT, OutputT]):
             raise ValueError(f"drift must be 'error' or 'warning', not {drift!r}")
         self.drift: Literal['error', 'warning'] = drift
         self.approval_timeout = timeout_seconds(approval_timeout)
-        if busy not in ('reject', 'enqueue'):
-            raise ValueError(f"busy must be 'reject' or 'enqueue', not {busy!r}")
-        self.busy: Literal['reject', 'enqueue'] = busy
+        if busy not in ('reject', 'enqueue', 'interrupt'):
+            raise ValueError(f"busy must be 'reject', 'enqueue' or 'interrupt', not {busy!r}")
+        if busy == 'interrupt' and not text_output_type(output_type):
+            raise InputError('busy', f"'interrupt' cannot be used for agent {name!r}: its output type is "
+                             f"{getattr(output_type, '__name__', None) or output_type!r}, and an interrupted turn ends "
+                             "with a text answer saying so. Use busy='enqueue' (wait for the turn that holds the "
+                             "conversation) or 'reject', or an output type that allows text (output_type=[YourType, str])",
+                             code='DC053')
+        self.busy: Literal['reject', 'enqueue', 'interrupt'] = busy
         if budget is not None and not isinstance(budget, Budget):
             raise TypeError(f'budget must be a durable_capabilities.Budget, not {type(budget).__name__}')
         self.budget = budget
@@ -242,7 +257,8 @@ class DurableAgent(Generic[DepsT, OutputT]):
             kwargs.setdefault('name', self.durable_name)
             capabilities.append(durability_cls(**kwargs))
         traced = telemetry.enabled()  # spans where the units execute (telemetry.py); nothing added when off
-        model = _hooks.wrap_budget(_hooks.wrap_model(self.model, adapter.features), self)
+        # Outside the budget: a turn asked to stop sends no request and reserves nothing (`interrupts`).
+        model = _hooks.wrap_interrupt(_hooks.wrap_budget(_hooks.wrap_model(self.model, adapter.features), self), self)
         agent: Agent[Any, Any] = Agent(
             telemetry.wrap_model(model, self.name) if traced else model,
             # Durable engines see the kept name: Prefect's task cache keys hash the agent name (`ctx.agent.name`),

@@ -27,6 +27,7 @@ from pydantic_ai.messages import (
     ModelMessagesTypeAdapter,
 )
 
+from .agent import text_output_type
 from .report import usage_from_json
 from .store import ConversationBusyError, ConversationNotFoundError, SQLConversationStore, drift, resolve_url
 from .store._schema import _decode_messages, _encode
@@ -238,10 +239,14 @@ def _remember(key: tuple[str, str], messages: list[ModelMessage]) -> None:
         _DECODED.popitem(last=False)
 
 
-BUSY_STRATEGIES = ('reject', 'enqueue')
+BUSY_STRATEGIES = ('reject', 'enqueue', 'interrupt')
 """What a turn does when another run's turn holds its conversation (`DurableAgent(busy=...)`, `durcap run --busy`):
 `'reject'` refuses it before any side effect (`ConversationBusyError`, DC050, naming the holder); `'enqueue'` waits
-until the holder's turn is stored (or its run released the conversation), then runs on top of it."""
+until the holder's turn is stored (or its run released the conversation), then runs on top of it; `'interrupt'` asks
+the holder's turn to stop at its next safe point (`SQLConversationStore.request_stop`: before its next model request
+it ends with an answer saying it was interrupted, see `interrupts`; a call of it waiting for approval is denied by the
+interrupting caller, `runner.run`), then waits as `'enqueue'` does. Nothing the holder did is lost: its turn is
+stored, its tools ran once."""
 
 ALIVE_CHECK_SECONDS = 5.0
 """How often a waiting turn asks the engine whether the run holding its conversation still runs."""
@@ -250,17 +255,40 @@ ENQUEUE_POLL_SECONDS = (0.05, 1.0)
 """How often an enqueued turn looks at the claim again: from the first value, doubling, up to the second."""
 
 
-def check_busy(value: Any, where: str = 'busy') -> str | None:
-    """`value` if it is `None` or one of `BUSY_STRATEGIES`.
+def text_output(agent: Any) -> bool:
+    """Whether `agent`'s output may be plain text (`output_type` is `str` or lists it): the only agents a turn can
+    interrupt, since an interrupted turn ends with a text answer (`interrupts.interrupted_text`)."""
+    return text_output_type(getattr(agent, 'output_type', str))
+
+
+def check_busy(value: Any, where: str = 'busy', agent: Any = None) -> str | None:
+    """`value` if it is `None` or one of `BUSY_STRATEGIES` (and, for `'interrupt'`, `agent` may end with text).
+
+    Args:
+        value: The strategy asked for.
+        where: What named it, for the error (`busy`, `--busy`, a request body's field).
+        agent: The `DurableAgent` it is for, or `None` (then `'interrupt'` is not checked against its output).
 
     Raises:
-        InputError (DC040): any other value, naming `where` and the accepted ones.
+        InputError: DC040, any other value, naming `where` and the accepted ones; DC053, `'interrupt'` for an agent
+            whose output is not plain text.
     """
-    if value is None or value in BUSY_STRATEGIES:
-        return value
     from ._limits import InputError
 
+    if value == 'interrupt' and agent is not None and not text_output(agent):
+        raise InputError(where, interrupt_refusal(agent), code='DC053')
+    if value is None or value in BUSY_STRATEGIES:
+        return value
     raise InputError(where, f'{value!r} is not a strategy; use one of {", ".join(BUSY_STRATEGIES)}')
+
+
+def interrupt_refusal(agent: Any) -> str:
+    """The DC053 message: `busy='interrupt'` for `agent`, whose output is not plain text."""
+    output = getattr(agent, 'output_type', None)
+    shown = getattr(output, '__name__', None) or repr(output)
+    return (f"'interrupt' cannot be used for agent {getattr(agent, 'name', '?')!r}: its output type is {shown}, and an "
+            "interrupted turn ends with a text answer saying so. Use busy='enqueue' (wait for the turn that holds the "
+            "conversation) or 'reject', or give the agent an output type that allows text (output_type=[YourType, str])")
 
 
 async def claim_turn(agent: DurableAgent[Any, Any], conversation_id: str, run_id: str, busy: str | None, *,
@@ -271,7 +299,8 @@ async def claim_turn(agent: DurableAgent[Any, Any], conversation_id: str, run_id
     Args:
         agent / store: Where the conversation is stored (`store_url`).
         run_id: The durable run (workflow id, flow run id); a retried unit of the same run claims again harmlessly.
-        busy: `'reject'` (default) or `'enqueue'` (`BUSY_STRATEGIES`).
+        busy: `'reject'` (default), `'enqueue'` or `'interrupt'` (`BUSY_STRATEGIES`): an interrupting turn asks the
+            holder to stop (`SQLConversationStore.request_stop`, durable), then waits as `'enqueue'` does.
         beat: Called while an enqueued turn waits (Temporal's activity heartbeat), or `None`.
         alive: `async alive(holder run id) -> bool`: whether the run holding the claim still runs (the engine asks
             its server); a claim of a run that ended without releasing it (failed, cancelled, terminated, deleted)
@@ -284,6 +313,7 @@ async def claim_turn(agent: DurableAgent[Any, Any], conversation_id: str, run_id
     delay, cap = ENQUEUE_POLL_SECONDS
     waited_since: float | None = None
     asked: dict[str, float] = {}
+    stopped: set[str] = set()
     while True:
         holder = await opened.claim_turn(conversation_id, run_id)
         if holder is None:
@@ -300,6 +330,12 @@ async def claim_turn(agent: DurableAgent[Any, Any], conversation_id: str, run_id
                 continue
         if (busy or 'reject') == 'reject':
             raise ConversationBusyError(conversation_id, run_id=run_id, holder=holder[0], claimed_at=holder[1])
+        if busy == 'interrupt' and holder[0] not in stopped:
+            stopped.add(holder[0])
+            asked_by = await opened.request_stop(conversation_id, holder[0], run_id)
+            if asked_by is not None:
+                logger.info('run %s asked run %s, whose turn holds conversation %r, to stop at its next safe point',
+                            run_id, holder[0], conversation_id)
         if waited_since is None:
             waited_since = time.monotonic()
             logger.info('run %s waits for run %s, whose turn holds conversation %r', run_id, holder[0], conversation_id)

@@ -6,20 +6,25 @@ adapter runs the path its users know (see `engines/<name>.py`) and returns a `re
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import telemetry
 from .agent import DurableAgent
-from .approvals import Decision, PendingCall, default_user, fingerprint
-from .conversations import check_busy
+from .approvals import ApprovalError, Decision, PendingCall, default_user, fingerprint
+from .conversations import check_busy, process_store, store_url
 from .engines import DEFAULT_ENGINE, RunOptions, get
 from .engines._adapter import _stderr
 from .report import RunReport
 from .turn import run_turn
 
 __all__ = ['RunReport', 'approvals', 'decide', 'run', 'run_in_process']
+
+_logger = logging.getLogger('durable_capabilities.runner')
 
 
 async def run_in_process(
@@ -96,8 +101,11 @@ async def run(
         on_start: Called with the run's id the moment the engine has the run (durable engines).
         busy: What the turn does when another run's turn holds `conversation_id` (one turn at a time per
             conversation): `'reject'` (refused before any side effect: `ConversationBusyError`, DC050, naming the run
-            that holds it) or `'enqueue'` (waits until that turn is stored, then runs on top of it); `None`: the
-            agent's `DurableAgent(busy=...)` (default `'reject'`).
+            that holds it), `'enqueue'` (waits until that turn is stored, then runs on top of it) or `'interrupt'`
+            (asks that turn to stop at its next safe point, durably in the store: before its next model request it
+            ends with an answer saying so; on a durable engine, each of its calls waiting for approval is denied here
+            through `decide`, reason `interrupted by a newer turn (run X)`; then waits as `'enqueue'` does); `None`:
+            the agent's `DurableAgent(busy=...)` (default `'reject'`).
         settings: Engine settings (`address`, `task_queue`, `inline_worker`, `namespace`, `db`, ...); an engine
             ignores those it does not use. Not `event_stream_handler`: a run streams through the handler given to the
             engine's durability capability, `DurableAgent(engine_options={engine: {'event_stream_handler': h}})`,
@@ -108,7 +116,7 @@ async def run(
 
     Raises:
         ValueError: unknown engine.
-        InputError: DC040, `busy` is not a strategy.
+        InputError: DC040, `busy` is not a strategy; DC053, `'interrupt'` for an agent whose output is not text.
         ConversationBusyError: DC050 (see `busy`).
         TypeError: `event_stream_handler` passed here (see `settings`).
         DurableConfigError: the definition or the stored history has errors.
@@ -118,19 +126,103 @@ async def run(
         raise TypeError(f"runner.run() takes no event_stream_handler: give it to the engine's durability capability, "
                         f"DurableAgent(..., engine_options={{{engine!r}: {{'event_stream_handler': handler}}}}), where it "
                         'runs inside the model request unit (docs/providers.md, "Streaming")')
-    if check_busy(busy) is not None:
-        settings = {**settings, 'busy': busy}
+    # The agent's own strategy travels with the run when it waits (as `durcap serve` passes it): an engine that picks
+    # the load unit's options from it (Temporal: the heartbeating 48-hour load) must see it.
+    if check_busy(busy, agent=agent) is not None or agent.busy != 'reject':
+        settings = {**settings, 'busy': busy or agent.busy}
     adapter = get(engine)
     if agent.budget is not None and run_id is None and not adapter.durable:  # the run's key needs its id
         run_id = f'local-{uuid.uuid4().hex}'
     options = RunOptions(deps, message_history, conversation_id, run_id, settings, notify, on_start)
-    if telemetry.enabled():
+    if (busy or agent.busy) == 'interrupt' and conversation_id is not None and adapter.durable:
+        report = await _interrupting(agent, prompt, engine, options, conversation_id)
+    elif telemetry.enabled():
         report = await _traced_run(agent, prompt, engine, options)
     else:
         report = await adapter.run(agent, prompt, options)
     if agent.budget is not None:
         report.budget = await _spend(agent, report.run_id or run_id or '', conversation_id, deps, settings.get('store'))
     return report
+
+
+INTERRUPT_POLL_SECONDS = (0.1, 1.0)
+"""How often an interrupting caller looks at the conversation's claim: from the first value, doubling, up to the
+second (`_deny_interrupted`)."""
+
+
+async def _interrupting(agent: DurableAgent[Any, Any], prompt: str | None, engine: str, options: RunOptions,
+                        conversation_id: str) -> RunReport:
+    """The run of a turn with `busy='interrupt'` on a durable engine, with `_deny_interrupted` beside it until the
+    turn holds its conversation (or the run ends)."""
+    ours: list[str] = []
+    user_on_start = options.on_start
+
+    def on_start(run_id: str) -> None:
+        ours.append(run_id)
+        if user_on_start is not None:
+            user_on_start(run_id)
+
+    options.on_start = on_start
+    watcher = asyncio.create_task(_deny_interrupted(agent, engine, conversation_id, options, ours))
+    try:
+        if telemetry.enabled():
+            return await _traced_run(agent, prompt, engine, options)
+        return await get(engine).run(agent, prompt, options)
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+
+async def _deny_interrupted(agent: DurableAgent[Any, Any], engine: str, conversation_id: str, options: RunOptions,
+                            ours: list[str]) -> None:
+    """The interrupted turn's first safe point: while the run holding `conversation_id` was asked to stop by our run
+    (`ours[0]`, once the engine has it) and waits for approvals, deny each of its pending calls through the engine's
+    own decision path (`decide`), reason `interrupted by a newer turn (run X)`: the run goes on with the denial as the
+    call's result, and its next model request ends the turn (`interrupts`). Ends when our run holds the conversation.
+
+    Errors reading the store or the engine are logged and tried again at the next look; a call already decided is
+    left as it is."""
+    settings = options.settings
+    store = process_store(store_url(agent, settings.get('store')))
+    denied: set[tuple[str, str]] = set()
+    delay, cap = INTERRUPT_POLL_SECONDS
+    while True:
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, cap)
+        if not ours:
+            continue
+        try:
+            claim = await store.turn_stop(conversation_id)
+        except Exception as error:  # noqa: BLE001 - looked at again next time
+            _logger.debug('interrupt: reading the claim of %r failed: %s', conversation_id, error)
+            continue
+        if claim is not None and claim[0] == ours[0]:
+            return  # our turn holds the conversation: the interrupted turn is stored
+        if claim is None or claim[1] != ours[0]:
+            continue
+        holder = claim[0]
+        try:
+            calls = await get(engine).pending_approvals(settings, holder)
+        except Exception as error:  # noqa: BLE001 - a holder on another engine, or the engine is away: next time
+            _logger.debug('interrupt: listing the pending calls of %s failed: %s', holder, error)
+            continue
+        for call in calls:
+            if (holder, call.call_id) in denied or call.decided:
+                continue
+            reason = f'interrupted by a newer turn (run {ours[0]})'
+            try:
+                await decide(holder, call.call_id, approve=False, reason=reason, by='durcap (interrupt)',
+                             fingerprint_=call.fingerprint, engine=engine, **settings)
+            except ApprovalError as error:  # decided meanwhile, or the run stopped waiting
+                _logger.debug('interrupt: denying %s of %s: %s', call.call_id, holder, error)
+            except Exception as error:  # noqa: BLE001 - tried again at the next look
+                _logger.debug('interrupt: denying %s of %s failed: %s', call.call_id, holder, error)
+                continue
+            else:
+                options.notify(f'run {holder}: its call {call.tool_name} ({call.call_id}) waiting for approval was '
+                               f'denied: {reason}')
+            denied.add((holder, call.call_id))
 
 
 async def _spend(agent: DurableAgent[Any, Any], run_id: str, conversation_id: str | None, deps: Any,

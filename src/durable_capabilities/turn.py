@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,7 @@ from pydantic import TypeAdapter
 from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
 from pydantic_core import to_json, to_jsonable_python
 
-from . import telemetry
+from . import interrupts, telemetry
 from ._turn_log import TurnLog, recording
 from .aliases import rewrite_history
 from .conversations import (  # noqa: F401 - _DECODED and DECODED_CACHE_SIZE re-exported (tests, bench)
@@ -34,6 +35,7 @@ from .conversations import (  # noqa: F401 - _DECODED and DECODED_CACHE_SIZE re-
     decode_history,
     load_conversation,
     release_turn,
+    store_url,
 )
 
 if TYPE_CHECKING:
@@ -211,13 +213,16 @@ async def run_turn(
                                                         conversation_id, deps)
     messages = _as_messages(message_history)
     cache_key = (agent.durable_name, conversation_id) if conversation_id is not None else None
+    holder: str | None = None
     if conversation_id is not None and load is None:
         holder = f'local:{uuid.uuid4()}'
         load, append, release = _local_load(agent, store, holder), _local_append(agent, store, holder), _local_release(
             agent, store, holder)
     elif conversation_id is not None and append is None:
         append = _local_append(agent, store, f'local:{uuid.uuid4()}')
-    with telemetry.turn_span(agent.name, conversation_id):
+    # The in-process units' claim: its model requests check whether a newer turn asked it to stop (`interrupts`).
+    with telemetry.turn_span(agent.name, conversation_id), \
+            interrupts.watching(holder, store_url(agent, store)) if holder is not None else nullcontext():
         return await _turn(agent, run, prompt, deps, messages, conversation_id, cache_key, load, append, gate, carried,
                            busy, release, run_kwargs)
 

@@ -279,6 +279,12 @@ CODES: dict[str, Code] = {
         'error',
         written_by='approvals',
     ),
+    'DC053': Code(
+        "`busy='interrupt'` was chosen for an agent whose output is not plain text (an interrupted turn ends with a "
+        'text answer).',
+        'error',
+        written_by='conversations',
+    ),
     'DC060': Code(
         "A model request was refused before it was sent: its budget's key already spent a limit.",
         'error',

@@ -253,7 +253,7 @@ def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_a
     turn('busy conversation (the agent rejects)', {'agent': 'gated', 'prompt': 'revoke bob'}, (409, 'DC050'))
     turn('busy conversation (reject asked)', {'agent': 'gated', 'prompt': 'revoke bob', 'busy': 'reject'}, (409, 'DC050'),
          **{'Idempotency-Key': 'k-busy'})
-    turn('busy strategy unknown', {'agent': 'gated', 'prompt': 'revoke bob', 'busy': 'interrupt'}, bad)
+    turn('busy strategy unknown', {'agent': 'gated', 'prompt': 'revoke bob', 'busy': 'later'}, bad)
     for name, path in [('events', '/v1/runs/nope/events'), ('status', '/v1/runs/nope'), ('approvals', '/v1/runs/nope/approvals')]:
         cases.append((f'unknown run: {name}', 'GET', path, ALICE, None, *missing))
     cases.append(('unknown run: decide', 'POST', '/v1/runs/nope/approvals/x', ALICE, json.dumps(good), *missing))
@@ -542,6 +542,33 @@ def test_dbos_second_turn_on_a_busy_conversation_rejected_or_enqueued_per_reques
     assert [a['args'] for a in stored['approvals']] == [{'user': 'dora'}]
     revoked = (dbos_stack.crash_dir / 'revocations').read_text().splitlines()
     assert revoked.count('dora') == 1 and 'erin' not in revoked
+
+
+def test_dbos_second_turn_interrupts_the_first_through_the_api(dbos_stack: Stack) -> None:
+    """`"busy": "interrupt"` through `durcap serve --engine dbos`: the first turn waits for approval; the second is
+    accepted (202) and the serve process denies the first's pending call (reason naming the second run); the first
+    turn's next model request is not sent, it ends with the interrupted answer and is stored with its audit, then the
+    second runs on top of it. The gated tool never ran. The `gated` agent (scripted `FunctionModel`: it answers from
+    the last tool result in the history, so the second turn answers with the first's denial)."""
+    url, conversation = dbos_stack.url, 'interrupt-1'
+    first = _post(url, conversation, {'agent': 'gated', 'prompt': 'revoke gina'}, key='interrupt-1-a').json()
+    _wait_pending(url, first['run_id'])
+    second = _post(url, conversation, {'agent': 'gated', 'prompt': 'revoke hank', 'busy': 'interrupt'},
+                   key='interrupt-1-b')
+    assert second.status_code == 202, second.text
+    second_id = second.json()['run_id']
+    events = read_sse(f'{url}/v1/runs/{first["run_id"]}/events', ALICE)
+    assert events[-1].kind == 'run_completed', events[-1]
+    output = events[-1].data['data']['output']
+    assert output.startswith(f'Interrupted: a newer turn (run {second_id}) took over this conversation'), output
+    last = read_sse(f'{url}/v1/runs/{second_id}/events', ALICE)
+    assert last[-1].kind == 'run_completed' and 'interrupted by a newer turn' in last[-1].data['data']['output'], last[-1]
+    stored = httpx.get(f'{url}/v1/conversations/{conversation}', headers=ALICE, timeout=30).json()
+    assert [w['append_id'] for w in stored['writes']] == [f'dbos:{first["run_id"]}', f'dbos:{second_id}']
+    assert [(a['args'], a['decision'], a['by'], a['reason']) for a in stored['approvals']] == [
+        ({'user': 'gina'}, 'denied', 'durcap (interrupt)', f'interrupted by a newer turn (run {second_id})')]
+    revocations = dbos_stack.crash_dir / 'revocations'
+    assert 'gina' not in (revocations.read_text().splitlines() if revocations.exists() else [])
 
 
 def test_dbos_workflow_ignores_a_stale_decision_sent_straight_to_it(dbos_stack: Stack) -> None:

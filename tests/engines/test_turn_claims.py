@@ -234,6 +234,49 @@ def test_enqueue_runs_the_second_turn_after_the_first_is_stored(world: World) ->
         assert [(r['decision'], r['by']) for r in audit] == [('approved', 'ops')]
 
 
+def test_interrupt_stops_the_first_turn_at_its_safe_point_and_runs_the_second_after_it(world: World) -> None:
+    """`--busy interrupt`: the second turn asks the first to stop and waits (no model request of its own). On a durable
+    engine the first waits for an approval: the second's `durcap run` denies that call through the engine's decision
+    path (reason naming the second run), so the gated tool never runs; on local the first is inside its held tool,
+    which returns and its result is kept. Either way the first turn's next model request is not sent: it ends with the
+    interrupted answer naming the second run and is stored (with its audit), then the second runs on top of it; every
+    side effect once, both claims released."""
+    conversation = f'race-2-{uuid.uuid4().hex[:6]}'
+    first, first_id = world.hold_first(conversation)
+    second = world.start('charge bob', conversation, '--busy', 'interrupt')
+    if world.engine == 'local':
+        deadline = time.monotonic() + 60
+
+        async def stop() -> Any:
+            async with SQLConversationStore(world.store) as store:
+                return await store.turn_stop(conversation)
+
+        while (claim := asyncio.run(stop())) is None or claim[1] is None:  # the second turn asked the first to stop
+            assert second.popen.poll() is None and time.monotonic() < deadline, second.text()
+            time.sleep(0.05)
+        second_id = claim[1]
+        world.release_first(first_id)  # the held tool returns
+    else:
+        second_id = second.run_id()
+    code, said = first.finish()
+    assert code == 0, said
+    assert f'Interrupted: a newer turn (run {second_id}) took over this conversation' in said, said
+    code, said = second.finish()
+    assert code == 0 and 'result: charged bob' in said, said
+    prompts, audit, revision = stored(world.store, conversation)
+    assert prompts == [('charge alice' if world.engine == 'local' else 'revoke alice'), 'charge bob'] and revision == 2
+    effects = world.side_effects()
+    assert effects.count('request:alice') == 1, effects  # its second model request was never sent
+    assert effects.count('tool:bob') == 1 and effects.index('request:bob') > effects.index('request:alice'), effects
+    if world.engine == 'local':
+        assert effects.count('tool:alice') == 1, effects  # the held tool ran once; its result is stored
+    else:
+        assert 'tool:alice' not in effects, effects  # denied: the gated tool never ran
+        assert [(r['decision'], r['by'], r['reason']) for r in audit] == [
+            ('denied', 'durcap (interrupt)', f'interrupted by a newer turn (run {second_id})')]
+        assert f'was denied: interrupted by a newer turn (run {second_id})' in said, said
+
+
 def test_a_turn_stored_meanwhile_by_another_writer_is_kept_and_the_waiting_turn_goes_after_it(world: World) -> None:
     """The original race, with a writer that takes no claim (a direct store append while the first turn waits): the
     approved tool runs once and the first turn is stored after the other write (rebased), its audit with it;
@@ -298,5 +341,11 @@ def test_claims_and_rebased_appends_on_postgresql(store: SQLConversationStore) -
                                     rebase=True, release_claim=winner)
         assert result.rebased and result.revision == 2
         assert await store.turn_claim('pg-c') is None
+        # A stop request (`busy='interrupt'`): on the holder's claim row, read by its run id, gone with the claim.
+        assert await store.claim_turn('pg-c', 'run-0') is None
+        assert await store.request_stop('pg-c', 'run-0', 'run-1') == 'run-1'
+        assert await store.request_stop('pg-c', 'run-0', 'run-2') == 'run-1'
+        assert await store.stop_requested('run-0') == 'run-1' and await store.turn_stop('pg-c') == ('run-0', 'run-1')
+        assert await store.release_turn('pg-c', 'run-0') and await store.stop_requested('run-0') is None
 
     asyncio.run(scenario())

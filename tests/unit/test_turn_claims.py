@@ -12,7 +12,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, UserPromptPart
+from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, TextPart, UserPromptPart
 from pydantic_ai.models.test import TestModel
 
 from durable_capabilities import DurableAgent, runner
@@ -149,11 +149,165 @@ def test_a_failed_turn_releases_its_claim(tmp_path: Path) -> None:
 
 
 def test_bad_strategies_are_refused() -> None:
-    with pytest.raises(ValueError, match="busy must be 'reject' or 'enqueue'"):
+    with pytest.raises(ValueError, match="busy must be 'reject', 'enqueue' or 'interrupt'"):
         DurableAgent('claims-bad', TestModel(), busy='later')  # type: ignore[arg-type]
     result = durcap_here('run', 'tests.fixtures.good_agent:second', 'hi', '--busy', 'later')
     assert result.exit_code == 2, result.stdout + result.stderr
-    assert "DC040 --busy: 'later' is not a strategy; use one of reject, enqueue" in result.stderr
+    assert "DC040 --busy: 'later' is not a strategy; use one of reject, enqueue, interrupt" in result.stderr
+
+
+def test_a_stop_request_lives_on_the_holders_claim(store: SQLConversationStore) -> None:
+    """`request_stop` marks the holder's claim once (the first asker is kept), only while that run holds it; the
+    holder reads it by its run id; the claim's release (its append) takes the request with it."""
+    assert run(store.request_stop('c', 'run-a', 'run-b')) is None  # nobody holds 'c': nothing to stop
+    assert run(store.claim_turn('c', 'run-a')) is None
+    assert run(store.stop_requested('run-a')) is None and run(store.turn_stop('c')) == ('run-a', None)
+    assert run(store.request_stop('c', 'run-x', 'run-b')) is None  # run-x does not hold it: nothing changed
+    assert run(store.request_stop('c', 'run-a', 'run-b')) == 'run-b'
+    assert run(store.request_stop('c', 'run-a', 'run-c')) == 'run-b'  # idempotent: the first asker is kept
+    assert run(store.stop_requested('run-a')) == 'run-b' and run(store.turn_stop('c')) == ('run-a', 'run-b')
+    assert run(store.stop_requested('run-b')) is None
+    run(store.append('c', _turn('one'), expected_revision=None, append_id='a-1', release_claim='run-a'))
+    assert run(store.turn_stop('c')) is None and run(store.stop_requested('run-a')) is None
+    assert run(store.claim_turn('c', 'run-b')) is None and run(store.stop_requested('run-b')) is None
+
+
+def test_a_local_turn_is_interrupted_before_its_next_model_request_and_both_turns_are_stored(tmp_path: Path) -> None:
+    """`busy='interrupt'` on the local engine: the first turn runs a tool held by the test; the second turn asks it to
+    stop (the log line says so) and waits; the tool returns, the first turn's next model request is not sent and it
+    ends with the interrupted answer naming the second run; its tool result is stored, then the second turn runs on
+    top of it. Model: a scripted `FunctionModel`."""
+    import logging
+
+    from pydantic_ai.messages import ToolCallPart, ToolReturnPart
+    from pydantic_ai.models.function import FunctionModel
+
+    from durable_capabilities.interrupts import INTERRUPTED_PREFIX
+
+    url = f'sqlite:///{tmp_path / "c.db"}'
+    asked: list[str] = []
+    ran: list[str] = []
+    started, go = asyncio.Event(), asyncio.Event()
+
+    def script(messages, info):
+        prompt = next(p.content for m in reversed(messages) if isinstance(m, ModelRequest) for p in m.parts
+                      if isinstance(p, UserPromptPart))
+        asked.append(str(prompt))
+        if isinstance(messages[-1], ModelRequest) and any(isinstance(p, ToolReturnPart) for p in messages[-1].parts):
+            return ModelResponse(parts=[TextPart('done')])
+        return ModelResponse(parts=[ToolCallPart('charge', {'user': str(prompt)})])
+
+    async def charge(user: str) -> str:
+        ran.append(user)
+        if user == 'alice':
+            started.set()
+            await go.wait()
+        return f'charged {user}'
+
+    agent = DurableAgent('claims-interrupt', FunctionModel(script), tools=[charge])
+
+    class Asked(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.event = asyncio.Event()
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if 'to stop at its next safe point' in record.getMessage():
+                self.event.set()
+
+    async def scenario() -> None:
+        logger = logging.getLogger('durable_capabilities.conversations')
+        handler, old_level = Asked(), logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            first = asyncio.create_task(runner.run(agent, 'alice', conversation_id='t', store=url))
+            await asyncio.wait_for(started.wait(), 30)
+            second = asyncio.create_task(runner.run(agent, 'bob', conversation_id='t', store=url, busy='interrupt'))
+            await asyncio.wait_for(handler.event.wait(), 30)
+            async with SQLConversationStore(url) as store:
+                holder, by = await store.turn_stop('t')  # type: ignore[misc]
+            assert holder.startswith('local:') and by is not None and by.startswith('local:')
+            go.set()
+            interrupted = await asyncio.wait_for(first, 30)
+            assert interrupted.output.startswith(INTERRUPTED_PREFIX) and f'(run {by})' in interrupted.output
+            assert (await asyncio.wait_for(second, 30)).output == 'done'
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(old_level)
+        assert ran == ['alice', 'bob'] and asked == ['alice', 'bob', 'bob']  # alice's second request never sent
+        async with SQLConversationStore(url) as store:
+            assert await store.turn_claim('t') is None
+            messages = (await store.read('t')).messages
+        prompts = [p.content for m in messages if isinstance(m, ModelRequest) for p in m.parts if isinstance(p, UserPromptPart)]
+        returns = [p.content for m in messages if isinstance(m, ModelRequest) for p in m.parts if isinstance(p, ToolReturnPart)]
+        assert prompts == ['alice', 'bob'] and returns == ['charged alice', 'charged bob']
+
+    run(scenario())
+
+
+def test_interrupt_is_refused_for_an_agent_whose_output_is_not_text(tmp_path: Path) -> None:
+    """DC053 where `'interrupt'` is chosen for an agent with a structured output: `DurableAgent(busy=...)` and
+    `runner.run(busy=...)` (before anything runs); an output type that allows text is accepted."""
+    from pydantic import BaseModel
+
+    from durable_capabilities import InputError
+
+    class Verdict(BaseModel):
+        ok: bool
+
+    with pytest.raises(InputError) as refused:
+        DurableAgent('claims-typed', TestModel(), output_type=Verdict, busy='interrupt')
+    assert refused.value.code == 'DC053' and 'Verdict' in str(refused.value) and "busy='enqueue'" in str(refused.value)
+    typed = DurableAgent('claims-typed-2', TestModel(), output_type=Verdict)
+    url = f'sqlite:///{tmp_path / "c.db"}'
+    with pytest.raises(InputError) as refused:
+        run(runner.run(typed, 'hi', conversation_id='t', store=url, busy='interrupt'))
+    assert refused.value.code == 'DC053' and str(refused.value).startswith('DC053 busy: ')
+    assert not (tmp_path / 'c.db').exists()  # refused before the store was opened
+    assert DurableAgent('claims-either', TestModel(), output_type=[Verdict, str], busy='interrupt').busy == 'interrupt'
+
+
+def test_the_model_wrapper_answers_a_stopped_turn_also_when_streamed(store: SQLConversationStore, store_url: str) -> None:
+    """`InterruptModel` inside `watching`: the request of a turn asked to stop is not sent (plain and streamed), the
+    answer is the interrupted text; another run's requests, and requests outside `watching`, go to the model.
+    Model: a scripted `FunctionModel`."""
+    from pydantic_ai.models import ModelRequestParameters
+    from pydantic_ai.models.function import FunctionModel
+
+    from durable_capabilities.interrupts import InterruptModel, interrupted_text, watching
+
+    sent: list[str] = []
+
+    def answer(messages, info):
+        sent.append('plain')
+        return ModelResponse(parts=[TextPart('sent')])
+
+    async def stream(messages, info):
+        sent.append('stream')
+        yield 'sent'
+
+    model = InterruptModel(FunctionModel(answer, stream_function=stream))
+    messages: list[ModelMessage] = [ModelRequest(parts=[UserPromptPart('hi')])]
+    params = ModelRequestParameters()
+
+    async def scenario() -> None:
+        await store.claim_turn('c', 'run-a')
+        await store.request_stop('c', 'run-a', 'run-b')
+        with watching('run-a', store_url):
+            plain = await model.request(messages, None, params)
+            async with model.request_stream(messages, None, params) as streamed:
+                async for _ in streamed:
+                    pass
+            assert [p.content for p in plain.parts] == [interrupted_text('run-b')]  # type: ignore[attr-defined]
+            assert [p.content for p in streamed.get().parts] == [interrupted_text('run-b')]  # type: ignore[attr-defined]
+        assert sent == []
+        with watching('run-other', store_url):
+            assert (await model.request(messages, None, params)).parts[0].content == 'sent'  # type: ignore[attr-defined]
+        assert (await model.request(messages, None, params)).parts[0].content == 'sent'  # type: ignore[attr-defined]
+        assert sent == ['plain', 'plain']
+
+    run(scenario())
 
 
 def _call(schema: dict | None) -> PendingCall:
@@ -203,3 +357,33 @@ def test_temporal_histories_recorded_before_turn_claims_replay() -> None:
     from tests.engines.race_agent import racer
 
     assert assert_histories_replay(ROOT / 'tests/histories/turns', [racer]) == 2
+
+
+def test_the_api_refuses_interrupt_for_an_agent_whose_output_is_not_text(tmp_path: Path) -> None:
+    """`POST /v1/conversations/{id}/turns` with `"busy": "interrupt"`: 400 DC053 naming the field for an agent with a
+    structured output, nothing started or stored; an unknown strategy is 400 DC042 (the body's shape)."""
+    from pydantic import BaseModel
+    from starlette.testclient import TestClient
+
+    from durable_capabilities.serve import bearer_auth, create_app
+
+    class Verdict(BaseModel):
+        ok: bool
+
+    typed = DurableAgent('claims-api-typed', TestModel(), output_type=Verdict)
+    url = f'sqlite:///{tmp_path / "serve.db"}'
+    app = create_app(typed, settings={'store': url}, auth=bearer_auth('s3cret'))
+    headers = {'Authorization': 'Bearer s3cret'}
+    with TestClient(app) as client:
+        refused = client.post('/v1/conversations/t/turns', json={'prompt': 'hi', 'busy': 'interrupt'}, headers=headers)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()['error']
+        assert error['code'] == 'DC053' and error['field'] == 'busy' and 'Verdict' in error['message'], error
+        unknown = client.post('/v1/conversations/t/turns', json={'prompt': 'hi', 'busy': 'later'}, headers=headers)
+        assert unknown.status_code == 400 and unknown.json()['error']['code'] == 'DC042', unknown.text
+
+    async def nothing_stored() -> None:
+        async with SQLConversationStore(url) as store:
+            assert await store.read_record('t') is None and await store.turn_claim('t') is None
+
+    run(nothing_stored())

@@ -344,10 +344,11 @@ def run(
     stream: Annotated[bool, typer.Option('--stream/--no-stream', help="Print the answer as the run streams it, from "
                                          "the run's event stream (docs/watching.md), before the summary; default: "
                                          'wait for the end.')] = False,
-    busy: Annotated[str | None, typer.Option('--busy', metavar='reject|enqueue', help="When another run's turn holds "
-                                             'the conversation: reject (refused before anything runs, DC050) or '
-                                             "enqueue (wait until that turn is stored). Default: the agent's busy "
-                                             '(reject).')] = None,
+    busy: Annotated[str | None, typer.Option('--busy', metavar='reject|enqueue|interrupt', help="When another run's "
+                                             'turn holds the conversation: reject (refused before anything runs, '
+                                             'DC050), enqueue (wait until that turn is stored) or interrupt (ask that '
+                                             'turn to stop at its next safe point, deny its calls waiting for approval, '
+                                             "then wait for it). Default: the agent's busy (reject).")] = None,
     conn: dict[str, Any] | None = None,
 ) -> None:
     """Run TARGET once on ENGINE and print the answer, loaded capabilities and durable units."""
@@ -362,7 +363,7 @@ def run(
     store = database_url(store, '--store')
     settings = run_settings(conn or {}, engine)  # each flag checked (exit 2), the run's engine database probed
     try:
-        if check_busy(busy, '--busy') is not None:
+        if check_busy(busy, '--busy', agent) is not None:
             settings['busy'] = busy
     except InputError as exc:
         _unusable(str(exc))

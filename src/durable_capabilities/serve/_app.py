@@ -23,6 +23,7 @@ from starlette.routing import Route
 from .._limits import MAX_DEPTH, InputError, load_json, one_line, printable
 from ..agent import DurableAgent
 from ..approvals import AlreadyDecidedError, ApprovalArgsError, ApprovalError, DecisionNotDeliveredError
+from ..conversations import check_busy
 from ..store import ConversationBusyError, ConversationNotFoundError, StoreError
 from ..streams import STREAM_ENGINES, StreamNotFoundError, watch
 from ._errors import (
@@ -109,13 +110,14 @@ class _Body(pydantic.BaseModel):
 
 class TurnRequest(_Body):
     """`POST /v1/conversations/{id}/turns`: `{"agent", "prompt", "deps"?, "busy"?}` (`agent` may be left out when the
-    app serves one agent; `busy`: `"reject"` or `"enqueue"` when another run's turn holds the conversation, default
-    the agent's `DurableAgent(busy=...)`)."""
+    app serves one agent; `busy`: `"reject"`, `"enqueue"` or `"interrupt"` when another run's turn holds the
+    conversation, default the agent's `DurableAgent(busy=...)`; `"interrupt"` for an agent whose output is not text:
+    400 DC053)."""
 
     agent: str | None = None
     prompt: str = pydantic.Field(min_length=1)
     deps: Any = None
-    busy: str | None = pydantic.Field(default=None, pattern='^(reject|enqueue)$')
+    busy: str | None = pydantic.Field(default=None, pattern='^(reject|enqueue|interrupt)$')
 
 
 class DecisionRequest(_Body):
@@ -313,6 +315,10 @@ class ServeApp:
         except pydantic.ValidationError as exc:
             raise _shape_error(exc, 'turn') from None
         agent = self.agent(body.agent)
+        try:
+            check_busy(body.busy, 'busy', agent)  # DC053: 'interrupt' for an agent whose output is not text
+        except InputError as exc:
+            raise _Refused(_coded(400, exc.code, str(exc), field='busy')) from None
         deps = await self.deps(agent, body.deps, principal, request)
         row, created = await self.start_turn(principal, conversation_id, agent, body.prompt, deps, key,
                                              [conversation_id, agent.name, body.prompt, body.deps], body.busy)

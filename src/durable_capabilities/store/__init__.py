@@ -23,7 +23,8 @@ Storage (schema version 7, tables prefixed `durcap_`):
 - `durcap_payload_refs` (version 3): which durable run (a Temporal workflow id) refers to which claim check, so
   `purge` deletes a conversation's own claim checks, `stats` counts them and `collect` deletes those of runs gone.
 - `durcap_turn_claims` (version 4): which run's turn holds a conversation (`claim_turn`), so two turns never run on
-  one conversation at once; released when that turn's append lands, or by `release_turn`.
+  one conversation at once; released when that turn's append lands, or by `release_turn`. Version 9 adds who asked
+  the holder to stop (`request_stop`, `stop_requested`: a newer turn with `busy='interrupt'`).
 - `durcap_budget_ledger`, `durcap_budget_reservations` (version 6): what each budget key spent and each model
   request of it reserved and settled (`budget_reserve`, `budget_settle`; `durable_capabilities.budget`).
 - `durcap_serve_owners`, `durcap_serve_runs`, `durcap_serve_requests` (version 7): `durcap serve`'s shared state (the
@@ -110,7 +111,7 @@ def resolve_url(explicit: str | None = None) -> str:
     values count as not given. The URL is not validated here (`SQLConversationStore` raises `StoreURLError`)."""
     return explicit or os.environ.get(STORE_ENV) or DEFAULT_URL
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 9
 """The newest schema this code writes and reads."""
 
 logger = logging.getLogger('durable_capabilities.store')
@@ -751,6 +752,24 @@ class SQLConversationStore(ConversationStore):
     async def turn_claim(self, conversation_id: str) -> tuple[str, str] | None:
         """The `(run_id, claimed_at)` holding `conversation_id`'s turn claim, or `None`."""
         return await asyncio.to_thread(self._sql.turn_claim, conversation_id)
+
+    async def request_stop(self, conversation_id: str, holder: str, by: str) -> str | None:
+        """Ask run `holder`, whose turn holds `conversation_id`, to stop at its next safe point, on behalf of run `by`
+        (a newer turn with `busy='interrupt'`). Idempotent: the first request is kept.
+
+        Returns:
+            The run the stop was asked by (`by`, or an earlier asker), or `None` when `holder` no longer holds the
+            conversation (its turn was stored, or its claim released): nothing changed.
+        """
+        return await asyncio.to_thread(self._sql.request_stop, conversation_id, holder, by)
+
+    async def stop_requested(self, run_id: str) -> str | None:
+        """The run that asked run `run_id` to stop (`request_stop`) while `run_id` holds a turn claim, else `None`."""
+        return await asyncio.to_thread(self._sql.stop_requested, run_id)
+
+    async def turn_stop(self, conversation_id: str) -> tuple[str, str | None] | None:
+        """`(holder run id, run that asked it to stop or None)` of `conversation_id`'s turn claim, or `None`."""
+        return await asyncio.to_thread(self._sql.turn_stop, conversation_id)
 
     # ---- budgets (schema version 6, `durable_capabilities.budget`) ------------------------------
 

@@ -197,6 +197,14 @@ _MIGRATIONS: dict[int, list[str]] = {
             PRIMARY KEY (principal, idempotency_key)
         )""",
     ],
+    9: [
+        # A turn asked to stop (`busy='interrupt'`, `durable_capabilities.interrupts`): the run whose newer turn asked
+        # the holder of the claim to stop at its next safe point, and when. Deleted with the claim; read by run id
+        # inside the holder's model request unit. (9, not 8: the number another change may take is left free.)
+        'ALTER TABLE durcap_turn_claims ADD COLUMN stop_by TEXT',
+        'ALTER TABLE durcap_turn_claims ADD COLUMN stop_at TEXT',
+        'CREATE INDEX durcap_turn_claims_run ON durcap_turn_claims (run_id)',
+    ],
 }
 """`{version: DDL statements}`: applying version N's statements to a version N-1 database gives version N.
 

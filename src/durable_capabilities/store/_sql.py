@@ -1133,6 +1133,27 @@ class _SQLBackend:
                                {'cid': conversation_id}).first()
         return None if row is None else (str(row.run_id), str(row.claimed_at))
 
+    def request_stop(self, conversation_id: str, holder: str, by: str) -> str | None:
+        with self._txn(write=True) as conn:
+            conn.execute(sa.text('UPDATE durcap_turn_claims SET stop_by = :by, stop_at = :at WHERE conversation_id = :cid '
+                                 'AND run_id = :run AND stop_by IS NULL'),
+                         {'by': by, 'at': _utcnow(), 'cid': conversation_id, 'run': holder})
+            row = conn.execute(sa.text('SELECT stop_by FROM durcap_turn_claims WHERE conversation_id = :cid AND '
+                                       'run_id = :run'), {'cid': conversation_id, 'run': holder}).first()
+        return None if row is None else str(row.stop_by)
+
+    def stop_requested(self, run_id: str) -> str | None:
+        with self._txn(write=False) as conn:
+            row = conn.execute(sa.text('SELECT stop_by FROM durcap_turn_claims WHERE run_id = :run AND stop_by IS NOT '
+                                       'NULL LIMIT 1'), {'run': run_id}).first()
+        return None if row is None else str(row.stop_by)
+
+    def turn_stop(self, conversation_id: str) -> tuple[str, str | None] | None:
+        with self._txn(write=False) as conn:
+            row = conn.execute(sa.text('SELECT run_id, stop_by FROM durcap_turn_claims WHERE conversation_id = :cid'),
+                               {'cid': conversation_id}).first()
+        return None if row is None else (str(row.run_id), None if row.stop_by is None else str(row.stop_by))
+
     def write_record(self, record: ConversationRecord, encoded: list[tuple[ConversationEntry, str]], expected: str | None) -> None:
         cid = record.conversation_id
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from dbos import DBOS
 
-from ... import _registry, streams
+from ... import _registry, interrupts, streams
 from ...conversations import store_url
 from ...turn import Turn, deps_from_json, run_turn
 from ._approvals import DBOSApprovalGate
@@ -61,8 +61,10 @@ class BoundAgent:
         if workflow_id is None:  # not in a workflow: nothing durable to stream
             return await run_turn(self.definition, self.agent.run, prompt, conversation_id=conversation_id, load=load,
                                   append=append, release=release, gate=DBOSApprovalGate(self.definition), **kwargs)
-        with streams.publishing(_stream_id(workflow_id), ENGINE, store_url(self.definition, self.store),
-                                conversation_id=conversation_id):
+        url = store_url(self.definition, self.store)
+        # The model request steps check whether a newer turn asked this workflow's turn to stop (`interrupts`).
+        with streams.publishing(_stream_id(workflow_id), ENGINE, url, conversation_id=conversation_id), \
+                interrupts.watching(workflow_id if conversation_id is not None else None, url):
             return await run_turn(self.definition, self.agent.run, prompt, conversation_id=conversation_id, load=load,
                                   append=append, release=release, gate=DBOSApprovalGate(self.definition), **kwargs)
 

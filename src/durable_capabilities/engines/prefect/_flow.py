@@ -13,7 +13,7 @@ from prefect import flow
 from prefect.context import FlowRunContext
 from prefect.runtime import flow_run
 
-from ... import _registry, streams
+from ... import _registry, interrupts, streams
 from ...conversations import store_url
 from ...turn import deps_from_json, run_turn
 from .._conversation_unit import read_back
@@ -85,9 +85,11 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
         # A deployment's flow run beats while it runs (`_liveness`): one that dies with its serving process is found.
         context = FlowRunContext.get()
         deployed = context is not None and context.flow_run is not None and context.flow_run.deployment_id is not None
+        url = store_url(agent, _RUN_STORE.get())
+        # The model request tasks check whether a newer turn asked this flow run's turn to stop (`interrupts`).
         with beating(str(flow_run.id)) if deployed else nullcontext(), \
-                streams.publishing(str(flow_run.id), ENGINE, store_url(agent, _RUN_STORE.get()),
-                                   conversation_id=conversation_id):
+                streams.publishing(str(flow_run.id), ENGINE, url, conversation_id=conversation_id), \
+                interrupts.watching(str(flow_run.id) if conversation_id is not None else None, url):
             turn = await run_turn(agent, built.run, prompt, deps=deps_from_json(agent, deps),
                                   message_history=message_history, conversation_id=conversation_id, load=load,
                                   append=append, release=release_claim, gate=PrefectApprovalGate(agent), busy=busy)

@@ -135,7 +135,7 @@ def workflow_units(agent: DurableAgent[Any, Any]) -> tuple[Any, Any]:
             return await workflow.execute_activity(
                 load_name, conversation_id, result_type=LoadedConversation, **STORE_ACTIVITY_OPTIONS
             )
-        options = ENQUEUE_LOAD_OPTIONS if (busy or agent.busy) == 'enqueue' else STORE_ACTIVITY_OPTIONS
+        options = ENQUEUE_LOAD_OPTIONS if (busy or agent.busy) in ('enqueue', 'interrupt') else STORE_ACTIVITY_OPTIONS
         return await workflow.execute_activity(
             load_name, args=[conversation_id, busy], result_type=LoadedConversation, **options
         )

@@ -27,7 +27,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
-from ... import streams
+from ... import interrupts, streams
 from ...conversations import store_url
 from ...store import resolve_url
 from ...streams._log import EventLog, Item
@@ -160,7 +160,11 @@ class _Publishing(ActivityInboundInterceptor):
         agent = self.owner.activity_agents.get(info.activity_type)
         if agent is None or not info.workflow_id:
             return await self.next.execute_activity(input)
-        with streams.publishing(info.workflow_id, ENGINE, store_url(agent, self.owner.store), attempt=info.attempt):
+        url = store_url(agent, self.owner.store)
+        # The model request checks whether a newer turn asked the workflow's turn to stop (`interrupts`): a workflow
+        # without a conversation holds no claim, and the check reads nothing for it.
+        with streams.publishing(info.workflow_id, ENGINE, url, attempt=info.attempt), \
+                interrupts.watching(info.workflow_id, url):
             return await self.next.execute_activity(input)
 
 
