@@ -67,17 +67,58 @@ def payload_bytes(db: Path) -> int:
         return int(conn.execute('SELECT COALESCE(SUM(size), 0) FROM durcap_payloads').fetchone()[0])
 
 
+def table_bytes(db: Path) -> dict[str, int]:
+    """`{table or index: bytes of its pages}` of a SQLite file (`dbstat`), with `(free pages)` for the free list."""
+    import sqlite3
+
+    with sqlite3.connect(db) as conn:
+        found = {name: int(size) for name, size in conn.execute('SELECT name, SUM(pgsize) FROM dbstat GROUP BY name')}
+        free = conn.execute('PRAGMA freelist_count').fetchone()[0] * conn.execute('PRAGMA page_size').fetchone()[0]
+    found['(free pages)'] = int(free)
+    return found
+
+
+async def history_bytes(address: str, task_queue: str) -> dict[str, int]:
+    """`{what carried it: payload bytes}` over the histories of the bench's workflows, as Temporal stores them
+    (references, not what they name): by event type, and for activities by the activity's name."""
+    from temporalio.client import Client
+
+    client = await Client.connect(address)
+    totals: dict[str, int] = {}
+    names: dict[int, str] = {}
+    async for described in client.list_workflows(f'TaskQueue = "{task_queue}"'):
+        history = await client.get_workflow_handle(described.id, run_id=described.run_id).fetch_history()
+        for event in history.events:
+            kind = event.WhichOneof('attributes') or '?'
+            attributes = getattr(event, kind)
+            name = kind.removesuffix('_event_attributes')
+            if kind == 'activity_task_scheduled_event_attributes':
+                names[event.event_id] = attributes.activity_type.name.rsplit('__', 1)[-1]
+                name = f'activity input: {names[event.event_id]}'
+            elif kind == 'activity_task_completed_event_attributes':
+                name = f'activity result: {names.get(attributes.scheduled_event_id, "?")}'
+            size = attributes.ByteSize()
+            totals[name] = totals.get(name, 0) + size
+            totals['(events)'] = totals.get('(events)', 0) + event.ByteSize()
+    return totals
+
+
+def print_breakdown(title: str, sizes: dict[str, int], base: int, top: int = 12) -> None:
+    print(f'    {title}: ' + ', '.join(f'{name} {size / base:.2f}x' for name, size in
+                                      sorted(sizes.items(), key=lambda kv: -kv[1])[:top] if size), flush=True)
+
+
 async def conversation_bytes(url: str, cid: str) -> tuple[int, int]:
     stored = await SQLConversationStore(url).read(cid)
     assert stored is not None
     return len(stored.messages), len(ModelMessagesTypeAdapter.dump_json(stored.messages))
 
 
-def measure(layout: str, checkpoints: list[int], folder: Path) -> list[dict[str, Any]]:
+def measure(layout: str, checkpoints: list[int], folder: Path, breakdown: bool = False) -> list[dict[str, Any]]:
     """Run max(checkpoints) turns of one conversation in `layout` on a fresh server and store; a row per checkpoint."""
-    original = _payloads.cut
+    original = _payloads.pieces
     if layout == 'whole':
-        _payloads.cut = lambda data, minimum=0: [(0, len(data))]  # 0.2: the body in one piece, stored whole
+        _payloads.pieces = lambda data, depth=0: [(0, data)]  # 0.2: the body in one piece, stored whole
     folder.mkdir(parents=True)
     db = folder / 'conversations.db'
     url = f'sqlite:///{db}'
@@ -104,9 +145,13 @@ def measure(layout: str, checkpoints: list[int], folder: Path) -> list[dict[str,
                 print(f'  {layout:6} {n:4} turns {count:5} msgs {size / 1e6:7.2f} MB | store {row["store_ratio"]:6.2f}x '
                       f'(pieces {row["pieces_ratio"]:5.2f}x) target <= {TARGET}x | temporal db {row["temporal_ratio"]:6.2f}x '
                       f'| {row["seconds"]:.0f} s', flush=True)
+                if breakdown:
+                    print_breakdown('store tables', table_bytes(db), size)
+                    print_breakdown('temporal tables', table_bytes(folder / 'temporal' / 'temporal.db'), size)
+                    print_breakdown('history payloads', asyncio.run(history_bytes(server.address, settings['task_queue'])), size)
     finally:
         server.stop()
-        _payloads.cut = original
+        _payloads.pieces = original
     return rows
 
 
@@ -115,6 +160,9 @@ def main() -> None:
     parser.add_argument('--turns', type=int, nargs='+', default=[12, 24, 50])
     parser.add_argument('--layout', choices=['whole', 'pieces', 'both'], default='both')
     parser.add_argument('--json', action='store_true')
+    parser.add_argument('--dir', type=Path, help='keep the servers\' and stores\' files in this folder (default: a temporary one)')
+    parser.add_argument('--breakdown', action='store_true',
+                        help='at each checkpoint, bytes per table of both databases and per payload kind in the histories')
     args = parser.parse_args()
     load = os.getloadavg()
     print(f'load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} CPUs', flush=True)
@@ -122,7 +170,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix='bench-storage-') as tmp:
         for layout in layouts:
-            rows += measure(layout, sorted(args.turns), Path(tmp) / layout)
+            rows += measure(layout, sorted(args.turns), (args.dir or Path(tmp)) / layout, args.breakdown)
     load = os.getloadavg()
     print(f'load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}')
     if args.layout == 'both':

@@ -110,7 +110,7 @@ def resolve_url(explicit: str | None = None) -> str:
     values count as not given. The URL is not validated here (`SQLConversationStore` raises `StoreURLError`)."""
     return explicit or os.environ.get(STORE_ENV) or DEFAULT_URL
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """The newest schema this code writes and reads."""
 
 logger = logging.getLogger('durable_capabilities.store')

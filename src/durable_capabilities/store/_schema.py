@@ -197,6 +197,13 @@ _MIGRATIONS: dict[int, list[str]] = {
             PRIMARY KEY (principal, idempotency_key)
         )""",
     ],
+    8: [
+        # Claim checks as trees (`engines.temporal._payloads`, issue 24): what a `durcap_payloads` row is. 0: a piece, a
+        # whole payload, or a page of 0.3's layout (whose owners have a `durcap_payload_refs` row for each of its pieces);
+        # 1: a leaf page (entries of a depth byte and a piece's sha256); 2: a page of page digests. An owner of a tree
+        # has one `durcap_payload_refs` row, for its root: `purge`, `collect` and `stats` read the pages under it.
+        'ALTER TABLE durcap_payloads ADD COLUMN kind SMALLINT NOT NULL DEFAULT 0',
+    ],
 }
 """`{version: DDL statements}`: applying version N's statements to a version N-1 database gives version N.
 

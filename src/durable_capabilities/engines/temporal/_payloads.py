@@ -74,8 +74,8 @@ from ...store import CorruptedRowError, SQLConversationStore, StoreError, resolv
 ENCODING = b'binary/durcap-claim-check'
 """`encoding` metadata of a reference payload."""
 
-DEFAULT_THRESHOLD = 256 * 1024
-"""Payloads above this many bytes (serialized, metadata included) travel by reference: 256 KiB."""
+DEFAULT_THRESHOLD = 16 * 1024
+"""Payloads above this many bytes (serialized, metadata included) travel by reference: 16 KiB."""
 
 DEFAULT_MAXIMUM = 64 * 1024 * 1024
 """A single payload above this many bytes is refused (DC030): 64 MiB."""
@@ -92,11 +92,22 @@ worker connects; give every client and worker of a deployment the same values.""
 PAGE_DIGESTS = 32
 """Piece digests per page (1 KiB a page: the last page of a growing list is written again with every payload)."""
 
-_CUT = re.compile(rb'(?<=[\[,])\{"parts":\[|\}\]')
-"""Where pieces are cut: before a message (pydantic-ai writes `parts` first in both message kinds) that opens an
-element of a list, and after the end of a list of objects (a message's parts, the message list itself). A quote
-inside a JSON string is escaped, so `{"parts":[` never matches inside one (`}]` may; any cut is correct, only
-sharing depends on where they fall)."""
+_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|(?<=[\[,])\{"parts":\[|\}\]', re.DOTALL)
+"""What `pieces` reads: a JSON string (whole, so nothing inside one is taken for structure), a message (pydantic-ai
+writes `parts` first in both message kinds) opening an element of a list, the end of a list of objects. Any cut is
+correct (the pieces are joined back as they were); only what is shared depends on where they fall."""
+
+_UNESCAPE = re.compile(rb'\\([\\"])')
+
+LONG_STRING = 1024
+"""Bytes from which the inside of a JSON string is a piece of its own (a tool result, a long prompt or answer)."""
+
+MAX_DEPTH = 3
+"""How many levels of JSON-in-a-JSON-string `pieces` cuts into."""
+
+KIND_PIECE, KIND_LEAF, KIND_PAGE = 0, 1, 2
+"""`durcap_payloads.kind` (schema 8): a piece (or a whole payload, or a page of 0.3's layout, whose owners refer to
+each of its pieces), a leaf page (entries of a depth byte and a piece's sha256), a page of page digests."""
 
 PAYLOAD_TOO_LARGE = 'DC030'
 CLAIM_CHECK_UNAVAILABLE = 'DC031'
@@ -220,27 +231,31 @@ class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
         or whole), and return the reference's JSON. Runs in a thread."""
         digest = hashlib.sha256(data).hexdigest()
         head = len(data) - body  # metadata and the body's length: differs with every size, so a piece of its own
-        bounds = [(head + start, head + end) for start, end in cut(data[head:])]
+        found = pieces(data[head:])
         if head:
-            bounds.insert(0, (0, head))
-        if len(bounds) <= 2:  # the body in one piece: stored whole, 0.2's layout
+            found.insert(0, (0, data[:head]))
+        if len(found) <= 2:  # the body in one piece: stored whole, 0.2's layout
             self._store._sql.put_payload(digest, data, self.owner)
             return json.dumps({'sha256': digest, 'size': len(data)}).encode()
-        rows: list[tuple[str, bytes]] = []
-        digests = bytearray()
-        for start, end in bounds:
-            piece = data[start:end]
+        rows: dict[str, tuple[bytes, int]] = {}
+        entries: list[bytes] = []
+        for depth, piece in found:
             raw = hashlib.sha256(piece).digest()
-            digests += raw
-            rows.append((raw.hex(), piece))
-        pages: list[str] = []
-        step = 32 * PAGE_DIGESTS
-        for start in range(0, len(digests), step):
-            page = bytes(digests[start:start + step])
-            pages.append(hashlib.sha256(page).hexdigest())
-            rows.append((pages[-1], page))
-        self._store._sql.put_payloads(rows, self.owner)
-        return json.dumps({'sha256': digest, 'size': len(data), 'pages': pages}).encode()
+            entries.append(bytes((depth,)) + raw)
+            rows.setdefault(raw.hex(), (piece, KIND_PIECE))
+        level, height = entries, 0
+        while height == 0 or len(level) > 1:  # pages of pages until one page: the root
+            height += 1
+            above: list[bytes] = []
+            for start in range(0, len(level), PAGE_DIGESTS):
+                page = b''.join(level[start:start + PAGE_DIGESTS])
+                raw = hashlib.sha256(page).digest()
+                rows.setdefault(raw.hex(), (page, KIND_LEAF if height == 1 else KIND_PAGE))
+                above.append(raw)
+            level = above
+        root = level[0].hex()
+        self._store._sql.put_tree(root, [(d, piece, kind) for d, (piece, kind) in rows.items()], self.owner)
+        return json.dumps({'sha256': digest, 'size': len(data), 'root': root, 'height': height}, separators=(',', ':')).encode()
 
     async def decode(self, payloads: Sequence[Payload]) -> list[Payload]:
         """Each payload as it is, or, for a reference, the stored payload it names.
@@ -263,28 +278,45 @@ class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
     def _get(self, reference: dict[str, Any]) -> bytes:
         """The bytes a reference names (whole, or from its pages and pieces), checked. Runs in a thread."""
         digest = reference['sha256']
-        pages = reference.get('pages')
         sql = self._store._sql
-        if pages is None:  # stored whole (0.2, or a single piece)
-            data = sql.get_payload(digest)
-            if data is None:
-                raise self._corrupted(reference, digest, 'is not in')
-        else:
-            found = sql.get_payloads(pages)
-            for page in pages:
-                if page not in found:
-                    raise self._corrupted(reference, page, 'has a page that is not in')
-                if hashlib.sha256(found[page]).hexdigest() != page:
-                    raise self._corrupted(reference, page, 'has a page that does not match its sha256 in')
-            digests = [raw.hex() for page in pages for raw in _split(found[page])]
-            pieces = sql.get_payloads(digests)
-            missing = next((d for d in digests if d not in pieces), None)
+        if 'root' in reference:  # a tree of pages: entries of a depth byte and a piece digest at the leaves
+            level = [reference['root']]
+            for height in range(int(reference['height']), 0, -1):
+                found = self._pages(reference, level)
+                width = 32 if height > 1 else 33
+                level = [raw.hex() if height > 1 else raw for page in level for raw in _split(found[page], width)]
+            entries = [(raw[0], raw[1:].hex()) for raw in level]  # type: ignore[index]
+            stored = sql.get_payloads([d for _, d in entries])
+            missing = next((d for _, d in entries if d not in stored), None)
             if missing is not None:
                 raise self._corrupted(reference, missing, 'has a piece that is not in')
-            data = b''.join(pieces[d] for d in digests)
+            data = b''.join(_escape(stored[d], depth) for depth, d in entries)
+        elif (pages := reference.get('pages')) is not None:  # one level of pages of piece digests (0.3)
+            found = self._pages(reference, pages)
+            digests = [raw.hex() for page in pages for raw in _split(found[page], 32)]
+            stored = sql.get_payloads(digests)
+            missing = next((d for d in digests if d not in stored), None)
+            if missing is not None:
+                raise self._corrupted(reference, missing, 'has a piece that is not in')
+            data = b''.join(stored[d] for d in digests)
+        else:  # stored whole (0.2, or a single piece)
+            whole = sql.get_payload(digest)
+            if whole is None:
+                raise self._corrupted(reference, digest, 'is not in')
+            data = whole
         if hashlib.sha256(data).hexdigest() != digest:
             raise self._corrupted(reference, digest, 'does not match its sha256 in')
         return data
+
+    def _pages(self, reference: dict[str, Any], pages: list[str]) -> dict[str, bytes]:
+        """`{digest: bytes}` of `pages`, each checked against its digest."""
+        found = self._store._sql.get_payloads(pages)
+        for page in pages:
+            if page not in found:
+                raise self._corrupted(reference, page, 'has a page that is not in')
+            if hashlib.sha256(found[page]).hexdigest() != page:
+                raise self._corrupted(reference, page, 'has a page that does not match its sha256 in')
+        return found
 
     def _corrupted(self, reference: dict[str, Any], row: str, what: str) -> CorruptedRowError:
         return CorruptedRowError(
@@ -295,28 +327,61 @@ class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
         )
 
 
-def _split(page: bytes) -> list[bytes]:
-    return [page[i:i + 32] for i in range(0, len(page), 32)]
+def _split(page: bytes, width: int) -> list[bytes]:
+    return [page[i:i + width] for i in range(0, len(page), width)]
 
 
-def cut(data: bytes) -> list[tuple[int, int]]:
-    """The `(start, end)` of each piece of `data`, cut where its content says (`_CUT`): before each message
-    (`{"parts":[` opening an element of a list) and after each list of objects (`}]`).
+def _escape(text: bytes, depth: int) -> bytes:
+    """`text` written `depth` times more as the inside of a JSON string (`\\` and `"` escaped)."""
+    for _ in range(depth):
+        text = text.replace(b'\\', b'\\\\').replace(b'"', b'\\"')
+    return text
+
+
+def _unescape(text: bytes) -> bytes | None:
+    """The JSON text `text` is the inside of a JSON string of, when `_escape(., 1)` gives `text` back exactly (only
+    `\\` and `"` escaped: the form pydantic's and Temporal's JSON give a string holding JSON); else `None`."""
+    plain = _UNESCAPE.sub(rb'\1', text)
+    return plain if _escape(plain, 1) == text else None
+
+
+def pieces(data: bytes, depth: int = 0) -> list[tuple[int, bytes]]:
+    """The pieces of `data` (JSON text, or any bytes) as `(depth, bytes)`, cut where its content says (`_TOKEN`):
+    before each message (`{"parts":[` opening an element of a list), after each list of objects (`}]`), and around the
+    inside of every JSON string of at least `LONG_STRING` bytes. A long string that holds JSON text (a stored
+    message's text, as the conversation-load result carries it) is cut the same way, one level down: its pieces are
+    kept with `"` and `\\` unescaped once (`depth` + 1), so they are the same pieces as the messages the other
+    payloads carry; `_escape(piece, depth)` gives the bytes back. `data` is at `depth` already.
 
     Content-defined: where a cut falls depends only on the bytes around it, not on what came before, so a message
-    list that grew at its end shares every piece but the last with the shorter one, and the same message carried
-    in another payload (the conversation-load result, a later model request) is the same piece.
+    list that grew at its end shares every piece but the last with the shorter one, and the same message or long
+    string carried in another payload (a tool's result, a model request, the append, the conversation-load result)
+    is the same piece.
     """
-    bounds: list[tuple[int, int]] = []
+    found: list[tuple[int, bytes]] = []
     start = 0
-    for match in _CUT.finditer(data):
-        end = match.start() if match.group() != b'}]' else match.end()
-        if end > start:
-            bounds.append((start, end))
-            start = end
-    if start < len(data) or not bounds:
-        bounds.append((start, len(data)))
-    return bounds
+    for match in _TOKEN.finditer(data):
+        begin, end = match.span()
+        if data[begin] == 0x22:  # a string
+            if end - begin - 2 < LONG_STRING:
+                continue
+            if begin + 1 > start:
+                found.append((depth, data[start:begin + 1]))
+            inside = data[begin + 1:end - 1]
+            plain = _unescape(inside) if depth < MAX_DEPTH and b'\\"' in inside else None
+            if plain is not None:
+                found += pieces(plain, depth + 1)
+            else:
+                found.append((depth, inside))
+            start = end - 1
+        else:
+            cut_at = begin if data[begin] == 0x7B else end  # before `{"parts":[`, after `}]`
+            if cut_at > start:
+                found.append((depth, data[start:cut_at]))
+                start = cut_at
+    if start < len(data) or not found:
+        found.append((depth, data[start:]))
+    return found
 
 
 def default_codec(store: str | None = None) -> ClaimCheckCodec:
