@@ -13,7 +13,7 @@ import json
 import os
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -563,12 +563,14 @@ class _SQLBackend:
                 written = sum(row['n'] for row in rows)
         return written
 
-    def put_tree(self, root: str, rows: Sequence[tuple[str, bytes, int]], owner: str | None = None) -> int:
+    def put_tree(self, root: str, rows: Sequence[tuple[str, bytes, int]], owner: str | None = None,
+                 pack: Callable[[bytes, int], tuple[bytes, int]] | None = None) -> int:
         """Store a claim check's tree (schema 8): each `(digest, data, kind)` not stored yet (`kind`: 0 a piece, 1 a leaf
         page, 2 a page of pages), in one transaction; returns the bytes newly written. With `owner`, one reference is
         recorded, for `root` (the page every other row is under): `purge`, `stats` and `collect` find the rest through
         the pages. As in `put_payloads`, the reference is written before the stored digests are read, so a `collect`
-        in progress is waited for (PostgreSQL) and a row it deleted is written again.
+        in progress is waited for (PostgreSQL) and a row it deleted is written again. `pack(data, kind)` gives the
+        `(data, kind)` to store for each row not stored yet (the codec compresses pieces there: `kind` 3).
         """
         unique = {digest: (data, kind) for digest, data, kind in rows}
         written = 0
@@ -589,8 +591,11 @@ class _SQLBackend:
                 found = conn.execute(sa.text('SELECT sha256 FROM durcap_payloads WHERE sha256 IN :ds').bindparams(
                     sa.bindparam('ds', expanding=True)), {'ds': batch})
                 known.update(row[0] for row in found)
-            new = [{'d': d, 'n': len(data), 'data': data, 'at': at, 'w': _WRITER, 'k': kind}
-                   for d, (data, kind) in unique.items() if d not in known]
+            new = []
+            for d, (data, kind) in unique.items():
+                if d not in known:
+                    data, kind = pack(data, kind) if pack is not None else (data, kind)
+                    new.append({'d': d, 'n': len(data), 'data': data, 'at': at, 'w': _WRITER, 'k': kind})
             if new:
                 conn.execute(
                     sa.text(
@@ -611,7 +616,7 @@ class _SQLBackend:
             below: set[str] = set()
             for chunk in _chunks(frontier):
                 for digest, kind, data in conn.execute(sa.text(
-                        'SELECT sha256, kind, data FROM durcap_payloads WHERE kind > 0 AND sha256 IN :ds').bindparams(
+                        'SELECT sha256, kind, data FROM durcap_payloads WHERE kind IN (1, 2) AND sha256 IN :ds').bindparams(
                             sa.bindparam('ds', expanding=True)), {'ds': list(chunk)}).all():
                     raw = bytes(data)
                     if int(kind) == 1:  # a leaf page: a depth byte and a piece digest per entry; pieces have no children
@@ -652,6 +657,18 @@ class _SQLBackend:
                 found = conn.execute(sa.text('SELECT sha256, data FROM durcap_payloads WHERE sha256 IN :ds').bindparams(
                     sa.bindparam('ds', expanding=True)), {'ds': batch})
                 result.update((row[0], bytes(row[1])) for row in found)
+        return result
+
+    def get_rows(self, digests: Sequence[str]) -> dict[str, tuple[bytes, int]]:
+        """`{digest: (bytes, kind)}` of the stored ones among `digests` (schema 8's `kind`; read in batches, one transaction)."""
+        result: dict[str, tuple[bytes, int]] = {}
+        wanted = list(dict.fromkeys(digests))
+        with self._txn(write=False) as conn:
+            for start in range(0, len(wanted), _IN_BATCH):
+                batch = wanted[start:start + _IN_BATCH]
+                found = conn.execute(sa.text('SELECT sha256, data, kind FROM durcap_payloads WHERE sha256 IN :ds').bindparams(
+                    sa.bindparam('ds', expanding=True)), {'ds': batch})
+                result.update((row[0], (bytes(row[1]), int(row[2]))) for row in found)
         return result
 
     def get_payload(self, digest: str) -> bytes | None:
