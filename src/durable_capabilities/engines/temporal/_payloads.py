@@ -51,6 +51,7 @@ the client wait forever. So the sizes are checked where a refusal fails the turn
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import hashlib
 import json
@@ -90,8 +91,13 @@ MAXIMUM_ENV = 'DURCAP_PAYLOAD_MAXIMUM'
 """Environment variables overriding `DEFAULT_THRESHOLD` / `DEFAULT_MAXIMUM` (bytes), read where the client or
 worker connects; give every client and worker of a deployment the same values."""
 
-PAGE_DIGESTS = 32
-"""Piece digests per page (1 KiB a page: the last page of a growing list is written again with every payload)."""
+PAGE_DIGESTS = 16
+"""Entries per page (a leaf's are a depth byte and a piece's sha256, 33 bytes; a page of pages' are sha256s): the last
+page of each level of a growing list is written again with every payload, so pages are small (measured: 16 stores
+less than 32 or 8)."""
+
+INLINE_FIRST = 256
+"""Bytes up to which a payload's first piece goes in the reference with its head instead of in a page."""
 
 _TOKEN = re.compile(
     rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[,](?=\{"parts":\[)|\}(?=\])|,(?="(?:serialized_run_context|usage_limits)":)', re.DOTALL)
@@ -244,13 +250,17 @@ class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
         """Store `data`, a serialized payload whose last `body` bytes are its `data` field (its pieces and pages,
         or whole), and return the reference's JSON. Runs in a thread."""
         digest = hashlib.sha256(data).hexdigest()
-        head = len(data) - body  # metadata and the body's length: differs with every size, so a piece of its own
+        head = len(data) - body  # metadata and the body's length: differs with every size
         found = pieces(data[head:])
-        if head:
-            found.insert(0, (0, data[:head]))
-        if len(found) <= 2:  # the body in one piece: stored whole, 0.2's layout
+        if len(found) <= 1:  # the body in one piece: stored whole, 0.2's layout
             self._store._sql.put_payload(digest, data, self.owner)
             return json.dumps({'sha256': digest, 'size': len(data)}).encode()
+        # The head, and the body's first piece when it is short (`{"messages":[`, a load result's revision), go in the
+        # reference: they differ from payload to payload, and as the first entry they would make every payload's first
+        # page a new one.
+        prefix = data[:head]
+        if found[0][0] == 0 and len(found[0][1]) <= INLINE_FIRST:
+            prefix += found.pop(0)[1]
         rows: dict[str, tuple[bytes, int]] = {}
         entries: list[bytes] = []
         for depth, piece in found:
@@ -269,7 +279,8 @@ class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
             level = above
         root = level[0].hex()
         self._store._sql.put_tree(root, [(d, piece, kind) for d, (piece, kind) in rows.items()], self.owner, _pack)
-        return json.dumps({'sha256': digest, 'size': len(data), 'root': root, 'height': height}, separators=(',', ':')).encode()
+        reference = {'sha256': digest, 'size': len(data), 'head': base64.b64encode(prefix).decode(), 'root': root, 'height': height}
+        return json.dumps(reference, separators=(',', ':')).encode()
 
     async def decode(self, payloads: Sequence[Payload]) -> list[Payload]:
         """Each payload as it is, or, for a reference, the stored payload it names.
@@ -309,7 +320,7 @@ class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
             except zlib.error:
                 bad = next(d for d, (raw, kind) in rows.items() if kind == KIND_ZPIECE and not _inflates(raw))
                 raise self._corrupted(reference, bad, 'has a piece that does not decompress in') from None
-            data = b''.join(_escape(plain[d], depth) for depth, d in entries)
+            data = base64.b64decode(reference.get('head', '')) + b''.join(_escape(plain[d], depth) for depth, d in entries)
         elif (pages := reference.get('pages')) is not None:  # one level of pages of piece digests (0.3)
             found = self._pages(reference, pages)
             digests = [raw.hex() for page in pages for raw in _split(found[page], 32)]
