@@ -100,8 +100,13 @@ INLINE_FIRST = 256
 """Bytes up to which a payload's first piece goes in the reference with its head instead of in a page."""
 
 _TOKEN = re.compile(
-    rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[,](?=\{"parts":\[)|\}(?=\])|,(?="(?:serialized_run_context|usage_limits)":)', re.DOTALL)
-"""What `pieces` reads: a JSON string (whole, so nothing inside one is taken for structure), the `[` or `,` before a
+    # Skipped whole, never given back (possessive): what cuts nothing, short strings without escapes among it.
+    rb'(?:[^"\[,}]++|"[^"\\]{0,127}"|[\[,](?!\{"parts":\[)(?!"(?:serialized_run_context|usage_limits)":)|\}(?!\]))*+'
+    # Then, if any, the token (group 1).
+    rb'("[^"\\]*(?:\\.[^"\\]*)*"|[\[,](?=\{"parts":\[)|\}(?=\])|,(?="(?:serialized_run_context|usage_limits)":))?',
+    re.DOTALL)
+"""What `pieces` reads (a match is what it skips, then the token it found, group 1; one pass, linear: nothing skipped
+is read again): a JSON string (whole, so nothing inside one is taken for structure), the `[` or `,` before a
 message (pydantic-ai writes `parts` first in both message kinds), the `}` that ends the last element of a list of
 objects (a message's parts, the message list), and the two keys of a model request's run context around what changes
 from request to request (its usage and step). A message is cut from the comma before it and from the `]` after it, so
@@ -409,7 +414,9 @@ def pieces(data: bytes, depth: int = 0) -> list[tuple[int, bytes]]:
     found: list[tuple[int, bytes]] = []
     start = 0
     for match in _TOKEN.finditer(data):
-        begin, end = match.span()
+        begin, end = match.span(1)
+        if begin < 0:  # the end, or a quote that opens no string
+            continue
         first = data[begin]
         if first == 0x22:  # a string
             size = end - begin - 2
