@@ -24,6 +24,7 @@ from pydantic_ai.messages import (
 )
 from temporalio.api.common.v1 import Payload
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.converter import WorkflowSerializationContext
 
 from durable_capabilities.engines.temporal._payloads import ENCODING, ClaimCheckCodec, _escape, pieces
 from durable_capabilities.store import CorruptedRowError
@@ -144,12 +145,10 @@ def test_a_reference_written_by_0_2_still_decodes(store_url: str) -> None:
 _CUT_0_3 = re.compile(rb'(?<=[\[,])\{"parts":\[|\}\]')
 
 
-def test_a_reference_written_by_0_3_still_decodes(store_url: str) -> None:
-    """0.3's layout, as its codec wrote it: pieces cut before each message and after each list of objects, one level
-    of pages of 32-byte piece digests, the reference `{"sha256", "size", "pages"}`, a reference row per piece and page
-    for its owner. It decodes, and `history delete` / `store gc` still see the owner's rows (its own refs)."""
-    value = request(conversation(8, 3000))
-    [plain] = run(pydantic_data_converter.encode([value]))
+def write_0_3(codec: ClaimCheckCodec, plain: Payload, owner: str) -> Payload:
+    """Store `plain` in 0.3's layout, as its codec wrote it: pieces cut before each message and after each list of
+    objects, one level of pages of 32-byte piece digests, a reference row per piece and page for `owner`; returns the
+    reference `{"sha256", "size", "pages"}`."""
     data = plain.SerializeToString(deterministic=True)
     head = len(data) - len(plain.data)
     bounds, start = [(0, head)], head
@@ -163,12 +162,56 @@ def test_a_reference_written_by_0_3_still_decodes(store_url: str) -> None:
     digests = b''.join(bytes.fromhex(d) for d, _ in rows)
     pages = [digests[i:i + 32 * 32] for i in range(0, len(digests), 32 * 32)]
     page_digests = [hashlib.sha256(page).hexdigest() for page in pages]
+    codec._store._sql.put_payloads(rows + list(zip(page_digests, pages)), owner)
+    return Payload(metadata={'encoding': b'binary/durcap-claim-check'},
+                   data=json.dumps({'sha256': hashlib.sha256(data).hexdigest(), 'size': len(data), 'pages': page_digests}).encode())
+
+
+def test_a_reference_written_by_0_3_still_decodes(store_url: str) -> None:
+    """0.3's layout (`write_0_3`) decodes, next to today's reference for the same value."""
+    value = request(conversation(8, 3000))
+    [plain] = run(pydantic_data_converter.encode([value]))
     codec = ClaimCheckCodec(store_url, threshold=1000)
-    codec._store._sql.put_payloads(rows + list(zip(page_digests, pages)), 'old-owner')
-    old = Payload(metadata={'encoding': b'binary/durcap-claim-check'},
-                  data=json.dumps({'sha256': hashlib.sha256(data).hexdigest(), 'size': len(data), 'pages': page_digests}).encode())
+    old = write_0_3(codec, plain, 'old-owner')
+    assert len(json.loads(old.data)['pages']) > 1
+    [new] = run(codec.encode([plain]))
+    assert run(codec.decode([old, new])) == [plain, plain]
+    assert run(pydantic_data_converter.decode(run(codec.decode([old])), [dict[str, Any]])) == [value]
+
+
+def test_a_store_of_schema_7_migrates_in_place_and_its_claim_checks_decode_and_collect(
+        store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store written by 0.3 (schema 7, 0.3's claim checks), opened by this version: migrated in place (schema 8's
+    `kind` column, 0 for every row), nothing lost; its reference decodes; gc frees the old run's pieces (through its
+    reference rows, one per piece and page) and leaves a new run's claim check alone."""
+    from datetime import UTC, datetime, timedelta
+
+    import durable_capabilities.store as store_module
+
+    monkeypatch.setattr(store_module, 'SCHEMA_VERSION', 7)
+    monkeypatch.delitem(store_module._MIGRATIONS, 8)
+    value = request(conversation(4, 3000))
+    [plain] = run(pydantic_data_converter.encode([value]))
+    old = write_0_3(ClaimCheckCodec(store_url, threshold=1000), plain, 'wf-0.3')
+    before = {d: bytes(data) for d, data in sql(store_url, 'SELECT sha256, data FROM durcap_payloads')}
+    assert sql(store_url, 'SELECT MAX(version) FROM durcap_schema_version')[0][0] == 7
+    monkeypatch.undo()
+
+    codec = ClaimCheckCodec(store_url, threshold=1000)
     assert run(codec.decode([old])) == [plain]
-    assert len(page_digests) > 1 and run(pydantic_data_converter.decode(run(codec.decode([old])), [dict[str, Any]])) == [value]
+    assert sql(store_url, 'SELECT MAX(version) FROM durcap_schema_version')[0][0] == 8
+    assert {d: (bytes(data), kind) for d, data, kind in sql(store_url, 'SELECT sha256, data, kind FROM durcap_payloads')} == {
+        d: (data, 0) for d, data in before.items()}
+    bound = codec.with_context(WorkflowSerializationContext(namespace='default', workflow_id='wf-0.4'))
+    result = value['messages'][2]['parts'][0]['content']
+    [plain_result] = run(pydantic_data_converter.encode([result]))
+    [new] = run(bound.encode([plain_result]))
+    assert run(codec.decode([new])) == [plain_result]
+    later = datetime.now(UTC) + timedelta(seconds=1)
+    report = codec._store._sql.collect(['wf-0.3'], later, dry_run=False)
+    left = {d for (d,) in sql(store_url, 'SELECT sha256 FROM durcap_payloads')}
+    assert (report.payloads, report.refs) == (len(before), len(before)) and not left & set(before)  # all of 0.3's run
+    assert run(codec.decode([new])) == [plain_result]  # the new run's claim check is untouched
 
 
 def test_a_missing_or_altered_piece_is_a_corrupted_row(store_url: str) -> None:
@@ -178,6 +221,12 @@ def test_a_missing_or_altered_piece_is_a_corrupted_row(store_url: str) -> None:
     root = json.loads(reference.data)['root']
     stored = [d for (d,) in sql(store_url, 'SELECT sha256 FROM durcap_payloads WHERE kind = 0')]
     assert len(stored) > 5
+    [(packed, data)] = sql(store_url, 'SELECT sha256, data FROM durcap_payloads WHERE kind = 3 ORDER BY size DESC LIMIT 1')
+    sql(store_url, 'UPDATE durcap_payloads SET data = :junk WHERE sha256 = :d', {'junk': b'not zlib', 'd': packed})
+    with pytest.raises(CorruptedRowError, match='has a piece that does not decompress in durcap_payloads'):
+        run(codec.decode([reference]))
+    sql(store_url, 'UPDATE durcap_payloads SET data = :data WHERE sha256 = :d', {'data': bytes(data), 'd': packed})
+    assert run(codec.decode([reference])) == [plain]
     sql(store_url, 'UPDATE durcap_payloads SET data = :junk WHERE sha256 = :d', {'junk': b'not the piece', 'd': stored[2]})
     with pytest.raises(CorruptedRowError, match='does not match its sha256 in durcap_payloads'):
         run(codec.decode([reference]))
