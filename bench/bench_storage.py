@@ -169,7 +169,7 @@ def measure(layout: str, checkpoints: list[int], folder: Path, breakdown: bool =
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or '').splitlines()[0])
     parser.add_argument('--engine', choices=['temporal'], default='temporal',
                         help='the engine whose database is measured with the store (temporal: a dev server on a file)')
     parser.add_argument('--turns', type=int, nargs='+', default=[12, 24, 50])

@@ -162,7 +162,7 @@ def write_0_3(codec: ClaimCheckCodec, plain: Payload, owner: str) -> Payload:
     digests = b''.join(bytes.fromhex(d) for d, _ in rows)
     pages = [digests[i:i + 32 * 32] for i in range(0, len(digests), 32 * 32)]
     page_digests = [hashlib.sha256(page).hexdigest() for page in pages]
-    codec._store._sql.put_payloads(rows + list(zip(page_digests, pages)), owner)
+    codec._store._sql.put_payloads(rows + list(zip(page_digests, pages, strict=True)), owner)
     return Payload(metadata={'encoding': b'binary/durcap-claim-check'},
                    data=json.dumps({'sha256': hashlib.sha256(data).hexdigest(), 'size': len(data), 'pages': page_digests}).encode())
 

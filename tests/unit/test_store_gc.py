@@ -106,7 +106,7 @@ def digests_of(url: str, owner: str) -> set[str]:
     return needed(everything(url)).get(owner, set())
 
 
-def refs_of(url: str, owner: str) -> int:
+def ref_count(url: str, owner: str) -> int:
     return sum(1 for row in everything(url)['durcap_payload_refs'] if row[1] == owner)
 
 
@@ -117,7 +117,7 @@ def test_dry_run_changes_nothing_and_apply_frees_exactly_the_closed_runs_unshare
     refs = seed(store_url)
     now = datetime.now(UTC)
     a_pieces, b_pieces = digests_of(store_url, 'wf-a'), digests_of(store_url, 'wf-b')
-    a_refs = refs_of(store_url, 'wf-a')
+    a_refs = ref_count(store_url, 'wf-a')
     shared = a_pieces & b_pieces
     # SHARED (stored whole) and the pieces both histories cut alike (their ends) are shared; ALPHA's messages are its own.
     assert len(shared) >= 1 and len(a_pieces - b_pieces) >= 5

@@ -310,12 +310,12 @@ class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
         digest = reference['sha256']
         sql = self._store._sql
         if 'root' in reference:  # a tree of pages: entries of a depth byte and a piece digest at the leaves
-            level = [reference['root']]
-            for height in range(int(reference['height']), 0, -1):
+            level: list[str] = [reference['root']]
+            for _ in range(int(reference['height']) - 1):  # pages of page digests, down to the leaves
                 found = self._pages(reference, level)
-                width = 32 if height > 1 else 33
-                level = [raw.hex() if height > 1 else raw for page in level for raw in _split(found[page], width)]
-            entries = [(raw[0], raw[1:].hex()) for raw in level]  # type: ignore[index]
+                level = [raw.hex() for page in level for raw in _split(found[page], 32)]
+            found = self._pages(reference, level)
+            entries = [(raw[0], raw[1:].hex()) for page in level for raw in _split(found[page], 33)]
             rows = sql.get_rows([d for _, d in entries])
             missing = next((d for _, d in entries if d not in rows), None)
             if missing is not None:
