@@ -20,8 +20,11 @@ Storage (schema version 7, tables prefixed `durcap_`):
   `append_id` is unique per conversation. It is the audit log `durcap history show` prints.
 - `durcap_payloads` (version 2): Temporal payloads stored by the claim-check codec (`engines.temporal._payloads`), keyed
   by the sha256 of their bytes; written once, never updated, deleted by `purge` and `collect` (`durcap store gc`).
+  Since version 8 its `kind` says what a row is: a piece (0; or a whole payload, or a page of 0.3's layout), a leaf
+  page (1), a page of pages (2), a piece stored zlib-compressed (3).
 - `durcap_payload_refs` (version 3): which durable run (a Temporal workflow id) refers to which claim check, so
   `purge` deletes a conversation's own claim checks, `stats` counts them and `collect` deletes those of runs gone.
+  A reference to a page (kind 1 or 2: a claim check's root since version 8) stands for every row under it.
 - `durcap_turn_claims` (version 4): which run's turn holds a conversation (`claim_turn`), so two turns never run on
   one conversation at once; released when that turn's append lands, or by `release_turn`.
 - `durcap_budget_ledger`, `durcap_budget_reservations` (version 6): what each budget key spent and each model

@@ -2,21 +2,27 @@
 
 Temporal refuses a payload over 2 MiB and a history over 50 MB. `ClaimCheckCodec` is a
 `temporalio.converter.PayloadCodec` (Temporal's own extension point): every payload whose serialized size
-is above `threshold` is written to the conversation store's database (table `durcap_payloads`, keyed by the
-sha256 of its bytes, written once; the workflow it belongs to is recorded in `durcap_payload_refs`) and replaced
+is above `threshold` (16 KiB) is written to the conversation store's database (table `durcap_payloads`) and replaced
 by a small reference payload:
 
     metadata: {'encoding': b'binary/durcap-claim-check'}
-    data:     {"sha256": "<hex>", "size": <bytes>, "pages": ["<hex>", ...]}
+    data:     {"sha256": "<hex>", "size": <bytes>, "head": "<base64>", "root": "<hex>", "height": <levels>}
 
-Pieces that repeat are stored once. Every model request carries the whole conversation, so storing each
-large payload whole (0.2's layout) made a conversation's storage grow with the square of its length. The
-payload's body is cut into pieces where its content says (`cut`): before each message and after each list of
-objects, so an appended message never changes the pieces before it, and a message is the same piece in every
-payload that carries it. Each piece is a `durcap_payloads` row keyed by its sha256 and written once; the ordered
-list of piece digests (32 bytes each) is cut into pages of `PAGE_DIGESTS` digests, stored the same way; the
-reference lists the pages and the sha256 of the whole payload. A payload whose body makes a single piece is
-stored whole, as in 0.2. References written by 0.2 (no `pages`) decode as before.
+What repeats is stored once (issue 24: a conversation's storage grows linearly with its messages, whatever the
+number of model requests). Every model request carries the whole conversation, and so does every conversation load;
+a ~50 KB tool result is carried by its activity's result, every later model request, the append and every later
+load. The payload's body is cut into pieces where its content says (`pieces`): around each message (so a message is
+the same pieces last in a list, in the middle, or as a stored message's text), around the inside of every long JSON
+string (a tool result is one piece wherever it is carried), inside a string that holds JSON text one level down with
+its pieces kept unescaped (the load result's rows are then the same pieces as the messages of the model requests),
+and around what changes from one model request to the next in its run context. Each piece is a `durcap_payloads` row
+keyed by its sha256 and written once, compressed when that pays (`_pack`, kind 3). The ordered entries (a depth byte
+and a piece's sha256) are cut into pages of `PAGE_DIGESTS`, and the page digests into pages again up to one root; the
+reference names the root and its height, carries the payload's head (its protobuf header and a short first piece:
+they differ with every payload) and the sha256 of the whole payload, checked after joining. The workflow that writes
+it records one `durcap_payload_refs` row, for the root (schema 8); `purge`, `collect` and `stats` read the pages under
+it. A payload whose body makes a single piece is stored whole, as in 0.2. References written by 0.2 (`sha256` and
+`size` only) and by 0.3 (`pages`: one level of pages of 32-byte piece digests) decode as before.
 
 Decoding fetches the bytes back and checks the whole payload's digest. Workflow inputs, activity inputs and results
 (model requests, tool results, the conversation history), signals, queries and failures all pass through
@@ -29,7 +35,7 @@ type `DurcapPayloadTooLarge` (code DC030); when the store cannot be written, a p
 still carry inline (up to `inline_limit`) goes inline, and a larger one is refused with
 `DurcapClaimCheckUnavailable` (DC031). Where the codec runs in an activity's completion, that error fails
 the activity for good; the workflow (`engines/temporal/_workflow.py`) turns it into a failed turn naming the
-conversation. See `docs/temporal.md`.
+conversation. See `docs/quickstart/temporal.md`.
 
 The guard, second half of this module: Temporal: fail a turn that cannot be carried, in workflow code, instead of failing a workflow task forever.
 
@@ -77,7 +83,11 @@ ENCODING = b'binary/durcap-claim-check'
 """`encoding` metadata of a reference payload."""
 
 DEFAULT_THRESHOLD = 16 * 1024
-"""Payloads above this many bytes (serialized, metadata included) travel by reference: 16 KiB."""
+"""Payloads above this many bytes (serialized, metadata included) travel by reference: 16 KiB (0.3: 256 KiB). Under a
+tool result of tens of KB, so that it is one stored piece instead of inline in three events of every turn's history
+(its activity's result, the append's input, the workflow's result) and in every early model request: Temporal's
+database went from 4-6x the conversation's bytes to ~0.65x (`bench/bench_storage.py`). The cost: a store write per
+payload over it (~4 ms for 50 KB on SQLite) and a read back (~1 ms)."""
 
 DEFAULT_MAXIMUM = 64 * 1024 * 1024
 """A single payload above this many bytes is refused (DC030): 64 MiB."""
@@ -121,7 +131,8 @@ LONG_STRING = 1024
 
 EMBEDDED_JSON = 128
 """Bytes from which the inside of a JSON string holding JSON text (escaped quotes: a stored message's text in the
-conversation-load result) is cut one level down."""
+conversation-load result) is cut one level down. `_TOKEN` skips strings up to 127 bytes without escapes: keep the two
+together."""
 
 MAX_DEPTH = 3
 """How many levels of JSON-in-a-JSON-string `pieces` cuts into."""
