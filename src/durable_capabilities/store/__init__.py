@@ -806,7 +806,10 @@ class SQLConversationStore(ConversationStore):
     async def purge(self, conversation_id: str, *, dry_run: bool = False) -> PurgeReport:
         """Delete a conversation for good (a user's right to be forgotten), in one transaction: its
         `durcap_conversations`, `durcap_entries` and `durcap_writes` rows, the claim-check references of its
-        runs (`durcap_payload_refs`), and the claim checks (`durcap_payloads`) no other run refers to. Unlike
+        runs (`durcap_payload_refs`), and the claim-check rows (`durcap_payloads`: pieces, and the pages under a
+        reference to a tree's root, schema 8) no other run needs. On PostgreSQL it holds `durcap_payload_refs` as
+        `collect` does. This reads every reference and page of the store (a tree's pieces may be shared with any other
+        run's tree). Unlike
         upstream's `delete` (a tombstone that keeps the entries), nothing of it is left; the id can be used again
         from revision 1. What the engines keep of its runs is not touched: see `PurgeReport.appends`.
 
@@ -854,7 +857,8 @@ class SQLConversationStore(ConversationStore):
 
     async def collect(self, owners: Sequence[str], *, before: datetime, dry_run: bool = False) -> CollectReport:
         """Delete the claim-check references of `owners` (runs the caller found gone: closed past their engine's
-        retention, or unknown to it) and the pieces no other run refers to, in one transaction (`durcap store gc`).
+        retention, or unknown to it) and the pieces and pages no other run needs (through the pages under every
+        remaining reference to a tree's root, schema 8), in one transaction (`durcap store gc`).
 
         Race-safe: an owner with a reference written at or after `before` is kept whole (`CollectReport.skipped`), a
         piece written at or after `before` is kept, and a piece is deleted only when no reference to it is left when
