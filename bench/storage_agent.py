@@ -1,8 +1,12 @@
 """The agent `bench_storage.py` runs: one tool call per turn returning ~`$BENCH_RESULT_BYTES` (default 50,000) bytes of
-text that differs from turn to turn, then a short answer. Model: a scripted `FunctionModel` (no provider)."""
+text that differs from turn to turn, then a short answer. Model: a scripted `FunctionModel` (no provider).
+
+`$BENCH_RESULT_KIND`: `hex` (default: lines of sha256 hex, which zlib compresses to ~0.58) or `base64` (base64 of
+pseudo-random bytes: ~0.76, about the least compressible a text result gets)."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 
@@ -31,6 +35,9 @@ reports = Capability(id='reports', description='Fetches long reports.')
 def fetch_report(turn: int) -> str:
     """The report of a turn: ~$BENCH_RESULT_BYTES characters of hex, different every turn."""
     size = int(os.environ.get('BENCH_RESULT_BYTES') or 50_000)
+    if os.environ.get('BENCH_RESULT_KIND') == 'base64':
+        blocks = (hashlib.sha256(f'{turn}:{i}'.encode()).digest() for i in range(size * 3 // 4 // 32 + 1))
+        return base64.b64encode(b''.join(blocks)).decode()[:size]
     seed = hashlib.sha256(str(turn).encode()).hexdigest()
     lines, total = [], 0
     while total < size:

@@ -1,9 +1,10 @@
 """Garbage collection of claim checks no run can read any more (`durcap store gc`, and `durcap worker --gc-every`).
 
 A claim check (a Temporal payload too large to travel inline, stored in the conversation store as content-addressed
-pieces: `durcap_payloads`) is recorded with every run that refers to it (`durcap_payload_refs.owner`, a workflow
-id). A run's claim checks are needed while its engine can still replay, export or query it: while it is open, and
-after it closed until the engine deletes its records (a Temporal namespace's retention period). This module asks
+pieces under pages: `durcap_payloads`) is recorded with every run that refers to it (`durcap_payload_refs.owner`, a
+workflow id; one row for the root of its pages since schema 8, which stands for every page and piece under it). A
+run's claim checks are needed while its engine can still replay, export or query it: while it is open, and after it
+closed until the engine deletes its records (a Temporal namespace's retention period). This module asks
 the engines whose runs store claim checks (feature `claim-checks`) for the state of every recorded owner
 (`EngineAdapter.run_states`), decides which owners are gone, and has the store delete their references and the
 pieces no other owner refers to (`SQLConversationStore.collect`, one transaction).

@@ -37,7 +37,7 @@ from durable_capabilities.settings import Settings
 from durable_capabilities.store import SQLConversationStore
 from tests._helpers import durcap, postgres_database, sqlite_url, subprocess_env, wait_for, wait_for_line
 from tests.unit.test_store_gc import *  # noqa: F403
-from tests.unit.test_store_gc import codec_converter, decodes, everything, history
+from tests.unit.test_store_gc import codec_converter, decodes, everything, history, needed
 
 REUSES_STORE_TESTS = True
 pytestmark = [pytest.mark.slow]
@@ -103,8 +103,9 @@ def test_gc_on_temporal_frees_only_the_closed_runs_unshared_data_and_the_open_ru
     finally:
         stop(held)
     try:
-        owners = refs_of(store)
+        owners = needed(everything(store))  # every row each run needs: its references' and the pages and pieces under them
         a, b = owners[wf_a], owners[wf_b]
+        a_refs = len(refs_of(store)[wf_a])
         shared = a & b
         assert len(a - b) > 0 and len(b - a) > 0, owners
         assert shared, 'the identical 300 kB tool result is one piece both runs refer to'
@@ -119,7 +120,7 @@ def test_gc_on_temporal_frees_only_the_closed_runs_unshared_data_and_the_open_ru
         data = json.loads(plan.stdout)
         assert [o['owner'] for o in data['owners']] == [wf_a], data
         assert data['owners'][0]['conversations'] == [f'gc-conv-a-{tag}']
-        assert data['freed'] == {'refs': len(a), 'payloads': len(a - b), 'payload_bytes': sum(sizes[d] for d in a - b)}
+        assert data['freed'] == {'refs': a_refs, 'payloads': len(a - b), 'payload_bytes': sum(sizes[d] for d in a - b)}
         assert data['kept_shared']['payloads'] == len(shared) and data['kept_owners'] == {'open': 1}
         assert data['owners'][0]['reason'].startswith('closed ') and 'temporal' in data['engines']
 
@@ -128,7 +129,7 @@ def test_gc_on_temporal_frees_only_the_closed_runs_unshared_data_and_the_open_ru
         assert json.loads(done.stdout)['freed'] == data['freed']
         left = {row[0] for row in everything(store)['durcap_payloads']}
         assert not (a - b) & left and b <= left  # A's own gone; B's, the shared pieces among them, all kept
-        assert refs_of(store).get(wf_a) is None and refs_of(store)[wf_b] == b
+        assert refs_of(store).get(wf_a) is None and needed(everything(store))[wf_b] == b
 
         # Right after gc: B's history, as Temporal holds it, replays against the code through the store.
         exported = tmp_path / 'b.json'
@@ -185,8 +186,9 @@ def _gone_answer(now: datetime) -> list[RunStates]:
 def test_postgresql_gc_waits_for_a_writer_that_recorded_a_reference_and_keeps_the_piece() -> None:
     with postgres_database('durcap_gc_race') as url:
         references = asyncio.run(codec_converter(url, 'wf-old').encode([history(3, 'OLD')]))
-        pieces = refs_of(url)['wf-old']
-        piece = sorted(pieces)[0]
+        snapshot = everything(url)
+        pieces = needed(snapshot)['wf-old']  # its tree: the root its reference names, the pages and pieces under it
+        piece = sorted(row[0] for row in snapshot['durcap_payloads'] if row[0] in pieces and row[-1] in (0, 3))[0]
         engine = sa.create_engine(url.replace('postgresql://', 'postgresql+psycopg://'))
         writer = engine.connect()
         result: dict[str, Any] = {}

@@ -32,7 +32,7 @@ from durable_capabilities.engines.temporal._payloads import ClaimCheckCodec
 from durable_capabilities.settings import Settings
 from durable_capabilities.store import SQLConversationStore
 from tests._helpers import durcap, sqlite_url
-from tests.unit.test_history_delete import everything
+from tests.unit.test_history_delete import everything, needed
 
 HOUR = timedelta(hours=1)
 
@@ -102,7 +102,12 @@ def gc(url: str, answers: list[RunStates], *, apply: bool, grace: timedelta = ti
 
 
 def digests_of(url: str, owner: str) -> set[str]:
-    return {row[0] for row in everything(url)['durcap_payload_refs'] if row[1] == owner}
+    """Every durcap_payloads row `owner` needs (its references' rows and the pages and pieces under a tree's root)."""
+    return needed(everything(url)).get(owner, set())
+
+
+def ref_count(url: str, owner: str) -> int:
+    return sum(1 for row in everything(url)['durcap_payload_refs'] if row[1] == owner)
 
 
 # ---- what is freed --------------------------------------------------------------------------------
@@ -112,6 +117,7 @@ def test_dry_run_changes_nothing_and_apply_frees_exactly_the_closed_runs_unshare
     refs = seed(store_url)
     now = datetime.now(UTC)
     a_pieces, b_pieces = digests_of(store_url, 'wf-a'), digests_of(store_url, 'wf-b')
+    a_refs = ref_count(store_url, 'wf-a')
     shared = a_pieces & b_pieces
     # SHARED (stored whole) and the pieces both histories cut alike (their ends) are shared; ALPHA's messages are its own.
     assert len(shared) >= 1 and len(a_pieces - b_pieces) >= 5
@@ -124,7 +130,7 @@ def test_dry_run_changes_nothing_and_apply_frees_exactly_the_closed_runs_unshare
     sizes = {row[0]: row[1] for row in before['durcap_payloads']}
     assert plan.report.payloads == len(a_pieces - b_pieces)
     assert plan.report.payload_bytes == sum(sizes[d] for d in a_pieces - b_pieces)
-    assert plan.report.refs == len(a_pieces)
+    assert plan.report.refs == a_refs  # one per claim check: its tree's root
     assert (plan.report.shared_payloads, plan.report.shared_payload_bytes) == (len(shared), sum(sizes[d] for d in shared))
     assert plan.report.owners[0].conversations == ['conv-a']
     assert plan.kept == {'open': 1}
@@ -158,10 +164,9 @@ def test_a_run_closed_within_the_retention_and_a_piece_shared_with_it_are_kept(s
     assert [o.owner for o in done.report.owners] == ['wf-b']
     assert done.kept == {'closed within the retention period': 1}
     left = {row[0] for row in everything(store_url)['durcap_payloads']}
-    a_pieces = {row[0] for row in before['durcap_payload_refs'] if row[1] == 'wf-a'}
+    a_pieces = needed(before)['wf-a']
     assert a_pieces <= left  # wf-a's, the shared pieces among them, kept
-    assert done.report.shared_payloads == len(a_pieces & digests_of(store_url, 'wf-b') or a_pieces & {
-        row[0] for row in before['durcap_payload_refs'] if row[1] == 'wf-b'})
+    assert done.report.shared_payloads == len(a_pieces & needed(before)['wf-b'])
     # --retention overrides the engine's: with 10 minutes, wf-a is past it too.
     later = gc(store_url, answers, apply=True, now=now, retention=timedelta(minutes=10))
     assert [o.owner for o in later.report.owners] == ['wf-a'] and later.report.payloads == len(a_pieces)
@@ -203,7 +208,7 @@ def test_the_grace_window_keeps_owners_and_pieces_written_in_it(store_url: str) 
     done = gc(store_url, answers, apply=True, now=now, grace=timedelta(minutes=15))
     left = {row[0] for row in everything(store_url)['durcap_payloads']}
     assert young in left and not (a_only - {young}) & left
-    shared = digests_of(store_url, 'wf-b') & {row[0] for row in before['durcap_payload_refs'] if row[1] == 'wf-a'}
+    shared = digests_of(store_url, 'wf-b') & needed(before)['wf-a']
     assert done.report.payloads == len(a_only) - 1 and done.report.shared_payloads == len(shared) + 1  # and the young one
 
 

@@ -9,7 +9,7 @@ adds what a durable runner needs:
 - `append(id, messages, expected_revision=N, append_id=...)`: optimistic concurrency on an integer
   revision, idempotent by `append_id` so a retried activity / step / task never appends twice.
 
-Storage (schema version 7, tables prefixed `durcap_`):
+Storage (schema version 9, tables prefixed `durcap_`):
 - `durcap_entries`: one row per message, the message as pydantic-ai's own JSON
   (`ModelMessagesTypeAdapter`), its parent entry and its 1-based position in its history. Rows are
   never updated, and deleted only by `purge` (`durcap history delete`).
@@ -20,8 +20,11 @@ Storage (schema version 7, tables prefixed `durcap_`):
   `append_id` is unique per conversation. It is the audit log `durcap history show` prints.
 - `durcap_payloads` (version 2): Temporal payloads stored by the claim-check codec (`engines.temporal._payloads`), keyed
   by the sha256 of their bytes; written once, never updated, deleted by `purge` and `collect` (`durcap store gc`).
+  Since version 8 its `kind` says what a row is: a piece (0; or a whole payload, or a page of 0.3's layout), a leaf
+  page (1), a page of pages (2), a piece stored zlib-compressed (3).
 - `durcap_payload_refs` (version 3): which durable run (a Temporal workflow id) refers to which claim check, so
   `purge` deletes a conversation's own claim checks, `stats` counts them and `collect` deletes those of runs gone.
+  A reference to a page (kind 1 or 2: a claim check's root since version 8) stands for every row under it.
 - `durcap_turn_claims` (version 4): which run's turn holds a conversation (`claim_turn`), so two turns never run on
   one conversation at once; released when that turn's append lands, or by `release_turn`. Version 9 adds who asked
   the holder to stop (`request_stop`, `stop_requested`: a newer turn with `busy='interrupt'`).
@@ -834,7 +837,10 @@ class SQLConversationStore(ConversationStore):
     async def purge(self, conversation_id: str, *, dry_run: bool = False) -> PurgeReport:
         """Delete a conversation for good (a user's right to be forgotten), in one transaction: its
         `durcap_conversations`, `durcap_entries` and `durcap_writes` rows, the claim-check references of its
-        runs (`durcap_payload_refs`), and the claim checks (`durcap_payloads`) no other run refers to. Unlike
+        runs (`durcap_payload_refs`), and the claim-check rows (`durcap_payloads`: pieces, and the pages under a
+        reference to a tree's root, schema 8) no other run needs. On PostgreSQL it holds `durcap_payload_refs` as
+        `collect` does. This reads every reference and page of the store (a tree's pieces may be shared with any other
+        run's tree). Unlike
         upstream's `delete` (a tombstone that keeps the entries), nothing of it is left; the id can be used again
         from revision 1. What the engines keep of its runs is not touched: see `PurgeReport.appends`.
 
@@ -882,7 +888,8 @@ class SQLConversationStore(ConversationStore):
 
     async def collect(self, owners: Sequence[str], *, before: datetime, dry_run: bool = False) -> CollectReport:
         """Delete the claim-check references of `owners` (runs the caller found gone: closed past their engine's
-        retention, or unknown to it) and the pieces no other run refers to, in one transaction (`durcap store gc`).
+        retention, or unknown to it) and the pieces and pages no other run needs (through the pages under every
+        remaining reference to a tree's root, schema 8), in one transaction (`durcap store gc`).
 
         Race-safe: an owner with a reference written at or after `before` is kept whole (`CollectReport.skipped`), a
         piece written at or after `before` is kept, and a piece is deleted only when no reference to it is left when

@@ -197,10 +197,17 @@ _MIGRATIONS: dict[int, list[str]] = {
             PRIMARY KEY (principal, idempotency_key)
         )""",
     ],
+    8: [
+        # Claim checks as trees (`engines.temporal._payloads`, issue 24): what a `durcap_payloads` row is. 0: a piece, a
+        # whole payload, or a page of 0.3's layout (whose owners have a `durcap_payload_refs` row for each of its pieces);
+        # 1: a leaf page (entries of a depth byte and a piece's sha256); 2: a page of page digests. An owner of a tree
+        # has one `durcap_payload_refs` row, for its root: `purge`, `collect` and `stats` read the pages under it.
+        'ALTER TABLE durcap_payloads ADD COLUMN kind SMALLINT NOT NULL DEFAULT 0',
+    ],
     9: [
         # A turn asked to stop (`busy='interrupt'`, `durable_capabilities.interrupts`): the run whose newer turn asked
         # the holder of the claim to stop at its next safe point, and when. Deleted with the claim; read by run id
-        # inside the holder's model request unit. (9, not 8: the number another change may take is left free.)
+        # inside the holder's model request unit.
         'ALTER TABLE durcap_turn_claims ADD COLUMN stop_by TEXT',
         'ALTER TABLE durcap_turn_claims ADD COLUMN stop_at TEXT',
         'CREATE INDEX durcap_turn_claims_run ON durcap_turn_claims (run_id)',

@@ -13,7 +13,7 @@ import json
 import os
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -587,6 +587,90 @@ class _SQLBackend:
                 written = sum(row['n'] for row in rows)
         return written
 
+    def put_tree(self, root: str, rows: Sequence[tuple[str, bytes, int]], owner: str | None = None,
+                 pack: Callable[[bytes, int], tuple[bytes, int]] | None = None) -> int:
+        """Store a claim check's tree (schema 8): each `(digest, data, kind)` not stored yet (`kind`: 0 a piece, 1 a leaf
+        page, 2 a page of pages), in one transaction; returns the bytes newly written. With `owner`, one reference is
+        recorded, for `root` (the page every other row is under): `purge`, `stats` and `collect` find the rest through
+        the pages. As in `put_payloads`, the reference is written before the stored digests are read, so a `collect`
+        in progress is waited for (PostgreSQL) and a row it deleted is written again. `pack(data, kind)` gives the
+        `(data, kind)` to store for each row not stored yet (the codec compresses pieces there: `kind` 3).
+        """
+        unique = {digest: (data, kind) for digest, data, kind in rows}
+        written = 0
+        with self._txn(write=True) as conn:
+            at = _utcnow()
+            if owner:
+                conn.execute(
+                    sa.text(
+                        'INSERT INTO durcap_payload_refs (sha256, owner, created_at) VALUES (:d, :o, :at) '
+                        'ON CONFLICT (sha256, owner) DO NOTHING'
+                    ),
+                    {'d': root, 'o': owner, 'at': at},
+                )
+            known: set[str] = set()
+            digests = list(unique)
+            for start in range(0, len(digests), _IN_BATCH):
+                batch = digests[start:start + _IN_BATCH]
+                found = conn.execute(sa.text('SELECT sha256 FROM durcap_payloads WHERE sha256 IN :ds').bindparams(
+                    sa.bindparam('ds', expanding=True)), {'ds': batch})
+                known.update(row[0] for row in found)
+            new = []
+            for d, (data, kind) in unique.items():
+                if d not in known:
+                    data, kind = pack(data, kind) if pack is not None else (data, kind)
+                    new.append({'d': d, 'n': len(data), 'data': data, 'at': at, 'w': _WRITER, 'k': kind})
+            if new:
+                conn.execute(
+                    sa.text(
+                        'INSERT INTO durcap_payloads (sha256, size, data, created_at, writer, kind) '
+                        'VALUES (:d, :n, :data, :at, :w, :k) ON CONFLICT (sha256) DO NOTHING'
+                    ),
+                    new,
+                )
+                written = sum(row['n'] for row in new)
+        return written
+
+    def _children(self, conn: sa.Connection, digests: set[str]) -> dict[str, list[str]]:
+        """`{page: the digests it lists}` of every tree page (schema 8, `kind` 1 or 2) under `digests` (the pages
+        among them and below them); a digest that is not such a page has no entry."""
+        children: dict[str, list[str]] = {}
+        frontier = sorted(digests)
+        while frontier:
+            below: set[str] = set()
+            for chunk in _chunks(frontier):
+                for digest, kind, data in conn.execute(sa.text(
+                        'SELECT sha256, kind, data FROM durcap_payloads WHERE kind IN (1, 2) AND sha256 IN :ds').bindparams(
+                            sa.bindparam('ds', expanding=True)), {'ds': list(chunk)}).all():
+                    raw = bytes(data)
+                    if int(kind) == 1:  # a leaf page: a depth byte and a piece digest per entry; pieces have no children
+                        children[digest] = list(dict.fromkeys(raw[i + 1:i + 33].hex() for i in range(0, len(raw), 33)))
+                    else:
+                        children[digest] = list(dict.fromkeys(raw[i:i + 32].hex() for i in range(0, len(raw), 32)))
+                        below.update(d for d in children[digest] if d not in children)
+            frontier = sorted(below - children.keys())
+        return children
+
+    @staticmethod
+    def _under(digests: set[str], children: dict[str, list[str]]) -> set[str]:
+        """`digests` and every row under them (through `children`, from `_children`)."""
+        reached = set(digests)
+        stack = [d for d in digests if d in children]
+        while stack:
+            for child in children[stack.pop()]:
+                if child not in reached:
+                    reached.add(child)
+                    if child in children:
+                        stack.append(child)
+        return reached
+
+    def _reach(self, conn: sa.Connection, refs: dict[str, set[str]]) -> dict[str, set[str]]:
+        """`{owner: every durcap_payloads digest it needs}` from `{owner: the digests it refers to}`: the rows it refers
+        to and, for a tree's root, every page and piece under it."""
+        children = self._children(conn, set().union(*refs.values()) if refs else set())
+        memo: dict[frozenset[str], set[str]] = {}
+        return {owner: memo.setdefault(frozenset(ds), self._under(ds, children)) for owner, ds in refs.items()}
+
     def get_payloads(self, digests: Sequence[str]) -> dict[str, bytes]:
         """`{digest: bytes}` of the stored ones among `digests` (read in batches, one transaction)."""
         result: dict[str, bytes] = {}
@@ -597,6 +681,18 @@ class _SQLBackend:
                 found = conn.execute(sa.text('SELECT sha256, data FROM durcap_payloads WHERE sha256 IN :ds').bindparams(
                     sa.bindparam('ds', expanding=True)), {'ds': batch})
                 result.update((row[0], bytes(row[1])) for row in found)
+        return result
+
+    def get_rows(self, digests: Sequence[str]) -> dict[str, tuple[bytes, int]]:
+        """`{digest: (bytes, kind)}` of the stored ones among `digests` (schema 8's `kind`; read in batches, one transaction)."""
+        result: dict[str, tuple[bytes, int]] = {}
+        wanted = list(dict.fromkeys(digests))
+        with self._txn(write=False) as conn:
+            for start in range(0, len(wanted), _IN_BATCH):
+                batch = wanted[start:start + _IN_BATCH]
+                found = conn.execute(sa.text('SELECT sha256, data, kind FROM durcap_payloads WHERE sha256 IN :ds').bindparams(
+                    sa.bindparam('ds', expanding=True)), {'ds': batch})
+                result.update((row[0], (bytes(row[1]), int(row[2]))) for row in found)
         return result
 
     def get_payload(self, digest: str) -> bytes | None:
@@ -640,26 +736,22 @@ class _SQLBackend:
         appends = self._appends_of(conn, conversation_id)
         known = self._owners(conn)
         owners = sorted({owner for append_id in appends if (owner := _owner_of(append_id, known)) is not None})
-        everyone = {f'a{i}': owner for i, owner in enumerate(owners)}
-        own: dict[str, int] = {}
-        shared: dict[str, int] = {}
+        direct: dict[str, set[str]] = {}
         refs = 0
-        for chunk in _chunks(owners):
-            params = {f'o{i}': owner for i, owner in enumerate(chunk)}
-            marks = ', '.join(f':{key}' for key in params)
-            rows = conn.execute(
-                sa.text(
-                    'SELECT r.sha256, p.size, (SELECT COUNT(*) FROM durcap_payload_refs x WHERE x.sha256 = r.sha256 '
-                    f'AND x.owner NOT IN ({", ".join(f":{key}" for key in everyone)})) FROM durcap_payload_refs r '
-                    f'LEFT JOIN durcap_payloads p ON p.sha256 = r.sha256 WHERE r.owner IN ({marks})'
-                ),
-                params | everyone,
-            ).all()
-            refs += len(rows)
-            for digest, size, others in rows:
-                (shared if others else own)[digest] = int(size or 0)
-        for digest in set(own) & set(shared):  # one run shares it, another of ours does not: shared
-            own.pop(digest)
+        for digest, owner in conn.execute(sa.text('SELECT sha256, owner FROM durcap_payload_refs')).all():
+            direct.setdefault(owner, set()).add(digest)
+        ours = set(owners)
+        refs = sum(len(direct.get(owner, ())) for owner in owners)
+        reach = self._reach(conn, direct)
+        needed = set().union(*(reach[o] for o in owners if o in reach)) if owners else set()
+        others = set().union(*(ds for o, ds in reach.items() if o not in ours)) if len(reach) > len(ours) else set()
+        sizes: dict[str, int] = {}
+        for chunk in _chunks(sorted(needed)):
+            sizes.update((d, int(n)) for d, n in conn.execute(sa.text(
+                'SELECT sha256, size FROM durcap_payloads WHERE sha256 IN :ds').bindparams(
+                    sa.bindparam('ds', expanding=True)), {'ds': list(chunk)}).all())
+        own = {d: sizes.get(d, 0) for d in needed - others}
+        shared = {d: sizes.get(d, 0) for d in needed & others}
         counts['durcap_payload_refs'] = refs
         counts['durcap_payloads'] = len(own)
         return _Usage(counts, appends, owners, own, shared, message_bytes, bool(deleted))
@@ -668,6 +760,8 @@ class _SQLBackend:
         """Delete every row of the conversation and the claim checks only its runs refer to (see
         `SQLConversationStore.purge`); with `dry_run`, count them and change nothing."""
         with self._txn(write=not dry_run) as conn:
+            if self.is_pg and not dry_run:  # as `collect`: a writer of a tree sharing our pieces waits, then rewrites them
+                conn.execute(sa.text('LOCK TABLE durcap_payload_refs IN SHARE ROW EXCLUSIVE MODE'))
             usage = self._usage(conn, conversation_id)
             forks = [row[0] for row in conn.execute(sa.text(_FORKS), {'cid': conversation_id}).all()]
             if forks:
@@ -740,25 +834,21 @@ class _SQLBackend:
                         sa.bindparam('os', expanding=True)), {'os': list(chunk)}).all())
             doomed = sorted(owner for owner, at in newest.items() if at < cutoff)
             skipped = sorted(owner for owner, at in newest.items() if at >= cutoff)
-            refs: dict[str, set[str]] = {}  # owner -> digests it refers to
-            for chunk in _chunks(doomed):
-                for owner, digest in conn.execute(sa.text(
-                        'SELECT owner, sha256 FROM durcap_payload_refs WHERE owner IN :os').bindparams(
-                            sa.bindparam('os', expanding=True)), {'os': list(chunk)}).all():
-                    refs.setdefault(owner, set()).add(digest)
-            candidates = sorted(set().union(*refs.values())) if refs else []
+            direct: dict[str, set[str]] = {}  # owner -> digests it refers to (a tree: its root)
+            for digest, owner in conn.execute(sa.text('SELECT sha256, owner FROM durcap_payload_refs')).all():
+                direct.setdefault(owner, set()).add(digest)
             dead = set(doomed)
-            kept: set[str] = set()
+            reach = self._reach(conn, direct)
+            refs = {owner: direct[owner] for owner in doomed if owner in direct}
+            needs = {owner: reach[owner] for owner in refs}  # owner -> every row it needs
+            candidates = sorted(set().union(*needs.values())) if needs else []
+            alive = set().union(*(ds for owner, ds in reach.items() if owner not in dead)) if reach else set()
+            kept: set[str] = set(candidates) & alive
             pieces: dict[str, tuple[int, str]] = {}  # digest -> (size, created_at)
             for chunk in _chunks(candidates):
-                params = {'ds': list(chunk)}
-                for digest, owner in conn.execute(sa.text('SELECT sha256, owner FROM durcap_payload_refs WHERE sha256 IN :ds')
-                                                  .bindparams(sa.bindparam('ds', expanding=True)), params).all():
-                    if owner not in dead:
-                        kept.add(digest)
                 pieces.update((d, (int(n), at)) for d, n, at in conn.execute(
                     sa.text('SELECT sha256, size, created_at FROM durcap_payloads WHERE sha256 IN :ds').bindparams(
-                        sa.bindparam('ds', expanding=True)), params).all())
+                        sa.bindparam('ds', expanding=True)), {'ds': list(chunk)}).all())
             kept |= {d for d, (_, at) in pieces.items() if at >= cutoff}
             freed = sorted(d for d in pieces if d not in kept)
             deleted_refs = sum(len(digests) for digests in refs.values())
@@ -779,9 +869,9 @@ class _SQLBackend:
             conversations = self._conversations_of_owners(conn, set(doomed)) if doomed else {}
         freed_set = set(freed)
         per = [OwnerCollected(owner, sorted(conversations.get(owner, ())), len(refs.get(owner, ())),
-                              len(mine := refs.get(owner, set()) & freed_set), sum(pieces[d][0] for d in mine))
+                              len(mine := needs.get(owner, set()) & freed_set), sum(pieces[d][0] for d in mine))
                for owner in doomed]
-        shared = {d for digests in refs.values() for d in digests if d in pieces and d not in freed_set}
+        shared = {d for digests in needs.values() for d in digests if d in pieces and d not in freed_set}
         return CollectReport(
             dry_run=dry_run, before=before, owners=per, skipped=skipped, refs=deleted_refs, payloads=len(freed),
             payload_bytes=sum(pieces[d][0] for d in freed), shared_payloads=len(shared),
@@ -814,9 +904,13 @@ class _SQLBackend:
                 if owner is not None:
                     owner_of.setdefault(owner, set()).add(cid)
             sizes = {row[0]: int(row[1]) for row in conn.execute(sa.text('SELECT sha256, size FROM durcap_payloads')).all()}
-            users: dict[str, set[str | None]] = {}
+            direct: dict[str, set[str]] = {}
             for digest, owner in conn.execute(sa.text('SELECT sha256, owner FROM durcap_payload_refs')).all():
-                users.setdefault(digest, set()).update(owner_of.get(owner) or {None})
+                direct.setdefault(owner, set()).add(digest)
+            users: dict[str, set[str | None]] = {}
+            for owner, digests in self._reach(conn, direct).items():
+                for digest in digests:
+                    users.setdefault(digest, set()).update(owner_of.get(owner) or {None})
             database_bytes = (int(conn.execute(sa.text('SELECT pg_database_size(current_database())')).scalar() or 0)
                               if self.is_pg else None)
         if database_bytes is None and self.url.database not in (None, '', ':memory:'):

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 async def connect(address: str = DEFAULT_ADDRESS, namespace: str = DEFAULT_NAMESPACE, *, store: str | None = None) -> Client:
     """A Temporal client with pydantic-ai's payload converter (`PydanticAIPlugin`) and the claim-check codec
     (`_payloads.ClaimCheckCodec`) on `store` (the `--store` of the run or worker; `None`: `$DURCAP_STORE`, else the
-    default store): payloads over 256 KiB travel by reference. Workers made from this client use the same codec.
+    default store): payloads over 16 KiB travel by reference. Workers made from this client use the same codec.
 
     Waits at most `connect_timeout()` seconds (`$DURCAP_TEMPORAL_CONNECT_TIMEOUT`, default 10) for the server to
     answer.

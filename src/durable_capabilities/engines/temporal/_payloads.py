@@ -2,21 +2,27 @@
 
 Temporal refuses a payload over 2 MiB and a history over 50 MB. `ClaimCheckCodec` is a
 `temporalio.converter.PayloadCodec` (Temporal's own extension point): every payload whose serialized size
-is above `threshold` is written to the conversation store's database (table `durcap_payloads`, keyed by the
-sha256 of its bytes, written once; the workflow it belongs to is recorded in `durcap_payload_refs`) and replaced
+is above `threshold` (16 KiB) is written to the conversation store's database (table `durcap_payloads`) and replaced
 by a small reference payload:
 
     metadata: {'encoding': b'binary/durcap-claim-check'}
-    data:     {"sha256": "<hex>", "size": <bytes>, "pages": ["<hex>", ...]}
+    data:     {"sha256": "<hex>", "size": <bytes>, "head": "<base64>", "root": "<hex>", "height": <levels>}
 
-Pieces that repeat are stored once. Every model request carries the whole conversation, so storing each
-large payload whole (0.2's layout) made a conversation's storage grow with the square of its length. The
-payload's body is cut into pieces where its content says (`cut`): before each message and after each list of
-objects, so an appended message never changes the pieces before it, and a message is the same piece in every
-payload that carries it. Each piece is a `durcap_payloads` row keyed by its sha256 and written once; the ordered
-list of piece digests (32 bytes each) is cut into pages of `PAGE_DIGESTS` digests, stored the same way; the
-reference lists the pages and the sha256 of the whole payload. A payload whose body makes a single piece is
-stored whole, as in 0.2. References written by 0.2 (no `pages`) decode as before.
+What repeats is stored once (issue 24: a conversation's storage grows linearly with its messages, whatever the
+number of model requests). Every model request carries the whole conversation, and so does every conversation load;
+a ~50 KB tool result is carried by its activity's result, every later model request, the append and every later
+load. The payload's body is cut into pieces where its content says (`pieces`): around each message (so a message is
+the same pieces last in a list, in the middle, or as a stored message's text), around the inside of every long JSON
+string (a tool result is one piece wherever it is carried), inside a string that holds JSON text one level down with
+its pieces kept unescaped (the load result's rows are then the same pieces as the messages of the model requests),
+and around what changes from one model request to the next in its run context. Each piece is a `durcap_payloads` row
+keyed by its sha256 and written once, compressed when that pays (`_pack`, kind 3). The ordered entries (a depth byte
+and a piece's sha256) are cut into pages of `PAGE_DIGESTS`, and the page digests into pages again up to one root; the
+reference names the root and its height, carries the payload's head (its protobuf header and a short first piece:
+they differ with every payload) and the sha256 of the whole payload, checked after joining. The workflow that writes
+it records one `durcap_payload_refs` row, for the root (schema 8); `purge`, `collect` and `stats` read the pages under
+it. A payload whose body makes a single piece is stored whole, as in 0.2. References written by 0.2 (`sha256` and
+`size` only) and by 0.3 (`pages`: one level of pages of 32-byte piece digests) decode as before.
 
 Decoding fetches the bytes back and checks the whole payload's digest. Workflow inputs, activity inputs and results
 (model requests, tool results, the conversation history), signals, queries and failures all pass through
@@ -29,7 +35,7 @@ type `DurcapPayloadTooLarge` (code DC030); when the store cannot be written, a p
 still carry inline (up to `inline_limit`) goes inline, and a larger one is refused with
 `DurcapClaimCheckUnavailable` (DC031). Where the codec runs in an activity's completion, that error fails
 the activity for good; the workflow (`engines/temporal/_workflow.py`) turns it into a failed turn naming the
-conversation. See `docs/temporal.md`.
+conversation. See `docs/quickstart/temporal.md`.
 
 The guard, second half of this module: Temporal: fail a turn that cannot be carried, in workflow code, instead of failing a workflow task forever.
 
@@ -51,12 +57,14 @@ the client wait forever. So the sizes are checked where a refusal fails the turn
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import hashlib
 import json
 import logging
 import os
 import re
+import zlib
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -74,8 +82,12 @@ from ...store import CorruptedRowError, SQLConversationStore, StoreError, resolv
 ENCODING = b'binary/durcap-claim-check'
 """`encoding` metadata of a reference payload."""
 
-DEFAULT_THRESHOLD = 256 * 1024
-"""Payloads above this many bytes (serialized, metadata included) travel by reference: 256 KiB."""
+DEFAULT_THRESHOLD = 16 * 1024
+"""Payloads above this many bytes (serialized, metadata included) travel by reference: 16 KiB (0.3: 256 KiB). Under a
+tool result of tens of KB, so that it is one stored piece instead of inline in three events of every turn's history
+(its activity's result, the append's input, the workflow's result) and in every early model request: Temporal's
+database went from 4-6x the conversation's bytes to ~0.65x (`bench/bench_storage.py`). The cost: a store write per
+payload over it (~4 ms for 50 KB on SQLite) and a read back (~1 ms)."""
 
 DEFAULT_MAXIMUM = 64 * 1024 * 1024
 """A single payload above this many bytes is refused (DC030): 64 MiB."""
@@ -89,14 +101,49 @@ MAXIMUM_ENV = 'DURCAP_PAYLOAD_MAXIMUM'
 """Environment variables overriding `DEFAULT_THRESHOLD` / `DEFAULT_MAXIMUM` (bytes), read where the client or
 worker connects; give every client and worker of a deployment the same values."""
 
-PAGE_DIGESTS = 32
-"""Piece digests per page (1 KiB a page: the last page of a growing list is written again with every payload)."""
+PAGE_DIGESTS = 16
+"""Entries per page (a leaf's are a depth byte and a piece's sha256, 33 bytes; a page of pages' are sha256s): the last
+page of each level of a growing list is written again with every payload, so pages are small (measured: 16 stores
+less than 32 or 8)."""
 
-_CUT = re.compile(rb'(?<=[\[,])\{"parts":\[|\}\]')
-"""Where pieces are cut: before a message (pydantic-ai writes `parts` first in both message kinds) that opens an
-element of a list, and after the end of a list of objects (a message's parts, the message list itself). A quote
-inside a JSON string is escaped, so `{"parts":[` never matches inside one (`}]` may; any cut is correct, only
-sharing depends on where they fall)."""
+INLINE_FIRST = 256
+"""Bytes up to which a payload's first piece goes in the reference with its head instead of in a page."""
+
+_TOKEN = re.compile(
+    # Skipped whole, never given back (possessive): what cuts nothing, short strings without escapes among it.
+    rb'(?:[^"\[,}]++|"[^"\\]{0,127}"|[\[,](?!\{"parts":\[)(?!"(?:serialized_run_context|usage_limits)":)|\}(?!\]))*+'
+    # Then, if any, the token (group 1).
+    rb'("[^"\\]*(?:\\.[^"\\]*)*"|[\[,](?=\{"parts":\[)|\}(?=\])|,(?="(?:serialized_run_context|usage_limits)":))?',
+    re.DOTALL)
+"""What `pieces` reads (a match is what it skips, then the token it found, group 1; one pass, linear: nothing skipped
+is read again): a JSON string (whole, so nothing inside one is taken for structure), the `[` or `,` before a
+message (pydantic-ai writes `parts` first in both message kinds), the `}` that ends the last element of a list of
+objects (a message's parts, the message list), and the two keys of a model request's run context around what changes
+from request to request (its usage and step). A message is cut from the comma before it and from the `]` after it, so
+it is the same pieces whether another message follows it, it ends the list, or it is a stored message's text (the
+load result). Any cut is correct (the pieces are joined back as they were); only what is shared depends on where they
+fall."""
+
+_UNESCAPE = re.compile(rb'\\([\\"])')
+
+LONG_STRING = 1024
+"""Bytes from which the inside of a JSON string is a piece of its own (a tool result, a long prompt or answer)."""
+
+EMBEDDED_JSON = 128
+"""Bytes from which the inside of a JSON string holding JSON text (escaped quotes: a stored message's text in the
+conversation-load result) is cut one level down. `_TOKEN` skips strings up to 127 bytes without escapes: keep the two
+together."""
+
+MAX_DEPTH = 3
+"""How many levels of JSON-in-a-JSON-string `pieces` cuts into."""
+
+KIND_PIECE, KIND_LEAF, KIND_PAGE, KIND_ZPIECE = 0, 1, 2, 3
+"""`durcap_payloads.kind` (schema 8): a piece (or a whole payload, or a page of 0.3's layout, whose owners refer to
+each of its pieces), a leaf page (entries of a depth byte and a piece's sha256), a page of page digests, a piece
+stored compressed (zlib; its sha256 is that of its bytes before)."""
+
+COMPRESS_FROM = 256
+"""Bytes from which a piece is stored compressed, when zlib (level 1: ~0.7 ms for 50 KB) saves at least a tenth."""
 
 PAYLOAD_TOO_LARGE = 'DC030'
 CLAIM_CHECK_UNAVAILABLE = 'DC031'
@@ -219,28 +266,37 @@ class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
         """Store `data`, a serialized payload whose last `body` bytes are its `data` field (its pieces and pages,
         or whole), and return the reference's JSON. Runs in a thread."""
         digest = hashlib.sha256(data).hexdigest()
-        head = len(data) - body  # metadata and the body's length: differs with every size, so a piece of its own
-        bounds = [(head + start, head + end) for start, end in cut(data[head:])]
-        if head:
-            bounds.insert(0, (0, head))
-        if len(bounds) <= 2:  # the body in one piece: stored whole, 0.2's layout
+        head = len(data) - body  # metadata and the body's length: differs with every size
+        found = pieces(data[head:])
+        if len(found) <= 1:  # the body in one piece: stored whole, 0.2's layout
             self._store._sql.put_payload(digest, data, self.owner)
             return json.dumps({'sha256': digest, 'size': len(data)}).encode()
-        rows: list[tuple[str, bytes]] = []
-        digests = bytearray()
-        for start, end in bounds:
-            piece = data[start:end]
+        # The head, and the body's first piece when it is short (`{"messages":[`, a load result's revision), go in the
+        # reference: they differ from payload to payload, and as the first entry they would make every payload's first
+        # page a new one.
+        prefix = data[:head]
+        if found[0][0] == 0 and len(found[0][1]) <= INLINE_FIRST:
+            prefix += found.pop(0)[1]
+        rows: dict[str, tuple[bytes, int]] = {}
+        entries: list[bytes] = []
+        for depth, piece in found:
             raw = hashlib.sha256(piece).digest()
-            digests += raw
-            rows.append((raw.hex(), piece))
-        pages: list[str] = []
-        step = 32 * PAGE_DIGESTS
-        for start in range(0, len(digests), step):
-            page = bytes(digests[start:start + step])
-            pages.append(hashlib.sha256(page).hexdigest())
-            rows.append((pages[-1], page))
-        self._store._sql.put_payloads(rows, self.owner)
-        return json.dumps({'sha256': digest, 'size': len(data), 'pages': pages}).encode()
+            entries.append(bytes((depth,)) + raw)
+            rows.setdefault(raw.hex(), (piece, KIND_PIECE))
+        level, height = entries, 0
+        while height == 0 or len(level) > 1:  # pages of pages until one page: the root
+            height += 1
+            above: list[bytes] = []
+            for start in range(0, len(level), PAGE_DIGESTS):
+                page = b''.join(level[start:start + PAGE_DIGESTS])
+                raw = hashlib.sha256(page).digest()
+                rows.setdefault(raw.hex(), (page, KIND_LEAF if height == 1 else KIND_PAGE))
+                above.append(raw)
+            level = above
+        root = level[0].hex()
+        self._store._sql.put_tree(root, [(d, piece, kind) for d, (piece, kind) in rows.items()], self.owner, _pack)
+        reference = {'sha256': digest, 'size': len(data), 'head': base64.b64encode(prefix).decode(), 'root': root, 'height': height}
+        return json.dumps(reference, separators=(',', ':')).encode()
 
     async def decode(self, payloads: Sequence[Payload]) -> list[Payload]:
         """Each payload as it is, or, for a reference, the stored payload it names.
@@ -263,28 +319,50 @@ class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
     def _get(self, reference: dict[str, Any]) -> bytes:
         """The bytes a reference names (whole, or from its pages and pieces), checked. Runs in a thread."""
         digest = reference['sha256']
-        pages = reference.get('pages')
         sql = self._store._sql
-        if pages is None:  # stored whole (0.2, or a single piece)
-            data = sql.get_payload(digest)
-            if data is None:
-                raise self._corrupted(reference, digest, 'is not in')
-        else:
-            found = sql.get_payloads(pages)
-            for page in pages:
-                if page not in found:
-                    raise self._corrupted(reference, page, 'has a page that is not in')
-                if hashlib.sha256(found[page]).hexdigest() != page:
-                    raise self._corrupted(reference, page, 'has a page that does not match its sha256 in')
-            digests = [raw.hex() for page in pages for raw in _split(found[page])]
-            pieces = sql.get_payloads(digests)
-            missing = next((d for d in digests if d not in pieces), None)
+        if 'root' in reference:  # a tree of pages: entries of a depth byte and a piece digest at the leaves
+            level: list[str] = [reference['root']]
+            for _ in range(int(reference['height']) - 1):  # pages of page digests, down to the leaves
+                found = self._pages(reference, level)
+                level = [raw.hex() for page in level for raw in _split(found[page], 32)]
+            found = self._pages(reference, level)
+            entries = [(raw[0], raw[1:].hex()) for page in level for raw in _split(found[page], 33)]
+            rows = sql.get_rows([d for _, d in entries])
+            missing = next((d for _, d in entries if d not in rows), None)
             if missing is not None:
                 raise self._corrupted(reference, missing, 'has a piece that is not in')
-            data = b''.join(pieces[d] for d in digests)
+            try:
+                plain = {d: zlib.decompress(raw) if kind == KIND_ZPIECE else raw for d, (raw, kind) in rows.items()}
+            except zlib.error:
+                bad = next(d for d, (raw, kind) in rows.items() if kind == KIND_ZPIECE and not _inflates(raw))
+                raise self._corrupted(reference, bad, 'has a piece that does not decompress in') from None
+            data = base64.b64decode(reference.get('head', '')) + b''.join(_escape(plain[d], depth) for depth, d in entries)
+        elif (pages := reference.get('pages')) is not None:  # one level of pages of piece digests (0.3)
+            found = self._pages(reference, pages)
+            digests = [raw.hex() for page in pages for raw in _split(found[page], 32)]
+            stored = sql.get_payloads(digests)
+            missing = next((d for d in digests if d not in stored), None)
+            if missing is not None:
+                raise self._corrupted(reference, missing, 'has a piece that is not in')
+            data = b''.join(stored[d] for d in digests)
+        else:  # stored whole (0.2, or a single piece)
+            whole = sql.get_payload(digest)
+            if whole is None:
+                raise self._corrupted(reference, digest, 'is not in')
+            data = whole
         if hashlib.sha256(data).hexdigest() != digest:
             raise self._corrupted(reference, digest, 'does not match its sha256 in')
         return data
+
+    def _pages(self, reference: dict[str, Any], pages: list[str]) -> dict[str, bytes]:
+        """`{digest: bytes}` of `pages`, each checked against its digest."""
+        found = self._store._sql.get_payloads(pages)
+        for page in pages:
+            if page not in found:
+                raise self._corrupted(reference, page, 'has a page that is not in')
+            if hashlib.sha256(found[page]).hexdigest() != page:
+                raise self._corrupted(reference, page, 'has a page that does not match its sha256 in')
+        return found
 
     def _corrupted(self, reference: dict[str, Any], row: str, what: str) -> CorruptedRowError:
         return CorruptedRowError(
@@ -295,28 +373,89 @@ class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
         )
 
 
-def _split(page: bytes) -> list[bytes]:
-    return [page[i:i + 32] for i in range(0, len(page), 32)]
+def _pack(data: bytes, kind: int) -> tuple[bytes, int]:
+    """What the store keeps of a row not stored yet: a piece of `COMPRESS_FROM` bytes or more compressed (`KIND_ZPIECE`)
+    when that saves a tenth, else as it is."""
+    if kind == KIND_PIECE and len(data) >= COMPRESS_FROM:
+        packed = zlib.compress(data, 1)
+        if len(packed) <= len(data) * 0.9:
+            return packed, KIND_ZPIECE
+    return data, kind
 
 
-def cut(data: bytes) -> list[tuple[int, int]]:
-    """The `(start, end)` of each piece of `data`, cut where its content says (`_CUT`): before each message
-    (`{"parts":[` opening an element of a list) and after each list of objects (`}]`).
+def _inflates(data: bytes) -> bool:
+    try:
+        zlib.decompress(data)
+    except zlib.error:
+        return False
+    return True
+
+
+def _split(page: bytes, width: int) -> list[bytes]:
+    return [page[i:i + width] for i in range(0, len(page), width)]
+
+
+def _escape(text: bytes, depth: int) -> bytes:
+    """`text` written `depth` times more as the inside of a JSON string (`\\` and `"` escaped)."""
+    for _ in range(depth):
+        text = text.replace(b'\\', b'\\\\').replace(b'"', b'\\"')
+    return text
+
+
+def _unescape(text: bytes) -> bytes | None:
+    """The JSON text `text` is the inside of a JSON string of, when `_escape(., 1)` gives `text` back exactly (only
+    `\\` and `"` escaped: the form pydantic's and Temporal's JSON give a string holding JSON); else `None`."""
+    plain = _UNESCAPE.sub(rb'\1', text)
+    return plain if _escape(plain, 1) == text else None
+
+
+def pieces(data: bytes, depth: int = 0) -> list[tuple[int, bytes]]:
+    """The pieces of `data` (JSON text, or any bytes) as `(depth, bytes)`, cut where its content says (`_TOKEN`):
+    before each message (`{"parts":[` opening an element of a list), after each list of objects (`}]`), and around the
+    inside of every JSON string of at least `LONG_STRING` bytes. A long string that holds JSON text (a stored
+    message's text, as the conversation-load result carries it) is cut the same way, one level down: its pieces are
+    kept with `"` and `\\` unescaped once (`depth` + 1), so they are the same pieces as the messages the other
+    payloads carry; `_escape(piece, depth)` gives the bytes back. `data` is at `depth` already.
 
     Content-defined: where a cut falls depends only on the bytes around it, not on what came before, so a message
-    list that grew at its end shares every piece but the last with the shorter one, and the same message carried
-    in another payload (the conversation-load result, a later model request) is the same piece.
+    list that grew at its end shares every piece but the last with the shorter one, and the same message or long
+    string carried in another payload (a tool's result, a model request, the append, the conversation-load result)
+    is the same piece.
     """
-    bounds: list[tuple[int, int]] = []
+    found: list[tuple[int, bytes]] = []
     start = 0
-    for match in _CUT.finditer(data):
-        end = match.start() if match.group() != b'}]' else match.end()
-        if end > start:
-            bounds.append((start, end))
-            start = end
-    if start < len(data) or not bounds:
-        bounds.append((start, len(data)))
-    return bounds
+    for match in _TOKEN.finditer(data):
+        begin, end = match.span(1)
+        if begin < 0:  # the end, or a quote that opens no string
+            continue
+        first = data[begin]
+        if first == 0x22:  # a string
+            size = end - begin - 2
+            if size < EMBEDDED_JSON:
+                continue
+            inside = data[begin + 1:end - 1]
+            plain = _unescape(inside) if depth < MAX_DEPTH and b'\\"' in inside else None
+            if plain is None and size < LONG_STRING:
+                continue
+            if begin + 1 > start:
+                found.append((depth, data[start:begin + 1]))
+            if plain is not None:
+                found += pieces(plain, depth + 1)
+            else:
+                found.append((depth, inside))
+            start = end - 1
+            continue
+        if first == 0x2C:  # `,`: a piece of its own before a message, else the start of the next piece
+            cuts = (begin, end) if data.startswith(b'{"parts":[', end) else (begin,)
+        else:  # after the `[` before the first message, after the `}` ending a list
+            cuts = (end,)
+        for at in cuts:
+            if at > start:
+                found.append((depth, data[start:at]))
+                start = at
+    if start < len(data) or not found:
+        found.append((depth, data[start:]))
+    return found
 
 
 def default_codec(store: str | None = None) -> ClaimCheckCodec:
