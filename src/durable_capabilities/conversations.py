@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from pydantic_ai.messages import (
     ModelMessage,
@@ -350,6 +350,16 @@ async def release_turn(agent: DurableAgent[Any, Any], conversation_id: str, run_
     """Release the turn claim run `run_id` holds on `conversation_id` (`None`: whoever holds it); idempotent.
     Returns whether a claim was released."""
     return await process_store(store_url(agent, store)).release_turn(conversation_id, run_id)
+
+
+@overload
+async def load_conversation(agent: DurableAgent[Any, Any], conversation_id: str, *, store: str | None = None,
+                            by_head: Literal[False] = False) -> LoadedConversation: ...
+
+
+@overload
+async def load_conversation(agent: DurableAgent[Any, Any], conversation_id: str, *, store: str | None = None,
+                            by_head: bool) -> LoadedConversation | LoadedHead: ...
 
 
 async def load_conversation(agent: DurableAgent[Any, Any], conversation_id: str, *, store: str | None = None,

@@ -89,7 +89,9 @@ def conversation_activities(agent: DurableAgent[Any, Any], store: str | None = N
 
     @activity.defn(name=load_name)
     async def load(conversation_id: str, busy: str | None = None) -> LoadedConversation:
-        return await load_body(conversation_id, busy)
+        loaded = await load_body(conversation_id, busy)
+        assert isinstance(loaded, LoadedConversation)  # `by_head` is off: the rows travel (claim-checked in pieces)
+        return loaded
 
     @activity.defn(name=append_name)
     async def append(params: AppendInput) -> int:
