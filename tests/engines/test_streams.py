@@ -81,6 +81,14 @@ def assert_resumed_after_the_kill(seen: list[RunEvent], rest: list[RunEvent], an
     assert len(retries) == 1 and retries[0].attempt == 2 and retries[0].data['discard_attempts'] == [1]
     discarded = [e for e in whole if e.kind == 'text_delta' and e.unit == retries[0].unit and e.attempt == 1]
     assert len(discarded) >= 5  # the first attempt's partial text was published, then discarded
+    # No event published twice: the run's own events (its container, replayed by the second process) once each, and
+    # each attempt's words (all different) once each.
+    run_kinds = [e.kind for e in whole if e.unit == 'run']
+    assert run_kinds.count('run_started') == 1 and run_kinds.count('run_completed') == 1, run_kinds
+    assert [e.kind for e in whole].count('tool_call') == 1  # the first request (the tool call) ran once
+    for unit, attempt in {(e.unit, e.attempt) for e in whole}:
+        texts = [e.text for e in whole if e.kind == 'text_delta' and (e.unit, e.attempt) == (unit, attempt)]
+        assert len(texts) == len(set(texts)), (unit, attempt, texts)
     assert answer_text(whole) == answer and whole[-1].kind == 'run_completed'
     return whole
 
@@ -122,33 +130,50 @@ def test_support_demo_streams_every_event_to_a_subscriber_in_another_process(eng
     assert late == events
 
 
-def _dbos_run(spawn: Any, workflow_id: str, db: str, env: dict[str, str]) -> Any:
-    return spawn('dbos', 'run', '--target', TARGET, '--db', db, '--workflow-id', workflow_id, '--prompt', 'where is ABC-123?',
-                 env=env)
+def _stream_env(tmp_path: Path, store: str) -> dict[str, str]:
+    return {'DURCAP_STORE': store, 'DURCAP_STREAM_DIR': str(tmp_path / 'stream'),
+            'DURCAP_STREAM_AGENT': f'streamer-{uuid.uuid4().hex[:6]}'}
 
 
-def test_dbos_worker_killed_mid_stream_and_subscriber_restarted_from_its_offset(tmp_path: Path, spawn, subscribers) -> None:
-    """DBOS on SQLite: subscriber A (another process) is SIGKILLed after a few text deltas; the run's process is
-    SIGKILLed mid-stream; subscriber B starts with A's last offset and a second process recovers the workflow. B gets
-    exactly the events after A's last one (no gap, no repeat), among them the `retry` marker of the answer's model
-    request (attempt 2 discarding attempt 1), and the text with the retry applied equals the answer."""
+@pytest.mark.parametrize('backend', ['dbos-sqlite', 'dbos-postgresql', 'prefect'])
+def test_worker_killed_mid_stream_and_subscriber_restarted_from_its_offset(
+        backend: str, tmp_path: Path, spawn, subscribers, request: pytest.FixtureRequest) -> None:
+    """DBOS on SQLite, DBOS on PostgreSQL (a fresh database holding DBOS's system tables and the conversation store
+    with its event log, dropped after), Prefect (the shared server, the store on SQLite): subscriber A (another
+    process) is SIGKILLed after a few text deltas; the process running the run is SIGKILLed mid-stream, inside the
+    answer's model request unit; subscriber B starts with A's last offset and a second process completes the run
+    (DBOS: the same workflow id launched again, which recovers it; Prefect: the same flow run run again, its finished
+    tasks read from their cached results). B gets exactly the events after A's last one (no gap, no repeat), among
+    them the `retry` marker of the answer's model request (attempt 2 discarding attempt 1), and the text with the
+    retry applied equals the answer."""
     from tests.engines.stream_agent import ANSWER
 
-    stream_dir = tmp_path / 'stream'
-    env = {'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}', 'DURCAP_STREAM_DIR': str(stream_dir),
-           'DURCAP_STREAM_AGENT': f'streamer-{uuid.uuid4().hex[:6]}'}
-    db = f'sqlite:///{tmp_path / "dbos.sqlite"}'
-    workflow_id = f'stream-{uuid.uuid4()}'
-    a = subscribers(tmp_path, workflow_id, env, name='a')
-    first = _dbos_run(spawn, workflow_id, db, env)
+    if backend == 'dbos-postgresql':
+        db = store = request.getfixturevalue('postgres_url')
+    else:
+        db, store = f'sqlite:///{tmp_path / "dbos.sqlite"}', f'sqlite:///{tmp_path / "conversations.db"}'
+    env = _stream_env(tmp_path, store)
+    if backend == 'prefect':
+        env |= {'PREFECT_API_URL': request.getfixturevalue('prefect_api_url'),
+                'PREFECT_HOME': str(tmp_path / 'prefect-home'), 'PREFECT_LOCAL_STORAGE_PATH': str(tmp_path / 'results')}
+        first = spawn('prefect', 'run', '--target', TARGET, '--prompt', 'where is ABC-123?', env=env)
+        run_id = first.wait_for('PREFECT FLOW RUN', 120).split()[-1]
+        again: tuple[str, ...] = ('prefect', 'run', '--target', TARGET, '--prompt', 'where is ABC-123?',
+                                  '--flow-run-id', run_id)
+    else:
+        run_id = f'stream-{uuid.uuid4()}'
+        again = ('dbos', 'run', '--target', TARGET, '--db', db, '--workflow-id', run_id, '--prompt', 'where is ABC-123?')
+    a = subscribers(tmp_path, run_id, env, name='a')
+    if backend != 'prefect':
+        first = spawn(*again, env=env)
     wait_for(lambda: sum(e.kind == 'text_delta' for e in a.events()) >= 4 or None, 180)
     a.kill9()
     seen = a.events()
-    wait_for_file(stream_dir / 'mid-stream', 120)
+    wait_for_file(tmp_path / 'stream' / 'mid-stream', 120)
     time.sleep(0.3)  # the deltas before the hang reach the log (flushed every 50 ms)
     first.kill9()
-    b = subscribers(tmp_path, workflow_id, env, '--from', str(seen[-1].offset), name='b')
-    second = _dbos_run(spawn, workflow_id, db, env)
+    b = subscribers(tmp_path, run_id, env, '--from', str(seen[-1].offset), name='b')
+    second = spawn(*again, env=env)
     report = second.report(timeout=180)
     rest = b.finish()
     assert report['output'] == ANSWER
