@@ -247,3 +247,85 @@ def test_prefect_run_streams_to_a_subscriber_in_another_process(tmp_path: Path, 
     assert answer_text(events) == ANSWER
     assert [e.kind for e in events].count('text_delta') == len(ANSWER.split(' ')) - 3  # prefix in one delta, then 30
     assert json.loads(json.dumps(events[-1].data))['output'] == ANSWER
+
+
+PROVIDER_KINDS = ('openai-chat', 'openai-responses', 'anthropic')
+WIRE_ANSWER = 'Order ABC-123 (Blue denim jacket) shipped via UPS and arrives 2026-05-02.'
+WIRE_DEPS = json.dumps({'orders': {'ABC-123': 'Blue denim jacket (size M): shipped 2026-04-28 via UPS.'}})
+
+
+def _engine_flags(engine: str, request: pytest.FixtureRequest, tmp_path: Path) -> tuple[list[str], dict[str, str]]:
+    """`durcap run` connection flags and environment for `engine` on the session's servers (the store on SQLite)."""
+    env = {'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}'}
+    if engine == 'dbos':
+        return ['--db', f'sqlite:///{tmp_path / "dbos.sqlite"}'], env
+    if engine == 'temporal':
+        return ['--address', request.getfixturevalue('temporal_address'), '--inline-worker', '--task-queue',
+                f'wire-{uuid.uuid4().hex[:8]}'], env
+    return [], env | {'PREFECT_API_URL': request.getfixturevalue('prefect_api_url'),
+                      'PREFECT_HOME': str(tmp_path / 'ph'), 'PREFECT_LOCAL_STORAGE_PATH': str(tmp_path / 'pr')}
+
+
+PROVIDER_RUNS = [('dbos', kind) for kind in PROVIDER_KINDS] + [('temporal', 'openai-chat'), ('prefect', 'openai-chat')]
+"""Every model class on DBOS; on Temporal and Prefect the Chat model, whose agent streams through an
+`event_stream_handler` (the model's `request_stream` inside the unit; the other two send `request`, streamed by
+`StreamingModel`): the other four pairs pass too (13-23 s each), left out for the suite's time budget."""
+
+
+@pytest.mark.parametrize(('engine', 'kind'), PROVIDER_RUNS)
+def test_real_provider_models_stream_over_sse_and_a_cut_stream_is_discarded(
+        engine: str, kind: str, tmp_path: Path, subscribers, request: pytest.FixtureRequest) -> None:
+    """The real `OpenAIChatModel`, `OpenAIResponsesModel` and `AnthropicModel` (tests/engines/wire_agent.py's support
+    agent, no FunctionModel) streaming over SSE from the wire server (`durable_capabilities.wire`, in a thread of this
+    process), on DBOS (SQLite), Temporal (the shared dev server, `durcap run`'s inline worker) and Prefect (the
+    shared server). The answer's stream is cut half way on its first request (8 text deltas, the connection closed
+    after half the SSE events): the engine retries the model request, the wire server answers it whole. A subscriber
+    (`durcap runs watch`, another process, started once the run id is printed) gets every event in order, once: the
+    cut attempt's partial text (a proper prefix of the answer), one `retry` marker discarding it, the retried
+    request's 8 deltas, its text exactly the answer, delivered once; with the retry applied the text is the answer."""
+    pytest.importorskip('openai')
+    pytest.importorskip('anthropic')
+    import dataclasses
+
+    from durable_capabilities.wire import SUPPORT_SCRIPT, Fault, Script, WireServer
+
+    turn = SUPPORT_SCRIPT.turns[0]
+    cut = dataclasses.replace(turn.steps[2], text_deltas=8, faults=(Fault(cut=True),))
+    script = Script((dataclasses.replace(turn, steps=(*turn.steps[:2], cut)),))
+    flags, env = _engine_flags(engine, request, tmp_path)
+    err = tmp_path / 'run.err'
+    with WireServer(script) as wire:
+        env |= {'DURCAP_WIRE_KIND': kind, 'DURCAP_WIRE_URL': wire.url}
+        with open(tmp_path / 'run.out', 'wb') as out, open(err, 'wb') as errors:
+            run = subprocess.Popen([*DURCAP, 'run', 'tests.engines.wire_agent:support', 'Where is my order ABC-123?',
+                                    '--engine', engine, *flags, '--deps-json', WIRE_DEPS], cwd=ROOT,
+                                   env=subprocess_env(env), stdout=out, stderr=errors, start_new_session=True)
+        try:
+            line: str = wait_for(lambda: next((x for x in err.read_text().splitlines()
+                                               if 'workflow id:' in x or 'flow run id:' in x), None), 180)
+            run_id = line.split(' id:', 1)[1].split()[0]
+            live = subscribers(tmp_path, run_id, env, '--engine', engine, name='live')
+            assert run.wait(timeout=240) == 0, err.read_text()
+        finally:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+        served = [(e['step'], bool(e['fault'] and e['fault']['cut'])) for e in wire.log]
+    assert f'answer ({engine}): {WIRE_ANSWER}' in (tmp_path / 'run.out').read_text()
+    assert served == [(0, False), (1, False), (2, True), (2, False)], served  # the cut request, then its retry
+    events = live.finish()
+    assert_in_order_once(events)
+    assert events[0].offset == 1 and events[0].kind == 'run_started' and events[-1].kind == 'run_completed'
+    retries = [e for e in events if e.kind == 'retry']
+    assert len(retries) == 1 and retries[0].data['discard_attempts'] == [1], retries
+    unit, attempt = retries[0].unit, retries[0].attempt
+    assert attempt == 2
+    texts = lambda n: [e.text for e in events if e.kind == 'text_delta' and (e.unit, e.attempt) == (unit, n)]  # noqa: E731
+    partial = ''.join(texts(1))
+    assert texts(1) and WIRE_ANSWER.startswith(partial) and partial != WIRE_ANSWER, texts(1)  # cut half way
+    assert len(texts(2)) == 8 and ''.join(texts(2)) == WIRE_ANSWER, texts(2)  # the retried request's text, once
+    assert sum(e.kind == 'text_delta' for e in events) == len(texts(1)) + 8  # no other text
+    assert answer_text(events) == WIRE_ANSWER == events[-1].data['output']
+    offsets = {e.offset for e in events if e.unit == unit}
+    assert retries[0].offset > max(e.offset for e in events if (e.unit, e.attempt) == (unit, 1))
+    assert min(e.offset for e in events if (e.unit, e.attempt) == (unit, 2) and e.kind != 'retry') > retries[0].offset, \
+        offsets

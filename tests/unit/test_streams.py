@@ -134,6 +134,58 @@ def test_a_retried_model_request_publishes_the_retry_marker_and_no_duplicate(tmp
     assert len({(e.unit, e.attempt, e.offset) for e in events}) == len(events)
 
 
+def test_a_request_the_caller_streams_is_published_as_it_is_read(tmp_path: Path) -> None:
+    """An agent with an `event_stream_handler` has the engine's unit call the model's `request_stream` (not
+    `request`): each event is published as the caller reads it, then the response's tool call; the caller's stream
+    is the model's (same events, `get()`), and a cut first attempt is discarded by the second's `retry` marker."""
+    store = sqlite_url(tmp_path)
+    calls = {'n': 0}
+
+    async def flaky(messages: list[Any], info: AgentInfo) -> AsyncIterator[str | dict[int, DeltaToolCall]]:
+        calls['n'] += 1
+        for index, word in enumerate(WORDS):
+            if calls['n'] == 1 and index == 3:
+                raise ConnectionError('stream cut half way')
+            yield word
+        yield {0: DeltaToolCall(name='order_status', json_args='{"order_id": "ABC-123"}', tool_call_id='call-1')}
+
+    wrapped = streams.StreamingModel(FunctionModel(stream_function=flaky))
+    messages: list[ModelMessage] = [ModelRequest(parts=[UserPromptPart('where is ABC-123?')])]
+    published_while_reading: list[int] = []
+
+    async def scenario() -> tuple[list[Any], ModelResponse]:
+        with streams.publishing('run-rs', 'local', store):
+            with pytest.raises(ConnectionError):
+                async with wrapped.request_stream(messages, None, ModelRequestParameters()) as stream:
+                    async for _ in stream:
+                        pass
+            seen = []
+            async with wrapped.request_stream(messages, None, ModelRequestParameters()) as stream:
+                async for event in stream:
+                    seen.append(event)
+                    if len(seen) == 3:  # the first events reach the log while the caller reads on
+                        await asyncio.sleep(0.2)
+                        published_while_reading.append(len(run_events_now('run-rs', store)))
+                response = stream.get()
+            await streams.publish_run('run_completed', {'output': ANSWER}, close=True)
+        return seen, response
+
+    seen, response = run(scenario())
+    events = run(events_of('run-rs', store))
+    second = [e for e in events if e.attempt == 2 and e.kind not in ('retry',)]
+    assert [e.event for e in second if e.kind != 'tool_call'] == seen
+    assert [e.kind for e in second][-1] == 'tool_call' and second[-1].event.part == response.parts[-1]  # type: ignore[union-attr]
+    retry = next(e for e in events if e.kind == 'retry')
+    assert (retry.unit, retry.attempt, retry.data['discard_attempts']) == ('model_request:1', 2, [1])
+    assert answer_text(events) == ANSWER
+    assert published_while_reading and published_while_reading[0] > 0
+
+
+def run_events_now(run_id: str, store: str) -> list[Any]:
+    """The events stored for `run_id` now (a synchronous read, from inside a running loop)."""
+    return EventLog(store).read_sync(run_id, 0)
+
+
 def test_log_skips_a_key_it_has_and_trims_to_its_limits(tmp_path: Path) -> None:
     store = sqlite_url(tmp_path)
     log = EventLog(store, Limits(max_events=5, max_bytes=10_000, retention_seconds=3600))

@@ -341,9 +341,54 @@ class StreamingModel(WrapperModel):
     async def request_stream(self, messages: list[ModelMessage], model_settings: ModelSettings | None,
                              model_request_parameters: ModelRequestParameters,
                              run_context: Any = None) -> AsyncIterator[Any]:
-        async with self.wrapped.request_stream(messages, model_settings, model_request_parameters,
-                                               run_context) as stream:
-            yield stream
+        """The wrapped model's stream; in a `publishing` context its events are published as the caller reads them
+        (an agent with an `event_stream_handler` streams its requests through here: the engine's streamed model
+        request unit reads the whole stream), the unit's attempt claimed before the request is sent, as `request`
+        does."""
+        context = _current.get()
+        if context is None:
+            async with self.wrapped.request_stream(messages, model_settings, model_request_parameters,
+                                                   run_context) as stream:
+                yield stream
+            return
+        unit = _UnitPublisher(context, f'model_request:{len(messages)}')
+        await unit.start()
+        try:
+            await unit.tool_results(messages)
+            async with self.wrapped.request_stream(messages, model_settings, model_request_parameters,
+                                                   run_context) as stream:
+                yield _PublishedStream(stream, unit)
+        finally:
+            # Also when the request failed: its partial events are stored before a retry claims the next attempt.
+            await unit.close()
+
+
+class _PublishedStream:
+    """A model's `StreamedResponse` whose events are published (`_UnitPublisher`) as the caller iterates it, then the
+    response's tool calls; every other attribute is the wrapped stream's (read and written through)."""
+
+    def __init__(self, stream: Any, unit: _UnitPublisher):
+        object.__setattr__(self, '_durcap_stream', stream)
+        object.__setattr__(self, '_durcap_unit', unit)
+        object.__setattr__(self, '_durcap_events', None)
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        if self._durcap_events is None:  # one iterator, as StreamedResponse: a second `async for` goes on with it
+            object.__setattr__(self, '_durcap_events', self._events())
+        return self._durcap_events
+
+    async def _events(self) -> AsyncIterator[Any]:
+        unit: _UnitPublisher = self._durcap_unit
+        async for event in self._durcap_stream:
+            await unit.event(event)
+            yield event
+        await unit.tool_calls(self._durcap_stream.get())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._durcap_stream, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._durcap_stream, name, value)
 
 
 def wrap_model(model: Any) -> Any:
