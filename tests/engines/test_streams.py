@@ -170,7 +170,7 @@ def test_worker_killed_mid_stream_and_subscriber_restarted_from_its_offset(
     a.kill9()
     seen = a.events()
     wait_for_file(tmp_path / 'stream' / 'mid-stream', 120)
-    time.sleep(0.3)  # the deltas before the hang reach the log (flushed every 50 ms)
+    time.sleep(0.3)  # the deltas before the hang reach the log (each written as it comes)
     first.kill9()
     b = subscribers(tmp_path, run_id, env, '--from', str(seen[-1].offset), name='b')
     second = spawn(*again, env=env)
@@ -211,7 +211,7 @@ def test_temporal_worker_killed_mid_stream_and_subscriber_restarted_from_its_off
         a.kill9()
         seen = a.events()
         wait_for_file(stream_dir / 'mid-stream', 120)
-        time.sleep(0.3)  # the deltas before the hang reach the log (flushed every 50 ms)
+        time.sleep(0.3)  # the deltas before the hang reach the log (each written as it comes)
         first.kill9()
         b = subscribers(tmp_path, run_id, env, '--engine', 'temporal', '--from', str(seen[-1].offset), name='b')
         spawn(*worker, env=env)
@@ -245,7 +245,9 @@ def test_prefect_run_streams_to_a_subscriber_in_another_process(tmp_path: Path, 
     assert_in_order_once(events)
     assert events[0].offset == 1 and events[-1].kind == 'run_completed'
     assert answer_text(events) == ANSWER
-    assert [e.kind for e in events].count('text_delta') == len(ANSWER.split(' ')) - 3  # prefix in one delta, then 30
+    # The prefix in one delta, then 30 words 20 ms apart: one event each, but those that arrive while a write is in
+    # flight are joined (a write over 20 ms on a loaded machine).
+    assert 2 <= [e.kind for e in events].count('text_delta') <= len(ANSWER.split(' ')) - 3
     assert json.loads(json.dumps(events[-1].data))['output'] == ANSWER
 
 
@@ -282,7 +284,8 @@ def test_real_provider_models_stream_over_sse_and_a_cut_stream_is_discarded(
     after half the SSE events): the engine retries the model request, the wire server answers it whole. A subscriber
     (`durcap runs watch`, another process, started once the run id is printed) gets every event in order, once: the
     cut attempt's partial text (a proper prefix of the answer), one `retry` marker discarding it, the retried
-    request's 8 deltas, its text exactly the answer, delivered once; with the retry applied the text is the answer."""
+    request's deltas (8, those that arrived during a write joined), its text exactly the answer, delivered once; with
+    the retry applied the text is the answer."""
     pytest.importorskip('openai')
     pytest.importorskip('anthropic')
     import dataclasses
@@ -322,8 +325,8 @@ def test_real_provider_models_stream_over_sse_and_a_cut_stream_is_discarded(
     texts = lambda n: [e.text for e in events if e.kind == 'text_delta' and (e.unit, e.attempt) == (unit, n)]  # noqa: E731
     partial = ''.join(texts(1))
     assert texts(1) and WIRE_ANSWER.startswith(partial) and partial != WIRE_ANSWER, texts(1)  # cut half way
-    assert len(texts(2)) == 8 and ''.join(texts(2)) == WIRE_ANSWER, texts(2)  # the retried request's text, once
-    assert sum(e.kind == 'text_delta' for e in events) == len(texts(1)) + 8  # no other text
+    assert ''.join(texts(2)) == WIRE_ANSWER, texts(2)  # the retried request's text, once (its 8 deltas, some joined)
+    assert sum(e.kind == 'text_delta' for e in events) == len(texts(1)) + len(texts(2))  # no other text
     assert answer_text(events) == WIRE_ANSWER == events[-1].data['output']
     offsets = {e.offset for e in events if e.unit == unit}
     assert retries[0].offset > max(e.offset for e in events if (e.unit, e.attempt) == (unit, 1))

@@ -23,11 +23,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pydantic_ai.messages import (
@@ -36,8 +35,11 @@ from pydantic_ai.messages import (
     ModelMessage,
     ModelRequest,
     ModelResponse,
+    PartDeltaEvent,
     PartEndEvent,
     PartStartEvent,
+    TextPartDelta,
+    ThinkingPartDelta,
     ToolCallPart,
     ToolReturnPart,
 )
@@ -54,9 +56,6 @@ if TYPE_CHECKING:
 TOOL_RESULT_SUMMARY_CHARS = 4_000
 """A tool result longer than this (as JSON text) is published cut to it, with `data['truncated']` holding its full
 size and the conversation it is stored in (the whole result is the `ToolReturnPart` of that conversation)."""
-
-FLUSH_SECONDS = 0.05
-"""A unit's events are written at most this long after they arrive (and at the unit's end)."""
 
 RUN_UNIT = 'run'
 
@@ -178,17 +177,44 @@ async def publish_run(kind: str, data: dict[str, Any], *more: tuple[str, dict[st
     context.closed = close
 
 
+_Pending = tuple[Any, str | None, dict[str, Any] | None]
+"""An event waiting for its write: `(stream event, None, data)`, or `(None, kind, body)` for one of the unit's own."""
+
+
+def _merged(first: Any, second: Any) -> Any:
+    """One `PartDeltaEvent` for two consecutive text (or thinking text) deltas of the same part that carry nothing
+    else, `None` when they cannot be joined (another kind of event or delta, a signature, provider details,
+    citations, different parts)."""
+    if not (isinstance(first, PartDeltaEvent) and isinstance(second, PartDeltaEvent) and first.index == second.index):
+        return None
+    a, b = first.delta, second.delta
+    if isinstance(a, TextPartDelta) and isinstance(b, TextPartDelta):
+        if a.provider_details or b.provider_details or a.citations_delta or b.citations_delta:
+            return None
+    elif isinstance(a, ThinkingPartDelta) and isinstance(b, ThinkingPartDelta):
+        if (a.content_delta is None or b.content_delta is None or a.signature_delta is not None
+                or b.signature_delta is not None or a.provider_details or b.provider_details):
+            return None
+    else:
+        return None
+    if a.provider_name != b.provider_name:
+        return None
+    return PartDeltaEvent(index=first.index, delta=replace(a, content_delta=a.content_delta + b.content_delta))
+
+
 class _UnitPublisher:
-    """The events of one execution (attempt) of one durable unit, written in batches by a chain of background
-    writes (in order), so the model's stream is read on while a batch is stored; `close` waits for the last one. The
-    first batch claims the attempt (`EventLog.append_unit_sync`)."""
+    """The events of one execution (attempt) of one durable unit, written by one background writer (group commit):
+    an event that arrives while no write is in flight is written at once; those that arrive while one is in flight
+    wait for it and then go together in the next transaction, consecutive text deltas of one part joined into one
+    delta (the text is the same, in fewer events). So the first event is never held back, and a burst costs a few
+    transactions and rows instead of one per delta; the model's stream is read on while a batch is stored. The first
+    write claims the attempt (`EventLog.append_unit_sync`); `close` writes what is left and waits for it."""
 
     def __init__(self, context: StreamContext, unit: str):
         self.context, self.unit = context, unit
         self.attempt: int | None = None
         self.seq = 0
-        self.pending: list[tuple[int, str, dict[str, Any]]] = []
-        self.last_flush = time.monotonic()
+        self.pending: list[_Pending] = []
         self.writing: asyncio.Future[None] | None = None
 
     async def start(self) -> None:
@@ -196,34 +222,54 @@ class _UnitPublisher:
         self.flush()
 
     def _add(self, kind: str, body: dict[str, Any]) -> None:
-        self.pending.append((self.seq, kind, body))
-        self.seq += 1
+        self.pending.append((None, kind, body))
 
     async def event(self, event: Any, data: dict[str, Any] | None = None) -> None:
-        self._add(kind_of(event), {'event': dump_event(event), **({'data': data} if data else {})})
-        if time.monotonic() - self.last_flush >= FLUSH_SECONDS:
-            self.flush()
+        self.pending.append((event, None, data))
+        self.flush()
+
+    def _take(self) -> list[tuple[int, str, dict[str, Any]]]:
+        """The pending events as `(seq, kind, body)` entries, numbered in order, consecutive text deltas joined."""
+        joined: list[_Pending] = []
+        for item in self.pending:
+            last = joined[-1] if joined else None
+            both = last is not None and last[0] is not None and item[0] is not None and not last[2] and not item[2]
+            merged = _merged(last[0], item[0]) if both and last is not None else None
+            if merged is not None:
+                joined[-1] = (merged, None, None)
+            else:
+                joined.append(item)
+        self.pending = []
+        entries = []
+        for event, kind, extra in joined:
+            if event is None:
+                entries.append((self.seq, kind or 'model_event', extra or {}))
+            else:
+                entries.append((self.seq, kind_of(event), {'event': dump_event(event), **({'data': extra} if extra else {})}))
+            self.seq += 1
+        return entries
 
     def flush(self) -> None:
-        """Hand the pending events to the next background write."""
-        if self.context.failed:
+        """Start the writer unless it is running (it takes every pending event before it stops)."""
+        if self.context.failed or (self.writing is not None and not self.writing.done()):
             return
-        entries, self.pending = self.pending, []
-        self.writing = asyncio.ensure_future(self._write(self.writing, entries))
-        self.last_flush = time.monotonic()
+        self.writing = asyncio.ensure_future(self._drain())
 
-    async def _write(self, previous: asyncio.Future[None] | None, entries: list[tuple[int, str, dict[str, Any]]]) -> None:
+    async def _drain(self) -> None:
+        """Write the pending events, one transaction per batch, until none are left (events added meanwhile go in
+        the next batch, in order: offsets follow `seq`)."""
         from ._log import in_thread
 
-        if previous is not None:
-            await previous
-        if self.context.failed or (not entries and self.attempt is not None):
-            return
-        try:
-            self.attempt = await in_thread(self.context.log.append_unit_sync, self.context.run_id, self.context.engine,
-                                           self.unit, entries, self.attempt, at_least=self.context.attempt)
-        except Exception as error:  # noqa: BLE001 - the run goes on without its stream
-            self.context.fail(error)
+        while not self.context.failed:
+            entries = self._take()
+            if not entries and self.attempt is not None:
+                return  # in the step that marks this task done: an event added after it starts a new writer
+            try:
+                self.attempt = await in_thread(self.context.log.append_unit_sync, self.context.run_id,
+                                               self.context.engine, self.unit, entries, self.attempt,
+                                               at_least=self.context.attempt)
+            except Exception as error:  # noqa: BLE001 - the run goes on without its stream
+                self.context.fail(error)
 
     async def close(self) -> None:
         """Write what is pending and wait for every write."""
