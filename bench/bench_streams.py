@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -52,7 +53,8 @@ from durable_capabilities.streams._events import dump_event, kind_of  # noqa: E4
 from durable_capabilities.streams._log import in_thread  # noqa: E402
 from durable_capabilities.streams._publish import _UnitPublisher  # noqa: E402
 
-PRODUCED: list[float] = []
+PRODUCED: dict[str, float] = {}
+"""When the model produced each word of its stream (the words are all different)."""
 
 
 def model(deltas: int, delay: float = 0.0) -> FunctionModel:
@@ -68,7 +70,7 @@ def model(deltas: int, delay: float = 0.0) -> FunctionModel:
         for word in words:
             if delay:
                 await asyncio.sleep(delay)
-            PRODUCED.append(time.time())
+            PRODUCED[word] = time.time()
             yield word
 
     return FunctionModel(plain, stream_function=stream)
@@ -192,13 +194,13 @@ def wall_times(engines: list[str], runs: int, deltas: int, folder: Path, delay: 
         print(f'  {engine:8s} ' + '  '.join(cells) + '  (target: on <= 1.10x)')
 
 
-def latency(engine: str, deltas: int, folder: Path, delay: float) -> None:
+def latency(engine: str, deltas: int, folder: Path, delay: float, name: str = 'on') -> None:
     run_id = f'bench-latency-{uuid.uuid4().hex[:8]}' if engine != 'local' else f'local-{uuid.uuid4().hex}'
     store = f'sqlite:///{folder / "conversations.db"}'
     env = {**os.environ, 'PYTHONPATH': str(ROOT / 'src')}
     watcher = subprocess.Popen([sys.executable, '-m', 'durable_capabilities.cli', 'runs', 'watch', run_id, '--store',
                                 store, '--format', 'jsonl', '--wait', '120'], stdout=subprocess.PIPE, text=True, env=env)
-    received: list[float] = []
+    received: list[tuple[float, str]] = []
 
     ready = threading.Event()
 
@@ -206,8 +208,11 @@ def latency(engine: str, deltas: int, folder: Path, delay: float) -> None:
         assert watcher.stdout is not None
         for line in watcher.stdout:
             ready.set()
-            if json.loads(line)['kind'] == 'text_delta':
-                received.append(time.time())
+            event = json.loads(line)
+            if event['kind'] == 'text_delta':
+                body = event['event']
+                received.append((time.time(), body.get('delta', {}).get('content_delta') or body.get('part', {}).get(
+                    'content', '')))
 
     # A first event, before the run, that the subscriber must print: it is then up and polling (starting the CLI takes
     # seconds on a loaded machine, which is not the delay measured here).
@@ -222,9 +227,9 @@ def latency(engine: str, deltas: int, folder: Path, delay: float) -> None:
             time.sleep(0.05)
         PRODUCED.clear()
         if engine == 'temporal':
-            asyncio.run(temporal_runs([(True, run_id)], deltas, folder, delay))
+            asyncio.run(temporal_runs([(name, run_id)], deltas, folder, delay))
         else:
-            asyncio.run(one_run(engine, True, deltas, folder, run_id=run_id, delay=delay))
+            asyncio.run(one_run(engine, name, deltas, folder, run_id=run_id, delay=delay))
         watcher.wait(timeout=60)
         reader.join(timeout=10)
     finally:
@@ -233,12 +238,15 @@ def latency(engine: str, deltas: int, folder: Path, delay: float) -> None:
             watcher.wait()
     # Lines are read as they come (the pipe is line-buffered by the watcher's flush); the receive time of each is
     # when this process read it.
-    delays = sorted(max(0.0, r - p) * 1000 for r, p in zip(received, PRODUCED, strict=False))
+    # Each word's delay, from the model producing it to this process reading the event that holds it (deltas that
+    # arrived while a write was in flight are one event: each of their words counts).
+    delays = sorted(max(0.0, at - PRODUCED[word]) * 1000 for at, text in received
+                    for word in re.findall(r'w\d+ ', text) if word in PRODUCED)
     if not delays:
         print(f'  {engine}: no deltas received')
         return
     p95 = delays[min(len(delays) - 1, int(len(delays) * 0.95))]
-    print(f'  {engine:8s} {len(delays)} deltas: median {statistics.median(delays):.1f} ms, p95 {p95:.1f} ms')
+    print(f'  {engine:8s} {name:5s} {len(delays)} words: median {statistics.median(delays):.1f} ms, p95 {p95:.1f} ms')
 
 
 def subscriber_memory(folder: Path, count: int = 10_000) -> None:
@@ -314,7 +322,8 @@ def main() -> None:
             print('(b) delta latency, model -> subscriber in another process (durcap runs watch --format jsonl), '
                   '100 deltas 20 ms apart')
             for engine in engines:
-                latency(engine, 100, folder, 0.02)
+                for name in [side for side in sides if side in ('timer', 'on')]:
+                    latency(engine, 100, folder, 0.02, name)
         if args.only in (None, 'c'):
             subscriber_memory(folder)
 
