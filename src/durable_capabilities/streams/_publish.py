@@ -208,7 +208,9 @@ class _UnitPublisher:
     wait for it and then go together in the next transaction, consecutive text deltas of one part joined into one
     delta (the text is the same, in fewer events). So the first event is never held back, and a burst costs a few
     transactions and rows instead of one per delta; the model's stream is read on while a batch is stored. The first
-    write claims the attempt (`EventLog.append_unit_sync`); `close` writes what is left and waits for it."""
+    write claims the attempt (`EventLog.append_unit_sync`), its `retry` event first when earlier attempts published:
+    an execution that publishes nothing writes nothing (and claims no attempt). `close` writes what is left and waits
+    for it."""
 
     def __init__(self, context: StreamContext, unit: str):
         self.context, self.unit = context, unit
@@ -216,10 +218,6 @@ class _UnitPublisher:
         self.seq = 0
         self.pending: list[_Pending] = []
         self.writing: asyncio.Future[None] | None = None
-
-    async def start(self) -> None:
-        """Claim the execution's attempt now (its `retry` event, if any, goes first)."""
-        self.flush()
 
     def _add(self, kind: str, body: dict[str, Any]) -> None:
         self.pending.append((None, kind, body))
@@ -262,7 +260,7 @@ class _UnitPublisher:
 
         while not self.context.failed:
             entries = self._take()
-            if not entries and self.attempt is not None:
+            if not entries:
                 return  # in the step that marks this task done: an event added after it starts a new writer
             try:
                 self.attempt = await in_thread(self.context.log.append_unit_sync, self.context.run_id,
@@ -365,7 +363,6 @@ class StreamingModel(WrapperModel):
         if context is None:
             return await self.wrapped.request(messages, model_settings, model_request_parameters)
         unit = _UnitPublisher(context, f'model_request:{len(messages)}')
-        await unit.start()
         try:
             await unit.tool_results(messages)
             if _streams(self.wrapped):
@@ -389,8 +386,7 @@ class StreamingModel(WrapperModel):
                              run_context: Any = None) -> AsyncIterator[Any]:
         """The wrapped model's stream; in a `publishing` context its events are published as the caller reads them
         (an agent with an `event_stream_handler` streams its requests through here: the engine's streamed model
-        request unit reads the whole stream), the unit's attempt claimed before the request is sent, as `request`
-        does."""
+        request unit reads the whole stream), as `request` does."""
         context = _current.get()
         if context is None:
             async with self.wrapped.request_stream(messages, model_settings, model_request_parameters,
@@ -398,7 +394,6 @@ class StreamingModel(WrapperModel):
                 yield stream
             return
         unit = _UnitPublisher(context, f'model_request:{len(messages)}')
-        await unit.start()
         try:
             await unit.tool_results(messages)
             async with self.wrapped.request_stream(messages, model_settings, model_request_parameters,
