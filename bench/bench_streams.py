@@ -89,6 +89,7 @@ class TimerBatches(_UnitPublisher):
     def __init__(self, context: Any, unit: str):
         super().__init__(context, unit)
         self.last_flush = time.monotonic()
+        self.flush()  # the attempt was claimed before the request, in a write of its own
 
     async def event(self, event: Any, data: dict[str, Any] | None = None) -> None:
         self.pending.append((event, None, data))

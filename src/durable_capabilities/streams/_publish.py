@@ -23,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,11 @@ if TYPE_CHECKING:
 TOOL_RESULT_SUMMARY_CHARS = 4_000
 """A tool result longer than this (as JSON text) is published cut to it, with `data['truncated']` holding its full
 size and the conversation it is stored in (the whole result is the `ToolReturnPart` of that conversation)."""
+
+WRITE_INTERVAL_SECONDS = 0.02
+"""A unit's events are written at most this often (a unit's first event, and those pending when it ends, at once):
+at most 50 transactions a second per streaming request, each event stored at most this long after it arrived plus
+the write's own time."""
 
 RUN_UNIT = 'run'
 
@@ -204,13 +210,14 @@ def _merged(first: Any, second: Any) -> Any:
 
 class _UnitPublisher:
     """The events of one execution (attempt) of one durable unit, written by one background writer (group commit):
-    an event that arrives while no write is in flight is written at once; those that arrive while one is in flight
-    wait for it and then go together in the next transaction, consecutive text deltas of one part joined into one
-    delta (the text is the same, in fewer events). So the first event is never held back, and a burst costs a few
-    transactions and rows instead of one per delta; the model's stream is read on while a batch is stored. The first
-    write claims the attempt (`EventLog.append_unit_sync`), its `retry` event first when earlier attempts published:
-    an execution that publishes nothing writes nothing (and claims no attempt). `close` writes what is left and waits
-    for it."""
+    the unit's first event is written at once, and an event that arrives while no write is in flight goes as soon as
+    `WRITE_INTERVAL_SECONDS` have passed since the last write began; those that arrive meanwhile go together in that
+    transaction, consecutive text deltas of one part joined into one delta (the text is the same, in fewer events).
+    So the first event is never held back, no event waits for a later one, a burst costs a few transactions and rows
+    instead of one per delta, and a steady stream at most one transaction per interval; the model's stream is read on
+    while a batch is stored. The first write claims the attempt (`EventLog.append_unit_sync`), its `retry` event first
+    when earlier attempts published: an execution that publishes nothing writes nothing (and claims no attempt).
+    `close` writes what is left at once and waits for it."""
 
     def __init__(self, context: StreamContext, unit: str):
         self.context, self.unit = context, unit
@@ -218,6 +225,8 @@ class _UnitPublisher:
         self.seq = 0
         self.pending: list[_Pending] = []
         self.writing: asyncio.Future[None] | None = None
+        self.last_write: float | None = None
+        self.closing = asyncio.Event()
 
     def _add(self, kind: str, body: dict[str, Any]) -> None:
         self.pending.append((None, kind, body))
@@ -255,13 +264,20 @@ class _UnitPublisher:
 
     async def _drain(self) -> None:
         """Write the pending events, one transaction per batch, until none are left (events added meanwhile go in
-        the next batch, in order: offsets follow `seq`)."""
+        the next batch, in order: offsets follow `seq`), a batch at most every `WRITE_INTERVAL_SECONDS` until
+        `close`."""
         from ._log import in_thread
 
         while not self.context.failed:
+            if self.last_write is not None and not self.closing.is_set():
+                wait = self.last_write + WRITE_INTERVAL_SECONDS - time.monotonic()
+                if wait > 0:
+                    with suppress(TimeoutError):
+                        await asyncio.wait_for(self.closing.wait(), wait)
             entries = self._take()
             if not entries:
                 return  # in the step that marks this task done: an event added after it starts a new writer
+            self.last_write = time.monotonic()
             try:
                 self.attempt = await in_thread(self.context.log.append_unit_sync, self.context.run_id,
                                                self.context.engine, self.unit, entries, self.attempt,
@@ -270,7 +286,8 @@ class _UnitPublisher:
                 self.context.fail(error)
 
     async def close(self) -> None:
-        """Write what is pending and wait for every write."""
+        """Write what is pending at once and wait for every write."""
+        self.closing.set()
         self.flush()
         if self.writing is not None:
             await self.writing
