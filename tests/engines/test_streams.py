@@ -108,8 +108,9 @@ def test_support_demo_streams_every_event_to_a_subscriber_in_another_process(eng
         demo = subprocess.Popen([*DURCAP, 'demo', '--stream', '--engine', engine, *where],
                                 cwd=tmp_path, env=subprocess_env(env), stdout=out, stderr=errors, start_new_session=True)
     try:
-        line: str = wait_for(lambda: next((x for x in err.read_text().splitlines() if f'{engine} workflow id:' in x),
+        line = wait_for(lambda: next((x for x in err.read_text().splitlines() if f'{engine} workflow id:' in x),
                                           None), 180)
+        assert line is not None  # wait_for fails first
         run_id = line.split(f'{engine} workflow id:', 1)[1].split()[0]
         live = subscribers(tmp_path, run_id, env, '--engine', engine, name='live')
         assert demo.wait(timeout=300) == 0, err.read_text()
@@ -203,8 +204,9 @@ def test_temporal_worker_killed_mid_stream_and_subscriber_restarted_from_its_off
                                 '--address', temporal_address, '--task-queue', queue, '--no-inline-worker'],
                                cwd=ROOT, env=subprocess_env(env), stdout=out, stderr=errors, start_new_session=True)
     try:
-        line: str = wait_for(lambda: next((x for x in err.read_text().splitlines() if 'temporal workflow id:' in x),
+        line = wait_for(lambda: next((x for x in err.read_text().splitlines() if 'temporal workflow id:' in x),
                                           None), 120)
+        assert line is not None  # wait_for fails first
         run_id = line.split('temporal workflow id:', 1)[1].split()[0]
         a = subscribers(tmp_path, run_id, env, '--engine', 'temporal', name='a')
         wait_for(lambda: sum(e.kind == 'text_delta' for e in a.events()) >= 4 or None, 120)
@@ -304,8 +306,9 @@ def test_real_provider_models_stream_over_sse_and_a_cut_stream_is_discarded(
                                     '--engine', engine, *flags, '--deps-json', WIRE_DEPS], cwd=ROOT,
                                    env=subprocess_env(env), stdout=out, stderr=errors, start_new_session=True)
         try:
-            line: str = wait_for(lambda: next((x for x in err.read_text().splitlines()
+            line = wait_for(lambda: next((x for x in err.read_text().splitlines()
                                                if 'workflow id:' in x or 'flow run id:' in x), None), 180)
+            assert line is not None  # wait_for fails first
             run_id = line.split(' id:', 1)[1].split()[0]
             live = subscribers(tmp_path, run_id, env, '--engine', engine, name='live')
             assert run.wait(timeout=240) == 0, err.read_text()

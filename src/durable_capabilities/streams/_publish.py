@@ -205,7 +205,7 @@ def _merged(first: Any, second: Any) -> Any:
         return None
     if a.provider_name != b.provider_name:
         return None
-    return PartDeltaEvent(index=first.index, delta=replace(a, content_delta=a.content_delta + b.content_delta))
+    return PartDeltaEvent(index=first.index, delta=replace(a, content_delta=(a.content_delta or '') + (b.content_delta or '')))
 
 
 class _UnitPublisher:
@@ -431,9 +431,11 @@ class _PublishedStream:
         object.__setattr__(self, '_durcap_events', None)
 
     def __aiter__(self) -> AsyncIterator[Any]:
-        if self._durcap_events is None:  # one iterator, as StreamedResponse: a second `async for` goes on with it
-            object.__setattr__(self, '_durcap_events', self._events())
-        return self._durcap_events
+        events = self._durcap_events
+        if events is None:  # one iterator, as StreamedResponse: a second `async for` goes on with it
+            events = self._events()
+            object.__setattr__(self, '_durcap_events', events)
+        return events
 
     async def _events(self) -> AsyncIterator[Any]:
         unit: _UnitPublisher = self._durcap_unit
