@@ -1,14 +1,19 @@
 """Run event streams: what publishing costs a run, how soon a subscriber in another process sees a delta, and what a
 subscriber's memory does over a 10,000-event run.
 
-    .venv/bin/python bench/bench_streams.py [--runs 5] [--engines local,dbos,temporal] [--deltas 200]
-        [--temporal-address HOST:PORT]
+    .venv/bin/python bench/bench_streams.py [--runs 5] [--engines local,dbos,temporal] [--deltas 200] [--delay 0]
+        [--sides off,on] [--only a] [--temporal-address HOST:PORT]
 
 Model: a scripted `FunctionModel` with both `function` and `stream_function`, answering in `--deltas` words (no
 provider). Side by side in one process, alternating:
 (a) wall time of a run with its stream published (`$DURCAP_STREAMS` on: the request streamed inside the model
     request unit, every event written to the store) over the same run unstreamed (`DURCAP_STREAMS=0`: the plain
     request, nothing written), per engine; target <= 1.10x;
+    `--sides off,bare,timer,on` adds two sides to (a), each run in turn with the others: `bare`, the request streamed
+    and its events built and encoded but never written (the publisher's writes replaced by no-ops in this process:
+    what pydantic-ai's streaming and the event encoding cost alone), and `timer`, the writes batched as before group commit (a unit's
+    pending events written when an event arrives 50 ms or more after the last write, and at the unit's end:
+    `TimerBatches` below, the code this bench measured before);
 (b) delay from the model producing a text delta (its wall-clock time, written by the model) to a subscriber in
     another process (`durcap runs watch --format jsonl`) printing it, median and p95;
 (c) a subscriber process's RSS while it reads a 10,000-event run (`watch()`, events not kept), every 1,000 events.
@@ -25,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -43,8 +49,12 @@ from pydantic_ai.messages import ModelResponse, TextPart  # noqa: E402
 from pydantic_ai.models.function import AgentInfo, FunctionModel  # noqa: E402
 
 from durable_capabilities import DurableAgent, runner  # noqa: E402
+from durable_capabilities.streams._events import dump_event, kind_of  # noqa: E402
+from durable_capabilities.streams._log import in_thread  # noqa: E402
+from durable_capabilities.streams._publish import _UnitPublisher  # noqa: E402
 
-PRODUCED: list[float] = []
+PRODUCED: dict[str, float] = {}
+"""When the model produced each word of its stream (the words are all different)."""
 
 
 def model(deltas: int, delay: float = 0.0) -> FunctionModel:
@@ -60,30 +70,93 @@ def model(deltas: int, delay: float = 0.0) -> FunctionModel:
         for word in words:
             if delay:
                 await asyncio.sleep(delay)
-            PRODUCED.append(time.time())
+            PRODUCED[word] = time.time()
             yield word
 
     return FunctionModel(plain, stream_function=stream)
 
 
-async def one_run(engine: str, streamed: bool, deltas: int, folder: Path, run_id: str | None = None,
+SIDES = ('off', 'bare', 'timer', 'on')
+"""(a)'s sides: unstreamed; streamed with nothing stored; streamed with the writes batched on a 50 ms timer (before);
+streamed (the current group commit)."""
+
+
+class TimerBatches(_UnitPublisher):
+    """The unit publisher's writes as they were before group commit (bench side `timer`): pending events were handed
+    to a chain of background writes when an event arrived 50 ms or more after the last write, and at the unit's end,
+    one row per event."""
+
+    def __init__(self, context: Any, unit: str):
+        super().__init__(context, unit)
+        self.last_flush = time.monotonic()
+        self.flush()  # the attempt was claimed before the request, in a write of its own
+
+    async def event(self, event: Any, data: dict[str, Any] | None = None) -> None:
+        self.pending.append((event, None, data))
+        if time.monotonic() - self.last_flush >= 0.05:
+            self.flush()
+
+    def flush(self) -> None:
+        entries = []
+        for event, kind, extra in self.pending:  # one row per event, none joined
+            entries.append((self.seq, kind, extra) if event is None else (
+                self.seq, kind_of(event), {'event': dump_event(event), **({'data': extra} if extra else {})}))
+            self.seq += 1
+        self.pending = []
+        self.writing = asyncio.ensure_future(self._write(self.writing, entries))
+        self.last_flush = time.monotonic()
+
+    async def _write(self, previous: asyncio.Future[None] | None, entries: list[Any]) -> None:
+        if previous is not None:
+            await previous
+        if not entries and self.attempt is not None:
+            return
+        self.attempt = await in_thread(self.context.log.append_unit_sync, self.context.run_id, self.context.engine,
+                                       self.unit, entries, self.attempt, at_least=self.context.attempt)
+
+
+@contextlib.contextmanager
+def side(name: str) -> Any:
+    """This process set up for (a)'s side `name` (see `SIDES`) while the block runs."""
+    from durable_capabilities.streams import _publish
+
+    os.environ['DURCAP_STREAMS'] = '0' if name == 'off' else '1'
+    saved = (_publish._UnitPublisher, _UnitPublisher.flush, _publish.StreamContext.write)
+    if name == 'timer':
+        _publish._UnitPublisher = TimerBatches  # type: ignore[misc]
+    if name == 'bare':  # events built and encoded, never handed to a write
+        _UnitPublisher.flush = lambda self: None  # type: ignore[method-assign]
+
+        async def write(self: Any, items: list[Any], *, close: bool = False) -> None:
+            return None
+
+        _publish.StreamContext.write = write  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _publish._UnitPublisher, _UnitPublisher.flush, _publish.StreamContext.write = saved  # type: ignore[misc,method-assign]
+
+
+async def one_run(engine: str, streamed: bool | str, deltas: int, folder: Path, run_id: str | None = None,
                   delay: float = 0.0) -> float:
-    os.environ['DURCAP_STREAMS'] = '1' if streamed else '0'
+    name = streamed if isinstance(streamed, str) else ('on' if streamed else 'off')
     agent = DurableAgent(f'bench-{uuid.uuid4().hex[:6]}', model(deltas, delay), engines=[engine] if engine != 'local' else [])
     settings: dict[str, Any] = {'store': f'sqlite:///{folder / "conversations.db"}'}
     if engine == 'dbos':
         settings['db'] = f'sqlite:///{folder / "dbos.sqlite"}'
-    started = time.perf_counter()
-    await runner.run(agent, 'go', engine=engine, run_id=run_id, notify=lambda line: None, **settings)
-    return time.perf_counter() - started
+    with side(name):
+        started = time.perf_counter()
+        await runner.run(agent, 'go', engine=engine, run_id=run_id, notify=lambda line: None, **settings)
+        return time.perf_counter() - started
 
 
 TEMPORAL_ADDRESS: list[str] = []
 
 
-async def temporal_runs(sides: list[tuple[bool, str | None]], deltas: int, folder: Path, delay: float) -> list[float]:
-    """Wall times of runs of one agent on Temporal, one per `(streamed, run id)` of `sides`, with one worker of it in
-    this process on a task queue of its own."""
+async def temporal_runs(sides: list[tuple[bool | str, str | None]], deltas: int, folder: Path,
+                        delay: float) -> list[float]:
+    """Wall times of runs of one agent on Temporal, one per `(side, run id)` of `sides` (a side: `SIDES`, or a bool
+    for `on`/`off`), with one worker of it in this process on a task queue of its own."""
     from durable_capabilities.engines.temporal import connect, make_worker
 
     address, store = TEMPORAL_ADDRESS[0], f'sqlite:///{folder / "conversations.db"}'
@@ -92,42 +165,43 @@ async def temporal_runs(sides: list[tuple[bool, str | None]], deltas: int, folde
     times = []
     async with make_worker(await connect(address, store=store), [agent], queue, store=store):
         for streamed, run_id in sides:
-            os.environ['DURCAP_STREAMS'] = '1' if streamed else '0'
-            started = time.perf_counter()
-            await runner.run(agent, 'go', engine='temporal', run_id=run_id, address=address, task_queue=queue,
-                             inline_worker=False, store=store, notify=lambda line: None)
-            times.append(time.perf_counter() - started)
+            with side(streamed if isinstance(streamed, str) else ('on' if streamed else 'off')):
+                started = time.perf_counter()
+                await runner.run(agent, 'go', engine='temporal', run_id=run_id, address=address, task_queue=queue,
+                                 inline_worker=False, store=store, notify=lambda line: None)
+                times.append(time.perf_counter() - started)
     return times
 
 
-def wall_times(engines: list[str], runs: int, deltas: int, folder: Path, delay: float) -> None:
-    print(f'(a) wall time, streamed over unstreamed, {deltas} deltas per answer {delay * 1000:g} ms apart, {runs} runs '
-          'each, alternating')
+def wall_times(engines: list[str], runs: int, deltas: int, folder: Path, delay: float, sides: list[str]) -> None:
+    print(f'(a) wall time over unstreamed, {deltas} deltas per answer {delay * 1000:g} ms apart, {runs} runs '
+          f'each, sides {",".join(sides)} in turn, medians')
     for engine in engines:
-        times: dict[bool, list[float]] = {True: [], False: []}
+        times: dict[str, list[float]] = {name: [] for name in sides}
         if engine == 'temporal':
-            order = [True, False] + [streamed for _ in range(runs) for streamed in (False, True)]
-            measured = asyncio.run(temporal_runs([(streamed, None) for streamed in order], deltas, folder, delay))
-            for streamed, took in list(zip(order, measured, strict=True))[2:]:  # the first two warm up
-                times[streamed].append(took)
+            order = [*sides] + [name for _ in range(runs) for name in sides]
+            measured = asyncio.run(temporal_runs([(name, None) for name in order], deltas, folder, delay))
+            for name, took in list(zip(order, measured, strict=True))[len(sides):]:  # the first of each warm up
+                times[name].append(took)
         else:
-            asyncio.run(one_run(engine, True, deltas, folder, delay=delay))  # warm-up (imports, store schema, DBOS)
-            asyncio.run(one_run(engine, False, deltas, folder, delay=delay))
+            for name in sides:  # warm-up (imports, store schema, DBOS)
+                asyncio.run(one_run(engine, name, deltas, folder, delay=delay))
             for _ in range(runs):
-                for streamed in (False, True):
-                    times[streamed].append(asyncio.run(one_run(engine, streamed, deltas, folder, delay=delay)))
-        on, off = statistics.median(times[True]), statistics.median(times[False])
-        print(f'  {engine:8s} streamed {on * 1000:8.1f} ms  unstreamed {off * 1000:8.1f} ms  ratio {on / off:.2f}x '
-              f'(target <= 1.10x)')
+                for name in sides:
+                    times[name].append(asyncio.run(one_run(engine, name, deltas, folder, delay=delay)))
+        off = statistics.median(times['off'])
+        cells = [f'{name} {statistics.median(times[name]) * 1000:7.1f} ms' + (
+            '' if name == 'off' else f' {statistics.median(times[name]) / off:.2f}x') for name in sides]
+        print(f'  {engine:8s} ' + '  '.join(cells) + '  (target: on <= 1.10x)')
 
 
-def latency(engine: str, deltas: int, folder: Path, delay: float) -> None:
+def latency(engine: str, deltas: int, folder: Path, delay: float, name: str = 'on') -> None:
     run_id = f'bench-latency-{uuid.uuid4().hex[:8]}' if engine != 'local' else f'local-{uuid.uuid4().hex}'
     store = f'sqlite:///{folder / "conversations.db"}'
     env = {**os.environ, 'PYTHONPATH': str(ROOT / 'src')}
     watcher = subprocess.Popen([sys.executable, '-m', 'durable_capabilities.cli', 'runs', 'watch', run_id, '--store',
                                 store, '--format', 'jsonl', '--wait', '120'], stdout=subprocess.PIPE, text=True, env=env)
-    received: list[float] = []
+    received: list[tuple[float, str]] = []
 
     ready = threading.Event()
 
@@ -135,8 +209,11 @@ def latency(engine: str, deltas: int, folder: Path, delay: float) -> None:
         assert watcher.stdout is not None
         for line in watcher.stdout:
             ready.set()
-            if json.loads(line)['kind'] == 'text_delta':
-                received.append(time.time())
+            event = json.loads(line)
+            if event['kind'] == 'text_delta':
+                body = event['event']
+                received.append((time.time(), body.get('delta', {}).get('content_delta') or body.get('part', {}).get(
+                    'content', '')))
 
     # A first event, before the run, that the subscriber must print: it is then up and polling (starting the CLI takes
     # seconds on a loaded machine, which is not the delay measured here).
@@ -151,9 +228,9 @@ def latency(engine: str, deltas: int, folder: Path, delay: float) -> None:
             time.sleep(0.05)
         PRODUCED.clear()
         if engine == 'temporal':
-            asyncio.run(temporal_runs([(True, run_id)], deltas, folder, delay))
+            asyncio.run(temporal_runs([(name, run_id)], deltas, folder, delay))
         else:
-            asyncio.run(one_run(engine, True, deltas, folder, run_id=run_id, delay=delay))
+            asyncio.run(one_run(engine, name, deltas, folder, run_id=run_id, delay=delay))
         watcher.wait(timeout=60)
         reader.join(timeout=10)
     finally:
@@ -162,12 +239,15 @@ def latency(engine: str, deltas: int, folder: Path, delay: float) -> None:
             watcher.wait()
     # Lines are read as they come (the pipe is line-buffered by the watcher's flush); the receive time of each is
     # when this process read it.
-    delays = sorted(max(0.0, r - p) * 1000 for r, p in zip(received, PRODUCED, strict=False))
+    # Each word's delay, from the model producing it to this process reading the event that holds it (deltas that
+    # arrived while a write was in flight are one event: each of their words counts).
+    delays = sorted(max(0.0, at - PRODUCED[word]) * 1000 for at, text in received
+                    for word in re.findall(r'w\d+ ', text) if word in PRODUCED)
     if not delays:
         print(f'  {engine}: no deltas received')
         return
     p95 = delays[min(len(delays) - 1, int(len(delays) * 0.95))]
-    print(f'  {engine:8s} {len(delays)} deltas: median {statistics.median(delays):.1f} ms, p95 {p95:.1f} ms')
+    print(f'  {engine:8s} {name:5s} {len(delays)} words: median {statistics.median(delays):.1f} ms, p95 {p95:.1f} ms')
 
 
 def subscriber_memory(folder: Path, count: int = 10_000) -> None:
@@ -215,6 +295,9 @@ def main() -> None:
     parser.add_argument('--deltas', type=int, default=200)
     parser.add_argument('--delay', type=float, default=0.0, help='seconds between the model\'s deltas (0: as fast as '
                         'the scripted model goes; the unstreamed side sends the plain request, with no delay)')
+    parser.add_argument('--sides', default='off,on', help='(a)\'s sides, from off,bare,timer,on (see the module '
+                        'docstring); off is always measured')
+    parser.add_argument('--only', choices=['a', 'b', 'c'], help='run only this part')
     parser.add_argument('--temporal-address', default=os.environ.get('DURCAP_TEST_TEMPORAL_ADDRESS')
                         or os.environ.get('DURCAP_TEMPORAL_ADDRESS'), help='a Temporal server (default: '
                         '$DURCAP_TEST_TEMPORAL_ADDRESS, $DURCAP_TEMPORAL_ADDRESS, else a dev server started here)')
@@ -231,12 +314,19 @@ def main() -> None:
                 stack.callback(server.stop)
                 address = server.address
             TEMPORAL_ADDRESS.append(address)
-        wall_times(engines, args.runs, args.deltas, folder, args.delay)
-        print('(b) delta latency, model -> subscriber in another process (durcap runs watch --format jsonl), '
-              '100 deltas 20 ms apart')
-        for engine in engines:
-            latency(engine, 100, folder, 0.02)
-        subscriber_memory(folder)
+        sides = ['off', *(name for name in args.sides.split(',') if name != 'off')]
+        if any(name not in SIDES for name in sides):
+            parser.error(f'--sides {args.sides}: each side is one of {", ".join(SIDES)}')
+        if args.only in (None, 'a'):
+            wall_times(engines, args.runs, args.deltas, folder, args.delay, sides)
+        if args.only in (None, 'b'):
+            print('(b) delta latency, model -> subscriber in another process (durcap runs watch --format jsonl), '
+                  '100 deltas 20 ms apart')
+            for engine in engines:
+                for name in [side for side in sides if side in ('timer', 'on')]:
+                    latency(engine, 100, folder, 0.02, name)
+        if args.only in (None, 'c'):
+            subscriber_memory(folder)
 
 
 if __name__ == '__main__':

@@ -32,16 +32,19 @@ A script (JSON or YAML, or `Script`/`Turn`/`Step` objects):
             tool_calls: [{name: order_status, args: {order_id: ABC-123}}]
           - text: Order ABC-123 is on its way.
             usage: {input_tokens: 900, output_tokens: 40}
+            text_deltas: 6            # streamed in 6 deltas (default 2: two halves)
 
 Fault kinds: `{status: 429|500|..., retry_after: SECONDS}` (an error body shaped like the provider's),
 `{cut: true}` (the response stops half way: a stream after half its events, a plain body after half its bytes,
-then the connection closes), `{delay: SECONDS}` (the answer waits, e.g. past the client's timeout).
+then the connection closes: with `text_deltas` above 2, part of the text reaches the client before the cut),
+`{delay: SECONDS}` (the answer waits, e.g. past the client's timeout).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -91,6 +94,8 @@ class Step:
         image_png_b64: A base64 PNG the model returns (Responses: an `image_generation_call` item).
         usage: `{'input_tokens': N, 'output_tokens': M}` reported in the provider's own usage fields.
         faults: Played in order on this step's first requests.
+        text_deltas: How many deltas a streamed answer sends `text` in (split between words, at most one word a
+            delta; default 2: two halves). More deltas put some of the text before a `cut` fault's cut.
     """
 
     text: str = ''
@@ -100,6 +105,7 @@ class Step:
     image_png_b64: str = ''
     usage: dict[str, int] = field(default_factory=dict)
     faults: tuple[Fault, ...] = ()
+    text_deltas: int = 2
 
 
 @dataclass(frozen=True)
@@ -131,7 +137,11 @@ class Script:
 def _step(raw: dict[str, Any]) -> Step:
     calls = tuple(ToolCall(c['name'], dict(c.get('args') or {})) for c in raw.get('tool_calls') or ())
     faults = tuple(Fault(**f) for f in raw.get('faults') or ())
-    known = {'text', 'thinking', 'signature', 'image_png_b64', 'usage'}
+    known = {'text', 'thinking', 'signature', 'image_png_b64', 'usage', 'text_deltas'}
+    deltas = raw.get('text_deltas', 2)
+    if not isinstance(deltas, int) or isinstance(deltas, bool) or deltas < 1:
+        raise ValueError(f'text_deltas: {deltas!r} is not a whole number >= 1 (how many deltas a streamed answer '
+                         'sends the text in); e.g. text_deltas: 8')
     return Step(tool_calls=calls, faults=faults, **{k: v for k, v in raw.items() if k in known})
 
 
@@ -278,7 +288,7 @@ def chat_chunks(step: Step, model: str, key: str) -> Iterable[dict[str, Any]]:
     yield chunk({'role': 'assistant', 'content': ''})
     if step.thinking:
         yield chunk({'reasoning_content': step.thinking})
-    for piece in _halves(step.text):
+    for piece in _text_pieces(step):
         yield chunk({'content': piece})
     for i, call in enumerate(step.tool_calls):
         args = json.dumps(call.args)
@@ -296,6 +306,17 @@ def _halves(text: str) -> list[str]:
         return []
     middle = max(1, len(text) // 2)
     return [p for p in (text[:middle], text[middle:]) if p]
+
+
+def _text_pieces(step: Step) -> list[str]:
+    """`step.text` in the `step.text_deltas` pieces a stream sends it in (two halves by default; else split between
+    words, as even as the words allow, never an empty piece)."""
+    if step.text_deltas == 2 or not step.text:
+        return _halves(step.text)
+    words = re.findall(r'\S+\s*|\s+', step.text)
+    count = min(step.text_deltas, len(words))
+    bounds = [round(i * len(words) / count) for i in range(count + 1)]
+    return [''.join(words[bounds[i]:bounds[i + 1]]) for i in range(count)]
 
 
 def _response_items(step: Step, key: str) -> list[dict[str, Any]]:
@@ -342,7 +363,7 @@ def response_events(step: Step, model: str, key: str) -> Iterable[dict[str, Any]
             part = {'type': 'output_text', 'text': '', 'annotations': []}
             yield {'type': 'response.content_part.added', 'item_id': item['id'], 'output_index': index,
                    'content_index': 0, 'part': part}
-            for piece in _halves(step.text):
+            for piece in _text_pieces(step):
                 yield {'type': 'response.output_text.delta', 'item_id': item['id'], 'output_index': index,
                        'content_index': 0, 'delta': piece, 'logprobs': []}
             yield {'type': 'response.output_text.done', 'item_id': item['id'], 'output_index': index,
@@ -410,7 +431,7 @@ def anthropic_events(step: Step, model: str, key: str) -> Iterable[dict[str, Any
             yield {'type': 'content_block_delta', 'index': index,
                    'delta': {'type': 'signature_delta', 'signature': block['signature']}}
         elif kind == 'text':
-            for piece in _halves(block['text']):
+            for piece in _text_pieces(step):
                 yield {'type': 'content_block_delta', 'index': index, 'delta': {'type': 'text_delta', 'text': piece}}
         else:
             for piece in _halves(json.dumps(block['input'])):

@@ -109,6 +109,45 @@ def test_load_script_reads_yaml(tmp_path) -> None:
     _ = time
 
 
+@pytest.mark.parametrize('kind', KINDS)
+def test_text_deltas_split_the_streamed_text_and_a_cut_delivers_part_of_it(kind: str) -> None:
+    """`text_deltas: 8`: the model streams the text in 8 deltas, split between words; with `{cut: true}` the client
+    read part of it (a proper prefix, at least one delta) before the model error. A bad value is refused."""
+    text = 'one two three four five six seven eight nine ten'
+    script = load_script({'turns': [{'steps': [{'text': text, 'text_deltas': 8}]}]})
+    assert script.turns[0].steps[0].text_deltas == 8
+
+    async def deltas(wire: WireServer) -> list[str]:
+        from pydantic_ai.messages import ModelRequest, PartDeltaEvent, PartStartEvent, TextPart, TextPartDelta, UserPromptPart
+        from pydantic_ai.models import ModelRequestParameters
+
+        got: list[str] = []
+        model = model_for(kind, wire.url)
+        try:
+            async with model.request_stream([ModelRequest(parts=[UserPromptPart('hi')])], None,
+                                            ModelRequestParameters()) as stream:
+                async for event in stream:
+                    if isinstance(event, PartStartEvent) and isinstance(event.part, TextPart) and event.part.content:
+                        got.append(event.part.content)
+                    elif isinstance(event, PartDeltaEvent) and isinstance(event.delta, TextPartDelta):
+                        got.append(event.delta.content_delta)
+        except Exception as error:  # noqa: BLE001 - the cut stream's model error, returned with what was read
+            got.append(f'ERROR {type(error).__name__}')
+        return got
+
+    with WireServer(script) as wire:
+        whole = asyncio.run(deltas(wire))
+    assert len(whole) == 8 and ''.join(whole) == text, whole
+    assert all(piece.endswith(' ') for piece in whole[:-1]), whole  # split between words
+    cut = Script((Turn((Step(text=text, text_deltas=8, faults=(Fault(cut=True),)),)),))
+    with WireServer(cut) as wire:
+        partial = asyncio.run(deltas(wire))
+    assert partial[-1].startswith('ERROR Model'), partial
+    assert 1 <= len(partial) - 1 < 8 and text.startswith(''.join(partial[:-1])), partial
+    with pytest.raises(ValueError, match='text_deltas: 0 is not a whole number >= 1'):
+        load_script({'turns': [{'steps': [{'text': text, 'text_deltas': 0}]}]})
+
+
 def test_durcap_wire_refuses_a_bad_script_with_one_line(tmp_path) -> None:
     """`durcap wire --script` of a file that is not a wire script: exit 2, one line naming the file, no traceback."""
     from tests._helpers import durcap

@@ -25,9 +25,9 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pydantic_ai.messages import (
@@ -36,8 +36,11 @@ from pydantic_ai.messages import (
     ModelMessage,
     ModelRequest,
     ModelResponse,
+    PartDeltaEvent,
     PartEndEvent,
     PartStartEvent,
+    TextPartDelta,
+    ThinkingPartDelta,
     ToolCallPart,
     ToolReturnPart,
 )
@@ -55,8 +58,10 @@ TOOL_RESULT_SUMMARY_CHARS = 4_000
 """A tool result longer than this (as JSON text) is published cut to it, with `data['truncated']` holding its full
 size and the conversation it is stored in (the whole result is the `ToolReturnPart` of that conversation)."""
 
-FLUSH_SECONDS = 0.05
-"""A unit's events are written at most this long after they arrive (and at the unit's end)."""
+WRITE_INTERVAL_SECONDS = 0.02
+"""A unit's events are written at most this often (a unit's first event, and those pending when it ends, at once):
+at most 50 transactions a second per streaming request, each event stored at most this long after it arrived plus
+the write's own time."""
 
 RUN_UNIT = 'run'
 
@@ -178,55 +183,111 @@ async def publish_run(kind: str, data: dict[str, Any], *more: tuple[str, dict[st
     context.closed = close
 
 
+_Pending = tuple[Any, str | None, dict[str, Any] | None]
+"""An event waiting for its write: `(stream event, None, data)`, or `(None, kind, body)` for one of the unit's own."""
+
+
+def _merged(first: Any, second: Any) -> Any:
+    """One `PartDeltaEvent` for two consecutive text (or thinking text) deltas of the same part that carry nothing
+    else, `None` when they cannot be joined (another kind of event or delta, a signature, provider details,
+    citations, different parts)."""
+    if not (isinstance(first, PartDeltaEvent) and isinstance(second, PartDeltaEvent) and first.index == second.index):
+        return None
+    a, b = first.delta, second.delta
+    if isinstance(a, TextPartDelta) and isinstance(b, TextPartDelta):
+        if a.provider_details or b.provider_details or a.citations_delta or b.citations_delta:
+            return None
+    elif isinstance(a, ThinkingPartDelta) and isinstance(b, ThinkingPartDelta):
+        if (a.content_delta is None or b.content_delta is None or a.signature_delta is not None
+                or b.signature_delta is not None or a.provider_details or b.provider_details):
+            return None
+    else:
+        return None
+    if a.provider_name != b.provider_name:
+        return None
+    return PartDeltaEvent(index=first.index, delta=replace(a, content_delta=(a.content_delta or '') + (b.content_delta or '')))
+
+
 class _UnitPublisher:
-    """The events of one execution (attempt) of one durable unit, written in batches by a chain of background
-    writes (in order), so the model's stream is read on while a batch is stored; `close` waits for the last one. The
-    first batch claims the attempt (`EventLog.append_unit_sync`)."""
+    """The events of one execution (attempt) of one durable unit, written by one background writer (group commit):
+    the unit's first event is written at once, and an event that arrives while no write is in flight goes as soon as
+    `WRITE_INTERVAL_SECONDS` have passed since the last write began; those that arrive meanwhile go together in that
+    transaction, consecutive text deltas of one part joined into one delta (the text is the same, in fewer events).
+    So the first event is never held back, no event waits for a later one, a burst costs a few transactions and rows
+    instead of one per delta, and a steady stream at most one transaction per interval; the model's stream is read on
+    while a batch is stored. The first write claims the attempt (`EventLog.append_unit_sync`), its `retry` event first
+    when earlier attempts published: an execution that publishes nothing writes nothing (and claims no attempt).
+    `close` writes what is left at once and waits for it."""
 
     def __init__(self, context: StreamContext, unit: str):
         self.context, self.unit = context, unit
         self.attempt: int | None = None
         self.seq = 0
-        self.pending: list[tuple[int, str, dict[str, Any]]] = []
-        self.last_flush = time.monotonic()
+        self.pending: list[_Pending] = []
         self.writing: asyncio.Future[None] | None = None
-
-    async def start(self) -> None:
-        """Claim the execution's attempt now (its `retry` event, if any, goes first)."""
-        self.flush()
+        self.last_write: float | None = None
+        self.closing = asyncio.Event()
 
     def _add(self, kind: str, body: dict[str, Any]) -> None:
-        self.pending.append((self.seq, kind, body))
-        self.seq += 1
+        self.pending.append((None, kind, body))
 
     async def event(self, event: Any, data: dict[str, Any] | None = None) -> None:
-        self._add(kind_of(event), {'event': dump_event(event), **({'data': data} if data else {})})
-        if time.monotonic() - self.last_flush >= FLUSH_SECONDS:
-            self.flush()
+        self.pending.append((event, None, data))
+        self.flush()
+
+    def _take(self) -> list[tuple[int, str, dict[str, Any]]]:
+        """The pending events as `(seq, kind, body)` entries, numbered in order, consecutive text deltas joined."""
+        joined: list[_Pending] = []
+        for item in self.pending:
+            last = joined[-1] if joined else None
+            both = last is not None and last[0] is not None and item[0] is not None and not last[2] and not item[2]
+            merged = _merged(last[0], item[0]) if both and last is not None else None
+            if merged is not None:
+                joined[-1] = (merged, None, None)
+            else:
+                joined.append(item)
+        self.pending = []
+        entries = []
+        for event, kind, extra in joined:
+            if event is None:
+                entries.append((self.seq, kind or 'model_event', extra or {}))
+            else:
+                entries.append((self.seq, kind_of(event), {'event': dump_event(event), **({'data': extra} if extra else {})}))
+            self.seq += 1
+        return entries
 
     def flush(self) -> None:
-        """Hand the pending events to the next background write."""
-        if self.context.failed:
+        """Start the writer unless it is running (it takes every pending event before it stops)."""
+        if self.context.failed or (self.writing is not None and not self.writing.done()):
             return
-        entries, self.pending = self.pending, []
-        self.writing = asyncio.ensure_future(self._write(self.writing, entries))
-        self.last_flush = time.monotonic()
+        self.writing = asyncio.ensure_future(self._drain())
 
-    async def _write(self, previous: asyncio.Future[None] | None, entries: list[tuple[int, str, dict[str, Any]]]) -> None:
+    async def _drain(self) -> None:
+        """Write the pending events, one transaction per batch, until none are left (events added meanwhile go in
+        the next batch, in order: offsets follow `seq`), a batch at most every `WRITE_INTERVAL_SECONDS` until
+        `close`."""
         from ._log import in_thread
 
-        if previous is not None:
-            await previous
-        if self.context.failed or (not entries and self.attempt is not None):
-            return
-        try:
-            self.attempt = await in_thread(self.context.log.append_unit_sync, self.context.run_id, self.context.engine,
-                                           self.unit, entries, self.attempt, at_least=self.context.attempt)
-        except Exception as error:  # noqa: BLE001 - the run goes on without its stream
-            self.context.fail(error)
+        while not self.context.failed:
+            if self.last_write is not None and not self.closing.is_set():
+                wait = self.last_write + WRITE_INTERVAL_SECONDS - time.monotonic()
+                if wait > 0:
+                    with suppress(TimeoutError):
+                        await asyncio.wait_for(self.closing.wait(), wait)
+            entries = self._take()
+            if not entries:
+                return  # in the step that marks this task done: an event added after it starts a new writer
+            self.last_write = time.monotonic()
+            try:
+                self.attempt = await in_thread(self.context.log.append_unit_sync, self.context.run_id,
+                                               self.context.engine, self.unit, entries, self.attempt,
+                                               at_least=self.context.attempt)
+            except Exception as error:  # noqa: BLE001 - the run goes on without its stream
+                self.context.fail(error)
 
     async def close(self) -> None:
-        """Write what is pending and wait for every write."""
+        """Write what is pending at once and wait for every write."""
+        self.closing.set()
         self.flush()
         if self.writing is not None:
             await self.writing
@@ -319,7 +380,6 @@ class StreamingModel(WrapperModel):
         if context is None:
             return await self.wrapped.request(messages, model_settings, model_request_parameters)
         unit = _UnitPublisher(context, f'model_request:{len(messages)}')
-        await unit.start()
         try:
             await unit.tool_results(messages)
             if _streams(self.wrapped):
@@ -341,9 +401,54 @@ class StreamingModel(WrapperModel):
     async def request_stream(self, messages: list[ModelMessage], model_settings: ModelSettings | None,
                              model_request_parameters: ModelRequestParameters,
                              run_context: Any = None) -> AsyncIterator[Any]:
-        async with self.wrapped.request_stream(messages, model_settings, model_request_parameters,
-                                               run_context) as stream:
-            yield stream
+        """The wrapped model's stream; in a `publishing` context its events are published as the caller reads them
+        (an agent with an `event_stream_handler` streams its requests through here: the engine's streamed model
+        request unit reads the whole stream), as `request` does."""
+        context = _current.get()
+        if context is None:
+            async with self.wrapped.request_stream(messages, model_settings, model_request_parameters,
+                                                   run_context) as stream:
+                yield stream
+            return
+        unit = _UnitPublisher(context, f'model_request:{len(messages)}')
+        try:
+            await unit.tool_results(messages)
+            async with self.wrapped.request_stream(messages, model_settings, model_request_parameters,
+                                                   run_context) as stream:
+                yield _PublishedStream(stream, unit)
+        finally:
+            # Also when the request failed: its partial events are stored before a retry claims the next attempt.
+            await unit.close()
+
+
+class _PublishedStream:
+    """A model's `StreamedResponse` whose events are published (`_UnitPublisher`) as the caller iterates it, then the
+    response's tool calls; every other attribute is the wrapped stream's (read and written through)."""
+
+    def __init__(self, stream: Any, unit: _UnitPublisher):
+        object.__setattr__(self, '_durcap_stream', stream)
+        object.__setattr__(self, '_durcap_unit', unit)
+        object.__setattr__(self, '_durcap_events', None)
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        events = self._durcap_events
+        if events is None:  # one iterator, as StreamedResponse: a second `async for` goes on with it
+            events = self._events()
+            object.__setattr__(self, '_durcap_events', events)
+        return events
+
+    async def _events(self) -> AsyncIterator[Any]:
+        unit: _UnitPublisher = self._durcap_unit
+        async for event in self._durcap_stream:
+            await unit.event(event)
+            yield event
+        await unit.tool_calls(self._durcap_stream.get())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._durcap_stream, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._durcap_stream, name, value)
 
 
 def wrap_model(model: Any) -> Any:
