@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import uuid
@@ -133,6 +134,30 @@ def test_cli_exports_over_otlp_and_replay_emits_no_spans(tmp_path: Path) -> None
                                 capture_output=True, text=True, timeout=120, check=False)
         assert replay.returncode == 0, replay.stdout[-2000:] + replay.stderr[-2000:]
         assert receiver.spans[before:] == [], [s['name'] for s in receiver.spans[before:]]
+
+
+def test_unreachable_collector_bounded_exit_one_line(tmp_path: Path) -> None:
+    """`durcap demo` (DBOS on SQLite, the support example's scripted `FunctionModel`) exporting to a port that refuses
+    connections (a socket bound on 127.0.0.1 that does not listen): the run completes, the exit code is 0, and
+    instead of the exporter's log line per retry there is one line naming the endpoint and the cause. The exit is
+    bounded (`OTEL_EXPORTER_OTLP_TIMEOUT=3`, the exporter's own retries alone took ~45 s): the process ends, which
+    the subprocess timeout (generous) waits for."""
+    import socket
+
+    with socket.socket() as refusing:
+        refusing.bind(('127.0.0.1', 0))  # bound, never listening: every connection is refused while the test holds it
+        endpoint = f'http://127.0.0.1:{refusing.getsockname()[1]}'
+        env = subprocess_env({'OTEL_EXPORTER_OTLP_ENDPOINT': endpoint, 'OTEL_EXPORTER_OTLP_TIMEOUT': '3',
+                              'DURCAP_STORE': f'sqlite:///{tmp_path / "s.sqlite"}'})
+        run = subprocess.run([*DURCAP, 'demo', '--prompt', 'Where is my order ABC-123?'], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=90, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert 'answer (dbos): Order ABC-123' in run.stdout, run.stdout[-2000:]
+    said = [line for line in run.stderr.splitlines() if 'export' in line.lower()]
+    assert len(said) == 1, run.stderr[-3000:]
+    assert re.match(rf'durcap: traces( \(\d+ spans\))? and metrics could not be exported to {endpoint}/v1/traces: '
+                    'Connection refused', said[0]), said[0]
+    assert 'OTEL_EXPORTER_OTLP_ENDPOINT' in said[0] and 'Transient error' not in run.stderr, run.stderr[-3000:]
 
 
 def _kill_checks(spans: list[dict[str, Any]], run_id: str, crash_dir: Path, killed_pid: int) -> None:
