@@ -1003,6 +1003,11 @@ class _Instruments:
                                             description='Unit executions after the first (retries)')
         self.token_count = meter.create_counter('durcap.tokens', unit='{token}', description='Model tokens')
         self.wait = meter.create_histogram('durcap.approval.wait', unit='s', description='Approval wait time')
+        self.waiting = meter.create_up_down_counter(
+            'durcap.approvals.waiting', unit='{call}', description='Tool calls waiting for a decision in this process')
+        self.claim_check = meter.create_counter(
+            'durcap.claim_check.bytes', unit='By',
+            description='Bytes of payloads carried by reference (written to / read from the store)')
 
     def run_started(self, agent: str, engine: str) -> None:
         if self.on:
@@ -1037,6 +1042,14 @@ class _Instruments:
                  **({'durcap.agent': agent} if agent else {})}
         self.wait.record(seconds, attrs)
 
+    def waiting_changed(self, agent: str | None, engine: str, delta: int) -> None:
+        if self.on and delta:
+            self.waiting.add(delta, {'durcap.engine': engine, **({'durcap.agent': agent} if agent else {})})
+
+    def claim_checked(self, direction: str, size: int) -> None:
+        if self.on:
+            self.claim_check.add(size, {'durcap.engine': 'temporal', 'durcap.direction': direction})
+
 
 def _metrics() -> _Instruments:
     """The instruments, made on first use after `configure` (a global meter provider installed later is not seen)."""
@@ -1055,4 +1068,60 @@ def _metrics() -> _Instruments:
 def run_started_metric(agent: str, engine: str) -> None:
     """Count a run started by this client (`durcap.runs.started`)."""
     _metrics().run_started(agent, engine)
+
+
+_waiting: dict[tuple[str, str, str], str | None] = {}
+"""The calls waiting for a decision in this process's runs: (engine, run id, call id) -> agent."""
+_waiting_lock = threading.Lock()
+
+
+@contextmanager
+def approvals_waiting(run_id: str, call_ids: list[str], agent: str | None) -> Iterator[None]:
+    """Count the calls of `call_ids` as waiting in this process (`durcap.approvals.waiting`, an up-down counter by
+    `durcap.agent` and `durcap.engine`) while the gate waits for their decisions.
+
+    The wait runs in workflow code, which an engine re-enters (a Temporal workflow task replayed, a DBOS workflow
+    recovered, a Prefect flow run resumed): a call is counted once per process however often its wait is entered
+    (keyed by engine, run id and call id), and uncounted when the wait it was counted in ends (decided, timed out,
+    cancelled, or its workflow evicted from a worker's cache). Summed over processes (each one's `process.pid`),
+    the gauge is the number of calls waiting in workflows that some process holds; a Temporal workflow evicted
+    from every cache while it waits is not counted until a worker holds it again.
+    """
+    if not call_ids or not _metrics().on:
+        yield
+        return
+    engine = _engine_here()
+    keys = [(engine, run_id, call_id) for call_id in call_ids]
+    with _waiting_lock:
+        added = [k for k in keys if k not in _waiting]
+        for key in added:
+            _waiting[key] = agent
+    _metrics().waiting_changed(agent, engine, len(added))
+    try:
+        yield
+    finally:
+        with _waiting_lock:
+            removed = [k for k in added if k in _waiting]
+            for key in removed:
+                del _waiting[key]
+        _metrics().waiting_changed(agent, engine, -len(removed))
+
+
+def _engine_here() -> str:
+    """The engine whose workflow code runs here (Temporal's workflow sandbox included), `local` outside any."""
+    workflow = sys.modules.get('temporalio.workflow')
+    try:
+        if workflow is not None and workflow.in_workflow():
+            return 'temporal'
+    except Exception:  # noqa: BLE001, S110 - not in a workflow's event loop
+        pass
+    at = where()
+    return at.engine if at is not None else 'local'
+
+
+def claim_check_bytes(direction: str, size: int) -> None:
+    """Count `size` bytes of a payload carried by reference (`durcap.claim_check.bytes`, attribute
+    `durcap.direction`: `written` when the claim-check codec stored it, `read` when it fetched it back; every read
+    counts, a replayed workflow's decoding included: it is the store's traffic)."""
+    _metrics().claim_checked(direction, size)
 

@@ -136,6 +136,44 @@ def test_cli_exports_over_otlp_and_replay_emits_no_spans(tmp_path: Path) -> None
         assert receiver.spans[before:] == [], [s['name'] for s in receiver.spans[before:]]
 
 
+def test_metrics_approvals_waiting_and_claim_check_bytes(temporal_address: str, tmp_path: Path) -> None:
+    """The approval agent (`tests/engines/approval_agent.py`, a scripted `FunctionModel`) on Temporal (the session's
+    server, worker inline, claim-check threshold 200 bytes) and DBOS (SQLite), each in a driver process reading its
+    metrics with the SDK's `InMemoryMetricReader` (`tests/engines/metrics_driver.py`): while the run waits for its
+    decision `durcap.approvals.waiting` is 1 for the agent and engine, after the decision 0, and the wait is one
+    `durcap.approval.wait` point (approved); on Temporal `durcap.claim_check.bytes` counts bytes written by
+    reference and read back (none on DBOS, which has no claim check)."""
+    env = subprocess_env({'DURCAP_TEST_TEMPORAL_ADDRESS': temporal_address, 'DURCAP_CRASH_DIR': str(tmp_path / 'crash')})
+    procs = {engine: subprocess.Popen([sys.executable, '-m', 'tests.engines.metrics_driver', engine,
+                                       f'sqlite:///{tmp_path / f"store-{engine}.sqlite"}',
+                                       '--db', f'sqlite:///{tmp_path / "dbos.sqlite"}'],
+                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True)
+             for engine in ('temporal', 'dbos')}
+    try:
+        outputs = {engine: proc.communicate(timeout=180) for engine, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    for engine, (stdout, stderr) in outputs.items():
+        lines = [line for line in stdout.splitlines() if line.startswith('METRICS ')]
+        assert lines, f'{engine}: no METRICS line\n{stderr[-3000:]}'
+        out = json.loads(lines[0][len('METRICS '):])
+        assert out['output'] == 'result: revoked sessions of bob', (engine, out['output'])
+        ours = {'durcap.agent': out['agent'], 'durcap.engine': engine}
+        assert out['waiting']['durcap.approvals.waiting'] == [{'attributes': ours, 'value': 1}], (engine, out['waiting'])
+        assert out['after']['durcap.approvals.waiting'] == [{'attributes': ours, 'value': 0}], (engine, out['after'])
+        [wait] = out['after']['durcap.approval.wait']
+        assert wait['attributes'] == {**ours, 'durcap.decision': 'approved'} and wait['count'] == 1, wait
+        claims = {p['attributes']['durcap.direction']: p['value'] for p in out['after'].get('durcap.claim_check.bytes', [])}
+        if engine == 'dbos':
+            assert claims == {}, claims
+            continue
+        assert claims['written'] > 0 and claims['read'] > 0, claims
+        before = {p['attributes']['durcap.direction']: p['value'] for p in out['waiting']['durcap.claim_check.bytes']}
+        assert before['written'] < claims['written'], (before, claims)  # the run after the decision wrote more
+
+
 def test_unreachable_collector_bounded_exit_one_line(tmp_path: Path) -> None:
     """`durcap demo` (DBOS on SQLite, the support example's scripted `FunctionModel`) exporting to a port that refuses
     connections (a socket bound on 127.0.0.1 that does not listen): the run completes, the exit code is 0, and
