@@ -5,14 +5,16 @@ Runs the approval agent (`tests/engines/approval_agent.py`, its scripted `Functi
 `runner.run`, with this process's metrics read by the SDK's `InMemoryMetricReader` (`telemetry.configure`). While the
 run waits for its decision the driver reads the metrics (the waiting count must say 1 call, the event it waits
 for), approves the call (`runner.decide`), and prints one `METRICS <json>` line: the report's output and the
-metric points read while waiting and after the run (name -> list of {attributes, value | count/sum}). On Temporal
-`$DURCAP_CLAIM_CHECK_THRESHOLD` is set low (200 bytes) first, so the run's payloads travel by reference.
+metric points read while waiting and after the run (name -> list of {attributes, value | count/sum}). On Temporal a
+second run follows (`claim_checked_run`, the claim-check threshold at 200 bytes) and the claim-check byte counts
+before and after it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import uuid
@@ -38,7 +40,6 @@ def points(reader: Any) -> dict[str, list[dict[str, Any]]]:
 
 async def scenario(engine: str, store: str, db: str | None, reader: Any) -> dict[str, Any]:
     from durable_capabilities import runner
-    from durable_capabilities.approvals import ApprovalError
     from tests.engines.approval_agent import gated
 
     run_id = f'metrics-{engine}-{uuid.uuid4().hex[:8]}'
@@ -51,6 +52,24 @@ async def scenario(engine: str, store: str, db: str | None, reader: Any) -> dict
     run = asyncio.ensure_future(runner.run(gated, 'revoke bob', engine=engine, run_id=run_id, notify=lambda line: None,
                                            **settings))
     decide_settings = {k: v for k, v in settings.items() if k not in ('inline_worker', 'task_queue')}
+    try:
+        return await _drive(run, run_id, engine, decide_settings, reader)
+    finally:
+        if not run.done():  # a failure here: leave no run waiting on the shared server (others list its approvals)
+            run.cancel()
+            if engine == 'temporal':
+                from temporalio.client import Client
+
+                with contextlib.suppress(Exception):  # not started
+                    client = await Client.connect(settings['address'])
+                    await client.get_workflow_handle(run_id).terminate(reason='metrics_driver failed')
+
+
+async def _drive(run: Any, run_id: str, engine: str, decide_settings: dict[str, Any], reader: Any) -> dict[str, Any]:
+    from durable_capabilities import runner
+    from durable_capabilities.approvals import ApprovalError
+    from tests.engines.approval_agent import gated
+
     pending: list[Any] = []
     for _ in range(600):  # the run publishes its pending call: the event the decision waits for (0.1 s polls)
         if run.done():
@@ -69,14 +88,27 @@ async def scenario(engine: str, store: str, db: str | None, reader: Any) -> dict
     return {'output': report.output, 'waiting': waiting, 'after': points(reader), 'agent': gated.name}
 
 
+async def claim_checked_run(store: str) -> dict[str, Any]:
+    """Temporal: the support example (its scripted `FunctionModel` `SupportScript`) with the claim-check threshold
+    at 200 bytes, so its payloads travel by reference. Not the approval run: while a run waits, other processes
+    listing the server's pending approvals decode its memo, which must then not be a reference into this store."""
+    from durable_capabilities import runner
+    from examples.support.agent import SupportScript, make_store, make_support
+
+    os.environ['DURCAP_CLAIM_CHECK_THRESHOLD'] = '200'
+    agent = make_support(SupportScript(), name=f'metrics-claims-{uuid.uuid4().hex[:6]}')
+    report = await runner.run(agent, 'Where is my order ABC-123?', engine='temporal', deps=make_store(), store=store,
+                              address=os.environ['DURCAP_TEST_TEMPORAL_ADDRESS'], inline_worker=True,
+                              task_queue=f'metrics-{uuid.uuid4().hex[:8]}', notify=lambda line: None)
+    return {'output': report.output}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument('engine', choices=['temporal', 'dbos'])
     parser.add_argument('store')
     parser.add_argument('--db')
     args = parser.parse_args()
-    if args.engine == 'temporal':
-        os.environ['DURCAP_CLAIM_CHECK_THRESHOLD'] = '200'
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace import TracerProvider
@@ -86,6 +118,10 @@ def main() -> None:
     reader = InMemoryMetricReader()
     telemetry.configure(TracerProvider(), MeterProvider(metric_readers=[reader]))
     out = asyncio.run(scenario(args.engine, args.store, args.db, reader))
+    if args.engine == 'temporal':
+        out['claims_before'] = points(reader).get('durcap.claim_check.bytes', [])
+        out['claims_run'] = asyncio.run(claim_checked_run(args.store))
+        out['claims'] = points(reader).get('durcap.claim_check.bytes', [])
     print('METRICS ' + json.dumps(out, default=str), flush=True)
 
 

@@ -141,8 +141,9 @@ def test_metrics_approvals_waiting_and_claim_check_bytes(temporal_address: str, 
     server, worker inline, claim-check threshold 200 bytes) and DBOS (SQLite), each in a driver process reading its
     metrics with the SDK's `InMemoryMetricReader` (`tests/engines/metrics_driver.py`): while the run waits for its
     decision `durcap.approvals.waiting` is 1 for the agent and engine, after the decision 0, and the wait is one
-    `durcap.approval.wait` point (approved); on Temporal `durcap.claim_check.bytes` counts bytes written by
-    reference and read back (none on DBOS, which has no claim check)."""
+    `durcap.approval.wait` point (approved), and no claim-check bytes (the default threshold). On Temporal a second
+    run, the support example with the claim-check threshold at 200 bytes: `durcap.claim_check.bytes` counts bytes
+    written by reference and read back."""
     env = subprocess_env({'DURCAP_TEST_TEMPORAL_ADDRESS': temporal_address, 'DURCAP_CRASH_DIR': str(tmp_path / 'crash')})
     procs = {engine: subprocess.Popen([sys.executable, '-m', 'tests.engines.metrics_driver', engine,
                                        f'sqlite:///{tmp_path / f"store-{engine}.sqlite"}',
@@ -165,13 +166,13 @@ def test_metrics_approvals_waiting_and_claim_check_bytes(temporal_address: str, 
         assert out['after']['durcap.approvals.waiting'] == [{'attributes': ours, 'value': 0}], (engine, out['after'])
         [wait] = out['after']['durcap.approval.wait']
         assert wait['attributes'] == {**ours, 'durcap.decision': 'approved'} and wait['count'] == 1, wait
-        claims = {p['attributes']['durcap.direction']: p['value'] for p in out['after'].get('durcap.claim_check.bytes', [])}
+        assert 'durcap.claim_check.bytes' not in out['after'], out['after']  # the default threshold: all inline
         if engine == 'dbos':
-            assert claims == {}, claims
             continue
+        assert out['claims_before'] == [] and out['claims_run']['output'].startswith('Order ABC-123'), out
+        claims = {p['attributes']['durcap.direction']: p['value'] for p in out['claims']}
         assert claims['written'] > 0 and claims['read'] > 0, claims
-        before = {p['attributes']['durcap.direction']: p['value'] for p in out['waiting']['durcap.claim_check.bytes']}
-        assert before['written'] < claims['written'], (before, claims)  # the run after the decision wrote more
+        assert {p['attributes']['durcap.engine'] for p in out['claims']} == {'temporal'}
 
 
 def test_unreachable_collector_bounded_exit_one_line(tmp_path: Path) -> None:
