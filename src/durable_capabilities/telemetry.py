@@ -547,7 +547,8 @@ def trace_link(run_id: str) -> str | None:
 
 
 def _run_parent(run_id: str) -> Any:
-    """An OpenTelemetry context whose span is the run's root (remote: it may live in another process)."""
+    """An OpenTelemetry context whose span is the run's root (remote: it may live in another process). Cached per
+    run id: a context is immutable, and a worker starts every unit span of a run in it."""
     ctx = SpanContext(_trace_int(run_id), _span_int(run_id), is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
     return trace.set_span_in_context(NonRecordingSpan(ctx), otel_context.Context())
 
@@ -758,8 +759,11 @@ def unit_span(unit: str, name: str | None = None, *, agent: str | None = None, a
     if at is None or parent is None:  # not in a run: nothing to attribute the span to
         yield None
         return
+    extra = extra or {}
+    if name is not None and name in (attributes.get('tool'), extra.get('gen_ai.request.model')):
+        name = None  # said already (`durcap.tool`, `gen_ai.request.model`): every attribute costs the SDK a check
     attrs = _attributes({'agent': agent or at.agent, 'engine': at.engine, 'run_id': at.run_id, 'unit': unit,
-                         'unit_name': name, 'attempt': at.attempt, **attributes, **(extra or {})})
+                         'unit_name': name, 'attempt': at.attempt, **attributes, **extra})
     if at.durable and unit in ATTEMPT_UNITS:
         marker = tracer.start_span('durcap.attempt', context=parent, attributes=attrs)
         marker.end()
@@ -901,9 +905,10 @@ class TelemetryModel(WrapperModel):
         return self._instrumented[1]
 
     async def request(self, messages: Any, model_settings: Any, model_request_parameters: Any) -> Any:
-        _capability_loads(messages, where(), self.agent)
-        with unit_span('model_request', self.model_name, agent=self.agent,
-                       extra={'gen_ai.request.model': self.model_name}) as span:
+        at, model_name = where(), self.model_name
+        _capability_loads(messages, at, self.agent)
+        with unit_span('model_request', model_name, agent=self.agent, at=at,
+                       extra={'gen_ai.request.model': model_name}) as span:
             response = await self._inner().request(messages, model_settings, model_request_parameters)
             _record_usage(span, response, self.agent)
             return response
@@ -911,9 +916,10 @@ class TelemetryModel(WrapperModel):
     @asynccontextmanager
     async def request_stream(self, messages: Any, model_settings: Any, model_request_parameters: Any,
                              run_context: Any = None) -> AsyncIterator[Any]:
-        _capability_loads(messages, where(), self.agent)
-        with unit_span('model_request', self.model_name, agent=self.agent, streamed=True,
-                       extra={'gen_ai.request.model': self.model_name}) as span:
+        at, model_name = where(), self.model_name
+        _capability_loads(messages, at, self.agent)
+        with unit_span('model_request', model_name, agent=self.agent, at=at, streamed=True,
+                       extra={'gen_ai.request.model': model_name}) as span:
             async with self._inner().request_stream(messages, model_settings, model_request_parameters,
                                                     run_context) as stream:
                 yield stream
@@ -924,8 +930,8 @@ def _record_usage(span: Any, response: Any, agent: str | None) -> None:
     usage = getattr(response, 'usage', None)
     if span is None or usage is None:
         return
-    span.set_attribute('gen_ai.usage.input_tokens', usage.input_tokens)
-    span.set_attribute('gen_ai.usage.output_tokens', usage.output_tokens)
+    span.set_attributes({'gen_ai.usage.input_tokens': usage.input_tokens,
+                         'gen_ai.usage.output_tokens': usage.output_tokens})
     _metrics().tokens(agent, usage.input_tokens, usage.output_tokens)
 
 
