@@ -263,9 +263,9 @@ def test_temporal_worker_killed_mid_tool_one_trace_two_attempts(temporal_address
         assert report.output == 'charged and exported'
         wait_for(lambda: sum(s['name'] == 'durcap.model_request' for s in receiver.spans) >= 4, 30,
                  message=lambda: str(Counter(s['name'] for s in receiver.spans)))
-        client = [{'name': s.name, 'trace_id': f'{s.context.trace_id:032x}', 'span_id': f'{s.context.span_id:016x}',
+        client = [{'name': s.name, 'trace_id': f'{ctx.trace_id:032x}', 'span_id': f'{ctx.span_id:016x}',
                    'parent': None, 'attributes': dict(s.attributes or {}), 'resource': {}}
-                  for s in exporter.get_finished_spans()]
+                  for s in exporter.get_finished_spans() if (ctx := s.get_span_context()) is not None]
         spans = [*client, *receiver.spans]
         killed = int((crash_dir / 'slow-started').read_text())
         _kill_checks(spans, workflow_id, crash_dir, killed)
