@@ -36,8 +36,11 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
+import logging
 import os
+import re
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -87,9 +90,21 @@ class _State:
     tracer_of: Any = None
     instruments: Any = None
     meter_of: Any = None
+    flusher: Any = None
+    processors: Any = ()
+    watch: Any = None
 
 
 _state = _State()
+
+DEFAULT_EXPORT_TIMEOUT = 10.0
+"""Seconds the exit waits for the last spans and metrics when neither `OTEL_BSP_EXPORT_TIMEOUT` (ms) nor
+`OTEL_EXPORTER_OTLP_TIMEOUT` (s, as the Python OTLP exporter reads it) says otherwise: the exporter's own
+default time for one export, retries included."""
+
+FAILING_EXPORT_TIMEOUT = 2.0
+"""Seconds the exit waits instead when the last export already failed (a collector that refuses connections or
+does not answer: waiting out the exporter's retries would only delay the exit), unless a variable sets the bound."""
 
 
 def configure(tracer_provider: Any = None, meter_provider: Any = None, *, instrument_pydantic_ai: Any = None,
@@ -112,7 +127,8 @@ def configure(tracer_provider: Any = None, meter_provider: Any = None, *, instru
         _state.instruments = _state.meter_of = None
     _state.tracer_provider, _state.meter_provider = tracer_provider, meter_provider
     _state.instrument, _state.flush_attempts = instrument_pydantic_ai, flush_attempts
-    _state.owned = False
+    _state.flusher = _Flusher(tracer_provider) if flush_attempts else None
+    _state.owned, _state.processors, _state.watch = False, (), None
 
 
 def _env_on(name: str) -> bool:
@@ -127,21 +143,28 @@ def configure_from_env(service_name: str = 'durcap') -> bool:
     (default; OTLP over HTTP/protobuf, configured by the exporter's own `OTEL_EXPORTER_OTLP_*` variables), `console`,
     `none`. The resource reads `OTEL_SERVICE_NAME` and `OTEL_RESOURCE_ATTRIBUTES` (default service name
     `service_name`). Spans are batched (`OTEL_BSP_*`) and flushed at exit (`shutdown`, also registered with
-    `atexit`); `durcap.attempt` spans are flushed at once.
+    `atexit`), within `export_timeout()` seconds; `durcap.attempt` spans are flushed at once. The exporters' own
+    log lines (one per retry) are not printed: `shutdown` prints one line on stderr when something could not be
+    exported.
 
     Returns:
         Whether telemetry is now on.
 
     Raises:
-        InputError: DC040, an exporter name or OTLP protocol this package cannot use, or the SDK is not installed
-            (`pip install 'durable-capabilities[telemetry]'`).
+        InputError: DC040, an exporter name, OTLP protocol, endpoint (not an http(s) URL) or timeout (not a number
+            above 0) this package cannot use, or the SDK is not installed (`pip install
+            'durable-capabilities[telemetry]'`).
     """
     if _env_on('OTEL_SDK_DISABLED'):
         return False
     names = _exporters('OTEL_TRACES_EXPORTER')
+    for variable in ('OTEL_EXPORTER_OTLP_ENDPOINT', 'OTEL_EXPORTER_OTLP_TRACES_ENDPOINT',
+                     'OTEL_EXPORTER_OTLP_METRICS_ENDPOINT'):
+        _check_endpoint(variable)
     endpoint = os.environ.get('OTEL_EXPORTER_OTLP_ENDPOINT') or os.environ.get('OTEL_EXPORTER_OTLP_TRACES_ENDPOINT')
     if not endpoint and 'OTEL_TRACES_EXPORTER' not in os.environ:
         return False
+    export_timeout()  # an unusable timeout is refused before anything is built
     try:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -153,16 +176,222 @@ def configure_from_env(service_name: str = 'durcap') -> bool:
     if not os.environ.get('OTEL_SERVICE_NAME'):
         attributes['service.name'] = service_name
     resource = Resource.create(attributes)
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False)  # `shutdown` (atexit) bounds the exit
+    watch = _ExportWatch()
+    processors = []
     for name in names:
         exporter = ConsoleSpanExporter() if name == 'console' else _otlp('traces')
-        provider.add_span_processor(BatchSpanProcessor(exporter))
+        processors.append(BatchSpanProcessor(watch.wrap(exporter)))  # type: ignore[arg-type]
+        provider.add_span_processor(processors[-1])
     meter_provider = _meter_provider_from_env(resource, bool(endpoint))
     instrument = True if _env_on(PYDANTIC_AI_ENV) else None
     configure(provider, meter_provider, instrument_pydantic_ai=instrument, flush_attempts=True)
-    _state.owned = True
+    _state.owned, _state.processors, _state.watch = True, tuple(processors), watch
+    watch.listen()
     atexit.register(shutdown)
     return True
+
+
+def _check_endpoint(variable: str) -> None:
+    """DC040 when `variable` is set to something the OTLP/HTTP exporter cannot post to (not an http(s) URL with a
+    host): the SDK would accept it and fail on every export."""
+    from urllib.parse import urlsplit
+
+    raw = os.environ.get(variable)
+    if raw is None or raw == '':
+        return
+    try:
+        parts = urlsplit(raw.strip())
+        ok = parts.scheme.lower() in ('http', 'https') and bool(parts.hostname)
+        parts.port  # noqa: B018 - raises ValueError on a port that is not a number in 0-65535
+    except ValueError:
+        ok = False
+    if not ok:
+        raise InputError(variable, f'{raw[:200]!r} is not an http(s) URL: set it to the OTLP/HTTP address of your '
+                         'collector, e.g. http://127.0.0.1:4318, or unset it')
+
+
+def export_timeout() -> float:
+    """Seconds `shutdown` waits for the last spans and metrics to be exported before the process exits:
+    `OTEL_BSP_EXPORT_TIMEOUT` (milliseconds) when set, else `OTEL_EXPORTER_OTLP_TRACES_TIMEOUT` or
+    `OTEL_EXPORTER_OTLP_TIMEOUT` (seconds, as the Python OTLP exporter reads them), else `DEFAULT_EXPORT_TIMEOUT`.
+
+    Raises:
+        InputError: DC040, a set value that is not a number above 0 (naming the variable).
+    """
+    return _export_timeout()[0]
+
+
+def _export_timeout() -> tuple[float, bool]:
+    """`export_timeout()` and whether a variable set it."""
+    for variable, scale in (('OTEL_BSP_EXPORT_TIMEOUT', 1000.0), ('OTEL_EXPORTER_OTLP_TRACES_TIMEOUT', 1.0),
+                            ('OTEL_EXPORTER_OTLP_TIMEOUT', 1.0)):
+        raw = os.environ.get(variable, '').strip()
+        if not raw:
+            continue
+        try:
+            value = float(raw) / scale
+        except ValueError:
+            value = -1.0
+        if not value > 0 or value == float('inf'):
+            unit = 'milliseconds' if scale > 1 else 'seconds'
+            raise InputError(variable, f'{raw[:40]!r} is not a number of {unit} above 0: set one (e.g. '
+                             f'{"5000" if scale > 1 else "5"}) or unset it')
+        return value, True
+    return DEFAULT_EXPORT_TIMEOUT, False
+
+
+class _ExportWatch:
+    """What the exporters of `configure_from_env` could not deliver: the span exporters are wrapped (`wrap`: spans in
+    failed exports counted, `failing` from a failed or retried export until one succeeds), and the OTLP exporters' log records (one per
+    retry, on stderr by default) are taken instead of printed (`listen`), keeping the last reason per signal."""
+
+    LOGGER = 'opentelemetry.exporter.otlp'
+
+    def __init__(self) -> None:
+        self.failed_spans = 0
+        self.failing = False
+        self.reasons: dict[str, str] = {}
+        self.lock = threading.Lock()
+
+    def wrap(self, exporter: Any) -> Any:
+        watch = self
+
+        class Watched:
+            def export(self, spans: Any) -> Any:
+                result = exporter.export(spans)
+                ok = getattr(result, 'name', 'SUCCESS') == 'SUCCESS'
+                with watch.lock:
+                    watch.failing = not ok
+                    if not ok:
+                        watch.failed_spans += len(spans)
+                        watch.reasons.setdefault('spans', 'the exporter gave up')
+                return result
+
+            def shutdown(self) -> None:
+                exporter.shutdown()
+
+            def force_flush(self, timeout_millis: int = 30_000) -> bool:
+                return exporter.force_flush(timeout_millis)
+
+        return Watched()
+
+    def listen(self) -> None:
+        watch = self
+
+        class Taken(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                watch.took(record)
+
+        logger = logging.getLogger(self.LOGGER)
+        if not any(type(h).__name__ == 'Taken' for h in logger.handlers):
+            logger.addHandler(Taken(logging.WARNING))
+        logger.propagate = False
+
+    def took(self, record: logging.LogRecord) -> None:
+        """Keep the reason of one exporter log record (`Transient error %s ... exporting %s batch`, `Failed to
+        export %s batch code: %s, reason: %s`, `Failed to export %s batch due to timeout, ...`)."""
+        args = record.args if isinstance(record.args, tuple) else ()
+        message = str(record.msg)
+        if message.startswith('Transient error') and len(args) >= 2:
+            kind, reason = str(args[1]), _short_reason(args[0])
+        elif message.startswith('Failed to export') and args:
+            kind = str(args[0])
+            reason = (f'HTTP {args[1]}: {_short_reason(args[2])}' if args[1] else _short_reason(args[2])) \
+                if len(args) >= 3 else None
+        else:
+            return
+        with self.lock:
+            self.failing = True  # a retry under way: the collector does not take exports now
+            if reason is not None:
+                self.reasons[kind] = reason
+            else:
+                self.reasons.setdefault(kind, 'timed out')
+
+    def line(self, stuck: bool, timeout: float) -> str | None:
+        """The one line `shutdown` prints when spans or metrics could not be exported, else `None`."""
+        with self.lock:
+            reasons, lost = dict(self.reasons), self.failed_spans
+        if not reasons and not stuck:
+            return None
+        what = []
+        if 'spans' in reasons or lost or stuck:
+            what.append(f'traces ({lost} spans)' if lost and not stuck else 'traces')
+        if 'metrics' in reasons:
+            what.append('metrics')
+        reason = reasons.get('spans') or reasons.get('metrics') or f'not done within {timeout:g} s'
+        if stuck and reason != f'not done within {timeout:g} s':
+            reason += f' (gave up at exit after {timeout:g} s)'
+        return (f'durcap: {" and ".join(what)} could not be exported to {_endpoint_shown()}: {reason} (is the collector '
+                'running? OTEL_EXPORTER_OTLP_ENDPOINT; OTEL_BSP_EXPORT_TIMEOUT bounds the wait at exit)')
+
+
+def _short_reason(error: Any) -> str:
+    """The cause of an export failure in a few words: `Connection refused` from requests' nested wording."""
+    text = str(error)
+    errno = re.search(r'\[Errno -?\d+\] ([^"\')]+)', text)
+    if errno:
+        return errno.group(1).strip()
+    for marker in ('Read timed out', 'timed out', 'Name or service not known', 'certificate verify failed'):
+        if marker in text:
+            return marker
+    return text.splitlines()[0][:160] if text else type(error).__name__
+
+
+def _endpoint_shown() -> str:
+    traces = os.environ.get('OTEL_EXPORTER_OTLP_TRACES_ENDPOINT')
+    if traces:
+        return traces
+    base = os.environ.get('OTEL_EXPORTER_OTLP_ENDPOINT')
+    return f'{base.rstrip("/")}/v1/traces' if base else 'http://localhost:4318/v1/traces'
+
+
+class _Flusher:
+    """Flushes a tracer provider in a thread of its own when a unit asks (`flush`), so that a `durcap.attempt` span
+    is exported before its unit runs, while the unit waits at most its `timeout`: the SDK's `force_flush` ignores
+    its timeout and exports in the caller, where a collector that refuses connections would hold the unit for the
+    exporter's whole retry time (~7 s per batch). After a wait that timed out, or while the last export failed,
+    units do not wait at all until a flush completes again."""
+
+    def __init__(self, provider: Any):
+        self.provider = provider  # `None`: the global one (`_provider`)
+        self.cond = threading.Condition()
+        self.asked = self.done = 0
+        self.stuck = False
+        self.pid: int | None = None
+
+    def flush(self, timeout: float) -> None:
+        """Ask for a flush and wait until it is done, at most `timeout` seconds (not at all while stuck)."""
+        watch = _state.watch
+        if self.stuck or (watch is not None and watch.failing):
+            return
+        with self.cond:
+            if self.pid != os.getpid():  # first use, or a forked child (the thread stayed in the parent)
+                self.pid, self.asked, self.done = os.getpid(), 0, 0
+                threading.Thread(target=self._run, name='durcap-otel-flush', daemon=True).start()
+            self.asked += 1
+            asked = self.asked
+            self.cond.notify_all()
+            if not self.cond.wait_for(lambda: self.done >= asked, timeout):
+                self.stuck = True
+
+    def _run(self) -> None:
+        pid = os.getpid()
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.asked > self.done or self.pid != pid)
+                if self.pid != pid:
+                    return
+                asked = self.asked
+            try:
+                provider = self.provider or _provider()
+                if hasattr(provider, 'force_flush'):
+                    provider.force_flush()
+            except Exception:  # noqa: BLE001, S110 - an exporter's failure must not end the flushing thread
+                pass
+            with self.cond:
+                self.done, self.stuck = asked, False
+                self.cond.notify_all()
 
 
 def _exporters(variable: str) -> list[str]:
@@ -205,26 +434,67 @@ def _meter_provider_from_env(resource: Any, endpoint: bool) -> Any:
 
     readers = [PeriodicExportingMetricReader(ConsoleMetricExporter() if n == 'console' else _otlp('metrics'))
                for n in names]
-    return MeterProvider(resource=resource, metric_readers=readers)
+    return MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)  # `shutdown` bounds the exit
 
 
 def shutdown() -> None:
     """Flush what is pending and, for providers `configure_from_env` made, shut them down (idempotent). Every
-    `durcap` command calls it before it exits."""
-    for provider in (_state.tracer_provider, _state.meter_provider):
-        if provider is None:
-            continue
+    `durcap` command calls it before it exits.
+
+    For the providers of `configure_from_env`, the wait is bounded by `export_timeout()` seconds (traces and
+    metrics exported at once, an exporter's pending retries abandoned at the bound), and one line goes to stderr
+    when something could not be exported (where, why); the process's exit code is not changed.
+    """
+    if not _state.owned:
+        for provider in (_state.tracer_provider, _state.meter_provider):
+            try:
+                if provider is not None and hasattr(provider, 'force_flush'):
+                    provider.force_flush()
+            except Exception:  # noqa: BLE001, S110 - an exporter that cannot reach its collector must not fail the exit
+                pass
+        return
+    try:
+        timeout, explicit = _export_timeout()
+    except InputError:  # pragma: no cover - refused by configure_from_env already
+        timeout, explicit = DEFAULT_EXPORT_TIMEOUT, False
+    if not explicit and _state.watch is not None and _state.watch.failing:
+        timeout = min(timeout, FAILING_EXPORT_TIMEOUT)
+    millis = int(timeout * 1000)
+    calls: list[Callable[[], Any]] = [functools.partial(p.shutdown, timeout_millis=millis) for p in _state.processors]
+    if _state.tracer_provider is not None:
+        calls.append(_state.tracer_provider.shutdown)  # the processors are done by then: the provider's own state
+    if _state.meter_provider is not None:
+        calls.insert(0, functools.partial(_state.meter_provider.shutdown, timeout_millis=millis))
+    stuck = not _within(calls, timeout + 0.5)
+    line = _state.watch.line(stuck, timeout) if _state.watch is not None else None
+    _state.tracer_provider = _state.meter_provider = _state.tracer = _state.tracer_of = None
+    _state.instruments = _state.meter_of = _state.flusher = _state.watch = None
+    _state.processors, _state.owned = (), False
+    if line:
         try:
-            if _state.owned:
-                provider.shutdown()
-            elif hasattr(provider, 'force_flush'):
-                provider.force_flush()
-        except Exception:  # noqa: BLE001, S110 - an exporter that cannot reach its collector must not fail the exit
+            print(line, file=sys.stderr, flush=True)
+        except (OSError, ValueError):  # pragma: no cover - stderr closed
             pass
-    if _state.owned:
-        _state.tracer_provider = _state.meter_provider = _state.tracer = _state.tracer_of = None
-        _state.instruments = _state.meter_of = None
-        _state.owned = False
+
+
+def _within(calls: list[Callable[[], Any]], seconds: float) -> bool:
+    """Run the meter provider's shutdown in one daemon thread and the tracer's parts in order in another; whether
+    both ended within `seconds` (a thread still exporting is left behind: the process exits without it)."""
+    def run(part: list[Callable[[], Any]]) -> None:
+        for call in part:
+            try:
+                call()
+            except Exception:  # noqa: BLE001, S110 - an exporter that cannot reach its collector must not fail the exit
+                pass
+
+    parts = [calls[:1], calls[1:]] if _state.meter_provider is not None else [calls]
+    threads = [threading.Thread(target=run, args=(part,), name='durcap-otel-exit', daemon=True) for part in parts if part]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + seconds
+    for thread in threads:
+        thread.join(max(deadline - time.monotonic(), 0))
+    return not any(thread.is_alive() for thread in threads)
 
 
 def _provider() -> Any:
@@ -277,7 +547,8 @@ def trace_link(run_id: str) -> str | None:
 
 
 def _run_parent(run_id: str) -> Any:
-    """An OpenTelemetry context whose span is the run's root (remote: it may live in another process)."""
+    """An OpenTelemetry context whose span is the run's root (remote: it may live in another process). Cached per
+    run id: a context is immutable, and a worker starts every unit span of a run in it."""
     ctx = SpanContext(_trace_int(run_id), _span_int(run_id), is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
     return trace.set_span_in_context(NonRecordingSpan(ctx), otel_context.Context())
 
@@ -488,16 +759,17 @@ def unit_span(unit: str, name: str | None = None, *, agent: str | None = None, a
     if at is None or parent is None:  # not in a run: nothing to attribute the span to
         yield None
         return
+    extra = extra or {}
+    if name is not None and name in (attributes.get('tool'), extra.get('gen_ai.request.model')):
+        name = None  # said already (`durcap.tool`, `gen_ai.request.model`): every attribute costs the SDK a check
     attrs = _attributes({'agent': agent or at.agent, 'engine': at.engine, 'run_id': at.run_id, 'unit': unit,
-                         'unit_name': name, 'attempt': at.attempt, **attributes, **(extra or {})})
+                         'unit_name': name, 'attempt': at.attempt, **attributes, **extra})
     if at.durable and unit in ATTEMPT_UNITS:
         marker = tracer.start_span('durcap.attempt', context=parent, attributes=attrs)
         marker.end()
         parent = trace.set_span_in_context(marker, parent)
-        if _state.flush_attempts:
-            provider = _provider()
-            if hasattr(provider, 'force_flush'):
-                provider.force_flush(2_000)
+        if _state.flusher is not None:
+            _state.flusher.flush(2.0)
     token = _open_unit.set(unit)
     start = time.perf_counter()
     span = tracer.start_span(f'durcap.{unit}', context=parent, attributes=attrs)
@@ -633,9 +905,10 @@ class TelemetryModel(WrapperModel):
         return self._instrumented[1]
 
     async def request(self, messages: Any, model_settings: Any, model_request_parameters: Any) -> Any:
-        _capability_loads(messages, where(), self.agent)
-        with unit_span('model_request', self.model_name, agent=self.agent,
-                       extra={'gen_ai.request.model': self.model_name}) as span:
+        at, model_name = where(), self.model_name
+        _capability_loads(messages, at, self.agent)
+        with unit_span('model_request', model_name, agent=self.agent, at=at,
+                       extra={'gen_ai.request.model': model_name}) as span:
             response = await self._inner().request(messages, model_settings, model_request_parameters)
             _record_usage(span, response, self.agent)
             return response
@@ -643,9 +916,10 @@ class TelemetryModel(WrapperModel):
     @asynccontextmanager
     async def request_stream(self, messages: Any, model_settings: Any, model_request_parameters: Any,
                              run_context: Any = None) -> AsyncIterator[Any]:
-        _capability_loads(messages, where(), self.agent)
-        with unit_span('model_request', self.model_name, agent=self.agent, streamed=True,
-                       extra={'gen_ai.request.model': self.model_name}) as span:
+        at, model_name = where(), self.model_name
+        _capability_loads(messages, at, self.agent)
+        with unit_span('model_request', model_name, agent=self.agent, at=at, streamed=True,
+                       extra={'gen_ai.request.model': model_name}) as span:
             async with self._inner().request_stream(messages, model_settings, model_request_parameters,
                                                     run_context) as stream:
                 yield stream
@@ -656,8 +930,8 @@ def _record_usage(span: Any, response: Any, agent: str | None) -> None:
     usage = getattr(response, 'usage', None)
     if span is None or usage is None:
         return
-    span.set_attribute('gen_ai.usage.input_tokens', usage.input_tokens)
-    span.set_attribute('gen_ai.usage.output_tokens', usage.output_tokens)
+    span.set_attributes({'gen_ai.usage.input_tokens': usage.input_tokens,
+                         'gen_ai.usage.output_tokens': usage.output_tokens})
     _metrics().tokens(agent, usage.input_tokens, usage.output_tokens)
 
 
@@ -735,6 +1009,11 @@ class _Instruments:
                                             description='Unit executions after the first (retries)')
         self.token_count = meter.create_counter('durcap.tokens', unit='{token}', description='Model tokens')
         self.wait = meter.create_histogram('durcap.approval.wait', unit='s', description='Approval wait time')
+        self.waiting = meter.create_up_down_counter(
+            'durcap.approvals.waiting', unit='{call}', description='Tool calls waiting for a decision in this process')
+        self.claim_check = meter.create_counter(
+            'durcap.claim_check.bytes', unit='By',
+            description='Bytes of payloads carried by reference (written to / read from the store)')
 
     def run_started(self, agent: str, engine: str) -> None:
         if self.on:
@@ -769,6 +1048,14 @@ class _Instruments:
                  **({'durcap.agent': agent} if agent else {})}
         self.wait.record(seconds, attrs)
 
+    def waiting_changed(self, agent: str | None, engine: str, delta: int) -> None:
+        if self.on and delta:
+            self.waiting.add(delta, {'durcap.engine': engine, **({'durcap.agent': agent} if agent else {})})
+
+    def claim_checked(self, direction: str, size: int) -> None:
+        if self.on:
+            self.claim_check.add(size, {'durcap.engine': 'temporal', 'durcap.direction': direction})
+
 
 def _metrics() -> _Instruments:
     """The instruments, made on first use after `configure` (a global meter provider installed later is not seen)."""
@@ -787,4 +1074,60 @@ def _metrics() -> _Instruments:
 def run_started_metric(agent: str, engine: str) -> None:
     """Count a run started by this client (`durcap.runs.started`)."""
     _metrics().run_started(agent, engine)
+
+
+_waiting: dict[tuple[str, str, str], str | None] = {}
+"""The calls waiting for a decision in this process's runs: (engine, run id, call id) -> agent."""
+_waiting_lock = threading.Lock()
+
+
+@contextmanager
+def approvals_waiting(run_id: str, call_ids: list[str], agent: str | None) -> Iterator[None]:
+    """Count the calls of `call_ids` as waiting in this process (`durcap.approvals.waiting`, an up-down counter by
+    `durcap.agent` and `durcap.engine`) while the gate waits for their decisions.
+
+    The wait runs in workflow code, which an engine re-enters (a Temporal workflow task replayed, a DBOS workflow
+    recovered, a Prefect flow run resumed): a call is counted once per process however often its wait is entered
+    (keyed by engine, run id and call id), and uncounted when the wait it was counted in ends (decided, timed out,
+    cancelled, or its workflow evicted from a worker's cache). Summed over processes (each one's `process.pid`),
+    the gauge is the number of calls waiting in workflows that some process holds; a Temporal workflow evicted
+    from every cache while it waits is not counted until a worker holds it again.
+    """
+    if not call_ids or not _metrics().on:
+        yield
+        return
+    engine = _engine_here()
+    keys = [(engine, run_id, call_id) for call_id in call_ids]
+    with _waiting_lock:
+        added = [k for k in keys if k not in _waiting]
+        for key in added:
+            _waiting[key] = agent
+    _metrics().waiting_changed(agent, engine, len(added))
+    try:
+        yield
+    finally:
+        with _waiting_lock:
+            removed = [k for k in added if k in _waiting]
+            for key in removed:
+                del _waiting[key]
+        _metrics().waiting_changed(agent, engine, -len(removed))
+
+
+def _engine_here() -> str:
+    """The engine whose workflow code runs here (Temporal's workflow sandbox included), `local` outside any."""
+    workflow = sys.modules.get('temporalio.workflow')
+    try:
+        if workflow is not None and workflow.in_workflow():
+            return 'temporal'
+    except Exception:  # noqa: BLE001, S110 - not in a workflow's event loop
+        pass
+    at = where()
+    return at.engine if at is not None else 'local'
+
+
+def claim_check_bytes(direction: str, size: int) -> None:
+    """Count `size` bytes of a payload carried by reference (`durcap.claim_check.bytes`, attribute
+    `durcap.direction`: `written` when the claim-check codec stored it, `read` when it fetched it back; every read
+    counts, a replayed workflow's decoding included: it is the store's traffic)."""
+    _metrics().claim_checked(direction, size)
 

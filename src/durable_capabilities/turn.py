@@ -366,7 +366,8 @@ async def _await_decisions(
                                       conversation_id=conversation_id, now=await gate.now(), timeout=timeout,
                                       schemas=getattr(agent, 'tool_schema', None))
     await _publish('approval_waiting', {'calls': [_jsonable(c) for c in pending]})
-    decisions = await gate.wait(pending, timeout)
+    with telemetry.approvals_waiting(gate.run_id, [c.call_id for c in pending], agent.name):
+        decisions = await gate.wait(pending, timeout)
     await _publish('approval_decided', {'decisions': [_jsonable(d) for d in decisions.values()]})
     results = approvals.deferred_results(pending, decisions)
     continued = await run(None, deps=deps, message_history=result.all_messages(), deferred_tool_results=results,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import uuid
@@ -135,6 +136,69 @@ def test_cli_exports_over_otlp_and_replay_emits_no_spans(tmp_path: Path) -> None
         assert receiver.spans[before:] == [], [s['name'] for s in receiver.spans[before:]]
 
 
+def test_metrics_approvals_waiting_and_claim_check_bytes(temporal_address: str, tmp_path: Path) -> None:
+    """The approval agent (`tests/engines/approval_agent.py`, a scripted `FunctionModel`) on Temporal (the session's
+    server, worker inline, claim-check threshold 200 bytes) and DBOS (SQLite), each in a driver process reading its
+    metrics with the SDK's `InMemoryMetricReader` (`tests/engines/metrics_driver.py`): while the run waits for its
+    decision `durcap.approvals.waiting` is 1 for the agent and engine, after the decision 0, and the wait is one
+    `durcap.approval.wait` point (approved), and no claim-check bytes (the default threshold). On Temporal a second
+    run, the support example with the claim-check threshold at 200 bytes: `durcap.claim_check.bytes` counts bytes
+    written by reference and read back."""
+    env = subprocess_env({'DURCAP_TEST_TEMPORAL_ADDRESS': temporal_address, 'DURCAP_CRASH_DIR': str(tmp_path / 'crash')})
+    procs = {engine: subprocess.Popen([sys.executable, '-m', 'tests.engines.metrics_driver', engine,
+                                       f'sqlite:///{tmp_path / f"store-{engine}.sqlite"}',
+                                       '--db', f'sqlite:///{tmp_path / "dbos.sqlite"}'],
+                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True)
+             for engine in ('temporal', 'dbos')}
+    try:
+        outputs = {engine: proc.communicate(timeout=180) for engine, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    for engine, (stdout, stderr) in outputs.items():
+        lines = [line for line in stdout.splitlines() if line.startswith('METRICS ')]
+        assert lines, f'{engine}: no METRICS line\n{stderr[-3000:]}'
+        out = json.loads(lines[0][len('METRICS '):])
+        assert out['output'] == 'result: revoked sessions of bob', (engine, out['output'])
+        ours = {'durcap.agent': out['agent'], 'durcap.engine': engine}
+        assert out['waiting']['durcap.approvals.waiting'] == [{'attributes': ours, 'value': 1}], (engine, out['waiting'])
+        assert out['after']['durcap.approvals.waiting'] == [{'attributes': ours, 'value': 0}], (engine, out['after'])
+        [wait] = out['after']['durcap.approval.wait']
+        assert wait['attributes'] == {**ours, 'durcap.decision': 'approved'} and wait['count'] == 1, wait
+        assert 'durcap.claim_check.bytes' not in out['after'], out['after']  # the default threshold: all inline
+        if engine == 'dbos':
+            continue
+        assert out['claims_before'] == [] and out['claims_run']['output'].startswith('Order ABC-123'), out
+        claims = {p['attributes']['durcap.direction']: p['value'] for p in out['claims']}
+        assert claims['written'] > 0 and claims['read'] > 0, claims
+        assert {p['attributes']['durcap.engine'] for p in out['claims']} == {'temporal'}
+
+
+def test_unreachable_collector_bounded_exit_one_line(tmp_path: Path) -> None:
+    """`durcap demo` (DBOS on SQLite, the support example's scripted `FunctionModel`) exporting to a port that refuses
+    connections (a socket bound on 127.0.0.1 that does not listen): the run completes, the exit code is 0, and
+    instead of the exporter's log line per retry there is one line naming the endpoint and the cause. The exit is
+    bounded (`OTEL_EXPORTER_OTLP_TIMEOUT=3`, the exporter's own retries alone took ~45 s): the process ends, which
+    the subprocess timeout (generous) waits for."""
+    import socket
+
+    with socket.socket() as refusing:
+        refusing.bind(('127.0.0.1', 0))  # bound, never listening: every connection is refused while the test holds it
+        endpoint = f'http://127.0.0.1:{refusing.getsockname()[1]}'
+        env = subprocess_env({'OTEL_EXPORTER_OTLP_ENDPOINT': endpoint, 'OTEL_EXPORTER_OTLP_TIMEOUT': '3',
+                              'DURCAP_STORE': f'sqlite:///{tmp_path / "s.sqlite"}'})
+        run = subprocess.run([*DURCAP, 'demo', '--prompt', 'Where is my order ABC-123?'], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=90, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert 'answer (dbos): Order ABC-123' in run.stdout, run.stdout[-2000:]
+    said = [line for line in run.stderr.splitlines() if 'export' in line.lower()]
+    assert len(said) == 1, run.stderr[-3000:]
+    assert re.match(rf'durcap: traces( \(\d+ spans\))? and metrics could not be exported to {endpoint}/v1/traces: '
+                    'Connection refused', said[0]), said[0]
+    assert 'OTEL_EXPORTER_OTLP_ENDPOINT' in said[0] and 'Transient error' not in run.stderr, run.stderr[-3000:]
+
+
 def _kill_checks(spans: list[dict[str, Any]], run_id: str, crash_dir: Path, killed_pid: int) -> None:
     """The crash agent's run after its worker was killed inside `slow_export`: `slow_export` has two attempt spans
     (the killed one, from the killed process, without a tool span; the retry, from another, with one), `charge`
@@ -199,9 +263,9 @@ def test_temporal_worker_killed_mid_tool_one_trace_two_attempts(temporal_address
         assert report.output == 'charged and exported'
         wait_for(lambda: sum(s['name'] == 'durcap.model_request' for s in receiver.spans) >= 4, 30,
                  message=lambda: str(Counter(s['name'] for s in receiver.spans)))
-        client = [{'name': s.name, 'trace_id': f'{s.context.trace_id:032x}', 'span_id': f'{s.context.span_id:016x}',
+        client = [{'name': s.name, 'trace_id': f'{ctx.trace_id:032x}', 'span_id': f'{ctx.span_id:016x}',
                    'parent': None, 'attributes': dict(s.attributes or {}), 'resource': {}}
-                  for s in exporter.get_finished_spans()]
+                  for s in exporter.get_finished_spans() if (ctx := s.get_span_context()) is not None]
         spans = [*client, *receiver.spans]
         killed = int((crash_dir / 'slow-started').read_text())
         _kill_checks(spans, workflow_id, crash_dir, killed)

@@ -545,6 +545,12 @@ PROCESS_CASES = [
          env={'OTEL_TRACES_EXPORTER': 'zipkin'}),
     Case('otel-protocol-grpc', ['check', PLAIN], 2, 'DC040 OTEL_EXPORTER_OTLP_PROTOCOL: \'grpc\': durcap exports OTLP over '
          'http/protobuf only', env={'OTEL_EXPORTER_OTLP_ENDPOINT': 'http://127.0.0.1:1', 'OTEL_EXPORTER_OTLP_PROTOCOL': 'grpc'}),
+    Case('otel-endpoint-not-url', ['check', PLAIN], 2, "DC040 OTEL_EXPORTER_OTLP_ENDPOINT: 'not-a-url' is not an "
+         'http(s) URL: set it to the OTLP/HTTP address of your collector', env={'OTEL_EXPORTER_OTLP_ENDPOINT': 'not-a-url'}),
+    Case('otel-traces-endpoint-no-host', ['check', PLAIN], 2, "DC040 OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: 'http://' is "
+         'not an http(s) URL', env={'OTEL_EXPORTER_OTLP_TRACES_ENDPOINT': 'http://'}),
+    Case('otel-export-timeout-not-number', ['check', PLAIN], 2, "DC040 OTEL_BSP_EXPORT_TIMEOUT: 'soon' is not a number of "
+         'milliseconds above 0', env={'OTEL_EXPORTER_OTLP_ENDPOINT': 'http://127.0.0.1:1', 'OTEL_BSP_EXPORT_TIMEOUT': 'soon'}),
     Case('local-failing-tool', ['run', f'{AGENTS}:failing', 'hi'], 1,
          "agent 'input-failing' failed on local in capability 'broken' (tool 'explode')"),
 ]

@@ -77,6 +77,7 @@ from temporalio.api.common.v1 import Payload
 from temporalio.converter import PayloadCodec, SerializationContext, WithSerializationContext
 from temporalio.exceptions import ActivityError, ApplicationError
 
+from ... import telemetry
 from ...store import CorruptedRowError, SQLConversationStore, StoreError, resolve_url
 
 ENCODING = b'binary/durcap-claim-check'
@@ -260,6 +261,7 @@ class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
                     non_retryable=True,
                 ) from None
             result.append(Payload(metadata={'encoding': ENCODING}, data=reference))
+            telemetry.claim_check_bytes('written', len(data))
         return result
 
     def _put(self, data: bytes, body: int) -> bytes:
@@ -313,6 +315,7 @@ class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
                 continue
             reference = json.loads(payload.data)
             data = await asyncio.to_thread(self._get, reference)
+            telemetry.claim_check_bytes('read', len(data))
             result.append(Payload.FromString(data))
         return result
 
