@@ -320,6 +320,31 @@ def test_temporal_decision_no_worker_accepted_is_refused_and_never_delivered_lat
     assert revocations(crash_dir) == ['dave3']  # the expired decision never ran the tool
 
 
+def test_temporal_pending_calls_listed_when_another_runs_memo_cannot_be_read(temporal_address: str,
+                                                                             tmp_path: Path) -> None:
+    """A running `durcap.*` workflow whose pending-calls memo is a claim check in a store this client does not use
+    (started through another store) made every Temporal approval listing fail with CorruptedRowError (found by a
+    helper on the shared dev server): it is skipped, the listing works. No worker, no model: the workflow never runs."""
+    from durable_capabilities import runner
+    from durable_capabilities.engines.temporal import PENDING_MEMO, connect
+
+    run_id = f'unreadable-memo-{uuid.uuid4().hex[:8]}'
+
+    async def scenario() -> list:
+        private = await connect(temporal_address, store=f'sqlite:///{tmp_path / "private.db"}')
+        big = [{'call_id': f'c{i}', 'padding': 'x' * 20_000} for i in range(2)]  # over the 16 KiB threshold
+        handle = await private.start_workflow('durcap.unreadable', id=run_id, task_queue=f'none-{uuid.uuid4().hex[:8]}',
+                                              memo={PENDING_MEMO: big})
+        try:
+            return await runner.approvals(engine='temporal', address=temporal_address,
+                                          store=f'sqlite:///{tmp_path / "other.db"}')
+        finally:
+            await handle.terminate('test done')
+
+    listed = asyncio.run(scenario())
+    assert all(call.run_id != run_id for call in listed)
+
+
 def test_temporal_deny_and_timeout(temporal_address: str, spawn, tmp_path: Path) -> None:
     from durable_capabilities.engines.temporal import (
         AgentRunInput,
