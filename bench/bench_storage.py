@@ -1,4 +1,4 @@
-"""Bytes stored per byte of conversation, on Temporal (a real dev server on a file database): the conversation store
+"""Bytes stored per byte of conversation: Temporal (a real dev server on a file database), before and after the claim checks in shared pieces, and (`--engine dbos-sqlite dbos-postgres prefect`, from `bench/_storage_engines.py`) DBOS and Prefect (issue 24).
 and the engine's own database together (issue 24).
 
     .venv/bin/python bench/bench_storage.py                                       # 12, 24, 50 turns; 0.2's layout and today's
@@ -170,8 +170,10 @@ def measure(layout: str, checkpoints: list[int], folder: Path, breakdown: bool =
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or '').splitlines()[0])
-    parser.add_argument('--engine', choices=['temporal'], default='temporal',
-                        help='the engine whose database is measured with the store (temporal: a dev server on a file)')
+    parser.add_argument('--engine', nargs='+', default=['temporal'],
+                        choices=['temporal', 'dbos-sqlite', 'dbos-postgres', 'prefect', 'all'],
+                        help='the engines whose database is measured with the store (temporal: a dev server on a file, '
+                             'both layouts; the others: bench/_storage_engines.py, a fresh engine database each)')
     parser.add_argument('--turns', type=int, nargs='+', default=[12, 24, 50])
     parser.add_argument('--layout', choices=['whole', 'pieces', 'both'], default='both')
     parser.add_argument('--json', action='store_true')
@@ -181,14 +183,27 @@ def main() -> None:
     args = parser.parse_args()
     load = os.getloadavg()
     print(f'load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} CPUs', flush=True)
-    layouts = ['whole', 'pieces'] if args.layout == 'both' else [args.layout]
+    engines = ['temporal', 'dbos-sqlite', 'dbos-postgres', 'prefect'] if 'all' in args.engine else args.engine
+    layouts = (['whole', 'pieces'] if args.layout == 'both' else [args.layout]) if 'temporal' in engines else []
     rows: list[dict[str, Any]] = []
+    others: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix='bench-storage-') as tmp:
         for layout in layouts:
             rows += measure(layout, sorted(args.turns), (args.dir or Path(tmp)) / layout, args.breakdown)
+        if any(engine != 'temporal' for engine in engines):
+            from bench._storage_engines import MEASURES
+
+            for engine in (e for e in engines if e != 'temporal'):
+                others += MEASURES[engine](sorted(args.turns), (args.dir or Path(tmp)) / engine)
     load = os.getloadavg()
     print(f'load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}')
-    if args.layout == 'both':
+    if others:
+        print('\nengine        | turns | (store + engine db) / message bytes')
+        for row in others:
+            verdict = 'met' if row['ratio'] <= TARGET else 'MISSED'
+            print(f'{row["engine"]:13} | {row["turns"]:5} | {row["ratio"]:6.2f}x ({verdict}, target <= {TARGET}x)')
+        rows += others
+    if args.layout == 'both' and layouts:
         print('\nturns | store + temporal db, whole (0.2) | pieces | pieces/whole')
         for turns in sorted(args.turns):
             whole = next(r for r in rows if r['layout'] == 'whole' and r['turns'] == turns)
