@@ -1,5 +1,6 @@
-"""Bytes stored per byte of conversation: Temporal (a real dev server on a file database), before and after the claim checks in shared pieces, and (`--engine dbos-sqlite dbos-postgres prefect`, from `bench/_storage_engines.py`) DBOS and Prefect (issue 24).
-and the engine's own database together (issue 24).
+"""Bytes stored per byte of conversation: the conversation store and the engine's own database together (issue 24),
+on Temporal (a real dev server on a file database) and, with `--engine dbos-sqlite dbos-postgres prefect` (from
+`bench/_storage_engines.py`), on DBOS and Prefect.
 
     .venv/bin/python bench/bench_storage.py                                       # 12, 24, 50 turns; 0.2's layout and today's
     .venv/bin/python bench/bench_storage.py --layout pieces --turns 50 100 200    # the figures in bench/README.md
