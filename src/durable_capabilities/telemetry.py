@@ -930,9 +930,35 @@ def _record_usage(span: Any, response: Any, agent: str | None) -> None:
     usage = getattr(response, 'usage', None)
     if span is None or usage is None:
         return
+    capability = acted_on(response, agent)
     span.set_attributes({'gen_ai.usage.input_tokens': usage.input_tokens,
-                         'gen_ai.usage.output_tokens': usage.output_tokens})
-    _metrics().tokens(agent, usage.input_tokens, usage.output_tokens)
+                         'gen_ai.usage.output_tokens': usage.output_tokens,
+                         **({'durcap.capability': capability} if capability is not None else {})})
+    _metrics().tokens(agent, usage.input_tokens, usage.output_tokens, capability)
+
+
+_TOOL_CAPABILITY: dict[tuple[str | None, str], str] = {}
+"""(agent name, tool name) -> the id of the capability leaf that has the tool (function toolsets of capabilities, filled
+by `trace_agent_tools` when the agent is built): how a model request's tokens are put under a capability."""
+
+
+def acted_on(response: Any, agent: str | None) -> str | None:
+    """The capability a model response acts on, under which its request's tokens are counted (`durcap.tokens`,
+    attribute `durcap.capability`): the capability its first tool call loads (`load_capability`) or belongs to
+    (a function tool of a capability's toolset). `None` for an answer, the agent's own tools and tools no capability
+    of the definition has (an MCP server's, known only at run time). Each request is counted once, so the counts
+    still add up to the agent's total."""
+    for part in getattr(response, 'parts', ()):
+        if getattr(part, 'part_kind', '') != 'tool-call':
+            continue
+        if part.tool_name == 'load_capability':
+            try:
+                loaded = part.args_as_dict().get('id')
+            except Exception:  # noqa: BLE001 - arguments the model got wrong: nothing to attribute
+                return None
+            return loaded if isinstance(loaded, str) else None
+        return _TOOL_CAPABILITY.get((agent, part.tool_name))
+    return None
 
 
 def wrap_model(model: Any, agent: str | None) -> Any:
@@ -975,6 +1001,8 @@ def trace_agent_tools(built: Any, capabilities: Any, agent: str | None) -> None:
         toolset = capability.get_toolset()
         if toolset is not None and hasattr(toolset, 'apply'):
             trace_tools(toolset, agent)
+            toolset.apply(lambda leaf: _TOOL_CAPABILITY.update(
+                {(agent, name): leaf.id for name in getattr(leaf, 'tools', {}) if getattr(leaf, 'id', None)}))
 
 
 def trace_tools(toolset: Any, agent: str | None) -> None:
@@ -1034,10 +1062,12 @@ class _Instruments:
         if (attrs.get('durcap.attempt') or 1) > 1:
             self.retries.add(1, keep)
 
-    def tokens(self, agent: str | None, tokens_in: int, tokens_out: int) -> None:
+    def tokens(self, agent: str | None, tokens_in: int, tokens_out: int, capability: str | None = None) -> None:
         if not self.on:
             return
         base = {'durcap.agent': agent} if agent else {}
+        if capability is not None:
+            base['durcap.capability'] = capability
         self.token_count.add(tokens_in, {**base, 'durcap.direction': 'in'})
         self.token_count.add(tokens_out, {**base, 'durcap.direction': 'out'})
 

@@ -7,7 +7,7 @@ run waits for its decision the driver reads the metrics (the waiting count must 
 for), approves the call (`runner.decide`), and prints one `METRICS <json>` line: the report's output and the
 metric points read while waiting and after the run (name -> list of {attributes, value | count/sum}). On Temporal a
 second run follows (`claim_checked_run`, the claim-check threshold at 200 bytes) and the claim-check byte counts
-before and after it.
+before and after it, and the token counts by agent, direction and capability.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ async def claim_checked_run(store: str) -> dict[str, Any]:
     report = await runner.run(agent, 'Where is my order ABC-123?', engine='temporal', deps=make_store(), store=store,
                               address=os.environ['DURCAP_TEST_TEMPORAL_ADDRESS'], inline_worker=True,
                               task_queue=f'metrics-{uuid.uuid4().hex[:8]}', notify=lambda line: None)
-    return {'output': report.output}
+    return {'output': report.output, 'agent': agent.name}
 
 
 def main() -> None:
@@ -122,6 +122,7 @@ def main() -> None:
         out['claims_before'] = points(reader).get('durcap.claim_check.bytes', [])
         out['claims_run'] = asyncio.run(claim_checked_run(args.store))
         out['claims'] = points(reader).get('durcap.claim_check.bytes', [])
+        out['tokens'] = points(reader).get('durcap.tokens', [])
     print('METRICS ' + json.dumps(out, default=str), flush=True)
 
 

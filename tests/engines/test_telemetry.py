@@ -143,7 +143,7 @@ def test_metrics_approvals_waiting_and_claim_check_bytes(temporal_address: str, 
     decision `durcap.approvals.waiting` is 1 for the agent and engine, after the decision 0, and the wait is one
     `durcap.approval.wait` point (approved), and no claim-check bytes (the default threshold). On Temporal a second
     run, the support example with the claim-check threshold at 200 bytes: `durcap.claim_check.bytes` counts bytes
-    written by reference and read back."""
+    written by reference and read back, and `durcap.tokens` puts its requests under the capability they act on."""
     env = subprocess_env({'DURCAP_TEST_TEMPORAL_ADDRESS': temporal_address, 'DURCAP_CRASH_DIR': str(tmp_path / 'crash')})
     procs = {engine: subprocess.Popen([sys.executable, '-m', 'tests.engines.metrics_driver', engine,
                                        f'sqlite:///{tmp_path / f"store-{engine}.sqlite"}',
@@ -173,6 +173,12 @@ def test_metrics_approvals_waiting_and_claim_check_bytes(temporal_address: str, 
         claims = {p['attributes']['durcap.direction']: p['value'] for p in out['claims']}
         assert claims['written'] > 0 and claims['read'] > 0, claims
         assert {p['attributes']['durcap.engine'] for p in out['claims']} == {'temporal'}
+        # Tokens by capability (issue 27 item 3): the support run's requests that load `orders` or call its tool are
+        # counted under it, its answer under no capability; each request once.
+        support = [p for p in out['tokens'] if p['attributes'].get('durcap.agent') == out['claims_run']['agent']]
+        by_capability = {p['attributes'].get('durcap.capability') for p in support}
+        assert by_capability == {'orders', None}, support
+        assert all(p['value'] > 0 for p in support if p['attributes']['durcap.direction'] == 'in'), support
 
 
 def test_unreachable_collector_bounded_exit_one_line(tmp_path: Path) -> None:
