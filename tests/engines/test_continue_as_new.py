@@ -189,7 +189,10 @@ async def run_chain(address: str, workflow_id: str) -> list[RunInfo]:
         async for event in handle.fetch_history_events():
             events += 1
             if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED:
-                input_json = json.loads(event.workflow_execution_started_event_attributes.input.payloads[0].data)
+                # through the claim-check codec: an input over its threshold (16 KiB) is a reference in the history
+                [payload] = await client.data_converter.payload_codec.decode(  # type: ignore[union-attr]
+                    [event.workflow_execution_started_event_attributes.input.payloads[0]])
+                input_json = json.loads(payload.data)
             elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
                 activities.append(event.activity_task_scheduled_event_attributes.activity_type.name)
             elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW:
