@@ -88,6 +88,31 @@ class LoadedConversation:
 
 
 @dataclass
+class LoadedHead:
+    """A stored conversation named, not carried: what the load unit of DBOS (a step's recorded output) and Prefect (a
+    task's persisted result) returns instead of the history, so a turn records a few bytes, not every message again
+    (issue 24: each turn recording the whole history made an engine's database grow with the square of the turns).
+
+    The workflow (flow) code reads the rows back with `read_loaded_head`, in the run's first execution and in a
+    recovery alike: the entries a head names never change (an append adds entries after it, a rebase adds them after
+    another writer's, a compaction summary is a new message, a fork's entries point at the parent's, and `durcap
+    history delete` removes the conversation whole, which the read back then reports). Pickled by DBOS and Prefect
+    by module and name: keep it here under this name.
+
+    Attributes:
+        revision: The stored revision the turn loaded (the append's expected revision).
+        head_id: The entry id of the last message loaded.
+        count: The number of messages loaded (the head's position).
+        warnings: Drift problems reported at warning severity, as text.
+    """
+
+    revision: int
+    head_id: str
+    count: int
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
 class _RowText:
     """The fields `_decode_messages` reads of an entry row."""
 
@@ -291,8 +316,8 @@ async def release_turn(agent: DurableAgent[Any, Any], conversation_id: str, run_
     return await process_store(store_url(agent, store)).release_turn(conversation_id, run_id)
 
 
-async def load_conversation(agent: DurableAgent[Any, Any], conversation_id: str, *,
-                            store: str | None = None) -> LoadedConversation:
+async def load_conversation(agent: DurableAgent[Any, Any], conversation_id: str, *, store: str | None = None,
+                            by_head: bool = False) -> LoadedConversation | LoadedHead:
     """Read a conversation for a run of `agent` and check it for drift, from the store `store_url(agent, store)`.
 
     Returns the stored JSON of each message (`LoadedConversation.rows`), which is what crosses the engine's
@@ -301,8 +326,12 @@ async def load_conversation(agent: DurableAgent[Any, Any], conversation_id: str,
     then decodes nothing (another process decodes once more). A conversation this process loaded recently (by
     store URL and id) is read and decoded only past what it had.
 
+    Args:
+        by_head: Return a `LoadedHead` (revision, head entry id, count) instead of the rows when the conversation has
+            messages: the form DBOS's and Prefect's load units record (`read_loaded_head` reads the rows back).
+
     Returns:
-        The stored rows and revision; a new conversation when none is stored.
+        The stored rows and revision (or with `by_head` their `LoadedHead`); a new conversation when none is stored.
 
     Raises:
         DurableConfigError: the history loaded a capability or called a tool the definition no longer
@@ -341,7 +370,30 @@ async def load_conversation(agent: DurableAgent[Any, Any], conversation_id: str,
     warnings = [p.format() for p in problems if p.severity == 'warning']
     for text in warnings:
         logger.warning(text)
+    if by_head and entry.rows:
+        return LoadedHead(entry.revision, entry.entry_ids[-1], len(entry.rows), warnings)
     return LoadedConversation([], entry.revision, warnings, list(entry.rows))
+
+
+async def read_loaded_head(agent: DurableAgent[Any, Any], conversation_id: str, head: LoadedHead, *,
+                           store: str | None = None) -> LoadedConversation:
+    """The conversation a `LoadedHead` names, as the load unit would have returned it: the rows of the history ending
+    at `head.head_id`, from this process's load cache when it holds them (the load unit ran here: no I/O), else read
+    from the store `store_url(agent, store)` by entry id (a recovery in another process, however much the
+    conversation has grown since).
+
+    Raises:
+        ConversationNotFoundError: the history is no longer in the store (the conversation was deleted while the turn
+            ran, `durcap history delete`): the turn cannot go on without it.
+        CorruptedRowError: the stored entries do not form the history the head names.
+    """
+    url = store_url(agent, store)
+    cached = _LOAD_CACHE.get((url, conversation_id))
+    if cached is not None and len(cached.entry_ids) >= head.count and cached.entry_ids[head.count - 1] == head.head_id:
+        rows = cached.rows[:head.count]
+    else:
+        rows = await process_store(url).read_json_at(conversation_id, head.head_id, head.count)
+    return LoadedConversation([], head.revision, list(head.warnings), rows)
 
 
 async def append_conversation(

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import telemetry
-from ..conversations import LoadedConversation, append_conversation, claim_turn, load_conversation, release_turn
+from ..conversations import (
+    LoadedConversation,
+    LoadedHead,
+    append_conversation,
+    claim_turn,
+    load_conversation,
+    read_loaded_head,
+    release_turn,
+)
 from ..store import (
     AppendIdReuseError,
     ConversationBusyError,
@@ -72,7 +80,7 @@ class UnitRetry:
         return waits
 
 
-LoadUnit = Callable[..., Awaitable[LoadedConversation]]
+LoadUnit = Callable[..., Awaitable[LoadedConversation | LoadedHead]]
 AppendUnitBody = Callable[..., Awaitable[int]]
 StoreSource = str | Callable[[], str | None] | None
 """Where a unit finds its store URL: the URL, a callable read each time the unit runs (an engine whose units are
@@ -91,7 +99,7 @@ def _url(store: StoreSource) -> str | None:
 def load_unit(agent: DurableAgent[Any, Any], check: Callable[[str, list[Any]], None] | None = None, *,
               store: StoreSource = None, run_of: RunOf | None = None,
               beat: Callable[[], None] | None = None,
-              alive: Callable[[str], Awaitable[bool]] | None = None) -> LoadUnit:
+              alive: Callable[[str], Awaitable[bool]] | None = None, by_head: bool = False) -> LoadUnit:
     """The body of the conversation-load unit of `agent`: claim the conversation for the run's turn, then read it
     (checked for drift). `load(conversation_id, busy=None)`.
 
@@ -104,26 +112,30 @@ def load_unit(agent: DurableAgent[Any, Any], check: Callable[[str, list[Any]], N
         beat: Called while an enqueued turn waits for the conversation (Temporal's activity heartbeat).
         alive: Whether the run holding the conversation still runs (asked of the engine's server): the claim of a
             run that ended without releasing it is taken over (`conversations.claim_turn`).
+        by_head: Return a stored conversation as its `conversations.LoadedHead` (revision, head entry id, count), not
+            its rows: what an engine that records the unit's result in its own database (DBOS, Prefect) returns, so a
+            turn records a few bytes instead of the whole history; its container reads the rows back
+            (`conversations.read_loaded_head`).
 
     The load's `busy` (`'reject'` | `'enqueue'`, `None`: `DurableAgent(busy=...)`) says what to do when another run
     holds the conversation (`conversations.claim_turn`): `ConversationBusyError` (DC050), or wait.
     """
 
-    async def load(conversation_id: str, busy: str | None = None) -> LoadedConversation:
+    async def load(conversation_id: str, busy: str | None = None) -> LoadedConversation | LoadedHead:
         with telemetry.unit_span('store.load', agent=agent.name, conversation_id=conversation_id) as span:
             loaded = await _load(conversation_id, busy)
             if span is not None:
                 span.set_attribute('durcap.revision', loaded.revision or 0)
             return loaded
 
-    async def _load(conversation_id: str, busy: str | None = None) -> LoadedConversation:
+    async def _load(conversation_id: str, busy: str | None = None) -> LoadedConversation | LoadedHead:
         holder = run_of() if run_of is not None else None
         if holder is not None:
             await claim_turn(agent, conversation_id, holder, busy or agent.busy, store=_url(store), beat=beat,
                              alive=alive)
         try:
-            loaded = await load_conversation(agent, conversation_id, store=_url(store))
-            if check is not None:
+            loaded = await load_conversation(agent, conversation_id, store=_url(store), by_head=by_head)
+            if check is not None and isinstance(loaded, LoadedConversation):
                 check(conversation_id, loaded.rows if loaded.rows is not None else loaded.messages)
         except BaseException:
             if holder is not None:  # the turn does not start: the conversation is free again
@@ -132,6 +144,33 @@ def load_unit(agent: DurableAgent[Any, Any], check: Callable[[str, list[Any]], N
         return loaded
 
     return load
+
+
+def read_back(agent: DurableAgent[Any, Any], *, store: StoreSource = None,
+              release: Callable[[str], Awaitable[Any]] | None = None) -> Callable[[str, Any], Awaitable[Any]]:
+    """In the container's code (a DBOS workflow, a Prefect flow), after a `load_unit(by_head=True)` unit:
+    `read(conversation_id, result)` turns the unit's result into the `LoadedConversation` the turn runs from.
+
+    A `LoadedHead` is read back (`conversations.read_loaded_head`: from this process's cache when the unit just ran
+    here, else from the store by entry id, the same rows in a recovery however the conversation grew since); any
+    other result is returned as it is: a new conversation, or a unit recorded before heads existed, whose result
+    holds the rows themselves. When the read fails, the run's turn claim is released (`release`) and the error raised.
+
+    Raises:
+        ConversationNotFoundError: the conversation was deleted while the turn ran; CorruptedRowError, StoreError.
+    """
+
+    async def read(conversation_id: str, loaded: Any) -> Any:
+        if not isinstance(loaded, LoadedHead):
+            return loaded
+        try:
+            return await read_loaded_head(agent, conversation_id, loaded, store=_url(store))
+        except BaseException:
+            if release is not None:  # the turn does not start: the conversation is free again
+                await release(conversation_id)
+            raise
+
+    return read
 
 
 def append_unit(agent: DurableAgent[Any, Any], *, store: StoreSource = None, run_of: RunOf | None = None) -> AppendUnitBody:

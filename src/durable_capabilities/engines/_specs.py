@@ -90,8 +90,9 @@ DBOS = EngineSpec(
     packages=('dbos',),
     unit='step', units='steps', container='workflow', run_id_label='workflow id',
     features=frozenset({'worker', 'approvals', 'fixed-model', 'streams'}),
-    retains=('the workflow\'s status, inputs and the output of every step (the loaded history, model responses, tool '
-             'results) in its system database, until deleted'),
+    retains=('the workflow\'s status, inputs, output (the turn\'s new messages) and the output of every step (model '
+             'responses, tool results; the conversation load records ids, not messages) in its system database, until '
+             'deleted'),
     forget="python -c \"from dbos import DBOSClient; DBOSClient(system_database_url='<--db>').delete_workflows(['{run_id}'])\"",
     append_prefix='dbos:',
 )

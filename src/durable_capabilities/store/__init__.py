@@ -664,6 +664,18 @@ class SQLConversationStore(ConversationStore):
         """
         return await asyncio.to_thread(self._sql.read_json, conversation_id, known, check_writable)
 
+    async def read_json_at(self, conversation_id: str, head_id: str, count: int) -> list[str]:
+        """The stored JSON of each message of the history ending at entry `head_id` (`count` messages, oldest first):
+        a history as it was at an earlier revision, whatever was appended since (entries never change once
+        written). What DBOS and Prefect turns read back after their load unit recorded only the head
+        (`conversations.LoadedHead`). A history running through a conversation it was forked from is followed.
+
+        Raises:
+            ConversationNotFoundError: entry `head_id` is not in the store (the conversation was deleted).
+            CorruptedRowError: the entries from `head_id` back are not `count` messages, or their chain is broken.
+        """
+        return await asyncio.to_thread(self._sql.read_json_at, conversation_id, head_id, count)
+
     async def append(
         self,
         conversation_id: str,

@@ -443,6 +443,30 @@ class _SQLBackend:
         messages, entry_ids, kinds = _json_columns(rows)
         return StoredJSON(conversation_id, messages, entry_ids, row.revision, row.message_count, tail=False, kinds=kinds)
 
+    def read_json_at(self, conversation_id: str, head_id: str, count: int) -> list[str]:
+        """See `SQLConversationStore.read_json_at`."""
+        with self._txn(write=False) as conn:
+            found = conn.execute(sa.text('SELECT position FROM durcap_entries WHERE entry_id = :id'), {'id': head_id}).first()
+            if found is None:
+                raise ConversationNotFoundError(
+                    conversation_id, f' (its history up to entry {head_id!r}, which a turn in flight loaded, is no '
+                    'longer stored: the conversation was deleted)')
+            if found.position != count:
+                raise CorruptedRowError(
+                    f'conversation {conversation_id!r}: entry {head_id!r} is message {found.position}, not message '
+                    f'{count} as the turn that loaded it recorded. Nothing was changed; restore the store from a backup.',
+                    conversation_id=conversation_id, table='durcap_entries', row=head_id, position=found.position)
+            line = self._own_line(conn, conversation_id, head_id, 1, count, None)
+            if line is not None:
+                return line[0]
+            rows = self._history_rows(conn, head_id, None, conversation_id)
+        if len(rows) != count:
+            raise CorruptedRowError(
+                f'conversation {conversation_id!r}: the history up to entry {head_id!r} has {len(rows)} message(s), not '
+                f'{count}. Nothing was changed; restore the store from a backup.',
+                conversation_id=conversation_id, table='durcap_entries', row=head_id, position=count)
+        return _json_columns(rows)[0]
+
     def _own_line(self, conn: sa.Connection, conversation_id: str, head: str, first: int, last: int,
                   parent: str | None) -> tuple[list[str], list[str], list[str]] | None:
         """The conversation's own entries at positions `first`..`last` (>= `first`), when they are exactly one

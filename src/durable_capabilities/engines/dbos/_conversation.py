@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from dbos import DBOS
 
-from .._conversation_unit import PERMANENT_APPEND_ERRORS, append_unit, load_unit, release_unit
+from .._conversation_unit import PERMANENT_APPEND_ERRORS, append_unit, load_unit, read_back, release_unit
 from ._spec import APPEND_RETRY, conversation_step_names
 
 if TYPE_CHECKING:
@@ -46,20 +46,26 @@ PERMANENT_STORE_ERRORS = PERMANENT_APPEND_ERRORS
 
 
 def conversation_steps(agent: DurableAgent[Any, Any], store: str | None = None) -> tuple[Any, Any, Any]:
-    """The store units as DBOS steps: recovery returns the recorded history instead of reading again, and the
+    """The store units as DBOS steps: the load step records the conversation's head (`conversations.LoadedHead`:
+    revision, head entry id, count; a few bytes whatever the history's length), and the workflow code reads the rows
+    back (`_conversation_unit.read_back`: the same rows in a recovery, entries never change; a workflow recorded
+    before heads existed recovers with the rows its step recorded). The
     append (idempotent by workflow id) is retried by DBOS while the store is down (`APPEND_STEP_RETRIES`),
     never on a conflict (`PERMANENT_STORE_ERRORS`). On the store `store` (the run's or the worker's `--store`;
     `None`: `$DURCAP_STORE`, else the default store; `DurableAgent(conversation_store=...)` wins). Returns
     `(load, append, release)` for `turn.run_turn`: the load claims the conversation for the workflow's turn."""
     load_step, append_step = conversation_step_names(agent)
-    load_body = load_unit(agent, store=store, run_of=_workflow_id, alive=_workflow_running)
+    load_body = load_unit(agent, store=store, run_of=_workflow_id, alive=_workflow_running, by_head=True)
     append_body = append_unit(agent, store=store, run_of=_workflow_id)
     release = release_unit(agent, store=store, run_of=_workflow_id)
+    read = read_back(agent, store=store, release=release)
 
     async def load(conversation_id: str, busy: str | None = None) -> Any:
         if busy is None:  # the step's inputs as workflows recorded before `busy` existed gave them
-            return await DBOS.run_step_async({'name': load_step}, load_body, conversation_id)
-        return await DBOS.run_step_async({'name': load_step}, load_body, conversation_id, busy)
+            loaded = await DBOS.run_step_async({'name': load_step}, load_body, conversation_id)
+        else:
+            loaded = await DBOS.run_step_async({'name': load_step}, load_body, conversation_id, busy)
+        return await read(conversation_id, loaded)
 
     async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> Any:
         async def body() -> Any:

@@ -24,13 +24,15 @@ def conversation_tasks(agent: DurableAgent[Any, Any], store: StoreSource = None)
     `store` (`_conversation_unit.StoreSource`; `agent_flow` passes the run's, read when the task runs).
 
     Cached on their inputs and the flow run id, so a flow run resumed after a crash replays them
-    instead of reading or appending again; the append is also idempotent by its append id, and retried while the
+    instead of reading or appending again. The load's result (persisted) is the conversation's head
+    (`conversations.LoadedHead`: a few bytes whatever the history's length); the flow reads the rows back
+    (`_conversation_unit.read_back`; a result persisted before heads existed holds the rows themselves); the append is also idempotent by its append id, and retried while the
     store is down (`_spec.APPEND_RETRY`), never on an error no retry fixes.
     """
     options: dict[str, Any] = {'cache_policy': INPUTS + RUN_ID, 'persist_result': True}
     return (
         task(name=CONVERSATION_TASKS[0], **options)(load_unit(agent, store=store, run_of=flow_run_id,
-                                                              alive=_flow_run_active)),
+                                                              alive=_flow_run_active, by_head=True)),
         task(name=CONVERSATION_TASKS[1], retries=APPEND_RETRY.attempts - 1, retry_delay_seconds=APPEND_RETRY.delays(),
              retry_condition_fn=_retry_append, **options)(append_unit(agent, store=store, run_of=flow_run_id)),
     )

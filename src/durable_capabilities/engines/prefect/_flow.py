@@ -16,6 +16,7 @@ from prefect.runtime import flow_run
 from ... import _registry, streams
 from ...conversations import store_url
 from ...turn import deps_from_json, run_turn
+from .._conversation_unit import read_back
 from ._approvals import PrefectApprovalGate
 from ._conversation import conversation_tasks, release
 from ._liveness import beating
@@ -60,11 +61,14 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
     built = agent.build(ENGINE)
     load_task, append_task = conversation_tasks(agent, _RUN_STORE.get)
     release_claim = release(agent, _RUN_STORE.get)
+    read = read_back(agent, store=_RUN_STORE.get, release=release_claim)
 
     async def load(conversation_id: str, busy: str | None = None) -> Any:
         if busy is None:  # the task's inputs (its cache key) as flow runs recorded before `busy` existed gave them
-            return await load_task(conversation_id)
-        return await load_task(conversation_id, busy)
+            loaded = await load_task(conversation_id)
+        else:
+            loaded = await load_task(conversation_id, busy)
+        return await read(conversation_id, loaded)  # the task's result names the rows: read them back
 
     async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> Any:
         return await append_task(conversation_id, messages, revision, f'prefect:{flow_run.id}', usage)

@@ -1,0 +1,199 @@
+"""Run turns of one conversation on DBOS or Prefect in this process and report what the engine recorded of each
+turn's conversation load unit, as JSON (`test_conversation_heads.py`).
+
+    HEADS_OUT=DIR [HEADS_CRASH_AT=TURN] python -m tests.engines.heads_driver ENGINE --store URL --out DIR
+        --turns N [--db URL] [--old-form] [--recover RUN_ID]
+
+ENGINE is `dbos` or `prefect` (Prefect: against `PREFECT_API_URL`, results in `PREFECT_LOCAL_STORAGE_PATH`). Each
+turn is one `runner.run(..., conversation_id='heads')`: the prompt, a tool call returning `$HEADS_RESULT_BYTES`
+(default 20,000) characters that differ every turn, the answer. The model is a scripted `FunctionModel`.
+
+- `--old-form`: the load unit returns the rows, as it did before heads existed (`load_unit(by_head=False)`): what a
+  workflow or flow run recorded by an earlier version holds.
+- `$HEADS_CRASH_AT`: the tool of that turn SIGKILLs this process (once: a marker file in DIR), after the turn's load
+  unit was recorded. Each run's id is written to `DIR/run-id` when it starts.
+- `--recover RUN_ID`: finish that run (DBOS: resumed on a queue of this process, as `durcap runs resume` does, its
+  recorded steps returned; Prefect:
+  the flow run set back to Scheduled and run again, its finished tasks from the cache) and report it.
+
+The report is one line, `REPORT {json}`: `{'outputs': [...], 'loads': [{'run_id', 'type', 'bytes', 'rows'}]}`, one
+load per run: the class of the load unit's recorded result, its recorded size (DBOS: the `operation_outputs.output`
+text; Prefect: the persisted result file), and how many message rows it holds (`None` for a head).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pydantic_ai import ModelResponse, TextPart, ToolCallPart
+from pydantic_ai.capabilities import Capability
+from pydantic_ai.messages import ModelMessage, ModelRequest, ToolReturnPart, UserPromptPart
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+from durable_capabilities import DurableAgent, runner
+
+OUT = Path(os.environ.get('HEADS_OUT', '.'))
+CRASH_AT = int(os.environ.get('HEADS_CRASH_AT') or 0)
+
+
+def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+    """Call `fetch(turn)` once after each prompt, then answer with the result's size."""
+    last = messages[-1]
+    if isinstance(last, ModelRequest) and any(isinstance(p, UserPromptPart) for p in last.parts):
+        turn = sum(1 for m in messages if isinstance(m, ModelRequest) and any(isinstance(p, UserPromptPart) for p in m.parts))
+        return ModelResponse(parts=[ToolCallPart('fetch', {'turn': turn}, tool_call_id=f'call-{turn}')])
+    size = sum(len(str(p.content)) for p in getattr(last, 'parts', ()) if isinstance(p, ToolReturnPart))
+    return ModelResponse(parts=[TextPart(f'read {size} characters')])
+
+
+reports = Capability(id='reports', description='Fetches long reports.')
+
+
+@reports.tool_plain
+def fetch(turn: int) -> str:
+    """~$HEADS_RESULT_BYTES characters of hex, different every turn; SIGKILLs the process at turn `$HEADS_CRASH_AT`
+    (once)."""
+    marker = OUT / 'crashed'
+    if turn == CRASH_AT and not marker.exists():
+        marker.write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    size = int(os.environ.get('HEADS_RESULT_BYTES') or 20_000)
+    seed, lines, total = str(turn), [], 0
+    while total < size:
+        seed = hashlib.sha256(seed.encode()).hexdigest()
+        lines.append(seed)
+        total += len(seed) + 1
+    return '\n'.join(lines)
+
+
+agent = DurableAgent('heads', FunctionModel(script), capabilities=[reports])
+CID = 'heads'
+
+
+def _old_form() -> None:
+    """The load unit as before heads existed: it returns the rows (what an earlier version's records hold)."""
+    from durable_capabilities.engines import _conversation_unit
+    from durable_capabilities.engines.dbos import _conversation as dbos_conversation
+    from durable_capabilities.engines.prefect import _conversation as prefect_conversation
+
+    original = _conversation_unit.load_unit
+
+    def rows_form(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **{**kwargs, 'by_head': False})
+
+    dbos_conversation.load_unit = rows_form  # type: ignore[assignment]
+    prefect_conversation.load_unit = rows_form  # type: ignore[assignment]
+
+
+def _dbos_load(run_id: str, db: str) -> dict[str, Any]:
+    import base64
+    import pickle
+    import sqlite3
+
+    with sqlite3.connect(db.removeprefix('sqlite:///')) as conn:
+        (output,) = conn.execute("SELECT output FROM operation_outputs WHERE workflow_uuid = ? AND function_name LIKE "
+                                 "'%conversation.load'", (run_id,)).fetchone()
+    value = pickle.loads(base64.b64decode(output))  # DBOS's default serializer: pickle, then base64
+    return {'run_id': run_id, 'type': type(value).__name__, 'bytes': len(output), 'rows': _rows(value)}
+
+
+async def _prefect_load(run_id: str) -> dict[str, Any]:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async with get_client() as client:
+        tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(run_id)])))
+    # A resumed flow run has a second load task run, its result the cached one of the first.
+    load = max((t for t in tasks if t.name.startswith('Load Conversation')), key=lambda t: t.created or 0)
+    assert load.state is not None
+    value = await load.state.result()
+    key = Path(load.state.data.storage_key)  # type: ignore[union-attr]
+    path = key if key.is_absolute() else Path(os.environ['PREFECT_LOCAL_STORAGE_PATH']) / key
+    return {'run_id': run_id, 'type': type(value).__name__, 'bytes': path.stat().st_size, 'rows': _rows(value)}
+
+
+def _rows(value: Any) -> int | None:
+    rows = getattr(value, 'rows', None)
+    return len(rows) if rows is not None else None
+
+
+async def _recover_dbos(run_id: str, db: str) -> Any:
+    """As `durcap runs resume`: this process's own queue, the workflow resumed on it, its result."""
+    from dbos import DBOS
+
+    from durable_capabilities.engines.dbos import agent_workflow
+    from durable_capabilities.engines.dbos._server import launch
+
+    agent_workflow(agent, store=os.environ['DURCAP_STORE'])
+    queue = f'heads-resume-{uuid.uuid4().hex[:8]}'
+    launch(system_database_url_=db, one_shot=True, listen=[queue])
+    try:
+        await DBOS.register_queue_async(queue)
+        handle = await DBOS.resume_workflow_async(run_id, queue_name=queue)
+        return await handle.get_result()
+    finally:
+        DBOS.destroy()
+
+
+async def _recover_prefect(run_id: str) -> Any:
+    from prefect import get_client
+    from prefect.states import Scheduled
+
+    from durable_capabilities.engines.prefect import agent_flow
+    from durable_capabilities.engines.prefect._client import run_flow_run
+    from durable_capabilities.engines.prefect._flow import run_store
+
+    async with get_client() as client:
+        flow_run = await client.read_flow_run(uuid.UUID(run_id))
+        await client.set_flow_run_state(flow_run.id, Scheduled(), force=True)
+    with run_store(os.environ['DURCAP_STORE']):
+        return await run_flow_run(agent_flow(agent), flow_run.id, dict(flow_run.parameters))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument('engine', choices=['dbos', 'prefect'])
+    parser.add_argument('--store', required=True)
+    parser.add_argument('--out', required=True)
+    parser.add_argument('--turns', type=int, default=1)
+    parser.add_argument('--db')
+    parser.add_argument('--old-form', action='store_true')
+    parser.add_argument('--recover')
+    args = parser.parse_args()
+    os.environ['DURCAP_STORE'] = args.store
+    if args.old_form:
+        _old_form()
+    settings: dict[str, Any] = {'db': args.db} if args.engine == 'dbos' else {}
+    run_ids: list[str] = []
+    outputs: list[Any] = []
+
+    def started(run_id: str) -> None:
+        run_ids.append(run_id)
+        (Path(args.out) / 'run-id').write_text(run_id)
+
+    if args.recover:
+        run_ids.append(args.recover)
+        if args.engine == 'dbos':
+            outputs.append(asyncio.run(_recover_dbos(args.recover, args.db))['output'])
+        else:
+            outputs.append(asyncio.run(_recover_prefect(args.recover)).output)
+    for n in range(1, args.turns + 1):
+        report = asyncio.run(runner.run(agent, f'turn {n}: fetch', engine=args.engine, conversation_id=CID,
+                                        run_id=f'heads-{uuid.uuid4().hex[:10]}' if args.engine == 'dbos' else None,
+                                        notify=lambda line: None, on_start=started, **settings))
+        outputs.append(report.output)
+    loads = [_dbos_load(run_id, args.db) if args.engine == 'dbos' else asyncio.run(_prefect_load(run_id))
+             for run_id in run_ids]
+    print('REPORT ' + json.dumps({'outputs': outputs, 'loads': loads}), flush=True)
+
+
+if __name__ == '__main__':
+    main()

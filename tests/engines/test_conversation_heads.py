@@ -1,0 +1,92 @@
+"""What DBOS and Prefect record of a turn's conversation load (issue 24): the conversation's head (revision, head entry
+id, count), a few hundred bytes whatever the history's length, not the history again; and runs recorded before heads
+existed (a load unit's result holding the rows) still finish.
+
+Real servers: DBOS on a SQLite system database, the session's Prefect server. The turns run in subprocesses
+(`heads_driver.py`; the model is a scripted `FunctionModel`); the recorded results are read back from DBOS's system
+database (`operation_outputs`) and from Prefect's result storage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from durable_capabilities.store import SQLConversationStore
+from tests._helpers import ROOT, subprocess_env
+
+HEAD_BYTES = 1_000
+"""A recorded head's size is bounded by this (pickled, base64 on DBOS): ids and a revision, no message."""
+
+
+def drive(engine: str, tmp_path: Path, env: dict[str, str], *args: str, crash: bool = False) -> dict[str, Any]:
+    """Run `heads_driver.py` and return its report (with `crash`: expect the process to be killed, return `{}`)."""
+    out = tmp_path / 'out'
+    out.mkdir(exist_ok=True)
+    command = [sys.executable, '-m', 'tests.engines.heads_driver', engine, '--store', env['DURCAP_STORE'],
+               '--out', str(out), *args]
+    done = subprocess.run(command, cwd=ROOT, env=subprocess_env({**env, 'HEADS_OUT': str(out)}), capture_output=True,
+                          text=True, timeout=240)
+    if crash:
+        assert done.returncode == -9, done.stderr[-3000:]
+        return {}
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = [x for x in done.stdout.splitlines() if x.startswith('REPORT ')][-1]
+    return json.loads(line.removeprefix('REPORT '))
+
+
+def engine_env(engine: str, tmp_path: Path, request: pytest.FixtureRequest) -> tuple[dict[str, str], list[str]]:
+    env = {'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}', 'HEADS_RESULT_BYTES': '20000'}
+    if engine == 'dbos':
+        return env, ['--db', f'sqlite:///{tmp_path / "dbos.sqlite"}']
+    env |= {'PREFECT_API_URL': request.getfixturevalue('prefect_api_url'), 'PREFECT_HOME': str(tmp_path / 'prefect-home'),
+            'PREFECT_LOCAL_STORAGE_PATH': str(tmp_path / 'prefect-results'), 'PREFECT_LOGGING_LEVEL': 'WARNING'}
+    return env, []
+
+
+def stored_prompts(env: dict[str, str]) -> list[str]:
+    async def read() -> list[str]:
+        with SQLConversationStore(env['DURCAP_STORE']) as store:
+            stored = await store.read('heads')
+        return [str(part.content) for m in stored.messages for part in m.parts if part.part_kind == 'user-prompt']
+
+    return asyncio.run(read())
+
+
+@pytest.mark.parametrize('engine', ['dbos', 'prefect'])
+def test_the_recorded_load_is_a_head_of_constant_size_whatever_the_history(
+        engine: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    env, args = engine_env(engine, tmp_path, request)
+    report = drive(engine, tmp_path, env, '--turns', '4', *args)
+    assert report['outputs'] == ['read 20019 characters'] * 4
+    loads = report['loads']
+    # Turn 1 loads a new conversation (nothing stored); turns 2-4 load 4, 8, 12 messages (~20 KB each turn).
+    assert [load['type'] for load in loads] == ['LoadedConversation', 'LoadedHead', 'LoadedHead', 'LoadedHead']
+    assert all(load['rows'] in (None, 0) for load in loads), loads
+    assert all(load['bytes'] < HEAD_BYTES for load in loads), loads
+    assert max(load['bytes'] for load in loads[1:]) - min(load['bytes'] for load in loads[1:]) < 16, loads
+    assert stored_prompts(env) == [f'turn {n}: fetch' for n in range(1, 5)]
+
+
+@pytest.mark.parametrize('engine', ['dbos', 'prefect'])
+def test_a_run_whose_load_recorded_the_rows_recovers_with_them(
+        engine: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """The first process runs the load unit as before heads existed (its recorded result holds the rows) and is
+    killed in turn 2's tool, after that load was recorded; the second (this version) finishes the run from the
+    recorded rows, then runs a turn of its own, which records a head."""
+    env, args = engine_env(engine, tmp_path, request)
+    drive(engine, tmp_path, env | {'HEADS_CRASH_AT': '2'}, '--turns', '2', '--old-form', *args, crash=True)
+    run_id = (tmp_path / 'out' / 'run-id').read_text()
+    report = drive(engine, tmp_path, env, '--recover', run_id, '--turns', '1', *args)
+    assert report['outputs'] == ['read 20019 characters'] * 2
+    recovered, new = report['loads']
+    assert (recovered['type'], recovered['rows']) == ('LoadedConversation', 4)  # the old form, as recorded
+    assert recovered['bytes'] > 20_000  # turn 1's tool result among them
+    assert new['type'] == 'LoadedHead' and new['bytes'] < HEAD_BYTES
+    assert stored_prompts(env) == ['turn 1: fetch', 'turn 2: fetch', 'turn 1: fetch']  # the driver's new turn counts from 1
