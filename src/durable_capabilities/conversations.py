@@ -403,6 +403,10 @@ async def read_loaded_head(agent: DurableAgent[Any, Any], conversation_id: str, 
     return LoadedConversation([], head.revision, list(head.warnings), rows)
 
 
+_READERS: dict[tuple[str, int], SQLConversationStore] = {}
+"""Stores `read_appended` opened without creating them (`create=False`), one per URL and process id."""
+
+
 def appended_in(payload: Any) -> dict[str, Any] | None:
     """The append a DBOS workflow's / Prefect flow run's result names (`Turn.payload(append_id=...)`:
     `{'conversation_id', 'append_id', 'revision', 'messages'}`), or `None` when the result carries its messages inline
@@ -421,10 +425,14 @@ async def read_appended(appended: dict[str, Any], *, store: str | None = None) -
         ConversationNotFoundError: the append is no longer in the store (the conversation was deleted, or the store
             is not the one the run appended to): the message says which run, conversation and revision.
         CorruptedRowError: the entries read back are not the ones the append wrote.
+        StoreUnavailableError: there is no store at `store` (nothing is created), or it cannot be reached.
     """
     conversation_id, append_id = str(appended['conversation_id']), str(appended['append_id'])
     url = resolve_url(store)
-    db = process_store(url)
+    # A reader (`runs show`, `runs list`) never creates a store: this process's open one, else one opened to read.
+    db = _STORES.get((url, os.getpid())) or _READERS.get((url, os.getpid()))
+    if db is None:
+        db = _READERS[(url, os.getpid())] = SQLConversationStore(url, create=False)
     write = next((w for w in await db.writes(conversation_id) if w.append_id == append_id), None)
     if write is None or not write.entry_ids:
         if write is not None and not int(appended.get('messages') or 0):

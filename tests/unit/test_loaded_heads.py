@@ -99,3 +99,16 @@ def test_a_result_naming_its_append_reads_back_its_messages_even_rebased_and_not
                 await conversations.resolve_payload(named, store=store_url)
 
     asyncio.run(go())
+
+
+def test_reading_a_named_append_from_a_store_that_does_not_exist_creates_none(tmp_path: Any) -> None:
+    """`runs show` / `runs list` read results naming their append: from a store URL with no file behind it the read
+    fails (`StoreUnavailableError`, a note in `runs show`) and no store is created."""
+    from durable_capabilities.store import StoreUnavailableError
+
+    missing = tmp_path / 'nothing' / 'conversations.db'
+    named = {'output': 'x', 'usage': {}, 'appended': {'conversation_id': 'c', 'append_id': 'dbos:w', 'revision': 1,
+                                                      'messages': 2}}
+    with pytest.raises(StoreUnavailableError, match='no conversation store at'):
+        asyncio.run(conversations.resolve_payload(named, store=f'sqlite:///{missing}'))
+    assert not missing.exists() and not missing.parent.exists()
