@@ -29,7 +29,14 @@ from pydantic_ai.messages import (
 
 from .agent import text_output_type
 from .report import usage_from_json
-from .store import ConversationBusyError, ConversationNotFoundError, SQLConversationStore, drift, resolve_url
+from .store import (
+    ConversationBusyError,
+    ConversationNotFoundError,
+    CorruptedRowError,
+    SQLConversationStore,
+    drift,
+    resolve_url,
+)
 from .store._schema import _decode_messages, _encode
 from .validation import DurableConfigError, Report
 
@@ -440,6 +447,64 @@ async def read_loaded_head(agent: DurableAgent[Any, Any], conversation_id: str, 
     else:
         rows = await process_store(url).read_json_at(conversation_id, head.head_id, head.count)
     return LoadedConversation([], head.revision, list(head.warnings), rows)
+
+
+_READERS: dict[tuple[str, int], SQLConversationStore] = {}
+"""Stores `read_appended` opened without creating them (`create=False`), one per URL and process id."""
+
+
+def appended_in(payload: Any) -> dict[str, Any] | None:
+    """The append a DBOS workflow's / Prefect flow run's result names (`Turn.payload(append_id=...)`:
+    `{'conversation_id', 'append_id', 'revision', 'messages'}`), or `None` when the result carries its messages inline
+    (a run without a conversation, or a result recorded before results named their append)."""
+    if isinstance(payload, dict) and 'new_messages' not in payload and isinstance(payload.get('appended'), dict):
+        return payload['appended']
+    return None
+
+
+async def read_appended(appended: dict[str, Any], *, store: str | None = None) -> list[dict[str, Any]]:
+    """The messages (message JSON, oldest first) of the append a run's result names (`appended_in`), read from the
+    store `store` (a URL; `None`: `$DURCAP_STORE`, else the default store): the write log's row of that append id
+    gives its entries, read in one range query.
+
+    Raises:
+        ConversationNotFoundError: the append is no longer in the store (the conversation was deleted, or the store
+            is not the one the run appended to): the message says which run, conversation and revision.
+        CorruptedRowError: the entries read back are not the ones the append wrote.
+        StoreUnavailableError: there is no store at `store` (nothing is created), or it cannot be reached.
+    """
+    conversation_id, append_id = str(appended['conversation_id']), str(appended['append_id'])
+    url = resolve_url(store)
+    # A reader (`runs show`, `runs list`) never creates a store: this process's open one, else one opened to read.
+    db = _STORES.get((url, os.getpid())) or _READERS.get((url, os.getpid()))
+    if db is None:
+        db = _READERS[(url, os.getpid())] = SQLConversationStore(url, create=False)
+    write = next((w for w in await db.writes(conversation_id) if w.append_id == append_id), None)
+    if write is None or not write.entry_ids:
+        if write is not None and not int(appended.get('messages') or 0):
+            return []
+        raise ConversationNotFoundError(
+            conversation_id, f' (store {db.location}) with the turn {append_id} appended at revision '
+            f'{appended.get("revision")}: its messages were deleted with the conversation, or the run used another '
+            '--store')
+    entries = await db.read_history(write.entry_ids[-1], limit=len(write.entry_ids))
+    if [entry.id for entry in entries] != write.entry_ids:
+        raise CorruptedRowError(f'the entries of append {append_id!r} do not read back in order',
+                                conversation_id=conversation_id, table='durcap_entries', row=write.entry_ids[-1])
+    return ModelMessagesTypeAdapter.dump_python([entry.message for entry in entries], mode='json')
+
+
+async def resolve_payload(payload: Any, *, store: str | None = None) -> Any:
+    """A DBOS workflow's / Prefect flow run's result with its `new_messages`: read from the store when the result
+    names its append (`appended_in`; `store` as `read_appended`), else `payload` as recorded (messages inline).
+
+    Raises:
+        ConversationNotFoundError, CorruptedRowError: see `read_appended`.
+    """
+    appended = appended_in(payload)
+    if appended is None:
+        return payload
+    return {**payload, 'new_messages': await read_appended(appended, store=store)}
 
 
 async def append_conversation(

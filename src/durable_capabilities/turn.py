@@ -117,6 +117,7 @@ class Turn:
             message objects on first read, once (a run whose caller never reads them, e.g. a DBOS workflow that
             returns only the output and stores nothing, never pays for it).
         usage: The run's usage as JSON-compatible data.
+        appended: The conversation's revision after the turn's append (`None`: no conversation, nothing appended).
     """
 
     def __init__(self, result: Any, state: TurnState, messages: Sequence[ModelMessage],
@@ -124,6 +125,7 @@ class Turn:
         self.result, self.state, self.usage = result, state, usage
         self._messages, self._added = list(messages), list(added)
         self._json: list[dict[str, Any]] | None = None
+        self.appended: int | None = None
 
     @property
     def new_messages(self) -> list[dict[str, Any]]:
@@ -134,10 +136,17 @@ class Turn:
     def __repr__(self) -> str:
         return f'Turn(result={self.result!r}, new_messages={len(self._messages) + len(self._added)})'
 
-    def payload(self, *, messages_as_json: bool = False) -> dict[str, Any]:
+    def payload(self, *, messages_as_json: bool = False, append_id: str | None = None) -> dict[str, Any]:
         """`{'output', 'new_messages', 'usage'}` as JSON-compatible data (what DBOS and Prefect containers return).
 
+        When the turn was appended to a conversation and `append_id` names that append (`dbos:{workflow id}`,
+        `prefect:{flow run id}`), the payload names the append instead of carrying the messages:
+        `{'output', 'usage', 'appended': {'conversation_id', 'append_id', 'revision', 'messages'}}` (`revision`: the
+        conversation's after the append; `messages`: how many it wrote). The engine records a few hundred bytes
+        whatever the turn's size; `conversations.resolve_payload` reads the messages back from the store.
+
         Args:
+            append_id: The append's id in the store (see above); `None`: the messages inline.
             messages_as_json: `new_messages` as one JSON string (a JSON array of message JSON) instead of a list:
                 the Prefect flow returns it so, as Prefect walks every item of a flow's return value (looking for
                 futures and states) before persisting it: about 18,000 calls for the 11 messages of a 6-request run,
@@ -145,6 +154,10 @@ class Turn:
                 not built. `RunReport.from_payload` reads either form.
         """
         messages: Any
+        if append_id is not None and self.appended is not None and self.state.conversation_id is not None:
+            return {'output': to_jsonable_python(self.result.output), 'usage': self.usage,
+                    'appended': {'conversation_id': self.state.conversation_id, 'append_id': append_id,
+                                 'revision': self.appended, 'messages': len(self.new_messages)}}
         if not messages_as_json:
             messages = self.new_messages
         elif self._json is None and not self._added:
@@ -300,6 +313,8 @@ async def _run(agent: DurableAgent[Any, Any], run: Callable[..., Awaitable[Any]]
     turn = Turn(result, state, logged, to_jsonable_python(usage), added)
     if conversation_id is not None and append is not None:
         appended = await append(conversation_id, turn.new_messages, revision, turn.usage)
+        if isinstance(appended, int) and not isinstance(appended, bool):
+            turn.appended = appended
         # Not after a rebased append (another turn went in between): the history is no longer `messages + logged`.
         if isinstance(appended, int) and not isinstance(appended, bool) and appended == (revision or 0) + 1 \
                 and logged and not added:

@@ -56,6 +56,7 @@ async def dbos_run(args: argparse.Namespace) -> None:
     from dbos import DBOS, SetWorkflowID
 
     from durable_capabilities import telemetry
+    from durable_capabilities.conversations import resolve_payload
     from durable_capabilities.engines import dbos as dbos_engine
 
     agent = load(args.target)
@@ -71,7 +72,7 @@ async def dbos_run(args: argparse.Namespace) -> None:
             handle = await DBOS.retrieve_workflow_async(args.workflow_id)
         print('DBOS STARTED', flush=True)
         start = telemetry.run_started()
-        payload = await handle.get_result()
+        payload = await resolve_payload(await handle.get_result())  # a result naming its append: read it back
         telemetry.record_run(args.workflow_id, agent=agent.name, engine='dbos', conversation_id=args.conversation,
                              start_ns=start)
         steps = await DBOS.list_workflow_steps_async(args.workflow_id)
@@ -87,6 +88,7 @@ async def prefect_run(args: argparse.Namespace) -> None:
     from prefect.flow_engine import run_flow_async
     from prefect.states import Scheduled
 
+    from durable_capabilities.conversations import resolve_payload
     from durable_capabilities.engines import prefect as prefect_engine
 
     agent = load(args.target)
@@ -102,10 +104,13 @@ async def prefect_run(args: argparse.Namespace) -> None:
         flow_run = await client.read_flow_run(flow_run.id)
         state = await run_flow_async(flow, flow_run=flow_run, parameters={'prompt': args.prompt, 'deps': _deps(args)},
                                      return_type='state')
-        payload = await state.result()
+        payload = await resolve_payload(await state.result())  # a result naming its append: read it back
         task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
-    # The flow returns its new messages as one JSON string (`engines.prefect.agent_flow`).
-    emit({'output': payload['output'], 'units': sorted(t.name for t in task_runs), 'new_messages': json.loads(payload['new_messages']),
+    # The flow returns its new messages as one JSON string (`engines.prefect.agent_flow`), or names its append (read
+    # back as a list).
+    messages = payload['new_messages']
+    emit({'output': payload['output'], 'units': sorted(t.name for t in task_runs),
+          'new_messages': json.loads(messages) if isinstance(messages, str) else messages,
           'flow_run_id': str(flow_run.id)})
 
 

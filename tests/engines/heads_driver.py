@@ -12,12 +12,18 @@ turn is one `runner.run(..., conversation_id='heads')`: the prompt, a tool call 
   workflow or flow run recorded by an earlier version holds.
 - `$HEADS_CRASH_AT`: the tool of that turn SIGKILLs this process (once: a marker file in DIR), after the turn's load
   unit was recorded. Each run's id is written to `DIR/run-id` when it starts.
+- `--old-result`: the workflow / flow returns the turn's messages inline, as it did before results named their append
+  (`Turn.payload` without `append_id`).
+- `--delete-after`: delete the conversation from the store (`durcap history delete`) after the turns, then read the
+  runs again (`runs show`).
 - `--recover RUN_ID`: finish that run (DBOS: resumed on a queue of this process, as `durcap runs resume` does, its
   recorded steps returned; Prefect:
   the flow run set back to Scheduled and run again, its finished tasks from the cache) and report it.
 
-The report is one line, `REPORT {json}`: `{'outputs': [...], 'loads': [{'run_id', 'type', 'bytes', 'rows'}]}`, one
-load per run: the class of the load unit's recorded result, its recorded size (DBOS: the `operation_outputs.output`
+The report is one line, `REPORT {json}`: `{'outputs': [...], 'loads': [{'run_id', 'type', 'bytes', 'rows'}],
+'results': [{'run_id', 'bytes', 'appended', 'messages', 'tool_return_chars', 'shown_capabilities', 'shown_notes'}]}`,
+one load and one result per run (the recorded workflow output / flow result: its size, whether it names its append,
+the `RunReport`'s messages and tool return characters, and `runs show`'s capabilities and notes); load per run: the class of the load unit's recorded result, its recorded size (DBOS: the `operation_outputs.output`
 text; Prefect: the persisted result file), and how many message rows it holds (`None` for a head).
 """
 
@@ -120,6 +126,47 @@ async def _prefect_load(run_id: str) -> dict[str, Any]:
     return {'run_id': run_id, 'type': type(value).__name__, 'bytes': path.stat().st_size, 'rows': _rows(value)}
 
 
+def _dbos_result(run_id: str, db: str) -> tuple[int, bool]:
+    import base64
+    import pickle
+    import sqlite3
+
+    with sqlite3.connect(db.removeprefix('sqlite:///')) as conn:
+        (output,) = conn.execute('SELECT output FROM workflow_output WHERE workflow_uuid = ?', (run_id,)).fetchone()
+    value = pickle.loads(base64.b64decode(output))
+    return len(output), 'appended' in value and 'new_messages' not in value
+
+
+async def _prefect_result(run_id: str) -> tuple[int, bool]:
+    from prefect import get_client
+
+    async with get_client() as client:
+        flow_run = await client.read_flow_run(uuid.UUID(run_id))
+    assert flow_run.state is not None
+    value = await flow_run.state.result()
+    key = Path(flow_run.state.data.storage_key)  # type: ignore[union-attr]
+    path = key if key.is_absolute() else Path(os.environ['PREFECT_LOCAL_STORAGE_PATH']) / key
+    return path.stat().st_size, 'appended' in value and 'new_messages' not in value
+
+
+async def _show(engine: str, run_id: str, settings: dict[str, Any]) -> Any:
+    from durable_capabilities.engines import get
+
+    return await get(engine).show_run(run_id, settings)
+
+
+def _old_result() -> None:
+    """The workflow / flow returns the messages inline, as before results named their append."""
+    from durable_capabilities.turn import Turn
+
+    original = Turn.payload
+
+    def inline(self: Turn, *, messages_as_json: bool = False, append_id: str | None = None) -> dict[str, Any]:
+        return original(self, messages_as_json=messages_as_json)
+
+    Turn.payload = inline  # type: ignore[method-assign]
+
+
 def _rows(value: Any) -> int | None:
     rows = getattr(value, 'rows', None)
     return len(rows) if rows is not None else None
@@ -167,10 +214,15 @@ def main() -> None:
     parser.add_argument('--db')
     parser.add_argument('--old-form', action='store_true')
     parser.add_argument('--recover')
+    parser.add_argument('--old-result', action='store_true')
+    parser.add_argument('--delete-after', action='store_true')
     args = parser.parse_args()
     os.environ['DURCAP_STORE'] = args.store
     if args.old_form:
         _old_form()
+    if args.old_result:
+        _old_result()
+    reports: list[Any] = []
     settings: dict[str, Any] = {'db': args.db} if args.engine == 'dbos' else {}
     run_ids: list[str] = []
     outputs: list[Any] = []
@@ -190,9 +242,26 @@ def main() -> None:
                                         run_id=f'heads-{uuid.uuid4().hex[:10]}' if args.engine == 'dbos' else None,
                                         notify=lambda line: None, on_start=started, **settings))
         outputs.append(report.output)
+        reports.append(report)
+    if args.delete_after:
+        from durable_capabilities.store import SQLConversationStore
+
+        async def delete() -> None:
+            with SQLConversationStore(args.store) as store:
+                await store.purge(CID)
+
+        asyncio.run(delete())
+    results = []
+    for run_id, report in zip(run_ids[-len(reports):] if reports else [], reports, strict=True):
+        size, appended = _dbos_result(run_id, args.db) if args.engine == 'dbos' else asyncio.run(_prefect_result(run_id))
+        shown = asyncio.run(_show(args.engine, run_id, settings))
+        results.append({'run_id': run_id, 'bytes': size, 'appended': appended, 'messages': len(report.new_messages),
+                        'tool_return_chars': sum(len(str(p.content)) for m in report.new_messages for p in m.parts
+                                                 if isinstance(p, ToolReturnPart)),
+                        'shown_capabilities': shown.capabilities, 'shown_notes': shown.notes})
     loads = [_dbos_load(run_id, args.db) if args.engine == 'dbos' else asyncio.run(_prefect_load(run_id))
              for run_id in run_ids]
-    print('REPORT ' + json.dumps({'outputs': outputs, 'loads': loads}), flush=True)
+    print('REPORT ' + json.dumps({'outputs': outputs, 'loads': loads, 'results': results}), flush=True)
 
 
 if __name__ == '__main__':

@@ -74,6 +74,7 @@ from durable_capabilities import (
     load_skills,
     runner,
 )
+from durable_capabilities.conversations import resolve_payload
 from examples.support.agent import (
     SKILLS_DIR,
     AccountSecurity,
@@ -251,6 +252,7 @@ async def _dbos_own_launch(agent: DurableAgent[Any, Any], step: dict[str, Any], 
     try:
         with SetWorkflowID(step['workflow_id']):
             payload = await workflow(step['prompt'], to_jsonable_python(make_store()), None, step['conversation_id'])
+        payload = await resolve_payload(payload)  # before `DBOS.destroy`, which shuts the loop's executor down
     finally:
         DBOS.destroy()
     return _dbos_report(step['workflow_id'], payload, [])
@@ -289,11 +291,11 @@ async def _run_prefect_flow_run(flow: Any, flow_run_id: Any, parameters: dict[st
     async with get_client() as client:
         flow_run = await client.read_flow_run(flow_run_id)
     state = await run_flow_async(flow, flow_run=flow_run, parameters=parameters, return_type='state')
-    payload = await state.result()
+    payload = await resolve_payload(await state.result())  # a result naming its append: the messages from the store
     return runner.RunReport(
         # The flow returns its new messages as one JSON string (`engines.prefect.agent_flow`).
-        'prefect', str(flow_run_id), payload['output'], ModelMessagesTypeAdapter.validate_json(payload['new_messages']),
-        RunUsage(**payload['usage']), await _task_run_states(flow_run_id, started),
+        'prefect', str(flow_run_id), payload['output'], runner.RunReport.from_payload(
+            'prefect', None, payload).new_messages, RunUsage(**payload['usage']), await _task_run_states(flow_run_id, started),
     )
 
 
@@ -343,7 +345,7 @@ async def dbos_recover(workflow_id: str, args: argparse.Namespace) -> runner.Run
     _dbos_launch(args.db)
     try:
         handle = await DBOS.retrieve_workflow_async(workflow_id)
-        payload = await handle.get_result()
+        payload = await resolve_payload(await handle.get_result())  # the turn's messages from the store
         steps = await DBOS.list_workflow_steps_async(workflow_id)
     finally:
         DBOS.destroy()

@@ -90,3 +90,39 @@ def test_a_run_whose_load_recorded_the_rows_recovers_with_them(
     assert recovered['bytes'] > 20_000  # turn 1's tool result among them
     assert new['type'] == 'LoadedHead' and new['bytes'] < HEAD_BYTES
     assert stored_prompts(env) == ['turn 1: fetch', 'turn 2: fetch', 'turn 1: fetch']  # the driver's new turn counts from 1
+
+
+RESULT_BYTES = 1_000
+"""A recorded workflow output / flow result naming its append is bounded by this: output, usage and the append's ids."""
+
+
+@pytest.mark.parametrize('engine', ['dbos', 'prefect'])
+def test_the_recorded_result_names_its_append_and_the_report_reads_the_messages_back(
+        engine: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Turns with a 20 KB and a 2 KB tool result record results of the same size (no message in them); the
+    `RunReport` and `runs show` still have each turn's messages, read from the store. Once the conversation is
+    deleted, `runs show` says its messages are not readable (no crash). The model is a scripted `FunctionModel`."""
+    env, args = engine_env(engine, tmp_path, request)
+    big = drive(engine, tmp_path, env, '--turns', '1', *args)
+    small = drive(engine, tmp_path, env | {'HEADS_RESULT_BYTES': '2000'}, '--turns', '1', '--delete-after', *args)
+    (first,), (second,) = big['results'], small['results']
+    assert first['appended'] and second['appended']
+    assert first['bytes'] < RESULT_BYTES and abs(first['bytes'] - second['bytes']) < 16, (first, second)
+    assert (first['messages'], first['tool_return_chars']) == (4, 20019)
+    assert (second['messages'], second['tool_return_chars']) == (4, 2014)
+    assert first['shown_notes'] == []  # read before the delete
+    assert len(second['shown_notes']) == 1 and 'not readable' in second['shown_notes'][0] \
+        and "conversation 'heads' is not in the store" in second['shown_notes'][0], second['shown_notes']
+
+
+@pytest.mark.parametrize('engine', ['dbos', 'prefect'])
+def test_a_result_with_its_messages_inline_is_still_read(
+        engine: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """A workflow / flow returning the messages inline (as before results named their append) reports them as
+    before, and `runs show` reads it, even once the conversation is deleted. The model is a scripted `FunctionModel`."""
+    env, args = engine_env(engine, tmp_path, request)
+    report = drive(engine, tmp_path, env, '--turns', '1', '--old-result', '--delete-after', *args)
+    (result,) = report['results']
+    assert not result['appended'] and result['bytes'] > 20_000  # the form before: the messages in the result
+    assert (result['messages'], result['tool_return_chars']) == (4, 20019)
+    assert result['shown_notes'] == []

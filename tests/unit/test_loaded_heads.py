@@ -73,3 +73,42 @@ def test_a_loaded_head_reads_back_as_the_rows_from_the_cache_and_from_the_store(
             assert isinstance(await load_conversation(agent, 'new', by_head=True), LoadedConversation)  # nothing stored
 
     asyncio.run(go())
+
+
+def test_a_result_naming_its_append_reads_back_its_messages_even_rebased_and_not_once_deleted(store_url: str) -> None:
+    """`conversations.resolve_payload`: a DBOS / Prefect result naming its append (`Turn.payload(append_id=...)`) gets
+    that append's messages from the write log, also when it was rebased after another writer's; a result with its
+    messages inline (the form before, or a run without a conversation) is returned as it is; once the conversation
+    is purged, `ConversationNotFoundError` names the run's append and revision."""
+    async def go() -> None:
+        with SQLConversationStore(store_url) as store:
+            await store.append('named', turn(1), expected_revision=None, append_id='dbos:first')
+            await store.append('named', turn(2), expected_revision=1, append_id='other')
+            second = await store.append('named', turn(3), expected_revision=1, append_id='prefect:third', rebase=True)
+            assert second.rebased
+            named = {'output': 'answer 3', 'usage': {}, 'appended': {
+                'conversation_id': 'named', 'append_id': 'prefect:third', 'revision': second.revision, 'messages': 2}}
+            resolved = await conversations.resolve_payload(named, store=store_url)
+            assert [m['parts'][0]['content'] for m in resolved['new_messages']] == ['question 3', 'answer 3']
+            assert resolved['output'] == 'answer 3' and resolved['appended'] == named['appended']
+            inline = {'output': 'x', 'usage': {}, 'new_messages': '[]'}
+            assert await conversations.resolve_payload(inline, store=store_url) is inline
+            await store.purge('named')
+            with pytest.raises(ConversationNotFoundError, match=r"prefect:third appended at revision 3: its messages "
+                                                                r"were deleted"):
+                await conversations.resolve_payload(named, store=store_url)
+
+    asyncio.run(go())
+
+
+def test_reading_a_named_append_from_a_store_that_does_not_exist_creates_none(tmp_path: Any) -> None:
+    """`runs show` / `runs list` read results naming their append: from a store URL with no file behind it the read
+    fails (`StoreUnavailableError`, a note in `runs show`) and no store is created."""
+    from durable_capabilities.store import StoreUnavailableError
+
+    missing = tmp_path / 'nothing' / 'conversations.db'
+    named = {'output': 'x', 'usage': {}, 'appended': {'conversation_id': 'c', 'append_id': 'dbos:w', 'revision': 1,
+                                                      'messages': 2}}
+    with pytest.raises(StoreUnavailableError, match='no conversation store at'):
+        asyncio.run(conversations.resolve_payload(named, store=f'sqlite:///{missing}'))
+    assert not missing.exists() and not missing.parent.exists()

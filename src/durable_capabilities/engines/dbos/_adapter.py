@@ -13,6 +13,7 @@ from pydantic_core import to_jsonable_python
 
 from ... import _upstream
 from ..._limits import redact_database_url
+from ...conversations import resolve_payload, store_url
 from ...report import RunReport
 from .._adapter import EngineAdapter, RunOptions
 from .._specs import DBOS as SPEC
@@ -85,6 +86,8 @@ class DBOSAdapter(EngineAdapter, spec=SPEC):
             with SetWorkflowID(workflow_id):
                 payload = await workflow_fn(*args, options.setting('busy'))
             steps = await DBOS.list_workflow_steps_async(workflow_id)
+            # Before `DBOS.destroy`, which shuts the loop's default executor down (the store reads run in it).
+            payload = await resolve_payload(payload, store=store_url(agent, options.setting('store')))
         finally:
             DBOS.destroy()
         return RunReport.from_payload(ENGINE, workflow_id, payload, [step['function_name'] for step in steps])

@@ -16,6 +16,7 @@ from sqlalchemy.exc import OperationalError, ProgrammingError, SQLAlchemyError
 
 from ..._limits import redact_database_url
 from ...approvals import ApprovalError, Decision, PendingCall, already_decided, check_decision, describe_decision
+from ...conversations import resolve_payload, store_url
 from ...report import RunReport
 from .._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
 from ._client import client as _client
@@ -39,7 +40,8 @@ async def _info(client: Any, status: Any, with_steps: bool = True, with_units: b
     inputs: Any = status.input or {}
     args, kwargs = list(inputs.get('args') or ()), dict(inputs.get('kwargs') or {})
     conversation = kwargs.get('conversation_id', args[3] if len(args) > 3 else None)
-    outputs = [status.output] + [step.get('output') for step in steps]
+    output, unread = await _read_output(status.output, settings)
+    outputs = [output] + [step.get('output') for step in steps]
     engine_status = str(status.status)
     gone = engine_status in ('PENDING', 'ENQUEUED') and executor_process_gone(status.executor_id)
     # The database the caller named goes into the commands (password shown as ***), so they find the same run.
@@ -47,6 +49,7 @@ async def _info(client: Any, status: Any, with_steps: bool = True, with_units: b
     notes = [(f'its process ({status.executor_id}) is gone: finish it with `durcap runs resume '
               f'{status.workflow_id} --engine dbos{db} --target TARGET`, or by `durcap worker dbos TARGET{db} '
               f'--executor-id {status.executor_id}` (a worker recovers only its own executor\'s workflows)')] if gone else []
+    notes += unread
     return RunInfo(
         ENGINE, status.workflow_id, agent, 'orphaned' if gone else _DBOS_STATUS.get(engine_status, 'running'),
         engine_status,
@@ -56,6 +59,15 @@ async def _info(client: Any, status: Any, with_steps: bool = True, with_units: b
          'app_version': status.app_version, 'orphaned': gone, 'error': _error_line(status.error)},
         [_unit(step) for step in steps] if with_units else [],
     )
+
+
+async def _read_output(output: Any, settings: Mapping[str, Any] | None) -> tuple[Any, list[str]]:
+    """The workflow's output with its messages (`conversations.resolve_payload`, from the store `--store` names) and the
+    notes to print: one when the append it names cannot be read back (deleted, or another store)."""
+    try:
+        return await resolve_payload(output, store=(settings or {}).get('store')), []
+    except Exception as error:  # noqa: BLE001 - a run whose messages are gone is still listed, with why
+        return None, [f'its turn\'s messages are not readable: {error}']
 
 
 async def list_runs(settings: Mapping[str, Any], *, status: str | None = None, limit: int = 50) -> list[RunInfo]:
@@ -156,6 +168,9 @@ async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options:
             handle = await DBOS.retrieve_workflow_async(run_id)
         payload = await handle.get_result()
         steps = await DBOS.list_workflow_steps_async(run_id)
+        # Before `DBOS.destroy`, which shuts the loop's default executor down (the store reads run in it).
+        named = next((a for a in agents if info.agent in (a.name, *a.previous_names)), agents[0])
+        payload = await resolve_payload(payload, store=store_url(named, options.setting('store')))
     finally:
         DBOS.destroy()
     return RunReport.from_payload(ENGINE, run_id, payload, [step['function_name'] for step in steps])

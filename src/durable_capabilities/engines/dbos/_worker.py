@@ -12,6 +12,7 @@ from dbos import DBOS
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from ..._limits import redact_database_url
+from ...conversations import resolve_payload, store_url
 from ...report import RunReport
 from .._adapter import RunOptions
 from ._client import client as dbos_client
@@ -193,4 +194,5 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
         steps = await client.list_workflow_steps_async(workflow_id)
     finally:
         client.destroy()
+    payload = await resolve_payload(payload, store=store_url(agent, options.setting('store')))
     return RunReport.from_payload(ENGINE, workflow_id, payload, [step['function_name'] for step in steps])

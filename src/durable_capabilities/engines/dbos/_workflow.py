@@ -135,7 +135,9 @@ def agent_workflow(agent: DurableAgent[Any, Any], *, store: str | None = None) -
     (load the stored history in step `durcap__{name}__conversation.load`, append the new messages in
     step `...append`, idempotent by workflow id), `busy: str | None` (what the turn does when another run's turn
     holds the conversation: `'reject'` | `'enqueue'`, `None`: the agent's `busy`). Returns
-    `{'output', 'new_messages', 'usage'}` as JSON-compatible data.
+    `{'output', 'new_messages', 'usage'}` as JSON-compatible data; with a conversation, `{'output', 'usage',
+    'appended'}` naming the append instead of the messages (`Turn.payload`; `conversations.resolve_payload` reads
+    either form).
     """
     existing = _WORKFLOWS.get(agent.name)
     if existing is not None:
@@ -150,7 +152,9 @@ def agent_workflow(agent: DurableAgent[Any, Any], *, store: str | None = None) -
     ) -> dict[str, Any]:
         turn = await bound.turn(prompt, deps=deps_from_json(agent, deps), message_history=message_history,
                                 conversation_id=conversation_id, busy=busy)
-        return turn.payload()
+        # A turn appended to its conversation names its append (`dbos:{workflow id}`, as the append step wrote it)
+        # instead of recording its messages again as the workflow's output (`conversations.resolve_payload`).
+        return turn.payload(append_id=f'dbos:{DBOS.workflow_id}')
 
     name, *previous_names = workflow_names(agent)
     registered = DBOS.workflow(name=name)(run_agent)

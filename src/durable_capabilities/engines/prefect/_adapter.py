@@ -13,6 +13,7 @@ from pydantic_ai.durable_exec.prefect import PrefectDurability
 from pydantic_ai.messages import ModelMessagesTypeAdapter
 from pydantic_core import to_jsonable_python
 
+from ...conversations import store_url
 from ...report import RunReport
 from .._adapter import EngineAdapter, RunOptions
 from .._specs import PREFECT as SPEC
@@ -90,7 +91,7 @@ class PrefectAdapter(EngineAdapter, spec=SPEC):
             flow_run = await client.create_flow_run(flow_, parameters=parameters)
         options.started(str(flow_run.id), f'prefect flow run id: {flow_run.id} (at {ensure_api()[0]})')
         with run_store(options.setting('store')):
-            return await run_flow_run(flow_, flow_run.id, parameters)
+            return await run_flow_run(flow_, flow_run.id, parameters, store_url(agent, options.setting('store')))
 
     def serve_schedule(
         self, agent: DurableAgent[Any, Any], *, target: str, prompt: str, cron: str | None, interval_seconds: float | None,

@@ -9,6 +9,7 @@ from typing import Any
 from prefect import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+from ...conversations import resolve_payload
 from ...report import RunReport
 from ._spec import ENGINE, MODEL_REQUEST_TASK
 
@@ -46,8 +47,12 @@ async def settled_task_runs(flow_run_id: Any, model_requests: int, timeout: floa
             await asyncio.sleep(0.2)
 
 
-async def run_flow_run(flow_: Any, flow_run_id: Any, parameters: dict[str, Any]) -> RunReport:
-    """Run an existing flow run of `flow_` in this process and report it (task runs settled)."""
+async def run_flow_run(flow_: Any, flow_run_id: Any, parameters: dict[str, Any], store: str | None = None) -> RunReport:
+    """Run an existing flow run of `flow_` in this process and report it (task runs settled); a result naming its
+    append is read back from the store `store` (a URL; `None`: `$DURCAP_STORE`, else the default store).
+
+    Raises:
+        ConversationNotFoundError: the result names an append that is no longer in the store."""
     from prefect.flow_engine import run_flow_async  # lazily: the flow engine loads only where a flow runs here
 
     async with get_client() as client:
@@ -55,7 +60,8 @@ async def run_flow_run(flow_: Any, flow_run_id: Any, parameters: dict[str, Any])
     # A flow run run again (resume) may hold task runs its dead process left Running: not this run's to wait for.
     orphans = frozenset(str(t.id) for t in await read_task_runs(flow_run_id) if t.state is None or not t.state.is_final())
     state: Any = await run_flow_async(flow_, flow_run=flow_run, parameters=parameters, return_type='state')
-    report = RunReport.from_payload(ENGINE, str(flow_run_id), await state.result())
+    payload = await resolve_payload(await state.result(), store=store)
+    report = RunReport.from_payload(ENGINE, str(flow_run_id), payload)
     model_requests = sum(1 for m in report.new_messages if m.kind == 'response')
     task_runs = await settled_task_runs(flow_run_id, model_requests, orphans=orphans)
     report.durable_units = [t.name for t in sorted(task_runs, key=lambda t: (t.expected_start_time or t.created, t.name))]

@@ -52,7 +52,8 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
     (pydantic-ai's message JSON), `conversation_id: str | None`, `busy: str | None` (what the turn does when another
     run's turn holds the conversation: `'reject'` | `'enqueue'`, `None`: the agent's `busy`). Returns
     `{'output': ..., 'new_messages': '[...]', 'usage': {...}}` as JSON-compatible data, `new_messages` being the new
-    messages as one JSON string (`ModelMessagesTypeAdapter.validate_json` reads it; see `Turn.payload` for why).
+    messages as one JSON string (`ModelMessagesTypeAdapter.validate_json` reads it; see `Turn.payload` for why); with
+    a conversation, `{'output', 'usage', 'appended'}` naming the append instead (`conversations.resolve_payload`).
     """
     _registry.claim('Prefect flow', agent.name, agent, 'given Prefect flows in this process')  # DC011 on a clash
     existing = _FLOWS.get(agent.name)
@@ -93,7 +94,9 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
             turn = await run_turn(agent, built.run, prompt, deps=deps_from_json(agent, deps),
                                   message_history=message_history, conversation_id=conversation_id, load=load,
                                   append=append, release=release_claim, gate=PrefectApprovalGate(agent), busy=busy)
-        return turn.payload(messages_as_json=True)
+        # A turn appended to its conversation names its append instead of carrying its messages again in the flow
+        # run's persisted result (`conversations.resolve_payload` reads them back).
+        return turn.payload(messages_as_json=True, append_id=f'prefect:{flow_run.id}')
 
     run_agent.__name__ = re.sub(r'\W', '_', f'run_{agent.name}')
     decorated = flow(name=flow_name(agent), persist_result=True)(run_agent)

@@ -35,6 +35,7 @@ from prefect.input import acreate_flow_run_input, aread_flow_run_input
 from prefect.states import Cancelled, Scheduled
 
 from ...approvals import ApprovalError, Decision, PendingCall, already_decided, check_decision
+from ...conversations import resolve_payload, store_url
 from ...report import RunReport
 from .._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
 from ._approvals import _input_key
@@ -62,7 +63,7 @@ async def _read_flow_run(client: Any, run_id: str) -> Any:
 # ---- runs (`durcap runs`) ------------------------------------------------------------------------------
 
 
-async def _runs(client: Any, flow_runs: list[Any], with_units: bool = False) -> list[RunInfo]:
+async def _runs(client: Any, flow_runs: list[Any], with_units: bool = False, store: str | None = None) -> list[RunInfo]:
     flow_ids = list({r.flow_id for r in flow_runs})
     flows = {f.id: f.name for f in await client.read_flows(flow_filter=FlowFilter(id=FlowFilterId(any_=flow_ids)))} \
         if flow_ids else {}
@@ -73,13 +74,18 @@ async def _runs(client: Any, flow_runs: list[Any], with_units: bool = False) -> 
         tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
         state = run.state_type.name if run.state_type is not None else 'UNKNOWN'
         caps: list[str] = []
+        unread: list[str] = []
         if state == 'COMPLETED' and run.state is not None:
             try:
                 payload = await run.state.result(raise_on_failure=False)
-                caps = loaded_capabilities_in([payload.get('new_messages')]) if isinstance(payload, dict) else []
             except Exception:  # noqa: BLE001 - the result is not readable from here: nothing to show
-                caps = []
-        notes = []
+                payload = None
+            try:  # a result naming its append: the messages are read back from the store `--store` names
+                payload = await resolve_payload(payload, store=store)
+                caps = loaded_capabilities_in([payload.get('new_messages')]) if isinstance(payload, dict) else []
+            except Exception as error:  # noqa: BLE001 - a run whose messages are gone is still listed, with why
+                unread.append(f'its turn\'s messages are not readable: {error}')
+        notes = list(unread)
         if state in ('RUNNING', 'CRASHED', 'PENDING', 'FAILED'):
             notes.append(f'finish it with `durcap runs resume {run.id} --engine prefect --target TARGET` '
                          '(completed tasks return their cached results)')
@@ -115,7 +121,7 @@ async def list_runs(settings: Mapping[str, Any], *, status: str | None = None, l
             runs += page
             if len(page) < want:
                 break
-        return await _runs(client, runs)
+        return await _runs(client, runs, store=settings.get('store'))
 
 
 PREFECT_PAGE = 200
@@ -127,7 +133,7 @@ async def show_run(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
     ensure_api()  # the configured server, or this process's temporary one
     async with get_client() as client:
         run = await _read_flow_run(client, run_id)
-        return (await _runs(client, [run], with_units=True))[0]
+        return (await _runs(client, [run], with_units=True, store=settings.get('store')))[0]
 
 
 async def cancel(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
@@ -169,7 +175,7 @@ async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options:
             await client.set_flow_run_state(run.id, Scheduled(message='durcap runs resume'), force=True)
     options.notify(f'resuming prefect flow run {run_id} ({info.engine_status}) in this process')
     with run_store(options.setting('store')):
-        return await run_flow_run(flow_, run.id, dict(run.parameters or {}))
+        return await run_flow_run(flow_, run.id, dict(run.parameters or {}), store_url(agent, options.setting('store')))
 
 
 def _unit(task_run: Any) -> RunUnit:
