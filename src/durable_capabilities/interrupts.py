@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart
@@ -84,11 +85,19 @@ def current() -> TurnClaim | None:
     return _current.get()
 
 
+def _absent(store_url: str) -> bool:
+    """Whether `store_url` is a SQLite file that does not exist: it holds no claim, and reading it would create it (a
+    Temporal run without a conversation checks too: its store must stay untouched)."""
+    if not store_url.startswith('sqlite:///') or ':memory:' in store_url:
+        return False
+    return not Path(store_url[len('sqlite:///'):].split('?', 1)[0]).is_file()
+
+
 async def stopped_by() -> str | None:
     """The run that asked the turn running in this context to stop, else `None` (also outside `watching`, and when
     the store cannot be read: the request is then sent, with one warning; the claim still keeps turns apart)."""
     claim = _current.get()
-    if claim is None:
+    if claim is None or _absent(claim.store_url):
         return None
     try:
         return await process_store(claim.store_url).stop_requested(claim.run_id)
