@@ -20,6 +20,7 @@ does), so the model requests and tool calls it makes are counted here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -48,6 +49,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 from durable_capabilities import DurableAgent, runner
 from durable_capabilities._servers import free_port, port_open
 from durable_capabilities.engines.temporal import temporal_cli
+from durable_capabilities.store import CorruptedRowError
 
 # One worker runs this module's tests (pytest-xdist `loadgroup`): they share a module-scoped fixture.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('continue-as-new')]
@@ -189,9 +191,12 @@ async def run_chain(address: str, workflow_id: str) -> list[RunInfo]:
         async for event in handle.fetch_history_events():
             events += 1
             if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED:
-                # through the claim-check codec: an input over its threshold (16 KiB) is a reference in the history
-                [payload] = await client.data_converter.payload_codec.decode(  # type: ignore[union-attr]
-                    [event.workflow_execution_started_event_attributes.input.payloads[0]])
+                # Through the claim-check codec: an input over its threshold (16 KiB) is a reference in the history,
+                # to this process's default store; a run driven by another process (test_compaction's driver) wrote
+                # its claim checks elsewhere: its input stays the reference (those tests read no input).
+                payload = event.workflow_execution_started_event_attributes.input.payloads[0]
+                with contextlib.suppress(CorruptedRowError):
+                    [payload] = await client.data_converter.payload_codec.decode([payload])  # type: ignore[union-attr]
                 input_json = json.loads(payload.data)
             elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
                 activities.append(event.activity_task_scheduled_event_attributes.activity_type.name)
