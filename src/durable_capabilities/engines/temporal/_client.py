@@ -258,7 +258,10 @@ async def _watch_health(current: Callable[[], Client], outage: _Outage) -> None:
                 current().service_client.check_health(timeout=timedelta(seconds=HEALTH_TIMEOUT_SECONDS)),
                 HEALTH_TIMEOUT_SECONDS + 0.5)
         except RPCError as exc:
-            if not answered and exc.status not in (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED):
+            # Only a server that refuses the health service itself stops the watch: a server stopped before the first
+            # check passed may end it with CANCELLED or UNKNOWN too (seen in CI: the outage went unreported).
+            if not answered and exc.status in (RPCStatusCode.UNIMPLEMENTED, RPCStatusCode.PERMISSION_DENIED,
+                                               RPCStatusCode.UNAUTHENTICATED):
                 return
             outage.lost(exc)
             continue
