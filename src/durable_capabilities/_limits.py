@@ -71,6 +71,25 @@ class InputError(ValueError, DurcapError, code='DC040'):
         return (type(self), (self.where, self.reason, self.code))
 
 
+def env_seconds(name: str, default: float, example: float | None = None) -> float:
+    """`$name` as a number of seconds above 0, else `default` when it is unset or empty.
+
+    Raises:
+        InputError: DC040 naming `$name`, any other value (the fix names `default` and `example`, default `default`).
+    """
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float('inf'):
+        raise InputError(f'${name}', f'must be a number of seconds above 0, got {raw!r}. Fix: unset it (default '
+                         f'{default:g} s) or give e.g. {default if example is None else example:g}.')
+    return value
+
+
 # ---- files -------------------------------------------------------------------------------------------
 
 

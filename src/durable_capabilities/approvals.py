@@ -201,19 +201,9 @@ def decision_wait() -> float:
     Raises:
         InputError: DC040, the variable is not a number of seconds above 0 (nothing is sent).
     """
-    raw = os.environ.get(DECISION_WAIT_ENV)
-    if not raw:
-        return DEFAULT_DECISION_WAIT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float('inf'):
-        from ._limits import InputError
+    from ._limits import env_seconds
 
-        raise InputError(f'${DECISION_WAIT_ENV}', f'must be a number of seconds above 0, got {raw!r}. Fix: unset it '
-                         f'(default {DEFAULT_DECISION_WAIT:g} s) or give e.g. 60.')
-    return value
+    return env_seconds(DECISION_WAIT_ENV, DEFAULT_DECISION_WAIT, 60)
 
 
 def check_not_expired(decision: Decision, now: datetime, run_id: str) -> None:

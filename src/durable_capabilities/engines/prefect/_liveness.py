@@ -63,24 +63,10 @@ logger = logging.getLogger(__name__)
 
 
 def _seconds(name: str, default: float) -> float:
-    """`$name` as seconds above 0, else `default`.
+    """`$name` as seconds above 0, else `default` (`_limits.env_seconds`; DC040 on anything else)."""
+    from ..._limits import env_seconds
 
-    Raises:
-        InputError: DC040, the variable is set to something else.
-    """
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float('inf'):
-        from ..._limits import InputError
-
-        raise InputError(f'${name}', f'must be a number of seconds above 0, got {raw!r}. Fix: unset it (default '
-                         f'{default:g} s) or give e.g. {default:g}.')
-    return value
+    return env_seconds(name, default)
 
 
 def beat_seconds() -> float:
