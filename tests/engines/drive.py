@@ -10,6 +10,8 @@ Actions:
   pending workflows of this app version), start or await workflow ID, print the JSON report.
 - `prefect run --target MOD:ATTR --prompt P [--flow-run-id ID]`: run the agent's flow (a new flow run,
   or run an existing one again), print the JSON report.
+- `ENGINE turns --target tests.engines.budget_agent:agent --conversation C --store URL`: three turns of the budget
+  agent in conversation C (`tests/engines/budget_driver.py`, which prints each turn's run id and outcome).
 Reports are printed as one JSON line prefixed with `REPORT `.
 """
 
@@ -128,7 +130,13 @@ def main() -> None:
     parser.add_argument('--conversation')
     parser.add_argument('--deps-json', help='dbos / prefect run: the run deps as JSON')
     parser.add_argument('--versioned', action='store_true', help='Temporal: Worker Versioning, made current')
+    parser.add_argument('--store', help='turns: the conversation store URL')
     args = parser.parse_args()
+    if args.action == 'turns':
+        from tests.engines import budget_driver
+
+        asyncio.run(budget_driver.main(args.engine, args.conversation, args.store))
+        return
     action = {('temporal', 'worker'): temporal_worker, ('dbos', 'run'): dbos_run, ('prefect', 'run'): prefect_run}
     from durable_capabilities import telemetry
 

@@ -147,3 +147,62 @@ def test_twenty_concurrent_runs_of_one_tenant_on_postgresql(store_url: str) -> N
     assert store_url.startswith('postgresql')
     _, billed = twenty_concurrent_runs(store_url)
     assert 10 <= billed <= 30
+
+
+@pytest.mark.parametrize('engine', ['temporal', 'prefect'])
+def test_spent_budget_waits_for_approval_approve_raises_it_deny_fails_the_run(
+        engine: str, spawn, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """The DBOS test above on Temporal (an inline worker on the session's dev server; the decision is a workflow update)
+    and on Prefect (the session's server; the flow run pauses, the decision is its input and a resume): one driver
+    process runs the three turns of one conversation (`runner.run`, as `durcap run` does) under `Budget(total_tokens=50,
+    on_exceed='approval')`, and lists the calls its runs wait on (`runner.approvals`, what `durcap approvals list`
+    prints; the DBOS test lists them with the CLI). Turn 1 completes (spend 100); turn 2 waits for
+    `durcap_raise_budget`, `durcap approve` raises the limit by 51 and the turn completes; turn 3 waits again, `durcap
+    deny` fails it with DC060 before its model request. The model saw 2 requests. Model: the scripted `FunctionModel`
+    of tests/engines/budget_agent.py."""
+    store = f'sqlite:///{tmp_path / "conversations.db"}'
+    conversation = f'approve-{engine}-{uuid.uuid4().hex[:6]}'
+    log = tmp_path / 'requests.log'
+    env = {'DURCAP_STORE': store, 'DURCAP_BUDGET_AGENT': f'budget_gate_{uuid.uuid4().hex[:6]}', 'DURCAP_BUDGET_LIMIT': '50',
+           'DURCAP_BUDGET_ON_EXCEED': 'approval', 'DURCAP_BUDGET_LOG': str(log)}
+    if engine == 'temporal':
+        address = request.getfixturevalue('temporal_address')
+        env['DURCAP_TEST_TEMPORAL_ADDRESS'] = address
+        engine_args = ['--engine', 'temporal', '--address', address]
+    else:
+        env['PREFECT_API_URL'] = request.getfixturevalue('prefect_api_url')
+        engine_args = ['--engine', 'prefect']
+
+    def waiting(n: int) -> tuple[str, dict]:
+        run_id = proc.wait_for(f'TURN {n} STARTED ', 120).split(f'TURN {n} STARTED ', 1)[1].strip()
+        call = json.loads(proc.wait_for(f'TURN {n} WAITING ', 120).split(f'TURN {n} WAITING ', 1)[1])
+        assert call['run_id'] == run_id
+        return run_id, call
+
+    def outcome(n: int) -> dict:
+        line = proc.wait_for(f'TURN {n} {{', 120)
+        return json.loads(line.split(f'TURN {n} ', 1)[1])
+
+    proc = spawn(engine, 'turns', '--target', 'tests.engines.budget_agent:agent', '--conversation', conversation,
+                 '--store', store, env=env)
+    first = outcome(1)
+    assert first['ok'] and first['output'] == f'answer to {conversation} turn 1', first
+    second_id, call = waiting(2)
+    assert call['tool_name'] == 'durcap_raise_budget' and call['engine'] == engine
+    assert {k: v for k, v in call['args'].items() if k != 'store'} == {
+        'budget': 'total_tokens', 'key': f'conversation:{conversation}', 'by': 51, 'spent': 100, 'limit': 50}
+    approved = durcap('approve', second_id, call['call_id'], *engine_args, env=env)
+    assert approved.returncode == 0, approved.stdout + approved.stderr
+    second = outcome(2)
+    assert second['ok'] and second['output'] == f'answer to {conversation} turn 2', second
+    assert second['budget']['raised'] == {'total_tokens': 51} and second['budget']['spent']['total_tokens'] == 200
+    third_id, call = waiting(3)
+    denied = durcap('deny', third_id, call['call_id'], '--reason', 'enough for today', *engine_args, env=env)
+    assert denied.returncode == 0, denied.stdout + denied.stderr
+    third = outcome(3)
+    assert not third['ok'], third
+    assert (f"DC060 budget total_tokens of key 'conversation:{conversation}' is spent: 200 tokens of the limit 101 "
+            'tokens') in third['message'], third
+    assert 'an operator denied raising it' in third['message'], third
+    assert log.read_text().splitlines() == [f'{conversation} turn 1', f'{conversation} turn 2']
+    assert sql(store, 'SELECT total_tokens, requests, raised FROM durcap_budget_ledger') == [(200, 2, '{"total_tokens": 51}')]
