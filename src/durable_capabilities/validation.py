@@ -290,6 +290,11 @@ CODES: dict[str, Code] = {
         'error',
         written_by='budget',
     ),
+    'DC070': Code(
+        'An evals dataset was asked for, but pydantic-evals does not import here.',
+        'error',
+        written_by='evals',
+    ),
 }
 """Every code: its one-line summary (each value is that string), severity, and message and fix templates.
 

@@ -7,6 +7,7 @@ does not decode, a schema newer than this code), with one line on stderr and no 
 
 `durcap history delete ID`: a user's right to be forgotten (`forgetting.delete_conversation`).
 `durcap history fork ID --at-turn N --to NEW_ID`: a new conversation from the first N turns (`forks.fork_at_turn`).
+`durcap history evals ID... --out FILE`: the recorded turns as a pydantic-evals dataset (`evals.export_evals`).
 """
 
 from __future__ import annotations
@@ -217,6 +218,43 @@ def fork(
     typer.echo(printable(f'forked {done.source_id!r} at turn {done.turns} of {done.source_turns} into {done.new_id!r}: '
                          f'{done.messages} messages (shared), capabilities loaded: {caps}; continue it with '
                          f'`durcap run TARGET PROMPT --conversation {done.new_id}` on any engine'))
+
+
+# ---- `durcap history evals`: recorded turns as eval cases ------------------------------------------------------
+
+
+@history_app.command('evals')
+def evals(
+    conversation_ids: Annotated[list[str], typer.Argument(metavar='ID...', help='The conversations whose turns become '
+                                                          'cases.')],
+    out: Annotated[str, typer.Option('--out', help='The dataset file: .yaml / .yml or .json (pydantic-evals writes '
+                                     'its JSON schema beside it).')],
+    store: StoreOption = None,
+    name: Annotated[str | None, typer.Option('--name', help="The dataset's name (default: the file's stem).")] = None,
+) -> None:
+    """Write every stored turn of the conversations as a case of a pydantic-evals Dataset: inputs the prompt, the
+    message history before it and the capabilities it had loaded; expected output the stored answer and tool calls.
+
+    Load it with `Dataset[TurnInputs, TurnOutcome, dict].from_file(FILE)` and evaluate a changed agent with
+    `durable_capabilities.evals.turn_task(agent)` (docs/evals.md). Needs pydantic-evals (DC070 names the install
+    command). Exit 2, nothing written, for an unknown conversation, a FILE of another type, or no pydantic-evals.
+    """
+    from ..evals import export_evals
+    from ..store import SQLConversationStore
+
+    url = resolve_url(store)
+
+    async def go() -> Any:
+        async with SQLConversationStore(url, create=False) as opened:
+            return await export_evals(opened, conversation_ids, out, name=name)
+
+    try:
+        done = asyncio.run(go())
+    except DurcapError as exc:
+        _unusable(str(exc))
+    per = ', '.join(f'{cid} {count}' for cid, count in done.per_conversation.items())
+    schema = f' (schema {done.schema_path})' if done.schema_path else ''
+    typer.echo(printable(f'wrote {done.cases} case(s) to {done.path}{schema}: turns per conversation: {per}'))
 
 
 # ---- `durcap history delete`: a user's right to be forgotten --------------------------------------------
