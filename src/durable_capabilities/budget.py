@@ -17,16 +17,17 @@ the limit may pass it: concurrent runs of one key overspend together by at most 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Literal
 
 from pydantic_ai.exceptions import ModelQuotaExceededError
+from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, ToolCallPart, ToolReturnPart
 
 from .errors import DurcapError
 
-__all__ = ['BUDGET_SETTING', 'RAISE_TOOL', 'Budget', 'BudgetExceededError']
+__all__ = ['BUDGET_SETTING', 'RAISE_TOOL', 'Budget', 'BudgetExceededError', 'conversation_key', 'granted_raises']
 
 BUDGET_SETTING = 'durcap_budget'
 """The key of the run's `model_settings` that carries the budget's key and run into the model request unit (it
@@ -39,6 +40,32 @@ RAISE_TOOL = 'durcap_raise_budget'
 """The tool a run over its budget with `on_exceed='approval'` calls (it needs approval): approved, it raises the limit.
 Its calls are stored in the conversation (a tool of the definition, so resuming it is no drift, DC019); the model is
 never sent them."""
+
+
+def conversation_key(conversation_id: str) -> str:
+    """The budget key of a conversation-scoped budget: `conversation:{id}`."""
+    return f'conversation:{conversation_id}'
+
+
+def granted_raises(messages: Sequence[ModelMessage]) -> dict[str, float]:
+    """What the approved `RAISE_TOOL` calls of a history raised conversation-scoped limits by: `{limit: amount}`, summed
+    over the calls whose key is a `conversation:` key and whose result says they ran (`outcome == 'success'`: an
+    operator approved them); denied or undecided calls raise nothing. A fork inherits these with the spend of the
+    turns it keeps (`SQLConversationStore.fork`)."""
+    calls: dict[str, dict[str, Any]] = {}
+    raised: dict[str, float] = {}
+    for message in messages:
+        for part in message.parts:
+            if isinstance(message, ModelResponse) and isinstance(part, ToolCallPart) and part.tool_name == RAISE_TOOL:
+                calls[part.tool_call_id] = part.args_as_dict()
+            elif (isinstance(message, ModelRequest) and isinstance(part, ToolReturnPart) and part.tool_name == RAISE_TOOL
+                  and part.outcome == 'success' and part.tool_call_id in calls):
+                args = calls[part.tool_call_id]
+                name, by = args.get('budget'), args.get('by')
+                if (name in LIMIT_FIELDS and str(args.get('key', '')).startswith('conversation:')
+                        and isinstance(by, int | float) and not isinstance(by, bool)):
+                    raised[name] = raised.get(name, 0) + by
+    return raised
 
 
 class BudgetExceededError(ModelQuotaExceededError, DurcapError, code='DC060'):
@@ -150,7 +177,7 @@ class Budget:
                 raise ValueError('Budget(scope=...): the callable returned an empty key')
             return key
         if self.scope == 'conversation' and conversation_id is not None:
-            return f'conversation:{conversation_id}'
+            return conversation_key(conversation_id)
         return f'run:{run_id}'
 
     def price(self, response: Any) -> float:

@@ -4,7 +4,8 @@ A turn is one write of the conversation's write log that stored messages (an `ap
 upstream `save`): the first N turns are the messages up to the end of the N-th such write. The fork is upstream's
 `ConversationStore.fork(at=...)`: the new conversation's record points into the source's entries, which are shared,
 not copied (nor their claim checks), so it costs one row until its own next turn. Its loaded capabilities are rebuilt
-from the kept messages on its next run, as on any resume; that run may be on any engine.
+from the kept messages on its next run, as on any resume; that run may be on any engine. Its conversation-scoped
+budget starts with what the kept turns spent (`SQLConversationStore.fork`; docs/budgets.md).
 
 Bad input is refused before anything is written: an unknown source, a turn outside 1..turns, a new id that is
 already a conversation. The source is never changed.
@@ -14,10 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from pydantic_ai.exceptions import UserError
 from pydantic_ai.messages import ModelRequest, UserPromptPart
 
+from .budget import conversation_key
 from .history import loaded_capability_ids
 from .store import ConversationConflictError, ConversationNotFoundError, SQLConversationStore, StoreError
 
@@ -38,6 +41,8 @@ class ForkResult:
         turns: The turns kept (N). messages: The messages kept (the first N turns').
         source_turns: How many turns the source has.
         capabilities: The capability ids the kept messages loaded (what the next run starts with).
+        budget: The fork's conversation budget key as stored after the fork (`BudgetRecord.to_json()`: what it
+            inherited), `None` when the kept turns spent nothing the ledger recorded.
     """
 
     source_id: str
@@ -46,6 +51,7 @@ class ForkResult:
     messages: int
     source_turns: int
     capabilities: list[str]
+    budget: dict[str, Any] | None = None
 
 
 async def turn_ends(store: SQLConversationStore, conversation_id: str) -> list[int]:
@@ -101,8 +107,9 @@ async def fork_at_turn(store: SQLConversationStore, conversation_id: str, turns:
         raise ForkError(f'--to {new_id!r}: a conversation with that id was stored meanwhile: give another id') from exc
     except UserError as exc:
         raise ForkError(f'cannot fork {conversation_id!r} at turn {turns}: {exc}') from exc
+    inherited = await store.budgets(conversation_key(new_id))
     return ForkResult(conversation_id, new_id, turns, len(forked.messages), len(ends),
-                      loaded_capability_ids(forked.messages))
+                      loaded_capability_ids(forked.messages), inherited[0].to_json() if inherited else None)
 
 
 @dataclass(frozen=True)

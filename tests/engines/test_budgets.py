@@ -206,3 +206,12 @@ def test_spent_budget_waits_for_approval_approve_raises_it_deny_fails_the_run(
     assert 'an operator denied raising it' in third['message'], third
     assert log.read_text().splitlines() == [f'{conversation} turn 1', f'{conversation} turn 2']
     assert sql(store, 'SELECT total_tokens, requests, raised FROM durcap_budget_ledger') == [(200, 2, '{"total_tokens": 51}')]
+
+
+def test_a_fork_inherits_the_spend_of_its_kept_turns_on_postgresql(store_url: str) -> None:
+    """tests/unit/test_history_fork.py's fork-budget test, the ledger on a fresh PostgreSQL database (`store_url` under
+    tests/engines: the time cut compares ISO 8601 strings with the "C" collation there)."""
+    from tests.unit.test_history_fork import test_a_fork_inherits_the_spend_and_raises_of_the_turns_it_keeps as on
+
+    assert store_url.startswith('postgresql')
+    on(store_url)

@@ -149,3 +149,115 @@ def test_runs_fork_reruns_a_dbos_runs_turn_on_a_fork_before_it_on_the_local_engi
     assert 'question 3' in ''.join(continued[4:])
     unknown = durcap('runs', 'fork', 'no-such-run', '--target', target, '--engine', 'dbos', '--db', db, env=env)
     assert unknown.returncode == 2 and 'Traceback' not in unknown.stderr, unknown.stderr
+
+
+# ---- a fork carries the spend of the turns it keeps (its conversation budget) ---------------------------------------
+
+
+def raise_turn(n: int, call_id: str, by: int, outcome: str) -> list[Any]:
+    """A turn whose model request was answered by a `durcap_raise_budget` call (a spent `on_exceed='approval'` budget),
+    decided `outcome` ('success': approved; 'denied'), then the answer."""
+    from pydantic_ai.messages import ToolCallPart, ToolReturnPart
+
+    from durable_capabilities.budget import RAISE_TOOL
+
+    args = {'budget': 'total_tokens', 'key': 'conversation:s', 'by': by, 'spent': 100, 'limit': 100}
+    return [ModelRequest(parts=[UserPromptPart(f'question {n}')]),
+            ModelResponse(parts=[ToolCallPart(RAISE_TOOL, args, tool_call_id=call_id)]),
+            ModelRequest(parts=[ToolReturnPart(RAISE_TOOL, 'raised' if outcome == 'success' else 'no',
+                                               tool_call_id=call_id, outcome=outcome)]),  # type: ignore[arg-type]
+            ModelResponse(parts=[TextPart(f'answer {n}')])]
+
+
+def test_a_fork_inherits_the_spend_and_raises_of_the_turns_it_keeps(store_url: str) -> None:
+    """Turn 1 (one request, 100 tokens), a run that failed after one request (billed, nothing stored), turn 2 (one
+    request; an approved raise of 50 and a denied one of 70), turn 3 (one request): a fork at turn 2 starts its key
+    `conversation:f` with the 300 tokens / 3 requests reserved up to turn 2's write and the approved raise only; a fork
+    at turn 1 with 100 tokens; upstream's `store.fork(at=...)` (the Python API) the same; the source's ledger is
+    unchanged. A fork of the fork at its kept prefix inherits the prefix's 300, at its own next turn 300 + that
+    turn's; a conversation that spent nothing gives its fork no ledger row."""
+
+    async def spend(store: SQLConversationStore, key: str, request: str, tokens: tuple[int, int] = (60, 40)) -> None:
+        assert await store.budget_reserve(key, request, request.split('#')[0], {'total_tokens': 10_000}) is None
+        await store.budget_settle(key, request, request.split('#')[0], input_tokens=tokens[0], output_tokens=tokens[1])
+
+    async def go() -> None:
+        with SQLConversationStore(store_url) as store:
+            await spend(store, 'conversation:s', 'run1#1')
+            revision = (await store.append('s', turn(1), expected_revision=None)).revision
+            await spend(store, 'conversation:s', 'failed#3')  # a run that failed: billed, not stored
+            await spend(store, 'conversation:s', 'run2#3')
+            second = [*raise_turn(2, 'r-yes', 50, 'success')[:3], *raise_turn(2, 'r-no', 70, 'denied')[1:]]
+            revision = (await store.append('s', second, expected_revision=revision)).revision
+            await spend(store, 'conversation:s', 'run3#9')
+            await store.append('s', turn(3), expected_revision=revision)
+            source = [r.to_json() for r in await store.budgets('conversation:s')]
+
+            done = await fork_at_turn(store, 's', 2, 'f')
+            assert done.budget is not None
+            assert done.budget['spent'] == {'input_tokens': 180, 'output_tokens': 120, 'total_tokens': 300, 'cost': 0.0,
+                                            'requests': 3}
+            assert done.budget['raised'] == {'total_tokens': 50} and done.budget['limits'] == {'total_tokens': 10_000}
+            assert (await fork_at_turn(store, 's', 1, 'f1')).budget['spent']['total_tokens'] == 100  # type: ignore[index]
+            await store.fork('s', at=1, new_conversation_id='g')  # upstream's API: cut inside turn 1's write
+            [g] = await store.budgets('conversation:g')
+            assert (g.spent['total_tokens'], g.spent['requests'], g.raised) == (100, 1, {})
+            assert [r.to_json() for r in await store.budgets('conversation:s')] == source
+
+            # A fork of the fork: its kept prefix (turn 1 of f) is what f inherited; its own turn adds to it.
+            prefix = (await fork_at_turn(store, 'f', 1, 'ff')).budget
+            assert prefix is not None and (prefix['spent']['total_tokens'], prefix['spent']['requests']) == (300, 3)
+            assert prefix['raised'] == {'total_tokens': 50}
+            await spend(store, 'conversation:f', 'run4#13', (10, 5))
+            await store.append('f', turn(4), expected_revision=(await store.read('f')).revision)
+            whole = (await fork_at_turn(store, 'f', 2, 'fw')).budget
+            assert whole is not None and (whole['spent']['total_tokens'], whole['spent']['requests']) == (315, 4)
+            # Inside f's prefix (message 2 of its 8: the end of s's turn 1): followed back to s, which wrote it.
+            await store.fork('f', at=2, new_conversation_id='fi')
+            [inside] = await store.budgets('conversation:fi')
+            assert inside.spent['total_tokens'] == 100
+
+            await store.append('quiet', turn(1), expected_revision=None)
+            assert (await fork_at_turn(store, 'quiet', 1, 'quiet-2')).budget is None
+            assert await store.budgets('conversation:quiet-2') == []
+
+    asyncio.run(go())
+
+
+def test_forking_does_not_get_around_a_spent_conversation_budget(tmp_path: Path) -> None:
+    """Three turns of a conversation under `Budget(total_tokens=250)` (local runs in this process, 100 tokens a turn:
+    the third passes the limit, admitted at 200). `durcap history fork c --at-turn 2 --to c2` says what the fork
+    carries (200 tokens, 2 requests); c2's next turn is admitted at 200 and its turn after that fails with DC060 at
+    300; a fork at turn 3 fails its first turn at once. Model: tests/engines/budget_agent.py's scripted
+    `FunctionModel`."""
+    from pydantic_ai import ModelResponse as Response
+    from pydantic_ai.models.function import FunctionModel
+    from pydantic_ai.usage import RequestUsage
+
+    from durable_capabilities import Budget, BudgetExceededError, DurableAgent, runner
+    from tests._helpers import durcap_here
+
+    url = f'sqlite:///{tmp_path / "conversations.db"}'
+    agent = DurableAgent('fork-budget', FunctionModel(
+        lambda messages, info: Response(parts=[TextPart('ok')], usage=RequestUsage(input_tokens=60, output_tokens=40))),
+        engines=[], budget=Budget(total_tokens=250))
+
+    async def turn_on(conversation: str) -> Any:
+        try:
+            return (await runner.run(agent, 'hello', conversation_id=conversation, store=url,
+                                     notify=lambda line: None)).budget
+        except BudgetExceededError as exc:
+            return exc
+
+    for _ in range(3):
+        assert isinstance(asyncio.run(turn_on('c')), dict)
+    forked = durcap_here('history', 'fork', 'c', '--at-turn', '2', '--to', 'c2', '--store', url)
+    assert forked.exit_code == 0, forked.stdout + forked.stderr
+    assert "budget conversation:c2 carries the kept turns' spend: 200 tokens, 0 USD, 2 request(s)" in forked.stdout
+    assert asyncio.run(turn_on('c2'))['spent']['total_tokens'] == 300
+    refused = asyncio.run(turn_on('c2'))
+    assert isinstance(refused, BudgetExceededError) and (refused.key, refused.spent, refused.limit) == (
+        'conversation:c2', 300, 250)
+    assert durcap_here('history', 'fork', 'c', '--at-turn', '3', '--to', 'c3', '--store', url).exit_code == 0
+    spent = asyncio.run(turn_on('c3'))
+    assert isinstance(spent, BudgetExceededError) and spent.spent == 300, spent

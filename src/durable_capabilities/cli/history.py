@@ -212,12 +212,17 @@ def fork(
     if format is HistoryFormat.json:
         typer.echo(json.dumps({'conversation_id': done.new_id, 'forked_from': done.source_id, 'turns': done.turns,
                                'source_turns': done.source_turns, 'messages': done.messages,
-                               'capabilities': done.capabilities}, indent=2))
+                               'capabilities': done.capabilities, 'budget': done.budget}, indent=2))
         return
     caps = ', '.join(done.capabilities) or 'none'
     typer.echo(printable(f'forked {done.source_id!r} at turn {done.turns} of {done.source_turns} into {done.new_id!r}: '
                          f'{done.messages} messages (shared), capabilities loaded: {caps}; continue it with '
                          f'`durcap run TARGET PROMPT --conversation {done.new_id}` on any engine'))
+    if done.budget is not None:
+        spent = done.budget['spent']
+        raised = ''.join(f', {name} raised by {by:g}' for name, by in done.budget['raised'].items())
+        typer.echo(printable(f"budget {done.budget['key']} carries the kept turns' spend: {spent['total_tokens']:,} "
+                             f"tokens, {spent['cost']:g} USD, {spent['requests']} request(s){raised}"))
 
 
 # ---- `durcap history evals`: recorded turns as eval cases ------------------------------------------------------

@@ -52,9 +52,10 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Self
 
+from pydantic_ai.conversation import Conversation
 from pydantic_ai.conversation_store import (
     ConversationConflict,
     ConversationEntry,
@@ -822,6 +823,62 @@ class SQLConversationStore(ConversationStore):
         from . import _budgets
 
         return await _budget_thread(_budgets.raise_limit, self._sql, key, name, amount)
+
+    async def budget_inherit(self, source_key: str, new_key: str, *, until: str | None,
+                             raised: dict[str, float]) -> BudgetRecord | None:
+        """Start budget `new_key` with what `source_key` had spent at `until` (ISO 8601 UTC; `None`: what the source
+        itself inherited when forked) plus `raised` operator raises (`_budgets.inherit`); `None` when nothing was."""
+        from . import _budgets
+
+        return await _budget_thread(_budgets.inherit, self._sql, source_key, new_key, until, raised)
+
+    async def fork(
+        self,
+        conversation_id: str,
+        *,
+        at: int | None = None,
+        from_entry: str | None = None,
+        new_conversation_id: str | None = None,
+        scope: str | None = None,
+        source_scope: str | None = None,
+    ) -> Conversation:
+        """Upstream's `fork` (a new conversation sharing the kept messages; arguments, result and errors as upstream
+        documents them), then the fork's conversation-scoped budget starts with what the kept messages cost.
+
+        Those requests were billed, so forking does not get around a spent conversation budget: the key
+        `conversation:{new id}` inherits the settled spend of `conversation:{source}` up to the write that stored the
+        last kept message (requests reserved up to then: the kept turns', and those of runs that failed between them),
+        and the raises operators approved in the kept messages (`budget.granted_raises`). A source that was itself
+        forked, cut inside its kept prefix, is followed back to the conversation that wrote those messages. Budgets
+        scoped to a run or a tenant key are unchanged: they are not the conversation's.
+        """
+        forked = await super().fork(conversation_id, at=at, from_entry=from_entry,
+                                    new_conversation_id=new_conversation_id, scope=scope, source_scope=source_scope)
+        if forked.messages and forked.conversation_id is not None:
+            from ..budget import conversation_key, granted_raises
+
+            source, until = await self._spend_cut(conversation_id, len(forked.messages))
+            await self.budget_inherit(conversation_key(source), conversation_key(forked.conversation_id), until=until,
+                                      raised=granted_raises(forked.messages))
+        return forked
+
+    async def _spend_cut(self, conversation_id: str, position: int) -> tuple[str, str | None]:
+        """`(conversation, time)` whose spend up to `time` is what message `position` (1-based) of `conversation_id`'s
+        history had cost: the write of it that stored that message; inside a fork's kept prefix, the conversation it
+        was forked from (`time` `None`: the fork's inherited row only, where that one is gone or the cut is the
+        prefix's end)."""
+        record = await self.read_record(conversation_id)
+        if record is not None and record.forked_from is not None:
+            prefix = len(await self.read_history(record.forked_at)) if record.forked_at else 0
+            if position <= prefix:
+                if position < prefix and await self.read_record(record.forked_from) is not None:
+                    return await self._spend_cut(record.forked_from, position)
+                return conversation_id, None
+        for write in await self.writes(conversation_id):
+            if write.entry_ids and write.first_position is not None and \
+                    write.first_position + len(write.entry_ids) - 1 >= position:
+                return conversation_id, write.written_at.isoformat(timespec='microseconds')
+        return conversation_id, datetime.now(UTC).isoformat(timespec='microseconds')
 
     async def check_writable(self) -> None:
         """Open a write transaction and write nothing: a cheap probe before a run whose turn will be appended.

@@ -196,3 +196,65 @@ def raise_limit(sql: _SQLBackend, key: str, name: str, amount: float) -> BudgetR
                      {'k': key, 'r': json.dumps(raised, sort_keys=True), 'at': _now()})
         row = conn.execute(sa.text('SELECT * FROM durcap_budget_ledger WHERE budget_key = :k'), {'k': key}).first()
     return _record(row)
+
+
+SEED_RUN = 'fork:'
+"""The run id prefix of a fork's inherited row: `fork:{requests it stands for}`."""
+
+
+def _requests_of(run_id: str) -> int:
+    if run_id.startswith(SEED_RUN):
+        tail = run_id[len(SEED_RUN):]
+        return int(tail) if tail.isdigit() else 1
+    return 1
+
+
+def inherit(sql: _SQLBackend, source_key: str, new_key: str, until: str | None,
+            raised: dict[str, float]) -> BudgetRecord | None:
+    """Start `new_key` (a fork's conversation key) with the settled spend of `source_key` up to `until` (requests
+    reserved at or before that ISO 8601 UTC time; `None`: only the rows the source itself inherited when it was forked)
+    and with `raised` added to its raises. The limits last checked on the source are copied for `durcap budgets`.
+
+    Returns:
+        The new key's `BudgetRecord`, or `None` when there was nothing to inherit (nothing is written then).
+    """
+    with sql._txn(write=True) as conn:
+        if until is None:
+            rows = conn.execute(sa.text(
+                "SELECT run_id, input_tokens, output_tokens, cost_nanos FROM durcap_budget_reservations WHERE "
+                "budget_key = :k AND state = 'settled' AND run_id LIKE 'fork:%'"), {'k': source_key}).all()
+        else:
+            # ISO 8601 UTC strings of one format compare as the times do, byte by byte ("C" on PostgreSQL, whose
+            # database collation may not be; SQLite compares bytes).
+            collate = ' COLLATE "C"' if sql.is_pg else ''
+            rows = conn.execute(sa.text(
+                "SELECT run_id, input_tokens, output_tokens, cost_nanos FROM durcap_budget_reservations WHERE "
+                f"budget_key = :k AND state = 'settled' AND created_at{collate} <= :until"),
+                {'k': source_key, 'until': until}).all()
+        if not rows and not raised:
+            return None
+        di = sum(int(r.input_tokens) for r in rows)
+        do = sum(int(r.output_tokens) for r in rows)
+        dc = sum(int(r.cost_nanos) for r in rows)
+        dr = sum(_requests_of(str(r.run_id)) for r in rows)
+        source = conn.execute(sa.text('SELECT limits FROM durcap_budget_ledger WHERE budget_key = :k'),
+                              {'k': source_key}).first()
+        row = _ledger(sql, conn, new_key, lock=True)
+        at = _now()
+        if rows:
+            conn.execute(sa.text(
+                'INSERT INTO durcap_budget_reservations (budget_key, request_id, run_id, state, input_tokens, '
+                "output_tokens, cost_nanos, created_at, settled_at) VALUES (:k, :r, :run, 'settled', :i, :o, :c, :at, "
+                ':at) ON CONFLICT (budget_key, request_id) DO NOTHING'),
+                {'k': new_key, 'r': f'fork:{source_key}', 'run': f'{SEED_RUN}{dr}', 'i': di, 'o': do, 'c': dc, 'at': at})
+            conn.execute(_ADD, {'k': new_key, 'di': di, 'do': do, 'dt': di + do, 'dc': dc, 'dr': dr, 'at': at})
+        merged = json.loads(row.raised)
+        for name, amount in raised.items():
+            value = merged.get(name, 0) + amount
+            merged[name] = int(value) if float(value).is_integer() else value
+        limits = source.limits if source is not None and row.limits == '{}' else row.limits
+        conn.execute(sa.text('UPDATE durcap_budget_ledger SET raised = :r, limits = :l, updated_at = :at '
+                             'WHERE budget_key = :k'),
+                     {'k': new_key, 'r': json.dumps(merged, sort_keys=True), 'l': limits, 'at': at})
+        row = conn.execute(sa.text('SELECT * FROM durcap_budget_ledger WHERE budget_key = :k'), {'k': new_key}).first()
+    return _record(row)
