@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from .engines import EngineAdapter, RunStates
+from .engines import EngineAdapter, RunStates, specs
 from .errors import DurcapError
 from .reading import durable_adapters, problem_line
 from .settings import Settings
@@ -225,6 +225,10 @@ async def collect_garbage(store_url: str, *, settings: Settings | None = None, r
     now = now or datetime.now(UTC)
     with SQLConversationStore(store_url, create=False) as store:
         owners = await store.claim_check_owners()
+        # Pieces recorded by an engine that gc does not ask (no `claim-checks` feature: Prefect's tool results, owned
+        # by `prefect:<flow run id>`) are kept: `durcap history delete` removes them with their conversation.
+        foreign = tuple(spec.append_prefix for spec in specs() if spec.append_prefix and FEATURE not in spec.features)
+        owners = [o for o in owners if not (foreign and o.owner.startswith(foreign))]
         if answers is None:
             ids = [o.owner for o in owners]
             adapters = [a for a in durable_adapters() if FEATURE in a.features]

@@ -78,6 +78,12 @@ def _configured(adapters: list[EngineAdapter], settings: Settings, notes: list[s
     return kept
 
 
+def _with_store(settings: Settings) -> dict[str, Any]:
+    """The engine settings an adapter reads runs with, plus `store` (the conversation store URL): a run's result that
+    names its append is read back from it (`--store`, else `$DURCAP_STORE`, else the default)."""
+    return {**settings.engine(), 'store': settings.store}
+
+
 async def list_runs(settings: Settings, *, engines: list[str] | None = None, status: str | None = None,
                     limit: int = 20) -> RunListing:
     """The durcap runs of `engines` (default: every installed durable engine), at most `limit` per engine.
@@ -101,7 +107,7 @@ async def list_runs(settings: Settings, *, engines: list[str] | None = None, sta
         if (note := adapter.listing_note(settings.engine())) is not None:
             listing.notes.append(note)
         try:
-            listing.runs += await adapter.list_runs(settings.engine(), status=status, limit=limit)
+            listing.runs += await adapter.list_runs(_with_store(settings), status=status, limit=limit)
             if status == 'running':
                 await _note_orphans(adapter, settings, listing.notes, limit)
         except Exception as exc:  # noqa: BLE001 - one engine down must not hide the others' runs
@@ -112,7 +118,7 @@ async def list_runs(settings: Settings, *, engines: list[str] | None = None, sta
 async def _note_orphans(adapter: EngineAdapter, settings: Settings, notes: list[str], limit: int) -> None:
     """Under `--status running`: a note naming how many runs of `adapter` are `orphaned` (started, their process
     gone: a DBOS workflow whose executor died), which that filter leaves out, and how to see and finish them."""
-    orphans = await adapter.list_runs(settings.engine(), status='orphaned', limit=limit)
+    orphans = await adapter.list_runs(_with_store(settings), status='orphaned', limit=limit)
     if orphans:
         shown = f'{len(orphans)}+' if len(orphans) >= limit else str(len(orphans))
         notes.append(f'{adapter.name}: {shown} orphaned run(s) not listed (started, their process is gone): '
@@ -132,7 +138,7 @@ async def find_run(run_id: str, settings: Settings, engine: str | None = None) -
     adapters = durable_adapters(engine) if engine is not None else _configured(durable_adapters(), settings, problems)
     for adapter in adapters:
         try:
-            return adapter, await adapter.show_run(run_id, settings.engine())
+            return adapter, await adapter.show_run(run_id, _with_store(settings))
         except RunNotFoundError as exc:
             problems.append(str(exc))
         except Exception as exc:  # noqa: BLE001 - unreachable engine: say so, try the next

@@ -109,6 +109,7 @@ def list_runs(
     status: Annotated[str | None, typer.Option(help='running, queued, orphaned (its process is gone: `runs resume` it), completed, failed or cancelled.')] = None,
     limit: Annotated[int, typer.Option(help='At most this many runs per engine, newest first.', min=1)] = 20,
     fmt: FormatOption = RunsFormat.text,
+    store: StoreOption = None,
     conn: dict[str, Any] | None = None,
 ) -> None:
     """List durcap runs: id, agent, status, start time, capabilities loaded, conversation, durable units done,
@@ -119,7 +120,7 @@ def list_runs(
         _unusable(f'--status must be one of {", ".join(RUN_STATUSES)}, not {status!r}')
     from ..reading import list_runs as read_runs
 
-    listing = asyncio.run(read_runs(connection_settings(conn or {}), engines=_engine_list(engine),
+    listing = asyncio.run(read_runs(connection_settings(conn or {}, store), engines=_engine_list(engine),
                                     status=status, limit=limit))
     for note in listing.notes:
         _err.print(printable(f'note: {note}'), markup=False)
@@ -157,10 +158,11 @@ def show(
     run_id: Annotated[str, typer.Argument(help='The run id (workflow id, flow run id).')],
     engine: Annotated[str | None, _engine_option()] = None,
     fmt: FormatOption = RunsFormat.text,
+    store: StoreOption = None,
     conn: dict[str, Any] | None = None,
 ) -> None:
     """Show one run: status, start time, capabilities loaded, conversation, durable units done, and what to do."""
-    _, info = _find(run_id, engine, connection_settings(conn or {}))
+    _, info = _find(run_id, engine, connection_settings(conn or {}, store))
     if fmt is RunsFormat.json:
         _out.print(json.dumps({**info.to_json(), 'trace_id': telemetry.trace_id(info.run_id)}, default=str),
                    markup=False)
@@ -201,19 +203,20 @@ def resume(
     build_id: Annotated[str | None, typer.Option('--build-id', help='Temporal: the build id a run is pinned to, when '
                                                  'its worker was given one by hand (--build-id); TARGET is served as '
                                                  'that version. Derived build ids need no flag.')] = None,
+    store: StoreOption = None,
     conn: dict[str, Any] | None = None,
 ) -> None:
     """Finish a run whose process died, without repeating a completed durable unit, and print its answer."""
     from ..engines import RunOptions
     from .engine_commands import _print_run
 
-    settings = connection_settings(conn or {})
+    settings = connection_settings(conn or {}, store)
     adapter, info = _find(run_id, engine, settings)
     agents = _valid_agents(target, use_lock=True, refused='not resumed: fix the errors above',
                            engine=adapter.name) if target else []
     start, error = telemetry.run_started(), None
     try:
-        engine_settings = {**settings.engine(), **({'build_id': build_id} if build_id else {})}
+        engine_settings = {**settings.engine(), 'store': settings.store, **({'build_id': build_id} if build_id else {})}
         report = asyncio.run(adapter.resume(run_id, agents, RunOptions(settings=engine_settings, notify=_err.print)))
     except (RuntimeError, NotImplementedError) as exc:
         error = exc

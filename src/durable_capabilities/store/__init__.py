@@ -21,8 +21,11 @@ Storage (schema version 9, tables prefixed `durcap_`):
 - `durcap_payloads` (version 2): Temporal payloads stored by the claim-check codec (`engines.temporal._payloads`), keyed
   by the sha256 of their bytes; written once, never updated, deleted by `purge` and `collect` (`durcap store gc`).
   Since version 8 its `kind` says what a row is: a piece (0; or a whole payload, or a page of 0.3's layout), a leaf
-  page (1), a page of pages (2), a piece stored zlib-compressed (3).
-- `durcap_payload_refs` (version 3): which durable run (a Temporal workflow id) refers to which claim check, so
+  page (1), a page of pages (2), a piece stored zlib-compressed (3), and a pointer to the conversation entry that
+  holds the piece's text (4: the id of the entry; a Prefect tool result's text once its turn is appended, see
+  `engines.prefect._results`: the only rows ever updated).
+- `durcap_payload_refs` (version 3): which durable run (a Temporal workflow id; a Prefect flow run's append id for its
+  tool results' pieces) refers to which claim check, so
   `purge` deletes a conversation's own claim checks, `stats` counts them and `collect` deletes those of runs gone.
   A reference to a page (kind 1 or 2: a claim check's root since version 8) stands for every row under it.
 - `durcap_turn_claims` (version 4): which run's turn holds a conversation (`claim_turn`), so two turns never run on

@@ -695,6 +695,51 @@ class _SQLBackend:
                 result.update((row[0], (bytes(row[1]), int(row[2]))) for row in found)
         return result
 
+    def pieces_of(self, owner: str) -> list[str]:
+        """The digests of the pieces `owner` refers to that still hold their bytes (`kind` 0 or 3, not a tree page nor a
+        pointer into an entry)."""
+        with self._txn(write=False) as conn:
+            rows = conn.execute(sa.text(
+                'SELECT p.sha256 FROM durcap_payload_refs r JOIN durcap_payloads p ON p.sha256 = r.sha256 '
+                'WHERE r.owner = :o AND p.kind IN (0, 3) ORDER BY p.sha256'), {'o': owner}).all()
+        return [row[0] for row in rows]
+
+    def appended_entries(self, conversation_id: str, append_id: str) -> dict[str, str]:
+        """`{entry id: message JSON}` of the entries the append `append_id` wrote to the conversation (empty when it
+        has not landed), as stored."""
+        with self._txn(write=False) as conn:
+            row = conn.execute(sa.text('SELECT entry_ids FROM durcap_writes WHERE conversation_id = :cid AND '
+                                       'append_id = :a'), {'cid': conversation_id, 'a': append_id}).first()
+            if row is None:
+                return {}
+            ids = _BRANCHES.validate_json(row[0])
+            found = dict(conn.execute(sa.text('SELECT entry_id, message FROM durcap_entries WHERE entry_id IN :ids').bindparams(
+                sa.bindparam('ids', expanding=True)), {'ids': ids}).all()) if ids else {}
+        return {entry_id: found[entry_id] for entry_id in ids if entry_id in found}
+
+    def entry_message(self, entry_id: str) -> str | None:
+        """The stored message JSON of entry `entry_id`, or `None` when there is no such entry."""
+        with self._txn(write=False) as conn:
+            row = conn.execute(sa.text('SELECT message FROM durcap_entries WHERE entry_id = :id'), {'id': entry_id}).first()
+        return None if row is None else str(row[0])
+
+    def point_payloads(self, pointers: dict[str, str]) -> int:
+        """Replace the bytes of each piece `{digest: entry id}` by the id of the conversation entry that holds the same
+        text (`kind` 4, `engines.prefect._results`); a piece already pointing, or missing, is left as it is. Returns
+        the bytes freed."""
+        freed = 0
+        with self._txn(write=True) as conn:
+            for digest, entry_id in sorted(pointers.items()):
+                size = conn.execute(sa.text('SELECT size FROM durcap_payloads WHERE sha256 = :d AND kind IN (0, 3)'),
+                                    {'d': digest}).scalar()
+                if size is None:
+                    continue
+                data = entry_id.encode()
+                conn.execute(sa.text('UPDATE durcap_payloads SET data = :data, size = :n, kind = 4 WHERE sha256 = :d'),
+                             {'d': digest, 'data': data, 'n': len(data)})
+                freed += int(size) - len(data)
+        return freed
+
     def get_payload(self, digest: str) -> bytes | None:
         """The bytes stored under `digest`, or `None`."""
         with self._txn(write=False) as conn:
@@ -1330,9 +1375,12 @@ _FORKS = (
 
 
 def _owner_of(append_id: str, owners: set[str]) -> str | None:
-    """The claim-check owner an `append_id` belongs to: the longest recorded owner it begins with, followed by ':'
-    (a durable run's appends begin with its id, `WORKFLOW_ID:RUN_ID`; ids of engines that store no claim checks begin
-    with no owner). Engine-neutral: the owners are whatever the codec recorded."""
+    """The claim-check owner an `append_id` belongs to: the append id itself when it is a recorded owner (a Prefect
+    flow run's tool-result pieces, `engines.prefect._results`), else the longest recorded owner it begins with, followed
+    by ':' (a durable run's appends begin with its id, `WORKFLOW_ID:RUN_ID`; ids of engines that store no claim checks
+    begin with no owner). Engine-neutral: the owners are whatever the writers recorded."""
+    if append_id in owners:  # an engine whose runs' owner id is their append id (Prefect: `prefect:<flow run id>`)
+        return append_id
     found = None
     cut = append_id.find(':')
     while cut > 0:

@@ -31,6 +31,7 @@ from pydantic_ai.toolsets import ToolsetTool
 from .. import _mcp, _retry_after, _retry_log
 from .._adapter import leaf_kinds
 from .._retry_after import MAX_RETRY_AFTER_SECONDS, RetryAfterDelays
+from ._results import ToolResultPieces
 from ._spec import (
     AGENT_TOOLSET_ID,
     APPROVAL_CLOCK_TASK,
@@ -231,12 +232,15 @@ async def retry_model_request(task: Any, task_run: Any, state: Any) -> bool:
 
 def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
     """`PrefectDurability(...)` keyword arguments: deterministic cache keys for model, tool and MCP tasks,
-    tool retries, merged with `options` (the user's keys win)."""
+    tool retries, tool results whose long texts are kept in the conversation store (`_results.ToolResultPieces`),
+    merged with `options` (the user's keys win)."""
     options = dict(options)
     policy = DeterministicInputs()
     tool_defaults: dict[str, Any] = {'cache_policy': policy, 'retries': DEFAULT_TOOL_RETRIES,
                                      'retry_delay_seconds': TOOL_RETRY_DELAY_SECONDS,
-                                     'task_run_name': tool_run_namer(agent)}
+                                     'task_run_name': tool_run_namer(agent),
+                                     # its long texts in the conversation store, once (`_results`)
+                                     'result_serializer': ToolResultPieces()}
     defaults: dict[str, TaskConfig] = {
         'model_task_config': TaskConfig(cache_policy=policy, retries=DEFAULT_MODEL_RETRIES,
                                         retry_delay_seconds=RetryAfterDelays(DEFAULT_MODEL_RETRY_DELAYS),

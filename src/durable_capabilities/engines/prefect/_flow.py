@@ -3,6 +3,7 @@ process (`_entry`) or by `durcap runs resume`."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -20,6 +21,7 @@ from .._conversation_unit import read_back
 from ._approvals import PrefectApprovalGate
 from ._conversation import conversation_tasks, release
 from ._liveness import beating
+from ._results import result_store, settle
 from ._spec import ENGINE, flow_name
 
 if TYPE_CHECKING:
@@ -72,7 +74,11 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
         return await read(conversation_id, loaded)  # the task's result names the rows: read them back
 
     async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> Any:
-        return await append_task(conversation_id, messages, revision, f'prefect:{flow_run.id}', usage)
+        append_id = f'prefect:{flow_run.id}'
+        appended = await append_task(conversation_id, messages, revision, append_id, usage)
+        # The tool results' texts are in the conversation now: their pieces point there (`_results.settle`).
+        await asyncio.to_thread(settle, conversation_id, append_id)
+        return appended
 
     async def run_agent(
         prompt: str | None = None,
@@ -88,7 +94,7 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
         deployed = context is not None and context.flow_run is not None and context.flow_run.deployment_id is not None
         url = store_url(agent, _RUN_STORE.get())
         # The model request tasks check whether a newer turn asked this flow run's turn to stop (`interrupts`).
-        with beating(str(flow_run.id)) if deployed else nullcontext(), \
+        with beating(str(flow_run.id)) if deployed else nullcontext(), result_store(url), \
                 streams.publishing(str(flow_run.id), ENGINE, url, conversation_id=conversation_id), \
                 interrupts.watching(str(flow_run.id) if conversation_id is not None else None, url):
             turn = await run_turn(agent, built.run, prompt, deps=deps_from_json(agent, deps),
