@@ -28,7 +28,9 @@ Workers are real processes started here and stopped by process id; each is cappe
   PENDING -> RUNNING: its process starting and loading the flow; RUNNING -> COMPLETED: the flow).
 
 Throughput = runs / seconds from the first submission to the last run's completion. `cpu/run`: CPU seconds of the
-worker processes (Prefect: serving processes and their flow-run processes) per run, from /proc.
+worker processes (Prefect: serving processes and their flow-run processes) per run, from /proc. `server/run`: DBOS,
+PostgreSQL transactions in the run's database per run (workers' queue polls and heartbeats included); Temporal, CPU
+seconds of the dev server started here per run; Prefect: not told apart (a shared server), see `task runs/flow run`.
 
 Targets (issue 29): 2 workers >= 1.8x one worker, 3 >= 2.5x, every worker doing >= 20% of the runs.
 
@@ -221,7 +223,13 @@ class Cluster:
         _stop(self.procs)
 
     def cpu(self) -> float:
+        """CPU seconds of the workers so far (their child processes included)."""
         return sum(_cpu(p.pid) for p in self.procs)
+
+    def server_mark(self) -> float | None:
+        """A counter of the server's work (DBOS: transactions in the run's database; Temporal: CPU seconds of the dev
+        server started here), to divide its growth by the runs; `None` where it cannot be told apart."""
+        return None
 
     def details(self, keys: list[str]) -> list[str]:
         """Extra lines for the report (Prefect: where a flow run's time goes)."""
@@ -258,6 +266,15 @@ class DbosCluster(Cluster):
                 self.done.setdefault(w.workflow_id, now)
             elif w.status in ('ERROR', 'CANCELLED', 'MAX_RECOVERY_ATTEMPTS_EXCEEDED'):
                 self.failed[w.workflow_id] = w.status
+
+    def server_mark(self) -> float | None:
+        import psycopg
+
+        time.sleep(1.5)  # PostgreSQL's statistics reach pg_stat_database within a second of a transaction
+        with psycopg.connect(f'{self.args.postgres}/postgres', autocommit=True) as conn:
+            row = conn.execute('SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s',
+                               (self.db,)).fetchone()
+        return float(row[0]) if row else None
 
     def held(self, i: int) -> int:
         return sum(1 for w in self.client.list_workflows(workflow_ids=self.ids, load_input=False, load_output=False)
@@ -303,6 +320,10 @@ class TemporalCluster(Cluster):
         for i, proc in enumerate(self.procs):
             _wait_line(self.log(i), 'worker ready', proc, 180)
         self.client = self._call(connect(self.args.address))
+
+    def server_mark(self) -> float | None:
+        pid = getattr(self.args, 'server_pid', None)
+        return _cpu(pid) if pid else None
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -417,7 +438,10 @@ class PrefectCluster(Cluster):
         def stat(values: list[float]) -> str:
             return f'median {statistics.median(values):5.2f} s, max {max(values):5.2f} s' if values else 'none'
 
-        return [f'  where a flow run\'s time goes ({len(starts)} runs):',
+        tasks = self._request('POST', '/task_runs/count', json={'flow_runs': {'id': {'any_': list(self.ids)}}})
+        return [f'  task runs/flow run: {tasks / len(self.ids):.1f} (each a few API requests: created, RUNNING, '
+                'COMPLETED with its result)',
+                f'  where a flow run\'s time goes ({len(starts)} runs):',
                 f'    created -> PENDING (a serving process with a free slot takes it): {stat(waits)}',
                 f'    PENDING -> RUNNING (its process starts and loads the flow):          {stat(starts)}',
                 f'    RUNNING -> COMPLETED (the flow: 3 model tasks, the tool, results):  {stat(flows)}']
@@ -468,6 +492,7 @@ def measure(engine: str, workers: int, args: argparse.Namespace, scratch: Path) 
     keys = [f'r{n}' for n in range(args.runs)]
     try:
         cluster.start()
+        mark0 = cluster.server_mark()
         cpu0, load0 = cluster.cpu(), load()
         start = time.monotonic()
         cluster.submit(keys)
@@ -477,6 +502,8 @@ def measure(engine: str, workers: int, args: argparse.Namespace, scratch: Path) 
                                f'failed {cluster.failed}')
         seconds = max(cluster.done.values()) - start
         cpu = cluster.cpu() - cpu0
+        load1, mark1 = load(), cluster.server_mark()
+        server = None if mark0 is None or mark1 is None else (mark1 - mark0) / args.runs
         per: dict[str, int] = {f'w{i}': 0 for i in range(workers)}
         for entry in read_ledger(cluster.ledger):
             if entry.event == 'done':
@@ -484,7 +511,11 @@ def measure(engine: str, workers: int, args: argparse.Namespace, scratch: Path) 
                 name = f'w{index}' if index is not None else f'pid {entry.pid}'
                 per[name] = per.get(name, 0) + 1
         result = {'workers': workers, 'seconds': seconds, 'runs_per_s': args.runs / seconds, 'per_worker': per,
-                  'cpu_per_run': cpu / args.runs, 'load': f'{load0}-{load()}', 'details': cluster.details(keys)}
+                  'cpu_per_run': cpu / args.runs, 'load': f'{load0}-{load1}', 'server': server}
+        try:
+            result['details'] = cluster.details(keys)
+        except Exception as exc:  # noqa: BLE001 - extra figures only: the measurement stands without them
+            result['details'] = [f'  (no details: {type(exc).__name__}: {exc})']
         if isinstance(cluster, DbosCluster):
             result['dbos_record'] = cluster.per_executor()
         return result
@@ -492,15 +523,18 @@ def measure(engine: str, workers: int, args: argparse.Namespace, scratch: Path) 
         cluster.close()
 
 
-def report(title: str, results: list[dict[str, Any]]) -> None:
+def report(engine: str, title: str, results: list[dict[str, Any]]) -> None:
     base = results[0]['runs_per_s']
     print(title)
-    print(f'{"workers":>7} {"seconds":>8} {"runs/s":>7} {"x one":>6} {"cpu/run":>8} {"load":>10}  runs per worker (share)')
+    unit = {'dbos': 'xact', 'temporal': 'cpu-s'}.get(engine, '')
+    print(f'{"workers":>7} {"seconds":>8} {"runs/s":>7} {"x one":>6} {"cpu/run":>8} {"server/run":>10} {"load":>11}  '
+          'runs per worker (share)')
     for r in results:
         total = sum(r['per_worker'].values())
         shares = ', '.join(f'{k}: {v} ({v / total:.0%})' for k, v in sorted(r['per_worker'].items()))
+        server = '-' if r['server'] is None else f'{r["server"]:.2f} {unit}'
         print(f'{r["workers"]:>7} {r["seconds"]:>8.2f} {r["runs_per_s"]:>7.2f} {r["runs_per_s"] / base:>6.2f} '
-              f'{r["cpu_per_run"]:>7.2f}s {r["load"]:>10}  {shares}')
+              f'{r["cpu_per_run"]:>7.2f}s {server:>10} {r["load"]:>11}  {shares}')
         if 'dbos_record' in r:
             print(f'{"":>52}DBOS executor_id: {r["dbos_record"]}')
         for line in r['details']:
@@ -525,6 +559,9 @@ class KillResult:
     repeats: list[str] = field(default_factory=list)
     """Keys whose side effect ran more often than allowed (with how often)."""
     seconds: float = math.nan
+    recovered: float = math.nan
+    """Seconds from the kill to the last completion among the runs whose tool the killed worker had started (the rest
+    of `seconds` is the queue of runs no worker had taken yet)."""
     load: str = ''
     error: str = ''
 
@@ -587,7 +624,6 @@ def kill_bench(engine: str, args: argparse.Namespace, scratch: Path) -> KillResu
             time.sleep(0.05)
         victim = cluster.procs[busiest]
         result.held = cluster.held(busiest)
-        result.in_flight = len(running[busiest])
         result.killed = f'w{busiest}'
         killed_pids = {victim.pid, *_sigkill_tree(victim.pid)}
         kill_at = time.monotonic()
@@ -599,8 +635,14 @@ def kill_bench(engine: str, args: argparse.Namespace, scratch: Path) -> KillResu
         result.lost = [k for k in keys if k not in cluster.done]
         if finished and not result.lost:
             result.seconds = max(cluster.done.values()) - kill_at
-        result.reran, result.repeats = check_ledger(
-            read_ledger(cluster.ledger), keys, lambda e: e.pid in killed_pids or e.ppid == victim.pid)
+        entries = read_ledger(cluster.ledger)
+        on_victim = [e for e in entries if e.pid in killed_pids or e.ppid == victim.pid]
+        result.in_flight = len({e.key for e in on_victim if e.event == 'start'}
+                               - {e.key for e in on_victim if e.event == 'done'})  # at the kill: it wrote no more
+        result.reran, result.repeats = check_ledger(entries, keys, lambda e: e in on_victim)
+        its = [cluster.done[e.key] for e in on_victim if e.key in cluster.done]
+        if its and not result.lost:
+            result.recovered = max(its) - kill_at
     except Exception as exc:  # noqa: BLE001 - reported in the table; the exit code says it
         result.error = f'{type(exc).__name__}: {exc}'[:300]
     finally:
@@ -612,15 +654,16 @@ def kill_report(results: list[KillResult], args: argparse.Namespace) -> None:
     print(f'SIGKILL of one of {args.kill_workers} workers, {args.kill_runs} runs at once, tool '
           f'{args.kill_tool_seconds:g} s, --concurrency {args.concurrency}, no operator action')
     print(f'{"engine":<9} {"killed":>6} {"held":>5} {"tools in flight":>15} {"completed":>9} {"tools re-run":>12} '
-          f'{"kill->last done":>15} {"target":>7} {"load":>10}  verdict')
+          f'{"kill->its runs done":>19} {"kill->last done":>15} {"target":>7} {"load":>11}  verdict')
     for r in results:
         target = KILL_TARGETS[r.engine]
         timing = f'{r.seconds:.1f} s' if not math.isnan(r.seconds) else '-'
+        recovered = f'{r.recovered:.1f} s' if not math.isnan(r.recovered) else '-'
         verdict = ('OK' if r.ok else 'FAIL') + ('' if math.isnan(r.seconds) or r.seconds <= target else
                                                 ', over the time target')
         held = str(r.held) if r.held >= 0 else '-'
         print(f'{r.engine:<9} {r.killed:>6} {held:>5} {r.in_flight:>15} {r.completed:>6}/{r.runs:<2} {r.reran:>12} '
-              f'{timing:>15} {f"<= {target:g} s":>7} {r.load:>10}  {verdict}')
+              f'{recovered:>19} {timing:>15} {f"<= {target:g} s":>7} {r.load:>11}  {verdict}')
         if r.lost:
             print(f'  lost (not completed within {args.kill_timeout:g} s): {", ".join(r.lost)}')
         if r.repeats:
@@ -628,7 +671,8 @@ def kill_report(results: list[KillResult], args: argparse.Namespace) -> None:
         if r.error:
             print(f'  error: {r.error}')
     print('held: runs the killed worker held by the engine\'s record (DBOS: PENDING under its executor id; Prefect: '
-          'its flow-run processes; Temporal keeps runs on the server: -)', flush=True)
+          'its flow-run processes; Temporal keeps runs on the server: -); its runs: those whose tool the killed worker '
+          'had started', flush=True)
 
 
 # --- main --------------------------------------------------------------------------------------------------------
@@ -667,6 +711,7 @@ def main(argv: list[str] | None = None) -> int:
 
             server = start_temporal_dev_server(state_dir=Path(scratch) / 'temporal', persistent=False)
             args.address = server.address
+            args.server_pid = server.pid
         try:
             if args.kill:
                 results = [kill_bench(engine, args, Path(scratch)) for engine in args.engines]
@@ -676,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
                 where = {'dbos': 'on PostgreSQL', 'prefect': f'({args.prefect_api_url}, poll {args.prefect_poll:g} s)',
                          'temporal': f'({"in-memory dev server" if server else args.address})'}[engine]
                 unit = {'dbos': 'runs', 'prefect': 'flow runs, --limit', 'temporal': 'activities'}[engine]
-                report(f'{engine} {where}, {args.runs} runs, tool {args.tool_seconds:g} s, --concurrency '
+                report(engine, f'{engine} {where}, {args.runs} runs, tool {args.tool_seconds:g} s, --concurrency '
                        f'{args.concurrency} ({unit})', [measure(engine, n, args, Path(scratch)) for n in args.workers])
         finally:
             if server is not None:
