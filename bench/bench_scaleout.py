@@ -32,7 +32,8 @@ worker processes (Prefect: serving processes and their flow-run processes) per r
 PostgreSQL transactions in the run's database per run (workers' queue polls and heartbeats included); Temporal, CPU
 seconds of the dev server started here per run; Prefect: not told apart (a shared server), see `task runs/flow run`.
 
-Targets (issue 29): 2 workers >= 1.8x one worker, 3 >= 2.5x, every worker doing >= 20% of the runs.
+Targets (issue 29): 2 workers >= 1.8x one worker, 3 >= 2.5x, every worker doing >= 20% of the runs. Figures, and
+what limits a 20-worker, 3-machine deployment per engine on paper: bench/README.md.
 
 `--kill` (per engine in `--engines`): 3 workers (`--kill-workers`), 20 runs (`--kill-runs`) submitted at once, tool
 `--kill-tool-seconds` (default 2 s); once a worker has tools in flight, it is SIGKILLed (on Prefect with its flow-run
@@ -496,7 +497,7 @@ def measure(engine: str, workers: int, args: argparse.Namespace, scratch: Path) 
         cpu0, load0 = cluster.cpu(), load()
         start = time.monotonic()
         cluster.submit(keys)
-        finished = wait_all(cluster, keys, 900, every=0.1 if engine != 'prefect' else 0.25)
+        finished = wait_all(cluster, keys, args.timeout, every=0.1 if engine != 'prefect' else 0.25)
         if not finished or cluster.failed:
             raise RuntimeError(f'{engine}, {workers} workers: not done {sorted(set(keys) - cluster.done.keys())}, '
                                f'failed {cluster.failed}')
@@ -691,6 +692,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument('--prefect-api-url', default=os.environ.get('DURCAP_TEST_PREFECT_API_URL')
                    or os.environ.get('PREFECT_API_URL'), help='a running Prefect server\'s API')
     p.add_argument('--prefect-poll', type=float, default=1.0, help='PREFECT_RUNNER_POLL_FREQUENCY of serving processes')
+    p.add_argument('--timeout', type=float, default=3600.0, help='seconds a configuration may take before it fails')
     p.add_argument('--kill', action='store_true', help='the kill bench instead of the scale-out one')
     p.add_argument('--kill-workers', type=int, default=3)
     p.add_argument('--kill-runs', type=int, default=20)
