@@ -147,3 +147,12 @@ def test_twenty_concurrent_runs_of_one_tenant_on_postgresql(store_url: str) -> N
     assert store_url.startswith('postgresql')
     _, billed = twenty_concurrent_runs(store_url)
     assert 10 <= billed <= 30
+
+
+def test_ledger_counts_a_settled_request_once_releases_and_resets_on_postgresql(store_url: str) -> None:
+    """tests/unit/test_budgets.py's `ledger_semantics` on a fresh PostgreSQL database (the settle's row lock, the
+    relaxed connections' `synchronous_commit=off`). No model."""
+    from tests.unit.test_budgets import ledger_semantics
+
+    assert store_url.startswith('postgresql')
+    ledger_semantics(store_url)
