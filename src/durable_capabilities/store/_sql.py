@@ -205,25 +205,26 @@ class _SQLBackend:
             return self._fast_engine
 
     @contextmanager
-    def _raw_txn(self, *, write: bool = True) -> Iterator[_RawCursor]:
+    def _raw_txn(self, *, write: bool = True, relaxed: bool = True) -> Iterator[_RawCursor]:
         """A relaxed write transaction (see `_txn`'s `relaxed`) straight on a pooled DBAPI connection: `BEGIN
         IMMEDIATE` on SQLite, the driver's transaction on PostgreSQL; committed when the block ends, rolled back when
         it raises. For the hot per-request writes (the budget ledger): none of SQLAlchemy's statement machinery, which
         cost most of such a transaction's CPU time. Statements take `:name` parameters on both backends.
         `write=False`: for one reading statement (on SQLite no transaction is begun: the statement is its own).
+        `relaxed=False`: a commit flushed to disk as `_txn`'s are (the main pool's connections).
 
         Raises:
             StoreUnavailableError: the store cannot be reached, or its tables are missing.
         """
         self._ensure_ready()
-        engine = self._relaxed_engine()
+        engine = self._relaxed_engine() if relaxed else self.engine
         try:
             raw = engine.raw_connection()
         except sa_exc.OperationalError as exc:
             raise StoreUnavailableError(f'cannot connect to the conversation store {self.display_url}: {_first_line(exc)}') from None
         try:
             cursor = raw.cursor()
-            memory = engine is self.engine and not self.is_pg
+            memory = relaxed and engine is self.engine and not self.is_pg
             try:
                 if memory:
                     cursor.execute('PRAGMA synchronous=NORMAL')
@@ -1542,6 +1543,15 @@ class _RawCursor:
             statement = converted
         self.cursor.execute(statement, params or {})
         return self.cursor
+
+    def executemany(self, statement: str, rows: Sequence[dict[str, Any]]) -> None:
+        """Run `statement` once per parameter set of `rows`."""
+        if self.is_pg:
+            converted = self._PG.get(statement)
+            if converted is None:
+                converted = self._PG[statement] = _PG_PARAM.sub(r'%(\1)s', statement.replace('%', '%%'))
+            statement = converted
+        self.cursor.executemany(statement, rows)
 
 
 _PG_PARAM = re.compile(r'(?<![:\w]):(\w+)')
