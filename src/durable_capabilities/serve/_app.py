@@ -25,7 +25,8 @@ from ..agent import DurableAgent
 from ..approvals import AlreadyDecidedError, ApprovalArgsError, ApprovalError, DecisionNotDeliveredError
 from ..conversations import check_busy
 from ..store import ConversationBusyError, ConversationNotFoundError, StoreError
-from ..streams import STREAM_ENGINES, StreamNotFoundError, watch
+from ..streams import STREAM_ENGINES, StreamNotFoundError
+from ..streams._watch import watch_batches
 from ._errors import (
     BadRequestError,
     NotFoundError,
@@ -340,9 +341,10 @@ class ServeApp:
 
         async def stream() -> AsyncIterator[str]:
             yield 'retry: 1000\n\n'
-            try:
-                async for event in watch(row.run_id, engine=row.engine, from_offset=after, store=self.store):
-                    yield f'id: {event.offset}\nevent: {event.kind}\ndata: {event.model_dump_json()}\n\n'
+            try:  # the events of each read of the store in one write to the client
+                async for batch in watch_batches(row.run_id, engine=row.engine, from_offset=after, store=self.store):
+                    yield ''.join(f'id: {event.offset}\nevent: {event.kind}\ndata: {event.model_dump_json()}\n\n'
+                                  for event in batch)
             except StreamNotFoundError as exc:
                 yield f'event: error\ndata: {json.dumps({"code": exc.code, "message": str(exc)})}\n\n'
 

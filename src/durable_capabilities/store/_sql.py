@@ -132,6 +132,7 @@ class _SQLBackend:
         self._ready_file: tuple[int, int, int] | None = None
         self._lock = threading.Lock()
         self._fast_engine: sa.Engine | None = None
+        self._write_lock = threading.RLock()
         if self.is_pg:
             try:
                 # A bounded connect (unless the URL sets its own): an unreachable host fails in seconds, not at the
@@ -166,7 +167,7 @@ class _SQLBackend:
             conn = self.engine.connect()
         except sa_exc.OperationalError as exc:
             raise StoreUnavailableError(f'cannot connect to the conversation store {self.display_url}: {_first_line(exc)}') from None
-        with conn, self._relaxed(conn, relaxed):
+        with conn, self._relaxed(conn, relaxed), self._writing(write):
             if write:
                 conn.execution_options(durcap_write=True)
             with conn.begin():
@@ -181,6 +182,18 @@ class _SQLBackend:
                         f'the conversation store {self.display_url} is damaged: {_first_line(exc)}. Nothing was '
                         'changed; restore the database from a backup.'
                     ) from None
+
+    @contextmanager
+    def _writing(self, write: bool) -> Iterator[None]:
+        """On SQLite, a write transaction holds this store's in-process write lock: the threads of one process that
+        write to one file queue on it and each starts the moment the last one commits, instead of meeting SQLite's
+        own lock, whose busy handler sleeps 1, 2, 5, 10 ... 100 ms between tries (what other processes still do).
+        Reentrant: a thread's nested write transaction meets SQLite's lock as before."""
+        if not write or self.is_pg:
+            yield
+            return
+        with self._write_lock:
+            yield
 
     def _relaxed_engine(self) -> sa.Engine:
         """The engine of `_raw_txn`: the store's URL and connect arguments, its connections set once at connect to
@@ -226,23 +239,24 @@ class _SQLBackend:
             cursor = raw.cursor()
             memory = relaxed and engine is self.engine and not self.is_pg
             try:
-                if memory:
-                    cursor.execute('PRAGMA synchronous=NORMAL')
-                begun = write and not self.is_pg
-                if begun:
-                    cursor.execute('BEGIN IMMEDIATE')
-                try:
-                    yield _RawCursor(cursor, self.is_pg)
-                except BaseException:
+                with self._writing(write):
+                    if memory:
+                        cursor.execute('PRAGMA synchronous=NORMAL')
+                    begun = write and not self.is_pg
+                    if begun:
+                        cursor.execute('BEGIN IMMEDIATE')
+                    try:
+                        yield _RawCursor(cursor, self.is_pg)
+                    except BaseException:
+                        if self.is_pg:
+                            raw.rollback()
+                        elif begun:
+                            cursor.execute('ROLLBACK')
+                        raise
                     if self.is_pg:
-                        raw.rollback()
+                        raw.commit()
                     elif begun:
-                        cursor.execute('ROLLBACK')
-                    raise
-                if self.is_pg:
-                    raw.commit()
-                elif begun:
-                    cursor.execute('COMMIT')
+                        cursor.execute('COMMIT')
             except engine.dialect.dbapi.Error as exc:  # type: ignore[union-attr]
                 if 'no such table' in str(exc) or 'UndefinedTable' in type(exc).__name__:
                     raise StoreUnavailableError(

@@ -174,6 +174,51 @@ def _writer(store_url: str) -> _Writer:
     return writer
 
 
+_WAITERS: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]] = {}
+_WAITERS_GUARD = threading.Lock()
+
+
+def written_soon(run_id: str) -> asyncio.Future[None]:
+    """A future of the running loop, done when this process next commits an event of `run_id` (any store, any
+    thread): what a subscriber in the process that runs the run waits on besides its poll, so it reads a new event
+    at once instead of at its next poll. Register it before reading, so no commit after the read is missed; a
+    future no commit completes is dropped with `forget_waiter`."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[None] = loop.create_future()
+    with _WAITERS_GUARD:
+        _WAITERS.setdefault(run_id, []).append((loop, future))
+    return future
+
+
+def forget_waiter(run_id: str, future: asyncio.Future[None]) -> None:
+    """Drop a `written_soon` future (done or not)."""
+    with _WAITERS_GUARD:
+        waiters = _WAITERS.get(run_id)
+        if waiters is None:
+            return
+        waiters[:] = [w for w in waiters if w[1] is not future]
+        if not waiters:
+            del _WAITERS[run_id]
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _notify(run_id: str) -> None:
+    """Complete the `written_soon` futures of `run_id` (called after a commit, in the committing thread)."""
+    if run_id not in _WAITERS:
+        return
+    with _WAITERS_GUARD:
+        waiters = _WAITERS.pop(run_id, [])
+    for loop, future in waiters:
+        try:
+            loop.call_soon_threadsafe(_wake, future)
+        except RuntimeError:  # its loop closed: nobody waits
+            pass
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat()
 
@@ -198,6 +243,7 @@ class EventLog:
         closed. Returns the offsets given to the new items, in order."""
         with self._backend._raw_txn(relaxed=False) as cur:
             offsets = self._append(cur, run_id, engine, items, close=close)
+        _notify(run_id)
         if close:
             self._maybe_prune()
         return offsets
@@ -222,6 +268,7 @@ class EventLog:
                     items.append(Item(unit, attempt, -1, 'retry', {'data': {'discard_attempts': earlier}}))
             items += [Item(unit, attempt, seq, kind, body) for seq, kind, body in entries]
             self._append(cur, run_id, engine, items, close=False, check=False)
+        _notify(run_id)
         return attempt
 
     def _append(self, cur: Any, run_id: str, engine: str, items: Sequence[Item], *, close: bool,
