@@ -170,6 +170,7 @@ class ServeApp:
         self.deps_factory, self.max_body_bytes = deps_factory, max_body_bytes
         self.rows = ServeRows(self.store)
         self.tasks: set[asyncio.Task[Any]] = set()
+        self.known_runs: dict[str, RunRow] = {}
 
     # ---- the request's parts ------------------------------------------------------------------------
 
@@ -241,7 +242,9 @@ class ServeApp:
                                   f'{getattr(agent.deps_type, "__name__", agent.deps_type)})', field=where) from None
 
     async def own_run(self, run_id: str, principal: str) -> RunRow:
-        row = await self.rows.call(self.rows.run_sync, run_id)
+        row = self.known_runs.get(run_id)  # a turn this process runs: its row as recorded, not read again
+        if row is None:
+            row = await self.rows.call(self.rows.run_sync, run_id)
         if row is None or row.principal != principal:
             raise NotFoundError(f'no run {printable(run_id[:120])!r}', field='run_id')
         return row
@@ -261,8 +264,15 @@ class ServeApp:
         if started.created:
             task = asyncio.get_running_loop().create_task(self._run(started.run, agent, prompt, deps, strategy))
             self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            # While its task runs, the run's row is known here (`own_run`: the client's stream request, which
+            # follows at once, reads no row); a conversation is never deleted while a turn runs on it.
+            self.known_runs[started.run.run_id] = started.run
+            task.add_done_callback(lambda done, run_id=started.run.run_id: self._finished(done, run_id))
         return started.run, started.created
+
+    def _finished(self, task: asyncio.Task[Any], run_id: str) -> None:
+        self.tasks.discard(task)
+        self.known_runs.pop(run_id, None)
 
     async def _run(self, row: RunRow, agent: DurableAgent[Any, Any], prompt: str, deps: Any, busy: str) -> None:
         from .. import runner

@@ -390,6 +390,19 @@ class EventLog:
                                {'r': run_id}).first()
         return None if row is None else StreamInfo(*row)
 
+    def poll_sync(self, run_id: str, after: int, limit: int = 500) -> tuple[list[StoredEvent], StreamInfo | None]:
+        """`read_sync` and then `info_sync` in one call (one trip to a worker thread for a subscriber), each one
+        statement straight to the driver. The info is read after the events: it may be newer than them, never
+        older (a stream it shows closed may hold events after the last one read)."""
+        with self._backend._raw_txn(write=False) as cur:
+            rows = cur.execute('SELECT event_offset, unit, attempt, seq, kind, body, created_at FROM durcap_run_events '
+                               'WHERE run_id = :r AND event_offset > :o ORDER BY event_offset LIMIT :n',
+                               {'r': run_id, 'o': after, 'n': limit}).fetchall()
+            info = cur.execute('SELECT run_id, engine, next_offset, first_offset, event_count, bytes, dropped, '
+                               'started_at, closed_at FROM durcap_run_streams WHERE run_id = :r', {'r': run_id}).fetchone()
+        events = [StoredEvent(int(o), u, int(a), int(s), k, json.loads(b), str(c)) for o, u, a, s, k, b, c in rows]
+        return events, None if info is None else StreamInfo(*info)
+
     def read_sync(self, run_id: str, after: int, limit: int = 500) -> list[StoredEvent]:
         """Up to `limit` events of `run_id` with offsets above `after`, in offset order."""
         with self._backend._txn(write=False) as conn:

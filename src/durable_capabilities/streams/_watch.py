@@ -111,17 +111,19 @@ async def watch_batches(run_id: str, *, engine: str | None = None, from_offset: 
             await asyncio.sleep(poll)
     log = EventLog(url)
     # Between reads: the poll, cut short when this process commits an event of the run (`written_soon`: a run this
-    # process runs, e.g. `durcap serve`'s local turns, is seen at once; one run elsewhere, at the next poll).
+    # process runs, e.g. `durcap serve`'s local turns, is seen at once; one run elsewhere, at the next poll). Each
+    # read is one trip to a worker thread: the new events and the stream's row (`poll_sync`).
     waiter = written_soon(run_id)
+    after = from_offset
     try:
-        while (info := await in_thread(log.info_sync, run_id)) is None:
-            if not follow or time.monotonic() > deadline:
-                raise StreamNotFoundError(f'run {run_id!r} has published no events to {log._backend.display_url} '
-                                          f'(waited {wait_for_start:g} s); check the run id and --store')
-            waiter = await _next_write(run_id, waiter, poll)
-        after = from_offset
         while True:
-            rows = await in_thread(log.read_sync, run_id, after)
+            rows, info = await in_thread(log.poll_sync, run_id, after)
+            if info is None and not rows:
+                if not follow or time.monotonic() > deadline:
+                    raise StreamNotFoundError(f'run {run_id!r} has published no events to {log._backend.display_url} '
+                                              f'(waited {wait_for_start:g} s); check the run id and --store')
+                waiter = await _next_write(run_id, waiter, poll)
+                continue
             batch = []
             for row in rows:
                 after = row.offset
@@ -134,7 +136,6 @@ async def watch_batches(run_id: str, *, engine: str | None = None, from_offset: 
                 continue
             if not follow:
                 return
-            info = await in_thread(log.info_sync, run_id)
             if info is not None and info.closed_at is not None and after >= info.next_offset - 1:
                 return
             waiter = await _next_write(run_id, waiter, poll)
