@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
@@ -135,42 +136,72 @@ class _Writer:
     """One thread that runs a store's event writes in the order they were handed to it (`EventLog.submit`): a run's
     writes never overtake each other (a `run_started` handed over before a model request's first delta is stored
     before it, with a lower offset) without their callers awaiting each other, and only one of this process's writes
-    holds the store's write lock at a time (SQLite has one writer anyway). A daemon thread, started on first use in
-    each process (a forked child starts its own); a write still queued when the process exits is lost as it would
-    be with the process, which every durable unit's publisher awaits before its unit ends."""
+    holds the store's write lock at a time (SQLite has one writer anyway). The writes queued when the thread takes
+    one go in the same transaction (group commit), each in a savepoint of its own (a write that fails fails alone).
+    A daemon thread, started on first use in each process (a forked child starts its own); a write still queued
+    when the process exits is lost as it would be with the process, which every durable unit's publisher awaits
+    before its unit ends."""
 
-    def __init__(self) -> None:
-        self.queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
+        self.queue: queue.SimpleQueue[tuple[str, bool, Callable[[Any], Any], Future[Any]]] = queue.SimpleQueue()
         threading.Thread(target=self._run, name='durcap-stream-writer', daemon=True).start()
 
-    def submit(self, func: Callable[[], T]) -> Future[T]:
+    def submit(self, run_id: str, close: bool, job: Callable[[Any], T]) -> Future[T]:
         future: Future[T] = Future()
-        self.queue.put((func, future))
+        self.queue.put((run_id, close, job, future))
         return future
 
     def _run(self) -> None:
         while True:
-            func, future = self.queue.get()
-            if not future.set_running_or_notify_cancel():
-                continue
+            batch = [self.queue.get()]
+            with suppress(queue.Empty):
+                while len(batch) < 100:
+                    batch.append(self.queue.get_nowait())
+            batch = [item for item in batch if item[3].set_running_or_notify_cancel()]
+            results: list[tuple[bool, Any]] = []
             try:
-                future.set_result(func())
-            except BaseException as error:  # noqa: BLE001 - handed to whoever awaits the write
-                future.set_exception(error)
+                with self.log._backend._raw_txn(relaxed=False) as cur:
+                    for index, (_, _, job, _) in enumerate(batch):
+                        if len(batch) > 1:
+                            cur.execute(f'SAVEPOINT durcap_w{index}')
+                        try:
+                            results.append((True, job(cur)))
+                        except Exception as error:
+                            if len(batch) == 1:
+                                raise
+                            cur.execute(f'ROLLBACK TO SAVEPOINT durcap_w{index}')
+                            results.append((False, error))
+                        if len(batch) > 1:
+                            cur.execute(f'RELEASE SAVEPOINT durcap_w{index}')
+            except BaseException as error:  # noqa: BLE001 - the transaction failed: every write of it did
+                for _, _, _, future in batch:
+                    future.set_exception(error)
+                continue
+            for run_id in {item[0] for item in batch}:
+                _notify(run_id)
+            if any(item[1] for item in batch):
+                with suppress(Exception):
+                    self.log._maybe_prune()
+            for (_, _, _, future), (ok, value) in zip(batch, results, strict=True):
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(value)
 
 
 _WRITERS: dict[tuple[int, str], _Writer] = {}
 _WRITERS_LOCK = threading.Lock()
 
 
-def _writer(store_url: str) -> _Writer:
-    key = (os.getpid(), store_url)
+def _writer(log: EventLog) -> _Writer:
+    key = (os.getpid(), log.store_url)
     writer = _WRITERS.get(key)
     if writer is None:
         with _WRITERS_LOCK:
             writer = _WRITERS.get(key)
             if writer is None:
-                writer = _WRITERS[key] = _Writer()
+                writer = _WRITERS[key] = _Writer(log)
     return writer
 
 
@@ -242,7 +273,7 @@ class EventLog:
         """Store `items` for `run_id` (those whose key is already stored are skipped); with `close`, mark the stream
         closed. Returns the offsets given to the new items, in order."""
         with self._backend._raw_txn(relaxed=False) as cur:
-            offsets = self._append(cur, run_id, engine, items, close=close)
+            offsets = self.append_in(cur, run_id, engine, items, close=close)
         _notify(run_id)
         if close:
             self._maybe_prune()
@@ -258,17 +289,28 @@ class EventLog:
         The attempt is this execution's alone (claimed in a write transaction, with rows), and it numbers its entries
         itself, each once: they are inserted without looking for stored keys first."""
         with self._backend._raw_txn(relaxed=False) as cur:
-            items: list[Item] = []
-            if attempt is None:
-                rows = cur.execute('SELECT DISTINCT attempt FROM durcap_run_events WHERE run_id = :r AND unit = :u',
-                                   {'r': run_id, 'u': unit}).fetchall()
-                earlier = sorted(int(r[0]) for r in rows)
-                attempt = max(max(earlier) + 1 if earlier else 1, at_least or 1)
-                if earlier:
-                    items.append(Item(unit, attempt, -1, 'retry', {'data': {'discard_attempts': earlier}}))
-            items += [Item(unit, attempt, seq, kind, body) for seq, kind, body in entries]
-            self._append(cur, run_id, engine, items, close=False, check=False)
+            attempt = self.append_unit_in(cur, run_id, engine, unit, entries, attempt, at_least=at_least)
         _notify(run_id)
+        return attempt
+
+    def append_in(self, cur: Any, run_id: str, engine: str, items: Sequence[Item], *, close: bool = False) -> list[int]:
+        """`append_sync`'s work in an open transaction (`_raw_txn`, the writer thread's)."""
+        return self._append(cur, run_id, engine, items, close=close)
+
+    def append_unit_in(self, cur: Any, run_id: str, engine: str, unit: str,
+                       entries: Sequence[tuple[int, str, dict[str, Any]]], attempt: int | None, *,
+                       at_least: int | None = None) -> int:
+        """`append_unit_sync`'s work in an open transaction (`_raw_txn`, the writer thread's)."""
+        items: list[Item] = []
+        if attempt is None:
+            rows = cur.execute('SELECT DISTINCT attempt FROM durcap_run_events WHERE run_id = :r AND unit = :u',
+                               {'r': run_id, 'u': unit}).fetchall()
+            earlier = sorted(int(r[0]) for r in rows)
+            attempt = max(max(earlier) + 1 if earlier else 1, at_least or 1)
+            if earlier:
+                items.append(Item(unit, attempt, -1, 'retry', {'data': {'discard_attempts': earlier}}))
+        items += [Item(unit, attempt, seq, kind, body) for seq, kind, body in entries]
+        self._append(cur, run_id, engine, items, close=False, check=False)
         return attempt
 
     def _append(self, cur: Any, run_id: str, engine: str, items: Sequence[Item], *, close: bool,
@@ -371,14 +413,17 @@ class EventLog:
                 conn.execute(sa.text('DELETE FROM durcap_run_streams WHERE run_id = :r'), {'r': run_id})
         return len(runs)
 
-    def submit(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
-        """`func(*args, **kwargs)` (`append_sync`, `append_unit_sync`) in this store's writer thread, after every write
-        submitted before it in this process (`_Writer`); its result (or error) in the future."""
-        return _writer(self.store_url).submit(functools.partial(func, *args, **kwargs))
+    def submit(self, run_id: str, job: Callable[[Any], T], *, close: bool = False) -> Future[T]:
+        """`job(cursor)` (`append_in`, `append_unit_in`, on an open transaction's cursor) in this store's writer thread,
+        after every write submitted before it in this process, in one transaction with those queued with it
+        (`_Writer`); its result (or error) in the future, set once committed. `close`: the write closes `run_id`'s
+        stream (expired streams are pruned after it)."""
+        return _writer(self).submit(run_id, close, job)
 
     async def append(self, run_id: str, engine: str, items: Sequence[Item], *, close: bool = False) -> list[int]:
         """`append_sync` in this store's writer thread (`submit`), awaited."""
-        return await asyncio.wrap_future(self.submit(self.append_sync, run_id, engine, items, close=close))
+        return await asyncio.wrap_future(self.submit(
+            run_id, lambda cur: self.append_in(cur, run_id, engine, items, close=close), close=close))
 
     # ---- reading ------------------------------------------------------------------------------
 

@@ -102,7 +102,8 @@ class StreamContext:
         publishing (one warning) and never fails the run itself."""
         if self.failed:
             return
-        future = self.log.submit(self.log.append_sync, self.run_id, self.engine, items, close=close)
+        log, run_id, engine = self.log, self.run_id, self.engine
+        future = log.submit(run_id, lambda cur: log.append_in(cur, run_id, engine, items, close=close), close=close)
         if not close:
             future.add_done_callback(self._written)
             return
@@ -311,17 +312,18 @@ class _UnitPublisher:
         if not entries:
             return None
         self.last_write = time.monotonic()
-        self.last = self.context.log.submit(self._write_sync, entries)
+        self.last = self.context.log.submit(self.context.run_id, lambda cur: self._write_in(cur, entries))
         self.last.add_done_callback(self._written)
         return self.last
 
-    def _write_sync(self, entries: list[tuple[int, str, dict[str, Any]]]) -> None:
-        """In the writer thread, after this unit's earlier batches: store `entries` (the first claims the attempt)."""
+    def _write_in(self, cur: Any, entries: list[tuple[int, str, dict[str, Any]]]) -> None:
+        """In the writer thread's transaction, after this unit's earlier batches: store `entries` (the first claims
+        the attempt)."""
         if self.context.failed:
             return
         context = self.context
-        self.attempt = context.log.append_unit_sync(context.run_id, context.engine, self.unit, entries, self.attempt,
-                                                    at_least=context.attempt)
+        self.attempt = context.log.append_unit_in(cur, context.run_id, context.engine, self.unit, entries, self.attempt,
+                                                  at_least=context.attempt)
 
     def _written(self, future: Future[None]) -> None:
         error = None if future.cancelled() else future.exception()
