@@ -9,9 +9,11 @@ provider). Side by side in one process, alternating:
 (a) wall time of a run with its stream published (`$DURCAP_STREAMS` on: the request streamed inside the model
     request unit, every event written to the store) over the same run unstreamed (`DURCAP_STREAMS=0`: the plain
     request, nothing written), per engine; target <= 1.10x;
-    `--sides off,bare,timer,on` adds two sides to (a), each run in turn with the others: `bare`, the request streamed
-    and its events built and encoded but never written (the publisher's writes replaced by no-ops in this process:
-    what pydantic-ai's streaming and the event encoding cost alone), and `timer`, the writes batched as before group commit (a unit's
+    `--sides off,read,bare,timer,on` adds sides to (a), each run in turn with the others: `read`, the request
+    streamed through `request_stream` and its events read and dropped (what pydantic-ai's streaming costs alone:
+    the floor of any streamed run); `bare`, the request streamed and its events built, joined and encoded as JSON
+    but never written (the publisher's writes replaced in this process: what our event handling adds to `read`);
+    and `timer`, the writes batched as before group commit (a unit's
     pending events written when an event arrives 50 ms or more after the last write, and at the unit's end:
     `TimerBatches` below, the code this bench measured before);
 (b) delay from the model producing a text delta (its wall-clock time, written by the model) to a subscriber in
@@ -47,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from pydantic_ai.messages import ModelResponse, TextPart  # noqa: E402
 from pydantic_ai.models.function import AgentInfo, FunctionModel  # noqa: E402
+from pydantic_core import to_json  # noqa: E402
 
 from durable_capabilities import DurableAgent, runner  # noqa: E402
 from durable_capabilities.streams._events import dump_event, kind_of  # noqa: E402
@@ -76,9 +79,10 @@ def model(deltas: int, delay: float = 0.0) -> FunctionModel:
     return FunctionModel(plain, stream_function=stream)
 
 
-SIDES = ('off', 'bare', 'timer', 'on')
-"""(a)'s sides: unstreamed; streamed with nothing stored; streamed with the writes batched on a 50 ms timer (before);
-streamed (the current group commit)."""
+SIDES = ('off', 'read', 'bare', 'timer', 'on')
+"""(a)'s sides: unstreamed; streamed with its events read and dropped (upstream's streaming alone); streamed with its
+events built and encoded, nothing stored; streamed with the writes batched on a 50 ms timer (before); streamed (the
+current group commit)."""
 
 
 class TimerBatches(_UnitPublisher):
@@ -106,6 +110,11 @@ class TimerBatches(_UnitPublisher):
         self.writing = asyncio.ensure_future(self._write(self.writing, entries))
         self.last_flush = time.monotonic()
 
+    async def close(self) -> None:
+        self.flush()
+        if self.writing is not None:
+            await self.writing
+
     async def _write(self, previous: asyncio.Future[None] | None, entries: list[Any]) -> None:
         if previous is not None:
             await previous
@@ -121,20 +130,30 @@ def side(name: str) -> Any:
     from durable_capabilities.streams import _publish
 
     os.environ['DURCAP_STREAMS'] = '0' if name == 'off' else '1'
-    saved = (_publish._UnitPublisher, _UnitPublisher.flush, _publish.StreamContext.write)
+    saved = (_publish._UnitPublisher, _UnitPublisher._submit, _UnitPublisher.event, _publish.StreamContext.write)
     if name == 'timer':
         _publish._UnitPublisher = TimerBatches  # type: ignore[misc]
-    if name == 'bare':  # events built and encoded, never handed to a write
-        _UnitPublisher.flush = lambda self: None  # type: ignore[method-assign]
-
+    if name in ('bare', 'read'):
         async def write(self: Any, items: list[Any], *, close: bool = False) -> None:
+            for item in items:  # encoded as a write would, never written
+                to_json(item.body, fallback=repr)
+
+        def submit(self: Any) -> None:
+            for _, _, body in self._take():
+                to_json(body, fallback=repr)
+
+        _UnitPublisher._submit = submit  # type: ignore[method-assign]
+        _publish.StreamContext.write = write  # type: ignore[method-assign]
+    if name == 'read':  # the request streamed, its events read and dropped: upstream's streaming alone
+        async def event(self: Any, event: Any, data: Any = None) -> None:
             return None
 
-        _publish.StreamContext.write = write  # type: ignore[method-assign]
+        _UnitPublisher.event = event  # type: ignore[method-assign]
     try:
         yield
     finally:
-        _publish._UnitPublisher, _UnitPublisher.flush, _publish.StreamContext.write = saved  # type: ignore[misc,method-assign]
+        (_publish._UnitPublisher, _UnitPublisher._submit, _UnitPublisher.event,  # type: ignore[misc]
+         _publish.StreamContext.write) = saved  # type: ignore[method-assign]
 
 
 async def one_run(engine: str, streamed: bool | str, deltas: int, folder: Path, run_id: str | None = None,
@@ -295,7 +314,7 @@ def main() -> None:
     parser.add_argument('--deltas', type=int, default=200)
     parser.add_argument('--delay', type=float, default=0.0, help='seconds between the model\'s deltas (0: as fast as '
                         'the scripted model goes; the unstreamed side sends the plain request, with no delay)')
-    parser.add_argument('--sides', default='off,on', help='(a)\'s sides, from off,bare,timer,on (see the module '
+    parser.add_argument('--sides', default='off,on', help='(a)\'s sides, from off,read,bare,timer,on (see the module '
                         'docstring); off is always measured')
     parser.add_argument('--only', choices=['a', 'b', 'c'], help='run only this part')
     parser.add_argument('--temporal-address', default=os.environ.get('DURCAP_TEST_TEMPORAL_ADDRESS')

@@ -233,11 +233,11 @@ async def _spend(agent: DurableAgent[Any, Any], run_id: str, conversation_id: st
     budget = agent.budget
     assert budget is not None
     key = budget.key(run_id=run_id, conversation_id=conversation_id, deps=deps)
-    from .store._budgets import records
+    from .store._budgets import record
 
     # Read here, not in a thread: DBOS's one-shot run shuts this loop's default executor down when it ends.
-    found = records(process_store(store_url(agent, budget.store or store))._sql, key)
-    return found[0].to_json() if found else None
+    found = record(process_store(store_url(agent, budget.store or store))._sql, key)
+    return found.to_json() if found is not None else None
 
 
 async def _traced_run(agent: DurableAgent[Any, Any], prompt: str | None, engine: str, options: RunOptions) -> RunReport:

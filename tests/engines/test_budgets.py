@@ -215,3 +215,12 @@ def test_a_fork_inherits_the_spend_of_its_kept_turns_on_postgresql(store_url: st
 
     assert store_url.startswith('postgresql')
     on(store_url)
+
+
+def test_ledger_counts_a_settled_request_once_releases_and_resets_on_postgresql(store_url: str) -> None:
+    """tests/unit/test_budgets.py's `ledger_semantics` on a fresh PostgreSQL database (the settle's row lock, the
+    relaxed connections' `synchronous_commit=off`). No model."""
+    from tests.unit.test_budgets import ledger_semantics
+
+    assert store_url.startswith('postgresql')
+    ledger_semantics(store_url)

@@ -98,3 +98,53 @@ def test_twenty_concurrent_runs_of_one_tenant_overspend_by_at_most_one_request_e
 def test_budget_refuses_bad_input(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Budget(**kwargs)
+
+
+def ledger_semantics(store_url: str) -> None:
+    """The ledger's writes, one request at a time, on the store at `store_url`: a reservation settled counts once
+    (settled again, as a retried unit does, its usage replaces the first); a retried reservation is admitted unchecked
+    and a new one refused at the limit; a released reservation is dropped (a settled one is not); a key reset between
+    a reservation and its settle starts a new ledger from that settle."""
+    from durable_capabilities.store import SQLConversationStore
+
+    def ledger(opened: SQLConversationStore) -> list[tuple]:
+        return sql(store_url, 'SELECT budget_key, input_tokens, output_tokens, total_tokens, cost_nanos, requests '
+                              'FROM durcap_budget_ledger ORDER BY budget_key')
+
+    def states() -> list[tuple]:
+        return sql(store_url, 'SELECT request_id, state, input_tokens, output_tokens FROM durcap_budget_reservations '
+                              'ORDER BY request_id')
+
+    async def main() -> None:
+        with SQLConversationStore(store_url) as opened:
+            limits: dict[str, float] = {'total_tokens': 150}
+            assert await opened.budget_reserve('k', 'r#1', 'r', limits) is None
+            assert states() == [('r#1', 'reserved', 0, 0)]
+            await opened.budget_settle('k', 'r#1', 'r', input_tokens=70, output_tokens=30, cost=0.5)
+            assert ledger(opened) == [('k', 70, 30, 100, 500_000_000, 1)]
+            await opened.budget_settle('k', 'r#1', 'r', input_tokens=80, output_tokens=40, cost=0.25)  # a retried unit
+            assert ledger(opened) == [('k', 80, 40, 120, 250_000_000, 1)]
+            await opened.budget_release('k', 'r#1')  # settled: kept
+            assert states() == [('r#1', 'settled', 80, 40)]
+            assert await opened.budget_reserve('k', 'r#1', 'r', limits) is None  # a retry: admitted unchecked
+            assert await opened.budget_reserve('k', 'r#2', 'r', limits) is None  # 120 < 150
+            await opened.budget_settle('k', 'r#2', 'r', input_tokens=20, output_tokens=20)
+            refused = await opened.budget_reserve('k', 'r#3', 'r', limits)
+            assert refused is not None and refused.spent['total_tokens'] == 160 and refused.limits == limits
+            assert await opened.budget_reserve('other', 'o#1', 'o', limits) is None
+            await opened.budget_release('other', 'o#1')  # failed before the provider answered: dropped
+            assert [row[0] for row in states()] == ['r#1', 'r#2']
+            assert await opened.budget_reserve('k2', 'q#1', 'q', limits) is None
+            assert await opened.budget_reset('k2')
+            await opened.budget_settle('k2', 'q#1', 'q', input_tokens=5, output_tokens=5)
+            assert ledger(opened)[1:] == [('k2', 5, 5, 10, 0, 1), ('other', 0, 0, 0, 0, 0)]
+            [record] = await opened.budgets('k')
+            assert record.spent['requests'] == 2 and record.in_flight == 0 and record.limits == limits
+
+    asyncio.run(main())
+
+
+def test_ledger_counts_a_settled_request_once_releases_and_resets(store_url: str) -> None:
+    """`ledger_semantics` on SQLite (tests/engines/test_budgets.py runs it on PostgreSQL). No model: the store's
+    budget calls, as `BudgetModel` makes them."""
+    ledger_semantics(store_url)

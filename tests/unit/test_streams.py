@@ -293,3 +293,30 @@ def test_cli_watch_prints_jsonl_text_and_resumes_from_an_offset(tmp_path: Path) 
     missing = durcap('runs', 'watch', 'nope', '--store', store, '--wait', '0')
     assert missing.returncode == 2 and missing.stderr.startswith("durcap: error: run 'nope' has published no events")
     assert 'Traceback' not in missing.stderr
+
+
+def test_a_subscriber_in_the_running_process_is_woken_by_each_commit_not_its_poll(tmp_path: Path) -> None:
+    """A subscriber in the process that runs the run (as `durcap serve` does for its local turns), polling once an
+    hour, still receives every event of a local run, from before the run published anything to its
+    `run_completed`: each commit of the run in this process wakes it (`_log.written_soon`). Its watch is bounded by
+    `wait_for` (60 s), so a wake that never comes fails the test instead of hanging it; no waiter is left behind."""
+    from durable_capabilities.streams import _log
+
+    store = sqlite_url(tmp_path)
+    EventLog(store).info_sync('local-woken')  # the store exists: the subscriber waits for the run's first event
+
+    async def subscriber_and_run() -> tuple[list[streams.RunEvent], Any]:
+        async def subscribe() -> list[streams.RunEvent]:
+            return [e async for e in watch('local-woken', store=store, poll=3600, wait_for_start=3600)]
+
+        watching = asyncio.ensure_future(asyncio.wait_for(subscribe(), 60))
+        await asyncio.sleep(0.2)  # the subscriber found no stream yet and waits
+        agent = DurableAgent('woken', FunctionModel(stream_function=stream_words), engines=[])
+        report = await runner.run(agent, 'where is ABC-123?', engine='local', run_id='local-woken', store=store)
+        return await watching, report
+
+    events, report = run(subscriber_and_run())
+    assert [e.offset for e in events] == list(range(1, len(events) + 1))
+    assert events[0].kind == 'run_started' and events[-1].kind == 'run_completed'
+    assert answer_text(events) == report.output == ANSWER
+    assert 'local-woken' not in _log._WAITERS

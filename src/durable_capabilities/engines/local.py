@@ -61,7 +61,8 @@ class LocalAdapter(EngineAdapter):
         conversation store (`durable_capabilities.watch`). The report's `run_id` stays `None` (nothing durable)."""
         store = options.setting('store')
         run_id = options.run_id or f'local-{uuid.uuid4().hex}'
-        with streams.publishing(run_id, self.name, store_url(agent, store), conversation_id=options.conversation_id):
+        with streams.publishing(run_id, self.name, store_url(agent, store), conversation_id=options.conversation_id,
+                                durable=False):
             turn = await run_turn(agent, agent.build(self.name).run, prompt, deps=options.deps,
                                   message_history=options.message_history, conversation_id=options.conversation_id,
                                   gate=LocalApprovalGate(options.notify), store=store,

@@ -25,7 +25,8 @@ from ..agent import DurableAgent
 from ..approvals import AlreadyDecidedError, ApprovalArgsError, ApprovalError, DecisionNotDeliveredError
 from ..conversations import check_busy
 from ..store import ConversationBusyError, ConversationNotFoundError, StoreError
-from ..streams import STREAM_ENGINES, StreamNotFoundError, watch
+from ..streams import STREAM_ENGINES, StreamNotFoundError
+from ..streams._watch import watch_batches
 from ._errors import (
     BadRequestError,
     NotFoundError,
@@ -169,6 +170,7 @@ class ServeApp:
         self.deps_factory, self.max_body_bytes = deps_factory, max_body_bytes
         self.rows = ServeRows(self.store)
         self.tasks: set[asyncio.Task[Any]] = set()
+        self.known_runs: dict[str, RunRow] = {}
 
     # ---- the request's parts ------------------------------------------------------------------------
 
@@ -240,7 +242,9 @@ class ServeApp:
                                   f'{getattr(agent.deps_type, "__name__", agent.deps_type)})', field=where) from None
 
     async def own_run(self, run_id: str, principal: str) -> RunRow:
-        row = await self.rows.call(self.rows.run_sync, run_id)
+        row = self.known_runs.get(run_id)  # a turn this process runs: its row as recorded, not read again
+        if row is None:
+            row = await self.rows.call(self.rows.run_sync, run_id)
         if row is None or row.principal != principal:
             raise NotFoundError(f'no run {printable(run_id[:120])!r}', field='run_id')
         return row
@@ -260,8 +264,15 @@ class ServeApp:
         if started.created:
             task = asyncio.get_running_loop().create_task(self._run(started.run, agent, prompt, deps, strategy))
             self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            # While its task runs, the run's row is known here (`own_run`: the client's stream request, which
+            # follows at once, reads no row); a conversation is never deleted while a turn runs on it.
+            self.known_runs[started.run.run_id] = started.run
+            task.add_done_callback(lambda done, run_id=started.run.run_id: self._finished(done, run_id))
         return started.run, started.created
+
+    def _finished(self, task: asyncio.Task[Any], run_id: str) -> None:
+        self.tasks.discard(task)
+        self.known_runs.pop(run_id, None)
 
     async def _run(self, row: RunRow, agent: DurableAgent[Any, Any], prompt: str, deps: Any, busy: str) -> None:
         from .. import runner
@@ -340,9 +351,10 @@ class ServeApp:
 
         async def stream() -> AsyncIterator[str]:
             yield 'retry: 1000\n\n'
-            try:
-                async for event in watch(row.run_id, engine=row.engine, from_offset=after, store=self.store):
-                    yield f'id: {event.offset}\nevent: {event.kind}\ndata: {event.model_dump_json()}\n\n'
+            try:  # the events of each read of the store in one write to the client
+                async for batch in watch_batches(row.run_id, engine=row.engine, from_offset=after, store=self.store):
+                    yield ''.join(f'id: {event.offset}\nevent: {event.kind}\ndata: {event.model_dump_json()}\n\n'
+                                  for event in batch)
             except StreamNotFoundError as exc:
                 yield f'event: error\ndata: {json.dumps({"code": exc.code, "message": str(exc)})}\n\n'
 

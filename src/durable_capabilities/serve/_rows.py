@@ -13,7 +13,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy import exc as sa_exc
 
 from ..conversations import process_store
 from ..store import ConversationBusyError
@@ -66,49 +65,52 @@ class ServeRows:
                 `durcap_turn_claims`): refused before anything is recorded or started. The turn's own load checks
                 again (the authoritative claim); this answers the common case at once, with 409.
         """
+        integrity = self._backend.engine.dialect.dbapi.IntegrityError  # type: ignore[union-attr]
         for attempt in range(3):
             try:
                 return self._start(principal, key, digest, conversation_id, agent, engine, run_id, reject_busy)
-            except sa_exc.IntegrityError:  # a concurrent request inserted the same key or owner first: read it
+            except integrity:  # a concurrent request inserted the same key or owner first: read it
                 if attempt == 2:
                     raise
         raise AssertionError('unreachable')  # pragma: no cover
 
+    _LOOKUP = (
+        'SELECT (SELECT principal FROM durcap_serve_owners WHERE conversation_id = :c), '
+        '(SELECT digest FROM durcap_serve_requests WHERE principal = :p AND idempotency_key = :k), '
+        '(SELECT run_id FROM durcap_serve_requests WHERE principal = :p AND idempotency_key = :k), '
+        '(SELECT run_id FROM durcap_turn_claims WHERE conversation_id = :c), '
+        '(SELECT claimed_at FROM durcap_turn_claims WHERE conversation_id = :c)')
+
     def _start(self, principal: str, key: str | None, digest: str, conversation_id: str, agent: str, engine: str,
                run_id: str, reject_busy: bool) -> Started:
-        with self._backend._txn(write=True) as conn:
-            owner = conn.execute(sa.text('SELECT principal FROM durcap_serve_owners WHERE conversation_id = :c'),
-                                 {'c': conversation_id}).scalar()
+        """One write transaction straight to the driver (`_SQLBackend._raw_txn`, fully synchronous): the owner, the
+        key's request and the conversation's turn claim read in one statement, then the new rows."""
+        with self._backend._raw_txn(relaxed=False) as cur:
+            owner, seen_digest, seen_run, holder, claimed_at = cur.execute(
+                self._LOOKUP, {'c': conversation_id, 'p': principal, 'k': key}).fetchone()
             if owner is not None and owner != principal:
                 raise NotFoundError(f'no conversation {conversation_id!r}')
-            if key is not None:
-                row = conn.execute(sa.text('SELECT digest, run_id FROM durcap_serve_requests WHERE principal = :p AND '
-                                           'idempotency_key = :k'), {'p': principal, 'k': key}).first()
-                if row is not None:
-                    if row[0] != digest:
-                        raise IdempotencyConflictError(
-                            f'Idempotency-Key {key!r} was sent before with another request (it started run {row[1]!r}):'
-                            ' send a new key for a new turn, or the same body to get that run again')
-                    found = self._run(conn, row[1])
-                    assert found is not None
-                    return Started(found, False)
-            if reject_busy:
-                claim = conn.execute(sa.text('SELECT run_id, claimed_at FROM durcap_turn_claims WHERE '
-                                             'conversation_id = :c'), {'c': conversation_id}).first()
-                if claim is not None:
-                    raise ConversationBusyError(conversation_id, run_id=run_id, holder=str(claim[0]),
-                                                claimed_at=str(claim[1]))
+            if key is not None and seen_run is not None:
+                if seen_digest != digest:
+                    raise IdempotencyConflictError(
+                        f'Idempotency-Key {key!r} was sent before with another request (it started run {seen_run!r}):'
+                        ' send a new key for a new turn, or the same body to get that run again')
+                found = cur.execute('SELECT run_id, principal, conversation_id, agent, engine, created_at FROM '
+                                    'durcap_serve_runs WHERE run_id = :r', {'r': seen_run}).fetchone()
+                assert found is not None
+                return Started(RunRow(*found), False)
+            if reject_busy and holder is not None:
+                raise ConversationBusyError(conversation_id, run_id=run_id, holder=str(holder), claimed_at=str(claimed_at))
             now = _now()
             if owner is None:
-                conn.execute(sa.text('INSERT INTO durcap_serve_owners (conversation_id, principal, created_at) '
-                                     'VALUES (:c, :p, :at)'), {'c': conversation_id, 'p': principal, 'at': now})
-            conn.execute(sa.text('INSERT INTO durcap_serve_runs (run_id, principal, conversation_id, agent, engine, '
-                                 'created_at) VALUES (:r, :p, :c, :a, :e, :at)'),
-                         {'r': run_id, 'p': principal, 'c': conversation_id, 'a': agent, 'e': engine, 'at': now})
+                cur.execute('INSERT INTO durcap_serve_owners (conversation_id, principal, created_at) VALUES (:c, :p, :at)',
+                            {'c': conversation_id, 'p': principal, 'at': now})
+            cur.execute('INSERT INTO durcap_serve_runs (run_id, principal, conversation_id, agent, engine, created_at) '
+                        'VALUES (:r, :p, :c, :a, :e, :at)',
+                        {'r': run_id, 'p': principal, 'c': conversation_id, 'a': agent, 'e': engine, 'at': now})
             if key is not None:
-                conn.execute(sa.text('INSERT INTO durcap_serve_requests (principal, idempotency_key, digest, run_id, '
-                                     'created_at) VALUES (:p, :k, :d, :r, :at)'),
-                             {'p': principal, 'k': key, 'd': digest, 'r': run_id, 'at': now})
+                cur.execute('INSERT INTO durcap_serve_requests (principal, idempotency_key, digest, run_id, created_at) '
+                            'VALUES (:p, :k, :d, :r, :at)', {'p': principal, 'k': key, 'd': digest, 'r': run_id, 'at': now})
             return Started(RunRow(run_id, principal, conversation_id, agent, engine, now), True)
 
     @staticmethod

@@ -610,7 +610,7 @@ class SQLConversationStore(ConversationStore):
 
     def close(self) -> None:
         """Close the pooled connections. The store reconnects if used again."""
-        self._sql.engine.dispose()
+        self._sql.dispose()
 
     def __enter__(self) -> Self:
         return self

@@ -3,9 +3,11 @@
 Synchronous, run by `SQLConversationStore` in a worker thread, on the backend's connections and transactions
 (`_SQLBackend._txn`): a write transaction is `BEGIN IMMEDIATE` on SQLite and locks the key's ledger row
 (`SELECT ... FOR UPDATE`) on PostgreSQL, so two requests of one key are checked and settled one after the other.
-The per-request writes are `relaxed` (`_SQLBackend._txn`): durable against a crash of any process (a SIGKILLed
-worker), not against an OS crash or power loss, which may lose the last settles (an undercount); no disk flush per
-request, which cost 2 x ~3 ms per request on this machine's SQLite.
+The per-request writes (`reserve`, `settle`, `release`) and the report's read (`record`) go straight to the driver
+(`_SQLBackend._raw_txn`): SQLAlchemy's statement machinery was ~1.2 ms of CPU per request of their ~1.5 ms. They are
+relaxed: durable against a crash of any process (a SIGKILLed worker), not against an OS crash or power loss, which
+may lose the last settles (an undercount); no disk flush per request, which cost 2 x ~3 ms per request on this
+machine's SQLite.
 
 A model request is admitted when what the key's settled requests spent is under every limit (plus what an operator
 raised it by); it is then reserved (`state='reserved'`) and, when it completes, settled with the provider's usage
@@ -90,35 +92,78 @@ def _record(row: Any, in_flight: int = 0) -> BudgetRecord:
                         str(row.updated_at))
 
 
+_LEDGER_COLUMNS = 'budget_key, input_tokens, output_tokens, total_tokens, cost_nanos, requests, limits, raised, updated_at'
+_CREATE_LEDGER = (
+    'INSERT INTO durcap_budget_ledger (budget_key, input_tokens, output_tokens, total_tokens, cost_nanos, requests, '
+    "limits, raised, updated_at, writer) VALUES (:k, 0, 0, 0, 0, 0, '{}', '{}', :at, :w) "
+    'ON CONFLICT (budget_key) DO NOTHING')
+
+
+@dataclass
+class _LedgerRow:
+    """A ledger row read by `_raw_txn` (a tuple, named)."""
+
+    budget_key: str
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    cost_nanos: int
+    requests: int
+    limits: str
+    raised: str
+    updated_at: str
+
+
+_LEDGER_AND_KNOWN = (f'SELECT {_LEDGER_COLUMNS}, (SELECT 1 FROM durcap_budget_reservations r WHERE r.budget_key = :k '
+                     'AND r.request_id = :r) FROM durcap_budget_ledger WHERE budget_key = :k')
+
+
+def _raw_ledger(sql: _SQLBackend, cur: Any, key: str, request_id: str | None = None) -> tuple[_LedgerRow, bool]:
+    """In a `_raw_txn`: the key's ledger row, created empty when missing, locked for the transaction on PostgreSQL;
+    and whether `request_id` has a reservation (read in the same statement)."""
+    lock = ' FOR UPDATE' if sql.is_pg else ''
+    params = {'k': key, 'r': request_id}
+    row = cur.execute(_LEDGER_AND_KNOWN + lock, params).fetchone()
+    if row is None:
+        cur.execute(_CREATE_LEDGER, {'k': key, 'at': _now(), 'w': _WRITER})
+        row = cur.execute(_LEDGER_AND_KNOWN + lock, params).fetchone()
+    return _LedgerRow(*row[:-1]), row[-1] is not None
+
+
 def reserve(sql: _SQLBackend, key: str, request_id: str, run_id: str, limits: dict[str, float]) -> BudgetRecord | None:
     """Admit and reserve model request `request_id` of `key`: `None` when admitted (or reserved before: a retry),
-    else the key's `BudgetRecord` (nothing reserved), whose `spent` reached one of `limits` (plus raised)."""
-    with sql._txn(write=True, relaxed=True) as conn:
-        row = _ledger(sql, conn, key, lock=True)
-        known = conn.execute(_KNOWN, {'k': key, 'r': request_id}).first()
-        if known is not None:
+    else the key's `BudgetRecord` (nothing reserved), whose `spent` reached one of `limits` (plus raised).
+
+    One relaxed write transaction (`_SQLBackend._raw_txn`): the ledger row with whether the request is reserved, in
+    one statement (the row locked on PostgreSQL; SQLite's `BEGIN IMMEDIATE` holds the write lock), then the new
+    reservation."""
+    with sql._raw_txn() as cur:
+        row, known = _raw_ledger(sql, cur, key, request_id)
+        if known:
             return None
         record = _record(row)
         record.limits = dict(limits)
         if exceeded(record) is not None:
             return record
-        conn.execute(_RESERVE, {'k': key, 'r': request_id, 'run': run_id, 'at': _now()})
+        cur.execute(_RESERVE, {'k': key, 'r': request_id, 'run': run_id, 'at': _now()})
         given = json.dumps(limits, sort_keys=True)
         if given != row.limits:  # the limits last checked, for `durcap budgets` (written when they change)
-            conn.execute(sa.text('UPDATE durcap_budget_ledger SET limits = :l WHERE budget_key = :k'),
-                         {'k': key, 'l': given})
+            cur.execute('UPDATE durcap_budget_ledger SET limits = :l WHERE budget_key = :k', {'k': key, 'l': given})
     return None
 
 
-_RESERVE = sa.text(
+_RESERVE = (
     'INSERT INTO durcap_budget_reservations (budget_key, request_id, run_id, state, input_tokens, output_tokens, '
     "cost_nanos, created_at) VALUES (:k, :r, :run, 'reserved', 0, 0, 0, :at)")
-_KNOWN = sa.text('SELECT state, input_tokens, output_tokens, cost_nanos FROM durcap_budget_reservations '
-                 'WHERE budget_key = :k AND request_id = :r')
-_ADD = sa.text(
+_KNOWN = ('SELECT state, input_tokens, output_tokens, cost_nanos FROM durcap_budget_reservations '
+          'WHERE budget_key = :k AND request_id = :r')
+_ADD = (
     'UPDATE durcap_budget_ledger SET input_tokens = input_tokens + :di, output_tokens = output_tokens + :do, '
     'total_tokens = total_tokens + :dt, cost_nanos = cost_nanos + :dc, requests = requests + :dr, '
     'updated_at = :at WHERE budget_key = :k')
+_SETTLE_RESERVED = (
+    "UPDATE durcap_budget_reservations SET state = 'settled', input_tokens = :i, output_tokens = :o, cost_nanos = :c, "
+    "settled_at = :at WHERE budget_key = :k AND request_id = :r AND state = 'reserved'")
 
 
 def exceeded(record: BudgetRecord) -> str | None:
@@ -133,38 +178,45 @@ def exceeded(record: BudgetRecord) -> str | None:
 def settle(sql: _SQLBackend, key: str, request_id: str, run_id: str, input_tokens: int, output_tokens: int,
            cost: float) -> None:
     """Record the provider's usage of completed request `request_id` of `key` (replacing what an earlier settle of
-    it recorded, so a retried unit counts once); the ledger takes the difference."""
+    it recorded, so a retried unit counts once); the ledger takes the difference.
+
+    One relaxed write transaction (`_SQLBackend._raw_txn`; on PostgreSQL the key's ledger row locked first). The usual
+    case, a reservation settled for the first time (its usage still 0), is two statements: the reservation marked
+    settled, the ledger given its usage; a request settled before (a retried unit) or whose key was reset since its
+    reservation reads what was recorded first."""
     nanos = round(cost * NANOS)
-    with sql._txn(write=True, relaxed=True) as conn:
+    at = _now()
+    params = {'k': key, 'r': request_id, 'run': run_id, 'i': input_tokens, 'o': output_tokens, 'c': nanos, 'at': at}
+    with sql._raw_txn() as cur:
         if sql.is_pg:  # SQLite's BEGIN IMMEDIATE already holds the write lock
-            conn.execute(sa.text('SELECT 1 FROM durcap_budget_ledger WHERE budget_key = :k FOR UPDATE'), {'k': key})
-        old = conn.execute(_KNOWN, {'k': key, 'r': request_id}).first()
-        if old is None:  # the key was reset since the reservation: start its ledger again
-            _ledger(sql, conn, key, lock=True)
-        params = {'k': key, 'r': request_id, 'run': run_id, 'i': input_tokens, 'o': output_tokens, 'c': nanos,
-                  'at': _now()}
-        if old is None:
-            conn.execute(sa.text(
-                'INSERT INTO durcap_budget_reservations (budget_key, request_id, run_id, state, input_tokens, '
-                "output_tokens, cost_nanos, created_at, settled_at) VALUES (:k, :r, :run, 'settled', :i, :o, :c, :at, :at)"),
-                params)
+            cur.execute('SELECT 1 FROM durcap_budget_ledger WHERE budget_key = :k FOR UPDATE', {'k': key})
+        if cur.execute(_SETTLE_RESERVED, params).rowcount == 1:  # reserved: its recorded usage was 0
+            before = None
         else:
-            conn.execute(sa.text(
-                "UPDATE durcap_budget_reservations SET state = 'settled', input_tokens = :i, output_tokens = :o, "
-                'cost_nanos = :c, settled_at = :at WHERE budget_key = :k AND request_id = :r'), params)
-        before = old if old is not None and old.state == 'settled' else None
-        settled = before is not None
-        di = input_tokens - (int(before.input_tokens) if before is not None else 0)
-        do = output_tokens - (int(before.output_tokens) if before is not None else 0)
-        dc = nanos - (int(before.cost_nanos) if before is not None else 0)
-        conn.execute(_ADD, {'k': key, 'di': di, 'do': do, 'dt': di + do, 'dc': dc, 'dr': 0 if settled else 1, 'at': _now()})
+            old = cur.execute(_KNOWN, {'k': key, 'r': request_id}).fetchone()
+            if old is None:  # the key was reset since the reservation: start its ledger again
+                _raw_ledger(sql, cur, key)
+                cur.execute(
+                    'INSERT INTO durcap_budget_reservations (budget_key, request_id, run_id, state, input_tokens, '
+                    "output_tokens, cost_nanos, created_at, settled_at) VALUES (:k, :r, :run, 'settled', :i, :o, :c, "
+                    ':at, :at)', params)
+            else:
+                cur.execute(
+                    "UPDATE durcap_budget_reservations SET state = 'settled', input_tokens = :i, output_tokens = :o, "
+                    'cost_nanos = :c, settled_at = :at WHERE budget_key = :k AND request_id = :r', params)
+            before = old if old is not None and old[0] == 'settled' else None
+        di = input_tokens - (int(before[1]) if before is not None else 0)
+        do = output_tokens - (int(before[2]) if before is not None else 0)
+        dc = nanos - (int(before[3]) if before is not None else 0)
+        cur.execute(_ADD, {'k': key, 'di': di, 'do': do, 'dt': di + do, 'dc': dc, 'dr': 0 if before is not None else 1,
+                           'at': at})
 
 
 def release(sql: _SQLBackend, key: str, request_id: str) -> None:
     """Drop the reservation of a request that failed (the provider billed nothing it reported)."""
-    with sql._txn(write=True, relaxed=True) as conn:
-        conn.execute(sa.text("DELETE FROM durcap_budget_reservations WHERE budget_key = :k AND request_id = :r AND "
-                             "state = 'reserved'"), {'k': key, 'r': request_id})
+    with sql._raw_txn() as cur:
+        cur.execute("DELETE FROM durcap_budget_reservations WHERE budget_key = :k AND request_id = :r AND "
+                    "state = 'reserved'", {'k': key, 'r': request_id})
 
 
 def records(sql: _SQLBackend, key: str | None = None) -> list[BudgetRecord]:
@@ -176,6 +228,16 @@ def records(sql: _SQLBackend, key: str | None = None) -> list[BudgetRecord]:
             "SELECT budget_key, COUNT(*) FROM durcap_budget_reservations WHERE state = 'reserved'"
             + where.replace('WHERE', 'AND') + ' GROUP BY budget_key'), params).all())
     return [_record(row, int(flying.get(row.budget_key, 0))) for row in rows]
+
+
+def record(sql: _SQLBackend, key: str) -> BudgetRecord | None:
+    """`key`'s record with its count of requests in flight (`None`: the key has no ledger row), in one statement
+    (`_SQLBackend._raw_txn`): what a run's report reads after every budgeted run."""
+    with sql._raw_txn(write=False) as cur:
+        row = cur.execute(f'SELECT {_LEDGER_COLUMNS}, (SELECT COUNT(*) FROM durcap_budget_reservations r WHERE '
+                          "r.budget_key = :k AND r.state = 'reserved') FROM durcap_budget_ledger WHERE budget_key = :k",
+                          {'k': key}).fetchone()
+    return None if row is None else _record(_LedgerRow(*row[:-1]), int(row[-1]))
 
 
 def reset(sql: _SQLBackend, key: str) -> bool:

@@ -11,13 +11,14 @@ import dataclasses
 import itertools
 import json
 import os
+import re
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pydantic
 import sqlalchemy as sa
@@ -130,6 +131,8 @@ class _SQLBackend:
         self._ready = False
         self._ready_file: tuple[int, int, int] | None = None
         self._lock = threading.Lock()
+        self._fast_engine: sa.Engine | None = None
+        self._write_lock = threading.RLock()
         if self.is_pg:
             try:
                 # A bounded connect (unless the URL sets its own): an unreachable host fails in seconds, not at the
@@ -164,7 +167,7 @@ class _SQLBackend:
             conn = self.engine.connect()
         except sa_exc.OperationalError as exc:
             raise StoreUnavailableError(f'cannot connect to the conversation store {self.display_url}: {_first_line(exc)}') from None
-        with conn, self._relaxed(conn, relaxed):
+        with conn, self._relaxed(conn, relaxed), self._writing(write):
             if write:
                 conn.execution_options(durcap_write=True)
             with conn.begin():
@@ -181,6 +184,94 @@ class _SQLBackend:
                     ) from None
 
     @contextmanager
+    def _writing(self, write: bool) -> Iterator[None]:
+        """On SQLite, a write transaction holds this store's in-process write lock: the threads of one process that
+        write to one file queue on it and each starts the moment the last one commits, instead of meeting SQLite's
+        own lock, whose busy handler sleeps 1, 2, 5, 10 ... 100 ms between tries (what other processes still do).
+        Reentrant: a thread's nested write transaction meets SQLite's lock as before."""
+        if not write or self.is_pg:
+            yield
+            return
+        with self._write_lock:
+            yield
+
+    def _relaxed_engine(self) -> sa.Engine:
+        """The engine of `_raw_txn`: the store's URL and connect arguments, its connections set once at connect to
+        commit without a disk flush (SQLite `synchronous=NORMAL`, PostgreSQL `synchronous_commit=off`), so a relaxed
+        transaction spends no statement switching it (the main pool's connections stay fully synchronous)."""
+        engine = self._fast_engine
+        if engine is not None:
+            return engine
+        with self._lock:
+            if self._fast_engine is None:
+                if self.is_pg:
+                    timeout = {} if 'connect_timeout' in self.url.query else {'connect_timeout': PG_CONNECT_TIMEOUT}
+                    self._fast_engine = sa.create_engine(self.url, pool_pre_ping=True,
+                                                         connect_args={**timeout, 'options': '-c synchronous_commit=off'})
+                else:
+                    memory = self.url.database in (None, '', ':memory:')
+                    # One database in memory is one connection: the main pool's (its pragma switched per transaction).
+                    self._fast_engine = self.engine if memory else sa.create_engine(
+                        self.url, connect_args={'timeout': 60, 'check_same_thread': False})
+                    if not memory:
+                        sa_event.listen(self._fast_engine, 'connect', _sqlite_connect_relaxed)
+            return self._fast_engine
+
+    @contextmanager
+    def _raw_txn(self, *, write: bool = True, relaxed: bool = True) -> Iterator[_RawCursor]:
+        """A relaxed write transaction (see `_txn`'s `relaxed`) straight on a pooled DBAPI connection: `BEGIN
+        IMMEDIATE` on SQLite, the driver's transaction on PostgreSQL; committed when the block ends, rolled back when
+        it raises. For the hot per-request writes (the budget ledger): none of SQLAlchemy's statement machinery, which
+        cost most of such a transaction's CPU time. Statements take `:name` parameters on both backends.
+        `write=False`: for one reading statement (on SQLite no transaction is begun: the statement is its own).
+        `relaxed=False`: a commit flushed to disk as `_txn`'s are (the main pool's connections).
+
+        Raises:
+            StoreUnavailableError: the store cannot be reached, or its tables are missing.
+        """
+        self._ensure_ready()
+        engine = self._relaxed_engine() if relaxed else self.engine
+        try:
+            raw = engine.raw_connection()
+        except sa_exc.OperationalError as exc:
+            raise StoreUnavailableError(f'cannot connect to the conversation store {self.display_url}: {_first_line(exc)}') from None
+        try:
+            cursor = raw.cursor()
+            memory = relaxed and engine is self.engine and not self.is_pg
+            try:
+                with self._writing(write):
+                    if memory:
+                        cursor.execute('PRAGMA synchronous=NORMAL')
+                    begun = write and not self.is_pg
+                    if begun:
+                        cursor.execute('BEGIN IMMEDIATE')
+                    try:
+                        yield _RawCursor(cursor, self.is_pg)
+                    except BaseException:
+                        if self.is_pg:
+                            raw.rollback()
+                        elif begun:
+                            cursor.execute('ROLLBACK')
+                        raise
+                    if self.is_pg:
+                        raw.commit()
+                    elif begun:
+                        cursor.execute('COMMIT')
+            except engine.dialect.dbapi.Error as exc:  # type: ignore[union-attr]
+                if 'no such table' in str(exc) or 'UndefinedTable' in type(exc).__name__:
+                    raise StoreUnavailableError(
+                        f'the conversation store {self.display_url} is damaged: {_first_line(exc)}. Nothing was '
+                        'changed; restore the database from a backup.'
+                    ) from None
+                raise
+            finally:
+                if memory:
+                    cursor.execute('PRAGMA synchronous=FULL')
+                cursor.close()
+        finally:
+            raw.close()
+
+    @contextmanager
     def _relaxed(self, conn: sa.Connection, relaxed: bool) -> Iterator[None]:
         """On SQLite with `relaxed`: the connection at `synchronous=NORMAL` outside its transaction (SQLite refuses the
         change inside one), set back to FULL before it returns to the pool."""
@@ -193,6 +284,12 @@ class _SQLBackend:
             yield
         finally:
             raw.execute('PRAGMA synchronous=FULL')  # type: ignore[union-attr]
+
+    def dispose(self) -> None:
+        """Close the pooled connections (both pools); the next transaction reconnects."""
+        self.engine.dispose()
+        if self._fast_engine is not None and self._fast_engine is not self.engine:
+            self._fast_engine.dispose()
 
     def _file_identity(self) -> tuple[int, int, int] | None:
         """`(device, inode, mode)` of the SQLite file, `None` for PostgreSQL, `:memory:` or a missing file."""
@@ -215,7 +312,7 @@ class _SQLBackend:
             if self._ready and (self.is_pg or self._file_identity() == self._ready_file):
                 return
             if self._ready:
-                self.engine.dispose()
+                self.dispose()
             self._ready = False
             created = None
             if not self.is_pg and self.url.database not in (None, '', ':memory:'):
@@ -1484,6 +1581,42 @@ def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
     dbapi_connection.isolation_level = None
     # Readers do not block the writer nor the writer readers; a no-op once set, 'memory' for :memory:.
     dbapi_connection.execute('PRAGMA journal_mode=WAL')
+
+
+def _sqlite_connect_relaxed(dbapi_connection: Any, record: Any) -> None:
+    _sqlite_connect(dbapi_connection, record)
+    dbapi_connection.execute('PRAGMA synchronous=NORMAL')
+
+
+class _RawCursor:
+    """A DBAPI cursor taking `:name` parameters on both backends (rewritten to psycopg's `%(name)s` on PostgreSQL)."""
+
+    _PG: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, cursor: Any, is_pg: bool):
+        self.cursor, self.is_pg = cursor, is_pg
+
+    def execute(self, statement: str, params: dict[str, Any] | None = None) -> Any:
+        """Run `statement`; returns the cursor (`fetchone`, `rowcount`)."""
+        if self.is_pg:
+            converted = self._PG.get(statement)
+            if converted is None:
+                converted = self._PG[statement] = _PG_PARAM.sub(r'%(\1)s', statement.replace('%', '%%'))
+            statement = converted
+        self.cursor.execute(statement, params or {})
+        return self.cursor
+
+    def executemany(self, statement: str, rows: Sequence[dict[str, Any]]) -> None:
+        """Run `statement` once per parameter set of `rows`."""
+        if self.is_pg:
+            converted = self._PG.get(statement)
+            if converted is None:
+                converted = self._PG[statement] = _PG_PARAM.sub(r'%(\1)s', statement.replace('%', '%%'))
+            statement = converted
+        self.cursor.executemany(statement, rows)
+
+
+_PG_PARAM = re.compile(r'(?<![:\w]):(\w+)')
 
 
 def _sqlite_begin(conn: sa.Connection) -> None:

@@ -15,9 +15,12 @@ import asyncio
 import functools
 import json
 import os
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
@@ -129,6 +132,124 @@ async def in_thread(func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(_EXECUTOR, functools.partial(func, *args, **kwargs))
 
 
+class _Writer:
+    """One thread that runs a store's event writes in the order they were handed to it (`EventLog.submit`): a run's
+    writes never overtake each other (a `run_started` handed over before a model request's first delta is stored
+    before it, with a lower offset) without their callers awaiting each other, and only one of this process's writes
+    holds the store's write lock at a time (SQLite has one writer anyway). The writes queued when the thread takes
+    one go in the same transaction (group commit), each in a savepoint of its own (a write that fails fails alone).
+    A daemon thread, started on first use in each process (a forked child starts its own); a write still queued
+    when the process exits is lost as it would be with the process, which every durable unit's publisher awaits
+    before its unit ends."""
+
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
+        self.queue: queue.SimpleQueue[tuple[str, bool, Callable[[Any], Any], Future[Any]]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name='durcap-stream-writer', daemon=True).start()
+
+    def submit(self, run_id: str, close: bool, job: Callable[[Any], T]) -> Future[T]:
+        future: Future[T] = Future()
+        self.queue.put((run_id, close, job, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            batch = [self.queue.get()]
+            with suppress(queue.Empty):
+                while len(batch) < 100:
+                    batch.append(self.queue.get_nowait())
+            batch = [item for item in batch if item[3].set_running_or_notify_cancel()]
+            results: list[tuple[bool, Any]] = []
+            try:
+                with self.log._backend._raw_txn(relaxed=False) as cur:
+                    for index, (_, _, job, _) in enumerate(batch):
+                        if len(batch) > 1:
+                            cur.execute(f'SAVEPOINT durcap_w{index}')
+                        try:
+                            results.append((True, job(cur)))
+                        except Exception as error:
+                            if len(batch) == 1:
+                                raise
+                            cur.execute(f'ROLLBACK TO SAVEPOINT durcap_w{index}')
+                            results.append((False, error))
+                        if len(batch) > 1:
+                            cur.execute(f'RELEASE SAVEPOINT durcap_w{index}')
+            except BaseException as error:  # noqa: BLE001 - the transaction failed: every write of it did
+                for _, _, _, future in batch:
+                    future.set_exception(error)
+                continue
+            for run_id in {item[0] for item in batch}:
+                _notify(run_id)
+            if any(item[1] for item in batch):
+                with suppress(Exception):
+                    self.log._maybe_prune()
+            for (_, _, _, future), (ok, value) in zip(batch, results, strict=True):
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(value)
+
+
+_WRITERS: dict[tuple[int, str], _Writer] = {}
+_WRITERS_LOCK = threading.Lock()
+
+
+def _writer(log: EventLog) -> _Writer:
+    key = (os.getpid(), log.store_url)
+    writer = _WRITERS.get(key)
+    if writer is None:
+        with _WRITERS_LOCK:
+            writer = _WRITERS.get(key)
+            if writer is None:
+                writer = _WRITERS[key] = _Writer(log)
+    return writer
+
+
+_WAITERS: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]] = {}
+_WAITERS_GUARD = threading.Lock()
+
+
+def written_soon(run_id: str) -> asyncio.Future[None]:
+    """A future of the running loop, done when this process next commits an event of `run_id` (any store, any
+    thread): what a subscriber in the process that runs the run waits on besides its poll, so it reads a new event
+    at once instead of at its next poll. Register it before reading, so no commit after the read is missed; a
+    future no commit completes is dropped with `forget_waiter`."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[None] = loop.create_future()
+    with _WAITERS_GUARD:
+        _WAITERS.setdefault(run_id, []).append((loop, future))
+    return future
+
+
+def forget_waiter(run_id: str, future: asyncio.Future[None]) -> None:
+    """Drop a `written_soon` future (done or not)."""
+    with _WAITERS_GUARD:
+        waiters = _WAITERS.get(run_id)
+        if waiters is None:
+            return
+        waiters[:] = [w for w in waiters if w[1] is not future]
+        if not waiters:
+            del _WAITERS[run_id]
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _notify(run_id: str) -> None:
+    """Complete the `written_soon` futures of `run_id` (called after a commit, in the committing thread)."""
+    if run_id not in _WAITERS:
+        return
+    with _WAITERS_GUARD:
+        waiters = _WAITERS.pop(run_id, [])
+    for loop, future in waiters:
+        try:
+            loop.call_soon_threadsafe(_wake, future)
+        except RuntimeError:  # its loop closed: nobody waits
+            pass
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat()
 
@@ -151,8 +272,9 @@ class EventLog:
     def append_sync(self, run_id: str, engine: str, items: Sequence[Item], *, close: bool = False) -> list[int]:
         """Store `items` for `run_id` (those whose key is already stored are skipped); with `close`, mark the stream
         closed. Returns the offsets given to the new items, in order."""
-        with self._backend._txn(write=True) as conn:
-            offsets = self._append(conn, run_id, engine, items, close=close)
+        with self._backend._raw_txn(relaxed=False) as cur:
+            offsets = self.append_in(cur, run_id, engine, items, close=close)
+        _notify(run_id)
         if close:
             self._maybe_prune()
         return offsets
@@ -162,51 +284,68 @@ class EventLog:
         """Store `entries` (`(seq, kind, body)`) of one execution of `unit`; `attempt=None` for its first batch: the
         execution's attempt is then claimed in the same transaction (one more than the unit's last, and at least
         `at_least`: the engine's own attempt number, a Temporal activity's), after a `retry` event (seq -1) naming
-        the earlier attempts when there are any. Returns the attempt."""
-        with self._backend._txn(write=True) as conn:
-            items: list[Item] = []
-            if attempt is None:
-                rows = conn.execute(sa.text('SELECT DISTINCT attempt FROM durcap_run_events WHERE run_id = :r AND '
-                                            'unit = :u'), {'r': run_id, 'u': unit}).all()
-                earlier = sorted(int(r[0]) for r in rows)
-                attempt = max(max(earlier) + 1 if earlier else 1, at_least or 1)
-                if earlier:
-                    items.append(Item(unit, attempt, -1, 'retry', {'data': {'discard_attempts': earlier}}))
-            items += [Item(unit, attempt, seq, kind, body) for seq, kind, body in entries]
-            self._append(conn, run_id, engine, items, close=False)
+        the earlier attempts when there are any. Returns the attempt.
+
+        The attempt is this execution's alone (claimed in a write transaction, with rows), and it numbers its entries
+        itself, each once: they are inserted without looking for stored keys first."""
+        with self._backend._raw_txn(relaxed=False) as cur:
+            attempt = self.append_unit_in(cur, run_id, engine, unit, entries, attempt, at_least=at_least)
+        _notify(run_id)
         return attempt
 
-    def _append(self, conn: sa.Connection, run_id: str, engine: str, items: Sequence[Item], *, close: bool) -> list[int]:
-        backend = self._backend
-        lock = ' FOR UPDATE' if backend.is_pg else ''
-        row = conn.execute(sa.text('SELECT next_offset, event_count, bytes FROM durcap_run_streams '
-                                   f'WHERE run_id = :r{lock}'), {'r': run_id}).first()
+    def append_in(self, cur: Any, run_id: str, engine: str, items: Sequence[Item], *, close: bool = False) -> list[int]:
+        """`append_sync`'s work in an open transaction (`_raw_txn`, the writer thread's)."""
+        return self._append(cur, run_id, engine, items, close=close)
+
+    def append_unit_in(self, cur: Any, run_id: str, engine: str, unit: str,
+                       entries: Sequence[tuple[int, str, dict[str, Any]]], attempt: int | None, *,
+                       at_least: int | None = None) -> int:
+        """`append_unit_sync`'s work in an open transaction (`_raw_txn`, the writer thread's)."""
+        items: list[Item] = []
+        if attempt is None:
+            rows = cur.execute('SELECT DISTINCT attempt FROM durcap_run_events WHERE run_id = :r AND unit = :u',
+                               {'r': run_id, 'u': unit}).fetchall()
+            earlier = sorted(int(r[0]) for r in rows)
+            attempt = max(max(earlier) + 1 if earlier else 1, at_least or 1)
+            if earlier:
+                items.append(Item(unit, attempt, -1, 'retry', {'data': {'discard_attempts': earlier}}))
+        items += [Item(unit, attempt, seq, kind, body) for seq, kind, body in entries]
+        self._append(cur, run_id, engine, items, close=False, check=False)
+        return attempt
+
+    def _append(self, cur: Any, run_id: str, engine: str, items: Sequence[Item], *, close: bool,
+                check: bool = True) -> list[int]:
+        """In a `_raw_txn`: `items` given the run's next offsets (those already stored skipped, unless `check` is
+        false: the caller knows they are new), the stream row created or updated, the oldest events dropped past the
+        limits."""
+        lock = ' FOR UPDATE' if self._backend.is_pg else ''
+        select = f'SELECT next_offset, event_count, bytes FROM durcap_run_streams WHERE run_id = :r{lock}'
+        row = cur.execute(select, {'r': run_id}).fetchone()
         if row is None:
-            conn.execute(sa.text(
+            cur.execute(
                 'INSERT INTO durcap_run_streams (run_id, engine, next_offset, first_offset, event_count, bytes, '
-                'dropped, started_at, closed_at, writer) VALUES (:r, :e, 1, 1, 0, 0, 0, :at, NULL, :w)'),
-                {'r': run_id, 'e': engine, 'at': _now(), 'w': 'durable-capabilities'})
-            next_offset, count, size = 1, 0, 0
-        else:
-            next_offset, count, size = int(row[0]), int(row[1]), int(row[2])
+                'dropped, started_at, closed_at, writer) VALUES (:r, :e, 1, 1, 0, 0, 0, :at, NULL, :w) '
+                'ON CONFLICT (run_id) DO NOTHING', {'r': run_id, 'e': engine, 'at': _now(), 'w': 'durable-capabilities'})
+            row = cur.execute(select, {'r': run_id}).fetchone()
+        next_offset, count, size = int(row[0]), int(row[1]), int(row[2])
         offsets: list[int] = []
         now = _now()
         rows = []
-        for item in self._new(conn, run_id, items):
+        for item in (self._new(cur, run_id, items) if check else items):
             body = to_json(item.body, fallback=repr).decode()
             rows.append({'r': run_id, 'o': next_offset, 'u': item.unit, 'a': item.attempt, 's': item.seq,
                          'k': item.kind, 'b': body, 'at': now})
             offsets.append(next_offset)
             next_offset, count, size = next_offset + 1, count + 1, size + len(body)
         if rows:
-            conn.execute(sa.text(
+            cur.executemany(
                 'INSERT INTO durcap_run_events (run_id, event_offset, unit, attempt, seq, kind, body, created_at) '
-                'VALUES (:r, :o, :u, :a, :s, :k, :b, :at)'), rows)
-        conn.execute(sa.text('UPDATE durcap_run_streams SET next_offset = :n, event_count = :c, bytes = :b'
-                             + (', closed_at = COALESCE(closed_at, :at)' if close else '') + ' WHERE run_id = :r'),
-                     {'n': next_offset, 'c': count, 'b': size, 'r': run_id, **({'at': now} if close else {})})
+                'VALUES (:r, :o, :u, :a, :s, :k, :b, :at)', rows)
+        cur.execute('UPDATE durcap_run_streams SET next_offset = :n, event_count = :c, bytes = :b'
+                    + (', closed_at = COALESCE(closed_at, :at)' if close else '') + ' WHERE run_id = :r',
+                    {'n': next_offset, 'c': count, 'b': size, 'r': run_id, **({'at': now} if close else {})})
         if count > self.limits.max_events or size > self.limits.max_bytes:
-            self._trim(conn, run_id, count, size)
+            self._trim(cur, run_id, count, size)
         return offsets
 
     _last_prune: float = 0.0
@@ -218,7 +357,7 @@ class EventLog:
             EventLog._last_prune = now
             self.prune_sync()
 
-    def _new(self, conn: sa.Connection, run_id: str, items: Sequence[Item]) -> list[Item]:
+    def _new(self, cur: Any, run_id: str, items: Sequence[Item]) -> list[Item]:
         """The items whose `(unit, attempt, seq)` is not stored yet (and not repeated within `items`)."""
         if not items:
             return []
@@ -226,9 +365,9 @@ class EventLog:
         stored: set[tuple[str, int, int]] = set()
         for unit, attempt in keys:
             seqs = [i.seq for i in items if (i.unit, i.attempt) == (unit, attempt)]
-            rows = conn.execute(sa.text('SELECT seq FROM durcap_run_events WHERE run_id = :r AND unit = :u AND '
-                                        'attempt = :a AND seq >= :lo AND seq <= :hi'),
-                                {'r': run_id, 'u': unit, 'a': attempt, 'lo': min(seqs), 'hi': max(seqs)})
+            rows = cur.execute('SELECT seq FROM durcap_run_events WHERE run_id = :r AND unit = :u AND attempt = :a '
+                               'AND seq >= :lo AND seq <= :hi',
+                               {'r': run_id, 'u': unit, 'a': attempt, 'lo': min(seqs), 'hi': max(seqs)}).fetchall()
             stored.update((unit, attempt, int(r[0])) for r in rows)
         fresh: list[Item] = []
         for item in items:
@@ -238,11 +377,11 @@ class EventLog:
                 fresh.append(item)
         return fresh
 
-    def _trim(self, conn: sa.Connection, run_id: str, count: int, size: int) -> None:
+    def _trim(self, cur: Any, run_id: str, count: int, size: int) -> None:
         """Drop the oldest events until the stream is within its limits."""
         dropped = 0
-        rows = conn.execute(sa.text('SELECT event_offset, LENGTH(body) FROM durcap_run_events WHERE run_id = :r '
-                                    'ORDER BY event_offset'), {'r': run_id}).all()
+        rows = cur.execute('SELECT event_offset, LENGTH(body) FROM durcap_run_events WHERE run_id = :r '
+                           'ORDER BY event_offset', {'r': run_id}).fetchall()
         cut = None
         for offset, length in rows:
             if count <= self.limits.max_events and size <= self.limits.max_bytes:
@@ -250,11 +389,10 @@ class EventLog:
             cut, count, size, dropped = int(offset), count - 1, size - int(length), dropped + 1
         if cut is None:
             return
-        conn.execute(sa.text('DELETE FROM durcap_run_events WHERE run_id = :r AND event_offset <= :o'),
-                     {'r': run_id, 'o': cut})
-        conn.execute(sa.text('UPDATE durcap_run_streams SET first_offset = :f, event_count = :c, bytes = :b, '
-                             'dropped = dropped + :d WHERE run_id = :r'),
-                     {'f': cut + 1, 'c': count, 'b': size, 'd': dropped, 'r': run_id})
+        cur.execute('DELETE FROM durcap_run_events WHERE run_id = :r AND event_offset <= :o', {'r': run_id, 'o': cut})
+        cur.execute('UPDATE durcap_run_streams SET first_offset = :f, event_count = :c, bytes = :b, '
+                    'dropped = dropped + :d WHERE run_id = :r',
+                    {'f': cut + 1, 'c': count, 'b': size, 'd': dropped, 'r': run_id})
 
     def next_attempt_sync(self, run_id: str, unit: str) -> tuple[int, list[int]]:
         """`(attempt, earlier attempts that published events)` for a new execution of `unit` in `run_id`."""
@@ -275,9 +413,17 @@ class EventLog:
                 conn.execute(sa.text('DELETE FROM durcap_run_streams WHERE run_id = :r'), {'r': run_id})
         return len(runs)
 
+    def submit(self, run_id: str, job: Callable[[Any], T], *, close: bool = False) -> Future[T]:
+        """`job(cursor)` (`append_in`, `append_unit_in`, on an open transaction's cursor) in this store's writer thread,
+        after every write submitted before it in this process, in one transaction with those queued with it
+        (`_Writer`); its result (or error) in the future, set once committed. `close`: the write closes `run_id`'s
+        stream (expired streams are pruned after it)."""
+        return _writer(self).submit(run_id, close, job)
+
     async def append(self, run_id: str, engine: str, items: Sequence[Item], *, close: bool = False) -> list[int]:
-        """`append_sync` in a worker thread."""
-        return await in_thread(self.append_sync, run_id, engine, items, close=close)
+        """`append_sync` in this store's writer thread (`submit`), awaited."""
+        return await asyncio.wrap_future(self.submit(
+            run_id, lambda cur: self.append_in(cur, run_id, engine, items, close=close), close=close))
 
     # ---- reading ------------------------------------------------------------------------------
 
@@ -288,6 +434,19 @@ class EventLog:
                                        'started_at, closed_at FROM durcap_run_streams WHERE run_id = :r'),
                                {'r': run_id}).first()
         return None if row is None else StreamInfo(*row)
+
+    def poll_sync(self, run_id: str, after: int, limit: int = 500) -> tuple[list[StoredEvent], StreamInfo | None]:
+        """`read_sync` and then `info_sync` in one call (one trip to a worker thread for a subscriber), each one
+        statement straight to the driver. The info is read after the events: it may be newer than them, never
+        older (a stream it shows closed may hold events after the last one read)."""
+        with self._backend._raw_txn(write=False) as cur:
+            rows = cur.execute('SELECT event_offset, unit, attempt, seq, kind, body, created_at FROM durcap_run_events '
+                               'WHERE run_id = :r AND event_offset > :o ORDER BY event_offset LIMIT :n',
+                               {'r': run_id, 'o': after, 'n': limit}).fetchall()
+            info = cur.execute('SELECT run_id, engine, next_offset, first_offset, event_count, bytes, dropped, '
+                               'started_at, closed_at FROM durcap_run_streams WHERE run_id = :r', {'r': run_id}).fetchone()
+        events = [StoredEvent(int(o), u, int(a), int(s), k, json.loads(b), str(c)) for o, u, a, s, k, b, c in rows]
+        return events, None if info is None else StreamInfo(*info)
 
     def read_sync(self, run_id: str, after: int, limit: int = 500) -> list[StoredEvent]:
         """Up to `limit` events of `run_id` with offsets above `after`, in offset order."""

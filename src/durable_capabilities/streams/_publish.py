@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future
 from contextlib import asynccontextmanager, contextmanager, suppress
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
@@ -79,6 +80,8 @@ class StreamContext:
         attempt: The engine's own attempt number of the unit running in this context (a Temporal activity's
             `activity.info().attempt`), or `None` (DBOS, Prefect: the store numbers each execution). A unit's first
             write claims at least this attempt, one more than any attempt of it already stored.
+        durable: The engine records its units' completion (not `local`): a unit's events are stored before it
+            returns. A local run's units hand theirs over and go on; its last event (awaited) is stored after them.
     """
 
     run_id: str
@@ -89,15 +92,29 @@ class StreamContext:
     attempt: int | None = None
     closed: bool = field(default=False)
     failed: bool = field(default=False)
+    durable: bool = True
 
     async def write(self, items: list[Any], *, close: bool = False) -> None:
-        """Store `items`; a store that cannot be written stops this run's publishing (one warning) and never fails
-        the run itself."""
+        """Store `items`: handed to the store's writer thread (`EventLog.submit`, in order with every other write of
+        this process), awaited only with `close` (the stream's last write: every write before it is then stored
+        too). The container's other events are not waited for: a container that is replayed (DBOS recovery, a retried
+        Prefect flow) publishes them again under the same keys. A store that cannot be written stops this run's
+        publishing (one warning) and never fails the run itself."""
         if self.failed:
             return
+        log, run_id, engine = self.log, self.run_id, self.engine
+        future = log.submit(run_id, lambda cur: log.append_in(cur, run_id, engine, items, close=close), close=close)
+        if not close:
+            future.add_done_callback(self._written)
+            return
         try:
-            await self.log.append(self.run_id, self.engine, items, close=close)
+            await asyncio.wrap_future(future)
         except Exception as error:  # noqa: BLE001 - the run goes on without its stream
+            self.fail(error)
+
+    def _written(self, future: Any) -> None:
+        error = future.exception()
+        if error is not None and not self.failed:
             self.fail(error)
 
     def fail(self, error: BaseException) -> None:
@@ -128,7 +145,7 @@ def enabled() -> bool:
 
 @contextmanager
 def publishing(run_id: str, engine: str, store_url: str, *, conversation_id: str | None = None,
-               attempt: int | None = None) -> Iterator[StreamContext | None]:
+               attempt: int | None = None, durable: bool = True) -> Iterator[StreamContext | None]:
     """Publish the events of the run in this context to the stream of `run_id` in the store at `store_url`.
 
     Args:
@@ -137,6 +154,7 @@ def publishing(run_id: str, engine: str, store_url: str, *, conversation_id: str
         store_url: The conversation store holding the stream.
         conversation_id: The conversation of the turn, shown in `run_started`.
         attempt: The engine's attempt of the unit running in this context (`StreamContext.attempt`).
+        durable: Whether the engine records its units' completion (`StreamContext.durable`; `False` for `local`).
 
     Yields:
         The `StreamContext`, or `None` when `$DURCAP_STREAMS` turns publishing off.
@@ -146,7 +164,8 @@ def publishing(run_id: str, engine: str, store_url: str, *, conversation_id: str
         return
     from ._log import EventLog  # the store and SQLAlchemy: only once a run publishes
 
-    with attached(StreamContext(run_id, engine, EventLog(store_url), conversation_id, attempt=attempt)) as context:
+    with attached(StreamContext(run_id, engine, EventLog(store_url), conversation_id, attempt=attempt,
+                                durable=durable)) as context:
         yield context
 
 
@@ -183,48 +202,59 @@ async def publish_run(kind: str, data: dict[str, Any], *more: tuple[str, dict[st
     context.closed = close
 
 
+async def _stored(future: Future[Any]) -> None:
+    """Wait for a write handed to the writer thread; its error is the stream's (`_UnitPublisher._written`), and
+    cancelling the wait leaves the write queued (a later batch of the unit reads the attempt it claims)."""
+    with suppress(Exception):
+        await asyncio.shield(asyncio.wrap_future(future))
+
+
 _Pending = tuple[Any, str | None, dict[str, Any] | None]
 """An event waiting for its write: `(stream event, None, data)`, or `(None, kind, body)` for one of the unit's own."""
 
 
-def _merged(first: Any, second: Any) -> Any:
-    """One `PartDeltaEvent` for two consecutive text (or thinking text) deltas of the same part that carry nothing
-    else, `None` when they cannot be joined (another kind of event or delta, a signature, provider details,
-    citations, different parts)."""
+def _joinable(first: Any, second: Any) -> bool:
+    """Whether two consecutive events are text (or thinking text) deltas of the same part that carry nothing else,
+    so one delta with both texts says the same (not: another kind of event or delta, a signature, provider details,
+    citations, different parts or providers)."""
     if not (isinstance(first, PartDeltaEvent) and isinstance(second, PartDeltaEvent) and first.index == second.index):
-        return None
+        return False
     a, b = first.delta, second.delta
     if isinstance(a, TextPartDelta) and isinstance(b, TextPartDelta):
         if a.provider_details or b.provider_details or a.citations_delta or b.citations_delta:
-            return None
+            return False
     elif isinstance(a, ThinkingPartDelta) and isinstance(b, ThinkingPartDelta):
         if (a.content_delta is None or b.content_delta is None or a.signature_delta is not None
                 or b.signature_delta is not None or a.provider_details or b.provider_details):
-            return None
+            return False
     else:
-        return None
-    if a.provider_name != b.provider_name:
-        return None
-    return PartDeltaEvent(index=first.index, delta=replace(a, content_delta=(a.content_delta or '') + (b.content_delta or '')))
+        return False
+    return a.provider_name == b.provider_name
 
 
 class _UnitPublisher:
-    """The events of one execution (attempt) of one durable unit, written by one background writer (group commit):
-    the unit's first event is written at once, and an event that arrives while no write is in flight goes as soon as
-    `WRITE_INTERVAL_SECONDS` have passed since the last write began; those that arrive meanwhile go together in that
-    transaction, consecutive text deltas of one part joined into one delta (the text is the same, in fewer events).
-    So the first event is never held back, no event waits for a later one, a burst costs a few transactions and rows
-    instead of one per delta, and a steady stream at most one transaction per interval; the model's stream is read on
-    while a batch is stored. The first write claims the attempt (`EventLog.append_unit_sync`), its `retry` event first
-    when earlier attempts published: an execution that publishes nothing writes nothing (and claims no attempt).
-    `close` writes what is left at once and waits for it."""
+    """The events of one execution (attempt) of one durable unit, handed to the store's writer thread in batches
+    (group commit, `EventLog.submit`): the unit's first event at once, and an event that arrives while no write is in
+    flight as soon as `WRITE_INTERVAL_SECONDS` have passed since the last write began; those that arrive meanwhile go
+    together in the next batch, consecutive text deltas of one part joined into one delta (the text is the same, in
+    fewer events). So the first event is never held back, no event waits for a later one, a burst costs a few
+    transactions and rows instead of one per delta, and a steady stream at most one transaction per interval; the
+    model's stream is read on while a batch is stored. The first write claims the attempt
+    (`EventLog.append_unit_sync`, run in the writer thread, which runs a unit's batches in the order they were
+    handed over: each later one reads the attempt the first claimed), its `retry` event first when earlier attempts
+    published: an execution that publishes nothing writes nothing (and claims no attempt).
+    `close` hands over what is left at once; in a durable run it waits until every batch is stored (the unit's
+    events are stored before the engine records the unit done, so a recovered run never lacks them), in a local run
+    (`StreamContext.durable` false) it does not: the run's last event, which its container awaits, is stored after
+    them."""
 
     def __init__(self, context: StreamContext, unit: str):
         self.context, self.unit = context, unit
-        self.attempt: int | None = None
+        self.attempt: int | None = None  # set by the first write, in the writer thread
         self.seq = 0
         self.pending: list[_Pending] = []
-        self.writing: asyncio.Future[None] | None = None
+        self.writing: asyncio.Future[None] | None = None  # the pacing task (`_drain`)
+        self.last: Future[None] | None = None  # the last batch handed to the writer thread
         self.last_write: float | None = None
         self.closing = asyncio.Event()
 
@@ -236,16 +266,28 @@ class _UnitPublisher:
         self.flush()
 
     def _take(self) -> list[tuple[int, str, dict[str, Any]]]:
-        """The pending events as `(seq, kind, body)` entries, numbered in order, consecutive text deltas joined."""
+        """The pending events as `(seq, kind, body)` entries, numbered in order, consecutive text deltas joined (each
+        run of joinable deltas into one, its text joined once)."""
         joined: list[_Pending] = []
+        run: list[Any] = []  # the joinable deltas ending `joined`, not joined yet
+
+        def close_run() -> None:
+            if len(run) > 1:
+                first = run[0]
+                joined[-1] = (PartDeltaEvent(index=first.index, delta=replace(
+                    first.delta, content_delta=''.join(e.delta.content_delta or '' for e in run))), None, None)
+            run.clear()
+
         for item in self.pending:
-            last = joined[-1] if joined else None
-            both = last is not None and last[0] is not None and item[0] is not None and not last[2] and not item[2]
-            merged = _merged(last[0], item[0]) if both and last is not None else None
-            if merged is not None:
-                joined[-1] = (merged, None, None)
-            else:
-                joined.append(item)
+            event = item[0]
+            if run and event is not None and not item[2] and _joinable(run[-1], event):
+                run.append(event)
+                continue
+            close_run()
+            joined.append(item)
+            if event is not None and not item[2] and isinstance(event, PartDeltaEvent):
+                run.append(event)
+        close_run()
         self.pending = []
         entries = []
         for event, kind, extra in joined:
@@ -257,40 +299,58 @@ class _UnitPublisher:
         return entries
 
     def flush(self) -> None:
-        """Start the writer unless it is running (it takes every pending event before it stops)."""
+        """Start the pacing task unless it is running (it hands over every pending event before it stops)."""
         if self.context.failed or (self.writing is not None and not self.writing.done()):
             return
         self.writing = asyncio.ensure_future(self._drain())
 
-    async def _drain(self) -> None:
-        """Write the pending events, one transaction per batch, until none are left (events added meanwhile go in
-        the next batch, in order: offsets follow `seq`), a batch at most every `WRITE_INTERVAL_SECONDS` until
-        `close`."""
-        from ._log import in_thread
+    def _submit(self) -> Future[None] | None:
+        """Hand the pending events to the writer thread as one batch (`None`: none pending, or the stream failed)."""
+        if self.context.failed:
+            return None
+        entries = self._take()
+        if not entries:
+            return None
+        self.last_write = time.monotonic()
+        self.last = self.context.log.submit(self.context.run_id, lambda cur: self._write_in(cur, entries))
+        self.last.add_done_callback(self._written)
+        return self.last
 
+    def _write_in(self, cur: Any, entries: list[tuple[int, str, dict[str, Any]]]) -> None:
+        """In the writer thread's transaction, after this unit's earlier batches: store `entries` (the first claims
+        the attempt)."""
+        if self.context.failed:
+            return
+        context = self.context
+        self.attempt = context.log.append_unit_in(cur, context.run_id, context.engine, self.unit, entries, self.attempt,
+                                                  at_least=context.attempt)
+
+    def _written(self, future: Future[None]) -> None:
+        error = None if future.cancelled() else future.exception()
+        if error is not None and not self.context.failed:
+            self.context.fail(error)
+
+    async def _drain(self) -> None:
+        """Hand over the pending events, a batch once the last one is stored and at most every
+        `WRITE_INTERVAL_SECONDS` until `close`, until none are left (events added meanwhile go in the next batch, in
+        order: offsets follow `seq`)."""
         while not self.context.failed:
             if self.last_write is not None and not self.closing.is_set():
                 wait = self.last_write + WRITE_INTERVAL_SECONDS - time.monotonic()
                 if wait > 0:
                     with suppress(TimeoutError):
                         await asyncio.wait_for(self.closing.wait(), wait)
-            entries = self._take()
-            if not entries:
-                return  # in the step that marks this task done: an event added after it starts a new writer
-            self.last_write = time.monotonic()
-            try:
-                self.attempt = await in_thread(self.context.log.append_unit_sync, self.context.run_id,
-                                               self.context.engine, self.unit, entries, self.attempt,
-                                               at_least=self.context.attempt)
-            except Exception as error:  # noqa: BLE001 - the run goes on without its stream
-                self.context.fail(error)
+            written = self._submit()
+            if written is None:
+                return  # in the step that marks this task done: an event added after it starts a new one
+            await _stored(written)
 
     async def close(self) -> None:
-        """Write what is pending at once and wait for every write."""
+        """Hand over what is pending at once; in a durable run, wait until every batch is stored."""
         self.closing.set()
-        self.flush()
-        if self.writing is not None:
-            await self.writing
+        self._submit()
+        if self.last is not None and self.context.durable:
+            await _stored(self.last)
 
     async def tool_results(self, messages: list[ModelMessage]) -> None:
         """The results of the tool calls the previous response made (the last request's tool returns)."""

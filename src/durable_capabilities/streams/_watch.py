@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ..errors import DurcapError
 from ._events import TERMINAL_KINDS, RunEvent, load_event
-from ._log import EventLog, StoredEvent, in_thread
+from ._log import EventLog, StoredEvent, forget_waiter, in_thread, written_soon
 
 POLL_SECONDS = 0.05
 """How often a subscriber reads the log for new events while the run is going."""
@@ -58,6 +59,38 @@ async def watch(run_id: str, *, engine: str | None = None, from_offset: int = 0,
         StreamUnsupportedError: `engine` publishes no stream.
         ValueError: `from_offset` is negative.
     """
+    async for batch in watch_batches(run_id, engine=engine, from_offset=from_offset, store=store, follow=follow,
+                                     wait_for_start=wait_for_start, poll=poll):
+        for event in batch:
+            yield event
+
+
+async def watch_batches(run_id: str, *, engine: str | None = None, from_offset: int = 0, store: str | None = None,
+                        follow: bool = True, wait_for_start: float = 30.0,
+                        poll: float = POLL_SECONDS) -> AsyncIterator[list[RunEvent]]:
+    """`watch`'s events as the store's reads return them: each read's new events as one list, in offset order,
+    each once, the last list ending with the run's last event (for a consumer that sends them on together, as
+    `durcap serve`'s Server-Sent Events do: one write to the client per read, not one per event).
+
+    Args:
+        run_id: The run (workflow id, flow run id, `local-...`).
+        engine: The engine it runs on (`local`, `dbos`, `prefect`, `temporal`; `None`: any of them); another
+            name raises `StreamUnsupportedError`.
+        from_offset: The offset of the last event already seen: only later ones are delivered (0: from the start).
+            A subscriber that reconnects with its last offset gets exactly the rest.
+        store: The conversation store URL holding the stream (`None`: `$DURCAP_STORE`, else the default store).
+        follow: Wait for new events until the run ends (`False`: return what is retained now).
+        wait_for_start: Seconds to wait for a run that has published nothing yet.
+        poll: Seconds between reads while waiting.
+
+    Yields:
+        Non-empty lists of `RunEvent`s.
+
+    Raises:
+        StreamNotFoundError: nothing published for `run_id` within `wait_for_start` seconds.
+        StreamUnsupportedError: `engine` publishes no stream.
+        ValueError: `from_offset` is negative.
+    """
     from ..store import resolve_url
 
     if engine is not None and engine not in STREAM_ENGINES:
@@ -77,25 +110,44 @@ async def watch(run_id: str, *, engine: str | None = None, from_offset: int = 0,
                                           'check --store (the store the run writes to)')
             await asyncio.sleep(poll)
     log = EventLog(url)
-    while (info := await in_thread(log.info_sync, run_id)) is None:
-        if not follow or time.monotonic() > deadline:
-            raise StreamNotFoundError(f'run {run_id!r} has published no events to {log._backend.display_url} '
-                                      f'(waited {wait_for_start:g} s); check the run id and --store')
-        await asyncio.sleep(poll)
+    # Between reads: the poll, cut short when this process commits an event of the run (`written_soon`: a run this
+    # process runs, e.g. `durcap serve`'s local turns, is seen at once; one run elsewhere, at the next poll). Each
+    # read is one trip to a worker thread: the new events and the stream's row (`poll_sync`).
+    waiter = written_soon(run_id)
     after = from_offset
-    while True:
-        rows = await in_thread(log.read_sync, run_id, after)
-        for row in rows:
-            after = row.offset
-            event = to_run_event(run_id, row)
-            yield event
-            if event.kind in TERMINAL_KINDS:
+    try:
+        while True:
+            rows, info = await in_thread(log.poll_sync, run_id, after)
+            if info is None and not rows:
+                if not follow or time.monotonic() > deadline:
+                    raise StreamNotFoundError(f'run {run_id!r} has published no events to {log._backend.display_url} '
+                                              f'(waited {wait_for_start:g} s); check the run id and --store')
+                waiter = await _next_write(run_id, waiter, poll)
+                continue
+            batch = []
+            for row in rows:
+                after = row.offset
+                batch.append(to_run_event(run_id, row))
+                if batch[-1].kind in TERMINAL_KINDS:
+                    yield batch
+                    return
+            if batch:
+                yield batch
+                continue
+            if not follow:
                 return
-        if rows:
-            continue
-        if not follow:
-            return
-        info = await in_thread(log.info_sync, run_id)
-        if info is not None and info.closed_at is not None and after >= info.next_offset - 1:
-            return
-        await asyncio.sleep(poll)
+            if info is not None and info.closed_at is not None and after >= info.next_offset - 1:
+                return
+            waiter = await _next_write(run_id, waiter, poll)
+    finally:
+        forget_waiter(run_id, waiter)
+
+
+async def _next_write(run_id: str, waiter: asyncio.Future[None], poll: float) -> asyncio.Future[None]:
+    """Wait until `waiter` (a commit of the run in this process) or `poll` seconds; the waiter for the next read,
+    registered before it."""
+    if not waiter.done():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(waiter), poll)
+    forget_waiter(run_id, waiter)
+    return written_soon(run_id)
