@@ -309,7 +309,7 @@ def inherit(sql: _SQLBackend, source_key: str, new_key: str, until: str | None,
                 "output_tokens, cost_nanos, created_at, settled_at) VALUES (:k, :r, :run, 'settled', :i, :o, :c, :at, "
                 ':at) ON CONFLICT (budget_key, request_id) DO NOTHING'),
                 {'k': new_key, 'r': f'fork:{source_key}', 'run': f'{SEED_RUN}{dr}', 'i': di, 'o': do, 'c': dc, 'at': at})
-            conn.execute(_ADD, {'k': new_key, 'di': di, 'do': do, 'dt': di + do, 'dc': dc, 'dr': dr, 'at': at})
+            conn.execute(sa.text(_ADD), {'k': new_key, 'di': di, 'do': do, 'dt': di + do, 'dc': dc, 'dr': dr, 'at': at})
         merged = json.loads(row.raised)
         for name, amount in raised.items():
             value = merged.get(name, 0) + amount
