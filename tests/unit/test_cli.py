@@ -312,6 +312,24 @@ def test_run_with_bad_deps_json_is_unusable_input(deps_json: str, tmp_path: Path
     assert 'the run failed' not in result.stderr and 'Traceback' not in result.stderr
 
 
+@pytest.mark.parametrize(('command', 'model', 'said'), [
+    (('demo',), 'nonsense', 'Unknown model: nonsense'),
+    (('run', str(ROOT / 'examples/support/agent.py') + ':support', 'hi', '--deps-json', '{"orders": {}}'),
+     'openai:gpt-4o', 'OPENAI_API_KEY'),
+])
+def test_an_unusable_model_is_refused_before_the_run_starts(command: tuple[str, ...], model: str, said: str,
+                                                            tmp_path: Path) -> None:
+    """`--model` with a name pydantic-ai does not know, or a provider without its key (no --base-url): DC040, exit 2,
+    one line, and no DBOS workflow started (before, the run was recorded and failed at its first model request,
+    exit 1). Real `durcap` subprocesses on DBOS/SQLite in a temporary folder; no model request is made."""
+    result = durcap(*command, '--engine', 'dbos', '--model', model, cwd=tmp_path,
+                    unset=['OPENAI_API_KEY', 'OPENAI_BASE_URL', 'DURCAP_DBOS_DB', 'DURCAP_STORE'])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"DC040 --model {model!r} is not usable here" in result.stderr and said in result.stderr, result.stderr
+    assert 'workflow id' not in result.stderr and 'Traceback' not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 @pytest.mark.parametrize('command', [['approvals', 'list'], ['approve', 'run-x', 'call-y'], ['deny', 'run-x', 'call-y',
                                                                                                 '--reason', 'no']])
 def test_approval_commands_without_a_temporal_server_say_so_in_one_line(command: list[str]) -> None:

@@ -249,6 +249,23 @@ def point_model(model: Any, base_url: str | None) -> None:
     os.environ[env] = base_url
 
 
+def check_model(model: str | None) -> None:
+    """Exit 2 (code DC040), before anything runs, when `--model` names a model pydantic-ai cannot build in this
+    process: an unknown name, a provider whose package is missing, or one without its API key (and no `--base-url`).
+    Before, the run started (a DBOS workflow was recorded) and failed at its first model request with exit 1."""
+    if not model:
+        return
+    from pydantic_ai.exceptions import UserError
+    from pydantic_ai.models import infer_model
+
+    try:
+        infer_model(model)
+    except (UserError, ImportError, ValueError) as exc:
+        _unusable(f'{INPUT_CODE} --model {model!r} is not usable here: {one_line(str(exc))}. Fix: give a model name '
+                  'pydantic-ai knows (e.g. openai:gpt-4o) with its key in the environment, or --base-url for a '
+                  'compatible server')
+
+
 def _model_where(agent: DurableAgent[Any, Any]) -> str:
     """`model openai:gpt-4o at http://127.0.0.1:8765/v1` (credentials redacted) for a failed run's line."""
     model = agent.model
@@ -358,6 +375,7 @@ def run(
     if model:
         agent.replace_model(model)
     point_model(agent.model, base_url)
+    check_model(model)
     if conversation is not None and not conversation.strip():
         _unusable('--conversation must not be empty')
     store = database_url(store, '--store')
@@ -423,6 +441,7 @@ def demo(
     if model:
         os.environ['SUPPORT_MODEL'] = model
     point_model(model, base_url)
+    check_model(model)
     target = demo_target()
     if not target.is_file():
         _unusable(f'the support example is not installed with this package (looked for {target})')
