@@ -330,6 +330,19 @@ def test_an_unusable_model_is_refused_before_the_run_starts(command: tuple[str, 
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+def test_a_bad_stream_setting_is_refused_before_the_run_starts(tmp_path: Path) -> None:
+    """`$DURCAP_STREAM_RETENTION=xyz` (or any run-stream setting not a positive number): DC040 naming the variable and
+    its default, exit 2, no DBOS workflow started (before, the workflow started and the run failed at its first
+    event with exit 1 and a ValueError). A real `durcap run` subprocess on DBOS/SQLite in a temporary folder."""
+    result = durcap('run', str(ROOT / 'examples/support/agent.py') + ':support', 'hi', '--deps-json', '{"orders": {}}',
+                    '--engine', 'dbos', cwd=tmp_path, env={'DURCAP_STREAM_RETENTION': 'xyz'},
+                    unset=['DURCAP_DBOS_DB', 'DURCAP_STORE'])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "DC040 $DURCAP_STREAM_RETENTION: must be a positive number, got 'xyz'" in result.stderr, result.stderr
+    assert '(default 604800)' in result.stderr and 'workflow id' not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 @pytest.mark.parametrize('command', [['approvals', 'list'], ['approve', 'run-x', 'call-y'], ['deny', 'run-x', 'call-y',
                                                                                                 '--reason', 'no']])
 def test_approval_commands_without_a_temporal_server_say_so_in_one_line(command: list[str]) -> None:
