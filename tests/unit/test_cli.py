@@ -330,6 +330,20 @@ def test_an_unusable_model_is_refused_before_the_run_starts(command: tuple[str, 
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+@pytest.mark.parametrize(('args', 'said'), [
+    (('--model', 'openai:gpt-4o', '--base-url', 'notaurl'), "DC040 --base-url must be an http:// or https:// URL, not 'notaurl'"),
+    (('--base-url', 'http://127.0.0.1:9/v1'), 'DC040 --base-url needs --model naming an OpenAI or Anthropic model'),
+])
+def test_a_bad_base_url_is_dc040(args: tuple[str, ...], said: str) -> None:
+    """`durcap demo --base-url` that is not http(s), or without an OpenAI/Anthropic --model: one line with DC040, exit 2
+    (it had no code). In this process (typer's runner): the check runs before the example is loaded."""
+    # The demo sets $SUPPORT_MODEL (and a good --base-url its variable) for its run: restored after the call.
+    result = durcap_here('demo', '--engine', 'local', *args,
+                         env={'SUPPORT_MODEL': None, 'OPENAI_BASE_URL': None, 'ANTHROPIC_BASE_URL': None})
+    assert result.exit_code == 2, result.stdout + result.stderr
+    assert said in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 def test_a_bad_stream_setting_is_refused_before_the_run_starts(tmp_path: Path) -> None:
     """`$DURCAP_STREAM_RETENTION=xyz` (or any run-stream setting not a positive number): DC040 naming the variable and
     its default, exit 2, no DBOS workflow started (before, the workflow started and the run failed at its first

@@ -234,18 +234,19 @@ BaseUrlOption = Annotated[str | None, typer.Option(
 
 
 def point_model(model: Any, base_url: str | None) -> None:
-    """Send `model`'s provider requests to `base_url` (exit 2 when the model is not an OpenAI or Anthropic model
-    name, or the URL is not http(s)). No key is needed for OpenAI-compatible servers: pydantic-ai's
+    """Send `model`'s provider requests to `base_url` (exit 2, code DC040, when the model is not an OpenAI or
+    Anthropic model name, or the URL is not http(s)). No key is needed for OpenAI-compatible servers: pydantic-ai's
     `OpenAIProvider` uses a placeholder key when a base URL is set and $OPENAI_API_KEY is not."""
     if base_url is None:
         return
     if not base_url.startswith(('http://', 'https://')):
-        _unusable(f'--base-url must be an http:// or https:// URL, not {redact_url(base_url)!r}')
+        _unusable(f'{INPUT_CODE} --base-url must be an http:// or https:// URL, not {redact_url(base_url)!r}: give '
+                  'e.g. http://127.0.0.1:11434/v1')
     provider = model.partition(':')[0] if isinstance(model, str) else ''
     env = BASE_URL_ENV.get(provider)
     if env is None:
-        _unusable(f'--base-url needs --model naming an OpenAI or Anthropic model ({", ".join(p + ":..." for p in BASE_URL_ENV)}), '
-                  f'not {model!r}')
+        _unusable(f'{INPUT_CODE} --base-url needs --model naming an OpenAI or Anthropic model '
+                  f'({", ".join(p + ":..." for p in BASE_URL_ENV)}), not {model!r}')
     os.environ[env] = base_url
 
 
