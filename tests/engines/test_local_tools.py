@@ -98,6 +98,48 @@ def test_marked_leaf_runs_its_tools_as_local_activities_and_old_histories_replay
     assert temporal.ADAPTER.durable_names(agent) == names_before, 'local activities must not rename durable units'
 
 
+def test_an_agents_own_tool_activity_gets_the_tool_recovery_settings(temporal_address: str) -> None:
+    """A tool given with `DurableAgent(tools=[...])` (the agent's own toolset `<agent>`, outside every capability) is
+    scheduled with the same recovery settings as a capability's tools: `DEFAULT_TOOL_HEARTBEAT_TIMEOUT` and the
+    `TOOL_RETRY_INITIAL_INTERVAL` backoff, so a killed worker's always-on tool (the support example's
+    `issue_refund`) is retried within seconds, not when its 60 s start-to-close timeout expires (it had no heartbeat
+    timeout). Real Temporal dev server, an in-process worker; model: a scripted `FunctionModel` (call, then answer)."""
+    from pydantic_ai import ModelResponse, TextPart, ToolCallPart
+    from pydantic_ai.messages import ToolReturnPart
+    from pydantic_ai.models.function import FunctionModel
+    from temporalio.api.enums.v1 import EventType
+
+    from durable_capabilities import DurableAgent
+    from durable_capabilities.engines import temporal
+
+    def model(messages: list[Any], info: Any) -> ModelResponse:
+        if isinstance(messages[-1].parts[-1], ToolReturnPart):
+            return ModelResponse([TextPart(f'refunded: {messages[-1].parts[-1].content}')])
+        return ModelResponse([ToolCallPart('refund', {'order': 'A-1'}, tool_call_id='refund-1')])
+
+    def refund(order: str) -> str:
+        """Refund an order."""
+        return order
+
+    name = f'own_{uuid.uuid4().hex[:8]}'
+    agent = DurableAgent(name, FunctionModel(model), tools=[refund])
+
+    async def scheduled() -> dict[str, Any]:
+        client = await temporal.connect(temporal_address)
+        queue = f'own-{uuid.uuid4().hex[:8]}'
+        async with temporal.make_worker(client, [agent], queue):
+            handle = await temporal.start_run(client, agent, 'refund A-1', task_queue=queue,
+                                              workflow_id=f'own-{uuid.uuid4()}', eager=True)
+            assert (await asyncio.wait_for(handle.result(), 60)).output == 'refunded: A-1'
+        return {e.activity_task_scheduled_event_attributes.activity_type.name: e.activity_task_scheduled_event_attributes
+                async for e in handle.fetch_history_events()
+                if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED}
+
+    attrs = asyncio.run(scheduled())[f'agent__{name}__toolset__<agent>__call_tool']
+    assert attrs.heartbeat_timeout.ToTimedelta() == temporal.DEFAULT_TOOL_HEARTBEAT_TIMEOUT
+    assert attrs.retry_policy.initial_interval.ToTimedelta() == temporal.TOOL_RETRY_INITIAL_INTERVAL
+
+
 def test_unknown_leaf_is_refused_naming_it() -> None:
     """A marked leaf id the agent does not have is refused (when a worker or replayer is made), naming it and the ids that fit."""
     from durable_capabilities.engines import temporal

@@ -312,6 +312,51 @@ def test_run_with_bad_deps_json_is_unusable_input(deps_json: str, tmp_path: Path
     assert 'the run failed' not in result.stderr and 'Traceback' not in result.stderr
 
 
+@pytest.mark.parametrize(('command', 'model', 'said'), [
+    (('demo',), 'nonsense', 'Unknown model: nonsense'),
+    (('run', str(ROOT / 'examples/support/agent.py') + ':support', 'hi', '--deps-json', '{"orders": {}}'),
+     'openai:gpt-4o', 'OPENAI_API_KEY'),
+])
+def test_an_unusable_model_is_refused_before_the_run_starts(command: tuple[str, ...], model: str, said: str,
+                                                            tmp_path: Path) -> None:
+    """`--model` with a name pydantic-ai does not know, or a provider without its key (no --base-url): DC040, exit 2,
+    one line, and no DBOS workflow started (before, the run was recorded and failed at its first model request,
+    exit 1). Real `durcap` subprocesses on DBOS/SQLite in a temporary folder; no model request is made."""
+    result = durcap(*command, '--engine', 'dbos', '--model', model, cwd=tmp_path,
+                    unset=['OPENAI_API_KEY', 'OPENAI_BASE_URL', 'DURCAP_DBOS_DB', 'DURCAP_STORE'])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"DC040 --model {model!r} is not usable here" in result.stderr and said in result.stderr, result.stderr
+    assert 'workflow id' not in result.stderr and 'Traceback' not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize(('args', 'said'), [
+    (('--model', 'openai:gpt-4o', '--base-url', 'notaurl'), "DC040 --base-url must be an http:// or https:// URL, not 'notaurl'"),
+    (('--base-url', 'http://127.0.0.1:9/v1'), 'DC040 --base-url needs --model naming an OpenAI or Anthropic model'),
+])
+def test_a_bad_base_url_is_dc040(args: tuple[str, ...], said: str) -> None:
+    """`durcap demo --base-url` that is not http(s), or without an OpenAI/Anthropic --model: one line with DC040, exit 2
+    (it had no code). In this process (typer's runner): the check runs before the example is loaded."""
+    # The demo sets $SUPPORT_MODEL (and a good --base-url its variable) for its run: restored after the call.
+    result = durcap_here('demo', '--engine', 'local', *args,
+                         env={'SUPPORT_MODEL': None, 'OPENAI_BASE_URL': None, 'ANTHROPIC_BASE_URL': None})
+    assert result.exit_code == 2, result.stdout + result.stderr
+    assert said in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_bad_stream_setting_is_refused_before_the_run_starts(tmp_path: Path) -> None:
+    """`$DURCAP_STREAM_RETENTION=xyz` (or any run-stream setting not a positive number): DC040 naming the variable and
+    its default, exit 2, no DBOS workflow started (before, the workflow started and the run failed at its first
+    event with exit 1 and a ValueError). A real `durcap run` subprocess on DBOS/SQLite in a temporary folder."""
+    result = durcap('run', str(ROOT / 'examples/support/agent.py') + ':support', 'hi', '--deps-json', '{"orders": {}}',
+                    '--engine', 'dbos', cwd=tmp_path, env={'DURCAP_STREAM_RETENTION': 'xyz'},
+                    unset=['DURCAP_DBOS_DB', 'DURCAP_STORE'])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "DC040 $DURCAP_STREAM_RETENTION: must be a positive number, got 'xyz'" in result.stderr, result.stderr
+    assert '(default 604800)' in result.stderr and 'workflow id' not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 @pytest.mark.parametrize('command', [['approvals', 'list'], ['approve', 'run-x', 'call-y'], ['deny', 'run-x', 'call-y',
                                                                                                 '--reason', 'no']])
 def test_approval_commands_without_a_temporal_server_say_so_in_one_line(command: list[str]) -> None:

@@ -279,7 +279,8 @@ def test_watch_errors_name_what_to_fix(tmp_path: Path) -> None:
 
 def test_cli_watch_prints_jsonl_text_and_resumes_from_an_offset(tmp_path: Path) -> None:
     """`durcap runs watch` in another process: every event as one JSON object per line, `--from N` only the later
-    ones, `--format text` the answer; an unknown run is one error line, exit 2."""
+    ones, `--format text` the answer; an unknown run is one error line, exit 2, after a line saying it waits (when
+    --wait is longer than the notice's 2 s)."""
     store = sqlite_url(tmp_path)
     local_run(FunctionModel(stream_function=stream_words), store, 'local-cli')
     jsonl = durcap('runs', 'watch', 'local-cli', '--store', store, '--format', 'jsonl')
@@ -293,6 +294,12 @@ def test_cli_watch_prints_jsonl_text_and_resumes_from_an_offset(tmp_path: Path) 
     missing = durcap('runs', 'watch', 'nope', '--store', store, '--wait', '0')
     assert missing.returncode == 2 and missing.stderr.startswith("durcap: error: run 'nope' has published no events")
     assert 'Traceback' not in missing.stderr
+    # A longer wait is not silent: after WATCH_NOTICE_SECONDS it says what it waits for, then fails as above.
+    waited = durcap('runs', 'watch', 'nope', '--store', store, '--wait', '3')
+    lines = waited.stderr.splitlines()
+    assert waited.returncode == 2 and len(lines) == 2, waited.stderr
+    assert lines[0].startswith("durcap: run 'nope' has published no event to ") and 'waiting up to 3 s' in lines[0]
+    assert lines[1].startswith("durcap: error: run 'nope' has published no events")
 
 
 def test_a_subscriber_in_the_running_process_is_woken_by_each_commit_not_its_poll(tmp_path: Path) -> None:

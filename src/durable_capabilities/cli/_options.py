@@ -17,6 +17,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+from .._limits import InputError
 from ..engines import ConnectionSetting, get
 from ..settings import Settings, read_settings
 from ..store import DEFAULT_URL
@@ -92,10 +93,25 @@ def connection_settings(conn: Mapping[str, Any], store: str | None = None) -> Se
     return Settings.resolve(**flags, store=database_url(store, '--store'))
 
 
+def check_stream_env() -> None:
+    """Exit 2 (DC040) on a bad `$DURCAP_STREAM_MAX_EVENTS`, `$DURCAP_STREAM_MAX_BYTES` or `$DURCAP_STREAM_RETENTION`
+    (`streams.Limits.from_env`), before anything runs: a run, a worker or `durcap serve` publishes or reads run
+    streams with them (a bad value failed the run at its first event, exit 1, after the engine had started it)."""
+    from ..streams import Limits
+    from . import _unusable
+
+    try:
+        Limits.from_env()
+    except InputError as exc:
+        _unusable(str(exc))
+
+
 def run_settings(conn: Mapping[str, Any], engine: str, *, defaults: bool = False) -> dict[str, Any]:
     """The settings `durcap run` / `durcap demo` / `durcap worker` hand the engine: each flag checked (`checked`), a
     database of the engine the run is on probed once; with `defaults`, a setting left `None` is its default (a worker
-    asks the default Temporal address, where a run starts an embedded server instead)."""
+    asks the default Temporal address, where a run starts an embedded server instead); the run-stream settings too
+    (`check_stream_env`)."""
+    check_stream_env()
     own = {s.field for s in get(engine).spec.settings}
     values = {field: checked(setting, conn.get(field), probe=field in own)
               for setting in _all_settings() if (field := setting.field) in conn}

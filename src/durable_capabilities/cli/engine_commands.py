@@ -234,19 +234,37 @@ BaseUrlOption = Annotated[str | None, typer.Option(
 
 
 def point_model(model: Any, base_url: str | None) -> None:
-    """Send `model`'s provider requests to `base_url` (exit 2 when the model is not an OpenAI or Anthropic model
-    name, or the URL is not http(s)). No key is needed for OpenAI-compatible servers: pydantic-ai's
+    """Send `model`'s provider requests to `base_url` (exit 2, code DC040, when the model is not an OpenAI or
+    Anthropic model name, or the URL is not http(s)). No key is needed for OpenAI-compatible servers: pydantic-ai's
     `OpenAIProvider` uses a placeholder key when a base URL is set and $OPENAI_API_KEY is not."""
     if base_url is None:
         return
     if not base_url.startswith(('http://', 'https://')):
-        _unusable(f'--base-url must be an http:// or https:// URL, not {redact_url(base_url)!r}')
+        _unusable(f'{INPUT_CODE} --base-url must be an http:// or https:// URL, not {redact_url(base_url)!r}: give '
+                  'e.g. http://127.0.0.1:11434/v1')
     provider = model.partition(':')[0] if isinstance(model, str) else ''
     env = BASE_URL_ENV.get(provider)
     if env is None:
-        _unusable(f'--base-url needs --model naming an OpenAI or Anthropic model ({", ".join(p + ":..." for p in BASE_URL_ENV)}), '
-                  f'not {model!r}')
+        _unusable(f'{INPUT_CODE} --base-url needs --model naming an OpenAI or Anthropic model '
+                  f'({", ".join(p + ":..." for p in BASE_URL_ENV)}), not {model!r}')
     os.environ[env] = base_url
+
+
+def check_model(model: str | None) -> None:
+    """Exit 2 (code DC040), before anything runs, when `--model` names a model pydantic-ai cannot build in this
+    process: an unknown name, a provider whose package is missing, or one without its API key (and no `--base-url`).
+    Before, the run started (a DBOS workflow was recorded) and failed at its first model request with exit 1."""
+    if not model:
+        return
+    from pydantic_ai.exceptions import UserError
+    from pydantic_ai.models import infer_model
+
+    try:
+        infer_model(model)
+    except (UserError, ImportError, ValueError) as exc:
+        _unusable(f'{INPUT_CODE} --model {model!r} is not usable here: {one_line(str(exc))}. Fix: give a model name '
+                  'pydantic-ai knows (e.g. openai:gpt-4o) with its key in the environment, or --base-url for a '
+                  'compatible server')
 
 
 def _model_where(agent: DurableAgent[Any, Any]) -> str:
@@ -358,6 +376,7 @@ def run(
     if model:
         agent.replace_model(model)
     point_model(agent.model, base_url)
+    check_model(model)
     if conversation is not None and not conversation.strip():
         _unusable('--conversation must not be empty')
     store = database_url(store, '--store')
@@ -423,6 +442,7 @@ def demo(
     if model:
         os.environ['SUPPORT_MODEL'] = model
     point_model(model, base_url)
+    check_model(model)
     target = demo_target()
     if not target.is_file():
         _unusable(f'the support example is not installed with this package (looked for {target})')

@@ -17,7 +17,7 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from .. import telemetry
-from .._limits import one_line, printable
+from .._limits import one_line, printable, redact_database_url
 from ..errors import DurcapError
 from ..settings import Settings
 from ..store import resolve_url
@@ -246,6 +246,11 @@ def _summary(event: Any) -> str:
     return one_line(json.dumps(event.data, default=str))[:300]
 
 
+WATCH_NOTICE_SECONDS = 2.0
+"""`durcap runs watch` says it is waiting when a run has published nothing within this many seconds (a wrong run id or
+--store otherwise waited the whole --wait, 30 s by default, in silence)."""
+
+
 @runs_app.command('watch')
 def watch_run(
     run_id: Annotated[str, typer.Argument(help='The run id (workflow id, flow run id, local-...).')],
@@ -266,10 +271,26 @@ def watch_run(
     from .. import streams
 
     url = connection_settings({}, store).store
+    seen: list[bool] = []
+
+    async def say_waiting() -> None:
+        await asyncio.sleep(WATCH_NOTICE_SECONDS)
+        if not seen:
+            _err.print(printable(f'durcap: run {run_id!r} has published no event to {redact_database_url(url)} yet; waiting up to '
+                                 f'{wait:g} s in all (--wait) ...'), markup=False)
 
     async def follow_run() -> None:
+        notice = asyncio.create_task(say_waiting()) if wait > WATCH_NOTICE_SECONDS else None
+        try:
+            await print_events()
+        finally:
+            if notice is not None:
+                notice.cancel()
+
+    async def print_events() -> None:
         async for event in streams.watch(run_id, engine=engine, from_offset=from_offset, store=url, follow=follow,
                                          wait_for_start=wait):
+            seen.append(True)
             if fmt is WatchFormat.jsonl:
                 sys.stdout.write(event.model_dump_json() + '\n')
             elif event.kind == 'text_delta':

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from . import _err, _unusable, _valid_agents, app
-from ._options import StoreOption, connection_options, connection_settings
+from ._options import StoreOption, check_stream_env, connection_options, connection_settings
 from .ui import LOOPBACK
 
 SERVE_ENGINES = ('local', 'dbos', 'prefect', 'temporal')
@@ -79,6 +79,7 @@ def serve(
         tokens = parse_tokens(token)
     except ValueError as exc:
         _unusable(str(exc))
+    check_stream_env()
     settings = connection_settings(conn or {}, store)
     run_settings: dict[str, Any] = {**settings.engine(), 'store': settings.store}
     if engine == 'dbos':

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from pydantic_core import to_json
 
+from .._limits import InputError
 from ..conversations import process_store
 
 T = TypeVar('T')
@@ -64,7 +65,8 @@ class Limits:
         """The limits from `$DURCAP_STREAM_MAX_EVENTS`, `$DURCAP_STREAM_MAX_BYTES`, `$DURCAP_STREAM_RETENTION`.
 
         Raises:
-            ValueError: a variable is not a positive number (the message names it).
+            InputError: DC040 (a `ValueError`), a variable that is not a positive finite number, naming it, its
+                default and the fix. `durcap run`, `demo` and the workers read them before anything runs (exit 2).
         """
         def read(name: str, default: float) -> float:
             raw = os.environ.get(name)
@@ -74,8 +76,10 @@ class Limits:
                 value = float(raw)
             except ValueError:
                 value = -1
-            if value <= 0:
-                raise ValueError(f'{name}={raw!r}: expected a positive number')
+            if not 0 < value < float('inf'):
+                shown = f'{default:.0f}' if default == int(default) else f'{default:g}'
+                raise InputError(f'${name}', f'must be a positive number, got {raw!r}. Fix: unset it (default '
+                                 f'{shown}) or give e.g. {shown}.')
             return value
 
         return cls(int(read('DURCAP_STREAM_MAX_EVENTS', DEFAULT_MAX_EVENTS)),

@@ -98,8 +98,16 @@ class GuardedTemporalDurability(TemporalDurability[Any]):
         return await super().on_tool_execute_error(ctx, call=call, tool_def=tool_def, args=args, error=error)
 
 
+AGENT_TOOLSET_ID = '<agent>'
+"""The toolset id pydantic-ai gives an agent's own function toolset (`tools=[...]`; `AbstractToolset.id` documents
+it), outside every capability, so not in `DurableAgent.leaf_ids()`: its tool activities get the same recovery
+settings as a capability's (before, a killed worker's always-on tool, e.g. the support example's `issue_refund`,
+was retried only when its 60 s start-to-close timeout expired)."""
+
+
 def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-    """`GuardedTemporalDurability(...)` keyword arguments: ours (every tool activity: `DEFAULT_TOOL_HEARTBEAT_TIMEOUT` and,
+    """`GuardedTemporalDurability(...)` keyword arguments: ours (every tool activity, the agent's own toolset
+    `AGENT_TOOLSET_ID` included: `DEFAULT_TOOL_HEARTBEAT_TIMEOUT` and,
     MCP leaves aside, a retry policy from `TOOL_RETRY_INITIAL_INTERVAL`; model requests: `DEFAULT_MODEL_HEARTBEAT_TIMEOUT`
     and the bounded `DEFAULT_MODEL_RETRY_POLICY`) merged with `options` (the user's win, per toolset id and per key),
     the payload guard (`payload_guard`), and the MCP guard (`_mcp.py`) when there are MCP leaves."""
@@ -107,8 +115,7 @@ def durability_parts(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> 
     options.pop(LOCAL_TOOLSETS_OPTION, None)  # ours, read by `make_worker` (see `local_tool_activities`)
     configs: dict[str, Any] = {
         leaf: {'heartbeat_timeout': DEFAULT_TOOL_HEARTBEAT_TIMEOUT, 'start_to_close_timeout': TOOL_START_TO_CLOSE_TIMEOUT}
-        for leaves in agent.leaf_ids().values()
-        for leaf in leaves
+        for leaf in [AGENT_TOOLSET_ID, *(leaf for leaves in agent.leaf_ids().values() for leaf in leaves)]
     }
     for leaf, config in (options.pop('toolset_activity_config', None) or {}).items():
         configs[leaf] = {**configs.get(leaf, {}), **config}
