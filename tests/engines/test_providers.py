@@ -398,3 +398,36 @@ def test_worker_killed_while_a_model_request_is_in_flight(engine: str, request: 
     assert 'charged A-1' in output
     assert ledger_lines(ledger_dir) == ['A-1']
     assert served == [0, 0, 0, 0, 1, 2, 2], served  # only the held request was sent again, once
+
+
+def test_runs_resume_with_model_finishes_a_run_on_the_model_it_was_started_with(
+        tmp_path: Path, ledger_dir: Path, procs: list[subprocess.Popen[bytes]]) -> None:
+    """`durcap run --model openai-chat:gpt-4o --base-url A` on DBOS (SQLite), SIGKILLed while its third model request
+    is held by wire server A; `durcap runs resume ID --target T --model openai-chat:gpt-4o --base-url A` finishes it
+    on A (the real `OpenAIChatModel` class against `durcap wire`): the held request is sent again to A, `charge` ran
+    once, and wire server B, where the target's own model points, saw nothing. Before `runs resume` had `--model`,
+    the rest of such a run went to the target's own model: one run, two models."""
+    script = ledger_script((2, Fault(delay=30)))
+    with WireServer(script) as wire, WireServer(ledger_script()) as other:
+        db = f'sqlite:///{tmp_path / "dbos.sqlite"}'
+        env = {'DURCAP_WIRE_KIND': 'openai-chat', 'DURCAP_WIRE_URL': other.url, 'DURCAP_LEDGER_DIR': str(ledger_dir),
+               'DURCAP_LEDGER_CHARGE_SECONDS': '0', 'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}',
+               'OPENAI_API_KEY': 'test'}
+        model = ['--model', 'openai-chat:gpt-4o', '--base-url', wire.url + '/v1']
+        first = start([*DURCAP, 'run', 'tests.engines.wire_agent:ledger', 'charge order A-1', '--engine', 'dbos',
+                       '--db', db, *model], tmp_path / 'first.log', env, procs)
+        wait_for(lambda: any(e['step'] == 2 for e in wire.log), 120, 'the held model request')
+        kill9(first)
+        said = (tmp_path / 'first.log').read_text()
+        listed = subprocess.run([*DURCAP, 'runs', 'list', '--engine', 'dbos', '--db', db, '--format', 'json'],
+                                cwd=ROOT, env=subprocess_env(env), capture_output=True, text=True, timeout=120, check=False)
+        assert listed.returncode == 0, listed.stderr
+        (run,) = [json.loads(line) for line in listed.stdout.splitlines() if line.strip()]
+        resumed = subprocess.run([*DURCAP, 'runs', 'resume', run['run_id'], '--engine', 'dbos', '--db', db, '--target',
+                                  'tests.engines.wire_agent:ledger', *model], cwd=ROOT, env=subprocess_env(env),
+                                 capture_output=True, text=True, timeout=180, check=False)
+        assert resumed.returncode == 0, said[-2000:] + resumed.stdout + resumed.stderr
+        assert 'charged A-1' in resumed.stdout, resumed.stdout
+        assert [e['step'] for e in wire.log].count(2) == 2  # the held request, sent again to A by the resume
+        assert other.log == []
+    assert ledger_lines(ledger_dir) == ['A-1']

@@ -313,9 +313,11 @@ def _exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _interrupted(engine: str, run_id: str | None, target: str, *, settings: dict[str, Any], flags: dict[str, Any]) -> str:
+def _interrupted(engine: str, run_id: str | None, target: str, *, settings: dict[str, Any], flags: dict[str, Any],
+                 model: str | None = None, base_url: str | None = None) -> str:
     """What `durcap run` says when interrupted: how to find, resume or cancel the run it started (`flags`: the
-    connection flags given, repeated in the commands shown)."""
+    connection flags given, repeated in the commands shown; `model` / `base_url`: the run's --model / --base-url,
+    repeated in the resume command so the rest of the run uses the same model)."""
     if run_id is None:
         return 'interrupted before the run started on the engine: nothing to resume'
     adapter = _adapter(engine)
@@ -326,9 +328,10 @@ def _interrupted(engine: str, run_id: str | None, target: str, *, settings: dict
                 f'which stopped with this command: the run is gone. Run it again, or start a server '
                 f'(`durcap dev {engine}`) and pass {option} to keep runs past the command')
     where = f' --engine {engine}' + where_flags(engine, flags)
+    same_model = (f' --model {model}' if model else '') + (f' --base-url {base_url}' if base_url else '')
     return (f'interrupted; the run goes on in {engine} ({adapter.run_id_label} {run_id}): '
             f'find it with `durcap runs show {run_id}{where}`, finish it with `durcap runs resume {run_id}{where} '
-            f'--target {target}`, or cancel it with `durcap runs cancel {run_id}{where}`')
+            f'--target {target}{same_model}`, or cancel it with `durcap runs cancel {run_id}{where}`')
 
 
 def _approvals_settings(engine: str, settings: dict[str, Any]) -> dict[str, Any] | None:
@@ -402,7 +405,8 @@ def run(
     except StoreError as exc:
         _unusable(str(exc).splitlines()[0])
     except KeyboardInterrupt:
-        _err.print(_interrupted(engine, started[0] if started else None, target, settings=settings, flags=conn or {}), markup=False)
+        _err.print(_interrupted(engine, started[0] if started else None, target, settings=settings, flags=conn or {},
+                                model=model, base_url=base_url), markup=False)
         _exit_now(130)
     except EngineUnreachableError as exc:  # the engine's server is not there: nothing ran, like a bad --db
         _unusable(str(exc))
@@ -411,7 +415,8 @@ def run(
     except BaseException as exc:
         if type(exc).__name__ != 'TerminationSignal':  # Prefect turns SIGTERM into prefect.exceptions.TerminationSignal
             raise
-        _err.print(_interrupted(engine, started[0] if started else None, target, settings=settings, flags=conn or {}), markup=False)
+        _err.print(_interrupted(engine, started[0] if started else None, target, settings=settings, flags=conn or {},
+                                model=model, base_url=base_url), markup=False)
         _exit_now(143)
     _print_run(report)
 

@@ -17,13 +17,14 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from .. import telemetry
-from .._limits import one_line, printable, redact_database_url
+from .._limits import INPUT_CODE, one_line, printable, redact_database_url
 from ..errors import DurcapError
 from ..settings import Settings
 from ..store import resolve_url
 from ..targets import TARGET_HELP
 from . import _err, _out, _unusable, _valid_agents, app, engine_metavar, engine_name
 from ._options import StoreOption, connection_options, connection_settings
+from .engine_commands import BaseUrlOption
 
 runs_app = typer.Typer(help='Find, resume and cancel durable runs on every engine.', no_args_is_help=True)
 app.add_typer(runs_app, name='runs')
@@ -204,16 +205,27 @@ def resume(
                                                  'its worker was given one by hand (--build-id); TARGET is served as '
                                                  'that version. Derived build ids need no flag.')] = None,
     store: StoreOption = None,
+    model: Annotated[str | None, typer.Option(help="The pydantic-ai model name the run was started with by `durcap run "
+                                                   "--model`, replacing TARGET's model for the rest of the run "
+                                                   '(needs --target; a run is not given a second model silently).')] = None,
+    base_url: BaseUrlOption = None,
     conn: dict[str, Any] | None = None,
 ) -> None:
     """Finish a run whose process died, without repeating a completed durable unit, and print its answer."""
     from ..engines import RunOptions
-    from .engine_commands import _print_run
+    from .engine_commands import _print_run, check_model, point_model
 
+    if (model or base_url) and not target:
+        _unusable(f'{INPUT_CODE} --model and --base-url apply to the agent of --target: give --target too')
     settings = connection_settings(conn or {}, store)
     adapter, info = _find(run_id, engine, settings)
     agents = _valid_agents(target, use_lock=True, refused='not resumed: fix the errors above',
                            engine=adapter.name) if target else []
+    for agent in agents:
+        if model:
+            agent.replace_model(model)
+        point_model(agent.model, base_url)
+    check_model(model)
     start, error = telemetry.run_started(), None
     try:
         engine_settings = {**settings.engine(), 'store': settings.store, **({'build_id': build_id} if build_id else {})}
