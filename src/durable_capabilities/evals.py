@@ -252,7 +252,7 @@ async def export_evals(store: SQLConversationStore, conversation_ids: Sequence[s
         An `EvalsExport`.
 
     Raises:
-        InputError: no conversation, or `out` has another suffix (DC040).
+        InputError: no conversation, `out` has another suffix, is a folder or cannot be written (DC040).
         ConversationNotFoundError: a conversation is not stored.
         EvalsNotInstalledError: pydantic-evals does not import (DC070).
     """
@@ -270,9 +270,15 @@ async def export_evals(store: SQLConversationStore, conversation_ids: Sequence[s
         found = await recorded_turns(store, conversation_id)
         per[conversation_id] = len(found)
         turns.extend(found)
+    if path.is_dir():
+        raise InputError('--out', f'{str(out)!r} is a folder: give a file in it, e.g. --out {str(path / "evals.yaml")!r}')
     dataset = build_dataset(turns, name=name or path.stem)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    dataset.to_file(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        dataset.to_file(path)
+    except OSError as exc:  # a parent that is a file, no permission, a full disk: the user's path to change
+        raise InputError('--out', f'cannot write {str(out)!r} ({type(exc).__name__}: {exc.strerror or exc}): give a '
+                                  'writable path') from exc
     schema = path.with_name(f'{path.stem}_schema.json')
     return EvalsExport(path, schema if schema.exists() else None, len(turns), per)
 

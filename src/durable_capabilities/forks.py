@@ -57,7 +57,8 @@ class ForkResult:
 async def turn_ends(store: SQLConversationStore, conversation_id: str) -> list[int]:
     """The message count at the end of each turn of the conversation, oldest first (`[3, 7, 12]`: turn 1 ends at
     message 3). Writes that stored no message (a delete) are not turns. A conversation that was itself forked
-    counts its own turns after the fork point, the kept prefix as one turn.
+    counts the kept prefix's turns as its source counts them (the prefix as one turn when the source is gone), then
+    its own turns after the fork point.
 
     Raises:
         ConversationNotFoundError: no live conversation `conversation_id`.
@@ -69,7 +70,10 @@ async def turn_ends(store: SQLConversationStore, conversation_id: str) -> list[i
             if w.entry_ids and w.first_position is not None]
     if record.forked_from is not None:
         prefix = len(await store.read_history(record.forked_at)) if record.forked_at else 0
-        ends = ([prefix] if prefix else []) + [end for end in ends if end > prefix]
+        kept = [prefix] if prefix else []
+        if prefix and await store.read_record(record.forked_from) is not None:  # the source's turns in the prefix
+            kept = [end for end in await turn_ends(store, record.forked_from) if end < prefix] + kept
+        ends = kept + [end for end in ends if end > prefix]
     return sorted(set(ends))
 
 

@@ -117,3 +117,28 @@ def test_history_evals_refuses_bad_input(tmp_path: Path, monkeypatch: pytest.Mon
     [line] = result.stderr.splitlines()
     assert fragment in line and 'DC070' not in line, line
     assert not (tmp_path / args[2]).exists()
+
+
+@pytest.mark.parametrize('where', ['a-file/evals.yaml', 'a-folder.yaml'])
+def test_history_evals_unwritable_out_exits_2_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          where: str) -> None:
+    """--out under a regular file, or naming a folder: exit 2 with one DC040 line naming --out, no traceback (was a
+    FileExistsError / IsADirectoryError traceback, exit 1). pydantic-evals installed (the write is what fails)."""
+    pytest.importorskip('pydantic_evals')  # .ci/run installs it; DC070 covers its absence
+    url = f'sqlite:///{tmp_path / "s.db"}'
+
+    async def seed() -> None:
+        with SQLConversationStore(url) as store:
+            await three_turns(store, 'c')
+
+    asyncio.run(seed())
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'a-file').write_text('not a folder')
+    (tmp_path / 'a-folder.yaml').mkdir()
+    result = durcap_here('history', 'evals', 'c', '--out', where, '--store', url)
+    assert result.exit_code == 2, result.stdout + result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith('durcap: error: DC040 --out: '), line
+    assert ('cannot write' in line) if where.startswith('a-file/') else ('is a folder' in line), line
+    assert 'Traceback' not in result.stderr
+    assert not (tmp_path / 'a-folder_schema.json').exists()

@@ -51,7 +51,7 @@ def test_fork_at_turn_2_of_5_shares_the_first_two_turns_and_changes_nothing_else
             await store.append('forked', turn(9), expected_revision=(await store.read('forked')).revision)
             assert [m.parts[0].content for m in (await store.read('forked')).messages][-2:] == ['question 9', 'answer 9']
             assert len((await store.read('source')).messages) == 10
-            assert await turn_ends(store, 'forked') == [4, 6]  # the kept prefix, then its own turn
+            assert await turn_ends(store, 'forked') == [2, 4, 6]  # the kept prefix's two turns, then its own
 
     asyncio.run(go())
 
@@ -174,7 +174,7 @@ def test_a_fork_inherits_the_spend_and_raises_of_the_turns_it_keeps(store_url: s
     request; an approved raise of 50 and a denied one of 70), turn 3 (one request): a fork at turn 2 starts its key
     `conversation:f` with the 300 tokens / 3 requests reserved up to turn 2's write and the approved raise only; a fork
     at turn 1 with 100 tokens; upstream's `store.fork(at=...)` (the Python API) the same; the source's ledger is
-    unchanged. A fork of the fork at its kept prefix inherits the prefix's 300, at its own next turn 300 + that
+    unchanged. A fork of the fork at its kept prefix (its turn 2, as in s) inherits the prefix's 300, at its turn 1 100, at its own next turn 300 + that
     turn's; a conversation that spent nothing gives its fork no ledger row."""
 
     async def spend(store: SQLConversationStore, key: str, request: str, tokens: tuple[int, int] = (60, 40)) -> None:
@@ -204,13 +204,14 @@ def test_a_fork_inherits_the_spend_and_raises_of_the_turns_it_keeps(store_url: s
             assert (g.spent['total_tokens'], g.spent['requests'], g.raised) == (100, 1, {})
             assert [r.to_json() for r in await store.budgets('conversation:s')] == source
 
-            # A fork of the fork: its kept prefix (turn 1 of f) is what f inherited; its own turn adds to it.
-            prefix = (await fork_at_turn(store, 'f', 1, 'ff')).budget
+            # A fork of the fork: its kept prefix (turns 1-2 of f, s's) is what f inherited; its own turn adds to it.
+            assert (await fork_at_turn(store, 'f', 1, 'f-1')).budget['spent']['total_tokens'] == 100  # type: ignore[index]
+            prefix = (await fork_at_turn(store, 'f', 2, 'ff')).budget
             assert prefix is not None and (prefix['spent']['total_tokens'], prefix['spent']['requests']) == (300, 3)
             assert prefix['raised'] == {'total_tokens': 50}
             await spend(store, 'conversation:f', 'run4#13', (10, 5))
             await store.append('f', turn(4), expected_revision=(await store.read('f')).revision)
-            whole = (await fork_at_turn(store, 'f', 2, 'fw')).budget
+            whole = (await fork_at_turn(store, 'f', 3, 'fw')).budget
             assert whole is not None and (whole['spent']['total_tokens'], whole['spent']['requests']) == (315, 4)
             # Inside f's prefix (message 2 of its 8: the end of s's turn 1): followed back to s, which wrote it.
             await store.fork('f', at=2, new_conversation_id='fi')
@@ -261,3 +262,31 @@ def test_forking_does_not_get_around_a_spent_conversation_budget(tmp_path: Path)
     assert durcap_here('history', 'fork', 'c', '--at-turn', '3', '--to', 'c3', '--store', url).exit_code == 0
     spent = asyncio.run(turn_on('c3'))
     assert isinstance(spent, BudgetExceededError) and spent.spent == 300, spent
+
+
+def test_a_fork_of_a_fork_numbers_its_turns_as_its_messages_do(tmp_path: Path) -> None:
+    """A fork at turn 2 of 3, continued by two turns, has 4 turns: `--at-turn 3` keeps 3 of them (6 messages), as
+    `durcap history evals` numbers them (its cases `f#turn-1..4`), `--at-turn 4` keeps all, 5 is refused (the kept
+    prefix was counted as one turn: "turn 2 of 3" kept 3 turns, and the fork's last turn could not be named).
+    The prefix is one turn when its source is gone. Real SQLite store, no model."""
+    from durable_capabilities.evals import recorded_turns
+
+    async def go() -> None:
+        with SQLConversationStore(f'sqlite:///{tmp_path / "s.db"}') as store:
+            await five_turns(store, 's')
+            await fork_at_turn(store, 's', 2, 'f')
+            for n in (8, 9):
+                await store.append('f', turn(n), expected_revision=(await store.read('f')).revision)
+            assert await turn_ends(store, 'f') == [2, 4, 6, 8]
+            assert [t.number for t in await recorded_turns(store, 'f')] == [1, 2, 3, 4]
+            kept = await fork_at_turn(store, 'f', 3, 'ff')
+            assert (kept.turns, kept.source_turns, kept.messages) == (3, 4, 6)
+            assert [m.parts[0].content for m in (await store.read('ff')).messages][-2:] == ['question 8', 'answer 8']
+            assert await turn_ends(store, 'ff') == [2, 4, 6]  # a fork of a fork follows the prefix back to s
+            assert (await fork_at_turn(store, 'f', 4, 'f4')).messages == 8
+            with pytest.raises(ForkError, match='has 4 turn'):
+                await fork_at_turn(store, 'f', 5, 'f5')
+            await store.delete('s')
+            assert await turn_ends(store, 'f') == [4, 6, 8]
+
+    asyncio.run(go())

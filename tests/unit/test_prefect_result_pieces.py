@@ -81,3 +81,53 @@ def test_a_tool_result_is_stored_once_read_back_deleted_with_its_conversation_an
         assert _rows(store_url) == {}
         with pytest.raises(Exception, match='durcap_payloads'):
             serializer.loads(blob)
+
+
+def test_deleting_a_conversation_keeps_the_tool_text_another_flow_run_still_reads(
+        store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two flow runs' tools returned the same text: run A's turn was appended (its piece became a pointer into A's
+    entry), run B was killed before its append (its result refers to the same row). Deleting conversation A gives the
+    row its text back as a compressed piece, so B's resume still reads its tool's result (it was a dangling pointer:
+    CorruptedRowError, and Prefect ran B's tool again); deleting B's conversation then frees it. Real SQLite /
+    PostgreSQL stores, no flow run (owners patched), no model."""
+    other = 'prefect:7c0e8a51-2b1d-4c3e-8f00-aa55aa55aa55'
+    text = _report(2)
+    serializer = _results.ToolResultPieces()
+
+    def append(conversation_id: str, append_id: str) -> None:
+        async def go() -> None:
+            with SQLConversationStore(store_url) as store:
+                await store.append(conversation_id, [
+                    ModelRequest(parts=[UserPromptPart('fetch')]),
+                    ModelResponse(parts=[ToolCallPart('fetch_report', {}, tool_call_id='t1')]),
+                    ModelRequest(parts=[ToolReturnPart('fetch_report', text, tool_call_id='t1')]),
+                ], expected_revision=None, append_id=append_id)
+        asyncio.run(go())
+
+    def purge(conversation_id: str) -> Any:
+        async def go() -> Any:
+            with SQLConversationStore(store_url) as store:
+                return await store.purge(conversation_id)
+        return asyncio.run(go())
+
+    with _results.result_store(store_url):
+        monkeypatch.setattr(_results, '_owner', lambda: RUN)
+        serializer.dumps({'value': text})
+        append('a', RUN)
+        _results.settle('a', RUN)
+        monkeypatch.setattr(_results, '_owner', lambda: other)
+        blob_b = serializer.dumps({'value': text})  # B's result: the row A's settle made a pointer
+        (digest,) = _rows(store_url)
+        assert _rows(store_url)[digest][1] == _results.KIND_IN_ENTRY
+
+        purge('a')
+        size, kind = _rows(store_url)[digest]
+        assert kind == _results.KIND_ZPIECE and size < len(text)
+        assert serializer.loads(blob_b) == {'value': text}  # B's resume reads its tool's result
+
+        append('b', other)
+        _results.settle('b', other)
+        assert _rows(store_url)[digest][1] == _results.KIND_IN_ENTRY  # B's own entry now
+        assert serializer.loads(blob_b) == {'value': text}
+        assert purge('b').rows['durcap_payloads'] == 1
+        assert _rows(store_url) == {}

@@ -8,12 +8,14 @@ is used, not imported: it is the public name (and tests patch it there).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import os
 import re
 import threading
 import uuid
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -898,6 +900,38 @@ class _SQLBackend:
         counts['durcap_payloads'] = len(own)
         return _Usage(counts, appends, owners, own, shared, message_bytes, bool(deleted))
 
+    def _unpoint_shared(self, conn: sa.Connection, conversation_id: str, owners: set[str]) -> None:
+        """Before the conversation's entries go: each pointer row (`kind` 4, `point_payloads`) into one of them that
+        an owner other than `owners` (the conversation's runs) still refers to gets its text back as a compressed
+        piece (`kind` 3). A run of another conversation that stored the same tool text (a Prefect flow run killed
+        before its turn was appended) then still reads its result back, instead of running the tool again."""
+        pointers = {d: bytes(data).decode() for d, data in conn.execute(
+            sa.text('SELECT sha256, data FROM durcap_payloads WHERE kind = 4')).all()}
+        if not pointers:
+            return
+        others: set[str] = set()
+        for chunk in _chunks(sorted(pointers)):
+            others.update(row[0] for row in conn.execute(sa.text(
+                'SELECT sha256, owner FROM durcap_payload_refs WHERE sha256 IN :ds').bindparams(
+                    sa.bindparam('ds', expanding=True)), {'ds': list(chunk)}).all() if row[1] not in owners)
+        wanted = {d: entry for d, entry in pointers.items() if d in others}
+        if not wanted:
+            return
+        messages: dict[str, str] = {}
+        for chunk in _chunks(sorted(set(wanted.values()))):
+            messages.update(conn.execute(sa.text(
+                'SELECT entry_id, message FROM durcap_entries WHERE conversation_id = :cid AND entry_id IN :ids').bindparams(
+                    sa.bindparam('ids', expanding=True)), {'cid': conversation_id, 'ids': list(chunk)}).all())
+        for digest, entry_id in sorted(wanted.items()):
+            if entry_id not in messages:
+                continue  # another conversation's entry
+            text = next((t for t in _long_strings(json.loads(messages[entry_id])) if tool_text_digest(t) == digest), None)
+            if text is None:
+                continue
+            data = zlib.compress(text.encode(), 6)
+            conn.execute(sa.text('UPDATE durcap_payloads SET data = :data, size = :n, kind = 3 WHERE sha256 = :d'),
+                         {'d': digest, 'data': data, 'n': len(data)})
+
     def purge(self, conversation_id: str, dry_run: bool) -> PurgeReport:
         """Delete every row of the conversation and the claim checks only its runs refer to (see
         `SQLConversationStore.purge`); with `dry_run`, count them and change nothing."""
@@ -913,6 +947,7 @@ class _SQLBackend:
                     conversation_id=conversation_id, forks=sorted(forks),
                 )
             if not dry_run:
+                self._unpoint_shared(conn, conversation_id, set(usage.owners))
                 for table in ('durcap_entries', 'durcap_writes', 'durcap_conversations'):
                     conn.execute(sa.text(f'DELETE FROM {table} WHERE conversation_id = :cid'), {'cid': conversation_id})
                 # `durcap serve`'s rows of it (schema 7): who owned it, the runs requests started, their idempotency keys.
@@ -1496,6 +1531,27 @@ class _Usage:
     shared: dict[str, int]
     message_bytes: int
     deleted: bool
+
+
+_TOOL_TEXT_NAMESPACE = b'durcap/prefect-tool-result\x00'
+
+
+def tool_text_digest(text: str) -> str:
+    """The `durcap_payloads` key of a long text taken out of a Prefect tool result (sha256, namespaced; the pointer
+    rows of `point_payloads` are keyed by it)."""
+    return hashlib.sha256(_TOOL_TEXT_NAMESPACE + text.encode()).hexdigest()
+
+
+def _long_strings(value: Any, at_least: int = 1024) -> Iterator[str]:
+    if isinstance(value, str):
+        if len(value) >= at_least:
+            yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _long_strings(item, at_least)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _long_strings(item, at_least)
 
 
 def _chunks(values: Sequence[str], size: int = 500) -> Iterator[Sequence[str]]:

@@ -23,7 +23,6 @@ retries) the task, as it does when result storage cannot be written.
 from __future__ import annotations
 
 import base64
-import hashlib
 import io
 import json
 import logging
@@ -38,6 +37,7 @@ from prefect.serializers import Serializer
 
 from ...conversations import process_store
 from ...store import CorruptedRowError, resolve_url
+from ...store._sql import tool_text_digest
 from ._spec import ENGINE
 
 SERIALIZER_TYPE = 'durcap/pieces'
@@ -50,16 +50,15 @@ COMPRESS_FROM = 512
 KIND_PIECE, KIND_ZPIECE, KIND_IN_ENTRY = 0, 3, 4
 """`durcap_payloads.kind` of a piece stored as it is, compressed, and of a pointer to the entry holding its text."""
 
-_NAMESPACE = b'durcap/prefect-tool-result\x00'
-
 _STORE: ContextVar[str | None] = ContextVar('durcap_prefect_result_store', default=None)
 
 _logger = logging.getLogger(__name__)
 
 
 def piece_digest(text: str) -> str:
-    """The `durcap_payloads` key of a text taken out of a tool result (sha256, namespaced)."""
-    return hashlib.sha256(_NAMESPACE + text.encode()).hexdigest()
+    """The `durcap_payloads` key of a text taken out of a tool result (sha256, namespaced; the store's
+    `tool_text_digest`, which a conversation's delete uses to give a shared pointer its text back)."""
+    return tool_text_digest(text)
 
 
 @contextmanager
