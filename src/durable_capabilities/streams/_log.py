@@ -6,7 +6,12 @@ process that can run or read a run can reach it, offsets can be assigned in the 
 and would need a second mechanism for Prefect and local runs.
 
 Writes are synchronous SQL (the store's own backend and its transactions: SQLite `BEGIN IMMEDIATE`, PostgreSQL a row
-lock on the run's stream row); the async API runs them in a worker thread.
+lock on the run's stream row); the async API runs them in a worker thread. They are relaxed (`_SQLBackend._txn(
+relaxed=True)`, as the budget ledger's): a commit survives a crash of any process, not an OS crash or a power loss
+(SQLite `synchronous=NORMAL` in WAL mode: no disk flush per commit; PostgreSQL `synchronous_commit = off`). A stream
+is a view of a run whose record is the engine's own (history, steps, task runs) and the conversation's stored turns,
+which keep their flushed commits; a flush per event batch held SQLite's one write lock for ~3-11 ms on this machine's
+disk, twice per model request, and every run of a worker's store queued behind it (`bench/bench_throughput.py`).
 """
 
 from __future__ import annotations
@@ -133,6 +138,34 @@ def _now() -> str:
     return datetime.now(UTC).isoformat()
 
 
+# The statements of the write path, built once (a `text()` parses its bind parameters when built).
+_ATTEMPTS = sa.text('SELECT DISTINCT attempt FROM durcap_run_events WHERE run_id = :r AND unit = :u')
+_STREAM_ROW = sa.text('SELECT next_offset, event_count, bytes FROM durcap_run_streams WHERE run_id = :r')
+_STREAM_ROW_LOCKED = sa.text('SELECT next_offset, event_count, bytes FROM durcap_run_streams WHERE run_id = :r FOR UPDATE')
+_NEW_STREAM = sa.text(
+    'INSERT INTO durcap_run_streams (run_id, engine, next_offset, first_offset, event_count, bytes, dropped, started_at, '
+    'closed_at, writer) VALUES (:r, :e, 1, 1, 0, 0, 0, :at, NULL, :w)')
+_INSERT_EVENTS = sa.text('INSERT INTO durcap_run_events (run_id, event_offset, unit, attempt, seq, kind, body, created_at) '
+                         'VALUES (:r, :o, :u, :a, :s, :k, :b, :at)')
+_UPDATE_STREAM = sa.text('UPDATE durcap_run_streams SET next_offset = :n, event_count = :c, bytes = :b WHERE run_id = :r')
+_CLOSE_STREAM = sa.text('UPDATE durcap_run_streams SET next_offset = :n, event_count = :c, bytes = :b, '
+                        'closed_at = COALESCE(closed_at, :at) WHERE run_id = :r')
+_STORED_SEQS = sa.text('SELECT seq FROM durcap_run_events WHERE run_id = :r AND unit = :u AND attempt = :a AND seq >= :lo '
+                       'AND seq <= :hi')
+
+
+def _distinct(items: Sequence[Item]) -> list[Item]:
+    """`items` without a repeated `(unit, attempt, seq)` (the first kept)."""
+    seen: set[tuple[str, int, int]] = set()
+    kept = []
+    for item in items:
+        key = (item.unit, item.attempt, item.seq)
+        if key not in seen:
+            seen.add(key)
+            kept.append(item)
+    return kept
+
+
 class EventLog:
     """The run event log of one conversation store (by URL; the store's process-wide backend).
 
@@ -151,7 +184,7 @@ class EventLog:
     def append_sync(self, run_id: str, engine: str, items: Sequence[Item], *, close: bool = False) -> list[int]:
         """Store `items` for `run_id` (those whose key is already stored are skipped); with `close`, mark the stream
         closed. Returns the offsets given to the new items, in order."""
-        with self._backend._txn(write=True) as conn:
+        with self._backend._txn(write=True, relaxed=True) as conn:
             offsets = self._append(conn, run_id, engine, items, close=close)
         if close:
             self._maybe_prune()
@@ -162,48 +195,45 @@ class EventLog:
         """Store `entries` (`(seq, kind, body)`) of one execution of `unit`; `attempt=None` for its first batch: the
         execution's attempt is then claimed in the same transaction (one more than the unit's last, and at least
         `at_least`: the engine's own attempt number, a Temporal activity's), after a `retry` event (seq -1) naming
-        the earlier attempts when there are any. Returns the attempt."""
-        with self._backend._txn(write=True) as conn:
+        the earlier attempts when there are any. Returns the attempt.
+
+        The attempt is the caller's own (it claimed it here, where no other writer can claim the same number), and
+        the caller sends each seq once, in order: the entries are stored without looking for stored ones (which
+        `append_sync` does for a re-sent batch)."""
+        with self._backend._txn(write=True, relaxed=True) as conn:
             items: list[Item] = []
             if attempt is None:
-                rows = conn.execute(sa.text('SELECT DISTINCT attempt FROM durcap_run_events WHERE run_id = :r AND '
-                                            'unit = :u'), {'r': run_id, 'u': unit}).all()
+                rows = conn.execute(_ATTEMPTS, {'r': run_id, 'u': unit}).all()
                 earlier = sorted(int(r[0]) for r in rows)
                 attempt = max(max(earlier) + 1 if earlier else 1, at_least or 1)
                 if earlier:
                     items.append(Item(unit, attempt, -1, 'retry', {'data': {'discard_attempts': earlier}}))
             items += [Item(unit, attempt, seq, kind, body) for seq, kind, body in entries]
-            self._append(conn, run_id, engine, items, close=False)
+            self._append(conn, run_id, engine, items, close=False, new=True)
         return attempt
 
-    def _append(self, conn: sa.Connection, run_id: str, engine: str, items: Sequence[Item], *, close: bool) -> list[int]:
-        backend = self._backend
-        lock = ' FOR UPDATE' if backend.is_pg else ''
-        row = conn.execute(sa.text('SELECT next_offset, event_count, bytes FROM durcap_run_streams '
-                                   f'WHERE run_id = :r{lock}'), {'r': run_id}).first()
+    def _append(self, conn: sa.Connection, run_id: str, engine: str, items: Sequence[Item], *, close: bool,
+                new: bool = False) -> list[int]:
+        """Store `items` in the open transaction; `new`: none of them can be stored already (see
+        `append_unit_sync`)."""
+        row = conn.execute(_STREAM_ROW_LOCKED if self._backend.is_pg else _STREAM_ROW, {'r': run_id}).first()
         if row is None:
-            conn.execute(sa.text(
-                'INSERT INTO durcap_run_streams (run_id, engine, next_offset, first_offset, event_count, bytes, '
-                'dropped, started_at, closed_at, writer) VALUES (:r, :e, 1, 1, 0, 0, 0, :at, NULL, :w)'),
-                {'r': run_id, 'e': engine, 'at': _now(), 'w': 'durable-capabilities'})
+            conn.execute(_NEW_STREAM, {'r': run_id, 'e': engine, 'at': _now(), 'w': 'durable-capabilities'})
             next_offset, count, size = 1, 0, 0
         else:
             next_offset, count, size = int(row[0]), int(row[1]), int(row[2])
         offsets: list[int] = []
         now = _now()
         rows = []
-        for item in self._new(conn, run_id, items):
+        for item in (_distinct(items) if new else self._new(conn, run_id, items)):
             body = to_json(item.body, fallback=repr).decode()
             rows.append({'r': run_id, 'o': next_offset, 'u': item.unit, 'a': item.attempt, 's': item.seq,
                          'k': item.kind, 'b': body, 'at': now})
             offsets.append(next_offset)
             next_offset, count, size = next_offset + 1, count + 1, size + len(body)
         if rows:
-            conn.execute(sa.text(
-                'INSERT INTO durcap_run_events (run_id, event_offset, unit, attempt, seq, kind, body, created_at) '
-                'VALUES (:r, :o, :u, :a, :s, :k, :b, :at)'), rows)
-        conn.execute(sa.text('UPDATE durcap_run_streams SET next_offset = :n, event_count = :c, bytes = :b'
-                             + (', closed_at = COALESCE(closed_at, :at)' if close else '') + ' WHERE run_id = :r'),
+            conn.execute(_INSERT_EVENTS, rows)
+        conn.execute(_CLOSE_STREAM if close else _UPDATE_STREAM,
                      {'n': next_offset, 'c': count, 'b': size, 'r': run_id, **({'at': now} if close else {})})
         if count > self.limits.max_events or size > self.limits.max_bytes:
             self._trim(conn, run_id, count, size)
@@ -226,9 +256,7 @@ class EventLog:
         stored: set[tuple[str, int, int]] = set()
         for unit, attempt in keys:
             seqs = [i.seq for i in items if (i.unit, i.attempt) == (unit, attempt)]
-            rows = conn.execute(sa.text('SELECT seq FROM durcap_run_events WHERE run_id = :r AND unit = :u AND '
-                                        'attempt = :a AND seq >= :lo AND seq <= :hi'),
-                                {'r': run_id, 'u': unit, 'a': attempt, 'lo': min(seqs), 'hi': max(seqs)})
+            rows = conn.execute(_STORED_SEQS, {'r': run_id, 'u': unit, 'a': attempt, 'lo': min(seqs), 'hi': max(seqs)})
             stored.update((unit, attempt, int(r[0])) for r in rows)
         fresh: list[Item] = []
         for item in items:
