@@ -292,8 +292,8 @@ async def amain_temporal(args: argparse.Namespace) -> None:
                          ('durcap-measured', TARGET_MEASURED)):
         vs_up, vs_floor = ratio(kind, 'upstream'), ratio(kind, 'floor')
         cpu_up = statistics.median(f['upstream'][1] / f[kind][1] for f in per_round)
-        print(f'{kind + " / upstream":<27} {vs_up:.2f}x (CPU {cpu_up:.2f}x)   target >= {target}x: '
-              f'{verdict(vs_up, target)};   / floor {vs_floor:.2f}x   target >= {TARGET_FLOOR}x: '
+        print(f'{kind + " / upstream":<27} {vs_up:.3f}x (CPU {cpu_up:.3f}x)   target >= {target}x: '
+              f'{verdict(vs_up, target)};   / floor {vs_floor:.3f}x   target >= {TARGET_FLOOR}x: '
               f'{verdict(vs_floor, TARGET_FLOOR)}')
     print(f'upstream / floor            {ratio("upstream", "floor"):.2f}x   (info)')
     print(f'peak RSS (MiB): durcap {rss["durcap"]:.0f}, upstream {rss["upstream"]:.0f}, floor {rss["floor"]:.0f}, '
