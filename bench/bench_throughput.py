@@ -14,7 +14,11 @@ stopped by pid):
 - upstream: a plain `Worker` serving `_common.UpstreamWorkflow` (`Agent(capabilities=[..., TemporalDurability()])`).
 - floor:    a plain `Worker` serving `_common.FloorWorkflow`: as many no-op activities, one after another, as one
             durcap run schedules (counted from a first run), no agent, no model.
-- durcap-local: as durcap, the capability's tools marked short (`local_activity_toolsets`: local activities).
+- durcap-local: as durcap, the capability's tools marked short by hand (`local_activity_toolsets`: local activities).
+- durcap-measured: as durcap, no hand marking: after a few durcap runs are recorded, this script runs
+            `durcap lock bench/throughput_agent.py:agent --measure` (a subprocess; the lock written to a temporary
+            folder), and this worker loads the agent with that lock (`targets.load_checked`, as `durcap worker
+            temporal` does): the leaves the lock decided local run as local activities.
 Workers use the SDK's default concurrency (100 workflow tasks, 100 activities at once). A batch starts `--runs`
 workflows at once from this process (`start_workflow` for each side alike, no eager start: the worker is elsewhere)
 and waits for every result; throughput = runs / (seconds from the first start to the last result).
@@ -38,6 +42,7 @@ Rounds cycle the order of the variants; ratios are per round (same conditions), 
 
 Targets (issue 14): durcap >= 0.8x the floor on Temporal and >= 0.6x on DBOS, >= 1.0x upstream in throughput on
 both; peak RSS of the durcap worker / process <= 1.1x the upstream one's (VmHWM from /proc after all rounds).
+Issue 29 (item 5): durcap-measured >= 1.2x upstream per worker.
 """
 
 from __future__ import annotations
@@ -64,10 +69,13 @@ sys.path.insert(0, str(ROOT / 'src'))
 
 import _common as c  # noqa: E402
 
-AGENT_NAME = 'bench_tp_durcap'
+AGENT_NAME = 'bench_tp_durcap'  # the agent of `throughput_agent.py` (the measured variant's TARGET)
+MEASURED_TARGET = str(HERE / 'throughput_agent.py') + ':agent'
 TARGET_FLOOR, TARGET_UPSTREAM, TARGET_RSS = 0.8, 1.0, 1.1
+TARGET_MEASURED = 1.2  # issue 29 item 5: a worker whose local tools the measured lock decided, against upstream
 TARGET_DBOS_FLOOR = 0.6
-KINDS = ('durcap', 'upstream', 'floor', 'durcap-local')
+MEASURE_RUNS = 3  # durcap runs recorded before `durcap lock --measure` (4 tool calls each; it needs 5 to decide)
+KINDS = ('durcap', 'upstream', 'floor', 'durcap-local', 'durcap-measured')
 DBOS_KINDS = ('dbos-durcap', 'dbos-upstream', 'dbos-upstream-steps', 'dbos-floor')
 
 
@@ -104,8 +112,9 @@ def durcap_agent(local: bool = False) -> Any:
                         engine_options=options)
 
 
-async def serve(kind: str, address: str, queue: str) -> None:
-    """`--serve KIND`: run one worker until SIGTERM; print READY once it polls."""
+async def serve(kind: str, address: str, queue: str, lock: str | None = None) -> None:
+    """`--serve KIND`: run one worker until SIGTERM; print READY once it polls. `lock`: for `durcap-measured`, the
+    lockfile `durcap lock --measure` wrote."""
     from temporalio.worker import Worker
     from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
@@ -117,6 +126,18 @@ async def serve(kind: str, address: str, queue: str) -> None:
 
         client = await temporal.connect(address)
         worker = temporal.make_worker(client, [durcap_agent(kind == 'durcap-local')], queue)
+    elif kind == 'durcap-measured':
+        from durable_capabilities.engines import temporal
+        from durable_capabilities.targets import load_checked
+
+        # What `durcap worker temporal TARGET --lock LOCK` loads: the definitions compared with the lock and the lock's
+        # decisions (`local_activity_toolsets`) applied.
+        loaded = load_checked(MEASURED_TARGET, lock=lock, engines=['temporal'])
+        marked = {a.name: sorted(a.engine_options.get('temporal', {}).get(temporal.LOCAL_TOOLSETS_OPTION, {}))
+                  for a in loaded.agents}
+        print(f'local leaves from the lock: {marked}', flush=True)
+        client = await temporal.connect(address)
+        worker = temporal.make_worker(client, loaded.agents, queue)
     elif kind == 'upstream':
         from pydantic_ai.durable_exec.temporal import PydanticAIPlugin
         from temporalio.client import Client
@@ -135,11 +156,12 @@ async def serve(kind: str, address: str, queue: str) -> None:
 
 
 class WorkerProc:
-    def __init__(self, kind: str, address: str, queue: str, tmp: Path) -> None:
+    def __init__(self, kind: str, address: str, queue: str, tmp: Path, lock: Path | None = None) -> None:
         self.kind, self.queue, self.log = kind, queue, tmp / f'{kind}.log'
         with open(self.log, 'wb') as out:
             self.popen = subprocess.Popen(
-                [sys.executable, __file__, '--serve', kind, '--address', address, '--queue', queue],
+                [sys.executable, __file__, '--serve', kind, '--address', address, '--queue', queue,
+                 *(['--lock', str(lock)] if lock is not None else [])],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, 'PYTHONPATH': f'{ROOT / "src"}{os.pathsep}{HERE}'})
 
@@ -152,6 +174,11 @@ class WorkerProc:
                 break
             time.sleep(0.1)
         raise RuntimeError(f'{self.kind} worker not ready:\n{self.log.read_text(errors="replace")[-3000:]}')
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the worker process has used so far (user + system, every thread; `/proc/PID/stat`)."""
+        fields = Path(f'/proc/{self.popen.pid}/stat').read_text().rsplit(')', 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
 
     def peak_rss_mib(self) -> float:
         for line in Path(f'/proc/{self.popen.pid}/status').read_text().splitlines():
@@ -185,7 +212,7 @@ async def amain_temporal(args: argparse.Namespace) -> None:
         address = server.address
         print(f'temporal dev server pid {server.pid} at {address}', flush=True)
     tag = uuid.uuid4().hex[:6]
-    workers = {kind: WorkerProc(kind, address, f'tp-{kind}-{tag}', tmp) for kind in KINDS}
+    workers = {kind: WorkerProc(kind, address, f'tp-{kind}-{tag}', tmp) for kind in KINDS if kind != 'durcap-measured'}
     try:
         for w in workers.values():
             await asyncio.to_thread(w.wait_ready)
@@ -202,10 +229,11 @@ async def amain_temporal(args: argparse.Namespace) -> None:
         activities = sum(1 for e in history if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED)
         print(f'one durcap run: {len(history)} history events, {activities} activities; the floor runs {activities} '
               'no-op activities', flush=True)
+        workers['durcap-measured'] = await measured_worker(durcap_client, address, workers['durcap'].queue, tmp, tag)
 
         def starter(kind: str) -> Any:
             queue = workers[kind].queue
-            if kind in ('durcap', 'durcap-local'):
+            if kind in ('durcap', 'durcap-local', 'durcap-measured'):
                 return lambda i: durcap_client.start_workflow(
                     f'durcap.{AGENT_NAME}', AgentRunInput(prompt=c.PROMPT), id=f'tp-d-{tag}-{i}-{uuid.uuid4().hex[:6]}',
                     task_queue=queue, result_type=AgentRunOutput)
@@ -215,25 +243,29 @@ async def amain_temporal(args: argparse.Namespace) -> None:
             return lambda i: floor_client.start_workflow(
                 c.FloorWorkflow.run, activities, id=f'tp-f-{tag}-{i}-{uuid.uuid4().hex[:6]}', task_queue=queue)
 
-        async def batch(kind: str) -> float:
+        async def batch(kind: str) -> tuple[float, float]:
             start = starter(kind)
+            cpu = workers[kind].cpu_seconds()
             began = time.perf_counter()
             handles = await asyncio.gather(*(start(i) for i in range(args.runs)))
             results = await asyncio.gather(*(h.result() for h in handles))
             elapsed = time.perf_counter() - began
             expected = {'durcap': lambda r: r.output == c.ANSWER, 'durcap-local': lambda r: r.output == c.ANSWER,
+                        'durcap-measured': lambda r: r.output == c.ANSWER,
                         'upstream': lambda r: r == c.ANSWER,
                         'floor': lambda r: r == activities}[kind]
             if not all(expected(r) for r in results):
                 raise AssertionError(f'{kind}: unexpected results')
-            return args.runs / elapsed
+            return args.runs / elapsed, (workers[kind].cpu_seconds() - cpu) / args.runs
 
         await batch('floor')  # warm-up: every worker's first batch (imports, sandbox caches)
         await batch('upstream')
         await batch('durcap')
         await batch('durcap-local')
+        await batch('durcap-measured')
         kinds = KINDS
-        per_round, loads = await interleaved_rounds(args.rounds, kinds, batch, lambda v: f'{v:.1f} runs/s')
+        per_round, loads = await interleaved_rounds(args.rounds, kinds, batch,
+                                                    lambda v: f'{v[0]:.1f} runs/s ({v[1] * 1e3:.0f} ms CPU/run)')
         rss = {k: w.peak_rss_mib() for k, w in workers.items()}
     finally:
         for w in workers.values():
@@ -241,25 +273,62 @@ async def amain_temporal(args: argparse.Namespace) -> None:
         if server is not None:
             server.stop()
 
-    med = {k: statistics.median(f[k] for f in per_round) for k in kinds}
-    vs_floor = statistics.median(f['durcap'] / f['floor'] for f in per_round)
-    vs_up = statistics.median(f['durcap'] / f['upstream'] for f in per_round)
-    up_floor = statistics.median(f['upstream'] / f['floor'] for f in per_round)
+    def ratio(a: str, b: str, index: int = 0) -> float:
+        return statistics.median(f[a][index] / f[b][index] for f in per_round)
+
+    def verdict(value: float, target: float, above: bool = True) -> str:
+        return 'met' if (value >= target if above else value <= target) else 'NOT met'
+
+    med = {k: statistics.median(f[k][0] for f in per_round) for k in kinds}
+    cpu = {k: statistics.median(f[k][1] for f in per_round) for k in kinds}
     rss_ratio = rss['durcap'] / rss['upstream']
     print(f'\n{args.runs} concurrent runs a batch, {args.rounds} rounds; load average (1 min) per round '
           f'{", ".join(f"{x:.1f}" for x in loads)} on {os.cpu_count()} CPU')
-    print(f'throughput medians: durcap {med["durcap"]:.1f}, upstream {med["upstream"]:.1f}, floor {med["floor"]:.1f} runs/s')
-    print(f'durcap / floor    {vs_floor:.2f}x   target >= {TARGET_FLOOR}x: {"met" if vs_floor >= TARGET_FLOOR else "NOT met"}')
-    print(f'durcap / upstream {vs_up:.2f}x   target >= {TARGET_UPSTREAM}x: {"met" if vs_up >= TARGET_UPSTREAM else "NOT met"}')
-    print(f'upstream / floor  {up_floor:.2f}x   (info)')
-    local_floor = statistics.median(f['durcap-local'] / f['floor'] for f in per_round)
-    local_up = statistics.median(f['durcap-local'] / f['upstream'] for f in per_round)
-    print(f'durcap with local tools: {med["durcap-local"]:.1f} runs/s; / floor {local_floor:.2f}x (target >= '
-          f'{TARGET_FLOOR}x: {"met" if local_floor >= TARGET_FLOOR else "NOT met"}), / upstream {local_up:.2f}x '
-          f'(target >= {TARGET_UPSTREAM}x: {"met" if local_up >= TARGET_UPSTREAM else "NOT met"}); peak RSS '
-          f'{rss["durcap-local"]:.0f} MiB')
-    print(f'peak RSS (MiB): durcap {rss["durcap"]:.0f}, upstream {rss["upstream"]:.0f}, floor {rss["floor"]:.0f}; '
-          f'durcap / upstream {rss_ratio:.2f}x   target <= {TARGET_RSS}x: {"met" if rss_ratio <= TARGET_RSS else "NOT met"}')
+    print('throughput medians (runs/s), worker CPU per run medians (ms): ' + ', '.join(
+        f'{k} {med[k]:.1f} ({cpu[k] * 1e3:.0f} ms)' for k in kinds))
+    print('ratios are medians of per-round ratios; "CPU" = upstream worker CPU per run / this worker\'s (higher is '
+          'better, as throughput: the runs one worker serves per CPU second)')
+    for kind, target in (('durcap', TARGET_UPSTREAM), ('durcap-local', TARGET_UPSTREAM),
+                         ('durcap-measured', TARGET_MEASURED)):
+        vs_up, vs_floor = ratio(kind, 'upstream'), ratio(kind, 'floor')
+        cpu_up = statistics.median(f['upstream'][1] / f[kind][1] for f in per_round)
+        print(f'{kind + " / upstream":<27} {vs_up:.3f}x (CPU {cpu_up:.3f}x)   target >= {target}x: '
+              f'{verdict(vs_up, target)};   / floor {vs_floor:.3f}x   target >= {TARGET_FLOOR}x: '
+              f'{verdict(vs_floor, TARGET_FLOOR)}')
+    print(f'upstream / floor            {ratio("upstream", "floor"):.2f}x   (info)')
+    print(f'peak RSS (MiB): durcap {rss["durcap"]:.0f}, upstream {rss["upstream"]:.0f}, floor {rss["floor"]:.0f}, '
+          f'durcap-local {rss["durcap-local"]:.0f}, durcap-measured {rss["durcap-measured"]:.0f}; durcap / upstream '
+          f'{rss_ratio:.2f}x   target <= {TARGET_RSS}x: {verdict(rss_ratio, TARGET_RSS, above=False)}')
+
+
+async def measured_worker(client: Any, address: str, queue: str, tmp: Path, tag: str) -> WorkerProc:
+    """The `durcap-measured` worker: record `MEASURE_RUNS` more durcap runs on `queue` (the plain durcap worker's), run
+    `durcap lock TARGET --measure` on the server, and start a worker from the lock it wrote; returns it ready."""
+    from durable_capabilities.engines.temporal import AgentRunInput, AgentRunOutput
+
+    handles = [await client.start_workflow(f'durcap.{AGENT_NAME}', AgentRunInput(prompt=c.PROMPT),
+                                           id=f'tp-measure-{tag}-{i}', task_queue=queue, result_type=AgentRunOutput)
+               for i in range(MEASURE_RUNS)]
+    for handle in handles:
+        await handle.result()
+    query = f'WorkflowType = "durcap.{AGENT_NAME}" AND ExecutionStatus != "Running"'
+    for _ in range(200):  # visibility is eventually consistent
+        if (await client.count_workflows(query)).count >= MEASURE_RUNS + 1:
+            break
+        await asyncio.sleep(0.05)
+    lock = tmp / 'durable.lock'
+    measure = await asyncio.to_thread(
+        subprocess.run, [sys.executable, '-m', 'durable_capabilities.cli', 'lock', MEASURED_TARGET, '--measure',
+                         '--address', address, '--output', str(lock)],
+        capture_output=True, text=True, env={**os.environ, 'PYTHONPATH': f'{ROOT / "src"}{os.pathsep}{HERE}'})
+    if measure.returncode != 0:
+        raise RuntimeError(f'durcap lock --measure failed ({measure.returncode}):\n{measure.stderr[-3000:]}')
+    print('durcap lock --measure: ' + ' | '.join(line for line in measure.stderr.splitlines() if line.strip()),
+          flush=True)
+    worker = WorkerProc('durcap-measured', address, f'tp-durcap-measured-{tag}', tmp, lock=lock)
+    await asyncio.to_thread(worker.wait_ready)
+    print(next(line for line in worker.log.read_text().splitlines() if line.startswith('local leaves')), flush=True)
+    return worker
 
 
 # ---- DBOS ---------------------------------------------------------------------------------------------
@@ -488,11 +557,12 @@ def main() -> None:
                         'default SQLite (WAL) files in a temporary folder')
     parser.add_argument('--serve', choices=KINDS, help=argparse.SUPPRESS)
     parser.add_argument('--queue', help=argparse.SUPPRESS)
+    parser.add_argument('--lock', help=argparse.SUPPRESS)
     parser.add_argument('--serve-dbos', choices=DBOS_KINDS, help=argparse.SUPPRESS)
     parser.add_argument('--db', help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        asyncio.run(serve(args.serve, args.address, args.queue))
+        asyncio.run(serve(args.serve, args.address, args.queue, args.lock))
         return
     if args.serve_dbos:
         asyncio.run(serve_dbos(args.serve_dbos, args.db))
