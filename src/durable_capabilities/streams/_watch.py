@@ -72,24 +72,10 @@ async def watch_batches(run_id: str, *, engine: str | None = None, from_offset: 
     each once, the last list ending with the run's last event (for a consumer that sends them on together, as
     `durcap serve`'s Server-Sent Events do: one write to the client per read, not one per event).
 
-    Args:
-        run_id: The run (workflow id, flow run id, `local-...`).
-        engine: The engine it runs on (`local`, `dbos`, `prefect`, `temporal`; `None`: any of them); another
-            name raises `StreamUnsupportedError`.
-        from_offset: The offset of the last event already seen: only later ones are delivered (0: from the start).
-            A subscriber that reconnects with its last offset gets exactly the rest.
-        store: The conversation store URL holding the stream (`None`: `$DURCAP_STORE`, else the default store).
-        follow: Wait for new events until the run ends (`False`: return what is retained now).
-        wait_for_start: Seconds to wait for a run that has published nothing yet.
-        poll: Seconds between reads while waiting.
+    Arguments and errors: as `watch`'s.
 
     Yields:
         Non-empty lists of `RunEvent`s.
-
-    Raises:
-        StreamNotFoundError: nothing published for `run_id` within `wait_for_start` seconds.
-        StreamUnsupportedError: `engine` publishes no stream.
-        ValueError: `from_offset` is negative.
     """
     from ..store import resolve_url
 
