@@ -308,6 +308,8 @@ def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_a
                 got = None
             if (response.status_code, got) != (expected, code) or 'Traceback' in text or 'File "' in text:
                 failures.append(f'{name}: {response.status_code} {text[:300]}')
+            elif code == 'DC041' and ('Fix: ' not in text or '--max-body-bytes' not in text):
+                failures.append(f'{name}: no fix line: {text[:300]}')  # every DC041 names its fix
     assert not failures, '\n'.join(failures)
     assert _store_rows(dbos_stack.store) == before
     assert _wait_pending(url, run_id) == [call]

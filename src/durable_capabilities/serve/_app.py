@@ -197,12 +197,12 @@ class ServeApp:
         declared = request.headers.get('content-length')
         limit = self.max_body_bytes
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise RequestTooLargeError(f'{what}: the body is {int(declared)} bytes, over the limit of {limit} bytes')
+            raise RequestTooLargeError.over(what, limit, int(declared))
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise RequestTooLargeError(f'{what}: the body is over the limit of {limit} bytes')
+                raise RequestTooLargeError.over(what, limit)
             chunks.append(chunk)
         raw = b''.join(chunks)
         if not raw.strip():
