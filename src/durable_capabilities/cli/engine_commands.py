@@ -28,6 +28,7 @@ from .._limits import INPUT_CODE, InputError, load_json, one_line, printable, re
 from ..agent import DurableAgent
 from ..conversations import check_busy
 from ..engines import DEFAULT_ENGINE, ENGINES, DrainCutShortError, EngineUnreachableError, RunOptions, get
+from ..engines._stall import wait_notice
 from ..ids import redact_url
 from ..replay import ReplayTimeout, replay_histories
 from ..report import RunReport
@@ -387,6 +388,7 @@ def run(
     try:
         if check_busy(busy, '--busy', agent) is not None:
             settings['busy'] = busy
+        wait_notice()  # $DURCAP_WAIT_NOTICE of a client waiting on a worker: checked before anything runs
     except InputError as exc:
         _unusable(str(exc))
     if deps_json is None and agent.deps_type is not type(None):

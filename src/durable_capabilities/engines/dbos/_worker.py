@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import threading
@@ -15,6 +16,7 @@ from ..._limits import redact_database_url
 from ...conversations import resolve_payload, store_url
 from ...report import RunReport
 from .._adapter import DrainCutShortError, RunOptions
+from .._stall import Progress, notice_stalls, wait_notice
 from ._client import client as dbos_client
 from ._peers import DEFAULT_PEER_TIMEOUT, HEARTBEAT_SECONDS, Peers
 from ._server import launch, system_database_url
@@ -189,7 +191,9 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
     The run is enqueued through a `DBOSClient` (DBOS's own way to start a workflow from outside the application),
     without an application version, so the latest version of the workers takes it (DBOS's rule for client
     enqueues), and this process runs nothing. Says so when no worker serving `queue` has beaten in the last
-    `DEFAULT_PEER_TIMEOUT` seconds (`_peers`): the run waits on the queue until one does.
+    `DEFAULT_PEER_TIMEOUT` seconds (`_peers`): the run waits on the queue until one does. While it waits, says once
+    per stall when the run has waited `_stall.wait_notice()` seconds for a worker without progress
+    (`_notice_no_progress`), and keeps waiting.
 
     Args:
         agent: The agent (its workflow `durcap.{name}` must be served by the workers).
@@ -211,6 +215,7 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
     from ._peers import live_executors
     from ._spec import workflow_names
 
+    seconds = wait_notice()  # DC040 on a bad $DURCAP_WAIT_NOTICE, before the run is enqueued
     client = dbos_client({'db': url})
     try:
         enqueue: EnqueueOptions = {'queue_name': queue, 'workflow_name': workflow_names(agent)[0],
@@ -223,9 +228,49 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
             options.notify(f'no `durcap worker dbos` serving queue {queue!r} was seen in the last '
                            f'{DEFAULT_PEER_TIMEOUT:g} s: the run waits on the queue until one does (start '
                            f'`durcap worker dbos TARGET --task-queue {queue}`)')
-        payload = await handle.get_result()
+        notice = asyncio.create_task(_notice_no_progress(client, url, queue, workflow_id, options.notify, seconds))
+        try:
+            payload = await handle.get_result()
+        finally:
+            notice.cancel()
         steps = await client.list_workflow_steps_async(workflow_id)
     finally:
         client.destroy()
     payload = await resolve_payload(payload, store=store_url(agent, options.setting('store')))
     return RunReport.from_payload(ENGINE, workflow_id, payload, [step['function_name'] for step in steps])
+
+
+async def _notice_no_progress(client: Any, url: str, queue: str, workflow_id: str, notify: Callable[[str], None],
+                              seconds: float) -> None:
+    """Say once per stall, on `notify`, when run `workflow_id` has waited `seconds` for a worker without progress
+    (`_stall.notice_stalls`), until it ends or this task is cancelled.
+
+    Progress is the workflow's status, its executor and its number of recorded steps. It waits for a worker while it
+    is ENQUEUED (no worker took it from `queue`), or PENDING under an executor whose heartbeat row (`_peers`) is
+    missing or older than `seconds` (its worker died: a worker launched as that executor id, or a peer after its
+    `--peer-timeout`, takes it over). A worker running with `--peer-timeout 0` beats no row, so a long step of its
+    runs is reported too.
+    """
+    from ._peers import live_executors
+
+    async def probe() -> Progress:
+        [status] = await client.list_workflows_async(workflow_ids=[workflow_id], load_input=False, load_output=False)
+        if status.status not in ('ENQUEUED', 'PENDING'):
+            return Progress(None, None, done=True)
+        steps = await client.list_workflow_steps_async(workflow_id)
+        waiting = None
+        if status.status == 'ENQUEUED':
+            waiting = f'it waits on queue {queue!r}'
+        else:
+            beats = {e['executor_id']: e['age'] for e in await asyncio.to_thread(live_executors, url)}
+            if beats.get(status.executor_id, seconds) >= seconds:
+                waiting = f'its worker, executor {status.executor_id!r}, sends no heartbeat'
+        return Progress((status.status, status.executor_id, len(steps)), waiting)
+
+    async def line(waiting: str, waited: float) -> str:
+        return (f'still waiting: no worker has picked up run {workflow_id} on queue {queue!r} for {waited:g} s '
+                f'({waiting}; no step recorded meanwhile): is a worker running? `durcap worker dbos TARGET '
+                f'--task-queue {queue}` (the run is durable: a worker launched as its executor id, or a live peer after '
+                'its --peer-timeout, finishes it)')
+
+    await notice_stalls(probe, line, notify, seconds)
