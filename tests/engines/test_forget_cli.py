@@ -45,6 +45,17 @@ def test_the_commands(tmp_path: Path) -> None:
     assert 'cannot tell whether a run of it is in flight' in listed.stderr
     unasked = durcap('history', 'delete', 'gone', cwd=tmp_path)
     assert unasked.returncode == 2 and 'pass --yes' in unasked.stderr
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(('127.0.0.1', 0))
+        closed = s.getsockname()[1]
+    # The engine holding the conversation's run cannot be asked: refused before anything is deleted (one line, exit 2).
+    unreachable = durcap('history', 'delete', 'gone', '--yes', '--engines', '--db',
+                         f'postgresql://nobody@127.0.0.1:{closed}/none', cwd=tmp_path)
+    said = unreachable.stderr.replace('\n', ' ')
+    assert unreachable.returncode == 2 and said.startswith("durcap: error: DC040 --engines: conversation 'gone' has "
+                                                           'dbos runs (counted-'), said
+    assert 'and it could not be asked (dbos: cannot read runs' in said and 'nothing was deleted' in said, said
+    assert 'Fix: check --db, or pass --skip-engine dbos' in said, said
     with socket.socket() as s:  # a Temporal address nothing listens on: that engine is reported as not checked
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
