@@ -109,3 +109,25 @@ def test_dbos_queue_client_says_no_worker_picked_up_the_run_then_prints_the_answ
     assert 'charged and exported' in text, text
     assert len(notice_lines(log)) == 1, text
     assert_exactly_once(crash_dir)
+
+
+def test_dbos_queue_client_says_no_worker_took_a_run_nobody_serves(tmp_path: Path) -> None:
+    """No worker serves the queue (the one worker serves another queue): after the notice's 2 s the client says the
+    run is ENQUEUED and no worker took it, and keeps waiting (killed here; the run stays on the queue)."""
+    env, _ = crash_env(tmp_path)
+    env = subprocess_env(env)
+    db, queue = f'sqlite:///{tmp_path / "dbos.sqlite"}', f'nobody-{uuid.uuid4().hex[:6]}'
+    other = start(['worker', 'dbos', CRASH, '--db', db, '--task-queue', f'other-{queue}'], tmp_path / 'other.log', env)
+    log = tmp_path / 'run.log'
+    client = None
+    try:
+        wait_text(tmp_path / 'other.log', 'dbos worker ready', other, 120)
+        client = start(['run', CRASH, 'charge order A-1 and export', '--engine', 'dbos', '--db', db, '--queue', queue],
+                       log, env | {'DURCAP_WAIT_NOTICE': str(NOTICE)})
+        line = wait_text(log, 'still waiting:', client, 60)
+        assert f"on queue '{queue}' for 2 s (it is ENQUEUED: no worker took it; no step recorded meanwhile)" in line, line
+        assert client.poll() is None  # still waiting
+    finally:
+        for proc in (client, other):
+            if proc is not None:
+                kill9(proc)

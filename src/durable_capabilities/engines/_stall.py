@@ -59,6 +59,12 @@ async def notice_stalls(probe: Callable[[], Awaitable[Progress]], line: Callable
 
     A probe that raises (the engine's server or database briefly unreachable) is skipped: the client's own wait
     reports outages.
+
+    Args:
+        probe: One look at the run (`Progress`); `done` ends the watch.
+        line: `(waiting, seconds) -> the line to say` (it may ask the engine more, e.g. the queue's pollers).
+        notify: Where the line goes (the client's stderr).
+        seconds: How long a part must wait for a worker with no progress before it is said (`wait_notice()`).
     """
     poll = max(0.2, min(2.0, seconds / 4))
     loop = asyncio.get_running_loop()

@@ -260,7 +260,7 @@ async def _notice_no_progress(client: Any, url: str, queue: str, workflow_id: st
         steps = await client.list_workflow_steps_async(workflow_id)
         waiting = None
         if status.status == 'ENQUEUED':
-            waiting = f'it waits on queue {queue!r}'
+            waiting = 'it is ENQUEUED: no worker took it'
         else:
             beats = {e['executor_id']: e['age'] for e in await asyncio.to_thread(live_executors, url)}
             if beats.get(status.executor_id, seconds) >= seconds:
