@@ -33,7 +33,8 @@ Environment:
 
 Invalid definitions exit 1 before launch, an unusable target or setting exits 2, a system database
 that cannot be served exits 3; SIGTERM or SIGINT drains (up to DURCAP_GRACEFUL_SHUTDOWN seconds; what
-is still running then is recovered later, by this executor id's next launch or a peer) and exits 0.
+is still running then is named in one line and recovered later, by this executor id's next launch or a peer) and
+exits 0 (unlike `durcap worker dbos`, which exits 1 then: a pod stopped by a rolling update is not a failure).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ if __name__ == '__main__':
 from _common import DEFAULT_GRACEFUL_SHUTDOWN, DEFAULT_TARGET, env_number
 from _common import load_agents as _load_agents
 
-from durable_capabilities.engines import RunOptions
+from durable_capabilities.engines import DrainCutShortError, RunOptions
 from durable_capabilities.engines.dbos import ADAPTER
 
 DEFAULT_EXECUTOR_ID = 'local'
@@ -97,6 +98,8 @@ def main() -> None:
     except (OSError, RuntimeError) as exc:
         log(f'error: cannot serve the system database: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}')
         code = 3
+    except DrainCutShortError as exc:  # a rolling update's normal case: a peer recovers them (still exit 0)
+        log(str(exc))
     finally:
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)

@@ -150,10 +150,11 @@ class Decision:
 
 
 class ApprovalError(LookupError, DurcapError, code='approval'):
-    """A decision that cannot be applied: unknown run, unknown (or already decided) call, or stale fingerprint.
+    """A decision that cannot be applied: unknown run, unknown call, a call already decided, or stale fingerprint.
 
     Attributes:
-        kind: `'unknown-run' | 'unknown-call' | 'stale-fingerprint'`.
+        kind: `'unknown-run' | 'unknown-call' | 'already-decided' | 'stale-fingerprint'` (and the kinds of the
+            subclasses: `'invalid-args'`, `'no-worker'`, `'not-delivered'`, `'expired'`).
     """
 
     def __init__(self, kind: str, message: str):
@@ -223,9 +224,10 @@ def check_not_expired(decision: Decision, now: datetime, run_id: str) -> None:
             'pending. Fix: decide again.'))
 
 
-class AlreadyDecidedError(ApprovalError, code='approval-already-decided'):
-    """A second decision on a call that was decided already (its first decision delivered or not): refused, nothing
-    sent; the message names the first decision (kind `'unknown-call'`, the kind of a call no longer pending)."""
+class AlreadyDecidedError(ApprovalError, code='DC054'):
+    """DC054: a second decision on a call that was decided already (its first decision delivered or not): refused,
+    nothing sent (kind `'already-decided'`); the message names the first decision (approved or denied, by whom,
+    when) and says the first decision stands."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(kind, message)
@@ -279,6 +281,10 @@ def check_decision(pending: list[PendingCall], decision: Decision, run_id: str, 
         f'{", ".join(c.call_id for c in pending) or "none"}); it may have been decided already'))
 
 
+ALREADY_DECIDED = 'already-decided'
+"""The `ApprovalError.kind` of a second decision on a call (`AlreadyDecidedError`, DC054)."""
+
+
 def already_decided(run_id: str, call_id: str, earlier: Decision, *, received: bool | None = None) -> ApprovalError:
     """The refusal of a second decision on a call: a call is decided once, and the first decision stands even while
     the run has not received it yet (its process is down, or it has not reached its next wait).
@@ -289,13 +295,14 @@ def already_decided(run_id: str, call_id: str, earlier: Decision, *, received: b
         received: Whether the run has taken `earlier` (`False`: not yet; `None`: not known).
 
     Returns:
-        An `ApprovalError` of kind `unknown-call` (the kind of a call that is no longer pending), naming the run, the
-        call and the earlier decision (approved or denied, by whom, when); the caller raises it, and sends nothing.
+        An `AlreadyDecidedError` (DC054, kind `'already-decided'`), one line naming the run, the call and the earlier
+        decision (approved or denied, by whom, when), with a fix line; the caller raises it, and sends nothing.
     """
     state = ' (the run has not received it yet: it does when the run next runs)' if received is False else ''
-    return AlreadyDecidedError('unknown-call', (
-        f'run {run_id!r}: call {call_id!r} was already {describe_decision(earlier)}{state}; '
-        'a call is decided once: this decision was refused and nothing was sent'))
+    return AlreadyDecidedError(ALREADY_DECIDED, (
+        f'DC054 run {run_id!r}: call {call_id!r} was already {describe_decision(earlier)}{state}; a call is decided '
+        'once: this decision was refused and nothing was sent. Fix: nothing to send, the first decision stands '
+        f'(see the run with `durcap runs show {run_id}`)'))
 
 
 def check_args(call: PendingCall, args: Any, run_id: str) -> None:

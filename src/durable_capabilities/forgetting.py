@@ -9,16 +9,18 @@ conversation is in flight. Engines are looked up by name, never named.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from ._limits import InputError
 from .engines import EngineSpec, RunInfo, get, run_of, specs
 from .errors import DurcapError
-from .reading import _configured, durable_adapters, problem_line
+from .reading import durable_adapters, problem_line
 from .settings import Settings
 from .store import PurgeReport, SQLConversationStore, StoreStats
 
-__all__ = ['ConversationInFlightError', 'EngineRecords', 'conversation_bytes', 'delete_conversation', 'engine_records',
-           'plan_delete', 'runs_in_flight', 'store_stats']
+__all__ = ['ConversationInFlightError', 'EngineRecords', 'check_engines_configured', 'conversation_bytes',
+           'delete_conversation', 'engine_records', 'plan_delete', 'runs_in_flight', 'store_stats']
 
 
 class ConversationInFlightError(DurcapError, code='conversation-in-flight'):
@@ -99,21 +101,70 @@ async def plan_delete(store_url: str, conversation_id: str) -> PurgeReport:
 async def runs_in_flight(conversation_id: str, settings: Settings) -> tuple[list[RunInfo], list[str]]:
     """`(runs, problems)`: the runs of the conversation that an engine reports running or queued, and one line per
     configured engine that could not be asked (`reading.problem_line`) or is not configured."""
-    problems: list[str] = []
+    found, problems = await _runs_in_flight(conversation_id, settings, ())
+    return found, list(problems.values())
+
+
+async def _runs_in_flight(conversation_id: str, settings: Settings,
+                          skip: Collection[str]) -> tuple[list[RunInfo], dict[str, str]]:
+    """`runs_in_flight` without the engines named in `skip`, its problems by engine name."""
+    problems: dict[str, str] = {}
     found: list[RunInfo] = []
-    for adapter in _configured(durable_adapters(), settings, problems):
+    adapters = [a for a in durable_adapters() if a.name not in skip]
+    for adapter in adapters:
+        if (note := adapter.unconfigured(settings.engine())) is not None:
+            problems[adapter.name] = note
+            continue
         for status in ('running', 'queued'):
             try:
                 runs = await adapter.list_runs(settings.engine(), status=status, limit=500)
             except Exception as exc:  # noqa: BLE001 - one engine down is reported, not fatal
-                problems.append(problem_line(adapter, exc))
+                problems[adapter.name] = problem_line(adapter, exc)
                 break
             found += [r for r in runs if r.conversation_id == conversation_id]
     return found, problems
 
 
+def _held(records: list[EngineRecords], skip: Collection[str]) -> dict[str, list[str]]:
+    """`{engine: [run id, ...]}` of `records`, without the engines in `skip`."""
+    held: dict[str, list[str]] = {}
+    for record in records:
+        if record.engine not in skip:
+            held.setdefault(record.engine, []).append(record.run_id)
+    return held
+
+
+def _refusal(conversation_id: str, engine: str, run_ids: list[str], why: str, fix: str) -> InputError:
+    """DC040 for `--engines` on a conversation whose runs on `engine` this command cannot reach: nothing deleted."""
+    runs = ', '.join(run_ids[:5]) + (f' and {len(run_ids) - 5} more' if len(run_ids) > 5 else '')
+    return InputError('--engines', (
+        f'conversation {conversation_id!r} has {engine} runs ({runs}), and {why}: nothing was deleted. Fix: {fix}, or '
+        f"pass --skip-engine {engine} to delete the store's rows and leave {engine}'s records (listed with how to "
+        'remove them)'))
+
+
+def check_engines_configured(purge: PurgeReport, settings: Settings, skip: Collection[str] = ()) -> None:
+    """Refuse `delete_conversation(engines=True)` before anything is deleted (or asked) when an engine holding runs of
+    the conversation (`purge.appends`) is not configured, so deleting its records would read another place (Prefect
+    without `PREFECT_API_URL` would start a temporary server of its own, which never holds them).
+
+    Args:
+        purge: What the store holds of the conversation (`plan_delete`).
+        settings: Where the engines are.
+        skip: Engines left out (`--skip-engine`).
+
+    Raises:
+        InputError: DC040 naming the engine, its runs, what is missing and the fix.
+    """
+    for engine, run_ids in _held(engine_records(purge), skip).items():
+        if get(engine).unconfigured(settings.engine()) is not None:
+            where = get(engine).spec.where or 'its server'
+            raise _refusal(purge.conversation_id, engine, run_ids, f'{where} is not set',
+                           f'set {where} to the {engine} server that holds them')
+
+
 async def delete_conversation(store_url: str, conversation_id: str, *, settings: Settings | None = None,
-                              engines: bool = False, dry_run: bool = False) -> Deletion:
+                              engines: bool = False, dry_run: bool = False, skip: Collection[str] = ()) -> Deletion:
     """Delete a conversation from the store (`SQLConversationStore.purge`) and, with `engines`, each engine's
     records of its runs (`EngineAdapter.delete_run`), after checking that no engine reports a run of it in flight.
 
@@ -121,8 +172,11 @@ async def delete_conversation(store_url: str, conversation_id: str, *, settings:
         store_url: The conversation store.
         conversation_id: The conversation.
         settings: Where the engines are (needed with `engines`; default: from the environment).
-        engines: Check the engines for runs in flight and delete the runs' records there too.
+        engines: Check the engines for runs in flight and delete the runs' records there too. Every engine that holds
+            runs of the conversation must be configured and answer, else nothing is deleted (`InputError`).
         dry_run: Change nothing; say what would be deleted.
+        skip: With `engines`, engines left out: not asked, their records not deleted (`EngineRecords.deleted` is
+            `None`: how to remove them is listed).
 
     Returns:
         A `Deletion`: the store's report, what each engine keeps (and whether it was deleted), notes.
@@ -130,12 +184,20 @@ async def delete_conversation(store_url: str, conversation_id: str, *, settings:
     Raises:
         ConversationNotFoundError, ConversationHasForksError, StoreError: as `SQLConversationStore.purge`.
         ConversationInFlightError: with `engines`, an engine reports a run of the conversation running or queued.
+        InputError: DC040, with `engines`: an engine that holds runs of the conversation is not configured
+            (`check_engines_configured`) or could not be asked; nothing was deleted.
     """
     settings = settings or Settings.resolve()
     notes: list[str] = []
     if engines:
-        in_flight, problems = await runs_in_flight(conversation_id, settings)
-        notes += [f'not checked for runs in flight: {p}' for p in problems]
+        planned = await plan_delete(store_url, conversation_id)
+        check_engines_configured(planned, settings, skip)
+        in_flight, problems = await _runs_in_flight(conversation_id, settings, skip)
+        for engine, run_ids in _held(engine_records(planned), skip).items():
+            if engine in problems:  # its records could not be deleted either: refuse before the store's part
+                raise _refusal(conversation_id, engine, run_ids, f'it could not be asked ({problems[engine]})',
+                               f'check {get(engine).spec.where or "where it is"}')
+        notes += [f'not checked for runs in flight: {p}' for p in problems.values()]
         if in_flight:
             raise ConversationInFlightError(conversation_id, in_flight)
     else:
@@ -147,6 +209,8 @@ async def delete_conversation(store_url: str, conversation_id: str, *, settings:
     records = engine_records(purge)
     if engines and not dry_run:
         for record in records:
+            if record.engine in skip:
+                continue
             adapter = get(record.engine)
             try:
                 await adapter.delete_run(record.run_id, settings.engine())

@@ -285,6 +285,11 @@ CODES: dict[str, Code] = {
         'error',
         written_by='conversations',
     ),
+    'DC054': Code(
+        'A decision was refused: the call was already decided (a call is decided once).',
+        'error',
+        written_by='approvals',
+    ),
     'DC060': Code(
         "A model request was refused before it was sent: its budget's key already spent a limit.",
         'error',

@@ -100,7 +100,7 @@ def test_dbos_approve_after_process_killed_while_waiting(backend: str, spawn, tm
         second_decision = durcap('deny', run_id, call['call_id'], '--reason', 'no', '--by', 'bob', *engine_args)
         assert second_decision.returncode == 2, second_decision.stdout + second_decision.stderr
         said = second_decision.stderr.replace('\n', ' ')
-        assert 'unknown-call' in said and run_id in said and call['call_id'] in said, said
+        assert 'DC054' in said and '(already-decided)' in said and run_id in said and call['call_id'] in said, said
         assert 'already approved by alice-admin' in said and 'has not received it yet' in said, said
         # Still published as pending (only the first decision was sent), and listed as decided, not yet received.
         [waiting] = pending(engine_args, run_id)
@@ -262,10 +262,13 @@ def test_temporal_approve_after_worker_killed_while_waiting(temporal_address: st
     second.wait_for('WORKER READY', 90)
     approved = durcap('approve', run_id, call['call_id'], '--args', '{"user": "dave2"}', *engine_args)
     assert approved.returncode == 0, approved.stderr
-    # A second decision is refused: the update removed the call from the pending ones (memo and validator).
+    # A second decision is refused naming the first: the run's history holds the decision update it accepted (was:
+    # `unknown-run`, the kind of a run that waits for nothing).
     second_decision = durcap('deny', run_id, call['call_id'], '--reason', 'no', *engine_args)
     assert second_decision.returncode == 2, second_decision.stdout + second_decision.stderr
-    assert 'unknown-run' in second_decision.stderr or 'unknown-call' in second_decision.stderr, second_decision.stderr
+    said = second_decision.stderr.replace('\n', ' ')
+    assert said.startswith(f"durcap: error: DC054 run {run_id!r}: call {call['call_id']!r} was already approved by "), said
+    assert '(already-decided)' in said and 'Fix: ' in said, said
 
     async def result() -> AgentRunOutput:
         client = await connect(temporal_address)
@@ -518,7 +521,7 @@ def test_prefect_approve_after_process_killed_while_paused(prefect_api_url: str,
     second_decision = durcap('deny', run_id, call['call_id'], '--reason', 'no', *engine_args, env=env)  # issue 13
     assert second_decision.returncode == 2, second_decision.stdout + second_decision.stderr
     said = second_decision.stderr.replace('\n', ' ')
-    assert 'unknown-call' in said and run_id in said and 'already approved by ops' in said, said
+    assert 'DC054' in said and '(already-decided)' in said and run_id in said and 'already approved by ops' in said, said
     report = second.report(timeout=180)
     assert report['output'] == 'result: revoked sessions of hana'
     assert revocations(crash_dir) == ['hana']  # exactly once

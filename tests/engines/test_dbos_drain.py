@@ -141,3 +141,49 @@ def test_sigterm_within_the_drain_finishes_the_run_there_once(tmp_path: Path, le
         stop(a)
         stop(b)
     assert (tmp_path / 'ledger' / 'charges').read_text().splitlines() == ['D-2']
+
+
+def test_durcap_worker_dbos_cut_short_names_what_it_left_and_exits_1(tmp_path: Path) -> None:
+    """`durcap worker dbos --graceful-shutdown 1 --peer-timeout 0` (SQLite system database) stopped with SIGTERM while
+    its run sleeps in `slow_export` (the crash agent's scripted `FunctionModel`): the drain ends with the workflow
+    still PENDING, so the worker says so in one line naming the workflow id and who finishes it, does not say
+    "drained", and exits 1 (before: "worker drained and stopped", exit 0, nothing said with peer recovery off). A
+    worker launched again as that executor id finishes the run, as the line says."""
+    from dbos import DBOSClient
+
+    from tests.engines.test_crash import crash_env
+    from tests.engines.test_runs import CRASH, kill9, start, wait_text
+
+    env, crash_dir = crash_env(tmp_path)
+    env = subprocess_env(env)
+    db, queue, executor = f'sqlite:///{tmp_path / "dbos.sqlite"}', f'drain-{uuid.uuid4().hex[:6]}', 'drain-w1'
+    args = ['worker', 'dbos', CRASH, '--db', db, '--task-queue', queue, '--executor-id', executor,
+            '--graceful-shutdown', '1', '--peer-timeout', '0']
+    worker = start(args, tmp_path / 'w1.log', env)
+    again = None
+    client = None
+    try:
+        wait_text(tmp_path / 'w1.log', 'dbos worker ready', worker, 120)
+        client = DBOSClient(system_database_url=db)
+        workflow_id = client.enqueue({'queue_name': queue, 'workflow_name': f'durcap.{env["DURCAP_CRASH_AGENT"]}',
+                                      'workflow_id': f'drain-{uuid.uuid4().hex[:8]}'},
+                                     'charge order A-1 and export', None, None, None).workflow_id
+        wait_file(crash_dir / 'slow-started', 90)
+        os.killpg(worker.pid, signal.SIGTERM)
+        assert worker.wait(timeout=60) == 1, (tmp_path / 'w1.log').read_text()
+        text = (tmp_path / 'w1.log').read_text()
+        [line] = [line for line in text.splitlines() if 'still running' in line]
+        assert line == (f"durcap: worker stopped before its runs ended: dbos worker '{executor}': 1 workflows still "
+                        f'running when the 1 s drain ended stay PENDING ({workflow_id}); peer recovery is off '
+                        f'(--peer-timeout 0): a worker launched as this executor id recovers them (`durcap worker '
+                        f'dbos TARGET --task-queue {queue} --executor-id {executor}`), or `durcap runs resume ID` one '
+                        'by one'), text
+        assert 'drained' not in text and 'Traceback' not in text, text
+        again = start(args, tmp_path / 'w1-again.log', env)  # what the line says: the run finishes
+        wait_status(db, workflow_id, 'SUCCESS', 120)
+    finally:
+        if client is not None:
+            client.destroy()
+        kill9(worker)
+        if again is not None:
+            kill9(again)

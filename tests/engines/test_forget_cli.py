@@ -45,6 +45,17 @@ def test_the_commands(tmp_path: Path) -> None:
     assert 'cannot tell whether a run of it is in flight' in listed.stderr
     unasked = durcap('history', 'delete', 'gone', cwd=tmp_path)
     assert unasked.returncode == 2 and 'pass --yes' in unasked.stderr
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(('127.0.0.1', 0))
+        closed = s.getsockname()[1]
+    # The engine holding the conversation's run cannot be asked: refused before anything is deleted (one line, exit 2).
+    unreachable = durcap('history', 'delete', 'gone', '--yes', '--engines', '--db',
+                         f'postgresql://nobody@127.0.0.1:{closed}/none', cwd=tmp_path)
+    said = unreachable.stderr.replace('\n', ' ')
+    assert unreachable.returncode == 2 and said.startswith("durcap: error: DC040 --engines: conversation 'gone' has "
+                                                           'dbos runs (counted-'), said
+    assert 'and it could not be asked (dbos: cannot read runs' in said and 'nothing was deleted' in said, said
+    assert 'Fix: check --db, or pass --skip-engine dbos' in said, said
     with socket.socket() as s:  # a Temporal address nothing listens on: that engine is reported as not checked
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
@@ -61,3 +72,38 @@ def test_the_commands(tmp_path: Path) -> None:
     assert durcap('history', 'show', 'kept', cwd=tmp_path).returncode == 0
     missing = durcap('history', 'delete', 'gone', '--yes', cwd=tmp_path)
     assert missing.returncode == 2 and "conversation 'gone' is not in the store" in missing.stderr
+
+
+def test_engines_delete_refuses_prefect_runs_without_its_api_url(prefect_api_url: str, tmp_path: Path) -> None:
+    """A conversation with a Prefect run (real Prefect server; the counting agent's scripted `FunctionModel`):
+    `history delete --engines` without PREFECT_API_URL is one DC040 line, exit 2, nothing deleted and no temporary
+    Prefect server started (it started one, which never holds the run, and failed to delete it after the store's rows
+    were gone); `--skip-engine prefect` deletes the store's rows and lists the flow run with how to remove it."""
+    import json
+
+    from tests._helpers import durcap as run
+
+    target = str(ROOT / 'tests/fixtures/counting_agent.py') + ':counted'
+    store = f'sqlite:///{tmp_path / "conv.db"}'
+    with_api = {'PREFECT_API_URL': prefect_api_url}
+    first = run('run', target, 'hi', '--engine', 'prefect', '--conversation', 'p-gone', '--store', store, cwd=tmp_path,
+                env=with_api, unset=['DURCAP_STORE'])
+    assert first.returncode == 0, first.stdout + first.stderr
+    refused = run('history', 'delete', 'p-gone', '--yes', '--engines', '--store', store, cwd=tmp_path,
+                  unset=['PREFECT_API_URL', 'DURCAP_STORE'], timeout=60)
+    said = refused.stderr.replace('\n', ' ')
+    assert refused.returncode == 2 and refused.stdout == '', refused.stdout + refused.stderr
+    assert said.startswith("durcap: error: DC040 --engines: conversation 'p-gone' has prefect runs (") and (
+        'PREFECT_API_URL is not set: nothing was deleted. Fix: set PREFECT_API_URL to the prefect server that holds '
+        'them, or pass --skip-engine prefect') in said, said
+    assert 'temporary' not in refused.stdout + refused.stderr
+    shown = run('history', 'show', 'p-gone', '--store', store, cwd=tmp_path, unset=['DURCAP_STORE'], timeout=60)
+    assert shown.returncode == 0, shown.stderr  # nothing deleted
+    skipped = run('history', 'delete', 'p-gone', '--yes', '--engines', '--skip-engine', 'prefect', '--store', store,
+                  '--format', 'json', cwd=tmp_path, unset=['PREFECT_API_URL', 'DURCAP_STORE'], timeout=60)
+    assert skipped.returncode == 0, skipped.stdout + skipped.stderr
+    report = json.loads(skipped.stdout)
+    assert report['store']['rows']['durcap_entries'] == 2
+    [record] = report['engines']
+    assert record['engine'] == 'prefect' and record['deleted'] is None and record['remove'], record
+    assert 'temporary' not in skipped.stderr, skipped.stderr

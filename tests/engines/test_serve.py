@@ -308,6 +308,8 @@ def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_a
                 got = None
             if (response.status_code, got) != (expected, code) or 'Traceback' in text or 'File "' in text:
                 failures.append(f'{name}: {response.status_code} {text[:300]}')
+            elif code == 'DC041' and ('Fix: ' not in text or '--max-body-bytes' not in text):
+                failures.append(f'{name}: no fix line: {text[:300]}')  # every DC041 names its fix
     assert not failures, '\n'.join(failures)
     assert _store_rows(dbos_stack.store) == before
     assert _wait_pending(url, run_id) == [call]
@@ -322,7 +324,8 @@ def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_a
     assert streamed[-1].data['data']['output'] == 'result: revoked sessions of alice'
     for again in (good, {'decision': 'deny', 'fingerprint': fp}):
         refused = httpx.post(f'{url}{decide}', json=again, headers=ALICE, timeout=30)
-        assert refused.status_code == 409 and refused.json()['error']['code'] == 'approval-already-decided', refused.text
+        assert refused.status_code == 409 and refused.json()['error']['code'] == 'DC054', refused.text
+        assert refused.json()['error']['kind'] == 'already-decided', refused.text
         assert 'approved by serve:alice' in refused.json()['error']['message']
     assert (dbos_stack.crash_dir / 'revocations').read_text().splitlines() == ['alice']
     stored = httpx.get(f'{url}{conv}', headers=ALICE, timeout=30).json()
@@ -357,7 +360,7 @@ def test_node_clients_stream_a_support_turn_receive_the_approval_and_approve_thr
     `revoke_sessions`, and approves it through `/v1/runs/{run}/approvals/{call}`, or (`native`, on DBOS) answers in
     the protocol (AG-UI `resume` entries; Vercel AI the tool part `approval-responded`, as useChat does) and reads the
     rest of the run on that stream; the run completes with the revocation in its answer, a second decision on the call
-    is refused (409 `approval-already-decided`), and the audit records the one approval by `serve:alice`. Model: the
+    is refused (409 `DC054`), and the audit records the one approval by `serve:alice`. Model: the
     support example's scripted `SupportScript` (FunctionModel)."""
     stack: Stack = request.getfixturevalue(f'{engine}_stack')
     server, url = start_server(stack.tmp, f'serve-support-{engine}', stack.env, *stack.serve_args, '--deps-json',
@@ -396,7 +399,8 @@ def test_node_clients_stream_a_support_turn_receive_the_approval_and_approve_thr
                 again = httpx.post(f'{url}/v1/runs/{run["run_id"]}/approvals/{call["call_id"]}', headers=ALICE,
                                    timeout=30, json={'decision': 'deny', 'fingerprint': call['fingerprint']})
                 assert again.status_code == 409, again.text
-                assert again.json()['error']['code'] == 'approval-already-decided', again.text
+                assert again.json()['error']['code'] == 'DC054', again.text
+                assert again.json()['error']['kind'] == 'already-decided', again.text
             stored = httpx.get(f'{url}/v1/conversations/{thread}', headers=ALICE, timeout=30).json()
             assert [(a['tool'], a['decision'], a['by']) for a in stored['approvals']] == [
                 ('revoke_sessions', 'approved', 'serve:alice')]

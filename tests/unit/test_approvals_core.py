@@ -60,12 +60,14 @@ def test_check_decision_refuses_stale_fingerprint_and_unknown_call() -> None:
     with pytest.raises(ApprovalError) as unknown:
         check_decision(pending, Decision('c9', pending[0].fingerprint, True), 'r1')
     assert unknown.value.kind == 'unknown-call'
-    # A second decision on a decided call (issue 13): the same kind, naming the run, the call and the first decision.
+    # A second decision on a decided call (issue 13): its own kind and code (DC054, not `unknown-call`), naming the
+    # run, the call and the first decision, with a fix.
     first = Decision('c1', pending[0].fingerprint, False, reason='no', by='dana', at='2026-05-01T12:00:00+00:00')
     refused = already_decided('r1', 'c1', first, received=False)
-    assert refused.kind == 'unknown-call'
-    assert str(refused).startswith("run 'r1': call 'c1' was already denied by dana at 2026-05-01T12:00:00+00:00 "
+    assert (refused.kind, refused.code) == ('already-decided', 'DC054')
+    assert str(refused).startswith("DC054 run 'r1': call 'c1' was already denied by dana at 2026-05-01T12:00:00+00:00 "
                                    '(the run has not received it yet'), str(refused)
+    assert 'Fix: nothing to send, the first decision stands' in str(refused) and '\n' not in str(refused)
 
 
 def test_results_approve_with_override_deny_with_reason_and_time_out() -> None:

@@ -291,6 +291,15 @@ def test_cli_watch_prints_jsonl_text_and_resumes_from_an_offset(tmp_path: Path) 
     assert [json.loads(line)['offset'] for line in later.stdout.splitlines()] == offsets[4:]
     text = durcap('runs', 'watch', 'local-cli', '--store', store)
     assert ANSWER in text.stdout and '] run_completed' in text.stdout
+    # --engine names the run's engine: another engine's run is one coded line, exit 2, nothing printed (it printed the
+    # local run's events as if they were a Temporal run's).
+    other = durcap('runs', 'watch', 'local-cli', '--store', store, '--engine', 'temporal', '--format', 'jsonl')
+    assert (other.returncode, other.stdout) == (2, ''), other.stdout + other.stderr
+    assert other.stderr.replace('\n', ' ').strip() == (
+        "durcap: error: DC040 --engine temporal: run 'local-cli' is a local run (its stream records engine 'local'), "
+        'not a temporal one: nothing printed. Fix: drop --engine, or pass --engine local'), other.stderr
+    same = durcap('runs', 'watch', 'local-cli', '--store', store, '--engine', 'local', '--format', 'jsonl')
+    assert same.returncode == 0 and same.stdout == jsonl.stdout, same.stderr
     missing = durcap('runs', 'watch', 'nope', '--store', store, '--wait', '0')
     assert missing.returncode == 2 and missing.stderr.startswith("durcap: error: run 'nope' has published no events")
     assert 'Traceback' not in missing.stderr

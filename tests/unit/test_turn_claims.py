@@ -346,8 +346,8 @@ def test_the_published_call_carries_the_tools_schema_and_a_second_decision_is_co
     assert schema is not None and schema['required'] == ['user'] and racer.tool_schema('no_such_tool') is None
     first = Decision('call-1', 'f' * 64, True, by='alice')
     error = already_decided('run-1', 'call-1', first, received=False)
-    assert isinstance(error, AlreadyDecidedError) and error.code == 'approval-already-decided'
-    assert error.kind == 'unknown-call' and 'already approved by alice' in str(error)
+    assert isinstance(error, AlreadyDecidedError) and error.code == 'DC054'
+    assert error.kind == 'already-decided' and 'already approved by alice' in str(error)
     import pickle
 
     assert str(pickle.loads(pickle.dumps(error))) == str(error)  # DBOS and Prefect pickle what a step raises

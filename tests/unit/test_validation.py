@@ -694,6 +694,9 @@ def test_zz_every_code_is_exercised(request: pytest.FixtureRequest) -> None:
     # `busy='interrupt'` for an agent whose output is not text: produced by agent.py and conversations.py, exercised in
     # tests/unit/test_turn_claims.py and by the examples of docs/errors.md.
     elsewhere |= {'DC053'}
+    # A second decision on a decided call: produced by approvals.py (every engine, serve), exercised in
+    # tests/unit/test_approvals_core.py, tests/engines/test_approvals.py and by the examples of docs/errors.md.
+    elsewhere |= {'DC054'}
     # Refused HTTP requests of `durcap serve`: produced by serve/, exercised in tests/engines/test_serve.py (the table of
     # bad requests) and by the examples of docs/errors.md.
     elsewhere |= {'DC041', 'DC042', 'DC043', 'DC044', 'DC045'}

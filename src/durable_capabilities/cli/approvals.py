@@ -1,6 +1,7 @@
 """`durcap approvals list`, `durcap approve`, `durcap deny`: decide on tool calls waiting for a person.
 
-Exit codes: 0 done, 2 unknown run or call, or a stale fingerprint (nothing was delivered).
+Exit codes: 0 done, 2 unknown run or call, a call already decided (DC054, kind `already-decided`), or a stale
+fingerprint (nothing was delivered).
 """
 
 from __future__ import annotations

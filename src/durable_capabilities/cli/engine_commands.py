@@ -27,7 +27,8 @@ from .. import runner
 from .._limits import INPUT_CODE, InputError, load_json, one_line, printable, redact_database_url
 from ..agent import DurableAgent
 from ..conversations import check_busy
-from ..engines import DEFAULT_ENGINE, ENGINES, EngineUnreachableError, RunOptions, get
+from ..engines import DEFAULT_ENGINE, ENGINES, DrainCutShortError, EngineUnreachableError, RunOptions, get
+from ..engines._stall import wait_notice
 from ..ids import redact_url
 from ..replay import ReplayTimeout, replay_histories
 from ..report import RunReport
@@ -387,6 +388,7 @@ def run(
     try:
         if check_busy(busy, '--busy', agent) is not None:
             settings['busy'] = busy
+        wait_notice()  # $DURCAP_WAIT_NOTICE of a client waiting on a worker: checked before anything runs
     except InputError as exc:
         _unusable(str(exc))
     if deps_json is None and agent.deps_type is not type(None):
@@ -684,7 +686,10 @@ def _worker_command(engine: str) -> Any:
         conn: dict[str, Any] | None = None,
     ) -> None:
         """Validate TARGET and serve its workflows and activities; refuse to start on any error or lockfile drift;
-        drain on SIGTERM."""
+        drain on SIGTERM.
+
+        Exit 0 once drained; 1 when the drain time (--graceful-shutdown) ended with runs still going (one line names
+        them and who finishes them)."""
         schedule = _gc_schedule(engine, gc_every, gc_apply, gc_retention, gc_grace, store, conn or {})
         _err.print(f'{engine} worker: loading {printable(target)} and checking it (every engine; its names in '
                    'durable.lock) ...', markup=False)
@@ -700,19 +705,25 @@ def _worker_command(engine: str) -> Any:
                     'set_current': set_current}
         if schedule is not None:
             schedule.start()
+        code = 0
         try:
             get(engine).serve_worker(agents, RunOptions(settings=settings, notify=_err.print))
         except (OSError, RuntimeError) as exc:
             _unusable(f'cannot serve {engine}: {exc}')
+        except DrainCutShortError as exc:  # stopped, not drained: say what was left, exit 1
+            _err.print(printable(f'durcap: worker stopped before its runs ended: {exc}'), markup=False)
+            code = 1
         finally:
             if schedule is not None:
                 schedule.stop()
-        _err.print('worker drained and stopped')
+        if code == 0:
+            _err.print('worker drained and stopped')
         sys.stdout.flush()
         sys.stderr.flush()
-        # temporalio's core runtime can abort the interpreter while it shuts down (sdk-python#300);
-        # everything is drained and closed at this point, so leave without running finalizers.
-        os._exit(0)
+        # temporalio's core runtime can abort the interpreter while it shuts down (sdk-python#300); everything is
+        # drained (or handed on) and closed at this point, so leave without running finalizers (nor waiting for the
+        # thread of a workflow the drain gave up on).
+        os._exit(code)
 
     worker.__name__ = f'worker_{engine}'
     return connection_options('read')(worker)

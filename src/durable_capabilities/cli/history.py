@@ -21,7 +21,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 from pydantic_ai.messages import ModelMessage
 
-from .._limits import printable
+from .._limits import INPUT_CODE, printable
 from ..engines._specs import TEMPORAL
 from ..errors import DurcapError
 from ..reading import approval_audit, read_conversation, summarize
@@ -276,6 +276,9 @@ def delete(
         '--engines', help="Also check the engines for a run of it in flight (refused if one is) and delete the "
                           "engines' own records of its runs (Temporal history, DBOS step outputs, Prefect flow "
                           'runs).')] = False,
+    skip_engine: Annotated[list[str] | None, typer.Option(
+        '--skip-engine', metavar='ENGINE', help="With --engines: leave this engine out (not asked, its records listed "
+                                                'with how to remove them, not deleted). Repeatable.')] = None,
     format: Annotated[HistoryFormat, typer.Option('--format', help='text or json.')] = HistoryFormat.text,
     conn: dict[str, Any] | None = None,
 ) -> None:
@@ -283,14 +286,19 @@ def delete(
     shares; say what each engine still holds of its runs and how to remove it.
 
     Exit 2 (nothing deleted) for an unknown conversation, a conversation others were forked from, or, with
-    --engines, a run of it still in flight; without --engines the store cannot tell whether a run is in flight and
-    a warning says so. Asks for confirmation unless --yes.
+    --engines, a run of it still in flight, or an engine holding its runs that is not configured (Prefect without
+    PREFECT_API_URL) or cannot be asked (pass --skip-engine ENGINE to leave it out); without --engines the store
+    cannot tell whether a run is in flight and a warning says so. Asks for confirmation unless --yes.
     """
-    from ..forgetting import delete_conversation, engine_records, plan_delete
+    from ..forgetting import check_engines_configured, delete_conversation, engine_records, plan_delete
 
     url = resolve_url(store)
+    skip = _skipped(skip_engine or [], engines)
+    settings = connection_settings(conn or {}, store)
     try:
         plan = asyncio.run(plan_delete(url, conversation_id))
+        if engines:  # before asking: a refusal needs no confirmation
+            check_engines_configured(plan, settings, skip)
     except DurcapError as exc:
         _unusable(str(exc))
     if not dry_run and not yes:
@@ -302,8 +310,8 @@ def delete(
             typer.echo('nothing deleted', err=True)
             raise typer.Exit(1)
     try:
-        done = asyncio.run(delete_conversation(url, conversation_id, settings=connection_settings(conn or {}, store),
-                                               engines=engines, dry_run=dry_run))
+        done = asyncio.run(delete_conversation(url, conversation_id, settings=settings, engines=engines,
+                                               dry_run=dry_run, skip=skip))
     except DurcapError as exc:
         _unusable(str(exc))
     for note in done.notes:
@@ -319,6 +327,18 @@ def delete(
         typer.echo(_plan_text(done.purge, done.engines, planned=dry_run))
     if any(r.deleted is False for r in done.engines):
         raise typer.Exit(1)
+
+
+def _skipped(names: list[str], engines: bool) -> set[str]:
+    """The engines of `--skip-engine` (exit 2, DC040, for one that is not a durable engine, or without --engines)."""
+    from ..engines import DURABLE_ENGINES
+
+    if names and not engines:
+        _unusable(f'{INPUT_CODE} --skip-engine: only with --engines (without it no engine is asked or changed)')
+    for name in names:
+        if name not in DURABLE_ENGINES:
+            _unusable(f'{INPUT_CODE} --skip-engine {name}: not a durable engine; one of {", ".join(DURABLE_ENGINES)}')
+    return set(names)
 
 
 def _plan_text(purge: Any, records: list[Any], *, planned: bool) -> str:

@@ -271,7 +271,7 @@ def watch_run(
     fmt: Annotated[WatchFormat, typer.Option('--format', help='text (the answer as it streams, one line per other '
                                              'event), or jsonl (one RunEvent JSON object per line).')] = WatchFormat.text,
     engine: Annotated[str | None, typer.Option('--engine', '-e', help='The engine the run is on (local, dbos, prefect, temporal; '
-                                               'default: any).')] = None,
+                                               'default: any); a run of another engine is refused, exit 2.')] = None,
     store: StoreOption = None,
     follow: Annotated[bool, typer.Option('--follow/--no-follow', help='Wait for new events until the run ends '
                                          '(default), or print what the store retains now.')] = True,

@@ -13,6 +13,7 @@ from typing import Any, overload
 from . import _specs
 from ._adapter import (
     RUN_STATUSES,
+    DrainCutShortError,
     EngineAdapter,
     EngineUnreachableError,
     LazyAdapter,
@@ -34,6 +35,7 @@ __all__ = [
     'ENGINES',
     'RUN_STATUSES',
     'ConnectionSetting',
+    'DrainCutShortError',
     'EngineAdapter',
     'EngineSpec',
     'EngineUnreachableError',

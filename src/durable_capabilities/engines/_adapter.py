@@ -167,6 +167,21 @@ class EngineUnreachableError(RuntimeError, DurcapError, code='engine-unreachable
     """
 
 
+class DrainCutShortError(DurcapError, code='drain-cut-short'):
+    """A worker stopped (SIGTERM / SIGINT) before the runs it was running ended: its drain time
+    (`--graceful-shutdown`) passed with runs still going. They are not lost (each engine hands them on: the message
+    says how), but the worker did not drain: `durcap worker` exits 1 with this one line instead of saying "drained".
+
+    Attributes:
+        engine: The engine's name.
+        run_ids: The runs left, as the engine names them (workflow ids).
+    """
+
+    def __init__(self, engine: str, run_ids: Sequence[str], message: str):
+        super().__init__(message)
+        self.engine, self.run_ids = engine, list(run_ids)
+
+
 def loaded_capabilities_in(values: Iterable[Any]) -> list[str]:
     """Capability ids of every `load_capability` tool call found in `values` (model responses, message lists,
     or their JSON, as data or as one JSON string), in order, each once.
@@ -391,6 +406,8 @@ class EngineAdapter(ABC):
 
         Raises:
             OSError / RuntimeError: the worker cannot reach its server.
+            DrainCutShortError: stopped, but runs were still going when the drain time ended (DBOS); the message says
+                which and what becomes of them.
         """
         raise NotImplementedError(f'engine {self.name!r} has no worker')
 

@@ -12,7 +12,7 @@
 Stateless: the conversation owners, the runs requests started and the idempotency keys live in the conversation
 store (schema version 7), the events in the run's stream there; any number of serve processes on one engine and
 store act as one. A refusal is a JSON body `{"error": {"code", "status", "message"}}` (codes DC041-DC045, DC051,
-`approval-already-decided`, `approval`), never a traceback. See docs/serving.md.
+DC054, `approval`), never a traceback. See docs/serving.md.
 """
 
 from __future__ import annotations

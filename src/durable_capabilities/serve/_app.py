@@ -22,7 +22,14 @@ from starlette.routing import Route
 
 from .._limits import MAX_DEPTH, InputError, load_json, one_line, printable
 from ..agent import DurableAgent
-from ..approvals import AlreadyDecidedError, ApprovalArgsError, ApprovalError, DecisionNotDeliveredError
+from ..approvals import (
+    AlreadyDecidedError,
+    ApprovalArgsError,
+    ApprovalError,
+    Decision,
+    DecisionNotDeliveredError,
+    already_decided,
+)
 from ..conversations import check_busy
 from ..store import ConversationBusyError, ConversationNotFoundError, StoreError
 from ..streams import STREAM_ENGINES, StreamNotFoundError
@@ -190,12 +197,12 @@ class ServeApp:
         declared = request.headers.get('content-length')
         limit = self.max_body_bytes
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise RequestTooLargeError(f'{what}: the body is {int(declared)} bytes, over the limit of {limit} bytes')
+            raise RequestTooLargeError.over(what, limit, int(declared))
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise RequestTooLargeError(f'{what}: the body is over the limit of {limit} bytes')
+                raise RequestTooLargeError.over(what, limit)
             chunks.append(chunk)
         raw = b''.join(chunks)
         if not raw.strip():
@@ -439,7 +446,7 @@ class ServeApp:
             The `Decision` delivered.
 
         Raises:
-            _Refused: 409 (already decided, other arguments), 422 (edited arguments outside the tool's schema), 503
+            _Refused: 409 (DC054 already decided; other arguments), 422 (edited arguments outside the tool's schema), 503
                 (DC052: no worker took the decision; nothing ran, decide again).
             NotFoundError: DC044, no such pending call.
         """
@@ -448,10 +455,9 @@ class ServeApp:
         pending = {call.call_id: call for call in await self._pending(row)}
         if call_id not in pending:
             earlier = await self._decided(row, call_id)
-            if earlier is not None:
-                raise _Refused(_coded(409, AlreadyDecidedError.code, f'run {row.run_id!r}: call '
-                                      f'{printable(call_id[:120])!r} was already {earlier}; a call is decided once: this '
-                                      'decision was refused and nothing was sent', kind='unknown-call'))
+            if earlier is not None:  # as the engines' own refusal (`approvals.already_decided`): DC054
+                refused = already_decided(row.run_id, printable(call_id[:120]), earlier)
+                raise _Refused(_coded(409, refused.code, str(refused), kind=refused.kind))
             raise NotFoundError(f'run {row.run_id!r} has no pending call {printable(call_id[:120])!r} (pending: '
                                 f'{", ".join(pending) or "none"})', field='call_id')
         try:
@@ -479,16 +485,14 @@ class ServeApp:
 
         return await protocol_turn(self, request, 'vercel-ai')
 
-    async def _decided(self, row: RunRow, call_id: str) -> str | None:
-        """`'approved by serve:alice at ...'` when the run received a decision on `call_id`, else `None`."""
-        from ..approvals import Decision, describe_decision
-
+    async def _decided(self, row: RunRow, call_id: str) -> Decision | None:
+        """The decision on `call_id` the run received (its `approval_decided` event), else `None`."""
         for _offset, kind, body in await self.rows.call(self.rows.milestones_sync, row.run_id):
             if kind != 'approval_decided':
                 continue
             for decision in (json.loads(body).get('data') or {}).get('decisions') or []:
                 if decision.get('call_id') == call_id:
-                    return describe_decision(Decision.from_json(decision))
+                    return Decision.from_json(decision)
         return None
 
 

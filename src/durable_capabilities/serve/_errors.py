@@ -29,9 +29,24 @@ class ServeError(DurcapError, code='serve'):
 
 class RequestTooLargeError(ServeError, code='DC041'):
     """A request body is over the server's bound (`create_app(max_body_bytes=...)`, default 1 MiB): 413, nothing
-    read further, nothing stored."""
+    read further, nothing stored. Build it with `over`, whose message ends with the fix."""
 
     status = 413
+
+    @classmethod
+    def over(cls, what: str, limit: int, size: int | None = None) -> RequestTooLargeError:
+        """The refusal of `what`'s body (`'prompt'`, `'decision'`: the request's part) over `limit` bytes.
+
+        Args:
+            what: What the body is for, first in the message.
+            limit: The server's bound in bytes.
+            size: The body's declared size (its `Content-Length`), `None` when it was found over the limit while
+                being read.
+        """
+        found = f'the body is {size} bytes, over' if size is not None else 'the body is over'
+        return cls(f'{what}: {found} the limit of {limit} bytes. Fix: send a smaller body (large content belongs in '
+                   "the agent's tools or deps, not the prompt), or start the server with a larger bound: "
+                   '`durcap serve --max-body-bytes N` (`create_app(max_body_bytes=N)`)', limit=limit)
 
 
 class BadRequestError(ServeError, code='DC042'):

@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from .._limits import InputError
 from ..errors import DurcapError
 from ._events import TERMINAL_KINDS, RunEvent, load_event
 from ._log import EventLog, StoredEvent, forget_waiter, in_thread, written_soon
@@ -43,7 +44,7 @@ async def watch(run_id: str, *, engine: str | None = None, from_offset: int = 0,
     Args:
         run_id: The run (workflow id, flow run id, `local-...`).
         engine: The engine it runs on (`local`, `dbos`, `prefect`, `temporal`; `None`: any of them); another
-            name raises `StreamUnsupportedError`.
+            name raises `StreamUnsupportedError`, and a run whose stream records another engine raises `InputError`.
         from_offset: The offset of the last event already seen: only later ones are delivered (0: from the start).
             A subscriber that reconnects with its last offset gets exactly the rest.
         store: The conversation store URL holding the stream (`None`: `$DURCAP_STORE`, else the default store).
@@ -57,6 +58,7 @@ async def watch(run_id: str, *, engine: str | None = None, from_offset: int = 0,
     Raises:
         StreamNotFoundError: nothing published for `run_id` within `wait_for_start` seconds.
         StreamUnsupportedError: `engine` publishes no stream.
+        InputError: DC040, `engine` is given and the run's stream records another engine (nothing is yielded).
         ValueError: `from_offset` is negative.
     """
     async for batch in watch_batches(run_id, engine=engine, from_offset=from_offset, store=store, follow=follow,
@@ -104,6 +106,8 @@ async def watch_batches(run_id: str, *, engine: str | None = None, from_offset: 
     try:
         while True:
             rows, info = await in_thread(log.poll_sync, run_id, after)
+            if engine is not None and info is not None and info.engine != engine:
+                raise _other_engine(run_id, engine, info.engine)
             if info is None and not rows:
                 if not follow or time.monotonic() > deadline:
                     raise StreamNotFoundError(f'run {run_id!r} has published no events to {log._backend.display_url} '
@@ -127,6 +131,13 @@ async def watch_batches(run_id: str, *, engine: str | None = None, from_offset: 
             waiter = await _next_write(run_id, waiter, poll)
     finally:
         forget_waiter(run_id, waiter)
+
+
+def _other_engine(run_id: str, asked: str, recorded: str) -> InputError:
+    """DC040 for `--engine asked` on a run whose stream records engine `recorded`: its events are not that engine's run."""
+    return InputError(f'--engine {asked}', (
+        f'run {run_id!r} is a {recorded} run (its stream records engine {recorded!r}), not a {asked} one: nothing '
+        f'printed. Fix: drop --engine, or pass --engine {recorded}'))
 
 
 async def _next_write(run_id: str, waiter: asyncio.Future[None], poll: float) -> asyncio.Future[None]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import threading
@@ -14,7 +15,8 @@ from sqlalchemy.exc import OperationalError, ProgrammingError
 from ..._limits import redact_database_url
 from ...conversations import resolve_payload, store_url
 from ...report import RunReport
-from .._adapter import RunOptions
+from .._adapter import DrainCutShortError, RunOptions
+from .._stall import Progress, notice_stalls, wait_notice
 from ._client import client as dbos_client
 from ._peers import DEFAULT_PEER_TIMEOUT, HEARTBEAT_SECONDS, Peers
 from ._server import launch, system_database_url
@@ -36,6 +38,11 @@ def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) 
     `DEFAULT_PEER_TIMEOUT`), `graceful_shutdown` (seconds running workflows get to finish), `store`
     (conversation store URL of the steps this worker runs), `ready` (a callable without arguments, called once the
     worker serves, right after its ready line: `workers/dbos_app.py` writes its ready file there).
+
+    Raises:
+        OSError / RuntimeError: the system database cannot be served.
+        DrainCutShortError: stopped with workflows of this executor still PENDING after the drain (`_drain`): the
+            message names them and who finishes them.
     """
     for agent in agents:
         agent_workflow(agent, store=options.setting('store'))
@@ -58,6 +65,8 @@ def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) 
     launched = False
     peers: Peers | None = None
     watch: threading.Thread | None = None
+    left: list[str] | None = []
+    seconds = int(options.setting('graceful_shutdown', 30))
     try:
         launch(APP_NAME, system_database_url_=url, executor_id=executor)
         launched = True
@@ -91,10 +100,32 @@ def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) 
         if watch is not None:
             watch.join(timeout=HEARTBEAT_SECONDS * 2)
         if launched:
-            _drain(peers, url, executor, int(options.setting('graceful_shutdown', 30)), options.notify)
+            left = _drain(peers, url, executor, seconds, options.notify)
+    if left:
+        raise DrainCutShortError(ENGINE, left, _left_line(executor, left, seconds, peers, queue))
 
 
-def _drain(peers: Peers | None, url: str, executor: str, seconds: int, notify: Callable[[str], None]) -> None:
+_LISTED = 10
+"""Workflow ids a cut-short drain names; the rest are counted."""
+
+
+def _left_line(executor: str, left: list[str], seconds: int, peers: Peers | None, queue: str) -> str:
+    """One line: how many of `executor`'s workflows the drain of `seconds` left PENDING, their ids (the first
+    `_LISTED`), and who finishes them (a peer after its timeout when peer recovery is on; else this executor id
+    launching again, or `durcap runs resume`)."""
+    ids = ', '.join(left[:_LISTED]) + (f' and {len(left) - _LISTED} more' if len(left) > _LISTED else '')
+    if peers is not None:
+        then = (f'a peer recovers them after {peers.timeout:g} s without this heartbeat (or this executor id '
+                'launching again)')
+    else:
+        then = (f'peer recovery is off (--peer-timeout 0): a worker launched as this executor id recovers them '
+                f'(`durcap worker dbos TARGET --task-queue {queue} --executor-id {executor}`), or `durcap runs resume '
+                'ID` one by one')
+    return (f'dbos worker {executor!r}: {len(left)} workflows still running when the {seconds} s drain ended stay '
+            f'PENDING ({ids}); {then}')
+
+
+def _drain(peers: Peers | None, url: str, executor: str, seconds: int, notify: Callable[[str], None]) -> list[str] | None:
     """Stop a launched worker: DBOS's own drain (`DBOS.destroy`: running workflows get `seconds` to finish), then
     this worker's heartbeat row (`_peers`).
 
@@ -103,6 +134,10 @@ def _drain(peers: Peers | None, url: str, executor: str, seconds: int, notify: C
     the drain did not finish after its peer timeout: with an executor id per pod, no later process would ever
     launch under this id and recover them itself (a process that does, e.g. a compose service restarted under its
     fixed id, recovers them at launch; DBOS runs each recovered workflow once either way).
+
+    Returns:
+        The ids of this executor's workflows left PENDING (empty: drained), `None` when they cannot be read (said on
+        `notify`).
     """
     drained = threading.Event()
     beating: threading.Thread | None = None
@@ -122,27 +157,27 @@ def _drain(peers: Peers | None, url: str, executor: str, seconds: int, notify: C
         drained.set()
         if beating is not None:
             beating.join(timeout=HEARTBEAT_SECONDS * 2)
-        if peers is not None:
-            left = _pending_count(url, executor)
-            if left == 0:
-                peers.leave()
-            else:
-                peers.close()
-                notify(f'dbos worker {executor!r}: '
-                       + (f'{left} workflows still running when the {seconds} s drain ended stay PENDING'
-                          if left is not None else 'could not count the workflows left PENDING')
-                       + f'; a peer recovers them after {peers.timeout:g} s without this heartbeat (or this '
-                       'executor id launching again)')
+    left = _pending_ids(url, executor)
+    if peers is not None:
+        if left == []:
+            peers.leave()
+        else:
+            peers.close()
+    if left is None:
+        notify(f'dbos worker {executor!r}: could not read the workflows left PENDING after the {seconds} s drain'
+               + (f'; a peer recovers any after {peers.timeout:g} s without this heartbeat' if peers is not None else ''))
+    return left
 
 
-def _pending_count(url: str, executor: str) -> int | None:
-    """How many workflows of `executor` are PENDING in the system database at `url` (`None`: it cannot be read)."""
+def _pending_ids(url: str, executor: str) -> list[str] | None:
+    """The ids of `executor`'s workflows PENDING in the system database at `url` (`None`: it cannot be read)."""
     try:
         client = dbos_client({'db': url})
     except Exception:  # noqa: BLE001 - unknown is reported as such; the row stays, and a peer's recovery is harmless
         return None
     try:
-        return len(client.list_workflows(status='PENDING', executor_id=executor, load_input=False, load_output=False))
+        return [w.workflow_id for w in client.list_workflows(status='PENDING', executor_id=executor, load_input=False,
+                                                             load_output=False)]
     except Exception:  # noqa: BLE001 - as above
         return None
     finally:
@@ -156,7 +191,9 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
     The run is enqueued through a `DBOSClient` (DBOS's own way to start a workflow from outside the application),
     without an application version, so the latest version of the workers takes it (DBOS's rule for client
     enqueues), and this process runs nothing. Says so when no worker serving `queue` has beaten in the last
-    `DEFAULT_PEER_TIMEOUT` seconds (`_peers`): the run waits on the queue until one does.
+    `DEFAULT_PEER_TIMEOUT` seconds (`_peers`): the run waits on the queue until one does. While it waits, says once
+    per stall when the run has waited `_stall.wait_notice()` seconds for a worker without progress
+    (`_notice_no_progress`), and keeps waiting.
 
     Args:
         agent: The agent (its workflow `durcap.{name}` must be served by the workers).
@@ -178,6 +215,7 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
     from ._peers import live_executors
     from ._spec import workflow_names
 
+    seconds = wait_notice()  # DC040 on a bad $DURCAP_WAIT_NOTICE, before the run is enqueued
     client = dbos_client({'db': url})
     try:
         enqueue: EnqueueOptions = {'queue_name': queue, 'workflow_name': workflow_names(agent)[0],
@@ -190,9 +228,49 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
             options.notify(f'no `durcap worker dbos` serving queue {queue!r} was seen in the last '
                            f'{DEFAULT_PEER_TIMEOUT:g} s: the run waits on the queue until one does (start '
                            f'`durcap worker dbos TARGET --task-queue {queue}`)')
-        payload = await handle.get_result()
+        notice = asyncio.create_task(_notice_no_progress(client, url, queue, workflow_id, options.notify, seconds))
+        try:
+            payload = await handle.get_result()
+        finally:
+            notice.cancel()
         steps = await client.list_workflow_steps_async(workflow_id)
     finally:
         client.destroy()
     payload = await resolve_payload(payload, store=store_url(agent, options.setting('store')))
     return RunReport.from_payload(ENGINE, workflow_id, payload, [step['function_name'] for step in steps])
+
+
+async def _notice_no_progress(client: Any, url: str, queue: str, workflow_id: str, notify: Callable[[str], None],
+                              seconds: float) -> None:
+    """Say once per stall, on `notify`, when run `workflow_id` has waited `seconds` for a worker without progress
+    (`_stall.notice_stalls`), until it ends or this task is cancelled.
+
+    Progress is the workflow's status, its executor and its number of recorded steps. It waits for a worker while it
+    is ENQUEUED (no worker took it from `queue`), or PENDING under an executor whose heartbeat row (`_peers`) is
+    missing or older than `seconds` (its worker died: a worker launched as that executor id, or a peer after its
+    `--peer-timeout`, takes it over). A worker running with `--peer-timeout 0` beats no row, so a long step of its
+    runs is reported too.
+    """
+    from ._peers import live_executors
+
+    async def probe() -> Progress:
+        [status] = await client.list_workflows_async(workflow_ids=[workflow_id], load_input=False, load_output=False)
+        if status.status not in ('ENQUEUED', 'PENDING'):
+            return Progress(None, None, done=True)
+        steps = await client.list_workflow_steps_async(workflow_id)
+        waiting = None
+        if status.status == 'ENQUEUED':
+            waiting = 'it is ENQUEUED: no worker took it'
+        else:
+            beats = {e['executor_id']: e['age'] for e in await asyncio.to_thread(live_executors, url)}
+            if beats.get(status.executor_id, seconds) >= seconds:
+                waiting = f'its worker, executor {status.executor_id!r}, sends no heartbeat'
+        return Progress((status.status, status.executor_id, len(steps)), waiting)
+
+    async def line(waiting: str, waited: float) -> str:
+        return (f'still waiting: no worker has picked up run {workflow_id} on queue {queue!r} for {waited:g} s '
+                f'({waiting}; no step recorded meanwhile): is a worker running? `durcap worker dbos TARGET '
+                f'--task-queue {queue}` (the run is durable: a worker launched as its executor id, or a live peer after '
+                'its --peer-timeout, finishes it)')
+
+    await notice_stalls(probe, line, notify, seconds)

@@ -16,8 +16,9 @@ from ...report import RunReport
 from .. import _mcp
 from .._adapter import EngineAdapter, RunOptions
 from .._specs import TEMPORAL as SPEC
+from .._stall import wait_notice
 from . import _runs
-from ._client import await_result, connect, notice_no_poller, start_run
+from ._client import await_result, connect, notice_no_poller, notice_no_progress, start_run
 from ._conversation import conversation_activity_names
 from ._durability import GuardedTemporalDurability, durability_parts, durable_names, sandbox_runner
 from ._history import HistoryReplayer, export_history, units_recorded
@@ -89,6 +90,7 @@ class TemporalAdapter(EngineAdapter, spec=SPEC):
         client = await connect(address, namespace, store=store)
         task_queue = options.setting('task_queue', DEFAULT_TASK_QUEUE)
         workflow_id = options.run_id or f'{agent.name}-{uuid.uuid4()}'
+        notice = wait_notice()  # DC040 on a bad $DURCAP_WAIT_NOTICE, before the run starts
         async with AsyncExitStack() as stack:
             if inline_worker:
                 await stack.enter_async_context(make_worker(client, [agent], task_queue, store=store))
@@ -99,13 +101,14 @@ class TemporalAdapter(EngineAdapter, spec=SPEC):
                 busy=options.setting('busy'),
             )
             options.started(workflow_id, f'temporal workflow id: {workflow_id} (task queue {task_queue!r} at {address})')
-            watch = None if inline_worker else asyncio.create_task(
-                notice_no_poller(client, namespace, task_queue, options.notify))
+            watches = [] if inline_worker else [
+                asyncio.create_task(notice_no_poller(client, namespace, task_queue, options.notify)),
+                asyncio.create_task(notice_no_progress(client, workflow_id, task_queue, options.notify, notice))]
             try:
                 client, result = await await_result(client, address, namespace, workflow_id, options.notify)
                 units = await units_recorded(client, workflow_id, None)
             finally:
-                if watch is not None:
+                for watch in watches:
                     watch.cancel()
         return RunReport(ENGINE, workflow_id, result.output, result.messages(), result.usage, units)
 

@@ -7,13 +7,18 @@ import asyncio
 import os
 import re
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from pydantic_ai.durable_exec.temporal import PydanticAIPlugin
 from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
 from pydantic_core import to_jsonable_python
-from temporalio.api.enums.v1 import TaskQueueType
+from temporalio.api.enums.v1 import (
+    PendingActivityState,
+    PendingWorkflowTaskState,
+    TaskQueueType,
+    WorkflowExecutionStatus,
+)
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
@@ -23,6 +28,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from ..._limits import InputError
 from .._adapter import EngineUnreachableError
+from .._stall import Progress, notice_stalls
 from ._payloads import default_codec
 from ._spec import (
     AGENT_MEMO,
@@ -182,6 +188,52 @@ async def notice_no_poller(client: Client, namespace: str, task_queue: str, noti
     notify(f'no worker polls task queue {task_queue!r}: the run waits until one does (start '
            f'`durcap worker temporal TARGET --task-queue {task_queue}`, or run with --inline-worker)')
 
+
+async def notice_no_progress(client: Client, workflow_id: str, task_queue: str, notify: Callable[[str], None],
+                             seconds: float) -> None:
+    """Say once, on `notify`, when the run has waited `seconds` for a worker without progress (`_stall`), and keep
+    watching until it ends or this task is cancelled.
+
+    The check is on progress, not on the queue's pollers: a killed worker stays listed as a poller for minutes. The run
+    waits for a worker while its workflow task or an activity is SCHEDULED (not taken by any worker; an activity in
+    its retry backoff counts from its next attempt's time), and it made no progress while its history length, its
+    pending activities' attempts and states and its workflow task's stay the same. A worker killed inside an
+    activity shows as that activity SCHEDULED again once its heartbeat timeout passes (1 s for tools, 5 s for model
+    requests). The line also says how many pollers the queue lists (DescribeTaskQueue).
+    """
+    handle = client.get_workflow_handle(workflow_id)
+
+    async def probe() -> Progress:
+        raw = (await handle.describe()).raw_description
+        info = raw.workflow_execution_info
+        if info.status != WorkflowExecutionStatus.WORKFLOW_EXECUTION_STATUS_RUNNING:
+            return Progress(None, None, done=True)
+        now, waiting = datetime.now(UTC), []
+        task = raw.pending_workflow_task
+        if (raw.HasField('pending_workflow_task')
+                and task.state == PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_SCHEDULED):
+            waiting.append(f'its workflow task (attempt {task.attempt})')
+        for activity in raw.pending_activities:
+            due = not activity.HasField('scheduled_time') or activity.scheduled_time.ToDatetime(UTC) <= now
+            if activity.state == PendingActivityState.PENDING_ACTIVITY_STATE_SCHEDULED and due:
+                waiting.append(f'activity {activity.activity_type.name} (attempt {activity.attempt})')
+        signature = (info.history_length, (task.state, task.attempt),
+                     tuple((a.activity_id, a.attempt, a.state) for a in raw.pending_activities))
+        return Progress(signature, ', '.join(waiting) or None)
+
+    async def line(waiting: str, waited: float) -> str:
+        try:
+            pollers = await task_queue_pollers(client, client.namespace, task_queue)
+            listed = (f'{pollers} poller(s) listed on the queue, which can include a killed worker for a few minutes'
+                      if pollers else 'no worker polls the queue')
+        except Exception:  # noqa: BLE001 - the notice goes out without the count
+            listed = 'pollers unknown'
+        return (f'still waiting: no worker has picked up run {workflow_id} on task queue {task_queue!r} for '
+                f'{waited:g} s ({waiting} scheduled, the history not growing; {listed}): is a worker running? '
+                f'`durcap worker temporal TARGET --task-queue {task_queue}` (the run is durable: a worker started now '
+                'finishes it)')
+
+    await notice_stalls(probe, line, notify, seconds)
 
 
 async def await_result(client: Client, address: str, namespace: str, workflow_id: str,

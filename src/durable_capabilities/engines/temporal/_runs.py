@@ -24,6 +24,7 @@ from ...approvals import (
     Decision,
     DecisionNotDeliveredError,
     PendingCall,
+    already_decided,
     check_decision,
     decision_wait,
     utc_now,
@@ -107,6 +108,8 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
 
     Raises:
         ApprovalError: unknown run (no such workflow, or not waiting), unknown call, stale fingerprint.
+        AlreadyDecidedError: DC054, the run accepted a decision on the call already (`_earlier_decision`: its
+            history holds it); nothing sent.
         DecisionNotDeliveredError: DC052, no worker polls the task queue (`no-worker`, nothing sent), or none accepted
             the decision in time (`not-delivered`: it expires and is never delivered).
         InputError: DC040, `$DURCAP_DECISION_WAIT` is not a number of seconds above 0 (nothing sent).
@@ -116,6 +119,8 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
                            store=settings.get('store'))
     handle = client.get_workflow_handle(run_id)
     pending = await _memo_pending(handle)
+    if all(call.call_id != decision.call_id for call in pending):
+        await _refuse_if_decided(client, handle, decision.call_id)
     if not pending:
         raise ApprovalError('unknown-run', f'Temporal workflow {run_id!r} is not waiting for approval')
     check_decision(pending, decision, run_id)
@@ -138,8 +143,39 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
         cause = exc.cause
         if isinstance(cause, ApplicationError) and cause.type == DecisionNotDeliveredError.__name__:
             raise DecisionNotDeliveredError('expired', str(cause.message)) from None
+        await _refuse_if_decided(client, handle, decision.call_id)  # another decision was accepted meanwhile
         raise ApprovalError('unknown-call', f'run {run_id!r} refused the decision: {exc.cause}') from None
     return PendingCall.from_json(result)
+
+
+async def _refuse_if_decided(client: Client, handle: Any, call_id: str) -> None:
+    """Raise `approvals.already_decided` (DC054) when the run accepted a decision on `call_id` (`_earlier_decision`)."""
+    earlier = await _earlier_decision(client, handle, call_id)
+    if earlier is not None:
+        raise already_decided(handle.id, call_id, earlier)
+
+
+async def _earlier_decision(client: Client, handle: Any, call_id: str) -> Decision | None:
+    """The decision on `call_id` the workflow accepted: the `DECIDE_UPDATE` update whose
+    `WorkflowExecutionUpdateAccepted` event is in its history (a rejected update leaves no event), else `None` (no
+    such workflow, or no decision on that call). Read only when a decision is refused, so the history's length
+    costs nothing on the decision's own path."""
+    try:
+        async for event in handle.fetch_history_events():
+            if event.event_type != EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED:
+                continue
+            update = event.workflow_execution_update_accepted_event_attributes.accepted_request.input
+            if update.name != DECIDE_UPDATE:
+                continue
+            try:
+                (data,) = await client.data_converter.decode(update.args.payloads, [dict])
+            except Exception:  # noqa: BLE001, S112 - not a decision this version can read
+                continue
+            if isinstance(data, dict) and data.get('call_id') == call_id:
+                return Decision.from_json(data)
+    except RPCError:
+        return None
+    return None
 
 
 # ---- runs (`durcap runs`) ------------------------------------------------------------------------------

@@ -1,0 +1,133 @@
+"""A waiting `durcap run` whose only worker dies mid-run says so, keeps waiting, and prints the answer once a new
+worker finishes the run (`engines/_stall.py`).
+
+Real parts: a Temporal dev server (the shared one) and a DBOS SQLite system database; the worker is a real
+subprocess (`tests.engines.drive temporal worker`, `durcap worker dbos`) SIGKILLed inside the crash agent's
+`slow_export` tool; the client is `durcap run` in its own subprocess. Model: the crash agent's scripted
+`FunctionModel` (tests/engines/crash_agent.py). `$DURCAP_WAIT_NOTICE=2` makes the notice's interval 2 s (default 30).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests._helpers import subprocess_env, wait_for_file
+from tests.engines.test_crash import assert_exactly_once, crash_env
+from tests.engines.test_runs import CRASH, kill9, start, wait_text
+
+pytestmark = pytest.mark.slow
+
+NOTICE = 2.0
+"""`$DURCAP_WAIT_NOTICE` of the clients here (seconds)."""
+
+SLACK = 8.0
+"""Seconds allowed on top of the engine's own notice of the dead worker and `NOTICE`: a loaded 2-core machine."""
+
+
+def notice_lines(log: Path) -> list[str]:
+    return [line for line in log.read_text().splitlines() if line.startswith('still waiting:')]
+
+
+def test_temporal_client_says_no_worker_picked_up_the_run_then_prints_the_answer(temporal_address: str, spawn,
+                                                                                   tmp_path: Path) -> None:
+    """The worker is SIGKILLed inside `slow_export`; within the tool's heartbeat timeout (1 s) plus the notice's 2 s
+    (plus slack) the client says, once, that no worker has picked up the run on its task queue (the activity is
+    SCHEDULED again and the history does not grow; the dead worker may still be listed as a poller). A new worker
+    finishes the run: the client prints the answer and exits 0; the charge ran once. Before, the client waited in
+    silence."""
+    env, crash_dir = crash_env(tmp_path)
+    queue = f'waiting-{uuid.uuid4().hex[:8]}'
+    worker_args = ('temporal', 'worker', '--target', 'tests.engines.crash_agent:agent', '--address', temporal_address,
+                   '--task-queue', queue)
+    first = spawn(*worker_args, env=env)
+    first.wait_for('WORKER READY', 90)
+    log = tmp_path / 'run.log'
+    client = start(['run', CRASH, 'charge order A-1 and export', '--engine', 'temporal', '--address', temporal_address,
+                    '--task-queue', queue], log, subprocess_env({**env, 'DURCAP_WAIT_NOTICE': str(NOTICE)}))
+    try:
+        wait_for_file(crash_dir / 'slow-started', 90)
+        assert notice_lines(log) == [], log.read_text()  # a run that moves is not reported
+        first.kill9()
+        killed = time.monotonic()
+        line = wait_text(log, 'still waiting:', client, 1.0 + NOTICE + SLACK)
+        took = time.monotonic() - killed
+        assert took >= NOTICE, (took, line)
+        assert line.startswith('still waiting: no worker has picked up run ') and f"task queue '{queue}'" in line, line
+        assert 'activity ' in line and '(attempt 2) scheduled, the history not growing' in line, line
+        assert f'`durcap worker temporal TARGET --task-queue {queue}`' in line, line
+        second = spawn(*worker_args, env=env)
+        second.wait_for('WORKER READY', 90)
+        assert client.wait(timeout=120) == 0, log.read_text()
+    finally:
+        kill9(client)
+    text = log.read_text()
+    assert 'charged and exported' in text, text
+    assert len(notice_lines(log)) == 1, text
+    assert_exactly_once(crash_dir)
+
+
+def test_dbos_queue_client_says_no_worker_picked_up_the_run_then_prints_the_answer(tmp_path: Path) -> None:
+    """`durcap run --engine dbos --queue Q` waits on a `durcap worker dbos` (executor `w1`, peer recovery off) that is
+    SIGKILLed inside `slow_export`: once its heartbeat row is older than the notice's 2 s and no step was recorded,
+    the client says, once, that no worker has picked up the run, naming the queue and the executor. A worker
+    launched again as `w1` recovers and finishes the run: the client prints the answer and exits 0; the charge ran
+    once."""
+    env, crash_dir = crash_env(tmp_path)
+    env = subprocess_env(env)
+    db, queue = f'sqlite:///{tmp_path / "dbos.sqlite"}', f'waiting-{uuid.uuid4().hex[:6]}'
+    worker_args = ['worker', 'dbos', CRASH, '--db', db, '--task-queue', queue, '--executor-id', 'w1',
+                   '--peer-timeout', '0']
+    first = start(worker_args, tmp_path / 'w1.log', env)
+    log = tmp_path / 'run.log'
+    client = second = None
+    try:
+        wait_text(tmp_path / 'w1.log', 'dbos worker ready', first, 120)
+        client = start(['run', CRASH, 'charge order A-1 and export', '--engine', 'dbos', '--db', db, '--queue', queue],
+                       log, env | {'DURCAP_WAIT_NOTICE': str(NOTICE)})
+        wait_for_file(crash_dir / 'slow-started', 90)
+        assert notice_lines(log) == [], log.read_text()
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+        killed = time.monotonic()
+        line = wait_text(log, 'still waiting:', client, NOTICE + SLACK)
+        took = time.monotonic() - killed
+        assert line.startswith('still waiting: no worker has picked up run ') and f"on queue '{queue}'" in line, line
+        assert "its worker, executor 'w1', sends no heartbeat; no step recorded meanwhile" in line, (took, line)
+        second = start(worker_args, tmp_path / 'w1-again.log', env)  # launched as w1: recovers the run
+        assert client.wait(timeout=120) == 0, log.read_text()
+    finally:
+        for proc in (client, first, second):
+            if proc is not None:
+                kill9(proc)
+    text = log.read_text()
+    assert 'charged and exported' in text, text
+    assert len(notice_lines(log)) == 1, text
+    assert_exactly_once(crash_dir)
+
+
+def test_dbos_queue_client_says_no_worker_took_a_run_nobody_serves(tmp_path: Path) -> None:
+    """No worker serves the queue (the one worker serves another queue): after the notice's 2 s the client says the
+    run is ENQUEUED and no worker took it, and keeps waiting (killed here; the run stays on the queue)."""
+    env, _ = crash_env(tmp_path)
+    env = subprocess_env(env)
+    db, queue = f'sqlite:///{tmp_path / "dbos.sqlite"}', f'nobody-{uuid.uuid4().hex[:6]}'
+    other = start(['worker', 'dbos', CRASH, '--db', db, '--task-queue', f'other-{queue}'], tmp_path / 'other.log', env)
+    log = tmp_path / 'run.log'
+    client = None
+    try:
+        wait_text(tmp_path / 'other.log', 'dbos worker ready', other, 120)
+        client = start(['run', CRASH, 'charge order A-1 and export', '--engine', 'dbos', '--db', db, '--queue', queue],
+                       log, env | {'DURCAP_WAIT_NOTICE': str(NOTICE)})
+        line = wait_text(log, 'still waiting:', client, 60)
+        assert f"on queue '{queue}' for 2 s (it is ENQUEUED: no worker took it; no step recorded meanwhile)" in line, line
+        assert client.poll() is None  # still waiting
+    finally:
+        for proc in (client, other):
+            if proc is not None:
+                kill9(proc)
