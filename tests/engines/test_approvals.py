@@ -327,25 +327,41 @@ def test_temporal_pending_calls_listed_when_another_runs_memo_cannot_be_read(tem
                                                                              tmp_path: Path) -> None:
     """A running `durcap.*` workflow whose pending-calls memo is a claim check in a store this client does not use
     (started through another store) made every Temporal approval listing fail with CorruptedRowError (found by a
-    helper on the shared dev server): it is skipped, the listing works. No worker, no model: the workflow never runs."""
+    helper on the shared dev server): it is skipped, the listing works. The same run, running and once terminated,
+    made `durcap runs list --engine temporal` fail for the whole namespace (so a test listing runs on the shared server
+    failed after this one): it is listed, with a note that its memo needs its own store. No worker, no model: the
+    workflow never runs."""
     from durable_capabilities import runner
     from durable_capabilities.engines.temporal import PENDING_MEMO, connect
+    from durable_capabilities.engines.temporal._runs import list_runs
 
     run_id = f'unreadable-memo-{uuid.uuid4().hex[:8]}'
 
-    async def scenario() -> list:
+    other = {'address': temporal_address, 'store': f'sqlite:///{tmp_path / "other.db"}'}
+
+    async def listed_runs(status: str) -> list:  # visibility lags the start and the termination a little
+        for _ in range(100):
+            if infos := [info for info in await list_runs(other, status=status, limit=1000) if info.run_id == run_id]:
+                return infos
+            await asyncio.sleep(0.1)
+        return []
+
+    async def scenario() -> tuple[list, list, list]:
         private = await connect(temporal_address, store=f'sqlite:///{tmp_path / "private.db"}')
         big = [{'call_id': f'c{i}', 'padding': 'x' * 20_000} for i in range(2)]  # over the 16 KiB threshold
         handle = await private.start_workflow('durcap.unreadable', id=run_id, task_queue=f'none-{uuid.uuid4().hex[:8]}',
                                               memo={PENDING_MEMO: big})
         try:
-            return await runner.approvals(engine='temporal', address=temporal_address,
-                                          store=f'sqlite:///{tmp_path / "other.db"}')
+            calls = await runner.approvals(engine='temporal', **other)
+            running = await listed_runs('running')
         finally:
             await handle.terminate('test done')
+        return calls, running, await listed_runs('cancelled')
 
-    listed = asyncio.run(scenario())
-    assert all(call.run_id != run_id for call in listed)
+    calls, running, terminated = asyncio.run(scenario())
+    assert all(call.run_id != run_id for call in calls)
+    for infos in (running, terminated):
+        assert len(infos) == 1 and any('memo cannot be read with this store' in n for n in infos[0].notes), infos
 
 
 def test_temporal_deny_and_timeout(temporal_address: str, spawn, tmp_path: Path) -> None:

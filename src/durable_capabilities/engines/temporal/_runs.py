@@ -191,7 +191,14 @@ async def _info(client: Client, description: Any, with_history: bool = True, wit
     workflow_type = description.workflow_type or ''
     agent = workflow_type[len(WORKFLOW_NAME_PREFIX):] if workflow_type.startswith(WORKFLOW_NAME_PREFIX) else None
     engine_status = description.status.name if description.status is not None else 'UNKNOWN'
-    memo = await description.memo()
+    notes: list[str] = []
+    try:
+        memo = await description.memo()
+    except Exception as exc:  # noqa: BLE001 - one unreadable run never hides the others from `runs list`
+        # e.g. a memo stored by claim check in a store this client does not use (CorruptedRowError)
+        memo = {}
+        notes.append(f'its memo cannot be read with this store ({type(exc).__name__}): it was started through '
+                     'another conversation store; pass that one with --store to see its capabilities and pending calls')
     caps = list(memo.get(CAPABILITIES_MEMO) or [])
     units_done, conversation = None, None
     units: dict[int, RunUnit] = {}  # by the ActivityTaskScheduled event id
@@ -222,7 +229,6 @@ async def _info(client: Client, description: Any, with_history: bool = True, wit
                     pass
     if not caps and units:
         caps = list(dict.fromkeys(c for unit in units.values() for c in unit.capabilities))
-    notes: list[str] = []
     pinned = _pinned_version(description)
     if pinned and engine_status == 'RUNNING':
         notes.append(f'pinned to worker version {pinned["deployment_name"]}/{pinned["build_id"]}: only a worker of '
