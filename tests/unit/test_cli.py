@@ -357,6 +357,28 @@ def test_a_bad_stream_setting_is_refused_before_the_run_starts(tmp_path: Path) -
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+@pytest.mark.parametrize('prepare', ['absent', 'not-dbos'])
+def test_a_run_handed_to_a_queue_of_a_dbos_database_no_worker_ever_used_is_refused(tmp_path: Path, prepare: str) -> None:
+    """`durcap run --engine dbos --queue Q --db URL` where no DBOS worker has ever run (a SQLite file that does not
+    exist, or one without DBOS's tables): DC040 naming `--db` and the worker command that creates it, exit 2, one line
+    (it printed SQLite's `no such table: main.workflow_status` as a failed run, exit 1; found by h/leftovers).
+    A real `durcap run` subprocess in a temporary folder; nothing runs (no model)."""
+    import sqlite3
+
+    db = tmp_path / 'system.db'
+    if prepare == 'not-dbos':
+        with sqlite3.connect(db) as conn:
+            conn.execute('create table other (a)')
+    result = durcap('run', str(ROOT / 'examples/support/agent.py') + ':support', 'hi', '--deps-json', '{"orders": {}}',
+                    '--engine', 'dbos', '--queue', 'q1', '--db', f'sqlite:///{db}', cwd=tmp_path,
+                    unset=['DURCAP_DBOS_DB', 'DURCAP_STORE'])
+    assert result.returncode == 2, result.stdout + result.stderr
+    error = [line for line in result.stderr.splitlines() if line.startswith('durcap: error:')]
+    assert len(error) == 1 and 'DC040 --db: no DBOS worker has ever run on' in error[0], result.stderr
+    assert '`durcap worker dbos TARGET --db URL --task-queue q1`' in error[0]
+    assert 'Traceback' not in result.stderr and 'workflow_status' not in result.stderr
+
+
 @pytest.mark.parametrize('command', [['approvals', 'list'], ['approve', 'run-x', 'call-y'], ['deny', 'run-x', 'call-y',
                                                                                                 '--reason', 'no']])
 def test_approval_commands_without_a_temporal_server_say_so_in_one_line(command: list[str]) -> None:

@@ -412,6 +412,10 @@ def run(
         _exit_now(130)
     except EngineUnreachableError as exc:  # the engine's server is not there: nothing ran, like a bad --db
         _unusable(str(exc))
+    except InputError as exc:
+        if started:  # the run had started: it failed
+            _run_failed(engine, agent, exc)
+        _unusable(str(exc))  # refused before the run started (e.g. `--queue` on a DBOS database no worker ever used)
     except Exception as exc:  # noqa: BLE001 - the run failed in the engine: one line, no traceback
         _run_failed(engine, agent, exc)
     except BaseException as exc:

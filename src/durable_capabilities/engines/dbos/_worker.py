@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from dbos import DBOS
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
-from ..._limits import redact_database_url
+from ..._limits import InputError, redact_database_url
 from ...conversations import resolve_payload, store_url
 from ...report import RunReport
 from .._adapter import DrainCutShortError, RunOptions
@@ -208,19 +208,32 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
 
     Raises:
         RuntimeError: the system database cannot be reached (one line).
+        InputError: DC040 naming `--db`, when no DBOS application has ever run on the system database (a SQLite file
+            that does not exist, or a database without DBOS's tables): no worker can be serving the queue, and the
+            tables a worker creates are missing; checked before anything is written (the file is not created).
         Exception: the workflow's own error, as DBOS re-raises it.
     """
     from dbos import EnqueueOptions
 
     from ._peers import live_executors
+    from ._runs import _missing_sqlite_file, _no_dbos_tables
     from ._spec import workflow_names
 
     seconds = wait_notice()  # DC040 on a bad $DURCAP_WAIT_NOTICE, before the run is enqueued
+    no_worker_yet = (f'no DBOS worker has ever run on {redact_database_url(url)}: start `durcap worker dbos TARGET '
+                     f'--db URL --task-queue {queue}` first (it creates the system database), then hand runs to its queue')
+    if _missing_sqlite_file({'db': url}) is not None:
+        raise InputError('--db', no_worker_yet)
     client = dbos_client({'db': url})
     try:
         enqueue: EnqueueOptions = {'queue_name': queue, 'workflow_name': workflow_names(agent)[0],
                                    'workflow_id': workflow_id}
-        handle = await client.enqueue_async(enqueue, *args)
+        try:
+            handle = await client.enqueue_async(enqueue, *args)
+        except (OperationalError, ProgrammingError) as exc:
+            if _no_dbos_tables(exc):
+                raise InputError('--db', no_worker_yet) from None
+            raise
         options.started(workflow_id, f'dbos workflow id: {workflow_id} (handed to queue {queue!r}: a '
                         '`durcap worker dbos` serving it runs it)')
         serving = [e for e in live_executors(url) if e['queue'] == queue and e['age'] < DEFAULT_PEER_TIMEOUT]
