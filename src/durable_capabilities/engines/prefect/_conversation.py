@@ -109,10 +109,13 @@ def from_recorded(value: dict[str, Any]) -> LoadedHead | LoadedConversation:
 
 async def record_load(loaded: LoadedHead | LoadedConversation) -> LoadedHead | LoadedConversation:
     """Store `loaded` as the flow run's input `LOADED_INPUT` and return it; when the flow run has one already (a
-    suspended run resumed), the stored one is returned."""
+    suspended run resumed), the stored one is returned. A load holding rows (a load unit of the form before heads)
+    is not recorded: a rerun loads again, under the claim the run still holds."""
     from prefect.exceptions import ObjectAlreadyExists, PrefectHTTPStatusError
     from prefect.input import acreate_flow_run_input
 
+    if isinstance(loaded, LoadedConversation) and loaded.rows:
+        return loaded
     try:
         await acreate_flow_run_input(LOADED_INPUT, recorded_value(loaded), flow_run_id=uuid.UUID(flow_run_id()))
     except (ObjectAlreadyExists, PrefectHTTPStatusError) as error:
