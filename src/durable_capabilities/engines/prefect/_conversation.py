@@ -55,6 +55,7 @@ def conversation_units(agent: DurableAgent[Any, Any], store: StoreSource = None)
     """
     claim_and_load = load_unit(agent, store=store, run_of=flow_run_id, alive=_flow_run_active, by_head=True)
     append_once = append_unit(agent, store=store, run_of=flow_run_id)
+    release_claim = release(agent, store)
     legacy_load: list[Any] = []
 
     async def load(conversation_id: str, busy: str | None = None) -> LoadedHead | LoadedConversation:
@@ -69,7 +70,11 @@ def conversation_units(agent: DurableAgent[Any, Any], store: StoreSource = None)
         loaded = await claim_and_load(conversation_id, busy)
         # Recorded before the turn does anything: a rerun starts from it. A suspended flow run resumed (the same
         # run_count) finds its own record, made from the same history (its claim held it).
-        return await record_load(loaded)
+        try:
+            return await record_load(loaded)
+        except BaseException:  # the turn does not start: the conversation is free again
+            await release_claim(conversation_id)
+            raise
 
     async def append(conversation_id: str, messages: list[dict[str, Any]], expected_revision: int | None,
                      append_id: str, usage: dict[str, Any] | None = None) -> int:
