@@ -97,8 +97,9 @@ class LoadedConversation:
 
 @dataclass
 class LoadedHead:
-    """A stored conversation named, not carried: what the load unit of DBOS (a step's recorded output) and Prefect (a
-    task's persisted result) returns instead of the history, so a turn records a few bytes, not every message again
+    """A stored conversation named, not carried: what the load unit of DBOS (a step's recorded output) and Prefect (the
+    flow run input `durcap-loaded`; a task's persisted result in flow runs of earlier versions) returns instead of the
+    history, so a turn records a few bytes, not every message again
     (issue 24: each turn recording the whole history made an engine's database grow with the square of the turns).
 
     The workflow (flow) code reads the rows back with `read_loaded_head`, in the run's first execution and in a

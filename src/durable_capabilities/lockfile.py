@@ -303,7 +303,9 @@ def diff_lock(
 
     A durable unit name (or workflow / flow name, or Prefect cache toolset id) in the lock but no longer
     produced is an error DC020 naming the capability, toolset or agent it belonged to and the engines
-    affected; a whole agent missing is DC021; a name added is info DC022. The section of an engine whose extra is
+    affected; a whole agent missing is DC021; a name added is info DC022. A name in another section of the same
+    engine than the lock's (a unit new runs no longer run but whose records resumed runs still read, such as
+    Prefect's `recovered_tasks`) is neither. The section of an engine whose extra is
     not installed in this process, and which the definition does not list (`DurableAgent(engines=...)` defaults to
     the installed engines), is not compared: `pip install 'durable-capabilities[dbos]'` alone can check the DBOS
     names of a lock written with every engine.
@@ -337,13 +339,17 @@ def diff_lock(
             if engine not in new and not ENGINES[engine].available():
                 continue  # its extra is not installed here: its names cannot be computed, which is no rename
             words = ENGINES[engine].lock_sections
+            # A name that moved to another section of the engine is still produced (Prefect's conversation tasks,
+            # now `recovered_tasks`: read to finish runs recorded before): no rename, no new name.
+            now_anywhere = {name for section in words for name in new.get(engine, {}).get(section, [])}
+            locked_anywhere = {name for section in words for name in old[engine].get(section, [])}
             for section in words:
                 before = set(old[engine].get(section, []))
                 after = set(new.get(engine, {}).get(section, []))
-                for name in sorted(before - after):
+                for name in sorted(before - after - now_anywhere):
                     owner = _owner_hint(name, old, agent_name)
                     removed.setdefault(owner, {}).setdefault(engine, []).append(f'{words[section]} {name!r}')
-                for name in sorted(after - before):
+                for name in sorted(after - before - locked_anywhere):
                     report.add(Problem(
                         'DC022', 'info', f'agent {agent_name!r}',
                         f'{engine} {words[section]} {name!r} is new since the lockfile.',

@@ -318,7 +318,12 @@ async def _run(agent: DurableAgent[Any, Any], run: Callable[..., Awaitable[Any]]
         # Not after a rebased append (another turn went in between): the history is no longer `messages + logged`.
         if isinstance(appended, int) and not isinstance(appended, bool) and appended == (revision or 0) + 1 \
                 and logged and not added:
-            _remember(cache_key, [*messages, *logged])  # type: ignore[arg-type]
+            # As the store gives them back (decoded from their JSON), not the run's own objects: the next turn's
+            # history must be the same values whether this process or another one (a resumed Prefect flow run)
+            # loads it. A run's objects differ from their JSON round trip (`RequestUsage.audio_seconds` is `0`, read
+            # back `0.0`), and Prefect hashes a model request's history into its cache key: a flow run resumed
+            # elsewhere then missed its cache and ran its model requests and tools again.
+            _remember(cache_key, [*messages, *ModelMessagesTypeAdapter.validate_python(turn.new_messages)])  # type: ignore[arg-type]
         if stream is not None:
             await _publish('turn_stored', {'conversation_id': conversation_id,
                                                       'messages': len(turn.new_messages)})

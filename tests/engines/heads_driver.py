@@ -9,9 +9,14 @@ turn is one `runner.run(..., conversation_id='heads')`: the prompt, a tool call 
 (default 20,000) characters that differ every turn, the answer. The model is a scripted `FunctionModel`.
 
 - `--old-form`: the load unit returns the rows, as it did before heads existed (`load_unit(by_head=False)`): what a
-  workflow or flow run recorded by an earlier version holds.
+  workflow or flow run recorded by an earlier version holds (on Prefect with `--task-units`: that version's flow).
+- `--task-units` (Prefect): the flow loads and appends through the `Load Conversation` / `Append Conversation` tasks,
+  as the flow of earlier versions did (`engines.prefect._conversation.conversation_tasks`): a flow run recorded
+  by that version.
 - `$HEADS_CRASH_AT`: the tool of that turn SIGKILLs this process (once: a marker file in DIR), after the turn's load
   unit was recorded. Each run's id is written to `DIR/run-id` when it starts.
+- `$HEADS_CRASH_AFTER_APPEND`: the append of that turn SIGKILLs this process (once) right after the store committed
+  it, before the engine recorded it done.
 - `--old-result`: the workflow / flow returns the turn's messages inline, as it did before results named their append
   (`Turn.payload` without `append_id`).
 - `--delete-after`: delete the conversation from the store (`durcap history delete`) after the turns, then read the
@@ -20,11 +25,15 @@ turn is one `runner.run(..., conversation_id='heads')`: the prompt, a tool call 
   recorded steps returned; Prefect:
   the flow run set back to Scheduled and run again, its finished tasks from the cache) and report it.
 
-The report is one line, `REPORT {json}`: `{'outputs': [...], 'loads': [{'run_id', 'type', 'bytes', 'rows'}],
+The report is one line, `REPORT {json}`: `{'outputs': [...], 'calls': {'model': n, 'tool': n}, 'loads': [{'run_id',
+'type', 'bytes', 'rows'}],
 'results': [{'run_id', 'bytes', 'appended', 'messages', 'tool_return_chars', 'shown_capabilities', 'shown_notes'}]}`,
 one load and one result per run (the recorded workflow output / flow result: its size, whether it names its append,
 the `RunReport`'s messages and tool return characters, and `runs show`'s capabilities and notes); load per run: the class of the load unit's recorded result, its recorded size (DBOS: the `operation_outputs.output`
-text; Prefect: the persisted result file), and how many message rows it holds (`None` for a head).
+text; Prefect: the flow run input `durcap-loaded`'s JSON, else the `Load Conversation` task's persisted result
+file), and how many message rows it holds (`None` for a head); on Prefect also `task`, the same of the run's
+`Load Conversation` task (`None` when it has none) and `conversation_task_runs`, how many conversation task runs the
+run has. `calls`: the model requests and tool calls this process made.
 """
 
 from __future__ import annotations
@@ -48,10 +57,13 @@ from durable_capabilities import DurableAgent, runner
 
 OUT = Path(os.environ.get('HEADS_OUT', '.'))
 CRASH_AT = int(os.environ.get('HEADS_CRASH_AT') or 0)
+CRASH_AFTER_APPEND = int(os.environ.get('HEADS_CRASH_AFTER_APPEND') or 0)
+CALLS = {'model': 0, 'tool': 0}
 
 
 def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
     """Call `fetch(turn)` once after each prompt, then answer with the result's size."""
+    CALLS['model'] += 1
     last = messages[-1]
     if isinstance(last, ModelRequest) and any(isinstance(p, UserPromptPart) for p in last.parts):
         turn = sum(1 for m in messages if isinstance(m, ModelRequest) and any(isinstance(p, UserPromptPart) for p in m.parts))
@@ -67,6 +79,7 @@ reports = Capability(id='reports', description='Fetches long reports.')
 def fetch(turn: int) -> str:
     """~$HEADS_RESULT_BYTES characters of hex, different every turn; SIGKILLs the process at turn `$HEADS_CRASH_AT`
     (once)."""
+    CALLS['tool'] += 1
     marker = OUT / 'crashed'
     if turn == CRASH_AT and not marker.exists():
         marker.write_text(str(os.getpid()))
@@ -99,6 +112,38 @@ def _old_form() -> None:
     prefect_conversation.load_unit = rows_form  # type: ignore[assignment]
 
 
+def _task_units() -> None:
+    """The Prefect flow loads and appends through the tasks of earlier versions, as their flow did."""
+    from durable_capabilities.engines.prefect import _conversation, _flow
+
+    def units(agent: Any, store: Any = None) -> tuple[Any, Any]:
+        load_task, append_task = _conversation.conversation_tasks(agent, store)
+
+        async def load(conversation_id: str, busy: str | None = None) -> Any:
+            return await (load_task(conversation_id) if busy is None else load_task(conversation_id, busy))
+
+        return load, append_task
+
+    _flow.conversation_units = units  # type: ignore[assignment]
+
+
+def _crash_after_append() -> None:
+    """SIGKILL this process right after the store committed turn `$HEADS_CRASH_AFTER_APPEND`'s append (once)."""
+    from durable_capabilities.engines import _conversation_unit
+
+    real = _conversation_unit.append_conversation
+
+    async def append(agent: Any, conversation_id: str, messages: list[dict[str, Any]], **kwargs: Any) -> int:
+        revision = await real(agent, conversation_id, messages, **kwargs)
+        marker = OUT / 'crashed-after-append'
+        if revision == CRASH_AFTER_APPEND and not marker.exists():
+            marker.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return revision
+
+    _conversation_unit.append_conversation = append  # type: ignore[assignment]
+
+
 def _dbos_load(run_id: str, db: str) -> dict[str, Any]:
     import base64
     import pickle
@@ -115,15 +160,31 @@ async def _prefect_load(run_id: str) -> dict[str, Any]:
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    from durable_capabilities.engines.prefect._conversation import from_recorded
+    from durable_capabilities.engines.prefect._spec import LOADED_INPUT
+
     async with get_client() as client:
         tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(run_id)])))
-    # A resumed flow run has a second load task run, its result the cached one of the first.
-    load = max((t for t in tasks if t.name.startswith('Load Conversation')), key=lambda t: t.created or 0)
-    assert load.state is not None
-    value = await load.state.result()
-    key = Path(load.state.data.storage_key)  # type: ignore[union-attr]
-    path = key if key.is_absolute() else Path(os.environ['PREFECT_LOCAL_STORAGE_PATH']) / key
-    return {'run_id': run_id, 'type': type(value).__name__, 'bytes': path.stat().st_size, 'rows': _rows(value)}
+        try:
+            recorded: str | None = await client.read_flow_run_input(uuid.UUID(run_id), LOADED_INPUT)
+        except Exception:  # noqa: BLE001 - 404: the run recorded none
+            recorded = None
+    task: dict[str, Any] | None = None
+    loads = [t for t in tasks if t.name.startswith('Load Conversation')]
+    if loads:  # a resumed flow run has a second load task run, its result the cached one of the first
+        load = max(loads, key=lambda t: t.created or 0)
+        assert load.state is not None
+        value = await load.state.result()
+        key = Path(load.state.data.storage_key)  # type: ignore[union-attr]
+        path = key if key.is_absolute() else Path(os.environ['PREFECT_LOCAL_STORAGE_PATH']) / key
+        task = {'type': type(value).__name__, 'bytes': path.stat().st_size, 'rows': _rows(value)}
+    conversation_tasks = sum(1 for t in tasks if 'Conversation' in t.name)
+    if recorded is None:
+        assert task is not None, [t.name for t in tasks]
+        return {'run_id': run_id, **task, 'task': task, 'conversation_task_runs': conversation_tasks}
+    value = from_recorded(json.loads(recorded))
+    return {'run_id': run_id, 'type': type(value).__name__, 'bytes': len(recorded), 'rows': _rows(value), 'task': task,
+            'conversation_task_runs': conversation_tasks}
 
 
 def _dbos_result(run_id: str, db: str) -> tuple[int, bool]:
@@ -216,8 +277,13 @@ def main() -> None:
     parser.add_argument('--recover')
     parser.add_argument('--old-result', action='store_true')
     parser.add_argument('--delete-after', action='store_true')
+    parser.add_argument('--task-units', action='store_true')
     args = parser.parse_args()
     os.environ['DURCAP_STORE'] = args.store
+    if args.task_units:
+        _task_units()
+    if CRASH_AFTER_APPEND:
+        _crash_after_append()
     if args.old_form:
         _old_form()
     if args.old_result:
@@ -261,7 +327,7 @@ def main() -> None:
                         'shown_capabilities': shown.capabilities, 'shown_notes': shown.notes})
     loads = [_dbos_load(run_id, args.db) if args.engine == 'dbos' else asyncio.run(_prefect_load(run_id))
              for run_id in run_ids]
-    print('REPORT ' + json.dumps({'outputs': outputs, 'loads': loads, 'results': results}), flush=True)
+    print('REPORT ' + json.dumps({'outputs': outputs, 'calls': CALLS, 'loads': loads, 'results': results}), flush=True)
 
 
 if __name__ == '__main__':

@@ -72,24 +72,63 @@ def test_the_recorded_load_is_a_head_of_constant_size_whatever_the_history(
     assert all(load['bytes'] < HEAD_BYTES for load in loads), loads
     assert max(load['bytes'] for load in loads[1:]) - min(load['bytes'] for load in loads[1:]) < 16, loads
     assert stored_prompts(env) == [f'turn {n}: fetch' for n in range(1, 5)]
+    if engine == 'prefect':  # recorded as flow run input by the flow's code: no conversation task run, no result file
+        assert [(load['task'], load['conversation_task_runs']) for load in loads] == [(None, 0)] * 4, loads
 
 
 @pytest.mark.parametrize('engine', ['dbos', 'prefect'])
 def test_a_run_whose_load_recorded_the_rows_recovers_with_them(
         engine: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    """The first process runs the load unit as before heads existed (its recorded result holds the rows) and is
-    killed in turn 2's tool, after that load was recorded; the second (this version) finishes the run from the
-    recorded rows, then runs a turn of its own, which records a head."""
+    """The first process runs the load unit as before heads existed (its recorded result holds the rows; on Prefect,
+    the flow of that version, whose load and append were tasks) and is killed in turn 2's tool, after that load was
+    recorded; the second (this version) finishes the run, then runs a turn of its own, which records a head. Turn 2's
+    first model request is not made again (1 model request and the killed tool call to finish it, 2 and 1 for the new
+    turn)."""
     env, args = engine_env(engine, tmp_path, request)
-    drive(engine, tmp_path, env | {'HEADS_CRASH_AT': '2'}, '--turns', '2', '--old-form', *args, crash=True)
+    old = ['--old-form', '--task-units'] if engine == 'prefect' else ['--old-form']
+    drive(engine, tmp_path, env | {'HEADS_CRASH_AT': '2'}, '--turns', '2', *old, *args, crash=True)
     run_id = (tmp_path / 'out' / 'run-id').read_text()
     report = drive(engine, tmp_path, env, '--recover', run_id, '--turns', '1', *args)
     assert report['outputs'] == ['read 20019 characters'] * 2
+    assert report['calls'] == {'model': 3, 'tool': 2}, report['calls']
     recovered, new = report['loads']
-    assert (recovered['type'], recovered['rows']) == ('LoadedConversation', 4)  # the old form, as recorded
-    assert recovered['bytes'] > 20_000  # turn 1's tool result among them
+    # The old form, as recorded: DBOS replays it; Prefect's flow code loads again (the run still holds the turn's
+    # claim: the same history) and records a head.
+    old_load = recovered if engine == 'dbos' else recovered['task']
+    assert (old_load['type'], old_load['rows']) == ('LoadedConversation', 4)
+    assert old_load['bytes'] > 20_000  # turn 1's tool result among them
+    if engine == 'prefect':
+        assert recovered['type'] == 'LoadedHead' and recovered['bytes'] < HEAD_BYTES, recovered
     assert new['type'] == 'LoadedHead' and new['bytes'] < HEAD_BYTES
     assert stored_prompts(env) == ['turn 1: fetch', 'turn 2: fetch', 'turn 1: fetch']  # the driver's new turn counts from 1
+
+
+@pytest.mark.parametrize('units', ['tasks', 'flow'])
+def test_a_prefect_flow_run_killed_after_its_append_finishes_without_running_anything_again(
+        units: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Killed right after the store committed turn 2's append, before Prefect recorded it done; run again by this
+    version (as `durcap runs resume` does), the flow run finishes with no model request, no tool call and no second
+    append. `tasks`: the run was recorded by an earlier version, its load and append tasks (the `Load Conversation`
+    task is called again and returns its cached result, the history before the append); `flow`: by this one (its load
+    recorded as flow run input). Turn 1 ran in the killed process, so turn 2 started from that process's cached
+    history (`turn._remember`): decoded as another process decodes it, or the resumed run's model request keys differ
+    (`usage.audio_seconds` 0 against 0.0) and everything runs again. Real Prefect server; the model is a scripted
+    `FunctionModel`."""
+    env, args = engine_env('prefect', tmp_path, request)
+    recorded_by = ['--task-units'] if units == 'tasks' else []
+    drive('prefect', tmp_path, env | {'HEADS_CRASH_AFTER_APPEND': '2'}, '--turns', '2', *recorded_by, *args, crash=True)
+    assert stored_prompts(env) == ['turn 1: fetch', 'turn 2: fetch']
+    run_id = (tmp_path / 'out' / 'run-id').read_text()
+    report = drive('prefect', tmp_path, env, '--recover', run_id, *args, '--turns', '0')
+    assert report['outputs'] == ['read 20019 characters']
+    assert report['calls'] == {'model': 0, 'tool': 0}, report['calls']
+    assert stored_prompts(env) == ['turn 1: fetch', 'turn 2: fetch']  # the turn once
+    [load] = report['loads']
+    assert load['type'] == 'LoadedHead', load
+    if units == 'tasks':
+        assert load['task'] is not None and load['task']['type'] == 'LoadedHead', load
+    else:
+        assert (load['task'], load['conversation_task_runs']) == (None, 0), load
 
 
 RESULT_BYTES = 1_000

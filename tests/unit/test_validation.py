@@ -668,6 +668,28 @@ def test_lockfile_diff_scoped_to_one_engine_compares_only_its_names(agent_name: 
     assert seen(diff_lock(locked, [before], ('dbos',))).problems == []
 
 
+def test_lockfile_diff_a_name_moved_to_another_section_of_its_engine_is_no_drift(agent_name: Callable[[str], str]) -> None:
+    """Prefect's conversation tasks moved from `tasks` to `recovered_tasks` (issue 24: the flow's own code loads and
+    appends; a resumed flow run recorded before still reads the tasks' records): a lock written before the move is
+    satisfied (no DC020, no DC022, so workers start), and a name gone from every section is still DC020."""
+    from durable_capabilities.lockfile import diff_lock, lock_data
+
+    name = agent_name('moved')
+    orders = Capability(id='orders', description='Orders.', tools=[check_a], defer_loading=True)
+    agent = DurableAgent(name, 'test', capabilities=[orders], engines=('prefect',))
+    locked = lock_data([agent])
+    section = locked['agents'][name]['prefect']
+    assert section['recovered_tasks'] == ['Append Conversation', 'Load Conversation']
+    assert not set(section['tasks']) & set(section['recovered_tasks']), section
+    section['tasks'] = sorted([*section['tasks'], *section.pop('recovered_tasks')])  # as earlier versions wrote it
+    assert seen(diff_lock(locked, [agent])).problems == []
+    section['tasks'].append('Gone Task')
+    report = seen(diff_lock(locked, [agent]))
+    [dc020] = [p for p in report if p.code == 'DC020']
+    assert "'Gone Task'" in dc020.message and 'Conversation' not in dc020.message, dc020.message
+    assert [p.code for p in report] == ['DC020'], report.to_text()
+
+
 # ---- must stay last -------------------------------------------------------------------------------------------------
 
 

@@ -106,7 +106,8 @@ PREFECT = EngineSpec(
     label='Prefect',
     # No setting of ours: Prefect's client reads PREFECT_API_URL (environment or Prefect profile).
     where='PREFECT_API_URL',
-    lock_sections={'flows': 'flow', 'tasks': 'task', 'cache_toolset_ids': 'cache toolset id'},
+    lock_sections={'flows': 'flow', 'tasks': 'task', 'recovered_tasks': 'recovered task',
+                   'cache_toolset_ids': 'cache toolset id'},
     packages=('prefect',),
     unit='task', units='tasks', container='flow', run_id_label='flow run id',
     features=frozenset({'schedule', 'approvals', 'streams'}),

@@ -3,7 +3,8 @@
 The private modules, one concern each, `_spec` at the bottom:
 - `_spec`: flow, task and input names, retry numbers;
 - `_durability`: the options of upstream's `PrefectDurability` (deterministic cache keys, retries, tool run names);
-- `_conversation`, `_approvals`: the conversation tasks and the approval wait (pause / suspend);
+- `_conversation`, `_approvals`: the conversation load and append in flow code (and the tasks of earlier versions) and
+  the approval wait (pause / suspend);
 - `_flow`: `agent_flow`; `_entry`: the deployments' importable entrypoints;
 - `_server`: `start_prefect_server`, which Prefect API a process uses; `_client`: running a flow run here and reading its task runs;
 - `_worker`: `durcap schedule prefect` (`serve`); `_runs`: the operator side; `_adapter`: `PrefectAdapter`.

@@ -22,7 +22,6 @@ from ._client import run_flow_run
 from ._durability import durability_parts, durable_names
 from ._flow import agent_flow, run_store
 from ._server import _TEMPORARY_SERVER, configured_api, ensure_api, server_line, warm_up
-from ._spec import CONVERSATION_TASKS
 from ._worker import serve_schedule
 
 if TYPE_CHECKING:
@@ -48,7 +47,8 @@ class PrefectAdapter(EngineAdapter, spec=SPEC):
         return durable_names(agent)
 
     def conversation_units(self, agent: DurableAgent[Any, Any]) -> list[str]:
-        return list(CONVERSATION_TASKS)
+        """None: the flow's own code loads and appends (`_conversation`), no task does."""
+        return []
 
     def mcp_retry_hint(self, leaf_id: str) -> str | None:
         return "DurableAgent(engine_options={'prefect': {'mcp_task_config': {'retries': ...}}})"

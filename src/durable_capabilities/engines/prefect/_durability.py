@@ -301,10 +301,12 @@ def _mcp_defaults(agent: DurableAgent[Any, Any], options: dict[str, Any]) -> lis
 
 def durable_names(agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
     """Task names from upstream's `PrefectOperationNamer` (tool calls labelled with the static tool name;
-    model requests as `Model Request`, without the model name upstream appends), the conversation tasks,
-    the flow name, and the toolset ids Prefect's cache keys hold (its identity for a task run)."""
+    model requests as `Model Request`, without the model name upstream appends), the flow name, the toolset ids
+    Prefect's cache keys hold (its identity for a task run), and the recovered tasks: the conversation tasks of flow
+    runs recorded by earlier versions, which new flow runs no longer run but whose records a resumed run still reads
+    (`_spec.CONVERSATION_TASKS`)."""
     namer = PrefectOperationNamer()
-    tasks = {MODEL_REQUEST_TASK, APPROVAL_CLOCK_TASK, *CONVERSATION_TASKS}
+    tasks = {MODEL_REQUEST_TASK, APPROVAL_CLOCK_TASK}
     tasks |= {namer.invocation_name(ToolsetCallToolId('function', toolset_id=AGENT_TOOLSET_ID), label=tool).operation_name
               for tool in agent.static_tool_names()}
     kinds = leaf_kinds(agent)
@@ -315,5 +317,5 @@ def durable_names(agent: DurableAgent[Any, Any]) -> dict[str, list[str]]:
                       namer.operation_name(ToolsetCallToolId('mcp', toolset_id=toolset_id))}
         elif kind == 'dynamic':
             tasks.add(namer.operation_name(ToolsetGetToolsId('dynamic', toolset_id=toolset_id)))
-    return {'flows': [flow_name(agent)], 'tasks': sorted(tasks),
+    return {'flows': [flow_name(agent)], 'tasks': sorted(tasks), 'recovered_tasks': sorted(CONVERSATION_TASKS),
             'cache_toolset_ids': sorted({toolset_id for _, toolset_id in kinds})}

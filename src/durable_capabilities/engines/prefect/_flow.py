@@ -19,7 +19,7 @@ from ...conversations import store_url
 from ...turn import deps_from_json, run_turn
 from .._conversation_unit import read_back
 from ._approvals import PrefectApprovalGate
-from ._conversation import conversation_tasks, release
+from ._conversation import conversation_units, release
 from ._liveness import beating
 from ._results import result_store, settle
 from ._spec import ENGINE, flow_name
@@ -62,20 +62,17 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
     if existing is not None and existing.__durcap_agent__ is agent:
         return existing
     built = agent.build(ENGINE)
-    load_task, append_task = conversation_tasks(agent, _RUN_STORE.get)
+    # In the flow's code, not tasks: no task run and no persisted result per turn (`_conversation`).
+    load_unit, append_unit = conversation_units(agent, _RUN_STORE.get)
     release_claim = release(agent, _RUN_STORE.get)
     read = read_back(agent, store=_RUN_STORE.get, release=release_claim)
 
     async def load(conversation_id: str, busy: str | None = None) -> Any:
-        if busy is None:  # the task's inputs (its cache key) as flow runs recorded before `busy` existed gave them
-            loaded = await load_task(conversation_id)
-        else:
-            loaded = await load_task(conversation_id, busy)
-        return await read(conversation_id, loaded)  # the task's result names the rows: read them back
+        return await read(conversation_id, await load_unit(conversation_id, busy))  # a head names the rows: read them
 
     async def append(conversation_id: str, messages: list[dict[str, Any]], revision: int | None, usage: Any) -> Any:
         append_id = f'prefect:{flow_run.id}'
-        appended = await append_task(conversation_id, messages, revision, append_id, usage)
+        appended = await append_unit(conversation_id, messages, revision, append_id, usage)
         # The tool results' texts are in the conversation now: their pieces point there (`_results.settle`).
         await asyncio.to_thread(settle, conversation_id, append_id)
         return appended

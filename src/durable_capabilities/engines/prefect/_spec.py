@@ -19,7 +19,14 @@ FLOW_NAME_PREFIX = 'durcap-'
 """Flow name: `durcap-{agent name}`."""
 
 CONVERSATION_TASKS = ('Load Conversation', 'Append Conversation')
-"""Task names of the conversation load and append."""
+"""Task names of the conversation load and append of flow runs recorded by earlier durcap versions, when these units
+were tasks. A flow run now loads and appends in its own code (`_conversation`: no task run, no persisted
+result: Prefect's records of two task runs per turn were ~1x the conversation's bytes); these names are only read,
+to finish such a flow run when it is resumed (`durable.lock` lists them under `recovered_tasks`)."""
+
+LOADED_INPUT = 'durcap-loaded'
+"""Flow run input key holding what the turn's conversation load read (`_conversation.recorded_load`: the revision and
+head entry id, a few hundred bytes): a flow run run again after a crash starts from the same history."""
 
 MODEL_REQUEST_TASK = 'Model Request'
 """Task name of a model request (`durable.lock`; upstream appends the model name to the run's name)."""
