@@ -142,18 +142,21 @@ class _Writer:
     before it, with a lower offset) without their callers awaiting each other, and only one of this process's writes
     holds the store's write lock at a time (SQLite has one writer anyway). The writes queued when the thread takes
     one go in the same transaction (group commit), each in a savepoint of its own (a write that fails fails alone).
+    The transaction is flushed to disk when one of its writes asks for it (`flush`, every durable engine's); one of
+    only unflushed writes (a local run's) is committed relaxed (`_SQLBackend._raw_txn`: durable against a crash of
+    any process, not against a power loss; the next flushed commit flushes it too).
     A daemon thread, started on first use in each process (a forked child starts its own); a write still queued
     when the process exits is lost as it would be with the process, which every durable unit's publisher awaits
     before its unit ends."""
 
     def __init__(self, log: EventLog) -> None:
         self.log = log
-        self.queue: queue.SimpleQueue[tuple[str, bool, Callable[[Any], Any], Future[Any]]] = queue.SimpleQueue()
+        self.queue: queue.SimpleQueue[tuple[str, bool, Callable[[Any], Any], Future[Any], bool]] = queue.SimpleQueue()
         threading.Thread(target=self._run, name='durcap-stream-writer', daemon=True).start()
 
-    def submit(self, run_id: str, close: bool, job: Callable[[Any], T]) -> Future[T]:
+    def submit(self, run_id: str, close: bool, job: Callable[[Any], T], flush: bool = True) -> Future[T]:
         future: Future[T] = Future()
-        self.queue.put((run_id, close, job, future))
+        self.queue.put((run_id, close, job, future, flush))
         return future
 
     def _run(self) -> None:
@@ -165,8 +168,8 @@ class _Writer:
             batch = [item for item in batch if item[3].set_running_or_notify_cancel()]
             results: list[tuple[bool, Any]] = []
             try:
-                with self.log._backend._raw_txn(relaxed=False) as cur:
-                    for index, (_, _, job, _) in enumerate(batch):
+                with self.log._backend._raw_txn(relaxed=not any(item[4] for item in batch)) as cur:
+                    for index, (_, _, job, _, _) in enumerate(batch):
                         if len(batch) > 1:
                             cur.execute(f'SAVEPOINT durcap_w{index}')
                         try:
@@ -179,7 +182,7 @@ class _Writer:
                         if len(batch) > 1:
                             cur.execute(f'RELEASE SAVEPOINT durcap_w{index}')
             except BaseException as error:  # noqa: BLE001 - the transaction failed: every write of it did
-                for _, _, _, future in batch:
+                for _, _, _, future, _ in batch:
                     future.set_exception(error)
                 continue
             for run_id in {item[0] for item in batch}:
@@ -187,7 +190,7 @@ class _Writer:
             if any(item[1] for item in batch):
                 with suppress(Exception):
                     self.log._maybe_prune()
-            for (_, _, _, future), (ok, value) in zip(batch, results, strict=True):
+            for (_, _, _, future, _), (ok, value) in zip(batch, results, strict=True):
                 if ok:
                     future.set_result(value)
                 else:
@@ -417,12 +420,13 @@ class EventLog:
                 conn.execute(sa.text('DELETE FROM durcap_run_streams WHERE run_id = :r'), {'r': run_id})
         return len(runs)
 
-    def submit(self, run_id: str, job: Callable[[Any], T], *, close: bool = False) -> Future[T]:
+    def submit(self, run_id: str, job: Callable[[Any], T], *, close: bool = False, flush: bool = True) -> Future[T]:
         """`job(cursor)` (`append_in`, `append_unit_in`, on an open transaction's cursor) in this store's writer thread,
         after every write submitted before it in this process, in one transaction with those queued with it
         (`_Writer`); its result (or error) in the future, set once committed. `close`: the write closes `run_id`'s
-        stream (expired streams are pruned after it)."""
-        return _writer(self).submit(run_id, close, job)
+        stream (expired streams are pruned after it). `flush=False`: the write needs no disk flush (a local run's:
+        its commit is relaxed unless a write committed with it needs one)."""
+        return _writer(self).submit(run_id, close, job, flush)
 
     async def append(self, run_id: str, engine: str, items: Sequence[Item], *, close: bool = False) -> list[int]:
         """`append_sync` in this store's writer thread (`submit`), awaited."""
