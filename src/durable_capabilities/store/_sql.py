@@ -297,8 +297,9 @@ class _SQLBackend:
     def _quick_txn(self, *, write: bool = True) -> Iterator[_RawCursor]:
         """A relaxed transaction (as `_raw_txn`'s) on a SQLite file, run on the calling thread (an event loop's) without
         ever waiting: on a connection of this thread's own, kept open (no pool checkout), whose busy timeout is 0. For
-        the budget ledger's per-request statements, a few tens of microseconds: cheaper in the loop than the two thread
-        hand-offs of running them in a worker thread.
+        the budget ledger's per-request statements and a stream subscriber's reads, a few tens of microseconds: cheaper
+        in the loop than the two thread hand-offs of running them in a worker thread. `write=False`: reading
+        statements, each its own transaction (as `_raw_txn(write=False)`).
 
         Raises:
             WouldWait: before anything is done, when it would wait: PostgreSQL or an in-memory database (the caller
@@ -335,6 +336,8 @@ class _SQLBackend:
                         f'the conversation store {self.display_url} is damaged: {_first_line(exc)}. Nothing was '
                         'changed; restore the database from a backup.'
                     ) from None
+                if not write and ('locked' in str(exc) or 'busy' in str(exc)):  # a read that would wait: nothing done
+                    raise WouldWait from None
                 raise
         finally:
             if write:

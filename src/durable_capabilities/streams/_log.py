@@ -152,12 +152,40 @@ class _Writer:
     def __init__(self, log: EventLog) -> None:
         self.log = log
         self.queue: queue.SimpleQueue[tuple[str, bool, Callable[[Any], Any], Future[Any], bool]] = queue.SimpleQueue()
+        self.pending = 0  # writes handed to the thread and not finished yet
+        self.guard = threading.Lock()
         threading.Thread(target=self._run, name='durcap-stream-writer', daemon=True).start()
 
     def submit(self, run_id: str, close: bool, job: Callable[[Any], T], flush: bool = True) -> Future[T]:
         future: Future[T] = Future()
+        if not flush and not self.pending and self._inline(run_id, close, job, future):
+            return future
+        with self.guard:
+            self.pending += 1
         self.queue.put((run_id, close, job, future, flush))
         return future
+
+    def _inline(self, run_id: str, close: bool, job: Callable[[Any], T], future: Future[T]) -> bool:
+        """A write that needs no flush (a local run's), run at once on the calling thread (the run's event loop) when
+        nothing is queued before it and it never waits (SQLite, the write lock free: `_SQLBackend._quick_txn`, a
+        relaxed commit): no hand-off to the writer thread and back. Whether it ran (its outcome in `future`)."""
+        from ..store._sql import WouldWait
+
+        try:
+            with self.log._backend._quick_txn() as cur:
+                result = job(cur)
+        except WouldWait:
+            return False
+        except Exception as error:  # noqa: BLE001 - the write's error is its future's, as the thread's are
+            future.set_running_or_notify_cancel()
+            future.set_exception(error)
+            return True
+        future.set_running_or_notify_cancel()
+        _notify(run_id)
+        if close:
+            self.log._maybe_prune(in_thread=True)
+        future.set_result(result)
+        return True
 
     def _run(self) -> None:
         while True:
@@ -165,6 +193,7 @@ class _Writer:
             with suppress(queue.Empty):
                 while len(batch) < 100:
                     batch.append(self.queue.get_nowait())
+            taken = len(batch)
             batch = [item for item in batch if item[3].set_running_or_notify_cancel()]
             results: list[tuple[bool, Any]] = []
             try:
@@ -184,6 +213,8 @@ class _Writer:
             except BaseException as error:  # noqa: BLE001 - the transaction failed: every write of it did
                 for _, _, _, future, _ in batch:
                     future.set_exception(error)
+                with self.guard:
+                    self.pending -= taken
                 continue
             for run_id in {item[0] for item in batch}:
                 _notify(run_id)
@@ -195,6 +226,8 @@ class _Writer:
                     future.set_result(value)
                 else:
                     future.set_exception(value)
+            with self.guard:
+                self.pending -= taken
 
 
 _WRITERS: dict[tuple[int, str], _Writer] = {}
@@ -250,9 +283,13 @@ def _notify(run_id: str) -> None:
         return
     with _WAITERS_GUARD:
         waiters = _WAITERS.pop(run_id, [])
+    running = asyncio._get_running_loop()
     for loop, future in waiters:
         try:
-            loop.call_soon_threadsafe(_wake, future)
+            if loop is running:  # a write on the waiter's own loop (`_Writer._inline`): no wake-up of the loop needed
+                loop.call_soon(_wake, future)
+            else:
+                loop.call_soon_threadsafe(_wake, future)
         except RuntimeError:  # its loop closed: nobody waits
             pass
 
@@ -357,12 +394,16 @@ class EventLog:
 
     _last_prune: float = 0.0
 
-    def _maybe_prune(self) -> None:
-        """`prune_sync`, at most once a minute per process and store (it scans the closed streams)."""
+    def _maybe_prune(self, *, in_thread: bool = False) -> None:
+        """`prune_sync`, at most once a minute per process and store (it scans the closed streams); `in_thread`: in
+        one of `_EXECUTOR`'s threads, not waited for (the caller is an event loop)."""
         now = time.monotonic()
         if now - EventLog._last_prune >= PRUNE_EVERY_SECONDS or self.limits.retention_seconds < PRUNE_EVERY_SECONDS:
             EventLog._last_prune = now
-            self.prune_sync()
+            if in_thread:
+                _EXECUTOR.submit(self.prune_sync)
+            else:
+                self.prune_sync()
 
     def _new(self, cur: Any, run_id: str, items: Sequence[Item]) -> list[Item]:
         """The items whose `(unit, attempt, seq)` is not stored yet (and not repeated within `items`)."""
@@ -443,11 +484,14 @@ class EventLog:
                                {'r': run_id}).first()
         return None if row is None else StreamInfo(*row)
 
-    def poll_sync(self, run_id: str, after: int, limit: int = 500) -> tuple[list[StoredEvent], StreamInfo | None]:
+    def poll_sync(self, run_id: str, after: int, limit: int = 500, *,
+                  quick: bool = False) -> tuple[list[StoredEvent], StreamInfo | None]:
         """`read_sync` and then `info_sync` in one call (one trip to a worker thread for a subscriber), each one
         statement straight to the driver. The info is read after the events: it may be newer than them, never
-        older (a stream it shows closed may hold events after the last one read)."""
-        with self._backend._raw_txn(write=False) as cur:
+        older (a stream it shows closed may hold events after the last one read). `quick`: on the calling thread
+        (an event loop's), never waiting (`_SQLBackend._quick_txn`; `WouldWait` when it would, or on PostgreSQL)."""
+        backend = self._backend
+        with (backend._quick_txn(write=False) if quick else backend._raw_txn(write=False)) as cur:
             rows = cur.execute('SELECT event_offset, unit, attempt, seq, kind, body, created_at FROM durcap_run_events '
                                'WHERE run_id = :r AND event_offset > :o ORDER BY event_offset LIMIT :n',
                                {'r': run_id, 'o': after, 'n': limit}).fetchall()

@@ -7,6 +7,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from ..errors import DurcapError
 from ._events import TERMINAL_KINDS, RunEvent, load_event
@@ -98,12 +99,13 @@ async def watch_batches(run_id: str, *, engine: str | None = None, from_offset: 
     log = EventLog(url)
     # Between reads: the poll, cut short when this process commits an event of the run (`written_soon`: a run this
     # process runs, e.g. `durcap serve`'s local turns, is seen at once; one run elsewhere, at the next poll). Each
-    # read is one trip to a worker thread: the new events and the stream's row (`poll_sync`).
+    # read is the new events and the stream's row (`poll_sync`): on SQLite on this thread, two statements that never
+    # wait; when they would (or on PostgreSQL), one trip to a worker thread.
     waiter = written_soon(run_id)
     after = from_offset
     try:
         while True:
-            rows, info = await in_thread(log.poll_sync, run_id, after)
+            rows, info = await _poll(log, run_id, after)
             if info is None and not rows:
                 if not follow or time.monotonic() > deadline:
                     raise StreamNotFoundError(f'run {run_id!r} has published no events to {log._backend.display_url} '
@@ -127,6 +129,16 @@ async def watch_batches(run_id: str, *, engine: str | None = None, from_offset: 
             waiter = await _next_write(run_id, waiter, poll)
     finally:
         forget_waiter(run_id, waiter)
+
+
+async def _poll(log: EventLog, run_id: str, after: int) -> tuple[list[StoredEvent], Any]:
+    """`log.poll_sync(run_id, after)` on this thread when it never waits (SQLite), else in a worker thread."""
+    from ..store._sql import WouldWait
+
+    try:
+        return log.poll_sync(run_id, after, quick=True)
+    except WouldWait:
+        return await in_thread(log.poll_sync, run_id, after)
 
 
 async def _next_write(run_id: str, waiter: asyncio.Future[None], poll: float) -> asyncio.Future[None]:
