@@ -122,6 +122,11 @@ def _iso(value: datetime) -> str:
 # ---- the synchronous implementation -----------------------------------------------------------
 
 
+_FORKED_CONNECTIONS: list[Any] = []
+"""`_quick_txn` connections a forked child found in its thread-local data: kept referenced, so that garbage collection
+never closes the parent's SQLite connection in the child."""
+
+
 class WouldWait(Exception):
     """`_SQLBackend._quick_txn` would have waited (or cannot run on this store): nothing was done."""
 
@@ -329,7 +334,12 @@ class _SQLBackend:
                         raw.execute('ROLLBACK')
                     raise
                 if write:
-                    raw.execute('COMMIT')
+                    try:
+                        raw.execute('COMMIT')
+                    except BaseException:  # the connection is this thread's again next time: never left in a transaction
+                        with suppress(Exception):
+                            raw.execute('ROLLBACK')
+                        raise
             except self.engine.dialect.dbapi.Error as exc:  # type: ignore[union-attr]
                 if 'no such table' in str(exc):
                     raise StoreUnavailableError(
@@ -348,16 +358,18 @@ class _SQLBackend:
         pool and kept by the thread, with a busy timeout of 0; a new one after `dispose`."""
         local = self._quick
         raw = getattr(local, 'raw', None)
-        if raw is not None and local.generation == self._quick_generation:
+        if raw is not None and local.generation == self._quick_generation and local.pid == os.getpid():
             return raw
-        if raw is not None:
+        if raw is not None and local.pid != os.getpid():  # a forked child's copy of its parent's: never used, nor closed
+            _FORKED_CONNECTIONS.append(raw)
+        elif raw is not None:
             with suppress(Exception):
                 raw.close()
         fairy = self._relaxed_engine().raw_connection()
         raw: Any = fairy.driver_connection
         fairy.detach()  # the connection is this thread's from now on, closed by it (above), never pooled again
         raw.execute('PRAGMA busy_timeout = 0')
-        local.raw, local.generation = raw, self._quick_generation
+        local.raw, local.generation, local.pid = raw, self._quick_generation, os.getpid()
         return raw
 
     def dispose(self) -> None:

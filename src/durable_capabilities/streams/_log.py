@@ -283,7 +283,10 @@ def _notify(run_id: str) -> None:
         return
     with _WAITERS_GUARD:
         waiters = _WAITERS.pop(run_id, [])
-    running = asyncio._get_running_loop()
+    try:
+        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:  # the writer thread
+        running = None
     for loop, future in waiters:
         try:
             if loop is running:  # a write on the waiter's own loop (`_Writer._inline`): no wake-up of the loop needed
