@@ -784,8 +784,15 @@ class SQLConversationStore(ConversationStore):
         return await asyncio.to_thread(self._sql.request_stop, conversation_id, holder, by)
 
     async def stop_requested(self, run_id: str) -> str | None:
-        """The run that asked run `run_id` to stop (`request_stop`) while `run_id` holds a turn claim, else `None`."""
-        return await asyncio.to_thread(self._sql.stop_requested, run_id)
+        """The run that asked run `run_id` to stop (`request_stop`) while `run_id` holds a turn claim, else `None`.
+        Read before every model request of a turn: on SQLite on this thread, one statement that never waits (a
+        worker thread when it would, and on PostgreSQL)."""
+        from ._sql import WouldWait
+
+        try:
+            return self._sql.stop_requested(run_id, quick=True)
+        except WouldWait:
+            return await asyncio.to_thread(self._sql.stop_requested, run_id)
 
     async def turn_stop(self, conversation_id: str) -> tuple[str, str | None] | None:
         """`(holder run id, run that asked it to stop or None)` of `conversation_id`'s turn claim, or `None`."""

@@ -327,12 +327,15 @@ class _SQLBackend:
                         if 'locked' in str(exc) or 'busy' in str(exc):
                             raise WouldWait from None
                         raise
+                cursor = raw.cursor()
                 try:
-                    yield _RawCursor(raw.cursor(), False)
+                    yield _RawCursor(cursor, False)
                 except BaseException:
                     if write:
                         raw.execute('ROLLBACK')
                     raise
+                finally:
+                    cursor.close()  # its statement finished: the connection holds no read snapshot between calls
                 if write:
                     try:
                         raw.execute('COMMIT')
@@ -1499,7 +1502,12 @@ class _SQLBackend:
                                        'run_id = :run'), {'cid': conversation_id, 'run': holder}).first()
         return None if row is None else str(row.stop_by)
 
-    def stop_requested(self, run_id: str) -> str | None:
+    def stop_requested(self, run_id: str, *, quick: bool = False) -> str | None:
+        if quick:  # before every model request: one statement on the caller's thread (`_quick_txn`: `WouldWait`)
+            with self._quick_txn(write=False) as cur:
+                found = cur.execute('SELECT stop_by FROM durcap_turn_claims WHERE run_id = :run AND stop_by IS NOT '
+                                    'NULL LIMIT 1', {'run': run_id}).fetchone()
+            return None if found is None else str(found[0])
         with self._txn(write=False) as conn:
             row = conn.execute(sa.text('SELECT stop_by FROM durcap_turn_claims WHERE run_id = :run AND stop_by IS NOT '
                                        'NULL LIMIT 1'), {'run': run_id}).first()
