@@ -230,6 +230,13 @@ class _Writer:
                 self.pending -= taken
 
 
+_POLL = ('SELECT s.run_id, s.engine, s.next_offset, s.first_offset, s.event_count, s.bytes, s.dropped, s.started_at, '
+         's.closed_at, e.event_offset, e.unit, e.attempt, e.seq, e.kind, e.body, e.created_at FROM durcap_run_streams s '
+         'LEFT JOIN (SELECT event_offset, unit, attempt, seq, kind, body, created_at FROM durcap_run_events WHERE '
+         'run_id = :r AND event_offset > :o ORDER BY event_offset LIMIT :n) e ON 1 = 1 WHERE s.run_id = :r '
+         'ORDER BY e.event_offset')
+"""A subscriber's read (`EventLog.poll_sync`): the stream's row, with each of its next events (NULLs: none)."""
+
 _WRITERS: dict[tuple[int, str], _Writer] = {}
 _WRITERS_LOCK = threading.Lock()
 
@@ -489,19 +496,19 @@ class EventLog:
 
     def poll_sync(self, run_id: str, after: int, limit: int = 500, *,
                   quick: bool = False) -> tuple[list[StoredEvent], StreamInfo | None]:
-        """`read_sync` and then `info_sync` in one call (one trip to a worker thread for a subscriber), each one
-        statement straight to the driver. The info is read after the events: it may be newer than them, never
-        older (a stream it shows closed may hold events after the last one read). `quick`: on the calling thread
-        (an event loop's), never waiting (`_SQLBackend._quick_txn`; `WouldWait` when it would, or on PostgreSQL)."""
+        """`read_sync` and `info_sync` in one statement straight to the driver (one trip to a worker thread for a
+        subscriber, none with `quick`): the stream's row joined with its events after `after`, both from one snapshot
+        (a stream the row shows closed holds no event after the last one read, unless past `limit`). `quick`: on the
+        calling thread (an event loop's), never waiting (`_SQLBackend._quick_txn`; `WouldWait` when it would, or on
+        PostgreSQL)."""
         backend = self._backend
         with (backend._quick_txn(write=False) if quick else backend._raw_txn(write=False)) as cur:
-            rows = cur.execute('SELECT event_offset, unit, attempt, seq, kind, body, created_at FROM durcap_run_events '
-                               'WHERE run_id = :r AND event_offset > :o ORDER BY event_offset LIMIT :n',
-                               {'r': run_id, 'o': after, 'n': limit}).fetchall()
-            info = cur.execute('SELECT run_id, engine, next_offset, first_offset, event_count, bytes, dropped, '
-                               'started_at, closed_at FROM durcap_run_streams WHERE run_id = :r', {'r': run_id}).fetchone()
-        events = [StoredEvent(int(o), u, int(a), int(s), k, json.loads(b), str(c)) for o, u, a, s, k, b, c in rows]
-        return events, None if info is None else StreamInfo(*info)
+            rows = cur.execute(_POLL, {'r': run_id, 'o': after, 'n': limit}).fetchall()
+        if not rows:
+            return [], None
+        events = [StoredEvent(int(o), u, int(a), int(s), k, json.loads(b), str(c))
+                  for *_, o, u, a, s, k, b, c in rows if o is not None]
+        return events, StreamInfo(*rows[0][:9])
 
     def read_sync(self, run_id: str, after: int, limit: int = 500) -> list[StoredEvent]:
         """Up to `limit` events of `run_id` with offsets above `after`, in offset order."""

@@ -99,8 +99,8 @@ async def watch_batches(run_id: str, *, engine: str | None = None, from_offset: 
     log = EventLog(url)
     # Between reads: the poll, cut short when this process commits an event of the run (`written_soon`: a run this
     # process runs, e.g. `durcap serve`'s local turns, is seen at once; one run elsewhere, at the next poll). Each
-    # read is the new events and the stream's row (`poll_sync`): on SQLite on this thread, two statements that never
-    # wait; when they would (or on PostgreSQL), one trip to a worker thread.
+    # read is the new events and the stream's row in one statement (`poll_sync`): on SQLite on this thread, never
+    # waiting; when it would (or on PostgreSQL), one trip to a worker thread.
     waiter = written_soon(run_id)
     after = from_offset
     try:
