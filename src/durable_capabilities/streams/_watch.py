@@ -122,13 +122,13 @@ async def watch_batches(run_id: str, *, engine: str | None = None, from_offset: 
             if batch:
                 yield batch
             if info is not None and after < info.next_offset - 1:
-                continue  # stored meanwhile, or past the read's limit: read on at once
+                continue  # past the read's limit: read on at once
             if not follow:
                 return
             if info is not None and info.closed_at is not None:
                 return
-            # Nothing more stored when the row was read: wait (the waiter was registered before the read, so a commit
-            # since wakes it at once), not read again at once (a read that would find nothing, once per batch).
+            # Nothing more stored when it was read: wait (the waiter was registered before the read, so a commit since
+            # wakes it at once), not read again at once (a read that would find nothing, once per batch).
             waiter = await _next_write(run_id, waiter, poll)
     finally:
         forget_waiter(run_id, waiter)
