@@ -96,6 +96,9 @@ class TimerBatches(_UnitPublisher):
         self.flush()  # the attempt was claimed before the request, in a write of its own
 
     async def event(self, event: Any, data: dict[str, Any] | None = None) -> None:
+        self.add(event, data)
+
+    def add(self, event: Any, data: dict[str, Any] | None = None) -> None:
         self.pending.append((event, None, data))
         if time.monotonic() - self.last_flush >= 0.05:
             self.flush()
@@ -130,7 +133,8 @@ def side(name: str) -> Any:
     from durable_capabilities.streams import _publish
 
     os.environ['DURCAP_STREAMS'] = '0' if name == 'off' else '1'
-    saved = (_publish._UnitPublisher, _UnitPublisher._submit, _UnitPublisher.event, _publish.StreamContext.write)
+    saved = (_publish._UnitPublisher, _UnitPublisher._submit, _UnitPublisher.event, _UnitPublisher.add,
+             _publish.StreamContext.write)
     if name == 'timer':
         _publish._UnitPublisher = TimerBatches  # type: ignore[misc]
     if name in ('bare', 'read'):
@@ -148,11 +152,15 @@ def side(name: str) -> Any:
         async def event(self: Any, event: Any, data: Any = None) -> None:
             return None
 
+        def add(self: Any, event: Any, data: Any = None) -> None:
+            return None
+
         _UnitPublisher.event = event  # type: ignore[method-assign]
+        _UnitPublisher.add = add  # type: ignore[method-assign]
     try:
         yield
     finally:
-        (_publish._UnitPublisher, _UnitPublisher._submit, _UnitPublisher.event,  # type: ignore[misc]
+        (_publish._UnitPublisher, _UnitPublisher._submit, _UnitPublisher.event, _UnitPublisher.add,  # type: ignore[misc]
          _publish.StreamContext.write) = saved  # type: ignore[method-assign]
 
 

@@ -4,7 +4,7 @@ budgets`; `Budget`'s bad inputs.
 Model: a scripted async `FunctionModel` (no provider): each request waits a few milliseconds (so the runs' requests
 interleave), then calls a tool, four times, then answers; every response reports 100 tokens (70 input, 30 output).
 The store and its ledger: SQLite in the test's folder (real SQL, every check and settle in its own write transaction,
-run in the store's worker threads).
+run on the event loop's thread, or in the store's worker threads when another writer holds the lock).
 """
 
 from __future__ import annotations
@@ -148,3 +148,44 @@ def test_ledger_counts_a_settled_request_once_releases_and_resets(store_url: str
     """`ledger_semantics` on SQLite (tests/engines/test_budgets.py runs it on PostgreSQL). No model: the store's
     budget calls, as `BudgetModel` makes them."""
     ledger_semantics(store_url)
+
+
+def test_a_ledger_write_that_would_wait_runs_in_a_worker_thread(tmp_path: Path) -> None:
+    """On SQLite the ledger's per-request writes run on the event loop's thread, in a transaction that never waits
+    (`_SQLBackend._quick_txn`). While another connection holds SQLite's write lock (as another process would), that
+    attempt does nothing (`WouldWait`) and the write waits in the ledger's worker thread until the lock is free, then
+    counts once. No model: the store's budget calls, as `BudgetModel` makes them; the other writer is a plain sqlite3
+    connection to the same file."""
+    import sqlite3
+
+    from durable_capabilities.store import SQLConversationStore, _budgets
+    from durable_capabilities.store._sql import WouldWait
+
+    path = tmp_path / 'conversations.db'
+    url = f'sqlite:///{path}'
+
+    async def main() -> None:
+        with SQLConversationStore(url) as opened:
+            limits: dict[str, float] = {'total_tokens': 1_000}
+            assert await opened.budget_reserve('k', 'r#1', 'r', limits) is None
+            assert await opened.budget_reserve('k', 'r#2', 'r', limits) is None
+            assert getattr(opened._sql._quick, 'raw', None) is not None  # the loop thread's own connection wrote it
+            other = sqlite3.connect(path, isolation_level=None)
+            other.execute('BEGIN IMMEDIATE')
+            try:
+                with pytest.raises(WouldWait):
+                    _budgets.settle(opened._sql, 'k', 'r#1', 'r', 70, 30, 0.0, quick=True)
+                settling = asyncio.ensure_future(opened.budget_settle('k', 'r#1', 'r', input_tokens=70, output_tokens=30))
+                await asyncio.sleep(0)  # the settle has started: it cannot finish while the lock is held
+                assert not settling.done()
+                assert other.execute("SELECT state FROM durcap_budget_reservations WHERE request_id = 'r#1'"
+                                     ).fetchall() == [('reserved',)]
+            finally:
+                other.execute('COMMIT')
+                other.close()
+            await settling
+            await opened.budget_settle('k', 'r#2', 'r', input_tokens=7, output_tokens=3)  # the loop's again
+
+    asyncio.run(main())
+    assert sql(url, 'SELECT input_tokens, output_tokens, total_tokens, requests FROM durcap_budget_ledger') == [
+        (77, 33, 110, 2)]

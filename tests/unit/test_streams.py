@@ -239,6 +239,29 @@ def test_log_skips_a_key_it_has_and_trims_to_its_limits(tmp_path: Path) -> None:
     assert log.append_unit_sync('r', 'temporal', 'v', [(0, 'x', {})], None, at_least=1) == 1
 
 
+def test_a_local_runs_event_writes_are_committed_without_a_flush_a_durable_runs_with_one(tmp_path: Path) -> None:
+    """The writer thread commits a transaction of only `flush=False` writes (a local run's: `StreamContext.durable`
+    false) relaxed, SQLite `synchronous=NORMAL` (1), and one holding a durable engine's write fully, `FULL` (2): each
+    job reads the mode of the connection it is committed on."""
+    log = EventLog(sqlite_url(tmp_path))
+    log.append_sync('r', 'local', [Item('run', 0, 0, 'run_started', {})])  # the schema, before the writer's jobs
+
+    def mode(cursor: Any) -> int:
+        return int(cursor.execute('PRAGMA synchronous').fetchone()[0])
+
+    assert log.submit('r', mode, flush=False).result(timeout=60) == 1
+    assert log.submit('r', mode).result(timeout=60) == 2
+
+    async def local_run() -> list[str]:
+        agent = DurableAgent('relaxed-events', FunctionModel(plain_answer, stream_function=stream_words), engines=[])
+        report = await runner.run(agent, 'where is my order?', store=sqlite_url(tmp_path), notify=lambda line: None,
+                                  run_id='local-relaxed')
+        assert report.output == ANSWER
+        return [event.kind async for event in watch('local-relaxed', store=sqlite_url(tmp_path))]
+
+    assert run(local_run())[-1] == 'run_completed'  # every write of the local run stored, its last one awaited
+
+
 def test_closed_streams_are_dropped_after_the_retention(tmp_path: Path) -> None:
     store = sqlite_url(tmp_path)
     keep = EventLog(store, Limits(retention_seconds=3600))

@@ -357,13 +357,17 @@ class ServeApp:
         after = int(raw)
 
         async def stream() -> AsyncIterator[str]:
-            yield 'retry: 1000\n\n'
+            prefix = 'retry: 1000\n\n'  # sent with the first events (the headers went at once): one write less a turn
             try:  # the events of each read of the store in one write to the client
                 async for batch in watch_batches(row.run_id, engine=row.engine, from_offset=after, store=self.store):
-                    yield ''.join(f'id: {event.offset}\nevent: {event.kind}\ndata: {event.model_dump_json()}\n\n'
-                                  for event in batch)
+                    yield prefix + ''.join(f'id: {event.offset}\nevent: {event.kind}\ndata: {event.model_dump_json()}\n\n'
+                                           for event in batch)
+                    prefix = ''
             except StreamNotFoundError as exc:
-                yield f'event: error\ndata: {json.dumps({"code": exc.code, "message": str(exc)})}\n\n'
+                yield prefix + f'event: error\ndata: {json.dumps({"code": exc.code, "message": str(exc)})}\n\n'
+                prefix = ''
+            if prefix:
+                yield prefix
 
         return StreamingResponse(stream(), media_type='text/event-stream',
                                  headers={'Cache-Control': 'no-store', 'X-Accel-Buffering': 'no'})

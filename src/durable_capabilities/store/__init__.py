@@ -575,6 +575,19 @@ async def _budget_thread(function: Callable[..., Any], *args: Any) -> Any:
     return await asyncio.get_running_loop().run_in_executor(_BUDGET_POOL[0][1], lambda: function(*args))
 
 
+async def _budget_write(sql: Any, function: Callable[..., Any], *args: Any) -> Any:
+    """`function(sql, *args)`, one of the budget ledger's per-request writes: on SQLite, at once on this thread (the
+    loop's) in a transaction that never waits (`quick=True`, `_SQLBackend._quick_txn`: tens of microseconds, no thread
+    hand-off); when it would wait (another writer holds the lock, PostgreSQL, a store not migrated yet), in the
+    ledger's worker threads as before."""
+    from ._sql import WouldWait
+
+    try:
+        return function(sql, *args, quick=True)
+    except WouldWait:
+        return await _budget_thread(function, sql, *args)
+
+
 class SQLConversationStore(ConversationStore):
     """Conversations in SQLite or PostgreSQL, append-only, as pydantic-ai's own message JSON.
 
@@ -771,8 +784,15 @@ class SQLConversationStore(ConversationStore):
         return await asyncio.to_thread(self._sql.request_stop, conversation_id, holder, by)
 
     async def stop_requested(self, run_id: str) -> str | None:
-        """The run that asked run `run_id` to stop (`request_stop`) while `run_id` holds a turn claim, else `None`."""
-        return await asyncio.to_thread(self._sql.stop_requested, run_id)
+        """The run that asked run `run_id` to stop (`request_stop`) while `run_id` holds a turn claim, else `None`.
+        Read before every model request of a turn: on SQLite on this thread, one statement that never waits (a
+        worker thread when it would, and on PostgreSQL)."""
+        from ._sql import WouldWait
+
+        try:
+            return self._sql.stop_requested(run_id, quick=True)
+        except WouldWait:
+            return await asyncio.to_thread(self._sql.stop_requested, run_id)
 
     async def turn_stop(self, conversation_id: str) -> tuple[str, str | None] | None:
         """`(holder run id, run that asked it to stop or None)` of `conversation_id`'s turn claim, or `None`."""
@@ -793,7 +813,7 @@ class SQLConversationStore(ConversationStore):
         """
         from . import _budgets
 
-        return await _budget_thread(_budgets.reserve, self._sql, key, request_id, run_id, limits)
+        return await _budget_write(self._sql, _budgets.reserve, key, request_id, run_id, limits)
 
     async def budget_settle(self, key: str, request_id: str, run_id: str, *, input_tokens: int, output_tokens: int,
                             cost: float = 0.0) -> None:
@@ -801,13 +821,13 @@ class SQLConversationStore(ConversationStore):
         it again replaces its usage, so a retried unit counts once."""
         from . import _budgets
 
-        await _budget_thread(_budgets.settle, self._sql, key, request_id, run_id, input_tokens, output_tokens, cost)
+        await _budget_write(self._sql, _budgets.settle, key, request_id, run_id, input_tokens, output_tokens, cost)
 
     async def budget_release(self, key: str, request_id: str) -> None:
         """Drop the reservation of request `request_id` of `key` that failed before the provider answered."""
         from . import _budgets
 
-        await _budget_thread(_budgets.release, self._sql, key, request_id)
+        await _budget_write(self._sql, _budgets.release, key, request_id)
 
     async def budgets(self, key: str | None = None) -> list[BudgetRecord]:
         """Every budget key's `BudgetRecord` (only `key`'s when given), sorted by key."""

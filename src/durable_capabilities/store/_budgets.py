@@ -1,6 +1,7 @@
 """The SQL of budgets (schema version 6): a ledger row per budget key, a reservation row per model request.
 
-Synchronous, run by `SQLConversationStore` in a worker thread, on the backend's connections and transactions
+Synchronous, run by `SQLConversationStore` in a worker thread (the per-request writes on SQLite first on the calling
+event loop's thread, `quick=True`, in a transaction that never waits), on the backend's connections and transactions
 (`_SQLBackend._txn`): a write transaction is `BEGIN IMMEDIATE` on SQLite and locks the key's ledger row
 (`SELECT ... FOR UPDATE`) on PostgreSQL, so two requests of one key are checked and settled one after the other.
 The per-request writes (`reserve`, `settle`, `release`) and the report's read (`record`) go straight to the driver
@@ -130,14 +131,15 @@ def _raw_ledger(sql: _SQLBackend, cur: Any, key: str, request_id: str | None = N
     return _LedgerRow(*row[:-1]), row[-1] is not None
 
 
-def reserve(sql: _SQLBackend, key: str, request_id: str, run_id: str, limits: dict[str, float]) -> BudgetRecord | None:
+def reserve(sql: _SQLBackend, key: str, request_id: str, run_id: str, limits: dict[str, float], *,
+            quick: bool = False) -> BudgetRecord | None:
     """Admit and reserve model request `request_id` of `key`: `None` when admitted (or reserved before: a retry),
     else the key's `BudgetRecord` (nothing reserved), whose `spent` reached one of `limits` (plus raised).
 
     One relaxed write transaction (`_SQLBackend._raw_txn`): the ledger row with whether the request is reserved, in
     one statement (the row locked on PostgreSQL; SQLite's `BEGIN IMMEDIATE` holds the write lock), then the new
-    reservation."""
-    with sql._raw_txn() as cur:
+    reservation. `quick`: in `_SQLBackend._quick_txn` (on the calling thread, never waiting; `WouldWait`)."""
+    with _txn(sql, quick) as cur:
         row, known = _raw_ledger(sql, cur, key, request_id)
         if known:
             return None
@@ -166,6 +168,11 @@ _SETTLE_RESERVED = (
     "settled_at = :at WHERE budget_key = :k AND request_id = :r AND state = 'reserved'")
 
 
+def _txn(sql: _SQLBackend, quick: bool) -> Any:
+    """`sql._quick_txn()` with `quick`, else `sql._raw_txn()` (relaxed, in the calling worker thread)."""
+    return sql._quick_txn() if quick else sql._raw_txn()
+
+
 def exceeded(record: BudgetRecord) -> str | None:
     """The first limit of `record` its spend reached (`FIELDS` order), or `None`."""
     for name in FIELDS:
@@ -176,18 +183,18 @@ def exceeded(record: BudgetRecord) -> str | None:
 
 
 def settle(sql: _SQLBackend, key: str, request_id: str, run_id: str, input_tokens: int, output_tokens: int,
-           cost: float) -> None:
+           cost: float, *, quick: bool = False) -> None:
     """Record the provider's usage of completed request `request_id` of `key` (replacing what an earlier settle of
     it recorded, so a retried unit counts once); the ledger takes the difference.
 
     One relaxed write transaction (`_SQLBackend._raw_txn`; on PostgreSQL the key's ledger row locked first). The usual
     case, a reservation settled for the first time (its usage still 0), is two statements: the reservation marked
     settled, the ledger given its usage; a request settled before (a retried unit) or whose key was reset since its
-    reservation reads what was recorded first."""
+    reservation reads what was recorded first. `quick`: as `reserve`'s."""
     nanos = round(cost * NANOS)
     at = _now()
     params = {'k': key, 'r': request_id, 'run': run_id, 'i': input_tokens, 'o': output_tokens, 'c': nanos, 'at': at}
-    with sql._raw_txn() as cur:
+    with _txn(sql, quick) as cur:
         if sql.is_pg:  # SQLite's BEGIN IMMEDIATE already holds the write lock
             cur.execute('SELECT 1 FROM durcap_budget_ledger WHERE budget_key = :k FOR UPDATE', {'k': key})
         if cur.execute(_SETTLE_RESERVED, params).rowcount == 1:  # reserved: its recorded usage was 0
@@ -212,9 +219,10 @@ def settle(sql: _SQLBackend, key: str, request_id: str, run_id: str, input_token
                            'at': at})
 
 
-def release(sql: _SQLBackend, key: str, request_id: str) -> None:
-    """Drop the reservation of a request that failed (the provider billed nothing it reported)."""
-    with sql._raw_txn() as cur:
+def release(sql: _SQLBackend, key: str, request_id: str, *, quick: bool = False) -> None:
+    """Drop the reservation of a request that failed (the provider billed nothing it reported). `quick`: as
+    `reserve`'s."""
+    with _txn(sql, quick) as cur:
         cur.execute("DELETE FROM durcap_budget_reservations WHERE budget_key = :k AND request_id = :r AND "
                     "state = 'reserved'", {'k': key, 'r': request_id})
 

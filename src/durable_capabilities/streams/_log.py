@@ -142,19 +142,50 @@ class _Writer:
     before it, with a lower offset) without their callers awaiting each other, and only one of this process's writes
     holds the store's write lock at a time (SQLite has one writer anyway). The writes queued when the thread takes
     one go in the same transaction (group commit), each in a savepoint of its own (a write that fails fails alone).
+    The transaction is flushed to disk when one of its writes asks for it (`flush`, every durable engine's); one of
+    only unflushed writes (a local run's) is committed relaxed (`_SQLBackend._raw_txn`: durable against a crash of
+    any process, not against a power loss; the next flushed commit flushes it too).
     A daemon thread, started on first use in each process (a forked child starts its own); a write still queued
     when the process exits is lost as it would be with the process, which every durable unit's publisher awaits
     before its unit ends."""
 
     def __init__(self, log: EventLog) -> None:
         self.log = log
-        self.queue: queue.SimpleQueue[tuple[str, bool, Callable[[Any], Any], Future[Any]]] = queue.SimpleQueue()
+        self.queue: queue.SimpleQueue[tuple[str, bool, Callable[[Any], Any], Future[Any], bool]] = queue.SimpleQueue()
+        self.pending = 0  # writes handed to the thread and not finished yet
+        self.guard = threading.Lock()
         threading.Thread(target=self._run, name='durcap-stream-writer', daemon=True).start()
 
-    def submit(self, run_id: str, close: bool, job: Callable[[Any], T]) -> Future[T]:
+    def submit(self, run_id: str, close: bool, job: Callable[[Any], T], flush: bool = True) -> Future[T]:
         future: Future[T] = Future()
-        self.queue.put((run_id, close, job, future))
+        if not flush and not self.pending and self._inline(run_id, close, job, future):
+            return future
+        with self.guard:
+            self.pending += 1
+        self.queue.put((run_id, close, job, future, flush))
         return future
+
+    def _inline(self, run_id: str, close: bool, job: Callable[[Any], T], future: Future[T]) -> bool:
+        """A write that needs no flush (a local run's), run at once on the calling thread (the run's event loop) when
+        nothing is queued before it and it never waits (SQLite, the write lock free: `_SQLBackend._quick_txn`, a
+        relaxed commit): no hand-off to the writer thread and back. Whether it ran (its outcome in `future`)."""
+        from ..store._sql import WouldWait
+
+        try:
+            with self.log._backend._quick_txn() as cur:
+                result = job(cur)
+        except WouldWait:
+            return False
+        except Exception as error:  # noqa: BLE001 - the write's error is its future's, as the thread's are
+            future.set_running_or_notify_cancel()
+            future.set_exception(error)
+            return True
+        future.set_running_or_notify_cancel()
+        _notify(run_id)
+        if close:
+            self.log._maybe_prune(in_thread=True)
+        future.set_result(result)
+        return True
 
     def _run(self) -> None:
         while True:
@@ -162,11 +193,12 @@ class _Writer:
             with suppress(queue.Empty):
                 while len(batch) < 100:
                     batch.append(self.queue.get_nowait())
+            taken = len(batch)
             batch = [item for item in batch if item[3].set_running_or_notify_cancel()]
             results: list[tuple[bool, Any]] = []
             try:
-                with self.log._backend._raw_txn(relaxed=False) as cur:
-                    for index, (_, _, job, _) in enumerate(batch):
+                with self.log._backend._raw_txn(relaxed=not any(item[4] for item in batch)) as cur:
+                    for index, (_, _, job, _, _) in enumerate(batch):
                         if len(batch) > 1:
                             cur.execute(f'SAVEPOINT durcap_w{index}')
                         try:
@@ -179,20 +211,31 @@ class _Writer:
                         if len(batch) > 1:
                             cur.execute(f'RELEASE SAVEPOINT durcap_w{index}')
             except BaseException as error:  # noqa: BLE001 - the transaction failed: every write of it did
-                for _, _, _, future in batch:
+                for _, _, _, future, _ in batch:
                     future.set_exception(error)
+                with self.guard:
+                    self.pending -= taken
                 continue
             for run_id in {item[0] for item in batch}:
                 _notify(run_id)
             if any(item[1] for item in batch):
                 with suppress(Exception):
                     self.log._maybe_prune()
-            for (_, _, _, future), (ok, value) in zip(batch, results, strict=True):
+            for (_, _, _, future, _), (ok, value) in zip(batch, results, strict=True):
                 if ok:
                     future.set_result(value)
                 else:
                     future.set_exception(value)
+            with self.guard:
+                self.pending -= taken
 
+
+_POLL = ('SELECT s.run_id, s.engine, s.next_offset, s.first_offset, s.event_count, s.bytes, s.dropped, s.started_at, '
+         's.closed_at, e.event_offset, e.unit, e.attempt, e.seq, e.kind, e.body, e.created_at FROM durcap_run_streams s '
+         'LEFT JOIN (SELECT event_offset, unit, attempt, seq, kind, body, created_at FROM durcap_run_events WHERE '
+         'run_id = :r AND event_offset > :o ORDER BY event_offset LIMIT :n) e ON 1 = 1 WHERE s.run_id = :r '
+         'ORDER BY e.event_offset')
+"""A subscriber's read (`EventLog.poll_sync`): the stream's row, with each of its next events (NULLs: none)."""
 
 _WRITERS: dict[tuple[int, str], _Writer] = {}
 _WRITERS_LOCK = threading.Lock()
@@ -247,9 +290,16 @@ def _notify(run_id: str) -> None:
         return
     with _WAITERS_GUARD:
         waiters = _WAITERS.pop(run_id, [])
+    try:
+        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:  # the writer thread
+        running = None
     for loop, future in waiters:
         try:
-            loop.call_soon_threadsafe(_wake, future)
+            if loop is running:  # a write on the waiter's own loop (`_Writer._inline`): no wake-up of the loop needed
+                loop.call_soon(_wake, future)
+            else:
+                loop.call_soon_threadsafe(_wake, future)
         except RuntimeError:  # its loop closed: nobody waits
             pass
 
@@ -354,12 +404,16 @@ class EventLog:
 
     _last_prune: float = 0.0
 
-    def _maybe_prune(self) -> None:
-        """`prune_sync`, at most once a minute per process and store (it scans the closed streams)."""
+    def _maybe_prune(self, *, in_thread: bool = False) -> None:
+        """`prune_sync`, at most once a minute per process and store (it scans the closed streams); `in_thread`: in
+        one of `_EXECUTOR`'s threads, not waited for (the caller is an event loop)."""
         now = time.monotonic()
         if now - EventLog._last_prune >= PRUNE_EVERY_SECONDS or self.limits.retention_seconds < PRUNE_EVERY_SECONDS:
             EventLog._last_prune = now
-            self.prune_sync()
+            if in_thread:
+                _EXECUTOR.submit(self.prune_sync)
+            else:
+                self.prune_sync()
 
     def _new(self, cur: Any, run_id: str, items: Sequence[Item]) -> list[Item]:
         """The items whose `(unit, attempt, seq)` is not stored yet (and not repeated within `items`)."""
@@ -417,12 +471,13 @@ class EventLog:
                 conn.execute(sa.text('DELETE FROM durcap_run_streams WHERE run_id = :r'), {'r': run_id})
         return len(runs)
 
-    def submit(self, run_id: str, job: Callable[[Any], T], *, close: bool = False) -> Future[T]:
+    def submit(self, run_id: str, job: Callable[[Any], T], *, close: bool = False, flush: bool = True) -> Future[T]:
         """`job(cursor)` (`append_in`, `append_unit_in`, on an open transaction's cursor) in this store's writer thread,
         after every write submitted before it in this process, in one transaction with those queued with it
         (`_Writer`); its result (or error) in the future, set once committed. `close`: the write closes `run_id`'s
-        stream (expired streams are pruned after it)."""
-        return _writer(self).submit(run_id, close, job)
+        stream (expired streams are pruned after it). `flush=False`: the write needs no disk flush (a local run's:
+        its commit is relaxed unless a write committed with it needs one)."""
+        return _writer(self).submit(run_id, close, job, flush)
 
     async def append(self, run_id: str, engine: str, items: Sequence[Item], *, close: bool = False) -> list[int]:
         """`append_sync` in this store's writer thread (`submit`), awaited."""
@@ -439,18 +494,21 @@ class EventLog:
                                {'r': run_id}).first()
         return None if row is None else StreamInfo(*row)
 
-    def poll_sync(self, run_id: str, after: int, limit: int = 500) -> tuple[list[StoredEvent], StreamInfo | None]:
-        """`read_sync` and then `info_sync` in one call (one trip to a worker thread for a subscriber), each one
-        statement straight to the driver. The info is read after the events: it may be newer than them, never
-        older (a stream it shows closed may hold events after the last one read)."""
-        with self._backend._raw_txn(write=False) as cur:
-            rows = cur.execute('SELECT event_offset, unit, attempt, seq, kind, body, created_at FROM durcap_run_events '
-                               'WHERE run_id = :r AND event_offset > :o ORDER BY event_offset LIMIT :n',
-                               {'r': run_id, 'o': after, 'n': limit}).fetchall()
-            info = cur.execute('SELECT run_id, engine, next_offset, first_offset, event_count, bytes, dropped, '
-                               'started_at, closed_at FROM durcap_run_streams WHERE run_id = :r', {'r': run_id}).fetchone()
-        events = [StoredEvent(int(o), u, int(a), int(s), k, json.loads(b), str(c)) for o, u, a, s, k, b, c in rows]
-        return events, None if info is None else StreamInfo(*info)
+    def poll_sync(self, run_id: str, after: int, limit: int = 500, *,
+                  quick: bool = False) -> tuple[list[StoredEvent], StreamInfo | None]:
+        """`read_sync` and `info_sync` in one statement straight to the driver (one trip to a worker thread for a
+        subscriber, none with `quick`): the stream's row joined with its events after `after`, both from one snapshot
+        (a stream the row shows closed holds no event after the last one read, unless past `limit`). `quick`: on the
+        calling thread (an event loop's), never waiting (`_SQLBackend._quick_txn`; `WouldWait` when it would, or on
+        PostgreSQL)."""
+        backend = self._backend
+        with (backend._quick_txn(write=False) if quick else backend._raw_txn(write=False)) as cur:
+            rows = cur.execute(_POLL, {'r': run_id, 'o': after, 'n': limit}).fetchall()
+        if not rows:
+            return [], None
+        events = [StoredEvent(int(o), u, int(a), int(s), k, json.loads(b), str(c))
+                  for *_, o, u, a, s, k, b, c in rows if o is not None]
+        return events, StreamInfo(*rows[0][:9])
 
     def read_sync(self, run_id: str, after: int, limit: int = 500) -> list[StoredEvent]:
         """Up to `limit` events of `run_id` with offsets above `after`, in offset order."""

@@ -81,7 +81,9 @@ class StreamContext:
             `activity.info().attempt`), or `None` (DBOS, Prefect: the store numbers each execution). A unit's first
             write claims at least this attempt, one more than any attempt of it already stored.
         durable: The engine records its units' completion (not `local`): a unit's events are stored before it
-            returns. A local run's units hand theirs over and go on; its last event (awaited) is stored after them.
+            returns, each write flushed to disk. A local run's units hand theirs over and go on; its last event
+            (awaited) is stored after them; its writes are not flushed each (`EventLog.submit`'s `flush`): durable
+            against a crash of any process, as the local run itself is, not against a power loss.
     """
 
     run_id: str
@@ -103,7 +105,8 @@ class StreamContext:
         if self.failed:
             return
         log, run_id, engine = self.log, self.run_id, self.engine
-        future = log.submit(run_id, lambda cur: log.append_in(cur, run_id, engine, items, close=close), close=close)
+        future = log.submit(run_id, lambda cur: log.append_in(cur, run_id, engine, items, close=close), close=close,
+                            flush=self.durable)
         if not close:
             future.add_done_callback(self._written)
             return
@@ -262,8 +265,14 @@ class _UnitPublisher:
         self.pending.append((None, kind, body))
 
     async def event(self, event: Any, data: dict[str, Any] | None = None) -> None:
+        self.add(event, data)
+
+    def add(self, event: Any, data: dict[str, Any] | None = None) -> None:
+        """`event` (with `data`) to publish: pending, the pacing task started unless it runs (`event` without the
+        await: the model stream's loop calls this once per delta)."""
         self.pending.append((event, None, data))
-        self.flush()
+        if self.writing is None or self.writing.done():
+            self.flush()
 
     def _take(self) -> list[tuple[int, str, dict[str, Any]]]:
         """The pending events as `(seq, kind, body)` entries, numbered in order, consecutive text deltas joined (each
@@ -312,7 +321,8 @@ class _UnitPublisher:
         if not entries:
             return None
         self.last_write = time.monotonic()
-        self.last = self.context.log.submit(self.context.run_id, lambda cur: self._write_in(cur, entries))
+        self.last = self.context.log.submit(self.context.run_id, lambda cur: self._write_in(cur, entries),
+                                            flush=self.context.durable)
         self.last.add_done_callback(self._written)
         return self.last
 
@@ -443,14 +453,15 @@ class StreamingModel(WrapperModel):
         try:
             await unit.tool_results(messages)
             if _streams(self.wrapped):
+                add = unit.add
                 async with self.wrapped.request_stream(messages, model_settings, model_request_parameters) as stream:
                     async for event in stream:
-                        await unit.event(event)
+                        add(event)
                 response = stream.get()
             else:
                 response = await self.wrapped.request(messages, model_settings, model_request_parameters)
                 for event in _response_events(response):
-                    await unit.event(event)
+                    unit.add(event)
             await unit.tool_calls(response)
         finally:
             # Also when the request failed: its partial events are stored before a retry claims the next attempt.
@@ -499,8 +510,9 @@ class _PublishedStream:
 
     async def _events(self) -> AsyncIterator[Any]:
         unit: _UnitPublisher = self._durcap_unit
+        add = unit.add
         async for event in self._durcap_stream:
-            await unit.event(event)
+            add(event)
             yield event
         await unit.tool_calls(self._durcap_stream.get())
 

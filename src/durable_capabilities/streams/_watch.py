@@ -7,6 +7,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from .._limits import InputError
 from ..errors import DurcapError
@@ -100,12 +101,13 @@ async def watch_batches(run_id: str, *, engine: str | None = None, from_offset: 
     log = EventLog(url)
     # Between reads: the poll, cut short when this process commits an event of the run (`written_soon`: a run this
     # process runs, e.g. `durcap serve`'s local turns, is seen at once; one run elsewhere, at the next poll). Each
-    # read is one trip to a worker thread: the new events and the stream's row (`poll_sync`).
+    # read is the new events and the stream's row in one statement (`poll_sync`): on SQLite on this thread, never
+    # waiting; when it would (or on PostgreSQL), one trip to a worker thread.
     waiter = written_soon(run_id)
     after = from_offset
     try:
         while True:
-            rows, info = await in_thread(log.poll_sync, run_id, after)
+            rows, info = await _poll(log, run_id, after)
             if engine is not None and info is not None and info.engine != engine:
                 raise _other_engine(run_id, engine, info.engine)
             if info is None and not rows:
@@ -123,11 +125,14 @@ async def watch_batches(run_id: str, *, engine: str | None = None, from_offset: 
                     return
             if batch:
                 yield batch
-                continue
+            if info is not None and after < info.next_offset - 1:
+                continue  # past the read's limit: read on at once
             if not follow:
                 return
-            if info is not None and info.closed_at is not None and after >= info.next_offset - 1:
+            if info is not None and info.closed_at is not None:
                 return
+            # Nothing more stored when it was read: wait (the waiter was registered before the read, so a commit since
+            # wakes it at once), not read again at once (a read that would find nothing, once per batch).
             waiter = await _next_write(run_id, waiter, poll)
     finally:
         forget_waiter(run_id, waiter)
@@ -138,6 +143,16 @@ def _other_engine(run_id: str, asked: str, recorded: str) -> InputError:
     return InputError(f'--engine {asked}', (
         f'run {run_id!r} is a {recorded} run (its stream records engine {recorded!r}), not a {asked} one: nothing '
         f'printed. Fix: drop --engine, or pass --engine {recorded}'))
+
+
+async def _poll(log: EventLog, run_id: str, after: int) -> tuple[list[StoredEvent], Any]:
+    """`log.poll_sync(run_id, after)` on this thread when it never waits (SQLite), else in a worker thread."""
+    from ..store._sql import WouldWait
+
+    try:
+        return log.poll_sync(run_id, after, quick=True)
+    except WouldWait:
+        return await in_thread(log.poll_sync, run_id, after)
 
 
 async def _next_write(run_id: str, waiter: asyncio.Future[None], poll: float) -> asyncio.Future[None]:
