@@ -83,11 +83,11 @@ class ForkServer:
         self._prefect_run_process: Callable[..., Any] | None = None
 
     def start(self) -> float:
-        """Start the fork server and wait until it has preloaded (a first child forked and exited), then install
-        `run_process` at Prefect's override point; returns the seconds that took.
+        """Start the fork server and wait until it has preloaded (a first child forked and exited); returns the
+        seconds that took.
 
         Raises:
-            RuntimeError: the fork server's first child did not exit 0, or Prefect moved its override point.
+            RuntimeError: the fork server's first child did not exit 0.
             OSError: the fork server could not be started.
         """
         began = time.monotonic()
@@ -98,8 +98,15 @@ class ForkServer:
         if probe.exitcode != 0:
             raise RuntimeError(f'the fork server\'s first child exited with {probe.exitcode}')
         probe.close()
-        self._prefect_run_process = _upstream.prefect_engine_run_process(self.run_process)
         return time.monotonic() - began
+
+    def install(self) -> None:
+        """Make Prefect's runner in this process start its flow-run processes through `run_process`.
+
+        Raises:
+            RuntimeError: Prefect moved its override point (`_upstream.prefect_engine_run_process`).
+        """
+        self._prefect_run_process = _upstream.prefect_engine_run_process(self.run_process)
 
     def forks(self, command: list[str], stream_output: Any, kwargs: dict[str, Any]) -> bool:
         """Whether `run_process` forks this call: Prefect's flow-run command (`python -m prefect.engine` with this
@@ -116,8 +123,8 @@ class ForkServer:
         exits. Cancelled (the runner stopping), the child gets SIGTERM, as Prefect's own function sends it, and is
         waited for. Returns the `ForkedProcess`."""
         if not self.forks(command, stream_output, kwargs):
-            assert self._prefect_run_process is not None  # installed only once `start` has set it
-            return await self._prefect_run_process(command, stream_output=stream_output, task_status=task_status,
+            prefect_run_process = self._prefect_run_process or _upstream.prefect_engine_run_process()
+            return await prefect_run_process(command, stream_output=stream_output, task_status=task_status,
                                                    task_status_handler=task_status_handler, **kwargs)
         env = {key: value for key, value in kwargs['env'].items() if value is not None}
         cwd = kwargs.get('cwd')
@@ -179,6 +186,7 @@ def start_fork_server(notify: Callable[[str], None], target: str) -> ForkServer 
     server = ForkServer()
     try:
         seconds = server.start()
+        server.install()
     except (OSError, RuntimeError) as exc:
         notify(f'warning: no fork server ({exc}): each flow run starts a new Python process')
         return None
