@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 
-import prefect.engine  # noqa: F401 - what `python -m prefect.engine` imports before it loads the flow
+import prefect.engine  # what `python -m prefect.engine` imports before it loads the flow
 import prefect.flow_engine  # noqa: F401
 
 from . import _entry
@@ -31,7 +31,7 @@ THREADS_AFTER_PRELOAD: list[str] = []
 def _preload() -> None:
     try:
         PRELOADED.extend(_entry.preload())
-    except (Exception, SystemExit):  # noqa: BLE001 - every forked flow run loads TARGET again and reports it
+    except (Exception, SystemExit):  # every forked flow run loads TARGET again and reports it in its flow run
         logger.debug('fork server: TARGET not preloaded', exc_info=True)
     THREADS_AFTER_PRELOAD.extend(t.name for t in threading.enumerate() if t is not threading.main_thread())
     if THREADS_AFTER_PRELOAD:
