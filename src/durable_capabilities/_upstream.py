@@ -284,5 +284,5 @@ def prefect_engine_run_process(replacement: Any | None = None) -> Any:
         raise RuntimeError('prefect changed: EngineCommandStarter no longer calls prefect.runner._starter_engine.'
                            'run_process; see durable_capabilities/_upstream.py')
     if replacement is not None:
-        _starter_engine.run_process = replacement  # pyright: ignore[reportAttributeAccessIssue]
+        setattr(_starter_engine, 'run_process', replacement)  # noqa: B010 - a module attribute Prefect reads at each call
     return current
