@@ -16,7 +16,8 @@ reports anything and the run stays RUNNING for good; Prefect's own flow-run hear
   then rescheduled once, like any other (`_worker.resume_crashed`), and runs again from its cached tasks.
 
 A flow run that never beat (started by an earlier version, or outside a deployment: `durcap run` waits for its own
-run in its own process) is never declared dead. A process that stalls longer than the stale time (a debugger, a
+run in its own process) is never declared dead. A flow run forked by `_prefork` carries a beat before its process
+starts (`first_beat`) and beats from its process's start. A process that stalls longer than the stale time (a debugger, a
 swapped-out machine) is declared dead while alive: raise `$DURCAP_PREFECT_STALE_SECONDS` where that can happen.
 """
 
@@ -92,7 +93,11 @@ def stale_seconds() -> float:
 def beating(flow_run_id: str) -> Iterator[None]:
     """While the block runs, flow run `flow_run_id` beats (`BEAT_LABEL` set anew every `beat_seconds()` from a daemon
     thread with its own event loop). A beat that fails (the API briefly unreachable) is logged and the next one tried:
-    a missed beat or two never declares the run dead."""
+    a missed beat or two never declares the run dead. Re-entrant: in a process that beats `flow_run_id` already (a
+    flow-run process forked by `_prefork` beats from its start, before its flow runs), the block adds no beat."""
+    if flow_run_id in _BEATING:
+        yield
+        return
     every = beat_seconds()
     stop = threading.Event()
 
@@ -108,11 +113,33 @@ def beating(flow_run_id: str) -> Iterator[None]:
                 await asyncio.to_thread(stop.wait, every)
 
     thread = threading.Thread(target=lambda: asyncio.run(loop()), name=f'durcap-beat-{flow_run_id}', daemon=True)
+    _BEATING.add(flow_run_id)
     thread.start()
     try:
         yield
     finally:
         stop.set()
+        _BEATING.discard(flow_run_id)
+
+
+_BEATING: set[str] = set()
+"""The flow runs this process beats now (`beating`)."""
+
+
+async def first_beat(flow_run_id: str) -> None:
+    """Set flow run `flow_run_id`'s beat label (`<this pid>:0`) before its process exists (`_prefork`: the serving
+    process, awaited before it forks the run's process).
+
+    Why: a RUNNING flow run without the label is never declared dead (an earlier version's run), and the process's
+    own first beat can be lost: the server merges labels by read-modify-write, and Prefect's engine patches the run's
+    labels (its trace parent) just as the process starts, so a serving process killed within a beat of the run's
+    start left it RUNNING, unlabelled, for good (bench_scaleout.py --kill, 19/20 runs). With the label set first, the
+    run is watched from its first RUNNING state. A failure is logged (debug) and the run starts anyway."""
+    try:
+        async with get_client() as client:
+            await client.update_flow_run_labels(uuid.UUID(flow_run_id), {BEAT_LABEL: f'{os.getpid()}:0'})
+    except Exception:  # the run's own beats follow; a server hiccup must not keep it from starting
+        logger.debug('flow run %s: first beat failed', flow_run_id, exc_info=True)
 
 
 class DeadRunWatch:

@@ -9,15 +9,15 @@ before the flow starts: most of a flow run's cost, and on a loaded machine tens 
 
 Here the serving process starts multiprocessing's `forkserver` once, preloaded (`_preload`) with Prefect's flow
 engine, pydantic-ai, durable_capabilities, TARGET's module and its agents' flows; nothing there starts a thread or
-an event loop (`tests/unit/test_prefect_prefork.py`), so forking it is safe. `ForkServer.run_process`, installed at
+an event loop (`tests/engines/test_prefect_prefork.py`), so forking it is safe. `ForkServer.run_process`, installed at
 Prefect's override point for that command (`_upstream.prefect_engine_run_process`), asks the fork server for a
 child per flow run. The child takes the environment and folder Prefect's starter built for the run, refreshes
 Prefect's settings from that environment (`prefect.context.refresh_global_settings_context`), and runs Prefect's own
 `prefect.engine` main (`runpy`, the module as `python -m` runs it). So the flow run keeps what Prefect gives the
 process it would start: its id and environment, the runner's control channel (cancellation), its heartbeats, the
 exit code the runner reads (a signal as a negative code, as `subprocess` reports it; a crash is proposed CRASHED),
-kill by pid, and the liveness beats `_worker.watch_crashed` watches. Every other command Prefect starts goes to
-Prefect's own function unchanged.
+kill by pid, and the liveness beats `_worker.watch_crashed` watches (from the process's start here, see
+`flow_run_main`). Every other command Prefect starts goes to Prefect's own function unchanged.
 
 What differs: a flow-run process is a child of the fork server (itself a child of the serving process) rather than of
 the serving process, and it runs TARGET's code as the serving process loaded it at start (as a Temporal or DBOS
@@ -41,6 +41,7 @@ from typing import Any
 import anyio
 
 from ... import _upstream
+from ._liveness import beating, first_beat
 
 PRELOAD_MODULES = ('__main__', 'durable_capabilities.engines.prefect._preload')
 """What the fork server imports before it forks: the serving process's main script (so a child does not import it
@@ -128,6 +129,8 @@ class ForkServer:
                                                    task_status_handler=task_status_handler, **kwargs)
         env = {key: value for key, value in kwargs['env'].items() if value is not None}
         cwd = kwargs.get('cwd')
+        if env.get('PREFECT__FLOW_RUN_ID'):
+            await first_beat(env['PREFECT__FLOW_RUN_ID'])  # watched as soon as it is RUNNING (`_liveness.first_beat`)
         process = self.context.Process(target=flow_run_main, args=(env, None if cwd is None else str(cwd), stream_output),
                                        name='durcap-flow-run')
         process.start()
@@ -177,7 +180,12 @@ def flow_run_main(env: dict[str, str], cwd: str | None, stream_output: bool) -> 
     sys.argv = ['']  # prefect.engine reads a flow run id from argv[1] before $PREFECT__FLOW_RUN_ID; runpy sets argv[0]
     # runpy warns that the module is loaded already (the fork server preloaded it); its main block is what runs.
     warnings.filterwarnings('ignore', message=r"'prefect\.engine' found in sys\.modules", category=RuntimeWarning)
-    runpy.run_module(_upstream.PREFECT_ENGINE_MODULE, run_name='__main__', alter_sys=True)
+    flow_run_id = env.get('PREFECT__FLOW_RUN_ID')
+    # The run beats from its process's start, not only once its flow runs (`_liveness.beating`, re-entrant): a
+    # serving process killed between the run's RUNNING and its flow's first beat would otherwise leave it RUNNING
+    # with no beat, which `DeadRunWatch` never declares dead (as it must not, for an earlier version's run).
+    with beating(flow_run_id) if flow_run_id else contextlib.nullcontext():
+        runpy.run_module(_upstream.PREFECT_ENGINE_MODULE, run_name='__main__', alter_sys=True)
 
 
 def start_fork_server(notify: Callable[[str], None], target: str) -> ForkServer | None:

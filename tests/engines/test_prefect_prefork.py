@@ -45,12 +45,14 @@ def test_the_preload_starts_no_thread_and_no_event_loop(tmp_path: Path) -> None:
 
 
 def test_a_forked_flow_run_process_takes_its_env_and_folder_exits_with_the_engines_code_and_dies_by_pid(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        prefect_api_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real fork server (preloaded with the support example) and Prefect's flow-run command, through
     `ForkServer.run_process` (not installed in this process). (1) A flow run id that is no UUID: Prefect's engine
     exits 1; the process ran in the folder given with the environment given (Prefect's settings, refreshed from it,
     made its relative `PREFECT_HOME` there). (2) A flow run on a server that does not answer: the process is a child
     of the fork server, not of this process; SIGKILL by its pid ends it with -9, as `subprocess` reports it."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     from durable_capabilities.engines.prefect._prefork import ForkServer
 
     monkeypatch.setenv('DURCAP_TARGET', 'examples.support.agent:support')
@@ -65,7 +67,8 @@ def test_a_forked_flow_run_process_takes_its_env_and_folder_exits_with_the_engin
         return await server.run_process(command, stream_output=False, cwd=folder,
                                         env={**base, 'PREFECT__FLOW_RUN_ID': 'not-a-uuid', 'PREFECT_HOME': 'home-x'})
 
-    first = asyncio.run(refused())
+    with temporary_settings(updates={PREFECT_API_URL: prefect_api_url}):  # where the serving side's first beat goes
+        first = asyncio.run(refused())
     assert first.returncode == 1
     assert (folder / 'home-x').is_dir(), 'the forked process did not take its folder and environment'
 
@@ -79,8 +82,30 @@ def test_a_forked_flow_run_process_takes_its_env_and_folder_exits_with_the_engin
             os.kill(forked.pid, signal.SIGKILL)
         return forked, parent
 
-    second, parent = asyncio.run(killed())
+    with temporary_settings(updates={PREFECT_API_URL: prefect_api_url}):
+        second, parent = asyncio.run(killed())
     assert parent != os.getpid()
     assert second.returncode == -signal.SIGKILL
     assert subprocess.run(['ps', '-o', 'args=', '-p', str(parent)], capture_output=True, text=True,
                           check=False).stdout.count('multiprocessing.forkserver') == 1
+
+
+def test_beating_is_reentrant_so_a_forked_flow_run_beats_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forked flow-run process beats from its start (`_prefork.flow_run_main`), and its flow's own `beating` block
+    adds no second beat thread. No server: the beats fail quietly (logged at debug), which is what is tested around."""
+    import threading
+
+    from durable_capabilities.engines.prefect import _liveness
+
+    monkeypatch.setenv('PREFECT_API_URL', 'http://127.0.0.1:9/api')
+    run_id = str(uuid.uuid4())
+
+    def beats() -> int:
+        return len([t for t in threading.enumerate() if t.name == f'durcap-beat-{run_id}' and t.is_alive()])
+
+    with _liveness.beating(run_id):
+        assert beats() == 1
+        with _liveness.beating(run_id):
+            assert beats() == 1
+        assert run_id in _liveness._BEATING  # the inner block leaves the outer beat running
+    assert run_id not in _liveness._BEATING
