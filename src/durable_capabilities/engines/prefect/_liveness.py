@@ -42,7 +42,7 @@ from prefect.client.schemas.filters import (
     FlowRunFilterStateType,
 )
 from prefect.client.schemas.objects import StateType
-from prefect.exceptions import PrefectHTTPStatusError
+from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 from prefect.input import acreate_flow_run_input
 from prefect.states import Crashed
 
@@ -108,8 +108,13 @@ def beating(flow_run_id: str) -> Iterator[None]:
                 count += 1
                 try:
                     await client.update_flow_run_labels(uuid.UUID(flow_run_id), {BEAT_LABEL: f'{os.getpid()}:{count}'})
-                except Exception:  # next beat; the run goes on either way
+                except Exception as exc:  # next beat, sooner; the run goes on either way
                     logger.debug('flow run %s: beat %d failed', flow_run_id, count, exc_info=True)
+                    if count == 1:
+                        logger.warning('flow run %s: its first beat failed (%s: %s); trying again', flow_run_id,
+                                       type(exc).__name__, str(exc)[:200])
+                    await asyncio.to_thread(stop.wait, min(every, 0.5))
+                    continue
                 await asyncio.to_thread(stop.wait, every)
 
     thread = threading.Thread(target=lambda: asyncio.run(loop()), name=f'durcap-beat-{flow_run_id}', daemon=True)
@@ -134,12 +139,33 @@ async def first_beat(flow_run_id: str) -> None:
     own first beat can be lost: the server merges labels by read-modify-write, and Prefect's engine patches the run's
     labels (its trace parent) just as the process starts, so a serving process killed within a beat of the run's
     start left it RUNNING, unlabelled, for good (bench_scaleout.py --kill, 19/20 runs). With the label set first, the
-    run is watched from its first RUNNING state. A failure is logged (debug) and the run starts anyway."""
+    run is watched from its first RUNNING state. A refused or failed request (a busy server on SQLite answers 503 for a
+    moment) is tried again, 0.2 s doubling to 2 s apart, for `FIRST_BEAT_SECONDS`; then a warning is logged (the run
+    goes on either way)."""
     try:
-        async with get_client() as client:
-            await client.update_flow_run_labels(uuid.UUID(flow_run_id), {BEAT_LABEL: f'{os.getpid()}:0'})
-    except Exception:  # the run's own beats follow; a server hiccup must not keep it from starting
-        logger.debug('flow run %s: first beat failed', flow_run_id, exc_info=True)
+        run_id = uuid.UUID(flow_run_id)
+    except ValueError:
+        return  # Prefect's engine refuses the run itself
+    deadline = time.monotonic() + FIRST_BEAT_SECONDS
+    pause = 0.2
+    async with get_client() as client:
+        while True:
+            try:
+                await client.update_flow_run_labels(run_id, {BEAT_LABEL: f'{os.getpid()}:0'})
+                return
+            except Exception as exc:  # noqa: BLE001 - the run's own beats follow; a hiccup must not keep it from starting
+                status = getattr(getattr(exc, 'response', None), 'status_code', None)
+                permanent = isinstance(exc, ObjectNotFound) or (status is not None and status < 500 and status != 429)
+                if permanent or time.monotonic() + pause > deadline:
+                    logger.warning('flow run %s: its first beat did not land (%s: %s)', flow_run_id,
+                                   type(exc).__name__, str(exc)[:200])
+                    return
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 2.0)
+
+
+FIRST_BEAT_SECONDS = 15.0
+"""How long `first_beat` tries to land its label."""
 
 
 class DeadRunWatch:

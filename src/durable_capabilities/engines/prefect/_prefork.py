@@ -27,6 +27,7 @@ at the next flow run. `durcap schedule prefect --spawn` keeps Prefect's new proc
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import multiprocessing
 import os
@@ -129,15 +130,26 @@ class ForkServer:
                                                    task_status_handler=task_status_handler, **kwargs)
         env = {key: value for key, value in kwargs['env'].items() if value is not None}
         cwd = kwargs.get('cwd')
-        if env.get('PREFECT__FLOW_RUN_ID'):
-            await first_beat(env['PREFECT__FLOW_RUN_ID'])  # watched as soon as it is RUNNING (`_liveness.first_beat`)
+        # Watched as soon as it is RUNNING (`_liveness.first_beat`): the label request goes out at the first await
+        # below, while the child starts (it needs ~0.5 s or more to reach RUNNING), and is not awaited before the
+        # runner gets the process: the runner starts its runs one after the other, each once the previous one's
+        # process is handed over.
+        flow_run_id = env.get('PREFECT__FLOW_RUN_ID')
+        labelled = asyncio.ensure_future(first_beat(flow_run_id)) if flow_run_id else None
         process = self.context.Process(target=flow_run_main, args=(env, None if cwd is None else str(cwd), stream_output),
                                        name='durcap-flow-run')
-        process.start()
+        try:
+            process.start()
+        except BaseException:
+            if labelled is not None:
+                labelled.cancel()
+            raise
         forked = ForkedProcess(process)
         try:
             if task_status is not None:
                 task_status.started(task_status_handler(forked) if task_status_handler else forked.pid)
+            if labelled is not None:
+                await labelled
             await forked.wait()
         finally:
             if forked.returncode is None:
