@@ -92,20 +92,25 @@ def stale_seconds() -> float:
 @contextmanager
 def beating(flow_run_id: str) -> Iterator[None]:
     """While the block runs, flow run `flow_run_id` beats (`BEAT_LABEL` set anew every `beat_seconds()` from a daemon
-    thread with its own event loop). A beat that fails (the API briefly unreachable) is logged and the next one tried:
-    a missed beat or two never declares the run dead. Re-entrant: in a process that beats `flow_run_id` already (a
-    flow-run process forked by `_prefork` beats from its start, before its flow runs), the block adds no beat."""
+    thread with its own event loop). A beat that fails (the API briefly unreachable) is logged and the next one tried
+    0.5 s later: a missed beat or two never declares the run dead. Re-entrant: in a process that beats `flow_run_id`
+    already (a flow-run process forked by `_prefork` beats from its start, before its flow runs), the block adds no
+    thread but has the next beat go out now: the flow has just gone RUNNING, and a label written while Prefect's
+    server moved the run to RUNNING can be lost (seen under load: the run left RUNNING with no beat label)."""
     if flow_run_id in _BEATING:
+        _BEATING[flow_run_id].set()
         yield
         return
     every = beat_seconds()
     stop = threading.Event()
+    wake = threading.Event()  # set to beat now (a nested block), or with `stop`
 
     async def loop() -> None:
         count = 0
         async with get_client() as client:
             while not stop.is_set():
                 count += 1
+                wait = every
                 try:
                     await client.update_flow_run_labels(uuid.UUID(flow_run_id), {BEAT_LABEL: f'{os.getpid()}:{count}'})
                 except Exception as exc:  # next beat, sooner; the run goes on either way
@@ -113,22 +118,23 @@ def beating(flow_run_id: str) -> Iterator[None]:
                     if count == 1:
                         logger.warning('flow run %s: its first beat failed (%s: %s); trying again', flow_run_id,
                                        type(exc).__name__, str(exc)[:200])
-                    await asyncio.to_thread(stop.wait, min(every, 0.5))
-                    continue
-                await asyncio.to_thread(stop.wait, every)
+                    wait = min(every, 0.5)
+                await asyncio.to_thread(wake.wait, wait)
+                wake.clear()
 
     thread = threading.Thread(target=lambda: asyncio.run(loop()), name=f'durcap-beat-{flow_run_id}', daemon=True)
-    _BEATING.add(flow_run_id)
+    _BEATING[flow_run_id] = wake
     thread.start()
     try:
         yield
     finally:
         stop.set()
-        _BEATING.discard(flow_run_id)
+        wake.set()
+        _BEATING.pop(flow_run_id, None)
 
 
-_BEATING: set[str] = set()
-"""The flow runs this process beats now (`beating`)."""
+_BEATING: dict[str, threading.Event] = {}
+"""The flow runs this process beats now (`beating`), each with the event that makes its next beat go out now."""
 
 
 async def first_beat(flow_run_id: str) -> None:
