@@ -127,7 +127,7 @@ class ForkServer:
         if not self.forks(command, stream_output, kwargs):
             prefect_run_process = self._prefect_run_process or _upstream.prefect_engine_run_process()
             return await prefect_run_process(command, stream_output=stream_output, task_status=task_status,
-                                                   task_status_handler=task_status_handler, **kwargs)
+                                             task_status_handler=task_status_handler, **kwargs)
         env = {key: value for key, value in kwargs['env'].items() if value is not None}
         cwd = kwargs.get('cwd')
         # Watched as soon as it is RUNNING (`_liveness.first_beat`): the label request goes out at the first await
