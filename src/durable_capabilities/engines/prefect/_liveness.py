@@ -15,9 +15,13 @@ reports anything and the run stays RUNNING for good; Prefect's own flow-run hear
   `DEAD_CLAIM_PREFIX` + the running state's id (the server refuses a second with 409) marks it CRASHED; the crash is
   then rescheduled once, like any other (`_worker.resume_crashed`), and runs again from its cached tasks.
 
-A flow run that never beat (started by an earlier version, or outside a deployment: `durcap run` waits for its own
-run in its own process) is never declared dead. A flow run forked by `_prefork` carries a beat before its process
-starts (`first_beat`) and beats from its process's start. A process that stalls longer than the stale time (a debugger, a
+A RUNNING flow run of the deployment with no beat label at all is watched the same way (its "beat" is the missing
+label): every flow run a serving process starts beats within a second or two of RUNNING (a forked one from before its
+process starts, `first_beat`, and from its process's start; a spawned one from its flow's start), but a label written
+while the server moves the run to RUNNING can be lost on a busy server, and a serving process killed just then left
+the run unlabelled and RUNNING for good (bench_scaleout.py --kill: one run in 20, in each of six tries). What this
+gives up: a flow run started by durcap before the beats (December 2026) and still RUNNING is declared dead after the
+stale time. Flow runs outside a deployment (`durcap run` waits for its own run in its own process) are not watched. A process that stalls longer than the stale time (a debugger, a
 swapped-out machine) is declared dead while alive: raise `$DURCAP_PREFECT_STALE_SECONDS` where that can happen.
 """
 
@@ -141,11 +145,8 @@ async def first_beat(flow_run_id: str) -> None:
     """Set flow run `flow_run_id`'s beat label (`<this pid>:0`) before its process exists (`_prefork`: the serving
     process, awaited before it forks the run's process).
 
-    Why: a RUNNING flow run without the label is never declared dead (an earlier version's run), and the process's
-    own first beat can be lost: the server merges labels by read-modify-write, and Prefect's engine patches the run's
-    labels (its trace parent) just as the process starts, so a serving process killed within a beat of the run's
-    start left it RUNNING, unlabelled, for good (bench_scaleout.py --kill, 19/20 runs). With the label set first, the
-    run is watched from its first RUNNING state. A refused or failed request (a busy server on SQLite answers 503 for a
+    Why: the sooner a run carries a beat, the sooner a watcher can tell it beats (the server merges labels by
+    read-modify-write, and a label written while the run changes state can be lost: see the module docstring). A refused or failed request (a busy server on SQLite answers 503 for a
     moment) is tried again, 0.2 s doubling to 2 s apart, for `FIRST_BEAT_SECONDS`; then a warning is logged (the run
     goes on either way)."""
     try:
@@ -206,9 +207,9 @@ class DeadRunWatch:
                     any_=[StateType.RUNNING]))))
             current: dict[tuple[str, str], tuple[str, float]] = {}
             for run in runs:
-                beat = (run.labels or {}).get(BEAT_LABEL)
-                if beat is None or run.state is None:
-                    continue  # never beat: an earlier version's run, never declared dead
+                if run.state is None:
+                    continue
+                beat = (run.labels or {}).get(BEAT_LABEL, '')  # '': no beat yet (watched as well, module docstring)
                 key = (str(run.id), str(run.state.id))
                 last = self.seen.get(key)
                 since = last[1] if last is not None and last[0] == str(beat) else now
