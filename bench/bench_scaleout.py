@@ -22,7 +22,8 @@ Workers are real processes started here and stopped by process id; each is cappe
 - Prefect: `durcap schedule prefect --limit N` processes serving one new deployment (a yearly cron that never fires
   during the bench) on the Prefect server of `--prefect-api-url` (default `$DURCAP_TEST_PREFECT_API_URL`, else
   `$PREFECT_API_URL`); the runs are flow runs created at once through the REST API (`create_flow_run`). Every flow
-  run is its own process, started by the serving process that takes it (the ledger's parent pid says which).
+  run is its own process, forked by the fork server of the serving process that takes it (the ledger's parent pid
+  says which); `--prefect-spawn` serves with `--spawn` (Prefect's new Python process per flow run, as before).
   `PREFECT_RUNNER_POLL_FREQUENCY` is `--prefect-poll` (default 1 s; Prefect's default is 10 s). Also printed: where a
   flow run's time goes, from its state history (created -> PENDING: waiting for a serving process with a free slot;
   PENDING -> RUNNING: its process starting and loading the flow; RUNNING -> COMPLETED: the flow).
@@ -99,12 +100,14 @@ def _children(pid: int) -> list[int]:
 
 
 def _cpu(pid: int) -> float:
-    """CPU seconds of process `pid`, its live descendants and its reaped children (0 once it is gone)."""
+    """CPU seconds of process `pid`, its live descendants and the children each of them reaped (0 once it is gone):
+    a reaped process's time is in its parent's `cutime` only, and a live one's in its own `utime` only, so nothing
+    counts twice (a Prefect serving process's flow-run processes are children of its fork server)."""
     total = 0.0
     for p in [pid, *_children(pid)]:
         with contextlib.suppress(OSError, IndexError, ValueError):
             fields = Path(f'/proc/{p}/stat').read_text().rsplit(')', 1)[1].split()
-            total += (int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if p == pid else 0)) / TICK
+            total += (int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])) / TICK
     return total
 
 
@@ -371,7 +374,8 @@ class PrefectCluster(Cluster):
                        PREFECT_RUNNER_POLL_FREQUENCY=str(self.args.prefect_poll))
         for i in range(self.workers):
             self.procs.append(_start([*DURCAP, 'schedule', 'prefect', TARGET, '--prompt', 'never (yearly cron)',
-                                      '--cron', '0 0 1 1 *', '--name', self.name, '--limit', str(self.concurrency)],
+                                      '--cron', '0 0 1 1 *', '--name', self.name, '--limit', str(self.concurrency),
+                                      *(['--spawn'] if self.args.prefect_spawn else [])],
                                      self.log(i), env))
         for i, proc in enumerate(self.procs):
             _wait_line(self.log(i), 'serving deployment', proc, 180)
@@ -384,6 +388,15 @@ class PrefectCluster(Cluster):
         self.deployment = found.json()['id']
         # No serving process says when its runner polls: give each a few polls after the deployment appeared.
         time.sleep(3 * self.args.prefect_poll + 1)
+        # Each serving process's helpers (its fork server, multiprocessing's resource tracker), before any flow run:
+        # a flow-run process whose parent is one of them belongs to that serving process.
+        self.helpers = [set(_children(proc.pid)) for proc in self.procs]
+
+    def worker_of(self, entry: Entry) -> int | None:
+        for i, proc in enumerate(self.procs):
+            if proc.pid in (entry.pid, entry.ppid) or entry.ppid in self.helpers[i]:
+                return i
+        return None
 
     def _request(self, method: str, url: str, **kwargs: Any) -> Any:
         """One API request, retried for 60 s while the server answers 5xx (a busy shared server's SQLite database
@@ -415,7 +428,8 @@ class PrefectCluster(Cluster):
                 self.failed[key] = run['state_type']
 
     def held(self, i: int) -> int:
-        return len([c for c in _children(self.procs[i].pid) if _parent(c) == self.procs[i].pid])
+        parents = {self.procs[i].pid, *self.helpers[i]}
+        return len([c for c in _children(self.procs[i].pid) if c not in self.helpers[i] and _parent(c) in parents])
 
     def details(self, keys: list[str]) -> list[str]:
         """Where a flow run's time goes, from each run's state history (server timestamps)."""
@@ -692,6 +706,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument('--prefect-api-url', default=os.environ.get('DURCAP_TEST_PREFECT_API_URL')
                    or os.environ.get('PREFECT_API_URL'), help='a running Prefect server\'s API')
     p.add_argument('--prefect-poll', type=float, default=1.0, help='PREFECT_RUNNER_POLL_FREQUENCY of serving processes')
+    p.add_argument('--prefect-spawn', action='store_true',
+                   help='serve with `durcap schedule prefect --spawn`: a new Python process per flow run, no fork server')
     p.add_argument('--timeout', type=float, default=3600.0, help='seconds a configuration may take before it fails')
     p.add_argument('--kill', action='store_true', help='the kill bench instead of the scale-out one')
     p.add_argument('--kill-workers', type=int, default=3)

@@ -1,4 +1,4 @@
-"""The only module that touches private pydantic-ai names.
+"""The only module that touches private pydantic-ai names (and the private names of the engines' SDKs).
 
 pydantic-ai-slim 2.68 exposes no public way to ask whether a toolset's `id` was chosen or derived,
 to give an existing `FunctionToolset` an `id` without rebuilding it, or to read the source an `MCP`
@@ -31,6 +31,7 @@ __all__ = [
     'explicit_toolset_id',
     'interchangeable_leaves',
     'is_mcp_toolset',
+    'prefect_engine_run_process',
     'runtime_rejected_kinds',
     'temporal_activity_name',
     'temporal_set_deadlock_timeout',
@@ -253,3 +254,35 @@ def runtime_rejected_kinds(durability_class: type) -> frozenset[str]:
     """
     spec = durability_class.engine_spec  # type: ignore[attr-defined]
     return frozenset(str(kind) for kind in spec.unsupported_runtime_toolset_kinds)
+
+
+PREFECT_ENGINE_MODULE = 'prefect.engine'
+"""The module Prefect's runner runs as a flow run's process (`python -m prefect.engine`, the flow run's id in
+`$PREFECT__FLOW_RUN_ID`)."""
+
+
+def prefect_engine_run_process(replacement: Any | None = None) -> Any:
+    """Prefect's function that starts a served deployment's flow-run processes; with `replacement`, install it.
+
+    Prefect 3's runner starts a flow run of a deployment added with `Runner.add_deployment` (what `prefect.serve`
+    does) with `EngineCommandStarter` (private `prefect.runner._starter_engine`), which calls that module's
+    `run_process(command, *, stream_output, task_status, task_status_handler, env, cwd)` with command
+    `[python, '-m', 'prefect.engine']`; its docstring names the module attribute as the override point ("patch the
+    module to override"). `replacement` must accept the same call (it may hand other calls to the function
+    returned).
+
+    Returns:
+        The function installed before (Prefect's `prefect.utilities.processutils.run_process` unless replaced).
+
+    Raises:
+        RuntimeError: Prefect moved the override point (tests/unit/test_upstream_contract.py says which).
+    """
+    from prefect.runner import _starter_engine  # lazily: prefect is an optional extra
+
+    current = getattr(_starter_engine, 'run_process', None)
+    if current is None or 'run_process' not in _starter_engine.EngineCommandStarter.start.__code__.co_names:
+        raise RuntimeError('prefect changed: EngineCommandStarter no longer calls prefect.runner._starter_engine.'
+                           'run_process; see durable_capabilities/_upstream.py')
+    if replacement is not None:
+        setattr(_starter_engine, 'run_process', replacement)  # noqa: B010 - a module attribute Prefect reads at each call
+    return current

@@ -1,9 +1,9 @@
 """Prefect deployment driver for the suspend tests (run as `python -m tests.engines.prefect_deploy_driver CMD ...`).
 
 - `serve TARGET NAME DEPLOYMENT`: serve agent NAME's flow (from TARGET) as deployment DEPLOYMENT without a
-  schedule (`prefect.serve`, flow runs in new processes from the deployment's entrypoint, and `watch_deadlines`
-  every second, as `durcap schedule prefect`); prints `SERVING` once the deployment is registered. Blocks until
-  killed.
+  schedule (`prefect.serve`, flow runs in processes forked from the preloaded fork server, `_prefork`, that load the
+  flow from the deployment's entrypoint, and `watch_deadlines` every second, as `durcap schedule prefect`); prints
+  `SERVING` once the deployment is registered. Blocks until killed.
 - `start DEPLOYMENT PROMPT`: `run_deployment(..., timeout=0)`; prints `FLOW RUN <id>`.
 - `state RUN_ID`: prints `STATE <state name>`, and `OUTPUT <json>` once Completed.
 
@@ -23,9 +23,11 @@ def serve(target: str, agent_name: str, deployment_name: str) -> None:
     from prefect import serve as prefect_serve
 
     from durable_capabilities.engines.prefect import TARGET_ENV, agent_flow, entrypoint, watch_deadlines
+    from durable_capabilities.engines.prefect._prefork import start_fork_server
     from durable_capabilities.targets import load_checked
 
     os.environ[TARGET_ENV] = target  # inherited by each flow run's process
+    start_fork_server(lambda line: print(line, file=sys.stderr, flush=True), target)
     [agent] = [a for a in load_checked(target).agents if a.name == agent_name]
     deployment = agent_flow(agent).to_deployment(name=deployment_name)
     deployment.entrypoint = entrypoint(agent.name)

@@ -734,6 +734,19 @@ def _live_children(pid: int) -> list[int]:
     return children
 
 
+def _live_flow_run_processes(pid: int) -> list[int]:
+    """Live descendants of serving process `pid` other than multiprocessing's helpers (its fork server, whose
+    children are the flow-run processes, and its resource tracker), from /proc."""
+    found = []
+    for child in _live_children(pid):
+        args = Path(f'/proc/{child}/cmdline').read_bytes().replace(b'\0', b' ')
+        if b'multiprocessing.forkserver' in args or b'multiprocessing.resource_tracker' in args:
+            found += _live_flow_run_processes(child)
+        else:
+            found.append(child)
+    return found
+
+
 @contextlib.contextmanager
 def _serving(tmp_path: Path, env: dict[str, str], deployment: str) -> Iterator[subprocess.Popen[bytes]]:
     """Serve the gated agent's flow as `deployment` from a subprocess; SIGKILL its process group at the end."""
@@ -780,7 +793,7 @@ def test_prefect_deployment_run_suspends_without_a_process_then_approve_and_deny
         flow_run_pids = {int(p) for p in (crash_dir / 'model-pids').read_text().split()}
         assert len(flow_run_pids) == 2 and os.getpid() not in flow_run_pids | {server.pid}
         assert all(_process_gone(pid) for pid in flow_run_pids), 'a suspended flow run still has its process'
-        assert _live_children(server.pid) == [], 'the serving process still runs a flow-run process'
+        assert _live_flow_run_processes(server.pid) == [], 'the serving process still runs a flow-run process'
         assert revocations(crash_dir) == []
 
         [call] = pending_prefect(['--engine', 'prefect'], runs['kai'], env)

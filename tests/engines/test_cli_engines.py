@@ -90,7 +90,11 @@ def test_dbos_users_decorated_workflow_checkpoints_each_step(tmp_path: Path) -> 
         f'{name}__model.request']
 
 
-def test_schedule_prefect_serves_a_deployment_whose_runs_complete(prefect_api_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize('how', ['fork', 'spawn'])
+def test_schedule_prefect_serves_a_deployment_whose_runs_complete(how: str, prefect_api_url: str, tmp_path: Path) -> None:
+    """The support example served on a 5 s interval until a flow run completed, its flow-run processes forked from the
+    serving process's preloaded fork server (the default; the other tests here check the process tree) or, with
+    `--spawn`, started by Prefect as new processes (no fork server). Model: the support example's scripted model."""
     import httpx
 
     deployment = f'support-every-5s-{uuid.uuid4().hex[:6]}'
@@ -99,7 +103,8 @@ def test_schedule_prefect_serves_a_deployment_whose_runs_complete(prefect_api_ur
            'PREFECT_RUNNER_POLL_FREQUENCY': '1'}
     serve = start([*DURCAP, 'schedule', 'prefect', 'examples.support.agent:support', '--interval', '5',
                    '--prompt', 'Where is my order ABC-123?', '--name', deployment,
-                   '--deps-json', json.dumps({'orders': {'ABC-123': 'jacket'}})], tmp_path / 'serve.log', env)
+                   '--deps-json', json.dumps({'orders': {'ABC-123': 'jacket'}}), *(['--spawn'] if how == 'spawn' else [])],
+                  tmp_path / 'serve.log', env)
 
     def completed_runs() -> list[dict]:
         # Prefect's REST API directly: this test process's Prefect settings point elsewhere.
@@ -120,6 +125,9 @@ def test_schedule_prefect_serves_a_deployment_whose_runs_complete(prefect_api_ur
             time.sleep(0.5)
         assert done, (tmp_path / 'serve.log').read_text()[-3000:]
         assert done[0]['parameters']['prompt'] == 'Where is my order ABC-123?'
+        forkers = [c for c in _children(serve.pid) if 'multiprocessing.forkserver' in _args(c)]
+        assert len(forkers) == (1 if how == 'fork' else 0), forkers
+        assert ('flow runs start from a fork server' in (tmp_path / 'serve.log').read_text()) is (how == 'fork')
     finally:
         if serve.poll() is None:
             os.killpg(serve.pid, signal.SIGTERM)
@@ -203,7 +211,10 @@ def test_two_prefect_serving_processes_share_a_deployment_and_one_reschedules_a_
         runs = [create({'prompt': f'charge order P-{n}', 'deps': None}) for n in (1, 2)]
         for n in (1, 2):
             wait_file_(ledger / f'charge-started-P-{n}', 150)  # both in flight at once (10 s charges)
-        parents = {n: _parent((ledger / f'charge-started-P-{n}').read_text()) for n in (1, 2)}
+        # Each flow-run process was forked by its serving process's fork server (preloaded: `_prefork`).
+        forkers = {n: _parent((ledger / f'charge-started-P-{n}').read_text()) for n in (1, 2)}
+        assert all('multiprocessing.forkserver' in _args(f) for f in forkers.values()), forkers
+        parents = {n: _parent(str(f)) for n, f in forkers.items()}
         assert parents[1] != parents[2] and set(parents.values()) == {p.pid for p in serving}, parents
         (ledger / 'charge-started-P-1').rename(ledger / 'first-charge-P-1')
         os.kill(int((ledger / 'first-charge-P-1').read_text()), signal.SIGKILL)  # the flow-run process only
@@ -270,7 +281,7 @@ def test_a_prefect_flow_run_lost_with_its_serving_process_is_found_and_finished_
         for n in (1, 2):
             wait_file_(ledger / f'charge-started-P-{n}', 150)  # both in flight at once (10 s charges)
         flow_process = int((ledger / 'charge-started-P-1').read_text())
-        lost = next(p for p in serving if p.pid == _parent(str(flow_process)))
+        lost = next(p for p in serving if p.pid == _parent(str(_parent(str(flow_process)))))  # via its fork server
         survivor = next(i for i, p in enumerate(serving) if p is not lost)
         (ledger / 'charge-started-P-1').rename(ledger / 'first-charge-P-1')
         os.kill(lost.pid, signal.SIGKILL)  # the serving process first, so nobody sees its flow run end
@@ -288,6 +299,20 @@ def test_a_prefect_flow_run_lost_with_its_serving_process_is_found_and_finished_
     assert sorted((ledger / 'charges').read_text().splitlines()) == ['P-1', 'P-1', 'P-2'], 'a charge ran again'
     requests = (ledger / 'model-requests').read_text().splitlines()
     assert requests.count('P-1:0') == 1 and requests.count('P-1:1') == 1, requests  # cached: not requested again
+
+
+def _children(pid: int) -> list[int]:
+    """The process ids of `pid`'s children (from /proc)."""
+    return [int(c) for task in os.listdir(f'/proc/{pid}/task')
+            for c in Path(f'/proc/{pid}/task/{task}/children').read_text().split()]
+
+
+def _args(pid: int) -> str:
+    """Process `pid`'s command line, its arguments joined by spaces ('' once it is gone)."""
+    try:
+        return Path(f'/proc/{pid}/cmdline').read_text().replace('\0', ' ')
+    except OSError:
+        return ''
 
 
 def _parent(pid: str) -> int:

@@ -10,7 +10,10 @@ import ast
 import asyncio
 import dataclasses
 import importlib
+import importlib.metadata
 import inspect
+import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -534,6 +537,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
         'derived_id_source',
         'explicit_toolset_id',
         'is_mcp_toolset',  # tests/unit/test_lazy_imports.py
+        'prefect_engine_run_process',  # test_prefect_runner_starts_flow_run_processes_through_the_engine_run_process
         'runtime_rejected_kinds',  # test_runtime_rejected_kinds_are_read_from_upstreams_durability_classes
         'interchangeable_leaves',
         'temporal_activity_name',
@@ -550,6 +554,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
             private.add(node.attr)
         elif isinstance(node, ast.ImportFrom) and node.module:
             private.update(part for part in node.module.split('.') if part.startswith('_') and not part.startswith('__'))
+            private.update(a.name for a in node.names if a.name.startswith('_') and not a.name.startswith('__'))
         elif isinstance(node, ast.Call) and getattr(node.func, 'id', None) in ('getattr', 'hasattr', 'setattr'):
             private.update(
                 a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith('_')
@@ -562,11 +567,57 @@ def test_upstream_module_exports_are_all_covered() -> None:
         '_derived_id_source',
         '_error',
         '_explicit_id',
+        '_get_or_create_dbos_registry',
         '_id',
         '_recover_pending_workflows',
+        '_starter_engine',
         '_telemetry_url_derived_id',
         '_workflow_worker',
     ], f'_upstream.py now touches {sorted(private)}; add contract tests for the new ones'
+
+
+def test_prefect_runner_starts_flow_run_processes_through_the_engine_run_process(tmp_path: Path) -> None:
+    """`_upstream.prefect_engine_run_process`, the override point of `durcap schedule prefect`'s fork server
+    (engines/prefect/_prefork.py): Prefect's `EngineCommandStarter` (what the runner uses for a deployment added with
+    `add_deployment`, as `prefect.serve` does; tests/engines/test_cli_engines.py shows the flow runs forked) calls
+    `prefect.runner._starter_engine.run_process` with `[python, '-m', 'prefect.engine']`, the run's whole
+    environment (its id in `$PREFECT__FLOW_RUN_ID`) and nothing `ForkServer.forks` leaves to Prefect; the forked
+    child runs `prefect.engine`'s main block, which takes the id from the environment, after
+    `prefect.context.refresh_global_settings_context`."""
+    import prefect.context
+    import prefect.engine
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.runner._starter_engine import EngineCommandStarter
+
+    from durable_capabilities.engines.prefect._prefork import ForkServer
+
+    prefect_version = importlib.metadata.version('prefect')
+    calls: list[tuple[list[str], dict[str, Any]]] = []
+
+    class Recorded(Exception):
+        pass
+
+    async def record(command: list[str], **kwargs: Any) -> None:
+        calls.append((command, kwargs))
+        raise Recorded
+
+    previous = _upstream.prefect_engine_run_process(record)
+    try:
+        flow_run = FlowRun(flow_id=uuid.uuid4(), name='contract')
+        with pytest.raises(Recorded):
+            asyncio.run(EngineCommandStarter(deployment_name='d', heartbeat_seconds=5, tmp_dir=tmp_path).start(flow_run))
+    finally:
+        assert _upstream.prefect_engine_run_process(previous) is record, f'prefect {prefect_version}: override point moved'
+    assert calls, f'prefect {prefect_version}: EngineCommandStarter.start no longer calls _starter_engine.run_process'
+    command, kwargs = calls[0]
+    assert command == [sys.executable, '-m', _upstream.PREFECT_ENGINE_MODULE], f'prefect {prefect_version}: {command}'
+    assert kwargs['env']['PREFECT__FLOW_RUN_ID'] == str(flow_run.id)
+    assert kwargs['env']['PREFECT_FLOWS_HEARTBEAT_FREQUENCY'] == '5'
+    rest = {k: v for k, v in kwargs.items() if k not in ('stream_output', 'task_status', 'task_status_handler')}
+    assert ForkServer().forks(command, kwargs['stream_output'], rest), f'prefect {prefect_version}: now also {set(rest)}'
+    main = inspect.getsource(prefect.engine).split('if __name__ == "__main__":', 1)
+    assert len(main) == 2 and 'os.environ.get("PREFECT__FLOW_RUN_ID")' in main[1], f'prefect {prefect_version}: engine main'
+    assert callable(prefect.context.refresh_global_settings_context)
 
 
 def test_runtime_rejected_kinds_are_read_from_upstreams_durability_classes() -> None:

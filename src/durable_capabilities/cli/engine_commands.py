@@ -770,6 +770,9 @@ def _schedule_command(engine: str) -> Any:
         allow_drift: Annotated[bool, typer.Option('--allow-drift', help='Serve even when durable unit names differ from the lockfile.')] = False,
         limit: Annotated[int | None, typer.Option('--limit', min=1, help='Flow runs this process runs at once; other '
                                                   'serving processes of the deployment take the rest (default: 5).')] = None,
+        spawn: Annotated[bool, typer.Option('--spawn', help='Start each flow run as a new Python process (Prefect\'s '
+                                            'way, seconds of imports each) instead of forking it from a fork server '
+                                            'preloaded with Prefect, pydantic-ai and TARGET.')] = False,
     ) -> None:
         """Serve TARGET's flow as a scheduled Prefect deployment (`prefect.serve`) until interrupted;
         refuse to start on errors or lockfile drift."""
@@ -787,7 +790,7 @@ def _schedule_command(engine: str) -> Any:
         deps = json.loads(deps_json) if deps_json else None  # what every run gets, as JSON data
         try:
             get(engine).serve_schedule(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval,
-                                       deps=deps, deployment_name=name, notify=_err.print, limit=limit)
+                                       deps=deps, deployment_name=name, notify=_err.print, limit=limit, spawn=spawn)
         except (RuntimeError, ValueError) as exc:
             _unusable(str(exc))
 

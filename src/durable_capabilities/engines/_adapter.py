@@ -424,11 +424,13 @@ class EngineAdapter(ABC):
     def serve_schedule(
         self, agent: DurableAgent[Any, Any], *, target: str, prompt: str, cron: str | None, interval_seconds: float | None,
         deps: Any, deployment_name: str | None, notify: Callable[[str], None], limit: int | None = None,
+        spawn: bool = False,
     ) -> None:
         """Serve scheduled runs of `agent` (loaded in each run's process from `target`) until interrupted.
 
         `deps` is JSON data; exactly one of `cron` and `interval_seconds` is set; `limit`: runs this process runs at
-        once (`None`: the engine's default).
+        once (`None`: the engine's default); `spawn`: each run in a new Python process, not one forked from a
+        preloaded fork server (engines that start a process per run).
         """
         raise NotImplementedError(f'engine {self.name!r} has no schedules')
 

@@ -96,6 +96,7 @@ class PrefectAdapter(EngineAdapter, spec=SPEC):
     def serve_schedule(
         self, agent: DurableAgent[Any, Any], *, target: str, prompt: str, cron: str | None, interval_seconds: float | None,
         deps: Any, deployment_name: str | None, notify: Callable[[str], None], limit: int | None = None,
+        spawn: bool = False,
     ) -> None:
         """`durcap schedule prefect` (`_worker.serve_schedule`).
 
@@ -104,7 +105,7 @@ class PrefectAdapter(EngineAdapter, spec=SPEC):
             ValueError: `cron` is not a cron expression Prefect accepts (code DC040).
         """
         serve_schedule(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval_seconds, deps=deps,
-                       deployment_name=deployment_name, notify=notify, limit=limit)
+                       deployment_name=deployment_name, notify=notify, limit=limit, spawn=spawn)
 
 
 ADAPTER = PrefectAdapter()

@@ -19,7 +19,7 @@ from ...targets import load_checked
 from ._flow import agent_flow
 from ._spec import ENGINE, FLOW_ATTR_PREFIX, TARGET_ENV, flow_attr
 
-__all__ = ['TARGET_ENV', 'entrypoint', 'flow_attr']
+__all__ = ['TARGET_ENV', 'entrypoint', 'flow_attr', 'preload']
 
 
 def entrypoint(agent_name: str) -> str:
@@ -36,12 +36,34 @@ def __getattr__(name: str) -> Any:
     """
     if not name.startswith(FLOW_ATTR_PREFIX):
         raise AttributeError(name)
-    target = os.environ.get(TARGET_ENV)
-    if not target:
-        raise AttributeError(f'{name}: ${TARGET_ENV} is not set')
-    agents = load_checked(target, lock=os.environ.get('DURCAP_LOCK') or None,
-                          allow_drift=os.environ.get('DURCAP_ALLOW_DRIFT') == '1', engines=(ENGINE,)).agents
+    target, agents = _agents(name)
     for agent in agents:
         if flow_attr(agent.name) == name:
             return agent_flow(agent)
     raise AttributeError(f'{name}: no agent of this name in {target}')
+
+
+def _agents(name: str) -> tuple[str, list[Any]]:
+    """`($DURCAP_TARGET, its agents)`, checked (see `__getattr__`); `name` is what the error names."""
+    target = os.environ.get(TARGET_ENV)
+    if not target:
+        raise AttributeError(f'{name}: ${TARGET_ENV} is not set')
+    return target, load_checked(target, lock=os.environ.get('DURCAP_LOCK') or None,
+                                allow_drift=os.environ.get('DURCAP_ALLOW_DRIFT') == '1', engines=(ENGINE,)).agents
+
+
+def preload() -> list[str]:
+    """Build the flow of every agent of `$DURCAP_TARGET` now and keep each as this module's attribute, so a later
+    `getattr` (Prefect loading a deployment's entrypoint) finds it without loading TARGET again: the fork server of
+    `durcap schedule prefect` runs this once (`_preload`), and every flow-run process it forks inherits the flows.
+    Returns the attribute names.
+
+    Raises:
+        AttributeError: `$DURCAP_TARGET` unset. UnusableTarget / DurableConfigError: as `targets.load_checked`.
+    """
+    names = []
+    for agent in _agents('preload')[1]:
+        name = flow_attr(agent.name)
+        globals()[name] = agent_flow(agent)
+        names.append(name)
+    return names

@@ -15,8 +15,13 @@ reports anything and the run stays RUNNING for good; Prefect's own flow-run hear
   `DEAD_CLAIM_PREFIX` + the running state's id (the server refuses a second with 409) marks it CRASHED; the crash is
   then rescheduled once, like any other (`_worker.resume_crashed`), and runs again from its cached tasks.
 
-A flow run that never beat (started by an earlier version, or outside a deployment: `durcap run` waits for its own
-run in its own process) is never declared dead. A process that stalls longer than the stale time (a debugger, a
+A RUNNING flow run of the deployment with no beat label at all is watched the same way (its "beat" is the missing
+label): every flow run a serving process starts beats within a second or two of RUNNING (a forked one from before its
+process starts, `first_beat`, and from its process's start; a spawned one from its flow's start), but a label written
+while the server moves the run to RUNNING can be lost on a busy server, and a serving process killed just then left
+the run unlabelled and RUNNING for good (bench_scaleout.py --kill: one run in 20, in each of six tries). What this
+gives up: a flow run started by durcap before the beats (December 2026) and still RUNNING is declared dead after the
+stale time. Flow runs outside a deployment (`durcap run` waits for its own run in its own process) are not watched. A process that stalls longer than the stale time (a debugger, a
 swapped-out machine) is declared dead while alive: raise `$DURCAP_PREFECT_STALE_SECONDS` where that can happen.
 """
 
@@ -41,7 +46,7 @@ from prefect.client.schemas.filters import (
     FlowRunFilterStateType,
 )
 from prefect.client.schemas.objects import StateType
-from prefect.exceptions import PrefectHTTPStatusError
+from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 from prefect.input import acreate_flow_run_input
 from prefect.states import Crashed
 
@@ -91,28 +96,83 @@ def stale_seconds() -> float:
 @contextmanager
 def beating(flow_run_id: str) -> Iterator[None]:
     """While the block runs, flow run `flow_run_id` beats (`BEAT_LABEL` set anew every `beat_seconds()` from a daemon
-    thread with its own event loop). A beat that fails (the API briefly unreachable) is logged and the next one tried:
-    a missed beat or two never declares the run dead."""
+    thread with its own event loop). A beat that fails (the API briefly unreachable) is logged and the next one tried
+    0.5 s later: a missed beat or two never declares the run dead. Re-entrant: in a process that beats `flow_run_id`
+    already (a flow-run process forked by `_prefork` beats from its start, before its flow runs), the block adds no
+    thread but has the next beat go out now: the flow has just gone RUNNING, and a label written while Prefect's
+    server moved the run to RUNNING can be lost (seen under load: the run left RUNNING with no beat label)."""
+    if flow_run_id in _BEATING:
+        _BEATING[flow_run_id].set()
+        yield
+        return
     every = beat_seconds()
     stop = threading.Event()
+    wake = threading.Event()  # set to beat now (a nested block), or with `stop`
 
     async def loop() -> None:
         count = 0
         async with get_client() as client:
             while not stop.is_set():
                 count += 1
+                wait = every
                 try:
                     await client.update_flow_run_labels(uuid.UUID(flow_run_id), {BEAT_LABEL: f'{os.getpid()}:{count}'})
-                except Exception:  # next beat; the run goes on either way
+                except Exception as exc:  # next beat, sooner; the run goes on either way
                     logger.debug('flow run %s: beat %d failed', flow_run_id, count, exc_info=True)
-                await asyncio.to_thread(stop.wait, every)
+                    if count == 1:
+                        logger.warning('flow run %s: its first beat failed (%s: %s); trying again', flow_run_id,
+                                       type(exc).__name__, str(exc)[:200])
+                    wait = min(every, 0.5)
+                await asyncio.to_thread(wake.wait, wait)
+                wake.clear()
 
     thread = threading.Thread(target=lambda: asyncio.run(loop()), name=f'durcap-beat-{flow_run_id}', daemon=True)
+    _BEATING[flow_run_id] = wake
     thread.start()
     try:
         yield
     finally:
         stop.set()
+        wake.set()
+        _BEATING.pop(flow_run_id, None)
+
+
+_BEATING: dict[str, threading.Event] = {}
+"""The flow runs this process beats now (`beating`), each with the event that makes its next beat go out now."""
+
+
+async def first_beat(flow_run_id: str) -> None:
+    """Set flow run `flow_run_id`'s beat label (`<this pid>:0`) before its process exists (`_prefork`: the serving
+    process, awaited before it forks the run's process).
+
+    Why: the sooner a run carries a beat, the sooner a watcher can tell it beats (the server merges labels by
+    read-modify-write, and a label written while the run changes state can be lost: see the module docstring). A refused or failed request (a busy server on SQLite answers 503 for a
+    moment) is tried again, 0.2 s doubling to 2 s apart, for `FIRST_BEAT_SECONDS`; then a warning is logged (the run
+    goes on either way)."""
+    try:
+        run_id = uuid.UUID(flow_run_id)
+    except ValueError:
+        return  # Prefect's engine refuses the run itself
+    deadline = time.monotonic() + FIRST_BEAT_SECONDS
+    pause = 0.2
+    async with get_client() as client:
+        while True:
+            try:
+                await client.update_flow_run_labels(run_id, {BEAT_LABEL: f'{os.getpid()}:0'})
+                return
+            except Exception as exc:  # noqa: BLE001 - the run's own beats follow; a hiccup must not keep it from starting
+                status = getattr(getattr(exc, 'response', None), 'status_code', None)
+                permanent = isinstance(exc, ObjectNotFound) or (status is not None and status < 500 and status != 429)
+                if permanent or time.monotonic() + pause > deadline:
+                    logger.warning('flow run %s: its first beat did not land (%s: %s)', flow_run_id,
+                                   type(exc).__name__, str(exc)[:200])
+                    return
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 2.0)
+
+
+FIRST_BEAT_SECONDS = 15.0
+"""How long `first_beat` tries to land its label."""
 
 
 class DeadRunWatch:
@@ -147,9 +207,9 @@ class DeadRunWatch:
                     any_=[StateType.RUNNING]))))
             current: dict[tuple[str, str], tuple[str, float]] = {}
             for run in runs:
-                beat = (run.labels or {}).get(BEAT_LABEL)
-                if beat is None or run.state is None:
-                    continue  # never beat: an earlier version's run, never declared dead
+                if run.state is None:
+                    continue
+                beat = (run.labels or {}).get(BEAT_LABEL, '')  # '': no beat yet (watched as well, module docstring)
                 key = (str(run.id), str(run.state.id))
                 last = self.seen.get(key)
                 since = last[1] if last is not None and last[0] == str(beat) else now

@@ -40,6 +40,7 @@ from ._approvals import watch_deadlines
 from ._entry import entrypoint
 from ._flow import agent_flow
 from ._liveness import DeadRunWatch, stale_seconds
+from ._prefork import start_fork_server
 from ._spec import TARGET_ENV, flow_name
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ def serve(
     deployment_name: str | None = None,
     limit: int | None = None,
     notify: Callable[[str], None] | None = None,
+    spawn: bool = False,
 ) -> None:
     """Serve the agent's flow as a scheduled deployment (Prefect `serve`); blocks until interrupted.
 
@@ -71,14 +73,20 @@ def serve(
         prompt: The prompt of every run. cron / interval_seconds: the schedule (exactly one).
         deps: JSON deps of every run. deployment_name: default `<agent>-scheduled`.
         limit: Flow runs this process runs at once (default `DEFAULT_SERVE_LIMIT`).
-        notify: Where the crashed-run watcher reports a reschedule (default: the log).
+        notify: Where the crashed-run watcher reports a reschedule, and the fork server its start (default: the
+            log).
+        spawn: Start each flow run as Prefect does, a new Python process (`python -m prefect.engine`), instead of
+            forking it from this process's preloaded fork server (`_prefork`, the default).
 
     Raises:
         ValueError: neither or both of `cron` and `interval_seconds` given.
     """
     if (cron is None) == (interval_seconds is None):
         raise ValueError('give exactly one of cron or interval_seconds')
-    os.environ[TARGET_ENV] = target  # inherited by the processes that run each flow run
+    os.environ[TARGET_ENV] = target  # inherited by the processes that run each flow run (and the fork server)
+    notify = notify or logging.getLogger(__name__).warning
+    if not spawn:
+        start_fork_server(notify, target)  # preloads while nothing else runs; flow runs fork from it
     deployment = agent_flow(agent).to_deployment(
         name=deployment_name or f'{agent.name}-scheduled',
         cron=cron,
@@ -87,7 +95,7 @@ def serve(
     )
     deployment.entrypoint = entrypoint(agent.name)
     watch_deadlines(agent)  # resumes suspended runs whose approval deadline passed (see PrefectApprovalGate)
-    watch_crashed(deployment.name, flow_name(agent), notify or logging.getLogger(__name__).warning)
+    watch_crashed(deployment.name, flow_name(agent), notify)
     prefect_serve(deployment, print_starting_message=False, pause_on_shutdown=False,
                   limit=limit or DEFAULT_SERVE_LIMIT)
 
@@ -168,8 +176,9 @@ def watch_crashed(deployment_name: str, flow: str, notify: Callable[[str], None]
 def serve_schedule(
     agent: DurableAgent[Any, Any], *, target: str, prompt: str, cron: str | None, interval_seconds: float | None,
     deps: Any, deployment_name: str | None, notify: Callable[[str], None], limit: int | None = None,
+    spawn: bool = False,
 ) -> None:
-    """A scheduled deployment of the agent's flow, served by `prefect.serve` (see `serve`).
+    """A scheduled deployment of the agent's flow, served by `prefect.serve` (see `serve`, `spawn` too).
 
     Raises:
         RuntimeError: no Prefect API is configured (`PREFECT_API_URL` in the environment or the Prefect
@@ -192,4 +201,4 @@ def serve_schedule(
     notify(f'serving deployment {deployment_name or agent.name + "-scheduled"!r} of flow {flow_name(agent)} '
            f'({"cron " + cron if cron else f"every {interval_seconds:g} s"}); Ctrl-C or SIGTERM to stop')
     serve(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval_seconds, deps=deps,
-          deployment_name=deployment_name, limit=limit, notify=notify)
+          deployment_name=deployment_name, limit=limit, notify=notify, spawn=spawn)

@@ -1,0 +1,215 @@
+"""`durcap schedule prefect`: each flow run's process forked from a preloaded fork server, not a new Python process
+(issue 29).
+
+Prefect's runner starts every flow run of a served deployment as a new process, `python -m prefect.engine` with the
+run's id and control channel in its environment (`EngineCommandStarter`: `prefect.serve` adds the deployment, not
+the flow object, so the in-memory `DirectSubprocessStarter` is not used, and our flow would not pickle anyway). That
+interpreter imports Prefect (~2 CPU-s on this machine), pydantic-ai and durcap (~1.3 CPU-s more) and the target
+before the flow starts: most of a flow run's cost, and on a loaded machine tens of seconds from PENDING to RUNNING.
+
+Here the serving process starts multiprocessing's `forkserver` once, preloaded (`_preload`) with Prefect's flow
+engine, pydantic-ai, durable_capabilities, TARGET's module and its agents' flows; nothing there starts a thread or
+an event loop (`tests/engines/test_prefect_prefork.py`), so forking it is safe. `ForkServer.run_process`, installed at
+Prefect's override point for that command (`_upstream.prefect_engine_run_process`), asks the fork server for a
+child per flow run. The child takes the environment and folder Prefect's starter built for the run, refreshes
+Prefect's settings from that environment (`prefect.context.refresh_global_settings_context`), and runs Prefect's own
+`prefect.engine` main (`runpy`, the module as `python -m` runs it). So the flow run keeps what Prefect gives the
+process it would start: its id and environment, the runner's control channel (cancellation), its heartbeats, the
+exit code the runner reads (a signal as a negative code, as `subprocess` reports it; a crash is proposed CRASHED),
+kill by pid, and the liveness beats `_worker.watch_crashed` watches (from the process's start here, see
+`flow_run_main`). Every other command Prefect starts goes to Prefect's own function unchanged.
+
+What differs: a flow-run process is a child of the fork server (itself a child of the serving process) rather than of
+the serving process, and it runs TARGET's code as the serving process loaded it at start (as a Temporal or DBOS
+worker does): restart the serving process to run new code. If the fork server dies, multiprocessing starts a new one
+at the next flow run. `durcap schedule prefect --spawn` keeps Prefect's new process per flow run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import runpy
+import signal
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from ... import _upstream
+from ._liveness import beating, first_beat
+
+PRELOAD_MODULES = ('__main__', 'durable_capabilities.engines.prefect._preload')
+"""What the fork server imports before it forks: the serving process's main script (so a child does not import it
+again, as multiprocessing does for each child otherwise) and `_preload` (Prefect, pydantic-ai, durcap, TARGET)."""
+
+_ENGINE_COMMAND_TAIL = ['-m', _upstream.PREFECT_ENGINE_MODULE]
+
+
+class ForkedProcess:
+    """A flow-run process forked by the fork server, as Prefect's `ProcessHandle` reads a process: `pid`, and
+    `returncode` (`None` while it runs; the exit code, negative for a signal, once `wait` has returned)."""
+
+    def __init__(self, process: Any) -> None:
+        self._process = process
+        self.pid: int = process.pid
+        self.returncode: int | None = None
+
+    async def wait(self) -> int:
+        """Wait (in the event loop, no thread) until the process has exited; returns its exit code.
+
+        The fork server writes the exit code to the process's sentinel pipe: reading it on this one thread keeps
+        multiprocessing's own bookkeeping (which reads the same pipe) from racing with it.
+        """
+        while self.returncode is None:
+            await anyio.wait_readable(self._process.sentinel)
+            self._process.join(0)
+            code = self._process.exitcode
+            if code is not None:
+                self.returncode = code
+                self._process.close()  # the sentinel's file descriptors
+        return self.returncode
+
+
+class ForkServer:
+    """multiprocessing's fork server of this process, preloaded (`PRELOAD_MODULES`), starting Prefect's flow-run
+    processes once `start` has returned."""
+
+    def __init__(self) -> None:
+        self.context = multiprocessing.get_context('forkserver')
+        self._prefect_run_process: Callable[..., Any] | None = None
+
+    def start(self) -> float:
+        """Start the fork server and wait until it has preloaded (a first child forked and exited); returns the
+        seconds that took.
+
+        Raises:
+            RuntimeError: the fork server's first child did not exit 0.
+            OSError: the fork server could not be started.
+        """
+        began = time.monotonic()
+        self.context.set_forkserver_preload(list(PRELOAD_MODULES))
+        probe = self.context.Process(target=_probe, name='durcap-fork-server-probe')
+        probe.start()
+        probe.join()
+        if probe.exitcode != 0:
+            raise RuntimeError(f'the fork server\'s first child exited with {probe.exitcode}')
+        probe.close()
+        return time.monotonic() - began
+
+    def install(self) -> None:
+        """Make Prefect's runner in this process start its flow-run processes through `run_process`.
+
+        Raises:
+            RuntimeError: Prefect moved its override point (`_upstream.prefect_engine_run_process`).
+        """
+        self._prefect_run_process = _upstream.prefect_engine_run_process(self.run_process)
+
+    def forks(self, command: list[str], stream_output: Any, kwargs: dict[str, Any]) -> bool:
+        """Whether `run_process` forks this call: Prefect's flow-run command (`python -m prefect.engine` with this
+        interpreter), an environment given, and nothing asked of the process but its folder and whether its output
+        shows (a process group of its own, output sinks: Prefect's own function starts those)."""
+        return (list(command[1:]) == _ENGINE_COMMAND_TAIL and command[0] == sys.executable
+                and isinstance(stream_output, bool) and 'env' in kwargs and set(kwargs) <= {'env', 'cwd'})
+
+    async def run_process(self, command: list[str], *, stream_output: Any = False, task_status: Any = None,
+                          task_status_handler: Callable[[Any], Any] | None = None, **kwargs: Any) -> Any:
+        """Prefect's `run_process` for a flow run's process (see `forks`; anything else goes to Prefect's own):
+        fork a child of the fork server that runs `flow_run_main`, report it to `task_status` (through
+        `task_status_handler`, as Prefect's does: the runner gets a `ProcessHandle` of it), and wait until it
+        exits. Cancelled (the runner stopping), the child gets SIGTERM, as Prefect's own function sends it, and is
+        waited for. Returns the `ForkedProcess`."""
+        if not self.forks(command, stream_output, kwargs):
+            prefect_run_process = self._prefect_run_process or _upstream.prefect_engine_run_process()
+            return await prefect_run_process(command, stream_output=stream_output, task_status=task_status,
+                                             task_status_handler=task_status_handler, **kwargs)
+        env = {key: value for key, value in kwargs['env'].items() if value is not None}
+        cwd = kwargs.get('cwd')
+        # Watched as soon as it is RUNNING (`_liveness.first_beat`): the label request goes out at the first await
+        # below, while the child starts (it needs ~0.5 s or more to reach RUNNING), and is not awaited before the
+        # runner gets the process: the runner starts its runs one after the other, each once the previous one's
+        # process is handed over.
+        flow_run_id = env.get('PREFECT__FLOW_RUN_ID')
+        labelled = asyncio.ensure_future(first_beat(flow_run_id)) if flow_run_id else None
+        process = self.context.Process(target=flow_run_main, args=(env, None if cwd is None else str(cwd), stream_output),
+                                       name='durcap-flow-run')
+        try:
+            process.start()
+        except BaseException:
+            if labelled is not None:
+                labelled.cancel()
+            raise
+        forked = ForkedProcess(process)
+        try:
+            if task_status is not None:
+                task_status.started(task_status_handler(forked) if task_status_handler else forked.pid)
+            if labelled is not None:
+                await labelled
+            await forked.wait()
+        finally:
+            if forked.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(forked.pid, signal.SIGTERM)
+                with anyio.CancelScope(shield=True):
+                    await forked.wait()
+        return forked
+
+
+def _probe() -> None:
+    """The fork server's first child: exits 0 at once (its start says the preload is done)."""
+
+
+def flow_run_main(env: dict[str, str], cwd: str | None, stream_output: bool) -> None:
+    """A forked flow-run process: Prefect's `python -m prefect.engine`, in this already-loaded interpreter.
+
+    Args:
+        env: The process's whole environment, as Prefect's starter built it (the flow run's id, control channel,
+            heartbeat frequency, the serving process's own variables).
+        cwd: The folder to run in (`None`: the fork server's, which is the serving process's).
+        stream_output: False: stdout and stderr go to /dev/null (Prefect's `stream_output=False`); True: they are the
+            serving process's own, where Prefect would copy them.
+
+    Raises:
+        SystemExit: Prefect's engine exits with the flow run's exit code (multiprocessing makes it the process's).
+    """
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    if not stream_output:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+    from prefect.context import refresh_global_settings_context
+
+    refresh_global_settings_context()  # Prefect's settings from this run's environment, not the fork server's
+    sys.argv = ['']  # prefect.engine reads a flow run id from argv[1] before $PREFECT__FLOW_RUN_ID; runpy sets argv[0]
+    # runpy warns that the module is loaded already (the fork server preloaded it); its main block is what runs.
+    warnings.filterwarnings('ignore', message=r"'prefect\.engine' found in sys\.modules", category=RuntimeWarning)
+    flow_run_id = env.get('PREFECT__FLOW_RUN_ID')
+    # The run beats from its process's start, not only once its flow runs (`_liveness.beating`, re-entrant): a
+    # serving process killed between the run's RUNNING and its flow's first beat would otherwise leave it RUNNING
+    # with no beat, which `DeadRunWatch` never declares dead (as it must not, for an earlier version's run).
+    with beating(flow_run_id) if flow_run_id else contextlib.nullcontext():
+        runpy.run_module(_upstream.PREFECT_ENGINE_MODULE, run_name='__main__', alter_sys=True)
+
+
+def start_fork_server(notify: Callable[[str], None], target: str) -> ForkServer | None:
+    """Start the fork server (`ForkServer.start`) and say so through `notify`; `None` (Prefect's new process per flow
+    run, said through `notify`) when it cannot start."""
+    server = ForkServer()
+    try:
+        seconds = server.start()
+        server.install()
+    except (OSError, RuntimeError) as exc:
+        notify(f'warning: no fork server ({exc}): each flow run starts a new Python process')
+        return None
+    notify(f'flow runs start from a fork server preloaded with Prefect, pydantic-ai and {target} (ready in '
+           f'{seconds:.1f} s); --spawn starts a new Python process per flow run')
+    return server

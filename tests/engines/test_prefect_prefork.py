@@ -1,0 +1,111 @@
+"""The fork server of `durcap schedule prefect` (engines/prefect/_prefork.py): what it preloads starts no thread and
+no event loop, and a process it forks for Prefect's flow-run command takes the run's environment and folder, exits
+with Prefect's engine's exit code, and is killed by its pid. No Prefect server (the flow runs are refused before any
+request), no model: tests/engines/test_cli_engines.py runs real flow runs through it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from tests._helpers import ROOT, subprocess_env
+
+_PROBE = """
+import asyncio, gc, json, sys, threading
+import durable_capabilities.engines.prefect._preload as preload
+print(json.dumps({'threads': [t.name for t in threading.enumerate()], 'flows': preload.PRELOADED,
+                  'loops': [repr(o) for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop)],
+                  'loaded': sorted(m for m in ('prefect.flow_engine', 'pydantic_ai', 'examples.support.agent') if m in sys.modules)}))
+"""
+
+
+def test_the_preload_starts_no_thread_and_no_event_loop(tmp_path: Path) -> None:
+    """What the fork server imports (`_preload`), in a fresh interpreter (not the suite's own fork server): Prefect's
+    flow engine, pydantic-ai and the target's flows are loaded, and the main thread is the only thread, with no event
+    loop made: forking it is safe."""
+    env = {**subprocess_env(), 'DURCAP_TEST_ZYGOTE': '0', 'DURCAP_TARGET': 'examples.support.agent:support',
+           'PREFECT_HOME': str(tmp_path / 'prefect-home')}
+    out = subprocess.run([sys.executable, '-c', _PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.splitlines()[-1])
+    assert seen['threads'] == ['MainThread'] and seen['loops'] == [], seen
+    assert seen['flows'] == ['flow__support'], seen
+    assert seen['loaded'] == ['examples.support.agent', 'prefect.flow_engine', 'pydantic_ai'], seen
+
+
+def test_a_forked_flow_run_process_takes_its_env_and_folder_exits_with_the_engines_code_and_dies_by_pid(
+        prefect_api_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real fork server (preloaded with the support example) and Prefect's flow-run command, through
+    `ForkServer.run_process` (not installed in this process). (1) A flow run id that is no UUID: Prefect's engine
+    exits 1; the process ran in the folder given with the environment given (Prefect's settings, refreshed from it,
+    made its relative `PREFECT_HOME` there). (2) A flow run on a server that does not answer: the process is a child
+    of the fork server, not of this process; SIGKILL by its pid ends it with -9, as `subprocess` reports it."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from durable_capabilities.engines.prefect._prefork import ForkServer
+
+    monkeypatch.setenv('DURCAP_TARGET', 'examples.support.agent:support')
+    server = ForkServer()
+    server.start()
+    command = [sys.executable, '-m', 'prefect.engine']
+    base = {k: v for k, v in os.environ.items() if not k.startswith('PREFECT_')}
+    folder = tmp_path / 'run'
+    folder.mkdir()
+
+    async def refused() -> Any:
+        return await server.run_process(command, stream_output=False, cwd=folder,
+                                        env={**base, 'PREFECT__FLOW_RUN_ID': 'not-a-uuid', 'PREFECT_HOME': 'home-x'})
+
+    with temporary_settings(updates={PREFECT_API_URL: prefect_api_url}):  # where the serving side's first beat goes
+        first = asyncio.run(refused())
+    assert first.returncode == 1
+    assert (folder / 'home-x').is_dir(), 'the forked process did not take its folder and environment'
+
+    async def killed() -> tuple[Any, int]:
+        async with anyio.create_task_group() as group:
+            env = {**base, 'PREFECT__FLOW_RUN_ID': str(uuid.uuid4()), 'PREFECT_API_URL': 'http://127.0.0.1:9/api',
+                   'PREFECT_HOME': str(tmp_path / 'home-y')}
+            forked = await group.start(lambda task_status: server.run_process(
+                command, stream_output=False, env=env, task_status=task_status, task_status_handler=lambda p: p))
+            parent = int(Path(f'/proc/{forked.pid}/stat').read_text().rsplit(')', 1)[1].split()[1])
+            os.kill(forked.pid, signal.SIGKILL)
+        return forked, parent
+
+    with temporary_settings(updates={PREFECT_API_URL: prefect_api_url}):
+        second, parent = asyncio.run(killed())
+    assert parent != os.getpid()
+    assert second.returncode == -signal.SIGKILL
+    assert subprocess.run(['ps', '-o', 'args=', '-p', str(parent)], capture_output=True, text=True,
+                          check=False).stdout.count('multiprocessing.forkserver') == 1
+
+
+def test_beating_is_reentrant_so_a_forked_flow_run_beats_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forked flow-run process beats from its start (`_prefork.flow_run_main`), and its flow's own `beating` block
+    adds no second beat thread. No server: the beats fail quietly (logged at debug), which is what is tested around."""
+    import threading
+
+    from durable_capabilities.engines.prefect import _liveness
+
+    monkeypatch.setenv('PREFECT_API_URL', 'http://127.0.0.1:9/api')
+    run_id = str(uuid.uuid4())
+
+    def beats() -> int:
+        return len([t for t in threading.enumerate() if t.name == f'durcap-beat-{run_id}' and t.is_alive()])
+
+    with _liveness.beating(run_id):
+        assert beats() == 1
+        with _liveness.beating(run_id):
+            assert beats() == 1
+        assert run_id in _liveness._BEATING  # the inner block leaves the outer beat running
+    assert run_id not in _liveness._BEATING
