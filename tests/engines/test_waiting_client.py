@@ -167,3 +167,31 @@ def test_dbos_queue_on_a_postgresql_database_that_does_not_exist_yet(tmp_path: P
             if proc is not None:
                 kill9(proc)
         drop_database(name)
+
+
+def test_dbos_queue_stream_from_another_store_is_said_not_waited_for(tmp_path: Path) -> None:
+    """`durcap run --engine dbos --queue Q --stream` whose worker writes the run's events to its own `--store` (not
+    the client's): the client says, on stderr, that the run published no event to its store and which `--store` to
+    pass, and prints the answer; before, it printed no text and waited its 10 s stream drain in silence. Real `durcap
+    worker dbos` and `durcap run` subprocesses on a DBOS SQLite system database; model: the support example's
+    scripted `FunctionModel`."""
+    env = subprocess_env(unset=['DURCAP_DBOS_DB', 'DURCAP_STORE'])
+    db, queue = f'sqlite:///{tmp_path / "dbos.sqlite"}', f'stream-{uuid.uuid4().hex[:6]}'
+    target = 'examples/support/agent.py:support'
+    worker = start(['worker', 'dbos', target, '--db', db, '--task-queue', queue,
+                    '--store', f'sqlite:///{tmp_path / "worker.db"}'], tmp_path / 'worker.log', env)
+    client = None
+    try:
+        wait_text(tmp_path / 'worker.log', 'dbos worker ready', worker, 120)
+        client = start(['run', target, 'Where is order ABC-123?', '--deps-json',
+                        '{"orders": {"ABC-123": "Blue jacket: shipped"}}', '--engine', 'dbos', '--db', db, '--queue',
+                        queue, '--stream', '--store', f'sqlite:///{tmp_path / "client.db"}'], tmp_path / 'run.log', env)
+        assert client.wait(timeout=120) == 0, (tmp_path / 'run.log').read_text()
+    finally:
+        for proc in (client, worker):
+            if proc is not None:
+                kill9(proc)
+    text = (tmp_path / 'run.log').read_text()
+    assert 'answer (dbos): Order ABC-123: Blue jacket: shipped' in text, text
+    [note] = [line for line in text.splitlines() if line.startswith('durcap: --stream:')]
+    assert 'published no event to sqlite:///' in note and "the worker's --store" in note, note

@@ -169,17 +169,27 @@ async def _run_on(
 STREAM_DRAIN_SECONDS = 10.0
 """How long `durcap run` waits, after the run returned, for its stream's last events."""
 
+STREAM_ABSENT_SECONDS = 1.0
+"""How long `durcap run` waits, after the run returned, for the first event of a stream it has seen nothing of: a
+run's events are committed before its result is (a durable unit's writes wait at its end), so a stream still empty
+then is in another store (a worker's own `--store`), not late."""
+
 
 async def _streamed(run: Any, run_id: str | None, ids: list[str], store: str) -> RunReport:
     """Await `run` while printing the text of its stream (`run_id`, or the first id the engine reports in `ids`) to
-    stdout as it arrives; the stream's end is awaited up to `STREAM_DRAIN_SECONDS` after the run returned."""
+    stdout as it arrives; the stream's end is awaited up to `STREAM_DRAIN_SECONDS` after the run returned. A stream
+    of which nothing was seen by then is waited for `STREAM_ABSENT_SECONDS` only, and said on stderr (its events are
+    in the store of the worker that ran it, not in `store`)."""
     from .. import streams
+
+    seen: list[bool] = []
 
     async def show() -> None:
         while run_id is None and not ids:
             await asyncio.sleep(0.02)
         printed = False
         async for event in streams.watch(run_id or ids[0], store=store, wait_for_start=3600):
+            seen[:] = [True]
             if event.kind == 'text_delta':
                 sys.stdout.write(printable(event.text, keep_newlines=True))
                 sys.stdout.flush()
@@ -195,7 +205,12 @@ async def _streamed(run: Any, run_id: str | None, ids: list[str], store: str) ->
     try:
         report = await run
         with contextlib.suppress(asyncio.TimeoutError, Exception):
-            await asyncio.wait_for(asyncio.shield(shown), STREAM_DRAIN_SECONDS)
+            await asyncio.wait_for(asyncio.shield(shown), STREAM_DRAIN_SECONDS if seen else STREAM_ABSENT_SECONDS)
+        if not seen:
+            _err.print(Text(printable(
+                f'durcap: --stream: run {report.run_id or run_id or ids[0]!r} published no event to '
+                f'{redact_database_url(store)}: the worker that ran it writes its events to its own store; pass '
+                "durcap run the worker's --store (or $DURCAP_STORE) to see the answer as it streams")))
         return report
     finally:
         shown.cancel()
