@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from ._limits import InputError
-from .engines import EngineSpec, RunInfo, get, run_of, specs
+from ._limits import InputError, one_line
+from .engines import EngineSpec, RunInfo, RunNotFoundError, get, run_of, specs
 from .errors import DurcapError
 from .reading import durable_adapters, problem_line
 from .settings import Settings
@@ -163,6 +163,24 @@ def check_engines_configured(purge: PurgeReport, settings: Settings, skip: Colle
                            f'set {where} to the {engine} server that holds them')
 
 
+async def _none_found(engine: str, run_ids: list[str], settings: Settings) -> str | None:
+    """The first run's not-found line when `engine` knows none of `run_ids` (each asked with `show_run` until one is
+    found), else `None`: the engine was asked somewhere else than where the runs are (a DBOS `--db` from another
+    folder, a typo), so deleting their records there would delete nothing after the store's rows were gone. Another
+    error than not-found is `None` here (the deletion reports it per run)."""
+    adapter, first = get(engine), None
+    for run_id in run_ids:
+        try:
+            await adapter.show_run(run_id, settings.engine())
+        except RunNotFoundError as exc:
+            first = first or one_line(str(exc))
+            continue
+        except Exception:  # noqa: BLE001 - not a not-found answer: left to the deletion, which reports it
+            return None
+        return None
+    return first
+
+
 async def delete_conversation(store_url: str, conversation_id: str, *, settings: Settings | None = None,
                               engines: bool = False, dry_run: bool = False, skip: Collection[str] = ()) -> Deletion:
     """Delete a conversation from the store (`SQLConversationStore.purge`) and, with `engines`, each engine's
@@ -185,7 +203,8 @@ async def delete_conversation(store_url: str, conversation_id: str, *, settings:
         ConversationNotFoundError, ConversationHasForksError, StoreError: as `SQLConversationStore.purge`.
         ConversationInFlightError: with `engines`, an engine reports a run of the conversation running or queued.
         InputError: DC040, with `engines`: an engine that holds runs of the conversation is not configured
-            (`check_engines_configured`) or could not be asked; nothing was deleted.
+            (`check_engines_configured`), could not be asked, or knows none of its runs there (`_none_found`: the
+            wrong `--db` or `--address`); nothing was deleted.
     """
     settings = settings or Settings.resolve()
     notes: list[str] = []
@@ -197,6 +216,11 @@ async def delete_conversation(store_url: str, conversation_id: str, *, settings:
             if engine in problems:  # its records could not be deleted either: refuse before the store's part
                 raise _refusal(conversation_id, engine, run_ids, f'it could not be asked ({problems[engine]})',
                                f'check {get(engine).spec.where or "where it is"}')
+        for engine, run_ids in _held(engine_records(planned), skip).items():
+            if (absent := await _none_found(engine, run_ids, settings)) is not None:  # the wrong --db / --address
+                raise _refusal(conversation_id, engine, run_ids, f'none of them is where it was asked ({absent})',
+                               f'pass the {get(engine).spec.where or "server"} the runs used (their records gone '
+                               'already, deleted or past retention: --skip-engine)')
         notes += [f'not checked for runs in flight: {p}' for p in problems.values()]
         if in_flight:
             raise ConversationInFlightError(conversation_id, in_flight)

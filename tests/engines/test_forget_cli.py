@@ -56,6 +56,15 @@ def test_the_commands(tmp_path: Path) -> None:
                                                            'dbos runs (counted-'), said
     assert 'and it could not be asked (dbos: cannot read runs' in said and 'nothing was deleted' in said, said
     assert 'Fix: check --db, or pass --skip-engine dbos' in said, said
+    # A DBOS --db where the run is not (another folder's default, a typo): refused before anything is deleted. It
+    # deleted the store's rows, then said `NOT deleted (RunNotFoundError ...)` with exit 1, the workflow's inputs kept.
+    elsewhere = tmp_path / 'elsewhere' / 'dbos.sqlite'
+    wrong = durcap('history', 'delete', 'gone', '--yes', '--engines', '--db', f'sqlite:///{elsewhere}', cwd=tmp_path)
+    said = wrong.stderr.replace('\n', ' ')
+    assert wrong.returncode == 2 and wrong.stdout == '', wrong.stdout + wrong.stderr
+    assert "DC040 --engines: conversation 'gone' has dbos runs (counted-" in said, said
+    assert 'none of them is where it was asked' in said and 'Fix: pass the --db the runs used' in said, said
+    assert not elsewhere.exists()
     with socket.socket() as s:  # a Temporal address nothing listens on: that engine is reported as not checked
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]

@@ -377,6 +377,11 @@ def test_a_run_handed_to_a_queue_of_a_dbos_database_no_worker_ever_used_is_refus
     assert len(error) == 1 and 'DC040 --db: no DBOS worker has ever run on' in error[0], result.stderr
     assert '`durcap worker dbos TARGET --db URL --task-queue q1`' in error[0]
     assert 'Traceback' not in result.stderr and 'workflow_status' not in result.stderr
+    assert db.exists() == (prepare == 'not-dbos')  # the check creates no file (it left an empty one)
+    default = durcap('run', str(ROOT / 'examples/support/agent.py') + ':support', 'hi', '--deps-json', '{"orders": {}}',
+                     '--engine', 'dbos', '--queue', 'q1', cwd=tmp_path, unset=['DURCAP_DBOS_DB', 'DURCAP_STORE'])
+    assert default.returncode == 2 and 'no DBOS worker has ever run on' in default.stderr, default.stderr
+    assert not (tmp_path / '.durcap' / 'dbos.sqlite').exists()
 
 
 @pytest.mark.parametrize('command', [['approvals', 'list'], ['approve', 'run-x', 'call-y'], ['deny', 'run-x', 'call-y',

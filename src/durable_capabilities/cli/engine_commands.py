@@ -169,17 +169,27 @@ async def _run_on(
 STREAM_DRAIN_SECONDS = 10.0
 """How long `durcap run` waits, after the run returned, for its stream's last events."""
 
+STREAM_ABSENT_SECONDS = 1.0
+"""How long `durcap run` waits, after the run returned, for the first event of a stream it has seen nothing of: a
+run's events are committed before its result is (a durable unit's writes wait at its end), so a stream still empty
+then is in another store (a worker's own `--store`), not late."""
+
 
 async def _streamed(run: Any, run_id: str | None, ids: list[str], store: str) -> RunReport:
     """Await `run` while printing the text of its stream (`run_id`, or the first id the engine reports in `ids`) to
-    stdout as it arrives; the stream's end is awaited up to `STREAM_DRAIN_SECONDS` after the run returned."""
+    stdout as it arrives; the stream's end is awaited up to `STREAM_DRAIN_SECONDS` after the run returned. A stream
+    of which nothing was seen by then is waited for `STREAM_ABSENT_SECONDS` only, and said on stderr (its events are
+    in the store of the worker that ran it, not in `store`)."""
     from .. import streams
+
+    seen: list[bool] = []
 
     async def show() -> None:
         while run_id is None and not ids:
             await asyncio.sleep(0.02)
         printed = False
         async for event in streams.watch(run_id or ids[0], store=store, wait_for_start=3600):
+            seen[:] = [True]
             if event.kind == 'text_delta':
                 sys.stdout.write(printable(event.text, keep_newlines=True))
                 sys.stdout.flush()
@@ -195,7 +205,12 @@ async def _streamed(run: Any, run_id: str | None, ids: list[str], store: str) ->
     try:
         report = await run
         with contextlib.suppress(asyncio.TimeoutError, Exception):
-            await asyncio.wait_for(asyncio.shield(shown), STREAM_DRAIN_SECONDS)
+            await asyncio.wait_for(asyncio.shield(shown), STREAM_DRAIN_SECONDS if seen else STREAM_ABSENT_SECONDS)
+        if not seen:
+            _err.print(Text(printable(
+                f'durcap: --stream: run {report.run_id or run_id or ids[0]!r} published no event to '
+                f'{redact_database_url(store)}: the worker that ran it writes its events to its own store; pass '
+                "durcap run the worker's --store (or $DURCAP_STORE) to see the answer as it streams")))
         return report
     finally:
         shown.cancel()
@@ -305,6 +320,32 @@ def _run_failed(engine: str, agent: DurableAgent[Any, Any], exc: BaseException) 
     _exit_now(1)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM during `durcap run`: handled as Ctrl-C is (the run's id and how to find, finish or cancel it printed),
+    exit 143. A `KeyboardInterrupt` so that asyncio re-raises it from whichever task it lands in."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Any:
+    """While the block runs (in the main thread), SIGTERM raises `_Terminated`; the previous handler is restored
+    after. An engine that handles SIGTERM itself inside (Prefect's flow: `TerminationSignal`) still does."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _exit_now(code: int) -> NoReturn:
     """Exit with `code` without interpreter finalization: after a failed or interrupted run an engine SDK's
     background threads can still hold native state (temporalio's core runtime aborts the interpreter while it
@@ -397,19 +438,20 @@ def run(
     _adapter(engine).warm_up(settings, _err.print)  # e.g. Prefect's temporary server, saying so
     started: list[str] = []
     try:
-        report = asyncio.run(_watch_approvals(lambda run_ids: _run_on(
-            agent, prompt, engine, deps, settings=settings, conversation_id=conversation, store=store, started=run_ids,
-            stream=stream,
-        ), engine, _approvals_settings(engine, settings), started=started))
+        with _sigterm_as_interrupt():
+            report = asyncio.run(_watch_approvals(lambda run_ids: _run_on(
+                agent, prompt, engine, deps, settings=settings, conversation_id=conversation, store=store,
+                started=run_ids, stream=stream,
+            ), engine, _approvals_settings(engine, settings), started=started))
     except DurableConfigError as exc:
         _print_text(exc.report, exc.subject)
         raise typer.Exit(1) from None
     except StoreError as exc:
         _unusable(str(exc).splitlines()[0])
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (`_Terminated`: a CI step's timeout, a container stopped)
         _err.print(_interrupted(engine, started[0] if started else None, target, settings=settings, flags=conn or {},
                                 model=model, base_url=base_url), markup=False)
-        _exit_now(130)
+        _exit_now(143 if isinstance(exc, _Terminated) else 130)
     except EngineUnreachableError as exc:  # the engine's server is not there: nothing ran, like a bad --db
         _unusable(str(exc))
     except InputError as exc:

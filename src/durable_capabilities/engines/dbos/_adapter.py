@@ -67,7 +67,8 @@ class DBOSAdapter(EngineAdapter, spec=SPEC):
 
     async def run(self, agent: DurableAgent[Any, Any], prompt: str | None, options: RunOptions) -> RunReport:
         workflow_fn = agent_workflow(agent, store=options.setting('store'))
-        url = system_database_url(options.setting('db'))
+        # Handed to a queue: the workers create the system database, this process creates no file.
+        url = system_database_url(options.setting('db'), create=not options.setting('queue'))
         options.notify(f'dbos system database: {redact_database_url(url)}')
         workflow_id = options.run_id or f'{agent.name}-{uuid.uuid4()}'
         history = options.message_history

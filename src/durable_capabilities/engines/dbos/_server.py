@@ -37,11 +37,14 @@ def system_database_file(url: str | None = None) -> Path | None:
     return None
 
 
-def system_database_url(url: str | None = None) -> str:
+def system_database_url(url: str | None = None, *, create: bool = True) -> str:
     """`url`, else `$DURCAP_DBOS_DB` (the default of every command's `--db`, `settings.py`), else SQLite at
     `.durcap/dbos.sqlite` (folder created 0700, file 0600, WAL journal mode). A SQLite URL naming a file that does
-    not exist yet gets the same private folder and file."""
+    not exist yet gets the same private folder and file; with `create=False` nothing is created (a client that only
+    hands runs to a queue: the workers create the system database)."""
     url = url or os.environ.get(DB_ENV) or None
+    if not create:
+        return url or f'sqlite:///{DEFAULT_SQLITE_PATH.resolve()}'
     if url:
         if (path := system_database_file(url)) is not None:
             private_file(path)
