@@ -4,8 +4,9 @@ The prompt names an order (`charge order A-1`); everything is logged under `$DUR
 - `charges`: one line per execution of `charge` (the side effect that must happen once per run), the order id;
 - `model-requests`: one line per model request, `{order}:{responses already in the history}` (a request that
   runs again shows up as a repeated line);
-- `charge-started-{order}`: created when `charge` starts; `charge` then waits `$DURCAP_LEDGER_CHARGE_SECONDS`
-  (default 3) before returning, so a test can start a second run while the first is in flight.
+- `charge-started-{order}`: created when `charge` starts, holding its process id; `charge` then waits
+  `$DURCAP_LEDGER_CHARGE_SECONDS` (default 3) before returning, so a test can start a second run while the first is
+  in flight; `charge-parent-{order}`: its parent's process id, written first (readable after the process ended).
 An order id starting with `BROKEN` makes the model raise `RuntimeError('card declined for order ...')` on the
 request after the capability loaded: the run fails (for `runs show` of a failed run).
 """
@@ -71,6 +72,7 @@ billing = Capability(id=CAPABILITY, description='Use for charging orders.', inst
 async def charge(order_id: str) -> str:
     """Charge an order (a side effect that must happen exactly once per run)."""
     _append('charges', order_id)
+    (_dir() / f'charge-parent-{order_id}').write_text(str(os.getppid()))
     (_dir() / f'charge-started-{order_id}').write_text(str(os.getpid()))
     await asyncio.sleep(float(os.environ.get('DURCAP_LEDGER_CHARGE_SECONDS', '3')))
     return f'charged {order_id}'
