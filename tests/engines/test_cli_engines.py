@@ -274,8 +274,8 @@ def test_a_prefect_flow_run_lost_with_its_serving_process_is_found_and_finished_
         return httpx.get(f'{prefect_api_url}/flow_runs/{flow_run_id}', timeout=10).json()['state_type']
 
     try:
-        for i, proc in enumerate(serving):
-            wait_for(tmp_path / f's{i}.log', 'serving deployment', proc, 120)
+        for i, proc in enumerate(serving):  # ready to take runs: its fork server preloaded (see the test above)
+            wait_for(tmp_path / f's{i}.log', 'flow runs start from a fork server', proc, 120)
         deadline = time.monotonic() + 120
         while httpx.get(url, timeout=10).status_code == 404:  # `serve` creates it after the line above
             assert time.monotonic() < deadline and all(p.poll() is None for p in serving), 'no deployment'
@@ -284,7 +284,8 @@ def test_a_prefect_flow_run_lost_with_its_serving_process_is_found_and_finished_
         for n in (1, 2):
             wait_file_(ledger / f'charge-started-P-{n}', 150)  # both in flight at once (10 s charges)
         flow_process = int((ledger / 'charge-started-P-1').read_text())
-        lost = next(p for p in serving if p.pid == _parent(str(_parent(str(flow_process)))))  # via its fork server
+        forker = int((ledger / 'charge-parent-P-1').read_text())
+        lost = next(p for p in serving if p.pid == _parent(str(forker)))  # via its fork server
         survivor = next(i for i, p in enumerate(serving) if p is not lost)
         (ledger / 'charge-started-P-1').rename(ledger / 'first-charge-P-1')
         os.kill(lost.pid, signal.SIGKILL)  # the serving process first, so nobody sees its flow run end
