@@ -153,13 +153,13 @@ def test_ledger_counts_a_settled_request_once_releases_and_resets(store_url: str
 def test_a_ledger_write_that_would_wait_runs_in_a_worker_thread(tmp_path: Path) -> None:
     """On SQLite the ledger's per-request writes run on the event loop's thread, in a transaction that never waits
     (`_SQLBackend._quick_txn`). While another connection holds SQLite's write lock (as another process would), that
-    attempt does nothing (`WouldWait`) and the write waits in the ledger's worker thread until the lock is free, then
+    attempt does nothing (`_WouldWait`) and the write waits in the ledger's worker thread until the lock is free, then
     counts once. No model: the store's budget calls, as `BudgetModel` makes them; the other writer is a plain sqlite3
     connection to the same file."""
     import sqlite3
 
     from durable_capabilities.store import SQLConversationStore, _budgets
-    from durable_capabilities.store._sql import WouldWait
+    from durable_capabilities.store._sql import _WouldWait
 
     path = tmp_path / 'conversations.db'
     url = f'sqlite:///{path}'
@@ -173,7 +173,7 @@ def test_a_ledger_write_that_would_wait_runs_in_a_worker_thread(tmp_path: Path) 
             other = sqlite3.connect(path, isolation_level=None)
             other.execute('BEGIN IMMEDIATE')
             try:
-                with pytest.raises(WouldWait):
+                with pytest.raises(_WouldWait):
                     _budgets.settle(opened._sql, 'k', 'r#1', 'r', 70, 30, 0.0, quick=True)
                 settling = asyncio.ensure_future(opened.budget_settle('k', 'r#1', 'r', input_tokens=70, output_tokens=30))
                 await asyncio.sleep(0)  # the settle has started: it cannot finish while the lock is held

@@ -580,11 +580,11 @@ async def _budget_write(sql: Any, function: Callable[..., Any], *args: Any) -> A
     loop's) in a transaction that never waits (`quick=True`, `_SQLBackend._quick_txn`: tens of microseconds, no thread
     hand-off); when it would wait (another writer holds the lock, PostgreSQL, a store not migrated yet), in the
     ledger's worker threads as before."""
-    from ._sql import WouldWait
+    from ._sql import _WouldWait
 
     try:
         return function(sql, *args, quick=True)
-    except WouldWait:
+    except _WouldWait:
         return await _budget_thread(function, sql, *args)
 
 
@@ -787,11 +787,11 @@ class SQLConversationStore(ConversationStore):
         """The run that asked run `run_id` to stop (`request_stop`) while `run_id` holds a turn claim, else `None`.
         Read before every model request of a turn: on SQLite on this thread, one statement that never waits (a
         worker thread when it would, and on PostgreSQL)."""
-        from ._sql import WouldWait
+        from ._sql import _WouldWait
 
         try:
             return self._sql.stop_requested(run_id, quick=True)
-        except WouldWait:
+        except _WouldWait:
             return await asyncio.to_thread(self._sql.stop_requested, run_id)
 
     async def turn_stop(self, conversation_id: str) -> tuple[str, str | None] | None:

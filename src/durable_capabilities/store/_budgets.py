@@ -138,7 +138,7 @@ def reserve(sql: _SQLBackend, key: str, request_id: str, run_id: str, limits: di
 
     One relaxed write transaction (`_SQLBackend._raw_txn`): the ledger row with whether the request is reserved, in
     one statement (the row locked on PostgreSQL; SQLite's `BEGIN IMMEDIATE` holds the write lock), then the new
-    reservation. `quick`: in `_SQLBackend._quick_txn` (on the calling thread, never waiting; `WouldWait`)."""
+    reservation. `quick`: in `_SQLBackend._quick_txn` (on the calling thread, never waiting; `_WouldWait`)."""
     with _txn(sql, quick) as cur:
         row, known = _raw_ledger(sql, cur, key, request_id)
         if known:

@@ -127,7 +127,7 @@ _FORKED_CONNECTIONS: list[Any] = []
 never closes the parent's SQLite connection in the child."""
 
 
-class WouldWait(Exception):
+class _WouldWait(Exception):
     """`_SQLBackend._quick_txn` would have waited (or cannot run on this store): nothing was done."""
 
 
@@ -307,15 +307,15 @@ class _SQLBackend:
         statements, each its own transaction (as `_raw_txn(write=False)`).
 
         Raises:
-            WouldWait: before anything is done, when it would wait: PostgreSQL or an in-memory database (the caller
+            _WouldWait: before anything is done, when it would wait: PostgreSQL or an in-memory database (the caller
                 runs the work in a worker thread instead), a store not migrated yet, another thread of this process
                 writing to the file, or another process holding SQLite's write lock.
             StoreUnavailableError: the tables are missing.
         """
         if self.is_pg or not self._ready or self.url.database in (None, '', ':memory:'):
-            raise WouldWait
+            raise _WouldWait
         if write and not self._write_lock.acquire(blocking=False):
-            raise WouldWait
+            raise _WouldWait
         try:
             self._ensure_ready()  # one stat: a replaced file closes every connection (`dispose`) and migrates again
             raw = self._quick_connection()
@@ -325,7 +325,7 @@ class _SQLBackend:
                         raw.execute('BEGIN IMMEDIATE')
                     except self.engine.dialect.dbapi.OperationalError as exc:  # type: ignore[union-attr]
                         if 'locked' in str(exc) or 'busy' in str(exc):
-                            raise WouldWait from None
+                            raise _WouldWait from None
                         raise
                 cursor = raw.cursor()
                 try:
@@ -350,7 +350,7 @@ class _SQLBackend:
                         'changed; restore the database from a backup.'
                     ) from None
                 if not write and ('locked' in str(exc) or 'busy' in str(exc)):  # a read that would wait: nothing done
-                    raise WouldWait from None
+                    raise _WouldWait from None
                 raise
         finally:
             if write:
@@ -1503,7 +1503,7 @@ class _SQLBackend:
         return None if row is None else str(row.stop_by)
 
     def stop_requested(self, run_id: str, *, quick: bool = False) -> str | None:
-        if quick:  # before every model request: one statement on the caller's thread (`_quick_txn`: `WouldWait`)
+        if quick:  # before every model request: one statement on the caller's thread (`_quick_txn`: `_WouldWait`)
             with self._quick_txn(write=False) as cur:
                 found = cur.execute('SELECT stop_by FROM durcap_turn_claims WHERE run_id = :run AND stop_by IS NOT '
                                     'NULL LIMIT 1', {'run': run_id}).fetchone()

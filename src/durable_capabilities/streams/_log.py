@@ -169,12 +169,12 @@ class _Writer:
         """A write that needs no flush (a local run's), run at once on the calling thread (the run's event loop) when
         nothing is queued before it and it never waits (SQLite, the write lock free: `_SQLBackend._quick_txn`, a
         relaxed commit): no hand-off to the writer thread and back. Whether it ran (its outcome in `future`)."""
-        from ..store._sql import WouldWait
+        from ..store._sql import _WouldWait
 
         try:
             with self.log._backend._quick_txn() as cur:
                 result = job(cur)
-        except WouldWait:
+        except _WouldWait:
             return False
         except Exception as error:  # noqa: BLE001 - the write's error is its future's, as the thread's are
             future.set_running_or_notify_cancel()
@@ -499,7 +499,7 @@ class EventLog:
         """`read_sync` and `info_sync` in one statement straight to the driver (one trip to a worker thread for a
         subscriber, none with `quick`): the stream's row joined with its events after `after`, both from one snapshot
         (a stream the row shows closed holds no event after the last one read, unless past `limit`). `quick`: on the
-        calling thread (an event loop's), never waiting (`_SQLBackend._quick_txn`; `WouldWait` when it would, or on
+        calling thread (an event loop's), never waiting (`_SQLBackend._quick_txn`; `_WouldWait` when it would, or on
         PostgreSQL)."""
         backend = self._backend
         with (backend._quick_txn(write=False) if quick else backend._raw_txn(write=False)) as cur:

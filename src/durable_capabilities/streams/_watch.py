@@ -147,11 +147,11 @@ def _other_engine(run_id: str, asked: str, recorded: str) -> InputError:
 
 async def _poll(log: EventLog, run_id: str, after: int) -> tuple[list[StoredEvent], Any]:
     """`log.poll_sync(run_id, after)` on this thread when it never waits (SQLite), else in a worker thread."""
-    from ..store._sql import WouldWait
+    from ..store._sql import _WouldWait
 
     try:
         return log.poll_sync(run_id, after, quick=True)
-    except WouldWait:
+    except _WouldWait:
         return await in_thread(log.poll_sync, run_id, after)
 
 
