@@ -319,34 +319,3 @@ def redact_database_url(url: str) -> str:
     pairs = [(key, '***' if key.lower() in SECRET_QUERY_KEYS else value) for key, values in parsed.query.items()
              for value in ((values,) if isinstance(values, str) else values)]
     return base + '?' + '&'.join(f'{key}={value}' for key, value in pairs)
-
-
-def postgres_database_missing(url: str, *, timeout: float = 5) -> bool:
-    """Whether the PostgreSQL server of `url` answers but has no database of `url`'s name: asked through its
-    `postgres` maintenance database (`pg_database`), as DBOS does before it creates its system database.
-
-    Args:
-        url: A `postgresql://` (or `postgres://`) URL; any other URL gives `False`.
-        timeout: Seconds to wait for the connection.
-
-    Returns:
-        `True` only when the server was reached and the database is not in `pg_database`; `False` when it exists, when
-        the server (or its `postgres` database) cannot be reached, or for a URL without a database name. Never raises.
-    """
-    import sqlalchemy as sa
-
-    try:
-        parsed = sa.make_url(url.replace('postgres://', 'postgresql://', 1))
-        if parsed.get_backend_name() != 'postgresql' or not parsed.database:
-            return False
-        engine = sa.create_engine(parsed.set(drivername='postgresql+psycopg', database='postgres'),
-                                  connect_args={'connect_timeout': max(1, int(timeout))})
-        try:
-            with engine.connect() as conn:
-                found = conn.execute(sa.text('SELECT 1 FROM pg_database WHERE datname = :name'),
-                                     {'name': parsed.database}).scalar()
-        finally:
-            engine.dispose()
-    except Exception:  # noqa: BLE001 - unreachable, refused, no `postgres` database: not known to be missing
-        return False
-    return found is None

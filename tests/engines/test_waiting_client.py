@@ -139,42 +139,6 @@ def test_dbos_queue_client_says_no_worker_took_a_run_nobody_serves(tmp_path: Pat
                 kill9(proc)
 
 
-def test_dbos_queue_on_a_postgresql_database_that_does_not_exist_yet(tmp_path: Path) -> None:
-    """A new PostgreSQL system database, as a team starting out names it: `durcap run --engine dbos --queue Q --db
-    postgresql://.../new` before any worker is DC040 naming `--db` and the worker command (it said `cannot connect
-    ... database does not exist; start the database or fix the URL` while the server was up); `durcap worker dbos
-    --db` on it starts, DBOS creating the database as it does for its own apps (it refused to start with the same
-    line), and a run handed to its queue then gets its answer. Real PostgreSQL (127.0.0.1:5432), real `durcap`
-    subprocesses; model: the support example's scripted `FunctionModel`."""
-    from tests._helpers import drop_database, pg_url
-
-    name = f'durcap_new_{uuid.uuid4().hex[:12]}'
-    db, queue = pg_url(name), f'newdb-{uuid.uuid4().hex[:6]}'
-    env = subprocess_env(unset=['DURCAP_DBOS_DB', 'DURCAP_STORE'])
-    support = ['examples/support/agent.py:support', 'Where is order ABC-123?', '--deps-json',
-               '{"orders": {"ABC-123": "Blue jacket: shipped"}}', '--store', f'sqlite:///{tmp_path / "c.db"}']
-    run_args = ['run', *support, '--engine', 'dbos', '--db', db, '--queue', queue]
-    worker = client = None
-    try:
-        early = start(run_args, tmp_path / 'early.log', env)
-        assert early.wait(timeout=120) == 2, (tmp_path / 'early.log').read_text()
-        errors = [line for line in (tmp_path / 'early.log').read_text().splitlines() if line.startswith('durcap: error')]
-        assert len(errors) == 1 and 'DC040 --db: no DBOS worker has ever run on' in errors[0], errors
-        assert f'`durcap worker dbos TARGET --db URL --task-queue {queue}`' in errors[0], errors
-        worker = start(['worker', 'dbos', 'examples/support/agent.py:support', '--db', db, '--task-queue', queue,
-                        '--executor-id', f'w-{queue}', '--store', f'sqlite:///{tmp_path / "c.db"}'],
-                       tmp_path / 'worker.log', env)
-        wait_text(tmp_path / 'worker.log', 'dbos worker ready', worker, 120)
-        client = start(run_args, tmp_path / 'run.log', env)
-        assert client.wait(timeout=120) == 0, (tmp_path / 'run.log').read_text()
-        assert 'answer (dbos): Order ABC-123: Blue jacket: shipped' in (tmp_path / 'run.log').read_text()
-    finally:
-        for proc in (client, worker):
-            if proc is not None:
-                kill9(proc)
-        drop_database(name)
-
-
 def test_dbos_queue_stream_from_another_store_is_said_not_waited_for(tmp_path: Path) -> None:
     """`durcap run --engine dbos --queue Q --stream` whose worker writes the run's events to its own `--store` (not
     the client's): the client says, on stderr, that the run published no event to its store and which `--store` to

@@ -27,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import telemetry
-from .._limits import INPUT_CODE, one_line, postgres_database_missing, printable, redact_database_url
+from .._limits import INPUT_CODE, one_line, printable, redact_database_url
 from ..agent import DurableAgent
 from ..engines import ALL_ENGINES, DURABLE_ENGINES, specs
 from ..errors import DurcapError
@@ -128,7 +128,7 @@ def temporal_address(value: str | None, option: str = '--address') -> str | None
     return value
 
 
-def database_url(value: str | None, option: str, *, probe: bool = False, created_by_engine: bool = False) -> str | None:
+def database_url(value: str | None, option: str, *, probe: bool = False) -> str | None:
     """A `--store` / `--db` value checked before anything uses it: None stays None (the default applies).
 
     Args:
@@ -136,9 +136,6 @@ def database_url(value: str | None, option: str, *, probe: bool = False, created
         option: Its name, for the message.
         probe: Connect to a PostgreSQL URL once (5 s timeout), so an unreachable server is one line here
             instead of an engine's traceback later.
-        created_by_engine: With `probe`, a PostgreSQL server that answers but has no database of the URL's name
-            passes: the engine creates it (DBOS's system database, at launch). Otherwise that is one line naming
-            the database and `createdb`.
 
     Without the option, the environment variable it falls back to (`$DURCAP_STORE`, `$DURCAP_DBOS_DB`) is checked
     the same way, and `None` is returned (the variable applies).
@@ -151,8 +148,7 @@ def database_url(value: str | None, option: str, *, probe: bool = False, created
     if value is None:
         env = _option_env(option)
         if env is not None and os.environ.get(env):  # empty: unset, the built-in default applies
-            database_url(os.environ[env], f'${env} (the default of {option})', probe=probe,
-                         created_by_engine=created_by_engine)
+            database_url(os.environ[env], f'${env} (the default of {option})', probe=probe)
         return None
     import sqlalchemy as sa
 
@@ -184,12 +180,6 @@ def database_url(value: str | None, option: str, *, probe: bool = False, created
                 pass
             engine.dispose()
         except Exception as exc:  # noqa: BLE001 - the driver's reason, one line
-            if postgres_database_missing(value):
-                if created_by_engine:
-                    return value  # the server answers; the engine creates the database (DBOS at launch)
-                _unusable(f'{INPUT_CODE} {option} {printable(redact_database_url(value))}: the server has no database '
-                          f'{printable(repr(url.database))}: create it (`createdb {printable(str(url.database))}` on '
-                          'that server) or fix the URL')
             cause = getattr(exc, 'orig', None) or exc
             _unusable(f'{INPUT_CODE} {option} {printable(redact_database_url(value))}: cannot connect '
                       f'({type(cause).__name__}: {one_line(str(cause))}); start the database or fix the URL')

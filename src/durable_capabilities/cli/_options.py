@@ -80,7 +80,7 @@ def checked(setting: ConnectionSetting, value: Any, *, probe: bool = False) -> A
         checked_env = temporal_address(found[0], found[1]) if found else None
         return checked_env if setting.resolve_in_cli else None
     if setting.kind == 'database':
-        return database_url(value, setting.option, probe=probe, created_by_engine=setting.created_by_engine)
+        return database_url(value, setting.option, probe=probe)
     return value
 
 

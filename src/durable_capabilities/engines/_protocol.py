@@ -48,8 +48,6 @@ class ConnectionSetting:
         unset: What `describe()` shows when the value is `None` (the engine's own default applies).
         resolve_in_cli: `durcap run` resolves the environment itself (`address`) instead of leaving `None` for the
             engine to read.
-        created_by_engine: A `database` the engine creates on a PostgreSQL server that has none of its name (DBOS's
-            system database): the CLI's probe accepts a server that answers without it.
     """
 
     field: str
@@ -64,7 +62,6 @@ class ConnectionSetting:
     default_in: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     unset: str | None = None
     resolve_in_cli: bool = False
-    created_by_engine: bool = False
 
     @property
     def option(self) -> str:

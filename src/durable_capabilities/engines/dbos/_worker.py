@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from dbos import DBOS
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
-from ..._limits import InputError, postgres_database_missing, redact_database_url
+from ..._limits import InputError, redact_database_url
 from ...conversations import resolve_payload, store_url
 from ...report import RunReport
 from .._adapter import DrainCutShortError, RunOptions
@@ -49,15 +49,13 @@ def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) 
     executor = options.setting('executor_id', WORKER_EXECUTOR)
     queue = options.setting('task_queue', WORKER_QUEUE)
     url = system_database_url(options.setting('db'))
-    pending: list[Any] = []
-    if not postgres_database_missing(url):  # a PostgreSQL server without the database: DBOS creates it at launch
-        client = dbos_client({'db': url})
-        try:
-            pending = client.list_workflows(status='PENDING', executor_id=executor, load_input=False, load_output=False)
-        except (OperationalError, ProgrammingError):  # a new system database: DBOS creates its tables at launch
-            pending = []
-        finally:
-            client.destroy()
+    client = dbos_client({'db': url})
+    try:
+        pending = client.list_workflows(status='PENDING', executor_id=executor, load_input=False, load_output=False)
+    except (OperationalError, ProgrammingError):  # a new system database: DBOS creates its tables at launch
+        pending = []
+    finally:
+        client.destroy()
     # A progress line before DBOS launches (creating a new system database's tables and recovering pending workflows
     # take seconds), and the stop handlers before it too: a SIGTERM while launching is reported, not silent.
     options.notify(f'dbos worker starting: executor {executor!r}, system database {redact_database_url(url)}, '
@@ -212,8 +210,7 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
         RuntimeError: the system database cannot be reached (one line).
         InputError: DC040 naming `--db`, when no DBOS application has ever run on the system database (a SQLite file
             that does not exist, or a database without DBOS's tables): no worker can be serving the queue, and the
-            tables a worker creates are missing, or a PostgreSQL server without that database); checked before
-            anything is written.
+            tables a worker creates are missing; checked before anything is written (the file is not created).
         Exception: the workflow's own error, as DBOS re-raises it.
     """
     from dbos import EnqueueOptions
@@ -225,8 +222,7 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
     seconds = wait_notice()  # DC040 on a bad $DURCAP_WAIT_NOTICE, before the run is enqueued
     no_worker_yet = (f'no DBOS worker has ever run on {redact_database_url(url)}: start `durcap worker dbos TARGET '
                      f'--db URL --task-queue {queue}` first (it creates the system database), then hand runs to its queue')
-    if _missing_sqlite_file({'db': url}) is not None or (
-            url.startswith('postgres') and await asyncio.to_thread(postgres_database_missing, url)):
+    if _missing_sqlite_file({'db': url}) is not None:
         raise InputError('--db', no_worker_yet)
     client = dbos_client({'db': url})
     try:
