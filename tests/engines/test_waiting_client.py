@@ -127,12 +127,6 @@ def test_dbos_queue_client_says_no_worker_took_a_run_nobody_serves(tmp_path: Pat
         line = wait_text(log, 'still waiting:', client, 60)
         assert f"on queue '{queue}' for 2 s (it is ENQUEUED: no worker took it; no step recorded meanwhile)" in line, line
         assert client.poll() is None  # still waiting
-        # SIGTERM (a CI step's timeout, a stopped container) is said as Ctrl-C is: the run goes on, how to reach it;
-        # exit 143. Before, the client died in silence.
-        client.send_signal(signal.SIGTERM)
-        assert client.wait(timeout=30) == 143, log.read_text()
-        said = log.read_text()
-        assert 'interrupted; the run goes on in dbos (workflow id ' in said and '`durcap runs show ' in said, said
     finally:
         for proc in (client, other):
             if proc is not None:

@@ -320,32 +320,6 @@ def _run_failed(engine: str, agent: DurableAgent[Any, Any], exc: BaseException) 
     _exit_now(1)
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM during `durcap run`: handled as Ctrl-C is (the run's id and how to find, finish or cancel it printed),
-    exit 143. A `KeyboardInterrupt` so that asyncio re-raises it from whichever task it lands in."""
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Any:
-    """While the block runs (in the main thread), SIGTERM raises `_Terminated`; the previous handler is restored
-    after. An engine that handles SIGTERM itself inside (Prefect's flow: `TerminationSignal`) still does."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def terminate(signum: int, frame: Any) -> None:
-        raise _Terminated()
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _exit_now(code: int) -> NoReturn:
     """Exit with `code` without interpreter finalization: after a failed or interrupted run an engine SDK's
     background threads can still hold native state (temporalio's core runtime aborts the interpreter while it
@@ -438,20 +412,19 @@ def run(
     _adapter(engine).warm_up(settings, _err.print)  # e.g. Prefect's temporary server, saying so
     started: list[str] = []
     try:
-        with _sigterm_as_interrupt():
-            report = asyncio.run(_watch_approvals(lambda run_ids: _run_on(
-                agent, prompt, engine, deps, settings=settings, conversation_id=conversation, store=store,
-                started=run_ids, stream=stream,
-            ), engine, _approvals_settings(engine, settings), started=started))
+        report = asyncio.run(_watch_approvals(lambda run_ids: _run_on(
+            agent, prompt, engine, deps, settings=settings, conversation_id=conversation, store=store, started=run_ids,
+            stream=stream,
+        ), engine, _approvals_settings(engine, settings), started=started))
     except DurableConfigError as exc:
         _print_text(exc.report, exc.subject)
         raise typer.Exit(1) from None
     except StoreError as exc:
         _unusable(str(exc).splitlines()[0])
-    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (`_Terminated`: a CI step's timeout, a container stopped)
+    except KeyboardInterrupt:
         _err.print(_interrupted(engine, started[0] if started else None, target, settings=settings, flags=conn or {},
                                 model=model, base_url=base_url), markup=False)
-        _exit_now(143 if isinstance(exc, _Terminated) else 130)
+        _exit_now(130)
     except EngineUnreachableError as exc:  # the engine's server is not there: nothing ran, like a bad --db
         _unusable(str(exc))
     except InputError as exc:
