@@ -119,9 +119,17 @@ def test_gc_frees_the_pieces_of_a_killed_prefect_run_nobody_resumes_and_keeps_a_
         time.sleep(max(0.0, ABANDONED_AFTER + 1.5 - (time.monotonic() - max(killed_at, waiting_since))))
         assert b.poll() is None, log_b.read_text(errors='replace')[-3000:]
 
+        env = _env(prefect_api_url, tmp_path, store)
+        # `store stats` attributes A's pieces to conversation A (no turn stored: its run holds the turn claim).
+        stats = durcap('store', 'stats', '--store', store, '--format', 'json', env=env, timeout=120)
+        assert stats.returncode == 0, stats.stderr
+        found = {c['conversation_id']: c for c in json.loads(stats.stdout)['conversations']}
+        sizes = {row[0]: row[1] for row in everything(store)['durcap_payloads']}
+        assert found[conv_a]['message_count'] == 0 and found[conv_a]['payload_bytes'] == sizes[only_a], found
+        assert found[conv_a]['shared_payload_bytes'] == sizes[shared] == found[conv_b]['shared_payload_bytes'], found
+
         args = ('store', 'gc', '--store', store, '--retention', '1s', '--grace', '0s', '--abandoned-after',
                 f'{ABANDONED_AFTER:g}s')
-        env = _env(prefect_api_url, tmp_path, store)
         before = everything(store)
         plan = durcap(*args, '--format', 'json', env=env, timeout=120)
         assert plan.returncode == 0, plan.stdout + plan.stderr
@@ -130,7 +138,6 @@ def test_gc_frees_the_pieces_of_a_killed_prefect_run_nobody_resumes_and_keeps_a_
         assert [o['owner'] for o in data['owners']] == [owner_a], data
         assert data['owners'][0]['reason'].startswith('abandoned on prefect (RUNNING, no beat'), data['owners'][0]
         assert list(data['abandoned']) == [owner_a], data['abandoned']
-        sizes = {row[0]: row[1] for row in before['durcap_payloads']}
         assert data['freed'] == {'refs': 2, 'payloads': 1, 'payload_bytes': sizes[only_a]}, data
         assert data['kept_shared']['payloads'] == 1 and data['kept_owners'] == {'open': 1}, data
         text = durcap(*args, env=env, timeout=120)
@@ -149,9 +156,18 @@ def test_gc_frees_the_pieces_of_a_killed_prefect_run_nobody_resumes_and_keeps_a_
 
     # B, killed in its third tool call, finishes from its cached results: the pieces gc kept are read back, so its
     # first two tools do not run again (only the third, which never returned).
+    env = _env(prefect_api_url, tmp_path, store)
     resumed = durcap('runs', 'resume', owner_b.removeprefix('prefect:'), '--engine', 'prefect', '--target', TARGET,
                      '--store', store, env=_env(prefect_api_url, tmp_path, store, ledger_b), timeout=180)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert 'produced 10500 chars' in resumed.stdout, resumed.stdout
     assert _lines(ledger_b) == ['2000', '7000', '1500', '1500']
     assert _lines(ledger_a) == ['2000', '5000', '1500']  # A was never resumed
+
+    # `history delete` of A (no turn stored, only its dead run's claim and what gc left of it): found, and its claim
+    # goes, so the conversation takes turns again; B untouched.
+    b_rows = {k: [r for r in v if conv_b in map(str, r)] for k, v in everything(store).items()}
+    deleted = durcap('history', 'delete', conv_a, '--store', store, '--yes', '--format', 'json', env=env, timeout=120)
+    assert deleted.returncode == 0, deleted.stdout + deleted.stderr
+    assert not [r for v in everything(store).values() for r in v if conv_a in map(str, r)]
+    assert {k: [r for r in v if conv_b in map(str, r)] for k, v in everything(store).items()} == b_rows
