@@ -8,8 +8,9 @@ reports anything and the run stays RUNNING for good; Prefect's own flow-run hear
 
 - `beating(flow_run_id)`: every flow run of an agent's flow beats while it runs (a deployment's, what `durcap schedule
   prefect` serves, and since issue 24 one `durcap run --engine prefect` or `durcap runs resume` runs in its own
-  process, which `durcap store gc` needs to tell a live run from an abandoned one: `_runs.run_states`): a daemon thread sets the flow run's label `BEAT_LABEL` to a new value every `beat_seconds()` seconds (one small
-  PATCH to the Prefect API; at 2 s, 100 running flow runs make 50 requests a second).
+  process, which `durcap store gc` needs to tell a live run from an abandoned one: `_runs.run_states`): a daemon
+  thread sets the flow run's label `BEAT_LABEL` to a new value every `beat_seconds()` seconds (one small PATCH
+  to the Prefect API; at 2 s, 100 running flow runs make 50 requests a second).
 - `DeadRunWatch`, in every serving process (`_worker.watch_crashed` runs a round every 2 s): a RUNNING flow run of the
   deployment whose beat label this process has seen unchanged for `stale_seconds()` seconds of its own clock (no
   clock is compared across machines) is dead. The process that creates the write-once flow run input
