@@ -16,7 +16,9 @@ shared one stay. Then B's process is killed and `durcap runs resume` finishes B 
 back from the pieces: its first two tools do not run again).
 
 Without the change this fails: gc did not ask Prefect at all (its pieces were never freed), and a flow run outside a
-deployment did not beat, so B waiting in a tool for 3 s would have looked as silent as A.
+deployment did not beat, so B waiting in a tool for 3 s would have looked as silent as A (run with `_flow.py` of main:
+gc freed B's pieces too); `history delete` of A's conversation said "not found" (only its run's turn claim was there).
+The second test: a new turn of a killed run's conversation, refused with DC050 for good before.
 """
 
 from __future__ import annotations
@@ -171,3 +173,29 @@ def test_gc_frees_the_pieces_of_a_killed_prefect_run_nobody_resumes_and_keeps_a_
     assert deleted.returncode == 0, deleted.stdout + deleted.stderr
     assert not [r for v in everything(store).values() for r in v if conv_a in map(str, r)]
     assert {k: [r for r in v if conv_b in map(str, r)] for k, v in everything(store).items()} == b_rows
+
+
+def test_a_new_turn_takes_over_the_conversation_a_killed_prefect_run_outside_a_deployment_left_claimed(
+        prefect_api_url: str, tmp_path: Path) -> None:
+    """The same killed run holds its conversation's turn claim, and its flow run stays RUNNING for good: every later
+    turn of the conversation was refused (DC050, `busy='reject'`) or waited forever (`'enqueue'`). A holder that has
+    not beaten for `$DURCAP_PREFECT_STALE_SECONDS` (2 s here) is dead: the next turn takes the claim over and runs."""
+    store = sqlite_url(tmp_path)
+    conversation = f'pgc-claim-{uuid.uuid4().hex[:8]}'
+    ledger = tmp_path / 'ledger'
+    env = _env(prefect_api_url, tmp_path, store, ledger, hold='1') | {'DURCAP_PREFECT_STALE_SECONDS': '2'}
+    first, log = _turn(conversation, 'sizes 2000 3000', env, tmp_path, 'first')
+    try:
+        wait_for(lambda: len(_lines(ledger)) == 2, 180, message=lambda: log.read_text(errors='replace')[-3000:])
+    finally:
+        _kill(first)
+    time.sleep(2.5)  # the stale time itself is what is tested: nothing to await but the clock
+    env.pop('DURCAP_TOOL_HOLD_AFTER')
+    second, log2 = _turn(conversation, 'hello', env, tmp_path, 'second')
+    try:
+        second.wait(timeout=180)
+    finally:
+        _kill(second)
+    out = log2.read_text(errors='replace')
+    assert 'REPORT ' in out, out[-3000:]
+    assert json.loads(out.split('REPORT ', 1)[1].splitlines()[0])['output'].startswith('seen '), out[-3000:]
