@@ -97,6 +97,7 @@ class Collection:
             process is gone: `RunState.abandoned`), collected or not.
         forever: Engines that keep their runs until deleted, asked with no `retention` given (their closed runs'
             claim checks were kept).
+        notes: One line per engine not asked (not configured: Prefect without `PREFECT_API_URL`), its runs kept.
     """
 
     report: CollectReport
@@ -107,6 +108,7 @@ class Collection:
     where: dict[str, str] = field(default_factory=dict)
     abandoned: dict[str, str] = field(default_factory=dict)
     forever: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """As JSON-compatible data (durations in seconds, times as ISO 8601)."""
@@ -118,7 +120,7 @@ class Collection:
             'kept_shared': {'payloads': r.shared_payloads, 'payload_bytes': r.shared_payload_bytes},
             'owners': [{**o.__dict__, 'reason': self.reasons.get(o.owner)} for o in r.owners],
             'skipped_recent': r.skipped, 'kept_owners': self.kept, 'abandoned': self.abandoned,
-            'keeps_runs_until_deleted': self.forever,
+            'keeps_runs_until_deleted': self.forever, 'notes': self.notes,
         }
 
     def lines(self) -> list[str]:
@@ -144,8 +146,8 @@ class Collection:
             out.append(f'kept {count} workflow(s): {why}')
         for owner, why in self.abandoned.items():
             out.append(f'treated as abandoned: {owner} ({why}); '
-                       + (('would be collected' if r.dry_run else 'collected') if owner in self.reasons
-                          else 'kept until it is past the retention'))
+                       + (('would be collected' if r.dry_run else 'collected') if owner in self.reasons else 'kept'))
+        out += [f'note: {note}' for note in self.notes]
         if r.dry_run and r.owners:
             out.append('nothing was deleted: pass --apply to delete')
         return out
@@ -286,6 +288,7 @@ async def collect_garbage(store_url: str, *, settings: Settings | None = None, r
         raise ValueError('abandoned_after must be above 0')
     settings = settings or Settings.resolve()
     now = now or datetime.now(UTC)
+    notes: list[str] = []
     with SQLConversationStore(store_url, create=False) as store:
         owners = await store.claim_check_owners()
         # Pieces recorded by an engine that gc does not ask (no `claim-checks` feature) are kept: `durcap history
@@ -298,8 +301,14 @@ async def collect_garbage(store_url: str, *, settings: Settings | None = None, r
             for adapter in (a for a in durable_adapters() if FEATURE in a.features):
                 mine = adapter.spec.append_prefix or None
                 ids = [o.owner for o in owners if _owner_prefix(o.owner, prefixes) == mine]
-                if ids:
-                    answers.append(await _ask(adapter, ids, settings, abandoned_after))
+                if not ids:
+                    continue
+                if (note := adapter.unconfigured(settings.engine())) is not None:
+                    # Prefect without PREFECT_API_URL: asking would start a temporary server (in a worker's every
+                    # pass); its runs' claim checks are kept, and the line says how to have them judged.
+                    notes.append(f'{note}: its {len(ids)} run(s) kept, not asked')
+                    continue
+                answers.append(await _ask(adapter, ids, settings, abandoned_after))
         for answer in answers:
             if answer.retention is None and retention is None and not answer.keeps_forever:
                 raise GcEngineError(f'{answer.engine} ({answer.where}) does not say how long it keeps closed runs; '
@@ -309,7 +318,7 @@ async def collect_garbage(store_url: str, *, settings: Settings | None = None, r
     used = {a.engine: retention if retention is not None else a.retention for a in answers}
     return Collection(report, gone, kept, {e: d for e, d in used.items() if d is not None}, grace,
                       {a.engine: a.where for a in answers}, abandoned_owners(answers),
-                      sorted(a.engine for a in answers if a.keeps_forever and retention is None))
+                      sorted(a.engine for a in answers if a.keeps_forever and retention is None), notes)
 
 
 class GcSchedule:

@@ -11,12 +11,12 @@ Conversation A's flow run: its tools return 2,000 and 5,000 characters (each res
 `prefect:<A>`), then its process is killed in the third tool call: the run stays RUNNING in Prefect for good (nobody
 marks a flow run outside a deployment CRASHED). Conversation B's flow run: 2,000 (the same text as A's: one shared
 piece) and 7,000 characters, then it waits in its third tool call, alive and beating. After both have been silent /
-waiting longer than `--abandoned-after 3s`, gc (retention 1 s, grace 0) frees A's own piece only; B's pieces and the
+waiting longer than `--abandoned-after 6s`, gc (retention 1 s, grace 0) frees A's own piece only; B's pieces and the
 shared one stay. Then B's process is killed and `durcap runs resume` finishes B from its cached tool results (read
 back from the pieces: its first two tools do not run again).
 
 Without the change this fails: gc did not ask Prefect at all (its pieces were never freed), and a flow run outside a
-deployment did not beat, so B waiting in a tool for 3 s would have looked as silent as A (run with `_flow.py` of main:
+deployment did not beat, so B waiting in a tool for 6 s would have looked as silent as A (run with `_flow.py` of main:
 gc freed B's pieces too); `history delete` of A's conversation said "not found" (only its run's turn claim was there).
 The second test: a new turn of a killed run's conversation, refused with DC050 for good before.
 """
@@ -41,7 +41,7 @@ from tests.unit.test_history_delete import everything
 pytestmark = [pytest.mark.slow]
 
 TARGET = 'tests.engines.size_agent:agent'
-ABANDONED_AFTER = 3.0
+ABANDONED_AFTER = 6.0
 """`--abandoned-after` in seconds: B waits in its tool longer than this, beating every `BEAT` seconds."""
 BEAT = '0.5'
 
@@ -83,6 +83,15 @@ def _refs(store: str) -> dict[str, set[str]]:
     return found
 
 
+def _beats(api: str, flow_run_id: str) -> bool:
+    """The flow run carries its beat label (`_liveness.BEAT_LABEL`): its process has beaten at least once (on a busy
+    server a beat can take seconds to land)."""
+    import httpx
+
+    response = httpx.get(f'{api.rstrip("/")}/flow_runs/{flow_run_id}', timeout=30)
+    return response.status_code == 200 and 'durcap.beat' in (response.json().get('labels') or {})
+
+
 def _piece(size: int) -> str:
     return piece_digest('x' * size)
 
@@ -101,12 +110,13 @@ def test_gc_frees_the_pieces_of_a_killed_prefect_run_nobody_resumes_and_keeps_a_
         # The third call runs (its ledger line written): the first two results are stored, A's pieces. Killed there,
         # with its whole process group: nobody reports anything and the flow run stays RUNNING.
         wait_for(lambda: len(_lines(ledger_a)) == 3, 180, message=lambda: log_a.read_text(errors='replace')[-3000:])
+        owners = [o for o in _refs(store) if o.startswith('prefect:')]
+        assert len(owners) == 1, owners
+        owner_a = owners[0]
+        wait_for(lambda: _beats(prefect_api_url, owner_a.removeprefix('prefect:')), 60, message='A never beat')
     finally:
         _kill(a)
     killed_at = time.monotonic()
-    owners = [o for o in _refs(store) if o.startswith('prefect:')]
-    assert len(owners) == 1, owners
-    owner_a = owners[0]
     assert _refs(store)[owner_a] == {shared, only_a}
 
     b, log_b = _turn(conv_b, 'sizes 2000 7000 1500', _env(prefect_api_url, tmp_path, store, ledger_b, hold='2'),
@@ -115,6 +125,7 @@ def test_gc_frees_the_pieces_of_a_killed_prefect_run_nobody_resumes_and_keeps_a_
         wait_for(lambda: len(_lines(ledger_b)) == 3, 180, message=lambda: log_b.read_text(errors='replace')[-3000:])
         owner_b = next(o for o in _refs(store) if o.startswith('prefect:') and o != owner_a)
         assert _refs(store)[owner_b] == {shared, only_b}
+        wait_for(lambda: _beats(prefect_api_url, owner_b.removeprefix('prefect:')), 60, message='B never beat')
         waiting_since = time.monotonic()
         # What is tested is time without a sign of life: A silent, and B (alive, in its tool) making no task run
         # update, each for longer than --abandoned-after. Nothing to await but the clock.
@@ -133,6 +144,13 @@ def test_gc_frees_the_pieces_of_a_killed_prefect_run_nobody_resumes_and_keeps_a_
         args = ('store', 'gc', '--store', store, '--retention', '1s', '--grace', '0s', '--abandoned-after',
                 f'{ABANDONED_AFTER:g}s')
         before = everything(store)
+        # Without --retention: the server keeps flow runs until deleted (no flow run vacuum), so gc keeps A and says
+        # so, naming A as abandoned all the same.
+        forever = durcap('store', 'gc', '--store', store, '--grace', '0s', '--abandoned-after', f'{ABANDONED_AFTER:g}s',
+                         env=env, timeout=120)
+        assert forever.returncode == 0, forever.stdout + forever.stderr
+        assert 'prefect keeps its runs until deleted' in forever.stdout.splitlines()[0], forever.stdout
+        assert 'would free 0 piece(s)' in forever.stdout and f'treated as abandoned: {owner_a}' in forever.stdout
         plan = durcap(*args, '--format', 'json', env=env, timeout=120)
         assert plan.returncode == 0, plan.stdout + plan.stderr
         assert everything(store) == before  # a dry run
@@ -187,6 +205,8 @@ def test_a_new_turn_takes_over_the_conversation_a_killed_prefect_run_outside_a_d
     first, log = _turn(conversation, 'sizes 2000 3000', env, tmp_path, 'first')
     try:
         wait_for(lambda: len(_lines(ledger)) == 2, 180, message=lambda: log.read_text(errors='replace')[-3000:])
+        flow_run_id = log.read_text().split('prefect flow run id: ', 1)[1].split()[0]
+        wait_for(lambda: _beats(prefect_api_url, flow_run_id), 60, message='the first run never beat')
     finally:
         _kill(first)
     time.sleep(2.5)  # the stale time itself is what is tested: nothing to await but the clock

@@ -301,6 +301,27 @@ def test_an_engine_that_keeps_its_runs_until_deleted_keeps_their_claim_checks_un
     assert 'prefect keeps its runs until deleted' in found.lines()[0]
 
 
+def test_gc_does_not_start_a_prefect_server_to_judge_prefect_runs_when_no_api_is_configured(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store holding a Prefect flow run's tool-result piece, `durcap store gc` with no `PREFECT_API_URL` (a fresh
+    Prefect home: no profile either): Prefect is not asked (that would start a temporary server, in a worker's every
+    pass), its run is kept, and a note says why. Real CLI subprocess, real SQLite store; no engine runs."""
+    from durable_capabilities.engines.prefect import _results
+
+    url = sqlite_url(tmp_path)
+    monkeypatch.setattr(_results, '_owner', lambda: 'prefect:0b9e1e8c-5a7e-4b8e-9f55-2f1c1d6f7a10')
+    with _results.result_store(url):
+        _results.ToolResultPieces().dumps({'value': 'y' * 5000})
+    before = everything(url)
+    done = durcap('store', 'gc', '--store', url, '--retention', '0s', '--grace', '0s', '--apply', '--format', 'json',
+                  env={'PREFECT_HOME': str(tmp_path / 'prefect-home')}, unset=['PREFECT_API_URL'], timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(done.stdout)
+    assert data['owners'] == [] and data['kept_owners'] == {'their engine was not asked': 1}, data
+    assert data['notes'] and data['notes'][0].startswith('prefect: skipped, no PREFECT_API_URL'), data
+    assert everything(url) == before
+
+
 # ---- output and flags ---------------------------------------------------------------------------------
 
 
