@@ -2,6 +2,8 @@
 
 - prompt `tool N`: the model calls `produce(size=N)`, then answers `produced N chars after M messages`;
 - prompt `tools K N`: the model calls `produce(size=N)` K times, one call per response, then answers;
+- prompt `sizes N1 N2 ...`: the model calls `produce(size=N1)`, then `produce(size=N2)`, ..., one call per response,
+  then answers (distinct results: a test tells each call's piece apart);
 - any other prompt: the model answers `seen M messages` (M: the messages it was sent).
 `produce` appends one line per execution to `$DURCAP_LEDGER` (the side effect a test counts), sleeps
 `$DURCAP_TOOL_PAUSE` seconds after writing it (so a test can cut the store before the append), and returns
@@ -33,10 +35,15 @@ def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
     prompt = next(p.content for p in messages[prompt_at].parts if isinstance(p, UserPromptPart))
     returns = [p for m in messages[prompt_at:] for p in getattr(m, 'parts', []) if isinstance(p, ToolReturnPart)]
     words = str(prompt).split()
-    if words[0] in ('tool', 'tools'):
-        calls, size = (1, int(words[1])) if words[0] == 'tool' else (int(words[1]), int(words[2]))
-        if len(returns) < calls:
-            return ModelResponse(parts=[ToolCallPart('produce', {'size': size}, tool_call_id=f'call-{len(returns)}')])
+    if words[0] in ('tool', 'tools', 'sizes'):
+        if words[0] == 'sizes':
+            sizes = [int(w) for w in words[1:]]
+        else:
+            calls, size = (1, int(words[1])) if words[0] == 'tool' else (int(words[1]), int(words[2]))
+            sizes = [size] * calls
+        if len(returns) < len(sizes):
+            return ModelResponse(parts=[ToolCallPart('produce', {'size': sizes[len(returns)]},
+                                                     tool_call_id=f'call-{len(returns)}')])
         return ModelResponse(parts=[TextPart(f'produced {sum(len(str(r.content)) for r in returns)} chars after {len(messages)} messages')])
     return ModelResponse(parts=[TextPart(f'seen {len(messages)} messages')])
 

@@ -1,7 +1,8 @@
 """Prefect tool-call task results keep their long texts in the conversation store, once (issue 24,
 `engines.prefect._results.ToolResultPieces`): written as compressed pieces owned by the flow run, read back, turned
 into pointers to the appended entry that holds the same text (still read back), deleted with the conversation by
-`history delete`'s purge, and never collected by `store gc`.
+`history delete`'s purge (also those of a run killed before its append, tied to its conversation by its turn claim),
+and kept by `store gc` unless Prefect is asked and says the flow run is gone (tests/engines/test_prefect_gc.py).
 
 Real SQLite files and PostgreSQL databases (the `store_url` fixture); the serializer runs outside a flow run, so the
 owner a flow run's task would record (`prefect:<flow run id>`) is given by patching `_results._owner`. No model runs.
@@ -131,3 +132,32 @@ def test_deleting_a_conversation_keeps_the_tool_text_another_flow_run_still_read
         assert serializer.loads(blob_b) == {'value': text}
         assert purge('b').rows['durcap_payloads'] == 1
         assert _rows(store_url) == {}
+
+
+def test_the_pieces_of_a_run_killed_before_its_append_belong_to_its_conversation_through_its_turn_claim(
+        store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flow run that claimed conversation `c` (its load) and stored a tool result, then died before its append: no
+    write names it, but its claim (held as the bare flow run id) does. `store stats` counts the piece as `c`'s, and
+    deleting `c` (only a claim in the store: found, not "no such conversation") removes the piece and the claim.
+    Another conversation's piece stays."""
+    monkeypatch.setattr(_results, '_owner', lambda: RUN)
+    with _results.result_store(store_url):
+        _results.ToolResultPieces().dumps({'value': _report(3)})
+    other = 'prefect:11111111-2222-4333-8444-555555555555'
+    monkeypatch.setattr(_results, '_owner', lambda: other)
+    with _results.result_store(store_url):
+        _results.ToolResultPieces().dumps({'value': _report(4)})
+    mine, theirs = _results.piece_digest(_report(3)), _results.piece_digest(_report(4))
+
+    async def go() -> Any:
+        with SQLConversationStore(store_url) as store:
+            store._sql.claim_turn('c', RUN.removeprefix('prefect:'))
+            store._sql.claim_turn('d', other.removeprefix('prefect:'))
+            stats = {c.conversation_id: c for c in (await store.stats()).conversations}
+            assert stats['c'].payload_bytes == _rows(store_url)[mine][0] and stats['c'].message_count == 0
+            report = await store.purge('c')
+            return report, store._sql.turn_claim('c'), store._sql.turn_claim('d')
+
+    report, claim_c, claim_d = asyncio.run(go())
+    assert report.rows['durcap_payloads'] == 1 and report.rows['durcap_payload_refs'] == 1
+    assert set(_rows(store_url)) == {theirs} and claim_c is None and claim_d is not None

@@ -242,6 +242,86 @@ def test_gone_owners_merges_what_several_engines_say() -> None:
     assert set(zero) == {'w1', 'w2', 'w3', 'w4'} and none_kept == {}
 
 
+def test_each_engine_judges_only_the_owners_of_its_runs() -> None:
+    """A Prefect owner (`prefect:<flow run id>`) is judged by Prefect's answer only (a Temporal answer that does not
+    know it never makes it "unknown, past retention"), a workflow id by Temporal's only; an owner of an engine not
+    asked is kept."""
+    from durable_capabilities.store import ClaimCheckOwner
+
+    now = datetime.now(UTC)
+    old = now - 5 * HOUR
+    owners = [ClaimCheckOwner('wf-1', [], 1, old), ClaimCheckOwner('prefect:run-1', [], 1, old),
+              ClaimCheckOwner('prefect:run-2', [], 1, old)]
+    temporal = RunStates('temporal', 'x', HOUR, {'wf-1': RunState('wf-1', True)})
+    gone, kept = gone_owners(owners, [temporal], now)
+    assert gone == {} and kept == {'open': 1, 'their engine was not asked': 2}
+    prefect = RunStates('prefect', 'y', HOUR, {'prefect:run-1': RunState('prefect:run-1', False, now - 2 * HOUR)})
+    gone, kept = gone_owners(owners, [temporal, prefect], now)
+    assert set(gone) == {'prefect:run-1', 'prefect:run-2'} and gone['prefect:run-2'].startswith('unknown to prefect ')
+    assert kept == {'open': 1}
+
+
+def test_an_abandoned_run_goes_once_its_last_sign_of_life_is_past_the_retention() -> None:
+    """`RunState.abandoned` (Prefect: RUNNING, silent): closed at its last sign of life; the reason says why."""
+    from durable_capabilities.collecting import abandoned_owners
+    from durable_capabilities.store import ClaimCheckOwner
+
+    now = datetime.now(UTC)
+    owners = [ClaimCheckOwner(f'prefect:{n}', [], 1, now - 9 * HOUR) for n in ('old', 'new')]
+    why = 'RUNNING, no beat, state change or task run update for 3 h: its process is gone'
+    prefect = RunStates('prefect', 'y', HOUR, {
+        'prefect:old': RunState('prefect:old', False, now - 3 * HOUR, abandoned=why),
+        'prefect:new': RunState('prefect:new', False, now - timedelta(minutes=5), abandoned=why)})
+    gone, kept = gone_owners(owners, [prefect], now)
+    assert gone == {'prefect:old': f'abandoned on prefect ({why}), past the 1h retention'}
+    assert kept == {'abandoned within the retention period': 1}
+    assert abandoned_owners([prefect]) == {'prefect:old': f'prefect: {why}', 'prefect:new': f'prefect: {why}'}
+
+
+def test_an_engine_that_keeps_its_runs_until_deleted_keeps_their_claim_checks_unless_a_retention_is_given(
+        tmp_path: Path) -> None:
+    """Prefect without flow run vacuum (`RunStates.keeps_forever`, no retention): gc does not refuse (Temporal's owners
+    are still collected), keeps the Prefect runs' claim checks and says how to free them; `--retention` decides."""
+    from durable_capabilities.store import ClaimCheckOwner
+
+    now = datetime.now(UTC)
+    owners = [ClaimCheckOwner('prefect:done', [], 1, now - 9 * HOUR), ClaimCheckOwner('prefect:gone', [], 1, now - 9 * HOUR)]
+    forever = RunStates('prefect', 'y', None, {'prefect:done': RunState('prefect:done', False, now - 3 * HOUR)},
+                        keeps_forever=True)
+    gone, kept = gone_owners(owners, [forever], now)
+    assert gone == {} and sorted(kept.values()) == [1, 1]
+    assert any('keeps its runs until deleted (pass --retention' in why for why in kept), kept
+    gone, _ = gone_owners(owners, [forever], now, retention=HOUR)
+    assert set(gone) == {'prefect:done', 'prefect:gone'}
+    url = sqlite_url(tmp_path)
+    seed(url)
+    later = datetime.now(UTC) + timedelta(seconds=1)  # after the seeded references: none inside the (zero) grace
+    found = gc(url, [forever, answer(later, **{'wf-a': closed('wf-a', 2 * HOUR, later)})], apply=False, now=later)
+    assert [o.owner for o in found.report.owners] == ['wf-a'] and found.forever == ['prefect']
+    assert 'prefect keeps its runs until deleted' in found.lines()[0]
+
+
+def test_gc_does_not_start_a_prefect_server_to_judge_prefect_runs_when_no_api_is_configured(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store holding a Prefect flow run's tool-result piece, `durcap store gc` with no `PREFECT_API_URL` (a fresh
+    Prefect home: no profile either): Prefect is not asked (that would start a temporary server, in a worker's every
+    pass), its run is kept, and a note says why. Real CLI subprocess, real SQLite store; no engine runs."""
+    from durable_capabilities.engines.prefect import _results
+
+    url = sqlite_url(tmp_path)
+    monkeypatch.setattr(_results, '_owner', lambda: 'prefect:0b9e1e8c-5a7e-4b8e-9f55-2f1c1d6f7a10')
+    with _results.result_store(url):
+        _results.ToolResultPieces().dumps({'value': 'y' * 5000})
+    before = everything(url)
+    done = durcap('store', 'gc', '--store', url, '--retention', '0s', '--grace', '0s', '--apply', '--format', 'json',
+                  env={'PREFECT_HOME': str(tmp_path / 'prefect-home')}, unset=['PREFECT_API_URL'], timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(done.stdout)
+    assert data['owners'] == [] and data['kept_owners'] == {'their engine was not asked': 1}, data
+    assert data['notes'] and data['notes'][0].startswith('prefect: skipped, no PREFECT_API_URL'), data
+    assert everything(url) == before
+
+
 # ---- output and flags ---------------------------------------------------------------------------------
 
 

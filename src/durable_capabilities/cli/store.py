@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import timedelta
 from enum import Enum
 from typing import Annotated, Any
 
@@ -76,7 +77,13 @@ def gc(
     retention: Annotated[str | None, typer.Option(
         '--retention', metavar='DURATION',
         help="Keep a closed workflow's claim checks this long after it closed, instead of the engine's retention "
-             '(Temporal: the namespace retention period). E.g. 7d, 36h.')] = None,
+             '(Temporal: the namespace retention period; Prefect: its flow run vacuum retention, else it keeps runs '
+             'until deleted and nothing of a closed flow run is freed without this). E.g. 7d, 36h.')] = None,
+    abandoned_after: Annotated[str | None, typer.Option(
+        '--abandoned-after', metavar='DURATION',
+        help='Prefect: a RUNNING, PENDING or CANCELLING flow run with no beat, state change or task run update for '
+             'this long counts as abandoned (its process was killed without a word), closed at its last sign of '
+             'life (default 1h; a live flow run beats every 2s, however long its tool runs).')] = None,
     grace: Annotated[str, typer.Option(
         '--grace', metavar='DURATION',
         help='Never delete anything written in this last while (a run in flight may have stored a piece its engine '
@@ -84,19 +91,24 @@ def gc(
     format: Annotated[StatsFormat, typer.Option('--format', help='text or json.')] = StatsFormat.text,
     conn: dict[str, Any] | None = None,
 ) -> None:
-    """Delete the claim-check data (Temporal payload pieces) that no open workflow, and no closed workflow within its
-    namespace's retention period, refers to; pieces a live workflow shares are kept. A dry run unless --apply."""
+    """Delete the claim-check data (Temporal payload pieces, Prefect tool-result pieces) that no open run, and no run
+    closed within its engine's retention period, refers to; pieces a live run shares are kept. A Prefect flow run left
+    RUNNING by a killed process counts as closed at its last sign of life once silent for --abandoned-after (listed as
+    abandoned, with why). A dry run unless --apply."""
     from ..collecting import collect_garbage, parse_duration
 
     try:
         kept_for = None if retention is None else parse_duration(retention, '--retention')
         window = parse_duration(grace, '--grace')
+        silent = None if abandoned_after is None else parse_duration(abandoned_after, '--abandoned-after')
+        if silent is not None and silent <= timedelta(0):
+            raise ValueError(f'--abandoned-after {abandoned_after!r} must be longer than 0s')
     except ValueError as exc:
         _unusable(f'{INPUT_CODE} {exc}')
     settings = connection_settings(conn or {}, store)
     try:
         found = asyncio.run(collect_garbage(resolve_url(store), settings=settings, retention=kept_for, grace=window,
-                                            apply=apply))
+                                            apply=apply, abandoned_after=silent))
     except DurcapError as exc:
         _unusable(str(exc))
     if format is StatsFormat.json:

@@ -128,12 +128,18 @@ class RunState:
     Attributes:
         run_id: The engine's id of the run (a Temporal workflow id: its latest execution is meant).
         open: The run is still running (or waiting); a continued-as-new workflow is open while its latest run is.
-        closed_at: When it closed (UTC), `None` while open.
+        closed_at: When it closed (UTC), `None` while open. For a run counted as abandoned (`abandoned`), its last
+            sign of life.
+        abandoned: Why the engine counts a run it shows as running as closed: its process is gone (Prefect: a RUNNING
+            flow run with no beat, state change or task run update for longer than the abandoned-after time), e.g.
+            `'RUNNING, no sign of life for 2h (since 2026-12-06T01:02:03+00:00)'`; `None` for a run that is open or
+            really closed.
     """
 
     run_id: str
     open: bool
     closed_at: datetime | None = None
+    abandoned: str | None = None
 
 
 @dataclass(frozen=True)
@@ -144,14 +150,17 @@ class RunStates:
         engine: The engine's name.
         where: Where it was asked (`namespace 'default' at 127.0.0.1:7233`), for messages.
         retention: How long the engine keeps a closed run's records (a Temporal namespace's retention period),
-            `None` when it cannot tell.
+            `None` when it cannot tell (or keeps them until deleted: `keeps_forever`).
         states: `{run id: RunState}` of the runs it knows; a run it does not know is absent.
+        keeps_forever: The engine keeps closed runs until someone deletes them (a Prefect server without flow run
+            vacuum): with no retention given, gc keeps its runs' claim checks instead of refusing.
     """
 
     engine: str
     where: str
     retention: timedelta | None
     states: dict[str, RunState] = field(default_factory=dict)
+    keeps_forever: bool = False
 
 
 class RunNotFoundError(LookupError, DurcapError, code='run-not-found'):
@@ -521,7 +530,11 @@ class EngineAdapter(ABC):
     async def run_states(self, run_ids: Sequence[str], settings: Mapping[str, Any]) -> RunStates:
         """Whether each of `run_ids` is open or when it closed, and the engine's retention of closed runs: what
         `durcap store gc` needs to tell which claim checks no run can read any more. Asked of the engines whose
-        runs record claim checks (Temporal); the answer must be current (not an eventually consistent listing).
+        runs record claim checks (Temporal; Prefect, whose tool results keep their texts in the store), each about the
+        owners of its runs (an engine with an `append_prefix` about the owners that begin with it, the others about
+        the rest); the answer must be current (not an eventually consistent listing). `settings` may carry
+        `abandoned_after` (seconds): how long a run shown as running must show no sign of life to count as abandoned
+        (`RunState.abandoned`), on engines that can tell.
 
         Raises:
             NotImplementedError: the engine records no claim checks.

@@ -110,7 +110,7 @@ PREFECT = EngineSpec(
                    'cache_toolset_ids': 'cache toolset id'},
     packages=('prefect',),
     unit='task', units='tasks', container='flow', run_id_label='flow run id',
-    features=frozenset({'schedule', 'approvals', 'streams'}),
+    features=frozenset({'schedule', 'approvals', 'streams', 'claim-checks'}),
     retains=('the flow run, its task runs and their parameters in the Prefect API\'s database, and the tasks\' persisted '
              'results in result storage (by default ~/.prefect/storage), until deleted'),
     forget='prefect flow-run delete {run_id} (and the result files of its task runs in result storage)',

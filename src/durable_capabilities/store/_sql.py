@@ -958,7 +958,9 @@ class _SQLBackend:
         for table in ('durcap_conversations', 'durcap_entries', 'durcap_writes'):
             counts[table] = int(conn.execute(
                 sa.text(f'SELECT COUNT(*) FROM {table} WHERE conversation_id = :cid'), {'cid': conversation_id}).scalar() or 0)
-        if not any(counts.values()):
+        holders = [row[0] for row in conn.execute(
+            sa.text('SELECT run_id FROM durcap_turn_claims WHERE conversation_id = :cid'), {'cid': conversation_id}).all()]
+        if not any(counts.values()) and not holders:
             raise ConversationNotFoundError(conversation_id)
         length = 'OCTET_LENGTH(message)' if self.is_pg else 'LENGTH(CAST(message AS BLOB))'
         message_bytes = int(conn.execute(
@@ -968,7 +970,8 @@ class _SQLBackend:
                                {'cid': conversation_id}).scalar()
         appends = self._appends_of(conn, conversation_id)
         known = self._owners(conn)
-        owners = sorted({owner for append_id in appends if (owner := _owner_of(append_id, known)) is not None})
+        owners = sorted({owner for append_id in appends if (owner := _owner_of(append_id, known)) is not None}
+                        | {owner for holder in holders for owner in _owners_of_holder(holder, known)})
         direct: dict[str, set[str]] = {}
         refs = 0
         for digest, owner in conn.execute(sa.text('SELECT sha256, owner FROM durcap_payload_refs')).all():
@@ -1037,7 +1040,9 @@ class _SQLBackend:
                 )
             if not dry_run:
                 self._unpoint_shared(conn, conversation_id, set(usage.owners))
-                for table in ('durcap_entries', 'durcap_writes', 'durcap_conversations'):
+                # Its turn claim too: a run killed before its append (a Prefect flow run outside a deployment stays
+                # RUNNING) held it for good, and its pieces are the conversation's (`_owners_of_holder`).
+                for table in ('durcap_entries', 'durcap_writes', 'durcap_conversations', 'durcap_turn_claims'):
                     conn.execute(sa.text(f'DELETE FROM {table} WHERE conversation_id = :cid'), {'cid': conversation_id})
                 # `durcap serve`'s rows of it (schema 7): who owned it, the runs requests started, their idempotency keys.
                 conn.execute(sa.text('DELETE FROM durcap_serve_requests WHERE run_id IN (SELECT run_id FROM '
@@ -1169,6 +1174,11 @@ class _SQLBackend:
                 owner = _owner_of(append_id, known)
                 if owner is not None:
                     owner_of.setdefault(owner, set()).add(cid)
+            claims: set[str] = set()
+            for cid, holder in conn.execute(sa.text('SELECT conversation_id, run_id FROM durcap_turn_claims')).all():
+                for owner in _owners_of_holder(holder, known):  # a run in flight, or killed before its append
+                    owner_of.setdefault(owner, set()).add(cid)
+                    claims.add(cid)
             sizes = {row[0]: int(row[1]) for row in conn.execute(sa.text('SELECT sha256, size FROM durcap_payloads')).all()}
             direct: dict[str, set[str]] = {}
             for digest, owner in conn.execute(sa.text('SELECT sha256, owner FROM durcap_payload_refs')).all():
@@ -1196,7 +1206,7 @@ class _SQLBackend:
                 slot[key] += size
                 slot[f'{key}_n'] += 1
         conversations = []
-        for cid in sorted(set(headers) | set(messages)):
+        for cid in sorted(set(headers) | set(messages) | claims):
             count, size = messages.get(cid, (0, 0))
             slot = per.get(cid, {})
             conversations.append(ConversationStats(
@@ -1598,6 +1608,14 @@ _FORKS = (
     'WHERE p.conversation_id = :cid AND c.conversation_id <> :cid'
 )
 """The other conversations whose histories run through the conversation's own entries (forked from it)."""
+
+
+def _owners_of_holder(holder: str, owners: set[str]) -> list[str]:
+    """The claim-check owners that are the run holding a conversation's turn claim (`durcap_turn_claims.run_id`): the
+    owner of that id, or of that id after an engine's prefix (a Prefect flow run holds the claim as `<flow run id>`
+    and owns its pieces as `prefect:<flow run id>`). A run killed before its append wrote no `durcap_writes` row: its
+    claim is what ties its pieces to the conversation."""
+    return [owner for owner in owners if owner == holder or owner.endswith(f':{holder}')]
 
 
 def _owner_of(append_id: str, owners: set[str]) -> str | None:

@@ -29,6 +29,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
+from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any
 
 from prefect import task
@@ -195,15 +196,35 @@ def run_count() -> int:
 
 
 async def _flow_run_active(run_id: str) -> bool:
-    """Whether flow run `run_id` (holding a conversation's turn claim) may still run: not in a final state."""
+    """Whether flow run `run_id` (holding a conversation's turn claim) may still run: not in a final state, and not a
+    RUNNING / PENDING / CANCELLING run that beats (`_liveness.BEAT_LABEL`) but has shown no sign of life (its `updated`,
+    which every beat moves, and its state's time, on the server's clock) for `_liveness.stale_seconds()`.
+
+    Why the beat: a flow run outside a deployment (`durcap run --engine prefect`) whose process was killed stays
+    RUNNING for good (no serving process watches it), and its claim refused every later turn of the conversation
+    (DC050) or kept an enqueued one waiting forever. A run with no beat label (started by a durcap before the beats, or
+    killed before its first beat landed) is judged by its state alone, as before."""
     from prefect import get_client
+
+    from ._liveness import BEAT_LABEL, stale_seconds
 
     try:
         async with get_client() as client:
             found = await client.read_flow_run(uuid.UUID(run_id))
+            if found.state is None or found.state.is_final():
+                return found.state is None
+            if found.state_type is None or found.state_type.name not in ('RUNNING', 'PENDING', 'CANCELLING') or \
+                    BEAT_LABEL not in (found.labels or {}):
+                return True
+            response = await client.hello()
     except Exception:  # noqa: BLE001 - unknown (deleted) or not a flow run id: nobody will release it
         return False
-    return found.state is None or not found.state.is_final()
+    try:
+        server_now = parsedate_to_datetime(response.headers['date'])
+    except (KeyError, TypeError, ValueError):
+        return True  # no server clock to compare with: judged by its state
+    signs = [t.timestamp() for t in (found.updated, found.state.timestamp) if t is not None]
+    return not signs or server_now.timestamp() - max(signs) < stale_seconds()
 
 
 def _retry_append(task: Any, task_run: Any, state: Any) -> bool:

@@ -86,12 +86,14 @@ def agent_flow(agent: DurableAgent[Any, Any]) -> Any:
     ) -> dict[str, Any]:
         # The run's events go to the flow run's stream (a retried flow run keeps its id: the finished tasks are not
         # run again, and the events the flow's own code publishes again are keys the log already has).
-        # A deployment's flow run beats while it runs (`_liveness`): one that dies with its serving process is found.
+        # Every flow run beats while it runs (`_liveness`): a deployment's that dies with its serving process is found
+        # and marked CRASHED; one outside a deployment (`durcap run`) killed with its process is told apart from a live
+        # one by `durcap store gc` (abandoned: `_runs.run_states`), however long a tool of a live one runs.
         context = FlowRunContext.get()
-        deployed = context is not None and context.flow_run is not None and context.flow_run.deployment_id is not None
+        in_flow = context is not None and context.flow_run is not None
         url = store_url(agent, _RUN_STORE.get())
         # The model request tasks check whether a newer turn asked this flow run's turn to stop (`interrupts`).
-        with beating(str(flow_run.id)) if deployed else nullcontext(), result_store(url), \
+        with beating(str(flow_run.id)) if in_flow else nullcontext(), result_store(url), \
                 streams.publishing(str(flow_run.id), ENGINE, url, conversation_id=conversation_id), \
                 interrupts.watching(str(flow_run.id) if conversation_id is not None else None, url):
             turn = await run_turn(agent, built.run, prompt, deps=deps_from_json(agent, deps),

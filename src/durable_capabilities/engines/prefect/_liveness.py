@@ -6,9 +6,11 @@ sees it exit. When both die at once (a machine or container lost, a process grou
 reports anything and the run stays RUNNING for good; Prefect's own flow-run heartbeat events come at most every
 30 s and the open-source server acts on none of them. So:
 
-- `beating(flow_run_id)`: a flow run of a deployment (what `durcap schedule prefect` serves) beats while it runs: a
-  daemon thread sets the flow run's label `BEAT_LABEL` to a new value every `beat_seconds()` seconds (one small
-  PATCH to the Prefect API; at 2 s, 100 running flow runs make 50 requests a second).
+- `beating(flow_run_id)`: every flow run of an agent's flow beats while it runs (a deployment's, what `durcap schedule
+  prefect` serves, and since issue 24 one `durcap run --engine prefect` or `durcap runs resume` runs in its own
+  process, which `durcap store gc` needs to tell a live run from an abandoned one: `_runs.run_states`): a daemon
+  thread sets the flow run's label `BEAT_LABEL` to a new value every `beat_seconds()` seconds (one small PATCH
+  to the Prefect API; at 2 s, 100 running flow runs make 50 requests a second).
 - `DeadRunWatch`, in every serving process (`_worker.watch_crashed` runs a round every 2 s): a RUNNING flow run of the
   deployment whose beat label this process has seen unchanged for `stale_seconds()` seconds of its own clock (no
   clock is compared across machines) is dead. The process that creates the write-once flow run input
@@ -21,7 +23,9 @@ process starts, `first_beat`, and from its process's start; a spawned one from i
 while the server moves the run to RUNNING can be lost on a busy server, and a serving process killed just then left
 the run unlabelled and RUNNING for good (bench_scaleout.py --kill: one run in 20, in each of six tries). What this
 gives up: a flow run started by durcap before the beats (December 2026) and still RUNNING is declared dead after the
-stale time. Flow runs outside a deployment (`durcap run` waits for its own run in its own process) are not watched. A process that stalls longer than the stale time (a debugger, a
+stale time. Flow runs outside a deployment (`durcap run` waits for its own run in its own process) beat but are not
+watched: nobody else would run them again; `durcap store gc` counts one silent for its `--abandoned-after` time as
+abandoned. A process that stalls longer than the stale time (a debugger, a
 swapped-out machine) is declared dead while alive: raise `$DURCAP_PREFECT_STALE_SECONDS` where that can happen.
 """
 

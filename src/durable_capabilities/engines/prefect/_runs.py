@@ -12,7 +12,8 @@ import re
 import uuid
 import uuid as uuid_
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any
 
 from prefect import get_client
@@ -37,7 +38,16 @@ from prefect.states import Cancelled, Scheduled
 from ...approvals import ApprovalError, Decision, PendingCall, already_decided, check_decision
 from ...conversations import resolve_payload, store_url
 from ...report import RunReport
-from .._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
+from .._adapter import (
+    RunInfo,
+    RunNotFoundError,
+    RunOptions,
+    RunState,
+    RunStates,
+    RunUnit,
+    loaded_capabilities_in,
+    unit_kind,
+)
 from ._approvals import _input_key
 from ._client import run_flow_run
 from ._flow import agent_flow, run_store
@@ -189,6 +199,143 @@ async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options:
     options.notify(f'resuming prefect flow run {run_id} ({info.engine_status}) in this process')
     with run_store(options.setting('store')):
         return await run_flow_run(flow_, run.id, dict(run.parameters or {}), store_url(agent, options.setting('store')))
+
+
+# ---- claim checks (`durcap store gc`) -----------------------------------------------------------------
+
+DEFAULT_ABANDONED_AFTER = timedelta(hours=1)
+"""How long a RUNNING / PENDING / CANCELLING flow run must show no sign of life (no beat, state change or task run
+update) before `durcap store gc` counts it as abandoned (`--abandoned-after`)."""
+
+_MAY_BE_ABANDONED = ('RUNNING', 'PENDING', 'CANCELLING')
+"""States a flow run's own process holds (it moves it out of them): left in one by a process killed without a word.
+SCHEDULED and PAUSED runs wait for a worker or a person, not for a process, and are open however long they wait."""
+
+
+def abandoned_after(settings: Mapping[str, Any]) -> timedelta:
+    """`settings['abandoned_after']` (seconds; default `DEFAULT_ABANDONED_AFTER`), never under three beats of this
+    process's `$DURCAP_PREFECT_BEAT_SECONDS` (a live run's beat can be that late)."""
+    from ._liveness import beat_seconds
+
+    given = settings.get('abandoned_after')
+    wanted = DEFAULT_ABANDONED_AFTER if given is None else timedelta(seconds=float(given))
+    return max(wanted, timedelta(seconds=3 * beat_seconds()))
+
+
+async def _server_retention(client: Any) -> timedelta | None:
+    """The server's flow run retention: `server.services.db_vacuum.retention_period` when its vacuum deletes flow runs
+    (`enabled` holds `flow_runs`), else `None` (it keeps them until deleted, Prefect's default). `None` too when the
+    server does not say (an older server, Prefect Cloud): safe, as gc then keeps the flow runs' pieces."""
+    from pydantic import TypeAdapter
+
+    try:  # no public client method reads the server's settings: the API's own route, through the client's session
+        response = await client._client.get('/admin/settings')  # pyright: ignore[reportPrivateUsage]
+        vacuum = response.json()['server']['services']['db_vacuum']
+        enabled = vacuum.get('enabled')
+        if enabled is True or (isinstance(enabled, list) and 'flow_runs' in enabled):
+            return TypeAdapter(timedelta).validate_python(vacuum['retention_period'])
+    except Exception:  # noqa: BLE001 - not told: kept forever, the safe answer
+        return None
+    return None
+
+
+async def _server_now(client: Any) -> datetime | None:
+    """The server's clock (its `Date` header on `/hello`, to the second), `None` when it sends none."""
+    try:
+        response = await client.hello()
+        return parsedate_to_datetime(response.headers['date']).astimezone(UTC)
+    except Exception:  # noqa: BLE001 - this machine's clock then
+        return None
+
+
+async def run_states(run_ids: Sequence[str], settings: Mapping[str, Any]) -> RunStates:
+    """What `durcap store gc` needs of the flow runs that own tool-result pieces (`_results`; owners `prefect:<flow run
+    id>`, given with or without the prefix).
+
+    - A flow run in a final state (COMPLETED, FAILED, CRASHED, CANCELLED) closed at its state's time. A FAILED or
+      CRASHED one can still be run again (`durcap runs resume`; a deployment's CRASHED run is rescheduled, and is then
+      SCHEDULED or RUNNING again, open): it reads its finished tool calls' results from the pieces, so they are kept
+      for the retention after it ended.
+    - A RUNNING, PENDING or CANCELLING flow run whose newest sign of life (the flow run's `updated`, which every beat of
+      `_liveness.beating` moves, every running flow run beating every 2 s; its state's time; its task runs' `updated`)
+      is older than `abandoned_after(settings)` is abandoned: its process died without a word (SIGKILL, a lost
+      machine) and nobody marked it (a flow run outside a deployment is watched by no serving process). It counts as
+      closed at that last sign of life (`RunState.abandoned` says why). A live run beats, however long its tool runs.
+    - Any other (SCHEDULED, PAUSED, a live RUNNING one) is open. A flow run the server does not know is absent.
+
+    Times of the server are read against its own clock (`Date` header), then given on this machine's clock, so a
+    server whose clock is off does not make a live run look silent. Retention: `_server_retention`, `keeps_forever`
+    when the server keeps flow runs until deleted.
+
+    Raises:
+        OSError / RuntimeError / PrefectHTTPStatusError: the Prefect API cannot be reached.
+    """
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+
+    url, _ = ensure_api()
+    wanted: dict[uuid.UUID, str] = {}
+    for run_id in run_ids:
+        try:
+            wanted[uuid.UUID(run_id.removeprefix(f'{ENGINE}:'))] = run_id
+        except ValueError:
+            continue  # not a flow run id: unknown here
+    silent_for = abandoned_after(settings)
+    states: dict[str, RunState] = {}
+    async with get_client() as client:
+        retention = await _server_retention(client)
+        ids = list(wanted)
+        runs: list[Any] = []
+        for start in range(0, len(ids), PREFECT_PAGE):
+            chunk = ids[start:start + PREFECT_PAGE]
+            runs += await client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=chunk)),
+                                                limit=len(chunk))
+        server_now = await _server_now(client)
+        server_now = _utc(server_now) if server_now is not None else None
+        here = datetime.now(UTC)
+        skew = (server_now - here) if server_now is not None else timedelta(0)
+        for run in runs:
+            owner = wanted[run.id]
+            state = run.state_type.name if run.state_type is not None else 'UNKNOWN'
+            if run.state is not None and run.state.is_final():
+                ended = run.end_time or run.state.timestamp or run.updated
+                states[owner] = RunState(owner, False, _utc(ended) - skew)
+                continue
+            if state not in _MAY_BE_ABANDONED:
+                states[owner] = RunState(owner, True)
+                continue
+            signs = [_utc(t) for t in (run.updated, run.state.timestamp if run.state is not None else None)
+                     if t is not None]
+            if signs and (server_now or here) - max(signs) >= silent_for:  # only then: its task runs, one request
+                tasks = await client.read_task_runs(task_run_filter=TaskRunFilter(
+                    flow_run_id=TaskRunFilterFlowRunId(any_=[run.id])))
+                signs += [_utc(t.updated) for t in tasks if t.updated is not None]
+            last = max(signs) if signs else None
+            silent = (server_now or here) - last if last is not None else timedelta(0)
+            if last is None or silent < silent_for:
+                states[owner] = RunState(owner, True)
+                continue
+            states[owner] = RunState(owner, False, last - skew, abandoned=(
+                f'{state}, no beat, state change or task run update for {_span(silent)} (since '
+                f'{last.isoformat(timespec="seconds")}, Prefect\'s clock; abandoned after '
+                f'{_span(silent_for)}): its process is gone'))
+    return RunStates(ENGINE, f'Prefect API at {url}', retention, states, keeps_forever=retention is None)
+
+
+def _utc(moment: datetime) -> datetime:
+    """A Prefect time (a pendulum or standard datetime; naive means UTC) as a standard aware UTC `datetime`."""
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return datetime.fromtimestamp(moment.timestamp(), UTC)
+
+
+def _span(delta: timedelta) -> str:
+    """`delta` for people: `42 s`, `17 min`, `3.5 h`, `2.0 d`."""
+    seconds = delta.total_seconds()
+    if seconds < 120:
+        return f'{seconds:.0f} s'
+    if seconds < 7200:
+        return f'{seconds / 60:.0f} min'
+    return f'{seconds / 3600:.1f} h' if seconds < 172800 else f'{seconds / 86400:.1f} d'
 
 
 def _unit(task_run: Any) -> RunUnit:
