@@ -32,6 +32,7 @@ __all__ = [
     'interchangeable_leaves',
     'is_mcp_toolset',
     'prefect_engine_run_process',
+    'prefect_server_settings',
     'runtime_rejected_kinds',
     'temporal_activity_name',
     'temporal_set_deadlock_timeout',
@@ -286,3 +287,22 @@ def prefect_engine_run_process(replacement: Any | None = None) -> Any:
     if replacement is not None:
         setattr(_starter_engine, 'run_process', replacement)  # noqa: B010 - a module attribute Prefect reads at each call
     return current
+
+
+async def prefect_server_settings(client: Any) -> Any:
+    """The Prefect server's settings (`GET /admin/settings`, the JSON the server answers), read through `client`'s
+    own HTTP session (private `PrefectClient._client`: no public client method reads them; the session carries the
+    client's API URL, auth and retries).
+
+    Args:
+        client: an open `prefect.client.orchestration.PrefectClient`.
+
+    Returns:
+        The decoded JSON (a dict: `server.services.db_vacuum...`).
+
+    Raises:
+        Whatever the session raises (`httpx.HTTPError`, `PrefectHTTPStatusError`) or a JSON decode error: callers
+        treat any as "the server did not say".
+    """
+    response = await client._client.get('/admin/settings')  # pyright: ignore[reportPrivateUsage]
+    return response.json()

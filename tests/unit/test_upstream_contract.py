@@ -538,6 +538,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
         'explicit_toolset_id',
         'is_mcp_toolset',  # tests/unit/test_lazy_imports.py
         'prefect_engine_run_process',  # test_prefect_runner_starts_flow_run_processes_through_the_engine_run_process
+        'prefect_server_settings',  # test_prefect_client_reads_the_server_settings_through_its_own_session
         'runtime_rejected_kinds',  # test_runtime_rejected_kinds_are_read_from_upstreams_durability_classes
         'interchangeable_leaves',
         'temporal_activity_name',
@@ -561,6 +562,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
             )
     assert sorted(private) == [
         '_Definition',
+        '_client',
         '_dbos',
         '_deadlock_timeout_seconds',
         '_deferred_capability_loader',
@@ -633,3 +635,22 @@ def test_runtime_rejected_kinds_are_read_from_upstreams_durability_classes() -> 
         kinds = _upstream.runtime_rejected_kinds(getattr(importlib.import_module(module), name))
         assert kinds and kinds <= {'function', 'mcp', 'dynamic'}, changed(f'{name}.engine_spec.unsupported_runtime_toolset_kinds')
         assert spec.rejected_at_run_time() == kinds
+
+
+def test_prefect_client_reads_the_server_settings_through_its_own_session() -> None:
+    """`_upstream.prefect_server_settings` (`durcap store gc` reads the Prefect server's flow-run retention,
+    engines/prefect/_runs.py `_server_retention`): `PrefectClient._client` is the client's httpx session, based at
+    the API URL, whose `get` is a coroutine; the server serves `GET /admin/settings` (its route table says so)."""
+    import asyncio
+
+    import httpx
+    from prefect.client.orchestration import PrefectClient
+    from prefect.server.api.admin import router
+
+    client = PrefectClient('http://127.0.0.1:9/api')
+    session = client._client  # pyright: ignore[reportPrivateUsage]
+    assert isinstance(session, httpx.AsyncClient)
+    assert str(session.base_url).rstrip('/') == 'http://127.0.0.1:9/api'
+    assert asyncio.iscoroutinefunction(session.get)
+    assert any(getattr(route, 'path', '') == '/admin/settings' and 'GET' in getattr(route, 'methods', ())
+               for route in router.routes)

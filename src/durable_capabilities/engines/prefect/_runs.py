@@ -228,9 +228,10 @@ async def _server_retention(client: Any) -> timedelta | None:
     server does not say (an older server, Prefect Cloud): safe, as gc then keeps the flow runs' pieces."""
     from pydantic import TypeAdapter
 
+    from ..._upstream import prefect_server_settings
+
     try:  # no public client method reads the server's settings: the API's own route, through the client's session
-        response = await client._client.get('/admin/settings')  # pyright: ignore[reportPrivateUsage]
-        vacuum = response.json()['server']['services']['db_vacuum']
+        vacuum = (await prefect_server_settings(client))['server']['services']['db_vacuum']
         enabled = vacuum.get('enabled')
         if enabled is True or (isinstance(enabled, list) and 'flow_runs' in enabled):
             return TypeAdapter(timedelta).validate_python(vacuum['retention_period'])
