@@ -229,6 +229,10 @@ def _deps_cases() -> list[Case]:
 
 # ---- URLs: --store, --db ----------------------------------------------------------------------------------------------
 
+MISSING_PG_NAME = 'durcap_no_such_store_db'
+MISSING_PG = f'postgresql://postgres@127.0.0.1:5432/{MISSING_PG_NAME}'
+"""A database the test server does not have (nothing here creates it: see `test_no_case_created_a_database`)."""
+
 BAD_URLS: list[tuple[str, str, str]] = [
     ('empty', '', 'is empty'),
     ('blank', '   ', 'is empty'),
@@ -265,6 +269,15 @@ def _url_cases() -> list[Case]:
              "'mysql://u:***@h/x': scheme 'mysql' is not supported"),
         Case('db-run-no-database', ['run', PLAIN, 'hi', '--engine', 'dbos', '--db',
                                     'postgresql://postgres@127.0.0.1:5432/no_such_db_xyz'], 2, 'no_such_db_xyz'),
+        # A PostgreSQL conversation store: a database the server does not have is named with the fix (createdb; no
+        # test creates it), a server that is down says to start it (a local run without a conversation: PROCESS_CASES).
+        Case('store-run-pg-database-missing', ['run', PLAIN, 'hi', '--store', MISSING_PG, '--conversation', 'c1'], 2,
+             f'database "{MISSING_PG_NAME}" does not exist; create the database (`createdb {MISSING_PG_NAME}` on that '
+             'server) or fix the URL'),
+        Case('store-history-pg-database-missing', ['history', 'show', 'c1', '--store', MISSING_PG], 2,
+             f'`createdb {MISSING_PG_NAME}`'),
+        Case('store-run-pg-unreachable', ['run', PLAIN, 'hi', '--store', 'postgresql://x:secret@127.0.0.1:1/nope',
+                                          '--conversation', 'c1'], 2, 'Connection refused; start the database or fix the URL'),
     ]
     # The operator commands on a DBOS system database that is down, refused by DBOS, or not a database: one line
     # naming the database (password as ***), exit 2, never SQLAlchemy's traceback or "nothing waits".
@@ -483,6 +496,21 @@ def _assert_one_clean_failure(case: Case, code: int, output: str) -> None:
         assert char not in output, f'raw {char!r} echoed: {output[-500:]!r}'
 
 
+def test_no_case_created_a_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commands given a PostgreSQL database the server does not have refuse it and leave it missing: a run with
+    a conversation, a local run without one, `history show` (real PostgreSQL at 127.0.0.1:5432, its `pg_database`)."""
+    import psycopg
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv('DURCAP_STORE', raising=False)
+    for argv in (['run', PLAIN, 'hi', '--store', MISSING_PG, '--conversation', 'c1'], ['run', PLAIN, 'hi', '--store', MISSING_PG],
+                 ['history', 'show', 'c1', '--store', MISSING_PG]):
+        result = CliRunner().invoke(app, argv)
+        assert result.exit_code == (0 if '--conversation' not in argv and argv[0] == 'run' else 2), result.output
+    with psycopg.connect(_helpers.PG_ADMIN_URL) as conn:
+        assert conn.execute('SELECT 1 FROM pg_database WHERE datname = %s', (MISSING_PG_NAME,)).fetchone() is None
+
+
 def test_the_table_is_large_enough() -> None:
     ids = [case.id for case in CASES]
     assert len(set(ids)) == len(ids), sorted({i for i in ids if ids.count(i) > 1})
@@ -551,6 +579,13 @@ PROCESS_CASES = [
          'not an http(s) URL', env={'OTEL_EXPORTER_OTLP_TRACES_ENDPOINT': 'http://'}),
     Case('otel-export-timeout-not-number', ['check', PLAIN], 2, "DC040 OTEL_BSP_EXPORT_TIMEOUT: 'soon' is not a number of "
          'milliseconds above 0', env={'OTEL_EXPORTER_OTLP_ENDPOINT': 'http://127.0.0.1:1', 'OTEL_BSP_EXPORT_TIMEOUT': 'soon'}),
+    # A local run without a conversation on a PostgreSQL store the server does not have: the run goes on, and its event
+    # stream's last line (a log warning) names the database and the fix.
+    Case('store-run-pg-database-missing-no-conversation', ['run', PLAIN, 'hi', '--store', MISSING_PG], 0,
+         f'its event stream stops here (the store could not be written: StoreUnavailableError: cannot use the '
+         f'conversation store postgresql+psycopg://postgres@127.0.0.1:5432/{MISSING_PG_NAME}: connection failed'),
+    Case('store-run-pg-database-missing-stream-fix', ['run', PLAIN, 'hi', '--store', MISSING_PG], 0,
+         f'database "{MISSING_PG_NAME}" does not exist; create the database (`createdb {MISSING_PG_NAME}` on that server) or fix the URL); the run goes on'),
     Case('local-failing-tool', ['run', f'{AGENTS}:failing', 'hi'], 1,
          "agent 'input-failing' failed on local in capability 'broken' (tool 'explode')"),
 ]
