@@ -376,10 +376,18 @@ def deferred_results(pending: list[PendingCall], decisions: dict[str, Decision])
     reason; calls without a decision are denied with `timeout_reason`."""
     from pydantic_ai.tools import DeferredToolResults, ToolApproved, ToolDenied
 
+    from .budget import RAISE_TOOL
+
     approvals: dict[str, Any] = {}
     for call in pending:
         decision = decisions.get(call.call_id)
-        if decision is None:
+        if call.tool_name == RAISE_TOOL and (decision is None or not decision.approve):
+            # A budget raise: never shown to the model (`budgets._without_raises`); its DC060 line says "the raise by N
+            # was <this>", naming who denied it and why.
+            approvals[call.call_id] = ToolDenied(
+                f'not decided before its deadline ({call.deadline}), so denied' if decision is None else
+                f'denied by {decision.by or "a reviewer"}' + (f' ({decision.reason})' if decision.reason else ''))
+        elif decision is None:
             approvals[call.call_id] = ToolDenied(timeout_reason(call))
         elif decision.approve:
             approvals[call.call_id] = ToolApproved(override_args=decision.override_args)
