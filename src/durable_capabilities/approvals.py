@@ -298,7 +298,10 @@ def already_decided(run_id: str, call_id: str, earlier: Decision, *, received: b
         An `AlreadyDecidedError` (DC054, kind `'already-decided'`), one line naming the run, the call and the earlier
         decision (approved or denied, by whom, when), with a fix line; the caller raises it, and sends nothing.
     """
-    state = ' (the run has not received it yet: it does when the run next runs)' if received is False else ''
+    # Not yet taken is the usual state of a decision a moment old (a double click): say when the run takes it, not
+    # that it is down.
+    state = (' (sent; the run takes it at its next step, or when it runs again if its process is down)'
+             if received is False else '')
     return AlreadyDecidedError(ALREADY_DECIDED, (
         f'DC054 run {run_id!r}: call {call_id!r} was already {describe_decision(earlier)}{state}; a call is decided '
         'once: this decision was refused and nothing was sent. Fix: nothing to send, the first decision stands '
