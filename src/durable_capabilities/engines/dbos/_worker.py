@@ -18,6 +18,7 @@ from ...report import RunReport
 from .._adapter import DrainCutShortError, RunOptions
 from .._stall import Progress, notice_stalls, wait_notice
 from ._client import client as dbos_client
+from ._client import quiet_dbos_log
 from ._peers import DEFAULT_PEER_TIMEOUT, HEARTBEAT_SECONDS, Peers
 from ._server import launch, system_database_url
 from ._spec import APP_NAME, DEFAULT_WORKER_CONCURRENCY, ENGINE, WORKER_EXECUTOR, WORKER_QUEUE
@@ -125,6 +126,10 @@ def _left_line(executor: str, left: list[str], seconds: int, peers: Peers | None
             f'PENDING ({ids}); {then}')
 
 
+CANCELLED_LOG = 'Asyncio task cancelled for workflow or step'
+"""The start of the warning DBOS logs (`dbos._outcome`) for each workflow and step task cancelled by its shutdown."""
+
+
 def _drain(peers: Peers | None, url: str, executor: str, seconds: int, notify: Callable[[str], None]) -> list[str] | None:
     """Stop a launched worker: DBOS's own drain (`DBOS.destroy`: running workflows get `seconds` to finish), then
     this worker's heartbeat row (`_peers`).
@@ -152,7 +157,10 @@ def _drain(peers: Peers | None, url: str, executor: str, seconds: int, notify: C
         beating = threading.Thread(target=beat, name='durcap-dbos-drain-beat', daemon=True)
         beating.start()
     try:
-        DBOS.destroy(workflow_completion_timeout_sec=seconds)
+        # DBOS warns once per workflow and step the drain cancels ("Asyncio task cancelled for workflow or step <function
+        # ...>", with an address): what was left is said in our own line after it (`DrainCutShortError`).
+        with quiet_dbos_log(CANCELLED_LOG):
+            DBOS.destroy(workflow_completion_timeout_sec=seconds)
     finally:
         drained.set()
         if beating is not None:
