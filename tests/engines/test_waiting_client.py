@@ -133,6 +133,51 @@ def test_dbos_queue_client_says_no_worker_took_a_run_nobody_serves(tmp_path: Pat
                 kill9(proc)
 
 
+def test_dbos_worker_starts_on_a_postgresql_database_that_does_not_exist_yet(tmp_path: Path) -> None:
+    """A new PostgreSQL system database, as a team starting out names it: `durcap run --engine dbos --queue Q --db
+    postgresql://.../new` before any worker is one line naming the database and `createdb`, exit 2, and creates
+    nothing; `durcap worker dbos --db` on it starts (DBOS creates the database at launch, as for its own apps; it
+    refused to start with 'cannot connect ... does not exist'), and a run handed to its queue then gets its answer.
+    The database is dropped afterwards. Real PostgreSQL (127.0.0.1:5432), real `durcap` subprocesses; model: the
+    support example's scripted `FunctionModel`."""
+    import psycopg
+
+    from tests._helpers import PG_ADMIN_URL, drop_database, pg_url
+
+    def exists() -> bool:
+        with psycopg.connect(PG_ADMIN_URL) as conn:
+            return conn.execute('SELECT 1 FROM pg_database WHERE datname = %s', (name,)).fetchone() is not None
+
+    name = f'durcap_new_{uuid.uuid4().hex[:12]}'
+    db, queue = pg_url(name), f'newdb-{uuid.uuid4().hex[:6]}'
+    env = subprocess_env(unset=['DURCAP_DBOS_DB', 'DURCAP_STORE'])
+    store = f'sqlite:///{tmp_path / "c.db"}'
+    support = ['examples/support/agent.py:support', 'Where is order ABC-123?', '--deps-json',
+               '{"orders": {"ABC-123": "Blue jacket: shipped"}}', '--store', store]
+    run_args = ['run', *support, '--engine', 'dbos', '--db', db, '--queue', queue]
+    worker = client = None
+    try:
+        early = start(run_args, tmp_path / 'early.log', env)
+        assert early.wait(timeout=120) == 2, (tmp_path / 'early.log').read_text()
+        errors = [line for line in (tmp_path / 'early.log').read_text().splitlines() if line.startswith('durcap: error')]
+        assert len(errors) == 1 and f'does not exist); create the database (`createdb {name}` on that server)' in errors[0], errors
+        assert not exists()
+        worker = start(['worker', 'dbos', 'examples/support/agent.py:support', '--db', db, '--task-queue', queue,
+                        '--executor-id', f'w-{queue}', '--store', store], tmp_path / 'worker.log', env)
+        wait_text(tmp_path / 'worker.log', 'dbos worker ready', worker, 120)
+        assert f"the server has no database '{name}' yet: DBOS creates it" in (tmp_path / 'worker.log').read_text()
+        assert exists()
+        client = start(run_args, tmp_path / 'run.log', env)
+        assert client.wait(timeout=120) == 0, (tmp_path / 'run.log').read_text()
+        assert 'answer (dbos): Order ABC-123: Blue jacket: shipped' in (tmp_path / 'run.log').read_text()
+    finally:
+        for proc in (client, worker):
+            if proc is not None:
+                kill9(proc)
+        drop_database(name)
+    assert not exists()
+
+
 def test_dbos_queue_stream_from_another_store_is_said_not_waited_for(tmp_path: Path) -> None:
     """`durcap run --engine dbos --queue Q --stream` whose worker writes the run's events to its own `--store` (not
     the client's): the client says, on stderr, that the run published no event to its store and which `--store` to

@@ -268,7 +268,14 @@ def _url_cases() -> list[Case]:
         Case('db-demo-unsupported-scheme-password', ['demo', '--db', 'mysql://u:secret@h/x'], 2,
              "'mysql://u:***@h/x': scheme 'mysql' is not supported"),
         Case('db-run-no-database', ['run', PLAIN, 'hi', '--engine', 'dbos', '--db',
-                                    'postgresql://postgres@127.0.0.1:5432/no_such_db_xyz'], 2, 'no_such_db_xyz'),
+                                    'postgresql://postgres@127.0.0.1:5432/no_such_db_xyz'], 2, '`createdb no_such_db_xyz`'),
+        # Only `durcap worker dbos` starts on a PostgreSQL database the server does not have yet (DBOS creates it:
+        # engines/test_waiting_client.py); a client handing a run to a queue there refuses it, creating nothing.
+        Case('db-run-queue-no-database', ['run', PLAIN, 'hi', '--engine', 'dbos', '--queue', 'q', '--db',
+                                          'postgresql://postgres@127.0.0.1:5432/no_such_db_xyz'], 2,
+             'does not exist); create the database (`createdb no_such_db_xyz` on that server) or fix the URL'),
+        Case('db-demo-no-database', ['demo', '--engine', 'dbos', '--db', 'postgresql://postgres@127.0.0.1:5432/no_such_db_xyz'],
+             2, '`createdb no_such_db_xyz`'),
         # A PostgreSQL conversation store: a database the server does not have is named with the fix (createdb; no
         # test creates it), a server that is down says to start it (a local run without a conversation: PROCESS_CASES).
         Case('store-run-pg-database-missing', ['run', PLAIN, 'hi', '--store', MISSING_PG, '--conversation', 'c1'], 2,
@@ -291,7 +298,8 @@ def _url_cases() -> list[Case]:
             Case(f'db-{name}-query-password', [*argv, '--db', 'postgresql://x@127.0.0.1:1/nope?password=secret'], 2,
                  'postgresql://x@127.0.0.1:1/nope?password=***'),
             Case(f'db-{name}-database-missing', [*argv, '--db', 'postgresql://postgres@127.0.0.1:5432/no_such_db_xyz'],
-                 2, 'database "no_such_db_xyz" does not exist'),
+                 2, 'database "no_such_db_xyz" does not exist; create the database (`createdb no_such_db_xyz` on that '
+                 'server) or fix the URL'),
             Case(f'db-{name}-no-database-name', [*argv, '--db', 'postgresql://:x@/'], 2, 'Database name must be specified'),
             Case(f'db-{name}-not-a-database', [*argv, '--db', 'sqlite:///{tmp}/x.db'], 2, 'is not a SQLite database',
                  {'x.db': 'this is not a database'}),
@@ -501,18 +509,25 @@ def _assert_one_clean_failure(case: Case, code: int, output: str) -> None:
 
 
 def test_no_case_created_a_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The commands given a PostgreSQL database the server does not have refuse it and leave it missing: a run with
-    a conversation, a local run without one, `history show` (real PostgreSQL at 127.0.0.1:5432, its `pg_database`)."""
+    """The commands given a PostgreSQL database the server does not have refuse it and leave it missing: as a store, a
+    run with a conversation, a local run without one, `history show`; as DBOS's system database, `run`, `runs list`,
+    `approve` (only `durcap worker dbos` creates one, through DBOS) (real PostgreSQL at 127.0.0.1:5432, its
+    `pg_database`)."""
     import psycopg
 
+    pg_missing = 'postgresql://postgres@127.0.0.1:5432/no_such_db_xyz'
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv('DURCAP_STORE', raising=False)
     for argv in (['run', PLAIN, 'hi', '--store', MISSING_PG, '--conversation', 'c1'], ['run', PLAIN, 'hi', '--store', MISSING_PG],
                  ['history', 'show', 'c1', '--store', MISSING_PG]):
         result = CliRunner().invoke(app, argv)
         assert result.exit_code == (0 if '--conversation' not in argv and argv[0] == 'run' else 2), result.output
+    for argv in (['run', PLAIN, 'hi', '--engine', 'dbos', '--db', pg_missing], ['runs', 'list', '--engine', 'dbos', '--db', pg_missing],
+                 ['approve', 'r1', 'c1', '--engine', 'dbos', '--db', pg_missing]):
+        assert CliRunner().invoke(app, argv).exit_code == 2
     with psycopg.connect(_helpers.PG_ADMIN_URL) as conn:
-        assert conn.execute('SELECT 1 FROM pg_database WHERE datname = %s', (MISSING_PG_NAME,)).fetchone() is None
+        for name in (MISSING_PG_NAME, 'no_such_db_xyz'):
+            assert conn.execute('SELECT 1 FROM pg_database WHERE datname = %s', (name,)).fetchone() is None, name
 
 
 def test_the_table_is_large_enough() -> None:

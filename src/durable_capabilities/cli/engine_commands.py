@@ -716,7 +716,9 @@ def _worker_command(engine: str) -> Any:
                                'fix the errors above' + ('' if allow_drift else ' (or pass --allow-drift on lockfile drift)'),
                                engine=engine)
         store = database_url(store, '--store')
-        connection = run_settings(conn or {}, engine, defaults=True)  # checked; the worker's engine database probed
+        # Checked; the worker's engine database probed (DBOS: a PostgreSQL system database not created yet passes, DBOS
+        # creates it at launch).
+        connection = run_settings(conn or {}, engine, defaults=True, worker=True)
         settings = {**connection, 'store': resolve_url(store), 'task_queue': task_queue,
                     'graceful_shutdown': graceful_shutdown, 'executor_id': executor_id,
                     'concurrency': concurrency, 'peer_timeout': peer_timeout,

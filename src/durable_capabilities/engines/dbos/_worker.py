@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from dbos import DBOS
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
-from ..._limits import InputError, redact_database_url
+from ..._limits import InputError, postgres_database_missing, redact_database_url
 from ...conversations import resolve_payload, store_url
 from ...report import RunReport
 from .._adapter import DrainCutShortError, RunOptions
@@ -50,13 +50,17 @@ def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) 
     executor = options.setting('executor_id', WORKER_EXECUTOR)
     queue = options.setting('task_queue', WORKER_QUEUE)
     url = system_database_url(options.setting('db'))
-    client = dbos_client({'db': url})
-    try:
-        pending = client.list_workflows(status='PENDING', executor_id=executor, load_input=False, load_output=False)
-    except (OperationalError, ProgrammingError):  # a new system database: DBOS creates its tables at launch
-        pending = []
-    finally:
-        client.destroy()
+    pending: list[Any] = []
+    if (missing := postgres_database_missing(url)) is not None:  # nothing to recover: DBOS creates it at launch
+        options.notify(f'dbos worker: the server has no database {missing!r} yet: DBOS creates it')
+    else:
+        client = dbos_client({'db': url})
+        try:
+            pending = client.list_workflows(status='PENDING', executor_id=executor, load_input=False, load_output=False)
+        except (OperationalError, ProgrammingError):  # a new system database: DBOS creates its tables at launch
+            pending = []
+        finally:
+            client.destroy()
     # A progress line before DBOS launches (creating a new system database's tables and recovering pending workflows
     # take seconds), and the stop handlers before it too: a SIGTERM while launching is reported, not silent.
     options.notify(f'dbos worker starting: executor {executor!r}, system database {redact_database_url(url)}, '
