@@ -127,6 +127,12 @@ def test_dbos_queue_client_says_no_worker_took_a_run_nobody_serves(tmp_path: Pat
         line = wait_text(log, 'still waiting:', client, 60)
         assert f"on queue '{queue}' for 2 s (it is ENQUEUED: no worker took it; no step recorded meanwhile)" in line, line
         assert client.poll() is None  # still waiting
+        # SIGTERM (a CI step's timeout, a stopped container) is said as Ctrl-C is: the run goes on, how to reach it;
+        # exit 143. Before, the client died in silence.
+        client.send_signal(signal.SIGTERM)
+        assert client.wait(timeout=30) == 143, log.read_text()
+        said = log.read_text()
+        assert 'interrupted; the run goes on in dbos (workflow id ' in said and '`durcap runs show ' in said, said
     finally:
         for proc in (client, other):
             if proc is not None:
@@ -176,6 +182,39 @@ def test_dbos_worker_starts_on_a_postgresql_database_that_does_not_exist_yet(tmp
                 kill9(proc)
         drop_database(name)
     assert not exists()
+
+
+@pytest.mark.parametrize('engine', ['dbos', 'temporal'])
+def test_sigterm_of_a_one_shot_run_says_where_the_run_is_and_exits_at_once(engine: str, tmp_path: Path,
+                                                                          request: pytest.FixtureRequest) -> None:
+    """`durcap run` running the run in its own process (DBOS on a SQLite system database; Temporal with its in-process
+    worker at the shared dev server), stopped with SIGTERM while the ledger agent's `charge` tool sleeps 300 s: it
+    prints what Ctrl-C prints (the run goes on, its id, `durcap runs show` / `runs resume` / `runs cancel`) and exits
+    143 without waiting for the tool or a worker's graceful stop (well within the 30 s the test allows; before, it
+    died in silence). Model: the ledger agent's scripted `FunctionModel` (tests/engines/ledger_agent.py)."""
+    ledger = tmp_path / 'ledger'
+    env = subprocess_env({'DURCAP_LEDGER_DIR': str(ledger), 'DURCAP_LEDGER_AGENT': f'ledger-{uuid.uuid4().hex[:6]}',
+                          'DURCAP_LEDGER_CHARGE_SECONDS': '300'}, unset=['DURCAP_STORE'])
+    args = ['run', 'tests/engines/ledger_agent.py:agent', 'charge order S-1', '--engine', engine,
+            '--store', f'sqlite:///{tmp_path / "c.db"}']
+    if engine == 'dbos':
+        args += ['--db', f'sqlite:///{tmp_path / "dbos.sqlite"}']
+    else:
+        args += ['--address', request.getfixturevalue('temporal_address'), '--task-queue', f'term-{uuid.uuid4().hex[:6]}',
+                 '--inline-worker']
+    log = tmp_path / 'run.log'
+    run = start(args, log, env)
+    try:
+        wait_for_file(ledger / 'charge-started-S-1', 120)
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(timeout=30) == 143, log.read_text()
+    finally:
+        kill9(run)
+    said = log.read_text()
+    label = 'workflow id'
+    assert f'interrupted; the run goes on in {engine} ({label} ' in said, said
+    assert '`durcap runs show ' in said and '`durcap runs resume ' in said and '`durcap runs cancel ' in said, said
+    assert 'Traceback' not in said, said
 
 
 def test_dbos_queue_stream_from_another_store_is_said_not_waited_for(tmp_path: Path) -> None:
