@@ -34,6 +34,15 @@ def notice_lines(log: Path) -> list[str]:
     return [line for line in log.read_text().splitlines() if line.startswith('still waiting:')]
 
 
+def assert_answered_once(log: Path, crash_dir: Path) -> None:
+    """How a waiting client's run ends once a new worker finished it: the client printed the answer, said it was
+    waiting exactly once (one stall, one notice), and each side effect of the crash agent ran once."""
+    text = log.read_text()
+    assert 'charged and exported' in text, text
+    assert len(notice_lines(log)) == 1, text
+    assert_exactly_once(crash_dir)
+
+
 def test_temporal_client_says_no_worker_picked_up_the_run_then_prints_the_answer(temporal_address: str, spawn,
                                                                                    tmp_path: Path) -> None:
     """The worker is SIGKILLed inside `slow_export`; within the tool's heartbeat timeout (1 s) plus the notice's 2 s
@@ -66,10 +75,7 @@ def test_temporal_client_says_no_worker_picked_up_the_run_then_prints_the_answer
         assert client.wait(timeout=120) == 0, log.read_text()
     finally:
         kill9(client)
-    text = log.read_text()
-    assert 'charged and exported' in text, text
-    assert len(notice_lines(log)) == 1, text
-    assert_exactly_once(crash_dir)
+    assert_answered_once(log, crash_dir)
 
 
 def test_dbos_queue_client_says_no_worker_picked_up_the_run_then_prints_the_answer(tmp_path: Path) -> None:
@@ -105,10 +111,7 @@ def test_dbos_queue_client_says_no_worker_picked_up_the_run_then_prints_the_answ
         for proc in (client, first, second):
             if proc is not None:
                 kill9(proc)
-    text = log.read_text()
-    assert 'charged and exported' in text, text
-    assert len(notice_lines(log)) == 1, text
-    assert_exactly_once(crash_dir)
+    assert_answered_once(log, crash_dir)
 
 
 def test_dbos_queue_client_says_no_worker_took_a_run_nobody_serves(tmp_path: Path) -> None:
