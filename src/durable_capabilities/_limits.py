@@ -319,3 +319,51 @@ def redact_database_url(url: str) -> str:
     pairs = [(key, '***' if key.lower() in SECRET_QUERY_KEYS else value) for key, values in parsed.query.items()
              for value in ((values,) if isinstance(values, str) else values)]
     return base + '?' + '&'.join(f'{key}={value}' for key, value in pairs)
+
+
+def postgres_database_missing(url: Any, reason: str = '', *, timeout: float = 5) -> str | None:
+    """The database name of a PostgreSQL `url` whose server answers but has no database of that name, else `None`:
+    what to name, with `createdb`, after a connection to `url` failed. Known from the driver's `reason` when it says
+    so (`database "NAME" does not exist`, the server's English message), else asked of the server through its
+    `postgres` maintenance database (`pg_database`). Only reads: never creates anything.
+
+    Args:
+        url: A `postgresql://` (or `postgres://`) URL, as text or a SQLAlchemy `URL`; any other URL gives `None`.
+        reason: The failed connection's error text, if any.
+        timeout: Seconds to wait for the maintenance connection.
+
+    Returns:
+        The missing database's name; `None` when it exists, when the server (or its `postgres` database) cannot be
+        reached, or for a URL without a database name. Never raises.
+    """
+    import sqlalchemy as sa
+
+    try:
+        parsed = url if isinstance(url, sa.URL) else sa.make_url(str(url).replace('postgres://', 'postgresql://', 1))
+        if parsed.get_backend_name() != 'postgresql' or not parsed.database:
+            return None
+        if f'database "{parsed.database}" does not exist' in reason:
+            return parsed.database
+        engine = sa.create_engine(parsed.set(drivername='postgresql+psycopg', database='postgres'),
+                                  connect_args={'connect_timeout': max(1, int(timeout))})
+        try:
+            with engine.connect() as conn:
+                found = conn.execute(sa.text('SELECT 1 FROM pg_database WHERE datname = :name'),
+                                     {'name': parsed.database}).scalar()
+        finally:
+            engine.dispose()
+    except Exception:  # noqa: BLE001 - unreachable, refused, no `postgres` database: not known to be missing
+        return None
+    return parsed.database if found is None else None
+
+
+def postgres_connect_fix(url: Any, reason: str = '') -> str:
+    """The fix to print after a connection to PostgreSQL `url` failed with `reason`: create the database (naming it
+    and `createdb`) when the server answers without it (`postgres_database_missing`), else start the database or
+    fix the URL. Never raises."""
+    missing = postgres_database_missing(url, reason)
+    if missing is None:
+        return 'start the database or fix the URL'
+    import shlex
+
+    return f'create the database (`createdb {printable(shlex.quote(missing))}` on that server) or fix the URL'

@@ -298,7 +298,10 @@ def already_decided(run_id: str, call_id: str, earlier: Decision, *, received: b
         An `AlreadyDecidedError` (DC054, kind `'already-decided'`), one line naming the run, the call and the earlier
         decision (approved or denied, by whom, when), with a fix line; the caller raises it, and sends nothing.
     """
-    state = ' (the run has not received it yet: it does when the run next runs)' if received is False else ''
+    # Not yet taken is the usual state of a decision a moment old (a double click): say when the run takes it, not
+    # that it is down.
+    state = (' (sent; the run takes it at its next step, or when it runs again if its process is down)'
+             if received is False else '')
     return AlreadyDecidedError(ALREADY_DECIDED, (
         f'DC054 run {run_id!r}: call {call_id!r} was already {describe_decision(earlier)}{state}; a call is decided '
         'once: this decision was refused and nothing was sent. Fix: nothing to send, the first decision stands '
@@ -376,10 +379,18 @@ def deferred_results(pending: list[PendingCall], decisions: dict[str, Decision])
     reason; calls without a decision are denied with `timeout_reason`."""
     from pydantic_ai.tools import DeferredToolResults, ToolApproved, ToolDenied
 
+    from .budget import RAISE_TOOL
+
     approvals: dict[str, Any] = {}
     for call in pending:
         decision = decisions.get(call.call_id)
-        if decision is None:
+        if call.tool_name == RAISE_TOOL and (decision is None or not decision.approve):
+            # A budget raise: never shown to the model (`budgets._without_raises`); its DC060 line says "the raise by N
+            # was <this>", naming who denied it and why.
+            approvals[call.call_id] = ToolDenied(
+                f'not decided before its deadline ({call.deadline}), so denied' if decision is None else
+                f'denied by {decision.by or "a reviewer"}' + (f' ({decision.reason})' if decision.reason else ''))
+        elif decision is None:
             approvals[call.call_id] = ToolDenied(timeout_reason(call))
         elif decision.approve:
             approvals[call.call_id] = ToolApproved(override_args=decision.override_args)

@@ -79,19 +79,27 @@ class BudgetExceededError(ModelQuotaExceededError, DurcapError, code='DC060'):
         key: The budget key (`conversation:{id}`, `run:{id}`, or the key computed from the deps).
         spent: What the key's completed requests spent of it (tokens, or USD).
         limit: The limit (plus what operators raised it by).
-        decided: Refused right after an operator's decision on raising it (`on_exceed='approval'`: denied, timed out,
-            or raised too little).
+        decided: Refused right after an operator's decision on raising it (`on_exceed='approval'`): what happened
+            to the raise, as a clause of the message (`'the raise by 51 was denied by alice (enough for today)'`);
+            `True` when not known; `False` when no raise was asked for.
     """
 
     def __init__(self, budget: str, key: str, spent: float, limit: float, model_name: str = 'budget',
-                 decided: bool = False):
+                 decided: bool | str = False):
         self.budget, self.key, self.spent, self.limit, self.decided = budget, key, spent, limit, decided
         unit = ' USD' if budget == 'cost' else ' tokens'
-        fix = ('an operator denied raising it (or raised it too little, or no one decided in time)' if decided else
-               "or use Budget(on_exceed='approval') to let an operator raise it")
-        super().__init__(model_name, f'DC060 budget {budget} of key {key!r} is spent: {_num(spent)}{unit} of the '
-                         f'limit {_num(limit)}{unit}; the model request was not sent. Fix: raise the limit '
-                         f'(Budget({budget}=...)), reset the key (`durcap budgets reset {key}`), {fix}')
+        if decided:
+            outcome = decided if isinstance(decided, str) else \
+                'the raise was denied, too small, or not decided in time'
+            message = (f'DC060 budget {budget} for key {key!r}: spent {_num(spent)}{unit} of limit {_num(limit)}{unit}; '
+                       f'{outcome}; the model request was not sent. Fix: approve a raise when the next run asks for one, '
+                       f'raise the limit (Budget({budget}=...)), or reset the key (`durcap budgets reset {key}`)')
+        else:
+            message = (f'DC060 budget {budget} of key {key!r} is spent: {_num(spent)}{unit} of the limit '
+                       f'{_num(limit)}{unit}; the model request was not sent. Fix: raise the limit (Budget({budget}=...)), '
+                       f"reset the key (`durcap budgets reset {key}`), or use Budget(on_exceed='approval') to let an "
+                       'operator raise it')
+        super().__init__(model_name, message)
 
     def __reduce__(self) -> Any:  # DBOS and Prefect pickle a failed unit's error
         return (type(self), (self.budget, self.key, self.spent, self.limit, self.model_name, self.decided))

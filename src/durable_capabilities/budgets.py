@@ -23,6 +23,7 @@ from pydantic_ai.models import ModelRequestParameters
 from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.settings import ModelSettings
 
+from ._limits import printable
 from .budget import BUDGET_SETTING, RAISE_TOOL, Budget, BudgetExceededError
 from .conversations import process_store, store_url
 
@@ -82,8 +83,8 @@ class BudgetModel(WrapperModel):
         error."""
         if self.budget.on_exceed != 'approval':
             raise error
-        if _just_decided(messages):
-            raise BudgetExceededError(error.budget, error.key, error.spent, error.limit, error.model_name, decided=True)
+        if (decided := _raise_decided(messages)) is not None:
+            raise BudgetExceededError(error.budget, error.key, error.spent, error.limit, error.model_name, decided=decided)
         by = self.budget.raise_by if self.budget.raise_by is not None else max(error.limit, error.spent - error.limit + 1)
         args = {'budget': error.budget, 'key': error.key, 'by': by, 'spent': error.spent, 'limit': error.limit,
                 'store': settings.get('store')}
@@ -133,11 +134,27 @@ class BudgetModel(WrapperModel):
         await self._settle(admitted, stream.get())
 
 
-def _just_decided(messages: list[ModelMessage]) -> bool:
-    """Whether the last request carries the result of a `RAISE_TOOL` call (approved or denied)."""
+def _raise_decided(messages: list[ModelMessage]) -> str | None:
+    """What became of the `RAISE_TOOL` call whose result the last request carries, as a clause of the DC060 line
+    (`'the raise by 51 was denied by alice (enough for today)'`); `None` when the last request carries none."""
     last = messages[-1] if messages else None
-    return isinstance(last, ModelRequest) and any(
-        isinstance(p, ToolReturnPart | RetryPromptPart) and p.tool_name == RAISE_TOOL for p in last.parts)
+    if not isinstance(last, ModelRequest):
+        return None
+    results = [p for p in last.parts if isinstance(p, ToolReturnPart | RetryPromptPart) and p.tool_name == RAISE_TOOL]
+    if not results:
+        return None
+    result = results[0]
+    calls = [p for m in messages if isinstance(m, ModelResponse) for p in m.parts
+             if isinstance(p, ToolCallPart) and p.tool_call_id == result.tool_call_id]
+    by = calls[-1].args_as_dict().get('by') if calls else None
+    the_raise = 'the raise' if by is None else f'the raise by {by:g}' if isinstance(by, float) else f'the raise by {by}'
+    if isinstance(result, RetryPromptPart):
+        return f'{the_raise} was not made ({printable(str(result.content))[:200]})'
+    if result.outcome == 'denied':  # `approvals.deferred_results`' words: "denied by alice (reason)", or the deadline
+        return f'{the_raise} was {printable(str(result.content))[:300]}'
+    if result.outcome == 'success':
+        return f'{the_raise} was approved and made, and the spend is still at or over the raised limit'
+    return f'{the_raise} failed ({printable(str(result.content))[:200]})'
 
 
 def _without_raises(messages: list[ModelMessage]) -> list[ModelMessage]:

@@ -129,11 +129,12 @@ def test_dbos_spent_budget_waits_for_approval_approve_raises_it_deny_fails_the_r
     assert second.report(timeout=120)['output'] == 'answer to turn 2'
     third_id, third = turn(3)
     [call] = pending(engine_args, third_id)
-    denied = durcap('deny', third_id, call['call_id'], '--reason', 'enough for today', *engine_args, env=env)
+    denied = durcap('deny', third_id, call['call_id'], '--reason', 'enough for today', '--by', 'alice', *engine_args, env=env)
     assert denied.returncode == 0, denied.stderr
     line = third.wait_for('DC060', timeout=120)
-    assert f"key 'conversation:{conversation}' is spent: 200 tokens of the limit 101 tokens" in line, line
-    assert 'an operator denied raising it' in line, line
+    assert (f"DC060 budget total_tokens for key 'conversation:{conversation}': spent 200 tokens of limit 101 tokens; the "
+            'raise by 101 was denied by alice (enough for today); the model request was not sent. Fix: approve a raise '
+            'when the next run asks for one') in line, line
     assert log.read_text().splitlines() == ['turn 1', 'turn 2']
     assert sql(store, 'SELECT total_tokens, requests, raised FROM durcap_budget_ledger') == [(200, 2, '{"total_tokens": 51}')]
 
@@ -197,13 +198,12 @@ def test_spent_budget_waits_for_approval_approve_raises_it_deny_fails_the_run(
     assert second['ok'] and second['output'] == f'answer to {conversation} turn 2', second
     assert second['budget']['raised'] == {'total_tokens': 51} and second['budget']['spent']['total_tokens'] == 200
     third_id, call = waiting(3)
-    denied = durcap('deny', third_id, call['call_id'], '--reason', 'enough for today', *engine_args, env=env)
+    denied = durcap('deny', third_id, call['call_id'], '--reason', 'enough for today', '--by', 'alice', *engine_args, env=env)
     assert denied.returncode == 0, denied.stdout + denied.stderr
     third = outcome(3)
     assert not third['ok'], third
-    assert (f"DC060 budget total_tokens of key 'conversation:{conversation}' is spent: 200 tokens of the limit 101 "
-            'tokens') in third['message'], third
-    assert 'an operator denied raising it' in third['message'], third
+    assert (f"DC060 budget total_tokens for key 'conversation:{conversation}': spent 200 tokens of limit 101 tokens; the "
+            'raise by 101 was denied by alice (enough for today); the model request was not sent.') in third['message'], third
     assert log.read_text().splitlines() == [f'{conversation} turn 1', f'{conversation} turn 2']
     assert sql(store, 'SELECT total_tokens, requests, raised FROM durcap_budget_ledger') == [(200, 2, '{"total_tokens": 51}')]
 

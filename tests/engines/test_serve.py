@@ -548,6 +548,38 @@ def test_dbos_second_turn_on_a_busy_conversation_rejected_or_enqueued_per_reques
     assert revoked.count('dora') == 1 and 'erin' not in revoked
 
 
+@pytest.mark.parametrize('engine', ['dbos', 'temporal'])
+def test_a_second_decision_right_after_an_approval_is_refused_as_already_decided(
+        engine: str, request: pytest.FixtureRequest) -> None:
+    """Two decisions on one call through `durcap serve` (DBOS; Temporal, its worker on the shared dev server), the
+    second sent the moment the first was answered (before the run took it): the second, an approval again or a denial,
+    is 409 DC054 `already-decided` naming the approval by serve:alice, and the tool runs once. The `gated` agent
+    (scripted `FunctionModel`, `revoke_sessions` records each execution)."""
+    import uuid
+
+    stack: Stack = request.getfixturevalue(f'{engine}_stack')
+    url = stack.url
+    if engine == 'temporal':
+        server, url = start_server(stack.tmp, f'serve-twice-{engine}', stack.env, *stack.serve_args)
+        stack.procs.append(server)
+    conversation, user = f'twice-{uuid.uuid4().hex[:6]}', f'ivan{uuid.uuid4().hex[:6]}'
+    first = _post(url, conversation, {'agent': 'gated', 'prompt': f'revoke {user}'}, key=conversation).json()
+    [call] = _wait_pending(url, first['run_id'])
+    decide = f'{url}/v1/runs/{first["run_id"]}/approvals/{call["call_id"]}'
+    with httpx.Client(headers=ALICE, timeout=60) as client:
+        answers = [client.post(decide, json={'decision': decision, 'fingerprint': call['fingerprint']})
+                   for decision in ('approve', 'approve', 'deny')]
+    assert answers[0].status_code == 200, answers[0].text
+    for again in answers[1:]:
+        assert again.status_code == 409, again.text
+        error = again.json()['error']
+        assert (error['code'], error['kind']) == ('DC054', 'already-decided'), again.text
+        assert 'was already approved by serve:alice at ' in error['message'], again.text
+        assert 'has not received it' not in error['message'] and 'a call is decided once' in error['message'], again.text
+    assert read_sse(f'{url}/v1/runs/{first["run_id"]}/events', ALICE)[-1].kind == 'run_completed'
+    assert (stack.crash_dir / 'revocations').read_text().splitlines().count(user) == 1
+
+
 def test_dbos_second_turn_interrupts_the_first_through_the_api(dbos_stack: Stack) -> None:
     """`"busy": "interrupt"` through `durcap serve --engine dbos`: the first turn waits for approval; the second is
     accepted (202) and the serve process denies the first's pending call (reason naming the second run); the first

@@ -34,6 +34,15 @@ def notice_lines(log: Path) -> list[str]:
     return [line for line in log.read_text().splitlines() if line.startswith('still waiting:')]
 
 
+def assert_answered_once(log: Path, crash_dir: Path) -> None:
+    """How a waiting client's run ends once a new worker finished it: the client printed the answer, said it was
+    waiting exactly once (one stall, one notice), and each side effect of the crash agent ran once."""
+    text = log.read_text()
+    assert 'charged and exported' in text, text
+    assert len(notice_lines(log)) == 1, text
+    assert_exactly_once(crash_dir)
+
+
 def test_temporal_client_says_no_worker_picked_up_the_run_then_prints_the_answer(temporal_address: str, spawn,
                                                                                    tmp_path: Path) -> None:
     """The worker is SIGKILLed inside `slow_export`; within the tool's heartbeat timeout (1 s) plus the notice's 2 s
@@ -66,10 +75,7 @@ def test_temporal_client_says_no_worker_picked_up_the_run_then_prints_the_answer
         assert client.wait(timeout=120) == 0, log.read_text()
     finally:
         kill9(client)
-    text = log.read_text()
-    assert 'charged and exported' in text, text
-    assert len(notice_lines(log)) == 1, text
-    assert_exactly_once(crash_dir)
+    assert_answered_once(log, crash_dir)
 
 
 def test_dbos_queue_client_says_no_worker_picked_up_the_run_then_prints_the_answer(tmp_path: Path) -> None:
@@ -105,10 +111,7 @@ def test_dbos_queue_client_says_no_worker_picked_up_the_run_then_prints_the_answ
         for proc in (client, first, second):
             if proc is not None:
                 kill9(proc)
-    text = log.read_text()
-    assert 'charged and exported' in text, text
-    assert len(notice_lines(log)) == 1, text
-    assert_exactly_once(crash_dir)
+    assert_answered_once(log, crash_dir)
 
 
 def test_dbos_queue_client_says_no_worker_took_a_run_nobody_serves(tmp_path: Path) -> None:
@@ -127,10 +130,94 @@ def test_dbos_queue_client_says_no_worker_took_a_run_nobody_serves(tmp_path: Pat
         line = wait_text(log, 'still waiting:', client, 60)
         assert f"on queue '{queue}' for 2 s (it is ENQUEUED: no worker took it; no step recorded meanwhile)" in line, line
         assert client.poll() is None  # still waiting
+        # SIGTERM (a CI step's timeout, a stopped container) is said as Ctrl-C is: the run goes on, how to reach it;
+        # exit 143. Before, the client died in silence.
+        client.send_signal(signal.SIGTERM)
+        assert client.wait(timeout=30) == 143, log.read_text()
+        said = log.read_text()
+        assert 'interrupted; the run goes on in dbos (workflow id ' in said and '`durcap runs show ' in said, said
     finally:
         for proc in (client, other):
             if proc is not None:
                 kill9(proc)
+
+
+def test_dbos_worker_starts_on_a_postgresql_database_that_does_not_exist_yet(tmp_path: Path) -> None:
+    """A new PostgreSQL system database, as a team starting out names it: `durcap run --engine dbos --queue Q --db
+    postgresql://.../new` before any worker is one line naming the database and `createdb`, exit 2, and creates
+    nothing; `durcap worker dbos --db` on it starts (DBOS creates the database at launch, as for its own apps; it
+    refused to start with 'cannot connect ... does not exist'), and a run handed to its queue then gets its answer.
+    The database is dropped afterwards. Real PostgreSQL (127.0.0.1:5432), real `durcap` subprocesses; model: the
+    support example's scripted `FunctionModel`."""
+    import psycopg
+
+    from tests._helpers import PG_ADMIN_URL, drop_database, pg_url
+
+    def exists() -> bool:
+        with psycopg.connect(PG_ADMIN_URL) as conn:
+            return conn.execute('SELECT 1 FROM pg_database WHERE datname = %s', (name,)).fetchone() is not None
+
+    name = f'durcap_new_{uuid.uuid4().hex[:12]}'
+    db, queue = pg_url(name), f'newdb-{uuid.uuid4().hex[:6]}'
+    env = subprocess_env(unset=['DURCAP_DBOS_DB', 'DURCAP_STORE'])
+    store = f'sqlite:///{tmp_path / "c.db"}'
+    support = ['examples/support/agent.py:support', 'Where is order ABC-123?', '--deps-json',
+               '{"orders": {"ABC-123": "Blue jacket: shipped"}}', '--store', store]
+    run_args = ['run', *support, '--engine', 'dbos', '--db', db, '--queue', queue]
+    worker = client = None
+    try:
+        early = start(run_args, tmp_path / 'early.log', env)
+        assert early.wait(timeout=120) == 2, (tmp_path / 'early.log').read_text()
+        errors = [line for line in (tmp_path / 'early.log').read_text().splitlines() if line.startswith('durcap: error')]
+        assert len(errors) == 1 and f'does not exist); create the database (`createdb {name}` on that server)' in errors[0], errors
+        assert not exists()
+        worker = start(['worker', 'dbos', 'examples/support/agent.py:support', '--db', db, '--task-queue', queue,
+                        '--executor-id', f'w-{queue}', '--store', store], tmp_path / 'worker.log', env)
+        wait_text(tmp_path / 'worker.log', 'dbos worker ready', worker, 120)
+        assert f"the server has no database '{name}' yet: DBOS creates it" in (tmp_path / 'worker.log').read_text()
+        assert exists()
+        client = start(run_args, tmp_path / 'run.log', env)
+        assert client.wait(timeout=120) == 0, (tmp_path / 'run.log').read_text()
+        assert 'answer (dbos): Order ABC-123: Blue jacket: shipped' in (tmp_path / 'run.log').read_text()
+    finally:
+        for proc in (client, worker):
+            if proc is not None:
+                kill9(proc)
+        drop_database(name)
+    assert not exists()
+
+
+@pytest.mark.parametrize('engine', ['dbos', 'temporal'])
+def test_sigterm_of_a_one_shot_run_says_where_the_run_is_and_exits_at_once(engine: str, tmp_path: Path,
+                                                                          request: pytest.FixtureRequest) -> None:
+    """`durcap run` running the run in its own process (DBOS on a SQLite system database; Temporal with its in-process
+    worker at the shared dev server), stopped with SIGTERM while the ledger agent's `charge` tool sleeps 300 s: it
+    prints what Ctrl-C prints (the run goes on, its id, `durcap runs show` / `runs resume` / `runs cancel`) and exits
+    143 without waiting for the tool or a worker's graceful stop (well within the 30 s the test allows; before, it
+    died in silence). Model: the ledger agent's scripted `FunctionModel` (tests/engines/ledger_agent.py)."""
+    ledger = tmp_path / 'ledger'
+    env = subprocess_env({'DURCAP_LEDGER_DIR': str(ledger), 'DURCAP_LEDGER_AGENT': f'ledger-{uuid.uuid4().hex[:6]}',
+                          'DURCAP_LEDGER_CHARGE_SECONDS': '300'}, unset=['DURCAP_STORE'])
+    args = ['run', 'tests/engines/ledger_agent.py:agent', 'charge order S-1', '--engine', engine,
+            '--store', f'sqlite:///{tmp_path / "c.db"}']
+    if engine == 'dbos':
+        args += ['--db', f'sqlite:///{tmp_path / "dbos.sqlite"}']
+    else:
+        args += ['--address', request.getfixturevalue('temporal_address'), '--task-queue', f'term-{uuid.uuid4().hex[:6]}',
+                 '--inline-worker']
+    log = tmp_path / 'run.log'
+    run = start(args, log, env)
+    try:
+        wait_for_file(ledger / 'charge-started-S-1', 120)
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(timeout=30) == 143, log.read_text()
+    finally:
+        kill9(run)
+    said = log.read_text()
+    label = 'workflow id'
+    assert f'interrupted; the run goes on in {engine} ({label} ' in said, said
+    assert '`durcap runs show ' in said and '`durcap runs resume ' in said and '`durcap runs cancel ' in said, said
+    assert 'Traceback' not in said, said
 
 
 def test_dbos_queue_stream_from_another_store_is_said_not_waited_for(tmp_path: Path) -> None:

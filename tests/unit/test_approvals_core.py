@@ -66,7 +66,8 @@ def test_check_decision_refuses_stale_fingerprint_and_unknown_call() -> None:
     refused = already_decided('r1', 'c1', first, received=False)
     assert (refused.kind, refused.code) == ('already-decided', 'DC054')
     assert str(refused).startswith("DC054 run 'r1': call 'c1' was already denied by dana at 2026-05-01T12:00:00+00:00 "
-                                   '(the run has not received it yet'), str(refused)
+                                   '(sent; the run takes it at its next step, or when it runs again if its process is '
+                                   'down); a call is decided once'), str(refused)
     assert 'Fix: nothing to send, the first decision stands' in str(refused) and '\n' not in str(refused)
 
 

@@ -229,6 +229,10 @@ def _deps_cases() -> list[Case]:
 
 # ---- URLs: --store, --db ----------------------------------------------------------------------------------------------
 
+MISSING_PG_NAME = 'durcap_no_such_store_db'
+MISSING_PG = f'postgresql://postgres@127.0.0.1:5432/{MISSING_PG_NAME}'
+"""A database the test server does not have (nothing here creates it: see `test_no_case_created_a_database`)."""
+
 BAD_URLS: list[tuple[str, str, str]] = [
     ('empty', '', 'is empty'),
     ('blank', '   ', 'is empty'),
@@ -264,7 +268,23 @@ def _url_cases() -> list[Case]:
         Case('db-demo-unsupported-scheme-password', ['demo', '--db', 'mysql://u:secret@h/x'], 2,
              "'mysql://u:***@h/x': scheme 'mysql' is not supported"),
         Case('db-run-no-database', ['run', PLAIN, 'hi', '--engine', 'dbos', '--db',
-                                    'postgresql://postgres@127.0.0.1:5432/no_such_db_xyz'], 2, 'no_such_db_xyz'),
+                                    'postgresql://postgres@127.0.0.1:5432/no_such_db_xyz'], 2, '`createdb no_such_db_xyz`'),
+        # Only `durcap worker dbos` starts on a PostgreSQL database the server does not have yet (DBOS creates it:
+        # engines/test_waiting_client.py); a client handing a run to a queue there refuses it, creating nothing.
+        Case('db-run-queue-no-database', ['run', PLAIN, 'hi', '--engine', 'dbos', '--queue', 'q', '--db',
+                                          'postgresql://postgres@127.0.0.1:5432/no_such_db_xyz'], 2,
+             'does not exist); create the database (`createdb no_such_db_xyz` on that server) or fix the URL'),
+        Case('db-demo-no-database', ['demo', '--engine', 'dbos', '--db', 'postgresql://postgres@127.0.0.1:5432/no_such_db_xyz'],
+             2, '`createdb no_such_db_xyz`'),
+        # A PostgreSQL conversation store: a database the server does not have is named with the fix (createdb; no
+        # test creates it), a server that is down says to start it (a local run without a conversation: PROCESS_CASES).
+        Case('store-run-pg-database-missing', ['run', PLAIN, 'hi', '--store', MISSING_PG, '--conversation', 'c1'], 2,
+             f'database "{MISSING_PG_NAME}" does not exist; create the database (`createdb {MISSING_PG_NAME}` on that '
+             'server) or fix the URL'),
+        Case('store-history-pg-database-missing', ['history', 'show', 'c1', '--store', MISSING_PG], 2,
+             f'`createdb {MISSING_PG_NAME}`'),
+        Case('store-run-pg-unreachable', ['run', PLAIN, 'hi', '--store', 'postgresql://x:secret@127.0.0.1:1/nope',
+                                          '--conversation', 'c1'], 2, 'Connection refused; start the database or fix the URL'),
     ]
     # The operator commands on a DBOS system database that is down, refused by DBOS, or not a database: one line
     # naming the database (password as ***), exit 2, never SQLAlchemy's traceback or "nothing waits".
@@ -278,7 +298,8 @@ def _url_cases() -> list[Case]:
             Case(f'db-{name}-query-password', [*argv, '--db', 'postgresql://x@127.0.0.1:1/nope?password=secret'], 2,
                  'postgresql://x@127.0.0.1:1/nope?password=***'),
             Case(f'db-{name}-database-missing', [*argv, '--db', 'postgresql://postgres@127.0.0.1:5432/no_such_db_xyz'],
-                 2, 'database "no_such_db_xyz" does not exist'),
+                 2, 'database "no_such_db_xyz" does not exist; create the database (`createdb no_such_db_xyz` on that '
+                 'server) or fix the URL'),
             Case(f'db-{name}-no-database-name', [*argv, '--db', 'postgresql://:x@/'], 2, 'Database name must be specified'),
             Case(f'db-{name}-not-a-database', [*argv, '--db', 'sqlite:///{tmp}/x.db'], 2, 'is not a SQLite database',
                  {'x.db': 'this is not a database'}),
@@ -427,8 +448,12 @@ def _option_cases() -> list[Case]:
         Case('prefect-stale-negative', [*schedule, '--interval', '60'], 2,
              '$DURCAP_PREFECT_STALE_SECONDS: must be a number of seconds above 0',
              env={'DURCAP_PREFECT_STALE_SECONDS': '-5'}),
-        Case('engine-unknown-check', ['check', PLAIN, '--engine', 'nope'], 2, "'nope' is not one of"),
-        Case('engine-unknown-run', ['run', PLAIN, 'hi', '--engine', 'nope'], 2, "'nope' is not one of"),
+        # An engine no command knows: the same coded line everywhere (`runs watch` had its own, uncoded).
+        Case('engine-unknown-check', ['check', PLAIN, '--engine', 'nope'], 2, "DC040 'nope' is not one of"),
+        Case('engine-unknown-run', ['run', PLAIN, 'hi', '--engine', 'nope'], 2, "DC040 'nope' is not one of"),
+        Case('engine-unknown-runs-show', ['runs', 'show', 'r1', '--engine', 'nope'], 2, "DC040 'nope' is not one of"),
+        Case('engine-unknown-runs-watch', ['runs', 'watch', 'r1', '--engine', 'bogus'], 2,
+             "DC040 'bogus' is not one of 'local',"),
         Case('format-unknown', ['check', PLAIN, '--format', 'xml'], 2, "'xml' is not one of"),
         Case('conversation-empty', ['run', PLAIN, 'hi', '--conversation', ' '], 2, '--conversation must not be empty'),
         Case('lock-output-missing-folder', ['lock', PLAIN, '-o', '{tmp}/no/such/dir/durable.lock'], 2, 'cannot write'),
@@ -481,6 +506,28 @@ def _assert_one_clean_failure(case: Case, code: int, output: str) -> None:
     assert case.fragment in output, f'{case.fragment!r} not in: {output[-2000:]}'
     for char in ('\x1b', '\u202e', '\x00', '\x07'):
         assert char not in output, f'raw {char!r} echoed: {output[-500:]!r}'
+
+
+def test_no_case_created_a_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commands given a PostgreSQL database the server does not have refuse it and leave it missing: as a store, a
+    run with a conversation, a local run without one, `history show`; as DBOS's system database, `run`, `runs list`,
+    `approve` (only `durcap worker dbos` creates one, through DBOS) (real PostgreSQL at 127.0.0.1:5432, its
+    `pg_database`)."""
+    import psycopg
+
+    pg_missing = 'postgresql://postgres@127.0.0.1:5432/no_such_db_xyz'
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv('DURCAP_STORE', raising=False)
+    for argv in (['run', PLAIN, 'hi', '--store', MISSING_PG, '--conversation', 'c1'], ['run', PLAIN, 'hi', '--store', MISSING_PG],
+                 ['history', 'show', 'c1', '--store', MISSING_PG]):
+        result = CliRunner().invoke(app, argv)
+        assert result.exit_code == (0 if '--conversation' not in argv and argv[0] == 'run' else 2), result.output
+    for argv in (['run', PLAIN, 'hi', '--engine', 'dbos', '--db', pg_missing], ['runs', 'list', '--engine', 'dbos', '--db', pg_missing],
+                 ['approve', 'r1', 'c1', '--engine', 'dbos', '--db', pg_missing]):
+        assert CliRunner().invoke(app, argv).exit_code == 2
+    with psycopg.connect(_helpers.PG_ADMIN_URL) as conn:
+        for name in (MISSING_PG_NAME, 'no_such_db_xyz'):
+            assert conn.execute('SELECT 1 FROM pg_database WHERE datname = %s', (name,)).fetchone() is None, name
 
 
 def test_the_table_is_large_enough() -> None:
@@ -551,6 +598,13 @@ PROCESS_CASES = [
          'not an http(s) URL', env={'OTEL_EXPORTER_OTLP_TRACES_ENDPOINT': 'http://'}),
     Case('otel-export-timeout-not-number', ['check', PLAIN], 2, "DC040 OTEL_BSP_EXPORT_TIMEOUT: 'soon' is not a number of "
          'milliseconds above 0', env={'OTEL_EXPORTER_OTLP_ENDPOINT': 'http://127.0.0.1:1', 'OTEL_BSP_EXPORT_TIMEOUT': 'soon'}),
+    # A local run without a conversation on a PostgreSQL store the server does not have: the run goes on, and its event
+    # stream's last line (a log warning) names the database and the fix.
+    Case('store-run-pg-database-missing-no-conversation', ['run', PLAIN, 'hi', '--store', MISSING_PG], 0,
+         f'its event stream stops here (the store could not be written: StoreUnavailableError: cannot use the '
+         f'conversation store postgresql+psycopg://postgres@127.0.0.1:5432/{MISSING_PG_NAME}: connection failed'),
+    Case('store-run-pg-database-missing-stream-fix', ['run', PLAIN, 'hi', '--store', MISSING_PG], 0,
+         f'database "{MISSING_PG_NAME}" does not exist; create the database (`createdb {MISSING_PG_NAME}` on that server) or fix the URL); the run goes on'),
     Case('local-failing-tool', ['run', f'{AGENTS}:failing', 'hi'], 1,
          "agent 'input-failing' failed on local in capability 'broken' (tool 'explode')"),
 ]

@@ -189,3 +189,35 @@ def test_a_ledger_write_that_would_wait_runs_in_a_worker_thread(tmp_path: Path) 
     asyncio.run(main())
     assert sql(url, 'SELECT input_tokens, output_tokens, total_tokens, requests FROM durcap_budget_ledger') == [
         (77, 33, 110, 2)]
+
+
+@pytest.mark.parametrize(('decision', 'approved', 'clause'), [
+    ({'by': 'alice', 'reason': 'enough for today'}, False, 'the raise by 51 was denied by alice (enough for today)'),
+    ({'by': 'bob'}, False, 'the raise by 51 was denied by bob'),
+    (None, False, 'the raise by 51 was not decided before its deadline (2026-01-01T00:05:00+00:00), so denied'),
+    ({'by': 'carol'}, True, 'the raise by 51 was approved and made, and the spend is still at or over the raised limit'),
+])
+def test_dc060_after_a_raise_decision_says_what_became_of_the_raise(decision: dict | None, approved: bool, clause: str) -> None:
+    """The DC060 line a run fails with right after an operator's decision on `durcap_raise_budget` (`on_exceed=
+    'approval'`): "budget B for key K: spent S of limit L; the raise by N was denied by WHO (WHY)" (or not decided in
+    time, or approved and still too little). The messages are what upstream builds from `approvals.deferred_results`
+    (a denial: `ToolReturnPart(outcome='denied')` with its words); the engine tests (tests/engines/test_budgets.py) show
+    the same line from a real `durcap deny`."""
+    from pydantic_ai.messages import ModelRequest, ToolReturnPart
+
+    from durable_capabilities.approvals import Decision, PendingCall, deferred_results
+    from durable_capabilities.budget import RAISE_TOOL
+    from durable_capabilities.budgets import _raise_decided
+
+    args = {'budget': 'total_tokens', 'key': 'conversation:c1', 'by': 51, 'spent': 100, 'limit': 50}
+    call = PendingCall('r1', 'durcap-budget-3', RAISE_TOOL, args, 'f', '2026-01-01T00:00:00+00:00', '2026-01-01T00:05:00+00:00')
+    decisions = {} if decision is None else {call.call_id: Decision(call.call_id, 'f', approve=approved, **decision)}
+    result = deferred_results([call], decisions).approvals[call.call_id]
+    part = (ToolReturnPart(RAISE_TOOL, 'raised', tool_call_id=call.call_id) if approved else
+            ToolReturnPart(RAISE_TOOL, result.message, tool_call_id=call.call_id, outcome='denied'))
+    messages: list[ModelMessage] = [ModelResponse(parts=[ToolCallPart(RAISE_TOOL, args, tool_call_id=call.call_id)]),
+                                    ModelRequest(parts=[part])]
+    error = BudgetExceededError('total_tokens', 'conversation:c1', 200, 101, decided=_raise_decided(messages) or False)
+    assert str(error.message).startswith(f"DC060 budget total_tokens for key 'conversation:c1': spent 200 tokens of limit "
+                                         f'101 tokens; {clause}; the model request was not sent. Fix: '), error.message
+    assert _raise_decided(messages[:1]) is None

@@ -27,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import telemetry
-from .._limits import INPUT_CODE, one_line, printable, redact_database_url
+from .._limits import INPUT_CODE, one_line, postgres_connect_fix, postgres_database_missing, printable, redact_database_url
 from ..agent import DurableAgent
 from ..engines import ALL_ENGINES, DURABLE_ENGINES, specs
 from ..errors import DurcapError
@@ -65,13 +65,13 @@ def engine_name(durable_only: bool = True) -> Any:
     (`engines.register` can add one after this module was imported).
 
     Raises:
-        typer.BadParameter: the value names no registered engine.
+        typer.BadParameter: the value names no registered engine (DC040, exit 2, the engines it can name).
     """
 
     def parse(value: str) -> str:
         names = tuple(DURABLE_ENGINES if durable_only else ALL_ENGINES)
         if value not in names:
-            raise typer.BadParameter(f'{value!r} is not one of {", ".join(map(repr, names))}.')
+            raise typer.BadParameter(f'{INPUT_CODE} {printable(repr(value))} is not one of {", ".join(map(repr, names))}.')
         return value
 
     return parse
@@ -128,14 +128,17 @@ def temporal_address(value: str | None, option: str = '--address') -> str | None
     return value
 
 
-def database_url(value: str | None, option: str, *, probe: bool = False) -> str | None:
+def database_url(value: str | None, option: str, *, probe: bool = False, missing_ok: bool = False) -> str | None:
     """A `--store` / `--db` value checked before anything uses it: None stays None (the default applies).
 
     Args:
         value: The option's value.
         option: Its name, for the message.
         probe: Connect to a PostgreSQL URL once (5 s timeout), so an unreachable server is one line here
-            instead of an engine's traceback later.
+            instead of an engine's traceback later; a server that answers without the URL's database is one line
+            naming it and `createdb` (`postgres_connect_fix`).
+        missing_ok: With `probe`, a server that answers without the URL's database passes (`durcap worker dbos`:
+            DBOS creates its system database at launch). Nothing here ever creates it.
 
     Without the option, the environment variable it falls back to (`$DURCAP_STORE`, `$DURCAP_DBOS_DB`) is checked
     the same way, and `None` is returned (the variable applies).
@@ -148,7 +151,7 @@ def database_url(value: str | None, option: str, *, probe: bool = False) -> str 
     if value is None:
         env = _option_env(option)
         if env is not None and os.environ.get(env):  # empty: unset, the built-in default applies
-            database_url(os.environ[env], f'${env} (the default of {option})', probe=probe)
+            database_url(os.environ[env], f'${env} (the default of {option})', probe=probe, missing_ok=missing_ok)
         return None
     import sqlalchemy as sa
 
@@ -181,8 +184,10 @@ def database_url(value: str | None, option: str, *, probe: bool = False) -> str 
             engine.dispose()
         except Exception as exc:  # noqa: BLE001 - the driver's reason, one line
             cause = getattr(exc, 'orig', None) or exc
+            if missing_ok and postgres_database_missing(url, str(cause)) is not None:
+                return value  # the server answers without the database: the engine's worker creates it
             _unusable(f'{INPUT_CODE} {option} {printable(redact_database_url(value))}: cannot connect '
-                      f'({type(cause).__name__}: {one_line(str(cause))}); start the database or fix the URL')
+                      f'({type(cause).__name__}: {one_line(str(cause))}); {postgres_connect_fix(url, str(cause))}')
     return value
 
 

@@ -67,10 +67,12 @@ def _env_value(setting: ConnectionSetting) -> tuple[str, str] | None:
     return next(((os.environ[n], f'${n}') for n in setting.env if os.environ.get(n)), None)
 
 
-def checked(setting: ConnectionSetting, value: Any, *, probe: bool = False) -> Any:
+def checked(setting: ConnectionSetting, value: Any, *, probe: bool = False, worker: bool = False) -> Any:
     """A setting's flag value checked before anything connects (exit 2, DC040, on a bad one): an `address` is
     `HOST:PORT` (its environment variables checked the same way when the flag is absent; resolved here when the
-    setting says so, else `None`), a `database` a usable URL (`probe`: a PostgreSQL server is asked once)."""
+    setting says so, else `None`), a `database` a usable URL (`probe`: a PostgreSQL server is asked once; `worker`:
+    for `durcap worker`, which starts on a database the server does not have yet when the setting is
+    `created_by_worker`)."""
     from . import database_url, temporal_address
 
     if setting.kind == 'address':
@@ -80,7 +82,7 @@ def checked(setting: ConnectionSetting, value: Any, *, probe: bool = False) -> A
         checked_env = temporal_address(found[0], found[1]) if found else None
         return checked_env if setting.resolve_in_cli else None
     if setting.kind == 'database':
-        return database_url(value, setting.option, probe=probe)
+        return database_url(value, setting.option, probe=probe, missing_ok=worker and setting.created_by_worker)
     return value
 
 
@@ -106,14 +108,15 @@ def check_stream_env() -> None:
         _unusable(str(exc))
 
 
-def run_settings(conn: Mapping[str, Any], engine: str, *, defaults: bool = False) -> dict[str, Any]:
+def run_settings(conn: Mapping[str, Any], engine: str, *, defaults: bool = False, worker: bool = False) -> dict[str, Any]:
     """The settings `durcap run` / `durcap demo` / `durcap worker` hand the engine: each flag checked (`checked`), a
     database of the engine the run is on probed once; with `defaults`, a setting left `None` is its default (a worker
     asks the default Temporal address, where a run starts an embedded server instead); the run-stream settings too
-    (`check_stream_env`)."""
+    (`check_stream_env`). `worker`: for `durcap worker`, whose engine creates a `created_by_worker` database (DBOS's
+    system database on a PostgreSQL server that does not have it yet); every other command refuses one."""
     check_stream_env()
     own = {s.field for s in get(engine).spec.settings}
-    values = {field: checked(setting, conn.get(field), probe=field in own)
+    values = {field: checked(setting, conn.get(field), probe=field in own, worker=worker)
               for setting in _all_settings() if (field := setting.field) in conn}
     if defaults:
         values = {s.field: s.default if values[s.field] is None else values[s.field]

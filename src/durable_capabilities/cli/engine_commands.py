@@ -320,6 +320,44 @@ def _run_failed(engine: str, agent: DurableAgent[Any, Any], exc: BaseException) 
     _exit_now(1)
 
 
+@contextlib.contextmanager
+def _sigterm_says(line: Any) -> Any:
+    """While the block runs (in the main thread), SIGTERM (a CI step's timeout, a stopped container, `timeout(1)`)
+    prints `line()` (what Ctrl-C prints: the run's id and how to find, finish or cancel it) on stderr and exits 143
+    at once. Nothing is stopped gracefully first: an in-process worker's stop waits for its running tools (minutes),
+    and the run goes on in its engine anyway (an embedded server dies with this process: parent-death signal). An
+    engine that handles SIGTERM itself while it runs (Prefect's flow: `TerminationSignal`) still does. The previous
+    handler is restored after the block.
+
+    Args:
+        line: Called in the handler, without arguments: the text to print.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        try:
+            text = line()
+        except Exception:  # noqa: BLE001 - a signal handler must exit whatever happens
+            text = 'interrupted (SIGTERM)'
+        # Raw writes: the main thread may be inside a write to sys.stderr / sys.stdout (a reentrant call would raise).
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        with contextlib.suppress(OSError):
+            os.write(2, (printable(text) + '\n').encode('utf-8', 'replace'))
+        os._exit(143)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _exit_now(code: int) -> NoReturn:
     """Exit with `code` without interpreter finalization: after a failed or interrupted run an engine SDK's
     background threads can still hold native state (temporalio's core runtime aborts the interpreter while it
@@ -411,19 +449,24 @@ def run(
     deps = _deps(agent, deps_json)  # bad deps are unusable input (exit 2), before anything runs
     _adapter(engine).warm_up(settings, _err.print)  # e.g. Prefect's temporary server, saying so
     started: list[str] = []
+
+    def interrupted() -> str:
+        return _interrupted(engine, started[0] if started else None, target, settings=settings, flags=conn or {},
+                            model=model, base_url=base_url)
+
     try:
-        report = asyncio.run(_watch_approvals(lambda run_ids: _run_on(
-            agent, prompt, engine, deps, settings=settings, conversation_id=conversation, store=store, started=run_ids,
-            stream=stream,
-        ), engine, _approvals_settings(engine, settings), started=started))
+        with _sigterm_says(interrupted):  # SIGTERM: the line Ctrl-C prints, exit 143 at once (no worker drain)
+            report = asyncio.run(_watch_approvals(lambda run_ids: _run_on(
+                agent, prompt, engine, deps, settings=settings, conversation_id=conversation, store=store,
+                started=run_ids, stream=stream,
+            ), engine, _approvals_settings(engine, settings), started=started))
     except DurableConfigError as exc:
         _print_text(exc.report, exc.subject)
         raise typer.Exit(1) from None
     except StoreError as exc:
         _unusable(str(exc).splitlines()[0])
     except KeyboardInterrupt:
-        _err.print(_interrupted(engine, started[0] if started else None, target, settings=settings, flags=conn or {},
-                                model=model, base_url=base_url), markup=False)
+        _err.print(interrupted(), markup=False)
         _exit_now(130)
     except EngineUnreachableError as exc:  # the engine's server is not there: nothing ran, like a bad --db
         _unusable(str(exc))
@@ -436,8 +479,7 @@ def run(
     except BaseException as exc:
         if type(exc).__name__ != 'TerminationSignal':  # Prefect turns SIGTERM into prefect.exceptions.TerminationSignal
             raise
-        _err.print(_interrupted(engine, started[0] if started else None, target, settings=settings, flags=conn or {},
-                                model=model, base_url=base_url), markup=False)
+        _err.print(interrupted(), markup=False)
         _exit_now(143)
     _print_run(report)
 
@@ -716,7 +758,9 @@ def _worker_command(engine: str) -> Any:
                                'fix the errors above' + ('' if allow_drift else ' (or pass --allow-drift on lockfile drift)'),
                                engine=engine)
         store = database_url(store, '--store')
-        connection = run_settings(conn or {}, engine, defaults=True)  # checked; the worker's engine database probed
+        # Checked; the worker's engine database probed (DBOS: a PostgreSQL system database not created yet passes, DBOS
+        # creates it at launch).
+        connection = run_settings(conn or {}, engine, defaults=True, worker=True)
         settings = {**connection, 'store': resolve_url(store), 'task_queue': task_queue,
                     'graceful_shutdown': graceful_shutdown, 'executor_id': executor_id,
                     'concurrency': concurrency, 'peer_timeout': peer_timeout,

@@ -270,8 +270,10 @@ def watch_run(
                                              'later events are printed (0: from the first).')] = 0,
     fmt: Annotated[WatchFormat, typer.Option('--format', help='text (the answer as it streams, one line per other '
                                              'event), or jsonl (one RunEvent JSON object per line).')] = WatchFormat.text,
-    engine: Annotated[str | None, typer.Option('--engine', '-e', help='The engine the run is on (local, dbos, prefect, temporal; '
-                                               'default: any); a run of another engine is refused, exit 2.')] = None,
+    engine: Annotated[str | None, typer.Option('--engine', '-e', parser=engine_name(durable_only=False),
+                                               metavar=engine_metavar(False),
+                                               help='The engine the run is on (default: any); a run of another engine is '
+                                               'refused, exit 2.')] = None,
     store: StoreOption = None,
     follow: Annotated[bool, typer.Option('--follow/--no-follow', help='Wait for new events until the run ends '
                                          '(default), or print what the store retains now.')] = True,

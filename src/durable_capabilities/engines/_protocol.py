@@ -48,6 +48,8 @@ class ConnectionSetting:
         unset: What `describe()` shows when the value is `None` (the engine's own default applies).
         resolve_in_cli: `durcap run` resolves the environment itself (`address`) instead of leaving `None` for the
             engine to read.
+        created_by_worker: A `database` the engine's worker creates on a PostgreSQL server that has none of its name
+            (DBOS's system database, at launch): `durcap worker` starts on it; every other command refuses it.
     """
 
     field: str
@@ -62,6 +64,7 @@ class ConnectionSetting:
     default_in: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     unset: str | None = None
     resolve_in_cli: bool = False
+    created_by_worker: bool = False
 
     @property
     def option(self) -> str:

@@ -79,7 +79,8 @@ DBOS = EngineSpec(
     settings=(
         ConnectionSetting('db', ('--db',), 'DBOS system database URL (default: $DURCAP_DBOS_DB or SQLite '
                           '.durcap/dbos.sqlite).', env=('DURCAP_DBOS_DB',), kind='database', secret=True,
-                          commands=frozenset({'read', 'run', 'demo'}), unset='SQLite .durcap/dbos.sqlite'),
+                          commands=frozenset({'read', 'run', 'demo'}), unset='SQLite .durcap/dbos.sqlite',
+                          created_by_worker=True),
         ConnectionSetting('queue', ('--queue',), 'DBOS: hand the run to this queue (what `durcap worker dbos '
                           '--task-queue` serves) and wait for a worker to run it (default: run it in this process).',
                           commands=frozenset({'run'})),

@@ -31,7 +31,7 @@ from sqlalchemy import event as sa_event
 from sqlalchemy import exc as sa_exc
 
 from .. import store
-from .._limits import private_file, redact_database_url
+from .._limits import postgres_connect_fix, private_file, redact_database_url
 from . import (
     AppendIdReuseError,
     AppendResult,
@@ -179,7 +179,7 @@ class _SQLBackend:
         try:
             conn = self.engine.connect()
         except sa_exc.OperationalError as exc:
-            raise StoreUnavailableError(f'cannot connect to the conversation store {self.display_url}: {_first_line(exc)}') from None
+            raise self._unreachable('cannot connect to', exc) from None
         with conn, self._relaxed(conn, relaxed), self._writing(write):
             if write:
                 conn.execution_options(durcap_write=True)
@@ -195,6 +195,13 @@ class _SQLBackend:
                         f'the conversation store {self.display_url} is damaged: {_first_line(exc)}. Nothing was '
                         'changed; restore the database from a backup.'
                     ) from None
+
+    def _unreachable(self, verb: str, exc: BaseException) -> StoreUnavailableError:
+        """`StoreUnavailableError`: `verb` the store, the driver's reason and, on PostgreSQL, the fix (the missing
+        database named with `createdb`, or start the server or fix the URL: `postgres_connect_fix`)."""
+        reason = _first_line(exc)
+        fix = f'; {postgres_connect_fix(self.url, reason)}' if self.is_pg and isinstance(exc, sa_exc.OperationalError) else ''
+        return StoreUnavailableError(f'{verb} the conversation store {self.display_url}: {reason}{fix}')
 
     @contextmanager
     def _writing(self, write: bool) -> Iterator[None]:
@@ -247,7 +254,7 @@ class _SQLBackend:
         try:
             raw = engine.raw_connection()
         except sa_exc.OperationalError as exc:
-            raise StoreUnavailableError(f'cannot connect to the conversation store {self.display_url}: {_first_line(exc)}') from None
+            raise self._unreachable('cannot connect to', exc) from None
         try:
             cursor = raw.cursor()
             memory = relaxed and engine is self.engine and not self.is_pg
@@ -416,7 +423,7 @@ class _SQLBackend:
             try:
                 self._migrate()
             except sa_exc.DBAPIError as exc:
-                raise StoreUnavailableError(f'cannot use the conversation store {self.display_url}: {_first_line(exc)}') from None
+                raise self._unreachable('cannot use', exc) from None
             if created is not None:
                 store._announce_created(created)
             self._ready_file = self._file_identity()

@@ -12,7 +12,7 @@ from dbos import DBOSClient
 from sqlalchemy.exc import SQLAlchemyError
 
 from ... import _upstream
-from ..._limits import redact_database_url
+from ..._limits import postgres_connect_fix, redact_database_url
 from ._server import system_database_url
 
 
@@ -31,8 +31,9 @@ def client(settings: Mapping[str, Any]) -> Any:
     except Exception as exc:
         if not isinstance(exc, (SQLAlchemyError, _upstream.dbos_error_classes()[0])):  # DBOS's own: a URL it refuses
             raise
-        raise RuntimeError(f'cannot connect to the DBOS system database {redact_database_url(url)}: '
-                           f'{database_error_line(exc)}') from None
+        reason = database_error_line(exc)
+        fix = f'; {postgres_connect_fix(url, reason)}' if url.startswith('postgres') else ''
+        raise RuntimeError(f'cannot connect to the DBOS system database {redact_database_url(url)}: {reason}{fix}') from None
 
 
 @contextmanager

@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Any
 from dbos import DBOS
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
-from ..._limits import InputError, redact_database_url
+from ..._limits import InputError, postgres_database_missing, redact_database_url
 from ...conversations import resolve_payload, store_url
 from ...report import RunReport
 from .._adapter import DrainCutShortError, RunOptions
 from .._stall import Progress, notice_stalls, wait_notice
 from ._client import client as dbos_client
+from ._client import quiet_dbos_log
 from ._peers import DEFAULT_PEER_TIMEOUT, HEARTBEAT_SECONDS, Peers
 from ._server import launch, system_database_url
 from ._spec import APP_NAME, DEFAULT_WORKER_CONCURRENCY, ENGINE, WORKER_EXECUTOR, WORKER_QUEUE
@@ -49,13 +50,17 @@ def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) 
     executor = options.setting('executor_id', WORKER_EXECUTOR)
     queue = options.setting('task_queue', WORKER_QUEUE)
     url = system_database_url(options.setting('db'))
-    client = dbos_client({'db': url})
-    try:
-        pending = client.list_workflows(status='PENDING', executor_id=executor, load_input=False, load_output=False)
-    except (OperationalError, ProgrammingError):  # a new system database: DBOS creates its tables at launch
-        pending = []
-    finally:
-        client.destroy()
+    pending: list[Any] = []
+    if (missing := postgres_database_missing(url)) is not None:  # nothing to recover: DBOS creates it at launch
+        options.notify(f'dbos worker: the server has no database {missing!r} yet: DBOS creates it')
+    else:
+        client = dbos_client({'db': url})
+        try:
+            pending = client.list_workflows(status='PENDING', executor_id=executor, load_input=False, load_output=False)
+        except (OperationalError, ProgrammingError):  # a new system database: DBOS creates its tables at launch
+            pending = []
+        finally:
+            client.destroy()
     # A progress line before DBOS launches (creating a new system database's tables and recovering pending workflows
     # take seconds), and the stop handlers before it too: a SIGTERM while launching is reported, not silent.
     options.notify(f'dbos worker starting: executor {executor!r}, system database {redact_database_url(url)}, '
@@ -125,6 +130,10 @@ def _left_line(executor: str, left: list[str], seconds: int, peers: Peers | None
             f'PENDING ({ids}); {then}')
 
 
+CANCELLED_LOG = 'Asyncio task cancelled for workflow or step'
+"""The start of the warning DBOS logs (`dbos._outcome`) for each workflow and step task cancelled by its shutdown."""
+
+
 def _drain(peers: Peers | None, url: str, executor: str, seconds: int, notify: Callable[[str], None]) -> list[str] | None:
     """Stop a launched worker: DBOS's own drain (`DBOS.destroy`: running workflows get `seconds` to finish), then
     this worker's heartbeat row (`_peers`).
@@ -152,7 +161,10 @@ def _drain(peers: Peers | None, url: str, executor: str, seconds: int, notify: C
         beating = threading.Thread(target=beat, name='durcap-dbos-drain-beat', daemon=True)
         beating.start()
     try:
-        DBOS.destroy(workflow_completion_timeout_sec=seconds)
+        # DBOS warns once per workflow and step the drain cancels ("Asyncio task cancelled for workflow or step <function
+        # ...>", with an address): what was left is said in our own line after it (`DrainCutShortError`).
+        with quiet_dbos_log(CANCELLED_LOG):
+            DBOS.destroy(workflow_completion_timeout_sec=seconds)
     finally:
         drained.set()
         if beating is not None:
