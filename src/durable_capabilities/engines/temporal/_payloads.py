@@ -24,7 +24,8 @@ it records one `durcap_payload_refs` row, for the root (schema 8); `purge`, `col
 it. A payload whose body makes a single piece is stored whole, as in 0.2. References written by 0.2 (`sha256` and
 `size` only) and by 0.3 (`pages`: one level of pages of 32-byte piece digests) decode as before.
 
-Decoding fetches the bytes back and checks the whole payload's digest. Workflow inputs, activity inputs and results
+Decoding fetches the bytes back and checks the whole payload's digest (once per payload, the codec that
+has just stored it hands its first decode the bytes it wrote: `_Recent`). Workflow inputs, activity inputs and results
 (model requests, tool results, the conversation history), signals, queries and failures all pass through
 it, so the size of a conversation is bounded by the database, not by Temporal. `temporal workflow show`
 prints the references; `durcap history export` writes them as they are, and `durcap replay` decodes them
