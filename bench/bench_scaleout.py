@@ -509,7 +509,7 @@ def measure(engine: str, workers: int, args: argparse.Namespace, scratch: Path) 
         cluster.start()
         mark0 = cluster.server_mark()
         cpu0, load0 = cluster.cpu(), load()
-        start = time.monotonic()
+        start, wall_start = time.monotonic(), time.time()
         cluster.submit(keys)
         finished = wait_all(cluster, keys, args.timeout, every=0.1 if engine != 'prefect' else 0.25)
         if not finished or cluster.failed:
@@ -526,7 +526,8 @@ def measure(engine: str, workers: int, args: argparse.Namespace, scratch: Path) 
                 name = f'w{index}' if index is not None else f'pid {entry.pid}'
                 per[name] = per.get(name, 0) + 1
         result = {'workers': workers, 'seconds': seconds, 'runs_per_s': args.runs / seconds, 'per_worker': per,
-                  'cpu_per_run': cpu / args.runs, 'load': f'{load0}-{load1}', 'server': server}
+                  'cpu_per_run': cpu / args.runs, 'load': f'{load0}-{load1}', 'server': server,
+                  'timeline': timeline(read_ledger(cluster.ledger), wall_start, wall_start + seconds, workers, args)}
         try:
             result['details'] = cluster.details(keys)
         except Exception as exc:  # noqa: BLE001 - extra figures only: the measurement stands without them
@@ -536,6 +537,29 @@ def measure(engine: str, workers: int, args: argparse.Namespace, scratch: Path) 
         return result
     finally:
         cluster.close()
+
+
+def timeline(entries: list[Entry], began: float, ended: float, workers: int, args: argparse.Namespace) -> str:
+    """Where a configuration's time went, from the tools' ledger (unix times): `head`, from handing the runs over to
+    the first tool starting; `tail`, from the last tool's side effect to the last result; the most tools running at
+    once (the slots they got: on Temporal `--concurrency` caps every activity, so model requests take slots too); and
+    `ideal`, the tool time alone with every slot busy (`ceil(runs / (workers x concurrency))` rounds of
+    `--tool-seconds`), against the measured seconds."""
+    starts = sorted(e.at for e in entries if e.event == 'start')
+    dones = sorted(e.at for e in entries if e.event == 'done')
+    if not starts or not dones:
+        return '  (no timeline: empty ledger)'
+    points = sorted([(t, 1) for t in starts] + [(t, -1) for t in dones])
+    running = most = 0
+    for _, step in points:
+        running += step
+        most = max(most, running)
+    rounds = math.ceil(args.runs / (workers * args.concurrency))
+    ideal = rounds * args.tool_seconds
+    return (f'  timeline: head {starts[0] - began:.2f} s (runs handed over -> first tool starts), tools '
+            f'{dones[-1] - starts[0]:.2f} s, tail {ended - dones[-1]:.2f} s (last tool done -> last result); at most '
+            f'{most} tools at once of {workers * args.concurrency} slots; ideal {rounds} rounds x '
+            f'{args.tool_seconds:g} s = {ideal:.1f} s, measured {ended - began:.2f} s (overhead {ended - began - ideal:.2f} s)')
 
 
 def report(engine: str, title: str, results: list[dict[str, Any]]) -> None:
@@ -552,6 +576,7 @@ def report(engine: str, title: str, results: list[dict[str, Any]]) -> None:
               f'{r["cpu_per_run"]:>7.2f}s {server:>10} {r["load"]:>11}  {shares}')
         if 'dbos_record' in r:
             print(f'{"":>52}DBOS executor_id: {r["dbos_record"]}')
+        print(r['timeline'])
         for line in r['details']:
             print(line)
     print(flush=True)

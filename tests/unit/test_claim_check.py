@@ -7,7 +7,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from temporalio.converter import DataConverter
+from temporalio.converter import DataConverter, WorkflowSerializationContext
 from temporalio.exceptions import ApplicationError
 
 from durable_capabilities.engines.temporal._payloads import ENCODING, ClaimCheckCodec, default_codec
@@ -63,6 +63,25 @@ def test_a_reference_whose_payload_is_missing_or_altered_is_a_corrupted_row(stor
     elsewhere = DataConverter(payload_codec=ClaimCheckCodec('sqlite:///:memory:'))
     with pytest.raises(CorruptedRowError, match='is not in durcap_payloads'):
         run(elsewhere.decode([reference], [str]))
+
+
+def test_the_first_decode_by_the_codec_that_stored_a_payload_skips_the_store_read_once(store_url: str) -> None:
+    """A model request's input is stored when the workflow task completes and decoded by the activity the same worker
+    runs: that first decode takes the bytes the codec just wrote (their write committed, their sha256 the reference's)
+    instead of reading them back. Only once, only there: the next decode, and another codec's, read the store and
+    check it (proven here by altering the stored row between them)."""
+    codec = ClaimCheckCodec(store_url, threshold=1000)
+    worker = DataConverter(payload_codec=codec.with_context(WorkflowSerializationContext('default', 'wf-1')))
+    activity = DataConverter(payload_codec=codec.with_context(WorkflowSerializationContext('default', 'wf-1')))
+    [reference] = run(worker.encode(['x' * 5000]))
+    sql(store_url, 'UPDATE durcap_payloads SET data = :junk', {'junk': b'not the payload'})
+    assert run(activity.decode([reference], [str])) == ['x' * 5000]  # the copy the worker's activity uses: no read
+    with pytest.raises(CorruptedRowError, match='does not match its sha256 in durcap_payloads'):
+        run(activity.decode([reference], [str]))  # a retried attempt or a replay: read and checked
+    [again] = run(worker.encode(['x' * 5000]))  # a second store of the same payload (content-addressed, no new row)
+    other = DataConverter(payload_codec=ClaimCheckCodec(store_url, threshold=1000))
+    with pytest.raises(CorruptedRowError, match='does not match its sha256 in durcap_payloads'):
+        run(other.decode([again], [str]))  # another process's codec never takes what this one stored
 
 
 def test_thresholds_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

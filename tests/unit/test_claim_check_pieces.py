@@ -219,6 +219,7 @@ def test_a_missing_or_altered_piece_is_a_corrupted_row(store_url: str) -> None:
     codec = ClaimCheckCodec(store_url, threshold=1000)
     [plain] = run(pydantic_data_converter.encode([request(conversation(3, 5000))]))
     [reference] = run(codec.encode([plain]))
+    assert run(codec.decode([reference])) == [plain]  # the storing codec's first decode (`_Recent`: no store read)
     root = json.loads(reference.data)['root']
     stored = [d for (d,) in sql(store_url, 'SELECT sha256 FROM durcap_payloads WHERE kind = 0')]
     assert len(stored) > 5

@@ -24,7 +24,8 @@ it records one `durcap_payload_refs` row, for the root (schema 8); `purge`, `col
 it. A payload whose body makes a single piece is stored whole, as in 0.2. References written by 0.2 (`sha256` and
 `size` only) and by 0.3 (`pages`: one level of pages of 32-byte piece digests) decode as before.
 
-Decoding fetches the bytes back and checks the whole payload's digest. Workflow inputs, activity inputs and results
+Decoding fetches the bytes back and checks the whole payload's digest (once per payload, the codec that
+has just stored it hands its first decode the bytes it wrote: `_Recent`). Workflow inputs, activity inputs and results
 (model requests, tool results, the conversation history), signals, queries and failures all pass through
 it, so the size of a conversation is bounded by the database, not by Temporal. `temporal workflow show`
 prints the references; `durcap history export` writes them as they are, and `durcap replay` decodes them
@@ -64,7 +65,9 @@ import json
 import logging
 import os
 import re
+import threading
 import zlib
+from collections import OrderedDict
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -215,6 +218,7 @@ class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
         self.inline_limit = inline_limit
         self.store_url = store_url
         self._store = SQLConversationStore(store_url)
+        self._recent = _Recent(RECENT_BYTES)  # shared by the `with_context` copies (the worker's workflows, activities)
         self.owner: str | None = None
         """The workflow id the payloads being encoded belong to (Temporal's serialization context), recorded with
         each claim check (`durcap_payload_refs`) so `durcap history delete` can delete a conversation's own."""
@@ -262,6 +266,7 @@ class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
                 ) from None
             result.append(Payload(metadata={'encoding': ENCODING}, data=reference))
             telemetry.claim_check_bytes('written', len(data))
+            self._recent.keep(reference, data)
         return result
 
     def _put(self, data: bytes, body: int) -> bytes:
@@ -313,8 +318,9 @@ class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
             if payload.metadata.get('encoding') != ENCODING:
                 result.append(payload)
                 continue
-            reference = json.loads(payload.data)
-            data = await asyncio.to_thread(self._get, reference)
+            data = self._recent.take(payload.data)
+            if data is None:
+                data = await asyncio.to_thread(self._get, json.loads(payload.data))
             telemetry.claim_check_bytes('read', len(data))
             result.append(Payload.FromString(data))
         return result
@@ -374,6 +380,47 @@ class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
             'backup, or point the worker at the store its clients use ($DURCAP_STORE).',
             conversation_id=None, table='durcap_payloads', row=row,
         )
+
+
+class _Recent:
+    """Payloads a codec (with its `with_context` copies: one worker's) has just stored by reference, each handed once
+    to the first decode of its reference there instead of read back from the store: a model request's input is stored
+    when the workflow task that schedules it completes and decoded by that activity, which the same worker usually
+    runs (`bench/bench_throughput.py`: ~0.9 ms of CPU and a thread hop saved per payload over the threshold). Only
+    once, and only bytes this codec wrote after their write committed (the bytes whose sha256 the reference names):
+    every later decode (a retried attempt, a replay, another process) reads the store and checks the digest as before.
+    At most `RECENT_BYTES`, the oldest dropped first (what another worker decodes is never taken here)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.size = limit, 0
+        self.entries: OrderedDict[bytes, bytes] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def take(self, reference: bytes) -> bytes | None:
+        """The payload `reference` (a reference payload's data) names, removed, if this codec stored it and has not
+        handed it out yet; else `None`."""
+        with self.lock:
+            data = self.entries.pop(reference, None)
+            if data is not None:
+                self.size -= len(data)
+            return data
+
+    def keep(self, reference: bytes, data: bytes) -> None:
+        """Remember `data`, just stored under `reference`, for one `take`."""
+        if len(data) > self.limit // 4:
+            return
+        with self.lock:
+            if reference in self.entries:
+                return
+            self.entries[reference] = data
+            self.size += len(data)
+            while self.size > self.limit:
+                _, dropped = self.entries.popitem(last=False)
+                self.size -= len(dropped)
+
+
+RECENT_BYTES = 8 * 1024 * 1024
+"""Bytes of just-stored payloads a codec keeps for their first decode (`_Recent`): 8 MiB."""
 
 
 def _pack(data: bytes, kind: int) -> tuple[bytes, int]:
