@@ -33,7 +33,7 @@ from ..approvals import (
 from ..conversations import check_busy
 from ..store import ConversationBusyError, ConversationNotFoundError, StoreError
 from ..streams import STREAM_ENGINES, StreamNotFoundError
-from ..streams._watch import watch_batches
+from ..streams._watch import event_json, watch_rows
 from ._errors import (
     BadRequestError,
     NotFoundError,
@@ -355,12 +355,13 @@ class ServeApp:
             raise BadRequestError(f'Last-Event-ID {printable(raw[:40])!r}: expected the offset of the last event seen '
                                   '(an integer, 0 or more)', field='Last-Event-ID')
         after = int(raw)
+        run_id = row.run_id
 
         async def stream() -> AsyncIterator[str]:
             prefix = 'retry: 1000\n\n'  # sent with the first events (the headers went at once): one write less a turn
             try:  # the events of each read of the store in one write to the client
-                async for batch in watch_batches(row.run_id, engine=row.engine, from_offset=after, store=self.store):
-                    yield prefix + ''.join(f'id: {event.offset}\nevent: {event.kind}\ndata: {event.model_dump_json()}\n\n'
+                async for batch in watch_rows(run_id, engine=row.engine, from_offset=after, store=self.store):
+                    yield prefix + ''.join(f'id: {event.offset}\nevent: {event.kind}\ndata: {event_json(run_id, event)}\n\n'
                                            for event in batch)
                     prefix = ''
             except StreamNotFoundError as exc:
