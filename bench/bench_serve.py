@@ -15,10 +15,13 @@ Sides, interleaved round by round (their order alternating) so that they share t
 Each turn is a new conversation of the scripted `streamer` agent (tests/engines/stream_agent.py: a tool call, then
 the answer streamed in 31 deltas, `DURCAP_STREAM_DELAY=0`). Printed: turns per second per side (median over rounds),
 their ratio (target: serve >= 0.9x direct), the median of the rounds' own ratios (each round's two sides ran back
-to back, so it is the steadier figure on a shared machine), the load average before and after, and over the serve
+to back, so it is the steadier figure on a shared machine), the load average before and after, over the serve
 side's turns the time from sending the POST to the first SSE event (`run_started`) and to the first text delta
-(median, p95). Many short rounds (default 9 of 16 turns) rather than a few long ones: a burst of load from other
-processes then moves one round's pair, not a whole side.
+(median, p95), and the CPU time per turn (median of rounds; Linux): the direct side's in this process, the serve
+side's in the `durcap serve` process (`/proc/PID/stat`, every thread) and in this process (the httpx client). Many
+short rounds (default 9 of 16 turns) rather than a few long ones: a burst of load from other processes then moves one
+round's pair, not a whole side. A `$PYTHONPATH` set for the bench goes after the checkout's own (e.g. a scratch
+folder with a package to try in the serve process).
 """
 
 from __future__ import annotations
@@ -122,6 +125,15 @@ async def _serve(url: str, turns: int, concurrency: int, firsts: list[float], de
         return turns / (time.perf_counter() - started)
 
 
+def _cpu_of(pid: int) -> float:
+    """CPU seconds (user + system, every thread) of process `pid` so far; 0 where /proc is missing."""
+    try:
+        fields = Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
+
+
 def _load() -> str:
     try:
         return ' '.join(Path('/proc/loadavg').read_text().split()[:3])
@@ -135,7 +147,7 @@ def _p95(values: list[float]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or '').splitlines()[0])
     parser.add_argument('--engine', choices=('local', 'dbos'), default='local')
     parser.add_argument('--rounds', type=int, default=9)
     parser.add_argument('--turns', type=int, default=16, help='turns per side per round')
@@ -144,7 +156,8 @@ def main() -> None:
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix='durcap-bench-serve-'))
     store = f'sqlite:///{folder / "conversations.db"}'
-    env = {**os.environ, 'PYTHONPATH': f'{ROOT / "src"}:{ROOT}', 'DURCAP_STORE': store, 'DURCAP_STREAM_DELAY': '0',
+    path = os.pathsep.join([str(ROOT / 'src'), str(ROOT), *filter(None, [os.environ.get('PYTHONPATH')])])
+    env = {**os.environ, 'PYTHONPATH': path, 'DURCAP_STORE': store, 'DURCAP_STREAM_DELAY': '0',
            'DURCAP_SERVE_TOKEN': TOKEN}
     os.environ.update({'DURCAP_STORE': store, 'DURCAP_STREAM_DELAY': '0'})
     procs: list[subprocess.Popen[bytes]] = []
@@ -167,15 +180,21 @@ def main() -> None:
         asyncio.run(_direct(2, 2, args.engine, settings))
         load_before = _load()
         rates: dict[str, list[float]] = {'direct': [], 'serve': []}
+        cpu: dict[str, list[float]] = {'direct': [], 'serve': [], 'client': []}  # ms per turn, per round
+        server = procs[-1].pid
         firsts: list[float] = []
         deltas: list[float] = []
         for index in range(args.rounds):
             order = ['direct', 'serve'] if index % 2 == 0 else ['serve', 'direct']
             for side in order:
+                mine, theirs = time.process_time(), _cpu_of(server)
                 if side == 'direct':
                     rates[side].append(asyncio.run(_direct(args.turns, args.concurrency, args.engine, settings)))
+                    cpu['direct'].append((time.process_time() - mine) * 1000 / args.turns)
                 else:
                     rates[side].append(asyncio.run(_serve(url, args.turns, args.concurrency, firsts, deltas)))
+                    cpu['client'].append((time.process_time() - mine) * 1000 / args.turns)
+                    cpu['serve'].append((_cpu_of(server) - theirs) * 1000 / args.turns)
     finally:
         for proc in reversed(procs):
             _stop(proc)
@@ -190,6 +209,7 @@ def main() -> None:
         'first_event_s': {'median': round(statistics.median(firsts), 4), 'p95': round(_p95(firsts), 4)},
         'first_text_delta_s': {'median': round(statistics.median(deltas), 4), 'p95': round(_p95(deltas), 4)},
         'rates': {k: [round(v, 2) for v in vs] for k, vs in rates.items()},
+        'cpu_ms_per_turn': {k: round(statistics.median(vs), 2) for k, vs in cpu.items()},
     }
     if args.json:
         print(json.dumps(result, indent=2))
@@ -202,6 +222,9 @@ def main() -> None:
     print(f'  load average      : {load_before} before, {load_after} after')
     print(f'  first SSE event   : median {statistics.median(firsts) * 1000:.1f} ms, p95 {_p95(firsts) * 1000:.1f} ms')
     print(f'  first text delta  : median {statistics.median(deltas) * 1000:.1f} ms, p95 {_p95(deltas) * 1000:.1f} ms')
+    spent = result['cpu_ms_per_turn']
+    print(f"  CPU per turn      : direct {spent['direct']:.2f} ms (this process); serve {spent['serve']:.2f} ms (the serve "
+          f"process) + {spent['client']:.2f} ms (the client, this process)")
 
 
 if __name__ == '__main__':

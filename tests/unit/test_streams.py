@@ -337,7 +337,7 @@ def test_cli_watch_prints_jsonl_text_and_resumes_from_an_offset(tmp_path: Path) 
 def test_a_subscriber_in_the_running_process_is_woken_by_each_commit_not_its_poll(tmp_path: Path) -> None:
     """A subscriber in the process that runs the run (as `durcap serve` does for its local turns), polling once an
     hour, still receives every event of a local run, from before the run published anything to its
-    `run_completed`: each commit of the run in this process wakes it (`_log.written_soon`). Its watch is bounded by
+    `run_completed`: each commit of the run in this process wakes it (`_log.subscribe`). Its watch is bounded by
     `wait_for` (60 s), so a wake that never comes fails the test instead of hanging it; no waiter is left behind."""
     from durable_capabilities.streams import _log
 
@@ -359,3 +359,101 @@ def test_a_subscriber_in_the_running_process_is_woken_by_each_commit_not_its_pol
     assert events[0].kind == 'run_started' and events[-1].kind == 'run_completed'
     assert answer_text(events) == report.output == ANSWER
     assert 'local-woken' not in _log._WAITERS
+
+
+def test_a_subscriber_in_the_running_process_is_handed_the_committed_rows_and_reads_the_store_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows each commit of a local run writes are handed to a subscriber in the same process (`_log.Inbox`), so
+    after its first read (nothing published yet) it reads the store no more: every event once, in order, equal to
+    what a reader in another process reads from the store afterwards. `EventLog.poll_sync` is wrapped to count its
+    calls (the real read still runs)."""
+    store = sqlite_url(tmp_path)
+    EventLog(store).info_sync('local-handed')
+    reads: list[int] = []
+    real = EventLog.poll_sync
+
+    def counted(self: EventLog, run_id: str, after: int, *args: Any, **kwargs: Any) -> Any:
+        reads.append(after)
+        return real(self, run_id, after, *args, **kwargs)
+
+    monkeypatch.setattr(EventLog, 'poll_sync', counted)
+
+    async def collect(events: AsyncIterator[streams.RunEvent]) -> list[streams.RunEvent]:
+        return [e async for e in events]
+
+    async def subscriber_and_run() -> list[streams.RunEvent]:
+        watching = asyncio.ensure_future(asyncio.wait_for(
+            collect(watch('local-handed', store=store, poll=3600, wait_for_start=3600)), 60))
+        await asyncio.sleep(0.2)  # the subscriber read once (no stream yet) and waits
+        agent = DurableAgent('handed', FunctionModel(stream_function=stream_words), engines=[])
+        await runner.run(agent, 'where is ABC-123?', engine='local', run_id='local-handed', store=store)
+        return await watching
+
+    events = run(subscriber_and_run())
+    monkeypatch.setattr(EventLog, 'poll_sync', real)
+    assert events == run(events_of('local-handed', store))  # what the store holds, each event once
+    assert events[-1].kind == 'run_completed' and answer_text(events) == ANSWER
+    # One read before the run published; the first commit's rows were handed over only when the stream's first
+    # commit came after the subscription's (here it does): at most one more read, never one per commit.
+    assert len(reads) <= 2, reads
+
+
+def test_a_commit_whose_rows_were_not_handed_over_is_read_from_the_store(tmp_path: Path) -> None:
+    """A commit that hands no rows (one written outside the staging of the writer, as a transaction already under way
+    when the subscriber came) wakes the subscriber, which then reads the store: no event is lost or repeated; and a
+    commit from another thread (`append_sync` in a worker thread) hands its rows over."""
+    from durable_capabilities.streams import _log
+
+    store = sqlite_url(tmp_path)
+    log = EventLog(store)
+    log.append_sync('local-gap', 'local', [Item('run', 0, 0, 'run_started', {'data': {'agent': 'a'}})])
+
+    async def scenario() -> list[streams.RunEvent]:
+        watching = asyncio.ensure_future(asyncio.wait_for(events_of('local-gap', store, poll=3600), 60))
+        await asyncio.sleep(0.1)
+        with log._backend._raw_txn(relaxed=False) as cur:  # not staged: the subscriber is told only "something"
+            log.append_in(cur, 'local-gap', 'local', [Item('run', 0, 1, 'capability_catalog', {'data': {'capabilities': []}})])
+        _log._notify('local-gap')
+        await asyncio.sleep(0.1)
+        await asyncio.to_thread(log.append_sync, 'local-gap', 'local', [  # staged, handed over from a worker thread
+            Item('run', 0, 2, 'run_completed', {'data': {'output': 'ok'}})], close=True)
+        return await watching
+
+    events = run(scenario())
+    assert [(e.offset, e.kind) for e in events] == [(1, 'run_started'), (2, 'capability_catalog'), (3, 'run_completed')]
+    assert events == run(events_of('local-gap', store))
+    assert 'local-gap' not in _log._WAITERS
+
+
+def test_event_json_is_the_run_events_own_json(tmp_path: Path) -> None:
+    """`durcap serve`'s Server-Sent Event data (`_watch.event_json`, spliced from the stored JSON) is exactly
+    `RunEvent.model_dump_json()` for every event of a run with a tool call, a large (truncated) tool result, streamed
+    text and the run's own events; a row read without its stored JSON, or with a `created_at` of another form, goes
+    through the model and gives the same."""
+    from dataclasses import replace
+
+    from durable_capabilities.streams._watch import event_json, to_run_event
+
+    store = sqlite_url(tmp_path)
+
+    async def model(messages: list[Any], info: AgentInfo) -> AsyncIterator[str | dict[int, DeltaToolCall]]:
+        if len(messages) == 1:
+            yield {0: DeltaToolCall('big_report', '{"order": "ABC-123"}', tool_call_id='c1')}
+            return
+        for word in WORDS:
+            yield word
+
+    def big_report(order: str) -> str:
+        """A long report."""
+        return order * 5_000
+
+    local_run(FunctionModel(stream_function=model), store, 'local-json', tools=[big_report])
+    log = EventLog(store)
+    rows, _ = log.poll_sync('local-json', 0)
+    assert {row.kind for row in rows} >= {'run_started', 'tool_call', 'tool_result', 'text_delta', 'run_completed'}
+    for row in rows:
+        expected = to_run_event('local-json', row).model_dump_json()
+        assert event_json('local-json', row) == expected
+        assert event_json('local-json', replace(row, raw=None)) == expected
+        assert event_json('local-json', replace(row, created_at=row.created_at.replace('+00:00', 'Z'))) == expected
+    assert event_json('run "quoted" é', rows[0]) == to_run_event('run "quoted" é', rows[0]).model_dump_json()

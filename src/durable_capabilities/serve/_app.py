@@ -33,7 +33,7 @@ from ..approvals import (
 from ..conversations import check_busy
 from ..store import ConversationBusyError, ConversationNotFoundError, StoreError
 from ..streams import STREAM_ENGINES, StreamNotFoundError
-from ..streams._watch import watch_batches
+from ..streams._watch import event_json, watch_rows
 from ._errors import (
     BadRequestError,
     NotFoundError,
@@ -58,6 +58,11 @@ ID_PATTERN = re.compile(r'[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}')
 """Conversation ids (and Idempotency-Keys) the API accepts: 1-200 characters of letters, digits and `._:@-`."""
 
 FINGERPRINT = re.compile(r'[0-9a-f]{64}')
+
+SSE_GATHER_SECONDS = 0.005
+"""After a commit of a run this process runs, how long its event stream waits for more before writing to the client:
+the events of the commits meanwhile go in one write (a local turn: ~4 writes instead of ~9; bench/README.md,
+`bench_serve.py`), each up to 5 ms later. The first write is not delayed."""
 
 
 def bearer_auth(tokens: str | Mapping[str, str]) -> Auth:
@@ -355,12 +360,14 @@ class ServeApp:
             raise BadRequestError(f'Last-Event-ID {printable(raw[:40])!r}: expected the offset of the last event seen '
                                   '(an integer, 0 or more)', field='Last-Event-ID')
         after = int(raw)
+        run_id = row.run_id
 
         async def stream() -> AsyncIterator[str]:
             prefix = 'retry: 1000\n\n'  # sent with the first events (the headers went at once): one write less a turn
             try:  # the events of each read of the store in one write to the client
-                async for batch in watch_batches(row.run_id, engine=row.engine, from_offset=after, store=self.store):
-                    yield prefix + ''.join(f'id: {event.offset}\nevent: {event.kind}\ndata: {event.model_dump_json()}\n\n'
+                async for batch in watch_rows(run_id, engine=row.engine, from_offset=after, store=self.store,
+                                             gather=SSE_GATHER_SECONDS):
+                    yield prefix + ''.join(f'id: {event.offset}\nevent: {event.kind}\ndata: {event_json(run_id, event)}\n\n'
                                            for event in batch)
                     prefix = ''
             except StreamNotFoundError as exc:

@@ -18,10 +18,10 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import suppress
-from dataclasses import dataclass
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -100,7 +100,7 @@ class Item:
 
 @dataclass(frozen=True)
 class StoredEvent:
-    """One stored event row."""
+    """One stored event row (`raw`: its body's JSON as stored, when the reader kept it)."""
 
     offset: int
     unit: str
@@ -109,6 +109,7 @@ class StoredEvent:
     kind: str
     body: dict[str, Any]
     created_at: str
+    raw: str | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ class _Writer:
         from ..store._sql import _WouldWait
 
         try:
-            with self.log._backend._quick_txn() as cur:
+            with _staging() as staged, self.log._backend._quick_txn() as cur:
                 result = job(cur)
         except _WouldWait:
             return False
@@ -181,7 +182,7 @@ class _Writer:
             future.set_exception(error)
             return True
         future.set_running_or_notify_cancel()
-        _notify(run_id)
+        _notify(run_id, staged)
         if close:
             self.log._maybe_prune(in_thread=True)
         future.set_result(result)
@@ -197,16 +198,18 @@ class _Writer:
             batch = [item for item in batch if item[3].set_running_or_notify_cancel()]
             results: list[tuple[bool, Any]] = []
             try:
-                with self.log._backend._raw_txn(relaxed=not any(item[4] for item in batch)) as cur:
+                with _staging() as staged, self.log._backend._raw_txn(relaxed=not any(item[4] for item in batch)) as cur:
                     for index, (_, _, job, _, _) in enumerate(batch):
                         if len(batch) > 1:
                             cur.execute(f'SAVEPOINT durcap_w{index}')
+                        kept = len(staged)
                         try:
                             results.append((True, job(cur)))
                         except Exception as error:
                             if len(batch) == 1:
                                 raise
                             cur.execute(f'ROLLBACK TO SAVEPOINT durcap_w{index}')
+                            del staged[kept:]  # its rows were rolled back: nobody is handed them
                             results.append((False, error))
                         if len(batch) > 1:
                             cur.execute(f'RELEASE SAVEPOINT durcap_w{index}')
@@ -216,8 +219,8 @@ class _Writer:
                 with self.guard:
                     self.pending -= taken
                 continue
-            for run_id in {item[0] for item in batch}:
-                _notify(run_id)
+            for run_id in dict.fromkeys(item[0] for item in batch):
+                _notify(run_id, staged)
             if any(item[1] for item in batch):
                 with suppress(Exception):
                     self.log._maybe_prune()
@@ -252,54 +255,138 @@ def _writer(log: EventLog) -> _Writer:
     return writer
 
 
-_WAITERS: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]] = {}
-_WAITERS_GUARD = threading.Lock()
+_Staged = tuple[str, list[tuple[int, str, int, int, str, str, str]], bool]
+"""Rows a transaction wrote for a run with a subscriber in this process: `(run_id, rows, closes the stream)`, each
+row `(offset, unit, attempt, seq, kind, body JSON, created_at)`."""
+
+_STAGING = threading.local()
 
 
-def written_soon(run_id: str) -> asyncio.Future[None]:
-    """A future of the running loop, done when this process next commits an event of `run_id` (any store, any
-    thread): what a subscriber in the process that runs the run waits on besides its poll, so it reads a new event
-    at once instead of at its next poll. Register it before reading, so no commit after the read is missed; a
-    future no commit completes is dropped with `forget_waiter`."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[None] = loop.create_future()
-    with _WAITERS_GUARD:
-        _WAITERS.setdefault(run_id, []).append((loop, future))
-    return future
+@contextmanager
+def _staging() -> Iterator[list[_Staged]]:
+    """The rows the event writes of one transaction on this thread stage for this process's subscribers (`_append`
+    adds them while the block runs; the caller hands them over with `_notify` once committed)."""
+    staged: list[_Staged] = []
+    outer = getattr(_STAGING, 'staged', None)
+    _STAGING.staged = staged
+    try:
+        yield staged
+    finally:
+        _STAGING.staged = outer
 
 
-def forget_waiter(run_id: str, future: asyncio.Future[None]) -> None:
-    """Drop a `written_soon` future (done or not)."""
-    with _WAITERS_GUARD:
-        waiters = _WAITERS.get(run_id)
-        if waiters is None:
-            return
-        waiters[:] = [w for w in waiters if w[1] is not future]
-        if not waiters:
-            del _WAITERS[run_id]
+class Inbox:
+    """A subscriber in this process (`subscribe`): the rows each commit of its run in this process wrote, handed over
+    by the committing thread (so the subscriber needs no read of the store for them), and a wake-up.
+
+    Attributes:
+        run_id: The run.
+    """
+
+    __slots__ = ('_closed', '_future', '_loop', '_rows', '_unknown', '_woken', 'run_id')
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self._loop = asyncio.get_running_loop()
+        self._rows: list[tuple[int, str, int, int, str, str, str]] = []
+        self._closed = self._unknown = self._woken = False
+        self._future: asyncio.Future[None] | None = None
+
+    def _add(self, rows: list[tuple[int, str, int, int, str, str, str]] | None, closed: bool) -> bool:
+        """Under `_WAITERS_GUARD`: keep a commit's rows (`None`: not known, the subscriber reads the store); whether
+        the subscriber is to be woken (not already)."""
+        if rows is None:
+            self._unknown = True
+        else:
+            self._rows += rows
+        self._closed = self._closed or closed
+        woken, self._woken = self._woken, True
+        return not woken
+
+    def _wake(self) -> None:
+        future = self._future
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    async def wait(self, timeout: float) -> bool:
+        """Until a commit of the run in this process since the last `take`, or `timeout` seconds; whether a commit
+        came."""
+        with _WAITERS_GUARD:
+            if self._woken:
+                return True
+            future = self._future = self._loop.create_future()
+        timer = self._loop.call_later(timeout, _timed_out, future)
+        try:
+            await future
+        finally:
+            timer.cancel()
+            self._future = None
+        return self._woken
+
+    def take(self) -> tuple[list[StoredEvent], bool, bool]:
+        """`(rows handed over since the last take, in offset order, whether a commit's rows were not handed over (it
+        was under way when the subscriber came: read the store), whether a commit closed the stream)`."""
+        with _WAITERS_GUARD:
+            rows, unknown, closed = self._rows, self._unknown, self._closed
+            self._rows, self._unknown, self._closed, self._woken = [], False, False, False
+        rows.sort()
+        return [StoredEvent(o, u, a, q, k, json.loads(b), c, b) for o, u, a, q, k, b, c in rows], unknown, closed
 
 
-def _wake(future: asyncio.Future[None]) -> None:
+def _timed_out(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
 
 
-def _notify(run_id: str) -> None:
-    """Complete the `written_soon` futures of `run_id` (called after a commit, in the committing thread)."""
+_WAITERS: dict[str, list[Inbox]] = {}
+_WAITERS_GUARD = threading.Lock()
+
+
+def subscribe(run_id: str) -> Inbox:
+    """An `Inbox` of the running loop for `run_id`: handed what this process commits for the run (any store, any
+    thread) from now on, so a subscriber in the process that runs the run (`durcap serve`'s local turns) receives
+    each new event without a read, and other commits at its poll. Register it before the first read, so no commit
+    after that read is missed; drop it with `unsubscribe`."""
+    inbox = Inbox(run_id)
+    with _WAITERS_GUARD:
+        _WAITERS.setdefault(run_id, []).append(inbox)
+    return inbox
+
+
+def unsubscribe(inbox: Inbox) -> None:
+    """Drop an `Inbox` (`subscribe`)."""
+    with _WAITERS_GUARD:
+        inboxes = _WAITERS.get(inbox.run_id)
+        if inboxes is None:
+            return
+        inboxes[:] = [i for i in inboxes if i is not inbox]
+        if not inboxes:
+            del _WAITERS[inbox.run_id]
+
+
+def _notify(run_id: str, staged: list[_Staged] | None = None) -> None:
+    """Hand the rows a committed transaction wrote for `run_id` (from `staged`; none there: not known) to its
+    subscribers in this process and wake them (called after the commit, in the committing thread)."""
     if run_id not in _WAITERS:
         return
-    with _WAITERS_GUARD:
-        waiters = _WAITERS.pop(run_id, [])
+    rows: list[tuple[int, str, int, int, str, str, str]] | None = None
+    closed = False
+    for staged_run, staged_rows, staged_close in staged or ():
+        if staged_run == run_id:
+            rows = (rows or []) + staged_rows
+            closed = closed or staged_close
     try:
         running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
     except RuntimeError:  # the writer thread
         running = None
-    for loop, future in waiters:
+    with _WAITERS_GUARD:
+        woken = [inbox for inbox in _WAITERS.get(run_id, ()) if inbox._add(rows, closed)]
+    for inbox in woken:
         try:
-            if loop is running:  # a write on the waiter's own loop (`_Writer._inline`): no wake-up of the loop needed
-                loop.call_soon(_wake, future)
+            if inbox._loop is running:  # a write on the subscriber's own loop (`_Writer._inline`): no wake-up needed
+                inbox._loop.call_soon(inbox._wake)
             else:
-                loop.call_soon_threadsafe(_wake, future)
+                inbox._loop.call_soon_threadsafe(inbox._wake)
         except RuntimeError:  # its loop closed: nobody waits
             pass
 
@@ -326,9 +413,9 @@ class EventLog:
     def append_sync(self, run_id: str, engine: str, items: Sequence[Item], *, close: bool = False) -> list[int]:
         """Store `items` for `run_id` (those whose key is already stored are skipped); with `close`, mark the stream
         closed. Returns the offsets given to the new items, in order."""
-        with self._backend._raw_txn(relaxed=False) as cur:
+        with _staging() as staged, self._backend._raw_txn(relaxed=False) as cur:
             offsets = self.append_in(cur, run_id, engine, items, close=close)
-        _notify(run_id)
+        _notify(run_id, staged)
         if close:
             self._maybe_prune()
         return offsets
@@ -342,9 +429,9 @@ class EventLog:
 
         The attempt is this execution's alone (claimed in a write transaction, with rows), and it numbers its entries
         itself, each once: they are inserted without looking for stored keys first."""
-        with self._backend._raw_txn(relaxed=False) as cur:
+        with _staging() as staged, self._backend._raw_txn(relaxed=False) as cur:
             attempt = self.append_unit_in(cur, run_id, engine, unit, entries, attempt, at_least=at_least)
-        _notify(run_id)
+        _notify(run_id, staged)
         return attempt
 
     def append_in(self, cur: Any, run_id: str, engine: str, items: Sequence[Item], *, close: bool = False) -> list[int]:
@@ -400,6 +487,10 @@ class EventLog:
                     {'n': next_offset, 'c': count, 'b': size, 'r': run_id, **({'at': now} if close else {})})
         if count > self.limits.max_events or size > self.limits.max_bytes:
             self._trim(cur, run_id, count, size)
+        if run_id in _WAITERS:  # a subscriber in this process: it is handed these rows once they are committed
+            staged = getattr(_STAGING, 'staged', None)
+            if staged is not None:
+                staged.append((run_id, [(r['o'], r['u'], r['a'], r['s'], r['k'], r['b'], r['at']) for r in rows], close))
         return offsets
 
     _last_prune: float = 0.0
@@ -506,7 +597,7 @@ class EventLog:
             rows = cur.execute(_POLL, {'r': run_id, 'o': after, 'n': limit}).fetchall()
         if not rows:
             return [], None
-        events = [StoredEvent(int(o), u, int(a), int(s), k, json.loads(b), str(c))
+        events = [StoredEvent(int(o), u, int(a), int(s), k, json.loads(b), str(c), b)
                   for *_, o, u, a, s, k, b, c in rows if o is not None]
         return events, StreamInfo(*rows[0][:9])
 

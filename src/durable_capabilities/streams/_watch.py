@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
+
+from pydantic_core import to_json
 
 from .._limits import InputError
 from ..errors import DurcapError
-from ._events import TERMINAL_KINDS, RunEvent, load_event
-from ._log import EventLog, StoredEvent, forget_waiter, in_thread, written_soon
+from ._events import TERMINAL_KINDS, EventKind, RunEvent, load_event
+from ._log import EventLog, Inbox, StoredEvent, in_thread, subscribe, unsubscribe
 
 POLL_SECONDS = 0.05
 """How often a subscriber reads the log for new events while the run is going."""
@@ -35,6 +37,35 @@ def to_run_event(run_id: str, row: StoredEvent) -> RunEvent:
     return RunEvent(run_id=run_id, offset=row.offset, unit=row.unit, attempt=row.attempt, kind=row.kind,  # type: ignore[arg-type]
                     at=row.created_at, event=load_event(event) if event is not None else None,  # type: ignore[arg-type]
                     data=row.body.get('data') or {})
+
+
+_UTC_AT = re.compile(r'\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{6})?\+00:00')
+"""A stored `created_at` (`datetime.now(UTC).isoformat()`) that `RunEvent.at` dumps as itself with `Z` for `+00:00`."""
+
+_KINDS = frozenset(get_args(EventKind))
+
+
+def event_json(run_id: str, row: StoredEvent) -> str:
+    """`to_run_event(run_id, row).model_dump_json()`, spliced from the row's stored JSON (`row.raw`) when it has it:
+    no validation of pydantic-ai's event and no dump of it again (the stored body is that dump), a few microseconds
+    instead of tens; through the model otherwise (a body of another shape, an older row, a `created_at` of another
+    form). tests/unit/test_streams.py checks both give the same text for every event of a run.
+
+    Raises:
+        pydantic.ValidationError: as `to_run_event`, for a row that is no `RunEvent` (an unknown kind).
+    """
+    raw, body, at = row.raw, row.body, row.created_at
+    if raw is not None and row.kind in _KINDS and _UTC_AT.fullmatch(at):
+        head = (f'{{"run_id":{to_json(run_id).decode()},"offset":{row.offset},"unit":{to_json(row.unit).decode()},'
+                f'"attempt":{row.attempt},"kind":"{row.kind}","at":"{at[:-6]}Z",')
+        keys = tuple(body)
+        if keys == ('event', 'data') and type(body['data']) is dict:
+            return head + raw[1:]
+        if keys == ('event',):
+            return head + raw[1:-1] + ',"data":{}}'
+        if keys == ('data',) and type(body['data']) is dict:
+            return head + '"event":null,' + raw[1:]
+    return to_run_event(run_id, row).model_dump_json()
 
 
 async def watch(run_id: str, *, engine: str | None = None, from_offset: int = 0, store: str | None = None,
@@ -72,13 +103,31 @@ async def watch_batches(run_id: str, *, engine: str | None = None, from_offset: 
                         follow: bool = True, wait_for_start: float = 30.0,
                         poll: float = POLL_SECONDS) -> AsyncIterator[list[RunEvent]]:
     """`watch`'s events as the store's reads return them: each read's new events as one list, in offset order,
-    each once, the last list ending with the run's last event (for a consumer that sends them on together, as
-    `durcap serve`'s Server-Sent Events do: one write to the client per read, not one per event).
+    each once, the last list ending with the run's last event (for a consumer that sends them on together: one
+    write per read, not one per event).
 
     Arguments and errors: as `watch`'s.
 
     Yields:
         Non-empty lists of `RunEvent`s.
+    """
+    async for rows in watch_rows(run_id, engine=engine, from_offset=from_offset, store=store, follow=follow,
+                                 wait_for_start=wait_for_start, poll=poll):
+        yield [to_run_event(run_id, row) for row in rows]
+
+
+async def watch_rows(run_id: str, *, engine: str | None = None, from_offset: int = 0, store: str | None = None,
+                     follow: bool = True, wait_for_start: float = 30.0, poll: float = POLL_SECONDS,
+                     gather: float = 0.0) -> AsyncIterator[list[StoredEvent]]:
+    """`watch_batches`'s events as the stored rows (`StoredEvent`, with `raw`: the body's JSON as stored), for a
+    consumer that encodes them itself (`durcap serve`'s Server-Sent Events: `event_json`).
+
+    Arguments and errors: as `watch`'s, and `gather`: seconds to wait after a commit of the run in this process
+    before taking its rows, so that the commits made meanwhile come in the same list (one write to a client instead
+    of several; each event then arrives up to `gather` later). The first list is never delayed.
+
+    Yields:
+        Non-empty lists of `StoredEvent`s, in offset order, each once.
     """
     from ..store import resolve_url
 
@@ -99,43 +148,61 @@ async def watch_batches(run_id: str, *, engine: str | None = None, from_offset: 
                                           'check --store (the store the run writes to)')
             await asyncio.sleep(poll)
     log = EventLog(url)
-    # Between reads: the poll, cut short when this process commits an event of the run (`written_soon`: a run this
-    # process runs, e.g. `durcap serve`'s local turns, is seen at once; one run elsewhere, at the next poll). Each
-    # read is the new events and the stream's row in one statement (`poll_sync`): on SQLite on this thread, never
-    # waiting; when it would (or on PostgreSQL), one trip to a worker thread.
-    waiter = written_soon(run_id)
+    # Between reads: the poll, cut short when this process commits an event of the run (`subscribe`: a run this
+    # process runs, e.g. `durcap serve`'s local turns, is seen at once; one run elsewhere, at the next poll). A commit
+    # in this process hands its rows over: when they follow the last event delivered, no read. A read is the new
+    # events and the stream's row in one statement (`poll_sync`): on SQLite on this thread, never waiting; when it
+    # would (or on PostgreSQL), one trip to a worker thread.
+    inbox = subscribe(run_id)  # before the first read: no commit after it is missed
     after = from_offset
     try:
+        rows, info = await _poll(log, run_id, after)
         while True:
-            rows, info = await _poll(log, run_id, after)
             if engine is not None and info is not None and info.engine != engine:
                 raise _other_engine(run_id, engine, info.engine)
             if info is None and not rows:
                 if not follow or time.monotonic() > deadline:
                     raise StreamNotFoundError(f'run {run_id!r} has published no events to {log._backend.display_url} '
                                               f'(waited {wait_for_start:g} s); check the run id and --store')
-                waiter = await _next_write(run_id, waiter, poll)
+                await inbox.wait(poll)
+                inbox.take()
+                rows, info = await _poll(log, run_id, after)
                 continue
-            batch = []
+            batch: list[StoredEvent] = []
             for row in rows:
                 after = row.offset
-                batch.append(to_run_event(run_id, row))
-                if batch[-1].kind in TERMINAL_KINDS:
+                batch.append(row)
+                if row.kind in TERMINAL_KINDS:
                     yield batch
                     return
             if batch:
                 yield batch
             if info is not None and after < info.next_offset - 1:
-                continue  # past the read's limit: read on at once
-            if not follow:
+                rows, info = await _poll(log, run_id, after)  # past the read's limit: read on at once
+                continue
+            if not follow or (info is not None and info.closed_at is not None):
                 return
-            if info is not None and info.closed_at is not None:
-                return
-            # Nothing more stored when it was read: wait (the waiter was registered before the read, so a commit since
-            # wakes it at once), not read again at once (a read that would find nothing, once per batch).
-            waiter = await _next_write(run_id, waiter, poll)
+            rows, info = await _next(log, inbox, after, poll, gather)
     finally:
-        forget_waiter(run_id, waiter)
+        unsubscribe(inbox)
+
+
+async def _next(log: EventLog, inbox: Inbox, after: int, poll: float, gather: float) -> tuple[list[StoredEvent], Any]:
+    """The events after offset `after`: those this process's commits hand over (`Inbox`), when they follow `after`
+    with no gap (`info` then `None`: not read), else a read of the store, at the first commit (and `gather` seconds
+    more) or after `poll` seconds (a commit of another process)."""
+    while True:
+        if await inbox.wait(poll) and gather > 0:
+            await asyncio.sleep(gather)
+        handed, unknown, closed = inbox.take()
+        rows = [row for row in handed if row.offset > after]
+        if unknown or not handed or any(row.offset != after + 1 + i for i, row in enumerate(rows)):
+            return await _poll(log, run_id=inbox.run_id, after=after)  # the poll's time, or rows not handed over
+        if rows and (not closed or rows[-1].kind in TERMINAL_KINDS):
+            return rows, None
+        if closed:
+            return await _poll(log, run_id=inbox.run_id, after=after)  # closed with no last event handed over: read
+        # only rows already delivered (committed between the subscription and the read): wait on
 
 
 def _other_engine(run_id: str, asked: str, recorded: str) -> InputError:
@@ -153,13 +220,3 @@ async def _poll(log: EventLog, run_id: str, after: int) -> tuple[list[StoredEven
         return log.poll_sync(run_id, after, quick=True)
     except _WouldWait:
         return await in_thread(log.poll_sync, run_id, after)
-
-
-async def _next_write(run_id: str, waiter: asyncio.Future[None], poll: float) -> asyncio.Future[None]:
-    """Wait until `waiter` (a commit of the run in this process) or `poll` seconds; the waiter for the next read,
-    registered before it."""
-    if not waiter.done():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(waiter), poll)
-    forget_waiter(run_id, waiter)
-    return written_soon(run_id)
