@@ -59,11 +59,6 @@ ID_PATTERN = re.compile(r'[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}')
 
 FINGERPRINT = re.compile(r'[0-9a-f]{64}')
 
-SSE_GATHER_SECONDS = 0.005
-"""After a commit of a run this process runs, how long its event stream waits for more before writing to the client:
-the events of the commits meanwhile go in one write (a local turn: ~4 writes instead of ~9; bench/README.md,
-`bench_serve.py`), each up to 5 ms later. The first write is not delayed."""
-
 
 def bearer_auth(tokens: str | Mapping[str, str]) -> Auth:
     """The default `auth`: `Authorization: Bearer TOKEN`, compared in constant time.
@@ -365,8 +360,7 @@ class ServeApp:
         async def stream() -> AsyncIterator[str]:
             prefix = 'retry: 1000\n\n'  # sent with the first events (the headers went at once): one write less a turn
             try:  # the events of each read of the store in one write to the client
-                async for batch in watch_rows(run_id, engine=row.engine, from_offset=after, store=self.store,
-                                             gather=SSE_GATHER_SECONDS):
+                async for batch in watch_rows(run_id, engine=row.engine, from_offset=after, store=self.store):
                     yield prefix + ''.join(f'id: {event.offset}\nevent: {event.kind}\ndata: {event_json(run_id, event)}\n\n'
                                            for event in batch)
                     prefix = ''

@@ -308,12 +308,11 @@ class Inbox:
         if future is not None and not future.done():
             future.set_result(None)
 
-    async def wait(self, timeout: float) -> bool:
-        """Until a commit of the run in this process since the last `take`, or `timeout` seconds; whether a commit
-        came."""
+    async def wait(self, timeout: float) -> None:
+        """Until a commit of the run in this process since the last `take`, or `timeout` seconds."""
         with _WAITERS_GUARD:
             if self._woken:
-                return True
+                return
             future = self._future = self._loop.create_future()
         timer = self._loop.call_later(timeout, _timed_out, future)
         try:
@@ -321,7 +320,6 @@ class Inbox:
         finally:
             timer.cancel()
             self._future = None
-        return self._woken
 
     def take(self) -> tuple[list[StoredEvent], bool, bool]:
         """`(rows handed over since the last take, in offset order, whether a commit's rows were not handed over (it

@@ -117,14 +117,12 @@ async def watch_batches(run_id: str, *, engine: str | None = None, from_offset: 
 
 
 async def watch_rows(run_id: str, *, engine: str | None = None, from_offset: int = 0, store: str | None = None,
-                     follow: bool = True, wait_for_start: float = 30.0, poll: float = POLL_SECONDS,
-                     gather: float = 0.0) -> AsyncIterator[list[StoredEvent]]:
+                     follow: bool = True, wait_for_start: float = 30.0,
+                     poll: float = POLL_SECONDS) -> AsyncIterator[list[StoredEvent]]:
     """`watch_batches`'s events as the stored rows (`StoredEvent`, with `raw`: the body's JSON as stored), for a
     consumer that encodes them itself (`durcap serve`'s Server-Sent Events: `event_json`).
 
-    Arguments and errors: as `watch`'s, and `gather`: seconds to wait after a commit of the run in this process
-    before taking its rows, so that the commits made meanwhile come in the same list (one write to a client instead
-    of several; each event then arrives up to `gather` later). The first list is never delayed.
+    Arguments and errors: as `watch`'s.
 
     Yields:
         Non-empty lists of `StoredEvent`s, in offset order, each once.
@@ -182,18 +180,17 @@ async def watch_rows(run_id: str, *, engine: str | None = None, from_offset: int
                 continue
             if not follow or (info is not None and info.closed_at is not None):
                 return
-            rows, info = await _next(log, inbox, after, poll, gather)
+            rows, info = await _next(log, inbox, after, poll)
     finally:
         unsubscribe(inbox)
 
 
-async def _next(log: EventLog, inbox: Inbox, after: int, poll: float, gather: float) -> tuple[list[StoredEvent], Any]:
+async def _next(log: EventLog, inbox: Inbox, after: int, poll: float) -> tuple[list[StoredEvent], Any]:
     """The events after offset `after`: those this process's commits hand over (`Inbox`), when they follow `after`
-    with no gap (`info` then `None`: not read), else a read of the store, at the first commit (and `gather` seconds
-    more) or after `poll` seconds (a commit of another process)."""
+    with no gap (`info` then `None`: not read), else a read of the store, at the first commit or after `poll`
+    seconds (a commit of another process)."""
     while True:
-        if await inbox.wait(poll) and gather > 0:
-            await asyncio.sleep(gather)
+        await inbox.wait(poll)
         handed, unknown, closed = inbox.take()
         rows = [row for row in handed if row.offset > after]
         if unknown or not handed or any(row.offset != after + 1 + i for i, row in enumerate(rows)):
