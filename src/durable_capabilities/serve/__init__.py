@@ -96,8 +96,9 @@ def create_app(
             `auth` and no `$DURCAP_SERVE_TOKEN`, or `max_body_bytes` under 1.
         targets.UnusableTarget / DurableConfigError: `targets` is a TARGET string that does not load.
     """
-    from ._app import DEFAULT_MAX_BODY_BYTES, build, parse_tokens
+    from ._app import DEFAULT_MAX_BODY_BYTES, parse_tokens
     from ._app import bearer_auth as make_auth
+    from ._routes import build
 
     if isinstance(targets, str):
         from ..targets import load

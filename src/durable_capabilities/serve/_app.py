@@ -10,15 +10,13 @@ import logging
 import re
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import pydantic
-from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from .._limits import MAX_DEPTH, InputError, load_json, one_line, printable
 from ..agent import DurableAgent
@@ -32,7 +30,7 @@ from ..approvals import (
 )
 from ..conversations import check_busy
 from ..store import ConversationBusyError, ConversationNotFoundError, StoreError
-from ..streams import STREAM_ENGINES, StreamNotFoundError
+from ..streams import StreamNotFoundError
 from ..streams._watch import event_json, watch_rows
 from ._errors import (
     BadRequestError,
@@ -480,16 +478,6 @@ class ServeApp:
                 raise _Refused(_coded(409, exc.code, str(exc), kind=exc.kind, field='fingerprint')) from None
             raise NotFoundError(str(exc), kind=exc.kind) from None
 
-    async def ag_ui(self, request: Request) -> Response:
-        from ._protocols import protocol_turn
-
-        return await protocol_turn(self, request, 'ag-ui')
-
-    async def vercel_ai(self, request: Request) -> Response:
-        from ._protocols import protocol_turn
-
-        return await protocol_turn(self, request, 'vercel-ai')
-
     async def _decided(self, row: RunRow, call_id: str) -> Decision | None:
         """The decision on `call_id` the run received (its `approval_decided` event), else `None`."""
         for _offset, kind, body in await self.rows.call(self.rows.milestones_sync, row.run_id):
@@ -530,44 +518,3 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     if exc.status_code == 405:
         return _coded(405, 'method-not-allowed', f'{request.method} is not allowed on {printable(request.url.path[:200])}')
     return _coded(exc.status_code, 'http', str(exc.detail))
-
-
-def build(agents: Sequence[DurableAgent[Any, Any]], *, engine: str, settings: Mapping[str, Any], auth: Auth,
-          deps_factory: DepsFactory | None, max_body_bytes: int, cors_origins: Sequence[str],
-          chat: bool) -> Starlette:
-    """The Starlette app (`create_app` checks the arguments first)."""
-    if engine not in STREAM_ENGINES:
-        raise ValueError(f'engine {engine!r}: durcap serve runs turns on {", ".join(STREAM_ENGINES)} (their runs '
-                         'publish the event stream the API serves)')
-    names: dict[str, DurableAgent[Any, Any]] = {}
-    for agent in agents:
-        if agent.name in names:
-            raise ValueError(f'two agents are named {agent.name!r}: serve each name once')
-        names[agent.name] = agent
-    if not names:
-        raise ValueError('create_app needs at least one DurableAgent')
-    app = ServeApp(names, engine, settings, auth, deps_factory, max_body_bytes)
-    routes = [
-        Route('/v1/conversations/{conversation_id}/turns', _handler(app, app.post_turn), methods=['POST']),
-        Route('/v1/conversations/{conversation_id}', _handler(app, app.conversation), methods=['GET']),
-        Route('/v1/runs/{run_id}/events', _handler(app, app.events), methods=['GET']),
-        Route('/v1/runs/{run_id}/approvals', _handler(app, app.approvals), methods=['GET']),
-        Route('/v1/runs/{run_id}/approvals/{call_id}', _handler(app, app.decide), methods=['POST']),
-        Route('/v1/runs/{run_id}', _handler(app, app.run_status), methods=['GET']),
-        Route('/v1/agents/{agent}/ag-ui', _handler(app, app.ag_ui), methods=['POST']),
-        Route('/v1/agents/{agent}/vercel-ai', _handler(app, app.vercel_ai), methods=['POST']),
-    ]
-    if chat:
-        from ._chat import chat_page
-
-        routes.append(Route('/chat', chat_page, methods=['GET']))
-    middleware = []
-    if cors_origins:
-        from starlette.middleware import Middleware
-        from starlette.middleware.cors import CORSMiddleware
-
-        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=['GET', 'POST'],
-                                     allow_headers=['Authorization', 'Content-Type', 'Idempotency-Key', 'Last-Event-ID']))
-    starlette = Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: _http_error})
-    starlette.state.serve = app
-    return starlette
