@@ -3,25 +3,30 @@ reschedules it.
 
 Prefect marks a flow run CRASHED when its process reports the crash, or when the serving process that started it
 sees it exit. When both die at once (a machine or container lost, a process group killed with SIGKILL), nobody
-reports anything and the run stays RUNNING for good; Prefect's own flow-run heartbeat events come at most every
-30 s and the open-source server acts on none of them. So:
+reports anything and the run stays PENDING or RUNNING for good; Prefect's own flow-run heartbeat events come at most
+every 30 s and the open-source server acts on none of them. So:
 
-- `beating(flow_run_id)`: a flow run of a deployment (what `durcap schedule prefect` serves) beats while it runs: a
-  daemon thread sets the flow run's label `BEAT_LABEL` to a new value every `beat_seconds()` seconds (one small
-  PATCH to the Prefect API; at 2 s, 100 running flow runs make 50 requests a second).
-- `DeadRunWatch`, in every serving process (`_worker.watch_crashed` runs a round every 2 s): a RUNNING flow run of the
-  deployment whose beat label this process has seen unchanged for `stale_seconds()` seconds of its own clock (no
-  clock is compared across machines) is dead. The process that creates the write-once flow run input
-  `DEAD_CLAIM_PREFIX` + the running state's id (the server refuses a second with 409) marks it CRASHED; the crash is
+- `beating(flow_run_id)`: a flow run of a deployment (what `durcap schedule prefect` serves) beats while it is held:
+  a daemon thread sets the flow run's label `BEAT_LABEL` to a new value every `beat_seconds()` seconds (one small
+  PATCH to the Prefect API; at 2 s, 100 running flow runs make 50 requests a second). Who beats: a forked flow-run
+  process from its start (`_prefork`, after the serving process's `first_beat` as it forks it); with `--spawn`, the
+  serving process from the moment it starts the run's process until that process exits (`_prefork.beat_spawned`: a
+  new Python process needs 8-70 s to reach the flow), and the flow itself from its start (`_flow`).
+- `DeadRunWatch`, in every serving process (`_worker.watch_crashed` runs a round every 2 s): a PENDING or RUNNING
+  flow run of the deployment whose beat label this process has seen unchanged for `stale_seconds()` seconds of its
+  own clock (no clock is compared across machines) is dead. The process that creates the write-once flow run input
+  `DEAD_CLAIM_PREFIX` + the run's state id (the server refuses a second with 409) marks it CRASHED; the crash is
   then rescheduled once, like any other (`_worker.resume_crashed`), and runs again from its cached tasks.
 
-A RUNNING flow run of the deployment with no beat label at all is watched the same way (its "beat" is the missing
-label): every flow run a serving process starts beats within a second or two of RUNNING (a forked one from before its
-process starts, `first_beat`, and from its process's start; a spawned one from its flow's start), but a label written
-while the server moves the run to RUNNING can be lost on a busy server, and a serving process killed just then left
-the run unlabelled and RUNNING for good (bench_scaleout.py --kill: one run in 20, in each of six tries). What this
-gives up: a flow run started by durcap before the beats (December 2026) and still RUNNING is declared dead after the
-stale time. Flow runs outside a deployment (`durcap run` waits for its own run in its own process) are not watched. A process that stalls longer than the stale time (a debugger, a
+A PENDING flow run of the deployment is one a serving process took: Prefect's runner proposes PENDING only for a run
+it has a slot for, just before it starts the run's process (a run waiting for a slot stays SCHEDULED and is not
+watched). So a PENDING run that does not beat is one whose serving process died between taking it and its process
+beating (bench_scaleout.py --kill: the killed process's last run, its process forked 0.5 s before the kill, was left
+PENDING for good), and is watched like a RUNNING one. A PENDING or RUNNING run with no beat label at all is watched
+the same way (its "beat" is the missing label): a label written while the server moves the run to RUNNING can be
+lost on a busy server. What this gives up: a flow run started by durcap before the beats (December 2026) and still
+PENDING or RUNNING is declared dead after the stale time. Flow runs outside a deployment (`durcap run` waits for its
+own run in its own process) are not watched. A process that stalls longer than the stale time (a debugger, a
 swapped-out machine) is declared dead while alive: raise `$DURCAP_PREFECT_STALE_SECONDS` where that can happen.
 """
 
@@ -58,11 +63,12 @@ STALE_SECONDS_ENV = 'DURCAP_PREFECT_STALE_SECONDS'
 DEFAULT_BEAT_SECONDS = 2.0
 """Seconds between two beats of a running flow run (`$DURCAP_PREFECT_BEAT_SECONDS`)."""
 DEFAULT_STALE_SECONDS = 15.0
-"""Seconds a serving process must see a RUNNING flow run's beat unchanged before it marks the run CRASHED
+"""Seconds a serving process must see a PENDING or RUNNING flow run's beat unchanged before it marks the run CRASHED
 (`$DURCAP_PREFECT_STALE_SECONDS`; at least three beats)."""
 
 DEAD_CLAIM_PREFIX = 'durcap-dead-'
-"""Flow run input key prefix of a dead-run claim (+ the RUNNING state's id): write-once, so one process marks it."""
+"""Flow run input key prefix of a dead-run claim (+ the PENDING or RUNNING state's id): write-once, so one process
+marks it."""
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +90,7 @@ def beat_seconds() -> float:
 
 
 def stale_seconds() -> float:
-    """Seconds without a new beat after which a RUNNING flow run is dead (`$DURCAP_PREFECT_STALE_SECONDS`, default
+    """Seconds without a new beat after which a PENDING or RUNNING flow run is dead (`$DURCAP_PREFECT_STALE_SECONDS`, default
     `DEFAULT_STALE_SECONDS`, never under three beats).
 
     Raises:
@@ -176,7 +182,7 @@ FIRST_BEAT_SECONDS = 15.0
 
 
 class DeadRunWatch:
-    """One serving process's view of the beats of its deployment's RUNNING flow runs (see the module docstring).
+    """One serving process's view of the beats of its deployment's PENDING and RUNNING flow runs (see the module docstring).
 
     Args:
         deployment_id: The deployment whose flow runs are watched.
@@ -189,10 +195,10 @@ class DeadRunWatch:
         self.notify = notify
         self.clock = clock
         self.seen: dict[tuple[str, str], tuple[str, float]] = {}
-        """(flow run id, RUNNING state id) -> (the last beat seen, when this process first saw it)."""
+        """(flow run id, PENDING or RUNNING state id) -> (the last beat seen, when this process first saw it)."""
 
     async def round(self) -> list[str]:
-        """Look at the deployment's RUNNING flow runs once; mark CRASHED those dead (and claimed here).
+        """Look at the deployment's PENDING and RUNNING flow runs once; mark CRASHED those dead (and claimed here).
 
         Returns:
             The ids of the flow runs this process marked CRASHED in this round.
@@ -204,7 +210,7 @@ class DeadRunWatch:
             runs = await client.read_flow_runs(
                 deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[self.deployment_id])),
                 flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
-                    any_=[StateType.RUNNING]))))
+                    any_=[StateType.PENDING, StateType.RUNNING]))))
             current: dict[tuple[str, str], tuple[str, float]] = {}
             for run in runs:
                 if run.state is None:
@@ -228,11 +234,12 @@ class DeadRunWatch:
             if exc.response.status_code == 409:  # another serving process claimed it
                 return False
             raise
+        held = 'its process' if run.state.type == StateType.RUNNING else 'the serving process that took it'
         result = await client.set_flow_run_state(run.id, Crashed(
-            message=f'durcap: no beat for {silent:.0f} s: its process died without reporting it'))
+            message=f'durcap: no beat for {silent:.0f} s while {run.state.type.value}: {held} died without reporting it'))
         if result.status.value != 'ACCEPT':
             logger.warning('flow run %s: marking it CRASHED was refused (%s)', run.id, result.status.value)
             return False
-        self.notify(f'prefect flow run {run.id} ({run.name}) stopped beating {silent:.0f} s ago (its process died '
-                    'with no word): marked CRASHED, to be rescheduled')
+        self.notify(f'prefect flow run {run.id} ({run.name}, {run.state.type.value}) stopped beating {silent:.0f} s ago '
+                    f'({held} died with no word): marked CRASHED, to be rescheduled')
         return True

@@ -200,6 +200,31 @@ def flow_run_main(env: dict[str, str], cwd: str | None, stream_output: bool) -> 
         runpy.run_module(_upstream.PREFECT_ENGINE_MODULE, run_name='__main__', alter_sys=True)
 
 
+def beat_spawned() -> None:
+    """`durcap schedule prefect --spawn` (or no fork server): the serving process beats each flow run whose process it
+    starts (`_liveness.beating`) until that process exits.
+
+    Why: a PENDING flow run that does not beat is declared dead (`_liveness.DeadRunWatch`), and a new Python process
+    takes 8-70 s to import Prefect, pydantic-ai and the target before its flow beats itself; its serving process's
+    beats cover that time (and stop with it: a serving process that dies leaves the run silent). Every other command
+    goes to Prefect's own function unchanged.
+
+    Raises:
+        RuntimeError: Prefect moved its override point (`_upstream.prefect_engine_run_process`).
+    """
+    prefect_run_process = _upstream.prefect_engine_run_process()
+
+    async def run_process(command: list[str], *, stream_output: Any = False, task_status: Any = None,
+                          task_status_handler: Callable[[Any], Any] | None = None, **kwargs: Any) -> Any:
+        env = kwargs.get('env') or {}
+        flow_run_id = env.get('PREFECT__FLOW_RUN_ID') if list(command[1:]) == _ENGINE_COMMAND_TAIL else None
+        with beating(flow_run_id) if flow_run_id else contextlib.nullcontext():
+            return await prefect_run_process(command, stream_output=stream_output, task_status=task_status,
+                                             task_status_handler=task_status_handler, **kwargs)
+
+    _upstream.prefect_engine_run_process(run_process)
+
+
 def start_fork_server(notify: Callable[[str], None], target: str) -> ForkServer | None:
     """Start the fork server (`ForkServer.start`) and say so through `notify`; `None` (Prefect's new process per flow
     run, said through `notify`) when it cannot start."""

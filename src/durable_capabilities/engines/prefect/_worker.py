@@ -4,9 +4,9 @@ approval deadline watcher and the crashed-run watcher.
 Several serving processes may serve one deployment (issue 29 item 3): each takes at most `limit` flow runs at once
 (Prefect's runner limit; `durcap schedule prefect --limit`, default `DEFAULT_SERVE_LIMIT`), stopping one leaves the
 deployment running for the others (`pause_on_shutdown=False`: Prefect's default pauses the deployment they share),
-and each watches the deployment for flow runs left CRASHED by a process that died, or left RUNNING by one that died
-with no word (`watch_crashed`, `_liveness`): one of them claims the crash and reschedules the run, which a serving
-process then runs again from its cached tasks."""
+and each watches the deployment for flow runs left CRASHED by a process that died, or left PENDING or RUNNING by one
+that died with no word (`watch_crashed`, `_liveness`): one of them claims the crash and reschedules the run, which a
+serving process then runs again from its cached tasks."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from ._approvals import watch_deadlines
 from ._entry import entrypoint
 from ._flow import agent_flow
 from ._liveness import DeadRunWatch, stale_seconds
-from ._prefork import start_fork_server
+from ._prefork import beat_spawned, start_fork_server
 from ._spec import TARGET_ENV, flow_name
 
 if TYPE_CHECKING:
@@ -85,8 +85,10 @@ def serve(
         raise ValueError('give exactly one of cron or interval_seconds')
     os.environ[TARGET_ENV] = target  # inherited by the processes that run each flow run (and the fork server)
     notify = notify or logging.getLogger(__name__).warning
-    if not spawn:
-        start_fork_server(notify, target)  # preloads while nothing else runs; flow runs fork from it
+    # The fork server preloads while nothing else runs; flow runs fork from it. Without one, the serving process
+    # beats each run while its new Python process loads (a silent PENDING run is declared dead: `_liveness`).
+    if spawn or start_fork_server(notify, target) is None:
+        beat_spawned()
     deployment = agent_flow(agent).to_deployment(
         name=deployment_name or f'{agent.name}-scheduled',
         cron=cron,
@@ -147,9 +149,9 @@ async def resume_crashed(deployment_name: str, flow: str, notify: Callable[[str]
 
 
 def watch_crashed(deployment_name: str, flow: str, notify: Callable[[str], None], every: float = 2.0) -> Any:
-    """Start a daemon thread that, every `every` seconds, marks CRASHED the deployment's RUNNING flow runs that stopped
-    beating (`_liveness.DeadRunWatch`: their process died with no word, e.g. with this deployment's other serving
-    process) and calls `resume_crashed` (errors logged, retried next round); returns the thread."""
+    """Start a daemon thread that, every `every` seconds, marks CRASHED the deployment's PENDING and RUNNING flow runs
+    that stopped beating (`_liveness.DeadRunWatch`: their process, or the serving process that took them, died with no
+    word, e.g. this deployment's other serving process) and calls `resume_crashed` (errors logged, retried next round); returns the thread."""
     watches: list[DeadRunWatch] = []
 
     async def one_round() -> None:
