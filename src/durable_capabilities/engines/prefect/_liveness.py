@@ -8,10 +8,10 @@ every 30 s and the open-source server acts on none of them. So:
 
 - `beating(flow_run_id)`: a flow run of a deployment (what `durcap schedule prefect` serves) beats while it is held:
   a daemon thread sets the flow run's label `BEAT_LABEL` to a new value every `beat_seconds()` seconds (one small
-  PATCH to the Prefect API; at 2 s, 100 running flow runs make 50 requests a second). Who beats: a forked flow-run
-  process from its start (`_prefork`, after the serving process's `first_beat` as it forks it); with `--spawn`, the
-  serving process from the moment it starts the run's process until that process exits (`_prefork.beat_spawned`: a
-  new Python process needs 8-70 s to reach the flow), and the flow itself from its start (`_flow`).
+  PATCH to the Prefect API; at 2 s, 100 running flow runs make 50 requests a second). Who beats: the serving process
+  that took the run, from the moment it starts the run's process (forked or spawned) until that process exits
+  (`_prefork`); the run's own process only once that serving process is gone (`HELD_ENV`: it lives on after a
+  serving process killed alone) or when no serving process holds it (`durcap runs resume` runs it in its own process).
 - `DeadRunWatch`, in every serving process (`_worker.watch_crashed` runs a round every 2 s): a PENDING or RUNNING
   flow run of the deployment whose beat label this process has seen unchanged for `stale_seconds()` seconds of its
   own clock (no clock is compared across machines) is dead. The process that creates the write-once flow run input
@@ -51,7 +51,7 @@ from prefect.client.schemas.filters import (
     FlowRunFilterStateType,
 )
 from prefect.client.schemas.objects import StateType
-from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
+from prefect.exceptions import PrefectHTTPStatusError
 from prefect.input import acreate_flow_run_input
 from prefect.states import Crashed
 
@@ -103,15 +103,22 @@ def stale_seconds() -> float:
 def beating(flow_run_id: str) -> Iterator[None]:
     """While the block runs, flow run `flow_run_id` beats (`BEAT_LABEL` set anew every `beat_seconds()` from a daemon
     thread with its own event loop). A beat that fails (the API briefly unreachable) is logged and the next one tried
-    0.5 s later: a missed beat or two never declares the run dead. Re-entrant: in a process that beats `flow_run_id`
-    already (a flow-run process forked by `_prefork` beats from its start, before its flow runs), the block adds no
-    thread but has the next beat go out now: the flow has just gone RUNNING, and a label written while Prefect's
-    server moved the run to RUNNING can be lost (seen under load: the run left RUNNING with no beat label)."""
+    0.5 s later: a missed beat or two never declares the run dead.
+
+    In a flow-run process whose serving process beats it (`HELD_ENV` names that process in its environment,
+    `_prefork`), the thread sends nothing while that process lives: one beat a run, not two. Once it is gone (the
+    serving process died, the run's process lives on), the run beats itself, so a survivor does not declare a live
+    run dead.
+
+    Re-entrant: in a process that beats `flow_run_id` already (a forked flow-run process beats from its start, before
+    its flow runs), the block adds no thread but has the next beat go out now."""
     if flow_run_id in _BEATING:
         _BEATING[flow_run_id].set()
         yield
         return
     every = beat_seconds()
+    held = os.environ.get(HELD_ENV, '')
+    held_by = int(held) if held.isdigit() else None
     stop = threading.Event()
     wake = threading.Event()  # set to beat now (a nested block), or with `stop`
 
@@ -119,16 +126,18 @@ def beating(flow_run_id: str) -> Iterator[None]:
         count = 0
         async with get_client() as client:
             while not stop.is_set():
-                count += 1
                 wait = every
-                try:
-                    await client.update_flow_run_labels(uuid.UUID(flow_run_id), {BEAT_LABEL: f'{os.getpid()}:{count}'})
-                except Exception as exc:  # next beat, sooner; the run goes on either way
-                    logger.debug('flow run %s: beat %d failed', flow_run_id, count, exc_info=True)
-                    if count == 1:
-                        logger.warning('flow run %s: its first beat failed (%s: %s); trying again', flow_run_id,
-                                       type(exc).__name__, str(exc)[:200])
-                    wait = min(every, 0.5)
+                if held_by is None or not _alive(held_by):
+                    count += 1
+                    try:
+                        await client.update_flow_run_labels(uuid.UUID(flow_run_id),
+                                                            {BEAT_LABEL: f'{os.getpid()}:{count}'})
+                    except Exception as exc:  # next beat, sooner; the run goes on either way
+                        logger.debug('flow run %s: beat %d failed', flow_run_id, count, exc_info=True)
+                        if count == 1:
+                            logger.warning('flow run %s: its first beat failed (%s: %s); trying again', flow_run_id,
+                                           type(exc).__name__, str(exc)[:200])
+                        wait = min(every, 0.5)
                 await asyncio.to_thread(wake.wait, wait)
                 wake.clear()
 
@@ -146,39 +155,25 @@ def beating(flow_run_id: str) -> Iterator[None]:
 _BEATING: dict[str, threading.Event] = {}
 """The flow runs this process beats now (`beating`), each with the event that makes its next beat go out now."""
 
+HELD_ENV = 'DURCAP_PREFECT_HELD_BY'
+"""Set to its own process id in a flow-run process's environment by the serving process that starts it and beats it
+(`_prefork`): the flow-run process's own `beating` stays quiet while that process lives (see `beating`). Not the
+parent: a forked flow-run process's parent is the fork server, which lives as long as any process it forked."""
 
-async def first_beat(flow_run_id: str) -> None:
-    """Set flow run `flow_run_id`'s beat label (`<this pid>:0`) before its process exists (`_prefork`: the serving
-    process, awaited before it forks the run's process).
 
-    Why: the sooner a run carries a beat, the sooner a watcher can tell it beats (the server merges labels by
-    read-modify-write, and a label written while the run changes state can be lost: see the module docstring). A refused or failed request (a busy server on SQLite answers 503 for a
-    moment) is tried again, 0.2 s doubling to 2 s apart, for `FIRST_BEAT_SECONDS`; then a warning is logged (the run
-    goes on either way)."""
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
     try:
-        run_id = uuid.UUID(flow_run_id)
-    except ValueError:
-        return  # Prefect's engine refuses the run itself
-    deadline = time.monotonic() + FIRST_BEAT_SECONDS
-    pause = 0.2
-    async with get_client() as client:
-        while True:
-            try:
-                await client.update_flow_run_labels(run_id, {BEAT_LABEL: f'{os.getpid()}:0'})
-                return
-            except Exception as exc:  # noqa: BLE001 - the run's own beats follow; a hiccup must not keep it from starting
-                status = getattr(getattr(exc, 'response', None), 'status_code', None)
-                permanent = isinstance(exc, ObjectNotFound) or (status is not None and status < 500 and status != 429)
-                if permanent or time.monotonic() + pause > deadline:
-                    logger.warning('flow run %s: its first beat did not land (%s: %s)', flow_run_id,
-                                   type(exc).__name__, str(exc)[:200])
-                    return
-            await asyncio.sleep(pause)
-            pause = min(2 * pause, 2.0)
-
-
-FIRST_BEAT_SECONDS = 15.0
-"""How long `first_beat` tries to land its label."""
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f'/proc/{pid}/stat', encoding='ascii', errors='replace') as stat:
+            return stat.read().rsplit(')', 1)[1].split()[0] != 'Z'
+    except (OSError, IndexError):
+        return True  # no /proc (macOS): os.kill said it exists
 
 
 class DeadRunWatch:
