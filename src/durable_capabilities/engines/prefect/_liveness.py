@@ -192,8 +192,13 @@ class DeadRunWatch:
         self.seen: dict[tuple[str, str], tuple[str, float]] = {}
         """(flow run id, PENDING or RUNNING state id) -> (the last beat seen, when this process first saw it)."""
 
-    async def round(self) -> list[str]:
+    async def round(self, client: Any, runs: list[Any] | None = None) -> list[str]:
         """Look at the deployment's PENDING and RUNNING flow runs once; mark CRASHED those dead (and claimed here).
+
+        Args:
+            client: A Prefect client (`get_client()`, open).
+            runs: The deployment's flow runs as read just now (Prefect `FlowRun`s; those in other states are skipped),
+                or `None` to read them here.
 
         Returns:
             The ids of the flow runs this process marked CRASHED in this round.
@@ -201,25 +206,25 @@ class DeadRunWatch:
         stale = stale_seconds()
         now = self.clock()
         marked: list[str] = []
-        async with get_client() as client:
+        if runs is None:
             runs = await client.read_flow_runs(
                 deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[self.deployment_id])),
                 flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
                     any_=[StateType.PENDING, StateType.RUNNING]))))
-            current: dict[tuple[str, str], tuple[str, float]] = {}
-            for run in runs:
-                if run.state is None:
-                    continue
-                beat = (run.labels or {}).get(BEAT_LABEL, '')  # '': no beat yet (watched as well, module docstring)
-                key = (str(run.id), str(run.state.id))
-                last = self.seen.get(key)
-                since = last[1] if last is not None and last[0] == str(beat) else now
-                current[key] = (str(beat), since)
-                if now - since < stale:
-                    continue
-                if await self._mark(client, run, now - since):
-                    marked.append(str(run.id))
-            self.seen = current
+        current: dict[tuple[str, str], tuple[str, float]] = {}
+        for run in runs or []:
+            if run.state is None or run.state.type not in (StateType.PENDING, StateType.RUNNING):
+                continue
+            beat = (run.labels or {}).get(BEAT_LABEL, '')  # '': no beat yet (watched as well, module docstring)
+            key = (str(run.id), str(run.state.id))
+            last = self.seen.get(key)
+            since = last[1] if last is not None and last[0] == str(beat) else now
+            current[key] = (str(beat), since)
+            if now - since < stale:
+                continue
+            if await self._mark(client, run, now - since):
+                marked.append(str(run.id))
+        self.seen = current
         return marked
 
     async def _mark(self, client: Any, run: Any, silent: float) -> bool:

@@ -211,7 +211,7 @@ def beat_spawned() -> None:
         env = kwargs.get('env')
         flow_run_id = (env.get('PREFECT__FLOW_RUN_ID') if isinstance(env, dict)
                        and list(command[1:]) == _ENGINE_COMMAND_TAIL else None)
-        if flow_run_id:
+        if flow_run_id and isinstance(env, dict):
             kwargs['env'] = {**env, HELD_ENV: str(os.getpid())}  # its flow beats once this process is gone
         with beating(flow_run_id) if flow_run_id else contextlib.nullcontext():
             return await prefect_run_process(command, stream_output=stream_output, task_status=task_status,
