@@ -194,7 +194,10 @@ class Cluster:
         return self.scratch / f'{self.name}.ledger'
 
     def env(self, **extra: str) -> dict[str, str]:
-        return dict(os.environ, PYTHONPATH=f'{ROOT}{os.pathsep}{ROOT / "src"}', BENCH_SCALEOUT_LEDGER=str(self.ledger),
+        # $BENCH_SCALEOUT_PYTHONPATH: more import folders for the workers (e.g. one with a request-counting
+        # sitecustomize.py, as bench/README.md's Prefect requests-per-run figures were taken).
+        path = os.pathsep.join([str(ROOT), str(ROOT / 'src'), *filter(None, [os.environ.get('BENCH_SCALEOUT_PYTHONPATH')])])
+        return dict(os.environ, PYTHONPATH=path, BENCH_SCALEOUT_LEDGER=str(self.ledger),
                     BENCH_SCALEOUT_TOOL_SECONDS=str(self.tool_seconds), **extra)
 
     def log(self, i: int) -> Path:
