@@ -27,7 +27,9 @@ the same way (its "beat" is the missing label): a label written while the server
 lost on a busy server. What this gives up: a flow run started by durcap before the beats (December 2026) and still
 PENDING or RUNNING is declared dead after the stale time. Flow runs outside a deployment (`durcap run` waits for its
 own run in its own process) are not watched. A process that stalls longer than the stale time (a debugger, a
-swapped-out machine) is declared dead while alive: raise `$DURCAP_PREFECT_STALE_SECONDS` where that can happen.
+swapped-out machine) is declared dead while alive: raise `$DURCAP_PREFECT_STALE_SECONDS` where that can happen. A
+busy Prefect server on SQLite refuses writes (503) for seconds at a time, beats included: a serving process whose own
+beats failed within the stale time declares no run dead (`REFUSED`).
 """
 
 from __future__ import annotations
@@ -130,9 +132,12 @@ def beating(flow_run_id: str) -> Iterator[None]:
                 if held_by is None or not _alive(held_by):
                     count += 1
                     try:
-                        await client.update_flow_run_labels(uuid.UUID(flow_run_id),
-                                                            {BEAT_LABEL: f'{os.getpid()}:{count}'})
+                        # One try at most `every` s: Prefect's client retries a 503 with a growing backoff (a write
+                        # refused by a busy server on SQLite), which would hold the next beat back for tens of s.
+                        await asyncio.wait_for(client.update_flow_run_labels(
+                            uuid.UUID(flow_run_id), {BEAT_LABEL: f'{os.getpid()}:{count}'}), timeout=every)
                     except Exception as exc:  # next beat, sooner; the run goes on either way
+                        REFUSED[0] = time.monotonic()
                         logger.debug('flow run %s: beat %d failed', flow_run_id, count, exc_info=True)
                         if count == 1:
                             logger.warning('flow run %s: its first beat failed (%s: %s); trying again', flow_run_id,
@@ -151,6 +156,11 @@ def beating(flow_run_id: str) -> Iterator[None]:
         wake.set()
         _BEATING.pop(flow_run_id, None)
 
+
+REFUSED = [-float('inf')]
+"""When (this process's monotonic clock) a beat sent from this process last failed: `DeadRunWatch` declares no run
+dead while this process's own beats fail, since then the server refuses or delays writes and others' are likely lost
+the same way."""
 
 _BEATING: dict[str, threading.Event] = {}
 """The flow runs this process beats now (`beating`), each with the event that makes its next beat go out now."""
@@ -221,6 +231,10 @@ class DeadRunWatch:
             since = last[1] if last is not None and last[0] == str(beat) else now
             current[key] = (str(beat), since)
             if now - since < stale:
+                continue
+            if now - REFUSED[0] < stale:  # the server refused this process's own beats lately: silence proves nothing
+                logger.info('flow run %s: no beat for %.0f s, but this process\'s own beats failed %.0f s ago: not '
+                            'declared dead yet', run.id, now - since, now - REFUSED[0])
                 continue
             if await self._mark(client, run, now - since):
                 marked.append(str(run.id))
