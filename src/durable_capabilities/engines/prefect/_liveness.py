@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -54,7 +55,7 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.objects import StateType
 from prefect.exceptions import PrefectHTTPStatusError
-from prefect.input import acreate_flow_run_input
+from prefect.input import acreate_flow_run_input, aread_flow_run_input
 from prefect.states import Crashed
 
 BEAT_LABEL = 'durcap.beat'
@@ -242,12 +243,8 @@ class DeadRunWatch:
         return marked
 
     async def _mark(self, client: Any, run: Any, silent: float) -> bool:
-        try:
-            await acreate_flow_run_input(f'{DEAD_CLAIM_PREFIX}{run.state.id}', {'pid': os.getpid()}, flow_run_id=run.id)
-        except PrefectHTTPStatusError as exc:
-            if exc.response.status_code == 409:  # another serving process claimed it
-                return False
-            raise
+        if not await claim(f'{DEAD_CLAIM_PREFIX}{run.state.id}', run.id):
+            return False
         held = 'its process' if run.state.type == StateType.RUNNING else 'the serving process that took it'
         result = await client.set_flow_run_state(run.id, Crashed(
             message=f'durcap: no beat for {silent:.0f} s while {run.state.type.value}: {held} died without reporting it'))
@@ -257,3 +254,21 @@ class DeadRunWatch:
         self.notify(f'prefect flow run {run.id} ({run.name}, {run.state.type.value}) stopped beating {silent:.0f} s ago '
                     f'({held} died with no word): marked CRASHED, to be rescheduled')
         return True
+
+
+async def claim(key: str, flow_run_id: Any) -> bool:
+    """Claim flow run input `key` of flow run `flow_run_id` for this process: True when this process created it now or
+    before (a claim whose next step failed, e.g. a write refused by a busy server, is taken up again by the process
+    that holds it), False when another process holds it (write-once: the server answers 409 to a second).
+
+    Raises:
+        PrefectHTTPStatusError: the server refused the input for another reason.
+    """
+    mine = {'pid': os.getpid(), 'host': socket.gethostname()}
+    try:
+        await acreate_flow_run_input(key, mine, flow_run_id=flow_run_id)
+        return True
+    except PrefectHTTPStatusError as exc:
+        if exc.response.status_code != 409:
+            raise
+    return await aread_flow_run_input(key, flow_run_id=flow_run_id) == mine

@@ -30,8 +30,6 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.objects import StateType
 from prefect.client.schemas.schedules import CronSchedule
-from prefect.exceptions import PrefectHTTPStatusError
-from prefect.input import acreate_flow_run_input
 from prefect.settings import get_current_settings
 from prefect.states import Scheduled
 from pydantic import ValidationError
@@ -40,7 +38,7 @@ from ..._limits import one_line, printable
 from ._approvals import watch_deadlines
 from ._entry import entrypoint
 from ._flow import agent_flow
-from ._liveness import DeadRunWatch, stale_seconds
+from ._liveness import DeadRunWatch, claim, stale_seconds
 from ._prefork import beat_spawned, start_fork_server
 from ._spec import TARGET_ENV, flow_name
 
@@ -140,13 +138,8 @@ async def reschedule_crashed(client: Any, runs: list[Any], notify: Callable[[str
     for run in runs:
         if run.state is None or run.state.type != StateType.CRASHED or run.run_count > MAX_CRASH_RESUMES:
             continue
-        try:
-            await acreate_flow_run_input(f'{CRASH_CLAIM_PREFIX}{run.state.id}', {'pid': os.getpid()},
-                                         flow_run_id=run.id)
-        except PrefectHTTPStatusError as exc:
-            if exc.response.status_code == 409:  # claimed by another serving process
-                continue
-            raise
+        if not await claim(f'{CRASH_CLAIM_PREFIX}{run.state.id}', run.id):  # claimed by another serving process
+            continue
         result = await client.set_flow_run_state(
             run.id, Scheduled(message=f'durcap: rescheduled after its process died (try {run.run_count + 1})'))
         if result.status.value == 'ACCEPT':
