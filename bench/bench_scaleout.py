@@ -194,7 +194,10 @@ class Cluster:
         return self.scratch / f'{self.name}.ledger'
 
     def env(self, **extra: str) -> dict[str, str]:
-        return dict(os.environ, PYTHONPATH=f'{ROOT}{os.pathsep}{ROOT / "src"}', BENCH_SCALEOUT_LEDGER=str(self.ledger),
+        # $BENCH_SCALEOUT_PYTHONPATH: more import folders for the workers (e.g. one with a request-counting
+        # sitecustomize.py, as bench/README.md's Prefect requests-per-run figures were taken).
+        path = os.pathsep.join([str(ROOT), str(ROOT / 'src'), *filter(None, [os.environ.get('BENCH_SCALEOUT_PYTHONPATH')])])
+        return dict(os.environ, PYTHONPATH=path, BENCH_SCALEOUT_LEDGER=str(self.ledger),
                     BENCH_SCALEOUT_TOOL_SECONDS=str(self.tool_seconds), **extra)
 
     def log(self, i: int) -> Path:
@@ -461,6 +464,27 @@ class PrefectCluster(Cluster):
                 f'    PENDING -> RUNNING (its process starts and loads the flow):          {stat(starts)}',
                 f'    RUNNING -> COMPLETED (the flow: 3 model tasks, the tool, results):  {stat(flows)}']
 
+    def recovery(self, kill_wall: float) -> list[str]:
+        """Each flow run the killed serving process left behind and the survivors found dead: its state at the kill
+        (PENDING or RUNNING), then seconds from the kill (server timestamps against this machine's clock) to its
+        CRASHED mark, its rescheduling, its RUNNING again and its completion."""
+        from datetime import datetime
+
+        lines = []
+        for flow_run_id, key in self.ids.items():
+            states = self._request('GET', '/flow_run_states/', params={'flow_run_id': flow_run_id})
+            times = sorted((datetime.fromisoformat(s['timestamp'].replace('Z', '+00:00')).timestamp(), s['type'],
+                            s.get('message') or '') for s in states)
+            crashed = [n for n, (_, kind, message) in enumerate(times) if kind == 'CRASHED' and 'no beat' in message]
+            if not crashed:
+                continue
+            n = crashed[0]
+            after = {kind: t for t, kind, _ in reversed(times[n + 1:])}
+            steps = [f'CRASHED +{times[n][0] - kill_wall:.1f}'] + [
+                f'{kind} +{after[kind] - kill_wall:.1f}' for kind in ('SCHEDULED', 'RUNNING', 'COMPLETED') if kind in after]
+            lines.append(f'  {key}: {times[n - 1][1] if n else "?"} at the kill; {", ".join(steps)} s after the kill')
+        return lines
+
     def close(self) -> None:
         try:
             super().close()
@@ -604,6 +628,8 @@ class KillResult:
     of `seconds` is the queue of runs no worker had taken yet)."""
     load: str = ''
     error: str = ''
+    notes: list[str] = field(default_factory=list)
+    """Engine-specific lines under the row (Prefect: each run found dead, `PrefectCluster.recovery`)."""
 
     @property
     def ok(self) -> bool:
@@ -666,7 +692,7 @@ def kill_bench(engine: str, args: argparse.Namespace, scratch: Path) -> KillResu
         result.held = cluster.held(busiest)
         result.killed = f'w{busiest}'
         killed_pids = {victim.pid, *_sigkill_tree(victim.pid)}
-        kill_at = time.monotonic()
+        kill_at, kill_wall = time.monotonic(), time.time()
         result.load = load()
         victim.wait(timeout=30)
         finished = wait_all(cluster, keys, args.kill_timeout, every=0.1 if engine != 'prefect' else 0.25)
@@ -680,6 +706,8 @@ def kill_bench(engine: str, args: argparse.Namespace, scratch: Path) -> KillResu
         result.in_flight = len({e.key for e in on_victim if e.event == 'start'}
                                - {e.key for e in on_victim if e.event == 'done'})  # at the kill: it wrote no more
         result.reran, result.repeats = check_ledger(entries, keys, lambda e: e in on_victim)
+        if isinstance(cluster, PrefectCluster):
+            result.notes = cluster.recovery(kill_wall)
         its = [cluster.done[e.key] for e in on_victim if e.key in cluster.done]
         if its and not result.lost:
             result.recovered = max(its) - kill_at
@@ -710,6 +738,8 @@ def kill_report(results: list[KillResult], args: argparse.Namespace) -> None:
             print(f'  side effects repeated beyond the allowance: {"; ".join(r.repeats)}')
         if r.error:
             print(f'  error: {r.error}')
+        for note in r.notes:
+            print(note)
     print('held: runs the killed worker held by the engine\'s record (DBOS: PENDING under its executor id; Prefect: '
           'its flow-run processes; Temporal keeps runs on the server: -); its runs: those whose tool the killed worker '
           'had started', flush=True)

@@ -9,6 +9,8 @@ The prompt names an order (`charge order A-1`); everything is logged under `$DUR
   in flight; `charge-parent-{order}`: its parent's process id, written first (readable after the process ended).
 An order id starting with `BROKEN` makes the model raise `RuntimeError('card declined for order ...')` on the
 request after the capability loaded: the run fails (for `runs show` of a failed run).
+`$DURCAP_LEDGER_IMPORT_SECONDS` (default 0): importing this module takes that long (a slow target: a flow run whose
+new process imports it stays PENDING meanwhile).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import time
 from pathlib import Path
 
 from pydantic_ai import ModelResponse, TextPart, ToolCallPart
@@ -79,3 +82,4 @@ async def charge(order_id: str) -> str:
 
 
 agent = DurableAgent(os.environ.get('DURCAP_LEDGER_AGENT', 'ledger'), FunctionModel(script), capabilities=[billing])
+time.sleep(float(os.environ.get('DURCAP_LEDGER_IMPORT_SECONDS', '0')))

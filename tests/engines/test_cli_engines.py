@@ -305,6 +305,164 @@ def test_a_prefect_flow_run_lost_with_its_serving_process_is_found_and_finished_
     assert requests.count('P-1:0') == 1 and requests.count('P-1:1') == 1, requests  # cached: not requested again
 
 
+def _ledger_deployment(prefect_api_url: str, tmp_path: Path, **extra_env: str) -> tuple[dict[str, str], list[str], str]:
+    """The environment, `durcap schedule prefect` argv (`--limit 1`) and deployment URL of a fresh ledger deployment."""
+    agent_name = f'ledger-{uuid.uuid4().hex[:6]}'
+    deployment = f'pending-{uuid.uuid4().hex[:6]}'
+    env = {'PREFECT_API_URL': prefect_api_url, 'PREFECT_HOME': str(tmp_path / 'prefect-home'),
+           'PREFECT_LOCAL_STORAGE_PATH': str(tmp_path / 'results'), 'DURCAP_LEDGER_DIR': str(tmp_path / 'ledger'),
+           'DURCAP_LEDGER_AGENT': agent_name, 'DURCAP_LEDGER_CHARGE_SECONDS': '0.5',
+           'PREFECT_RUNNER_POLL_FREQUENCY': '1', **extra_env}
+    argv = [*DURCAP, 'schedule', 'prefect', 'tests/engines/ledger_agent.py:agent', '--prompt', 'charge order P-0',
+            '--interval', '86400', '--name', deployment, '--limit', '1']
+    return env, argv, f'{prefect_api_url}/deployments/name/{FLOW_PREFIX}{agent_name}/{deployment}'
+
+
+def _create_flow_run(prefect_api_url: str, url: str, order: str, proc: subprocess.Popen[bytes]) -> str:
+    """Create a flow run of the deployment at `url` once `serve` has created it (REST: this process's Prefect
+    settings point elsewhere); returns its id."""
+    import httpx
+
+    deadline = time.monotonic() + 120
+    while (found := httpx.get(url, timeout=10)).status_code == 404:  # `serve` creates it after its first lines
+        assert time.monotonic() < deadline and proc.poll() is None, 'no deployment'
+        time.sleep(0.3)
+    deadline = time.monotonic() + 30
+    while True:  # a busy shared server on SQLite answers 503 for a moment: retried
+        response = httpx.post(f'{prefect_api_url}/deployments/{found.json()["id"]}/create_flow_run',
+                              json={'parameters': {'prompt': f'charge order {order}', 'deps': None}}, timeout=10)
+        if response.status_code < 300 or time.monotonic() > deadline:
+            assert response.status_code < 300, (response.status_code, response.text)
+            return response.json()['id']
+        time.sleep(0.3)
+
+
+def _states(prefect_api_url: str, flow_run_id: str) -> list[dict]:
+    """Flow run `flow_run_id`'s state history, oldest first (Prefect's REST API)."""
+    import httpx
+
+    states = httpx.get(f'{prefect_api_url}/flow_run_states/', params={'flow_run_id': flow_run_id}, timeout=10).json()
+    return sorted(states, key=lambda s: s['timestamp'])
+
+
+def test_a_prefect_flow_run_left_pending_by_a_killed_serving_process_is_finished_by_another(
+        prefect_api_url: str, tmp_path: Path) -> None:
+    """Issue 29 item 3, on the session's Prefect server; model: the ledger agent's scripted `FunctionModel`. A serving
+    process takes a flow run (PENDING) and is SIGKILLed, with its whole process group, before the run's process exists:
+    its fork server is stopped (SIGSTOP), so the fork hangs and the run carries no beat label at all (the kill bench's
+    lost run: forked 0.5 s before the kill, never RUNNING). A serving process started afterwards finds the PENDING
+    run silent (`_liveness.DeadRunWatch`), marks it CRASHED, reschedules it and runs it: it completes with no operator
+    action, its charge made once and each model request once. Before PENDING runs were watched it stayed PENDING."""
+    import httpx
+
+    env, argv, url = _ledger_deployment(prefect_api_url, tmp_path, DURCAP_PREFECT_BEAT_SECONDS='1',
+                                        DURCAP_PREFECT_STALE_SECONDS='5')
+    ledger = tmp_path / 'ledger'
+    taker = start(argv, tmp_path / 'taker.log', env)
+    survivor = None
+    try:
+        wait_for(tmp_path / 'taker.log', 'flow runs start from a fork server', taker, 120)
+        forkers = [c for c in _children(taker.pid) if 'multiprocessing.forkserver' in _args(c)]
+        assert len(forkers) == 1, forkers
+        os.kill(forkers[0], signal.SIGSTOP)  # the taker's next fork hangs: its run stays PENDING, unlabelled
+        run = _create_flow_run(prefect_api_url, url, 'P-1', taker)
+        deadline = time.monotonic() + 60
+        while httpx.get(f'{prefect_api_url}/flow_runs/{run}', timeout=10).json()['state_type'] != 'PENDING':
+            assert time.monotonic() < deadline, (tmp_path / 'taker.log').read_text()[-3000:]
+            time.sleep(0.05)
+        os.killpg(taker.pid, signal.SIGKILL)  # the serving process, its fork server: nobody reports anything
+        taker.wait(timeout=30)
+        assert httpx.get(f'{prefect_api_url}/flow_runs/{run}', timeout=10).json()['state_type'] == 'PENDING'
+        survivor = start(argv, tmp_path / 'survivor.log', env)
+        deadline = time.monotonic() + 150
+        while (state := httpx.get(f'{prefect_api_url}/flow_runs/{run}', timeout=10).json())['state_type'] != 'COMPLETED':
+            assert time.monotonic() < deadline, (state['state_type'], (tmp_path / 'survivor.log').read_text()[-3000:])
+            assert survivor.poll() is None, (tmp_path / 'survivor.log').read_text()[-3000:]
+            time.sleep(0.3)
+    finally:
+        kill(taker)
+        if survivor is not None:
+            kill(survivor)
+    said = (tmp_path / 'survivor.log').read_text()
+    assert f'prefect flow run {run}' in said and 'PENDING) stopped beating' in said, said[-3000:]
+    kinds = [s['type'] for s in _states(prefect_api_url, run)]
+    assert kinds.count('CRASHED') == 1 and kinds[-1] == 'COMPLETED', kinds
+    assert (ledger / 'charges').read_text().splitlines() == ['P-1'], 'the charge ran again'
+    requests = (ledger / 'model-requests').read_text().splitlines()
+    assert sorted(requests) == sorted(set(requests)), requests  # each model request once
+
+
+def test_a_spawned_prefect_flow_run_pending_longer_than_the_stale_time_is_not_declared_dead(
+        prefect_api_url: str, tmp_path: Path) -> None:
+    """Issue 29 item 3, on the session's Prefect server; model: the ledger agent's scripted `FunctionModel`. With
+    `--spawn` a flow run stays PENDING while its new Python process imports Prefect, pydantic-ai and the target
+    (here a slow one: 20 s), longer than the stale time (the default 15 s): the serving process beats it meanwhile
+    (`_prefork.beat_spawned`), so the watch that declares silent PENDING runs dead leaves it alone: it completes on
+    its first try, never CRASHED (and its flow, whose serving process beats it, does not beat itself)."""
+    import httpx
+
+    env, argv, url = _ledger_deployment(prefect_api_url, tmp_path, DURCAP_PREFECT_BEAT_SECONDS='1',
+                                        DURCAP_LEDGER_IMPORT_SECONDS='20')
+    serving = start([*argv, '--spawn'], tmp_path / 'serve.log', env)
+    try:
+        run = _create_flow_run(prefect_api_url, url, 'P-1', serving)
+        deadline = time.monotonic() + 150
+        while (state := httpx.get(f'{prefect_api_url}/flow_runs/{run}', timeout=10).json())['state_type'] != 'COMPLETED':
+            assert time.monotonic() < deadline, (state['state_type'], (tmp_path / 'serve.log').read_text()[-3000:])
+            assert state['state_type'] in ('SCHEDULED', 'PENDING', 'RUNNING'), (tmp_path / 'serve.log').read_text()[-3000:]
+            time.sleep(0.3)
+    finally:
+        kill(serving)
+    history = _states(prefect_api_url, run)
+    kinds = [s['type'] for s in history]
+    assert 'CRASHED' not in kinds and kinds[-1] == 'COMPLETED', kinds
+    assert 'stopped beating' not in (tmp_path / 'serve.log').read_text()
+    from datetime import datetime
+
+    pending = next(datetime.fromisoformat(s['timestamp']) for s in history if s['type'] == 'PENDING')
+    running = next(datetime.fromisoformat(s['timestamp']) for s in history if s['type'] == 'RUNNING')
+    assert (running - pending).total_seconds() > 15, 'the run was not PENDING past the stale time: nothing was shown'
+    assert (tmp_path / 'ledger' / 'charges').read_text().splitlines() == ['P-1']
+
+
+def test_a_prefect_flow_run_whose_serving_process_alone_was_killed_beats_itself_and_completes_once(
+        prefect_api_url: str, tmp_path: Path) -> None:
+    """Issue 29 item 3, on the session's Prefect server; model: the ledger agent's scripted `FunctionModel`. Two
+    serving processes share a deployment; the one whose flow-run process is charging is SIGKILLed alone (its fork
+    server exits with it; the forked flow-run process lives on). The serving process beat the run until then
+    (`_prefork`); the run's own process now beats it (`_liveness.beating`, `HELD_ENV`), so the other serving process
+    does not declare the live run dead (stale time 10 s here, the charge 20 s): it completes on its first try, never
+    CRASHED, its charge made once."""
+    import httpx
+
+    env, argv, url = _ledger_deployment(prefect_api_url, tmp_path, DURCAP_PREFECT_BEAT_SECONDS='1',
+                                        DURCAP_PREFECT_STALE_SECONDS='10', DURCAP_LEDGER_CHARGE_SECONDS='20')
+    ledger = tmp_path / 'ledger'
+    serving = [start(argv, tmp_path / f's{i}.log', env) for i in range(2)]
+    try:
+        for i, proc in enumerate(serving):  # ready to take runs: its fork server preloaded
+            wait_for(tmp_path / f's{i}.log', 'flow runs start from a fork server', proc, 120)
+        run = _create_flow_run(prefect_api_url, url, 'P-1', serving[0])
+        wait_file_(ledger / 'charge-started-P-1', 150)
+        forker = int((ledger / 'charge-parent-P-1').read_text())
+        holder = next(p for p in serving if p.pid == _parent(str(forker)))
+        survivor = next(i for i, p in enumerate(serving) if p is not holder)
+        os.kill(holder.pid, signal.SIGKILL)  # the serving process alone: its flow-run process charges on
+        holder.wait(timeout=30)
+        deadline = time.monotonic() + 120
+        while (state := httpx.get(f'{prefect_api_url}/flow_runs/{run}', timeout=10).json())['state_type'] != 'COMPLETED':
+            assert time.monotonic() < deadline, (state['state_type'], (tmp_path / f's{survivor}.log').read_text()[-3000:])
+            assert state['state_type'] == 'RUNNING', (tmp_path / f's{survivor}.log').read_text()[-3000:]
+            time.sleep(0.3)
+    finally:
+        for proc in serving:
+            kill(proc)
+    kinds = [s['type'] for s in _states(prefect_api_url, run)]
+    assert 'CRASHED' not in kinds and kinds[-1] == 'COMPLETED', kinds
+    assert 'stopped beating' not in (tmp_path / f's{survivor}.log').read_text()
+    assert (ledger / 'charges').read_text().splitlines() == ['P-1']
+
+
 def _children(pid: int) -> list[int]:
     """The process ids of `pid`'s children (from /proc)."""
     return [int(c) for task in os.listdir(f'/proc/{pid}/task')

@@ -3,30 +3,36 @@ reschedules it.
 
 Prefect marks a flow run CRASHED when its process reports the crash, or when the serving process that started it
 sees it exit. When both die at once (a machine or container lost, a process group killed with SIGKILL), nobody
-reports anything and the run stays RUNNING for good; Prefect's own flow-run heartbeat events come at most every
-30 s and the open-source server acts on none of them. So:
+reports anything and the run stays PENDING or RUNNING for good; Prefect's own flow-run heartbeat events come at most
+every 30 s and the open-source server acts on none of them. So:
 
-- `beating(flow_run_id)`: every flow run of an agent's flow beats while it runs (a deployment's, what `durcap schedule
-  prefect` serves, and since issue 24 one `durcap run --engine prefect` or `durcap runs resume` runs in its own
-  process, which `durcap store gc` needs to tell a live run from an abandoned one: `_runs.run_states`): a daemon
-  thread sets the flow run's label `BEAT_LABEL` to a new value every `beat_seconds()` seconds (one small PATCH
-  to the Prefect API; at 2 s, 100 running flow runs make 50 requests a second).
-- `DeadRunWatch`, in every serving process (`_worker.watch_crashed` runs a round every 2 s): a RUNNING flow run of the
-  deployment whose beat label this process has seen unchanged for `stale_seconds()` seconds of its own clock (no
-  clock is compared across machines) is dead. The process that creates the write-once flow run input
-  `DEAD_CLAIM_PREFIX` + the running state's id (the server refuses a second with 409) marks it CRASHED; the crash is
+- `beating(flow_run_id)`: every flow run of an agent's flow beats while it is held (a deployment's, what `durcap
+  schedule prefect` serves, and since issue 24 one `durcap run --engine prefect` or `durcap runs resume` runs in its
+  own process, which `durcap store gc` needs to tell a live run from an abandoned one: `_runs.run_states`): a daemon
+  thread sets the flow run's label `BEAT_LABEL` to a new value every `beat_seconds()` seconds (one small
+  PATCH to the Prefect API; at 2 s, 100 running flow runs make 50 requests a second). Who beats: the serving process
+  that took the run, from the moment it starts the run's process (forked or spawned) until that process exits
+  (`_prefork`); the run's own process only once that serving process is gone (`HELD_ENV`: it lives on after a
+  serving process killed alone) or when no serving process holds it (`durcap runs resume` runs it in its own process).
+- `DeadRunWatch`, in every serving process (`_worker.watch_crashed` runs a round every 2 s): a PENDING or RUNNING
+  flow run of the deployment whose beat label this process has seen unchanged for `stale_seconds()` seconds of its
+  own clock (no clock is compared across machines) is dead. The process that creates the write-once flow run input
+  `DEAD_CLAIM_PREFIX` + the run's state id (the server refuses a second with 409) marks it CRASHED; the crash is
   then rescheduled once, like any other (`_worker.resume_crashed`), and runs again from its cached tasks.
 
-A RUNNING flow run of the deployment with no beat label at all is watched the same way (its "beat" is the missing
-label): every flow run a serving process starts beats within a second or two of RUNNING (a forked one from before its
-process starts, `first_beat`, and from its process's start; a spawned one from its flow's start), but a label written
-while the server moves the run to RUNNING can be lost on a busy server, and a serving process killed just then left
-the run unlabelled and RUNNING for good (bench_scaleout.py --kill: one run in 20, in each of six tries). What this
-gives up: a flow run started by durcap before the beats (December 2026) and still RUNNING is declared dead after the
-stale time. Flow runs outside a deployment (`durcap run` waits for its own run in its own process) beat but are not
-watched: nobody else would run them again; `durcap store gc` counts one silent for its `--abandoned-after` time as
-abandoned. A process that stalls longer than the stale time (a debugger, a
-swapped-out machine) is declared dead while alive: raise `$DURCAP_PREFECT_STALE_SECONDS` where that can happen.
+A PENDING flow run of the deployment is one a serving process took: Prefect's runner proposes PENDING only for a run
+it has a slot for, just before it starts the run's process (a run waiting for a slot stays SCHEDULED and is not
+watched). So a PENDING run that does not beat is one whose serving process died between taking it and its process
+beating (bench_scaleout.py --kill: the killed process's last run, its process forked 0.5 s before the kill, was left
+PENDING for good), and is watched like a RUNNING one. A PENDING or RUNNING run with no beat label at all is watched
+the same way (its "beat" is the missing label): a label written while the server moves the run to RUNNING can be
+lost on a busy server. What this gives up: a flow run started by durcap before the beats (December 2026) and still
+PENDING or RUNNING is declared dead after the stale time. Flow runs outside a deployment (`durcap run` waits for its
+own run in its own process) beat but are not watched: nobody else would run them again; `durcap store gc` counts one
+silent for its `--abandoned-after` time as abandoned. A process that stalls longer than the stale time (a debugger, a
+swapped-out machine) is declared dead while alive: raise `$DURCAP_PREFECT_STALE_SECONDS` where that can happen. A
+busy Prefect server on SQLite refuses writes (503) for seconds at a time, beats included: a serving process whose own
+beats failed within the stale time declares no run dead (`REFUSED`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -50,8 +57,8 @@ from prefect.client.schemas.filters import (
     FlowRunFilterStateType,
 )
 from prefect.client.schemas.objects import StateType
-from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
-from prefect.input import acreate_flow_run_input
+from prefect.exceptions import PrefectHTTPStatusError
+from prefect.input import acreate_flow_run_input, aread_flow_run_input
 from prefect.states import Crashed
 
 BEAT_LABEL = 'durcap.beat'
@@ -62,11 +69,12 @@ STALE_SECONDS_ENV = 'DURCAP_PREFECT_STALE_SECONDS'
 DEFAULT_BEAT_SECONDS = 2.0
 """Seconds between two beats of a running flow run (`$DURCAP_PREFECT_BEAT_SECONDS`)."""
 DEFAULT_STALE_SECONDS = 15.0
-"""Seconds a serving process must see a RUNNING flow run's beat unchanged before it marks the run CRASHED
+"""Seconds a serving process must see a PENDING or RUNNING flow run's beat unchanged before it marks the run CRASHED
 (`$DURCAP_PREFECT_STALE_SECONDS`; at least three beats)."""
 
 DEAD_CLAIM_PREFIX = 'durcap-dead-'
-"""Flow run input key prefix of a dead-run claim (+ the RUNNING state's id): write-once, so one process marks it."""
+"""Flow run input key prefix of a dead-run claim (+ the PENDING or RUNNING state's id): write-once, so one process
+marks it."""
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +96,7 @@ def beat_seconds() -> float:
 
 
 def stale_seconds() -> float:
-    """Seconds without a new beat after which a RUNNING flow run is dead (`$DURCAP_PREFECT_STALE_SECONDS`, default
+    """Seconds without a new beat after which a PENDING or RUNNING flow run is dead (`$DURCAP_PREFECT_STALE_SECONDS`, default
     `DEFAULT_STALE_SECONDS`, never under three beats).
 
     Raises:
@@ -101,15 +109,22 @@ def stale_seconds() -> float:
 def beating(flow_run_id: str) -> Iterator[None]:
     """While the block runs, flow run `flow_run_id` beats (`BEAT_LABEL` set anew every `beat_seconds()` from a daemon
     thread with its own event loop). A beat that fails (the API briefly unreachable) is logged and the next one tried
-    0.5 s later: a missed beat or two never declares the run dead. Re-entrant: in a process that beats `flow_run_id`
-    already (a flow-run process forked by `_prefork` beats from its start, before its flow runs), the block adds no
-    thread but has the next beat go out now: the flow has just gone RUNNING, and a label written while Prefect's
-    server moved the run to RUNNING can be lost (seen under load: the run left RUNNING with no beat label)."""
+    0.5 s later: a missed beat or two never declares the run dead.
+
+    In a flow-run process whose serving process beats it (`HELD_ENV` names that process in its environment,
+    `_prefork`), the thread sends nothing while that process lives: one beat a run, not two. Once it is gone (the
+    serving process died, the run's process lives on), the run beats itself, so a survivor does not declare a live
+    run dead.
+
+    Re-entrant: in a process that beats `flow_run_id` already (a forked flow-run process beats from its start, before
+    its flow runs), the block adds no thread but has the next beat go out now."""
     if flow_run_id in _BEATING:
         _BEATING[flow_run_id].set()
         yield
         return
     every = beat_seconds()
+    held = os.environ.get(HELD_ENV, '')
+    held_by = int(held) if held.isdigit() else None
     stop = threading.Event()
     wake = threading.Event()  # set to beat now (a nested block), or with `stop`
 
@@ -117,16 +132,21 @@ def beating(flow_run_id: str) -> Iterator[None]:
         count = 0
         async with get_client() as client:
             while not stop.is_set():
-                count += 1
                 wait = every
-                try:
-                    await client.update_flow_run_labels(uuid.UUID(flow_run_id), {BEAT_LABEL: f'{os.getpid()}:{count}'})
-                except Exception as exc:  # next beat, sooner; the run goes on either way
-                    logger.debug('flow run %s: beat %d failed', flow_run_id, count, exc_info=True)
-                    if count == 1:
-                        logger.warning('flow run %s: its first beat failed (%s: %s); trying again', flow_run_id,
-                                       type(exc).__name__, str(exc)[:200])
-                    wait = min(every, 0.5)
+                if held_by is None or not _alive(held_by):
+                    count += 1
+                    try:
+                        # One try at most `every` s: Prefect's client retries a 503 with a growing backoff (a write
+                        # refused by a busy server on SQLite), which would hold the next beat back for tens of s.
+                        await asyncio.wait_for(client.update_flow_run_labels(
+                            uuid.UUID(flow_run_id), {BEAT_LABEL: f'{os.getpid()}:{count}'}), timeout=every)
+                    except Exception as exc:  # next beat, sooner; the run goes on either way
+                        REFUSED[0] = time.monotonic()
+                        logger.debug('flow run %s: beat %d failed', flow_run_id, count, exc_info=True)
+                        if count == 1:
+                            logger.warning('flow run %s: its first beat failed (%s: %s); trying again', flow_run_id,
+                                           type(exc).__name__, str(exc)[:200])
+                        wait = min(every, 0.5)
                 await asyncio.to_thread(wake.wait, wait)
                 wake.clear()
 
@@ -141,46 +161,37 @@ def beating(flow_run_id: str) -> Iterator[None]:
         _BEATING.pop(flow_run_id, None)
 
 
+REFUSED = [-float('inf')]
+"""When (this process's monotonic clock) a beat sent from this process last failed: `DeadRunWatch` declares no run
+dead while this process's own beats fail, since then the server refuses or delays writes and others' are likely lost
+the same way."""
+
 _BEATING: dict[str, threading.Event] = {}
 """The flow runs this process beats now (`beating`), each with the event that makes its next beat go out now."""
 
+HELD_ENV = 'DURCAP_PREFECT_HELD_BY'
+"""Set to its own process id in a flow-run process's environment by the serving process that starts it and beats it
+(`_prefork`): the flow-run process's own `beating` stays quiet while that process lives (see `beating`). Not the
+parent: a forked flow-run process's parent is the fork server, which lives as long as any process it forked."""
 
-async def first_beat(flow_run_id: str) -> None:
-    """Set flow run `flow_run_id`'s beat label (`<this pid>:0`) before its process exists (`_prefork`: the serving
-    process, awaited before it forks the run's process).
 
-    Why: the sooner a run carries a beat, the sooner a watcher can tell it beats (the server merges labels by
-    read-modify-write, and a label written while the run changes state can be lost: see the module docstring). A refused or failed request (a busy server on SQLite answers 503 for a
-    moment) is tried again, 0.2 s doubling to 2 s apart, for `FIRST_BEAT_SECONDS`; then a warning is logged (the run
-    goes on either way)."""
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
     try:
-        run_id = uuid.UUID(flow_run_id)
-    except ValueError:
-        return  # Prefect's engine refuses the run itself
-    deadline = time.monotonic() + FIRST_BEAT_SECONDS
-    pause = 0.2
-    async with get_client() as client:
-        while True:
-            try:
-                await client.update_flow_run_labels(run_id, {BEAT_LABEL: f'{os.getpid()}:0'})
-                return
-            except Exception as exc:  # noqa: BLE001 - the run's own beats follow; a hiccup must not keep it from starting
-                status = getattr(getattr(exc, 'response', None), 'status_code', None)
-                permanent = isinstance(exc, ObjectNotFound) or (status is not None and status < 500 and status != 429)
-                if permanent or time.monotonic() + pause > deadline:
-                    logger.warning('flow run %s: its first beat did not land (%s: %s)', flow_run_id,
-                                   type(exc).__name__, str(exc)[:200])
-                    return
-            await asyncio.sleep(pause)
-            pause = min(2 * pause, 2.0)
-
-
-FIRST_BEAT_SECONDS = 15.0
-"""How long `first_beat` tries to land its label."""
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f'/proc/{pid}/stat', encoding='ascii', errors='replace') as stat:
+            return stat.read().rsplit(')', 1)[1].split()[0] != 'Z'
+    except (OSError, IndexError):
+        return True  # no /proc (macOS): os.kill said it exists
 
 
 class DeadRunWatch:
-    """One serving process's view of the beats of its deployment's RUNNING flow runs (see the module docstring).
+    """One serving process's view of the beats of its deployment's PENDING and RUNNING flow runs (see the module docstring).
 
     Args:
         deployment_id: The deployment whose flow runs are watched.
@@ -193,10 +204,15 @@ class DeadRunWatch:
         self.notify = notify
         self.clock = clock
         self.seen: dict[tuple[str, str], tuple[str, float]] = {}
-        """(flow run id, RUNNING state id) -> (the last beat seen, when this process first saw it)."""
+        """(flow run id, PENDING or RUNNING state id) -> (the last beat seen, when this process first saw it)."""
 
-    async def round(self) -> list[str]:
-        """Look at the deployment's RUNNING flow runs once; mark CRASHED those dead (and claimed here).
+    async def round(self, client: Any, runs: list[Any] | None = None) -> list[str]:
+        """Look at the deployment's PENDING and RUNNING flow runs once; mark CRASHED those dead (and claimed here).
+
+        Args:
+            client: A Prefect client (`get_client()`, open).
+            runs: The deployment's flow runs as read just now (Prefect `FlowRun`s; those in other states are skipped),
+                or `None` to read them here.
 
         Returns:
             The ids of the flow runs this process marked CRASHED in this round.
@@ -204,39 +220,58 @@ class DeadRunWatch:
         stale = stale_seconds()
         now = self.clock()
         marked: list[str] = []
-        async with get_client() as client:
+        if runs is None:
             runs = await client.read_flow_runs(
                 deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[self.deployment_id])),
                 flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
-                    any_=[StateType.RUNNING]))))
-            current: dict[tuple[str, str], tuple[str, float]] = {}
-            for run in runs:
-                if run.state is None:
-                    continue
-                beat = (run.labels or {}).get(BEAT_LABEL, '')  # '': no beat yet (watched as well, module docstring)
-                key = (str(run.id), str(run.state.id))
-                last = self.seen.get(key)
-                since = last[1] if last is not None and last[0] == str(beat) else now
-                current[key] = (str(beat), since)
-                if now - since < stale:
-                    continue
-                if await self._mark(client, run, now - since):
-                    marked.append(str(run.id))
-            self.seen = current
+                    any_=[StateType.PENDING, StateType.RUNNING]))))
+        current: dict[tuple[str, str], tuple[str, float]] = {}
+        for run in runs or []:
+            if run.state is None or run.state.type not in (StateType.PENDING, StateType.RUNNING):
+                continue
+            beat = (run.labels or {}).get(BEAT_LABEL, '')  # '': no beat yet (watched as well, module docstring)
+            key = (str(run.id), str(run.state.id))
+            last = self.seen.get(key)
+            since = last[1] if last is not None and last[0] == str(beat) else now
+            current[key] = (str(beat), since)
+            if now - since < stale:
+                continue
+            if now - REFUSED[0] < stale:  # the server refused this process's own beats lately: silence proves nothing
+                logger.info('flow run %s: no beat for %.0f s, but this process\'s own beats failed %.0f s ago: not '
+                            'declared dead yet', run.id, now - since, now - REFUSED[0])
+                continue
+            if await self._mark(client, run, now - since):
+                marked.append(str(run.id))
+        self.seen = current
         return marked
 
     async def _mark(self, client: Any, run: Any, silent: float) -> bool:
-        try:
-            await acreate_flow_run_input(f'{DEAD_CLAIM_PREFIX}{run.state.id}', {'pid': os.getpid()}, flow_run_id=run.id)
-        except PrefectHTTPStatusError as exc:
-            if exc.response.status_code == 409:  # another serving process claimed it
-                return False
-            raise
+        if not await claim(f'{DEAD_CLAIM_PREFIX}{run.state.id}', run.id):
+            return False
+        held = 'its process' if run.state.type == StateType.RUNNING else 'the serving process that took it'
         result = await client.set_flow_run_state(run.id, Crashed(
-            message=f'durcap: no beat for {silent:.0f} s: its process died without reporting it'))
+            message=f'durcap: no beat for {silent:.0f} s while {run.state.type.value}: {held} died without reporting it'))
         if result.status.value != 'ACCEPT':
             logger.warning('flow run %s: marking it CRASHED was refused (%s)', run.id, result.status.value)
             return False
-        self.notify(f'prefect flow run {run.id} ({run.name}) stopped beating {silent:.0f} s ago (its process died '
-                    'with no word): marked CRASHED, to be rescheduled')
+        self.notify(f'prefect flow run {run.id} ({run.name}, {run.state.type.value}) stopped beating {silent:.0f} s ago '
+                    f'({held} died with no word): marked CRASHED, to be rescheduled')
         return True
+
+
+async def claim(key: str, flow_run_id: Any) -> bool:
+    """Claim flow run input `key` of flow run `flow_run_id` for this process: True when this process created it now or
+    before (a claim whose next step failed, e.g. a write refused by a busy server, is taken up again by the process
+    that holds it), False when another process holds it (write-once: the server answers 409 to a second).
+
+    Raises:
+        PrefectHTTPStatusError: the server refused the input for another reason.
+    """
+    mine = {'pid': os.getpid(), 'host': socket.gethostname()}
+    try:
+        await acreate_flow_run_input(key, mine, flow_run_id=flow_run_id)
+        return True
+    except PrefectHTTPStatusError as exc:
+        if exc.response.status_code != 409:
+            raise
+    return await aread_flow_run_input(key, flow_run_id=flow_run_id) == mine

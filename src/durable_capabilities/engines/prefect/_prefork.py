@@ -16,7 +16,8 @@ Prefect's settings from that environment (`prefect.context.refresh_global_settin
 `prefect.engine` main (`runpy`, the module as `python -m` runs it). So the flow run keeps what Prefect gives the
 process it would start: its id and environment, the runner's control channel (cancellation), its heartbeats, the
 exit code the runner reads (a signal as a negative code, as `subprocess` reports it; a crash is proposed CRASHED),
-kill by pid, and the liveness beats `_worker.watch_crashed` watches (from the process's start here, see
+kill by pid, and the liveness beats `_worker.watch_crashed` watches (the serving process beats each run from the
+fork until its process exits, the process itself only once the serving process is gone: `run_process`,
 `flow_run_main`). Every other command Prefect starts goes to Prefect's own function unchanged.
 
 What differs: a flow-run process is a child of the fork server (itself a child of the serving process) rather than of
@@ -27,7 +28,6 @@ at the next flow run. `durcap schedule prefect --spawn` keeps Prefect's new proc
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import multiprocessing
 import os
@@ -42,7 +42,7 @@ from typing import Any
 import anyio
 
 from ... import _upstream
-from ._liveness import beating, first_beat
+from ._liveness import HELD_ENV, beating
 
 PRELOAD_MODULES = ('__main__', 'durable_capabilities.engines.prefect._preload')
 """What the fork server imports before it forks: the serving process's main script (so a child does not import it
@@ -130,33 +130,26 @@ class ForkServer:
                                              task_status_handler=task_status_handler, **kwargs)
         env = {key: value for key, value in kwargs['env'].items() if value is not None}
         cwd = kwargs.get('cwd')
-        # Watched as soon as it is RUNNING (`_liveness.first_beat`): the label request goes out at the first await
-        # below, while the child starts (it needs ~0.5 s or more to reach RUNNING), and is not awaited before the
-        # runner gets the process: the runner starts its runs one after the other, each once the previous one's
-        # process is handed over.
         flow_run_id = env.get('PREFECT__FLOW_RUN_ID')
-        labelled = asyncio.ensure_future(first_beat(flow_run_id)) if flow_run_id else None
-        process = self.context.Process(target=flow_run_main, args=(env, None if cwd is None else str(cwd), stream_output),
-                                       name='durcap-flow-run')
-        try:
+        if flow_run_id:
+            env[HELD_ENV] = str(os.getpid())  # this process beats the run; the child only once this one is gone
+        # The run is PENDING until its process reaches the flow; a silent PENDING run is declared dead (`_liveness`).
+        with beating(flow_run_id) if flow_run_id else contextlib.nullcontext():
+            process = self.context.Process(target=flow_run_main,
+                                           args=(env, None if cwd is None else str(cwd), stream_output),
+                                           name='durcap-flow-run')
             process.start()
-        except BaseException:
-            if labelled is not None:
-                labelled.cancel()
-            raise
-        forked = ForkedProcess(process)
-        try:
-            if task_status is not None:
-                task_status.started(task_status_handler(forked) if task_status_handler else forked.pid)
-            if labelled is not None:
-                await labelled
-            await forked.wait()
-        finally:
-            if forked.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(forked.pid, signal.SIGTERM)
-                with anyio.CancelScope(shield=True):
-                    await forked.wait()
+            forked = ForkedProcess(process)
+            try:
+                if task_status is not None:
+                    task_status.started(task_status_handler(forked) if task_status_handler else forked.pid)
+                await forked.wait()
+            finally:
+                if forked.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(forked.pid, signal.SIGTERM)
+                    with anyio.CancelScope(shield=True):
+                        await forked.wait()
         return forked
 
 
@@ -193,11 +186,38 @@ def flow_run_main(env: dict[str, str], cwd: str | None, stream_output: bool) -> 
     # runpy warns that the module is loaded already (the fork server preloaded it); its main block is what runs.
     warnings.filterwarnings('ignore', message=r"'prefect\.engine' found in sys\.modules", category=RuntimeWarning)
     flow_run_id = env.get('PREFECT__FLOW_RUN_ID')
-    # The run beats from its process's start, not only once its flow runs (`_liveness.beating`, re-entrant): a
-    # serving process killed between the run's RUNNING and its flow's first beat would otherwise leave it RUNNING
-    # with no beat, which `DeadRunWatch` never declares dead (as it must not, for an earlier version's run).
+    # The serving process beats the run while it lives (`ForkServer.run_process`); this process's beats take over
+    # from its start if that process dies and this one lives on (`_liveness.beating`, `HELD_ENV`).
     with beating(flow_run_id) if flow_run_id else contextlib.nullcontext():
         runpy.run_module(_upstream.PREFECT_ENGINE_MODULE, run_name='__main__', alter_sys=True)
+
+
+def beat_spawned() -> None:
+    """`durcap schedule prefect --spawn` (or no fork server): the serving process beats each flow run whose process it
+    starts (`_liveness.beating`) until that process exits.
+
+    Why: a PENDING flow run that does not beat is declared dead (`_liveness.DeadRunWatch`), and a new Python process
+    takes 8-70 s to import Prefect, pydantic-ai and the target before its flow beats itself; its serving process's
+    beats cover that time (and stop with it: a serving process that dies leaves the run silent). Every other command
+    goes to Prefect's own function unchanged.
+
+    Raises:
+        RuntimeError: Prefect moved its override point (`_upstream.prefect_engine_run_process`).
+    """
+    prefect_run_process = _upstream.prefect_engine_run_process()
+
+    async def run_process(command: list[str], *, stream_output: Any = False, task_status: Any = None,
+                          task_status_handler: Callable[[Any], Any] | None = None, **kwargs: Any) -> Any:
+        env = kwargs.get('env')
+        flow_run_id = (env.get('PREFECT__FLOW_RUN_ID') if isinstance(env, dict)
+                       and list(command[1:]) == _ENGINE_COMMAND_TAIL else None)
+        if flow_run_id and isinstance(env, dict):
+            kwargs['env'] = {**env, HELD_ENV: str(os.getpid())}  # its flow beats once this process is gone
+        with beating(flow_run_id) if flow_run_id else contextlib.nullcontext():
+            return await prefect_run_process(command, stream_output=stream_output, task_status=task_status,
+                                             task_status_handler=task_status_handler, **kwargs)
+
+    _upstream.prefect_engine_run_process(run_process)
 
 
 def start_fork_server(notify: Callable[[str], None], target: str) -> ForkServer | None:

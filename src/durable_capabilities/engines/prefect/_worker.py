@@ -4,9 +4,9 @@ approval deadline watcher and the crashed-run watcher.
 Several serving processes may serve one deployment (issue 29 item 3): each takes at most `limit` flow runs at once
 (Prefect's runner limit; `durcap schedule prefect --limit`, default `DEFAULT_SERVE_LIMIT`), stopping one leaves the
 deployment running for the others (`pause_on_shutdown=False`: Prefect's default pauses the deployment they share),
-and each watches the deployment for flow runs left CRASHED by a process that died, or left RUNNING by one that died
-with no word (`watch_crashed`, `_liveness`): one of them claims the crash and reschedules the run, which a serving
-process then runs again from its cached tasks."""
+and each watches the deployment for flow runs left CRASHED by a process that died, or left PENDING or RUNNING by one
+that died with no word (`watch_crashed`, `_liveness`): one of them claims the crash and reschedules the run, which a
+serving process then runs again from its cached tasks."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import asyncio
 import logging
 import os
 import threading
-import time
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -24,13 +24,12 @@ from prefect.client.schemas.filters import (
     DeploymentFilter,
     DeploymentFilterId,
     FlowRunFilter,
+    FlowRunFilterId,
     FlowRunFilterState,
     FlowRunFilterStateType,
 )
 from prefect.client.schemas.objects import StateType
 from prefect.client.schemas.schedules import CronSchedule
-from prefect.exceptions import PrefectHTTPStatusError
-from prefect.input import acreate_flow_run_input
 from prefect.settings import get_current_settings
 from prefect.states import Scheduled
 from pydantic import ValidationError
@@ -39,8 +38,8 @@ from ..._limits import one_line, printable
 from ._approvals import watch_deadlines
 from ._entry import entrypoint
 from ._flow import agent_flow
-from ._liveness import DeadRunWatch, stale_seconds
-from ._prefork import start_fork_server
+from ._liveness import DeadRunWatch, claim, stale_seconds
+from ._prefork import beat_spawned, start_fork_server
 from ._spec import TARGET_ENV, flow_name
 
 if TYPE_CHECKING:
@@ -85,8 +84,10 @@ def serve(
         raise ValueError('give exactly one of cron or interval_seconds')
     os.environ[TARGET_ENV] = target  # inherited by the processes that run each flow run (and the fork server)
     notify = notify or logging.getLogger(__name__).warning
-    if not spawn:
-        start_fork_server(notify, target)  # preloads while nothing else runs; flow runs fork from it
+    # The fork server preloads while nothing else runs; flow runs fork from it. Without one, the serving process
+    # beats each run while its new Python process loads (a silent PENDING run is declared dead: `_liveness`).
+    if spawn or start_fork_server(notify, target) is None:
+        beat_spawned()
     deployment = agent_flow(agent).to_deployment(
         name=deployment_name or f'{agent.name}-scheduled',
         cron=cron,
@@ -114,61 +115,80 @@ write-once on the server, so of several serving processes that see one crash, ex
 
 
 async def resume_crashed(deployment_name: str, flow: str, notify: Callable[[str], None]) -> list[str]:
-    """One round of `watch_crashed`: reschedule each CRASHED flow run of the deployment that this process claims.
-
-    Returns the ids rescheduled here. A crash is claimed by creating flow run input `CRASH_CLAIM_PREFIX` + the
-    crashed state's id (a 409 means another process claimed it); the claimed run is set SCHEDULED without force,
-    which Prefect accepts from CRASHED for a run of a deployment, and a serving process (this one or another)
-    then runs it: its completed tasks return their cached results, so none repeats.
-    """
+    """Reschedule each CRASHED flow run of the deployment that this process claims (`reschedule_crashed`); returns
+    the ids rescheduled here."""
     async with get_client() as client:
         deployment = await client.read_deployment_by_name(f'{flow}/{deployment_name}')
         runs = await client.read_flow_runs(
             deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])),
             flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.CRASHED]))))
-        rescheduled = []
-        for run in runs:
-            if run.state is None or run.run_count > MAX_CRASH_RESUMES:
-                continue
-            try:
-                await acreate_flow_run_input(f'{CRASH_CLAIM_PREFIX}{run.state.id}', {'pid': os.getpid()},
-                                             flow_run_id=run.id)
-            except PrefectHTTPStatusError as exc:
-                if exc.response.status_code == 409:  # claimed by another serving process
-                    continue
-                raise
-            result = await client.set_flow_run_state(
-                run.id, Scheduled(message=f'durcap: rescheduled after its process died (try {run.run_count + 1})'))
-            if result.status.value == 'ACCEPT':
-                rescheduled.append(str(run.id))
-                notify(f'prefect flow run {run.id} ({run.name}) crashed (its process died): rescheduled; a serving '
-                       'process runs it again from its cached tasks')
-        return rescheduled
+        return await reschedule_crashed(client, runs, notify)
+
+
+async def reschedule_crashed(client: Any, runs: list[Any], notify: Callable[[str], None]) -> list[str]:
+    """Reschedule each CRASHED flow run of `runs` (Prefect `FlowRun`s; others are skipped) that this process claims.
+
+    Returns the ids rescheduled here. A crash is claimed by creating flow run input `CRASH_CLAIM_PREFIX` + the
+    crashed state's id (a 409 means another process claimed it); the claimed run is set SCHEDULED without force,
+    which Prefect accepts from CRASHED for a run of a deployment, and a serving process (this one or another)
+    then runs it: its completed tasks return their cached results, so none repeats. A run that has run more than
+    `MAX_CRASH_RESUMES` times is left CRASHED.
+    """
+    rescheduled = []
+    for run in runs:
+        if run.state is None or run.state.type != StateType.CRASHED or run.run_count > MAX_CRASH_RESUMES:
+            continue
+        if not await claim(f'{CRASH_CLAIM_PREFIX}{run.state.id}', run.id):  # claimed by another serving process
+            continue
+        result = await client.set_flow_run_state(
+            run.id, Scheduled(message=f'durcap: rescheduled after its process died (try {run.run_count + 1})'))
+        if result.status.value == 'ACCEPT':
+            rescheduled.append(str(run.id))
+            notify(f'prefect flow run {run.id} ({run.name}) crashed (its process died): rescheduled; a serving '
+                   'process runs it again from its cached tasks')
+    return rescheduled
+
+
+async def watch_round(client: Any, watch: DeadRunWatch, notify: Callable[[str], None]) -> list[str]:
+    """One round of `watch_crashed` with one read of the deployment's PENDING, RUNNING and CRASHED flow runs: mark
+    CRASHED those that stopped beating (`DeadRunWatch.round`) and reschedule those CRASHED (`reschedule_crashed`),
+    the ones marked just now included (read again: their CRASHED state's id is the claim). Returns the ids
+    rescheduled here."""
+    runs = await client.read_flow_runs(
+        deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[watch.deployment_id])),
+        flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
+            any_=[StateType.PENDING, StateType.RUNNING, StateType.CRASHED]))))
+    marked = await watch.round(client, runs)
+    crashed = [run for run in runs if run.state is not None and run.state.type == StateType.CRASHED]
+    if marked:
+        crashed += await client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(m) for m in marked])))
+    return await reschedule_crashed(client, crashed, notify)
 
 
 def watch_crashed(deployment_name: str, flow: str, notify: Callable[[str], None], every: float = 2.0) -> Any:
-    """Start a daemon thread that, every `every` seconds, marks CRASHED the deployment's RUNNING flow runs that stopped
-    beating (`_liveness.DeadRunWatch`: their process died with no word, e.g. with this deployment's other serving
-    process) and calls `resume_crashed` (errors logged, retried next round); returns the thread."""
-    watches: list[DeadRunWatch] = []
+    """Start a daemon thread that, every `every` seconds, marks CRASHED the deployment's PENDING and RUNNING flow runs
+    that stopped beating (`_liveness.DeadRunWatch`: their process, or the serving process that took them, died with no
+    word, e.g. this deployment's other serving process) and reschedules its CRASHED ones (`watch_round`: one read of
+    the deployment's runs a round, on one client kept open; errors logged, retried next round); returns the thread."""
 
-    async def one_round() -> None:
-        if not watches:
-            async with get_client() as client:
-                deployment = await client.read_deployment_by_name(f'{flow}/{deployment_name}')
-            watches.append(DeadRunWatch(deployment.id, notify))
-        await watches[0].round()
-        await resume_crashed(deployment_name, flow, notify)
-
-    def loop() -> None:
+    async def forever() -> None:
+        watch: DeadRunWatch | None = None
         while True:
             try:
-                asyncio.run(one_round())
+                async with get_client() as client:
+                    while True:
+                        if watch is None:
+                            deployment = await client.read_deployment_by_name(f'{flow}/{deployment_name}')
+                            watch = DeadRunWatch(deployment.id, notify)
+                        await watch_round(client, watch, notify)
+                        await asyncio.sleep(every)
             except Exception:  # the server may be briefly unreachable, the deployment not yet created: next round
                 logging.getLogger(__name__).debug('crashed-run check failed', exc_info=True)
-            time.sleep(every)
+                await asyncio.sleep(every)
 
-    thread = threading.Thread(target=loop, name=f'durcap-crashed-{deployment_name}', daemon=True)
+    thread = threading.Thread(target=lambda: asyncio.run(forever()), name=f'durcap-crashed-{deployment_name}',
+                              daemon=True)
     thread.start()
     return thread
 
