@@ -167,7 +167,12 @@ def _wait_pending(url: str, run_id: str, timeout: float = 120) -> list[dict[str,
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        pending = httpx.get(f'{url}/v1/runs/{run_id}/approvals', headers=ALICE, timeout=30).json()['pending']
+        response = httpx.get(f'{url}/v1/runs/{run_id}/approvals', headers=ALICE, timeout=30)
+        if response.status_code in (404, 503):  # not visible yet on a loaded engine: ask again
+            time.sleep(0.2)
+            continue
+        assert 'pending' in response.json(), (response.status_code, response.text)
+        pending = response.json()['pending']
         if pending:
             return pending
         time.sleep(0.2)
