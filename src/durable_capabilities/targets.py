@@ -160,6 +160,20 @@ def _module_agents(module: Any) -> list[DurableAgent[Any, Any]]:
     return list(seen.values())
 
 
+def _no_attribute(module: Any, module_name: str, given: str, attr: str) -> str:
+    """The DC040 line for a TARGET whose `attr` the module lacks, with the fix: the names it binds to DurableAgents
+    (or lists of them) at its top level, each as `given:name` (`given`: TARGET's module part, a dotted name or a
+    path), else a word that it binds none."""
+    names = sorted(n for n, v in vars(module).items() if not n.startswith('_') and (
+        isinstance(v, DurableAgent) or (isinstance(v, (list, tuple)) and v and all(isinstance(m, DurableAgent) for m in v))))
+    if names:
+        fix = f"name one of its DurableAgents: {', '.join(f'{given}:{n}' for n in names[:10])}" + (
+            f' (and {len(names) - 10} more)' if len(names) > 10 else '')
+    else:
+        fix = 'it binds no DurableAgent at its top level: name the module that defines your agent'
+    return f'DC040 {module_name!r} has no attribute {attr!r}: {fix}'
+
+
 def _with_agent(problem: Problem, name: str) -> Problem:
     """`problem` with its `where` prefixed by the agent (several agents' problems in one report)."""
     if problem.where.startswith(f'agent {name!r}'):
@@ -235,7 +249,7 @@ def load(target: str) -> Target:
     value: Any = module
     for name in attr.split('.'):
         if not hasattr(value, name):
-            raise UnusableTarget(f'{module_name!r} has no attribute {attr!r}')
+            raise UnusableTarget(_no_attribute(module, module_name, module_part, attr))
         value = getattr(value, name)
     if isinstance(value, DurableAgent):
         return Target(target, [value], 'agent', file, _report([value], broken), broken, _module_agents(module))

@@ -149,7 +149,8 @@ BAD_TARGETS: list[tuple[str, str, str]] = [
     ('no-file', 'no/such/file.py:agent', 'no such file'),
     ('folder', f'{FIXTURES}/:agent', 'is a folder, not a module file'),
     ('dev-null', '/dev/null:agent', 'is not a regular file (a FIFO, socket or device)'),
-    ('no-such-attr', f'{AGENTS}:nope', "has no attribute 'nope'"),
+    ('no-such-attr', f'{AGENTS}:nope', f"has no attribute 'nope': name one of its DurableAgents: {AGENTS}:failing, "
+                                        f'{AGENTS}:no_deps, {AGENTS}:with_deps'),
     ('attr-str', f'{AGENTS}:with_deps.name', 'is a str, not a DurableAgent'),
     ('attr-type', f'{AGENTS}:Shop', 'is a type, not a DurableAgent'),
     ('attr-dunder', f'{AGENTS}:__class__', 'not a DurableAgent'),
@@ -159,6 +160,7 @@ BAD_TARGETS: list[tuple[str, str, str]] = [
     ('nul', 'a\x00b:c', '\\x00'),
     ('newline', 'a\nb:c', '\\n'),
     ('long', 'a' * 5000 + ':b', 'at most 1024 characters'),
+    ('no-such-attr-no-agents', 'json:nope', "DC040 'json' has no attribute 'nope': it binds no DurableAgent"),
 ]
 
 

@@ -356,6 +356,23 @@ def test_the_cli_prints_json_for_a_store_without_claim_checks_and_asks_no_engine
     assert text.returncode == 0 and 'applied' in text.stdout and 'freed 0 piece(s)' in text.stdout, text.stdout
 
 
+def test_dry_run_is_the_default_said_explicitly_and_never_with_apply(tmp_path: Path) -> None:
+    """`store gc --dry-run` (the flag `history delete` takes) is the default dry run, not a usage error; with --apply
+    it is one coded line, exit 2, nothing deleted. Real SQLite store, `durcap` subprocesses."""
+    empty = sqlite_url(tmp_path, 'empty.db')
+    run(SQLConversationStore(empty).check_writable())
+    done = durcap('store', 'gc', '--store', empty, '--dry-run', '--format', 'json')
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)['dry_run'] is True
+    url = sqlite_url(tmp_path)
+    seed(url)
+    before = everything(url)
+    both = durcap('store', 'gc', '--store', url, '--dry-run', '--apply', '--grace', '0s', '--retention', '0s')
+    assert both.returncode == 2 and both.stdout == '' and everything(url) == before
+    lines = both.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('durcap: error: DC040 --apply and --dry-run contradict'), both.stderr
+
+
 def test_gc_refuses_with_one_line_when_the_engine_cannot_be_reached(tmp_path: Path) -> None:
     url = sqlite_url(tmp_path)
     seed(url)

@@ -74,6 +74,8 @@ def stats(
 def gc(
     store: StoreOption = None,
     apply: Annotated[bool, typer.Option('--apply', help='Delete (default: a dry run that prints what would be freed).')] = False,
+    dry_run: Annotated[bool, typer.Option(
+        '--dry-run', help='Print what would be freed and delete nothing (the default; as `history delete --dry-run`).')] = False,
     retention: Annotated[str | None, typer.Option(
         '--retention', metavar='DURATION',
         help="Keep a closed workflow's claim checks this long after it closed, instead of the engine's retention "
@@ -97,6 +99,9 @@ def gc(
     abandoned, with why). A dry run unless --apply."""
     from ..collecting import collect_garbage, parse_duration
 
+    if apply and dry_run:
+        _unusable(f'{INPUT_CODE} --apply and --dry-run contradict each other: pass --apply to delete, or neither (or '
+                  '--dry-run) to list what would be freed')
     try:
         kept_for = None if retention is None else parse_duration(retention, '--retention')
         window = parse_duration(grace, '--grace')
