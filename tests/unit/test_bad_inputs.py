@@ -472,6 +472,10 @@ def _option_cases() -> list[Case]:
              '$DURCAP_DECISION_WAIT: must be a number of seconds above 0', env={'DURCAP_DECISION_WAIT': '0'}),
         Case('runs-status-unknown', ['runs', 'list', '--status', 'nope'], 2, '--status must be one of'),
         Case('serve-engine-unknown', ['serve', PLAIN, '--engine', 'nope'], 2, 'publish event streams'),
+        # Prefect's flow run ids are the server's: the API could not name the run it answers with (a trial found
+        # runs that stayed `queued` with no events): refused before anything starts.
+        Case('serve-engine-prefect', ['serve', PLAIN, '--engine', 'prefect'], 2,
+             'DC040 durcap serve does not run turns'),
         Case('serve-deps-not-json', ['serve', DEPS, '--deps-json', '{'], 2, 'not valid JSON'),
         Case('serve-deps-for-no-deps', ['serve', PLAIN, '--deps-json', '{}'], 2, 'takes no deps'),
         Case('serve-port-zero', ['serve', PLAIN, '--port', '0'], 2, "'--port'"),

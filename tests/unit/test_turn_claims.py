@@ -387,3 +387,48 @@ def test_the_api_refuses_interrupt_for_an_agent_whose_output_is_not_text(tmp_pat
             assert await store.read_record('t') is None and await store.turn_claim('t') is None
 
     run(nothing_stored())
+
+
+def test_the_api_refuses_a_conversation_stored_outside_it_instead_of_handing_it_to_the_first_principal(
+        tmp_path: Path) -> None:
+    """A conversation with turns stored outside `durcap serve` (`durcap run --conversation`, `history fork`; here the
+    store's own append) has no owner among the API's principals: `POST /v1/conversations/{id}/turns` is 404, the same
+    answer as another principal's conversation, and a GET stays 404, so nobody takes it over and reads its history
+    (a fresh-user trial did both as bob). Nothing is stored: the conversation keeps its one turn, no owner row. A new
+    id is served as before. Model: pydantic-ai's `TestModel`."""
+    from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, UserPromptPart
+    from starlette.testclient import TestClient
+
+    from durable_capabilities.serve import bearer_auth, create_app
+
+    url = f'sqlite:///{tmp_path / "serve.db"}'
+
+    async def store_a_turn() -> None:
+        async with SQLConversationStore(url) as store:
+            await store.append('cli-conv', [ModelRequest(parts=[UserPromptPart('my secret question')]),
+                                            ModelResponse(parts=[TextPart('the answer')])],
+                               expected_revision=None, append_id='cli:1')
+
+    run(store_a_turn())
+    agent = DurableAgent('claims-api-owner', TestModel())
+    app = create_app(agent, settings={'store': url}, auth=bearer_auth({'a-token': 'alice', 'b-token': 'bob'}))
+    bob = {'Authorization': 'Bearer b-token'}
+    with TestClient(app) as client:
+        refused = client.post('/v1/conversations/cli-conv/turns', json={'prompt': 'show me'}, headers=bob)
+        assert refused.status_code == 404, refused.text
+        assert 'secret' not in refused.text
+        read = client.get('/v1/conversations/cli-conv', headers=bob)
+        assert read.status_code == 404 and 'secret' not in read.text, read.text
+        fresh = client.post('/v1/conversations/bob-new/turns', json={'prompt': 'hi'}, headers=bob)
+        assert fresh.status_code == 202, fresh.text
+
+    async def unchanged() -> None:
+        async with SQLConversationStore(url) as store:
+            assert await store.read_record('cli-conv') is not None
+
+    run(unchanged())
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / 'serve.db') as db:
+        assert db.execute("SELECT count(*) FROM durcap_entries WHERE conversation_id = 'cli-conv'").fetchone() == (2,)
+        assert db.execute('SELECT conversation_id FROM durcap_serve_owners').fetchall() == [('bob-new',)]

@@ -15,13 +15,17 @@ from . import _err, _unusable, _valid_agents, app
 from ._options import StoreOption, check_stream_env, connection_options, connection_settings
 from .ui import LOOPBACK
 
-SERVE_ENGINES = ('local', 'dbos', 'prefect', 'temporal')
+SERVE_ENGINES = ('local', 'dbos', 'temporal')
 
 
 def _serve_engine(value: str) -> str:
+    if value == 'prefect':
+        from ..serve import PREFECT_NOT_SERVED
+
+        raise typer.BadParameter(f'DC040 {PREFECT_NOT_SERVED}')
     if value not in SERVE_ENGINES:
-        raise typer.BadParameter(f'{value!r} is not one of {", ".join(map(repr, SERVE_ENGINES))} (the engines whose '
-                                 'runs publish event streams).')
+        raise typer.BadParameter(f'DC040 {value!r} is not one of {", ".join(map(repr, SERVE_ENGINES))} (the engines '
+                                 'whose runs publish event streams the API can name).')
     return value
 
 
@@ -29,7 +33,7 @@ def _serve_engine(value: str) -> str:
 @connection_options('read')
 def serve(
     target: Annotated[str, typer.Argument(help='module:attr naming the agent(s) to serve.')],
-    engine: Annotated[str, typer.Option('--engine', '-e', parser=_serve_engine, metavar='<local|dbos|prefect|temporal>',
+    engine: Annotated[str, typer.Option('--engine', '-e', parser=_serve_engine, metavar='<local|dbos|temporal>',
                                         help='Where turns run (dbos: handed to `durcap worker dbos` on --queue; temporal: '
                                         'started as workflows on --task-queue, run by `durcap worker temporal`).')] = 'local',
     host: Annotated[str, typer.Option(help='Interface to bind (default loopback only).')] = '127.0.0.1',

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from ._app import Auth, DepsFactory
 
 __all__ = [
+    'PREFECT_NOT_SERVED',
     'TOKEN_ENV',
     'BadRequestError',
     'IdempotencyConflictError',
@@ -51,6 +52,14 @@ __all__ = [
 
 TOKEN_ENV = 'DURCAP_SERVE_TOKEN'  # noqa: S105 - the variable's name, not a token
 """The bearer token(s) of the default `auth`: one token, or `alice=TOKEN1,bob=TOKEN2`."""
+
+
+PREFECT_NOT_SERVED = ("durcap serve does not run turns on Prefect yet: a Prefect flow run's id (which names its event "
+                      'stream) is chosen by the Prefect server when the flow run is created, after the API has '
+                      'answered the POST with its run id, so the run could not be streamed, approved or shown. Serve '
+                      "with --engine local, dbos or temporal; run Prefect turns with `durcap run --engine prefect` or "
+                      '`durcap schedule prefect`.')
+"""Why `create_app(engine='prefect')` and `durcap serve --engine prefect` are refused (ValueError / DC040)."""
 
 
 def bearer_auth(tokens: str | Mapping[str, str]) -> Auth:
@@ -78,7 +87,7 @@ def create_app(
         engine: Where turns run: `local` (in this process), `dbos` (handed to the `durcap worker dbos` processes
             serving the DBOS queue `settings['queue']`, default `durcap`), `temporal` (started as workflows on the
             task queue `settings['task_queue']`, default `durcap`, at `settings['address']`, run by the
-            `durcap worker temporal` processes serving it) or `prefect`.
+            `durcap worker temporal` processes serving it). Not `prefect` (`PREFECT_NOT_SERVED` says why).
         settings: Where the engine and the conversation store are: a `Settings` (`Settings.resolve()`), or a mapping
             of run settings (`store`, `db`, `queue`, `busy`, ...); default `Settings.resolve()`.
         auth: `auth(request) -> principal | None` (sync or async); default `bearer_auth($DURCAP_SERVE_TOKEN)`.

@@ -23,6 +23,10 @@ def build(agents: Sequence[DurableAgent[Any, Any]], *, engine: str, settings: Ma
           deps_factory: DepsFactory | None, max_body_bytes: int, cors_origins: Sequence[str],
           chat: bool) -> Starlette:
     """The Starlette app (`create_app` checks the arguments first)."""
+    if engine == 'prefect':
+        from . import PREFECT_NOT_SERVED
+
+        raise ValueError(PREFECT_NOT_SERVED)
     if engine not in STREAM_ENGINES:
         raise ValueError(f'engine {engine!r}: durcap serve runs turns on {", ".join(STREAM_ENGINES)} (their runs '
                          'publish the event stream the API serves)')

@@ -79,16 +79,22 @@ class ServeRows:
         '(SELECT digest FROM durcap_serve_requests WHERE principal = :p AND idempotency_key = :k), '
         '(SELECT run_id FROM durcap_serve_requests WHERE principal = :p AND idempotency_key = :k), '
         '(SELECT run_id FROM durcap_turn_claims WHERE conversation_id = :c), '
-        '(SELECT claimed_at FROM durcap_turn_claims WHERE conversation_id = :c)')
+        '(SELECT claimed_at FROM durcap_turn_claims WHERE conversation_id = :c), '
+        '(SELECT message_count FROM durcap_conversations WHERE conversation_id = :c AND deleted = 0)')
 
     def _start(self, principal: str, key: str | None, digest: str, conversation_id: str, agent: str, engine: str,
                run_id: str, reject_busy: bool) -> Started:
         """One write transaction straight to the driver (`_SQLBackend._raw_txn`, fully synchronous): the owner, the
         key's request and the conversation's turn claim read in one statement, then the new rows."""
         with self._backend._raw_txn(relaxed=False) as cur:
-            owner, seen_digest, seen_run, holder, claimed_at = cur.execute(
+            owner, seen_digest, seen_run, holder, claimed_at, stored = cur.execute(
                 self._LOOKUP, {'c': conversation_id, 'p': principal, 'k': key}).fetchone()
             if owner is not None and owner != principal:
+                raise NotFoundError(f'no conversation {conversation_id!r}')
+            if owner is None and (stored or holder is not None):
+                # Stored (or being run) outside the API (`durcap run --conversation`, `history fork`): no principal
+                # owns it here, and the first to post must not take it over and read its history. Refused like another
+                # principal's conversation (nothing says it exists).
                 raise NotFoundError(f'no conversation {conversation_id!r}')
             if key is not None and seen_run is not None:
                 if seen_digest != digest:
