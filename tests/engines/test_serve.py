@@ -585,6 +585,44 @@ def test_a_second_decision_right_after_an_approval_is_refused_as_already_decided
     assert (stack.crash_dir / 'revocations').read_text().splitlines().count(user) == 1
 
 
+def test_decisions_sent_at_the_same_moment_one_is_accepted_the_others_refused_as_already_decided(
+        dbos_stack: Stack) -> None:
+    """Four decisions on one call through `durcap serve --engine dbos` sent at once from four threads (approve, deny,
+    approve, approve: two reviewers and a double click): exactly one is 200, the other three 409 DC054
+    `already-decided`, and the run does what the accepted one said (the tool once if it was an approval, never if a
+    denial). A fresh-user trial saw approve and deny both answered 200 (DBOS checks, then sends). The `gated` agent
+    (scripted `FunctionModel`, `revoke_sessions` records each execution)."""
+    import threading
+    import uuid
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = dbos_stack.url
+    conversation, user = f'race-{uuid.uuid4().hex[:6]}', f'kim{uuid.uuid4().hex[:6]}'
+    first = _post(url, conversation, {'agent': 'gated', 'prompt': f'revoke {user}'}, key=conversation).json()
+    [call] = _wait_pending(url, first['run_id'])
+    decide = f'{url}/v1/runs/{first["run_id"]}/approvals/{call["call_id"]}'
+    decisions = ['approve', 'deny', 'approve', 'approve']
+    barrier = threading.Barrier(len(decisions))
+
+    def send(decision: str) -> httpx.Response:
+        with httpx.Client(headers=ALICE, timeout=60) as client:
+            barrier.wait()
+            return client.post(decide, json={'decision': decision, 'fingerprint': call['fingerprint']})
+
+    with ThreadPoolExecutor(len(decisions)) as pool:
+        answers = list(pool.map(send, decisions))
+    accepted = [d for d, a in zip(decisions, answers, strict=True) if a.status_code == 200]
+    assert len(accepted) == 1, [(a.status_code, a.text) for a in answers]
+    for answer in answers:
+        if answer.status_code != 200:
+            assert answer.status_code == 409, answer.text
+            assert answer.json()['error']['code'] == 'DC054', answer.text
+    assert read_sse(f'{url}/v1/runs/{first["run_id"]}/events', ALICE)[-1].kind == 'run_completed'
+    revocations = dbos_stack.crash_dir / 'revocations'
+    ran = revocations.read_text().splitlines().count(user) if revocations.exists() else 0
+    assert ran == (1 if accepted == ['approve'] else 0), (accepted, ran)
+
+
 def test_dbos_second_turn_interrupts_the_first_through_the_api(dbos_stack: Stack) -> None:
     """`"busy": "interrupt"` through `durcap serve --engine dbos`: the first turn waits for approval; the second is
     accepted (202) and the serve process denies the first's pending call (reason naming the second run); the first

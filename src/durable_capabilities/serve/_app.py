@@ -463,13 +463,25 @@ class ServeApp:
                 raise _Refused(_coded(409, refused.code, str(refused), kind=refused.kind))
             raise NotFoundError(f'run {row.run_id!r} has no pending call {printable(call_id[:120])!r} (pending: '
                                 f'{", ".join(pending) or "none"})', field='call_id')
+        # One decision per call across every serve process of the store: two sent at the same moment (a double
+        # click, two reviewers) cannot both be told yes; the engines' own check reads, then sends.
+        mine = Decision(call_id, fingerprint or pending[call_id].fingerprint, approve, by=f'serve:{principal}')
+        held = await self.rows.call(self.rows.claim_decision_sync, row.run_id, call_id, json.dumps(mine.to_json()))
+        if held is not None:
+            refused = already_decided(row.run_id, printable(call_id[:120]), Decision.from_json(json.loads(held)),
+                                      received=False)
+            raise _Refused(_coded(409, refused.code, str(refused), kind=refused.kind))
+        delivered = False
         try:
-            return await runner.decide(row.run_id, call_id, approve=approve, reason=reason, override_args=args,
-                                       by=f'serve:{principal}', fingerprint_=fingerprint or pending[call_id].fingerprint,
-                                       engine=row.engine, **self._engine_settings())
+            result = await runner.decide(row.run_id, call_id, approve=approve, reason=reason, override_args=args,
+                                         by=f'serve:{principal}', fingerprint_=fingerprint or pending[call_id].fingerprint,
+                                         engine=row.engine, **self._engine_settings())
+            delivered = True
+            return result
         except ApprovalArgsError as exc:
             raise _Refused(_coded(422, exc.code, str(exc), kind=exc.kind, field='args')) from None
-        except AlreadyDecidedError as exc:
+        except AlreadyDecidedError as exc:  # decided outside the API (`durcap approve`): it stays decided
+            delivered = True
             raise _Refused(_coded(409, exc.code, str(exc), kind=exc.kind)) from None
         except DecisionNotDeliveredError as exc:  # no worker took it: nothing ran, the call is still pending
             raise _Refused(_coded(503, exc.code, str(exc), kind=exc.kind)) from None
@@ -477,6 +489,9 @@ class ServeApp:
             if exc.kind == 'stale-fingerprint':
                 raise _Refused(_coded(409, exc.code, str(exc), kind=exc.kind, field='fingerprint')) from None
             raise NotFoundError(str(exc), kind=exc.kind) from None
+        finally:
+            if not delivered:  # refused or failed: nothing was sent, the call is still pending for the next decision
+                await self.rows.call(self.rows.release_decision_sync, row.run_id, call_id)
 
     async def _decided(self, row: RunRow, call_id: str) -> Decision | None:
         """The decision on `call_id` the run received (its `approval_decided` event), else `None`."""

@@ -138,6 +138,38 @@ class ServeRows:
                                        'created_at DESC LIMIT 1'), {'c': conversation_id, 'p': principal}).first()
         return None if row is None else RunRow(*row)
 
+    DECISION_PRINCIPAL = 'durcap:decision'
+    """The `durcap_serve_requests.principal` of a call's decision slot (`claim_decision_sync`); its keys hold a `/`,
+    which no Idempotency-Key may (`_app.ID_PATTERN`), so a slot never meets a request's key."""
+
+    def claim_decision_sync(self, run_id: str, call_id: str, decision_json: str) -> str | None:
+        """Take the one decision slot of `call_id` of run `run_id` (a row whose primary key two concurrent requests,
+        on any serve process of the store, cannot both insert): the store's compare-and-set, which DBOS and Prefect
+        do not offer for their decisions.
+
+        Returns:
+            `None` when this request took it; else the JSON of the decision that holds it (a `Decision.to_json`).
+        """
+        integrity = self._backend.engine.dialect.dbapi.IntegrityError  # type: ignore[union-attr]
+        key = f'decide/{run_id}/{call_id}'
+        try:
+            with self._backend._raw_txn(relaxed=False) as cur:
+                cur.execute('INSERT INTO durcap_serve_requests (principal, idempotency_key, digest, run_id, created_at) '
+                            'VALUES (:p, :k, :d, :r, :at)', {'p': self.DECISION_PRINCIPAL, 'k': key,
+                                                               'd': decision_json, 'r': run_id, 'at': _now()})
+            return None
+        except integrity:
+            with self._backend._txn(write=False) as conn:
+                held = conn.execute(sa.text('SELECT digest FROM durcap_serve_requests WHERE principal = :p AND '
+                                            'idempotency_key = :k'), {'p': self.DECISION_PRINCIPAL, 'k': key}).scalar()
+            return str(held) if held is not None else decision_json
+
+    def release_decision_sync(self, run_id: str, call_id: str) -> None:
+        """Give the slot `claim_decision_sync` took back (the decision was not delivered: the call is still pending)."""
+        with self._backend._raw_txn(relaxed=False) as cur:
+            cur.execute('DELETE FROM durcap_serve_requests WHERE principal = :p AND idempotency_key = :k',
+                        {'p': self.DECISION_PRINCIPAL, 'k': f'decide/{run_id}/{call_id}'})
+
     def owner_sync(self, conversation_id: str) -> str | None:
         """The principal owning `conversation_id`, `None` when no request started a turn on it."""
         with self._backend._txn(write=False) as conn:
