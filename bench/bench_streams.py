@@ -1,8 +1,8 @@
 """Run event streams: what publishing costs a run, how soon a subscriber in another process sees a delta, and what a
 subscriber's memory does over a 10,000-event run.
 
-    .venv/bin/python bench/bench_streams.py [--runs 5] [--engines local,dbos,temporal] [--deltas 200] [--delay 0]
-        [--sides off,on] [--only a] [--temporal-address HOST:PORT]
+    .venv/bin/python bench/bench_streams.py [--runs 5] [--engines local,dbos,temporal,prefect] [--deltas 200]
+        [--delay 0] [--sides off,on] [--only a] [--temporal-address HOST:PORT] [--prefect-api-url URL]
 
 Model: a scripted `FunctionModel` with both `function` and `stream_function`, answering in `--deltas` words (no
 provider). Side by side in one process, alternating:
@@ -23,6 +23,8 @@ Temporal: one worker of one agent in this process for each series (its activitie
 goes), on the server at `--temporal-address` (default `$DURCAP_TEST_TEMPORAL_ADDRESS`, `$DURCAP_TEMPORAL_ADDRESS`,
 else a dev server started here); each run is `runner.run(..., engine='temporal')` against it. Unstreamed, the
 workflow still runs its three `durcap.stream_publish` local activities, which then write nothing.
+Prefect: each run is `runner.run(..., engine='prefect')` in this process (a flow run on the server at
+`--prefect-api-url`, its tasks in this process), as `durcap run --engine prefect` runs it.
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ from durable_capabilities.streams._publish import _UnitPublisher  # noqa: E402
 PRODUCED: dict[str, float] = {}
 """When the model produced each word of its stream (the words are all different)."""
 
+PREFECT_GATE: dict[str, Any] = {}
+"""(b) on Prefect, whose flow run id the server picks when the run starts: the model's stream puts the id under
+`run_id` and waits for the `gate` (a `threading.Event`) the bench sets once a watcher of that run is up."""
+
 
 def model(deltas: int, delay: float = 0.0) -> FunctionModel:
     words = [f'w{n} ' for n in range(deltas)]
@@ -70,6 +76,11 @@ def model(deltas: int, delay: float = 0.0) -> FunctionModel:
         return ModelResponse(parts=[TextPart(''.join(words))])
 
     async def stream(messages: list[Any], info: AgentInfo) -> AsyncIterator[str]:
+        if (gate := PREFECT_GATE.get('gate')) is not None:  # (b) on Prefect: the flow run's id, then wait for the watcher
+            from prefect.runtime import flow_run
+
+            PREFECT_GATE['run_id'] = flow_run.id
+            await asyncio.to_thread(gate.wait, 120)
         for word in words:
             if delay:
                 await asyncio.sleep(delay)
@@ -223,9 +234,12 @@ def wall_times(engines: list[str], runs: int, deltas: int, folder: Path, delay: 
 
 
 def latency(engine: str, deltas: int, folder: Path, delay: float, name: str = 'on') -> None:
-    run_id = f'bench-latency-{uuid.uuid4().hex[:8]}' if engine != 'local' else f'local-{uuid.uuid4().hex}'
     store = f'sqlite:///{folder / "conversations.db"}'
     env = {**os.environ, 'PYTHONPATH': str(ROOT / 'src')}
+    if engine == 'prefect':
+        prefect_latency(deltas, folder, delay, name, store, env)
+        return
+    run_id = f'bench-latency-{uuid.uuid4().hex[:8]}' if engine != 'local' else f'local-{uuid.uuid4().hex}'
     watcher = subprocess.Popen([sys.executable, '-m', 'durable_capabilities.cli', 'runs', 'watch', run_id, '--store',
                                 store, '--format', 'jsonl', '--wait', '120'], stdout=subprocess.PIPE, text=True, env=env)
     received: list[tuple[float, str]] = []
@@ -266,6 +280,70 @@ def latency(engine: str, deltas: int, folder: Path, delay: float, name: str = 'o
             watcher.wait()
     # Lines are read as they come (the pipe is line-buffered by the watcher's flush); the receive time of each is
     # when this process read it.
+    report_delays(engine, name, received)
+
+
+def prefect_latency(deltas: int, folder: Path, delay: float, name: str, store: str, env: dict[str, str]) -> None:
+    """(b) on Prefect: the run starts in a thread of this process (`runner.run`, a flow run on the server), its model
+    stream holds its first delta until a watcher of the flow run (another process, as on the other engines) has
+    printed the run's first event (`run_started`, written before the model request), then produces the deltas."""
+    gate = threading.Event()
+    PREFECT_GATE.clear()
+    PREFECT_GATE['gate'] = gate
+    PRODUCED.clear()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(one_run('prefect', name, deltas, folder, delay=delay))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failed.append(exc)
+
+    runner_thread = threading.Thread(target=run, daemon=True)
+    runner_thread.start()
+    deadline = time.monotonic() + 120
+    while 'run_id' not in PREFECT_GATE and runner_thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    run_id = PREFECT_GATE.get('run_id')
+    if run_id is None:
+        gate.set()
+        runner_thread.join(timeout=60)
+        print(f'  prefect: the run never reached its model request ({failed[0] if failed else "timeout"})')
+        return
+    watcher = subprocess.Popen([sys.executable, '-m', 'durable_capabilities.cli', 'runs', 'watch', str(run_id),
+                                '--store', store, '--format', 'jsonl', '--wait', '120'], stdout=subprocess.PIPE,
+                               text=True, env=env)
+    received: list[tuple[float, str]] = []
+
+    def read() -> None:
+        assert watcher.stdout is not None
+        for line in watcher.stdout:
+            gate.set()  # the watcher is up and has read what the run wrote so far
+            event = json.loads(line)
+            if event['kind'] == 'text_delta':
+                body = event['event']
+                received.append((time.time(), body.get('delta', {}).get('content_delta') or body.get('part', {}).get(
+                    'content', '')))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        runner_thread.join(timeout=180)
+        watcher.wait(timeout=60)
+        reader.join(timeout=10)
+    finally:
+        gate.set()
+        PREFECT_GATE.clear()
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait()
+    if failed:
+        print(f'  prefect: the run failed: {failed[0]!r}')
+    report_delays('prefect', name, received)
+
+
+def report_delays(engine: str, name: str, received: list[tuple[float, str]]) -> None:
+    """Print the median and p95 of each received word's delay from the model producing it."""
     # Each word's delay, from the model producing it to this process reading the event that holds it (deltas that
     # arrived while a write was in flight are one event: each of their words counts).
     delays = sorted(max(0.0, at - PRODUCED[word]) * 1000 for at, text in received
@@ -325,6 +403,9 @@ def main() -> None:
     parser.add_argument('--sides', default='off,on', help='(a)\'s sides, from off,read,bare,timer,on (see the module '
                         'docstring); off is always measured')
     parser.add_argument('--only', choices=['a', 'b', 'c'], help='run only this part')
+    parser.add_argument('--prefect-api-url', default=os.environ.get('DURCAP_TEST_PREFECT_API_URL')
+                        or os.environ.get('PREFECT_API_URL'), help='a Prefect server for `--engines prefect` (default: '
+                        '$DURCAP_TEST_PREFECT_API_URL, $PREFECT_API_URL, else a server started here)')
     parser.add_argument('--temporal-address', default=os.environ.get('DURCAP_TEST_TEMPORAL_ADDRESS')
                         or os.environ.get('DURCAP_TEMPORAL_ADDRESS'), help='a Temporal server (default: '
                         '$DURCAP_TEST_TEMPORAL_ADDRESS, $DURCAP_TEMPORAL_ADDRESS, else a dev server started here)')
@@ -341,6 +422,15 @@ def main() -> None:
                 stack.callback(server.stop)
                 address = server.address
             TEMPORAL_ADDRESS.append(address)
+        if 'prefect' in engines:
+            url = args.prefect_api_url
+            if not url:
+                from durable_capabilities.engines.prefect import start_prefect_server
+
+                prefect_server = start_prefect_server(home=folder / 'prefect-server')
+                stack.callback(prefect_server.stop)
+                url = prefect_server.address
+            os.environ['PREFECT_API_URL'] = url  # the flow runs of this process, and the watcher's
         sides = ['off', *(name for name in args.sides.split(',') if name != 'off')]
         if any(name not in SIDES for name in sides):
             parser.error(f'--sides {args.sides}: each side is one of {", ".join(SIDES)}')
