@@ -531,6 +531,12 @@ def measure(engine: str, workers: int, args: argparse.Namespace, scratch: Path) 
     keys = [f'r{n}' for n in range(args.runs)]
     try:
         cluster.start()
+        if args.warm:  # warm-up runs, before the clock: each worker's first runs (imports, caches, connections)
+            warm = [f'warm{n}' for n in range(args.warm * workers)]
+            cluster.submit(warm)
+            if not wait_all(cluster, warm, args.timeout, every=0.1 if engine != 'prefect' else 0.25) or cluster.failed:
+                raise RuntimeError(f'{engine}, {workers} workers: warm-up runs not done, failed {cluster.failed}')
+            cluster.done.clear()
         mark0 = cluster.server_mark()
         cpu0, load0 = cluster.cpu(), load()
         start, wall_start = time.monotonic(), time.time()
@@ -544,14 +550,16 @@ def measure(engine: str, workers: int, args: argparse.Namespace, scratch: Path) 
         load1, mark1 = load(), cluster.server_mark()
         server = None if mark0 is None or mark1 is None else (mark1 - mark0) / args.runs
         per: dict[str, int] = {f'w{i}': 0 for i in range(workers)}
-        for entry in read_ledger(cluster.ledger):
+        measured = set(keys)
+        entries = [entry for entry in read_ledger(cluster.ledger) if entry.key in measured]
+        for entry in entries:
             if entry.event == 'done':
                 index = cluster.worker_of(entry)
                 name = f'w{index}' if index is not None else f'pid {entry.pid}'
                 per[name] = per.get(name, 0) + 1
         result = {'workers': workers, 'seconds': seconds, 'runs_per_s': args.runs / seconds, 'per_worker': per,
                   'cpu_per_run': cpu / args.runs, 'load': f'{load0}-{load1}', 'server': server,
-                  'timeline': timeline(read_ledger(cluster.ledger), wall_start, wall_start + seconds, workers, args)}
+                  'timeline': timeline(entries, wall_start, wall_start + seconds, workers, args)}
         try:
             result['details'] = cluster.details(keys)
         except Exception as exc:  # noqa: BLE001 - extra figures only: the measurement stands without them
@@ -763,6 +771,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument('--prefect-poll', type=float, default=1.0, help='PREFECT_RUNNER_POLL_FREQUENCY of serving processes')
     p.add_argument('--prefect-spawn', action='store_true',
                    help='serve with `durcap schedule prefect --spawn`: a new Python process per flow run, no fork server')
+    p.add_argument('--warm', type=int, default=0, help='warm-up runs per worker, submitted and awaited before the '
+                   'clock starts (default 0: the workers\' first runs are measured too)')
     p.add_argument('--timeout', type=float, default=3600.0, help='seconds a configuration may take before it fails')
     p.add_argument('--kill', action='store_true', help='the kill bench instead of the scale-out one')
     p.add_argument('--kill-workers', type=int, default=3)
