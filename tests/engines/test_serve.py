@@ -183,7 +183,7 @@ def _wait_pending(url: str, run_id: str, timeout: float = 120) -> list[dict[str,
 
 def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_approval_runs_the_tool_once(
         dbos_stack: Stack) -> None:
-    """A table of 80 bad requests against `durcap serve --engine dbos` while a `gated` run waits for approval (wrong or
+    """A table of 84 bad requests against `durcap serve --engine dbos` while a `gated` run waits for approval (wrong or
     missing token, another principal's conversation and run, oversized and malformed bodies, unknown agent, run and
     call, an Idempotency-Key reused for another request, a decision for other arguments, edited arguments outside the
     tool's schema, unknown routes): each answered with its status and code in a JSON body without a traceback, and
@@ -810,3 +810,35 @@ def test_new_turns_posted_at_once_on_one_conversation_one_runs_the_others_are_re
     finally:
         if engine == 'local':
             server.kill9()
+
+
+def test_dbos_worker_logs_a_turn_refused_as_busy_in_one_line(dbos_stack: Stack) -> None:
+    """Two turns handed straight to the DBOS queue on one conversation at once (`runner.run(queue=...)`, as `durcap
+    run --queue` does: no serve process to refuse the second first): the worker refuses the second at its load (DC050)
+    and logs it as one warning line naming the workflow, without DBOS's ~80-line traceback. The `streamer` agent
+    (scripted `FunctionModel`)."""
+    import uuid
+
+    from durable_capabilities import runner
+    from durable_capabilities.store import ConversationBusyError
+    from tests.engines.serve_agents import streamer
+
+    log = dbos_stack.tmp / 'worker.log'
+    seen = log.stat().st_size
+    conversation = f'queue-busy-{uuid.uuid4().hex[:6]}'
+
+    async def both() -> list[Any]:
+        return list(await asyncio.gather(*[
+            runner.run(streamer, f'where is ABC-123? ({n})', engine='dbos', conversation_id=conversation,
+                       db=dbos_stack.env['DURCAP_DBOS_DB'], queue='durcap', store=dbos_stack.store,
+                       notify=lambda line: None) for n in range(2)], return_exceptions=True))
+
+    results = asyncio.run(both())
+    refused = [r for r in results if isinstance(r, ConversationBusyError)]
+    assert len(refused) == 1 and len([r for r in results if not isinstance(r, BaseException)]) == 1, results
+    with open(log, 'rb') as f:
+        f.seek(seen)
+        text = f.read().decode(errors='replace')
+    [line] = [line for line in text.splitlines() if 'DC050' in line]
+    assert 'WARNING' in line and f'workflow {refused[0].run_id} refused: DC050' in line, line
+    assert 'Traceback' not in text, text[-3000:]
