@@ -190,6 +190,35 @@ class DecisionNotDeliveredError(ApprovalError, code='DC052'):
         super().__init__(kind, message)
 
 
+class StaleFingerprintError(ApprovalError, code='DC055'):
+    """DC055: a decision quoting another fingerprint than the pending call's: the person reviewed other arguments
+    (or a stale copy of the call). Refused, nothing sent (kind `'stale-fingerprint'`); the call is still pending.
+    Build it with `stale_fingerprint`."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(kind, message)
+
+
+STALE_FINGERPRINT = 'stale-fingerprint'
+"""The `ApprovalError.kind` of a decision for other arguments (`StaleFingerprintError`, DC055)."""
+
+
+def stale_fingerprint(call: PendingCall, quoted: str, run_id: str, *,
+                      review: str = '`durcap approvals list`') -> StaleFingerprintError:
+    """The refusal of a decision quoting fingerprint `quoted` for `call`, whose fingerprint differs.
+
+    Args:
+        review: Where the decider reads the call again (the CLI's command; the API names its endpoint).
+
+    Returns:
+        A `StaleFingerprintError` (DC055), naming both fingerprints (their first 12 characters) and the fix.
+    """
+    return StaleFingerprintError(STALE_FINGERPRINT, (
+        f'DC055 run {run_id!r}: call {call.call_id!r} ({call.tool_name}) has fingerprint {call.fingerprint[:12]}..., '
+        f'the decision quotes {quoted[:12]}...: it was made for other arguments than the call has; nothing was sent '
+        f'and the call is still pending. Fix: review the call again ({review}) and decide with its fingerprint'))
+
+
 DECISION_WAIT_ENV = 'DURCAP_DECISION_WAIT'
 DEFAULT_DECISION_WAIT = 30.0
 """How long (seconds) a Temporal decision waits for a worker to accept it (`$DURCAP_DECISION_WAIT`) before its
@@ -260,17 +289,15 @@ def check_decision(pending: list[PendingCall], decision: Decision, run_id: str, 
             validator, workflow code, passes `False` (its client checked them before sending).
 
     Raises:
-        ApprovalError: no pending call has `decision.call_id` (`unknown-call`), or its fingerprint differs
-            (`stale-fingerprint`: the person reviewed other arguments).
+        ApprovalError: no pending call has `decision.call_id` (`unknown-call`).
+        StaleFingerprintError: DC055, the call's fingerprint differs (`stale-fingerprint`: the person reviewed other
+            arguments).
         ApprovalArgsError: DC051, `override_args` do not fit the tool's schema.
     """
     for call in pending:
         if call.call_id == decision.call_id:
             if call.fingerprint != decision.fingerprint:
-                raise ApprovalError('stale-fingerprint', (
-                    f'run {run_id!r}: call {decision.call_id!r} ({call.tool_name}) has fingerprint '
-                    f'{call.fingerprint[:12]}..., the decision quotes {decision.fingerprint[:12]}...: review the call '
-                    'again (`durcap approvals list`)'))
+                raise stale_fingerprint(call, decision.fingerprint, run_id)
             if decision.override_args is not None and not decision.approve:
                 raise ApprovalError('unknown-call', 'override_args is only allowed when approving')
             if validate_args and decision.override_args is not None:
@@ -308,8 +335,11 @@ def already_decided(run_id: str, call_id: str, earlier: Decision, *, received: b
         f'(see the run with `durcap runs show {run_id}`)'))
 
 
-def check_args(call: PendingCall, args: Any, run_id: str) -> None:
+def check_args(call: PendingCall, args: Any, run_id: str, *, edited: str = '--args (`override_args`)') -> None:
     """Refuse edited arguments `args` for `call` that do not fit the tool's JSON schema (`PendingCall.schema`).
+
+    Args:
+        edited: What the decider fixes, named in the message's fix (the CLI's `--args`; the API's `args` field).
 
     Raises:
         ApprovalArgsError: DC051: `args` is not a JSON object, or the schema refuses it; the message names the
@@ -332,7 +362,7 @@ def check_args(call: PendingCall, args: Any, run_id: str) -> None:
     raise ApprovalArgsError('invalid-args', (
         f'DC051 {where}: the edited arguments do not fit the tool\'s schema {found}; nothing was '
         f'sent. The tool takes {", ".join(properties) or "no arguments"} (required: '
-        f'{", ".join(call.schema.get("required") or []) or "none"}): fix --args (`override_args`), or approve '
+        f'{", ".join(call.schema.get("required") or []) or "none"}): fix {edited}, or approve '
         'without editing'))
 
 

@@ -211,7 +211,8 @@ async def run_turn(
         release: The engine's call that frees this run's claim when the turn fails before its append
             (`release(conversation_id)`, idempotent); default with the default units: in-process.
         run_id: The run's id for the reservations of a `Budget` (default: the run's stream id, else the approval
-            gate's run id, else a fresh `local-{uuid}`).
+            gate's run id, else a fresh `local-{uuid}`); with the default in-process units also the holder of the
+            conversation's turn claim (default a fresh `local:{uuid}`).
 
     Returns:
         The `Turn`.
@@ -228,7 +229,9 @@ async def run_turn(
     cache_key = (agent.durable_name, conversation_id) if conversation_id is not None else None
     holder: str | None = None
     if conversation_id is not None and load is None:
-        holder = f'local:{uuid.uuid4()}'
+        # The in-process run's id when the caller gives one (the local engine: its stream's id, which a `durcap serve`
+        # claimed the conversation for before starting the turn), else a fresh one.
+        holder = run_id or f'local:{uuid.uuid4()}'
         load, append, release = _local_load(agent, store, holder), _local_append(agent, store, holder), _local_release(
             agent, store, holder)
     elif conversation_id is not None and append is None:
@@ -430,7 +433,8 @@ def _local_append(agent: DurableAgent[Any, Any], store: str | None, holder: str)
         with telemetry.unit_span('store.append', agent=agent.name, conversation_id=conversation_id,
                                  messages=len(messages)):
             return await append_conversation(agent, conversation_id, messages, expected_revision=revision,
-                                             append_id=f'{holder}', usage=usage, store=store, rebase=True,
+                                             append_id=holder if holder.startswith('local:') else f'local:{holder}',
+                                             usage=usage, store=store, rebase=True,
                                              release_claim=holder)
 
     return append

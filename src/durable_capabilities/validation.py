@@ -290,6 +290,11 @@ CODES: dict[str, Code] = {
         'error',
         written_by='approvals',
     ),
+    'DC055': Code(
+        'A decision was refused: it quotes another fingerprint than the pending call (it was made for other arguments).',
+        'error',
+        written_by='approvals',
+    ),
     'DC060': Code(
         "A model request was refused before it was sent: its budget's key already spent a limit.",
         'error',

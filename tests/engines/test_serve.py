@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,7 +183,7 @@ def _wait_pending(url: str, run_id: str, timeout: float = 120) -> list[dict[str,
 
 def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_approval_runs_the_tool_once(
         dbos_stack: Stack) -> None:
-    """A table of 80 bad requests against `durcap serve --engine dbos` while a `gated` run waits for approval (wrong or
+    """A table of 84 bad requests against `durcap serve --engine dbos` while a `gated` run waits for approval (wrong or
     missing token, another principal's conversation and run, oversized and malformed bodies, unknown agent, run and
     call, an Idempotency-Key reused for another request, a decision for other arguments, edited arguments outside the
     tool's schema, unknown routes): each answered with its status and code in a JSON body without a traceback, and
@@ -259,6 +260,7 @@ def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_a
     turn('busy conversation (reject asked)', {'agent': 'gated', 'prompt': 'revoke bob', 'busy': 'reject'}, (409, 'DC050'),
          **{'Idempotency-Key': 'k-busy'})
     turn('busy strategy unknown', {'agent': 'gated', 'prompt': 'revoke bob', 'busy': 'later'}, bad)
+    turn('busy strategy in capitals', {'agent': 'gated', 'prompt': 'revoke bob', 'busy': 'ENQUEUE'}, bad)
     for name, path in [('events', '/v1/runs/nope/events'), ('status', '/v1/runs/nope'), ('approvals', '/v1/runs/nope/approvals')]:
         cases.append((f'unknown run: {name}', 'GET', path, ALICE, None, *missing))
     cases.append(('unknown run: decide', 'POST', '/v1/runs/nope/approvals/x', ALICE, json.dumps(good), *missing))
@@ -276,9 +278,12 @@ def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_a
     decision('fingerprint too short', {'decision': 'approve', 'fingerprint': 'abc'}, bad)
     decision('fingerprint in capitals', {'decision': 'approve', 'fingerprint': fp.upper()}, bad)
     decision('fingerprint a boolean', {'decision': 'approve', 'fingerprint': True}, bad)
-    decision('fingerprint of other arguments', {'decision': 'approve', 'fingerprint': other}, (409, 'approval'))
-    decision('fingerprint of other arguments, deny', {'decision': 'deny', 'fingerprint': other}, (409, 'approval'))
-    decision('fingerprint of zeros', {'decision': 'approve', 'fingerprint': '0' * 64}, (409, 'approval'))
+    decision('fingerprint of other arguments', {'decision': 'approve', 'fingerprint': other}, (409, 'DC055'))
+    decision('fingerprint of other arguments, deny', {'decision': 'deny', 'fingerprint': other}, (409, 'DC055'))
+    decision('fingerprint of zeros', {'decision': 'approve', 'fingerprint': '0' * 64}, (409, 'DC055'))
+    decision('decision in capitals', {'decision': 'APPROVE', 'fingerprint': fp}, bad)
+    decision('decision a number', {'decision': 1, 'fingerprint': fp}, bad)
+    decision('a list', [good], bad)
     decision('unknown call', good, missing, path=f'/v1/runs/{run_id}/approvals/call-nope')
     decision('args with deny', {'decision': 'deny', 'fingerprint': fp, 'args': {'user': 'bob'}}, bad)
     decision('args a list', {'decision': 'approve', 'fingerprint': fp, 'args': ['bob']}, bad)
@@ -301,6 +306,25 @@ def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_a
         ('DELETE a conversation', 'DELETE', conv, ALICE, None, 405, 'method-not-allowed'),
     ]
     assert len(cases) >= 60 and len({c[0] for c in cases}) == len(cases)
+    # What some refusals say (a fresh-user trial read them): each field named once, the API's fixes (its fields and
+    # endpoints, not the CLI's flags), and only run ids the client was given.
+    said = {
+        'decision: decision maybe': ['decision body: field `decision`: expected "approve" or "deny"'],
+        'decision: decision in capitals': ['expected "approve" or "deny"'],
+        'decision: no fingerprint': ['decision body: field `fingerprint`: Field required'],
+        'decision: fingerprint too short': ["field `fingerprint`: expected the pending call's fingerprint",
+                                            'GET /v1/runs/{run_id}/approvals'],
+        'decision: a list': ['decision body: expected a JSON object, not list'],
+        'turn: a string': ['turn body: expected a JSON object, not str'],
+        'decision: fingerprint of other arguments': ['DC055', f'GET /v1/runs/{run_id}/approvals', 'nothing was sent'],
+        'decision: args outside the schema': ['DC051', "the decision's `args` field"],
+        'decision: args of the wrong type': ["the decision's `args` field"],
+        'turn: busy strategy unknown': ['turn body: field `busy`: expected "reject", "enqueue" or "interrupt"'],
+        'turn: empty prompt': ['turn body: field `prompt`: '],
+        'turn: busy conversation (the agent rejects)': [f"run {run_id!r} holds it", '"busy": "enqueue"',
+                                                        f'GET /v1/runs/{run_id}'],
+    }
+    never = ['decision: decision', 'turn: turn', '--args', 'durcap approvals list', 'was refused before doing anything']
     before = _store_rows(dbos_stack.store)
     failures = []
     with httpx.Client(base_url=url, timeout=30) as client:
@@ -315,6 +339,14 @@ def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_a
                 failures.append(f'{name}: {response.status_code} {text[:300]}')
             elif code == 'DC041' and ('Fix: ' not in text or '--max-body-bytes' not in text):
                 failures.append(f'{name}: no fix line: {text[:300]}')  # every DC041 names its fix
+            else:
+                message = json.loads(text)['error']['message']
+                missing_words = [w for w in said.get(name, []) if w not in message]
+                wrong = [w for w in never if w in message]
+                others = {r for r in re.findall(r"run '([^']+)'", message) if r != run_id} if 'busy conv' in name else set()
+                if missing_words or wrong or others:
+                    failures.append(f'{name}: says {message!r}: missing {missing_words}, should not say {wrong}, '
+                                    f'names runs the client was not given {sorted(others)}')
     assert not failures, '\n'.join(failures)
     assert _store_rows(dbos_stack.store) == before
     assert _wait_pending(url, run_id) == [call]
@@ -708,3 +740,105 @@ def test_one_run_per_idempotency_key_on_postgresql_under_concurrent_posts(postgr
     assert 'event: run_completed' in events
     assert sql(postgres_url, 'SELECT COUNT(*) FROM durcap_serve_runs') == [(1,)]
     assert sql(postgres_url, 'SELECT COUNT(*) FROM durcap_writes WHERE conversation_id = :c', {'c': 'pg-1'}) == [(1,)]
+
+
+@pytest.mark.parametrize('engine', ['local', 'dbos', 'temporal'])
+def test_new_turns_posted_at_once_on_one_conversation_one_runs_the_others_are_refused_or_queued(
+        engine: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Four new turns POSTed at the same moment to one conversation (no Idempotency-Key: four different requests)
+    through `durcap serve` (local; DBOS, its worker on SQLite; Temporal, its worker at the shared dev server). With
+    `busy` reject (the agent's default): one 202, three 409 DC050 naming that run, before anything was recorded or
+    run (one `durcap_serve_runs` row, one turn stored, no DC050 or traceback in any log). With `"busy": "enqueue"`:
+    four 202, and the four turns are stored one after another, each once. A fresh-user trial on DBOS got four 202 and
+    three runs failing with DC050 and an 80-line traceback in the worker log. The `streamer` agent (scripted
+    `FunctionModel`: a tool call, then the answer streamed word by word, 20 ms a word)."""
+    import uuid
+
+    from tests.engines.stream_agent import ANSWER
+
+    if engine == 'local':
+        env, crash, store = _env(tmp_path)
+        server, url = start_server(tmp_path, 'serve-rush-local', env, '--engine', 'local')
+        stack = Stack(url, store, env, crash, [server], tmp_path)
+    else:
+        stack = request.getfixturevalue(f'{engine}_stack')
+        url = stack.url
+        if engine == 'temporal':
+            server, url = start_server(stack.tmp, f'serve-rush-{uuid.uuid4().hex[:6]}', stack.env, *stack.serve_args)
+            stack.procs.append(server)
+    logs = {log: log.stat().st_size for log in stack.tmp.glob('*.log')}  # the stack's logs so far (other tests')
+    try:
+        async def rush(conversation: str, busy: str | None) -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                return list(await asyncio.gather(*[
+                    client.post(f'{url}/v1/conversations/{conversation}/turns', headers=ALICE,
+                                json={'agent': 'streamer', 'prompt': f'where is ABC-123? ({n})',
+                                      **({'busy': busy} if busy else {})}) for n in range(4)]))
+
+        rejected = f'rush-{uuid.uuid4().hex[:6]}'
+        answers = asyncio.run(rush(rejected, None))
+        assert sorted(a.status_code for a in answers) == [202, 409, 409, 409], [(a.status_code, a.text) for a in answers]
+        [accepted] = [a.json() for a in answers if a.status_code == 202]
+        for refused in (a.json()['error'] for a in answers if a.status_code == 409):
+            assert refused['code'] == 'DC050' and refused['holder'] == accepted['run_id'], refused
+            assert f"run {accepted['run_id']!r} holds it" in refused['message'], refused
+            assert 'refused before anything was recorded or run' in refused['message'], refused
+        assert read_sse(url + accepted['events_url'], ALICE)[-1].kind == 'run_completed'
+        stored = httpx.get(f'{url}/v1/conversations/{rejected}', headers=ALICE, timeout=30).json()
+        assert [w['operation'] for w in stored['writes']] == ['append'], stored['writes']
+        assert sql(stack.store, 'SELECT COUNT(*) FROM durcap_serve_runs WHERE conversation_id = :c',
+                   {'c': rejected}) == [(1,)]
+        assert sql(stack.store, 'SELECT COUNT(*) FROM durcap_turn_claims WHERE conversation_id = :c',
+                   {'c': rejected}) == [(0,)]
+
+        queued = f'queue-{uuid.uuid4().hex[:6]}'
+        answers = asyncio.run(rush(queued, 'enqueue'))
+        assert [a.status_code for a in answers] == [202] * 4, [a.text for a in answers]
+        for answer in answers:
+            events = read_sse(url + answer.json()['events_url'], ALICE, timeout=240)
+            assert events[-1].kind == 'run_completed' and events[-1].data['data']['output'] == ANSWER, events[-1]
+        stored = httpx.get(f'{url}/v1/conversations/{queued}', headers=ALICE, timeout=30).json()
+        assert [w['operation'] for w in stored['writes']] == ['append'] * 4, stored['writes']
+        prompts = [p['content'] for m in stored['messages'] if m['kind'] == 'request' for p in m['parts']
+                   if p.get('part_kind') == 'user-prompt']
+        assert sorted(prompts) == [f'where is ABC-123? ({n})' for n in range(4)], prompts
+        for log in stack.tmp.glob('*.log'):
+            with open(log, 'rb') as f:
+                f.seek(logs.get(log, 0))
+                text = f.read().decode(errors='replace')
+            assert 'Traceback' not in text and 'DC050' not in text, f'{log.name}:\n{text[-3000:]}'
+    finally:
+        if engine == 'local':
+            server.kill9()
+
+
+def test_dbos_worker_logs_a_turn_refused_as_busy_in_one_line(dbos_stack: Stack) -> None:
+    """Two turns handed straight to the DBOS queue on one conversation at once (`runner.run(queue=...)`, as `durcap
+    run --queue` does: no serve process to refuse the second first): the worker refuses the second at its load (DC050)
+    and logs it as one warning line naming the workflow, without DBOS's ~80-line traceback. The `streamer` agent
+    (scripted `FunctionModel`)."""
+    import uuid
+
+    from durable_capabilities import runner
+    from durable_capabilities.store import ConversationBusyError
+    from tests.engines.serve_agents import streamer
+
+    log = dbos_stack.tmp / 'worker.log'
+    seen = log.stat().st_size
+    conversation = f'queue-busy-{uuid.uuid4().hex[:6]}'
+
+    async def both() -> list[Any]:
+        return list(await asyncio.gather(*[
+            runner.run(streamer, f'where is ABC-123? ({n})', engine='dbos', conversation_id=conversation,
+                       db=dbos_stack.env['DURCAP_DBOS_DB'], queue='durcap', store=dbos_stack.store,
+                       notify=lambda line: None) for n in range(2)], return_exceptions=True))
+
+    results = asyncio.run(both())
+    refused = [r for r in results if isinstance(r, ConversationBusyError)]
+    assert len(refused) == 1 and len([r for r in results if not isinstance(r, BaseException)]) == 1, results
+    with open(log, 'rb') as f:
+        f.seek(seen)
+        text = f.read().decode(errors='replace')
+    [line] = [line for line in text.splitlines() if 'DC050' in line]
+    assert 'WARNING' in line and f'workflow {refused[0].run_id} refused: DC050' in line, line
+    assert 'Traceback' not in text, text[-3000:]

@@ -124,7 +124,7 @@ class World:
         if self.engine == 'local':
             first = self.start('charge alice', conversation, env={'DURCAP_RACE_HOLD': '1'})
             self.wait_file('started-alice', first)
-            return first, 'local:'
+            return first, 'local-'  # the local run's id (its claim's holder): only its prefix is known here
         first = self.start('revoke alice', conversation)
         run_id = first.run_id()
         self.pending(run_id)

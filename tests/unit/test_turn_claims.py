@@ -227,7 +227,8 @@ def test_a_local_turn_is_interrupted_before_its_next_model_request_and_both_turn
             await asyncio.wait_for(handler.event.wait(), 30)
             async with SQLConversationStore(url) as store:
                 holder, by = await store.turn_stop('t')  # type: ignore[misc]
-            assert holder.startswith('local:') and by is not None and by.startswith('local:')
+            # the holders are the runs' own ids (`local-...`, their event streams' ids), not ids of the claim alone
+            assert holder.startswith('local-') and by is not None and by.startswith('local-')
             go.set()
             interrupted = await asyncio.wait_for(first, 30)
             assert interrupted.output.startswith(INTERRUPTED_PREFIX) and f'(run {by})' in interrupted.output

@@ -66,7 +66,7 @@ class LocalAdapter(EngineAdapter):
             turn = await run_turn(agent, agent.build(self.name).run, prompt, deps=options.deps,
                                   message_history=options.message_history, conversation_id=options.conversation_id,
                                   gate=LocalApprovalGate(options.notify), store=store,
-                                  busy=options.setting('busy'))
+                                  busy=options.setting('busy'), run_id=run_id)
         # The turn's messages, the ones after an approval pause included (`turn.new_messages`, message JSON).
         messages = ModelMessagesTypeAdapter.validate_python(turn.new_messages)
         return RunReport(self.name, None, turn.result.output, messages, turn.result.usage)

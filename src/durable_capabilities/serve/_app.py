@@ -27,6 +27,8 @@ from ..approvals import (
     Decision,
     DecisionNotDeliveredError,
     already_decided,
+    check_args,
+    stale_fingerprint,
 )
 from ..conversations import check_busy
 from ..store import ConversationBusyError, ConversationNotFoundError, StoreError
@@ -135,10 +137,26 @@ class DecisionRequest(_Body):
     reason: str | None = pydantic.Field(default=None, max_length=4000)
 
 
+_EXPECTED = {
+    'decision': 'expected "approve" or "deny"',
+    'busy': 'expected "reject", "enqueue" or "interrupt"',
+    'fingerprint': "expected the pending call's fingerprint, 64 lowercase hex characters (GET /v1/runs/{run_id}/approvals)",
+}
+"""What a field that must match a pattern takes, said instead of pydantic's `String should match pattern '...'`."""
+
+
 def _shape_error(exc: pydantic.ValidationError, what: str) -> BadRequestError:
+    """DC042 for a body of the wrong shape: `{what} body: field `{field}`: {reason}` (the first error), or `{what}
+    body: {reason}` when the body itself is wrong (not an object)."""
     first = exc.errors()[0]
-    where = '.'.join(map(str, first['loc'])) or '(the body)'
-    return BadRequestError(f'{what}: {printable(where)}: {one_line(first["msg"])}', field=where)
+    where = '.'.join(map(str, first['loc']))
+    reason = one_line(first['msg'])
+    if first['type'] == 'string_pattern_mismatch' and where in _EXPECTED:
+        reason = _EXPECTED[where]
+    if not where:  # the body itself: a list, a string, a number (pydantic says "instance of TurnRequest")
+        return BadRequestError(f'{what} body: expected a JSON object, not {type(first.get("input")).__name__}',
+                               field='(the body)')
+    return BadRequestError(f'{what} body: field `{printable(where)}`: {reason}', field=where)
 
 
 def _error_response(error: ServeError) -> JSONResponse:
@@ -292,16 +310,32 @@ class ServeApp:
 
             settings.setdefault('task_queue', DEFAULT_TASK_QUEUE)
             settings['inline_worker'] = False
+        started: list[str] = []
         try:
             await runner.run(agent, prompt, engine=self.engine, deps=deps, conversation_id=row.conversation_id,
-                             run_id=row.run_id, notify=lambda line: logger.info('%s', line), **settings)
+                             run_id=row.run_id, notify=lambda line: logger.info('%s', line), on_start=started.append,
+                             **settings)
         except asyncio.CancelledError:
+            await self._release_claim(row, started)
             if self.engine == 'local':  # the app stops while its in-process turn runs: the turn is gone, say so
                 await self._close_failed(row, RuntimeError('the serve process stopped while the local run ran'))
             raise
         except Exception as error:  # noqa: BLE001 - the run's failure is its stream's last event, and logged
             logger.warning('run %s failed: %s: %s', row.run_id, type(error).__name__, one_line(str(error)))
+            await self._release_claim(row, started)
             await self._close_failed(row, error)
+
+    async def _release_claim(self, row: RunRow, started: list[str]) -> None:
+        """Give back the turn claim `start_turn` took for `row`'s run when the run ended here without its engine running
+        it (a local run is over once `runner.run` returns; a durable one not handed over: no `on_start`). A durable run
+        the engine has releases its own claim (its append, its failure), or another turn's load takes it over once
+        the engine says the run is gone."""
+        if self.engine != 'local' and started:
+            return
+        try:
+            await self.rows.call(self.rows.release_claim_sync, row.conversation_id, row.run_id)
+        except Exception:  # the store is down: `durcap history release` frees the conversation
+            logger.exception('run %s: could not release its claim on conversation %r', row.run_id, row.conversation_id)
 
     async def _close_failed(self, row: RunRow, error: BaseException) -> None:
         """End the run's stream with `run_failed` when the run failed before publishing its own (a turn refused at
@@ -463,9 +497,19 @@ class ServeApp:
                 raise _Refused(_coded(409, refused.code, str(refused), kind=refused.kind))
             raise NotFoundError(f'run {row.run_id!r} has no pending call {printable(call_id[:120])!r} (pending: '
                                 f'{", ".join(pending) or "none"})', field='call_id')
+        call = pending[call_id]
+        # Checked here first for the API's wording (the decision's fields, its endpoints); `runner.decide` checks again.
+        if fingerprint is not None and fingerprint != call.fingerprint:
+            stale = stale_fingerprint(call, fingerprint, row.run_id, review=f'GET /v1/runs/{row.run_id}/approvals')
+            raise _Refused(_coded(409, stale.code, str(stale), kind=stale.kind, field='fingerprint'))
+        if args is not None:
+            try:
+                check_args(call, args, row.run_id, edited='the decision\'s `args` field')
+            except ApprovalArgsError as exc:
+                raise _Refused(_coded(422, exc.code, str(exc), kind=exc.kind, field='args')) from None
         # One decision per call across every serve process of the store: two sent at the same moment (a double
         # click, two reviewers) cannot both be told yes; the engines' own check reads, then sends.
-        mine = Decision(call_id, fingerprint or pending[call_id].fingerprint, approve, by=f'serve:{principal}')
+        mine = Decision(call_id, fingerprint or call.fingerprint, approve, by=f'serve:{principal}')
         held = await self.rows.call(self.rows.claim_decision_sync, row.run_id, call_id, json.dumps(mine.to_json()))
         if held is not None:
             refused = already_decided(row.run_id, printable(call_id[:120]), Decision.from_json(json.loads(held)),

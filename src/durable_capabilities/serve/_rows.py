@@ -16,12 +16,27 @@ import sqlalchemy as sa
 
 from ..conversations import process_store
 from ..store import ConversationBusyError
+from ..store._schema import _WRITER
 from ..streams._log import in_thread
 from ._errors import IdempotencyConflictError, NotFoundError
 
 
 def _now() -> str:
     return datetime.now(UTC).isoformat()
+
+
+class _BusyRefusal(ConversationBusyError):
+    """DC050 from the API: a turn refused because another run's turn holds the conversation. Its message names the
+    holder (a run the client was given) and the API's fix, not the refused turn's run id (the client never gets
+    one)."""
+
+    def __init__(self, conversation_id: str, *, holder: str, claimed_at: str):
+        super().__init__(conversation_id, run_id='', holder=holder, claimed_at=claimed_at)
+        Exception.__init__(self, (
+            f'DC050 conversation {conversation_id!r} is busy: run {holder!r} holds it (its turn started at '
+            f'{claimed_at} and is not stored yet); this turn was refused before anything was recorded or run. Send it '
+            f'again once run {holder!r} is done (GET /v1/runs/{holder}), or send it with "busy": "enqueue" to run it '
+            f'after that turn.'))
 
 
 @dataclass(frozen=True)
@@ -61,9 +76,13 @@ class ServeRows:
             NotFoundError: DC044, the conversation belongs to another principal (said as "not found": its existence is
                 not disclosed).
             IdempotencyConflictError: DC045, `key` was sent before with another request (another digest).
-            ConversationBusyError: DC050, `reject_busy` and another run's turn holds the conversation (its claim in
-                `durcap_turn_claims`): refused before anything is recorded or started. The turn's own load checks
-                again (the authoritative claim); this answers the common case at once, with 409.
+            _BusyRefusal: DC050 (a `ConversationBusyError`), `reject_busy` and another run's turn holds the conversation
+                (its claim in `durcap_turn_claims`): refused before anything is recorded or started.
+
+        A conversation no run holds is claimed for `run_id` in the same transaction (`durcap_turn_claims`), whatever
+        the strategy: two POSTs on one conversation at the same moment, on any serve processes of the store, are
+        ordered here (the second is refused, or its run waits for the first at its load). The claim is released by
+        the run's append, by its failure, or by `release_claim_sync` when the run could not be handed to the engine.
         """
         integrity = self._backend.engine.dialect.dbapi.IntegrityError  # type: ignore[union-attr]
         for attempt in range(3):
@@ -106,8 +125,14 @@ class ServeRows:
                 assert found is not None
                 return Started(RunRow(*found), False)
             if reject_busy and holder is not None:
-                raise ConversationBusyError(conversation_id, run_id=run_id, holder=str(holder), claimed_at=str(claimed_at))
+                raise _BusyRefusal(conversation_id, holder=str(holder), claimed_at=str(claimed_at))
             now = _now()
+            if holder is None:
+                # The conversation is free: this run's turn takes its claim now, in the transaction recording the run,
+                # so a second POST, on any serve process, finds it held and is refused (or waits) before its 202. The
+                # run's own load finds the claim its own (`claim_turn`: held by the same run id) and goes on.
+                cur.execute('INSERT INTO durcap_turn_claims (conversation_id, run_id, claimed_at, writer) VALUES '
+                            '(:c, :r, :at, :w)', {'c': conversation_id, 'r': run_id, 'at': now, 'w': _WRITER})
             if owner is None:
                 cur.execute('INSERT INTO durcap_serve_owners (conversation_id, principal, created_at) VALUES (:c, :p, :at)',
                             {'c': conversation_id, 'p': principal, 'at': now})
@@ -118,6 +143,11 @@ class ServeRows:
                 cur.execute('INSERT INTO durcap_serve_requests (principal, idempotency_key, digest, run_id, created_at) '
                             'VALUES (:p, :k, :d, :r, :at)', {'p': principal, 'k': key, 'd': digest, 'r': run_id, 'at': now})
             return Started(RunRow(run_id, principal, conversation_id, agent, engine, now), True)
+
+    def release_claim_sync(self, conversation_id: str, run_id: str) -> bool:
+        """Release the turn claim `start_turn_sync` took for run `run_id` (when the run could not be handed to its
+        engine: nothing ran); a claim another run holds is left alone. Returns whether one was released."""
+        return self._backend.release_turn(conversation_id, run_id)
 
     @staticmethod
     def _run(conn: sa.Connection, run_id: str) -> RunRow | None:

@@ -221,6 +221,25 @@ _STEP_RETRIED = 'Step being automatically retried'
 logging.getLogger('dbos').addFilter(_retry_log.ModelRetryLogLine(step_retry_attempt))  # when this module is imported
 
 
+class BusyLogLine(logging.Filter):
+    """DBOS logs a workflow's exception with its traceback (`Exception encountered in asynchronous workflow`, ~80
+    lines); a turn refused because another run's turn holds its conversation (`ConversationBusyError`, DC050, raised
+    at its load before it did anything) is an expected outcome: one warning line with the refusal, no traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from ...store import ConversationBusyError
+
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, ConversationBusyError):
+            record.msg, record.args = 'workflow %s refused: %s', (error.run_id or '?', error)
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, 'WARNING'
+        return True
+
+
+logging.getLogger('dbos').addFilter(BusyLogLine())
+
+
 def retry_model_step(error: BaseException) -> bool:
     """DBOS `should_retry` of the model request step: retry it in the step (after the step's interval) unless another
     attempt cannot fix the error (401, 403, 404 model, exhausted quota: `_retry_after.unfixable`) or the provider
