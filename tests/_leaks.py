@@ -193,7 +193,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if not leaks:
         return
     lines = [f'{len(leaks)} server process(es) started by this session outlived it (stopped now):',
-             *(leak.line() for leak in leaks)]
+             *(leak.line() for leak in leaks),
+             '("started during": the test running when it was started; one started by a thread an earlier test left '
+             'running, e.g. a Prefect client with no PREFECT_API_URL, which starts a temporary server, shows the test '
+             'after it)']
     reporter = session.config.pluginmanager.get_plugin('terminalreporter')
     if reporter is not None:
         reporter.write_sep('=', 'leaked servers', red=True)
