@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests._helpers import postgres_database, sqlite_url
+from tests._leaks import pytest_configure, pytest_sessionfinish  # noqa: F401  (hooks: the leaked-server check)
 
 TESTS = Path(__file__).resolve().parent
 UNIT = TESTS / 'unit'

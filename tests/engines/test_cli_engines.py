@@ -254,7 +254,7 @@ def test_a_prefect_flow_run_lost_with_its_serving_process_is_found_and_finished_
     env = {'PREFECT_API_URL': prefect_api_url, 'PREFECT_HOME': str(tmp_path / 'prefect-home'),
            'PREFECT_LOCAL_STORAGE_PATH': str(tmp_path / 'results'), 'DURCAP_LEDGER_DIR': str(ledger),
            'DURCAP_LEDGER_AGENT': agent_name, 'DURCAP_LEDGER_CHARGE_SECONDS': '10',
-           'PREFECT_RUNNER_POLL_FREQUENCY': '1', 'DURCAP_PREFECT_BEAT_SECONDS': '1', 'DURCAP_PREFECT_STALE_SECONDS': '10'}
+           'PREFECT_RUNNER_POLL_FREQUENCY': '1', 'DURCAP_PREFECT_BEAT_SECONDS': '1', 'DURCAP_PREFECT_STALE_SECONDS': '5'}
     argv = [*DURCAP, 'schedule', 'prefect', 'tests/engines/ledger_agent.py:agent', '--prompt', 'charge order P-0',
             '--interval', '86400', '--name', deployment, '--limit', '1']
     serving = [start(argv, tmp_path / f's{i}.log', env) for i in range(2)]
@@ -392,17 +392,21 @@ def test_a_prefect_flow_run_left_pending_by_a_killed_serving_process_is_finished
     assert sorted(requests) == sorted(set(requests)), requests  # each model request once
 
 
+STALE = 5
+"""`$DURCAP_PREFECT_STALE_SECONDS` of the spawned-run test (seconds; the default 15 s would make the test wait 20 s)."""
+
+
 def test_a_spawned_prefect_flow_run_pending_longer_than_the_stale_time_is_not_declared_dead(
         prefect_api_url: str, tmp_path: Path) -> None:
     """Issue 29 item 3, on the session's Prefect server; model: the ledger agent's scripted `FunctionModel`. With
     `--spawn` a flow run stays PENDING while its new Python process imports Prefect, pydantic-ai and the target
-    (here a slow one: 20 s), longer than the stale time (the default 15 s): the serving process beats it meanwhile
+    (here a slow one: 8 s), longer than the stale time (5 s here; 15 s by default): the serving process beats it meanwhile
     (`_prefork.beat_spawned`), so the watch that declares silent PENDING runs dead leaves it alone: it completes on
     its first try, never CRASHED (and its flow, whose serving process beats it, does not beat itself)."""
     import httpx
 
     env, argv, url = _ledger_deployment(prefect_api_url, tmp_path, DURCAP_PREFECT_BEAT_SECONDS='1',
-                                        DURCAP_LEDGER_IMPORT_SECONDS='20')
+                                        DURCAP_PREFECT_STALE_SECONDS=str(STALE), DURCAP_LEDGER_IMPORT_SECONDS='8')
     serving = start([*argv, '--spawn'], tmp_path / 'serve.log', env)
     try:
         run = _create_flow_run(prefect_api_url, url, 'P-1', serving)
@@ -421,7 +425,7 @@ def test_a_spawned_prefect_flow_run_pending_longer_than_the_stale_time_is_not_de
 
     pending = next(datetime.fromisoformat(s['timestamp']) for s in history if s['type'] == 'PENDING')
     running = next(datetime.fromisoformat(s['timestamp']) for s in history if s['type'] == 'RUNNING')
-    assert (running - pending).total_seconds() > 15, 'the run was not PENDING past the stale time: nothing was shown'
+    assert (running - pending).total_seconds() > STALE, 'the run was not PENDING past the stale time: nothing was shown'
     assert (tmp_path / 'ledger' / 'charges').read_text().splitlines() == ['P-1']
 
 

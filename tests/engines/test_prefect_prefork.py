@@ -6,12 +6,15 @@ request), no model: tests/engines/test_cli_engines.py runs real flow runs throug
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,40 @@ print(json.dumps({'threads': [t.name for t in threading.enumerate()], 'flows': p
                   'loops': [repr(o) for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop)],
                   'loaded': sorted(m for m in ('prefect.flow_engine', 'pydantic_ai', 'examples.support.agent') if m in sys.modules)}))
 """
+
+
+@contextlib.contextmanager
+def prefect_api_here(url: str) -> Iterator[None]:
+    """Every Prefect client of this (pytest) process talks to `url` within the block, the beat threads' included.
+
+    `temporary_settings` would not do: it is context-local, and a beat thread (`_liveness.beating`, a new thread) reads
+    Prefect's global settings, where this process has no API URL: its client then started Prefect's own temporary
+    server (`uvicorn prefect.server.api.server:create_app`, up to three tries under load), which outlived the xdist
+    worker. So the global settings are pointed at `url` (`PREFECT_API_URL`, `refresh_global_settings_context`), the
+    beat threads started within the block are waited for when it ends (none makes a client afterwards), and the
+    environment and settings are put back.
+
+    Raises:
+        AssertionError: a beat thread was still running 60 s after the block.
+    """
+    from prefect.context import refresh_global_settings_context
+
+    before = os.environ.get('PREFECT_API_URL')
+    threads = set(threading.enumerate())
+    os.environ['PREFECT_API_URL'] = url
+    refresh_global_settings_context()
+    try:
+        yield
+    finally:
+        beats = [t for t in threading.enumerate() if t not in threads and t.name.startswith('durcap-beat-')]
+        for thread in beats:
+            thread.join(timeout=60)
+        if before is None:
+            os.environ.pop('PREFECT_API_URL', None)
+        else:
+            os.environ['PREFECT_API_URL'] = before
+        refresh_global_settings_context()
+        assert not [t.name for t in beats if t.is_alive()], 'a beat thread outlived its block'
 
 
 def test_the_preload_starts_no_thread_and_no_event_loop(tmp_path: Path) -> None:
@@ -51,8 +88,6 @@ def test_a_forked_flow_run_process_takes_its_env_and_folder_exits_with_the_engin
     exits 1; the process ran in the folder given with the environment given (Prefect's settings, refreshed from it,
     made its relative `PREFECT_HOME` there). (2) A flow run on a server that does not answer: the process is a child
     of the fork server, not of this process; SIGKILL by its pid ends it with -9, as `subprocess` reports it."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     from durable_capabilities.engines.prefect._prefork import ForkServer
 
     monkeypatch.setenv('DURCAP_TARGET', 'examples.support.agent:support')
@@ -67,7 +102,7 @@ def test_a_forked_flow_run_process_takes_its_env_and_folder_exits_with_the_engin
         return await server.run_process(command, stream_output=False, cwd=folder,
                                         env={**base, 'PREFECT__FLOW_RUN_ID': 'not-a-uuid', 'PREFECT_HOME': 'home-x'})
 
-    with temporary_settings(updates={PREFECT_API_URL: prefect_api_url}):  # where the serving side's first beat goes
+    with prefect_api_here(prefect_api_url):  # where the serving side's beats go (from their thread)
         first = asyncio.run(refused())
     assert first.returncode == 1
     assert (folder / 'home-x').is_dir(), 'the forked process did not take its folder and environment'
@@ -82,7 +117,7 @@ def test_a_forked_flow_run_process_takes_its_env_and_folder_exits_with_the_engin
             os.kill(forked.pid, signal.SIGKILL)
         return forked, parent
 
-    with temporary_settings(updates={PREFECT_API_URL: prefect_api_url}):
+    with prefect_api_here(prefect_api_url):
         second, parent = asyncio.run(killed())
     assert parent != os.getpid()
     assert second.returncode == -signal.SIGKILL
@@ -90,22 +125,22 @@ def test_a_forked_flow_run_process_takes_its_env_and_folder_exits_with_the_engin
                           check=False).stdout.count('multiprocessing.forkserver') == 1
 
 
-def test_beating_is_reentrant_so_a_forked_flow_run_beats_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_beating_is_reentrant_so_a_forked_flow_run_beats_once() -> None:
     """A forked flow-run process beats from its start (`_prefork.flow_run_main`), and its flow's own `beating` block
-    adds no second beat thread. No server: the beats fail quietly (logged at debug), which is what is tested around."""
-    import threading
-
+    adds no second beat thread. No server (an API URL nobody listens on: the beats fail quietly, logged at debug,
+    which is what is tested around; with no URL at all the beat thread's client would start Prefect's temporary
+    server)."""
     from durable_capabilities.engines.prefect import _liveness
 
-    monkeypatch.setenv('PREFECT_API_URL', 'http://127.0.0.1:9/api')
     run_id = str(uuid.uuid4())
 
     def beats() -> int:
         return len([t for t in threading.enumerate() if t.name == f'durcap-beat-{run_id}' and t.is_alive()])
 
-    with _liveness.beating(run_id):
-        assert beats() == 1
+    with prefect_api_here('http://127.0.0.1:9/api'):
         with _liveness.beating(run_id):
             assert beats() == 1
-        assert run_id in _liveness._BEATING  # the inner block leaves the outer beat running
-    assert run_id not in _liveness._BEATING
+            with _liveness.beating(run_id):
+                assert beats() == 1
+            assert run_id in _liveness._BEATING  # the inner block leaves the outer beat running
+        assert run_id not in _liveness._BEATING
