@@ -154,11 +154,13 @@ class Collection:
         return out
 
     def summary(self) -> str:
-        """One line (the worker's log line)."""
+        """One line (the worker's log line), ending with how many runs were treated as abandoned when any were."""
         r = self.report
         verb = 'would free' if r.dry_run else 'freed'
+        abandoned = f'; {len(self.abandoned)} treated as abandoned' if self.abandoned else ''
         return (f'store gc: {verb} {r.payloads} piece(s), {r.payload_bytes:,} bytes, of {len(r.owners)} workflow(s); '
-                f'kept {r.shared_payloads} shared piece(s); {sum(self.kept.values()) + len(r.skipped)} workflow(s) live')
+                f'kept {r.shared_payloads} shared piece(s); {sum(self.kept.values()) + len(r.skipped)} workflow(s) live'
+                f'{abandoned}')
 
 
 def _prefix_of(engine: str) -> str | None:

@@ -430,7 +430,10 @@ def test_a_missing_store_is_one_line_and_not_created(tmp_path: Path) -> None:
 @pytest.mark.parametrize(('engine', 'args', 'expected'), [
     ('temporal', ['--gc-every', 'often'], "DC040 --gc-every 'often' is not a duration"),
     ('temporal', ['--gc-every', '0s'], "DC040 --gc-every '0s' must be longer than 0s"),
-    ('temporal', ['--gc-apply'], 'DC040 --gc-apply and --gc-retention need --gc-every DURATION'),
+    ('temporal', ['--gc-apply'], 'DC040 --gc-apply, --gc-retention and --gc-abandoned-after need --gc-every DURATION'),
+    ('temporal', ['--gc-abandoned-after', '2h'], 'DC040 --gc-apply, --gc-retention and --gc-abandoned-after need'),
+    ('temporal', ['--gc-every', '1h', '--gc-abandoned-after', 'soon'], "DC040 --gc-abandoned-after 'soon' is not a duration"),
+    ('temporal', ['--gc-every', '1h', '--gc-abandoned-after', '0s'], "DC040 --gc-abandoned-after '0s' must be longer than 0s"),
     ('dbos', ['--gc-every', '1h'], 'DC040 --gc-every: dbos runs store no claim checks'),
 ])
 def test_bad_worker_gc_flags_are_one_coded_line_before_the_worker_starts(engine: str, args: list[str], expected: str) -> None:
