@@ -69,7 +69,7 @@ from pydantic_ai.messages import ModelMessage
 from pydantic_ai.tools import DeferredToolRequests
 from pydantic_ai.usage import RunUsage
 
-from ..errors import DurcapError
+from ..errors import NOT_FOUND_CODE, DurcapError
 from ..history import drift, loaded_capability_ids, tools_called
 
 __all__ = [
@@ -189,7 +189,8 @@ class SchemaVersionError(StoreError, code='store-schema-version'):
 
 
 class ConversationNotFoundError(StoreError, LookupError, code='conversation-not-found'):
-    """The conversation id is not in the store (never saved, or deleted).
+    """The conversation id is not in the store (never saved, or deleted); the message is led by `DC044` (an id that
+    names nothing).
 
     Attributes:
         conversation_id: The id asked for.
@@ -197,7 +198,7 @@ class ConversationNotFoundError(StoreError, LookupError, code='conversation-not-
 
     def __init__(self, conversation_id: str, detail: str = ''):
         self.conversation_id = conversation_id
-        super().__init__(f'conversation {conversation_id!r} is not in the store{detail}')
+        super().__init__(f'{NOT_FOUND_CODE} conversation {conversation_id!r} is not in the store{detail}')
 
     def __str__(self) -> str:  # LookupError would quote the message like a KeyError otherwise
         return str(self.args[0])
