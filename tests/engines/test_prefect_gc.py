@@ -248,3 +248,21 @@ def test_a_new_turn_takes_over_the_conversation_a_killed_prefect_run_outside_a_d
     out = log2.read_text(errors='replace')
     assert 'REPORT ' in out, out[-3000:]
     assert json.loads(out.split('REPORT ', 1)[1].splitlines()[0])['output'].startswith('seen '), out[-3000:]
+
+    # `history delete` names both runs and deletes the killed one's piece too (its first tool's result; it was killed
+    # in the second): its claim, taken over, stays tied to the conversation (`durcap_turn_takeovers`). Before, only the
+    # new flow run was listed and the killed run's piece was left behind.
+    killed = f'prefect:{flow_run_id}'
+    assert _refs(store)[killed] == {_piece(2000)}
+    plan = durcap('history', 'delete', conversation, '--store', store, '--dry-run', '--format', 'json', env=env,
+                  timeout=120)
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    data = json.loads(plan.stdout)
+    runs = [r['run_id'] for r in data['engines'] if r['engine'] == 'prefect']
+    assert flow_run_id in runs and len(runs) == 2, data['engines']
+    sizes = {row[0]: row[1] for row in everything(store)['durcap_payloads']}
+    assert data['store']['payload_bytes'] == sizes[_piece(2000)], data['store']
+    deleted = durcap('history', 'delete', conversation, '--store', store, '--yes', env=env, timeout=120)
+    assert deleted.returncode == 0, deleted.stdout + deleted.stderr
+    assert killed not in _refs(store) and not everything(store)['durcap_payloads'], everything(store)
+    assert not [r for v in everything(store).values() for r in v if conversation in map(str, r)]

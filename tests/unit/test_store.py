@@ -450,7 +450,7 @@ def test_migrations_run_once_and_upgrade_in_place(store_url: str, monkeypatch: p
     with SQLConversationStore(store_url) as again:
         run(again.read('t-m'))
     shipped = sorted(store_module._MIGRATIONS)
-    assert shipped == [1, 2, 3, 4, 5, 6, 7, 8, 9]  # 4: turn claims, 5: run event streams, 6: budgets, 7: durcap serve, 8: claim-check trees, 9: stops
+    assert shipped == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # 4: turn claims, 5: run event streams, 6: budgets, 7: durcap serve, 8: claim-check trees, 9: stops, 10: takeovers
     assert [row[0] for row in sql(store_url, 'SELECT version FROM durcap_schema_version')] == shipped
 
     # A later version: applied in place, once, the data kept.
