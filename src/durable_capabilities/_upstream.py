@@ -244,6 +244,38 @@ def dbos_recover_pending_workflows(executor_ids: list[str]) -> list[str]:
     return [handle.workflow_id for handle in DBOS._recover_pending_workflows(list(executor_ids))]
 
 
+def dbos_active_workflow_ids() -> list[str]:
+    """The ids of the workflows the launched DBOS of this process runs now: what `DBOS.destroy`'s drain waits for
+    (`DBOS._active_workflows_set.activeList()`, private: the drain counts them there and nowhere public).
+
+    Raises:
+        ImportError: the `dbos` extra is not installed.
+        DBOSException: no DBOS was created in this process.
+        AttributeError: DBOS renamed it (the worker then drains as DBOS does, parked runs included, and
+            tests/engines/test_dbos_drain.py::test_a_run_parked_on_an_approval_does_not_hold_the_drain_and_resumes_on_a_peer
+            fails).
+    """
+    from dbos._dbos import _get_dbos_instance  # lazily: dbos is an optional extra
+
+    return list(_get_dbos_instance()._active_workflows_set.activeList())
+
+
+def dbos_stop_taking_work() -> None:
+    """Stop the launched DBOS of this process from starting workflows: set the stop events of its background threads
+    (the queue poller, recovery, the scheduler, the event receivers), as `DBOS.destroy` does first, before it waits
+    for the running workflows. Setting them again in `DBOS.destroy` changes nothing.
+
+    Raises:
+        ImportError: the `dbos` extra is not installed.
+        DBOSException: no DBOS was created in this process.
+        AttributeError: DBOS renamed it (as `dbos_active_workflow_ids`).
+    """
+    from dbos._dbos import _get_dbos_instance  # lazily: dbos is an optional extra
+
+    for event in _get_dbos_instance().background_thread_stop_events:
+        event.set()
+
+
 def runtime_rejected_kinds(durability_class: type) -> frozenset[str]:
     """The leaf toolset kinds (`'function' | 'mcp' | 'dynamic'`) upstream's durability capability `durability_class`
     (`TemporalDurability`, `DBOSDurability`, `PrefectDurability`, or a subclass) refuses inside a durable run unless

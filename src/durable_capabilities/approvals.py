@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from .errors import DurcapError
+from .errors import NOT_FOUND_CODE, DurcapError, with_code
 
 DEFAULT_APPROVAL_TIMEOUT = timedelta(hours=24)
 """How long a gated call waits for a decision unless `DurableAgent(approval_timeout=...)` says otherwise."""
@@ -154,11 +154,12 @@ class ApprovalError(LookupError, DurcapError, code='approval'):
 
     Attributes:
         kind: `'unknown-run' | 'unknown-call' | 'already-decided' | 'stale-fingerprint'` (and the kinds of the
-            subclasses: `'invalid-args'`, `'no-worker'`, `'not-delivered'`, `'expired'`).
+            subclasses: `'invalid-args'`, `'no-worker'`, `'not-delivered'`, `'expired'`). An `'unknown-run'` message
+            (no such run, or it waits for no approval) is led by `DC044`, as `durcap serve` answers it (404).
     """
 
     def __init__(self, kind: str, message: str):
-        super().__init__(message)
+        super().__init__(with_code(NOT_FOUND_CODE, message) if kind == 'unknown-run' else message)
         self.kind = kind
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickled by DBOS and Prefect when a step or task raises it
@@ -304,7 +305,7 @@ def check_decision(pending: list[PendingCall], decision: Decision, run_id: str, 
                 check_args(call, decision.override_args, run_id)
             return call
     raise ApprovalError('unknown-call', (
-        f'run {run_id!r} has no pending call {decision.call_id!r} (pending: '
+        f'{NOT_FOUND_CODE} run {run_id!r} has no pending call {decision.call_id!r} (pending: '
         f'{", ".join(c.call_id for c in pending) or "none"}); it may have been decided already'))
 
 

@@ -133,8 +133,9 @@ class Collection:
                f'written after {r.before.isoformat(timespec="seconds")} is touched): {verb} {r.payloads} piece(s), '
                f'{r.payload_bytes:,} bytes, and {r.refs} reference row(s) of {len(r.owners)} workflow(s)']
         for o in r.owners:
-            convs = ', '.join(o.conversations) or 'no stored turn'
-            out.append(f'  {o.owner} (conversation {convs}): {o.payloads} piece(s), {o.payload_bytes:,} bytes, '
+            convs = (f'conversation {o.conversations[0]}' if len(o.conversations) == 1 else
+                     f'conversations {", ".join(o.conversations)}' if o.conversations else 'stored no turn in a conversation')
+            out.append(f'  {o.owner} ({convs}): {o.payloads} piece(s), {o.payload_bytes:,} bytes, '
                        f'{o.refs} reference(s); {self.reasons.get(o.owner, "gone")}')
         if r.shared_payloads:
             out.append(f'kept {r.shared_payloads} piece(s), {r.shared_payload_bytes:,} bytes, that a live workflow still '
@@ -153,11 +154,13 @@ class Collection:
         return out
 
     def summary(self) -> str:
-        """One line (the worker's log line)."""
+        """One line (the worker's log line), ending with how many runs were treated as abandoned when any were."""
         r = self.report
         verb = 'would free' if r.dry_run else 'freed'
+        abandoned = f'; {len(self.abandoned)} treated as abandoned' if self.abandoned else ''
         return (f'store gc: {verb} {r.payloads} piece(s), {r.payload_bytes:,} bytes, of {len(r.owners)} workflow(s); '
-                f'kept {r.shared_payloads} shared piece(s); {sum(self.kept.values()) + len(r.skipped)} workflow(s) live')
+                f'kept {r.shared_payloads} shared piece(s); {sum(self.kept.values()) + len(r.skipped)} workflow(s) live'
+                f'{abandoned}')
 
 
 def _prefix_of(engine: str) -> str | None:

@@ -334,7 +334,7 @@ async def claim_turn(agent: DurableAgent[Any, Any], conversation_id: str, run_id
             if not await alive(holder[0]):
                 logger.warning('conversation %r: run %s holds it but no longer runs; run %s takes it over',
                                conversation_id, holder[0], run_id)
-                await opened.release_turn(conversation_id, holder[0])
+                await opened.release_turn(conversation_id, holder[0], taken_by=run_id)
                 continue
         if (busy or 'reject') == 'reject':
             raise ConversationBusyError(conversation_id, run_id=run_id, holder=holder[0], claimed_at=holder[1])

@@ -24,7 +24,28 @@ This module is the bottom layer: it imports nothing of the package.
 
 from __future__ import annotations
 
+import re
+
 __all__ = ['DurcapError']
+
+NOT_FOUND_CODE = 'DC044'
+"""The `validation.CODES` code of an id that names nothing (a conversation not in the store, a run no engine has, a
+call no run waits on): `durcap serve` answers it with 404, a `durcap` command leads its one line with it (exit 2)."""
+
+_LED_BY_CODE = re.compile(r'DC\d{3} ')
+
+
+def with_code(code: str, message: str) -> str:
+    """`message` led by `code` (`'DC044 conversation ...'`); unchanged when it already starts with a `DC0xx` code.
+
+    Args:
+        code: A `validation.CODES` code, e.g. `NOT_FOUND_CODE`.
+        message: The error's one line.
+
+    Returns:
+        The line as shown to users.
+    """
+    return message if _LED_BY_CODE.match(message) else f'{code} {message}'
 
 
 class DurcapError(Exception):

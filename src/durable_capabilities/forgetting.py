@@ -77,9 +77,10 @@ class Deletion:
 
 
 def engine_records(purge: PurgeReport) -> list[EngineRecords]:
-    """What each engine keeps of the runs `purge` names, and how to remove it (engines not registered are skipped)."""
+    """What each engine keeps of the runs `purge` names (by their appends, then by the claim-check owners of runs that
+    stored no append: killed, their claim taken over), and how to remove it (engines not registered are skipped)."""
     runs: dict[tuple[str, str], EngineSpec] = {}
-    for append_id in purge.appends:
+    for append_id in [*purge.appends, *purge.owners]:
         found = run_of(specs(), append_id)
         if found is not None and found[0].durable:
             runs.setdefault((found[0].name, found[1]), found[0])

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from . import _registry
-from ._limits import printable
+from ._limits import INPUT_CODE, printable
 from .agent import DurableAgent, validate_together
-from .errors import DurcapError
+from .errors import DurcapError, with_code
 from .lockfile import DEFAULT_LOCK_NAME, LockfileError, apply_lock_decisions, diff_lock, read_lock
 from .validation import DurableConfigError, Problem, Report
 
@@ -50,8 +50,12 @@ MAX_TARGET_CHARS = 1024
 class UnusableTarget(DurcapError, code='target'):
     """TARGET cannot give agents (malformed, missing file or module, import failure, wrong attribute type).
 
-    The message is one line, printed as is (exit code 2 in the CLI).
+    The message is one line, printed as is (exit code 2 in the CLI), led by `DC040` (an unusable input; added here
+    when the raise site did not write it).
     """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(with_code(INPUT_CODE, message))
 
 
 @dataclass

@@ -261,8 +261,8 @@ CODES: dict[str, Code] = {
                   'shape, deps that do not fit).', 'error', written_by='serve'),
     'DC043': Code('An HTTP request to `durcap serve` is refused: no credentials, or ones the server does not accept.',
                   'error', written_by='serve'),
-    'DC044': Code('An HTTP request to `durcap serve` names no agent, run, conversation or pending call of this '
-                  'principal.', 'error', written_by='serve'),
+    'DC044': Code('A request names no agent, run, conversation or pending call: an HTTP request to `durcap serve` '
+                  "none of this principal's, a `durcap` command none at all.", 'error', written_by='serve'),
     'DC045': Code('An `Idempotency-Key` was sent again with a different request.', 'error', written_by='serve'),
     'DC050': Code(
         "A turn was refused: another run's turn holds the conversation (one turn at a time per conversation).",

@@ -190,3 +190,68 @@ def test_durcap_worker_dbos_cut_short_names_what_it_left_and_exits_1(tmp_path: P
         kill9(worker)
         if again is not None:
             kill9(again)
+
+
+def test_a_run_parked_on_an_approval_does_not_hold_the_drain_and_resumes_on_a_peer(tmp_path: Path,
+                                                                                   postgres_url: str) -> None:
+    """`durcap worker dbos` (PostgreSQL system database, drain 600 s) stopped with SIGTERM while its only run waits for
+    an approval (the gated agent's scripted `FunctionModel`, tests/engines/approval_agent.py): the drain says at its
+    start what it waits for (nothing running; the parked run named, not waited for), ends at once with exit 0 and a
+    line saying the parked run stays PENDING for a peer. The other worker (peer timeout 4 s) recovers it, the approval
+    sent then reaches it there, and the gated tool runs once. Before, the drain waited its whole time (30 s by default)
+    for the parked run, saying nothing; 600 s here, past the 120 s this test waits for the exit."""
+    import asyncio
+
+    from dbos import DBOSClient
+
+    from durable_capabilities import runner
+    from tests.engines.test_approvals import TARGET, env_for, revocations
+    from tests.engines.test_runs import DURCAP, env_with, kill9, wait_text
+
+    env, crash_dir = env_for(tmp_path)
+    env = env_with(**env)
+    queue = f'park-{uuid.uuid4().hex[:6]}'
+
+    def worker(name: str) -> subprocess.Popen[bytes]:
+        with open(tmp_path / f'{name}.log', 'wb') as handle:
+            proc = subprocess.Popen([*DURCAP, 'worker', 'dbos', TARGET, '--db', postgres_url, '--task-queue', queue,
+                                     '--executor-id', name, '--graceful-shutdown', '600', '--peer-timeout', '4'],
+                                    cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_text(tmp_path / f'{name}.log', 'dbos worker ready', proc, 120)
+        return proc
+
+    workflow_id = f'parked-{uuid.uuid4().hex[:6]}'
+    procs = [worker('park-a')]
+    try:
+        client = DBOSClient(system_database_url=postgres_url)
+        try:
+            client.enqueue({'queue_name': queue, 'workflow_name': 'durcap.gated', 'workflow_id': workflow_id},
+                           'revoke alice', None, None, None)
+        finally:
+            client.destroy()
+
+        async def waiting() -> list:
+            deadline = time.monotonic() + 120
+            while not (calls := await runner.approvals(workflow_id, engine='dbos', db=postgres_url)):
+                assert time.monotonic() < deadline, 'the run never waited for its approval'
+                await asyncio.sleep(0.3)
+            return calls
+
+        [call] = asyncio.run(waiting())
+        procs.append(worker('park-b'))
+        os.killpg(procs[0].pid, signal.SIGTERM)
+        assert procs[0].wait(timeout=120) == 0, (tmp_path / 'park-a.log').read_text()
+        text = (tmp_path / 'park-a.log').read_text()
+        assert (f"dbos worker 'park-a': draining: no workflow runs here; not waiting for 1 parked on an approval "
+                f'({workflow_id}): their decisions wait in the system database and a peer resumes them after 4 s') in text, text
+        assert f"1 workflow(s) parked on an approval stay PENDING ({workflow_id}): a peer resumes them" in text, text
+        assert 'Traceback' not in text and 'still running when' not in text, text
+        wait_text(tmp_path / 'park-b.log', "executor 'park-a' silent for", procs[1], 120)
+        approved = subprocess.run([*DURCAP, 'approve', workflow_id, call.call_id, '--engine', 'dbos', '--db', postgres_url],
+                                  cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert approved.returncode == 0, approved.stdout + approved.stderr
+        wait_status(postgres_url, workflow_id, 'SUCCESS', 120)
+    finally:
+        for proc in procs:
+            kill9(proc)
+    assert revocations(crash_dir) == ['alice']

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from durable_capabilities.engines.prefect._results import piece_digest
-from tests._helpers import durcap, sqlite_url, subprocess_env, wait_for
+from tests._helpers import durcap, sqlite_url, subprocess_env, wait_for, wait_for_line
 from tests.unit.test_history_delete import everything
 
 pytestmark = [pytest.mark.slow]
@@ -97,7 +97,7 @@ def _piece(size: int) -> str:
 
 
 def test_gc_frees_the_pieces_of_a_killed_prefect_run_nobody_resumes_and_keeps_a_live_ones(
-        prefect_api_url: str, tmp_path: Path) -> None:
+        prefect_api_url: str, temporal_address: str, tmp_path: Path) -> None:
     store = sqlite_url(tmp_path)
     tag = uuid.uuid4().hex[:8]
     conv_a, conv_b = f'pgc-a-{tag}', f'pgc-b-{tag}'
@@ -163,6 +163,10 @@ def test_gc_frees_the_pieces_of_a_killed_prefect_run_nobody_resumes_and_keeps_a_
         text = durcap(*args, env=env, timeout=120)
         assert f'treated as abandoned: {owner_a} (prefect: RUNNING, no beat' in text.stdout, text.stdout
         assert 'would be collected' in text.stdout and owner_b not in text.stdout, text.stdout
+        # A worker's scheduled gc takes the same setting (`--gc-abandoned-after`, passed through; without it the
+        # default 1 h kept A): its dry-run pass names A's piece and counts A as abandoned.
+        _worker_gc_pass(env, store, temporal_address, tmp_path, sizes[only_a])
+        assert everything(store) == before
 
         done = durcap(*args, '--apply', '--format', 'json', env=env, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
@@ -193,6 +197,31 @@ def test_gc_frees_the_pieces_of_a_killed_prefect_run_nobody_resumes_and_keeps_a_
     assert {k: [r for r in v if conv_b in map(str, r)] for k, v in everything(store).items()} == b_rows
 
 
+def _worker_gc_pass(env: dict[str, str], store: str, temporal_address: str, cwd: Path, freed_bytes: int) -> None:
+    """`durcap worker temporal --gc-every 1s --gc-abandoned-after 6s` (a dry run, retention 1 s, grace 0): its first
+    pass logs one piece of one workflow, A treated as abandoned; the worker is stopped by process group."""
+    log = cwd / 'gc-worker.log'
+    with open(log, 'wb') as handle:
+        worker = subprocess.Popen(
+            [sys.executable, '-m', 'durable_capabilities.cli', 'worker', 'temporal', TARGET, '--address', temporal_address,
+             '--store', store, '--task-queue', f'pgc-{uuid.uuid4().hex[:8]}', '--gc-every', '1s', '--gc-retention', '1s',
+             '--gc-grace', '0s', '--gc-abandoned-after', f'{ABANDONED_AFTER:g}s'],
+            cwd=cwd, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True, env=subprocess_env(env))
+    try:
+        line = wait_for_line(log, 'store gc: would free ', 180, alive=lambda: worker.poll() is None)
+        assert line.startswith(f'store gc: would free 1 piece(s), {freed_bytes:,} bytes, of 1 workflow(s);'), line
+        assert line.endswith('; 1 treated as abandoned (dry run: --gc-apply deletes)'), line
+        assert f'(dry run, logged; abandoned after {ABANDONED_AFTER:g}s)' in log.read_text(errors='replace')
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGTERM)
+            try:
+                worker.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait(timeout=30)
+
+
 def test_a_new_turn_takes_over_the_conversation_a_killed_prefect_run_outside_a_deployment_left_claimed(
         prefect_api_url: str, tmp_path: Path) -> None:
     """The same killed run holds its conversation's turn claim, and its flow run stays RUNNING for good: every later
@@ -219,3 +248,21 @@ def test_a_new_turn_takes_over_the_conversation_a_killed_prefect_run_outside_a_d
     out = log2.read_text(errors='replace')
     assert 'REPORT ' in out, out[-3000:]
     assert json.loads(out.split('REPORT ', 1)[1].splitlines()[0])['output'].startswith('seen '), out[-3000:]
+
+    # `history delete` names both runs and deletes the killed one's piece too (its first tool's result; it was killed
+    # in the second): its claim, taken over, stays tied to the conversation (`durcap_turn_takeovers`). Before, only the
+    # new flow run was listed and the killed run's piece was left behind.
+    killed = f'prefect:{flow_run_id}'
+    assert _refs(store)[killed] == {_piece(2000)}
+    plan = durcap('history', 'delete', conversation, '--store', store, '--dry-run', '--format', 'json', env=env,
+                  timeout=120)
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    data = json.loads(plan.stdout)
+    runs = [r['run_id'] for r in data['engines'] if r['engine'] == 'prefect']
+    assert flow_run_id in runs and len(runs) == 2, data['engines']
+    sizes = {row[0]: row[1] for row in everything(store)['durcap_payloads']}
+    assert data['store']['payload_bytes'] == sizes[_piece(2000)], data['store']
+    deleted = durcap('history', 'delete', conversation, '--store', store, '--yes', env=env, timeout=120)
+    assert deleted.returncode == 0, deleted.stdout + deleted.stderr
+    assert killed not in _refs(store) and not everything(store)['durcap_payloads'], everything(store)
+    assert not [r for v in everything(store).values() for r in v if conversation in map(str, r)]

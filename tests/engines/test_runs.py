@@ -147,6 +147,32 @@ def test_dbos_worker_recovers_its_executors_pending_workflow(postgres_url: str, 
     assert_exactly_once(crash_dir)
 
 
+def test_a_dbos_worker_restarted_after_sigkill_does_not_take_the_dead_pid_for_a_live_worker(tmp_path: Path) -> None:
+    """`durcap worker dbos --executor-id X` (SQLite system database, the scripted `FunctionModel` agent of
+    tests/fixtures/input_agents.py) SIGKILLed and started again as X within the peer timeout finds its dead self's
+    fresh heartbeat row: it must not warn "another live worker beats as executor X (pid P ...)" (a fresh-user trial
+    saw it name the dead pid). A third worker started as X while the second runs still warns, naming the second."""
+    db = f'sqlite:///{tmp_path / "dbos.sqlite"}'
+    args = ['worker', 'dbos', 'tests/fixtures/input_agents.py:no_deps', '--db', db, '--executor-id', 'x1',
+            '--task-queue', f'pid-{uuid.uuid4().hex[:6]}']
+    env = env_with()
+    started: list[subprocess.Popen[bytes]] = []
+    try:
+        for name in ('first', 'second'):
+            started.append(start(args, tmp_path / f'{name}.log', env))
+            wait_text(tmp_path / f'{name}.log', 'dbos worker ready', started[-1], 120)
+            if name == 'first':
+                kill9(started[0])  # reaped: its pid is gone, its heartbeat row (2 s old at most) is fresh
+        second = (tmp_path / 'second.log').read_text()
+        assert 'another live worker' not in second, second
+        started.append(start(args, tmp_path / 'third.log', env))
+        line = wait_text(tmp_path / 'third.log', 'another live worker', started[-1], 120)
+        assert f"beats as executor 'x1' (pid {started[1].pid} on " in line, line
+    finally:
+        for proc in started:
+            kill9(proc)
+
+
 def test_dbos_runs_handed_to_a_queue_spread_over_workers_and_a_killed_workers_runs_finish_on_its_peers(
         postgres_url: str, tmp_path: Path) -> None:
     """Scale-out on DBOS (issue 29 item 1), PostgreSQL system database, model: the ledger agent's scripted

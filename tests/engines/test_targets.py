@@ -56,7 +56,7 @@ def test_dotted_module_target_and_unusable_targets(tmp_path: Path) -> None:
     empty = tmp_path / 'empty.py'
     empty.write_text('x = 1\n')
     result = durcap('check', str(empty))
-    assert result.returncode == 2 and result.stderr.strip() == "durcap: error: module 'empty' defines no DurableAgent"
+    assert result.returncode == 2 and result.stderr.strip() == "durcap: error: DC040 module 'empty' defines no DurableAgent"
     assert 'Traceback' not in result.stderr
     broken = tmp_path / 'raises.py'
     broken.write_text('raise RuntimeError("boom")\n')

@@ -145,8 +145,8 @@ BAD_TARGETS: list[tuple[str, str, str]] = [
     ('empty', '', 'must be `pkg.module:attr`'),
     ('colon', ':', 'must be `pkg.module:attr`'),
     ('no-attr', f'{AGENTS}:', 'must be `pkg.module:attr`'),
-    ('no-module', 'no_such_module_xyz:agent', "no module named 'no_such_module_xyz'"),
-    ('no-file', 'no/such/file.py:agent', 'no such file'),
+    ('no-module', 'no_such_module_xyz:agent', "DC040 no module named 'no_such_module_xyz'"),
+    ('no-file', 'no/such/file.py:agent', 'DC040 no such file'),
     ('folder', f'{FIXTURES}/:agent', 'is a folder, not a module file'),
     ('dev-null', '/dev/null:agent', 'is not a regular file (a FIFO, socket or device)'),
     ('no-such-attr', f'{AGENTS}:nope', f"has no attribute 'nope': name one of its DurableAgents: {AGENTS}:failing, "
@@ -311,8 +311,12 @@ def _url_cases() -> list[Case]:
         # file is not created).
         cases.append(Case(f'db-{name}-missing-sqlite', [*argv, '--db', 'sqlite:///{tmp}/typo/dbos.sqlite'], 0,
                           'note: dbos: no system database at '))
-    cases.append(Case('approve-unknown-run', ['approve', 'nosuch', 'c1', '--engine', 'dbos'], 2,
-                      "durcap: error: no DBOS workflow 'nosuch'"))
+    # An id that names nothing: DC044, as `durcap serve` answers it (404).
+    cases += [Case(f'{verb}-unknown-run', [verb, 'nosuch', 'c1', '--engine', 'dbos', *extra], 2,
+                   "durcap: error: DC044 no DBOS workflow 'nosuch'")
+              for verb, extra in (('approve', []), ('deny', ['--reason', 'no']))]
+    cases += [Case(f'runs-{verb}-unknown-run', ['runs', verb, 'nosuch', '--engine', 'dbos'], 2,
+                   "durcap: error: DC044 no DBOS workflow 'nosuch'") for verb in ('show', 'resume', 'cancel')]
     return cases
 
 
@@ -366,8 +370,13 @@ def _history_cases() -> list[Case]:
              {'d.db': _damaged("UPDATE durcap_conversations SET updated_at = 'yesterday'")}),
         Case('history-message-garbage', [*show, 'c1', '--store', 'sqlite:///{tmp}/d.db'], 2, 'is not valid JSON',
              {'d.db': _damaged("UPDATE durcap_entries SET message = 'not json'")}),
-        Case('history-unknown-id', [*show, 'nope', '--store', 'sqlite:///{tmp}/d.db'], 2, 'nope',
-             {'d.db': _damaged('SELECT 1')}),
+        Case('history-unknown-id', [*show, 'nope', '--store', 'sqlite:///{tmp}/d.db'], 2,
+             "error: DC044 conversation 'nope'", {'d.db': _damaged('SELECT 1')}),
+        Case('history-delete-unknown-id', ['history', 'delete', 'nope', '--yes', '--store', 'sqlite:///{tmp}/d.db'], 2,
+             "error: DC044 conversation 'nope'", {'d.db': _damaged('SELECT 1')}),
+        Case('history-fork-unknown-id', ['history', 'fork', 'nope', '--at-turn', '1', '--to', 'new', '--store',
+                                            'sqlite:///{tmp}/d.db'],
+             2, "error: DC044 conversation 'nope'", {'d.db': _damaged('SELECT 1')}),
         Case('history-unknown-id-escaped', [*show, 'n\x1b]0;pwned\x07', '--store', 'sqlite:///{tmp}/d.db'], 2,
              '\\x1b]0;pwned\\x07', {'d.db': _damaged('SELECT 1')}),
         Case('history-store-empty', [*show, 'c1', '--store', ''], 2, 'non-empty'),

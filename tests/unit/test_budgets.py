@@ -78,7 +78,12 @@ def test_twenty_concurrent_runs_of_one_tenant_overspend_by_at_most_one_request_e
     assert record['limits'] == {'total_tokens': 1000} and record['in_flight'] == 0
     shown = durcap_here('budgets', 'show', 'tenant:acme', '--store', store)
     assert shown.exit_code == 0 and f'total_tokens: {100 * billed:,} / 1,000' in shown.stdout, shown.stdout
-    assert durcap_here('budgets', 'show', 'tenant:other', '--store', store).exit_code == 1
+    # A key without a ledger has spent nothing: said so, exit 0 (it was exit 1 with an error-like line).
+    other = durcap_here('budgets', 'show', 'tenant:other', '--store', store)
+    assert other.exit_code == 0 and other.stdout.startswith("budget key 'tenant:other' has spent nothing"), other.stdout
+    other_json = json.loads(durcap_here('budgets', 'show', 'tenant:other', '--store', store, '--format', 'json').stdout)
+    assert other_json['spent']['total_tokens'] == 0 and other_json['limits'] == {} and other_json['updated_at'] is None
+    assert durcap_here('budgets', 'reset', 'tenant:other', '--store', store).exit_code == 1
     assert durcap_here('budgets', 'reset', 'tenant:acme', '--store', store).exit_code == 0
     assert durcap_here('budgets', 'list', '--store', store).stdout.strip() == 'no budget has spent anything in this store'
     after = asyncio.run(runner.run(agent, 'again', deps={'tenant': 'acme'}, store=store, notify=lambda line: None))

@@ -450,7 +450,7 @@ def test_migrations_run_once_and_upgrade_in_place(store_url: str, monkeypatch: p
     with SQLConversationStore(store_url) as again:
         run(again.read('t-m'))
     shipped = sorted(store_module._MIGRATIONS)
-    assert shipped == [1, 2, 3, 4, 5, 6, 7, 8, 9]  # 4: turn claims, 5: run event streams, 6: budgets, 7: durcap serve, 8: claim-check trees, 9: stops
+    assert shipped == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # 4: turn claims, 5: run event streams, 6: budgets, 7: durcap serve, 8: claim-check trees, 9: stops, 10: takeovers
     assert [row[0] for row in sql(store_url, 'SELECT version FROM durcap_schema_version')] == shipped
 
     # A later version: applied in place, once, the data kept.
@@ -604,7 +604,7 @@ def test_history_show_unusable_input_exits_2_with_one_line(store_url: str, tmp_p
     with SQLConversationStore(store_url) as opened:
         run(opened.append('exists', [], expected_revision=None))
     cases = {
-        ('show', 'nobody', '--store', store_url): "durcap: error: conversation 'nobody' is not in the store",
+        ('show', 'nobody', '--store', store_url): "durcap: error: DC044 conversation 'nobody' is not in the store",
         ('show', 'x', '--store', 'mysql://h/db'): "durcap: error: store URL scheme 'mysql' is not supported",
         ('show', 'x', '--store', f'sqlite:///{tmp_path}/none.db'): 'durcap: error: no conversation store at',
     }

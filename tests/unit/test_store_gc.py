@@ -344,6 +344,29 @@ def test_the_json_and_text_reports_name_each_workflow_its_conversation_and_bytes
     assert text[1].startswith('  wf-a (conversation conv-a): ') and text[-1] == 'nothing was deleted: pass --apply to delete'
 
 
+def test_the_text_report_words_a_workflow_without_a_stored_turn_and_one_with_several_conversations(tmp_path: Path) -> None:
+    """`wf-c` wrote claim checks but stored no turn; `wf-d` appended to two conversations: the owner line says so in
+    words (a fresh-user trial read `(conversation no stored turn)`). Real SQLite store, the real codec."""
+    url = sqlite_url(tmp_path)
+    seed(url)
+
+    async def more() -> None:
+        with SQLConversationStore(url) as store:
+            for cid in ('conv-d1', 'conv-d2'):
+                await store.append(cid, [ModelRequest(parts=[UserPromptPart(f'{cid} prompt')])], expected_revision=None,
+                                   append_id=f'wf-d:{cid}')
+        for wf in ('wf-c', 'wf-d'):
+            await codec_converter(url, wf).encode([history(3, wf)])
+
+    run(more())
+    now = datetime.now(UTC)
+    found = gc(url, [answer(now, **{wf: closed(wf, 2 * HOUR, now) for wf in ('wf-c', 'wf-d')},
+                            **{'wf-a': RunState('wf-a', True), 'wf-b': RunState('wf-b', True)})], apply=False, now=now)
+    lines = {line.split(' (', 1)[0].strip(): line for line in found.lines()[1:] if line.startswith('  ')}
+    assert lines['wf-c'].startswith('  wf-c (stored no turn in a conversation): '), lines
+    assert lines['wf-d'].startswith('  wf-d (conversations conv-d1, conv-d2): '), lines
+
+
 def test_the_cli_prints_json_for_a_store_without_claim_checks_and_asks_no_engine(tmp_path: Path) -> None:
     url = sqlite_url(tmp_path)
     run(SQLConversationStore(url).check_writable())
@@ -407,7 +430,10 @@ def test_a_missing_store_is_one_line_and_not_created(tmp_path: Path) -> None:
 @pytest.mark.parametrize(('engine', 'args', 'expected'), [
     ('temporal', ['--gc-every', 'often'], "DC040 --gc-every 'often' is not a duration"),
     ('temporal', ['--gc-every', '0s'], "DC040 --gc-every '0s' must be longer than 0s"),
-    ('temporal', ['--gc-apply'], 'DC040 --gc-apply and --gc-retention need --gc-every DURATION'),
+    ('temporal', ['--gc-apply'], 'DC040 --gc-apply, --gc-retention and --gc-abandoned-after need --gc-every DURATION'),
+    ('temporal', ['--gc-abandoned-after', '2h'], 'DC040 --gc-apply, --gc-retention and --gc-abandoned-after need'),
+    ('temporal', ['--gc-every', '1h', '--gc-abandoned-after', 'soon'], "DC040 --gc-abandoned-after 'soon' is not a duration"),
+    ('temporal', ['--gc-every', '1h', '--gc-abandoned-after', '0s'], "DC040 --gc-abandoned-after '0s' must be longer than 0s"),
     ('dbos', ['--gc-every', '1h'], 'DC040 --gc-every: dbos runs store no claim checks'),
 ])
 def test_bad_worker_gc_flags_are_one_coded_line_before_the_worker_starts(engine: str, args: list[str], expected: str) -> None:

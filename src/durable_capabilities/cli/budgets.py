@@ -1,6 +1,7 @@
 """`durcap budgets list|show|reset`: what each budget key spent of its limits, in the conversation store's ledger.
 
-Exit codes: 0 shown (reset: done); 1 `show` / `reset` of a key the store has no ledger for; 2 unusable input (a bad
+Exit codes: 0 shown (a key the store has no ledger for has spent nothing) or reset; 1 `reset` of a key the store has
+no ledger for; 2 unusable input (a bad
 store URL, no store there, a schema newer than this code).
 """
 
@@ -84,11 +85,19 @@ def list_budgets(store: StoreOption = None, format: FormatOption = Format.text) 
 @budgets_app.command('show')
 def show(key: Annotated[str, typer.Argument(help='The budget key (conversation:ID, run:ID, or a tenant key).')],
          store: StoreOption = None, format: FormatOption = Format.text) -> None:
-    """One budget key: spent, limits, raises, requests and requests in flight. Exit 1 when the store has no such key."""
+    """One budget key: spent, limits, raises, requests and requests in flight. A key the store has no ledger for has
+    spent nothing (a key's ledger starts with its first model request): said so, exit 0."""
     records = _records(store, key)
     if not records:
-        _err.print(Text(f'durcap: no budget key {printable(key)!r} in this store (`durcap budgets list` shows them)'))
-        raise typer.Exit(1)
+        if format is Format.json:
+            from ..store._budgets import BudgetRecord
+
+            nothing = BudgetRecord(key, spent={name: 0 for name in (*FIELDS, 'requests')})
+            typer.echo(json.dumps({**nothing.to_json(), 'updated_at': None}, indent=2))
+        else:
+            typer.echo(f'budget key {printable(key)!r} has spent nothing in this store (no model request was charged to '
+                       'it; `durcap budgets list` shows the keys that spent)')
+        return
     record = records[0]
     if format is Format.json:
         typer.echo(json.dumps(record.to_json(), indent=2))

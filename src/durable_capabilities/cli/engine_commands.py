@@ -680,14 +680,16 @@ def _gate_demo(module: Any, engine: str, approve: bool, *, settings: dict[str, A
 
 
 def _gc_schedule(engine: str, every: str | None, apply: bool, retention: str | None, grace: str, store: str | None,
-                 conn: dict[str, Any]) -> Any:
+                 conn: dict[str, Any], abandoned_after: str | None = None) -> Any:
     """The worker's scheduled `durcap store gc` (`collecting.GcSchedule`), `None` without --gc-every; exit 2 (DC040)
-    on a bad duration, or --gc-* on an engine whose runs store no claim checks."""
+    on a bad duration (--gc-abandoned-after: also one of 0s), --gc-apply / --gc-retention / --gc-abandoned-after
+    without --gc-every, or --gc-* on an engine whose runs store no claim checks."""
     from ..collecting import FEATURE, GcSchedule, parse_duration
 
     if every is None:
-        if apply or retention is not None:
-            _unusable(f'{INPUT_CODE} --gc-apply and --gc-retention need --gc-every DURATION (e.g. --gc-every 6h)')
+        if apply or retention is not None or abandoned_after is not None:
+            _unusable(f'{INPUT_CODE} --gc-apply, --gc-retention and --gc-abandoned-after need --gc-every DURATION '
+                      '(e.g. --gc-every 6h)')
         return None
     if FEATURE not in get(engine).features:
         _unusable(f'{INPUT_CODE} --gc-every: {engine} runs store no claim checks; run it on a worker of an engine '
@@ -696,15 +698,20 @@ def _gc_schedule(engine: str, every: str | None, apply: bool, retention: str | N
         interval = parse_duration(every, '--gc-every')
         kept_for = None if retention is None else parse_duration(retention, '--gc-retention')
         window = parse_duration(grace, '--gc-grace')
+        silent = None if abandoned_after is None else parse_duration(abandoned_after, '--gc-abandoned-after')
     except ValueError as exc:
         _unusable(f'{INPUT_CODE} {exc}')
     if interval <= timedelta(0):
         _unusable(f'{INPUT_CODE} --gc-every {every!r} must be longer than 0s')
+    if silent is not None and silent <= timedelta(0):
+        _unusable(f'{INPUT_CODE} --gc-abandoned-after {abandoned_after!r} must be longer than 0s')
     settings = connection_settings(conn, store)
     _err.print(printable(f'store gc every {every} on {redact_database_url(resolve_url(store))} '
-                         f'({"deleting" if apply else "dry run, logged"})'), markup=False)  # a password shown as ***
+                         f'({"deleting" if apply else "dry run, logged"}'
+                         f'{"" if silent is None else f"; abandoned after {abandoned_after}"})'),
+               markup=False)  # a password shown as ***
     return GcSchedule(resolve_url(store), settings, interval, lambda line: _err.print(line, markup=False), apply=apply,
-                      retention=kept_for, grace=window)
+                      retention=kept_for, grace=window, abandoned_after=silent)
 
 
 def _worker_command(engine: str) -> Any:
@@ -744,6 +751,9 @@ def _worker_command(engine: str) -> Any:
             "With --gc-every: as `durcap store gc --retention` (default: the namespace's retention period)."))] = None,
         gc_grace: Annotated[str, typer.Option('--gc-grace', metavar='DURATION', help=(
             'With --gc-every: as `durcap store gc --grace`.'))] = '15m',
+        gc_abandoned_after: Annotated[str | None, typer.Option('--gc-abandoned-after', metavar='DURATION', help=(
+            'With --gc-every: as `durcap store gc --abandoned-after` (Prefect flow runs silent this long count as '
+            'abandoned; default 1h).'))] = None,
         conn: dict[str, Any] | None = None,
     ) -> None:
         """Validate TARGET and serve its workflows and activities; refuse to start on any error or lockfile drift;
@@ -751,7 +761,8 @@ def _worker_command(engine: str) -> Any:
 
         Exit 0 once drained; 1 when the drain time (--graceful-shutdown) ended with runs still going (one line names
         them and who finishes them)."""
-        schedule = _gc_schedule(engine, gc_every, gc_apply, gc_retention, gc_grace, store, conn or {})
+        schedule = _gc_schedule(engine, gc_every, gc_apply, gc_retention, gc_grace, store, conn or {},
+                                gc_abandoned_after)
         _err.print(f'{engine} worker: loading {printable(target)} and checking it (every engine; its names in '
                    'durable.lock) ...', markup=False)
         agents = _valid_agents(target, use_lock=True, lock=lock, allow_drift=allow_drift, refused='worker not started: '

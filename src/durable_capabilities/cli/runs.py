@@ -18,7 +18,7 @@ from rich.text import Text
 
 from .. import telemetry
 from .._limits import INPUT_CODE, one_line, printable, redact_database_url
-from ..errors import DurcapError
+from ..errors import NOT_FOUND_CODE, DurcapError
 from ..settings import Settings
 from ..store import resolve_url
 from ..targets import TARGET_HELP
@@ -150,7 +150,8 @@ def _find(run_id: str, engine: str | None, settings: Settings) -> tuple[Any, Any
             _unusable(problems[0])  # the one engine asked says why, in one line
         for problem in problems:
             _err.print(printable(problem), markup=False)
-    _unusable(f'no run {run_id!r} found' + ('' if engine else ' on any engine (pass --engine and its connection options)'))
+    _unusable(f'{NOT_FOUND_CODE} no run {run_id!r} found'
+              + ('' if engine else ' on any engine (pass --engine and its connection options)'))
 
 
 @runs_app.command('show')

@@ -19,7 +19,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..approvals import ApprovalError
-from ..errors import DurcapError
+from ..errors import NOT_FOUND_CODE, DurcapError, with_code
 from ._protocol import ConnectionSetting, EngineSpec
 
 if TYPE_CHECKING:
@@ -164,7 +164,11 @@ class RunStates:
 
 
 class RunNotFoundError(LookupError, DurcapError, code='run-not-found'):
-    """The engine has no run with that id (message names the id and where it looked)."""
+    """The engine has no run with that id (message, `args[0]`: led by `DC044`, names the id and where it looked; more
+    args are kept as given, e.g. `reading.find_run`'s list of each engine's answer)."""
+
+    def __init__(self, message: str, *details: Any) -> None:
+        super().__init__(with_code(NOT_FOUND_CODE, message), *details)
 
 
 class EngineUnreachableError(RuntimeError, DurcapError, code='engine-unreachable'):

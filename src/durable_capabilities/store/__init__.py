@@ -31,6 +31,8 @@ Storage (schema version 9, tables prefixed `durcap_`):
 - `durcap_turn_claims` (version 4): which run's turn holds a conversation (`claim_turn`), so two turns never run on
   one conversation at once; released when that turn's append lands, or by `release_turn`. Version 9 adds who asked
   the holder to stop (`request_stop`, `stop_requested`: a newer turn with `busy='interrupt'`).
+- `durcap_turn_takeovers` (version 10): the holders whose claim a turn took over because they no longer ran
+  (`release_turn(taken_by=...)`), so `purge` and `stats` still tie a run killed before its append to its conversation.
 - `durcap_budget_ledger`, `durcap_budget_reservations` (version 6): what each budget key spent and each model
   request of it reserved and settled (`budget_reserve`, `budget_settle`; `durable_capabilities.budget`).
 - `durcap_serve_owners`, `durcap_serve_runs`, `durcap_serve_requests` (version 7): `durcap serve`'s shared state (the
@@ -69,7 +71,7 @@ from pydantic_ai.messages import ModelMessage
 from pydantic_ai.tools import DeferredToolRequests
 from pydantic_ai.usage import RunUsage
 
-from ..errors import DurcapError
+from ..errors import NOT_FOUND_CODE, DurcapError
 from ..history import drift, loaded_capability_ids, tools_called
 
 __all__ = [
@@ -118,7 +120,7 @@ def resolve_url(explicit: str | None = None) -> str:
     values count as not given. The URL is not validated here (`SQLConversationStore` raises `StoreURLError`)."""
     return explicit or os.environ.get(STORE_ENV) or DEFAULT_URL
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 """The newest schema this code writes and reads."""
 
 logger = logging.getLogger('durable_capabilities.store')
@@ -189,7 +191,8 @@ class SchemaVersionError(StoreError, code='store-schema-version'):
 
 
 class ConversationNotFoundError(StoreError, LookupError, code='conversation-not-found'):
-    """The conversation id is not in the store (never saved, or deleted).
+    """The conversation id is not in the store (never saved, or deleted); the message is led by `DC044` (an id that
+    names nothing).
 
     Attributes:
         conversation_id: The id asked for.
@@ -197,7 +200,7 @@ class ConversationNotFoundError(StoreError, LookupError, code='conversation-not-
 
     def __init__(self, conversation_id: str, detail: str = ''):
         self.conversation_id = conversation_id
-        super().__init__(f'conversation {conversation_id!r} is not in the store{detail}')
+        super().__init__(f'{NOT_FOUND_CODE} conversation {conversation_id!r} is not in the store{detail}')
 
     def __str__(self) -> str:  # LookupError would quote the message like a KeyError otherwise
         return str(self.args[0])
@@ -312,6 +315,8 @@ class PurgeReport:
             only its runs referred to).
         appends: The `append_id` of every write to it, oldest first: each names the run that wrote it, so what the
             engines may still hold (`forgetting.engine_records` reads them with the engines' specs).
+        owners: The claim-check owners of its runs (`durcap_payload_refs.owner`): of its appends, of the run holding
+            its turn claim and of the runs whose claim was taken over (killed before their append).
         message_bytes: Bytes of its messages' JSON.
         payload_bytes: Bytes of the claim checks deleted with it.
         shared_payloads: Claim checks its runs referred to that another conversation's runs refer to too (kept).
@@ -326,6 +331,7 @@ class PurgeReport:
     payload_bytes: int
     shared_payloads: int
     shared_payload_bytes: int
+    owners: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -764,10 +770,14 @@ class SQLConversationStore(ConversationStore):
         """
         return await asyncio.to_thread(self._sql.claim_turn, conversation_id, run_id)
 
-    async def release_turn(self, conversation_id: str, run_id: str | None = None) -> bool:
+    async def release_turn(self, conversation_id: str, run_id: str | None = None, *, taken_by: str | None = None) -> bool:
         """Release the turn claim on `conversation_id` held by `run_id` (`None`: whoever holds it, e.g. a run that
-        is gone). Returns whether a claim was released; releasing twice is harmless."""
-        return await asyncio.to_thread(self._sql.release_turn, conversation_id, run_id)
+        is gone). Returns whether a claim was released; releasing twice is harmless.
+
+        With `taken_by` (the run taking the conversation over from `run_id`, which no longer runs), the released
+        holder is recorded as a run of the conversation in the same transaction (`durcap_turn_takeovers`): `purge`
+        then names it and deletes its claim checks, as it does for a holder's."""
+        return await asyncio.to_thread(self._sql.release_turn, conversation_id, run_id, taken_by)
 
     async def turn_claim(self, conversation_id: str) -> tuple[str, str] | None:
         """The `(run_id, claimed_at)` holding `conversation_id`'s turn claim, or `None`."""

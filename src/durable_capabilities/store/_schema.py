@@ -212,6 +212,19 @@ _MIGRATIONS: dict[int, list[str]] = {
         'ALTER TABLE durcap_turn_claims ADD COLUMN stop_at TEXT',
         'CREATE INDEX durcap_turn_claims_run ON durcap_turn_claims (run_id)',
     ],
+    10: [
+        # A turn claim taken over from a run that no longer runs (`conversations.claim_turn`): the dead holder stays
+        # tied to the conversation (a run killed before its append wrote no `durcap_writes` row; its claim was what
+        # tied its claim checks to the conversation), so `purge` names it and deletes its claim checks. Deleted with
+        # the conversation.
+        """CREATE TABLE durcap_turn_takeovers (
+            conversation_id TEXT NOT NULL,
+            run_id TEXT NOT NULL,
+            taken_by TEXT NOT NULL,
+            taken_at TEXT NOT NULL,
+            PRIMARY KEY (conversation_id, run_id)
+        )""",
+    ],
 }
 """`{version: DDL statements}`: applying version N's statements to a version N-1 database gives version N.
 

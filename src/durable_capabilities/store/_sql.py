@@ -966,7 +966,8 @@ class _SQLBackend:
             counts[table] = int(conn.execute(
                 sa.text(f'SELECT COUNT(*) FROM {table} WHERE conversation_id = :cid'), {'cid': conversation_id}).scalar() or 0)
         holders = [row[0] for row in conn.execute(
-            sa.text('SELECT run_id FROM durcap_turn_claims WHERE conversation_id = :cid'), {'cid': conversation_id}).all()]
+            sa.text('SELECT run_id FROM durcap_turn_claims WHERE conversation_id = :cid UNION '
+                    'SELECT run_id FROM durcap_turn_takeovers WHERE conversation_id = :cid'), {'cid': conversation_id}).all()]
         if not any(counts.values()) and not holders:
             raise ConversationNotFoundError(conversation_id)
         length = 'OCTET_LENGTH(message)' if self.is_pg else 'LENGTH(CAST(message AS BLOB))'
@@ -1049,7 +1050,8 @@ class _SQLBackend:
                 self._unpoint_shared(conn, conversation_id, set(usage.owners))
                 # Its turn claim too: a run killed before its append (a Prefect flow run outside a deployment stays
                 # RUNNING) held it for good, and its pieces are the conversation's (`_owners_of_holder`).
-                for table in ('durcap_entries', 'durcap_writes', 'durcap_conversations', 'durcap_turn_claims'):
+                for table in ('durcap_entries', 'durcap_writes', 'durcap_conversations', 'durcap_turn_claims',
+                              'durcap_turn_takeovers'):
                     conn.execute(sa.text(f'DELETE FROM {table} WHERE conversation_id = :cid'), {'cid': conversation_id})
                 # `durcap serve`'s rows of it (schema 7): who owned it, the runs requests started, their idempotency keys.
                 conn.execute(sa.text('DELETE FROM durcap_serve_requests WHERE run_id IN (SELECT run_id FROM '
@@ -1073,7 +1075,7 @@ class _SQLBackend:
         return PurgeReport(
             conversation_id=conversation_id, dry_run=dry_run, rows=usage.counts, appends=usage.appends,
             message_bytes=usage.message_bytes, payload_bytes=sum(usage.own.values()), shared_payloads=len(usage.shared),
-            shared_payload_bytes=sum(usage.shared.values()),
+            shared_payload_bytes=sum(usage.shared.values()), owners=list(usage.owners),
         )
 
     # ---- collecting claim checks no run needs (`durcap store gc`) ---------------------------------------------------
@@ -1182,8 +1184,10 @@ class _SQLBackend:
                 if owner is not None:
                     owner_of.setdefault(owner, set()).add(cid)
             claims: set[str] = set()
-            for cid, holder in conn.execute(sa.text('SELECT conversation_id, run_id FROM durcap_turn_claims')).all():
-                for owner in _owners_of_holder(holder, known):  # a run in flight, or killed before its append
+            for cid, holder in conn.execute(sa.text('SELECT conversation_id, run_id FROM durcap_turn_claims UNION '
+                                                    'SELECT conversation_id, run_id FROM durcap_turn_takeovers')).all():
+                # a run in flight, or killed before its append (its claim held, or taken over since)
+                for owner in _owners_of_holder(holder, known):
                     owner_of.setdefault(owner, set()).add(cid)
                     claims.add(cid)
             sizes = {row[0]: int(row[1]) for row in conn.execute(sa.text('SELECT sha256, size FROM durcap_payloads')).all()}
@@ -1500,9 +1504,14 @@ class _SQLBackend:
         return conn.execute(sa.text('DELETE FROM durcap_turn_claims WHERE conversation_id = :cid AND run_id = :run'),
                             {'cid': conversation_id, 'run': run_id}).rowcount
 
-    def release_turn(self, conversation_id: str, run_id: str | None) -> bool:
+    def release_turn(self, conversation_id: str, run_id: str | None, taken_by: str | None = None) -> bool:
         with self._txn(write=True) as conn:
-            return self._release(conn, conversation_id, run_id) > 0
+            released = self._release(conn, conversation_id, run_id) > 0
+            if released and taken_by is not None and run_id is not None:
+                conn.execute(sa.text('INSERT INTO durcap_turn_takeovers (conversation_id, run_id, taken_by, taken_at) '
+                                     'VALUES (:cid, :run, :by, :at) ON CONFLICT (conversation_id, run_id) DO NOTHING'),
+                             {'cid': conversation_id, 'run': run_id, 'by': taken_by, 'at': _utcnow()})
+            return released
 
     def turn_claim(self, conversation_id: str) -> tuple[str, str] | None:
         with self._txn(write=False) as conn:

@@ -16,6 +16,17 @@ from ._spec import DECISION_TOPIC, PENDING_EVENT, approval_step_name
 if TYPE_CHECKING:
     from ...agent import DurableAgent
 
+
+_PARKED: set[str] = set()
+"""Ids of the workflows of this process waiting in `DBOSApprovalGate.wait` for a decision (in `DBOS.recv_async`)."""
+
+
+def parked_workflow_ids() -> set[str]:
+    """The workflows of this process parked on an approval now: each waits for a decision in the system database, so
+    a worker's drain does not wait for them (another process resumes them, `_worker._drain`)."""
+    return set(_PARKED)
+
+
 def _clock() -> str:
     return utc_now().isoformat()
 
@@ -41,7 +52,11 @@ class DBOSApprovalGate(ApprovalGate):
             left = (deadline - await self.now()).total_seconds()
             if left <= 0:
                 break
-            message = await DBOS.recv_async(DECISION_TOPIC, timeout_seconds=left)
+            _PARKED.add(self.run_id)
+            try:
+                message = await DBOS.recv_async(DECISION_TOPIC, timeout_seconds=left)
+            finally:
+                _PARKED.discard(self.run_id)
             if message is None:
                 break  # the deadline passed: the remaining calls are denied
             decision = Decision.from_json(message)

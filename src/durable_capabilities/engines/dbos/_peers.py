@@ -57,6 +57,32 @@ _EXECUTORS = sa.Table(
 )
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host is running: it exists (signal 0 reaches it, or it belongs to another user)
+    and is not a zombie (killed, not yet reaped by its parent: Linux's `/proc/PID/stat` state `Z`).
+
+    Args:
+        pid: A process id of this host (of this pid namespace).
+
+    Returns:
+        `False` when no such process runs; `True` otherwise (also where `/proc` cannot tell).
+    """
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f'/proc/{pid}/stat', encoding='ascii', errors='replace') as stat:
+            state = stat.read().rpartition(')')[2].split()
+    except OSError:
+        return True
+    return not (state and state[0] == 'Z')
+
+
 def _now(dialect: str) -> Any:
     """The database's clock in epoch seconds (hosts' clocks may disagree; the database's is one clock)."""
     if dialect == 'sqlite':
@@ -92,12 +118,18 @@ class Peers:
 
     def shared_with(self) -> str | None:
         """Another live process beating as this executor id (`'pid P on HOST'`), or `None`: two workers with one
-        executor id keep one row fresh between them, so neither's death would be noticed."""
+        executor id keep one row fresh between them, so neither's death would be noticed.
+
+        A row beaten within the timeout by a process of this host that is gone (a worker SIGKILLed and restarted at
+        once, as its id) is not another live worker: `None`. A process of another host is taken as alive while its
+        row is fresh (its pid cannot be asked from here)."""
         age = (self.now - _EXECUTORS.c.last_seen).label('age')
         with self.engine.connect() as conn:
             row = conn.execute(sa.select(_EXECUTORS.c.host, _EXECUTORS.c.pid, age).where(
                 _EXECUTORS.c.executor_id == self.executor_id)).first()
         if row is None or float(row[2]) > self.timeout or (row[0], row[1]) == (socket.gethostname(), os.getpid()):
+            return None
+        if row[0] == socket.gethostname() and not pid_alive(int(row[1])):
             return None
         return f'pid {row[1]} on {row[0]}'
 

@@ -6,17 +6,20 @@ import asyncio
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dbos import DBOS
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
+from ... import _upstream
 from ..._limits import InputError, postgres_database_missing, redact_database_url
 from ...conversations import resolve_payload, store_url
 from ...report import RunReport
 from .._adapter import DrainCutShortError, RunOptions
 from .._stall import Progress, notice_stalls, wait_notice
+from ._approvals import parked_workflow_ids
 from ._client import client as dbos_client
 from ._client import quiet_dbos_log
 from ._peers import DEFAULT_PEER_TIMEOUT, HEARTBEAT_SECONDS, Peers
@@ -134,9 +137,45 @@ CANCELLED_LOG = 'Asyncio task cancelled for workflow or step'
 """The start of the warning DBOS logs (`dbos._outcome`) for each workflow and step task cancelled by its shutdown."""
 
 
+def _who_resumes(peers: Peers | None, executor: str) -> str:
+    """Who runs this executor's workflows left PENDING by a drain: a peer after its timeout, else this executor id."""
+    if peers is not None:
+        return f'a peer resumes them after {peers.timeout:g} s without this heartbeat (or this executor id launching again)'
+    return f'a worker launched as executor {executor!r} resumes them (peer recovery is off), or `durcap runs resume ID`'
+
+
+def _ids(ids: Sequence[str]) -> str:
+    return ', '.join(ids[:_LISTED]) + (f' and {len(ids) - _LISTED} more' if len(ids) > _LISTED else '')
+
+
+def _wait_for_running(peers: Peers | None, executor: str, seconds: int, notify: Callable[[str], None]) -> set[str]:
+    """The drain's wait: take no new workflow (`_upstream.dbos_stop_taking_work`), say what is waited for, then wait
+    up to `seconds` for the workflows running here, not for those parked on an approval (`parked_workflow_ids`: each
+    waits for a decision in the system database, and another process resumes it; DBOS's own drain waited its whole
+    time for them). A parked workflow that gets its decision meanwhile runs again and is waited for.
+
+    Returns:
+        The workflows parked when the wait ended.
+    """
+    _upstream.dbos_stop_taking_work()
+    deadline = time.monotonic() + seconds
+    active, parked = _upstream.dbos_active_workflow_ids(), parked_workflow_ids()
+    running, held = [w for w in active if w not in parked], [w for w in active if w in parked]
+    waiting = (f'waiting up to {seconds} s for {len(running)} running workflow(s) ({_ids(running)})' if running else
+               'no workflow runs here')
+    notify(f'dbos worker {executor!r}: draining: {waiting}' + (
+        f'; not waiting for {len(held)} parked on an approval ({_ids(held)}): their decisions wait in the system '
+        f'database and {_who_resumes(peers, executor)}' if held else ''))
+    while running and time.monotonic() < deadline:
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        parked = parked_workflow_ids()
+        running = [w for w in _upstream.dbos_active_workflow_ids() if w not in parked]
+    return parked
+
+
 def _drain(peers: Peers | None, url: str, executor: str, seconds: int, notify: Callable[[str], None]) -> list[str] | None:
-    """Stop a launched worker: DBOS's own drain (`DBOS.destroy`: running workflows get `seconds` to finish), then
-    this worker's heartbeat row (`_peers`).
+    """Stop a launched worker: the running workflows get `seconds` to finish (`_wait_for_running`; those parked on an
+    approval are not waited for), then DBOS stops (`DBOS.destroy`), then this worker's heartbeat row (`_peers`).
 
     The row is kept fresh while DBOS drains (a peer must not recover workflows that still run here), deleted when
     none of this executor's workflows is left PENDING, and otherwise left to go stale, so that a peer recovers what
@@ -145,8 +184,9 @@ def _drain(peers: Peers | None, url: str, executor: str, seconds: int, notify: C
     fixed id, recovers them at launch; DBOS runs each recovered workflow once either way).
 
     Returns:
-        The ids of this executor's workflows left PENDING (empty: drained), `None` when they cannot be read (said on
-        `notify`).
+        The ids of this executor's workflows left PENDING (empty: drained) but those parked on an approval (said on
+        `notify`: they keep the heartbeat row stale all the same, so a peer resumes them), `None` when they cannot be
+        read (said on `notify`).
     """
     drained = threading.Event()
     beating: threading.Thread | None = None
@@ -160,11 +200,18 @@ def _drain(peers: Peers | None, url: str, executor: str, seconds: int, notify: C
 
         beating = threading.Thread(target=beat, name='durcap-dbos-drain-beat', daemon=True)
         beating.start()
+    parked: set[str] = set()
     try:
         # DBOS warns once per workflow and step the drain cancels ("Asyncio task cancelled for workflow or step <function
         # ...>", with an address): what was left is said in our own line after it (`DrainCutShortError`).
         with quiet_dbos_log(CANCELLED_LOG):
-            DBOS.destroy(workflow_completion_timeout_sec=seconds)
+            try:
+                parked, left_to_dbos = _wait_for_running(peers, executor, seconds, notify), 0  # waited: stop now
+            except (AttributeError, ImportError) as exc:  # DBOS changed its private parts: its own drain, as before
+                notify(f'dbos worker {executor!r}: draining as DBOS does (up to {seconds} s, parked runs included): '
+                       f'{type(exc).__name__}: {exc}')
+                left_to_dbos = seconds
+            DBOS.destroy(workflow_completion_timeout_sec=left_to_dbos)
     finally:
         drained.set()
         if beating is not None:
@@ -178,7 +225,12 @@ def _drain(peers: Peers | None, url: str, executor: str, seconds: int, notify: C
     if left is None:
         notify(f'dbos worker {executor!r}: could not read the workflows left PENDING after the {seconds} s drain'
                + (f'; a peer recovers any after {peers.timeout:g} s without this heartbeat' if peers is not None else ''))
-    return left
+        return None
+    waiting = [w for w in left if w in parked]
+    if waiting:
+        notify(f'dbos worker {executor!r}: {len(waiting)} workflow(s) parked on an approval stay PENDING '
+               f'({_ids(waiting)}): {_who_resumes(peers, executor)}')
+    return [w for w in left if w not in parked]
 
 
 def _pending_ids(url: str, executor: str) -> list[str] | None:
