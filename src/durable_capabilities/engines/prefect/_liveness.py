@@ -40,6 +40,11 @@ it (none of this process's, `LANDED`, and no watched run's label changed). Measu
 landed in nearly every round and no live run's label stayed unchanged for more than 8 s; the rule before (no run
 declared dead while any of this process's own beats had failed within the stale time) held the survivors back until
 their own runs were done: the dead runs were marked CRASHED 31-38 s after the kill instead of ~17 s.
+
+Where no serving process watches (a flow run outside a deployment: `durcap run --engine prefect`), a run's silence is
+judged on the Prefect server's clock instead, by whoever asks: `server_clock`, `last_sign_of_life` (its `updated`,
+which every beat moves, its state's time, its task runs') and `silent_for` are the one rule that a conversation's turn
+claim (`_conversation._flow_run_active`) and `durcap store gc` (`_runs.run_states`) both use.
 """
 
 from __future__ import annotations
@@ -51,8 +56,10 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 from prefect import get_client
@@ -323,3 +330,52 @@ async def claim(key: str, flow_run_id: Any) -> bool:
         if exc.response.status_code != 409:
             raise
     return await aread_flow_run_input(key, flow_run_id=flow_run_id) == mine
+
+
+# ---- the server's clock: a flow run's last sign of life, judged where no serving process watches (`durcap run`'s
+# own flow runs: `_conversation._flow_run_active` for a conversation's turn claim, `_runs.run_states` for gc) --------
+
+
+async def server_clock(client: Any) -> datetime | None:
+    """The Prefect server's clock now: the `Date` header of its `/hello` answer (to the second), aware UTC. Flow run
+    times are the server's: compared with this, a server whose clock differs from this machine's does not make a live
+    run look silent.
+
+    Args:
+        client: A Prefect client (`get_client()`, open).
+
+    Returns:
+        The server's time, or `None` when its answer carries no usable `Date` header.
+
+    Raises:
+        Whatever the client raises when the server cannot be asked (`httpx.HTTPError`, `PrefectHTTPStatusError`).
+    """
+    response = await client.hello()
+    try:
+        return parsedate_to_datetime(response.headers['date']).astimezone(UTC)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def utc(moment: datetime) -> datetime:
+    """A Prefect time (a pendulum or standard datetime; naive means UTC) as a standard aware UTC `datetime`."""
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return datetime.fromtimestamp(moment.timestamp(), UTC)
+
+
+def last_sign_of_life(run: Any, more: Iterable[datetime | None] = ()) -> datetime | None:
+    """The newest sign of life of Prefect flow run `run`, on the server's clock (aware UTC): its `updated` (which every
+    beat moves, `beating`), its state's time, and `more` (e.g. its task runs' `updated`; `None`s skipped). `None` when
+    it has none."""
+    state_time = run.state.timestamp if run.state is not None else None
+    return max((utc(t) for t in (run.updated, state_time, *more) if t is not None), default=None)
+
+
+def silent_for(last: datetime | None, now: datetime, limit: timedelta | float) -> bool:
+    """Whether a flow run whose last sign of life was `last` (`last_sign_of_life`) has been silent for `limit` (a
+    `timedelta`, or seconds) or longer at `now`, both on the server's clock (`server_clock`). A run that has shown no
+    sign (`last` `None`) is not silent: nothing to judge by."""
+    if last is None:
+        return False
+    return now - last >= (limit if isinstance(limit, timedelta) else timedelta(seconds=limit))
