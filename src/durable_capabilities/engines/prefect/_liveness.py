@@ -56,7 +56,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
@@ -279,7 +279,6 @@ class DeadRunWatch:
             The ids of the flow runs this process marked CRASHED in this round.
         """
         stale = stale_seconds()
-        marked: list[str] = []
         if runs is None:
             runs = await client.read_flow_runs(
                 deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[self.deployment_id])),
@@ -290,15 +289,17 @@ class DeadRunWatch:
         # '': no beat yet (watched as well, module docstring)
         silence = self.silence.look(self.clock(), {key: str((run.labels or {}).get(BEAT_LABEL, ''))
                                                    for key, run in watched.items()}, REFUSED[0], LANDED[0])
+        dead = []
         for key, run in watched.items():
             silent, unchanged = silence[key]
             if silent >= stale:
-                if await self._mark(client, run, unchanged):
-                    marked.append(str(run.id))
+                dead.append((run, unchanged))
             elif unchanged >= stale:  # the server refused this process's beats while none landed: proves nothing
                 logger.info('flow run %s: no beat for %.0f s, %.0f s of it while the server took beats: not declared '
                             'dead yet', run.id, unchanged, silent)
-        return marked
+        # All at once: each is a claim and a state change, writes a busy server may take seconds to answer.
+        done = await settle(self._mark(client, run, unchanged) for run, unchanged in dead)
+        return [str(run.id) for (run, _), ok in zip(dead, done, strict=True) if ok]
 
     async def _mark(self, client: Any, run: Any, silent: float) -> bool:
         if not await claim(f'{DEAD_CLAIM_PREFIX}{run.state.id}', run.id):
@@ -312,6 +313,18 @@ class DeadRunWatch:
         self.notify(f'prefect flow run {run.id} ({run.name}, {run.state.type.value}) stopped beating {silent:.0f} s ago '
                     f'({held} died with no word): marked CRASHED, to be rescheduled')
         return True
+
+
+async def settle(steps: Iterable[Awaitable[bool]]) -> list[bool]:
+    """Await `steps` all at once; each one's outcome, in order, False for one that raised (logged; the next watch
+    round tries again: a claim is taken up again by the process that holds it)."""
+    outcomes = await asyncio.gather(*steps, return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            if not isinstance(outcome, Exception):
+                raise outcome  # cancelled, interrupted: not an outcome
+            logger.debug('a dead-run step failed; tried again next round', exc_info=outcome)
+    return [outcome is True for outcome in outcomes]
 
 
 async def claim(key: str, flow_run_id: Any) -> bool:
