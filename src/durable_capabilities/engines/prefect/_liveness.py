@@ -33,13 +33,17 @@ silent for its `--abandoned-after` time as abandoned. A process that stalls long
 swapped-out machine) is declared dead while alive: raise `$DURCAP_PREFECT_STALE_SECONDS` where that can happen.
 
 A busy Prefect server on SQLite refuses writes (503 after ~2 s waiting for its lock) for seconds at a time, beats
-included, so a silence is counted only over the time the server was seen taking beats (`BeatSilence`): the stretch
-between two watch rounds counts unless a beat sent from this process failed in it (`REFUSED`) and no beat landed in
-it (none of this process's, `LANDED`, and no watched run's label changed). Measured (bench_scaleout.py --kill, load
-8-10): about half of all beats failed, every serving process had one fail every few seconds, yet some beat
-landed in nearly every round and no live run's label stayed unchanged for more than 8 s; the rule before (no run
-declared dead while any of this process's own beats had failed within the stale time) held the survivors back until
-their own runs were done: the dead runs were marked CRASHED 31-38 s after the kill instead of ~17 s.
+included, so a run's silence is counted at the rate the server takes beats (`BeatSilence`): the stretch between two
+watch rounds counts in full while at least half (`FULL_RATE`) of the beats this process sent in it landed, in part
+below that (a quarter landed: half of it), not at all while none landed, and in full when this process sent none
+(nothing seen refused). So a run is declared dead only after missing, at the rate beats landed meanwhile, about
+`stale_seconds() * FULL_RATE / beat_seconds()` beats (~4) that a live run would have landed. Measured
+(bench_scaleout.py --kill, a trace of every beat and watch round): at load 8-18 about half of all beats failed, every
+serving process had one fail every few seconds, and no live run's label stayed unchanged for more than 8 s; at load
+23-26, 94% failed and live runs' labels stayed unchanged for 15-18 s. The rule before (no run declared dead while
+any of this process's own beats had failed within the stale time) held the survivors back until their own runs were
+done: dead runs were marked CRASHED 31-38 s after the kill instead of ~17 s; counting every stretch in which any beat
+landed (this branch's first try) declared live runs dead at load 23-26.
 
 Where no serving process watches (a flow run outside a deployment: `durcap run --engine prefect`), a run's silence is
 judged on the Prefect server's clock instead, by whoever asks: `server_clock`, `last_sign_of_life` (its `updated`,
@@ -154,9 +158,9 @@ def beating(flow_run_id: str) -> Iterator[None]:
                         # refused by a busy server on SQLite), which would hold the next beat back for tens of s.
                         await asyncio.wait_for(client.update_flow_run_labels(
                             uuid.UUID(flow_run_id), {BEAT_LABEL: f'{os.getpid()}:{count}'}), timeout=every)
-                        LANDED[0] = time.monotonic()
+                        _count_beat(landed=True)
                     except Exception as exc:  # next beat, sooner; the run goes on either way
-                        REFUSED[0] = time.monotonic()
+                        _count_beat(landed=False)
                         logger.debug('flow run %s: beat %d failed', flow_run_id, count, exc_info=True)
                         if count == 1:
                             logger.warning('flow run %s: its first beat failed (%s: %s); trying again', flow_run_id,
@@ -176,14 +180,20 @@ def beating(flow_run_id: str) -> Iterator[None]:
         _BEATING.pop(flow_run_id, None)
 
 
-REFUSED = [-float('inf')]
-"""When (this process's monotonic clock) a beat sent from this process last failed (refused, or no answer within the
-beat interval): a stretch between two watch rounds with such a failure and no beat landed does not count towards a
-run's silence (`BeatSilence`), since the server then refused or delayed writes and others' were likely lost the same
-way."""
+BEATS = [0, 0]
+"""How many beats sent from this process have landed ([0]) and failed ([1], refused or no answer within the beat
+interval) so far: `DeadRunWatch` counts a run's silence at the rate this process's own beats land (`BeatSilence`)."""
 
-LANDED = [-float('inf')]
-"""When (this process's monotonic clock) a beat sent from this process last landed: the server took a write then."""
+_BEATS_LOCK = threading.Lock()
+
+
+def _count_beat(landed: bool) -> None:
+    with _BEATS_LOCK:
+        BEATS[0 if landed else 1] += 1
+
+
+FULL_RATE = 0.5
+"""The share of this process's beats landing from which a stretch of silence counts in full (`BeatSilence`)."""
 
 _BEATING: dict[str, threading.Event] = {}
 """The flow runs this process beats now (`beating`), each with the event that makes its next beat go out now."""
@@ -210,42 +220,46 @@ def _alive(pid: int) -> bool:
 
 
 class BeatSilence:
-    """How long each watched flow run's beat has been silent, on this process's clock, counting only the time the
-    server was seen taking beats (the module docstring): the stretch between two looks counts unless a beat sent from
-    this process failed in it and no beat landed in it (none of this process's, and no watched run's beat changed).
+    """How long each watched flow run's beat has been silent, on this process's clock, counted at the rate the server
+    takes beats (the module docstring): the stretch between two looks counts in full when at least `FULL_RATE` of the
+    beats this process sent in it landed (or it sent none), in proportion below that, not at all when none landed.
 
     A run first seen, or whose beat changed, starts at 0; a run not in a look is forgotten. Pure bookkeeping (no
-    request, no clock of its own): `DeadRunWatch` feeds it each round's read."""
+    request, no clock of its own): `DeadRunWatch` feeds it each round's read and `BEATS`."""
 
     def __init__(self) -> None:
         self.looked: float | None = None
         """The time of the last look (`None`: none yet)."""
+        self.beats_then = (0, 0)
+        """This process's beats landed and failed so far, at the last look."""
         self.runs: dict[Hashable, tuple[str, float, float]] = {}
         """Key -> (its beat at the last look, seconds of silence counted, when this beat was first seen)."""
 
-    def look(self, now: float, beats: Mapping[Hashable, str], refused: float = -float('inf'),
-             landed: float = -float('inf')) -> dict[Hashable, tuple[float, float]]:
+    def look(self, now: float, beats: Mapping[Hashable, str], landed: int = 0, failed: int = 0
+             ) -> dict[Hashable, tuple[float, float]]:
         """Take one look at the watched runs' beats.
 
         Args:
             now: This process's clock, seconds (monotonic, not before the last look's).
             beats: Each watched run's key (flow run id and state id) -> its beat label's value now ('' for none).
-            refused: When a beat sent from this process last failed (same clock; `REFUSED`).
-            landed: When a beat sent from this process last landed (same clock; `LANDED`).
+            landed: How many beats sent from this process have landed so far (`BEATS[0]`; never decreasing).
+            failed: How many have failed so far (`BEATS[1]`; never decreasing).
 
         Returns:
             Each key of `beats` -> (seconds of silence counted, seconds since its beat was first seen unchanged).
         """
-        before = self.looked
+        before, (landed_then, failed_then) = self.looked, self.beats_then
         step = 0.0
         if before is not None:
-            took = landed > before or any(key in self.runs and self.runs[key][0] != beat for key, beat in beats.items())
-            step = 0.0 if refused > before and not took else max(0.0, now - before)
+            new_landed, new_failed = max(0, landed - landed_then), max(0, failed - failed_then)
+            sent = new_landed + new_failed
+            rate = min(1.0, new_landed / sent / FULL_RATE) if sent else 1.0
+            step = rate * max(0.0, now - before)
         current: dict[Hashable, tuple[str, float, float]] = {}
         for key, beat in beats.items():
             last = self.runs.get(key)
             current[key] = (beat, last[1] + step, last[2]) if last is not None and last[0] == beat else (beat, 0.0, now)
-        self.runs, self.looked = current, now
+        self.runs, self.looked, self.beats_then = current, now, (landed, failed)
         return {key: (silent, now - since) for key, (_, silent, since) in current.items()}
 
 
@@ -255,8 +269,7 @@ class DeadRunWatch:
     Args:
         deployment_id: The deployment whose flow runs are watched.
         notify: Called with one line per flow run this process marked CRASHED.
-        clock: Seconds, monotonic (this process's own clock; never compared with another machine's), the clock of
-            `REFUSED` and `LANDED`.
+        clock: Seconds, monotonic (this process's own clock; never compared with another machine's).
     """
 
     def __init__(self, deployment_id: Any, notify: Callable[[str], None], clock: Callable[[], float] = time.monotonic):
@@ -268,7 +281,7 @@ class DeadRunWatch:
 
     async def round(self, client: Any, runs: list[Any] | None = None) -> list[str]:
         """Look at the deployment's PENDING and RUNNING flow runs once; mark CRASHED those dead (and claimed here):
-        silent for `stale_seconds()` of the time the server was seen taking beats (`BeatSilence`).
+        silent for `stale_seconds()`, counted at the rate the server takes beats (`BeatSilence`).
 
         Args:
             client: A Prefect client (`get_client()`, open).
@@ -288,15 +301,15 @@ class DeadRunWatch:
                    if run.state is not None and run.state.type in (StateType.PENDING, StateType.RUNNING)}
         # '': no beat yet (watched as well, module docstring)
         silence = self.silence.look(self.clock(), {key: str((run.labels or {}).get(BEAT_LABEL, ''))
-                                                   for key, run in watched.items()}, REFUSED[0], LANDED[0])
+                                                   for key, run in watched.items()}, *BEATS)
         dead = []
         for key, run in watched.items():
             silent, unchanged = silence[key]
             if silent >= stale:
                 dead.append((run, unchanged))
-            elif unchanged >= stale:  # the server refused this process's beats while none landed: proves nothing
-                logger.info('flow run %s: no beat for %.0f s, %.0f s of it while the server took beats: not declared '
-                            'dead yet', run.id, unchanged, silent)
+            elif unchanged >= stale:  # the server refused many of this process's beats meanwhile: proves less
+                logger.info('flow run %s: no beat for %.0f s, counted %.0f s at the rate the server took beats: not '
+                            'declared dead yet', run.id, unchanged, silent)
         # All at once: each is a claim and a state change, writes a busy server may take seconds to answer.
         done = await settle(self._mark(client, run, unchanged) for run, unchanged in dead)
         return [str(run.id) for (run, _), ok in zip(dead, done, strict=True) if ok]
