@@ -467,22 +467,30 @@ class PrefectCluster(Cluster):
     def recovery(self, kill_wall: float) -> list[str]:
         """Each flow run the killed serving process left behind and the survivors found dead: its state at the kill
         (PENDING or RUNNING), then seconds from the kill (server timestamps against this machine's clock) to its
-        CRASHED mark, its rescheduling, its RUNNING again and its completion."""
+        CRASHED mark, its rescheduling, its PENDING again (a serving process took it), RUNNING and its completion; and
+        when the last of the runs still queued at the kill was taken."""
         from datetime import datetime
 
         lines = []
+        queued: list[float] = []  # when each run still waiting for a slot at the kill was taken (first PENDING)
         for flow_run_id, key in self.ids.items():
             states = self._request('GET', '/flow_run_states/', params={'flow_run_id': flow_run_id})
             times = sorted((datetime.fromisoformat(s['timestamp'].replace('Z', '+00:00')).timestamp(), s['type'],
                             s.get('message') or '') for s in states)
             crashed = [n for n, (_, kind, message) in enumerate(times) if kind == 'CRASHED' and 'no beat' in message]
             if not crashed:
+                taken = next((t for t, kind, _ in times if kind == 'PENDING'), None)
+                if taken is not None and taken > kill_wall:
+                    queued.append(taken - kill_wall)
                 continue
             n = crashed[0]
             after = {kind: t for t, kind, _ in reversed(times[n + 1:])}
             steps = [f'CRASHED +{times[n][0] - kill_wall:.1f}'] + [
-                f'{kind} +{after[kind] - kill_wall:.1f}' for kind in ('SCHEDULED', 'RUNNING', 'COMPLETED') if kind in after]
+                f'{kind} +{after[kind] - kill_wall:.1f}' for kind in ('SCHEDULED', 'PENDING', 'RUNNING', 'COMPLETED') if kind in after]
             lines.append(f'  {key}: {times[n - 1][1] if n else "?"} at the kill; {", ".join(steps)} s after the kill')
+        if queued:
+            lines.append(f'  the queue: {len(queued)} other runs were still waiting for a slot at the kill; the last '
+                         f'of them taken (PENDING) +{max(queued):.1f} s after the kill')
         return lines
 
     def close(self) -> None:

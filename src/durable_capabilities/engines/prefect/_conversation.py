@@ -29,7 +29,6 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any
 
 from prefect import task
@@ -206,7 +205,7 @@ async def _flow_run_active(run_id: str) -> bool:
     killed before its first beat landed) is judged by its state alone, as before."""
     from prefect import get_client
 
-    from ._liveness import BEAT_LABEL, stale_seconds
+    from ._liveness import BEAT_LABEL, last_sign_of_life, server_clock, silent_for, stale_seconds
 
     try:
         async with get_client() as client:
@@ -216,15 +215,12 @@ async def _flow_run_active(run_id: str) -> bool:
             if found.state_type is None or found.state_type.name not in ('RUNNING', 'PENDING', 'CANCELLING') or \
                     BEAT_LABEL not in (found.labels or {}):
                 return True
-            response = await client.hello()
+            server_now = await server_clock(client)
     except Exception:  # noqa: BLE001 - unknown (deleted) or not a flow run id: nobody will release it
         return False
-    try:
-        server_now = parsedate_to_datetime(response.headers['date'])
-    except (KeyError, TypeError, ValueError):
+    if server_now is None:
         return True  # no server clock to compare with: judged by its state
-    signs = [t.timestamp() for t in (found.updated, found.state.timestamp) if t is not None]
-    return not signs or server_now.timestamp() - max(signs) < stale_seconds()
+    return not silent_for(last_sign_of_life(found), server_now, stale_seconds())
 
 
 def _retry_append(task: Any, task_run: Any, state: Any) -> bool:

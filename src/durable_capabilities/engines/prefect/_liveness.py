@@ -30,9 +30,26 @@ lost on a busy server. What this gives up: a flow run started by durcap before t
 PENDING or RUNNING is declared dead after the stale time. Flow runs outside a deployment (`durcap run` waits for its
 own run in its own process) beat but are not watched: nobody else would run them again; `durcap store gc` counts one
 silent for its `--abandoned-after` time as abandoned. A process that stalls longer than the stale time (a debugger, a
-swapped-out machine) is declared dead while alive: raise `$DURCAP_PREFECT_STALE_SECONDS` where that can happen. A
-busy Prefect server on SQLite refuses writes (503) for seconds at a time, beats included: a serving process whose own
-beats failed within the stale time declares no run dead (`REFUSED`).
+swapped-out machine) is declared dead while alive: raise `$DURCAP_PREFECT_STALE_SECONDS` where that can happen.
+
+A busy Prefect server on SQLite refuses writes (503 after ~2 s waiting for its lock) for seconds at a time, beats
+included, so a run's silence is counted at the rate the server takes beats (`BeatSilence`): the stretch between two
+watch rounds counts in full while at least half (`FULL_RATE`) of the beats this process sent in it landed, in part
+below that (a quarter landed: half of it), not at all while none landed, and in full when this process sent none
+(nothing seen refused). So a run is declared dead only after missing, at the rate beats landed meanwhile, about
+`stale_seconds() * FULL_RATE / beat_seconds()` beats (~4) that a live run would have landed. Measured
+(bench_scaleout.py --kill, a trace of every beat and watch round): at load 8-18 about half of all beats failed, every
+serving process had one fail every few seconds, and no live run's label stayed unchanged for more than 8 s; with 75%
+failing (load 18-21) one stayed unchanged for 12.3 s, and with 94% (load 23-26) several for 15-18 s. Hence half,
+not less: at 0.25 the first of these would have counted in full, 12.3 of the 15 s. The rule before (no run declared dead while
+any of this process's own beats had failed within the stale time) held the survivors back until their own runs were
+done: dead runs were marked CRASHED 31-38 s after the kill instead of ~17 s; counting every stretch in which any beat
+landed (this branch's first try) declared live runs dead at load 23-26.
+
+Where no serving process watches (a flow run outside a deployment: `durcap run --engine prefect`), a run's silence is
+judged on the Prefect server's clock instead, by whoever asks: `server_clock`, `last_sign_of_life` (its `updated`,
+which every beat moves, its state's time, its task runs') and `silent_for` are the one rule that a conversation's turn
+claim (`_conversation._flow_run_active`) and `durcap store gc` (`_runs.run_states`) both use.
 """
 
 from __future__ import annotations
@@ -44,8 +61,10 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 from prefect import get_client
@@ -140,8 +159,9 @@ def beating(flow_run_id: str) -> Iterator[None]:
                         # refused by a busy server on SQLite), which would hold the next beat back for tens of s.
                         await asyncio.wait_for(client.update_flow_run_labels(
                             uuid.UUID(flow_run_id), {BEAT_LABEL: f'{os.getpid()}:{count}'}), timeout=every)
+                        _count_beat(landed=True)
                     except Exception as exc:  # next beat, sooner; the run goes on either way
-                        REFUSED[0] = time.monotonic()
+                        _count_beat(landed=False)
                         logger.debug('flow run %s: beat %d failed', flow_run_id, count, exc_info=True)
                         if count == 1:
                             logger.warning('flow run %s: its first beat failed (%s: %s); trying again', flow_run_id,
@@ -161,10 +181,20 @@ def beating(flow_run_id: str) -> Iterator[None]:
         _BEATING.pop(flow_run_id, None)
 
 
-REFUSED = [-float('inf')]
-"""When (this process's monotonic clock) a beat sent from this process last failed: `DeadRunWatch` declares no run
-dead while this process's own beats fail, since then the server refuses or delays writes and others' are likely lost
-the same way."""
+BEATS = [0, 0]
+"""How many beats sent from this process have landed ([0]) and failed ([1], refused or no answer within the beat
+interval) so far: `DeadRunWatch` counts a run's silence at the rate this process's own beats land (`BeatSilence`)."""
+
+_BEATS_LOCK = threading.Lock()
+
+
+def _count_beat(landed: bool) -> None:
+    with _BEATS_LOCK:
+        BEATS[0 if landed else 1] += 1
+
+
+FULL_RATE = 0.5
+"""The share of this process's beats landing from which a stretch of silence counts in full (`BeatSilence`)."""
 
 _BEATING: dict[str, threading.Event] = {}
 """The flow runs this process beats now (`beating`), each with the event that makes its next beat go out now."""
@@ -190,6 +220,50 @@ def _alive(pid: int) -> bool:
         return True  # no /proc (macOS): os.kill said it exists
 
 
+class BeatSilence:
+    """How long each watched flow run's beat has been silent, on this process's clock, counted at the rate the server
+    takes beats (the module docstring): the stretch between two looks counts in full when at least `FULL_RATE` of the
+    beats this process sent in it landed (or it sent none), in proportion below that, not at all when none landed.
+
+    A run first seen, or whose beat changed, starts at 0; a run not in a look is forgotten. Pure bookkeeping (no
+    request, no clock of its own): `DeadRunWatch` feeds it each round's read and `BEATS`."""
+
+    def __init__(self) -> None:
+        self.looked: float | None = None
+        """The time of the last look (`None`: none yet)."""
+        self.beats_then = (0, 0)
+        """This process's beats landed and failed so far, at the last look."""
+        self.runs: dict[Hashable, tuple[str, float, float]] = {}
+        """Key -> (its beat at the last look, seconds of silence counted, when this beat was first seen)."""
+
+    def look(self, now: float, beats: Mapping[Hashable, str], landed: int = 0, failed: int = 0
+             ) -> dict[Hashable, tuple[float, float]]:
+        """Take one look at the watched runs' beats.
+
+        Args:
+            now: This process's clock, seconds (monotonic, not before the last look's).
+            beats: Each watched run's key (flow run id and state id) -> its beat label's value now ('' for none).
+            landed: How many beats sent from this process have landed so far (`BEATS[0]`; never decreasing).
+            failed: How many have failed so far (`BEATS[1]`; never decreasing).
+
+        Returns:
+            Each key of `beats` -> (seconds of silence counted, seconds since its beat was first seen unchanged).
+        """
+        before, (landed_then, failed_then) = self.looked, self.beats_then
+        step = 0.0
+        if before is not None:
+            new_landed, new_failed = max(0, landed - landed_then), max(0, failed - failed_then)
+            sent = new_landed + new_failed
+            rate = min(1.0, new_landed / sent / FULL_RATE) if sent else 1.0
+            step = rate * max(0.0, now - before)
+        current: dict[Hashable, tuple[str, float, float]] = {}
+        for key, beat in beats.items():
+            last = self.runs.get(key)
+            current[key] = (beat, last[1] + step, last[2]) if last is not None and last[0] == beat else (beat, 0.0, now)
+        self.runs, self.looked, self.beats_then = current, now, (landed, failed)
+        return {key: (silent, now - since) for key, (_, silent, since) in current.items()}
+
+
 class DeadRunWatch:
     """One serving process's view of the beats of its deployment's PENDING and RUNNING flow runs (see the module docstring).
 
@@ -203,11 +277,12 @@ class DeadRunWatch:
         self.deployment_id = deployment_id
         self.notify = notify
         self.clock = clock
-        self.seen: dict[tuple[str, str], tuple[str, float]] = {}
-        """(flow run id, PENDING or RUNNING state id) -> (the last beat seen, when this process first saw it)."""
+        self.silence = BeatSilence()
+        """(flow run id, PENDING or RUNNING state id) -> its silence (`BeatSilence`)."""
 
     async def round(self, client: Any, runs: list[Any] | None = None) -> list[str]:
-        """Look at the deployment's PENDING and RUNNING flow runs once; mark CRASHED those dead (and claimed here).
+        """Look at the deployment's PENDING and RUNNING flow runs once; mark CRASHED those dead (and claimed here):
+        silent for `stale_seconds()`, counted at the rate the server takes beats (`BeatSilence`).
 
         Args:
             client: A Prefect client (`get_client()`, open).
@@ -218,32 +293,27 @@ class DeadRunWatch:
             The ids of the flow runs this process marked CRASHED in this round.
         """
         stale = stale_seconds()
-        now = self.clock()
-        marked: list[str] = []
         if runs is None:
             runs = await client.read_flow_runs(
                 deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[self.deployment_id])),
                 flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
                     any_=[StateType.PENDING, StateType.RUNNING]))))
-        current: dict[tuple[str, str], tuple[str, float]] = {}
-        for run in runs or []:
-            if run.state is None or run.state.type not in (StateType.PENDING, StateType.RUNNING):
-                continue
-            beat = (run.labels or {}).get(BEAT_LABEL, '')  # '': no beat yet (watched as well, module docstring)
-            key = (str(run.id), str(run.state.id))
-            last = self.seen.get(key)
-            since = last[1] if last is not None and last[0] == str(beat) else now
-            current[key] = (str(beat), since)
-            if now - since < stale:
-                continue
-            if now - REFUSED[0] < stale:  # the server refused this process's own beats lately: silence proves nothing
-                logger.info('flow run %s: no beat for %.0f s, but this process\'s own beats failed %.0f s ago: not '
-                            'declared dead yet', run.id, now - since, now - REFUSED[0])
-                continue
-            if await self._mark(client, run, now - since):
-                marked.append(str(run.id))
-        self.seen = current
-        return marked
+        watched = {(str(run.id), str(run.state.id)): run for run in runs or []
+                   if run.state is not None and run.state.type in (StateType.PENDING, StateType.RUNNING)}
+        # '': no beat yet (watched as well, module docstring)
+        silence = self.silence.look(self.clock(), {key: str((run.labels or {}).get(BEAT_LABEL, ''))
+                                                   for key, run in watched.items()}, *BEATS)
+        dead = []
+        for key, run in watched.items():
+            silent, unchanged = silence[key]
+            if silent >= stale:
+                dead.append((run, unchanged))
+            elif unchanged >= stale:  # the server refused many of this process's beats meanwhile: proves less
+                logger.info('flow run %s: no beat for %.0f s, counted %.0f s at the rate the server took beats: not '
+                            'declared dead yet', run.id, unchanged, silent)
+        # All at once: each is a claim and a state change, writes a busy server may take seconds to answer.
+        done = await settle(self._mark(client, run, unchanged) for run, unchanged in dead)
+        return [str(run.id) for (run, _), ok in zip(dead, done, strict=True) if ok]
 
     async def _mark(self, client: Any, run: Any, silent: float) -> bool:
         if not await claim(f'{DEAD_CLAIM_PREFIX}{run.state.id}', run.id):
@@ -257,6 +327,18 @@ class DeadRunWatch:
         self.notify(f'prefect flow run {run.id} ({run.name}, {run.state.type.value}) stopped beating {silent:.0f} s ago '
                     f'({held} died with no word): marked CRASHED, to be rescheduled')
         return True
+
+
+async def settle(steps: Iterable[Awaitable[bool]]) -> list[bool]:
+    """Await `steps` all at once; each one's outcome, in order, False for one that raised (logged; the next watch
+    round tries again: a claim is taken up again by the process that holds it)."""
+    outcomes = await asyncio.gather(*steps, return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            if not isinstance(outcome, Exception):
+                raise outcome  # cancelled, interrupted: not an outcome
+            logger.debug('a dead-run step failed; tried again next round', exc_info=outcome)
+    return [outcome is True for outcome in outcomes]
 
 
 async def claim(key: str, flow_run_id: Any) -> bool:
@@ -275,3 +357,52 @@ async def claim(key: str, flow_run_id: Any) -> bool:
         if exc.response.status_code != 409:
             raise
     return await aread_flow_run_input(key, flow_run_id=flow_run_id) == mine
+
+
+# ---- the server's clock: a flow run's last sign of life, judged where no serving process watches (`durcap run`'s
+# own flow runs: `_conversation._flow_run_active` for a conversation's turn claim, `_runs.run_states` for gc) --------
+
+
+async def server_clock(client: Any) -> datetime | None:
+    """The Prefect server's clock now: the `Date` header of its `/hello` answer (to the second), aware UTC. Flow run
+    times are the server's: compared with this, a server whose clock differs from this machine's does not make a live
+    run look silent.
+
+    Args:
+        client: A Prefect client (`get_client()`, open).
+
+    Returns:
+        The server's time, or `None` when its answer carries no usable `Date` header.
+
+    Raises:
+        Whatever the client raises when the server cannot be asked (`httpx.HTTPError`, `PrefectHTTPStatusError`).
+    """
+    response = await client.hello()
+    try:
+        return parsedate_to_datetime(response.headers['date']).astimezone(UTC)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def utc(moment: datetime) -> datetime:
+    """A Prefect time (a pendulum or standard datetime; naive means UTC) as a standard aware UTC `datetime`."""
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return datetime.fromtimestamp(moment.timestamp(), UTC)
+
+
+def last_sign_of_life(run: Any, more: Iterable[datetime | None] = ()) -> datetime | None:
+    """The newest sign of life of Prefect flow run `run`, on the server's clock (aware UTC): its `updated` (which every
+    beat moves, `beating`), its state's time, and `more` (e.g. its task runs' `updated`; `None`s skipped). `None` when
+    it has none."""
+    state_time = run.state.timestamp if run.state is not None else None
+    return max((utc(t) for t in (run.updated, state_time, *more) if t is not None), default=None)
+
+
+def silent_for(last: datetime | None, now: datetime, limit: timedelta | float) -> bool:
+    """Whether a flow run whose last sign of life was `last` (`last_sign_of_life`) has been silent for `limit` (a
+    `timedelta`, or seconds) or longer at `now`, both on the server's clock (`server_clock`). A run that has shown no
+    sign (`last` `None`) is not silent: nothing to judge by."""
+    if last is None:
+        return False
+    return now - last >= (limit if isinstance(limit, timedelta) else timedelta(seconds=limit))

@@ -13,7 +13,6 @@ import uuid
 import uuid as uuid_
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any
 
 from prefect import get_client
@@ -51,6 +50,7 @@ from .._adapter import (
 from ._approvals import _input_key
 from ._client import run_flow_run
 from ._flow import agent_flow, run_store
+from ._liveness import last_sign_of_life, server_clock, silent_for, utc
 from ._server import ensure_api, server_line
 from ._spec import DECISION_INPUT_PREFIX, ENGINE, FLOW_NAME_PREFIX, PENDING_INPUT
 
@@ -240,15 +240,6 @@ async def _server_retention(client: Any) -> timedelta | None:
     return None
 
 
-async def _server_now(client: Any) -> datetime | None:
-    """The server's clock (its `Date` header on `/hello`, to the second), `None` when it sends none."""
-    try:
-        response = await client.hello()
-        return parsedate_to_datetime(response.headers['date']).astimezone(UTC)
-    except Exception:  # noqa: BLE001 - this machine's clock then
-        return None
-
-
 async def run_states(run_ids: Sequence[str], settings: Mapping[str, Any]) -> RunStates:
     """What `durcap store gc` needs of the flow runs that own tool-result pieces (`_results`; owners `prefect:<flow run
     id>`, given with or without the prefix).
@@ -280,7 +271,7 @@ async def run_states(run_ids: Sequence[str], settings: Mapping[str, Any]) -> Run
             wanted[uuid.UUID(run_id.removeprefix(f'{ENGINE}:'))] = run_id
         except ValueError:
             continue  # not a flow run id: unknown here
-    silent_for = abandoned_after(settings)
+    silent_after = abandoned_after(settings)
     states: dict[str, RunState] = {}
     async with get_client() as client:
         retention = await _server_retention(client)
@@ -290,43 +281,38 @@ async def run_states(run_ids: Sequence[str], settings: Mapping[str, Any]) -> Run
             chunk = ids[start:start + PREFECT_PAGE]
             runs += await client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=chunk)),
                                                 limit=len(chunk))
-        server_now = await _server_now(client)
-        server_now = _utc(server_now) if server_now is not None else None
+        try:
+            server_now = await server_clock(client)
+        except Exception:  # noqa: BLE001 - this machine's clock then
+            server_now = None
         here = datetime.now(UTC)
         skew = (server_now - here) if server_now is not None else timedelta(0)
+        now = server_now or here
         for run in runs:
             owner = wanted[run.id]
             state = run.state_type.name if run.state_type is not None else 'UNKNOWN'
             if run.state is not None and run.state.is_final():
                 ended = run.end_time or run.state.timestamp or run.updated
-                states[owner] = RunState(owner, False, _utc(ended) - skew)
+                states[owner] = RunState(owner, False, utc(ended) - skew)
                 continue
             if state not in _MAY_BE_ABANDONED:
                 states[owner] = RunState(owner, True)
                 continue
-            signs = [_utc(t) for t in (run.updated, run.state.timestamp if run.state is not None else None)
-                     if t is not None]
-            if signs and (server_now or here) - max(signs) >= silent_for:  # only then: its task runs, one request
+            last = last_sign_of_life(run)
+            if silent_for(last, now, silent_after):  # only then: its task runs, one request
                 tasks = await client.read_task_runs(task_run_filter=TaskRunFilter(
                     flow_run_id=TaskRunFilterFlowRunId(any_=[run.id])))
-                signs += [_utc(t.updated) for t in tasks if t.updated is not None]
-            last = max(signs) if signs else None
-            silent = (server_now or here) - last if last is not None else timedelta(0)
-            if last is None or silent < silent_for:
+                last = last_sign_of_life(run, (t.updated for t in tasks))
+            if last is None or not silent_for(last, now, silent_after):
                 states[owner] = RunState(owner, True)
                 continue
             states[owner] = RunState(owner, False, last - skew, abandoned=(
-                f'{state}, no beat, state change or task run update for {_span(silent)} (since '
+                f'{state}, no beat, state change or task run update for {_span(now - last)} (since '
                 f'{last.isoformat(timespec="seconds")}, Prefect\'s clock; abandoned after '
-                f'{_span(silent_for)}): its process is gone'))
+                f'{_span(silent_after)}): its process is gone'))
     return RunStates(ENGINE, f'Prefect API at {url}', retention, states, keeps_forever=retention is None)
 
 
-def _utc(moment: datetime) -> datetime:
-    """A Prefect time (a pendulum or standard datetime; naive means UTC) as a standard aware UTC `datetime`."""
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return datetime.fromtimestamp(moment.timestamp(), UTC)
 
 
 def _span(delta: timedelta) -> str:
