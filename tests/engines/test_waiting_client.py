@@ -187,22 +187,26 @@ def test_dbos_worker_starts_on_a_postgresql_database_that_does_not_exist_yet(tmp
     assert not exists()
 
 
-@pytest.mark.parametrize('engine', ['dbos', 'temporal'])
+@pytest.mark.parametrize('engine', ['dbos', 'temporal', 'prefect'])
 def test_sigterm_of_a_one_shot_run_says_where_the_run_is_and_exits_at_once(engine: str, tmp_path: Path,
                                                                           request: pytest.FixtureRequest) -> None:
     """`durcap run` running the run in its own process (DBOS on a SQLite system database; Temporal with its in-process
-    worker at the shared dev server), stopped with SIGTERM while the ledger agent's `charge` tool sleeps 300 s: it
-    prints what Ctrl-C prints (the run goes on, its id, `durcap runs show` / `runs resume` / `runs cancel`) and exits
-    143 without waiting for the tool or a worker's graceful stop (well within the 30 s the test allows; before, it
-    died in silence). Model: the ledger agent's scripted `FunctionModel` (tests/engines/ledger_agent.py)."""
+    worker at the shared dev server; Prefect, a flow run outside a deployment on the session's server), stopped with
+    SIGTERM while the ledger agent's `charge` tool sleeps 300 s: it prints what Ctrl-C prints (the run goes on, or on
+    Prefect, where the flow run ran in the command's process, that it stopped with it; its id, `durcap runs show` /
+    `runs resume` / `runs cancel`) and exits 143 without waiting for the tool or a worker's graceful stop (well within
+    the 30 s the test allows; before, it died in silence; a Prefect run was said to go on). Model: the ledger agent's
+    scripted `FunctionModel` (tests/engines/ledger_agent.py)."""
     ledger = tmp_path / 'ledger'
+    extra = {'PREFECT_API_URL': request.getfixturevalue('prefect_api_url'), 'PREFECT_HOME': str(tmp_path / 'ph')} \
+        if engine == 'prefect' else {}
     env = subprocess_env({'DURCAP_LEDGER_DIR': str(ledger), 'DURCAP_LEDGER_AGENT': f'ledger-{uuid.uuid4().hex[:6]}',
-                          'DURCAP_LEDGER_CHARGE_SECONDS': '300'}, unset=['DURCAP_STORE'])
+                          'DURCAP_LEDGER_CHARGE_SECONDS': '300', **extra}, unset=['DURCAP_STORE'])
     args = ['run', 'tests/engines/ledger_agent.py:agent', 'charge order S-1', '--engine', engine,
             '--store', f'sqlite:///{tmp_path / "c.db"}']
     if engine == 'dbos':
         args += ['--db', f'sqlite:///{tmp_path / "dbos.sqlite"}']
-    else:
+    elif engine == 'temporal':
         args += ['--address', request.getfixturevalue('temporal_address'), '--task-queue', f'term-{uuid.uuid4().hex[:6]}',
                  '--inline-worker']
     log = tmp_path / 'run.log'
@@ -214,8 +218,10 @@ def test_sigterm_of_a_one_shot_run_says_where_the_run_is_and_exits_at_once(engin
     finally:
         kill9(run)
     said = log.read_text()
-    label = 'workflow id'
-    assert f'interrupted; the run goes on in {engine} ({label} ' in said, said
+    if engine == 'prefect':
+        assert 'interrupted; the run (flow run id ' in said and 'ran in this command and stopped with it' in said, said
+    else:
+        assert f'interrupted; the run goes on in {engine} (workflow id ' in said, said
     assert '`durcap runs show ' in said and '`durcap runs resume ' in said and '`durcap runs cancel ' in said, said
     assert 'Traceback' not in said, said
 

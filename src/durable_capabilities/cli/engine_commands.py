@@ -383,6 +383,11 @@ def _interrupted(engine: str, run_id: str | None, target: str, *, settings: dict
                 f'(`durcap dev {engine}`) and pass {option} to keep runs past the command')
     where = f' --engine {engine}' + where_flags(engine, flags)
     same_model = (f' --model {model}' if model else '') + (f' --base-url {base_url}' if base_url else '')
+    if adapter.spec.runs_in_caller:
+        return (f'interrupted; the run ({adapter.run_id_label} {run_id}) ran in this command and stopped with it '
+                f'(its finished steps are kept): finish it with `durcap runs resume {run_id}{where} --target '
+                f'{target}{same_model}`, see it with `durcap runs show {run_id}{where}`, or cancel it with '
+                f'`durcap runs cancel {run_id}{where}`')
     return (f'interrupted; the run goes on in {engine} ({adapter.run_id_label} {run_id}): '
             f'find it with `durcap runs show {run_id}{where}`, finish it with `durcap runs resume {run_id}{where} '
             f'--target {target}{same_model}`, or cancel it with `durcap runs cancel {run_id}{where}`')

@@ -146,6 +146,9 @@ class EngineSpec:
             `None` when the id is not one of its (tried after every engine's `append_prefix`).
         forget: How to remove one run's records on the engine, `{run_id}` standing for the run's id (printed by
             `durcap history delete`; `--engines` calls the adapter's `delete_run` instead).
+        runs_in_caller: Whether a run `durcap run` starts executes in that command's own process and stops with it
+            (Prefect: a flow run outside a deployment), rather than going on in the engine's workers; what an
+            interrupted `durcap run` tells the user depends on it.
     """
 
     name: str
@@ -170,6 +173,7 @@ class EngineSpec:
     forget: str = ''
     append_prefix: str | None = None
     run_of_append: Callable[[str], str | None] | None = None
+    runs_in_caller: bool = False
 
     def available(self) -> bool:
         """Whether the engine's SDK is installed, without importing it (importing Prefect alone takes ~1.4 s)."""

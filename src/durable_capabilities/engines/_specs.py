@@ -101,6 +101,7 @@ DBOS = EngineSpec(
 PREFECT = EngineSpec(
     name='prefect',
     module='durable_capabilities.engines.prefect',
+    runs_in_caller=True,
     extra='prefect',
     requires='prefect',
     durability='pydantic_ai.durable_exec.prefect:PrefectDurability',
