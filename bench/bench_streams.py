@@ -138,7 +138,7 @@ def side(name: str) -> Any:
     if name == 'timer':
         _publish._UnitPublisher = TimerBatches  # type: ignore[misc]
     if name in ('bare', 'read'):
-        async def write(self: Any, items: list[Any], *, close: bool = False) -> None:
+        async def write(self: Any, items: list[Any], *, close: bool = False, **_: Any) -> None:
             for item in items:  # encoded as a write would, never written
                 to_json(item.body, fallback=repr)
 
