@@ -114,7 +114,6 @@ async def temporal_replay(agent: DurableAgent[Any, Any], history: Any) -> str:
     from temporalio.worker import Replayer
 
     from durable_capabilities.engines import temporal
-
     from durable_capabilities.engines.temporal._streams import CarryStreamEvents
 
     replayer = Replayer(
