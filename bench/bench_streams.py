@@ -2,7 +2,8 @@
 subscriber's memory does over a 10,000-event run.
 
     .venv/bin/python bench/bench_streams.py [--runs 5] [--engines local,dbos,temporal,prefect] [--deltas 200]
-        [--delay 0] [--sides off,on] [--only a] [--temporal-address HOST:PORT] [--prefect-api-url URL]
+        [--delay 0] [--sides off,on] [--only a] [--temporal-address HOST:PORT] [--conversation]
+        [--prefect-api-url URL]
 
 Model: a scripted `FunctionModel` with both `function` and `stream_function`, answering in `--deltas` words (no
 provider). Side by side in one process, alternating:
@@ -21,8 +22,10 @@ provider). Side by side in one process, alternating:
 (c) a subscriber process's RSS while it reads a 10,000-event run (`watch()`, events not kept), every 1,000 events.
 Temporal: one worker of one agent in this process for each series (its activities read `$DURCAP_STREAMS` as each run
 goes), on the server at `--temporal-address` (default `$DURCAP_TEST_TEMPORAL_ADDRESS`, `$DURCAP_TEMPORAL_ADDRESS`,
-else a dev server started here); each run is `runner.run(..., engine='temporal')` against it. Unstreamed, the
-workflow still runs its three `durcap.stream_publish` local activities, which then write nothing.
+else a dev server started here); each run is `runner.run(..., engine='temporal')` against it (`--conversation`: in
+a conversation of its own); (a) also prints this process's CPU per run (client and worker threads). Unstreamed, the
+workflow still schedules its `durcap.stream_publish` local activity (none with `--conversation`: its own events ride
+with its activities), which then writes nothing.
 Prefect: each run is `runner.run(..., engine='prefect')` in this process (a flow run on the server at
 `--prefect-api-url`, its tasks in this process), as `durcap run --engine prefect` runs it.
 """
@@ -149,7 +152,7 @@ def side(name: str) -> Any:
     if name == 'timer':
         _publish._UnitPublisher = TimerBatches  # type: ignore[misc]
     if name in ('bare', 'read'):
-        async def write(self: Any, items: list[Any], *, close: bool = False) -> None:
+        async def write(self: Any, items: list[Any], *, close: bool = False, **_: Any) -> None:
             for item in items:  # encoded as a write would, never written
                 to_json(item.body, fallback=repr)
 
@@ -189,6 +192,11 @@ async def one_run(engine: str, streamed: bool | str, deltas: int, folder: Path, 
 
 
 TEMPORAL_ADDRESS: list[str] = []
+CPU: list[float] = []
+"""This process's CPU seconds (`time.process_time`: every thread, the Temporal worker's included) of each Temporal run
+of the last `temporal_runs`, in order."""
+CONVERSATION: list[bool] = [False]
+"""`--conversation`: each Temporal run in a conversation of its own (a load and an append activity)."""
 
 
 async def temporal_runs(sides: list[tuple[bool | str, str | None]], deltas: int, folder: Path,
@@ -201,13 +209,16 @@ async def temporal_runs(sides: list[tuple[bool | str, str | None]], deltas: int,
     agent = DurableAgent(f'bench-{uuid.uuid4().hex[:6]}', model(deltas, delay), engines=['temporal'])
     queue = f'bench-{uuid.uuid4().hex[:8]}'
     times = []
+    CPU.clear()
     async with make_worker(await connect(address, store=store), [agent], queue, store=store):
         for streamed, run_id in sides:
+            extra = {'conversation_id': f'bench-{uuid.uuid4().hex[:8]}'} if CONVERSATION[0] else {}
             with side(streamed if isinstance(streamed, str) else ('on' if streamed else 'off')):
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.process_time()
                 await runner.run(agent, 'go', engine='temporal', run_id=run_id, address=address, task_queue=queue,
-                                 inline_worker=False, store=store, notify=lambda line: None)
+                                 inline_worker=False, store=store, notify=lambda line: None, **extra)
                 times.append(time.perf_counter() - started)
+                CPU.append(time.process_time() - cpu)
     return times
 
 
@@ -216,11 +227,13 @@ def wall_times(engines: list[str], runs: int, deltas: int, folder: Path, delay: 
           f'each, sides {",".join(sides)} in turn, medians')
     for engine in engines:
         times: dict[str, list[float]] = {name: [] for name in sides}
+        cpu: dict[str, list[float]] = {name: [] for name in sides}
         if engine == 'temporal':
             order = [*sides] + [name for _ in range(runs) for name in sides]
             measured = asyncio.run(temporal_runs([(name, None) for name in order], deltas, folder, delay))
-            for name, took in list(zip(order, measured, strict=True))[len(sides):]:  # the first of each warm up
-                times[name].append(took)
+            for name, took, spent in list(zip(order, measured, CPU, strict=True))[len(sides):]:  # the first of each
+                times[name].append(took)                                                        # warms up
+                cpu[name].append(spent)
         else:
             for name in sides:  # warm-up (imports, store schema, DBOS)
                 asyncio.run(one_run(engine, name, deltas, folder, delay=delay))
@@ -231,6 +244,11 @@ def wall_times(engines: list[str], runs: int, deltas: int, folder: Path, delay: 
         cells = [f'{name} {statistics.median(times[name]) * 1000:7.1f} ms' + (
             '' if name == 'off' else f' {statistics.median(times[name]) / off:.2f}x') for name in sides]
         print(f'  {engine:8s} ' + '  '.join(cells) + '  (target: on <= 1.10x)')
+        if engine == 'temporal':  # the process's CPU per run (client and worker): steadier than wall time under load
+            base = statistics.median(cpu['off'])
+            print(f'  {"CPU":8s} ' + '  '.join(f'{name} {statistics.median(cpu[name]) * 1000:7.1f} ms' + (
+                '' if name == 'off' else f' {statistics.median(cpu[name]) / base:.2f}x') for name in sides)
+                + f'  ({"conversation" if CONVERSATION[0] else "no conversation"})')
 
 
 def latency(engine: str, deltas: int, folder: Path, delay: float, name: str = 'on') -> None:
@@ -409,7 +427,10 @@ def main() -> None:
     parser.add_argument('--temporal-address', default=os.environ.get('DURCAP_TEST_TEMPORAL_ADDRESS')
                         or os.environ.get('DURCAP_TEMPORAL_ADDRESS'), help='a Temporal server (default: '
                         '$DURCAP_TEST_TEMPORAL_ADDRESS, $DURCAP_TEMPORAL_ADDRESS, else a dev server started here)')
+    parser.add_argument('--conversation', action='store_true', help='Temporal: each run of (a) in a conversation of '
+                        'its own (a load and an append activity)')
     args = parser.parse_args()
+    CONVERSATION[0] = args.conversation
     engines = args.engines.split(',')
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         folder = Path(tmp)

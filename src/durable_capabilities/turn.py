@@ -88,11 +88,12 @@ def _streams() -> Any:
     return sys.modules.get(f'{__package__}.streams')
 
 
-async def _publish(kind: str, data: dict[str, Any], *more: tuple[str, dict[str, Any]], close: bool = False) -> None:
+async def _publish(kind: str, data: dict[str, Any], *more: tuple[str, dict[str, Any]], close: bool = False,
+                   carry: str | None = None) -> None:
     """`streams.publish_run` when the package is imported (a no-op outside a publishing container)."""
     module = _streams()
     if module is not None:
-        await module.publish_run(kind, data, *more, close=close)
+        await module.publish_run(kind, data, *more, close=close, carry=carry)
 
 
 def _jsonable(value: Any) -> Any:
@@ -280,9 +281,11 @@ async def _run(agent: DurableAgent[Any, Any], run: Callable[..., Awaitable[Any]]
     stream = module.current_stream() if module is not None else None
     if stream is not None:
         stream.conversation_id = conversation_id
+        # With the run's first durable unit where the stream defers (a Temporal workflow: its first model request
+        # activity stores them before its own events).
         await _publish('run_started', {'agent': agent.name, 'engine': stream.engine,
-                                                  'conversation_id': conversation_id, 'prompt': prompt},
-                                  ('capability_catalog', {'capabilities': agent.capability_ids()}))
+                                       'conversation_id': conversation_id, 'prompt': prompt},
+                       ('capability_catalog', {'capabilities': agent.capability_ids()}), carry='next')
     token = _current.set(state)
     try:
         if gate is not None:
@@ -314,6 +317,13 @@ async def _run(agent: DurableAgent[Any, Any], run: Callable[..., Awaitable[Any]]
     finally:
         _current.reset(token)
     turn = Turn(result, state, logged, to_jsonable_python(usage), added)
+    # A stream that defers (a Temporal workflow's) has the append unit store the turn's closing events once the
+    # append succeeded: no unit of their own.
+    closing = stream is not None and stream.defers and conversation_id is not None and append is not None
+    if closing:
+        await _publish('turn_stored', {'conversation_id': conversation_id, 'messages': len(turn.new_messages)},
+                       ('run_completed', {'output': _jsonable(result.output), 'usage': turn.usage,
+                                          'new_messages': len(turn.new_messages)}), close=True, carry='after')
     if conversation_id is not None and append is not None:
         appended = await append(conversation_id, turn.new_messages, revision, turn.usage)
         if isinstance(appended, int) and not isinstance(appended, bool):
@@ -327,10 +337,10 @@ async def _run(agent: DurableAgent[Any, Any], run: Callable[..., Awaitable[Any]]
             # back `0.0`), and Prefect hashes a model request's history into its cache key: a flow run resumed
             # elsewhere then missed its cache and ran its model requests and tools again.
             _remember(cache_key, [*messages, *ModelMessagesTypeAdapter.validate_python(turn.new_messages)])  # type: ignore[arg-type]
-        if stream is not None:
+        if stream is not None and not closing:
             await _publish('turn_stored', {'conversation_id': conversation_id,
                                                       'messages': len(turn.new_messages)})
-    if stream is not None:
+    if stream is not None and not closing:
         await _publish('run_completed', {'output': _jsonable(result.output), 'usage': turn.usage,
                                                     'new_messages': len(turn.new_messages)}, close=True)
     return turn

@@ -114,9 +114,11 @@ async def temporal_replay(agent: DurableAgent[Any, Any], history: Any) -> str:
     from temporalio.worker import Replayer
 
     from durable_capabilities.engines import temporal
+    from durable_capabilities.engines.temporal._streams import CarryStreamEvents
 
     replayer = Replayer(
-        workflows=[temporal.workflow_class(agent)], plugins=[PydanticAIPlugin()], workflow_runner=temporal.sandbox_runner()
+        workflows=[temporal.workflow_class(agent)], plugins=[PydanticAIPlugin()], workflow_runner=temporal.sandbox_runner(),
+        interceptors=[CarryStreamEvents()],  # the worker's: the workflow's stream events ride with its activities
     )
     result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
     failure = result.replay_failure

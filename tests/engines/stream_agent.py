@@ -3,7 +3,8 @@
 First request: a streamed call of the `order_status` tool. Second request: the answer, streamed word by word,
 `$DURCAP_STREAM_DELAY` seconds apart (default 0.1). With `$DURCAP_STREAM_DIR` set, the first execution of the answer
 request writes `mid-stream` (holding its pid) after `HANG_AFTER` words and then hangs, so a test can SIGKILL the
-process mid-stream; a later execution finds the file and streams the whole answer.
+process mid-stream; a later execution finds the file and streams the whole answer. With `$DURCAP_STREAM_HANG=first`
+it is the first request (the tool call) that writes `mid-stream` after its first delta and hangs instead.
 """
 
 from __future__ import annotations
@@ -25,13 +26,20 @@ HANG_AFTER = 10
 
 async def stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator[str | DeltaToolCalls]:
     returned = [p for m in messages for p in getattr(m, 'parts', []) if isinstance(p, ToolReturnPart)]
+    folder = os.environ.get('DURCAP_STREAM_DIR')
+    marker = Path(folder) / 'mid-stream' if folder else None
+    first = os.environ.get('DURCAP_STREAM_HANG') == 'first'
+    hang = marker is not None and not marker.exists() and first == (not returned)
     if not returned:
+        if hang:
+            assert marker is not None
+            yield {0: DeltaToolCall(name='order_status', tool_call_id='call-1')}
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(str(os.getpid()))
+            await asyncio.sleep(300)
         yield {0: DeltaToolCall(name='order_status', json_args='{"order_id": "ABC-123"}', tool_call_id='call-1')}
         return
     delay = float(os.environ.get('DURCAP_STREAM_DELAY', '0.1'))
-    folder = os.environ.get('DURCAP_STREAM_DIR')
-    marker = Path(folder) / 'mid-stream' if folder else None
-    hang = marker is not None and not marker.exists()
     yield 'Order ABC-123 is shipped: '
     for index, word in enumerate(WORDS):
         if hang and index == HANG_AFTER:

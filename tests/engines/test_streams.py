@@ -335,3 +335,115 @@ def test_real_provider_models_stream_over_sse_and_a_cut_stream_is_discarded(
     assert retries[0].offset > max(e.offset for e in events if (e.unit, e.attempt) == (unit, 1))
     assert min(e.offset for e in events if (e.unit, e.attempt) == (unit, 2) and e.kind != 'retry') > retries[0].offset, \
         offsets
+
+
+def test_temporal_worker_killed_in_the_first_model_request_stores_run_started_once(
+        temporal_address: str, tmp_path: Path, spawn) -> None:
+    """Temporal (the shared dev server), `durcap worker temporal` 1 and `durcap run --no-inline-worker`: the first
+    model request activity, which carries the workflow's `run_started` and `capability_catalog` in its header
+    (`engines.temporal._streams.CarryStreamEvents`), stores them with its first delta and is SIGKILLed in the middle
+    of its stream (`$DURCAP_STREAM_HANG=first`); worker 2 runs attempt 2, which carries the same events. The stream
+    holds `run_started` once, at offset 1, then `capability_catalog`, attempt 1's partial event, the `retry` marker
+    discarding it, no gap or repeat, `run_completed` last with the answer."""
+    from durable_capabilities.streams import EventLog
+    from durable_capabilities.streams._watch import to_run_event
+    from tests.engines.stream_agent import ANSWER
+
+    stream_dir, store = tmp_path / 'stream', f'sqlite:///{tmp_path / "conversations.db"}'
+    env = {'DURCAP_STORE': store, 'DURCAP_STREAM_DIR': str(stream_dir), 'DURCAP_STREAM_HANG': 'first',
+           'DURCAP_STREAM_AGENT': f'streamer-{uuid.uuid4().hex[:6]}', 'DURCAP_STREAM_DELAY': '0'}
+    queue = f'first-{uuid.uuid4().hex[:8]}'
+    worker = ('temporal', 'worker', '--target', TARGET, '--address', temporal_address, '--task-queue', queue)
+    first = spawn(*worker, env=env)
+    first.wait_for('WORKER READY', 90)
+    err = tmp_path / 'run.err'
+    with open(tmp_path / 'run.out', 'wb') as out, open(err, 'wb') as errors:
+        run = subprocess.Popen([*DURCAP, 'run', TARGET, 'where is ABC-123?', '--engine', 'temporal', '--no-stream',
+                                '--address', temporal_address, '--task-queue', queue, '--no-inline-worker'],
+                               cwd=ROOT, env=subprocess_env(env), stdout=out, stderr=errors, start_new_session=True)
+    log = EventLog(store)
+    try:
+        line = wait_for(lambda: next((x for x in err.read_text().splitlines() if 'temporal workflow id:' in x),
+                                     None), 120)
+        assert line is not None  # wait_for fails first
+        run_id = line.split('temporal workflow id:', 1)[1].split()[0]
+        wait_for_file(stream_dir / 'mid-stream', 120)
+        # attempt 1's first event stored (the carried events with it, in its first write) before the kill
+        wait_for(lambda: any(e.unit.startswith('model_request') for e in log.read_sync(run_id, 0)) or None, 60)
+        first.kill9()
+        spawn(*worker, env=env)
+        assert run.wait(timeout=180) == 0, err.read_text()
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert (tmp_path / 'run.out').read_text().split('answer (temporal): ', 1)[1].splitlines()[0] == ANSWER
+    events = [to_run_event(run_id, e) for e in log.read_sync(run_id, 0, limit=10_000)]
+    assert_in_order_once(events)
+    kinds = [e.kind for e in events]
+    assert kinds[:2] == ['run_started', 'capability_catalog'] and events[0].offset == 1, kinds
+    assert kinds.count('run_started') == 1 and kinds.count('capability_catalog') == 1 and kinds[-1] == 'run_completed'
+    retries = [e for e in events if e.kind == 'retry']
+    assert len(retries) == 1 and retries[0].unit == 'model_request:1' and retries[0].data['discard_attempts'] == [1]
+    assert any(e.unit == 'model_request:1' and e.attempt == 1 for e in events)  # attempt 1's partial event
+    assert answer_text(events) == ANSWER
+
+
+def test_temporal_run_writes_its_own_events_without_a_local_activity_where_an_activity_follows(
+        temporal_address: str, tmp_path: Path) -> None:
+    """Temporal (the shared dev server), a worker in this process (`make_worker`), `tests.engines.stream_agent`
+    (scripted `FunctionModel`): a run with a conversation records no local activity (its `run_started` and
+    `capability_catalog` ride with the first model request activity, `turn_stored` and `run_completed` with the
+    conversation append activity, both in the activity's `CARRY_HEADER`); a run without one records one
+    (`durcap.stream_publish` for `run_completed`: no activity follows its end). Both streams hold every event once,
+    in order, `run_started` first and `run_completed` last (the stream closed). Before this change: 3 and 2 local
+    activities."""
+    import asyncio
+
+    from temporalio.api.enums.v1 import EventType
+
+    from durable_capabilities import runner
+    from durable_capabilities.engines.temporal import connect, make_worker
+    from durable_capabilities.engines.temporal._streams import CARRY_HEADER
+    from durable_capabilities.streams import EventLog
+    from durable_capabilities.streams._watch import to_run_event
+    from tests.engines.stream_agent import ANSWER, agent
+
+    store = f'sqlite:///{tmp_path / "conversations.db"}'
+    queue = f'carry-{uuid.uuid4().hex[:8]}'
+
+    async def scenario() -> dict[str, tuple[list[Any], str]]:
+        client = await connect(temporal_address, store=store)
+        runs: dict[str, tuple[list[Any], str]] = {}
+        async with make_worker(client, [agent], queue, store=store):
+            for name, conversation in (('plain', None), ('conversation', f'carry-{uuid.uuid4().hex[:6]}')):
+                run_id = f'carry-{name}-{uuid.uuid4().hex[:8]}'
+                report = await runner.run(agent, 'where is ABC-123?', engine='temporal', run_id=run_id,
+                                          address=temporal_address, task_queue=queue, inline_worker=False, store=store,
+                                          notify=lambda line: None, conversation_id=conversation)
+                assert report.output == ANSWER
+                runs[name] = (list((await client.get_workflow_handle(run_id).fetch_history()).events), run_id)
+        return runs
+
+    os.environ['DURCAP_STREAM_DELAY'] = '0'
+    try:
+        runs = asyncio.run(scenario())
+    finally:
+        del os.environ['DURCAP_STREAM_DELAY']
+    log = EventLog(store)
+    for name, (history, run_id) in runs.items():
+        markers = [e for e in history if e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED
+                   and e.marker_recorded_event_attributes.marker_name == 'core_local_activity']
+        assert len(markers) == (0 if name == 'conversation' else 1), name
+        carriers = [e.activity_task_scheduled_event_attributes.activity_type.name for e in history
+                    if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+                    and CARRY_HEADER in e.activity_task_scheduled_event_attributes.header.fields]
+        expected = ['model_request'] + (['conversation_append'] if name == 'conversation' else [])
+        assert [c.rsplit('__', 1)[1] for c in carriers] == expected, carriers
+        events = [to_run_event(run_id, e) for e in log.read_sync(run_id, 0, limit=10_000)]
+        assert_in_order_once(events)
+        kinds = [e.kind for e in events if e.unit == 'run']
+        assert kinds == ['run_started', 'capability_catalog', *(['turn_stored'] if name == 'conversation' else []),
+                         'run_completed'], kinds
+        assert events[0].offset == 1 and events[-1].kind == 'run_completed' and answer_text(events) == ANSWER
+        info = log.info_sync(run_id)
+        assert info is not None and info.closed_at is not None

@@ -457,3 +457,15 @@ def test_event_json_is_the_run_events_own_json(tmp_path: Path) -> None:
         assert event_json('local-json', replace(row, raw=None)) == expected
         assert event_json('local-json', replace(row, created_at=row.created_at.replace('+00:00', 'Z'))) == expected
     assert event_json('run "quoted" é', rows[0]) == to_run_event('run "quoted" é', rows[0]).model_dump_json()
+
+
+def test_temporal_stream_histories_replay_from_before_and_after_events_rode_with_activities() -> None:
+    """Recorded Temporal histories of `tests.engines.stream_agent` (scripted `FunctionModel`; a run without a
+    conversation and one with) replay against this code: `local-activities-*` recorded by main's code at 20c41c4 (a
+    `durcap.stream_publish` local activity per publish of the workflow's own events), `carried-*` by this code (those
+    events in the model request and append activities' `CARRY_HEADER`, behind `CARRY_PATCH_ID`)."""
+    from durable_capabilities.testing import assert_histories_replay
+    from tests._helpers import HISTORIES
+    from tests.engines.stream_agent import agent
+
+    assert assert_histories_replay(HISTORIES / 'streams', [agent]) == 4

@@ -14,7 +14,9 @@ What runs where:
   plain request, and the response's events are published at its end. Each execution of the unit is a new attempt;
   when an earlier attempt published events, a `retry` event comes first, naming the attempts to discard.
 On Temporal, `engines.temporal._streams` enters `publishing` around each model request activity (with the
-activity's attempt), and the workflow's own events go through a local activity (`attached`).
+activity's attempt), and the workflow's own events (`attached`) ride with its next activity where one follows
+(`StreamContext.carried`: `run_started` with the first model request, `run_completed` with the append), else go
+through a local activity.
 Without a `StreamContext` (a run outside `publishing`) the wrapper is a plain pass-through.
 """
 
@@ -24,7 +26,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import asynccontextmanager, contextmanager, suppress
 from contextvars import ContextVar
@@ -95,13 +97,24 @@ class StreamContext:
     closed: bool = field(default=False)
     failed: bool = field(default=False)
     durable: bool = True
+    carried: list[Any] = field(default_factory=list)
+    """The container's events (`_log.Item`, unit `run`) handed to this unit to store first, with its first batch
+    (a Temporal workflow's `run_started`, carried by its first model request activity: `engines.temporal._streams`);
+    a key already stored is skipped, so a retried unit stores them once. Emptied when handed to a write."""
 
-    async def write(self, items: list[Any], *, close: bool = False) -> None:
+    defers: bool = False
+    """Whether `write(carry=...)` may hand the events to the run's next durable unit instead of writing them at once
+    (a Temporal workflow's stream: `engines.temporal._streams.WorkflowStream`); `run_turn` then publishes the turn's
+    closing events before its append unit, with `carry='after'`."""
+
+    async def write(self, items: list[Any], *, close: bool = False, carry: str | None = None) -> None:
         """Store `items`: handed to the store's writer thread (`EventLog.submit`, in order with every other write of
         this process), awaited only with `close` (the stream's last write: every write before it is then stored
         too). The container's other events are not waited for: a container that is replayed (DBOS recovery, a retried
         Prefect flow) publishes them again under the same keys. A store that cannot be written stops this run's
-        publishing (one warning) and never fails the run itself."""
+        publishing (one warning) and never fails the run itself. `carry` (`'next'`: may be stored by the run's next
+        durable unit, before its own events; `'after'`: stored once the next unit succeeded) is for a stream that
+        `defers`; this one writes at once."""
         if self.failed:
             return
         log, run_id, engine = self.log, self.run_id, self.engine
@@ -188,10 +201,11 @@ def attached(context: StreamContext | None) -> Iterator[StreamContext | None]:
         _current.reset(token)
 
 
-async def publish_run(kind: str, data: dict[str, Any], *more: tuple[str, dict[str, Any]], close: bool = False) -> None:
+async def publish_run(kind: str, data: dict[str, Any], *more: tuple[str, dict[str, Any]], close: bool = False,
+                      carry: str | None = None) -> None:
     """Publish the container's own events (unit `run`, attempt 0) to the current stream, if any, in one write:
     `kind` with `data`, then each `(kind, data)` of `more`; `close` marks the stream finished (`run_completed`,
-    `run_failed`)."""
+    `run_failed`); `carry`: see `StreamContext.write` (only a stream that `defers` uses it)."""
     context = _current.get()
     if context is None or context.closed:
         return
@@ -201,7 +215,10 @@ async def publish_run(kind: str, data: dict[str, Any], *more: tuple[str, dict[st
     for event_kind, event_data in ((kind, data), *more):
         items.append(Item(RUN_UNIT, 0, context.seq, event_kind, {'data': event_data}))
         context.seq += 1
-    await context.write(items, close=close)
+    if carry is None:
+        await context.write(items, close=close)
+    else:
+        await context.write(items, close=close, carry=carry)
     context.closed = close
 
 
@@ -320,18 +337,21 @@ class _UnitPublisher:
         entries = self._take()
         if not entries:
             return None
+        carried, self.context.carried = self.context.carried, []
         self.last_write = time.monotonic()
-        self.last = self.context.log.submit(self.context.run_id, lambda cur: self._write_in(cur, entries),
+        self.last = self.context.log.submit(self.context.run_id, lambda cur: self._write_in(cur, entries, carried),
                                             flush=self.context.durable)
         self.last.add_done_callback(self._written)
         return self.last
 
-    def _write_in(self, cur: Any, entries: list[tuple[int, str, dict[str, Any]]]) -> None:
-        """In the writer thread's transaction, after this unit's earlier batches: store `entries` (the first claims
-        the attempt)."""
+    def _write_in(self, cur: Any, entries: list[tuple[int, str, dict[str, Any]]], carried: Sequence[Any] = ()) -> None:
+        """In the writer thread's transaction, after this unit's earlier batches: store the container's `carried`
+        events not stored yet (`StreamContext.carried`), then `entries` (the first claims the attempt)."""
         if self.context.failed:
             return
         context = self.context
+        if carried:
+            context.log.append_in(cur, context.run_id, context.engine, carried)
         self.attempt = context.log.append_unit_in(cur, context.run_id, context.engine, self.unit, entries, self.attempt,
                                                   at_least=context.attempt)
 

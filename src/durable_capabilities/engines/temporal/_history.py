@@ -111,12 +111,17 @@ class HistoryReplayer:
         workflows: Their workflow classes (`engines.temporal.workflow_classes`).
         workflow_runner: The sandbox runner the worker uses (`engines.temporal.sandbox_runner()`).
         store: Conversation store the claim-check references are read from (default `$DURCAP_STORE`).
-        interceptors: The worker's workflow interceptors that change commands (`engines.temporal.LocalToolActivities`).
+        interceptors: The worker's workflow interceptors that change commands (`engines.temporal.LocalToolActivities`;
+            `_streams.CarryStreamEvents` is always added).
     """
 
     def __init__(self, agents: Sequence[DurableAgent[Any, Any]], workflows: Sequence[type], workflow_runner: WorkflowRunner,
                  store: str | None = None, interceptors: Sequence[Any] = ()):
+        from ._streams import CarryStreamEvents  # the event schemas
+
         self.agents = list(agents)
+        if not any(isinstance(i, CarryStreamEvents) for i in interceptors):  # the worker's stream commands
+            interceptors = [*interceptors, CarryStreamEvents()]
         self._replayer = Replayer(
             workflows=list(workflows),
             interceptors=list(interceptors),

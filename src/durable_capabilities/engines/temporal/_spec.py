@@ -34,6 +34,10 @@ CAPABILITIES_PATCH_ID = 'durcap-capabilities-memo'
 STREAMS_PATCH_ID = 'durcap-run-streams'
 """Patch marker of the workflow's own stream events (`_streams.WorkflowStream`: a local activity per publish); a
 history recorded without it replays without them."""
+CARRY_PATCH_ID = 'durcap-stream-events-carried'
+"""Patch marker of a workflow's own stream events riding with its next activity (`_streams.CarryStreamEvents`:
+`run_started` with the first model request, `run_completed` with the append) instead of a local activity each; a
+history recorded without it replays with its local activities."""
 SEARCH_ATTRIBUTE_MEMO = 'durcap_search_attribute'
 
 CAPABILITIES_MEMO = 'durcap_capabilities'

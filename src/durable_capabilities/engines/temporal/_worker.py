@@ -251,20 +251,27 @@ def make_worker(
     With `version` (see `worker_version`), the worker uses Worker Versioning and its workflows are pinned to the
     version that started them. Keyword arguments are passed to `Worker` (ours by default: the sandbox runner,
     `DEFAULT_STICKY_SCHEDULE_TO_START`, `HEARTBEAT_THROTTLE`; `UnstickOnRetry`, `RetryAfterCap` and
-    `_streams.PublishFromActivities` are added to any `interceptors` given). The runs publish their event streams to
-    `store` (`_streams`, docs/watching.md), through the local activity `_streams.PUBLISH_ACTIVITY` registered here.
+    `_streams.PublishFromActivities` and `_streams.CarryStreamEvents` are added to any `interceptors` given). The
+    runs publish their event streams to `store` (`_streams`, docs/watching.md): from the model request and append
+    activities, and through the local activity `_streams.PUBLISH_ACTIVITY` registered here.
     """
     if version is not None:
         worker_kwargs.setdefault('deployment_config', version.deployment_config())
     worker_kwargs.setdefault('sticky_queue_schedule_to_start_timeout', DEFAULT_STICKY_SCHEDULE_TO_START)
     worker_kwargs.setdefault('max_heartbeat_throttle_interval', HEARTBEAT_THROTTLE)
-    from ._streams import PublishFromActivities, model_request_activities, publish_activity  # the event schemas
+    from ._streams import (  # the event schemas
+        CarryStreamEvents,
+        PublishFromActivities,
+        model_request_activities,
+        publish_activity,
+    )
 
     local = {name: config for agent in agents for name, config in local_tool_activities(agent).items()}
     worker_kwargs['interceptors'] = [*worker_kwargs.get('interceptors', ()), UnstickOnRetry(), RetryAfterCap(),
                                      *([LocalToolActivities(local)] if local else []),
-                                     PublishFromActivities(store, model_request_activities(agents, durable_names)),
-                                     *_telemetry_interceptors()]
+                                     PublishFromActivities(store, model_request_activities(agents, durable_names),
+                                                           agents),
+                                     CarryStreamEvents(), *_telemetry_interceptors()]
     worker_kwargs.setdefault('workflow_runner', sandbox_runner())
     logging.getLogger('temporalio.activity').addFilter(_MODEL_RETRY_LOG_LINE)  # a set: adding it again is a no-op
     for agent in agents:

@@ -174,6 +174,8 @@ def _run_method(agent: DurableAgent[Any, Any], built: Any, class_name: str) -> A
                                       conversation_id=params.conversation_id, load=load, append=append,
                                       gate=TemporalApprovalGate(self),
                                       carried=params.continued.summaries if params.continued else None, busy=params.busy)
+                if stream is not None:
+                    await stream.finish()  # what no activity carried
         finally:
             _current_run.reset(token)
         _record_capabilities(turn.new_messages)
@@ -219,11 +221,15 @@ def continue_as_new_handler(agent: DurableAgent[Any, Any]) -> Any:
             ModelMessagesTypeAdapter.dump_python(pending, mode='json'), stream.seq if stream is not None else None,
         )
         if params.conversation_id is None:
+            if stream is not None:
+                await stream.finish()  # the new run is another workflow run: nothing carried over
             workflow.continue_as_new(AgentRunInput(None, None, params.deps, [*turn.history, *added], continued))
         info = workflow.info()
         await append_activity(agent, AppendInput(params.conversation_id, added, turn.revision,
                                                  f'{info.workflow_id}:{info.run_id}:continue-as-new',
                                                  to_jsonable_python(ctx.usage)))
+        if stream is not None:
+            await stream.finish()
         workflow.continue_as_new(AgentRunInput(None, params.conversation_id, params.deps, None, continued))
 
     return handler
