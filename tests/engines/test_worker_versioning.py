@@ -56,6 +56,19 @@ def test_build_id_changes_exactly_when_a_durable_name_does(agent_name: Any) -> N
     assert (given.deployment_name, given.build_id, given.derived) == ('shop', 'release-42', False)
 
 
+def test_build_id_changes_with_durcaps_workflow_revision(agent_name: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same durable names on a durcap whose workflow issues other commands (`WORKFLOW_REVISION` bumped, as the
+    stream events carried in activity headers did) derive another build id: a worker of the older workflow code
+    cannot replay the newer one's runs (nondeterminism), so the two must be versions of their own and runs stay
+    pinned to the code that started them. No server: the derivation alone."""
+    from durable_capabilities.engines.temporal import _versioning, worker_version
+
+    agent = _agent(agent_name('shop'), 'orders')
+    now = worker_version([agent], 'q').build_id
+    monkeypatch.setattr(_versioning, 'WORKFLOW_REVISION', _versioning.WORKFLOW_REVISION - 1)
+    assert worker_version([agent], 'q').build_id != now
+
+
 @pytest.fixture
 def workers(tmp_path: Path) -> Iterator[Any]:
     """Start `durcap worker temporal` processes (own process group each); every one is stopped after the test."""

@@ -78,6 +78,13 @@ LOCAL_TOOLS_PATCH_ID = 'durcap-local-tool-activities'
 # ---- Worker Versioning (`_versioning`) ---------------------------------------------------------------------------
 
 BUILD_ID_PREFIX = 'durcap-'
+WORKFLOW_REVISION = 2
+"""The revision of durcap's own Temporal workflow code, part of every derived build id (`_versioning.build_id`).
+Bumped whenever a release makes the workflow issue other commands for the same history (a new patch marker, an
+activity or local activity added or removed): a worker of the older code cannot replay a run the newer code started
+(Temporal's nondeterminism error), so the newer workers must declare a version of their own, and runs pinned to the
+older version stay on the older workers. 1: up to 0.2 and the stream's local activities (`durcap-run-streams`);
+2: the workflow's own stream events carried in its activities' headers (`durcap-stream-events-carried`)."""
 DEPLOYMENT_PREFIX = 'durcap-'
 IDENTITY = 'durcap worker temporal'
 REGISTRATION_TIMEOUT = 60.0

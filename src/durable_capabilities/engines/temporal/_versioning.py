@@ -9,9 +9,11 @@ started it, and the server sends new runs to the deployment's *current* version.
 - Deployment name: `durcap-{task queue}` (one deployment per task queue), or given.
 - Build id: `durcap-` + 12 hex digits of a SHA-256 over the durable names the worker registers for its
   agents (the `temporal` sections of `durable.lock`), with each agent's workflow type named after its durable
-  name: a worker whose names did not change (the same code, a capability renamed with `aliases`, an agent
-  renamed with `previous_names`) has the same build id, so its runs carry on; one whose names changed gets a
-  new build id. Given explicitly (`--build-id`, e.g. a git commit), it is used as is.
+  name, and durcap's own workflow revision (`_spec.WORKFLOW_REVISION`): a worker whose names did not change (the
+  same code, a capability renamed with `aliases`, an agent renamed with `previous_names`) on the same durcap
+  workflow code has the same build id, so its runs carry on; one whose names changed, or a durcap upgrade that
+  changed what its workflow does, gets a new build id. Given explicitly (`--build-id`, e.g. a git commit), it is
+  used as is.
 - Current version: a worker sets its version as the deployment's current version once it polls (unless told
   not to), so the first worker just works and each deploy takes the new runs while the old worker finishes
   the runs pinned to it.
@@ -40,7 +42,7 @@ from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import WorkerDeploymentConfig
 
-from ._spec import BUILD_ID_PREFIX, DEPLOYMENT_PREFIX, IDENTITY, REGISTRATION_TIMEOUT
+from ._spec import BUILD_ID_PREFIX, DEPLOYMENT_PREFIX, IDENTITY, REGISTRATION_TIMEOUT, WORKFLOW_REVISION
 
 if TYPE_CHECKING:
     from ...agent import DurableAgent
@@ -81,7 +83,8 @@ def default_deployment_name(task_queue: str) -> str:
 
 
 def build_id(agents: Sequence[DurableAgent[Any, Any]], durable_names: Any) -> str:
-    """`durcap-` + the first 12 hex digits of the SHA-256 of the sorted durable names of `agents` on Temporal.
+    """`durcap-` + the first 12 hex digits of the SHA-256 of the sorted durable names of `agents` on Temporal and
+    durcap's workflow revision.
 
     Args:
         agents: The definitions the worker serves.
@@ -89,9 +92,11 @@ def build_id(agents: Sequence[DurableAgent[Any, Any]], durable_names: Any) -> st
             `durable_names`, the source of `durable.lock`).
 
     The workflow types registered only for `previous_names` are left out and the agent's own workflow type is
-    named after its durable name, so a rename declared with `previous_names` keeps the build id.
+    named after its durable name, so a rename declared with `previous_names` keeps the build id. The revision
+    (`WORKFLOW_REVISION`) changes it when a durcap release changed the commands its workflow issues, which an older
+    worker could not replay.
     """
-    names: set[str] = set()
+    names: set[str] = {f'durcap-workflow-revision:{WORKFLOW_REVISION}'}
     for agent in agents:
         units = durable_names(agent)
         names.update(units.get('activities', []))
