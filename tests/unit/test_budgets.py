@@ -226,3 +226,42 @@ def test_dc060_after_a_raise_decision_says_what_became_of_the_raise(decision: di
     assert str(error.message).startswith(f"DC060 budget total_tokens for key 'conversation:c1': spent 200 tokens of limit "
                                          f'101 tokens; {clause}; the model request was not sent. Fix: '), error.message
     assert _raise_decided(messages[:1]) is None
+
+
+def test_a_reservation_in_one_statement_leaves_raised_changed_and_spent_budgets_to_the_full_check(tmp_path: Path) -> None:
+    """On SQLite a reservation is first one statement (`_budgets._admit`), which reserves only while the key's ledger
+    row is under every limit, was never raised and holds these limits; every other case goes to the full transaction
+    and decides as before: a raise lets a request through past the given limit, changed limits are written for
+    `durcap budgets`, a cost spent exactly to its limit refuses, one nano-USD under admits. No model: the store's
+    budget calls, as `BudgetModel` makes them; real SQLite in the test's folder."""
+    from durable_capabilities.store import SQLConversationStore, _budgets
+
+    url = f'sqlite:///{tmp_path / "conversations.db"}'
+
+    async def main() -> None:
+        with SQLConversationStore(url) as opened:
+            tokens: dict[str, float] = {'total_tokens': 100}
+            assert await opened.budget_reserve('k', 'r#1', 'r', tokens) is None  # a new key: the full transaction
+            await opened.budget_settle('k', 'r#1', 'r', input_tokens=60, output_tokens=40)
+            statement, params = _budgets._admit('k', 'r#2', 'r', tokens)
+            assert opened._sql._quick_run(lambda raw: raw.execute(statement, params).rowcount, begin=False) == 0  # spent
+            assert await opened.budget_reserve('k', 'r#2', 'r', tokens) is not None
+            await opened.budget_raise('k', 'total_tokens', 50)
+            assert await opened.budget_reserve('k', 'r#2', 'r', tokens) is None  # 100 < 100 + 50: the full check
+            await opened.budget_settle('k', 'r#2', 'r', input_tokens=30, output_tokens=30)
+            assert await opened.budget_reserve('k', 'r#3', 'r', tokens) is not None  # 160 >= 150
+
+            cost: dict[str, float] = {'cost': 0.5, 'total_tokens': 10**6}
+            assert await opened.budget_reserve('c', 'q#1', 'q', cost) is None
+            await opened.budget_settle('c', 'q#1', 'q', input_tokens=1, output_tokens=1, cost=0.5 - 1e-9)
+            assert await opened.budget_reserve('c', 'q#2', 'q', cost) is None  # one nano-USD under: the one statement
+            assert sql(url, "SELECT state FROM durcap_budget_reservations WHERE request_id = 'q#2'") == [('reserved',)]
+            await opened.budget_settle('c', 'q#2', 'q', input_tokens=1, output_tokens=1, cost=1e-9)
+            refused = await opened.budget_reserve('c', 'q#3', 'q', cost)  # 0.5 of 0.5
+            assert refused is not None and _budgets.exceeded(refused) == 'cost'
+            changed: dict[str, float] = {'cost': 2.0}
+            assert await opened.budget_reserve('c', 'q#3', 'q', changed) is None  # other limits: the full transaction
+            [record] = await opened.budgets('c')
+            assert record.limits == {'cost': 2.0} and record.in_flight == 1 and record.spent['requests'] == 2
+
+    asyncio.run(main())

@@ -581,16 +581,26 @@ async def _budget_thread(function: Callable[..., Any], *args: Any) -> Any:
     return await asyncio.get_running_loop().run_in_executor(_BUDGET_POOL[0][1], lambda: function(*args))
 
 
-async def _budget_write(sql: Any, function: Callable[..., Any], *args: Any) -> Any:
-    """`function(sql, *args)`, one of the budget ledger's per-request writes: on SQLite, at once on this thread (the
-    loop's) in a transaction that never waits (`quick=True`, `_SQLBackend._quick_txn`: tens of microseconds, no thread
-    hand-off); when it would wait (another writer holds the lock, PostgreSQL, a store not migrated yet), in the
-    ledger's worker threads as before."""
-    from ._sql import _WouldWait
+_LEDGER: list[Any] = []
+"""`[store._budgets, store._sql._WouldWait]`, imported by the first per-request write (an import statement in a function
+runs importlib's Python code each call: ~2 us, twice a model request)."""
 
+
+async def _budget_write(sql: Any, name: str, *args: Any) -> Any:
+    """`_budgets.{name}(sql, *args)`, one of the budget ledger's per-request writes (`reserve`, `settle`, `release`): on
+    SQLite, at once on this thread (the loop's) in a transaction that never waits (`quick=True`,
+    `_SQLBackend._quick_run`: tens of microseconds, no thread hand-off); when it would wait (another writer holds the
+    lock, PostgreSQL, a store not migrated yet), in the ledger's worker threads as before."""
+    if not _LEDGER:
+        from . import _budgets
+        from ._sql import _WouldWait
+
+        _LEDGER[:] = [_budgets, _WouldWait]
+    budgets, would_wait = _LEDGER
+    function = getattr(budgets, name)
     try:
         return function(sql, *args, quick=True)
-    except _WouldWait:
+    except would_wait:
         return await _budget_thread(function, sql, *args)
 
 
@@ -821,23 +831,17 @@ class SQLConversationStore(ConversationStore):
         Raises:
             StoreUnavailableError, SchemaVersionError: see the class docstrings.
         """
-        from . import _budgets
-
-        return await _budget_write(self._sql, _budgets.reserve, key, request_id, run_id, limits)
+        return await _budget_write(self._sql, 'reserve', key, request_id, run_id, limits)
 
     async def budget_settle(self, key: str, request_id: str, run_id: str, *, input_tokens: int, output_tokens: int,
                             cost: float = 0.0) -> None:
         """Record the provider-reported usage of completed request `request_id` of `key` (tokens, cost in USD): settling
         it again replaces its usage, so a retried unit counts once."""
-        from . import _budgets
-
-        await _budget_write(self._sql, _budgets.settle, key, request_id, run_id, input_tokens, output_tokens, cost)
+        await _budget_write(self._sql, 'settle', key, request_id, run_id, input_tokens, output_tokens, cost)
 
     async def budget_release(self, key: str, request_id: str) -> None:
         """Drop the reservation of request `request_id` of `key` that failed before the provider answered."""
-        from . import _budgets
-
-        await _budget_write(self._sql, _budgets.release, key, request_id)
+        await _budget_write(self._sql, 'release', key, request_id)
 
     async def budgets(self, key: str | None = None) -> list[BudgetRecord]:
         """Every budget key's `BudgetRecord` (only `key`'s when given), sorted by key."""

@@ -4,8 +4,8 @@ Synchronous, run by `SQLConversationStore` in a worker thread (the per-request w
 event loop's thread, `quick=True`, in a transaction that never waits), on the backend's connections and transactions
 (`_SQLBackend._txn`): a write transaction is `BEGIN IMMEDIATE` on SQLite and locks the key's ledger row
 (`SELECT ... FOR UPDATE`) on PostgreSQL, so two requests of one key are checked and settled one after the other.
-The per-request writes (`reserve`, `settle`, `release`) and the report's read (`record`) go straight to the driver
-(`_SQLBackend._raw_txn`): SQLAlchemy's statement machinery was ~1.2 ms of CPU per request of their ~1.5 ms. They are
+The per-request writes (`reserve`: usually one statement, `_admit`; `settle`, `release`) and the report's read
+(`record`) go straight to the driver (`_SQLBackend._raw_txn`, `_quick_run`): SQLAlchemy's statement machinery was ~1.2 ms of CPU per request of their ~1.5 ms. They are
 relaxed: durable against a crash of any process (a SIGKILLed worker), not against an OS crash or power loss, which
 may lose the last settles (an undercount); no disk flush per request, which cost 2 x ~3 ms per request on this
 machine's SQLite.
@@ -19,7 +19,9 @@ its usage instead of adding it. A reserved request was admitted once: a retry of
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -67,10 +69,20 @@ class BudgetRecord:
                 'in_flight': self.in_flight, 'updated_at': self.updated_at}
 
 
-def _now() -> str:
-    from ._sql import _utcnow
+_SECOND: tuple[int, str] = (-1, '')
+"""The last second `_now` formatted: `(seconds since the epoch, 'YYYY-MM-DDTHH:MM:SS')` (one tuple, replaced whole)."""
 
-    return _utcnow()
+
+def _now() -> str:
+    """The time now in ISO 8601 UTC with microseconds, as `_sql._utcnow` writes it (`'2026-12-06T08:00:00.123456+00:00'`),
+    with the date and time of day formatted once a second (`datetime.isoformat` was ~13,000 instructions a call, two
+    calls per model request)."""
+    global _SECOND
+    second, micro = divmod(time.time_ns() // 1000, 1_000_000)
+    cached = _SECOND
+    if cached[0] != second:
+        cached = _SECOND = (second, datetime.fromtimestamp(second, UTC).strftime('%Y-%m-%dT%H:%M:%S'))
+    return f'{cached[1]}.{micro:06d}+00:00'
 
 
 def _ledger(sql: _SQLBackend, conn: sa.Connection, key: str, *, lock: bool) -> Any:
@@ -136,27 +148,78 @@ def reserve(sql: _SQLBackend, key: str, request_id: str, run_id: str, limits: di
     """Admit and reserve model request `request_id` of `key`: `None` when admitted (or reserved before: a retry),
     else the key's `BudgetRecord` (nothing reserved), whose `spent` reached one of `limits` (plus raised).
 
-    One relaxed write transaction (`_SQLBackend._raw_txn`): the ledger row with whether the request is reserved, in
-    one statement (the row locked on PostgreSQL; SQLite's `BEGIN IMMEDIATE` holds the write lock), then the new
-    reservation. `quick`: in `_SQLBackend._quick_txn` (on the calling thread, never waiting; `_WouldWait`)."""
-    with _txn(sql, quick) as cur:
-        row, known = _raw_ledger(sql, cur, key, request_id)
-        if known:
+    `quick` (`_SQLBackend._quick_run`: on the calling thread, never waiting; `_WouldWait` when it would): first one
+    statement, its own transaction, that reserves the request when the key's ledger row is under every limit, no
+    operator raised it and its limits last checked are `limits` (`_ADMIT`: the usual request); when it reserved
+    nothing (a new key, a retry, a raised or changed budget, a limit reached), or without `quick`: one relaxed write
+    transaction (`_SQLBackend._raw_txn`, or `_quick_run`) that reads the ledger row with whether the request is
+    reserved, in one statement (the row locked on PostgreSQL; SQLite's `BEGIN IMMEDIATE` holds the write lock), then
+    writes the new reservation and the limits when they changed."""
+    if quick:
+        statement, params = _admit(key, request_id, run_id, limits)
+        if sql._quick_run(lambda raw: raw.execute(statement, params).rowcount, begin=False) == 1:
             return None
-        record = _record(row)
-        record.limits = dict(limits)
-        if exceeded(record) is not None:
-            return record
-        cur.execute(_RESERVE, {'k': key, 'r': request_id, 'run': run_id, 'at': _now()})
-        given = json.dumps(limits, sort_keys=True)
-        if given != row.limits:  # the limits last checked, for `durcap budgets` (written when they change)
-            cur.execute('UPDATE durcap_budget_ledger SET limits = :l WHERE budget_key = :k', {'k': key, 'l': given})
+        return sql._quick_run(lambda raw: _reserve(sql, raw, key, request_id, run_id, limits), begin=True)
+    with sql._raw_txn() as cur:
+        return _reserve(sql, cur, key, request_id, run_id, limits)
+
+
+def _reserve(sql: _SQLBackend, cur: Any, key: str, request_id: str, run_id: str,
+             limits: dict[str, float]) -> BudgetRecord | None:
+    """`reserve`'s transaction, on `cur` (a `_RawCursor`, or a `sqlite3.Connection` in `_quick_run`)."""
+    row, known = _raw_ledger(sql, cur, key, request_id)
+    if known:
+        return None
+    record = _record(row)
+    record.limits = dict(limits)
+    if exceeded(record) is not None:
+        return record
+    cur.execute(_RESERVE, {'k': key, 'r': request_id, 'run': run_id, 'at': _now()})
+    given = _given(limits)
+    if given != row.limits:  # the limits last checked, for `durcap budgets` (written when they change)
+        cur.execute('UPDATE durcap_budget_ledger SET limits = :l WHERE budget_key = :k', {'k': key, 'l': given})
     return None
 
 
 _RESERVE = (
     'INSERT INTO durcap_budget_reservations (budget_key, request_id, run_id, state, input_tokens, output_tokens, '
     "cost_nanos, created_at) VALUES (:k, :r, :run, 'reserved', 0, 0, 0, :at)")
+_SPENT = {'input_tokens': 'input_tokens', 'output_tokens': 'output_tokens', 'total_tokens': 'total_tokens',
+          'cost': f'cost_nanos / {NANOS}.0'}
+"""What the ledger row spent of each limit, as SQL (cost in USD: the integer of nano-USD made a double and divided, as
+`_record`'s `int / NANOS` does in Python, so both compare the same number)."""
+_ADMITS: dict[tuple[str, ...], str] = {}
+_GIVEN: dict[tuple[tuple[str, float], ...], str] = {}
+
+
+def _given(limits: dict[str, float]) -> str:
+    """`limits` as the ledger's `limits` column holds them (JSON, sorted keys), remembered per limits."""
+    items = tuple(limits.items())
+    given = _GIVEN.get(items)
+    if given is None:
+        if len(_GIVEN) > 256:
+            _GIVEN.clear()
+        given = _GIVEN[items] = json.dumps(limits, sort_keys=True)
+    return given
+
+
+def _admit(key: str, request_id: str, run_id: str, limits: dict[str, float]) -> tuple[str, dict[str, Any]]:
+    """`reserve`'s one statement and its parameters: the reservation inserted from the key's ledger row when that row
+    is under every limit of `limits` (`spent < limit`: `exceeded` finds none), has no operator raise (`raised = '{}'`,
+    so each limit is the given one) and already holds `limits` as the limits last checked; nothing inserted (rowcount
+    0) otherwise, and for a request reserved before (`ON CONFLICT DO NOTHING`)."""
+    names = tuple(limits)
+    statement = _ADMITS.get(names)
+    if statement is None:
+        checks = ''.join(f' AND {_SPENT[name]} < :{name}' for name in names)
+        statement = _ADMITS[names] = (
+            'INSERT INTO durcap_budget_reservations (budget_key, request_id, run_id, state, input_tokens, '
+            "output_tokens, cost_nanos, created_at) SELECT :k, :r, :run, 'reserved', 0, 0, 0, :at FROM "
+            f"durcap_budget_ledger WHERE budget_key = :k AND raised = '{{}}' AND limits = :given{checks} "
+            'ON CONFLICT (budget_key, request_id) DO NOTHING')
+    return statement, {'k': key, 'r': request_id, 'run': run_id, 'at': _now(), 'given': _given(limits), **limits}
+
+
 _KNOWN = ('SELECT state, input_tokens, output_tokens, cost_nanos FROM durcap_budget_reservations '
           'WHERE budget_key = :k AND request_id = :r')
 _ADD = (
@@ -166,11 +229,9 @@ _ADD = (
 _SETTLE_RESERVED = (
     "UPDATE durcap_budget_reservations SET state = 'settled', input_tokens = :i, output_tokens = :o, cost_nanos = :c, "
     "settled_at = :at WHERE budget_key = :k AND request_id = :r AND state = 'reserved'")
-
-
-def _txn(sql: _SQLBackend, quick: bool) -> Any:
-    """`sql._quick_txn()` with `quick`, else `sql._raw_txn()` (relaxed, in the calling worker thread)."""
-    return sql._quick_txn() if quick else sql._raw_txn()
+_LOCK_LEDGER = 'SELECT 1 FROM durcap_budget_ledger WHERE budget_key = :k FOR UPDATE'
+_RELEASE = ("DELETE FROM durcap_budget_reservations WHERE budget_key = :k AND request_id = :r AND "
+            "state = 'reserved'")
 
 
 def exceeded(record: BudgetRecord) -> str | None:
@@ -187,44 +248,57 @@ def settle(sql: _SQLBackend, key: str, request_id: str, run_id: str, input_token
     """Record the provider's usage of completed request `request_id` of `key` (replacing what an earlier settle of
     it recorded, so a retried unit counts once); the ledger takes the difference.
 
-    One relaxed write transaction (`_SQLBackend._raw_txn`; on PostgreSQL the key's ledger row locked first). The usual
+    One relaxed write transaction (`_SQLBackend._raw_txn`, or with `quick` `_SQLBackend._quick_run`: on the calling
+    thread, never waiting; `_WouldWait` when it would). On PostgreSQL the key's ledger row is locked first. The usual
     case, a reservation settled for the first time (its usage still 0), is two statements: the reservation marked
     settled, the ledger given its usage; a request settled before (a retried unit) or whose key was reset since its
-    reservation reads what was recorded first. `quick`: as `reserve`'s."""
-    nanos = round(cost * NANOS)
-    at = _now()
-    params = {'k': key, 'r': request_id, 'run': run_id, 'i': input_tokens, 'o': output_tokens, 'c': nanos, 'at': at}
-    with _txn(sql, quick) as cur:
-        if sql.is_pg:  # SQLite's BEGIN IMMEDIATE already holds the write lock
-            cur.execute('SELECT 1 FROM durcap_budget_ledger WHERE budget_key = :k FOR UPDATE', {'k': key})
-        if cur.execute(_SETTLE_RESERVED, params).rowcount == 1:  # reserved: its recorded usage was 0
-            before = None
-        else:
-            old = cur.execute(_KNOWN, {'k': key, 'r': request_id}).fetchone()
-            if old is None:  # the key was reset since the reservation: start its ledger again
-                _raw_ledger(sql, cur, key)
-                cur.execute(
-                    'INSERT INTO durcap_budget_reservations (budget_key, request_id, run_id, state, input_tokens, '
-                    "output_tokens, cost_nanos, created_at, settled_at) VALUES (:k, :r, :run, 'settled', :i, :o, :c, "
-                    ':at, :at)', params)
-            else:
-                cur.execute(
-                    "UPDATE durcap_budget_reservations SET state = 'settled', input_tokens = :i, output_tokens = :o, "
-                    'cost_nanos = :c, settled_at = :at WHERE budget_key = :k AND request_id = :r', params)
-            before = old if old is not None and old[0] == 'settled' else None
-        di = input_tokens - (int(before[1]) if before is not None else 0)
-        do = output_tokens - (int(before[2]) if before is not None else 0)
-        dc = nanos - (int(before[3]) if before is not None else 0)
-        cur.execute(_ADD, {'k': key, 'di': di, 'do': do, 'dt': di + do, 'dc': dc, 'dr': 0 if before is not None else 1,
-                           'at': at})
+    reservation reads what was recorded first."""
+    params = {'k': key, 'r': request_id, 'run': run_id, 'i': input_tokens, 'o': output_tokens,
+              'c': round(cost * NANOS), 'at': _now()}
+    if quick:
+        sql._quick_run(lambda raw: _settle(sql, raw, params), begin=True)
+        return
+    with sql._raw_txn() as cur:
+        _settle(sql, cur, params)
+
+
+def _settle(sql: _SQLBackend, cur: Any, params: dict[str, Any]) -> None:
+    """`settle`'s transaction, on `cur` (a `_RawCursor`, or a `sqlite3.Connection` in `_quick_run`)."""
+    key = params['k']
+    if sql.is_pg:  # SQLite's BEGIN IMMEDIATE already holds the write lock
+        cur.execute(_LOCK_LEDGER, {'k': key})
+    if cur.execute(_SETTLE_RESERVED, params).rowcount == 1:  # reserved: its recorded usage was 0
+        cur.execute(_ADD, {'k': key, 'di': params['i'], 'do': params['o'], 'dt': params['i'] + params['o'],
+                           'dc': params['c'], 'dr': 1, 'at': params['at']})
+        return
+    old = cur.execute(_KNOWN, {'k': key, 'r': params['r']}).fetchone()
+    if old is None:  # the key was reset since the reservation: start its ledger again
+        _raw_ledger(sql, cur, key)
+        cur.execute(
+            'INSERT INTO durcap_budget_reservations (budget_key, request_id, run_id, state, input_tokens, '
+            "output_tokens, cost_nanos, created_at, settled_at) VALUES (:k, :r, :run, 'settled', :i, :o, :c, "
+            ':at, :at)', params)
+    else:
+        cur.execute(
+            "UPDATE durcap_budget_reservations SET state = 'settled', input_tokens = :i, output_tokens = :o, "
+            'cost_nanos = :c, settled_at = :at WHERE budget_key = :k AND request_id = :r', params)
+    before = old if old is not None and old[0] == 'settled' else None
+    di = params['i'] - (int(before[1]) if before is not None else 0)
+    do = params['o'] - (int(before[2]) if before is not None else 0)
+    dc = params['c'] - (int(before[3]) if before is not None else 0)
+    cur.execute(_ADD, {'k': key, 'di': di, 'do': do, 'dt': di + do, 'dc': dc, 'dr': 0 if before is not None else 1,
+                       'at': params['at']})
 
 
 def release(sql: _SQLBackend, key: str, request_id: str, *, quick: bool = False) -> None:
-    """Drop the reservation of a request that failed (the provider billed nothing it reported). `quick`: as
-    `reserve`'s."""
-    with _txn(sql, quick) as cur:
-        cur.execute("DELETE FROM durcap_budget_reservations WHERE budget_key = :k AND request_id = :r AND "
-                    "state = 'reserved'", {'k': key, 'r': request_id})
+    """Drop the reservation of a request that failed (the provider billed nothing it reported): one statement.
+    `quick`: as `settle`'s."""
+    params = {'k': key, 'r': request_id}
+    if quick:
+        sql._quick_run(lambda raw: raw.execute(_RELEASE, params), begin=False)
+        return
+    with sql._raw_txn() as cur:
+        cur.execute(_RELEASE, params)
 
 
 def records(sql: _SQLBackend, key: str | None = None) -> list[BudgetRecord]:

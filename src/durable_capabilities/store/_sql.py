@@ -363,6 +363,57 @@ class _SQLBackend:
             if write:
                 self._write_lock.release()
 
+    def _quick_run(self, work: Callable[[Any], Any], *, begin: bool) -> Any:
+        """`work(connection)` on this thread's `_quick_txn` connection (a `sqlite3.Connection`: `execute` returns a
+        cursor, with `rowcount` and `fetchone`), under the store's in-process write lock taken without waiting, as
+        `_quick_txn(write=True)` runs its block, with less around it (no generator, no cursor wrapper): what the budget
+        ledger's per-request writes run in. `begin`: in one `BEGIN IMMEDIATE` ... `COMMIT` (rolled back when `work`
+        raises); without, `work` runs one writing statement, its own transaction (atomic: done whole or not at all).
+
+        Returns:
+            What `work` returned.
+
+        Raises:
+            _WouldWait: before anything is done, when it would wait (as `_quick_txn`'s); without `begin`, also when the
+                statement found SQLite's write lock held by another process (it did nothing).
+            StoreUnavailableError: the tables are missing.
+        """
+        if self.is_pg or not self._ready or self.url.database in (None, '', ':memory:'):
+            raise _WouldWait
+        if not self._write_lock.acquire(blocking=False):
+            raise _WouldWait
+        try:
+            self._ensure_ready()  # one stat: a replaced file closes every connection (`dispose`) and migrates again
+            raw = self._quick_connection()
+            try:
+                if not begin:
+                    return work(raw)
+                raw.execute('BEGIN IMMEDIATE')
+                try:
+                    result = work(raw)
+                except BaseException:
+                    raw.execute('ROLLBACK')
+                    raise
+                try:
+                    raw.execute('COMMIT')
+                except BaseException:  # the connection is this thread's again next time: never left in a transaction
+                    with suppress(Exception):
+                        raw.execute('ROLLBACK')
+                    raise
+                return result
+            except self.engine.dialect.dbapi.OperationalError as exc:  # type: ignore[union-attr]
+                if 'no such table' in str(exc):
+                    raise StoreUnavailableError(
+                        f'the conversation store {self.display_url} is damaged: {_first_line(exc)}. Nothing was '
+                        'changed; restore the database from a backup.'
+                    ) from None
+                # BEGIN IMMEDIATE, or the statement of a run without `begin`, met another process's write lock.
+                if ('locked' in str(exc) or 'busy' in str(exc)) and not raw.in_transaction:
+                    raise _WouldWait from None
+                raise
+        finally:
+            self._write_lock.release()
+
     def _quick_connection(self) -> Any:
         """This thread's connection of `_quick_txn`: one of the relaxed engine's (`synchronous=NORMAL`), detached from its
         pool and kept by the thread, with a busy timeout of 0; a new one after `dispose`."""
