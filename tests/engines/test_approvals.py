@@ -678,6 +678,57 @@ def test_demo_without_a_decision_says_how_to_approve_and_waits(tmp_path: Path) -
     assert out.count('paused: ') == 1
 
 
+def test_runs_resume_of_a_run_parked_on_an_approval_says_it_waits_and_how_to_decide(tmp_path: Path) -> None:
+    """`durcap runs resume` of a run whose process was killed while it waited for a person (DBOS on SQLite): the resumed
+    run waits again, and the command says so in the one `paused: ` line `durcap run` prints, with the `durcap deny`
+    command that decides it; that command, run as printed from another process, lets the resume finish with the call
+    denied (it used to wait in silence, a fresh-user trial saw nothing for a minute). Model: the support example's
+    scripted FunctionModel."""
+    env = subprocess_env()
+    db = f'sqlite:///{tmp_path / "dbos.sqlite"}'
+    common = ['--engine', 'dbos', '--db', db, '--store', f'sqlite:///{tmp_path / "conversations.db"}']
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(log: Path, *args: str) -> subprocess.Popen[bytes]:
+        with open(log, 'wb') as handle:
+            procs.append(subprocess.Popen([sys.executable, '-m', 'durable_capabilities.cli', *args], cwd=tmp_path,
+                                          env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True))
+        return procs[-1]
+
+    def paused(log: Path, proc: subprocess.Popen[bytes]) -> str:
+        deadline = time.monotonic() + 120
+        while 'paused: ' not in log.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        return next(x for x in log.read_text().splitlines() if x.startswith('paused: '))
+
+    try:
+        first = start(tmp_path / 'run.log', 'run', 'examples.support.agent:support',
+                      'Someone keeps trying to log into my account acct-42 from abroad.', *common,
+                      '--deps-json', '{"orders": {}}')
+        paused(tmp_path / 'run.log', first)
+        run_id = (tmp_path / 'run.log').read_text().split('dbos workflow id: ', 1)[1].split()[0]
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        resume = start(tmp_path / 'resume.log', 'runs', 'resume', run_id, '--target', 'examples.support.agent:support',
+                       *common)
+        line = paused(tmp_path / 'resume.log', resume)
+        assert f'revoke_sessions({{"account_id": "acct-42"}}) waits for a person (workflow id {run_id}, ' in line, line
+        deny = line.split('`durcap deny ')[1].split('`')[0].replace('--reason TEXT', '').split()
+        decided = subprocess.run([sys.executable, '-m', 'durable_capabilities.cli', 'deny', *deny, '--reason', 'no'],
+                                 cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert decided.returncode == 0, decided.stdout + decided.stderr
+        assert resume.wait(timeout=120) == 0, (tmp_path / 'resume.log').read_text()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    out = (tmp_path / 'resume.log').read_text()
+    assert 'escalated your account to our security team' in out, out
+    assert out.count('paused: ') == 1, out
+
+
 # ---- Prefect: a flow run of a deployment suspends ------------------------------------------------
 
 

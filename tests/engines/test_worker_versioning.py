@@ -69,6 +69,20 @@ def test_build_id_changes_with_durcaps_workflow_revision(agent_name: Any, monkey
     assert worker_version([agent], 'q').build_id != now
 
 
+def test_the_version_line_says_what_the_build_id_is_derived_from(agent_name: Any) -> None:
+    """The line `durcap worker temporal` prints names both inputs of a derived build id (it said only 'derived from
+    the durable names', so an operator whose names did not change could not tell why an upgrade got a new version),
+    and `given` for `--build-id`. No server: the line alone."""
+    from durable_capabilities.engines.temporal import _worker, worker_version
+
+    agent = _agent(agent_name('shop'), 'orders')
+    derived = _worker._version_line(worker_version([agent], 'q'), set_current=True)
+    assert (f"(derived from the durable names and durcap's workflow revision {_worker.WORKFLOW_REVISION});"
+            in derived), derived
+    given = _worker._version_line(worker_version([agent], 'q', build_id='release-7'), set_current=True)
+    assert "build id 'release-7' (given);" in given, given
+
+
 @pytest.fixture
 def workers(tmp_path: Path) -> Iterator[Any]:
     """Start `durcap worker temporal` processes (own process group each); every one is stopped after the test."""

@@ -377,6 +377,14 @@ def _history_cases() -> list[Case]:
         Case('history-fork-unknown-id', ['history', 'fork', 'nope', '--at-turn', '1', '--to', 'new', '--store',
                                             'sqlite:///{tmp}/d.db'],
              2, "error: DC044 conversation 'nope'", {'d.db': _damaged('SELECT 1')}),
+        # A run that published nothing: DC044 as for any id that names nothing; `--no-follow` waited for nothing, so
+        # its line says no wait (it said 'waited 30 s').
+        Case('runs-watch-unknown-run-no-follow', ['runs', 'watch', 'nope', '--no-follow', '--store',
+                                                  'sqlite:///{tmp}/d.db'], 2,
+             "d.db; check the run id and --store", {'d.db': _damaged('SELECT 1')}),
+        Case('runs-watch-unknown-run-waited', ['runs', 'watch', 'nope', '--wait', '0.2', '--store',
+                                               'sqlite:///{tmp}/d.db'], 2,
+             "error: DC044 run 'nope' has published no events to sqlite:///", {'d.db': _damaged('SELECT 1')}),
         Case('history-unknown-id-escaped', [*show, 'n\x1b]0;pwned\x07', '--store', 'sqlite:///{tmp}/d.db'], 2,
              '\\x1b]0;pwned\\x07', {'d.db': _damaged('SELECT 1')}),
         Case('history-store-empty', [*show, 'c1', '--store', ''], 2, 'non-empty'),

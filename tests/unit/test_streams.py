@@ -324,14 +324,14 @@ def test_cli_watch_prints_jsonl_text_and_resumes_from_an_offset(tmp_path: Path) 
     same = durcap('runs', 'watch', 'local-cli', '--store', store, '--engine', 'local', '--format', 'jsonl')
     assert same.returncode == 0 and same.stdout == jsonl.stdout, same.stderr
     missing = durcap('runs', 'watch', 'nope', '--store', store, '--wait', '0')
-    assert missing.returncode == 2 and missing.stderr.startswith("durcap: error: run 'nope' has published no events")
+    assert missing.returncode == 2 and missing.stderr.startswith("durcap: error: DC044 run 'nope' has published no events")
     assert 'Traceback' not in missing.stderr
     # A longer wait is not silent: after WATCH_NOTICE_SECONDS it says what it waits for, then fails as above.
     waited = durcap('runs', 'watch', 'nope', '--store', store, '--wait', '3')
     lines = waited.stderr.splitlines()
     assert waited.returncode == 2 and len(lines) == 2, waited.stderr
     assert lines[0].startswith("durcap: run 'nope' has published no event to ") and 'waiting up to 3 s' in lines[0]
-    assert lines[1].startswith("durcap: error: run 'nope' has published no events")
+    assert lines[1].startswith("durcap: error: DC044 run 'nope' has published no events")
 
 
 def test_a_subscriber_in_the_running_process_is_woken_by_each_commit_not_its_poll(tmp_path: Path) -> None:

@@ -214,7 +214,7 @@ def resume(
 ) -> None:
     """Finish a run whose process died, without repeating a completed durable unit, and print its answer."""
     from ..engines import RunOptions
-    from .engine_commands import _print_run, check_model, point_model
+    from .engine_commands import _approvals_settings, _print_run, _watch_approvals, check_model, point_model
 
     if (model or base_url) and not target:
         _unusable(f'{INPUT_CODE} --model and --base-url apply to the agent of --target: give --target too')
@@ -230,7 +230,11 @@ def resume(
     start, error = telemetry.run_started(), None
     try:
         engine_settings = {**settings.engine(), 'store': settings.store, **({'build_id': build_id} if build_id else {})}
-        report = asyncio.run(adapter.resume(run_id, agents, RunOptions(settings=engine_settings, notify=_err.print)))
+        # A run that waits (or comes to wait) for a person says so in one line, with the commands that decide it, as
+        # `durcap run` does (a resumed run parked on an approval used to wait in silence).
+        report = asyncio.run(_watch_approvals(
+            lambda _started: adapter.resume(run_id, agents, RunOptions(settings=engine_settings, notify=_err.print)),
+            adapter.name, _approvals_settings(adapter.name, engine_settings), started=[run_id]))
     except (RuntimeError, NotImplementedError) as exc:
         error = exc
         _unusable(str(exc).splitlines()[0])

@@ -12,7 +12,7 @@ from typing import Any, get_args
 from pydantic_core import to_json
 
 from .._limits import InputError
-from ..errors import DurcapError
+from ..errors import NOT_FOUND_CODE, DurcapError
 from ._events import TERMINAL_KINDS, EventKind, RunEvent, load_event
 from ._log import EventLog, Inbox, StoredEvent, in_thread, subscribe, unsubscribe
 
@@ -88,7 +88,8 @@ async def watch(run_id: str, *, engine: str | None = None, from_offset: int = 0,
         `RunEvent`s.
 
     Raises:
-        StreamNotFoundError: nothing published for `run_id` within `wait_for_start` seconds.
+        StreamNotFoundError: nothing published for `run_id` within `wait_for_start` seconds (the message leads with
+            DC044), or no store at a SQLite `store` URL.
         StreamUnsupportedError: `engine` publishes no stream.
         InputError: DC040, `engine` is given and the run's stream records another engine (nothing is yielded).
         ValueError: `from_offset` is negative.
@@ -160,8 +161,9 @@ async def watch_rows(run_id: str, *, engine: str | None = None, from_offset: int
                 raise _other_engine(run_id, engine, info.engine)
             if info is None and not rows:
                 if not follow or time.monotonic() > deadline:
-                    raise StreamNotFoundError(f'run {run_id!r} has published no events to {log._backend.display_url} '
-                                              f'(waited {wait_for_start:g} s); check the run id and --store')
+                    waited = f' (waited {wait_for_start:g} s)' if follow else ''
+                    raise StreamNotFoundError(f'{NOT_FOUND_CODE} run {run_id!r} has published no events to '
+                                              f'{log._backend.display_url}{waited}; check the run id and --store')
                 await inbox.wait(poll)
                 inbox.take()
                 rows, info = await _poll(log, run_id, after)

@@ -54,8 +54,9 @@ class WorkerVersion:
 
     Attributes:
         deployment_name: The Worker Deployment (`durcap-{task queue}` by default).
-        build_id: The build id (`durcap-{12 hex digits}` derived from the durable names by default).
-        derived: Whether `build_id` was derived from the durable names (else given).
+        build_id: The build id (`durcap-{12 hex digits}` derived from the durable names and durcap's workflow
+            revision by default).
+        derived: Whether `build_id` was derived (else given).
     """
 
     deployment_name: str

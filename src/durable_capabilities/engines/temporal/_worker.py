@@ -53,6 +53,7 @@ from ._spec import (
     LOCAL_TOOLS_PATCH_ID,
     LOCAL_TOOLSETS_OPTION,
     MODEL_REQUEST_ACTIVITIES,
+    WORKFLOW_REVISION,
 )
 from ._versioning import WorkerVersion, make_current
 from ._versioning import worker_version as _worker_version
@@ -369,8 +370,9 @@ def worker_version(
         task_queue: Its task queue; the default deployment name is `durcap-{task queue}`.
         deployment_name: Another deployment name.
         build_id: A build id of your own (a release tag, a commit); default: `durcap-` + 12 hex digits of a
-            SHA-256 over the worker's durable names, so it changes exactly when a name in `durable.lock` would
-            (a rename declared with `aliases` or `previous_names` keeps it).
+            SHA-256 over the worker's durable names and durcap's workflow revision (`WORKFLOW_REVISION`), so it
+            changes when a name in `durable.lock` would or a durcap upgrade changed its workflow's commands (a
+            rename declared with `aliases` or `previous_names` keeps it).
     """
     return _worker_version(agents, task_queue, durable_names, deployment_name=deployment_name,
                            build_id_=build_id)
@@ -380,7 +382,8 @@ def _version_line(version: WorkerVersion | None, set_current: bool) -> str:
     """What `durcap worker temporal` prints about its version."""
     if version is None:
         return 'worker version: unversioned (--no-versioning): any worker on this task queue may take any task'
-    how = 'derived from the durable names' if version.derived else 'given'
+    how = (f"derived from the durable names and durcap's workflow revision {WORKFLOW_REVISION}" if version.derived
+           else 'given')
     current = ('it is the current version: new runs go to it' if set_current else
                f'not made current (--no-set-current): `temporal worker deployment set-current-version '
                f'--deployment-name {version.deployment_name} --build-id {version.build_id}` to send new runs to it')
