@@ -498,6 +498,71 @@ def test_dbos_recover_pending_workflows_recovers_another_executors_workflow_once
     assert data['again'] in ([], data['ids']), data
 
 
+_DBOS_DRAIN_SCRIPT = """
+import asyncio, json, sys
+from pathlib import Path
+from dbos import DBOS
+from dbos._dbos import _get_dbos_instance
+from durable_capabilities import _upstream
+
+db, work = sys.argv[1], Path(sys.argv[2])
+
+@DBOS.step(name='contract.hold')
+async def hold() -> str:
+    (work / 'holding').write_text('')
+    while not (work / 'release').exists():
+        await asyncio.sleep(0.05)
+    return 'released'
+
+@DBOS.workflow(name='contract.drained')
+async def drained() -> str:
+    return await hold()
+
+DBOS(config={'name': 'contract-drain', 'system_database_url': db, 'executor_id': 'drain', 'log_level': 'WARNING'})
+DBOS.launch()
+
+async def main() -> None:
+    before = _upstream.dbos_active_workflow_ids()
+    handle = await DBOS.start_workflow_async(drained)
+    while not (work / 'holding').exists():
+        await asyncio.sleep(0.05)
+    running = _upstream.dbos_active_workflow_ids()
+    _upstream.dbos_stop_taking_work()
+    stopped = all(event.is_set() for event in _get_dbos_instance().background_thread_stop_events)
+    (work / 'release').write_text('')
+    result = await handle.get_result()
+    after = _upstream.dbos_active_workflow_ids()
+    print(json.dumps({'before': before, 'running': running, 'id': handle.workflow_id, 'stopped': stopped,
+                      'result': result, 'after': after}))
+
+asyncio.run(main())
+DBOS.destroy(workflow_completion_timeout_sec=0)
+"""
+
+
+def test_dbos_drain_hooks_list_the_running_workflows_and_stop_dbos_taking_work(tmp_path: Path) -> None:
+    """`DBOS._active_workflows_set` and `DBOS.background_thread_stop_events` (read by
+    `_upstream.dbos_active_workflow_ids` / `dbos_stop_taking_work`, which `durcap worker dbos`'s drain uses to wait only
+    for running workflows, not runs parked on an approval): in a real DBOS process on SQLite, the running workflow's
+    id is listed while its step runs and gone once it returned, and stopping sets every background thread's stop event
+    without cutting the running workflow short."""
+    import json
+    import subprocess
+    import sys
+
+    from tests._helpers import pythonpath, subprocess_env
+
+    script, db = tmp_path / 'drain.py', f'sqlite:///{tmp_path / "dbos.sqlite"}'
+    script.write_text(_DBOS_DRAIN_SCRIPT)
+    env = subprocess_env({'PYTHONPATH': pythonpath(*sys.path)})
+    result = subprocess.run([sys.executable, str(script), db, str(tmp_path)], capture_output=True, text=True,
+                            timeout=120, env=env)
+    assert result.returncode == 0, changed(f'the DBOS drain hooks failed: {result.stderr[-2000:]}')
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    assert data['before'] == [] and data['running'] == [data['id']], changed(f'active workflows: {data}')
+    assert data['stopped'] and data['result'] == 'released' and data['after'] == [], changed(f'after the stop: {data}')
+
+
 def test_dbos_error_classes_tell_control_flow_from_exhausted_retries() -> None:
     dbos_error, retries_exceeded = _upstream.dbos_error_classes()
     assert issubclass(dbos_error, Exception) and issubclass(retries_exceeded, dbos_error), (
@@ -534,6 +599,8 @@ def test_upstream_module_exports_are_all_covered() -> None:
         'dbos_application_version',
         'dbos_error_classes',
         'dbos_recover_pending_workflows',  # test_dbos_recover_pending_workflows_recovers_another_executors_workflow_once
+        'dbos_active_workflow_ids',  # test_dbos_drain_hooks_list_the_running_workflows_and_stop_dbos_taking_work
+        'dbos_stop_taking_work',  # the same
         'derived_id_source',
         'explicit_toolset_id',
         'is_mcp_toolset',  # tests/unit/test_lazy_imports.py
@@ -562,6 +629,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
             )
     assert sorted(private) == [
         '_Definition',
+        '_active_workflows_set',
         '_client',
         '_dbos',
         '_deadlock_timeout_seconds',
@@ -569,6 +637,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
         '_derived_id_source',
         '_error',
         '_explicit_id',
+        '_get_dbos_instance',
         '_get_or_create_dbos_registry',
         '_id',
         '_recover_pending_workflows',
