@@ -242,7 +242,7 @@ def test_a_run_parked_on_an_approval_does_not_hold_the_drain_and_resumes_on_a_pe
         os.killpg(procs[0].pid, signal.SIGTERM)
         assert procs[0].wait(timeout=120) == 0, (tmp_path / 'park-a.log').read_text()
         text = (tmp_path / 'park-a.log').read_text()
-        assert (f"dbos worker 'park-a': draining: no workflow runs here; not waiting for 1 parked on an approval "
+        assert (f"dbos worker 'park-a': draining: no workflow is running here; not waiting for 1 parked on an approval "
                 f'({workflow_id}): their decisions wait in the system database and a peer resumes them after 4 s') in text, text
         assert f"1 workflow(s) parked on an approval stay PENDING ({workflow_id}): a peer resumes them" in text, text
         assert 'Traceback' not in text and 'still running when' not in text, text

@@ -162,7 +162,7 @@ def _wait_for_running(peers: Peers | None, executor: str, seconds: int, notify: 
     active, parked = _upstream.dbos_active_workflow_ids(), parked_workflow_ids()
     running, held = [w for w in active if w not in parked], [w for w in active if w in parked]
     waiting = (f'waiting up to {seconds} s for {len(running)} running workflow(s) ({_ids(running)})' if running else
-               'no workflow runs here')
+               'no workflow is running here')
     notify(f'dbos worker {executor!r}: draining: {waiting}' + (
         f'; not waiting for {len(held)} parked on an approval ({_ids(held)}): their decisions wait in the system '
         f'database and {_who_resumes(peers, executor)}' if held else ''))
