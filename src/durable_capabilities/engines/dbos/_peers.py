@@ -35,6 +35,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from ... import _upstream
+from .._process import pid_alive
 
 TABLE = 'durcap_dbos_executors'
 """The heartbeat table, in the DBOS system database (the one thing every worker of an application shares)."""
@@ -55,32 +56,6 @@ _EXECUTORS = sa.Table(
     sa.Column('pid', sa.Integer, nullable=False),
     sa.Column('last_seen', sa.Float, nullable=False),  # seconds since the epoch, the database's clock
 )
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` of this host is running: it exists (signal 0 reaches it, or it belongs to another user)
-    and is not a zombie (killed, not yet reaped by its parent: Linux's `/proc/PID/stat` state `Z`).
-
-    Args:
-        pid: A process id of this host (of this pid namespace).
-
-    Returns:
-        `False` when no such process runs; `True` otherwise (also where `/proc` cannot tell).
-    """
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f'/proc/{pid}/stat', encoding='ascii', errors='replace') as stat:
-            state = stat.read().rpartition(')')[2].split()
-    except OSError:
-        return True
-    return not (state and state[0] == 'Z')
 
 
 def _now(dialect: str) -> Any:

@@ -80,6 +80,8 @@ from prefect.exceptions import PrefectHTTPStatusError
 from prefect.input import acreate_flow_run_input, aread_flow_run_input
 from prefect.states import Crashed
 
+from .._process import pid_alive
+
 BEAT_LABEL = 'durcap.beat'
 """The flow run label a running flow run's process sets to a new value every beat (`<pid>:<count>`)."""
 
@@ -152,7 +154,7 @@ def beating(flow_run_id: str) -> Iterator[None]:
         async with get_client() as client:
             while not stop.is_set():
                 wait = every
-                if held_by is None or not _alive(held_by):
+                if held_by is None or not pid_alive(held_by):
                     count += 1
                     try:
                         # One try at most `every` s: Prefect's client retries a 503 with a growing backoff (a write
@@ -203,21 +205,6 @@ HELD_ENV = 'DURCAP_PREFECT_HELD_BY'
 """Set to its own process id in a flow-run process's environment by the serving process that starts it and beats it
 (`_prefork`): the flow-run process's own `beating` stays quiet while that process lives (see `beating`). Not the
 parent: a forked flow-run process's parent is the fork server, which lives as long as any process it forked."""
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f'/proc/{pid}/stat', encoding='ascii', errors='replace') as stat:
-            return stat.read().rsplit(')', 1)[1].split()[0] != 'Z'
-    except (OSError, IndexError):
-        return True  # no /proc (macOS): os.kill said it exists
 
 
 class BeatSilence:
