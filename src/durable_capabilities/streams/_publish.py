@@ -28,7 +28,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import Future
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -232,7 +232,11 @@ def _stored(future: Future[Any]) -> asyncio.Future[None]:
     if future.done():  # an inline write (`EventLog.submit`, a local run's)
         waiter.set_result(None)
     else:
-        future.add_done_callback(lambda _: loop.call_soon_threadsafe(_wake, waiter))
+        def done(_: Future[Any]) -> None:
+            with suppress(RuntimeError):  # the loop closed meanwhile (a local run's unit not waited for): no waiter
+                loop.call_soon_threadsafe(_wake, waiter)
+
+        future.add_done_callback(done)
     return waiter
 
 
