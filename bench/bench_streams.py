@@ -34,7 +34,9 @@ goes), on the server at `--temporal-address` (default `$DURCAP_TEST_TEMPORAL_ADD
 else a dev server started here); each run is `runner.run(..., engine='temporal')` against it (`--conversation`: in
 a conversation of its own); (a) also prints this process's CPU per run (client and worker threads). Unstreamed, the
 workflow still schedules its `durcap.stream_publish` local activity (none with `--conversation`: its own events ride
-with its activities), which then writes nothing.
+with its activities), which then writes nothing. `read` drops only the model request's own events: the workflow's
+(`run_started` carried by the activity and stored at its end, `run_completed` by the local activity) are stored.
+`--phases` prints where each side's time goes from the runs' histories (`history_phases`).
 Prefect: each run is `runner.run(..., engine='prefect')` in this process (a flow run on the server at
 `--prefect-api-url`, its tasks in this process), as `durcap run --engine prefect` runs it.
 """
