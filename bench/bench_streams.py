@@ -2,14 +2,23 @@
 subscriber's memory does over a 10,000-event run.
 
     .venv/bin/python bench/bench_streams.py [--runs 5] [--engines local,dbos,temporal,prefect] [--deltas 200]
-        [--delay 0] [--sides off,on] [--only a] [--temporal-address HOST:PORT] [--conversation]
-        [--prefect-api-url URL]
+        [--delay 0] [--sides off,on] [--only a] [--order rotate|blocked|both] [--block 5]
+        [--temporal-address HOST:PORT] [--conversation] [--prefect-api-url URL]
 
 Model: a scripted `FunctionModel` with both `function` and `stream_function`, answering in `--deltas` words (no
-provider). Side by side in one process, alternating:
+provider). Side by side in one process, in two orders (`--order`, default both, one after the other):
+`rotate`, rounds of one run of each side, the rounds' orders from a Williams design (each side right after each
+other side equally often), with the median of each side and the median of the rounds' own on/off ratios (paired);
+`blocked`, each side's runs one after another in blocks of `--block`, each block after an unmeasured warm-up run of
+its side, the blocks in turn. Why both: a run's wall time can depend on the run before it (a Temporal worker's
+pollers, the writer thread, the disk's flushes, the previous run's teardown overlapping this one's start), so an
+alternation that puts every `off` right after an `on` (as `off,on` in turn did) measures `off` in one context
+only. The blocked figure is the comparison of a worker running only unstreamed against one running only streamed
+runs; the rotated one spreads every predecessor evenly over every side. Each also prints the first quartile (p25):
+on this shared machine the runs other processes delayed least, closest to an idle machine's figure.
 (a) wall time of a run with its stream published (`$DURCAP_STREAMS` on: the request streamed inside the model
     request unit, every event written to the store) over the same run unstreamed (`DURCAP_STREAMS=0`: the plain
-    request, nothing written), per engine; target <= 1.10x;
+    request, nothing written), per engine; target <= 1.10x; one warm-up run (or round) of each side first;
     `--sides off,read,bare,timer,on` adds sides to (a), each run in turn with the others: `read`, the request
     streamed through `request_stream` and its events read and dropped (what pydantic-ai's streaming costs alone:
     the floor of any streamed run); `bare`, the request streamed and its events built, joined and encoded as JSON
@@ -25,7 +34,9 @@ goes), on the server at `--temporal-address` (default `$DURCAP_TEST_TEMPORAL_ADD
 else a dev server started here); each run is `runner.run(..., engine='temporal')` against it (`--conversation`: in
 a conversation of its own); (a) also prints this process's CPU per run (client and worker threads). Unstreamed, the
 workflow still schedules its `durcap.stream_publish` local activity (none with `--conversation`: its own events ride
-with its activities), which then writes nothing.
+with its activities), which then writes nothing. `read` drops only the model request's own events: the workflow's
+(`run_started` carried by the activity and stored at its end, `run_completed` by the local activity) are stored.
+`--phases` prints where each side's time goes from the runs' histories (`history_phases`).
 Prefect: each run is `runner.run(..., engine='prefect')` in this process (a flow run on the server at
 `--prefect-api-url`, its tasks in this process), as `durcap run --engine prefect` runs it.
 """
@@ -195,6 +206,10 @@ TEMPORAL_ADDRESS: list[str] = []
 CPU: list[float] = []
 """This process's CPU seconds (`time.process_time`: every thread, the Temporal worker's included) of each Temporal run
 of the last `temporal_runs`, in order."""
+PHASES: list[dict[str, float]] = []
+"""With `--phases`: for each Temporal run of the last `temporal_runs`, in order, its phases in seconds from the
+workflow's history (`history_phases`), read after the runs."""
+WANT_PHASES: list[bool] = [False]
 CONVERSATION: list[bool] = [False]
 """`--conversation`: each Temporal run in a conversation of its own (a load and an append activity)."""
 
@@ -208,10 +223,14 @@ async def temporal_runs(sides: list[tuple[bool | str, str | None]], deltas: int,
     address, store = TEMPORAL_ADDRESS[0], f'sqlite:///{folder / "conversations.db"}'
     agent = DurableAgent(f'bench-{uuid.uuid4().hex[:6]}', model(deltas, delay), engines=['temporal'])
     queue = f'bench-{uuid.uuid4().hex[:8]}'
-    times = []
+    times, ids = [], []
     CPU.clear()
-    async with make_worker(await connect(address, store=store), [agent], queue, store=store):
+    PHASES.clear()
+    client = await connect(address, store=store)
+    async with make_worker(client, [agent], queue, store=store):
         for streamed, run_id in sides:
+            run_id = run_id or f'bench-{uuid.uuid4().hex}'
+            ids.append(run_id)
             extra = {'conversation_id': f'bench-{uuid.uuid4().hex[:8]}'} if CONVERSATION[0] else {}
             with side(streamed if isinstance(streamed, str) else ('on' if streamed else 'off')):
                 started, cpu = time.perf_counter(), time.process_time()
@@ -219,36 +238,136 @@ async def temporal_runs(sides: list[tuple[bool | str, str | None]], deltas: int,
                                  inline_worker=False, store=store, notify=lambda line: None, **extra)
                 times.append(time.perf_counter() - started)
                 CPU.append(time.process_time() - cpu)
+    if WANT_PHASES[0]:
+        for run_id, took in zip(ids, times, strict=True):
+            PHASES.append({**await history_phases(client, run_id), 'client': took})
+            PHASES[-1]['client'] -= PHASES[-1]['history']
     return times
 
 
-def wall_times(engines: list[str], runs: int, deltas: int, folder: Path, delay: float, sides: list[str]) -> None:
-    print(f'(a) wall time over unstreamed, {deltas} deltas per answer {delay * 1000:g} ms apart, {runs} runs '
-          f'each, sides {",".join(sides)} in turn, medians')
+async def history_phases(client: Any, run_id: str) -> dict[str, float]:
+    """Seconds a Temporal run spent in each phase, from its history's event times (the server's clock):
+    `history` (started to closed), `wft1_wait` / `wft1` (its first workflow task scheduled to started / started to
+    completed: the workflow up to its model request), `activity` (the model request activity, started to completed;
+    its `scheduled -> started` is ~0, eager dispatch), `wft2_wait` / `wft2` (the last workflow task, the local
+    activity writing `run_completed` inside it)."""
+    from temporalio.api.enums.v1 import EventType
+
+    events = [(event.event_type, event.event_time.seconds + event.event_time.nanos / 1e9)
+              async for event in client.get_workflow_handle(run_id).fetch_history_events()]
+    tasks = [at for kind, at in events if kind in (EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED,
+                                                   EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED,
+                                                   EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED)]
+    activity = [at for kind, at in events if kind in (EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED,
+                                                      EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED)]
+    return {'history': events[-1][1] - events[0][1], 'wft1_wait': tasks[1] - tasks[0], 'wft1': tasks[2] - tasks[1],
+            'activity': activity[-1] - activity[0] if len(activity) >= 2 else 0.0, 'wft2_wait': tasks[-2] - tasks[-3],
+            'wft2': tasks[-1] - tasks[-2]}
+
+
+ORDERS = ('rotate', 'blocked', 'both')
+"""(a)'s run orders (`--order`): `rotate`, rounds of one run of each side in the orders of a Williams design (a
+balanced Latin square: `williams`), so each side runs in each position and right after each other side equally
+often, and a side's figure is not that of the one side that happens to precede it;
+`blocked`, each side's runs one after another in a block that begins with an unmeasured warm-up run of that side,
+the blocks in turn (each side measured after itself, as a deployment running only that configuration)."""
+
+
+def williams(count: int) -> list[list[int]]:
+    """The rows of a Williams design for `count` treatments: orders of `range(count)` in which each treatment follows
+    each other one equally often (`count` rows; for an odd `count`, those and their mirror images, `2 * count`)."""
+    first, low, high = [0], 1, count - 1
+    while len(first) < count:
+        first.append(low)
+        low += 1
+        if len(first) < count:
+            first.append(high)
+            high -= 1
+    rows = [[(value + shift) % count for value in first] for shift in range(count)]
+    return rows + ([row[::-1] for row in rows] if count % 2 else [])
+
+
+def schedule(sides: list[str], runs: int, order: str, block: int) -> list[tuple[str, str | None, int]]:
+    """(a)'s runs in order, each `(side, series or None: a warm-up, not measured, round or block number)`: for
+    `rotate`, a warm-up round then `runs` rounds; for `blocked`, blocks of `block` measured runs (after their warm-up)
+    until each side has `runs`; `both`, the rotated rounds then the blocks."""
+    plan: list[tuple[str, str | None, int]] = []
+    if order in ('rotate', 'both'):
+        plan += [(name, None, -1) for name in sides]
+        rows = williams(len(sides))
+        for number in range(runs):
+            plan += [(sides[index], 'rotate', number) for index in rows[number % len(rows)]]
+    if order in ('blocked', 'both'):
+        for number in range(-(-runs // block)):
+            shift = number % len(sides)
+            for name in sides[shift:] + sides[:shift]:
+                count = min(block, runs - number * block)
+                plan += [(name, None, -1)] + [(name, 'blocked', number)] * count
+    return plan
+
+
+def wall_times(engines: list[str], runs: int, deltas: int, folder: Path, delay: float, sides: list[str],
+               order: str = 'both', block: int = 5) -> None:
+    print(f'(a) wall time over unstreamed, {deltas} deltas per answer {delay * 1000:g} ms apart, {runs} runs of each '
+          f'side ({",".join(sides)}) per order ({order}; blocked: blocks of {block} after a warm-up run), medians')
+    plan = schedule(sides, runs, order, block)
     for engine in engines:
-        times: dict[str, list[float]] = {name: [] for name in sides}
-        cpu: dict[str, list[float]] = {name: [] for name in sides}
         if engine == 'temporal':
-            order = [*sides] + [name for _ in range(runs) for name in sides]
-            measured = asyncio.run(temporal_runs([(name, None) for name in order], deltas, folder, delay))
-            for name, took, spent in list(zip(order, measured, CPU, strict=True))[len(sides):]:  # the first of each
-                times[name].append(took)                                                        # warms up
-                cpu[name].append(spent)
+            measured = asyncio.run(temporal_runs([(name, None) for name, _, _ in plan], deltas, folder, delay))
+            spent, phases = list(CPU), list(PHASES)
         else:
-            for name in sides:  # warm-up (imports, store schema, DBOS)
-                asyncio.run(one_run(engine, name, deltas, folder, delay=delay))
-            for _ in range(runs):
+            measured = [asyncio.run(one_run(engine, name, deltas, folder, delay=delay)) for name, _, _ in plan]
+            spent, phases = [0.0] * len(plan), []
+        for series in ('rotate', 'blocked'):
+            rows = [(name, number, took, cpu) for (name, kind, number), took, cpu in zip(plan, measured, spent, strict=True)
+                    if kind == series]
+            if rows:
+                report_series(engine, series, sides, rows)
+            if series == 'rotate' and rows:  # each side after each other side (the rounds' first runs included)
+                after: dict[tuple[str, str], list[float]] = {}
+                for index in range(1, len(plan)):
+                    if plan[index][1] == 'rotate':
+                        after.setdefault((plan[index][0], plan[index - 1][0]), []).append(measured[index])
+                print(f'  {"":8s} {"after":7s} ' + '  '.join(
+                    f'{name}<{before} {statistics.median(values) * 1000:.1f} ms (n={len(values)})'
+                    for (name, before), values in sorted(after.items())))
+            if phases and rows:
+                picked = [(name, phase) for (name, kind, _), phase in zip(plan, phases, strict=True) if kind == series]
+                keys = ['client', 'history', 'wft1_wait', 'wft1', 'activity', 'wft2_wait', 'wft2']
                 for name in sides:
-                    times[name].append(asyncio.run(one_run(engine, name, deltas, folder, delay=delay)))
-        off = statistics.median(times['off'])
-        cells = [f'{name} {statistics.median(times[name]) * 1000:7.1f} ms' + (
-            '' if name == 'off' else f' {statistics.median(times[name]) / off:.2f}x') for name in sides]
-        print(f'  {engine:8s} ' + '  '.join(cells) + '  (target: on <= 1.10x)')
-        if engine == 'temporal':  # the process's CPU per run (client and worker): steadier than wall time under load
-            base = statistics.median(cpu['off'])
-            print(f'  {"CPU":8s} ' + '  '.join(f'{name} {statistics.median(cpu[name]) * 1000:7.1f} ms' + (
-                '' if name == 'off' else f' {statistics.median(cpu[name]) / base:.2f}x') for name in sides)
-                + f'  ({"conversation" if CONVERSATION[0] else "no conversation"})')
+                    mine = [phase for side_name, phase in picked if side_name == name]
+                    print(f'  {"":8s} {"phases":7s} {name:5s} ' + '  '.join(
+                        f'{key} {statistics.median(p[key] for p in mine) * 1000:.1f}' for key in keys) + ' ms')
+
+
+def report_series(engine: str, series: str, sides: list[str], rows: list[tuple[str, int, float, float]]) -> None:
+    """Print one order's figures: each side's median wall time (and first quartile: the runs the machine's other load
+    delayed least) over `off`'s; for `rotate` also the median of the rounds' own on/off ratios (paired); on Temporal
+    the process's CPU per run."""
+    times = {name: [took for side_name, _, took, _ in rows if side_name == name] for name in sides}
+    cpu = {name: [spent for side_name, _, _, spent in rows if side_name == name] for name in sides}
+
+    def quartile(values: list[float]) -> float:
+        return sorted(values)[len(values) // 4]
+
+    off, off_q = statistics.median(times['off']), quartile(times['off'])
+    cells = [f'{name} {statistics.median(times[name]) * 1000:7.1f} ms' + (
+        '' if name == 'off' else f' {statistics.median(times[name]) / off:.2f}x') for name in sides]
+    paired = ''
+    if series == 'rotate' and 'on' in sides:
+        by_round: dict[int, dict[str, float]] = {}
+        for name, number, took, _ in rows:
+            by_round.setdefault(number, {})[name] = took
+        ratios = [r['on'] / r['off'] for r in by_round.values() if 'on' in r and 'off' in r]
+        paired = f'; paired on/off {statistics.median(ratios):.2f}x'
+    print(f'  {engine:8s} {series:7s} ' + '  '.join(cells) + paired + '  (target: on <= 1.10x)')
+    print(f'  {"":8s} {"p25":7s} ' + '  '.join(f'{name} {quartile(times[name]) * 1000:7.1f} ms' + (
+        '' if name == 'off' else f' {quartile(times[name]) / off_q:.2f}x') for name in sides))
+    if engine == 'temporal':  # the process's CPU per run (client and worker): steadier than wall time under load
+        base = statistics.median(cpu['off'])
+        print(f'  {"":8s} {"CPU":7s} ' + '  '.join(f'{name} {statistics.median(cpu[name]) * 1000:7.1f} ms' + (
+            '' if name == 'off' else f' {statistics.median(cpu[name]) / base:.2f}x') for name in sides)
+            + f'  ({"conversation" if CONVERSATION[0] else "no conversation"})')
 
 
 def latency(engine: str, deltas: int, folder: Path, delay: float, name: str = 'on') -> None:
@@ -421,6 +540,12 @@ def main() -> None:
     parser.add_argument('--sides', default='off,on', help='(a)\'s sides, from off,read,bare,timer,on (see the module '
                         'docstring); off is always measured')
     parser.add_argument('--only', choices=['a', 'b', 'c'], help='run only this part')
+    parser.add_argument('--order', choices=ORDERS, default='both', help='(a)\'s run order: rotated rounds, blocks of '
+                        'each side, or both in turn (see ORDERS)')
+    parser.add_argument('--phases', action='store_true', help='(a) on Temporal: also the median of each phase of '
+                        'the runs from their histories (`history_phases`), and `client`: wall time outside the history')
+    parser.add_argument('--block', type=int, default=5, help='(a) blocked: measured runs per block (after its '
+                        'warm-up run)')
     parser.add_argument('--prefect-api-url', default=os.environ.get('DURCAP_TEST_PREFECT_API_URL')
                         or os.environ.get('PREFECT_API_URL'), help='a Prefect server for `--engines prefect` (default: '
                         '$DURCAP_TEST_PREFECT_API_URL, $PREFECT_API_URL, else a server started here)')
@@ -431,6 +556,7 @@ def main() -> None:
                         'its own (a load and an append activity)')
     args = parser.parse_args()
     CONVERSATION[0] = args.conversation
+    WANT_PHASES[0] = args.phases
     engines = args.engines.split(',')
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         folder = Path(tmp)
@@ -456,7 +582,7 @@ def main() -> None:
         if any(name not in SIDES for name in sides):
             parser.error(f'--sides {args.sides}: each side is one of {", ".join(SIDES)}')
         if args.only in (None, 'a'):
-            wall_times(engines, args.runs, args.deltas, folder, args.delay, sides)
+            wall_times(engines, args.runs, args.deltas, folder, args.delay, sides, args.order, args.block)
         if args.only in (None, 'b'):
             print('(b) delta latency, model -> subscriber in another process (durcap runs watch --format jsonl), '
                   '100 deltas 20 ms apart')

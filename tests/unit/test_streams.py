@@ -212,6 +212,45 @@ def test_the_first_delta_is_written_at_once_and_a_burst_is_joined(tmp_path: Path
     assert [e.offset for e in text] == sorted(e.offset for e in text)
 
 
+def test_a_durable_units_close_ends_the_interval_wait_and_a_cancelled_wait_leaves_its_batch_stored(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A durable unit's publisher (`_UnitPublisher`, flushed commits to a real SQLite log): with the write interval
+    raised to 30 s, an event added after the first batch waits in the pacing task; `close` hands it over at once and
+    returns once it is stored (well before the interval). Cancelling the pacing task while it waits for a batch's
+    commit leaves that batch to be stored (the writer thread runs it; the wait alone ends). No model: events built
+    here."""
+    from pydantic_ai.messages import PartDeltaEvent, PartStartEvent, TextPartDelta
+
+    from durable_capabilities.streams import _publish
+
+    monkeypatch.setattr(_publish, 'WRITE_INTERVAL_SECONDS', 30.0)
+    store = sqlite_url(tmp_path)
+    log = EventLog(store)
+
+    async def scenario() -> float:
+        unit = _publish._UnitPublisher(_publish.StreamContext('run-pace', 'temporal', log, attempt=1), 'model_request:1')
+        unit.add(PartStartEvent(index=0, part=TextPart('One ')))
+        await wait_until_stored('run-pace', store, lambda rows: len(rows) == 1)
+        unit.add(PartDeltaEvent(index=0, delta=TextPartDelta('two.')))
+        await asyncio.sleep(0.05)
+        assert unit.pause is not None and not unit.pause.done()  # the pacing task waits for the interval
+        started = asyncio.get_running_loop().time()
+        await asyncio.wait_for(unit.close(), 10)
+        took = asyncio.get_running_loop().time() - started
+        assert [(row.offset, row.kind) for row in log.read_sync('run-pace', 0)] == [(1, 'text_delta'), (2, 'text_delta')]
+
+        cancelled = _publish._UnitPublisher(_publish.StreamContext('run-cancel', 'temporal', log, attempt=1),
+                                            'model_request:1')
+        cancelled.add(PartStartEvent(index=0, part=TextPart('Kept.')))
+        assert cancelled.writing is not None
+        await asyncio.sleep(0)  # the pacing task has handed the batch over and waits for its commit
+        cancelled.writing.cancel()
+        await wait_until_stored('run-cancel', store, lambda rows: len(rows) == 1)
+        return took
+
+    assert run(scenario()) < 5
+
+
 async def wait_until_stored(run_id: str, store: str, done: Any, timeout: float = 10.0) -> None:
     """Wait (polling the log from a thread) until `done(rows)` holds for the rows stored for `run_id`."""
     deadline = asyncio.get_running_loop().time() + timeout

@@ -222,11 +222,27 @@ async def publish_run(kind: str, data: dict[str, Any], *more: tuple[str, dict[st
     context.closed = close
 
 
-async def _stored(future: Future[Any]) -> None:
-    """Wait for a write handed to the writer thread; its error is the stream's (`_UnitPublisher._written`), and
-    cancelling the wait leaves the write queued (a later batch of the unit reads the attempt it claims)."""
-    with suppress(Exception):
-        await asyncio.shield(asyncio.wrap_future(future))
+def _stored(future: Future[Any]) -> asyncio.Future[None]:
+    """An awaitable that is done once a write handed to the writer thread is (stored or failed: its error is the
+    stream's, `_UnitPublisher._written`); cancelling the wait leaves the write queued (a later batch of the unit reads
+    the attempt it claims). One loop future, woken from the writer thread (not `wrap_future` + `shield`: two futures
+    and their chained callbacks per batch, on the run's loop, a few hundred a streamed request)."""
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[None] = loop.create_future()
+    if future.done():  # an inline write (`EventLog.submit`, a local run's)
+        waiter.set_result(None)
+    else:
+        def done(_: Future[Any]) -> None:
+            with suppress(RuntimeError):  # the loop closed meanwhile (a local run's unit not waited for): no waiter
+                loop.call_soon_threadsafe(_wake, waiter)
+
+        future.add_done_callback(done)
+    return waiter
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 _Pending = tuple[Any, str | None, dict[str, Any] | None]
@@ -276,7 +292,8 @@ class _UnitPublisher:
         self.writing: asyncio.Future[None] | None = None  # the pacing task (`_drain`)
         self.last: Future[None] | None = None  # the last batch handed to the writer thread
         self.last_write: float | None = None
-        self.closing = asyncio.Event()
+        self.closing = False
+        self.pause: asyncio.Future[None] | None = None  # `_drain`'s wait for the interval, ended early by `close`
 
     def _add(self, kind: str, body: dict[str, Any]) -> None:
         self.pending.append((None, kind, body))
@@ -365,11 +382,17 @@ class _UnitPublisher:
         `WRITE_INTERVAL_SECONDS` until `close`, until none are left (events added meanwhile go in the next batch, in
         order: offsets follow `seq`)."""
         while not self.context.failed:
-            if self.last_write is not None and not self.closing.is_set():
+            if self.last_write is not None and not self.closing:
                 wait = self.last_write + WRITE_INTERVAL_SECONDS - time.monotonic()
-                if wait > 0:
-                    with suppress(TimeoutError):
-                        await asyncio.wait_for(self.closing.wait(), wait)
+                if wait > 0:  # one future and one timer (not `wait_for`'s task, timeout and cancellation)
+                    loop = asyncio.get_running_loop()
+                    self.pause = loop.create_future()
+                    timer = loop.call_later(wait, _wake, self.pause)
+                    try:
+                        await self.pause
+                    finally:
+                        timer.cancel()
+                        self.pause = None
             written = self._submit()
             if written is None:
                 return  # in the step that marks this task done: an event added after it starts a new one
@@ -377,7 +400,9 @@ class _UnitPublisher:
 
     async def close(self) -> None:
         """Hand over what is pending at once; in a durable run, wait until every batch is stored."""
-        self.closing.set()
+        self.closing = True
+        if self.pause is not None:
+            _wake(self.pause)
         self._submit()
         if self.last is not None and self.context.durable:
             await _stored(self.last)
