@@ -33,7 +33,7 @@ from ..approvals import (
 from ..conversations import check_busy
 from ..store import ConversationBusyError, ConversationNotFoundError, StoreError
 from ..streams import StreamNotFoundError
-from ..streams._watch import event_json, watch_rows
+from ..streams._watch import POLL_SECONDS, event_json, watch_rows
 from ._errors import (
     BadRequestError,
     NotFoundError,
@@ -58,6 +58,11 @@ ID_PATTERN = re.compile(r'[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}')
 """Conversation ids (and Idempotency-Keys) the API accepts: 1-200 characters of letters, digits and `._:@-`."""
 
 FINGERPRINT = re.compile(r'[0-9a-f]{64}')
+
+OWN_RUN_POLL_SECONDS = 5.0
+"""How often the SSE stream of a local run this process runs reads the store when no commit woke it: every commit of
+such a run is made in this process and handed to the stream (`streams._log.Inbox`), so this read is only a safety net
+(a run elsewhere is read every `streams.POLL_SECONDS`, 50 ms)."""
 
 
 def bearer_auth(tokens: str | Mapping[str, str]) -> Auth:
@@ -388,11 +393,15 @@ class ServeApp:
                                   '(an integer, 0 or more)', field='Last-Event-ID')
         after = int(raw)
         run_id = row.run_id
+        # A local run this process runs commits every event here and hands it over: no timed reads (under load, or
+        # under a profiler, a 50 ms poll read a turn's stream tens of times for nothing).
+        poll = OWN_RUN_POLL_SECONDS if self.engine == 'local' and run_id in self.known_runs else POLL_SECONDS
 
         async def stream() -> AsyncIterator[str]:
             prefix = 'retry: 1000\n\n'  # sent with the first events (the headers went at once): one write less a turn
             try:  # the events of each read of the store in one write to the client
-                async for batch in watch_rows(run_id, engine=row.engine, from_offset=after, store=self.store):
+                async for batch in watch_rows(run_id, engine=row.engine, from_offset=after, store=self.store,
+                                                  poll=poll):
                     yield prefix + ''.join(f'id: {event.offset}\nevent: {event.kind}\ndata: {event_json(run_id, event)}\n\n'
                                            for event in batch)
                     prefix = ''
