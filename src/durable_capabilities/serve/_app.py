@@ -11,7 +11,7 @@ import logging
 import re
 import secrets
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import pydantic
@@ -189,7 +189,7 @@ class _EventStream(Response):
     the store's rows and the writes, and the client's disconnect is watched by one task that cancels the stream (the
     subscription is dropped at once, as `StreamingResponse`'s listener does on ASGI 2.3 servers, e.g. uvicorn)."""
 
-    def __init__(self, run_id: str, rows: AsyncGenerator[list[StoredEvent], None]):
+    def __init__(self, run_id: str, rows: AsyncIterator[list[StoredEvent]]):
         self.run_id, self.rows = run_id, rows
         self.status_code, self.background = 200, None
         self.raw_headers = list(_SSE_HEADERS)
@@ -218,7 +218,9 @@ class _EventStream(Response):
         finally:
             state['done'] = True
             listener.cancel()
-            await self.rows.aclose()
+            close = getattr(self.rows, 'aclose', None)  # `watch_rows`'s generator: its subscription dropped now
+            if close is not None:
+                await close()
 
     async def _stream(self, send: Send) -> None:
         run_id, prefix = self.run_id, 'retry: 1000\n\n'  # sent with the first events: one write less a turn
