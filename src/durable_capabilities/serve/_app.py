@@ -355,11 +355,11 @@ class ServeApp:
         record = {'principal': principal, 'key': key, 'digest': digest, 'conversation_id': conversation_id,
                   'agent': agent.name, 'engine': self.engine, 'run_id': run_id, 'reject_busy': strategy == 'reject'}
         started = None
-        if self.engine == 'local':  # the turn runs here: recorded on the loop's thread when that never waits (SQLite)
-            with contextlib.suppress(_WouldWait):
+        if self.engine == 'local':  # the turn runs here: recorded on the loop's thread when that never waits (SQLite),
+            with contextlib.suppress(_WouldWait):  # committed relaxed as its own writes are (`start_turn_sync`)
                 started = self.rows.start_turn_sync(**record, quick=True)
         if started is None:
-            started = await self.rows.call(self.rows.start_turn_sync, **record)
+            started = await self.rows.call(self.rows.start_turn_sync, **record, flush=self.engine != 'local')
         if started.created:
             task = asyncio.get_running_loop().create_task(self._run(started.run, agent, prompt, deps, strategy))
             self.tasks.add(task)
