@@ -12,6 +12,7 @@ process (not counted); direct: a process under valgrind running `runner.run` the
 a turn per side (every thread of the process), and direct / serve (what `bench_serve.py`'s ratio comes to when the
 serve process's CPU bounds it). `--keep DIR` keeps the callgrind files for `callgrind_annotate`. The agent is
 `tests/engines/stream_agent.py` (a scripted `FunctionModel`, no delay). Valgrind runs the process ~50x slower.
+`CALLGRIND_EXTRA='--separate-threads=yes'` adds valgrind options (here: one file per thread, summed for the total).
 """
 
 from __future__ import annotations
@@ -75,10 +76,15 @@ def _total(path: Path) -> int:
 
 
 def _dump(pid: int, out: Path) -> int:
+    """Dump the counters (the run's one dump: `OUT.1`, or `OUT.1-NN` per thread with `--separate-threads=yes`) and
+    return the instructions of every thread."""
     subprocess.run(['callgrind_control', '-d', str(pid)], check=True, capture_output=True)
-    dumps = sorted(p for p in out.parent.glob(out.name + '*') if p.name != out.name or p.stat().st_size)
-    newest = max(dumps, key=lambda p: p.stat().st_mtime)
-    return _total(newest)
+    deadline = time.monotonic() + 60
+    while not (dumps := list(out.parent.glob(out.name + '.1*'))):
+        if time.monotonic() > deadline:
+            raise SystemExit(f'callgrind wrote no dump next to {out}')
+        time.sleep(0.2)
+    return sum(_total(path) for path in dumps)
 
 
 def _valgrind(out: Path) -> list[str]:
