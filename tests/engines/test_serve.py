@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ import pytest
 
 from durable_capabilities.streams import RunEvent, answer_text
 from tests._helpers import sql
-from tests.engines._serve import ALICE, TARGET, Proc, read_sse, start, start_server
+from tests.engines._serve import ALICE, TARGET, Proc, free_port, read_sse, start, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('serve-dbos')]
 
@@ -842,3 +843,63 @@ def test_dbos_worker_logs_a_turn_refused_as_busy_in_one_line(dbos_stack: Stack) 
     [line] = [line for line in text.splitlines() if 'DC050' in line]
     assert 'WARNING' in line and f'workflow {refused[0].run_id} refused: DC050' in line, line
     assert 'Traceback' not in text, text[-3000:]
+
+
+def test_a_client_leaving_a_local_stream_drops_its_subscription_and_the_turn_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SSE response (`serve._app._EventStream`, a plain ASGI response) watches the client: one that closes its
+    stream mid-turn has its subscription dropped at once (not when the run ends), the turn it watched still runs to its
+    end and is stored, and a new client resumes with Last-Event-ID and gets the rest once each. A real uvicorn server
+    in this process (so the subscription table is visible), httpx clients; model: `stream_agent`'s scripted
+    `FunctionModel`, 100 ms between words (~3 s a turn)."""
+    import uvicorn
+
+    from durable_capabilities.serve import bearer_auth, create_app
+    from durable_capabilities.streams import _log
+    from tests.engines.stream_agent import ANSWER, agent
+
+    monkeypatch.setenv('DURCAP_STREAM_DELAY', '0.1')
+    store = f'sqlite:///{tmp_path / "conversations.db"}'
+    app = create_app(agent, engine='local', settings={'store': store}, auth=bearer_auth('token-alice'))
+    port = free_port()
+    url = f'http://127.0.0.1:{port}'
+
+    async def scenario() -> None:
+        server = uvicorn.Server(uvicorn.Config(app, host='127.0.0.1', port=port, log_level='warning'))
+        serving = asyncio.create_task(server.serve())
+        try:
+            while not server.started:
+                assert not serving.done(), 'uvicorn stopped before it listened'
+                await asyncio.sleep(0.01)
+            async with httpx.AsyncClient(base_url=url, headers=ALICE, timeout=30) as client:
+                posted = await client.post('/v1/conversations/leaving/turns', json={'prompt': 'where is ABC-123?'})
+                assert posted.status_code == 202, posted.text
+                run_id, events_url = posted.json()['run_id'], posted.json()['events_url']
+                seen: list[int] = []
+                async with client.stream('GET', events_url) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith('id: '):
+                            seen.append(int(line[4:]))
+                        if line == 'event: text_delta':
+                            break  # the client leaves mid-answer
+                assert run_id in app.state.serve.known_runs, 'the turn ended before the client left: nothing shown'
+                deadline = time.monotonic() + 10
+                while run_id in _log._WAITERS:  # dropped by the disconnect, not by the run's end
+                    assert time.monotonic() < deadline, 'the subscription outlived its client'
+                    await asyncio.sleep(0.01)
+                # The run had not ended when its subscription went: its stream is still open.
+                assert sql(store, 'SELECT closed_at FROM durcap_run_streams WHERE run_id = :r', {'r': run_id}) == [(None,)]
+                rest = []
+                async with client.stream('GET', events_url, headers={'Last-Event-ID': str(seen[-1])}) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith('data: '):
+                            rest.append(json.loads(line[6:]))
+                assert [e['offset'] for e in rest] == list(range(seen[-1] + 1, seen[-1] + 1 + len(rest)))
+                assert rest[-1]['kind'] == 'run_completed' and rest[-1]['data']['output'] == ANSWER
+                stored = (await client.get('/v1/conversations/leaving')).json()
+                assert stored['message_count'] == 4
+        finally:
+            server.should_exit = True
+            await serving
+
+    asyncio.run(scenario())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import inspect
 import json
@@ -16,7 +17,8 @@ from typing import Any
 import pydantic
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from .._limits import MAX_DEPTH, InputError, load_json, one_line, printable
 from ..agent import DurableAgent
@@ -32,8 +34,10 @@ from ..approvals import (
 )
 from ..conversations import check_busy
 from ..store import ConversationBusyError, ConversationNotFoundError, StoreError
+from ..store._sql import _WouldWait
 from ..streams import StreamNotFoundError
-from ..streams._watch import event_json, watch_rows
+from ..streams._log import StoredEvent
+from ..streams._watch import POLL_SECONDS, event_json, watch_rows
 from ._errors import (
     BadRequestError,
     NotFoundError,
@@ -58,6 +62,11 @@ ID_PATTERN = re.compile(r'[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}')
 """Conversation ids (and Idempotency-Keys) the API accepts: 1-200 characters of letters, digits and `._:@-`."""
 
 FINGERPRINT = re.compile(r'[0-9a-f]{64}')
+
+OWN_RUN_POLL_SECONDS = 5.0
+"""How often the SSE stream of a local run this process runs reads the store when no commit woke it: every commit of
+such a run is made in this process and handed to the stream (`streams._log.Inbox`), so this read is only a safety net
+(a run elsewhere is read every `streams.POLL_SECONDS`, 50 ms)."""
 
 
 def bearer_auth(tokens: str | Mapping[str, str]) -> Auth:
@@ -165,6 +174,68 @@ def _error_response(error: ServeError) -> JSONResponse:
 
 def _coded(status: int, code: str, message: str, **detail: Any) -> JSONResponse:
     return JSONResponse({'error': {'code': code, 'status': status, 'message': message, **detail}}, status_code=status)
+
+
+_SSE_HEADERS = [(b'content-type', b'text/event-stream; charset=utf-8'), (b'cache-control', b'no-store'),
+                (b'x-accel-buffering', b'no')]
+
+
+class _EventStream(Response):
+    """`GET /v1/runs/{run}/events`: the run's events as Server-Sent Events (`id:` offset, `event:` kind, `data:` the
+    `RunEvent` JSON), the events of each read of the store (or each commit handed over) in one write, until the run's
+    last event; a stream that was never published ends with an `error` event (DC044).
+
+    A plain ASGI response rather than Starlette's `StreamingResponse`: no anyio task group and no generator between
+    the store's rows and the writes, and the client's disconnect is watched by one task that cancels the stream (the
+    subscription is dropped at once, as `StreamingResponse`'s listener does on ASGI 2.3 servers, e.g. uvicorn)."""
+
+    def __init__(self, run_id: str, rows: AsyncIterator[list[StoredEvent]]):
+        self.run_id, self.rows = run_id, rows
+        self.status_code, self.background = 200, None
+        self.raw_headers = list(_SSE_HEADERS)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        state = {'done': False, 'gone': False}
+
+        async def listen() -> None:  # the client left: stop streaming (and drop the subscription) now
+            while (await receive())['type'] != 'http.disconnect':
+                pass
+            if not state['done']:
+                state['gone'] = True
+                task.cancel()
+
+        listener = asyncio.get_running_loop().create_task(listen())
+        try:
+            await send({'type': 'http.response.start', 'status': 200, 'headers': self.raw_headers})
+            await self._stream(send)
+            state['done'] = True
+            await send({'type': 'http.response.body', 'body': b'', 'more_body': False})
+        except asyncio.CancelledError:
+            if not state['gone'] or task.uncancel() > 0:  # not (only) the client's leaving: the server stops
+                raise
+        finally:
+            state['done'] = True
+            listener.cancel()
+            close = getattr(self.rows, 'aclose', None)  # `watch_rows`'s generator: its subscription dropped now
+            if close is not None:
+                await close()
+
+    async def _stream(self, send: Send) -> None:
+        run_id, prefix = self.run_id, 'retry: 1000\n\n'  # sent with the first events: one write less a turn
+        try:
+            async for batch in self.rows:
+                text = prefix + ''.join([f'id: {event.offset}\nevent: {event.kind}\ndata: {event_json(run_id, event)}\n\n'
+                                         for event in batch])
+                prefix = ''
+                await send({'type': 'http.response.body', 'body': text.encode(), 'more_body': True})
+        except StreamNotFoundError as exc:
+            text = prefix + f'event: error\ndata: {json.dumps({"code": exc.code, "message": str(exc)})}\n\n'
+            await send({'type': 'http.response.body', 'body': text.encode(), 'more_body': True})
+            return
+        if prefix:
+            await send({'type': 'http.response.body', 'body': prefix.encode(), 'more_body': True})
 
 
 class _Refused(Exception):
@@ -281,9 +352,14 @@ class ServeApp:
         strategy = busy or agent.busy
         digest = hashlib.sha256(json.dumps(digest_of, sort_keys=True, default=str).encode()).hexdigest()
         run_id = f'local-{uuid.uuid4().hex}' if self.engine == 'local' else f'{agent.name}-{uuid.uuid4()}'
-        started = await self.rows.call(self.rows.start_turn_sync, principal=principal, key=key, digest=digest,
-                                       conversation_id=conversation_id, agent=agent.name, engine=self.engine,
-                                       run_id=run_id, reject_busy=strategy == 'reject')
+        record = {'principal': principal, 'key': key, 'digest': digest, 'conversation_id': conversation_id,
+                  'agent': agent.name, 'engine': self.engine, 'run_id': run_id, 'reject_busy': strategy == 'reject'}
+        started = None
+        if self.engine == 'local':  # the turn runs here: recorded on the loop's thread when that never waits (SQLite),
+            with contextlib.suppress(_WouldWait):  # committed relaxed as its own writes are (`start_turn_sync`)
+                started = self.rows.start_turn_sync(**record, quick=True)
+        if started is None:
+            started = await self.rows.call(self.rows.start_turn_sync, **record, flush=self.engine != 'local')
         if started.created:
             task = asyncio.get_running_loop().create_task(self._run(started.run, agent, prompt, deps, strategy))
             self.tasks.add(task)
@@ -388,22 +464,11 @@ class ServeApp:
                                   '(an integer, 0 or more)', field='Last-Event-ID')
         after = int(raw)
         run_id = row.run_id
+        # A local run this process runs commits every event here and hands it over: no timed reads (under load, or
+        # under a profiler, a 50 ms poll read a turn's stream tens of times for nothing).
+        poll = OWN_RUN_POLL_SECONDS if self.engine == 'local' and run_id in self.known_runs else POLL_SECONDS
 
-        async def stream() -> AsyncIterator[str]:
-            prefix = 'retry: 1000\n\n'  # sent with the first events (the headers went at once): one write less a turn
-            try:  # the events of each read of the store in one write to the client
-                async for batch in watch_rows(run_id, engine=row.engine, from_offset=after, store=self.store):
-                    yield prefix + ''.join(f'id: {event.offset}\nevent: {event.kind}\ndata: {event_json(run_id, event)}\n\n'
-                                           for event in batch)
-                    prefix = ''
-            except StreamNotFoundError as exc:
-                yield prefix + f'event: error\ndata: {json.dumps({"code": exc.code, "message": str(exc)})}\n\n'
-                prefix = ''
-            if prefix:
-                yield prefix
-
-        return StreamingResponse(stream(), media_type='text/event-stream',
-                                 headers={'Cache-Control': 'no-store', 'X-Accel-Buffering': 'no'})
+        return _EventStream(run_id, watch_rows(run_id, engine=row.engine, from_offset=after, store=self.store, poll=poll))
 
     async def run_status(self, request: Request) -> Response:
         principal = await self.principal(request)

@@ -68,7 +68,8 @@ class ServeRows:
         self._backend = process_store(store_url)._sql
 
     def start_turn_sync(self, *, principal: str, key: str | None, digest: str, conversation_id: str, agent: str,
-                        engine: str, run_id: str, reject_busy: bool = False) -> Started:
+                        engine: str, run_id: str, reject_busy: bool = False, quick: bool = False,
+                        flush: bool = True) -> Started:
         """Claim conversation `conversation_id` for `principal` (the first request on it owns it) and record run
         `run_id`, unless `key` was sent before by `principal`: then the run it started.
 
@@ -83,11 +84,19 @@ class ServeRows:
         the strategy: two POSTs on one conversation at the same moment, on any serve processes of the store, are
         ordered here (the second is refused, or its run waits for the first at its load). The claim is released by
         the run's append, by its failure, or by `release_claim_sync` when the run could not be handed to the engine.
+
+        `quick`: on the calling thread (an event loop's) without ever waiting, committed relaxed
+        (`_SQLBackend._quick_txn`: durable against a crash of any process, flushed to disk with the next flushed commit
+        of the store): for a turn this process runs itself (the local engine), whose own writes are no more durable
+        than that. Raises `store._sql._WouldWait` before anything is done when it would wait (PostgreSQL, a store not
+        migrated yet, the write lock held): the caller runs it in a worker thread instead. `flush=False` (in a worker
+        thread): committed relaxed as well, for the same turns.
         """
         integrity = self._backend.engine.dialect.dbapi.IntegrityError  # type: ignore[union-attr]
         for attempt in range(3):
             try:
-                return self._start(principal, key, digest, conversation_id, agent, engine, run_id, reject_busy)
+                return self._start(principal, key, digest, conversation_id, agent, engine, run_id, reject_busy, quick,
+                                   flush)
             except integrity:  # a concurrent request inserted the same key or owner first: read it
                 if attempt == 2:
                     raise
@@ -102,10 +111,11 @@ class ServeRows:
         '(SELECT message_count FROM durcap_conversations WHERE conversation_id = :c AND deleted = 0)')
 
     def _start(self, principal: str, key: str | None, digest: str, conversation_id: str, agent: str, engine: str,
-               run_id: str, reject_busy: bool) -> Started:
-        """One write transaction straight to the driver (`_SQLBackend._raw_txn`, fully synchronous): the owner, the
-        key's request and the conversation's turn claim read in one statement, then the new rows."""
-        with self._backend._raw_txn(relaxed=False) as cur:
+               run_id: str, reject_busy: bool, quick: bool = False, flush: bool = True) -> Started:
+        """One write transaction straight to the driver (`_SQLBackend._raw_txn`, fully synchronous; `_quick_txn` with
+        `quick`): the owner, the key's request and the conversation's turn claim read in one statement, then the new
+        rows."""
+        with (self._backend._quick_txn() if quick else self._backend._raw_txn(relaxed=not flush)) as cur:
             owner, seen_digest, seen_run, holder, claimed_at, stored = cur.execute(
                 self._LOOKUP, {'c': conversation_id, 'p': principal, 'k': key}).fetchone()
             if owner is not None and owner != principal:
