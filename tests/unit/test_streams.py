@@ -212,66 +212,6 @@ def test_the_first_delta_is_written_at_once_and_a_burst_is_joined(tmp_path: Path
     assert [e.offset for e in text] == sorted(e.offset for e in text)
 
 
-def test_a_units_batch_still_queued_when_it_ends_is_written_with_its_last_one(tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """A durable unit's first batch (the previous tool results, handed over at once) that still waits in the writer's
-    queue when the unit closes is withdrawn and written in one batch with the rest, in order: one write instead of
-    two. The writer thread is held (a real job waiting on an event) so the first batch cannot start. Model: a
-    `FunctionModel` without `stream_function` (its sync function runs in a thread: the unit's first batch is handed
-    over while it runs)."""
-    import threading
-
-    from pydantic_ai.messages import ToolReturnPart
-
-    store = sqlite_url(tmp_path)
-    log = EventLog(store)
-    log.append_sync('other', 'temporal', [Item('run', 0, 0, 'run_started', {})])  # the schema, before the writer's jobs
-    handed: list[Any] = []
-    submit = EventLog.submit
-
-    def recording(self: EventLog, run_id: str, job: Any, **kwargs: Any) -> Any:
-        future = submit(self, run_id, job, **kwargs)
-        if run_id == 'run-merge':
-            handed.append(future)
-        return future
-
-    monkeypatch.setattr(EventLog, 'submit', recording)
-    started, release = threading.Event(), threading.Event()
-
-    def hold(cursor: Any) -> None:
-        started.set()
-        assert release.wait(30)
-
-    def answer(messages: list[Any], info: AgentInfo) -> ModelResponse:
-        while not handed:  # the unit's first batch (the tool result) is handed over while the model runs
-            threading.Event().wait(0.005)
-        return ModelResponse(parts=[TextPart(ANSWER)])
-
-    wrapped = streams.StreamingModel(FunctionModel(answer))
-    messages = [ModelRequest(parts=[UserPromptPart('go')]),
-                ModelResponse(parts=[ToolCallPart('lookup', {'id': 1}, tool_call_id='c1')]),
-                ModelRequest(parts=[ToolReturnPart('lookup', 'found', tool_call_id='c1')])]
-
-    async def scenario() -> None:
-        held = log.submit('other', hold)
-        assert await asyncio.to_thread(started.wait, 30)
-        with streams.publishing('run-merge', 'temporal', store, attempt=1):
-            request = asyncio.ensure_future(wrapped.request(messages, None, ModelRequestParameters()))
-            while len(handed) < 2 and not request.done():  # the unit closed: its last batch handed over
-                await asyncio.sleep(0.005)
-            release.set()
-            await request
-        await asyncio.wrap_future(held)
-
-    run(scenario())
-    assert len(handed) == 2 and handed[0].cancelled() and handed[1].result() is None  # the first one withdrawn
-    rows = log.read_sync('run-merge', 0)
-    kinds = [r.kind for r in rows]
-    assert kinds[0] == 'tool_result' and kinds.count('tool_result') == 1 and len(kinds) > 1, kinds  # then the answer
-    assert [r.offset for r in rows] == list(range(1, len(rows) + 1)) and [r.seq for r in rows] == list(range(len(rows)))
-    assert {r.attempt for r in rows} == {1}  # the merged batch claimed the attempt, as the first would have
-
-
 async def wait_until_stored(run_id: str, store: str, done: Any, timeout: float = 10.0) -> None:
     """Wait (polling the log from a thread) until `done(rows)` holds for the rows stored for `run_id`."""
     deadline = asyncio.get_running_loop().time() + timeout

@@ -224,15 +224,9 @@ async def publish_run(kind: str, data: dict[str, Any], *more: tuple[str, dict[st
 
 async def _stored(future: Future[Any]) -> None:
     """Wait for a write handed to the writer thread; its error is the stream's (`_UnitPublisher._written`), and
-    cancelling the wait leaves the write queued (a later batch of the unit reads the attempt it claims). A write
-    withdrawn before it started (`_UnitPublisher._submit` merged it into the unit's last batch) returns at once."""
+    cancelling the wait leaves the write queued (a later batch of the unit reads the attempt it claims)."""
     with suppress(Exception):
-        try:
-            await asyncio.shield(asyncio.wrap_future(future))
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if not future.cancelled() or (task is not None and task.cancelling()):
-                raise
+        await asyncio.shield(asyncio.wrap_future(future))
 
 
 _Pending = tuple[Any, str | None, dict[str, Any] | None]
@@ -269,8 +263,7 @@ class _UnitPublisher:
     (`EventLog.append_unit_sync`, run in the writer thread, which runs a unit's batches in the order they were
     handed over: each later one reads the attempt the first claimed), its `retry` event first when earlier attempts
     published: an execution that publishes nothing writes nothing (and claims no attempt).
-    `close` hands over what is left at once (with the previous batch when that one still waits in the writer's
-    queue, not started: withdrawn and written in the same batch); in a durable run it waits until every batch is stored (the unit's
+    `close` hands over what is left at once; in a durable run it waits until every batch is stored (the unit's
     events are stored before the engine records the unit done, so a recovered run never lacks them), in a local run
     (`StreamContext.durable` false) it does not: the run's last event, which its container awaits, is stored after
     them."""
@@ -282,7 +275,6 @@ class _UnitPublisher:
         self.pending: list[_Pending] = []
         self.writing: asyncio.Future[None] | None = None  # the pacing task (`_drain`)
         self.last: Future[None] | None = None  # the last batch handed to the writer thread
-        self.queued: tuple[list[Any], list[Any]] | None = None  # its entries and carried events (merged at `close`)
         self.last_write: float | None = None
         self.closing = asyncio.Event()
 
@@ -346,12 +338,6 @@ class _UnitPublisher:
         if not entries:
             return None
         carried, self.context.carried = self.context.carried, []
-        if self.closing.is_set() and self.last is not None and self.queued is not None and self.last.cancel():
-            # The unit ends while its previous batch still waits in the writer's queue (not started: withdrawn here,
-            # atomically with the writer's `set_running_or_notify_cancel`): one batch with both, in order, instead
-            # of two writes (`bench_throughput.py`: a model request without streaming made two).
-            entries, carried = [*self.queued[0], *entries], [*self.queued[1], *carried]
-        self.queued = (entries, carried)
         self.last_write = time.monotonic()
         self.last = self.context.log.submit(self.context.run_id, lambda cur: self._write_in(cur, entries, carried),
                                             flush=self.context.durable)
