@@ -93,3 +93,49 @@ def test_thresholds_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv('DURCAP_PAYLOAD_MAXIMUM', 'lots')
     with pytest.raises(ValueError, match=r'\$DURCAP_PAYLOAD_MAXIMUM must be a number of bytes'):
         default_codec()
+
+
+def test_the_data_converter_binds_one_copy_per_workflow_and_records_each_owner(store_url: str) -> None:
+    """`ClaimCheckDataConverter.with_context` (what temporalio calls for every payload sequence of a workflow task and
+    every activity) hands back one bound copy per workflow id, whatever the activity context, instead of a new
+    converter per call; each copy's codec records its own workflow as the owner of what it stores
+    (`durcap_payload_refs`), as `DataConverter`'s copies did."""
+    from temporalio.converter import ActivitySerializationContext
+    from temporalio.converter import PayloadConverter as _PayloadConverter
+    from temporalio.converter import WithSerializationContext as _WithContext
+
+    from durable_capabilities.engines.temporal._payloads import ClaimCheckDataConverter, default_data_converter
+
+    converter = default_data_converter(store_url)
+    assert isinstance(converter, ClaimCheckDataConverter) and converter.payload_codec.store_url == store_url  # type: ignore[union-attr]
+    workflow_1 = converter.with_context(WorkflowSerializationContext('default', 'wf-1'))
+    activity_1 = converter.with_context(ActivitySerializationContext(
+        namespace='default', activity_id='3', activity_type='agent__x__model_request', activity_task_queue='q',
+        workflow_id='wf-1', workflow_type='durcap.x', is_local=False))
+    workflow_2 = converter.with_context(WorkflowSerializationContext('default', 'wf-2'))
+    assert workflow_1 is activity_1 is converter.with_context(WorkflowSerializationContext('default', 'wf-1'))
+    assert workflow_2 is not workflow_1 and workflow_1 is not converter
+    assert [c.payload_codec.owner for c in (converter, workflow_1, workflow_2)] == [None, 'wf-1', 'wf-2']  # type: ignore[union-attr]
+    for bound, owner in ((workflow_1, 'wf-1'), (workflow_2, 'wf-2')):
+        [reference] = run(bound.encode([owner * 10_000]))
+        assert reference.metadata['encoding'] == ENCODING
+        assert run(bound.decode([reference], [str])) == [owner * 10_000]
+    owners = sql(store_url, 'SELECT DISTINCT owner FROM durcap_payload_refs ORDER BY owner')
+    assert [row[0] for row in owners] == ['wf-1', 'wf-2']
+
+    class ContextAware(_PayloadConverter, _WithContext):  # a payload converter that differs per context: no reuse
+        def __init__(self, seen: Any = None) -> None:
+            self.seen = seen
+
+        def to_payloads(self, values: Any) -> Any:
+            raise NotImplementedError
+
+        def from_payloads(self, payloads: Any, type_hints: Any = None) -> Any:
+            raise NotImplementedError
+
+        def with_context(self, context: Any) -> ContextAware:
+            return ContextAware(context)
+
+    aware = ClaimCheckDataConverter(payload_codec=ClaimCheckCodec(store_url), payload_converter_class=ContextAware)
+    context = WorkflowSerializationContext('default', 'wf-1')
+    assert aware.with_context(context) is not aware.with_context(context)

@@ -23,13 +23,12 @@ from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
-from temporalio.converter import DataConverter
 from temporalio.service import RPCError, RPCStatusCode
 
 from ..._limits import InputError
 from .._adapter import EngineUnreachableError
 from .._stall import Progress, notice_stalls
-from ._payloads import default_codec
+from ._payloads import default_data_converter
 from ._spec import (
     AGENT_MEMO,
     CAPABILITIES_SEARCH_ATTRIBUTE,
@@ -60,7 +59,7 @@ async def connect(address: str = DEFAULT_ADDRESS, namespace: str = DEFAULT_NAMES
         EngineUnreachableError: no Temporal server answers at `address` (refused, or no answer within the timeout).
         InputError: `$DURCAP_TEMPORAL_CONNECT_TIMEOUT` is not a number of seconds above 0 (DC040).
     """
-    codec = DataConverter(payload_codec=default_codec(store))  # PydanticAIPlugin keeps the codec, swaps the converter
+    codec = default_data_converter(store)  # PydanticAIPlugin keeps it and its codec, swaps the payload converter
     timeout = connect_timeout()
     try:
         return await asyncio.wait_for(

@@ -25,13 +25,12 @@ from pydantic_ai.durable_exec.temporal import PydanticAIPlugin
 from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelResponse, TextPart
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHistory
-from temporalio.converter import DataConverter
 from temporalio.worker import Replayer, WorkflowRunner
 
 from ...report import usage_from_json
 from ...store import SQLConversationStore, resolve_url
 from ._conversation import AppendInput
-from ._payloads import default_codec
+from ._payloads import default_data_converter
 from ._spec import CONVERSATION_APPEND_SUFFIX
 
 if TYPE_CHECKING:
@@ -127,7 +126,7 @@ class HistoryReplayer:
             interceptors=list(interceptors),
             plugins=[PydanticAIPlugin()],
             workflow_runner=workflow_runner,
-            data_converter=DataConverter(payload_codec=default_codec(store)),  # decodes claim checks
+            data_converter=default_data_converter(store),  # decodes claim checks
         )
 
     async def replay(self, history_json: dict[str, Any], workflow_id: str) -> str | None:

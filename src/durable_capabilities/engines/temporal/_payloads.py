@@ -77,7 +77,7 @@ from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelResponse
 from pydantic_core import to_json
 from temporalio import workflow
 from temporalio.api.common.v1 import Payload
-from temporalio.converter import PayloadCodec, SerializationContext, WithSerializationContext
+from temporalio.converter import DataConverter, PayloadCodec, SerializationContext, WithSerializationContext
 from temporalio.exceptions import ActivityError, ApplicationError
 
 from ... import telemetry
@@ -422,6 +422,51 @@ class _Recent:
 RECENT_BYTES = 8 * 1024 * 1024
 """Bytes of just-stored payloads a codec keeps for their first decode (`_Recent`): 8 MiB."""
 
+BOUND_CONVERTERS = 4096
+"""Workflow ids whose context-bound data converter a `ClaimCheckDataConverter` keeps (`with_context`), the oldest
+dropped first: about as many runs as a worker has in flight (the SDK's default: 100 workflow tasks, 100 activities)."""
+
+
+@dataclass(frozen=True)
+class ClaimCheckDataConverter(DataConverter):
+    """temporalio's `DataConverter` for the claim-check codec, whose `with_context` reuses one bound copy per workflow
+    id (the owner the codec records, `ClaimCheckCodec.with_context`) instead of building a new one per call.
+
+    Why: temporalio binds the data converter to a serialization context for every payload sequence of a workflow
+    activation and its completion (`_CommandAwareDataConverter`, each command's own context) and for every activity.
+    With a context-aware codec, `DataConverter.with_context` clones the converter, which builds a new payload
+    converter (pydantic-ai's) each time: measured 15 us a call against 1.4 us without the codec, several hundred
+    calls per run (`bench/bench_throughput.py`, bench/README.md "Issue 29"). A bound copy depends on the context only
+    through the codec's owner when the payload converter, failure converter and external storage return themselves
+    from `with_context` (pydantic-ai's do); otherwise every call binds a new copy, as `DataConverter` does.
+    Bound copies are immutable (frozen), so sharing one is safe.
+    """
+
+    _bound: dict[str | None, DataConverter] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _bound_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+
+    def with_context(self, context: SerializationContext) -> DataConverter:
+        """This converter bound to `context` (the same object for every context of one workflow id; see the class)."""
+        if not isinstance(self.payload_codec, ClaimCheckCodec) or not self._only_codec_bound(context):
+            return super().with_context(context)
+        owner = getattr(context, 'workflow_id', None) or None
+        bound = self._bound.get(owner)
+        if bound is None:
+            bound = super().with_context(context)
+            with self._bound_lock:
+                if len(self._bound) >= BOUND_CONVERTERS:
+                    self._bound.pop(next(iter(self._bound)))
+                self._bound[owner] = bound
+        return bound
+
+    def _only_codec_bound(self, context: SerializationContext) -> bool:
+        """Whether only the codec changes with `context` (every other part returns itself from `with_context`)."""
+        for part in (self.payload_converter, self.failure_converter, self.external_storage):
+            if isinstance(part, WithSerializationContext) and part.with_context(context) is not part:
+                return False
+        return True
+
+
 
 def _pack(data: bytes, kind: int) -> tuple[bytes, int]:
     """What the store keeps of a row not stored yet: a piece of `COMPRESS_FROM` bytes or more compressed (`KIND_ZPIECE`)
@@ -512,6 +557,12 @@ def default_codec(store: str | None = None) -> ClaimCheckCodec:
     """The codec every durcap Temporal client, worker and replayer uses: on `store`, else `$DURCAP_STORE`,
     else the default store (`store.DEFAULT_URL`), as the conversation activities resolve it."""
     return ClaimCheckCodec(resolve_url(store))
+
+
+def default_data_converter(store: str | None = None) -> ClaimCheckDataConverter:
+    """The data converter of every durcap Temporal client, worker and replayer: `default_codec(store)` in a
+    `ClaimCheckDataConverter` (`PydanticAIPlugin` keeps it and its codec, and sets pydantic-ai's payload converter)."""
+    return ClaimCheckDataConverter(payload_codec=default_codec(store))
 
 
 # ---- the guard: refuse in workflow code what no payload can carry ----------------------------------------------
