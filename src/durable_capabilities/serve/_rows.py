@@ -194,6 +194,14 @@ class ServeRows:
                                             'idempotency_key = :k'), {'p': self.DECISION_PRINCIPAL, 'k': key}).scalar()
             return str(held) if held is not None else decision_json
 
+    def decision_slot_sync(self, run_id: str, call_id: str) -> str | None:
+        """The JSON of the decision holding `call_id`'s slot (`claim_decision_sync`), else `None`."""
+        with self._backend._txn(write=False) as conn:
+            held = conn.execute(sa.text('SELECT digest FROM durcap_serve_requests WHERE principal = :p AND '
+                                        'idempotency_key = :k'), {'p': self.DECISION_PRINCIPAL,
+                                                                  'k': f'decide/{run_id}/{call_id}'}).scalar()
+        return None if held is None else str(held)
+
     def release_decision_sync(self, run_id: str, call_id: str) -> None:
         """Give the slot `claim_decision_sync` took back (the decision was not delivered: the call is still pending)."""
         with self._backend._raw_txn(relaxed=False) as cur:
