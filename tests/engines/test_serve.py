@@ -566,6 +566,9 @@ def test_dbos_second_turn_on_a_busy_conversation_rejected_or_enqueued_per_reques
     refused = _post(url, conversation, {'agent': 'gated', 'prompt': 'revoke erin', 'busy': 'reject'}, key='busy-1-b')
     assert refused.status_code == 409 and refused.json()['error']['code'] == 'DC050', refused.text
     assert refused.json()['error']['holder'] == first['run_id']
+    said = refused.json()['error']['message']  # the holder waits for an approval: how to decide it
+    assert f"and waits for a person's approval of revoke_sessions (call {call['call_id']})" in said, said
+    assert f'POST /v1/runs/{first["run_id"]}/approvals/{{call_id}} decides one' in said, said
     second = _post(url, conversation, {'agent': 'gated', 'prompt': 'revoke erin', 'busy': 'enqueue'}, key='busy-1-c')
     assert second.status_code == 202, second.text
     second_id = second.json()['run_id']
