@@ -40,6 +40,7 @@ from ._errors import (
     RequestTooLargeError,
     ServeError,
     UnauthenticatedError,
+    lead_with_code,
 )
 from ._rows import RunRow, ServeRows
 
@@ -164,7 +165,8 @@ def _error_response(error: ServeError) -> JSONResponse:
 
 
 def _coded(status: int, code: str, message: str, **detail: Any) -> JSONResponse:
-    return JSONResponse({'error': {'code': code, 'status': status, 'message': message, **detail}}, status_code=status)
+    return JSONResponse({'error': {'code': code, 'status': status, 'message': lead_with_code(code, message), **detail}},
+                        status_code=status)
 
 
 class _Refused(Exception):
