@@ -575,3 +575,32 @@ def test_listing_prefect_without_an_api_says_it_reads_the_temporary_server(tmp_p
     configured = subprocess.run([sys.executable, '-c', code], env={**env, 'PREFECT_API_URL': 'http://127.0.0.1:9/api'},
                                 capture_output=True, text=True, timeout=120)
     assert configured.returncode == 0 and configured.stdout.strip() == 'None', configured.stdout + configured.stderr
+
+
+def test_history_release_of_an_id_that_names_nothing_exits_2_with_dc044(tmp_path: Path) -> None:
+    """`durcap history release ID` on a real SQLite store: an id neither stored nor held exits 2 with one DC044 line
+    naming it and the fix (it exited 0 saying no turn holds it); a held claim of a conversation not stored yet (its
+    first turn) is released, exit 0; releasing a stored conversation no turn holds is harmless, exit 0."""
+    import asyncio
+
+    from pydantic_ai.messages import ModelRequest, UserPromptPart
+
+    from durable_capabilities.store import SQLConversationStore
+
+    store = f'sqlite:///{tmp_path / "conv.db"}'
+
+    async def seed() -> None:
+        async with SQLConversationStore(store) as opened:
+            await opened.append('stored', [ModelRequest(parts=[UserPromptPart('hi')])], expected_revision=None)
+            await opened.claim_turn('first-turn', 'run-1')
+
+    asyncio.run(seed())
+    nope = durcap_here('history', 'release', 'NOPE', '--store', store)
+    assert nope.exit_code == 2, (nope.stdout, nope.stderr)
+    assert nope.stderr.startswith("durcap: error: DC044 conversation 'NOPE' is not in the store; nothing was released. "
+                                  'Fix: '), nope.stderr
+    assert nope.stdout == ''
+    held = durcap_here('history', 'release', 'first-turn', '--store', store)
+    assert held.exit_code == 0 and 'released the turn of run run-1' in held.stdout, held.stdout
+    unheld = durcap_here('history', 'release', 'stored', '--store', store)
+    assert unheld.exit_code == 0 and unheld.stdout.strip() == 'conversation stored: no turn holds it', unheld.stdout
