@@ -965,3 +965,49 @@ def test_prefect_decisions_sent_at_the_same_moment_one_is_accepted(prefect_api_u
         assert revocations(crash_dir) == ['mona']
     else:
         assert report['output'] == 'result: racing' and revocations(crash_dir) == []
+
+
+def test_prefect_run_sigtermed_while_paused_keeps_its_approval_listed_and_finishes_once(
+        prefect_api_url: str, tmp_path: Path) -> None:
+    """`durcap run --engine prefect` (the shared server) given SIGTERM while its run waits for an approval: the flow
+    run ends Crashed (Prefect's own SIGTERM handling; Paused when the signal misses it). Either way `durcap approvals
+    list` (all runs, no --run) still lists the call (a Crashed run's calls were not listed: the wait was lost from
+    view), `durcap approve` is accepted, the listing then says the call is decided and waits for the run, and `durcap
+    runs resume --target` finishes it: the approved tool ran once. The `gated` agent (scripted `FunctionModel`)."""
+    env, crash_dir = env_for(tmp_path)
+    env['PREFECT_API_URL'] = prefect_api_url
+    log = tmp_path / 'run.log'
+    with open(log, 'wb') as handle:
+        proc = subprocess.Popen([sys.executable, '-m', 'durable_capabilities.cli', 'run', TARGET, 'revoke nina',
+                                 '--engine', 'prefect'], cwd=ROOT, env=subprocess_env(env), stdout=handle,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not any(line.startswith('paused: ') for line in log.read_text().splitlines()):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        run_id = log.read_text().split('prefect flow run id: ', 1)[1].split()[0]
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    state = json.loads(durcap('runs', 'show', run_id, '--engine', 'prefect', '--format', 'json', env=env).stdout)
+    assert state['engine_status'] in ('PAUSED', 'CRASHED'), state
+    listed = durcap('approvals', 'list', '--engine', 'prefect', '--format', 'json', env=env)
+    assert listed.returncode == 0, listed.stderr
+    [call] = [c for c in json.loads(listed.stdout) if c['run_id'] == run_id]
+    assert call['args'] == {'user': 'nina'} and call['decided'] is None, (state['engine_status'], call)
+    approved = durcap('approve', run_id, call['call_id'], '--engine', 'prefect', '--by', 'ops', env=env)
+    assert approved.returncode == 0, approved.stdout + approved.stderr
+    if state['engine_status'] == 'CRASHED':  # nothing runs it: listed as decided, waiting for the run
+        again = json.loads(durcap('approvals', 'list', '--engine', 'prefect', '--format', 'json', env=env).stdout)
+        [waiting] = [c for c in again if c['run_id'] == run_id]
+        assert waiting['decided'].startswith('approved by ops at '), waiting
+    resumed = durcap('runs', 'resume', run_id, '--engine', 'prefect', '--target', TARGET, env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert 'result: revoked sessions of nina' in resumed.stdout, resumed.stdout
+    assert revocations(crash_dir) == ['nina']  # exactly once
+    after = json.loads(durcap('approvals', 'list', '--engine', 'prefect', '--format', 'json', env=env).stdout)
+    assert [c for c in after if c['run_id'] == run_id] == []
