@@ -447,3 +447,65 @@ def test_temporal_run_writes_its_own_events_without_a_local_activity_where_an_ac
         assert events[0].offset == 1 and events[-1].kind == 'run_completed' and answer_text(events) == ANSWER
         info = log.info_sync(run_id)
         assert info is not None and info.closed_at is not None
+
+
+def test_temporal_run_whose_conversation_append_fails_for_good_ends_its_stream_with_run_failed(
+        temporal_address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Temporal (the shared dev server), a worker in this process (`make_worker`), `tests.engines.stream_agent`
+    (scripted `FunctionModel`), a conversation whose append fails for good: the store's `append` raises
+    `AppendIdReuseError` for it (an injected error, one of the append activity's non-retryable ones; the server,
+    worker and event log are real). The run fails, and its stream ends with `run_failed` naming the error and is
+    closed: its `turn_stored` and `run_completed` rode with the failed append activity and were never stored. Before,
+    the stream stayed open after `capability_catalog` and the run's end said nothing (watchers waited). A run on
+    another conversation, on the same worker, completes as before."""
+    import asyncio
+
+    from durable_capabilities import runner
+    from durable_capabilities.engines.temporal import connect, make_worker
+    from durable_capabilities.store import AppendIdReuseError, SQLConversationStore
+    from durable_capabilities.streams import EventLog
+    from durable_capabilities.streams._watch import to_run_event
+    from tests.engines.stream_agent import ANSWER, agent
+
+    store = f'sqlite:///{tmp_path / "conversations.db"}'
+    queue = f'doomed-{uuid.uuid4().hex[:8]}'
+    real_append = SQLConversationStore.append
+
+    async def append(self: Any, conversation_id: str, *args: Any, **kwargs: Any) -> Any:
+        if conversation_id.startswith('doomed-'):
+            raise AppendIdReuseError(f'injected: the append of {conversation_id!r} fails for good')
+        return await real_append(self, conversation_id, *args, **kwargs)
+
+    monkeypatch.setattr(SQLConversationStore, 'append', append)
+    monkeypatch.setenv('DURCAP_STREAM_DELAY', '0')
+    doomed, fine = f'doomed-run-{uuid.uuid4().hex[:8]}', f'fine-run-{uuid.uuid4().hex[:8]}'
+
+    async def scenario() -> str:
+        client = await connect(temporal_address, store=store)
+        async with make_worker(client, [agent], queue, store=store):
+            try:
+                await runner.run(agent, 'where is ABC-123?', engine='temporal', run_id=doomed, address=temporal_address,
+                                 task_queue=queue, inline_worker=False, store=store, notify=lambda line: None,
+                                 conversation_id=f'doomed-{uuid.uuid4().hex[:6]}')
+            except Exception as error:  # noqa: BLE001 - the run must fail
+                failure = f'{type(error).__name__}: {error}'
+            else:
+                raise AssertionError('the run whose append fails for good completed')
+            report = await runner.run(agent, 'where is ABC-123?', engine='temporal', run_id=fine,
+                                      address=temporal_address, task_queue=queue, inline_worker=False, store=store,
+                                      notify=lambda line: None, conversation_id=f'fine-{uuid.uuid4().hex[:6]}')
+            assert report.output == ANSWER
+        return failure
+
+    failure = asyncio.run(scenario())
+    log = EventLog(store)
+    events = [to_run_event(doomed, e) for e in log.read_sync(doomed, 0, limit=10_000)]
+    assert_in_order_once(events)
+    kinds = [e.kind for e in events if e.unit == 'run']
+    assert kinds == ['run_started', 'capability_catalog', 'run_failed'], (kinds, failure)
+    assert 'AppendIdReuseError' in events[-1].data['error'], events[-1].data
+    info = log.info_sync(doomed)
+    assert info is not None and info.closed_at is not None  # closed: a watcher stops
+    ok = [to_run_event(fine, e) for e in log.read_sync(fine, 0, limit=10_000)]
+    assert [e.kind for e in ok if e.unit == 'run'] == ['run_started', 'capability_catalog', 'turn_stored',
+                                                        'run_completed']

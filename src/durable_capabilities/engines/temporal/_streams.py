@@ -52,7 +52,14 @@ from ...conversations import store_url
 from ...store import resolve_url
 from ...streams._log import EventLog, Item
 from ...streams._publish import enabled
-from ._spec import CARRY_PATCH_ID, CONVERSATION_APPEND_SUFFIX, ENGINE, MODEL_REQUEST_ACTIVITIES, STREAMS_PATCH_ID
+from ._spec import (
+    CARRY_PATCH_ID,
+    CONVERSATION_APPEND_SUFFIX,
+    ENGINE,
+    FAILED_APPEND_PATCH_ID,
+    MODEL_REQUEST_ACTIVITIES,
+    STREAMS_PATCH_ID,
+)
 
 if TYPE_CHECKING:
     from ...agent import DurableAgent
@@ -175,6 +182,16 @@ class WorkflowStream(streams.StreamContext):
         if not ok:
             self.failed = True
         self.before = []
+
+    def settle(self) -> None:
+        """Before the workflow publishes (`streams.publish_run`): settle the carrying activities (`_settle`). The
+        closing events of a failed append reopen the stream for `run_failed` only behind `FAILED_APPEND_PATCH_ID`: a
+        history recorded before it replays with the stream left closed (no local activity)."""
+        failed_after = any(after and handle.done() and (handle.cancelled() or handle.exception() is not None)
+                           for handle, _rows, after in self.handed)
+        if failed_after and not workflow.patched(FAILED_APPEND_PATCH_ID):
+            return
+        self._settle()
 
     def _settle(self) -> None:
         """Forget the `before` rows of each carrying activity that succeeded (they are stored); an `after` whose
