@@ -360,7 +360,7 @@ async def _holder_waiting(opened: Any, holder: str) -> tuple[str | None, list[di
     stands either way)."""
     try:
         return await opened.waiting_approval(holder)
-    except Exception:  # noqa: BLE001 - only the message's detail depends on it
+    except Exception:
         logger.debug('could not read whether run %s waits for an approval', holder, exc_info=True)
         return None
 

@@ -19,7 +19,7 @@ from rich.text import Text
 from .._limits import printable, redact_database_url
 from ..errors import NOT_FOUND_CODE, DurcapError
 from ..store import resolve_url
-from . import _err, _out, _unusable, app
+from . import _out, _unusable, app
 from ._options import StoreOption
 
 if TYPE_CHECKING:
