@@ -1011,3 +1011,33 @@ def test_prefect_run_sigtermed_while_paused_keeps_its_approval_listed_and_finish
     assert revocations(crash_dir) == ['nina']  # exactly once
     after = json.loads(durcap('approvals', 'list', '--engine', 'prefect', '--format', 'json', env=env).stdout)
     assert [c for c in after if c['run_id'] == run_id] == []
+
+
+def test_temporal_decisions_sent_at_the_same_moment_one_is_accepted(temporal_address: str, spawn,
+                                                                     tmp_path: Path) -> None:
+    """As the DBOS and Prefect tests above, on Temporal (the shared dev server, a driver worker): four decisions at
+    once on one waiting call; exactly one accepted, three refused DC054 naming it (the workflow takes one decision
+    update per call: the first handler removes the call, a later update is refused), the tool once if the accepted one
+    approved. The `gated` agent (scripted `FunctionModel`)."""
+    from durable_capabilities.engines.temporal import AgentRunInput, AgentRunOutput, connect
+
+    env, crash_dir = env_for(tmp_path)
+    queue = f'race-{uuid.uuid4().hex[:8]}'
+    worker = spawn('temporal', 'worker', '--target', TARGET, '--address', temporal_address, '--task-queue', queue, env=env)
+    worker.wait_for('WORKER READY', 90)
+    run_id = f'race-{uuid.uuid4().hex[:8]}'
+
+    async def scenario() -> tuple[dict[str, Any], AgentRunOutput]:
+        client = await connect(temporal_address)
+        handle = await client.start_workflow('durcap.gated', AgentRunInput(prompt='revoke olga'), id=run_id,
+                                             task_queue=queue, result_type=AgentRunOutput)
+        [call] = await asyncio.to_thread(pending, ['--engine', 'temporal', '--address', temporal_address], run_id)
+        results = await asyncio.to_thread(_race, 'temporal', run_id, call, {'address': temporal_address}, env,
+                                          tmp_path / 'race.log')
+        return _one_accepted(results, run_id), await asyncio.wait_for(handle.result(), 120)
+
+    winner, output = asyncio.run(scenario())
+    if winner['decision'] == 'approve':
+        assert output.output == 'result: revoked sessions of olga' and revocations(crash_dir) == ['olga']
+    else:
+        assert output.output == 'result: racing' and revocations(crash_dir) == []
