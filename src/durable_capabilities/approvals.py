@@ -77,8 +77,9 @@ class PendingCall:
         engine: The engine the run is on (filled by the listing).
         decided: A decision already sent on this call that the run has not received yet (its process is down, or
             it has not reached the wait), as `'approved by alice at 2026-12-01T06:40:00+00:00'`; `None` when none
-            was sent. Only DBOS reports it: there a decision waits in the system database for the run to read it,
-            and the call stays published as pending until then (`durcap runs resume` the run if it is orphaned).
+            was sent. DBOS reports it (there a decision waits in the system database for the run to read it, and the
+            call stays published as pending until then: `durcap runs resume` the run if it is orphaned), and Prefect
+            for a Crashed flow run (its decision input waits for `durcap runs resume`).
         schema: The tool's parameters JSON schema when the definition knows it (function tools; not MCP tools):
             arguments a decider edits (`override_args`, `--args`) are validated against it before they are sent
             (`ApprovalArgsError`, DC051). `None` in calls published before this field.

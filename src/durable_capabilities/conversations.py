@@ -337,7 +337,8 @@ async def claim_turn(agent: DurableAgent[Any, Any], conversation_id: str, run_id
                 await opened.release_turn(conversation_id, holder[0], taken_by=run_id)
                 continue
         if (busy or 'reject') == 'reject':
-            raise ConversationBusyError(conversation_id, run_id=run_id, holder=holder[0], claimed_at=holder[1])
+            raise ConversationBusyError(conversation_id, run_id=run_id, holder=holder[0], claimed_at=holder[1],
+                                        waiting=await _holder_waiting(opened, holder[0]))
         if busy == 'interrupt' and holder[0] not in stopped:
             stopped.add(holder[0])
             asked_by = await opened.request_stop(conversation_id, holder[0], run_id)
@@ -351,6 +352,17 @@ async def claim_turn(agent: DurableAgent[Any, Any], conversation_id: str, run_id
             beat()
         await asyncio.sleep(delay)
         delay = min(delay * 2, cap)
+
+
+async def _holder_waiting(opened: Any, holder: str) -> tuple[str | None, list[dict[str, Any]]] | None:
+    """What the DC050 refusal says of the holder: `(engine, pending calls)` when its stream in the store says it waits
+    for an approval (`SQLConversationStore.waiting_approval`), else `None`; a failed read says nothing (the refusal
+    stands either way)."""
+    try:
+        return await opened.waiting_approval(holder)
+    except Exception:
+        logger.debug('could not read whether run %s waits for an approval', holder, exc_info=True)
+        return None
 
 
 async def release_turn(agent: DurableAgent[Any, Any], conversation_id: str, run_id: str | None, *,

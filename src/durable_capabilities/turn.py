@@ -325,7 +325,14 @@ async def _run(agent: DurableAgent[Any, Any], run: Callable[..., Awaitable[Any]]
                        ('run_completed', {'output': _jsonable(result.output), 'usage': turn.usage,
                                           'new_messages': len(turn.new_messages)}), close=True, carry='after')
     if conversation_id is not None and append is not None:
-        appended = await append(conversation_id, turn.new_messages, revision, turn.usage)
+        try:
+            appended = await append(conversation_id, turn.new_messages, revision, turn.usage)
+        except Exception as error:
+            # The append failed for good (its unit's retries are spent): the stream ends with the failure, not open
+            # (a deferring stream's closing events rode with the failed unit and were not stored).
+            if stream is not None:
+                await _publish('run_failed', {'error': _failure_text(error)}, close=True)
+            raise
         if isinstance(appended, int) and not isinstance(appended, bool):
             turn.appended = appended
         # Not after a rebased append (another turn went in between): the history is no longer `messages + logged`.
@@ -344,6 +351,18 @@ async def _run(agent: DurableAgent[Any, Any], run: Callable[..., Awaitable[Any]]
         await _publish('run_completed', {'output': _jsonable(result.output), 'usage': turn.usage,
                                                     'new_messages': len(turn.new_messages)}, close=True)
     return turn
+
+
+def _failure_text(error: BaseException) -> str:
+    """`'Type: message'` of `error`, followed by its root cause's when it wraps one (a Temporal `ActivityError` says
+    only 'Activity task failed'; its cause, an `ApplicationError`, carries the activity's own error type and text)."""
+    text = f'{type(error).__name__}: {error}'
+    cause = error
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    if cause is not error:
+        text += f' ({getattr(cause, "type", None) or type(cause).__name__}: {cause})'
+    return text
 
 
 def _budget_settings(agent: DurableAgent[Any, Any], settings: Any, run_id: str | None, gate: ApprovalGate | None,

@@ -4,7 +4,8 @@ First request: a streamed call of the `order_status` tool. Second request: the a
 `$DURCAP_STREAM_DELAY` seconds apart (default 0.1). With `$DURCAP_STREAM_DIR` set, the first execution of the answer
 request writes `mid-stream` (holding its pid) after `HANG_AFTER` words and then hangs, so a test can SIGKILL the
 process mid-stream; a later execution finds the file and streams the whole answer. With `$DURCAP_STREAM_HANG=first`
-it is the first request (the tool call) that writes `mid-stream` after its first delta and hangs instead.
+it is the first request (the tool call) that writes `mid-stream` after its first delta and hangs instead. With
+`$DURCAP_STREAM_PAD=N` the answer ends with a space and N `x` (a large answer).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ async def stream(messages: list[ModelMessage], info: AgentInfo) -> AsyncIterator
             await asyncio.sleep(300)
         await asyncio.sleep(delay)
         yield word if index < len(WORDS) - 1 else word.strip()
+    if pad := int(os.environ.get('DURCAP_STREAM_PAD', '0')):
+        yield ' ' + 'x' * pad
 
 
 def order_status(order_id: str) -> str:

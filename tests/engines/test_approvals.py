@@ -875,3 +875,169 @@ def test_prefect_deployment_run_suspended_past_its_deadline_is_denied(prefect_ap
         output = _wait_state(run_id, 'Completed', env, timeout=120)
         assert output.startswith('result: No one approved the call to revoke_sessions'), output
         assert revocations(crash_dir) == []
+
+
+# ---- decisions sent at the same moment (issue 26, item 4) -------------------------------------------------------
+
+_RACE = """
+import asyncio, json, sys
+from durable_capabilities import runner
+from durable_capabilities.approvals import ApprovalError
+engine, run_id, call_id, fingerprint, settings = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
+decisions = sys.argv[6:]
+async def one(n, decision):
+    try:
+        await runner.decide(run_id, call_id, approve=decision == 'approve', reason='racing', by=f'racer-{n}',
+                            fingerprint_=fingerprint, engine=engine, **settings)
+        return {'decision': decision, 'by': f'racer-{n}', 'ok': True}
+    except ApprovalError as exc:
+        return {'decision': decision, 'ok': False, 'code': exc.code, 'kind': exc.kind, 'message': str(exc)}
+async def main():
+    print('RACE ' + json.dumps(await asyncio.gather(*[one(n, d) for n, d in enumerate(decisions)])), flush=True)
+asyncio.run(main())
+"""
+
+
+def _race(engine: str, run_id: str, call: dict, settings: dict[str, Any], env: dict[str, str], log: Path,
+          decisions: tuple[str, ...] = ('approve', 'deny', 'approve', 'deny')) -> list[dict[str, Any]]:
+    """`runner.decide` on one call, once per entry of `decisions`, all at once (`asyncio.gather` in one new process:
+    each reads the call, then sends, interleaved with the others: the race two deciders make)."""
+    with open(log, 'wb') as out:
+        raced = subprocess.run([sys.executable, '-c', _RACE, engine, run_id, call['call_id'], call['fingerprint'],
+                                json.dumps(settings), *decisions], cwd=ROOT, env=subprocess_env(env), stdout=out,
+                               stderr=subprocess.STDOUT, timeout=240, check=False)
+    text = log.read_text()
+    assert raced.returncode == 0, text[-3000:]
+    return json.loads(text.split('RACE ', 1)[1].splitlines()[0])
+
+
+def _one_accepted(results: list[dict[str, Any]], run_id: str) -> dict[str, Any]:
+    """The one decision accepted; every other one refused with DC054 naming it."""
+    accepted = [r for r in results if r['ok']]
+    assert len(accepted) == 1, results
+    [winner] = accepted
+    verb = 'approved' if winner['decision'] == 'approve' else 'denied'
+    for refused in (r for r in results if not r['ok']):
+        assert (refused['code'], refused['kind']) == ('DC054', 'already-decided'), results
+        assert refused['message'].startswith(f'DC054 run {run_id!r}: call '), refused
+        assert f'was already {verb} by {winner["by"]} at ' in refused['message'], (refused, winner)
+    return winner
+
+
+def test_dbos_decisions_sent_at_the_same_moment_one_is_accepted(spawn, tmp_path: Path) -> None:
+    """Four decisions (approve, deny, approve, deny) on one waiting call of a DBOS run (SQLite), sent at the same moment
+    by four `runner.decide` calls in another process (what `durcap approve` and the API do): exactly one is accepted,
+    the other three are refused DC054 naming it, and the run does what the accepted one said: the tool once if an
+    approval, never if a denial. Before the decision slot in the system database (`dbos._runs._claim`), all four read
+    the call undecided and all four were told yes (the first message stored won, silently). The `gated` agent
+    (scripted `FunctionModel`)."""
+    db = f'sqlite:///{tmp_path / "dbos.sqlite"}'
+    env, crash_dir = env_for(tmp_path)
+    run_id = f'race-{uuid.uuid4().hex[:8]}'
+    proc = spawn('dbos', 'run', '--target', TARGET, '--db', db, '--workflow-id', run_id, '--prompt', 'revoke lena',
+                 env=env)
+    engine_args = ['--engine', 'dbos', '--db', db]
+    [call] = pending(engine_args, run_id)
+    winner = _one_accepted(_race('dbos', run_id, call, {'db': db}, env, tmp_path / 'race.log'), run_id)
+    report = proc.report(timeout=120)
+    if winner['decision'] == 'approve':
+        assert report['output'] == 'result: revoked sessions of lena'
+        assert revocations(crash_dir) == ['lena']
+    else:
+        assert report['output'] == 'result: racing' and revocations(crash_dir) == []
+    audit = [r for m in report['new_messages'] for r in (m.get('metadata') or {}).get('durcap_approvals', [])]
+    assert [r['by'] for r in audit] == [winner['by']], audit
+
+
+def test_prefect_decisions_sent_at_the_same_moment_one_is_accepted(prefect_api_url: str, spawn, tmp_path: Path) -> None:
+    """As the DBOS test above, on Prefect (the shared server): four decisions at once on one paused flow run's call;
+    exactly one accepted, three refused DC054 naming it (the decision input is write-once on the server), the tool
+    once if the accepted one approved. The `gated` agent (scripted `FunctionModel`)."""
+    env, crash_dir = env_for(tmp_path)
+    env['PREFECT_API_URL'] = prefect_api_url
+    proc = spawn('prefect', 'run', '--target', TARGET, '--prompt', 'revoke mona', env=env)
+    run_id = _prefect_flow_run_id(proc)
+    [call] = pending_prefect(['--engine', 'prefect'], run_id, env)
+    winner = _one_accepted(_race('prefect', run_id, call, {}, env, tmp_path / 'race.log'), run_id)
+    report = proc.report(timeout=180)
+    if winner['decision'] == 'approve':
+        assert report['output'] == 'result: revoked sessions of mona'
+        assert revocations(crash_dir) == ['mona']
+    else:
+        assert report['output'] == 'result: racing' and revocations(crash_dir) == []
+
+
+def test_prefect_run_sigtermed_while_paused_keeps_its_approval_listed_and_finishes_once(
+        prefect_api_url: str, tmp_path: Path) -> None:
+    """`durcap run --engine prefect` (the shared server) given SIGTERM while its run waits for an approval: the flow
+    run ends Crashed (Prefect's own SIGTERM handling; Paused when the signal misses it). Either way `durcap approvals
+    list` (all runs, no --run) still lists the call (a Crashed run's calls were not listed: the wait was lost from
+    view), `durcap approve` is accepted, the listing then says the call is decided and waits for the run, and `durcap
+    runs resume --target` finishes it: the approved tool ran once. The `gated` agent (scripted `FunctionModel`)."""
+    env, crash_dir = env_for(tmp_path)
+    env['PREFECT_API_URL'] = prefect_api_url
+    log = tmp_path / 'run.log'
+    with open(log, 'wb') as handle:
+        proc = subprocess.Popen([sys.executable, '-m', 'durable_capabilities.cli', 'run', TARGET, 'revoke nina',
+                                 '--engine', 'prefect'], cwd=ROOT, env=subprocess_env(env), stdout=handle,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not any(line.startswith('paused: ') for line in log.read_text().splitlines()):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        run_id = log.read_text().split('prefect flow run id: ', 1)[1].split()[0]
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    state = json.loads(durcap('runs', 'show', run_id, '--engine', 'prefect', '--format', 'json', env=env).stdout)
+    assert state['engine_status'] in ('PAUSED', 'CRASHED'), state
+    listed = durcap('approvals', 'list', '--engine', 'prefect', '--format', 'json', env=env)
+    assert listed.returncode == 0, listed.stderr
+    [call] = [c for c in json.loads(listed.stdout) if c['run_id'] == run_id]
+    assert call['args'] == {'user': 'nina'} and call['decided'] is None, (state['engine_status'], call)
+    approved = durcap('approve', run_id, call['call_id'], '--engine', 'prefect', '--by', 'ops', env=env)
+    assert approved.returncode == 0, approved.stdout + approved.stderr
+    if state['engine_status'] == 'CRASHED':  # nothing runs it: listed as decided, waiting for the run
+        again = json.loads(durcap('approvals', 'list', '--engine', 'prefect', '--format', 'json', env=env).stdout)
+        [waiting] = [c for c in again if c['run_id'] == run_id]
+        assert waiting['decided'].startswith('approved by ops at '), waiting
+    resumed = durcap('runs', 'resume', run_id, '--engine', 'prefect', '--target', TARGET, env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert 'result: revoked sessions of nina' in resumed.stdout, resumed.stdout
+    assert revocations(crash_dir) == ['nina']  # exactly once
+    after = json.loads(durcap('approvals', 'list', '--engine', 'prefect', '--format', 'json', env=env).stdout)
+    assert [c for c in after if c['run_id'] == run_id] == []
+
+
+def test_temporal_decisions_sent_at_the_same_moment_one_is_accepted(temporal_address: str, spawn,
+                                                                     tmp_path: Path) -> None:
+    """As the DBOS and Prefect tests above, on Temporal (the shared dev server, a driver worker): four decisions at
+    once on one waiting call; exactly one accepted, three refused DC054 naming it (the workflow takes one decision
+    update per call: the first handler removes the call, a later update is refused), the tool once if the accepted one
+    approved. The `gated` agent (scripted `FunctionModel`)."""
+    from durable_capabilities.engines.temporal import AgentRunInput, AgentRunOutput, connect
+
+    env, crash_dir = env_for(tmp_path)
+    queue = f'race-{uuid.uuid4().hex[:8]}'
+    worker = spawn('temporal', 'worker', '--target', TARGET, '--address', temporal_address, '--task-queue', queue, env=env)
+    worker.wait_for('WORKER READY', 90)
+    run_id = f'race-{uuid.uuid4().hex[:8]}'
+
+    async def scenario() -> tuple[dict[str, Any], AgentRunOutput]:
+        client = await connect(temporal_address)
+        handle = await client.start_workflow('durcap.gated', AgentRunInput(prompt='revoke olga'), id=run_id,
+                                             task_queue=queue, result_type=AgentRunOutput)
+        [call] = await asyncio.to_thread(pending, ['--engine', 'temporal', '--address', temporal_address], run_id)
+        results = await asyncio.to_thread(_race, 'temporal', run_id, call, {'address': temporal_address}, env,
+                                          tmp_path / 'race.log')
+        return _one_accepted(results, run_id), await asyncio.wait_for(handle.result(), 120)
+
+    winner, output = asyncio.run(scenario())
+    if winner['decision'] == 'approve':
+        assert output.output == 'result: revoked sessions of olga' and revocations(crash_dir) == ['olga']
+    else:
+        assert output.output == 'result: racing' and revocations(crash_dir) == []

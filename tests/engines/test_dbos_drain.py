@@ -176,7 +176,7 @@ def test_durcap_worker_dbos_cut_short_names_what_it_left_and_exits_1(tmp_path: P
         assert line == (f"durcap: worker stopped before its runs ended: dbos worker '{executor}': 1 workflows still "
                         f'running when the 1 s drain ended stay PENDING ({workflow_id}); peer recovery is off '
                         f'(--peer-timeout 0): a worker launched as this executor id recovers them (`durcap worker '
-                        f'dbos TARGET --task-queue {queue} --executor-id {executor}`), or `durcap runs resume ID` one '
+                        f'dbos TARGET --queue {queue} --executor-id {executor}`), or `durcap runs resume ID` one '
                         'by one'), text
         assert 'drained' not in text and 'Traceback' not in text, text
         # Only our lines: DBOS's own warning per cancelled workflow and step ("Asyncio task cancelled for workflow or

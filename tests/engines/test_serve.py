@@ -188,7 +188,8 @@ def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_a
     missing token, another principal's conversation and run, oversized and malformed bodies, unknown agent, run and
     call, an Idempotency-Key reused for another request, a decision for other arguments, edited arguments outside the
     tool's schema, unknown routes): each answered with its status and code in a JSON body without a traceback, and
-    every store table and the pending call unchanged, the tool not run. Then the right decision runs the tool once,
+    every store table and the pending call unchanged, the tool not run; each coded message leads with its code (DC042
+    and DC044 did not). Then the right decision runs the tool once,
     the SSE stream carries the approval events, and a second decision is refused with 409."""
     from durable_capabilities.approvals import fingerprint
     from tests.engines._serve import BOB
@@ -345,7 +346,9 @@ def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_a
                 missing_words = [w for w in said.get(name, []) if w not in message]
                 wrong = [w for w in never if w in message]
                 others = {r for r in re.findall(r"run '([^']+)'", message) if r != run_id} if 'busy conv' in name else set()
-                if missing_words or wrong or others:
+                if code.startswith('DC') and not message.startswith(f'{code} '):  # as every coded error's message
+                    failures.append(f'{name}: the message does not lead with {code}: {message!r}')
+                elif missing_words or wrong or others:
                     failures.append(f'{name}: says {message!r}: missing {missing_words}, should not say {wrong}, '
                                     f'names runs the client was not given {sorted(others)}')
     assert not failures, '\n'.join(failures)
@@ -567,6 +570,9 @@ def test_dbos_second_turn_on_a_busy_conversation_rejected_or_enqueued_per_reques
     refused = _post(url, conversation, {'agent': 'gated', 'prompt': 'revoke erin', 'busy': 'reject'}, key='busy-1-b')
     assert refused.status_code == 409 and refused.json()['error']['code'] == 'DC050', refused.text
     assert refused.json()['error']['holder'] == first['run_id']
+    said = refused.json()['error']['message']  # the holder waits for an approval: how to decide it
+    assert f"and waits for a person's approval of revoke_sessions (call {call['call_id']})" in said, said
+    assert f'POST /v1/runs/{first["run_id"]}/approvals/{{call_id}} decides one' in said, said
     second = _post(url, conversation, {'agent': 'gated', 'prompt': 'revoke erin', 'busy': 'enqueue'}, key='busy-1-c')
     assert second.status_code == 202, second.text
     second_id = second.json()['run_id']

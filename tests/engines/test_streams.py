@@ -447,3 +447,142 @@ def test_temporal_run_writes_its_own_events_without_a_local_activity_where_an_ac
         assert events[0].offset == 1 and events[-1].kind == 'run_completed' and answer_text(events) == ANSWER
         info = log.info_sync(run_id)
         assert info is not None and info.closed_at is not None
+
+
+def test_temporal_run_whose_conversation_append_fails_for_good_ends_its_stream_with_run_failed(
+        temporal_address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Temporal (the shared dev server), a worker in this process (`make_worker`), `tests.engines.stream_agent`
+    (scripted `FunctionModel`), a conversation whose append fails for good: the store's `append` raises
+    `AppendIdReuseError` for it (an injected error, one of the append activity's non-retryable ones; the server,
+    worker and event log are real). The run fails, and its stream ends with `run_failed` naming the error and is
+    closed: its `turn_stored` and `run_completed` rode with the failed append activity and were never stored. Before,
+    the stream stayed open after `capability_catalog` and the run's end said nothing (watchers waited). A run on
+    another conversation, on the same worker, completes as before."""
+    import asyncio
+
+    from durable_capabilities import runner
+    from durable_capabilities.engines.temporal import connect, make_worker
+    from durable_capabilities.store import AppendIdReuseError, SQLConversationStore
+    from durable_capabilities.streams import EventLog
+    from durable_capabilities.streams._watch import to_run_event
+    from tests.engines.stream_agent import ANSWER, agent
+
+    store = f'sqlite:///{tmp_path / "conversations.db"}'
+    queue = f'doomed-{uuid.uuid4().hex[:8]}'
+    real_append = SQLConversationStore.append
+
+    async def append(self: Any, conversation_id: str, *args: Any, **kwargs: Any) -> Any:
+        if conversation_id.startswith('doomed-'):
+            raise AppendIdReuseError(f'injected: the append of {conversation_id!r} fails for good')
+        return await real_append(self, conversation_id, *args, **kwargs)
+
+    monkeypatch.setattr(SQLConversationStore, 'append', append)
+    monkeypatch.setenv('DURCAP_STREAM_DELAY', '0')
+    doomed, fine = f'doomed-run-{uuid.uuid4().hex[:8]}', f'fine-run-{uuid.uuid4().hex[:8]}'
+
+    async def scenario() -> str:
+        client = await connect(temporal_address, store=store)
+        async with make_worker(client, [agent], queue, store=store):
+            try:
+                await runner.run(agent, 'where is ABC-123?', engine='temporal', run_id=doomed, address=temporal_address,
+                                 task_queue=queue, inline_worker=False, store=store, notify=lambda line: None,
+                                 conversation_id=f'doomed-{uuid.uuid4().hex[:6]}')
+            except Exception as error:  # noqa: BLE001 - the run must fail
+                failure = f'{type(error).__name__}: {error}'
+            else:
+                raise AssertionError('the run whose append fails for good completed')
+            report = await runner.run(agent, 'where is ABC-123?', engine='temporal', run_id=fine,
+                                      address=temporal_address, task_queue=queue, inline_worker=False, store=store,
+                                      notify=lambda line: None, conversation_id=f'fine-{uuid.uuid4().hex[:6]}')
+            assert report.output == ANSWER
+        return failure
+
+    failure = asyncio.run(scenario())
+    log = EventLog(store)
+    events = [to_run_event(doomed, e) for e in log.read_sync(doomed, 0, limit=10_000)]
+    assert_in_order_once(events)
+    kinds = [e.kind for e in events if e.unit == 'run']
+    assert kinds == ['run_started', 'capability_catalog', 'run_failed'], (kinds, failure)
+    assert 'AppendIdReuseError' in events[-1].data['error'], events[-1].data
+    info = log.info_sync(doomed)
+    assert info is not None and info.closed_at is not None  # closed: a watcher stops
+    ok = [to_run_event(fine, e) for e in log.read_sync(fine, 0, limit=10_000)]
+    assert [e.kind for e in ok if e.unit == 'run'] == ['run_started', 'capability_catalog', 'turn_stored',
+                                                        'run_completed']
+
+
+
+def test_temporal_closing_events_over_16_kib_are_written_after_the_append_and_never_for_a_failed_one(
+        temporal_address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The carry fallback (`CARRY_MAX_BYTES`, 16 KiB): Temporal (the shared dev server), a worker in this process,
+    `tests.engines.stream_agent` (scripted `FunctionModel`) answering 20,000 characters more (`$DURCAP_STREAM_PAD`), so
+    `turn_stored` + `run_completed` are too large for the append activity's header. A run with a conversation: its
+    append activity carries nothing, one local activity (`durcap.stream_publish`) writes them, after the append
+    activity completed; the stream holds every event once, in order, closed, with the whole answer. A second such run
+    whose append fails for good (the store's `append` raising `AppendIdReuseError` for it: an injected error): no
+    `turn_stored` or `run_completed` is written, the stream ends with `run_failed`. Before, the fallback wrote them
+    before the append (a watcher saw the turn stored before it was), and a failed append's run said completed."""
+    import asyncio
+
+    from temporalio.api.enums.v1 import EventType
+
+    from durable_capabilities import runner
+    from durable_capabilities.engines.temporal import connect, make_worker
+    from durable_capabilities.engines.temporal._streams import CARRY_HEADER
+    from durable_capabilities.store import AppendIdReuseError, SQLConversationStore
+    from durable_capabilities.streams import EventLog
+    from durable_capabilities.streams._watch import to_run_event
+    from tests.engines.stream_agent import ANSWER, agent
+
+    store = f'sqlite:///{tmp_path / "conversations.db"}'
+    queue = f'large-{uuid.uuid4().hex[:8]}'
+    real_append = SQLConversationStore.append
+
+    async def append(self: Any, conversation_id: str, *args: Any, **kwargs: Any) -> Any:
+        if conversation_id.startswith('doomed-'):
+            raise AppendIdReuseError(f'injected: the append of {conversation_id!r} fails for good')
+        return await real_append(self, conversation_id, *args, **kwargs)
+
+    monkeypatch.setattr(SQLConversationStore, 'append', append)
+    monkeypatch.setenv('DURCAP_STREAM_DELAY', '0')
+    monkeypatch.setenv('DURCAP_STREAM_PAD', '20000')
+    answer = ANSWER + ' ' + 'x' * 20000
+    stored, doomed = f'large-run-{uuid.uuid4().hex[:8]}', f'large-doomed-{uuid.uuid4().hex[:8]}'
+
+    async def scenario() -> list[Any]:
+        client = await connect(temporal_address, store=store)
+        async with make_worker(client, [agent], queue, store=store):
+            report = await runner.run(agent, 'where is ABC-123?', engine='temporal', run_id=stored,
+                                      address=temporal_address, task_queue=queue, inline_worker=False, store=store,
+                                      notify=lambda line: None, conversation_id=f'large-{uuid.uuid4().hex[:6]}')
+            assert report.output == answer
+            history = list((await client.get_workflow_handle(stored).fetch_history()).events)
+            with pytest.raises(Exception):  # noqa: B017 - the run must fail (Temporal's WorkflowFailureError)
+                await runner.run(agent, 'where is ABC-123?', engine='temporal', run_id=doomed, address=temporal_address,
+                                 task_queue=queue, inline_worker=False, store=store, notify=lambda line: None,
+                                 conversation_id=f'doomed-{uuid.uuid4().hex[:6]}')
+        return history
+
+    history = asyncio.run(scenario())
+    markers = [e.event_id for e in history if e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED
+               and e.marker_recorded_event_attributes.marker_name == 'core_local_activity']
+    scheduled = {e.event_id: e.activity_task_scheduled_event_attributes for e in history
+                 if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED}
+    [append_id] = [i for i, a in scheduled.items() if a.activity_type.name.endswith('conversation_append')]
+    assert CARRY_HEADER not in scheduled[append_id].header.fields  # too large for the header
+    [completed] = [e.event_id for e in history if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
+                   and e.activity_task_completed_event_attributes.scheduled_event_id == append_id]
+    assert len(markers) == 1 and markers[0] > completed, (markers, completed)  # written after the append
+    log = EventLog(store)
+    events = [to_run_event(stored, e) for e in log.read_sync(stored, 0, limit=10_000)]
+    assert_in_order_once(events)
+    assert [e.kind for e in events if e.unit == 'run'] == ['run_started', 'capability_catalog', 'turn_stored',
+                                                          'run_completed']
+    assert events[-1].data['output'] == answer and answer_text(events) == answer
+    info = log.info_sync(stored)
+    assert info is not None and info.closed_at is not None
+    failed = [to_run_event(doomed, e) for e in log.read_sync(doomed, 0, limit=10_000)]
+    assert [e.kind for e in failed if e.unit == 'run'] == ['run_started', 'capability_catalog', 'run_failed']
+    assert 'AppendIdReuseError' in failed[-1].data['error'], failed[-1].data
+    info = log.info_sync(doomed)
+    assert info is not None and info.closed_at is not None

@@ -187,13 +187,23 @@ def stored(store: str, conversation: str) -> tuple[list[str], list[Any], int]:
 
 def test_reject_refuses_the_second_turn_before_any_side_effect(world: World) -> None:
     """`--busy reject`: the second turn fails with DC050 naming the run that holds the conversation, and made no model
-    request and ran no tool; the first turn is approved, its tool runs once and it is stored with its audit."""
+    request and ran no tool; the first turn is approved, its tool runs once and it is stored with its audit. On the
+    durable engines the holder waits for an approval, and the refusal says so: the tool and call it waits on and the
+    commands that decide it (before, only that the conversation was busy)."""
     conversation = f'race-2-{uuid.uuid4().hex[:6]}'
     first, first_id = world.hold_first(conversation)
     second = world.start('charge bob', conversation, '--busy', 'reject')
     code, said = second.finish()
     assert code != 0, said
     assert 'DC050' in said and f"is busy: run '{first_id}" in said, said
+    if world.engine != 'local':  # the local holder waits inside its tool, not for an approval
+        call = world.pending(first_id)
+        flat = ' '.join(said.split())
+        assert (f"and waits for a person's approval of revoke_sessions (call {call['call_id']})" in flat), flat
+        assert f"`durcap approvals list --run {first_id} --engine {world.engine}`" in flat, flat
+        assert f"`durcap approve {first_id} {call['call_id']} --engine {world.engine}`" in flat, flat
+    else:
+        assert "waits for a person's approval" not in said, said
     [line] = [line for line in said.splitlines() if line.startswith('durcap: ')]  # durcap's own report: one line
     assert line.startswith('durcap: error: DC050 ') or 'DC050' in line, line
     if world.engine != 'prefect':  # Prefect's own logger prints the failed task's traceback

@@ -87,7 +87,8 @@ def test_dbos_queue_client_says_no_worker_picked_up_the_run_then_prints_the_answ
     env, crash_dir = crash_env(tmp_path)
     env = subprocess_env(env)
     db, queue = f'sqlite:///{tmp_path / "dbos.sqlite"}', f'waiting-{uuid.uuid4().hex[:6]}'
-    worker_args = ['worker', 'dbos', CRASH, '--db', db, '--task-queue', queue, '--executor-id', 'w1',
+    # `--queue`: the DBOS queue's spelling on the worker too (its first one, --task-queue, is an alias: other tests)
+    worker_args = ['worker', 'dbos', CRASH, '--db', db, '--queue', queue, '--executor-id', 'w1',
                    '--peer-timeout', '0']
     first = start(worker_args, tmp_path / 'w1.log', env)
     log = tmp_path / 'run.log'
@@ -104,6 +105,7 @@ def test_dbos_queue_client_says_no_worker_picked_up_the_run_then_prints_the_answ
         line = wait_text(log, 'still waiting:', client, NOTICE + SLACK)
         took = time.monotonic() - killed
         assert line.startswith('still waiting: no worker has picked up run ') and f"on queue '{queue}'" in line, line
+        assert f'`durcap worker dbos TARGET --queue {queue}`' in line, line
         assert "its worker, executor 'w1', sends no heartbeat; no step recorded meanwhile" in line, (took, line)
         second = start(worker_args, tmp_path / 'w1-again.log', env)  # launched as w1: recovers the run
         assert client.wait(timeout=120) == 0, log.read_text()

@@ -83,7 +83,10 @@ def test_twenty_concurrent_runs_of_one_tenant_overspend_by_at_most_one_request_e
     assert other.exit_code == 0 and other.stdout.startswith("budget key 'tenant:other' has spent nothing"), other.stdout
     other_json = json.loads(durcap_here('budgets', 'show', 'tenant:other', '--store', store, '--format', 'json').stdout)
     assert other_json['spent']['total_tokens'] == 0 and other_json['limits'] == {} and other_json['updated_at'] is None
-    assert durcap_here('budgets', 'reset', 'tenant:other', '--store', store).exit_code == 1
+    unknown = durcap_here('budgets', 'reset', 'tenant:other', '--store', store)  # exit 1, no code, no fix before
+    assert unknown.exit_code == 2, unknown.stderr
+    assert unknown.stderr.startswith(f"durcap: error: DC044 budget key 'tenant:other' is not in the store {store}: "
+                                     'nothing was reset. Fix: `durcap budgets list` shows'), unknown.stderr
     assert durcap_here('budgets', 'reset', 'tenant:acme', '--store', store).exit_code == 0
     assert durcap_here('budgets', 'list', '--store', store).stdout.strip() == 'no budget has spent anything in this store'
     after = asyncio.run(runner.run(agent, 'again', deps={'tenant': 'acme'}, store=store, notify=lambda line: None))

@@ -375,7 +375,7 @@ def test_a_run_handed_to_a_queue_of_a_dbos_database_no_worker_ever_used_is_refus
     assert result.returncode == 2, result.stdout + result.stderr
     error = [line for line in result.stderr.splitlines() if line.startswith('durcap: error:')]
     assert len(error) == 1 and 'DC040 --db: no DBOS worker has ever run on' in error[0], result.stderr
-    assert '`durcap worker dbos TARGET --db URL --task-queue q1`' in error[0]
+    assert '`durcap worker dbos TARGET --db URL --queue q1`' in error[0]
     assert 'Traceback' not in result.stderr and 'workflow_status' not in result.stderr
     assert db.exists() == (prepare == 'not-dbos')  # the check creates no file (it left an empty one)
     default = durcap('run', str(ROOT / 'examples/support/agent.py') + ':support', 'hi', '--deps-json', '{"orders": {}}',
@@ -575,3 +575,54 @@ def test_listing_prefect_without_an_api_says_it_reads_the_temporary_server(tmp_p
     configured = subprocess.run([sys.executable, '-c', code], env={**env, 'PREFECT_API_URL': 'http://127.0.0.1:9/api'},
                                 capture_output=True, text=True, timeout=120)
     assert configured.returncode == 0 and configured.stdout.strip() == 'None', configured.stdout + configured.stderr
+
+
+def test_history_release_of_an_id_that_names_nothing_exits_2_with_dc044(tmp_path: Path) -> None:
+    """`durcap history release ID` on a real SQLite store: an id neither stored nor held exits 2 with one DC044 line
+    naming it and the fix (it exited 0 saying no turn holds it); a held claim of a conversation not stored yet (its
+    first turn) is released, exit 0; releasing a stored conversation no turn holds is harmless, exit 0."""
+    import asyncio
+
+    from pydantic_ai.messages import ModelRequest, UserPromptPart
+
+    from durable_capabilities.store import SQLConversationStore
+
+    store = f'sqlite:///{tmp_path / "conv.db"}'
+
+    async def seed() -> None:
+        async with SQLConversationStore(store) as opened:
+            await opened.append('stored', [ModelRequest(parts=[UserPromptPart('hi')])], expected_revision=None)
+            await opened.claim_turn('first-turn', 'run-1')
+
+    asyncio.run(seed())
+    nope = durcap_here('history', 'release', 'NOPE', '--store', store)
+    assert nope.exit_code == 2, (nope.stdout, nope.stderr)
+    assert nope.stderr.startswith("durcap: error: DC044 conversation 'NOPE' is not in the store; nothing was released. "
+                                  'Fix: '), nope.stderr
+    assert nope.stdout == ''
+    held = durcap_here('history', 'release', 'first-turn', '--store', store)
+    assert held.exit_code == 0 and 'released the turn of run run-1' in held.stdout, held.stdout
+    unheld = durcap_here('history', 'release', 'stored', '--store', store)
+    assert unheld.exit_code == 0 and unheld.stdout.strip() == 'conversation stored: no turn holds it', unheld.stdout
+
+
+def test_queue_flags_each_engine_its_own_spelling_and_the_old_one_kept(tmp_path: Path) -> None:
+    """`durcap run`'s queue flags (real subprocesses, nothing runs): `--task-queue` given with `--engine dbos` is the
+    DBOS queue (the spelling `durcap worker dbos` had first): the run is handed to it, refused here because no worker
+    ever ran on the fresh database, naming `--queue q1` (before, the flag was ignored and the run ran in this process);
+    `--queue` with `--engine temporal` and two DBOS spellings that disagree exit 2 with DC040 (before: ignored)."""
+    support = str(ROOT / 'examples/support/agent.py') + ':support'
+    db = f'sqlite:///{tmp_path / "system.db"}'
+    common = [support, 'hi', '--deps-json', '{"orders": {}}']
+    alias = durcap('run', *common, '--engine', 'dbos', '--task-queue', 'q1', '--db', db, cwd=tmp_path,
+                   unset=['DURCAP_DBOS_DB', 'DURCAP_STORE'])
+    assert alias.returncode == 2, alias.stdout + alias.stderr
+    assert 'no DBOS worker has ever run on' in alias.stderr and '--queue q1`' in alias.stderr, alias.stderr
+    both = durcap('run', *common, '--engine', 'dbos', '--queue', 'a', '--task-queue', 'b', '--db', db, cwd=tmp_path)
+    assert both.returncode == 2, both.stdout + both.stderr
+    assert "durcap: error: DC040 --queue 'a' and --task-queue 'b': a DBOS run is handed to one queue" in both.stderr
+    temporal = durcap('run', *common, '--engine', 'temporal', '--queue', 'q1', cwd=tmp_path)
+    assert temporal.returncode == 2, temporal.stdout + temporal.stderr
+    assert ("durcap: error: DC040 --queue names a DBOS queue; a Temporal run's task queue is --task-queue"
+            in temporal.stderr), temporal.stderr
+    assert 'Traceback' not in alias.stderr + both.stderr + temporal.stderr

@@ -17,7 +17,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from .._limits import InputError
+from .._limits import INPUT_CODE, InputError
 from ..engines import ConnectionSetting, get
 from ..settings import Settings, read_settings
 from ..store import DEFAULT_URL
@@ -121,6 +121,26 @@ def run_settings(conn: Mapping[str, Any], engine: str, *, defaults: bool = False
     if defaults:
         values = {s.field: s.default if values[s.field] is None else values[s.field]
                   for s in _all_settings() if s.field in values}
+    return values
+
+
+def queue_setting(conn: Mapping[str, Any], engine: str) -> dict[str, Any]:
+    """`conn` with the queue flags read for `engine`: Temporal's task queue is `--task-queue`, a DBOS queue `--queue`,
+    and `--task-queue` is taken as the DBOS queue when `--queue` is not given (the spelling `durcap worker dbos` had
+    first). Exit 2 (DC040) on a spelling that names nothing on `engine` (`--queue` with Temporal) or on two spellings
+    of one DBOS queue that disagree; a flag left `None` stays `None`."""
+    from . import _unusable
+
+    values = dict(conn)
+    queue, task_queue = values.get('queue'), values.get('task_queue')
+    if engine == 'dbos' and task_queue is not None:
+        if queue is not None and queue != task_queue:
+            _unusable(f'{INPUT_CODE} --queue {queue!r} and --task-queue {task_queue!r}: a DBOS run is handed to one '
+                      'queue; give --queue only')
+        values['queue'], values['task_queue'] = task_queue, None
+    elif engine == 'temporal' and queue is not None:
+        _unusable(f'{INPUT_CODE} --queue names a DBOS queue; a Temporal run\'s task queue is --task-queue (what `durcap '
+                  'worker temporal --task-queue` polls)')
     return values
 
 

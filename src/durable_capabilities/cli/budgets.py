@@ -1,8 +1,8 @@
 """`durcap budgets list|show|reset`: what each budget key spent of its limits, in the conversation store's ledger.
 
-Exit codes: 0 shown (a key the store has no ledger for has spent nothing) or reset; 1 `reset` of a key the store has
-no ledger for; 2 unusable input (a bad
-store URL, no store there, a schema newer than this code).
+Exit codes: 0 shown (a key the store has no ledger for has spent nothing) or reset; 2 `reset` of a key the store has
+no ledger for (DC044, an id that names nothing; it was 1 without a code), or unusable input (a bad store URL, no store
+there, a schema newer than this code).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from .._limits import printable
-from ..errors import DurcapError
+from .._limits import printable, redact_database_url
+from ..errors import NOT_FOUND_CODE, DurcapError
 from ..store import resolve_url
-from . import _err, _out, _unusable, app
+from . import _out, _unusable, app
 from ._options import StoreOption
 
 if TYPE_CHECKING:
@@ -113,8 +113,8 @@ def show(key: Annotated[str, typer.Argument(help='The budget key (conversation:I
 
 @budgets_app.command('reset')
 def reset(key: Annotated[str, typer.Argument(help='The budget key to reset.')], store: StoreOption = None) -> None:
-    """Forget what KEY spent, reserved and was raised by: its next model request starts from zero. Exit 1 when the
-    store has no such key."""
+    """Forget what KEY spent, reserved and was raised by: its next model request starts from zero. Exit 2 (DC044) when
+    the store has no such key."""
     from ..store import SQLConversationStore
 
     async def run() -> bool:
@@ -126,6 +126,7 @@ def reset(key: Annotated[str, typer.Argument(help='The budget key to reset.')], 
     except DurcapError as exc:
         _unusable(str(exc))
     if not found:
-        _err.print(Text(f'durcap: no budget key {printable(key)!r} in this store'))
-        raise typer.Exit(1)
+        _unusable(f'{NOT_FOUND_CODE} budget key {printable(key)!r} is not in the store {redact_database_url(resolve_url(store))}'
+                  ': nothing was reset. Fix: `durcap budgets list` shows the keys that spent something (a key that has '
+                  'spent nothing has nothing to reset); pass the --store its runs use')
     typer.echo(f'budget {printable(key)} reset')

@@ -47,7 +47,7 @@ from . import (
     engine_metavar,
     engine_name,
 )
-from ._options import checked, connection_options, connection_settings, run_settings, where_flags
+from ._options import checked, connection_options, connection_settings, queue_setting, run_settings, where_flags
 from .history import history_app
 
 worker_app = typer.Typer(help='Run workers.', no_args_is_help=True)
@@ -442,7 +442,8 @@ def run(
     if conversation is not None and not conversation.strip():
         _unusable('--conversation must not be empty')
     store = database_url(store, '--store')
-    settings = run_settings(conn or {}, engine)  # each flag checked (exit 2), the run's engine database probed
+    conn = queue_setting(conn or {}, engine)  # --task-queue / --queue: the engine's own spelling, or refused (exit 2)
+    settings = run_settings(conn, engine)  # each flag checked (exit 2), the run's engine database probed
     try:
         if check_busy(busy, '--busy', agent) is not None:
             settings['busy'] = busy
@@ -719,12 +720,24 @@ def _gc_schedule(engine: str, every: str | None, apply: bool, retention: str | N
                       retention=kept_for, grace=window, abandoned_after=silent)
 
 
+QUEUE_FLAGS = {'dbos': ('--queue', '--task-queue'), 'temporal': ('--task-queue',)}
+"""The spellings of the queue a `durcap worker ENGINE` serves: Temporal's term (`--task-queue`) for Temporal, `--queue` for
+a DBOS queue as `durcap run --engine dbos --queue` and `durcap serve --engine dbos --queue` say it (its first spelling,
+`--task-queue`, stays accepted: scripts keep working). An engine not listed gets `--task-queue`."""
+
+QUEUE_HELP = {'dbos': 'DBOS queue to serve (what `durcap run --engine dbos --queue` and `durcap serve --engine dbos '
+                      '--queue` hand runs to; --task-queue is the same flag).',
+              'temporal': 'Temporal task queue to poll.'}
+
+
 def _worker_command(engine: str) -> Any:
     """`durcap worker ENGINE`: the command of an engine with a worker (`EngineAdapter.worker`)."""
 
     def worker(
         target: Annotated[str, typer.Argument(help=TARGET_HELP)],
-        task_queue: Annotated[str, typer.Option(help='Task queue to poll (DBOS: the queue to serve).')] = 'durcap',
+        # A default, not `Annotated`: the flags depend on `engine` (annotations are read as strings, without it).
+        task_queue: str = typer.Option('durcap', *QUEUE_FLAGS.get(engine, ('--task-queue',)),
+                                       help=QUEUE_HELP.get(engine, 'Task queue to poll.')),
         graceful_shutdown: Annotated[float, typer.Option(help='Seconds in-flight activities get to finish after SIGTERM.')] = 30.0,
         lock: Annotated[Path | None, typer.Option('--lock', help="Lockfile to check against (default: durable.lock beside TARGET's module file).")] = None,
         allow_drift: Annotated[bool, typer.Option('--allow-drift', help='Start even when durable unit names differ from the lockfile.')] = False,

@@ -371,18 +371,25 @@ def release(
     run_id: Annotated[str | None, typer.Option('--run', help='Release only if this run holds it.')] = None,
 ) -> None:
     """Release the turn claim on a conversation (one turn at a time per conversation): what a run that is gone left
-    behind, so a new turn is not refused (DC050). Says which run held it; exit 0 also when none did."""
-    from ..store import SQLConversationStore
+    behind, so a new turn is not refused (DC050). Says which run held it; exit 0 also when none did (releasing twice
+    is harmless), exit 2 (DC044) when the store has no such conversation and no turn holds that id."""
+    from ..store import ConversationNotFoundError, SQLConversationStore
 
-    async def go() -> tuple[tuple[str, str] | None, bool]:
+    async def go() -> tuple[tuple[str, str] | None, bool, bool]:
         async with SQLConversationStore(resolve_url(store), create=False) as opened:
             holder = await opened.turn_claim(conversation_id)
-            return holder, await opened.release_turn(conversation_id, run_id)
+            released = await opened.release_turn(conversation_id, run_id)
+            known = holder is not None or await opened.read_record(conversation_id) is not None
+            return holder, released, known
 
     try:
-        holder, released = asyncio.run(go())
+        holder, released, known = asyncio.run(go())
     except StoreError as exc:
         _unusable(str(exc).splitlines()[0])
+    if not known:
+        _unusable(str(ConversationNotFoundError(
+            conversation_id, '; nothing was released. Fix: pass the id of a stored conversation, or of one a turn is '
+            'running on (`durcap runs list` shows them), and the --store its runs use')))
     if released and holder is not None:
         typer.echo(printable(f'conversation {conversation_id}: released the turn of run {holder[0]} (claimed at {holder[1]})'))
     elif holder is not None:

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from . import _err, _unusable, _valid_agents, app
-from ._options import StoreOption, check_stream_env, connection_options, connection_settings
+from ._options import StoreOption, check_stream_env, connection_options, connection_settings, queue_setting
 from .ui import LOOPBACK
 
 SERVE_ENGINES = ('local', 'dbos', 'temporal')
@@ -38,9 +38,11 @@ def serve(
                                         'started as workflows on --task-queue, run by `durcap worker temporal`).')] = 'local',
     host: Annotated[str, typer.Option(help='Interface to bind (default loopback only).')] = '127.0.0.1',
     port: Annotated[int, typer.Option(help='TCP port.', min=1, max=65535)] = 8780,
-    queue: Annotated[str, typer.Option(help='DBOS queue the turns are handed to (served by `durcap worker dbos`).')] = 'durcap',
-    task_queue: Annotated[str, typer.Option('--task-queue', help='Temporal task queue the turns are started on (served '
-                                            'by `durcap worker temporal`).')] = 'durcap',
+    queue: Annotated[str | None, typer.Option(help='DBOS queue the turns are handed to (served by `durcap worker dbos '
+                                              '--queue`; default durcap).')] = None,
+    task_queue: Annotated[str | None, typer.Option('--task-queue', help='Temporal task queue the turns are started on '
+                                                   '(polled by `durcap worker temporal --task-queue`; default durcap). '
+                                                   'With --engine dbos: the same as --queue.')] = None,
     deps_json: Annotated[str | None, typer.Option('--deps-json', help="Deps (JSON, of the agent's deps_type) for "
                                                   'turns whose request carries none.')] = None,
     cors_origin: Annotated[list[str] | None, typer.Option('--cors-origin', help='An origin allowed to call the API '
@@ -86,10 +88,11 @@ def serve(
     check_stream_env()
     settings = connection_settings(conn or {}, store)
     run_settings: dict[str, Any] = {**settings.engine(), 'store': settings.store}
+    queues = queue_setting({'queue': queue, 'task_queue': task_queue}, engine)  # exit 2 on one naming nothing
     if engine == 'dbos':
-        run_settings['queue'] = queue
+        queue = run_settings['queue'] = queues['queue'] or 'durcap'
     elif engine == 'temporal':
-        run_settings['task_queue'] = task_queue
+        task_queue = run_settings['task_queue'] = queues['task_queue'] or 'durcap'
     from ..serve import bearer_auth
 
     application = create_app(agents, engine=engine, settings=run_settings, auth=bearer_auth(tokens),

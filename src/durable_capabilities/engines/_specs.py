@@ -46,8 +46,12 @@ TEMPORAL = EngineSpec(
                      'demo': 'Temporal frontend HOST:PORT (default: start the embedded dev server).'}),
         ConnectionSetting('namespace', ('--namespace',), 'Temporal namespace.', default='default',
                           default_in={'read': 'default'}),
+        # No default for `run` here (the adapter's is `durcap`): `durcap run --engine dbos --task-queue Q` is told from
+        # a flag not given (`cli._options.queue_setting`: the DBOS queue's first spelling).
         ConnectionSetting('task_queue', ('--task-queue',), 'Temporal task queue.', commands=frozenset({'run', 'demo'}),
-                          default_in={'run': 'durcap', 'demo': 'durcap-demo'}),
+                          default_in={'demo': 'durcap-demo'},
+                          help_in={'run': 'Temporal task queue (default: durcap). With --engine dbos: the same as '
+                                          '--queue.'}),
         ConnectionSetting('inline_worker', ('--inline-worker',), 'Serve the Temporal task queue from this process for '
                           'the run.', kind='flag', commands=frozenset({'run', 'demo'}),
                           default_in={'run': False, 'demo': True},
@@ -82,7 +86,7 @@ DBOS = EngineSpec(
                           commands=frozenset({'read', 'run', 'demo'}), unset='SQLite .durcap/dbos.sqlite',
                           created_by_worker=True),
         ConnectionSetting('queue', ('--queue',), 'DBOS: hand the run to this queue (what `durcap worker dbos '
-                          '--task-queue` serves) and wait for a worker to run it (default: run it in this process).',
+                          '--queue` serves) and wait for a worker to run it (default: run it in this process).',
                           commands=frozenset({'run'})),
     ),
     describe=('DBOS system database', '{db}'),

@@ -44,6 +44,7 @@ from ._errors import (
     RequestTooLargeError,
     ServeError,
     UnauthenticatedError,
+    lead_with_code,
 )
 from ._rows import RunRow, ServeRows
 
@@ -173,7 +174,8 @@ def _error_response(error: ServeError) -> JSONResponse:
 
 
 def _coded(status: int, code: str, message: str, **detail: Any) -> JSONResponse:
-    return JSONResponse({'error': {'code': code, 'status': status, 'message': message, **detail}}, status_code=status)
+    return JSONResponse({'error': {'code': code, 'status': status, 'message': lead_with_code(code, message), **detail}},
+                        status_code=status)
 
 
 _SSE_HEADERS = [(b'content-type', b'text/event-stream; charset=utf-8'), (b'cache-control', b'no-store'),
@@ -603,14 +605,16 @@ class ServeApp:
                 await self.rows.call(self.rows.release_decision_sync, row.run_id, call_id)
 
     async def _decided(self, row: RunRow, call_id: str) -> Decision | None:
-        """The decision on `call_id` the run received (its `approval_decided` event), else `None`."""
+        """The decision on `call_id` the run received (its `approval_decided` event), else the one delivered through
+        the API (its decision slot: the run may have taken it and not yet published the event), else `None`."""
         for _offset, kind, body in await self.rows.call(self.rows.milestones_sync, row.run_id):
             if kind != 'approval_decided':
                 continue
             for decision in (json.loads(body).get('data') or {}).get('decisions') or []:
                 if decision.get('call_id') == call_id:
                     return Decision.from_json(decision)
-        return None
+        held = await self.rows.call(self.rows.decision_slot_sync, row.run_id, call_id)
+        return None if held is None else Decision.from_json(json.loads(held))
 
 
 def _handler(app: ServeApp, method: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:

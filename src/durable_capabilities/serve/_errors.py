@@ -1,5 +1,6 @@
 """The coded refusals of `durcap serve` (the DC041-DC045 family beside DC040): each maps to one HTTP status, and the
-response body is `{"error": {"code", "status", "message"}}`, never a traceback."""
+response body is `{"error": {"code", "status", "message"}}`, never a traceback. The message leads with the code, as
+every coded error's does (`lead_with_code`)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,20 @@ class ServeError(DurcapError, code='serve'):
     status: int = 400
 
     def __init__(self, message: str, **detail: Any):
-        super().__init__(message)
+        super().__init__(lead_with_code(self.code, message))
         self.detail = detail
 
     def body(self) -> dict[str, Any]:
         """The response body: `{"error": {"code", "status", "message", **detail}}`."""
         return {'error': {'code': self.code, 'status': self.status, 'message': str(self), **self.detail}}
+
+
+def lead_with_code(code: str, message: str) -> str:
+    """`message` with `code` first (`'DC044 no run ...'`) when `code` is a DC code and the message does not lead with
+    it already (one from an error that leads with its own code, e.g. an `ApprovalError` of kind `unknown-run`)."""
+    if not code.startswith('DC') or message.startswith(code):
+        return message
+    return f'{code} {message}'
 
 
 class RequestTooLargeError(ServeError, code='DC041'):

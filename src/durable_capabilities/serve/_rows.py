@@ -30,13 +30,19 @@ class _BusyRefusal(ConversationBusyError):
     holder (a run the client was given) and the API's fix, not the refused turn's run id (the client never gets
     one)."""
 
-    def __init__(self, conversation_id: str, *, holder: str, claimed_at: str):
-        super().__init__(conversation_id, run_id='', holder=holder, claimed_at=claimed_at)
+    def __init__(self, conversation_id: str, *, holder: str, claimed_at: str,
+                 waiting: tuple[str | None, list[dict[str, Any]]] | None = None):
+        super().__init__(conversation_id, run_id='', holder=holder, claimed_at=claimed_at, waiting=waiting)
+        decide = ''
+        if waiting:
+            decide = (f'Decide it first: GET /v1/runs/{holder}/approvals lists the calls with their fingerprints, POST '
+                      f'/v1/runs/{holder}/approvals/{{call_id}} decides one; the '
+                      'turn is stored once the run ends. ')
         Exception.__init__(self, (
             f'DC050 conversation {conversation_id!r} is busy: run {holder!r} holds it (its turn started at '
-            f'{claimed_at} and is not stored yet); this turn was refused before anything was recorded or run. Send it '
-            f'again once run {holder!r} is done (GET /v1/runs/{holder}), or send it with "busy": "enqueue" to run it '
-            f'after that turn.'))
+            f'{claimed_at} and is not stored yet){self.waits_for()}; this turn was refused before anything was recorded '
+            f'or run. {decide}Send it again once run {holder!r} is done (GET /v1/runs/{holder}), or send it with '
+            f'"busy": "enqueue" to run it after that turn.'))
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,15 @@ class ServeRows:
             except integrity:  # a concurrent request inserted the same key or owner first: read it
                 if attempt == 2:
                     raise
+            except _BusyRefusal as refused:  # say whether the holder waits for an approval (read after the transaction)
+                try:
+                    waiting = self._backend.waiting_approval(refused.holder)
+                except Exception:  # noqa: BLE001 - only the message's detail depends on it
+                    waiting = None
+                if waiting is None:
+                    raise
+                raise _BusyRefusal(conversation_id, holder=refused.holder, claimed_at=refused.claimed_at,
+                                   waiting=waiting) from None
         raise AssertionError('unreachable')  # pragma: no cover
 
     _LOOKUP = (
@@ -203,6 +218,14 @@ class ServeRows:
                 held = conn.execute(sa.text('SELECT digest FROM durcap_serve_requests WHERE principal = :p AND '
                                             'idempotency_key = :k'), {'p': self.DECISION_PRINCIPAL, 'k': key}).scalar()
             return str(held) if held is not None else decision_json
+
+    def decision_slot_sync(self, run_id: str, call_id: str) -> str | None:
+        """The JSON of the decision holding `call_id`'s slot (`claim_decision_sync`), else `None`."""
+        with self._backend._txn(write=False) as conn:
+            held = conn.execute(sa.text('SELECT digest FROM durcap_serve_requests WHERE principal = :p AND '
+                                        'idempotency_key = :k'), {'p': self.DECISION_PRINCIPAL,
+                                                                  'k': f'decide/{run_id}/{call_id}'}).scalar()
+        return None if held is None else str(held)
 
     def release_decision_sync(self, run_id: str, call_id: str) -> None:
         """Give the slot `claim_decision_sync` took back (the decision was not delivered: the call is still pending)."""

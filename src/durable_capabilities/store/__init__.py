@@ -243,13 +243,35 @@ class ConversationBusyError(StoreError, code='DC050'):
         claimed_at: When `holder` claimed it (ISO 8601 UTC).
     """
 
-    def __init__(self, conversation_id: str, *, run_id: str, holder: str, claimed_at: str):
+    def __init__(self, conversation_id: str, *, run_id: str, holder: str, claimed_at: str,
+                 waiting: tuple[str | None, list[dict[str, Any]]] | None = None):
         self.conversation_id, self.run_id, self.holder, self.claimed_at = conversation_id, run_id, holder, claimed_at
+        self.waiting = waiting
         Exception.__init__(self, (
             f'DC050 conversation {conversation_id!r} is busy: run {holder!r} holds it (its turn started at '
-            f'{claimed_at} and is not stored yet); run {run_id!r} was refused before doing anything. Send the turn '
-            f'again once {holder!r} is done, or run it with `--busy enqueue` (`busy=\'enqueue\'`) to wait for it; '
-            f'a claim left by a run that is gone is released with `durcap history release {conversation_id}`.'))
+            f'{claimed_at} and is not stored yet){self.waits_for()}; run {run_id!r} was refused before doing anything. '
+            f'{self.decide_hint()}Send the turn again once {holder!r} is done, or run it with `--busy enqueue` '
+            f'(`busy=\'enqueue\'`) to wait for it; a claim left by a run that is gone is released with `durcap '
+            f'history release {conversation_id}`.'))
+
+    def waits_for(self) -> str:
+        """`' and waits for a person's approval of TOOL (call ID)...'` when the holder waits for approvals, else `''`."""
+        if not self.waiting:
+            return ''
+        calls = ', '.join(f"{c.get('tool_name', '?')} (call {c.get('call_id', '?')})" for c in self.waiting[1][:3])
+        more = f' and {len(self.waiting[1]) - 3} more' if len(self.waiting[1]) > 3 else ''
+        return f" and waits for a person's approval of {calls}{more}"
+
+    def decide_hint(self) -> str:
+        """How to decide the holder's pending calls (the CLI's commands), or `''` when it waits for none."""
+        if not self.waiting:
+            return ''
+        engine = f' --engine {self.waiting[0]}' if self.waiting[0] else ''
+        call = str(self.waiting[1][0].get('call_id', 'CALL_ID'))
+        return (f'Decide it first: `durcap approvals list --run {self.holder}{engine}`, then `durcap approve '
+                f'{self.holder} {call}{engine}` or `durcap deny {self.holder} {call}{engine} --reason TEXT` (HTTP: GET '
+                f'/v1/runs/{self.holder}/approvals, POST /v1/runs/{self.holder}/approvals/{{call_id}}); the turn is '
+                'stored once the run ends. ')
 
 
 class AppendIdReuseError(StoreError, code='append-id-reuse'):
@@ -788,6 +810,12 @@ class SQLConversationStore(ConversationStore):
         holder is recorded as a run of the conversation in the same transaction (`durcap_turn_takeovers`): `purge`
         then names it and deletes its claim checks, as it does for a holder's."""
         return await asyncio.to_thread(self._sql.release_turn, conversation_id, run_id, taken_by)
+
+    async def waiting_approval(self, run_id: str) -> tuple[str | None, list[dict[str, Any]]] | None:
+        """`(engine or None, pending calls as `PendingCall.to_json()`)` when run `run_id`'s stream (in this store) says it
+        waits for a person's approval now (its last approval event is `approval_waiting`); else `None` (also for a run
+        that published no events)."""
+        return await asyncio.to_thread(self._sql.waiting_approval, run_id)
 
     async def turn_claim(self, conversation_id: str) -> tuple[str, str] | None:
         """The `(run_id, claimed_at)` holding `conversation_id`'s turn claim, or `None`."""

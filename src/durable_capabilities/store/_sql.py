@@ -1564,6 +1564,27 @@ class _SQLBackend:
                              {'cid': conversation_id, 'run': run_id, 'by': taken_by, 'at': _utcnow()})
             return released
 
+    def waiting_approval(self, run_id: str) -> tuple[str | None, list[dict[str, Any]]] | None:
+        """`(engine, pending calls)` when the last approval event run `run_id` published to its stream is
+        `approval_waiting` (no `approval_decided` after it); else `None`. Engine: its `run_started` event's, if any."""
+        with self._txn(write=False) as conn:
+            rows = conn.execute(sa.text(
+                "SELECT kind, body FROM durcap_run_events WHERE run_id = :run AND kind IN ('run_started', "
+                "'approval_waiting', 'approval_decided') ORDER BY event_offset"), {'run': run_id}).all()
+        engine, calls = None, None
+        for kind, body in rows:
+            try:
+                data = (json.loads(body) or {}).get('data') or {}
+            except (TypeError, ValueError, AttributeError):
+                continue
+            if kind == 'run_started':
+                engine = data.get('engine') if isinstance(data.get('engine'), str) else None
+            elif kind == 'approval_waiting':
+                calls = [c for c in data.get('calls') or [] if isinstance(c, dict)]
+            else:
+                calls = None
+        return None if not calls else (engine, calls)
+
     def turn_claim(self, conversation_id: str) -> tuple[str, str] | None:
         with self._txn(write=False) as conn:
             row = conn.execute(sa.text('SELECT run_id, claimed_at FROM durcap_turn_claims WHERE conversation_id = :cid'),

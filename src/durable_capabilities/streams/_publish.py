@@ -128,6 +128,11 @@ class StreamContext:
         except Exception as error:  # noqa: BLE001 - the run goes on without its stream
             self.fail(error)
 
+    def settle(self) -> None:
+        """Before the container publishes: a stream that `defers` reopens when the unit that carried its closing
+        events failed (they were not stored, e.g. the conversation append failed for good), so `run_failed` can
+        still close it. This one writes at once: nothing to settle."""
+
     def _written(self, future: Any) -> None:
         error = future.exception()
         if error is not None and not self.failed:
@@ -207,6 +212,8 @@ async def publish_run(kind: str, data: dict[str, Any], *more: tuple[str, dict[st
     `kind` with `data`, then each `(kind, data)` of `more`; `close` marks the stream finished (`run_completed`,
     `run_failed`); `carry`: see `StreamContext.write` (only a stream that `defers` uses it)."""
     context = _current.get()
+    if context is not None:
+        context.settle()
     if context is None or context.closed:
         return
     from ._log import Item

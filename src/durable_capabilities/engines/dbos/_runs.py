@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
@@ -19,6 +20,7 @@ from ...approvals import ApprovalError, Decision, PendingCall, already_decided, 
 from ...conversations import resolve_payload, store_url
 from ...report import RunReport
 from .._adapter import RunInfo, RunNotFoundError, RunOptions, RunUnit, loaded_capabilities_in, unit_kind
+from . import _decisions
 from ._client import client as _client
 from ._client import database_error_line, quiet_dbos_log
 from ._server import executor_process_gone, launch, system_database_file, system_database_url
@@ -129,13 +131,15 @@ async def cancel(run_id: str, settings: Mapping[str, Any]) -> RunInfo:
 
 
 async def delete_run(run_id: str, settings: Mapping[str, Any]) -> None:
-    """Delete the workflow's status, inputs and step outputs from the system database (`DBOSClient.delete_workflows`)."""
+    """Delete the workflow's status, inputs and step outputs from the system database (`DBOSClient.delete_workflows`),
+    and its decision slots (`_decisions`)."""
     await show_run(run_id, settings)
     client = _client(settings)
     try:
         await client.delete_workflows_async([run_id])
     finally:
         client.destroy()
+    await asyncio.to_thread(_decisions.forget, system_database_url(settings.get('db')), [run_id])
 
 
 async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) -> RunReport:
@@ -257,11 +261,12 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
 
     The record is what refuses a second decision while the first one waits, unread, for the workflow (its process is
     down, or it has not reached `recv` yet): DBOS keeps the first message with the call's idempotency key and drops
-    the second one, so without it a second `durcap approve|deny` exited 0 and changed nothing. The message is sent
-    before the record is written: a process killed between the two leaves a decision sent but unrecorded (a second
-    one would then be dropped as before), never one recorded but unsent (which would refuse every later decision
-    while the run waits for nothing). Two decisions made at the same moment can both pass the check (DBOS offers no
-    compare-and-set for this); the first message stored still wins.
+    the second one, so without it a second `durcap approve|deny` exited 0 and changed nothing. Two decisions made at
+    the same moment both pass that check; the message is sent in one transaction with the call's decision slot
+    (`_decisions.claim_and_send`: a row whose key only one can insert), so exactly one is sent and the others are
+    refused naming it (before, all were told yes and the first message stored won). The record is written after the
+    transaction: a process killed between the two leaves a decision sent and its slot taken, which refuses a second
+    decision as the record would.
 
     Raises:
         ApprovalError: unknown run (no such workflow, or it waits for nothing), unknown call, stale fingerprint, or
@@ -290,8 +295,12 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
             raise ApprovalError('unknown-run', f'DBOS workflow {run_id!r} is not waiting for approval '
                                                f'(status {status[0].status})')
         call = check_decision(pending, decision, run_id)
-        await client.send_async(run_id, decision.to_json(), DECISION_TOPIC,
-                                idempotency_key=f'{decision.call_id}:{decision.fingerprint}')
+        # The slot and the message in one transaction: of deciders at the same moment, one sends (`_decisions`).
+        held = await asyncio.to_thread(
+            _decisions.claim_and_send, system_database_url(settings.get('db')), client, run_id, call.call_id,
+            call.requested_at, decision.to_json(), DECISION_TOPIC, f'{decision.call_id}:{decision.fingerprint}')
+        if held is not None:
+            raise already_decided(run_id, decision.call_id, Decision.from_json(held), received=False)
         if hasattr(client, 'update_workflow_attributes_async'):  # DBOS 3.x; older ones keep first-message-wins
             record = {**decision.to_json(), 'requested_at': call.requested_at}
             await client.update_workflow_attributes_async(run_id, {DECISION_ATTRIBUTE + call.call_id: record}, merge=True)

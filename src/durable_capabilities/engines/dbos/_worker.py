@@ -127,7 +127,7 @@ def _left_line(executor: str, left: list[str], seconds: int, peers: Peers | None
                 'launching again)')
     else:
         then = (f'peer recovery is off (--peer-timeout 0): a worker launched as this executor id recovers them '
-                f'(`durcap worker dbos TARGET --task-queue {queue} --executor-id {executor}`), or `durcap runs resume '
+                f'(`durcap worker dbos TARGET --queue {queue} --executor-id {executor}`), or `durcap runs resume '
                 'ID` one by one')
     return (f'dbos worker {executor!r}: {len(left)} workflows still running when the {seconds} s drain ended stay '
             f'PENDING ({ids}); {then}')
@@ -285,7 +285,7 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
 
     seconds = wait_notice()  # DC040 on a bad $DURCAP_WAIT_NOTICE, before the run is enqueued
     no_worker_yet = (f'no DBOS worker has ever run on {redact_database_url(url)}: start `durcap worker dbos TARGET '
-                     f'--db URL --task-queue {queue}` first (it creates the system database), then hand runs to its queue')
+                     f'--db URL --queue {queue}` first (it creates the system database), then hand runs to its queue')
     if _missing_sqlite_file({'db': url}) is not None:
         raise InputError('--db', no_worker_yet)
     client = dbos_client({'db': url})
@@ -304,7 +304,7 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
         if not serving:
             options.notify(f'no `durcap worker dbos` serving queue {queue!r} was seen in the last '
                            f'{DEFAULT_PEER_TIMEOUT:g} s: the run waits on the queue until one does (start '
-                           f'`durcap worker dbos TARGET --task-queue {queue}`)')
+                           f'`durcap worker dbos TARGET --queue {queue}`)')
         notice = asyncio.create_task(_notice_no_progress(client, url, queue, workflow_id, options.notify, seconds))
         try:
             payload = await handle.get_result()
@@ -347,7 +347,7 @@ async def _notice_no_progress(client: Any, url: str, queue: str, workflow_id: st
     async def line(waiting: str, waited: float) -> str:
         return (f'still waiting: no worker has picked up run {workflow_id} on queue {queue!r} for {waited:g} s '
                 f'({waiting}; no step recorded meanwhile): is a worker running? `durcap worker dbos TARGET '
-                f'--task-queue {queue}` (the run is durable: a worker launched as its executor id, or a live peer after '
+                f'--queue {queue}` (the run is durable: a worker launched as its executor id, or a live peer after '
                 'its --peer-timeout, finishes it)')
 
     await notice_stalls(probe, line, notify, seconds)

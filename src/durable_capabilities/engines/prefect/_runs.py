@@ -34,7 +34,7 @@ from prefect.flow_runs import aresume_flow_run
 from prefect.input import acreate_flow_run_input, aread_flow_run_input
 from prefect.states import Cancelled, Scheduled
 
-from ...approvals import ApprovalError, Decision, PendingCall, already_decided, check_decision
+from ...approvals import ApprovalError, Decision, PendingCall, already_decided, check_decision, describe_decision
 from ...conversations import resolve_payload, store_url
 from ...report import RunReport
 from .._adapter import (
@@ -337,19 +337,36 @@ def _unit(task_run: Any) -> RunUnit:
 
 
 async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
-    """Pending calls of Paused or Suspended `durcap-*` flow runs (or of flow run `run_id`), from flow run input `PENDING_INPUT`."""
+    """Pending calls of Paused, Suspended or Crashed `durcap-*` flow runs (or of flow run `run_id`), from flow run input
+    `PENDING_INPUT`.
+
+    A Crashed flow run whose calls are still published waited for them when its process stopped (`durcap run` given
+    SIGTERM while paused ends Paused or Crashed by timing; a serving process killed under its runs): its calls are
+    listed, so the wait is not lost from view, and one already decided says so (`PendingCall.decided`: the decision
+    waits for the run to run again, `durcap runs resume`, which finishes it from its cached tasks)."""
     ensure_api()  # the configured server, or this process's temporary one
     async with get_client() as client:
         if run_id is not None:
-            ids = [_flow_run_uuid(run_id)]
+            flow_run_id = _flow_run_uuid(run_id)
+            try:
+                runs = [await client.read_flow_run(flow_run_id)]
+            except ObjectNotFound:
+                runs = []
+            states = {flow_run_id: runs[0].state_type if runs else None}
         else:
-            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                state=FlowRunFilterState(name=FlowRunFilterStateName(any_=['Paused', 'Suspended']))))
-            ids = [r.id for r in runs]
+            found = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(name=FlowRunFilterStateName(any_=['Paused', 'Suspended', 'Crashed']))))
+            states = {r.id: r.state_type for r in found}
     calls: list[PendingCall] = []
-    for flow_run_id in ids:
-        for data in await aread_flow_run_input(PENDING_INPUT, flow_run_id=flow_run_id) or []:
-            calls.append(PendingCall.from_json({**data, 'engine': ENGINE}))
+    for flow_run_id, state in states.items():
+        waiting = [PendingCall.from_json({**data, 'engine': ENGINE})
+                   for data in await aread_flow_run_input(PENDING_INPUT, flow_run_id=flow_run_id) or []]
+        if state == StateType.CRASHED:  # nothing runs it: a decision already stored waits for `runs resume`
+            for call in waiting:
+                earlier = await aread_flow_run_input(DECISION_INPUT_PREFIX + _input_key(call.call_id),
+                                                     flow_run_id=flow_run_id)
+                call.decided = describe_decision(Decision.from_json(earlier)) if earlier is not None else None
+        calls += waiting
     return calls
 
 

@@ -34,6 +34,14 @@ CAPABILITIES_PATCH_ID = 'durcap-capabilities-memo'
 STREAMS_PATCH_ID = 'durcap-run-streams'
 """Patch marker of the workflow's own stream events (`_streams.WorkflowStream`: a local activity per publish); a
 history recorded without it replays without them."""
+FAILED_APPEND_PATCH_ID = 'durcap-stream-failed-append'
+"""Patch marker of a workflow whose conversation append activity failed for good publishing `run_failed` (its
+closing events rode with the failed activity and were not stored; `_streams.WorkflowStream.settle`); a history recorded
+without it replays without that publish (its stream was left open)."""
+LATE_CLOSING_PATCH_ID = 'durcap-stream-large-closing-after-append'
+"""Patch marker of closing events too large to carry (`_streams.CARRY_MAX_BYTES`: `turn_stored` + `run_completed` of
+an answer over 16 KiB) written by `PUBLISH_ACTIVITY` after the conversation append succeeded (`WorkflowStream.late`);
+a history recorded without it wrote them before the append, and replays so."""
 CARRY_PATCH_ID = 'durcap-stream-events-carried'
 """Patch marker of a workflow's own stream events riding with its next activity (`_streams.CarryStreamEvents`:
 `run_started` with the first model request, `run_completed` with the append) instead of a local activity each; a

@@ -52,7 +52,15 @@ from ...conversations import store_url
 from ...store import resolve_url
 from ...streams._log import EventLog, Item
 from ...streams._publish import enabled
-from ._spec import CARRY_PATCH_ID, CONVERSATION_APPEND_SUFFIX, ENGINE, MODEL_REQUEST_ACTIVITIES, STREAMS_PATCH_ID
+from ._spec import (
+    CARRY_PATCH_ID,
+    CONVERSATION_APPEND_SUFFIX,
+    ENGINE,
+    FAILED_APPEND_PATCH_ID,
+    LATE_CLOSING_PATCH_ID,
+    MODEL_REQUEST_ACTIVITIES,
+    STREAMS_PATCH_ID,
+)
 
 if TYPE_CHECKING:
     from ...agent import DurableAgent
@@ -136,6 +144,8 @@ class WorkflowStream(streams.StreamContext):
         after: Rows to store once the next append activity succeeded, and whether the stream closes with them.
         handed: `(activity handle, rows it carries before, whether it carries `after`)` of each carrying activity
             not settled yet.
+        late: Closing events too large to carry (`CARRY_MAX_BYTES`), and whether the stream closes with them:
+            written by `finish` once the append succeeded (`LATE_CLOSING_PATCH_ID`).
     """
 
     agent: str = ''
@@ -143,6 +153,7 @@ class WorkflowStream(streams.StreamContext):
     before: list[list[Any]] = field(default_factory=list)
     after: tuple[list[list[Any]], bool] | None = None
     handed: list[tuple[Any, list[list[Any]], bool]] = field(default_factory=list)
+    late: tuple[list[list[Any]], bool] | None = None
 
     def _rows(self, items: list[Any]) -> list[list[Any]]:
         return [[i.unit, i.attempt, i.seq, i.kind, i.body] for i in items
@@ -158,12 +169,19 @@ class WorkflowStream(streams.StreamContext):
             else:
                 self.before += rows
             return
+        if carry == 'after' and self.defers and workflow.patched(LATE_CLOSING_PATCH_ID):
+            # Too large to carry: written once the append succeeded (`finish`), never before it (they say the turn
+            # is stored); an append that fails leaves them unwritten and the stream open for `run_failed`.
+            self.late = (rows, close)
+            return
         await self._now(rows, close)
 
     async def _now(self, rows: list[list[Any]], close: bool) -> None:
         """Write the unconfirmed `before` rows, then `rows`, through `PUBLISH_ACTIVITY` (none: nothing scheduled)."""
         self._settle()
         rows = [*self.before, *rows]
+        if close:
+            self.late = None  # the stream ends with `rows` (`run_failed`): the turn's closing events never are
         if not rows and not close:
             return
         try:
@@ -175,6 +193,18 @@ class WorkflowStream(streams.StreamContext):
         if not ok:
             self.failed = True
         self.before = []
+
+    def settle(self) -> None:
+        """Before the workflow publishes (`streams.publish_run`): settle the carrying activities (`_settle`). The
+        closing events of a failed append reopen the stream for `run_failed` only behind `FAILED_APPEND_PATCH_ID`: a
+        history recorded before it replays with the stream left closed (no local activity)."""
+        failed_after = any(after and handle.done() and (handle.cancelled() or handle.exception() is not None)
+                           for handle, _rows, after in self.handed)
+        if failed_after and not workflow.patched(FAILED_APPEND_PATCH_ID):
+            return
+        self._settle()
+        if self.late is not None:  # its closing events are not written yet: only `run_failed` can come now
+            self.closed = False
 
     def _settle(self) -> None:
         """Forget the `before` rows of each carrying activity that succeeded (they are stored); an `after` whose
@@ -213,6 +243,8 @@ class WorkflowStream(streams.StreamContext):
             return
         self._settle()
         after, self.after = self.after, None
+        if after is None and self.late is not None:  # too large to carry: written now that the append succeeded
+            after, self.late = self.late, None
         if self.before or after is not None:
             await self._now(after[0] if after else [], bool(after and after[1]))
 
