@@ -17,8 +17,9 @@ import time
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
-from sqlalchemy.schema import CreateTable
+from sqlalchemy.exc import IntegrityError
+
+from ._schema import ensure_table
 
 TABLE = 'durcap_dbos_decisions'
 """The decision slots, in the DBOS system database beside DBOS's own tables (as `_peers.TABLE`)."""
@@ -39,17 +40,6 @@ def _engine(url: str) -> sa.Engine:
                             else url)
 
 
-def _ensure_table(engine: sa.Engine) -> None:
-    """Create the slots' table unless it exists: deciders at the same moment all ask (`create_all`'s check-then-create
-    let two of them create it, and the second failed on SQLite), so a failed create is fine once the table exists."""
-    try:
-        with engine.begin() as conn:
-            conn.execute(CreateTable(_DECISIONS, if_not_exists=True))
-    except SQLAlchemyError:
-        if not sa.inspect(engine).has_table(TABLE):
-            raise
-
-
 def claim_and_send(url: str, client: Any, run_id: str, call_id: str, requested_at: str, decision_json: dict[str, Any],
                    topic: str, idempotency_key: str) -> dict[str, Any] | None:
     """Take the decision slot of call `call_id` (asked at `requested_at`) of workflow `run_id` and send the decision
@@ -67,7 +57,7 @@ def claim_and_send(url: str, client: Any, run_id: str, call_id: str, requested_a
     """
     engine = _engine(url)
     try:
-        _ensure_table(engine)
+        ensure_table(engine, _DECISIONS)
         key = {'run_id': run_id, 'call_id': call_id, 'requested_at': requested_at}
         try:
             with engine.begin() as conn:

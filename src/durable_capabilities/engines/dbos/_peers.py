@@ -36,6 +36,7 @@ import sqlalchemy as sa
 
 from ... import _upstream
 from .._process import pid_alive
+from ._schema import ensure_table
 
 TABLE = 'durcap_dbos_executors'
 """The heartbeat table, in the DBOS system database (the one thing every worker of an application shares)."""
@@ -89,7 +90,7 @@ class Peers:
         self.executor_id, self.queue, self.timeout, self.notify = executor_id, queue, timeout, notify
         self.recover = recover or _upstream.dbos_recover_pending_workflows
         self.now = _now(self.engine.dialect.name)
-        _METADATA.create_all(self.engine, checkfirst=True)
+        ensure_table(self.engine, _EXECUTORS)  # several workers starting at once on one database
 
     def shared_with(self) -> str | None:
         """Another live process beating as this executor id (`'pid P on HOST'`), or `None`: two workers with one
