@@ -99,9 +99,11 @@ def test_schedule_prefect_serves_a_deployment_whose_runs_complete(how: str, pref
 
     deployment = f'support-every-5s-{uuid.uuid4().hex[:6]}'
     # The runner polls for due runs every second (Prefect's default: 10 s), as in test_approvals' serving tests.
+    # `--limit 1`: one flow run at a time (the default, 5, let a run fall due every 5 s start beside the first while it
+    # was still starting: with --spawn under load, five new interpreters importing Prefect at once, 143 s at load 15)
     env = {'PREFECT_API_URL': prefect_api_url, 'PREFECT_HOME': str(tmp_path / 'prefect-home'),
            'PREFECT_RUNNER_POLL_FREQUENCY': '1'}
-    serve = start([*DURCAP, 'schedule', 'prefect', 'examples.support.agent:support', '--interval', '5',
+    serve = start([*DURCAP, 'schedule', 'prefect', 'examples.support.agent:support', '--interval', '5', '--limit', '1',
                    '--prompt', 'Where is my order ABC-123?', '--name', deployment,
                    '--deps-json', json.dumps({'orders': {'ABC-123': 'jacket'}}), *(['--spawn'] if how == 'spawn' else [])],
                   tmp_path / 'serve.log', env)
