@@ -6,7 +6,9 @@ The prompt names an order (`charge order A-1`); everything is logged under `$DUR
   runs again shows up as a repeated line);
 - `charge-started-{order}`: created when `charge` starts, holding its process id; `charge` then waits
   `$DURCAP_LEDGER_CHARGE_SECONDS` (default 3) before returning, so a test can start a second run while the first is
-  in flight; `charge-parent-{order}`: its parent's process id, written first (readable after the process ended).
+  in flight, or less: it returns as soon as the test creates `release` there (`(ledger / 'release').touch()`),
+  once what needed the charges in flight has happened; `charge-parent-{order}`: its parent's process id, written
+  first (readable after the process ended).
 An order id starting with `BROKEN` makes the model raise `RuntimeError('card declined for order ...')` on the
 request after the capability loaded: the run fails (for `runs show` of a failed run).
 `$DURCAP_LEDGER_IMPORT_SECONDS` (default 0): importing this module takes that long (a slow target: a flow run whose
@@ -77,8 +79,18 @@ async def charge(order_id: str) -> str:
     _append('charges', order_id)
     (_dir() / f'charge-parent-{order_id}').write_text(str(os.getppid()))
     (_dir() / f'charge-started-{order_id}').write_text(str(os.getpid()))
-    await asyncio.sleep(float(os.environ.get('DURCAP_LEDGER_CHARGE_SECONDS', '3')))
+    # Returns once `$DURCAP_LEDGER_CHARGE_SECONDS` have passed, or as soon as a `release` file exists in the ledger
+    # folder: a test that has seen what it needed while charges were in flight ends them there (`RELEASE`).
+    deadline = time.monotonic() + float(os.environ.get('DURCAP_LEDGER_CHARGE_SECONDS', '3'))
+    released = _dir() / RELEASE
+    while (left := deadline - time.monotonic()) > 0 and not released.exists():
+        await asyncio.sleep(min(0.1, left))
     return f'charged {order_id}'
+
+
+RELEASE = 'release'
+"""A file in `$DURCAP_LEDGER_DIR`: once it exists, `charge` returns at once (a charge in flight within 0.1 s). Tests
+create it by name (`(ledger / 'release').touch()`): importing this module builds its agent."""
 
 
 agent = DurableAgent(os.environ.get('DURCAP_LEDGER_AGENT', 'ledger'), FunctionModel(script), capabilities=[billing])

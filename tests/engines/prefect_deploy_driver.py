@@ -4,7 +4,8 @@
   schedule (`prefect.serve`, flow runs in processes forked from the preloaded fork server, `_prefork`, that load the
   flow from the deployment's entrypoint, and `watch_deadlines` every second, as `durcap schedule prefect`); prints
   `SERVING` once the deployment is registered. Blocks until killed.
-- `start DEPLOYMENT PROMPT`: `run_deployment(..., timeout=0)`; prints `FLOW RUN <id>`.
+- `start DEPLOYMENT PROMPT [PROMPT ...]`: `run_deployment(..., timeout=0)` for each prompt, in order; prints
+  `FLOW RUN <id>` for each (one process, one Prefect import, however many runs).
 - `state RUN_ID`: prints `STATE <state name>`, and `OUTPUT <json>` once Completed.
 
 Every command talks to `$PREFECT_API_URL`.
@@ -36,11 +37,12 @@ def serve(target: str, agent_name: str, deployment_name: str) -> None:
     prefect_serve(deployment, print_starting_message=False)
 
 
-async def start(deployment: str, prompt: str) -> None:
+async def start(deployment: str, *prompts: str) -> None:
     from prefect.deployments import run_deployment
 
-    flow_run = await run_deployment(deployment, parameters={'prompt': prompt}, timeout=0)  # pyright: ignore[reportGeneralTypeIssues]
-    print('FLOW RUN', flow_run.id, flush=True)
+    for prompt in prompts:
+        flow_run = await run_deployment(deployment, parameters={'prompt': prompt}, timeout=0)  # pyright: ignore[reportGeneralTypeIssues]
+        print('FLOW RUN', flow_run.id, flush=True)
 
 
 async def state(run_id: str) -> None:

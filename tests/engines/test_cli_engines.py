@@ -99,9 +99,11 @@ def test_schedule_prefect_serves_a_deployment_whose_runs_complete(how: str, pref
 
     deployment = f'support-every-5s-{uuid.uuid4().hex[:6]}'
     # The runner polls for due runs every second (Prefect's default: 10 s), as in test_approvals' serving tests.
+    # `--limit 1`: one flow run at a time (the default, 5, let a run fall due every 5 s start beside the first while it
+    # was still starting: with --spawn under load, five new interpreters importing Prefect at once, 143 s at load 15)
     env = {'PREFECT_API_URL': prefect_api_url, 'PREFECT_HOME': str(tmp_path / 'prefect-home'),
            'PREFECT_RUNNER_POLL_FREQUENCY': '1'}
-    serve = start([*DURCAP, 'schedule', 'prefect', 'examples.support.agent:support', '--interval', '5',
+    serve = start([*DURCAP, 'schedule', 'prefect', 'examples.support.agent:support', '--interval', '5', '--limit', '1',
                    '--prompt', 'Where is my order ABC-123?', '--name', deployment,
                    '--deps-json', json.dumps({'orders': {'ABC-123': 'jacket'}}), *(['--spawn'] if how == 'spawn' else [])],
                   tmp_path / 'serve.log', env)
@@ -221,6 +223,9 @@ def test_two_prefect_serving_processes_share_a_deployment_and_one_reschedules_a_
         assert parents[1] != parents[2] and set(parents.values()) == {p.pid for p in serving}, parents
         (ledger / 'charge-started-P-1').rename(ledger / 'first-charge-P-1')
         os.kill(int((ledger / 'first-charge-P-1').read_text()), signal.SIGKILL)  # the flow-run process only
+        # Both were in flight at once and the first is killed: P-2's charge and P-1's re-run return now (ledger_agent's
+        # `release`), instead of charging out their 10 s each
+        (ledger / 'release').touch()
         deadline = time.monotonic() + 150
         while state(runs[0]) != 'COMPLETED' or state(runs[1]) != 'COMPLETED':
             assert time.monotonic() < deadline, [(tmp_path / f's{i}.log').read_text()[-2000:] for i in range(2)]
@@ -291,6 +296,9 @@ def test_a_prefect_flow_run_lost_with_its_serving_process_is_found_and_finished_
         os.kill(lost.pid, signal.SIGKILL)  # the serving process first, so nobody sees its flow run end
         os.kill(flow_process, signal.SIGKILL)
         lost.wait(timeout=30)
+        # Both were in flight at once and P-1 is lost: P-2's charge and P-1's re-run return now (ledger_agent's
+        # `release`): the survivor (`--limit 1`) took P-1 again only once P-2's 10 s charge had ended
+        (ledger / 'release').touch()
         deadline = time.monotonic() + 240
         while state(runs[0]) != 'COMPLETED' or state(runs[1]) != 'COMPLETED':
             assert time.monotonic() < deadline, (state(runs[0]), (tmp_path / f's{survivor}.log').read_text()[-3000:])

@@ -77,6 +77,10 @@ def test_two_concurrent_dbos_runs_each_do_their_own_work_once(postgres_url: str,
         second = start(['run', LEDGER, 'charge order B-2', '--engine', 'dbos', '--db', postgres_url],
                        tmp_path / 'second.log', env)
         procs.append(second)
+        # The second launched and reached its own charge while the first was in its: both end now (ledger_agent's
+        # `release`; before, each charged out its 6 s)
+        wait_file(ledger / 'charge-started-B-2', 90)
+        (ledger / 'release').touch()
         assert first.wait(timeout=120) == 0, (tmp_path / 'first.log').read_text()
         assert second.wait(timeout=120) == 0, (tmp_path / 'second.log').read_text()
     finally:
@@ -214,6 +218,9 @@ def test_dbos_runs_handed_to_a_queue_spread_over_workers_and_a_killed_workers_ru
         assert sorted(len(v) for v in by_pid.values()) == [2, 2, 2] and set(by_pid) <= set(pids), by_pid
         killed = next(orders_ for pid, orders_ in by_pid.items() if pids.get(pid) == 0)
         kill9(workers[0])
+        # Six charges were in flight, spread, when the first worker died: the survivors' and the re-runs end at once
+        # now (ledger_agent's `release`; before, each charged out its 8 s, the re-runs after the survivors' own)
+        (ledger / 'release').touch()
         assert run.wait(timeout=180) == 0, (tmp_path / 'run.log').read_text()
         assert 'charged Q-0' in (tmp_path / 'run.log').read_text()
         for workflow_id in ids:

@@ -262,8 +262,12 @@ def _venv_with(wheel: Path, extras: str, venv: Path) -> dict[str, str]:
                           '--no-compile', f'{wheel}[{extras}]'],
                          capture_output=True, text=True, timeout=900, check=False)
     assert pip.returncode == 0, pip.stdout[-3000:] + pip.stderr[-3000:]
+    # PYTHONDONTWRITEBYTECODE dropped too (this machine and CI set it): the venv is fresh, so without bytecode every
+    # `durcap` run in it compiled every module it imported again (~5 s of CPU each for Prefect, DBOS, Temporal and
+    # pydantic-ai); now the first import writes it into the venv and the later runs read it
     env = {k: v for k, v in os.environ.items()
-           if k not in ('PYTHONPATH', 'VIRTUAL_ENV', 'DURCAP_TEMPORAL_ADDRESS', 'DURCAP_STORE', 'DURCAP_DBOS_DB')}
+           if k not in ('PYTHONPATH', 'VIRTUAL_ENV', 'DURCAP_TEMPORAL_ADDRESS', 'DURCAP_STORE', 'DURCAP_DBOS_DB',
+                        'PYTHONDONTWRITEBYTECODE')}
     env['PATH'] = f'{venv / "bin"}{os.pathsep}{env.get("PATH", "")}'
     return env
 
