@@ -287,6 +287,13 @@ def _url_cases() -> list[Case]:
              f'`createdb {MISSING_PG_NAME}`'),
         Case('store-run-pg-unreachable', ['run', PLAIN, 'hi', '--store', 'postgresql://x:secret@127.0.0.1:1/nope',
                                           '--conversation', 'c1'], 2, 'Connection refused; start the database or fix the URL'),
+        # `runs watch` on a PostgreSQL store that is down or missing: one line, exit 2 (it printed the
+        # StoreUnavailableError's traceback and exited 1).
+        Case('store-runs-watch-pg-unreachable', ['runs', 'watch', 'r1', '--no-follow', '--store',
+                                                 'postgresql://x:secret@127.0.0.1:1/nope'], 2,
+             'Connection refused; start the database or fix the URL'),
+        Case('store-runs-watch-pg-database-missing', ['runs', 'watch', 'r1', '--store', MISSING_PG], 2,
+             f'`createdb {MISSING_PG_NAME}`'),
     ]
     # The operator commands on a DBOS system database that is down, refused by DBOS, or not a database: one line
     # naming the database (password as ***), exit 2, never SQLAlchemy's traceback or "nothing waits".

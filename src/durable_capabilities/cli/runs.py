@@ -288,6 +288,7 @@ def watch_run(
     """Print a run's events as it publishes them: those the store retains first, then each new one once, until the
     run completes or fails (docs/watching.md)."""
     from .. import streams
+    from ..store import StoreError
 
     url = connection_settings({}, store).store
     seen: list[bool] = []
@@ -320,8 +321,8 @@ def watch_run(
 
     try:
         asyncio.run(follow_run())
-    except (streams.StreamNotFoundError, streams.StreamUnsupportedError, ValueError) as exc:
-        _unusable(str(exc))
+    except (streams.StreamNotFoundError, streams.StreamUnsupportedError, StoreError, ValueError) as exc:
+        _unusable(str(exc))  # StoreError: a store that is down or missing (it printed its traceback, exit 1)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
 
