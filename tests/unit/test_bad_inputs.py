@@ -504,6 +504,10 @@ def _option_cases() -> list[Case]:
         Case('serve-deps-for-no-deps', ['serve', PLAIN, '--deps-json', '{}'], 2, 'takes no deps'),
         Case('serve-port-zero', ['serve', PLAIN, '--port', '0'], 2, "'--port'"),
         Case('serve-token-pairs-empty', ['serve', PLAIN], 2, 'principal=token pairs', env={'DURCAP_SERVE_TOKEN': 'alice=,bob=x'}),
+        # Two principals given one token: refused (the last pair won, so alice's requests were served as bob), the
+        # token not printed.
+        Case('serve-token-shared-by-two-principals', ['serve', PLAIN], 2, "principals 'alice' and 'bob' have the same "
+             'token', env={'DURCAP_SERVE_TOKEN': 'alice=s3cret-shared,bob=s3cret-shared'}),
         Case('replay-no-target', ['replay', str(HISTORY)], 2, "Missing option '--target'"),
         # Issue 29, item 6: a 3,000-level wire script was a RecursionError traceback.
         Case('wire-script-deep', ['wire', '--script', '{tmp}/deep.yaml'], 2, 'nests deeper than',
