@@ -287,6 +287,13 @@ def _url_cases() -> list[Case]:
              f'`createdb {MISSING_PG_NAME}`'),
         Case('store-run-pg-unreachable', ['run', PLAIN, 'hi', '--store', 'postgresql://x:secret@127.0.0.1:1/nope',
                                           '--conversation', 'c1'], 2, 'Connection refused; start the database or fix the URL'),
+        # `runs watch` on a PostgreSQL store that is down or missing: one line, exit 2 (it printed the
+        # StoreUnavailableError's traceback and exited 1).
+        Case('store-runs-watch-pg-unreachable', ['runs', 'watch', 'r1', '--no-follow', '--store',
+                                                 'postgresql://x:secret@127.0.0.1:1/nope'], 2,
+             'Connection refused; start the database or fix the URL'),
+        Case('store-runs-watch-pg-database-missing', ['runs', 'watch', 'r1', '--store', MISSING_PG], 2,
+             f'`createdb {MISSING_PG_NAME}`'),
     ]
     # The operator commands on a DBOS system database that is down, refused by DBOS, or not a database: one line
     # naming the database (password as ***), exit 2, never SQLAlchemy's traceback or "nothing waits".
@@ -497,6 +504,10 @@ def _option_cases() -> list[Case]:
         Case('serve-deps-for-no-deps', ['serve', PLAIN, '--deps-json', '{}'], 2, 'takes no deps'),
         Case('serve-port-zero', ['serve', PLAIN, '--port', '0'], 2, "'--port'"),
         Case('serve-token-pairs-empty', ['serve', PLAIN], 2, 'principal=token pairs', env={'DURCAP_SERVE_TOKEN': 'alice=,bob=x'}),
+        # Two principals given one token: refused (the last pair won, so alice's requests were served as bob), the
+        # token not printed.
+        Case('serve-token-shared-by-two-principals', ['serve', PLAIN], 2, "principals 'alice' and 'bob' have the same "
+             'token', env={'DURCAP_SERVE_TOKEN': 'alice=s3cret-shared,bob=s3cret-shared'}),
         Case('replay-no-target', ['replay', str(HISTORY)], 2, "Missing option '--target'"),
         # Issue 29, item 6: a 3,000-level wire script was a RecursionError traceback.
         Case('wire-script-deep', ['wire', '--script', '{tmp}/deep.yaml'], 2, 'nests deeper than',

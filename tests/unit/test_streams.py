@@ -353,6 +353,9 @@ def test_cli_watch_prints_jsonl_text_and_resumes_from_an_offset(tmp_path: Path) 
     assert [json.loads(line)['offset'] for line in later.stdout.splitlines()] == offsets[4:]
     text = durcap('runs', 'watch', 'local-cli', '--store', store)
     assert ANSWER in text.stdout and '] run_completed' in text.stdout
+    # One line per event, the text between them: no empty line before each event (there was one before every event).
+    lines = text.stdout.splitlines()
+    assert '' not in lines and lines[0].startswith('[1] run_started '), text.stdout
     # --engine names the run's engine: another engine's run is one coded line, exit 2, nothing printed (it printed the
     # local run's events as if they were a Temporal run's).
     other = durcap('runs', 'watch', 'local-cli', '--store', store, '--engine', 'temporal', '--format', 'jsonl')

@@ -288,6 +288,7 @@ def watch_run(
     """Print a run's events as it publishes them: those the store retains first, then each new one once, until the
     run completes or fails (docs/watching.md)."""
     from .. import streams
+    from ..store import StoreError
 
     url = connection_settings({}, store).store
     seen: list[bool] = []
@@ -307,21 +308,26 @@ def watch_run(
                 notice.cancel()
 
     async def print_events() -> None:
+        mid_line = False  # text deltas printed since the last newline: the next event's line starts on a new one
         async for event in streams.watch(run_id, engine=engine, from_offset=from_offset, store=url, follow=follow,
                                          wait_for_start=wait):
             seen.append(True)
             if fmt is WatchFormat.jsonl:
                 sys.stdout.write(event.model_dump_json() + '\n')
             elif event.kind == 'text_delta':
-                sys.stdout.write(printable(event.text, keep_newlines=True))
-            else:
-                sys.stdout.write(f'\n[{event.offset}] {event.kind} {printable(_summary(event))}\n')
+                text = printable(event.text, keep_newlines=True)
+                sys.stdout.write(text)
+                mid_line = (mid_line or bool(text)) and not text.endswith('\n')
+            else:  # one line per event, no blank line between two (each was preceded by an empty line)
+                newline = '\n' if mid_line else ''
+                sys.stdout.write(f'{newline}[{event.offset}] {event.kind} {printable(_summary(event))}\n')
+                mid_line = False
             sys.stdout.flush()
 
     try:
         asyncio.run(follow_run())
-    except (streams.StreamNotFoundError, streams.StreamUnsupportedError, ValueError) as exc:
-        _unusable(str(exc))
+    except (streams.StreamNotFoundError, streams.StreamUnsupportedError, StoreError, ValueError) as exc:
+        _unusable(str(exc))  # StoreError: a store that is down or missing (it printed its traceback, exit 1)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
 

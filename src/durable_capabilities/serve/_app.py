@@ -105,7 +105,8 @@ def parse_tokens(value: str) -> str | dict[str, str]:
     """`$DURCAP_SERVE_TOKEN`: one token, or `alice=TOKEN1,bob=TOKEN2` (a principal per token).
 
     Raises:
-        ValueError: an empty token or principal in the list.
+        ValueError: an empty token or principal in the list, or one token given to two principals (the requests of
+            one would be served as the other's).
     """
     if '=' not in value:
         return value
@@ -114,6 +115,9 @@ def parse_tokens(value: str) -> str | dict[str, str]:
         principal, _, token = item.strip().partition('=')
         if not principal or not token:
             raise ValueError('DURCAP_SERVE_TOKEN: expected one token, or principal=token pairs separated by commas')
+        if table.get(token, principal) != principal:
+            raise ValueError(f'DURCAP_SERVE_TOKEN: principals {table[token]!r} and {principal!r} have the same token: '
+                             'give each principal a token of its own')
         table[token] = principal
     return table
 

@@ -201,8 +201,12 @@ def _without_raw_input(raw: bytes) -> bytes:
     import json
 
     data = json.loads(raw)
-    for message in data.get('messages') or [] if isinstance(data, dict) else []:
-        for part in (message.get('parts') or []) if isinstance(message, dict) else []:
+    # Only lists are walked: a body of another shape (`"messages": 5`) is left as it is for the adapter's validation to
+    # refuse with DC042 (iterating it failed the request with a 500).
+    messages = data.get('messages') if isinstance(data, dict) else None
+    for message in messages if isinstance(messages, list) else []:
+        parts = message.get('parts') if isinstance(message, dict) else None
+        for part in parts if isinstance(parts, list) else []:
             if isinstance(part, dict) and part.get('state') in _APPROVAL_STATES:
                 part.pop('rawInput', None)
     return json.dumps(data).encode()
