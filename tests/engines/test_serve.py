@@ -303,9 +303,9 @@ def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_a
     cases += [
         ('unknown route', 'GET', '/v1/nope', ALICE, None, 404, 'DC044'),
         ('root', 'GET', '/', ALICE, None, 404, 'DC044'),
-        ('GET on turns', 'GET', turns, ALICE, None, 405, 'method-not-allowed'),
-        ('POST on a run', 'POST', status, ALICE, '{}', 405, 'method-not-allowed'),
-        ('DELETE a conversation', 'DELETE', conv, ALICE, None, 405, 'method-not-allowed'),
+        ('GET on turns', 'GET', turns, ALICE, None, 405, 'DC042'),
+        ('POST on a run', 'POST', status, ALICE, '{}', 405, 'DC042'),
+        ('DELETE a conversation', 'DELETE', conv, ALICE, None, 405, 'DC042'),
     ]
     assert len(cases) >= 60 and len({c[0] for c in cases}) == len(cases)
     # What some refusals say (a fresh-user trial read them): each field named once, the API's fixes (its fields and
@@ -325,6 +325,7 @@ def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_a
         'turn: empty prompt': ['turn body: field `prompt`: '],
         'turn: busy conversation (the agent rejects)': [f"run {run_id!r} holds it", '"busy": "enqueue"',
                                                         f'GET /v1/runs/{run_id}'],
+        'DELETE a conversation': ['DC042 DELETE is not allowed on /v1/conversations/', ': it takes GET'],
     }
     never = ['decision: decision', 'turn: turn', '--args', 'durcap approvals list', 'was refused before doing anything']
     before = _store_rows(dbos_stack.store)

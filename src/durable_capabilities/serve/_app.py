@@ -647,6 +647,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
         return _coded(404, NotFoundError.code, f'no route {printable(request.url.path[:200])} (the API is under /v1)')
-    if exc.status_code == 405:
-        return _coded(405, 'method-not-allowed', f'{request.method} is not allowed on {printable(request.url.path[:200])}')
+    if exc.status_code == 405:  # a refused request as any other (DC042), with the methods the path takes
+        allowed = (exc.headers or {}).get('Allow', '')
+        response = _coded(405, BadRequestError.code, f'{request.method} is not allowed on '
+                          f'{printable(request.url.path[:200])}' + (f': it takes {allowed}' if allowed else ''))
+        if allowed:
+            response.headers['Allow'] = allowed
+        return response
     return _coded(exc.status_code, 'http', str(exc.detail))
