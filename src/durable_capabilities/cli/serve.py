@@ -63,7 +63,7 @@ def serve(
         import uvicorn
 
         from ..serve import TOKEN_ENV, create_app
-        from ..serve._app import parse_tokens
+        from ..serve._app import check_cors_origin, parse_tokens
         from ..ui import new_token
     except ImportError as exc:
         _unusable(f'durcap serve needs its extra: pip install "durable-capabilities[serve]" ({exc})')
@@ -85,6 +85,11 @@ def serve(
         tokens = parse_tokens(token)
     except ValueError as exc:
         _unusable(str(exc))
+    for origin in cors_origin or ():
+        try:
+            check_cors_origin(origin)
+        except ValueError as exc:
+            _unusable(f'--cors-origin: {exc}')
     check_stream_env()
     settings = connection_settings(conn or {}, store)
     run_settings: dict[str, Any] = {**settings.engine(), 'store': settings.store}

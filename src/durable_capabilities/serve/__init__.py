@@ -94,7 +94,8 @@ def create_app(
         deps_factory: `deps_factory(principal, request) -> deps` (sync or async) for a turn whose request carries no
             deps; default none (`None` deps).
         max_body_bytes: The largest request body read (default 1 MiB): a larger one is refused (DC041, 413).
-        cors_origins: Origins allowed to call the API from a browser (CORS); default none (CORS off).
+        cors_origins: Origins allowed to call the API from a browser (CORS: `scheme://host[:port]`, or `*`); default
+            none (CORS off).
         chat: Also serve the small chat page at `/chat`.
 
     Returns:
@@ -102,10 +103,11 @@ def create_app(
 
     Raises:
         ValueError: no agents, two agents of one name, an engine without event streams, no
-            `auth` and no `$DURCAP_SERVE_TOKEN`, or `max_body_bytes` under 1.
+            `auth` and no `$DURCAP_SERVE_TOKEN`, `max_body_bytes` under 1, or a CORS origin that is not one (DC040:
+            `https://app.example.com`, not a URL with a path).
         targets.UnusableTarget / DurableConfigError: `targets` is a TARGET string that does not load.
     """
-    from ._app import DEFAULT_MAX_BODY_BYTES, parse_tokens
+    from ._app import DEFAULT_MAX_BODY_BYTES, check_cors_origin, parse_tokens
     from ._app import bearer_auth as make_auth
     from ._routes import build
 
@@ -130,6 +132,7 @@ def create_app(
             raise ValueError(f'create_app: pass auth=..., or set ${TOKEN_ENV} (a bearer token, or principal=token '
                              'pairs separated by commas)')
         auth = make_auth(parse_tokens(token))
+    cors_origins = [check_cors_origin(origin) for origin in cors_origins]
     limit = DEFAULT_MAX_BODY_BYTES if max_body_bytes is None else int(max_body_bytes)
     if limit < 1:
         raise ValueError(f'max_body_bytes={max_body_bytes!r}: expected a positive number of bytes')

@@ -70,6 +70,25 @@ such a run is made in this process and handed to the stream (`streams._log.Inbox
 (a run elsewhere is read every `streams.POLL_SECONDS`, 50 ms)."""
 
 
+_ORIGIN = re.compile(r'https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?')
+
+
+def check_cors_origin(origin: str) -> str:
+    """`origin` when it is a CORS origin a browser sends (`scheme://host[:port]`, http or https, no path, no trailing
+    slash) or `*` (any origin); returns it unchanged.
+
+    Raises:
+        ValueError: anything else (a URL with a path, a bare host, a typo): such an origin never matches a browser's
+            `Origin` header, so CORS would silently stay off for the app it was meant for. The message leads with
+            DC040 and names the fix.
+    """
+    if origin == '*' or _ORIGIN.fullmatch(origin):
+        return origin
+    raise ValueError(f'DC040 CORS origin {printable(origin[:200])!r} is not an origin: expected scheme://host[:port] '
+                     "(http or https, no path, no trailing slash), e.g. 'https://app.example.com' or "
+                     "'http://localhost:5173', or '*' for any origin")
+
+
 def bearer_auth(tokens: str | Mapping[str, str]) -> Auth:
     """The default `auth`: `Authorization: Bearer TOKEN`, compared in constant time.
 
