@@ -351,6 +351,12 @@ def test_cli_watch_prints_jsonl_text_and_resumes_from_an_offset(tmp_path: Path) 
     assert offsets == list(range(1, len(offsets) + 1))
     later = durcap('runs', 'watch', 'local-cli', '--store', store, '--format', 'jsonl', '--from', '4')
     assert [json.loads(line)['offset'] for line in later.stdout.splitlines()] == offsets[4:]
+    assert later.stderr == ''
+    # --from past the last event of an ended run: nothing printed, exit 0, and a line saying so (it was silent).
+    past = durcap('runs', 'watch', 'local-cli', '--store', store, '--from', str(offsets[-1]))
+    assert (past.returncode, past.stdout) == (0, ''), past.stderr
+    assert past.stderr.strip() == (f"durcap: run 'local-cli' has no event after offset {offsets[-1]} (the run has ended; "
+                                   '--from 0 prints all its events)'), past.stderr
     text = durcap('runs', 'watch', 'local-cli', '--store', store)
     assert ANSWER in text.stdout and '] run_completed' in text.stdout
     # One line per event, the text between them: no empty line before each event (there was one before every event).

@@ -330,6 +330,10 @@ def watch_run(
         _unusable(str(exc))  # StoreError: a store that is down or missing (it printed its traceback, exit 1)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
+    if not seen and from_offset > 0:  # nothing after --from: say so (it printed nothing and exited 0, as if lost)
+        _err.print(printable(f'durcap: run {run_id!r} has no event after offset {from_offset}'
+                             + (' (the run has ended; --from 0 prints all its events)' if follow else
+                                ' retained now (--follow waits for more)')), markup=False)
 
 
 @runs_app.command('fork')
