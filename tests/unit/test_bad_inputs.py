@@ -276,6 +276,11 @@ def _url_cases() -> list[Case]:
         Case('db-run-queue-no-database', ['run', PLAIN, 'hi', '--engine', 'dbos', '--queue', 'q', '--db',
                                           'postgresql://postgres@127.0.0.1:5432/no_such_db_xyz'], 2,
              'does not exist); create the database (`createdb no_such_db_xyz` on that server) or fix the URL'),
+        # `--queue` followed by another flag took the flag as the queue's name (a trial: `run --queue --db URL`).
+        Case('run-queue-named-by-a-flag', ['run', PLAIN, 'hi', '--engine', 'dbos', '--queue', '--no-stream'], 2,
+             "DC040 --queue '--no-stream': expected a queue name, got a flag"),
+        Case('run-task-queue-named-by-a-flag', ['run', PLAIN, 'hi', '--engine', 'temporal', '--task-queue', '--no-stream'],
+             2, "DC040 --task-queue '--no-stream': expected a queue name, got a flag"),
         Case('db-demo-no-database', ['demo', '--engine', 'dbos', '--db', 'postgresql://postgres@127.0.0.1:5432/no_such_db_xyz'],
              2, '`createdb no_such_db_xyz`'),
         # A PostgreSQL conversation store: a database the server does not have is named with the fix (createdb; no
