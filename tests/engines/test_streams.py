@@ -449,6 +449,21 @@ def test_temporal_run_writes_its_own_events_without_a_local_activity_where_an_ac
         assert info is not None and info.closed_at is not None
 
 
+def _fail_appends_of_doomed_conversations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the conversation store's `append` fail for good (`AppendIdReuseError`, not retried) for a conversation whose
+    id starts with `doomed-`, in this process (the worker's activities run here); every other append is the real one."""
+    from durable_capabilities.store import AppendIdReuseError, SQLConversationStore
+
+    real_append = SQLConversationStore.append
+
+    async def append(self: Any, conversation_id: str, *args: Any, **kwargs: Any) -> Any:
+        if conversation_id.startswith('doomed-'):
+            raise AppendIdReuseError(f'injected: the append of {conversation_id!r} fails for good')
+        return await real_append(self, conversation_id, *args, **kwargs)
+
+    monkeypatch.setattr(SQLConversationStore, 'append', append)
+
+
 def test_temporal_run_whose_conversation_append_fails_for_good_ends_its_stream_with_run_failed(
         temporal_address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Temporal (the shared dev server), a worker in this process (`make_worker`), `tests.engines.stream_agent`
@@ -462,21 +477,13 @@ def test_temporal_run_whose_conversation_append_fails_for_good_ends_its_stream_w
 
     from durable_capabilities import runner
     from durable_capabilities.engines.temporal import connect, make_worker
-    from durable_capabilities.store import AppendIdReuseError, SQLConversationStore
     from durable_capabilities.streams import EventLog
     from durable_capabilities.streams._watch import to_run_event
     from tests.engines.stream_agent import ANSWER, agent
 
     store = f'sqlite:///{tmp_path / "conversations.db"}'
     queue = f'doomed-{uuid.uuid4().hex[:8]}'
-    real_append = SQLConversationStore.append
-
-    async def append(self: Any, conversation_id: str, *args: Any, **kwargs: Any) -> Any:
-        if conversation_id.startswith('doomed-'):
-            raise AppendIdReuseError(f'injected: the append of {conversation_id!r} fails for good')
-        return await real_append(self, conversation_id, *args, **kwargs)
-
-    monkeypatch.setattr(SQLConversationStore, 'append', append)
+    _fail_appends_of_doomed_conversations(monkeypatch)
     monkeypatch.setenv('DURCAP_STREAM_DELAY', '0')
     doomed, fine = f'doomed-run-{uuid.uuid4().hex[:8]}', f'fine-run-{uuid.uuid4().hex[:8]}'
 
@@ -529,21 +536,13 @@ def test_temporal_closing_events_over_16_kib_are_written_after_the_append_and_ne
     from durable_capabilities import runner
     from durable_capabilities.engines.temporal import connect, make_worker
     from durable_capabilities.engines.temporal._streams import CARRY_HEADER
-    from durable_capabilities.store import AppendIdReuseError, SQLConversationStore
     from durable_capabilities.streams import EventLog
     from durable_capabilities.streams._watch import to_run_event
     from tests.engines.stream_agent import ANSWER, agent
 
     store = f'sqlite:///{tmp_path / "conversations.db"}'
     queue = f'large-{uuid.uuid4().hex[:8]}'
-    real_append = SQLConversationStore.append
-
-    async def append(self: Any, conversation_id: str, *args: Any, **kwargs: Any) -> Any:
-        if conversation_id.startswith('doomed-'):
-            raise AppendIdReuseError(f'injected: the append of {conversation_id!r} fails for good')
-        return await real_append(self, conversation_id, *args, **kwargs)
-
-    monkeypatch.setattr(SQLConversationStore, 'append', append)
+    _fail_appends_of_doomed_conversations(monkeypatch)
     monkeypatch.setenv('DURCAP_STREAM_DELAY', '0')
     monkeypatch.setenv('DURCAP_STREAM_PAD', '20000')
     answer = ANSWER + ' ' + 'x' * 20000
