@@ -325,7 +325,7 @@ def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_a
         'turn: empty prompt': ['turn body: field `prompt`: '],
         'turn: busy conversation (the agent rejects)': [f"run {run_id!r} holds it", '"busy": "enqueue"',
                                                         f'GET /v1/runs/{run_id}'],
-        'DELETE a conversation': ['DC042 DELETE is not allowed on /v1/conversations/', ': it takes GET'],
+        'DELETE a conversation': ['DC042 DELETE is not allowed on /v1/conversations/', ': it takes GET, HEAD'],
     }
     never = ['decision: decision', 'turn: turn', '--args', 'durcap approvals list', 'was refused before doing anything']
     before = _store_rows(dbos_stack.store)

@@ -45,7 +45,7 @@ def test_a_protocol_body_of_the_wrong_shape_is_dc042_not_a_500(protocol: str, bo
                              headers={'Authorization': 'Bearer s3cret'})
     assert answer.status_code == 400, answer.text
     error = answer.json()['error']
-    assert error['code'] == 'DC042' and error['message'].startswith(f'{protocol}: ') and 'Traceback' not in answer.text
+    assert error['code'] == 'DC042' and error['message'].startswith(f'DC042 {protocol}: ') and 'Traceback' not in answer.text
     if db.exists():  # nothing recorded: no run, no conversation
         with sqlite3.connect(db) as con:
             tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}

@@ -667,7 +667,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     if exc.status_code == 404:
         return _coded(404, NotFoundError.code, f'no route {printable(request.url.path[:200])} (the API is under /v1)')
     if exc.status_code == 405:  # a refused request as any other (DC042), with the methods the path takes
-        allowed = (exc.headers or {}).get('Allow', '')
+        allowed = ', '.join(sorted(m.strip() for m in (exc.headers or {}).get('Allow', '').split(',') if m.strip()))
         response = _coded(405, BadRequestError.code, f'{request.method} is not allowed on '
                           f'{printable(request.url.path[:200])}' + (f': it takes {allowed}' if allowed else ''))
         if allowed:
