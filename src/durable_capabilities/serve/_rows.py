@@ -45,6 +45,11 @@ class _BusyRefusal(ConversationBusyError):
             f'"busy": "enqueue" to run it after that turn.'))
 
 
+def _decision_key(run_id: str, call_id: str) -> str:
+    """The idempotency key of call `call_id`'s decision slot (`ServeRows.claim_decision_sync`) in run `run_id`."""
+    return f'decide/{run_id}/{call_id}'
+
+
 @dataclass(frozen=True)
 class RunRow:
     """One run a request started (`durcap_serve_runs`)."""
@@ -206,7 +211,7 @@ class ServeRows:
             `None` when this request took it; else the JSON of the decision that holds it (a `Decision.to_json`).
         """
         integrity = self._backend.engine.dialect.dbapi.IntegrityError  # type: ignore[union-attr]
-        key = f'decide/{run_id}/{call_id}'
+        key = _decision_key(run_id, call_id)
         try:
             with self._backend._raw_txn(relaxed=False) as cur:
                 cur.execute('INSERT INTO durcap_serve_requests (principal, idempotency_key, digest, run_id, created_at) '
@@ -224,14 +229,14 @@ class ServeRows:
         with self._backend._txn(write=False) as conn:
             held = conn.execute(sa.text('SELECT digest FROM durcap_serve_requests WHERE principal = :p AND '
                                         'idempotency_key = :k'), {'p': self.DECISION_PRINCIPAL,
-                                                                  'k': f'decide/{run_id}/{call_id}'}).scalar()
+                                                                  'k': _decision_key(run_id, call_id)}).scalar()
         return None if held is None else str(held)
 
     def release_decision_sync(self, run_id: str, call_id: str) -> None:
         """Give the slot `claim_decision_sync` took back (the decision was not delivered: the call is still pending)."""
         with self._backend._raw_txn(relaxed=False) as cur:
             cur.execute('DELETE FROM durcap_serve_requests WHERE principal = :p AND idempotency_key = :k',
-                        {'p': self.DECISION_PRINCIPAL, 'k': f'decide/{run_id}/{call_id}'})
+                        {'p': self.DECISION_PRINCIPAL, 'k': _decision_key(run_id, call_id)})
 
     def owner_sync(self, conversation_id: str) -> str | None:
         """The principal owning `conversation_id`, `None` when no request started a turn on it."""
