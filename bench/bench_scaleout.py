@@ -31,7 +31,8 @@ Workers are real processes started here and stopped by process id; each is cappe
 Throughput = runs / seconds from the first submission to the last run's completion. `cpu/run`: CPU seconds of the
 worker processes (Prefect: serving processes and their flow-run processes) per run, from /proc. `server/run`: DBOS,
 PostgreSQL transactions in the run's database per run (workers' queue polls and heartbeats included); Temporal, CPU
-seconds of the dev server started here per run; Prefect: not told apart (a shared server), see `task runs/flow run`.
+seconds of the dev server started here per run; Prefect: CPU seconds of the Prefect server per run with
+`--prefect-server-pid` (a server of the bench's own: its background services count too), else not told apart.
 
 Targets (issue 29): 2 workers >= 1.8x one worker, 3 >= 2.5x, every worker doing >= 20% of the runs. Figures, and
 what limits a 20-worker, 3-machine deployment per engine on paper: bench/README.md.
@@ -395,6 +396,20 @@ class PrefectCluster(Cluster):
         # a flow-run process whose parent is one of them belongs to that serving process.
         self.helpers = [set(_children(proc.pid)) for proc in self.procs]
 
+    def server_mark(self) -> float | None:
+        pid = self.args.prefect_server_pid
+        return _cpu(pid) if pid else None
+
+    def serving_cpu(self) -> float:
+        """CPU seconds of the serving processes themselves (their runner, beats and watch rounds, all threads), without
+        their flow-run processes and fork servers (`cpu` minus this: the flow-run processes' share)."""
+        total = 0.0
+        for proc in self.procs:
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = Path(f'/proc/{proc.pid}/stat').read_text().rsplit(')', 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / TICK
+        return total
+
     def worker_of(self, entry: Entry) -> int | None:
         for i, proc in enumerate(self.procs):
             if proc.pid in (entry.pid, entry.ppid) or entry.ppid in self.helpers[i]:
@@ -546,6 +561,7 @@ def measure(engine: str, workers: int, args: argparse.Namespace, scratch: Path) 
                 raise RuntimeError(f'{engine}, {workers} workers: warm-up runs not done, failed {cluster.failed}')
             cluster.done.clear()
         mark0 = cluster.server_mark()
+        serving0 = cluster.serving_cpu() if isinstance(cluster, PrefectCluster) else None
         cpu0, load0 = cluster.cpu(), load()
         start, wall_start = time.monotonic(), time.time()
         cluster.submit(keys)
@@ -555,6 +571,7 @@ def measure(engine: str, workers: int, args: argparse.Namespace, scratch: Path) 
                                f'failed {cluster.failed}')
         seconds = max(cluster.done.values()) - start
         cpu = cluster.cpu() - cpu0
+        serving = None if serving0 is None else cluster.serving_cpu() - serving0  # type: ignore[attr-defined]
         load1, mark1 = load(), cluster.server_mark()
         server = None if mark0 is None or mark1 is None else (mark1 - mark0) / args.runs
         per: dict[str, int] = {f'w{i}': 0 for i in range(workers)}
@@ -567,6 +584,7 @@ def measure(engine: str, workers: int, args: argparse.Namespace, scratch: Path) 
                 per[name] = per.get(name, 0) + 1
         result = {'workers': workers, 'seconds': seconds, 'runs_per_s': args.runs / seconds, 'per_worker': per,
                   'cpu_per_run': cpu / args.runs, 'load': f'{load0}-{load1}', 'server': server,
+                  'serving_per_run': None if serving is None else serving / args.runs,
                   'timeline': timeline(entries, wall_start, wall_start + seconds, workers, args)}
         try:
             result['details'] = cluster.details(keys)
@@ -605,7 +623,7 @@ def timeline(entries: list[Entry], began: float, ended: float, workers: int, arg
 def report(engine: str, title: str, results: list[dict[str, Any]]) -> None:
     base = results[0]['runs_per_s']
     print(title)
-    unit = {'dbos': 'xact', 'temporal': 'cpu-s'}.get(engine, '')
+    unit = {'dbos': 'xact', 'temporal': 'cpu-s', 'prefect': 'cpu-s'}.get(engine, '')
     print(f'{"workers":>7} {"seconds":>8} {"runs/s":>7} {"x one":>6} {"cpu/run":>8} {"server/run":>10} {"load":>11}  '
           'runs per worker (share)')
     for r in results:
@@ -616,6 +634,9 @@ def report(engine: str, title: str, results: list[dict[str, Any]]) -> None:
               f'{r["cpu_per_run"]:>7.2f}s {server:>10} {r["load"]:>11}  {shares}')
         if 'dbos_record' in r:
             print(f'{"":>52}DBOS executor_id: {r["dbos_record"]}')
+        if r.get('serving_per_run') is not None:
+            print(f'  cpu/run: flow-run processes {r["cpu_per_run"] - r["serving_per_run"]:.3f} s, serving processes '
+                  f'{r["serving_per_run"]:.3f} s' + ('' if r['server'] is None else f', Prefect server {r["server"]:.3f} s'))
         print(r['timeline'])
         for line in r['details']:
             print(line)
@@ -776,6 +797,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument('--address', default=None, help='a running Temporal server (default: start an in-memory one)')
     p.add_argument('--prefect-api-url', default=os.environ.get('DURCAP_TEST_PREFECT_API_URL')
                    or os.environ.get('PREFECT_API_URL'), help='a running Prefect server\'s API')
+    p.add_argument('--prefect-server-pid', type=int, default=None,
+                   help='pid of the Prefect server of --prefect-api-url (a server of the bench\'s own, nothing else '
+                        'using it): its CPU seconds per run are reported as server/run')
     p.add_argument('--prefect-poll', type=float, default=1.0, help='PREFECT_RUNNER_POLL_FREQUENCY of serving processes')
     p.add_argument('--prefect-spawn', action='store_true',
                    help='serve with `durcap schedule prefect --spawn`: a new Python process per flow run, no fork server')

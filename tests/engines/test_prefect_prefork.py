@@ -27,6 +27,7 @@ _PROBE = """
 import asyncio, gc, json, sys, threading
 import durable_capabilities.engines.prefect._preload as preload
 print(json.dumps({'threads': [t.name for t in threading.enumerate()], 'flows': preload.PRELOADED,
+                  'warmed': preload.WARMED, 'warm_modules': list(preload.WARM_MODULES),
                   'loops': [repr(o) for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop)],
                   'loaded': sorted(m for m in ('prefect.flow_engine', 'pydantic_ai', 'examples.support.agent') if m in sys.modules)}))
 """
@@ -68,8 +69,10 @@ def prefect_api_here(url: str) -> Iterator[None]:
 
 def test_the_preload_starts_no_thread_and_no_event_loop(tmp_path: Path) -> None:
     """What the fork server imports (`_preload`), in a fresh interpreter (not the suite's own fork server): Prefect's
-    flow engine, pydantic-ai and the target's flows are loaded, and the main thread is the only thread, with no event
-    loop made: forking it is safe."""
+    flow engine, pydantic-ai and the target's flows are loaded, and so is what every flow run used to load or build on
+    its own (`_warm`: Prefect's task engine and the rest of `WARM_MODULES`, the SQL dialect of the agent's store,
+    pydantic-ai's message adapter); the main thread is the only thread, with no event loop made: forking it is
+    safe."""
     env = {**subprocess_env(), 'DURCAP_TEST_ZYGOTE': '0', 'DURCAP_TARGET': 'examples.support.agent:support',
            'PREFECT_HOME': str(tmp_path / 'prefect-home')}
     out = subprocess.run([sys.executable, '-c', _PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
@@ -78,6 +81,7 @@ def test_the_preload_starts_no_thread_and_no_event_loop(tmp_path: Path) -> None:
     seen = json.loads(out.stdout.splitlines()[-1])
     assert seen['threads'] == ['MainThread'] and seen['loops'] == [], seen
     assert seen['flows'] == ['flow__support'], seen
+    assert seen['warmed'] == [*seen['warm_modules'], 'store dialect sqlite', 'ModelMessagesTypeAdapter'], seen
     assert seen['loaded'] == ['examples.support.agent', 'prefect.flow_engine', 'pydantic_ai'], seen
 
 

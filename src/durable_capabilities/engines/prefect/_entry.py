@@ -19,7 +19,7 @@ from ...targets import load_checked
 from ._flow import agent_flow
 from ._spec import ENGINE, FLOW_ATTR_PREFIX, TARGET_ENV, flow_attr
 
-__all__ = ['TARGET_ENV', 'entrypoint', 'flow_attr', 'preload']
+__all__ = ['TARGET_ENV', 'entrypoint', 'flow_attr', 'preload', 'preloaded_agents']
 
 
 def entrypoint(agent_name: str) -> str:
@@ -52,6 +52,14 @@ def _agents(name: str) -> tuple[str, list[Any]]:
                                 allow_drift=os.environ.get('DURCAP_ALLOW_DRIFT') == '1', engines=(ENGINE,)).agents
 
 
+_PRELOADED_AGENTS: list[Any] = []
+
+
+def preloaded_agents() -> list[Any]:
+    """The agents `preload` built flows for in this process (empty before it ran, or when TARGET did not load)."""
+    return list(_PRELOADED_AGENTS)
+
+
 def preload() -> list[str]:
     """Build the flow of every agent of `$DURCAP_TARGET` now and keep each as this module's attribute, so a later
     `getattr` (Prefect loading a deployment's entrypoint) finds it without loading TARGET again: the fork server of
@@ -66,4 +74,5 @@ def preload() -> list[str]:
         name = flow_attr(agent.name)
         globals()[name] = agent_flow(agent)
         names.append(name)
+        _PRELOADED_AGENTS.append(agent)
     return names

@@ -55,6 +55,7 @@ claim (`_conversation._flow_run_active`) and `durcap store gc` (`_runs.run_state
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -151,12 +152,17 @@ def beating(flow_run_id: str) -> Iterator[None]:
 
     async def loop() -> None:
         count = 0
-        async with get_client() as client:
+        # The client is made at the first beat this thread sends: a forked flow-run process whose serving process
+        # beats it sends none, and making one costs a TLS context and the client's first requests (h/prefectscale).
+        async with contextlib.AsyncExitStack() as stack:
+            client: Any = None
             while not stop.is_set():
                 wait = every
                 if held_by is None or not pid_alive(held_by):
                     count += 1
                     try:
+                        if client is None:
+                            client = await stack.enter_async_context(get_client())
                         # One try at most `every` s: Prefect's client retries a 503 with a growing backoff (a write
                         # refused by a busy server on SQLite), which would hold the next beat back for tens of s.
                         await asyncio.wait_for(client.update_flow_run_labels(

@@ -11,6 +11,7 @@ warning, with the way back (`--spawn`).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 
@@ -27,12 +28,69 @@ PRELOADED: list[str] = []
 THREADS_AFTER_PRELOAD: list[str] = []
 """Names of the threads other than the main one running once the preload was done (expected: none)."""
 
+WARM_MODULES = (
+    'prefect.task_engine',  # imported by a task's first call (`Task.__call__`), with the next one (graphviz)
+    'prefect.utilities.visualization',
+    'prefect.concurrency._asyncio',
+    'prefect.concurrency._sync',
+    'prefect.concurrency.services',
+    'prefect._internal.observers',  # the flow engine's suspension observer
+    'prefect._internal._observation_delivery',
+    'prefect._internal.states',
+    'prefect._vendor.croniter',
+    'pytz',
+    'anyio._backends._asyncio',  # the first event loop's anyio backend
+    'anyio.streams.stapled',
+    'encodings.idna',  # the first request's host name
+    'encodings.ascii',
+    'rich._emoji_codes',  # Prefect's console log handler's first markup
+    'durable_capabilities.streams._log',  # the run's event stream (`streams.publishing`)
+)
+"""Modules that every flow-run process imported on its first use when forked from a fork server without them
+(measured: a child's new `sys.modules`, h/prefectscale); one missing from this Prefect or pydantic-ai is skipped."""
+
+WARMED: list[str] = []
+"""What `_warm` loaded or built (modules, store dialects, `ModelMessagesTypeAdapter`)."""
+
+
+def _warm() -> None:
+    """Load here, once, what every flow run's process otherwise loads or builds on its first use (~0.2-0.3 CPU-s a
+    flow run before this, measured with cProfile in the forked children, h/prefectscale): `WARM_MODULES`, the SQL
+    dialect and driver of each preloaded agent's conversation store (its `$DURCAP_STORE` or own URL: the SQLite
+    dialect package alone is ~0.15 CPU-s), and pydantic-ai's message adapter, whose schema is built on first use
+    (`defer_build`; ~0.2 CPU-s). Nothing here connects, starts a thread or makes an event loop; each step that fails
+    is left to the flow runs, which then do it themselves as before."""
+    for name in WARM_MODULES:
+        try:
+            importlib.import_module(name)
+            WARMED.append(name)
+        except Exception:  # moved or gone in this version: the flow runs import what they use
+            logger.debug('fork server: %s not preloaded', name, exc_info=True)
+    from pydantic_ai.messages import ModelMessagesTypeAdapter
+
+    from ...conversations import store_url
+    from ...store._sql import _parse_url
+
+    for agent in _entry.preloaded_agents():
+        try:
+            dialect = _parse_url(store_url(agent)).get_dialect()
+            dialect.import_dbapi()  # the driver module (sqlite3, psycopg): imported, not connected
+            WARMED.append(f'store dialect {dialect.name}')
+        except Exception:  # a bad or driverless URL: each flow run reports it as before
+            logger.debug('fork server: store dialect of %s not preloaded', agent.name, exc_info=True)
+    try:
+        ModelMessagesTypeAdapter.validate_python([])  # builds its deferred validator and serializer
+        WARMED.append('ModelMessagesTypeAdapter')
+    except Exception:  # built by the first flow run instead
+        logger.debug('fork server: message adapter not built', exc_info=True)
+
 
 def _preload() -> None:
     try:
         PRELOADED.extend(_entry.preload())
     except (Exception, SystemExit):  # every forked flow run loads TARGET again and reports it in its flow run
         logger.debug('fork server: TARGET not preloaded', exc_info=True)
+    _warm()
     THREADS_AFTER_PRELOAD.extend(t.name for t in threading.enumerate() if t is not threading.main_thread())
     if THREADS_AFTER_PRELOAD:
         logger.warning('fork server: loading TARGET started threads (%s): the flow-run processes forked from it run '
