@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from ._app import ServeApp
     from ._rows import RunRow
 
+RUN_ID_HEADER = 'X-Durcap-Run-Id'
+"""The protocol responses' header naming the run (`durcap serve --cors-origin` exposes it to browser scripts)."""
+
 _RESULT: Any = None
 
 
@@ -147,7 +150,7 @@ async def protocol_turn(app: ServeApp, request: Request, protocol: str) -> Respo
                 yield _announce(protocol, where)
 
     response = stream.streaming_response(events())
-    response.headers['X-Durcap-Run-Id'] = row.run_id
+    response.headers[RUN_ID_HEADER] = row.run_id
     return response
 
 
