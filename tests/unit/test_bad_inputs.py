@@ -870,3 +870,24 @@ def test_run_creates_private_files(tmp_path: Path) -> None:
     assert {'conversations.db', 'dbos.sqlite'} <= set(files), files
     for path in folder.iterdir():
         assert _mode(path) == 0o600, (path.name, oct(_mode(path)))
+
+
+@pytest.mark.timeout(400)  # four DBOS processes in turn (~10-40 s each on a loaded 2-core machine)
+def test_runs_resume_of_a_run_whose_turn_is_in_another_store_is_one_line(tmp_path: Path) -> None:
+    """A real `durcap run --engine dbos --conversation` (DBOS and the store on SQLite in a fresh folder), then `durcap
+    runs resume` of that completed run with a `--store` that does not hold its turn (another store, a missing file):
+    one line (DC044 naming the conversation and the other store; the missing store named), exit 2. A fresh-user trial
+    got the store's `ConversationNotFoundError` traceback and exit 1. Without `--store` it prints the answer."""
+    code, output = durcap('run', PLAIN, 'hi', '--engine', 'dbos', '--conversation', 'c1', cwd=tmp_path, timeout=120)
+    assert code == 0, output
+    [run_id] = {line.split()[-1] for line in output.splitlines() if line.startswith('workflow id: ')}
+    other = _store_with(tmp_path, 'someone-else', name='other.db')
+    for store, fragment in ((f'sqlite:///{other}', "DC044 conversation 'c1' is not in the store"),
+                            (f'sqlite:///{tmp_path / "typo.db"}', 'no conversation store at')):
+        code, output = durcap('runs', 'resume', run_id, '--engine', 'dbos', '--target', PLAIN, '--store', store,
+                              cwd=tmp_path, timeout=120)
+        assert 'Traceback' not in output and code == 2, (code, output[-3000:])
+        [line] = [line for line in output.splitlines() if line.startswith('durcap: error: ')]
+        assert fragment in line, output
+    code, output = durcap('runs', 'resume', run_id, '--engine', 'dbos', '--target', PLAIN, cwd=tmp_path, timeout=120)
+    assert code == 0 and 'had already completed' in output, output
