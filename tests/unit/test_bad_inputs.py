@@ -632,6 +632,10 @@ PROCESS_CASES = [
     Case('dbos-db-not-sqlite', ['demo', '--engine', 'dbos', '--db', 'sqlite:///{tmp}/passwd'], 2,
          'is not a SQLite database', {'passwd': 'root:x:0:0:root:/root:/bin/bash\n'}),
     Case('target-fifo', ['check', '{tmp}/pipe.py:x'], 2, 'is not a regular file (a FIFO', {'pipe.py': _fifo}),
+    # A Prefect API nobody answers at: a trial's `schedule prefect` said it was serving, started its fork server, then
+    # died with two tracebacks (exit 1); now one line before anything starts.
+    Case('schedule-prefect-api-unreachable', ['schedule', 'prefect', PLAIN, '--prompt', 'p', '--cron', '0 9 * * *'], 2,
+         'DC040 cannot reach the Prefect API at http://127.0.0.1:1/api', env={'PREFECT_API_URL': 'http://127.0.0.1:1/api'}),
     # docs/tracing.md: an OTEL_* value durcap cannot export with is one DC040 line naming the variable, before the command.
     Case('otel-exporter-unknown', ['check', PLAIN], 2, "DC040 OTEL_TRACES_EXPORTER: 'zipkin' is not an exporter",
          env={'OTEL_TRACES_EXPORTER': 'zipkin'}),
