@@ -157,20 +157,31 @@ async def protocol_turn(app: ServeApp, request: Request, protocol: str) -> Respo
 async def _decide(app: ServeApp, principal: str, conversation_id: str, results: Any) -> tuple[RunRow, int]:
     """Apply the protocol's approval responses (Vercel AI `approval-responded` parts, AG-UI `resume` entries) to the
     principal's newest run on the conversation, as `POST /v1/runs/{run}/approvals/{call}` does (the pending call's
-    fingerprint: the protocols name the call only); a call decided already by this same response (a retried request)
-    is skipped. Returns the run and the offset of its last `approval_waiting` event, from which the rest streams."""
+    fingerprint: the protocols name the call only); a call decided already the same way (approved or denied: a retried
+    request) is skipped, and a response deciding a call the other way than it was decided is refused whole, before any
+    of its decisions is sent (409 DC054, as the decision endpoint refuses a second decision). Returns the run and the
+    offset of its last `approval_waiting` event, from which the rest streams."""
     from pydantic_ai.tools import ToolApproved, ToolDenied
 
+    from .._limits import printable
+    from ..approvals import already_decided
+    from ._app import _coded, _Refused
     from ._errors import NotFoundError
 
     row = await app.rows.call(app.rows.latest_run_sync, principal, conversation_id)
     if row is None:
         raise NotFoundError(f'no run on conversation {conversation_id!r} waits for these approvals',
                             field='conversation_id')
+    undecided = []
     for call_id, value in results.approvals.items():
-        if await app._decided(row, call_id) is not None:
-            continue
         approve = value is True or isinstance(value, ToolApproved)
+        earlier = await app._decided(row, call_id)
+        if earlier is None:
+            undecided.append((call_id, value, approve))
+        elif earlier.approve != approve:  # not a retry: a second decision (a denial after an approval, or the reverse)
+            refused = already_decided(row.run_id, printable(call_id[:120]), earlier)
+            raise _Refused(_coded(409, refused.code, str(refused), kind=refused.kind, field='call_id'))
+    for call_id, value, approve in undecided:
         await app.apply_decision(row, principal, call_id, approve=approve,
                                  reason=value.message if isinstance(value, ToolDenied) else None,
                                  args=value.override_args if isinstance(value, ToolApproved) else None, fingerprint=None)
