@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pydantic_ai.models.test import TestModel
+from starlette.testclient import TestClient
 
 from durable_capabilities import DurableAgent
 
@@ -18,9 +19,7 @@ ORIGIN = 'https://app.example.com'
 TOKEN = {'Authorization': 'Bearer s3cret'}
 
 
-def _client(tmp_path: Path, origins: list[str]):  # noqa: ANN202 - starlette's TestClient, imported lazily
-    from starlette.testclient import TestClient
-
+def _client(tmp_path: Path, origins: list[str]) -> TestClient:
     from durable_capabilities.serve import bearer_auth, create_app
 
     app = create_app(DurableAgent('cors', TestModel()), settings={'store': f'sqlite:///{tmp_path / "serve.db"}'},
