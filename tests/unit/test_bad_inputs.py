@@ -508,10 +508,11 @@ def _option_cases() -> list[Case]:
         Case('serve-deps-not-json', ['serve', DEPS, '--deps-json', '{'], 2, 'not valid JSON'),
         Case('serve-deps-for-no-deps', ['serve', PLAIN, '--deps-json', '{}'], 2, 'takes no deps'),
         Case('serve-port-zero', ['serve', PLAIN, '--port', '0'], 2, "'--port'"),
-        Case('serve-token-pairs-empty', ['serve', PLAIN], 2, 'principal=token pairs', env={'DURCAP_SERVE_TOKEN': 'alice=,bob=x'}),
+        Case('serve-token-pairs-empty', ['serve', PLAIN], 2, 'DC040 DURCAP_SERVE_TOKEN: expected one token, or '
+             'principal=token pairs', env={'DURCAP_SERVE_TOKEN': 'alice=,bob=x'}),
         # Two principals given one token: refused (the last pair won, so alice's requests were served as bob), the
         # token not printed.
-        Case('serve-token-shared-by-two-principals', ['serve', PLAIN], 2, "principals 'alice' and 'bob' have the same "
+        Case('serve-token-shared-by-two-principals', ['serve', PLAIN], 2, "DC040 DURCAP_SERVE_TOKEN: principals 'alice' and 'bob' have the same "
              'token', env={'DURCAP_SERVE_TOKEN': 'alice=s3cret-shared,bob=s3cret-shared'}),
         # A trial's `--cors-origin 'not a url'` was accepted, leaving CORS silently off for the app it was meant for.
         Case('serve-cors-origin-not-a-url', ['serve', PLAIN, '--cors-origin', 'not a url'], 2,
