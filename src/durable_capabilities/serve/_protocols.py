@@ -22,7 +22,7 @@ import pydantic
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .._limits import one_line
+from .._limits import one_line, printable
 from ._errors import BadRequestError
 
 if TYPE_CHECKING:
@@ -112,13 +112,16 @@ async def protocol_turn(app: ServeApp, request: Request, protocol: str) -> Respo
             adapter: Any = AGUIAdapter(agent.build('local'), AGUIAdapter.build_run_input(raw),
                                        accept=request.headers.get('accept'))
             key = f'ag-ui:{adapter.run_input.run_id}'
+            key_name = f'AG-UI runId {printable(adapter.run_input.run_id[:120])!r}'
         else:
             from pydantic_ai.ui.vercel_ai import VercelAIAdapter
 
             adapter = VercelAIAdapter(agent.build('local'), VercelAIAdapter.build_run_input(_without_raw_input(raw)),
                                       accept=request.headers.get('accept'), sdk_version=6)
             users = [m for m in adapter.run_input.messages if getattr(m, 'role', None) == 'user']
-            key = f'vercel-ai:{adapter.run_input.id}:{getattr(users[-1], "id", "") if users else ""}'
+            message = getattr(users[-1], 'id', '') if users else ''
+            key = f'vercel-ai:{adapter.run_input.id}:{message}'
+            key_name = f'Vercel AI message id {printable(str(message)[:120])!r} of chat {printable(adapter.run_input.id[:120])!r}'
         conversation_id = adapter.conversation_id
         results = adapter.deferred_tool_results
         prompt = _prompt(adapter) if results is None or not results.approvals else ''
@@ -137,7 +140,7 @@ async def protocol_turn(app: ServeApp, request: Request, protocol: str) -> Respo
     else:
         deps = await app.deps(agent, None, principal, request)
         row, _created = await app.start_turn(principal, conversation_id, agent, prompt, deps, _safe_key(key),
-                                             [protocol, conversation_id, agent.name, prompt])
+                                             [protocol, conversation_id, agent.name, prompt], key_name=key_name)
     stream = adapter.build_event_stream()
     where = _where(app, request, row)
 
@@ -163,7 +166,6 @@ async def _decide(app: ServeApp, principal: str, conversation_id: str, results: 
     offset of its last `approval_waiting` event, from which the rest streams."""
     from pydantic_ai.tools import ToolApproved, ToolDenied
 
-    from .._limits import printable
     from ..approvals import already_decided
     from ._app import _coded, _Refused
     from ._errors import NotFoundError
