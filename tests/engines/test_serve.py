@@ -625,6 +625,64 @@ def test_a_second_decision_right_after_an_approval_is_refused_as_already_decided
     assert (stack.crash_dir / 'revocations').read_text().splitlines().count(user) == 1
 
 
+def _protocol_body(protocol: str, thread: str, n: int, prompt: str, answer: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A request of `protocol` on `thread`: the user's `prompt`, and with `answer` (`call`, `approve`) that call's
+    approval response as the protocol's client sends it (AG-UI a `resume` entry, Vercel AI the assistant message's tool
+    part `approval-responded`)."""
+    if protocol == 'ag-ui':
+        body: dict[str, Any] = {'threadId': thread, 'runId': f'{thread}-{n}', 'state': None, 'tools': [], 'context': [],
+                                'forwardedProps': None,
+                                'messages': [] if answer else [{'id': 'm1', 'role': 'user', 'content': prompt}]}
+        if answer:
+            interrupt = f'int-{answer["call"]["call_id"]}'
+            body['resume'] = [{'interruptId': interrupt, 'status': 'resolved', 'payload': {'approved': True}}
+                              if answer['approve'] else {'interruptId': interrupt, 'status': 'cancelled'}]
+        return body
+    messages: list[dict[str, Any]] = [{'id': 'm1', 'role': 'user', 'parts': [{'type': 'text', 'text': prompt}]}]
+    if answer:
+        call = answer['call']
+        messages.append({'id': 'a1', 'role': 'assistant', 'parts': [{
+            'type': f'tool-{call["tool_name"]}', 'toolCallId': call['call_id'], 'state': 'approval-responded',
+            'input': call['args'], 'approval': {'id': f'approval-{call["call_id"]}', 'approved': answer['approve']}}]})
+    return {'id': thread, 'trigger': 'submit-message', 'messages': messages}
+
+
+@pytest.mark.parametrize('protocol', ['ag-ui', 'vercel-ai'])
+def test_a_protocol_approval_response_deciding_a_call_the_other_way_is_refused_and_a_retry_is_not(
+        protocol: str, dbos_stack: Stack) -> None:
+    """The protocols' own approval responses after the call was approved through the API (`durcap serve --engine
+    dbos`, a real `durcap worker dbos`): an AG-UI `resume` entry `cancelled` / a Vercel AI `approval-responded` part
+    `approved: false` for that call is 409 DC054 `already-decided` naming the approval, nothing sent; the same
+    approval sent again (a retried request) streams the rest of the run. The tool ran once and the audit holds the one
+    approval. A fresh-user trial saw the `cancelled` entry answered 200 with the tool's result (every decided call was
+    skipped as a retry). The `gated` agent (scripted `FunctionModel`, `revoke_sessions` records each execution)."""
+    import uuid
+
+    url, endpoint = dbos_stack.url, f'{dbos_stack.url}/v1/agents/gated/{protocol}'
+    thread, user = f'{protocol}-{uuid.uuid4().hex[:6]}', f'lena{uuid.uuid4().hex[:6]}'
+    prompt = f'revoke {user}'
+    started = httpx.post(endpoint, headers=ALICE, timeout=120, json=_protocol_body(protocol, thread, 1, prompt))
+    assert started.status_code == 200, started.text
+    run_id = started.headers['x-durcap-run-id']
+    [call] = _wait_pending(url, run_id)
+    approved = httpx.post(f'{url}/v1/runs/{run_id}/approvals/{call["call_id"]}', headers=ALICE, timeout=60,
+                          json={'decision': 'approve', 'fingerprint': call['fingerprint']})
+    assert approved.status_code == 200, approved.text
+    other_way = httpx.post(endpoint, headers=ALICE, timeout=120,
+                           json=_protocol_body(protocol, thread, 2, prompt, {'call': call, 'approve': False}))
+    assert other_way.status_code == 409, other_way.text
+    error = other_way.json()['error']
+    assert (error['code'], error['kind']) == ('DC054', 'already-decided'), other_way.text
+    assert 'was already approved by serve:alice' in error['message'], other_way.text
+    retried = httpx.post(endpoint, headers=ALICE, timeout=120,
+                         json=_protocol_body(protocol, thread, 3, prompt, {'call': call, 'approve': True}))
+    assert retried.status_code == 200, retried.text
+    assert f'revoked sessions of {user}' in retried.text, retried.text[-2000:]
+    assert read_sse(f'{url}/v1/runs/{run_id}/events', ALICE)[-1].kind == 'run_completed'
+    stored = httpx.get(f'{url}/v1/conversations/{thread}', headers=ALICE, timeout=30).json()
+    assert [(a['decision'], a['by']) for a in stored['approvals']] == [('approved', 'serve:alice')], stored['approvals']
+    assert (dbos_stack.crash_dir / 'revocations').read_text().splitlines().count(user) == 1
+
 def test_decisions_sent_at_the_same_moment_one_is_accepted_the_others_refused_as_already_decided(
         dbos_stack: Stack) -> None:
     """Four decisions on one call through `durcap serve --engine dbos` sent at once from four threads (approve, deny,

@@ -508,10 +508,11 @@ def _option_cases() -> list[Case]:
         Case('serve-deps-not-json', ['serve', DEPS, '--deps-json', '{'], 2, 'not valid JSON'),
         Case('serve-deps-for-no-deps', ['serve', PLAIN, '--deps-json', '{}'], 2, 'takes no deps'),
         Case('serve-port-zero', ['serve', PLAIN, '--port', '0'], 2, "'--port'"),
-        Case('serve-token-pairs-empty', ['serve', PLAIN], 2, 'principal=token pairs', env={'DURCAP_SERVE_TOKEN': 'alice=,bob=x'}),
+        Case('serve-token-pairs-empty', ['serve', PLAIN], 2, 'DC040 DURCAP_SERVE_TOKEN: expected one token, or '
+             'principal=token pairs', env={'DURCAP_SERVE_TOKEN': 'alice=,bob=x'}),
         # Two principals given one token: refused (the last pair won, so alice's requests were served as bob), the
         # token not printed.
-        Case('serve-token-shared-by-two-principals', ['serve', PLAIN], 2, "principals 'alice' and 'bob' have the same "
+        Case('serve-token-shared-by-two-principals', ['serve', PLAIN], 2, "DC040 DURCAP_SERVE_TOKEN: principals 'alice' and 'bob' have the same "
              'token', env={'DURCAP_SERVE_TOKEN': 'alice=s3cret-shared,bob=s3cret-shared'}),
         # A trial's `--cors-origin 'not a url'` was accepted, leaving CORS silently off for the app it was meant for.
         Case('serve-cors-origin-not-a-url', ['serve', PLAIN, '--cors-origin', 'not a url'], 2,
@@ -632,6 +633,10 @@ PROCESS_CASES = [
     Case('dbos-db-not-sqlite', ['demo', '--engine', 'dbos', '--db', 'sqlite:///{tmp}/passwd'], 2,
          'is not a SQLite database', {'passwd': 'root:x:0:0:root:/root:/bin/bash\n'}),
     Case('target-fifo', ['check', '{tmp}/pipe.py:x'], 2, 'is not a regular file (a FIFO', {'pipe.py': _fifo}),
+    # A Prefect API nobody answers at: a trial's `schedule prefect` said it was serving, started its fork server, then
+    # died with two tracebacks (exit 1); now one line before anything starts.
+    Case('schedule-prefect-api-unreachable', ['schedule', 'prefect', PLAIN, '--prompt', 'p', '--cron', '0 9 * * *'], 2,
+         'DC040 cannot reach the Prefect API at http://127.0.0.1:1/api', env={'PREFECT_API_URL': 'http://127.0.0.1:1/api'}),
     # docs/tracing.md: an OTEL_* value durcap cannot export with is one DC040 line naming the variable, before the command.
     Case('otel-exporter-unknown', ['check', PLAIN], 2, "DC040 OTEL_TRACES_EXPORTER: 'zipkin' is not an exporter",
          env={'OTEL_TRACES_EXPORTER': 'zipkin'}),
@@ -870,3 +875,24 @@ def test_run_creates_private_files(tmp_path: Path) -> None:
     assert {'conversations.db', 'dbos.sqlite'} <= set(files), files
     for path in folder.iterdir():
         assert _mode(path) == 0o600, (path.name, oct(_mode(path)))
+
+
+@pytest.mark.timeout(400)  # four DBOS processes in turn (~10-40 s each on a loaded 2-core machine)
+def test_runs_resume_of_a_run_whose_turn_is_in_another_store_is_one_line(tmp_path: Path) -> None:
+    """A real `durcap run --engine dbos --conversation` (DBOS and the store on SQLite in a fresh folder), then `durcap
+    runs resume` of that completed run with a `--store` that does not hold its turn (another store, a missing file):
+    one line (DC044 naming the conversation and the other store; the missing store named), exit 2. A fresh-user trial
+    got the store's `ConversationNotFoundError` traceback and exit 1. Without `--store` it prints the answer."""
+    code, output = durcap('run', PLAIN, 'hi', '--engine', 'dbos', '--conversation', 'c1', cwd=tmp_path, timeout=120)
+    assert code == 0, output
+    [run_id] = {line.split()[-1] for line in output.splitlines() if line.startswith('workflow id: ')}
+    other = _store_with(tmp_path, 'someone-else', name='other.db')
+    for store, fragment in ((f'sqlite:///{other}', "DC044 conversation 'c1' is not in the store"),
+                            (f'sqlite:///{tmp_path / "typo.db"}', 'no conversation store at')):
+        code, output = durcap('runs', 'resume', run_id, '--engine', 'dbos', '--target', PLAIN, '--store', store,
+                              cwd=tmp_path, timeout=120)
+        assert 'Traceback' not in output and code == 2, (code, output[-3000:])
+        [line] = [line for line in output.splitlines() if line.startswith('durcap: error: ')]
+        assert fragment in line, output
+    code, output = durcap('runs', 'resume', run_id, '--engine', 'dbos', '--target', PLAIN, cwd=tmp_path, timeout=120)
+    assert code == 0 and 'had already completed' in output, output

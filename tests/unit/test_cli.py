@@ -406,7 +406,22 @@ def test_ui_on_a_taken_port_is_unusable_input(tmp_path: Path) -> None:
         port = held.getsockname()[1]
         result = durcap('ui', '--port', str(port), '--engine', 'dbos', cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
-    assert f'cannot serve on 127.0.0.1:{port}' in result.stderr and 'Traceback' not in result.stderr
+    assert f'DC040 cannot serve on 127.0.0.1:{port}' in result.stderr and 'Traceback' not in result.stderr
+
+
+@pytest.mark.parametrize('command', [['serve', 'examples.support.agent:support'], ['wire']])
+def test_serve_and_wire_on_a_taken_port_are_one_coded_line(command: list[str], tmp_path: Path) -> None:
+    """`durcap serve --port N` / `durcap wire --port N` while another socket holds N: one DC040 line naming the port,
+    exit 2 (a fresh-user trial found serve's line, and its other unusable-input lines, without a code)."""
+    import socket
+
+    with socket.create_server(('127.0.0.1', 0)) as held:
+        port = held.getsockname()[1]
+        result = durcap(*command, '--port', str(port), env={'DURCAP_SERVE_TOKEN': 't0ken'})
+    assert result.returncode == 2, result.stdout + result.stderr
+    [line] = [line for line in result.stderr.strip().splitlines() if line.startswith('durcap: error: ')]
+    assert line.startswith(f'durcap: error: DC040 cannot serve on 127.0.0.1:{port}: Address already in use'), line
+    assert 'Traceback' not in result.stderr
 
 
 def test_store_and_dbos_db_from_the_environment_are_checked_like_the_options(tmp_path: Path) -> None:

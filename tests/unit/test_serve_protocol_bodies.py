@@ -52,3 +52,41 @@ def test_a_protocol_body_of_the_wrong_shape_is_dc042_not_a_500(protocol: str, bo
             for table in ('durcap_serve_runs', 'durcap_serve_owners', 'durcap_conversations', 'durcap_run_streams'):
                 if table in tables:
                     assert con.execute(f'SELECT COUNT(*) FROM {table}').fetchone() == (0,), table
+
+
+def test_a_protocol_request_id_reused_for_another_request_is_dc045_naming_that_id(tmp_path: Path) -> None:
+    """The protocol endpoints derive the turn's idempotency key from the request's own ids (AG-UI `runId`, Vercel AI
+    chat and message ids): the same id sent again with another request is 409 DC045 naming that id, not the derived
+    `Idempotency-Key 'p-...'` the client never sent (a fresh-user trial reused an AG-UI `runId` on a new thread); the
+    same request again returns the same run. Model: `TestModel`."""
+    from starlette.testclient import TestClient
+
+    from durable_capabilities.serve import bearer_auth, create_app
+
+    app = create_app(DurableAgent('protocol-ids', TestModel()), settings={'store': f'sqlite:///{tmp_path / "s.db"}'},
+                     auth=bearer_auth('s3cret'))
+    auth = {'Authorization': 'Bearer s3cret'}
+
+    def ag_ui(thread: str, text: str) -> dict[str, object]:
+        return {'threadId': thread, 'runId': 'run-1', 'state': None, 'tools': [], 'context': [], 'forwardedProps': None,
+                'messages': [{'id': 'm1', 'role': 'user', 'content': text}]}
+
+    def vercel(text: str) -> dict[str, object]:
+        return {'id': 'chat-1', 'trigger': 'submit-message',
+                'messages': [{'id': 'm1', 'role': 'user', 'parts': [{'type': 'text', 'text': text}]}]}
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        for protocol, first, other, named in (
+                ('ag-ui', ag_ui('t-1', 'hello'), ag_ui('t-2', 'hello'), "AG-UI runId 'run-1' was sent before"),
+                ('vercel-ai', vercel('hello'), vercel('something else'),
+                 "Vercel AI message id 'm1' of chat 'chat-1' was sent before")):
+            url = f'/v1/agents/protocol-ids/{protocol}'
+            started = client.post(url, json=first, headers=auth)
+            assert started.status_code == 200, started.text
+            again = client.post(url, json=first, headers=auth)
+            assert again.status_code == 200 and again.headers['x-durcap-run-id'] == started.headers['x-durcap-run-id']
+            refused = client.post(url, json=other, headers=auth)
+            assert refused.status_code == 409, refused.text
+            error = refused.json()['error']
+            assert error['code'] == 'DC045' and error['message'].startswith(f'DC045 {named} with another request'), error
+            assert started.headers['x-durcap-run-id'] in error['message'] and "'p-" not in error['message'], error

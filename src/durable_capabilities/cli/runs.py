@@ -214,6 +214,7 @@ def resume(
 ) -> None:
     """Finish a run whose process died, without repeating a completed durable unit, and print its answer."""
     from ..engines import RunOptions
+    from ..store import StoreError
     from .engine_commands import _approvals_settings, _print_run, _watch_approvals, check_model, point_model
 
     if (model or base_url) and not target:
@@ -236,6 +237,9 @@ def resume(
             lambda _started: adapter.resume(run_id, agents, RunOptions(settings=engine_settings, notify=_err.print)),
             adapter.name, _approvals_settings(adapter.name, engine_settings), started=[run_id]))
     except (RuntimeError, NotImplementedError) as exc:
+        error = exc
+        _unusable(str(exc).splitlines()[0])
+    except StoreError as exc:  # e.g. DC044: the run's turn is in another --store (it printed a traceback, exit 1)
         error = exc
         _unusable(str(exc).splitlines()[0])
     finally:  # this process's part of the run: a child of the run's root, in the run's trace

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
+from .._limits import INPUT_CODE
 from . import _err, _unusable, _valid_agents, app
 from ._options import StoreOption, check_stream_env, connection_options, connection_settings, queue_setting
 from .ui import LOOPBACK
@@ -66,17 +67,17 @@ def serve(
         from ..serve._app import check_cors_origin, parse_tokens
         from ..ui import new_token
     except ImportError as exc:
-        _unusable(f'durcap serve needs its extra: pip install "durable-capabilities[serve]" ({exc})')
+        _unusable(f'{INPUT_CODE} durcap serve needs its extra: pip install "durable-capabilities[serve]" ({exc})')
     from .engine_commands import _deps
 
     agents = _valid_agents(target, use_lock=engine != 'local', refused='not served: fix the errors above' if
                            engine != 'local' else '', engine=engine)
     if not agents:
-        _unusable(f'{target} names no agents')
+        _unusable(f'{INPUT_CODE} {target} names no agents')
     deps_factory = None
     if deps_json is not None:
         if len(agents) != 1:
-            _unusable(f'--deps-json: {target} names {len(agents)} agents; --deps-json needs exactly one')
+            _unusable(f'{INPUT_CODE} --deps-json: {target} names {len(agents)} agents; --deps-json needs exactly one')
         deps = _deps(agents[0], deps_json)
         deps_factory = lambda principal, request: deps  # noqa: E731
     raw = os.environ.get(TOKEN_ENV)
@@ -84,7 +85,7 @@ def serve(
     try:
         tokens = parse_tokens(token)
     except ValueError as exc:
-        _unusable(str(exc))
+        _unusable(f'{INPUT_CODE} {exc}')
     for origin in cors_origin or ():
         try:
             check_cors_origin(origin)
@@ -107,7 +108,7 @@ def serve(
         with socket.create_server((host, port)):
             pass  # free: uvicorn binds it next
     except OSError as exc:
-        _unusable(f'cannot serve on {host}:{port}: {exc.strerror or exc}')
+        _unusable(f'{INPUT_CODE} cannot serve on {host}:{port}: {exc.strerror or exc}')
     if host not in LOOPBACK:
         _err.print(f'durcap serve: warning: serving on {host}, not loopback: put TLS in front of it', markup=False)
     shown = f'[{host}]' if ':' in host else host

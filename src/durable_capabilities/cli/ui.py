@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
+from .._limits import INPUT_CODE
 from . import _err, _unusable, app, engine_metavar, engine_name
 from ._options import StoreOption, connection_options, connection_settings
 
@@ -55,7 +56,7 @@ def ui(
         with socket.create_server((host, port)):
             pass  # free: uvicorn binds it next (its own error on a taken port is a log line and exit 1)
     except OSError as exc:
-        _unusable(f'cannot serve on {host}:{port}: {exc.strerror or exc}')
+        _unusable(f'{INPUT_CODE} cannot serve on {host}:{port}: {exc.strerror or exc}')
     if host not in LOOPBACK:
         _err.print(f'durcap ui: warning: serving on {host}, not loopback: anyone who reaches it sees run data '
                    '(decisions still need the token)', markup=False)

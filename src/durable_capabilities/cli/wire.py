@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from .._limits import INPUT_CODE
 from . import _err, _unusable, app
 
 
@@ -41,7 +42,7 @@ def wire(
         with socket.create_server(('127.0.0.1', port)):
             pass  # free: uvicorn binds it next
     except OSError as exc:
-        _unusable(f'cannot serve on 127.0.0.1:{port}: {exc.strerror or exc}')
+        _unusable(f'{INPUT_CODE} cannot serve on 127.0.0.1:{port}: {exc.strerror or exc}')
     _err.print(f'durcap wire: http://127.0.0.1:{port} (OpenAI base URL http://127.0.0.1:{port}/v1, Anthropic base URL '
                f'http://127.0.0.1:{port}); script: {script or "bundled support conversation"}', markup=False)
     uvicorn.Server(uvicorn.Config(create_app(played), host='127.0.0.1', port=port, log_level='warning',

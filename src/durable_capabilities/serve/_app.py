@@ -371,14 +371,17 @@ class ServeApp:
     # ---- turns ------------------------------------------------------------------------------------
 
     async def start_turn(self, principal: str, conversation_id: str, agent: DurableAgent[Any, Any], prompt: str,
-                         deps: Any, key: str | None, digest_of: Any, busy: str | None = None) -> tuple[RunRow, bool]:
+                         deps: Any, key: str | None, digest_of: Any, busy: str | None = None,
+                         key_name: str | None = None) -> tuple[RunRow, bool]:
         """Record and start one turn (or find the run an earlier request with `key` started); with the `reject`
-        strategy, a conversation another run's turn holds is refused (DC050) before anything is recorded."""
+        strategy, a conversation another run's turn holds is refused (DC050) before anything is recorded. `key_name`:
+        how a DC045 refusal names `key` (a protocol request's own id), default the `Idempotency-Key` header."""
         strategy = busy or agent.busy
         digest = hashlib.sha256(json.dumps(digest_of, sort_keys=True, default=str).encode()).hexdigest()
         run_id = f'local-{uuid.uuid4().hex}' if self.engine == 'local' else f'{agent.name}-{uuid.uuid4()}'
         record = {'principal': principal, 'key': key, 'digest': digest, 'conversation_id': conversation_id,
-                  'agent': agent.name, 'engine': self.engine, 'run_id': run_id, 'reject_busy': strategy == 'reject'}
+                  'agent': agent.name, 'engine': self.engine, 'run_id': run_id, 'reject_busy': strategy == 'reject',
+                  'key_name': key_name}
         started = None
         if self.engine == 'local':  # the turn runs here: recorded on the loop's thread when that never waits (SQLite),
             with contextlib.suppress(_WouldWait):  # committed relaxed as its own writes are (`start_turn_sync`)

@@ -22,12 +22,15 @@ import pydantic
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .._limits import one_line
+from .._limits import one_line, printable
 from ._errors import BadRequestError
 
 if TYPE_CHECKING:
     from ._app import ServeApp
     from ._rows import RunRow
+
+RUN_ID_HEADER = 'X-Durcap-Run-Id'
+"""The protocol responses' header naming the run (`durcap serve --cors-origin` exposes it to browser scripts)."""
 
 _RESULT: Any = None
 
@@ -109,13 +112,16 @@ async def protocol_turn(app: ServeApp, request: Request, protocol: str) -> Respo
             adapter: Any = AGUIAdapter(agent.build('local'), AGUIAdapter.build_run_input(raw),
                                        accept=request.headers.get('accept'))
             key = f'ag-ui:{adapter.run_input.run_id}'
+            key_name = f'AG-UI runId {printable(adapter.run_input.run_id[:120])!r}'
         else:
             from pydantic_ai.ui.vercel_ai import VercelAIAdapter
 
             adapter = VercelAIAdapter(agent.build('local'), VercelAIAdapter.build_run_input(_without_raw_input(raw)),
                                       accept=request.headers.get('accept'), sdk_version=6)
             users = [m for m in adapter.run_input.messages if getattr(m, 'role', None) == 'user']
-            key = f'vercel-ai:{adapter.run_input.id}:{getattr(users[-1], "id", "") if users else ""}'
+            message = getattr(users[-1], 'id', '') if users else ''
+            key = f'vercel-ai:{adapter.run_input.id}:{message}'
+            key_name = f'Vercel AI message id {printable(str(message)[:120])!r} of chat {printable(adapter.run_input.id[:120])!r}'
         conversation_id = adapter.conversation_id
         results = adapter.deferred_tool_results
         prompt = _prompt(adapter) if results is None or not results.approvals else ''
@@ -134,7 +140,7 @@ async def protocol_turn(app: ServeApp, request: Request, protocol: str) -> Respo
     else:
         deps = await app.deps(agent, None, principal, request)
         row, _created = await app.start_turn(principal, conversation_id, agent, prompt, deps, _safe_key(key),
-                                             [protocol, conversation_id, agent.name, prompt])
+                                             [protocol, conversation_id, agent.name, prompt], key_name=key_name)
     stream = adapter.build_event_stream()
     where = _where(app, request, row)
 
@@ -147,27 +153,37 @@ async def protocol_turn(app: ServeApp, request: Request, protocol: str) -> Respo
                 yield _announce(protocol, where)
 
     response = stream.streaming_response(events())
-    response.headers['X-Durcap-Run-Id'] = row.run_id
+    response.headers[RUN_ID_HEADER] = row.run_id
     return response
 
 
 async def _decide(app: ServeApp, principal: str, conversation_id: str, results: Any) -> tuple[RunRow, int]:
     """Apply the protocol's approval responses (Vercel AI `approval-responded` parts, AG-UI `resume` entries) to the
     principal's newest run on the conversation, as `POST /v1/runs/{run}/approvals/{call}` does (the pending call's
-    fingerprint: the protocols name the call only); a call decided already by this same response (a retried request)
-    is skipped. Returns the run and the offset of its last `approval_waiting` event, from which the rest streams."""
+    fingerprint: the protocols name the call only); a call decided already the same way (approved or denied: a retried
+    request) is skipped, and a response deciding a call the other way than it was decided is refused whole, before any
+    of its decisions is sent (409 DC054, as the decision endpoint refuses a second decision). Returns the run and the
+    offset of its last `approval_waiting` event, from which the rest streams."""
     from pydantic_ai.tools import ToolApproved, ToolDenied
 
+    from ..approvals import already_decided
+    from ._app import _coded, _Refused
     from ._errors import NotFoundError
 
     row = await app.rows.call(app.rows.latest_run_sync, principal, conversation_id)
     if row is None:
         raise NotFoundError(f'no run on conversation {conversation_id!r} waits for these approvals',
                             field='conversation_id')
+    undecided = []
     for call_id, value in results.approvals.items():
-        if await app._decided(row, call_id) is not None:
-            continue
         approve = value is True or isinstance(value, ToolApproved)
+        earlier = await app._decided(row, call_id)
+        if earlier is None:
+            undecided.append((call_id, value, approve))
+        elif earlier.approve != approve:  # not a retry: a second decision (a denial after an approval, or the reverse)
+            refused = already_decided(row.run_id, printable(call_id[:120]), earlier)
+            raise _Refused(_coded(409, refused.code, str(refused), kind=refused.kind, field='call_id'))
+    for call_id, value, approve in undecided:
         await app.apply_decision(row, principal, call_id, approve=approve,
                                  reason=value.message if isinstance(value, ToolDenied) else None,
                                  args=value.override_args if isinstance(value, ToolApproved) else None, fingerprint=None)

@@ -14,7 +14,7 @@ from starlette.routing import Route
 from ..agent import DurableAgent
 from ..streams import STREAM_ENGINES
 from ._app import Auth, DepsFactory, ServeApp, _handler, _http_error
-from ._protocols import protocol_turn
+from ._protocols import RUN_ID_HEADER, protocol_turn
 
 __all__ = ['build']
 
@@ -58,8 +58,11 @@ def build(agents: Sequence[DurableAgent[Any, Any]], *, engine: str, settings: Ma
         from starlette.middleware import Middleware
         from starlette.middleware.cors import CORSMiddleware
 
+        # `X-Durcap-Run-Id` (the protocol endpoints' run) is exposed: a browser hides a response header CORS does not
+        # list from the page's script, which then could not read where the run is from the header the docs name.
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=['GET', 'POST'],
-                                     allow_headers=['Authorization', 'Content-Type', 'Idempotency-Key', 'Last-Event-ID']))
+                                     allow_headers=['Authorization', 'Content-Type', 'Idempotency-Key', 'Last-Event-ID'],
+                                     expose_headers=[RUN_ID_HEADER]))
     starlette = Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: _http_error})
     starlette.state.serve = app
     return starlette

@@ -80,14 +80,16 @@ class ServeRows:
 
     def start_turn_sync(self, *, principal: str, key: str | None, digest: str, conversation_id: str, agent: str,
                         engine: str, run_id: str, reject_busy: bool = False, quick: bool = False,
-                        flush: bool = True) -> Started:
+                        flush: bool = True, key_name: str | None = None) -> Started:
         """Claim conversation `conversation_id` for `principal` (the first request on it owns it) and record run
         `run_id`, unless `key` was sent before by `principal`: then the run it started.
 
         Raises:
             NotFoundError: DC044, the conversation belongs to another principal (said as "not found": its existence is
                 not disclosed).
-            IdempotencyConflictError: DC045, `key` was sent before with another request (another digest).
+            IdempotencyConflictError: DC045, `key` was sent before with another request (another digest); the message
+                names the key as `key_name` says (a protocol request's own id, from which `key` was derived), else as
+                the `Idempotency-Key` header.
             _BusyRefusal: DC050 (a `ConversationBusyError`), `reject_busy` and another run's turn holds the conversation
                 (its claim in `durcap_turn_claims`): refused before anything is recorded or started.
 
@@ -107,7 +109,7 @@ class ServeRows:
         for attempt in range(3):
             try:
                 return self._start(principal, key, digest, conversation_id, agent, engine, run_id, reject_busy, quick,
-                                   flush)
+                                   flush, key_name)
             except integrity:  # a concurrent request inserted the same key or owner first: read it
                 if attempt == 2:
                     raise
@@ -131,7 +133,8 @@ class ServeRows:
         '(SELECT message_count FROM durcap_conversations WHERE conversation_id = :c AND deleted = 0)')
 
     def _start(self, principal: str, key: str | None, digest: str, conversation_id: str, agent: str, engine: str,
-               run_id: str, reject_busy: bool, quick: bool = False, flush: bool = True) -> Started:
+               run_id: str, reject_busy: bool, quick: bool = False, flush: bool = True,
+               key_name: str | None = None) -> Started:
         """One write transaction straight to the driver (`_SQLBackend._raw_txn`, fully synchronous; `_quick_txn` with
         `quick`): the owner, the key's request and the conversation's turn claim read in one statement, then the new
         rows."""
@@ -147,9 +150,10 @@ class ServeRows:
                 raise NotFoundError(f'no conversation {conversation_id!r}')
             if key is not None and seen_run is not None:
                 if seen_digest != digest:
+                    named = key_name or f'Idempotency-Key {key!r}'
                     raise IdempotencyConflictError(
-                        f'Idempotency-Key {key!r} was sent before with another request (it started run {seen_run!r}):'
-                        ' send a new key for a new turn, or the same body to get that run again')
+                        f'{named} was sent before with another request (it started run {seen_run!r}): send a new '
+                        f'{"one" if key_name else "key"} for a new turn, or the same body to get that run again')
                 found = cur.execute('SELECT run_id, principal, conversation_id, agent, engine, created_at FROM '
                                     'durcap_serve_runs WHERE run_id = :r', {'r': seen_run}).fetchone()
                 assert found is not None

@@ -204,6 +204,22 @@ def watch_crashed(deployment_name: str, flow: str, notify: Callable[[str], None]
     return thread
 
 
+API_CHECK_SECONDS = 30.0
+"""How long `serve_schedule` waits for the Prefect API's `/health` before refusing to start."""
+
+
+async def _api_down() -> str | None:
+    """Why the configured Prefect API does not answer its health check within `API_CHECK_SECONDS`; `None` when it does."""
+    try:
+        async with get_client() as client:
+            error = await asyncio.wait_for(client.api_healthcheck(), API_CHECK_SECONDS)
+    except TimeoutError:
+        return f'no answer to its health check within {API_CHECK_SECONDS:g} s'
+    except Exception as exc:  # noqa: BLE001 - any failure to open the client is the API being unusable
+        error = exc
+    return None if error is None else f'{type(error).__name__}: {error}'
+
+
 def serve_schedule(
     agent: DurableAgent[Any, Any], *, target: str, prompt: str, cron: str | None, interval_seconds: float | None,
     deps: Any, deployment_name: str | None, notify: Callable[[str], None], limit: int | None = None,
@@ -214,6 +230,8 @@ def serve_schedule(
     Raises:
         RuntimeError: no Prefect API is configured (`PREFECT_API_URL` in the environment or the Prefect
             profile): a schedule on Prefect's temporary local server would never run.
+        RuntimeError: also (DC040) the configured API does not answer its health check (`API_CHECK_SECONDS`), checked
+            before anything starts.
         ValueError: `cron` is not a cron expression Prefect accepts (code DC040), checked before anything starts;
             `InputError` (DC040): `$DURCAP_PREFECT_BEAT_SECONDS` or `$DURCAP_PREFECT_STALE_SECONDS` is unusable.
     """
@@ -226,9 +244,13 @@ def serve_schedule(
             raise ValueError(f'DC040 --cron {printable(repr(cron))}: not a cron expression ({one_line(reason)}); '
                              'write five fields, e.g. "0 9 * * *" (09:00 every day)') from None
 
-    if not get_current_settings().api.url:
+    url = get_current_settings().api.url
+    if not url:
         raise RuntimeError('no Prefect API configured: a schedule needs a Prefect server that outlives this command. '
                            'Start one (`prefect server start`) and set PREFECT_API_URL=http://127.0.0.1:4200/api')
+    if (down := asyncio.run(_api_down())) is not None:  # before the fork server and the deployment: one line, no traceback
+        raise RuntimeError(f'DC040 cannot reach the Prefect API at {printable(url)} ({one_line(down)}): start the server '
+                           '(`prefect server start`) or fix PREFECT_API_URL')
     notify(f'serving deployment {deployment_name or agent.name + "-scheduled"!r} of flow {flow_name(agent)} '
            f'({"cron " + cron if cron else f"every {interval_seconds:g} s"}); Ctrl-C or SIGTERM to stop')
     serve(agent, target=target, prompt=prompt, cron=cron, interval_seconds=interval_seconds, deps=deps,
