@@ -293,10 +293,13 @@ class HandedEvent(StoredEvent):
         return event
 
     def __getattr__(self, name: str) -> Any:
-        if name != 'body':
-            raise AttributeError(name)
-        body = self.__dict__['body'] = json.loads(self.raw)  # type: ignore[arg-type]
-        return body
+        if name == 'body':
+            body = self.__dict__['body'] = json.loads(self.raw)  # type: ignore[arg-type]
+            return body
+        if name == 'shape':  # one made by `dataclasses.replace`: from its body
+            shape = self.__dict__['shape'] = body_shape(self.body)
+            return shape
+        raise AttributeError(name)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StoredEvent):
