@@ -19,7 +19,7 @@ from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
 
 from durable_capabilities import DurableAgent, runner, streams, watch
 from durable_capabilities.streams import EventLog, Limits, answer_text
-from durable_capabilities.streams._log import Item
+from durable_capabilities.streams._log import Item, StoredEvent
 from tests._helpers import durcap, sqlite_url
 
 WORDS = ['Order ', 'ABC-123 ', 'is ', 'on ', 'its ', 'way.']
@@ -505,6 +505,54 @@ def test_event_json_is_the_run_events_own_json(tmp_path: Path) -> None:
         assert event_json('local-json', replace(row, raw=None)) == expected
         assert event_json('local-json', replace(row, created_at=row.created_at.replace('+00:00', 'Z'))) == expected
     assert event_json('run "quoted" é', rows[0]) == to_run_event('run "quoted" é', rows[0]).model_dump_json()
+
+
+def test_rows_handed_over_splice_without_parsing_and_equal_the_stored_rows(tmp_path: Path) -> None:
+    """The rows a local run's commits hand to a subscriber in the same process (`_log.HandedEvent`, as `durcap
+    serve`'s stream gets them) give `event_json` exactly `RunEvent.model_dump_json()` without their body being parsed
+    (its shape was known when it was written), equal the rows read from the store, and parse their body when it is
+    read. Model: a scripted `FunctionModel` (a tool call with a large result, then streamed text)."""
+    from durable_capabilities.streams import _log
+    from durable_capabilities.streams._watch import event_json, to_run_event
+
+    store = sqlite_url(tmp_path)
+
+    async def model(messages: list[Any], info: AgentInfo) -> AsyncIterator[str | dict[int, DeltaToolCall]]:
+        if len(messages) == 1:
+            yield {0: DeltaToolCall('big_report', '{"order": "ABC-123"}', tool_call_id='c1')}
+            return
+        for word in WORDS:
+            yield word
+
+    def big_report(order: str) -> str:
+        """A long report."""
+        return order * 5_000
+
+    async def subscribed_run() -> list[StoredEvent]:
+        inbox = _log.subscribe('local-handed-json')
+        try:
+            agent = DurableAgent('streamer', FunctionModel(stream_function=model), engines=[], tools=[big_report])
+            await runner.run(agent, 'where is ABC-123?', engine='local', run_id='local-handed-json', store=store)
+            handed, unknown, _closed = inbox.take()
+            assert not unknown
+            return handed
+        finally:
+            _log.unsubscribe(inbox)
+
+    handed = run(subscribed_run())
+    read, _ = EventLog(store).poll_sync('local-handed-json', 0)
+    assert [row.offset for row in handed] == [row.offset for row in read] and len(read) > 5
+    shapes = set()
+    for mine, stored in zip(handed, read, strict=True):
+        assert type(mine) is _log.HandedEvent
+        # a copy no tool has looked at (a repr, e.g. an assertion's, parses the body)
+        fresh = _log.HandedEvent.of((mine.offset, mine.unit, mine.attempt, mine.seq, mine.kind, mine.raw or '',
+                                     mine.created_at, mine.shape))
+        assert event_json('local-handed-json', fresh) == to_run_event('local-handed-json', stored).model_dump_json()
+        assert 'body' not in vars(fresh)  # spliced from its JSON as stored, never parsed
+        shapes.add(mine.shape)
+        assert mine == stored and stored == mine and mine.body == stored.body  # the body, parsed once read
+    assert shapes >= {'event+data', 'event', 'data'}
 
 
 def test_temporal_stream_histories_replay_from_before_and_after_events_rode_with_activities() -> None:

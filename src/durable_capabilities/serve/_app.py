@@ -36,6 +36,7 @@ from ..conversations import check_busy
 from ..store import ConversationBusyError, ConversationNotFoundError, StoreError
 from ..store._sql import _WouldWait
 from ..streams import StreamNotFoundError
+from ..streams._events import TERMINAL_KINDS
 from ..streams._log import StoredEvent
 from ..streams._watch import POLL_SECONDS, event_json, watch_rows
 from ._errors import (
@@ -234,9 +235,10 @@ class _EventStream(Response):
         listener = asyncio.get_running_loop().create_task(listen())
         try:
             await send({'type': 'http.response.start', 'status': 200, 'headers': self.raw_headers})
-            await self._stream(send)
+            ended = await self._stream(send)
             state['done'] = True
-            await send({'type': 'http.response.body', 'body': b'', 'more_body': False})
+            if not ended:
+                await send({'type': 'http.response.body', 'body': b'', 'more_body': False})
         except asyncio.CancelledError:
             if not state['gone'] or task.uncancel() > 0:  # not (only) the client's leaving: the server stops
                 raise
@@ -247,20 +249,26 @@ class _EventStream(Response):
             if close is not None:
                 await close()
 
-    async def _stream(self, send: Send) -> None:
+    async def _stream(self, send: Send) -> bool:
+        """Send the events; whether the response was ended with them (the run's last event, or the error event, in
+        the response's last write: the chunk and the end of the body in one write, one write less a turn)."""
         run_id, prefix = self.run_id, 'retry: 1000\n\n'  # sent with the first events: one write less a turn
         try:
             async for batch in self.rows:
                 text = prefix + ''.join([f'id: {event.offset}\nevent: {event.kind}\ndata: {event_json(run_id, event)}\n\n'
                                          for event in batch])
                 prefix = ''
-                await send({'type': 'http.response.body', 'body': text.encode(), 'more_body': True})
+                last = batch[-1].kind in TERMINAL_KINDS  # `watch_rows` ends with it: nothing follows
+                await send({'type': 'http.response.body', 'body': text.encode(), 'more_body': not last})
+                if last:
+                    return True
         except StreamNotFoundError as exc:
             text = prefix + f'event: error\ndata: {json.dumps({"code": exc.code, "message": str(exc)})}\n\n'
-            await send({'type': 'http.response.body', 'body': text.encode(), 'more_body': True})
-            return
+            await send({'type': 'http.response.body', 'body': text.encode(), 'more_body': False})
+            return True
         if prefix:
             await send({'type': 'http.response.body', 'body': prefix.encode(), 'more_body': True})
+        return False
 
 
 class _Refused(Exception):

@@ -255,9 +255,59 @@ def _writer(log: EventLog) -> _Writer:
     return writer
 
 
-_Staged = tuple[str, list[tuple[int, str, int, int, str, str, str]], bool]
-"""Rows a transaction wrote for a run with a subscriber in this process: `(run_id, rows, closes the stream)`, each
-row `(offset, unit, attempt, seq, kind, body JSON, created_at)`."""
+_Row = tuple[int, str, int, int, str, str, str, str]
+"""A row staged for this process's subscribers: `(offset, unit, attempt, seq, kind, body JSON, created_at, shape)`
+(`shape`: `body_shape` of the body, known when it was written)."""
+
+_Staged = tuple[str, list[_Row], bool]
+"""Rows a transaction wrote for a run with a subscriber in this process: `(run_id, rows, closes the stream)`."""
+
+
+def body_shape(body: Any) -> str:
+    """Which of the shapes `_watch.event_json` splices an event's body (a dict) has: `event+data` (`{"event", "data":
+    {...}}`), `event` (`{"event"}`), `data` (`{"data": {...}}`), else `''` (any other: encoded through the model)."""
+    keys = tuple(body)
+    if keys == ('event', 'data') and type(body['data']) is dict:
+        return 'event+data'
+    if keys == ('event',):
+        return 'event'
+    if keys == ('data',) and type(body['data']) is dict:
+        return 'data'
+    return ''
+
+
+class HandedEvent(StoredEvent):
+    """A `StoredEvent` a commit in this process handed over (`Inbox.take`): its `body` is parsed from `raw` when first
+    read, and `shape` (`body_shape`, from the body as written) says what `_watch.event_json` needs to splice `raw`, so
+    `durcap serve`'s stream, which reads nothing else of it, parses none. Equal to the `StoredEvent` of its row."""
+
+    shape: str
+
+    @classmethod
+    def of(cls, row: _Row) -> HandedEvent:
+        """The event of a staged row (`_Row`)."""
+        event = object.__new__(cls)
+        offset, unit, attempt, seq, kind, raw, created_at, shape = row
+        event.__dict__.update(offset=offset, unit=unit, attempt=attempt, seq=seq, kind=kind, created_at=created_at,
+                              raw=raw, shape=shape)
+        return event
+
+    def __getattr__(self, name: str) -> Any:
+        if name == 'body':
+            body = self.__dict__['body'] = json.loads(self.raw)  # type: ignore[arg-type]
+            return body
+        if name == 'shape':  # one made by `dataclasses.replace`: from its body
+            shape = self.__dict__['shape'] = body_shape(self.body)
+            return shape
+        raise AttributeError(name)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StoredEvent):
+            return NotImplemented
+        return ((self.offset, self.unit, self.attempt, self.seq, self.kind, self.body, self.created_at)
+                == (other.offset, other.unit, other.attempt, other.seq, other.kind, other.body, other.created_at))
+
+    __hash__ = None  # type: ignore[assignment]  # as StoredEvent's: its body is a dict
 
 _STAGING = threading.local()
 
@@ -288,11 +338,11 @@ class Inbox:
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
         self._loop = asyncio.get_running_loop()
-        self._rows: list[tuple[int, str, int, int, str, str, str]] = []
+        self._rows: list[_Row] = []
         self._closed = self._unknown = self._woken = False
         self._future: asyncio.Future[None] | None = None
 
-    def _add(self, rows: list[tuple[int, str, int, int, str, str, str]] | None, closed: bool) -> bool:
+    def _add(self, rows: list[_Row] | None, closed: bool) -> bool:
         """Under `_WAITERS_GUARD`: keep a commit's rows (`None`: not known, the subscriber reads the store); whether
         the subscriber is to be woken (not already)."""
         if rows is None:
@@ -328,7 +378,7 @@ class Inbox:
             rows, unknown, closed = self._rows, self._unknown, self._closed
             self._rows, self._unknown, self._closed, self._woken = [], False, False, False
         rows.sort()
-        return [StoredEvent(o, u, a, q, k, json.loads(b), c, b) for o, u, a, q, k, b, c in rows], unknown, closed
+        return [HandedEvent.of(row) for row in rows], unknown, closed
 
 
 def _timed_out(future: asyncio.Future[None]) -> None:
@@ -367,7 +417,7 @@ def _notify(run_id: str, staged: list[_Staged] | None = None) -> None:
     subscribers in this process and wake them (called after the commit, in the committing thread)."""
     if run_id not in _WAITERS:
         return
-    rows: list[tuple[int, str, int, int, str, str, str]] | None = None
+    rows: list[_Row] | None = None
     closed = False
     for staged_run, staged_rows, staged_close in staged or ():
         if staged_run == run_id:
@@ -470,7 +520,8 @@ class EventLog:
         offsets: list[int] = []
         now = _now()
         rows = []
-        for item in (self._new(cur, run_id, items) if check else items):
+        fresh = self._new(cur, run_id, items) if check else items
+        for item in fresh:
             body = to_json(item.body, fallback=repr).decode()
             rows.append({'r': run_id, 'o': next_offset, 'u': item.unit, 'a': item.attempt, 's': item.seq,
                          'k': item.kind, 'b': body, 'at': now})
@@ -488,7 +539,8 @@ class EventLog:
         if run_id in _WAITERS:  # a subscriber in this process: it is handed these rows once they are committed
             staged = getattr(_STAGING, 'staged', None)
             if staged is not None:
-                staged.append((run_id, [(r['o'], r['u'], r['a'], r['s'], r['k'], r['b'], r['at']) for r in rows], close))
+                staged.append((run_id, [(r['o'], r['u'], r['a'], r['s'], r['k'], r['b'], r['at'], body_shape(item.body))
+                                        for r, item in zip(rows, fresh, strict=True)], close))
         return offsets
 
     _last_prune: float = 0.0
