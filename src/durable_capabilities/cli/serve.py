@@ -50,6 +50,9 @@ def serve(
                                                           'from a browser (repeatable; default: CORS off).')] = None,
     max_body_bytes: Annotated[int, typer.Option(help='Largest request body read (bytes).', min=1)] = 1024 * 1024,
     chat: Annotated[bool, typer.Option('--chat/--no-chat', help='Also serve a small chat page at /chat.')] = False,
+    keepalive: Annotated[float, typer.Option(help='Seconds an event stream may stay silent before it gets an SSE '
+                                             'comment line (for proxies with idle timeouts; 0: none).',
+                                             min=0)] = 15.0,
     store: StoreOption = None,
     conn: dict[str, Any] | None = None,
 ) -> None:
@@ -103,7 +106,7 @@ def serve(
 
     application = create_app(agents, engine=engine, settings=run_settings, auth=bearer_auth(tokens),
                              deps_factory=deps_factory, max_body_bytes=max_body_bytes, cors_origins=cors_origin or (),
-                             chat=chat)
+                             chat=chat, keepalive_seconds=keepalive)
     try:
         with socket.create_server((host, port)):
             pass  # free: uvicorn binds it next

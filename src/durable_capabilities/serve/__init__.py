@@ -79,6 +79,7 @@ def create_app(
     max_body_bytes: int | None = None,
     cors_origins: Sequence[str] = (),
     chat: bool = False,
+    keepalive_seconds: float | None = None,
 ) -> Starlette:
     """The serve ASGI app (Starlette): mount it in your own app, or run it with `durcap serve TARGET`.
 
@@ -97,17 +98,20 @@ def create_app(
         cors_origins: Origins allowed to call the API from a browser (CORS: `scheme://host[:port]`, or `*`); default
             none (CORS off).
         chat: Also serve the small chat page at `/chat`.
+        keepalive_seconds: An event stream (`GET /v1/runs/{run}/events`) that wrote nothing for this many seconds
+            gets an SSE comment line (`: keepalive`), which clients skip, so that a proxy with an idle timeout does not
+            cut the stream of a run waiting for an approval or a worker (default 15; 0: none).
 
     Returns:
         A Starlette app; `app.state.serve` holds the handlers (its `tasks`: the turns this process runs or awaits).
 
     Raises:
         ValueError: no agents, two agents of one name, an engine without event streams, no
-            `auth` and no `$DURCAP_SERVE_TOKEN`, `max_body_bytes` under 1, or a CORS origin that is not one (DC040:
+            `auth` and no `$DURCAP_SERVE_TOKEN`, `max_body_bytes` under 1, `keepalive_seconds` under 0, or a CORS origin that is not one (DC040:
             `https://app.example.com`, not a URL with a path).
         targets.UnusableTarget / DurableConfigError: `targets` is a TARGET string that does not load.
     """
-    from ._app import DEFAULT_MAX_BODY_BYTES, check_cors_origin, parse_tokens
+    from ._app import DEFAULT_KEEPALIVE_SECONDS, DEFAULT_MAX_BODY_BYTES, check_cors_origin, parse_tokens
     from ._app import bearer_auth as make_auth
     from ._routes import build
 
@@ -136,5 +140,9 @@ def create_app(
     limit = DEFAULT_MAX_BODY_BYTES if max_body_bytes is None else int(max_body_bytes)
     if limit < 1:
         raise ValueError(f'max_body_bytes={max_body_bytes!r}: expected a positive number of bytes')
+    keepalive = DEFAULT_KEEPALIVE_SECONDS if keepalive_seconds is None else float(keepalive_seconds)
+    if not keepalive >= 0:  # NaN too
+        raise ValueError(f'keepalive_seconds={keepalive_seconds!r}: expected seconds, 0 or more (0: no keepalive '
+                         'comments)')
     return build(agents, engine=engine, settings=run_settings, auth=auth, deps_factory=deps_factory,
-                 max_body_bytes=limit, cors_origins=cors_origins, chat=chat)
+                 max_body_bytes=limit, cors_origins=cors_origins, chat=chat, keepalive_seconds=keepalive)

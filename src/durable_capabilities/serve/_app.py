@@ -60,6 +60,12 @@ DepsFactory = Callable[[str, Request], Any]
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 """The largest request body read (`create_app(max_body_bytes=...)`); a larger one is refused with DC041 (413)."""
 
+DEFAULT_KEEPALIVE_SECONDS = 15.0
+"""An event stream that wrote nothing for this long gets an SSE comment line (`: keepalive`), so that a proxy or load
+balancer with an idle timeout (often 30-60 s) does not cut the stream of a run that waits for an approval, a queue or
+a worker (`create_app(keepalive_seconds=...)`, `durcap serve --keepalive`; 0: none). EventSource and the SSE parsers of
+the AG-UI and ai SDK clients skip comment lines (the SSE standard: a line starting with a colon)."""
+
 ID_PATTERN = re.compile(r'[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}')
 """Conversation ids (and Idempotency-Keys) the API accepts: 1-200 characters of letters, digits and `._:@-`."""
 
@@ -215,10 +221,12 @@ class _EventStream(Response):
     the store's rows and the writes, and the client's disconnect is watched by one task that cancels the stream (the
     subscription is dropped at once, as `StreamingResponse`'s listener does on ASGI 2.3 servers, e.g. uvicorn)."""
 
-    def __init__(self, run_id: str, rows: AsyncIterator[list[StoredEvent]]):
-        self.run_id, self.rows = run_id, rows
+    def __init__(self, run_id: str, rows: AsyncIterator[list[StoredEvent]],
+                 keepalive: float = DEFAULT_KEEPALIVE_SECONDS):
+        self.run_id, self.rows, self.keepalive = run_id, rows, keepalive
         self.status_code, self.background = 200, None
         self.raw_headers = list(_SSE_HEADERS)
+        self.writes = 0  # the stream's writes so far: the keepalive timer comments when it saw none since its last look
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -232,9 +240,31 @@ class _EventStream(Response):
                 state['gone'] = True
                 task.cancel()
 
-        listener = asyncio.get_running_loop().create_task(listen())
+        loop = asyncio.get_running_loop()
+        listener = loop.create_task(listen())
+        timer: list[asyncio.TimerHandle] = []
+        comments: set[asyncio.Task[None]] = set()  # held until done (the loop keeps only weak references to tasks)
+
+        async def comment() -> None:
+            if not state['done']:
+                # the response may end (or the client leave) while this write waits for the socket to drain: uvicorn
+                # then refuses it, and there is nothing left to keep alive
+                with contextlib.suppress(RuntimeError, OSError):
+                    await send({'type': 'http.response.body', 'body': b': keepalive\n\n', 'more_body': True})
+
+        def look(seen: int) -> None:  # every `keepalive` seconds: a comment when the stream wrote nothing meanwhile
+            if state['done']:
+                return
+            if self.writes == seen:
+                self.writes += 1
+                comments.add(task_ := loop.create_task(comment()))
+                task_.add_done_callback(comments.discard)
+            timer[:] = [loop.call_later(self.keepalive, look, self.writes)]
+
         try:
             await send({'type': 'http.response.start', 'status': 200, 'headers': self.raw_headers})
+            if self.keepalive > 0:
+                timer.append(loop.call_later(self.keepalive, look, 0))
             ended = await self._stream(send)
             state['done'] = True
             if not ended:
@@ -245,6 +275,8 @@ class _EventStream(Response):
         finally:
             state['done'] = True
             listener.cancel()
+            for handle in timer:
+                handle.cancel()
             close = getattr(self.rows, 'aclose', None)  # `watch_rows`'s generator: its subscription dropped now
             if close is not None:
                 await close()
@@ -258,6 +290,7 @@ class _EventStream(Response):
                 text = prefix + ''.join([f'id: {event.offset}\nevent: {event.kind}\ndata: {event_json(run_id, event)}\n\n'
                                          for event in batch])
                 prefix = ''
+                self.writes += 1
                 last = batch[-1].kind in TERMINAL_KINDS  # `watch_rows` ends with it: nothing follows
                 await send({'type': 'http.response.body', 'body': text.encode(), 'more_body': not last})
                 if last:
@@ -283,7 +316,8 @@ class ServeApp:
     """The route handlers of one app (`create_app`)."""
 
     def __init__(self, agents: Mapping[str, DurableAgent[Any, Any]], engine: str, settings: Mapping[str, Any],
-                 auth: Auth, deps_factory: DepsFactory | None, max_body_bytes: int):
+                 auth: Auth, deps_factory: DepsFactory | None, max_body_bytes: int,
+                 keepalive_seconds: float = DEFAULT_KEEPALIVE_SECONDS):
         self.agents, self.engine, self.auth = dict(agents), engine, auth
         self.settings = {k: v for k, v in settings.items() if v is not None}
         from ..store import resolve_url
@@ -295,6 +329,7 @@ class ServeApp:
 
             self.settings.setdefault('address', DEFAULT_ADDRESS)
         self.deps_factory, self.max_body_bytes = deps_factory, max_body_bytes
+        self.keepalive_seconds = keepalive_seconds
         self.rows = ServeRows(self.store)
         self.tasks: set[asyncio.Task[Any]] = set()
         self.known_runs: dict[str, RunRow] = {}
@@ -494,17 +529,20 @@ class ServeApp:
     async def events(self, request: Request) -> Response:
         principal = await self.principal(request)
         row = await self.own_run(request.path_params['run_id'], principal)
-        raw = request.headers.get('last-event-id') or request.query_params.get('after') or '0'
+        header = request.headers.get('last-event-id')
+        source = 'Last-Event-ID' if header else '?after'  # the header wins; `?after=N` for clients that set no headers
+        raw = header or request.query_params.get('after') or '0'
         if not raw.isdigit() or len(raw) > 18:
-            raise BadRequestError(f'Last-Event-ID {printable(raw[:40])!r}: expected the offset of the last event seen '
-                                  '(an integer, 0 or more)', field='Last-Event-ID')
+            raise BadRequestError(f'{source} {printable(raw[:40])!r}: expected the offset of the last event seen '
+                                  '(an integer, 0 or more)', field=source)
         after = int(raw)
         run_id = row.run_id
         # A local run this process runs commits every event here and hands it over: no timed reads (under load, or
         # under a profiler, a 50 ms poll read a turn's stream tens of times for nothing).
         poll = OWN_RUN_POLL_SECONDS if self.engine == 'local' and run_id in self.known_runs else POLL_SECONDS
 
-        return _EventStream(run_id, watch_rows(run_id, engine=row.engine, from_offset=after, store=self.store, poll=poll))
+        return _EventStream(run_id, watch_rows(run_id, engine=row.engine, from_offset=after, store=self.store, poll=poll),
+                            self.keepalive_seconds)
 
     async def run_status(self, request: Request) -> Response:
         principal = await self.principal(request)

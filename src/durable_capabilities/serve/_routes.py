@@ -15,7 +15,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..agent import DurableAgent
 from ..streams import STREAM_ENGINES
-from ._app import Auth, DepsFactory, ServeApp, _handler, _http_error
+from ._app import DEFAULT_KEEPALIVE_SECONDS, Auth, DepsFactory, ServeApp, _handler, _http_error
 from ._protocols import RUN_ID_HEADER, protocol_turn
 
 __all__ = ['build']
@@ -54,7 +54,7 @@ class _ServeStarlette(Starlette):
 
 def build(agents: Sequence[DurableAgent[Any, Any]], *, engine: str, settings: Mapping[str, Any], auth: Auth,
           deps_factory: DepsFactory | None, max_body_bytes: int, cors_origins: Sequence[str],
-          chat: bool) -> Starlette:
+          chat: bool, keepalive_seconds: float = DEFAULT_KEEPALIVE_SECONDS) -> Starlette:
     """The Starlette app (`create_app` checks the arguments first)."""
     if engine == 'prefect':
         from . import PREFECT_NOT_SERVED
@@ -70,7 +70,7 @@ def build(agents: Sequence[DurableAgent[Any, Any]], *, engine: str, settings: Ma
         names[agent.name] = agent
     if not names:
         raise ValueError('create_app needs at least one DurableAgent')
-    app = ServeApp(names, engine, settings, auth, deps_factory, max_body_bytes)
+    app = ServeApp(names, engine, settings, auth, deps_factory, max_body_bytes, keepalive_seconds)
     turns, events = _handler(app, app.post_turn), _handler(app, app.events)
     routes = [
         Route('/v1/conversations/{conversation_id}/turns', turns, methods=['POST']),
