@@ -90,3 +90,30 @@ def test_a_protocol_request_id_reused_for_another_request_is_dc045_naming_that_i
             error = refused.json()['error']
             assert error['code'] == 'DC045' and error['message'].startswith(f'DC045 {named} with another request'), error
             assert started.headers['x-durcap-run-id'] in error['message'] and "'p-" not in error['message'], error
+
+
+def test_a_vercel_ai_regenerate_is_refused_naming_what_works_and_the_conversation_keeps_its_turn(tmp_path: Path) -> None:
+    """The ai SDK's `regenerate()` (`trigger: 'regenerate-message'`) after a submitted message: a stored turn is not
+    replaced (its tools ran; the store only appends), so it is 400 DC042 naming `trigger` and what works instead; before,
+    it was answered with the first run again, as if the same message were resent (a fresh-user trial). The chat keeps
+    its one turn. Model: `TestModel`."""
+    from starlette.testclient import TestClient
+
+    from durable_capabilities.serve import bearer_auth, create_app
+
+    app = create_app(DurableAgent('protocol-regen', TestModel()), settings={'store': f'sqlite:///{tmp_path / "s.db"}'},
+                     auth=bearer_auth('s3cret'))
+    auth = {'Authorization': 'Bearer s3cret'}
+    user = {'id': 'm1', 'role': 'user', 'parts': [{'type': 'text', 'text': 'hello'}]}
+    with TestClient(app, raise_server_exceptions=False) as client:
+        url = '/v1/agents/protocol-regen/vercel-ai'
+        started = client.post(url, json={'id': 'chat-r', 'trigger': 'submit-message', 'messages': [user]}, headers=auth)
+        assert started.status_code == 200, started.text
+        regenerated = client.post(url, json={'id': 'chat-r', 'trigger': 'regenerate-message', 'messageId': 'a1',
+                                             'messages': [user]}, headers=auth)
+        assert regenerated.status_code == 400, regenerated.text
+        error = regenerated.json()['error']
+        assert error['code'] == 'DC042' and error['field'] == 'trigger', error
+        assert 'send the prompt again as a new message' in error['message'] and 'durcap history fork' in error['message']
+        stored = client.get('/v1/conversations/chat-r', headers=auth)
+        assert stored.status_code == 200 and stored.json()['revision'] == 1, stored.text

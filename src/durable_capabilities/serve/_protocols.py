@@ -118,6 +118,14 @@ async def protocol_turn(app: ServeApp, request: Request, protocol: str) -> Respo
 
             adapter = VercelAIAdapter(agent.build('local'), VercelAIAdapter.build_run_input(_without_raw_input(raw)),
                                       accept=request.headers.get('accept'), sdk_version=6)
+            if getattr(adapter.run_input, 'trigger', 'submit-message') == 'regenerate-message':
+                # The ai SDK's `regenerate()`: it would replace the chat's last answer, but a stored turn stays (its
+                # tools' side effects happened, the store only appends); answered with the stored run before this,
+                # as if the same message were sent again: refused instead, saying what does work.
+                raise BadRequestError(
+                    "vercel-ai: trigger 'regenerate-message': a stored turn is not replaced (its tools ran; the "
+                    'conversation only grows): send the prompt again as a new message, or start a new conversation '
+                    'from the turns before it (`durcap history fork ID --at-turn N`)', field='trigger')
             users = [m for m in adapter.run_input.messages if getattr(m, 'role', None) == 'user']
             message = getattr(users[-1], 'id', '') if users else ''
             key = f'vercel-ai:{adapter.run_input.id}:{message}'
