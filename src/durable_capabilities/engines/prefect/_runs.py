@@ -338,7 +338,7 @@ def _unit(task_run: Any) -> RunUnit:
 
 async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
     """Pending calls of Paused, Suspended or Crashed `durcap-*` flow runs (or of flow run `run_id`), from flow run input
-    `PENDING_INPUT`.
+    `PENDING_INPUT`. Flow runs of other flows are filtered out on the server (by flow name), never read.
 
     A Crashed flow run whose calls are still published waited for them when its process stopped (`durcap run` given
     SIGTERM while paused ends Paused or Crashed by timing; a serving process killed under its runs): its calls are
@@ -354,8 +354,20 @@ async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = No
                 runs = []
             states = {flow_run_id: runs[0].state_type if runs else None}
         else:
-            found = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                state=FlowRunFilterState(name=FlowRunFilterStateName(any_=['Paused', 'Suspended', 'Crashed']))))
+            # Only durcap's flows (`durcap-{agent}`), filtered on the server: a busy server's other CRASHED flow runs
+            # are neither fetched nor their inputs read (before, every Paused/Suspended/Crashed run's were).
+            flows = [f for f in await client.read_flows(flow_filter=FlowFilter(name=FlowFilterName(like_=FLOW_NAME_PREFIX)))
+                     if f.name.startswith(FLOW_NAME_PREFIX)]
+            found: list[Any] = []
+            while flows:  # in pages: the server refuses a larger limit than its own (422)
+                page = await client.read_flow_runs(
+                    flow_filter=FlowFilter(id=FlowFilterId(any_=[f.id for f in flows])),
+                    flow_run_filter=FlowRunFilter(state=FlowRunFilterState(
+                        name=FlowRunFilterStateName(any_=['Paused', 'Suspended', 'Crashed']))),
+                    sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=PREFECT_PAGE, offset=len(found))
+                found += page
+                if len(page) < PREFECT_PAGE:
+                    break
             states = {r.id: r.state_type for r in found}
     calls: list[PendingCall] = []
     for flow_run_id, state in states.items():
