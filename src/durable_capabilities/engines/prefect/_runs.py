@@ -478,7 +478,9 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
         except _Refused as refused:
             refused_resume = refused
             break
-        except (TimeoutError, *_TRANSIENT) as exc:
+        except Exception as exc:  # a read refused as well: asked again until the deadline
+            if not _retryable(exc):
+                raise
             refused_resume = _Refused(_what(exc))
         await asyncio.sleep(0.2)
     if refused_resume is not None:
