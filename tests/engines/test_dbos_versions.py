@@ -64,3 +64,15 @@ def test_workers_of_two_agents_run_as_their_own_versions_and_take_only_their_run
                 proc.communicate()
         for w in workers.values():
             w.kill9()
+
+
+def test_version_serving_picks_the_newest_version_naming_the_agent() -> None:
+    """`version_serving` reads the agent names out of `durcap:NAMES:DIGEST` versions (newest first) and skips DBOS's
+    plain ones; no model runs."""
+    from durable_capabilities import DurableAgent
+    from durable_capabilities.engines.dbos._server import version_serving
+
+    agent = DurableAgent('alpha', 'test')
+    versions = ['0f' * 16, 'durcap:beta:1', 'durcap:alpha+beta:2', 'durcap:alpha:3']
+    assert version_serving(versions, agent) == 'durcap:alpha+beta:2'
+    assert version_serving(['durcap:alphabet:1', '0f' * 16], agent) is None
