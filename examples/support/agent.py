@@ -121,13 +121,15 @@ def revoke_sessions(ctx: RunContext[Store], account_id: str) -> str:
 
 @dataclass
 class AccountSecurity(AbstractCapability[Store]):
-    """Account security: `revoke_sessions`, high reasoning effort, and an approval gate on every tool call.
+    """Account security: `revoke_sessions`, high reasoning effort, and a hook on every later tool call.
 
     Attributes:
-        require_approval: A person must approve each call (`ApprovalRequired`; on by default, the seed's gate made
-            real): a durable run waits for `durcap approve` / `durcap deny` (see docs/approvals.md); a local run
-            ends with the call in `DeferredToolRequests`. Off: the hook only records the call and blocks the tools
-            in `Store.denied_tools`.
+        require_approval: A person must approve each call of this capability's own tools (`revoke_sessions`;
+            `ApprovalRequired`; on by default, the seed's gate made real): a durable run waits for `durcap approve` /
+            `durcap deny` (see docs/approvals.md); a local run ends with the call in `DeferredToolRequests`. The
+            other tools of a run that loaded `account-security` (`order_status`, `issue_refund`, `load_capability`)
+            pass the hook without a person. Off: the hook only records each call and blocks the tools in
+            `Store.denied_tools`.
     """
 
     id: str = 'account-security'
@@ -147,7 +149,10 @@ class AccountSecurity(AbstractCapability[Store]):
 
     async def before_tool_execute(self, ctx, *, call, tool_def, args):
         # Approval gate: inspect the call and raise to block, active once the model has loaded `account-security`.
-        if self.require_approval and not ctx.tool_call_approved:
+        # A person approves only this capability's own tools (`revoke_sessions`, the side effect the docs gate): the
+        # hook sees every later tool call of the run, and read-only ones (`order_status`, `load_capability`) must not
+        # wait for a person (nor loop on a local run's denial).
+        if self.require_approval and tool_def.name in security_tools.tools and not ctx.tool_call_approved:
             raise ApprovalRequired()  # a durable run waits for a person's decision, then runs the call once
         ctx.deps.approvals.append((tool_def.name, dict(args)))
         if tool_def.name in ctx.deps.denied_tools:

@@ -297,6 +297,7 @@ async def decide(
     by: str | None = None,
     fingerprint_: str | None = None,
     engine: str = DEFAULT_ENGINE,
+    at: str | None = None,
     **settings: Any,
 ) -> Decision:
     """Approve or deny one waiting call; the run continues once all its pending calls are decided.
@@ -308,6 +309,8 @@ async def decide(
         override_args: Arguments to run the approved call with instead of the model's.
         by: Who decides (default: the OS user).
         fingerprint_: The fingerprint the person reviewed (default: the pending call's current one).
+        at: When the person decided, ISO 8601 UTC (default: now). The one value the run stores in its audit and every
+            refusal of a later decision names (DC054): `durcap serve` passes the time it claimed the decision at.
         engine / settings: As for `approvals`.
 
     Returns:
@@ -324,6 +327,8 @@ async def decide(
     if fingerprint_ is None:
         fingerprint_ = call.fingerprint if call is not None else fingerprint('', {})
     decision = Decision(call_id, fingerprint_, approve, reason, override_args, by or default_user())
+    if at is not None:
+        decision.at = at
     await adapter.decide(run_id, decision, settings)
     if call is not None:  # the wait ends where the person decides (the engine's wait replays: no span there)
         telemetry.record_approval(run_id, engine=engine, agent=call.agent, tool=call.tool_name, call_id=call_id,

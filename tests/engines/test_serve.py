@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from durable_capabilities.streams import RunEvent, answer_text
-from tests._helpers import sql
+from tests._helpers import durcap, sql
 from tests.engines._serve import ALICE, TARGET, Proc, free_port, read_sse, start, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('serve-dbos')]
@@ -625,6 +625,19 @@ def test_a_second_decision_right_after_an_approval_is_refused_as_already_decided
         assert 'has not received it' not in error['message'] and 'a call is decided once' in error['message'], again.text
     assert read_sse(f'{url}/v1/runs/{first["run_id"]}/events', ALICE)[-1].kind == 'run_completed'
     assert (stack.crash_dir / 'revocations').read_text().splitlines().count(user) == 1
+    # One time for the first decision everywhere it is named: the API's answer, its refusals, the stored audit and the
+    # CLI's refusal (the API's claim and the decision it sent were stamped apart, milliseconds apart).
+    at = answers[0].json()['decision']['at']
+    def named(message: str) -> str:  # the time a DC054 gives the first decision
+        return message.replace('\n', ' ').split('approved by serve:alice at ', 1)[1].split()[0].rstrip(';')
+
+    assert [named(a.json()['error']['message']) for a in answers[1:]] == [at, at], answers
+    [audit] = httpx.get(f'{url}/v1/conversations/{conversation}', headers=ALICE, timeout=30).json()['approvals']
+    assert (audit['decision'], audit['by'], audit['at']) == ('approved', 'serve:alice', at), audit
+    where = [a for a in stack.serve_args[:4] if a != '--task-queue']  # the engine and its address
+    cli = durcap('deny', first['run_id'], call['call_id'], '--reason', 'late', *where, env=stack.env)
+    assert cli.returncode == 2 and 'DC054' in cli.stderr, cli.stderr
+    assert named(cli.stderr) == at, cli.stderr
 
 
 def _protocol_body(protocol: str, thread: str, n: int, prompt: str, answer: dict[str, Any] | None = None) -> dict[str, Any]:

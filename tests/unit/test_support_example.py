@@ -178,6 +178,34 @@ def test_account_security_gate_is_on_by_default() -> None:
     assert store.approvals == [('revoke_sessions', {'account_id': 'acct-42'})]
 
 
+def test_only_the_security_tools_wait_for_a_person_after_account_security_is_loaded() -> None:
+    """Model: scripted FunctionModel. The gate asks a person about `revoke_sessions` only: once `account-security` is
+    loaded (and the revocation approved), a later turn's read-only calls (`load_capability`, `order_status`) run
+    without an approval request (before the fix every tool call of the conversation asked, and a local run looped on
+    denied `load_capability` calls forever)."""
+    from pydantic_ai import DeferredToolRequests, DeferredToolResults
+
+    agent, store = make_support(SupportScript()), make_store()
+    first = asyncio.run(agent.run('Someone keeps trying to log into my account acct-42 from abroad.', deps=store,
+                                  output_type=[str, DeferredToolRequests]))
+    assert isinstance(first.output, DeferredToolRequests)
+    [call] = first.output.approvals
+    done = asyncio.run(agent.run(deps=store, message_history=first.all_messages(), output_type=[str, DeferredToolRequests],
+                                 deferred_tool_results=DeferredToolResults(approvals={call.tool_call_id: True})))
+    assert store.revoked == ['acct-42']
+
+    second = asyncio.run(agent.run('Where is order ABC-123?', deps=store, message_history=done.all_messages(),
+                                   output_type=[str, DeferredToolRequests]))
+    assert isinstance(second.output, str), second.output
+    assert second.output.startswith('Order ABC-123: Blue denim jacket')
+    # the hook still saw (and recorded) the later calls: they passed it without a person
+    assert store.approvals == [
+        ('revoke_sessions', {'account_id': 'acct-42'}),
+        ('load_capability', {'id': 'orders'}),
+        ('order_status', {'order_id': 'ABC-123'}),
+    ]
+
+
 def test_a_local_run_denies_the_gated_call_at_once() -> None:
     """Model: scripted FunctionModel. On the local engine (`durcap run --engine local`) nothing can wait for a person:
     the gated `revoke_sessions` is denied at once with a reason the model sees, the user is told in one line, and the

@@ -654,7 +654,8 @@ class ServeApp:
             except ApprovalArgsError as exc:
                 raise _Refused(_coded(422, exc.code, str(exc), kind=exc.kind, field='args')) from None
         # One decision per call across every serve process of the store: two sent at the same moment (a double
-        # click, two reviewers) cannot both be told yes; the engines' own check reads, then sends.
+        # click, two reviewers) cannot both be told yes; the engines' own check reads, then sends. The claim's time is
+        # the decision's (`at=` below): the run's audit, the API's answers and every DC054 name one value.
         mine = Decision(call_id, fingerprint or call.fingerprint, approve, by=f'serve:{principal}')
         held = await self.rows.call(self.rows.claim_decision_sync, row.run_id, call_id, json.dumps(mine.to_json()))
         if held is not None:
@@ -665,7 +666,7 @@ class ServeApp:
         try:
             result = await runner.decide(row.run_id, call_id, approve=approve, reason=reason, override_args=args,
                                          by=f'serve:{principal}', fingerprint_=fingerprint or pending[call_id].fingerprint,
-                                         engine=row.engine, **self._engine_settings())
+                                         engine=row.engine, at=mine.at, **self._engine_settings())
             delivered = True
             return result
         except ApprovalArgsError as exc:

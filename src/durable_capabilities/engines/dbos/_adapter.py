@@ -81,7 +81,10 @@ class DBOSAdapter(EngineAdapter, spec=SPEC):
                                           (*args, options.setting('busy')), options)
         # A step retry logs one WARNING line (`_retry_log.ModelRetryLogLine` drops its traceback); the run's failure is reported
         # once, in `durcap run`'s own line (capability, error, innermost cause).
-        launch(APP_NAME, system_database_url_=url, one_shot=True, executor_id=options.setting('executor_id'))
+        # As the version a worker serving this agent runs as (`_server.application_version`): `durcap worker dbos
+        # --executor-id THIS_ID` recovers the run if this process dies.
+        launch(APP_NAME, system_database_url_=url, one_shot=True, executor_id=options.setting('executor_id'),
+               serving=[agent])
         try:
             options.started(workflow_id, f'dbos workflow id: {workflow_id} (executor {DBOS.executor_id})')
             with SetWorkflowID(workflow_id):

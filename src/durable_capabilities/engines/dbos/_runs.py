@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
@@ -161,8 +162,11 @@ async def resume(run_id: str, agents: Sequence[DurableAgent[Any, Any]], options:
             p for a in agents for p in a.previous_names}:
         raise RuntimeError(f'workflow {run_id} runs agent {info.agent!r}, which the target does not define')
     queue = f'durcap-resume-{uuid.uuid4().hex[:8]}'
+    # As the version the run recorded: DBOS hands a resumed workflow only to a process of its version (a worker's
+    # names its agents, `_server.application_version`).
+    version = info.detail.get('app_version') if not os.environ.get('DBOS__APPVERSION') else None
     launch(APP_NAME, system_database_url_=options.setting('db'), one_shot=True, listen=[queue],
-           executor_id=options.setting('executor_id'))
+           executor_id=options.setting('executor_id'), **({'application_version': version} if version else {}))
     try:
         if info.status != 'completed':
             await DBOS.register_queue_async(queue)

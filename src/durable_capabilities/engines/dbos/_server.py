@@ -3,6 +3,7 @@ check) and the application version a launch runs as."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import sqlite3
@@ -91,6 +92,7 @@ def launch(
     allow_drift: bool = False,
     one_shot: bool = False,
     listen: Sequence[str] = (),
+    serving: Sequence[DurableAgent[Any, Any]] = (),
     **config: Any,
 ) -> DBOS:
     """Configure and launch DBOS (call after every agent was built and every workflow decorated).
@@ -107,7 +109,9 @@ def launch(
             is served but those named in `listen` (`DBOS.listen_queues`), so work handed to a worker's queue stays there.
         config: Other `DBOSConfig` keys (`log_level` defaults to `'WARNING'`; `executor_id` defaults to DBOS's
             `local`, whose pending workflows launch recovers; `application_version` defaults to
-            `application_version(name)`, which stays the same when an agent is renamed with `previous_names`).
+            `application_version(name, serving)`, which stays the same when an agent is renamed with `previous_names`).
+        serving: The agents this process serves from a shared queue (`durcap worker dbos`): its application version
+            names them (`application_version`), so DBOS hands it only their runs.
 
     Returns:
         The `DBOS` instance.
@@ -118,7 +122,7 @@ def launch(
         enforce_lock(agents, lock, allow_drift=allow_drift, engines=(ENGINE,))  # DBOS's names only
     config.setdefault('log_level', 'WARNING')
     if config.get('application_version') is None and not os.environ.get('DBOS__APPVERSION') and not config.get('enable_patching'):
-        config['application_version'] = application_version(name)
+        config['application_version'] = application_version(name, serving)
     if one_shot and not config.get('executor_id'):
         config['executor_id'] = one_shot_executor_id()
     dbos = DBOS(config={'name': name, 'system_database_url': system_database_url(system_database_url_), **config})  # type: ignore[typeddict-item]
@@ -128,7 +132,11 @@ def launch(
     return dbos
 
 
-def application_version(name: str = APP_NAME) -> str:
+VERSION_PREFIX = 'durcap:'
+"""How the application version of a process serving named agents begins: `durcap:{names}:{digest}`."""
+
+
+def application_version(name: str = APP_NAME, serving: Sequence[DurableAgent[Any, Any]] = ()) -> str:
     """The DBOS application version `launch(name)` runs as unless one is configured.
 
     DBOS recovers a pending workflow only in a process of the version that recorded it, and by default computes
@@ -139,12 +147,42 @@ def application_version(name: str = APP_NAME) -> str:
     renamed, and unchanged by a rename that keeps the old name in `previous_names`. A change to any other workflow
     (your own `@DBOS.workflow` functions included) still changes it, as DBOS intends.
 
+    Every agent's workflow has the same source (one function of this package), so that computation alone gave two
+    workers serving different agents on one system database one version, and DBOS let either take the other's runs
+    (a run of agent A taken by agent B's worker stayed PENDING there). A process serving agents (`serving`) runs as
+    `durcap:{their durable names, +-joined}:{digest}`: the digest covers DBOS's computation, those names and each
+    agent's DBOS step names (what `durable.lock` records for it, checked at worker start), so it identifies the
+    agents and their lock, and stays the same across a rename with `previous_names` (durable names are the oldest
+    kept). `durcap run --queue` enqueues a run with the latest version naming its agent (`version_serving`).
+
     Args:
         name: The DBOS application name.
+        serving: The agents the process serves (none: DBOS's computation alone, as before).
 
     Returns:
-        A 32-character hex string (DBOS's MD5 form). `DBOSConfig['application_version']` or `$DBOS__APPVERSION`
-        override it, as they override DBOS's default.
+        A 32-character hex string (DBOS's MD5 form), or `durcap:NAMES:DIGEST` when `serving` names agents.
+        `DBOSConfig['application_version']` or `$DBOS__APPVERSION` override it, as they override DBOS's default.
     """
-    return _upstream.dbos_application_version(name, _PREVIOUS_NAME_WORKFLOWS)
+    base = _upstream.dbos_application_version(name, _PREVIOUS_NAME_WORKFLOWS)
+    if not serving:
+        return base
+    from ._durability import durable_names
+
+    names = sorted({agent.durable_name for agent in serving})
+    digest = hashlib.md5(base.encode(), usedforsecurity=False)
+    for agent in sorted(serving, key=lambda a: a.durable_name):
+        digest.update(f'\n{agent.durable_name}\n'.encode())
+        digest.update('\n'.join(sorted(durable_names(agent).get('steps', []))).encode())
+    return f'{VERSION_PREFIX}{"+".join(names)}:{digest.hexdigest()}'
+
+
+def version_serving(versions: Sequence[str], agent: DurableAgent[Any, Any]) -> str | None:
+    """The first of `versions` (DBOS application versions, newest first) whose process serves `agent`
+    (`application_version` with `serving`), else `None`."""
+    for version in versions:
+        if version.startswith(VERSION_PREFIX):
+            names = version[len(VERSION_PREFIX):].rsplit(':', 1)[0].split('+')
+            if agent.durable_name in names:
+                return version
+    return None
 

@@ -23,7 +23,7 @@ from ._approvals import parked_workflow_ids
 from ._client import client as dbos_client
 from ._client import quiet_dbos_log
 from ._peers import DEFAULT_PEER_TIMEOUT, HEARTBEAT_SECONDS, Peers
-from ._server import launch, system_database_url
+from ._server import launch, system_database_url, version_serving
 from ._spec import APP_NAME, DEFAULT_WORKER_CONCURRENCY, ENGINE, WORKER_EXECUTOR, WORKER_QUEUE
 from ._workflow import agent_workflow
 
@@ -76,7 +76,7 @@ def serve_worker(agents: Sequence[DurableAgent[Any, Any]], options: RunOptions) 
     left: list[str] | None = []
     seconds = int(options.setting('graceful_shutdown', 30))
     try:
-        launch(APP_NAME, system_database_url_=url, executor_id=executor)
+        launch(APP_NAME, system_database_url_=url, executor_id=executor, serving=agents)  # its version names them
         launched = True
         if stop.is_set():
             options.notify('dbos worker: stop requested while launching; stopping before ready')
@@ -252,9 +252,10 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
                            args: tuple[Any, ...], options: RunOptions) -> RunReport:
     """`durcap run --engine dbos --queue QUEUE`: hand one run of `agent` to the workers serving `queue` and wait.
 
-    The run is enqueued through a `DBOSClient` (DBOS's own way to start a workflow from outside the application),
-    without an application version, so the latest version of the workers takes it (DBOS's rule for client
-    enqueues), and this process runs nothing. Says so when no worker serving `queue` has beaten in the last
+    The run is enqueued through a `DBOSClient` (DBOS's own way to start a workflow from outside the application)
+    with the newest application version whose workers serve `agent` (`_server.version_serving`), so a worker of
+    another agent on the same queue never takes it (without one, DBOS gives it to the latest version's workers), and
+    this process runs nothing. Says so when no worker serving `queue` has beaten in the last
     `DEFAULT_PEER_TIMEOUT` seconds (`_peers`): the run waits on the queue until one does. While it waits, says once
     per stall when the run has waited `_stall.wait_notice()` seconds for a worker without progress
     (`_notice_no_progress`), and keeps waiting.
@@ -292,6 +293,13 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
     try:
         enqueue: EnqueueOptions = {'queue_name': queue, 'workflow_name': workflow_names(agent)[0],
                                    'workflow_id': workflow_id}
+        try:  # the newest workers serving this agent take it, never another agent's (`application_version`)
+            version = version_serving([v['version_name'] for v in await asyncio.to_thread(
+                client.list_application_versions)], agent)
+        except (OperationalError, ProgrammingError):  # no DBOS tables yet: the enqueue below says so
+            version = None
+        if version is not None:
+            enqueue['app_version'] = version
         try:
             handle = await client.enqueue_async(enqueue, *args)
         except (OperationalError, ProgrammingError) as exc:

@@ -7,14 +7,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import uuid
 import uuid as uuid_
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import httpx
 from prefect import get_client
 from prefect.client.schemas.filters import (
     FlowFilter,
@@ -32,9 +34,20 @@ from prefect.client.schemas.sorting import FlowRunSort
 from prefect.exceptions import NotPausedError, ObjectNotFound, PrefectHTTPStatusError
 from prefect.flow_runs import aresume_flow_run
 from prefect.input import acreate_flow_run_input, aread_flow_run_input
+from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, PREFECT_CLIENT_RETRY_EXTRA_CODES, temporary_settings
 from prefect.states import Cancelled, Scheduled
 
-from ...approvals import ApprovalError, Decision, PendingCall, already_decided, check_decision, describe_decision
+from ...approvals import (
+    DECISION_WAIT_ENV,
+    ApprovalError,
+    Decision,
+    DecisionNotDeliveredError,
+    PendingCall,
+    already_decided,
+    check_decision,
+    decision_wait,
+    describe_decision,
+)
 from ...conversations import resolve_payload, store_url
 from ...report import RunReport
 from .._adapter import (
@@ -338,7 +351,7 @@ def _unit(task_run: Any) -> RunUnit:
 
 async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
     """Pending calls of Paused, Suspended or Crashed `durcap-*` flow runs (or of flow run `run_id`), from flow run input
-    `PENDING_INPUT`.
+    `PENDING_INPUT`. Flow runs of other flows are filtered out on the server (by flow name), never read.
 
     A Crashed flow run whose calls are still published waited for them when its process stopped (`durcap run` given
     SIGTERM while paused ends Paused or Crashed by timing; a serving process killed under its runs): its calls are
@@ -354,8 +367,20 @@ async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = No
                 runs = []
             states = {flow_run_id: runs[0].state_type if runs else None}
         else:
-            found = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                state=FlowRunFilterState(name=FlowRunFilterStateName(any_=['Paused', 'Suspended', 'Crashed']))))
+            # Only durcap's flows (`durcap-{agent}`), filtered on the server: a busy server's other CRASHED flow runs
+            # are neither fetched nor their inputs read (before, every Paused/Suspended/Crashed run's were).
+            flows = [f for f in await client.read_flows(flow_filter=FlowFilter(name=FlowFilterName(like_=FLOW_NAME_PREFIX)))
+                     if f.name.startswith(FLOW_NAME_PREFIX)]
+            found: list[Any] = []
+            while flows:  # in pages: the server refuses a larger limit than its own (422)
+                page = await client.read_flow_runs(
+                    flow_filter=FlowFilter(id=FlowFilterId(any_=[f.id for f in flows])),
+                    flow_run_filter=FlowRunFilter(state=FlowRunFilterState(
+                        name=FlowRunFilterStateName(any_=['Paused', 'Suspended', 'Crashed']))),
+                    sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=PREFECT_PAGE, offset=len(found))
+                found += page
+                if len(page) < PREFECT_PAGE:
+                    break
             states = {r.id: r.state_type for r in found}
     calls: list[PendingCall] = []
     for flow_run_id, state in states.items():
@@ -376,12 +401,22 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
 
     A call is decided once: its decision input (`DECISION_INPUT_PREFIX`) is write-once on the server, so a second
     decision, whether or not the run has read the first, is refused naming the first (before, the server's 409 came
-    out as an HTTP error).
+    out as an HTTP error). A second decision refused while the run is still paused on the call resumes the run, so the
+    first decision, stored, is taken.
+
+    The two writes (the decision, the resume) are tried again while the server refuses them (a Prefect server on
+    SQLite under load answers 503 for seconds; Prefect's client retries 408/429/502/503 and dropped connections, with
+    a growing backoff), for at most `approvals.decision_wait()` seconds ($DURCAP_DECISION_WAIT, default 30) in all,
+    counted from the first write.
 
     Raises:
         ApprovalError: unknown run (no such flow run, or not waiting), unknown call, stale fingerprint, or a call
             already decided (`approvals.already_decided`: names the earlier decision).
+        DecisionNotDeliveredError: DC052, kind `'not-delivered'`: the server kept refusing the decision's write
+            (nothing stored, the call is still pending), or kept refusing to resume the run (the decision is stored
+            and stands; the run takes it when resumed: the same command again resumes it and says DC054).
     """
+    wait = decision_wait()
     flow_run_id = _flow_run_uuid(run_id)
     ensure_api()
     async with get_client() as client:
@@ -396,6 +431,9 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
         earlier = await aread_flow_run_input(key, flow_run_id=flow_run_id)
         if earlier is not None:
             still_pending = any(c.call_id == decision.call_id for c in pending)
+            if still_pending:  # the first decision is stored but not taken: a paused run takes it once resumed
+                with contextlib.suppress(Exception):
+                    await _resume_if_paused(flow_run_id)
             raise already_decided(run_id, decision.call_id, Decision.from_json(earlier),
                                   received=False if still_pending else None)
 
@@ -403,26 +441,112 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
     if not pending:
         raise ApprovalError('unknown-run', f'Prefect flow run {run_id!r} is not waiting for approval')
     call = check_decision(pending, decision, run_id)
+    deadline = asyncio.get_running_loop().time() + wait  # the bound on the writes (the checks above are reads)
     try:
-        await acreate_flow_run_input(key, decision.to_json(), flow_run_id=flow_run_id)
+        await _until(deadline, lambda: acreate_flow_run_input(key, decision.to_json(), flow_run_id=flow_run_id))
     except PrefectHTTPStatusError as exc:
-        if exc.response.status_code == 409:  # another decision was stored since the check above
+        if exc.response.status_code != 409:
+            raise
+        # another decision was stored since the check above, or this one, by a try whose answer was lost
+        if await aread_flow_run_input(key, flow_run_id=flow_run_id) != decision.to_json():
             await refuse_if_decided()
-        raise
-    for _ in range(100):  # the run may be between two pauses: it reads the stored decision once paused
-        async with get_client() as client:
-            flow_run = await client.read_flow_run(flow_run_id)
-        if flow_run.state is not None and flow_run.state.is_paused():
-            try:
-                await aresume_flow_run(flow_run_id)
-                break
-            except (NotPausedError, RuntimeError):  # resumed meanwhile
-                pass
-        elif flow_run.state is None or flow_run.state.is_final() or all(
-                c.call_id != call.call_id for c in await pending_approvals(settings, run_id)):
-            break  # the run read the decision without pausing again
+    except _Refused as refused:
+        stored = None
+        with contextlib.suppress(Exception):  # a try the server answered late may have stored it after all
+            stored = await asyncio.wait_for(aread_flow_run_input(key, flow_run_id=flow_run_id), timeout=5)
+        if stored != decision.to_json():
+            raise DecisionNotDeliveredError('not-delivered', (
+                f'DC052 run {run_id!r}: the Prefect server refused to store the decision on call {decision.call_id!r} '
+                f'for {wait:g} s ({refused}): nothing was stored, the call is still pending and nothing ran. Fix: '
+                f'decide again once the server answers (${DECISION_WAIT_ENV} sets the wait)')) from None
+    refused_resume: _Refused | None = None
+    while asyncio.get_running_loop().time() < deadline:  # the run may be between two pauses: it reads it once paused
+        try:
+            async with get_client() as client:
+                flow_run = await asyncio.wait_for(client.read_flow_run(flow_run_id),
+                                                  timeout=max(0.1, deadline - asyncio.get_running_loop().time()))
+            if flow_run.state is not None and flow_run.state.is_paused():
+                try:
+                    await _until(deadline, lambda: aresume_flow_run(flow_run_id))
+                    break
+                except (NotPausedError, RuntimeError):  # resumed meanwhile
+                    pass
+            elif flow_run.state is None or flow_run.state.is_final() or all(
+                    c.call_id != call.call_id for c in await pending_approvals(settings, run_id)):
+                break  # the run read the decision without pausing again
+            refused_resume = None
+        except _Refused as refused:
+            refused_resume = refused
+            break
+        except Exception as exc:  # a read refused as well: asked again until the deadline
+            if not _retryable(exc):
+                raise
+            refused_resume = _Refused(_what(exc))
         await asyncio.sleep(0.2)
+    if refused_resume is not None:
+        raise DecisionNotDeliveredError('not-delivered', (
+            f'DC052 run {run_id!r}: the decision on call {decision.call_id!r} is stored and stands, but the Prefect '
+            f'server refused to resume the paused run for {wait:g} s ({refused_resume}); the run takes the decision '
+            f'once resumed. Fix: run the same command again once the server answers (it says DC054 and resumes the '
+            'run)'))
     return call
+
+
+T = TypeVar('T')
+
+
+class _Refused(Exception):
+    """The Prefect server kept refusing a write (or not answering) until the decision's deadline: `str()` says how."""
+
+
+def _what(exc: BaseException) -> str:
+    if isinstance(exc, PrefectHTTPStatusError):
+        return f'HTTP {exc.response.status_code}'
+    return f'{type(exc).__name__}: {exc}' if str(exc) else type(exc).__name__
+
+
+_TRANSIENT: tuple[type[BaseException], ...] = (httpx.TransportError,)
+"""Errors a write is tried again on (besides the statuses of `_retryable`): a dropped or refused connection."""
+
+
+def _retryable(exc: BaseException) -> bool:
+    """A refusal the server may lift: the statuses Prefect's client itself retries (408, 429, 502, 503 and
+    `PREFECT_CLIENT_RETRY_EXTRA_CODES`), a timeout or a dropped connection."""
+    if isinstance(exc, PrefectHTTPStatusError):
+        return exc.response.status_code in {408, 429, 502, 503, *PREFECT_CLIENT_RETRY_EXTRA_CODES.value()}
+    return isinstance(exc, (TimeoutError, *_TRANSIENT))
+
+
+async def _until(deadline: float, write: Callable[[], Awaitable[T]]) -> T:
+    """`await write()` (a Prefect client call), tried again on a refusal (`_retryable`) every 0.25-2 s (growing) until
+    the event-loop time `deadline`. Prefect's client's own retries are off inside (`PREFECT_CLIENT_MAX_RETRIES` 0):
+    its backoff (2, 4, 8, 16, 32 s) would outlast the deadline and hide which refusal it saw.
+
+    Raises:
+        _Refused: the deadline passed with the write still refused (its last refusal as the text).
+        Any other error of `write` at once.
+    """
+    loop = asyncio.get_running_loop()
+    last, pause = 'no answer', 0.25
+    while (left := deadline - loop.time()) > 0:
+        try:
+            with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}):
+                return await asyncio.wait_for(write(), timeout=left)
+        except Exception as exc:
+            if not _retryable(exc):
+                raise
+            if not isinstance(exc, TimeoutError) or last == 'no answer':  # a cut try keeps the refusal seen before
+                last = _what(exc) if not isinstance(exc, TimeoutError) else 'no answer'
+        await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
+        pause = min(2.0, pause * 2)
+    raise _Refused(last)
+
+
+async def _resume_if_paused(flow_run_id: Any) -> None:
+    async with get_client() as client:
+        flow_run = await client.read_flow_run(flow_run_id)
+    if flow_run.state is not None and flow_run.state.is_paused():
+        await aresume_flow_run(flow_run_id)
 
 
 def _flow_run_uuid(run_id: str) -> Any:

@@ -93,8 +93,9 @@ async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = No
 
 
 DECISION_GRACE_SECONDS = 10.0
-"""How long past a decision's `not_after` its command still waits for the run's answer: a worker that accepted the
-decision just in time answers within it, so the command never reports "not delivered" for a delivered decision."""
+"""How long before its command gives up a decision expires (`not_after`; at most a third of the wait): a worker that
+accepted the decision just in time answers within it, so the command never reports "not delivered" for a delivered
+decision."""
 
 
 async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
@@ -102,9 +103,9 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
 
     An update waits for a worker to accept it. So that a decision never blocks silently, and never reaches the run
     later, after its command gave up (killed, or out of patience), the decision is refused before it is sent when
-    no worker polls the run's task queue, and is sent with `not_after` = now + `approvals.decision_wait()` seconds:
-    the workflow's validator refuses it after that (`approvals.check_not_expired`), and the command waits that long
-    plus `DECISION_GRACE_SECONDS` for the answer.
+    no worker polls the run's task queue, and the command gives up `approvals.decision_wait()` seconds after it
+    started; the decision carries a `not_after` `DECISION_GRACE_SECONDS` (at most a third of the wait) before that,
+    after which the workflow's validator refuses it (`approvals.check_not_expired`).
 
     Raises:
         ApprovalError: unknown run (no such workflow, or not waiting), unknown call, stale fingerprint.
@@ -115,6 +116,7 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
         InputError: DC040, `$DURCAP_DECISION_WAIT` is not a number of seconds above 0 (nothing sent).
     """
     wait = decision_wait()
+    started = asyncio.get_running_loop().time()
     client = await connect(settings.get('address') or DEFAULT_ADDRESS, settings.get('namespace') or DEFAULT_NAMESPACE,
                            store=settings.get('store'))
     handle = client.get_workflow_handle(run_id)
@@ -129,11 +131,17 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
         raise DecisionNotDeliveredError('no-worker', (
             f'DC052 run {run_id!r} waits on Temporal task queue {queue!r}, which no worker polls: the decision was not '
             f'sent. Fix: start `durcap worker temporal TARGET --task-queue {queue}`, then decide again.'))
-    not_after = (utc_now() + timedelta(seconds=wait)).isoformat()
+    # The command gives up `wait` s after it started (as documented), the reads above included: the run refuses the
+    # decision after `not_after`, a margin (`DECISION_GRACE_SECONDS`, at most a third of the wait) before that, so a
+    # worker that accepts it just in time still answers within the wait. Before, the command waited the whole wait
+    # after the reads and the margin on top (~40 s by default under load).
+    left = max(0.0, wait - (asyncio.get_running_loop().time() - started))
+    margin = min(DECISION_GRACE_SECONDS, wait / 3)
+    not_after = (utc_now() + timedelta(seconds=max(left - margin, 0.0))).isoformat()
     try:
         result = await asyncio.wait_for(
             handle.execute_update(DECIDE_UPDATE, replace(decision, not_after=not_after).to_json(), result_type=dict),
-            wait + DECISION_GRACE_SECONDS)
+            max(left, margin))
     except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):  # the SDK's form of a cancelled wait
         raise DecisionNotDeliveredError('not-delivered', (
             f'DC052 run {run_id!r}: no worker on Temporal task queue {queue!r} accepted the decision within {wait:g} s; '
