@@ -102,3 +102,23 @@ def test_budgets_page_lists_each_key_with_spent_and_limits(tmp_path: Path) -> No
                          'tok', engines=['dbos'])
     said = TestClient(missing).get('/budgets')
     assert said.status_code == 200 and 'no conversation store at' in said.text and 'id="budgets"' not in said.text
+
+
+def test_no_other_site_may_frame_the_pages_with_decision_buttons(tmp_path: Path) -> None:
+    """`durcap ui`'s pages and `durcap serve --chat`'s page carry Approve / Deny buttons: both refuse to be framed by
+    another site (`frame-ancestors 'none'` and `X-Frame-Options: DENY`, against clickjacking; a fresh-user trial saw
+    neither). Starlette's test client; the serve app on the local engine, model pydantic-ai's `TestModel` (no turn)."""
+    from pydantic_ai.models.test import TestModel
+
+    from durable_capabilities import DurableAgent
+    from durable_capabilities.serve import bearer_auth
+    from durable_capabilities.serve import create_app as create_serve_app
+
+    ui = create_app(Settings.resolve(db=f'sqlite:///{tmp_path}/dbos.sqlite', store=f'sqlite:///{tmp_path}/c.db'), 'tok',
+                    engines=['dbos'])
+    serve = create_serve_app(DurableAgent('framed', TestModel()), settings={'store': f'sqlite:///{tmp_path}/s.db'},
+                             auth=bearer_auth('tok'), chat=True)
+    for page in (TestClient(ui).get('/'), TestClient(serve).get('/chat')):
+        assert page.status_code == 200, page.text[-500:]
+        assert "frame-ancestors 'none'" in page.headers['content-security-policy'], page.headers
+        assert page.headers['x-frame-options'] == 'DENY', page.headers

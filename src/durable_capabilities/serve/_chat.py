@@ -154,5 +154,7 @@ def chat_page(request: Request) -> Response:
     names = sorted(request.app.state.serve.agents)
     data = json.dumps(names).replace('<', '\\u003c').replace('>', '\\u003e').replace('&', '\\u0026')
     return HTMLResponse(_PAGE.replace('__AGENTS__', data), headers={
-        'Content-Security-Policy': "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'",
-        'X-Content-Type-Options': 'nosniff', 'Cache-Control': 'no-store'})
+        # frame-ancestors / X-Frame-Options: no other site frames the page's approval buttons (clickjacking)
+        'Content-Security-Policy': "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                                   "frame-ancestors 'none'",
+        'X-Frame-Options': 'DENY', 'X-Content-Type-Options': 'nosniff', 'Cache-Control': 'no-store'})

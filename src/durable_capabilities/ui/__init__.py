@@ -94,7 +94,10 @@ class _UI:
                                                        **context)
         response = HTMLResponse(html, status_code=status)
         response.set_cookie(CSRF_COOKIE, csrf, httponly=True, samesite='strict', path='/')
-        response.headers['Content-Security-Policy'] = "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'"
+        # frame-ancestors / X-Frame-Options: no other site frames the page's Approve and Deny buttons (clickjacking)
+        response.headers['Content-Security-Policy'] = ("default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; "
+                                                       "frame-ancestors 'none'")
+        response.headers['X-Frame-Options'] = 'DENY'
         response.headers['X-Content-Type-Options'] = 'nosniff'
         return response
 
