@@ -38,10 +38,10 @@ def _agent() -> Any:
 
 
 def test_a_new_run_records_one_durcap_marker_and_histories_from_before_it_still_replay() -> None:
-    """The history recorded before the umbrella has durcap's five markers (streams, carried events, local tools,
-    capabilities memo) each with its `TemporalChangeVersion` upsert; this code's has `durcap-workflow-3` alone
-    (upstream's own marker stays), 6 events fewer; both replay against this code (the older one through each
-    individual marker, as before)."""
+    """The history recorded before the umbrella has four durcap markers (streams, carried events, local tools,
+    capabilities memo), each with its `TemporalChangeVersion` upsert; this code's has `durcap-workflow-3` and the
+    local-tools marker (a configuration's, not implied; upstream's own marker stays), 4 events fewer; both replay
+    against this code (the older one through each individual marker, as before)."""
     from durable_capabilities.engines.temporal._spec import CURRENT_PATCH_ID
     from durable_capabilities.testing import assert_histories_replay
 
@@ -49,19 +49,21 @@ def test_a_new_run_records_one_durcap_marker_and_histories_from_before_it_still_
     before, current = _patches(folder / 'before-local-tools.json'), _patches(folder / 'current-local-tools.json')
     assert before == ['durcap-run-streams', 'durcap-stream-events-carried', 'pydantic_ai:stable_default_run_id',
                       'durcap-local-tool-activities', 'durcap-capabilities-memo']
-    assert current == [CURRENT_PATCH_ID, 'pydantic_ai:stable_default_run_id']
+    assert current == [CURRENT_PATCH_ID, 'pydantic_ai:stable_default_run_id', 'durcap-local-tool-activities']
     sizes = [len(json.loads((folder / f'{n}-local-tools.json').read_text())['history']['events']) for n in ('before', 'current')]
-    assert sizes == [58, 52]
+    assert sizes == [58, 54]
     assert assert_histories_replay(folder, [_agent()]) == 2
 
 
-def test_the_umbrella_implies_every_earlier_durcap_marker() -> None:
-    """`IMPLIED_PATCH_IDS` names every durcap marker a run of WORKFLOW_REVISION 2 could record, so no code path still
-    asks for one of them by its own marker in a new run."""
+def test_the_umbrella_implies_the_code_markers_not_those_of_a_runs_configuration() -> None:
+    """`IMPLIED_PATCH_IDS` names every durcap marker of a code change; the local-tools and MCP-guard markers stay
+    their own: they are asked only where a run's configuration chose the new commands, so a run recorded before its
+    leaf was marked local (or its guard turned on) replays with the mark (`tests/engines/test_local_tools.py`)."""
     from durable_capabilities.engines import _mcp
     from durable_capabilities.engines.temporal import _spec
 
     assert set(_spec.IMPLIED_PATCH_IDS) == {
         _spec.CAPABILITIES_PATCH_ID, _spec.STREAMS_PATCH_ID, _spec.FAILED_APPEND_PATCH_ID, _spec.LATE_CLOSING_PATCH_ID,
-        _spec.CARRY_PATCH_ID, _spec.LOCAL_TOOLS_PATCH_ID, _mcp.TEMPORAL_PATCH_ID}
+        _spec.CARRY_PATCH_ID}
+    assert _spec.LOCAL_TOOLS_PATCH_ID not in _spec.IMPLIED_PATCH_IDS and _mcp.TEMPORAL_PATCH_ID not in _spec.IMPLIED_PATCH_IDS
     assert _spec.CURRENT_PATCH_ID not in _spec.IMPLIED_PATCH_IDS

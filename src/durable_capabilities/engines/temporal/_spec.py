@@ -53,9 +53,11 @@ it (recorded before) replays through each of them, exactly as before. Called fir
 run whose first workflow task is in its history never records it mid-run. A later change of the workflow's commands
 adds its own marker (and a new umbrella only when that saves markers again); never add ids to `IMPLIED_PATCH_IDS`."""
 IMPLIED_PATCH_IDS = ('durcap-capabilities-memo', 'durcap-run-streams', 'durcap-stream-failed-append',
-                     'durcap-stream-large-closing-after-append', 'durcap-stream-events-carried',
-                     'durcap-local-tool-activities', 'durcap.deferred-mcp-discovery')
-"""The durcap patch markers a history with `CURRENT_PATCH_ID` implies (every durcap marker up to WORKFLOW_REVISION 2)."""
+                     'durcap-stream-large-closing-after-append', 'durcap-stream-events-carried')
+"""The durcap patch markers a history with `CURRENT_PATCH_ID` implies: those that mark a change of durcap's code.
+Not the two that also record a run's configuration, asked only where the configuration chose the new commands:
+`LOCAL_TOOLS_PATCH_ID` (a leaf marked local: a history recorded before the mark replays with the mark set, as
+regular tool activities) and the MCP guard's (`_mcp.TEMPORAL_PATCH_ID`, asked only with the guard on)."""
 SEARCH_ATTRIBUTE_MEMO = 'durcap_search_attribute'
 
 CAPABILITIES_MEMO = 'durcap_capabilities'
