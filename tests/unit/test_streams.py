@@ -559,9 +559,10 @@ def test_temporal_stream_histories_replay_from_before_and_after_events_rode_with
     """Recorded Temporal histories of `tests.engines.stream_agent` (scripted `FunctionModel`; a run without a
     conversation and one with) replay against this code: `local-activities-*` recorded by main's code at 20c41c4 (a
     `durcap.stream_publish` local activity per publish of the workflow's own events), `carried-*` by this code (those
-    events in the model request and append activities' `CARRY_HEADER`, behind `CARRY_PATCH_ID`)."""
+    events in the model request and append activities' `CARRY_HEADER`, behind `CARRY_PATCH_ID`), `current-*` by the
+    code with one patch marker per new run (`_spec.CURRENT_PATCH_ID`, implying the individual ones)."""
     from durable_capabilities.testing import assert_histories_replay
     from tests._helpers import HISTORIES
     from tests.engines.stream_agent import agent
 
-    assert assert_histories_replay(HISTORIES / 'streams', [agent]) == 4
+    assert assert_histories_replay(HISTORIES / 'streams', [agent]) == 6

@@ -17,7 +17,7 @@ from .. import _mcp
 from .._adapter import EngineAdapter, RunOptions
 from .._specs import TEMPORAL as SPEC
 from .._stall import wait_notice
-from . import _runs
+from . import _patches, _runs
 from ._client import await_result, connect, notice_no_poller, notice_no_progress, start_run
 from ._conversation import conversation_activity_names
 from ._durability import GuardedTemporalDurability, durability_parts, durable_names, sandbox_runner
@@ -62,7 +62,7 @@ class TemporalAdapter(EngineAdapter, spec=SPEC):
         return isinstance(error, TemporalError) and not isinstance(error, ActivityError)
 
     def mcp_upstream_schedule(self) -> bool:
-        return workflow.in_workflow() and not workflow.patched(_mcp.TEMPORAL_PATCH_ID)
+        return workflow.in_workflow() and not _patches.patched(_mcp.TEMPORAL_PATCH_ID)
 
     def run_notes(self, options: RunOptions) -> list[str]:
         if options.settings.get('store') and not options.setting('inline_worker', False):

@@ -46,6 +46,18 @@ CARRY_PATCH_ID = 'durcap-stream-events-carried'
 """Patch marker of a workflow's own stream events riding with its next activity (`_streams.CarryStreamEvents`:
 `run_started` with the first model request, `run_completed` with the append) instead of a local activity each; a
 history recorded without it replays with its local activities."""
+CURRENT_PATCH_ID = 'durcap-workflow-3'
+"""One patch marker for every run started by this version (`_patches.patched`): a history with it stands for all of
+`IMPLIED_PATCH_IDS` without a marker (and a `TemporalChangeVersion` search-attribute upsert) each; a history without
+it (recorded before) replays through each of them, exactly as before. Called first in the run (`_workflow`), so a
+run whose first workflow task is in its history never records it mid-run. A later change of the workflow's commands
+adds its own marker (and a new umbrella only when that saves markers again); never add ids to `IMPLIED_PATCH_IDS`."""
+IMPLIED_PATCH_IDS = ('durcap-capabilities-memo', 'durcap-run-streams', 'durcap-stream-failed-append',
+                     'durcap-stream-large-closing-after-append', 'durcap-stream-events-carried')
+"""The durcap patch markers a history with `CURRENT_PATCH_ID` implies: those that mark a change of durcap's code.
+Not the two that also record a run's configuration, asked only where the configuration chose the new commands:
+`LOCAL_TOOLS_PATCH_ID` (a leaf marked local: a history recorded before the mark replays with the mark set, as
+regular tool activities) and the MCP guard's (`_mcp.TEMPORAL_PATCH_ID`, asked only with the guard on)."""
 SEARCH_ATTRIBUTE_MEMO = 'durcap_search_attribute'
 
 CAPABILITIES_MEMO = 'durcap_capabilities'
@@ -86,13 +98,14 @@ LOCAL_TOOLS_PATCH_ID = 'durcap-local-tool-activities'
 # ---- Worker Versioning (`_versioning`) ---------------------------------------------------------------------------
 
 BUILD_ID_PREFIX = 'durcap-'
-WORKFLOW_REVISION = 2
+WORKFLOW_REVISION = 3
 """The revision of durcap's own Temporal workflow code, part of every derived build id (`_versioning.build_id`).
 Bumped whenever a release makes the workflow issue other commands for the same history (a new patch marker, an
 activity or local activity added or removed): a worker of the older code cannot replay a run the newer code started
 (Temporal's nondeterminism error), so the newer workers must declare a version of their own, and runs pinned to the
 older version stay on the older workers. 1: up to 0.2 and the stream's local activities (`durcap-run-streams`);
-2: the workflow's own stream events carried in its activities' headers (`durcap-stream-events-carried`)."""
+2: the workflow's own stream events carried in its activities' headers (`durcap-stream-events-carried`); 3: one
+patch marker (`CURRENT_PATCH_ID`) standing for every earlier one in a new run."""
 DEPLOYMENT_PREFIX = 'durcap-'
 IDENTITY = 'durcap worker temporal'
 REGISTRATION_TIMEOUT = 60.0

@@ -52,6 +52,7 @@ from ...conversations import store_url
 from ...store import resolve_url
 from ...streams._log import EventLog, Item
 from ...streams._publish import enabled
+from . import _patches
 from ._spec import (
     CARRY_PATCH_ID,
     CONVERSATION_APPEND_SUFFIX,
@@ -169,7 +170,7 @@ class WorkflowStream(streams.StreamContext):
             else:
                 self.before += rows
             return
-        if carry == 'after' and self.defers and workflow.patched(LATE_CLOSING_PATCH_ID):
+        if carry == 'after' and self.defers and _patches.patched(LATE_CLOSING_PATCH_ID):
             # Too large to carry: written once the append succeeded (`finish`), never before it (they say the turn
             # is stored); an append that fails leaves them unwritten and the stream open for `run_failed`.
             self.late = (rows, close)
@@ -200,7 +201,7 @@ class WorkflowStream(streams.StreamContext):
         history recorded before it replays with the stream left closed (no local activity)."""
         failed_after = any(after and handle.done() and (handle.cancelled() or handle.exception() is not None)
                            for handle, _rows, after in self.handed)
-        if failed_after and not workflow.patched(FAILED_APPEND_PATCH_ID):
+        if failed_after and not _patches.patched(FAILED_APPEND_PATCH_ID):
             return
         self._settle()
         if self.late is not None:  # its closing events are not written yet: only `run_failed` can come now
@@ -251,17 +252,17 @@ class WorkflowStream(streams.StreamContext):
 
 def workflow_stream(agent: DurableAgent[Any, Any], continued_seq: int | None) -> WorkflowStream | None:
     """In workflow code, at the start of the run: the run's `WorkflowStream`, or `None` for a run recorded before
-    streams (`workflow.patched(STREAMS_PATCH_ID)` is false while replaying its history).
+    streams (`patched(STREAMS_PATCH_ID)` is false while replaying its history).
 
     Args:
         agent: The run's agent.
         continued_seq: For a continued run, the next sequence number of the earlier runs' own events.
     """
-    if not workflow.patched(STREAMS_PATCH_ID):
+    if not _patches.patched(STREAMS_PATCH_ID):
         return None
     stream = WorkflowStream(workflow.info().workflow_id, ENGINE, None, seq=continued_seq or 0,  # type: ignore[arg-type]
                             agent=agent.durable_name, continued=continued_seq is not None)
-    stream.defers = workflow.patched(CARRY_PATCH_ID)
+    stream.defers = _patches.patched(CARRY_PATCH_ID)
     return stream
 
 

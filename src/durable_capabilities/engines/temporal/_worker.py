@@ -38,6 +38,7 @@ from ..._limits import InputError
 from .. import _mcp, _retry_after, _retry_log
 from .._adapter import RunOptions
 from .._retry_after import MAX_RETRY_AFTER_SECONDS
+from . import _patches
 from ._client import connect
 from ._conversation import conversation_activities
 from ._durability import DEFAULT_LOCAL_TOOL_CONFIG, durable_names, sandbox_runner
@@ -106,7 +107,7 @@ class LocalToolActivities(Interceptor):
         class Outbound(WorkflowOutboundInterceptor):
             def start_activity(self, input: StartActivityInput) -> workflow.ActivityHandle[Any]:
                 config = local.get(input.activity)
-                if config is None or not workflow.patched(LOCAL_TOOLS_PATCH_ID):
+                if config is None or not _patches.patched(LOCAL_TOOLS_PATCH_ID):
                     return self.next.start_activity(input)
                 return self.next.start_local_activity(StartLocalActivityInput(
                     activity=input.activity, args=input.args, activity_id=input.activity_id,

@@ -32,7 +32,7 @@ from ...report import usage_from_json
 from ...store import StoreError
 from ...turn import current_turn, run_turn
 from .._adapter import loaded_capabilities_in
-from . import _payloads
+from . import _patches, _payloads
 from ._approvals import TemporalApprovalGate, approval_handlers
 from ._conversation import AppendInput, append_activity, workflow_units
 from ._payloads import current_run as _current_run
@@ -165,6 +165,7 @@ def _run_method(agent: DurableAgent[Any, Any], built: Any, class_name: str) -> A
         from ... import streams
         from ._streams import workflow_stream
 
+        _patches.current()  # first: the one marker of a new run (`_spec.CURRENT_PATCH_ID`), before any other command
         deps = deps_adapter.validate_python(params.deps) if params.deps is not None else None
         stream = workflow_stream(agent, params.continued.stream_seq if params.continued else None)
         token = _current_run.set(params)
@@ -252,7 +253,7 @@ def _record_capabilities(new_messages: list[dict[str, Any]]) -> None:
     starting client found `DurcapCapabilities` registered (memo `durcap_search_attribute`), as that search
     attribute. Behind a patch marker, so histories recorded before replay unchanged."""
     caps = loaded_capabilities_in(new_messages)
-    if not caps or not workflow.patched(CAPABILITIES_PATCH_ID):
+    if not caps or not _patches.patched(CAPABILITIES_PATCH_ID):
         return
     workflow.upsert_memo({CAPABILITIES_MEMO: caps})
     if workflow.memo_value(SEARCH_ATTRIBUTE_MEMO, default=False):
