@@ -48,6 +48,39 @@ def with_code(code: str, message: str) -> str:
     return message if _LED_BY_CODE.match(message) else f'{code} {message}'
 
 
+_LEADING_CODES = re.compile(r'(?:DC\d{3} )+')
+_WRAPPED_CODE = re.compile(r'(?<=: )DC\d{3} ')
+
+
+def one_code(message: str, default: str | None) -> str:
+    """`message` led by exactly one `DC0xx` code, for a `durcap: error:` line.
+
+    A message that leads with a code keeps it (`'DC040 DC044 x'`, two leading codes from a call site that added its
+    own: the last, the wrapped error's); else a code a wrapped error's message leads with after `': '` (`"cannot
+    repair 'w': DC044 conversation ..."`) moves to the front; else `default` leads. A code an error wrapped after
+    `': '` is dropped where the line already leads with one, so the line never names two. A code named in passing
+    (`'(DC050)'`) stays where it is.
+
+    Args:
+        message: The error's one line.
+        default: The code for a line without one, e.g. `'DC040'` (unusable input); `None`: such a line stays
+            without one (a run that failed in its engine).
+
+    Returns:
+        The line, led by one code and a space (unchanged when it has none and `default` is `None`).
+    """
+    led = _LEADING_CODES.match(message)
+    if led is not None:
+        code, rest = led.group().split()[-1], message[led.end():]
+    elif (wrapped := _WRAPPED_CODE.search(message)) is not None:
+        code, rest = wrapped.group().strip(), message[:wrapped.start()] + message[wrapped.end():]
+    elif default is None:
+        return message
+    else:
+        code, rest = default, message
+    return f'{code} {_WRAPPED_CODE.sub("", rest)}'
+
+
 class DurcapError(Exception):
     """Base of every error durable-capabilities raises for its users to catch.
 

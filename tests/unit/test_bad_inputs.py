@@ -516,10 +516,10 @@ def _option_cases() -> list[Case]:
              'token', env={'DURCAP_SERVE_TOKEN': 'alice=s3cret-shared,bob=s3cret-shared'}),
         # A trial's `--cors-origin 'not a url'` was accepted, leaving CORS silently off for the app it was meant for.
         Case('serve-cors-origin-not-a-url', ['serve', PLAIN, '--cors-origin', 'not a url'], 2,
-             "DC040 CORS origin 'not a url' is not an origin: expected scheme://host[:port]",
+             "DC040 --cors-origin: CORS origin 'not a url' is not an origin: expected scheme://host[:port]",
              env={'DURCAP_SERVE_TOKEN': 't0ken'}),
         Case('serve-cors-origin-with-a-path', ['serve', PLAIN, '--cors-origin', 'https://app.example.com/'], 2,
-             '--cors-origin: DC040', env={'DURCAP_SERVE_TOKEN': 't0ken'}),
+             'durcap: error: DC040 --cors-origin: CORS origin', env={'DURCAP_SERVE_TOKEN': 't0ken'}),
         Case('replay-no-target', ['replay', str(HISTORY)], 2, "Missing option '--target'"),
         # Issue 29, item 6: a 3,000-level wire script was a RecursionError traceback.
         Case('wire-script-deep', ['wire', '--script', '{tmp}/deep.yaml'], 2, 'nests deeper than',

@@ -496,7 +496,9 @@ def test_a_bad_connect_timeout_is_dc040_naming_the_variable() -> None:
         result = durcap('runs', 'list', '--engine', 'temporal', '--address', '127.0.0.1:1',
                         env={'DURCAP_TEMPORAL_CONNECT_TIMEOUT': value})
         assert result.returncode == 2, (value, result.stdout + result.stderr)
-        assert 'DC040 $DURCAP_TEMPORAL_CONNECT_TIMEOUT' in result.stderr and 'Traceback' not in result.stderr, value
+        [line] = result.stderr.strip().splitlines()  # led by its one code, the variable named
+        assert line.startswith('durcap: error: DC040 ') and ': $DURCAP_TEMPORAL_CONNECT_TIMEOUT: ' in line, (value, line)
+        assert line.count('DC0') == 1 and 'Traceback' not in result.stderr, (value, line)
 
 
 @pytest.mark.parametrize('args', [

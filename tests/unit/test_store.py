@@ -605,8 +605,8 @@ def test_history_show_unusable_input_exits_2_with_one_line(store_url: str, tmp_p
         run(opened.append('exists', [], expected_revision=None))
     cases = {
         ('show', 'nobody', '--store', store_url): "durcap: error: DC044 conversation 'nobody' is not in the store",
-        ('show', 'x', '--store', 'mysql://h/db'): "durcap: error: store URL scheme 'mysql' is not supported",
-        ('show', 'x', '--store', f'sqlite:///{tmp_path}/none.db'): 'durcap: error: no conversation store at',
+        ('show', 'x', '--store', 'mysql://h/db'): "durcap: error: DC040 store URL scheme 'mysql' is not supported",
+        ('show', 'x', '--store', f'sqlite:///{tmp_path}/none.db'): 'durcap: error: DC040 no conversation store at',
     }
     for args, first_words in cases.items():
         result = _show(*args)

@@ -403,7 +403,7 @@ def test_gc_refuses_with_one_line_when_the_engine_cannot_be_reached(tmp_path: Pa
     done = durcap('store', 'gc', '--store', url, '--apply', '--address', '127.0.0.1:9', timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith('durcap: error: temporal: cannot read run states: '), done.stderr
+    assert len(lines) == 1 and lines[0].startswith('durcap: error: DC040 temporal: cannot read run states: '), done.stderr
     assert 'nothing was deleted' in lines[0] and everything(url) == before
 
 

@@ -156,7 +156,7 @@ def test_durcap_wire_refuses_a_bad_script_with_one_line(tmp_path) -> None:
     bad.write_text('steps: []\n')
     out = durcap('wire', '--script', str(bad), timeout=60)
     assert out.returncode == 2
-    assert out.stderr.strip() == f'durcap: error: cannot read the wire script {bad}: {bad}: a wire script is a mapping ' \
+    assert out.stderr.strip() == f'durcap: error: DC040 cannot read the wire script {bad}: {bad}: a wire script is a mapping ' \
                                  'with a non-empty `turns` list'
 
 

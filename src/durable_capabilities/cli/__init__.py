@@ -30,7 +30,7 @@ from .. import telemetry
 from .._limits import INPUT_CODE, one_line, postgres_connect_fix, postgres_database_missing, printable, redact_database_url
 from ..agent import DurableAgent
 from ..engines import ALL_ENGINES, DURABLE_ENGINES, specs
-from ..errors import DurcapError
+from ..errors import DurcapError, one_code
 from ..lockfile import LockfileError
 from ..savings import UNKNOWN_TOOLS, SavingsReport, measure_savings
 from ..store import on_create as on_store_create
@@ -94,8 +94,11 @@ class SavingsFormat(str, Enum):
 
 
 def _unusable(message: str) -> NoReturn:
-    """Print `durcap: error: <message>` (one line, control and bidi characters escaped) and exit 2."""
-    _err.print(Text(f'durcap: error: {one_line(message)}'))
+    """Print `durcap: error: <CODE> <message>` (one line, control and bidi characters escaped) and exit 2.
+
+    The line leads with one code (`errors.one_code`): the message's own (`DC044 ...` for an id that names nothing),
+    else `DC040` (unusable input)."""
+    _err.print(Text(f'durcap: error: {one_code(one_line(message), INPUT_CODE)}'))
     raise typer.Exit(2)
 
 

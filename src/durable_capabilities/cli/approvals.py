@@ -15,9 +15,10 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from .._limits import InputError, load_json, printable
+from .._limits import INPUT_CODE, InputError, load_json, printable
 from ..approvals import ApprovalError, PendingCall, decision_wait
 from ..engines import DEFAULT_ENGINE, get
+from ..errors import one_code
 from . import _err, _out, app, engine_metavar, engine_name
 from ._options import connection_options, connection_settings
 
@@ -106,7 +107,8 @@ def _unreachable(engine: str, exc: BaseException) -> NoReturn:
     detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     where = get(engine).spec.where  # what says where the engine is (`EngineSpec.where`)
     hint = f' (check {where})' if where is not None and where not in detail else ''
-    _err.print(printable(f'durcap: error: cannot reach {engine}: {detail}{hint}'), markup=False)
+    _err.print(printable(f'durcap: error: {one_code(f"cannot reach {engine}: {detail}{hint}", INPUT_CODE)}'),
+               markup=False)
     raise typer.Exit(2)
 
 
@@ -117,10 +119,11 @@ def _decide(engine: str, run_id: str, call_id: str, settings: dict[str, Any], **
         decision_wait()  # refuse an unusable $DURCAP_DECISION_WAIT before anything is read or sent
         decision = asyncio.run(runner.decide(run_id, call_id, engine=engine, **kwargs, **settings))
     except ApprovalError as exc:
-        _err.print(printable(f'durcap: error: {exc} ({exc.kind})'), markup=False)
+        code = exc.code if exc.code.startswith('DC') else INPUT_CODE  # DC044, DC051, DC052, DC054, DC055
+        _err.print(printable(f'durcap: error: {one_code(f"{exc} ({exc.kind})", code)}'), markup=False)
         raise typer.Exit(2) from None
     except InputError as exc:  # an unusable setting ($DURCAP_DECISION_WAIT): nothing was sent
-        _err.print(printable(f'durcap: error: {exc}'), markup=False)
+        _err.print(printable(f'durcap: error: {one_code(str(exc), exc.code)}'), markup=False)
         raise typer.Exit(2) from None
     except (OSError, RuntimeError) as exc:  # the engine's server or database cannot be reached
         _unreachable(engine, exc)
@@ -148,11 +151,11 @@ def approve(
         try:
             override = load_json(args, where='--args')
         except InputError as exc:
-            _err.print(f'durcap: error: {exc}', markup=False)
+            _err.print(f'durcap: error: {one_code(str(exc), exc.code)}', markup=False)
             raise typer.Exit(2) from None
         if not isinstance(override, dict):
-            _err.print('durcap: error: --args must be a JSON object of the tool\'s arguments, e.g. \'{"user": "alice"}\'',
-                       markup=False)
+            _err.print(f'durcap: error: {INPUT_CODE} --args must be a JSON object of the tool\'s arguments, '
+                       'e.g. \'{"user": "alice"}\'', markup=False)
             raise typer.Exit(2)
     _decide(engine, run_id, call_id, _settings(conn), approve=True, reason=reason,
             override_args=override, by=by, fingerprint_=fingerprint)

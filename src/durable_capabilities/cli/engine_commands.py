@@ -29,6 +29,7 @@ from ..agent import DurableAgent
 from ..conversations import check_busy
 from ..engines import DEFAULT_ENGINE, ENGINES, DrainCutShortError, EngineUnreachableError, RunOptions, get
 from ..engines._stall import wait_notice
+from ..errors import one_code
 from ..ids import redact_url
 from ..replay import ReplayTimeout, replay_histories
 from ..report import RunReport
@@ -316,7 +317,8 @@ def _run_failed(engine: str, agent: DurableAgent[Any, Any], exc: BaseException) 
     where = ''
     if model_error is not None or type(exc).__module__ == 'pydantic_ai.exceptions':
         where = f' ({_model_where(agent)})'
-    _err.print(Text(f'durcap: error: {_failure(agent, engine, exc, where)}'))
+    # a failure that carries a code (DC060: a spent budget, DC050: a busy conversation) leads the line with it
+    _err.print(Text(f'durcap: error: {one_code(_failure(agent, engine, exc, where), None)}'))
     _exit_now(1)
 
 
@@ -937,7 +939,7 @@ def replay(
     try:
         failures = asyncio.run(replay_histories(files, agents, store=store))
     except ReplayTimeout as exc:
-        _err.print(Text(f'durcap: error: {one_line(str(exc))}'))
+        _err.print(Text(f'durcap: error: {one_code(one_line(str(exc)), exc.code)}'))
         _exit_now(2)  # the replayer that timed out may still hold a native thread: leave without finalizers
     except ValueError as exc:
         _unusable(str(exc))

@@ -23,7 +23,7 @@ from pydantic_ai.messages import ModelMessage
 
 from .._limits import INPUT_CODE, printable
 from ..engines._specs import TEMPORAL
-from ..errors import DurcapError
+from ..errors import DurcapError, one_code
 from ..reading import approval_audit, read_conversation, summarize
 from ..store import DEFAULT_URL, StoreError, resolve_url
 from ._options import StoreOption, checked, connection_options, connection_settings
@@ -135,7 +135,9 @@ def _clip(text: str) -> str:
 
 
 def _unusable(message: str) -> NoReturn:
-    typer.echo(f'durcap: error: {printable(_flat(message))}', err=True)
+    """Print `durcap: error: <CODE> <message>` (one line, led by one code: `errors.one_code`, `DC040` by default)
+    and exit 2."""
+    typer.echo(f'durcap: error: {one_code(printable(_flat(message)), INPUT_CODE)}', err=True)
     raise typer.Exit(2)
 
 

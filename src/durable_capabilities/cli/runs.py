@@ -18,7 +18,7 @@ from rich.text import Text
 
 from .. import telemetry
 from .._limits import INPUT_CODE, one_line, printable, redact_database_url
-from ..errors import NOT_FOUND_CODE, DurcapError
+from ..errors import NOT_FOUND_CODE, DurcapError, one_code
 from ..settings import Settings
 from ..store import resolve_url
 from ..targets import TARGET_HELP
@@ -128,8 +128,9 @@ def list_runs(
     # An engine that could not be read: an error when it was the one asked for (exit 2), else a warning (the other
     # engines' runs are listed, exit 0).
     level = 'error' if engine is not None else 'warning'
-    for problem in listing.problems:
-        _err.print(printable(f'durcap: {level}: {problem}'), markup=False)
+    for problem in listing.problems:  # an error leads with its code (DC040 when it has none of its own)
+        _err.print(printable(f'durcap: {level}: {one_code(problem, INPUT_CODE) if engine is not None else problem}'),
+                   markup=False)
     if listing.runs or not listing.problems:  # no empty table under an engine that could not be read
         _print_runs(listing.runs, fmt)
     if listing.problems and engine is not None:
