@@ -473,6 +473,21 @@ def test_a_commit_whose_rows_were_not_handed_over_is_read_from_the_store(tmp_pat
     assert 'local-gap' not in _log._WAITERS
 
 
+
+async def _report_then_words(messages: list[Any], info: AgentInfo) -> AsyncIterator[str | dict[int, DeltaToolCall]]:
+    """Scripted model: a `big_report` call, then the answer streamed word by word."""
+    if len(messages) == 1:
+        yield {0: DeltaToolCall('big_report', '{"order": "ABC-123"}', tool_call_id='c1')}
+        return
+    for word in WORDS:
+        yield word
+
+
+def big_report(order: str) -> str:
+    """A long report."""
+    return order * 5_000
+
+
 def test_event_json_is_the_run_events_own_json(tmp_path: Path) -> None:
     """`durcap serve`'s Server-Sent Event data (`_watch.event_json`, spliced from the stored JSON) is exactly
     `RunEvent.model_dump_json()` for every event of a run with a tool call, a large (truncated) tool result, streamed
@@ -484,18 +499,7 @@ def test_event_json_is_the_run_events_own_json(tmp_path: Path) -> None:
 
     store = sqlite_url(tmp_path)
 
-    async def model(messages: list[Any], info: AgentInfo) -> AsyncIterator[str | dict[int, DeltaToolCall]]:
-        if len(messages) == 1:
-            yield {0: DeltaToolCall('big_report', '{"order": "ABC-123"}', tool_call_id='c1')}
-            return
-        for word in WORDS:
-            yield word
-
-    def big_report(order: str) -> str:
-        """A long report."""
-        return order * 5_000
-
-    local_run(FunctionModel(stream_function=model), store, 'local-json', tools=[big_report])
+    local_run(FunctionModel(stream_function=_report_then_words), store, 'local-json', tools=[big_report])
     log = EventLog(store)
     rows, _ = log.poll_sync('local-json', 0)
     assert {row.kind for row in rows} >= {'run_started', 'tool_call', 'tool_result', 'text_delta', 'run_completed'}
@@ -517,21 +521,11 @@ def test_rows_handed_over_splice_without_parsing_and_equal_the_stored_rows(tmp_p
 
     store = sqlite_url(tmp_path)
 
-    async def model(messages: list[Any], info: AgentInfo) -> AsyncIterator[str | dict[int, DeltaToolCall]]:
-        if len(messages) == 1:
-            yield {0: DeltaToolCall('big_report', '{"order": "ABC-123"}', tool_call_id='c1')}
-            return
-        for word in WORDS:
-            yield word
-
-    def big_report(order: str) -> str:
-        """A long report."""
-        return order * 5_000
-
     async def subscribed_run() -> list[StoredEvent]:
         inbox = _log.subscribe('local-handed-json')
         try:
-            agent = DurableAgent('streamer', FunctionModel(stream_function=model), engines=[], tools=[big_report])
+            agent = DurableAgent('streamer', FunctionModel(stream_function=_report_then_words), engines=[],
+                                 tools=[big_report])
             await runner.run(agent, 'where is ABC-123?', engine='local', run_id='local-handed-json', store=store)
             handed, unknown, _closed = inbox.take()
             assert not unknown
