@@ -53,7 +53,8 @@ _TASK_STARTED = 'EVENT_TYPE_WORKFLOW_TASK_STARTED'
 
 def _event_id(event: Any, index: int, where: str) -> int:
     raw = event.get('eventId') if isinstance(event, dict) else None
-    if isinstance(raw, bool) or not isinstance(raw, (int, str)) or not str(raw).isdigit():
+    # `isdecimal` and ASCII: `'¹'.isdigit()` is true but `int('¹')` raises (a case hypothesis found)
+    if isinstance(raw, bool) or not isinstance(raw, (int, str)) or not (str(raw).isascii() and str(raw).isdecimal()):
         raise InputError(where, f'event {index + 1} has eventId {printable(repr(raw))[:40]}, not a number. '
                          'Export the history again with `durcap history export`.')
     return int(raw)

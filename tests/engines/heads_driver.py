@@ -242,7 +242,9 @@ async def _recover_dbos(run_id: str, db: str) -> Any:
 
     agent_workflow(agent, store=os.environ['DURCAP_STORE'])
     queue = f'heads-resume-{uuid.uuid4().hex[:8]}'
-    launch(system_database_url_=db, one_shot=True, listen=[queue])
+    # As the version the run was started as (`runner.run` on DBOS runs as its agent's worker version, `serving`;
+    # `durcap runs resume` launches as the run's recorded one): DBOS hands a workflow only to a process of its version
+    launch(system_database_url_=db, one_shot=True, listen=[queue], serving=[agent])
     try:
         await DBOS.register_queue_async(queue)
         handle = await DBOS.resume_workflow_async(run_id, queue_name=queue)

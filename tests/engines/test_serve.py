@@ -184,7 +184,7 @@ def _wait_pending(url: str, run_id: str, timeout: float = 120) -> list[dict[str,
 
 def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_approval_runs_the_tool_once(
         dbos_stack: Stack) -> None:
-    """A table of 86 bad requests against `durcap serve --engine dbos` while a `gated` run waits for approval (wrong or
+    """A table of 87 bad requests against `durcap serve --engine dbos` while a `gated` run waits for approval (wrong or
     missing token, another principal's conversation and run, oversized and malformed bodies, unknown agent, run and
     call, an Idempotency-Key reused for another request, a decision for other arguments, edited arguments outside the
     tool's schema, unknown routes): each answered with its status and code in a JSON body without a traceback, and
@@ -268,7 +268,7 @@ def test_dbos_bad_requests_are_refused_with_a_code_and_change_nothing_then_the_a
     cases.append(('unknown run: decide', 'POST', '/v1/runs/nope/approvals/x', ALICE, json.dumps(good), *missing))
     for value in ('abc', '-1', '1e3', '9' * 30):
         cases.append((f'Last-Event-ID {value}', 'GET', events, {**ALICE, 'Last-Event-ID': value}, None, *bad))
-    for value in ('abc', '-1'):  # the query parameter for clients that set no headers: its own name in the message
+    for value in ('abc', '-1', '%C2%B9'):  # the query parameter for clients without headers, named; '¹' is a digit int() refuses
         cases.append((f'?after={value}', 'GET', f'{events}?after={value}', ALICE, None, *bad))
 
     def decision(name: str, body: Any, code_status: tuple[int, str], path: str = decide) -> None:

@@ -60,6 +60,9 @@ CASES: list[tuple[str, list[str], str, str, dict[str, str]]] = [
     # the code its message carried after `--cors-origin: ` leads the line (it was `--cors-origin: DC040 CORS ...`)
     ('serve-cors-origin', ['serve', PLAIN, '--cors-origin', 'https://app.example.com/'], 'DC040',
      "--cors-origin: CORS origin 'https://app.example.com/' is not an origin", {'DURCAP_SERVE_TOKEN': 't0ken'}),
+    # '¹' is a digit to str.isdigit but not to int(): it was a ValueError traceback
+    ('address-superscript-port', ['runs', 'list', '--engine', 'temporal', '--address', '127.0.0.1:\u00b9'], 'DC040',
+     'is not HOST:PORT with a port in 1-65535', {}),
     # a more specific code than DC040: an id that names nothing
     ('runs-show-unknown', ['runs', 'show', 'nope', '--engine', 'dbos', '--db', 'sqlite:///{tmp}/dbos.sqlite'], 'DC044',
      "no DBOS workflow 'nope'", {}),

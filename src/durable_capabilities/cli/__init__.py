@@ -126,7 +126,7 @@ def temporal_address(value: str | None, option: str = '--address') -> str | None
     if '://' in value:
         _unusable(f'{INPUT_CODE} {option} {shown} has a scheme: {fix}')
     host, sep, port = value.rpartition(':')
-    if not sep or not host.strip('[]') or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not sep or not host.strip('[]') or not (port.isascii() and port.isdecimal()) or not 1 <= int(port) <= 65535:
         _unusable(f'{INPUT_CODE} {option} {shown} is not HOST:PORT with a port in 1-65535: {fix}')
     return value
 

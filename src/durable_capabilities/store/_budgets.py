@@ -349,7 +349,7 @@ SEED_RUN = 'fork:'
 def _requests_of(run_id: str) -> int:
     if run_id.startswith(SEED_RUN):
         tail = run_id[len(SEED_RUN):]
-        return int(tail) if tail.isdigit() else 1
+        return int(tail) if tail.isascii() and tail.isdecimal() else 1
     return 1
 
 

@@ -72,7 +72,7 @@ def executor_process_gone(executor_id: str | None) -> bool:
     if not executor_id or not executor_id.startswith(prefix):
         return False
     pid_text = executor_id[len(prefix):].split('-', 1)[0]
-    if not pid_text.isdigit():
+    if not (pid_text.isascii() and pid_text.isdecimal()):
         return False
     try:
         os.kill(int(pid_text), 0)

@@ -146,7 +146,7 @@ def beating(flow_run_id: str) -> Iterator[None]:
         return
     every = beat_seconds()
     held = os.environ.get(HELD_ENV, '')
-    held_by = int(held) if held.isdigit() else None
+    held_by = int(held) if held.isascii() and held.isdecimal() else None
     stop = threading.Event()
     wake = threading.Event()  # set to beat now (a nested block), or with `stop`
 
