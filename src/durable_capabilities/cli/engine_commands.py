@@ -781,6 +781,9 @@ def _worker_command(engine: str) -> Any:
 
         Exit 0 once drained; 1 when the drain time (--graceful-shutdown) ended with runs still going (one line names
         them and who finishes them)."""
+        for flag, name in ((QUEUE_FLAGS.get(engine, ('--task-queue',))[0], task_queue), ('--executor-id', executor_id)):
+            if name is not None and not name.strip():  # a worker on task queue '' / DBOS executor '' started before
+                _unusable(f'{flag} {name!r}: expected a name, got an empty one (write {flag} NAME or leave it out)')
         schedule = _gc_schedule(engine, gc_every, gc_apply, gc_retention, gc_grace, store, conn or {},
                                 gc_abandoned_after)
         _err.print(f'{engine} worker: loading {printable(target)} and checking it (every engine; its names in '
