@@ -640,6 +640,15 @@ PROCESS_CASES = [
     # died with two tracebacks (exit 1); now one line before anything starts.
     Case('schedule-prefect-api-unreachable', ['schedule', 'prefect', PLAIN, '--prompt', 'p', '--cron', '0 9 * * *'], 2,
          'DC040 cannot reach the Prefect API at http://127.0.0.1:1/api', env={'PREFECT_API_URL': 'http://127.0.0.1:1/api'}),
+    # A Prefect API nobody answers at, for the operator commands: one line naming it (a fresh-user trial: httpx's
+    # ConnectError traceback, exit 1, for both).
+    Case('approvals-list-prefect-api-unreachable', ['approvals', 'list', '--engine', 'prefect'], 2,
+         'durcap: error: DC040 cannot reach prefect: cannot reach the Prefect API at http://127.0.0.1:1/api (ConnectError',
+         env={'PREFECT_API_URL': 'http://127.0.0.1:1/api'}),
+    Case('approve-prefect-api-unreachable', ['approve', '00000000-0000-0000-0000-000000000000', 'c1', '--engine',
+                                            'prefect'], 2,
+         'durcap: error: DC040 cannot reach prefect: cannot reach the Prefect API at http://127.0.0.1:1/api (ConnectError',
+         env={'PREFECT_API_URL': 'http://127.0.0.1:1/api'}),
     # docs/tracing.md: an OTEL_* value durcap cannot export with is one DC040 line naming the variable, before the command.
     Case('otel-exporter-unknown', ['check', PLAIN], 2, "DC040 OTEL_TRACES_EXPORTER: 'zipkin' is not an exporter",
          env={'OTEL_TRACES_EXPORTER': 'zipkin'}),

@@ -82,6 +82,9 @@ CASES: list[tuple[str, list[str], str, str, dict[str, str]]] = [
      "--task-queue '': expected a name, got an empty one", {}),
     ('worker-dbos-empty-executor-id', ['worker', 'dbos', PLAIN, '--executor-id', ''], 'DC040',
      "--executor-id '': expected a name, got an empty one", {}),
+    # a negative drain time reached the Temporal SDK (a TypeError traceback, exit 1)
+    ('worker-graceful-shutdown-negative', ['worker', 'temporal', PLAIN, '--graceful-shutdown', '-1'], 'DC040',
+     "Invalid value for '--graceful-shutdown': Input should be greater than or equal to 0", {}),
     # a more specific code than DC040: an id that names nothing
     ('runs-show-unknown', ['runs', 'show', 'nope', '--engine', 'dbos', '--db', 'sqlite:///{tmp}/dbos.sqlite'], 'DC044',
      "no DBOS workflow 'nope'", {}),

@@ -740,7 +740,7 @@ def _worker_command(engine: str) -> Any:
         # A default, not `Annotated`: the flags depend on `engine` (annotations are read as strings, without it).
         task_queue: str = typer.Option('durcap', *QUEUE_FLAGS.get(engine, ('--task-queue',)),
                                        help=QUEUE_HELP.get(engine, 'Task queue to poll.')),
-        graceful_shutdown: Annotated[float, typer.Option(help='Seconds in-flight activities get to finish after SIGTERM.')] = 30.0,
+        graceful_shutdown: Annotated[float, typer.Option(min=0, help='Seconds in-flight activities get to finish after SIGTERM.')] = 30.0,
         lock: Annotated[Path | None, typer.Option('--lock', help="Lockfile to check against (default: durable.lock beside TARGET's module file).")] = None,
         allow_drift: Annotated[bool, typer.Option('--allow-drift', help='Start even when durable unit names differ from the lockfile.')] = False,
         store: Annotated[str | None, typer.Option('--store', help='Conversation store URL for runs with a conversation id '
