@@ -41,6 +41,7 @@ __all__ = [
     'temporal_worker_registrations',
     'temporal_workflow_name',
     'toolset_with_id',
+    'typer_usage_errors',
 ]
 
 
@@ -226,6 +227,19 @@ def dbos_error_classes() -> tuple[type[BaseException], type[BaseException]]:
     from dbos._error import DBOSException, DBOSMaxStepRetriesExceeded  # lazily: dbos is an optional extra
 
     return DBOSException, DBOSMaxStepRetriesExceeded
+
+
+def typer_usage_errors() -> tuple[type[Exception], type[Exception]]:
+    """`(UsageError, NoArgsIsHelpError)`: the error typer raises for a command line it cannot parse (an unknown option,
+    a bad or missing value; exit code 2) and its subclass for a group given no arguments (it shows the help).
+
+    typer (0.29) vendors click as its private `typer._click` and exports only their base, `typer.TyperException`;
+    `durcap`'s command group turns the first into one coded line (`cli._OneLineUsageGroup`) and lets the second
+    print its help.
+    """
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError  # lazily: only the CLI asks
+
+    return UsageError, NoArgsIsHelpError
 
 
 def dbos_recover_pending_workflows(executor_ids: list[str]) -> list[str]:

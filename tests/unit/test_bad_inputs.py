@@ -50,6 +50,7 @@ FIXTURES = ROOT / 'tests' / 'fixtures'
 AGENTS = FIXTURES / 'input_agents.py'
 DEPS = f'{AGENTS}:with_deps'
 PLAIN = f'{AGENTS}:no_deps'
+ENGINE_REFUSED = "durcap: error: DC040 Invalid value for '--engine' / '-e': "  # typer's refusal, one coded line
 HISTORY = ROOT / 'tests' / 'histories' / 'support' / 'returns.json'
 SUPPORT = f'{ROOT / "examples" / "support" / "agent.py"}:support'
 CASE_SECONDS = 30
@@ -480,11 +481,13 @@ def _option_cases() -> list[Case]:
              '$DURCAP_PREFECT_STALE_SECONDS: must be a number of seconds above 0',
              env={'DURCAP_PREFECT_STALE_SECONDS': '-5'}),
         # An engine no command knows: the same coded line everywhere (`runs watch` had its own, uncoded).
-        Case('engine-unknown-check', ['check', PLAIN, '--engine', 'nope'], 2, "DC040 'nope' is not one of"),
-        Case('engine-unknown-run', ['run', PLAIN, 'hi', '--engine', 'nope'], 2, "DC040 'nope' is not one of"),
-        Case('engine-unknown-runs-show', ['runs', 'show', 'r1', '--engine', 'nope'], 2, "DC040 'nope' is not one of"),
+        # The parser's refusal is one line led by the code (the option's parser wrote it after the flag's name).
+        Case('engine-unknown-check', ['check', PLAIN, '--engine', 'nope'], 2, f"{ENGINE_REFUSED}'nope' is not one of"),
+        Case('engine-unknown-run', ['run', PLAIN, 'hi', '--engine', 'nope'], 2, f"{ENGINE_REFUSED}'nope' is not one of"),
+        Case('engine-unknown-runs-show', ['runs', 'show', 'r1', '--engine', 'nope'], 2,
+             f"{ENGINE_REFUSED}'nope' is not one of"),
         Case('engine-unknown-runs-watch', ['runs', 'watch', 'r1', '--engine', 'bogus'], 2,
-             "DC040 'bogus' is not one of 'local',"),
+             f"{ENGINE_REFUSED}'bogus' is not one of 'local',"),
         Case('format-unknown', ['check', PLAIN, '--format', 'xml'], 2, "'xml' is not one of"),
         Case('conversation-empty', ['run', PLAIN, 'hi', '--conversation', ' '], 2, '--conversation must not be empty'),
         Case('lock-output-missing-folder', ['lock', PLAIN, '-o', '{tmp}/no/such/dir/durable.lock'], 2, 'cannot write'),
@@ -504,7 +507,7 @@ def _option_cases() -> list[Case]:
         # Prefect's flow run ids are the server's: the API could not name the run it answers with (a trial found
         # runs that stayed `queued` with no events): refused before anything starts.
         Case('serve-engine-prefect', ['serve', PLAIN, '--engine', 'prefect'], 2,
-             'DC040 durcap serve does not run turns'),
+             f'{ENGINE_REFUSED}durcap serve does not run turns'),
         Case('serve-deps-not-json', ['serve', DEPS, '--deps-json', '{'], 2, 'not valid JSON'),
         Case('serve-deps-for-no-deps', ['serve', PLAIN, '--deps-json', '{}'], 2, 'takes no deps'),
         Case('serve-port-zero', ['serve', PLAIN, '--port', '0'], 2, "'--port'"),
@@ -637,6 +640,15 @@ PROCESS_CASES = [
     # died with two tracebacks (exit 1); now one line before anything starts.
     Case('schedule-prefect-api-unreachable', ['schedule', 'prefect', PLAIN, '--prompt', 'p', '--cron', '0 9 * * *'], 2,
          'DC040 cannot reach the Prefect API at http://127.0.0.1:1/api', env={'PREFECT_API_URL': 'http://127.0.0.1:1/api'}),
+    # A Prefect API nobody answers at, for the operator commands: one line naming it (a fresh-user trial: httpx's
+    # ConnectError traceback, exit 1, for both).
+    Case('approvals-list-prefect-api-unreachable', ['approvals', 'list', '--engine', 'prefect'], 2,
+         'durcap: error: DC040 cannot reach prefect: cannot reach the Prefect API at http://127.0.0.1:1/api (ConnectError',
+         env={'PREFECT_API_URL': 'http://127.0.0.1:1/api'}),
+    Case('approve-prefect-api-unreachable', ['approve', '00000000-0000-0000-0000-000000000000', 'c1', '--engine',
+                                            'prefect'], 2,
+         'durcap: error: DC040 cannot reach prefect: cannot reach the Prefect API at http://127.0.0.1:1/api (ConnectError',
+         env={'PREFECT_API_URL': 'http://127.0.0.1:1/api'}),
     # docs/tracing.md: an OTEL_* value durcap cannot export with is one DC040 line naming the variable, before the command.
     Case('otel-exporter-unknown', ['check', PLAIN], 2, "DC040 OTEL_TRACES_EXPORTER: 'zipkin' is not an exporter",
          env={'OTEL_TRACES_EXPORTER': 'zipkin'}),

@@ -63,6 +63,31 @@ CASES: list[tuple[str, list[str], str, str, dict[str, str]]] = [
     # '¹' is a digit to str.isdigit but not to int(): it was a ValueError traceback
     ('address-superscript-port', ['runs', 'list', '--engine', 'temporal', '--address', '127.0.0.1:\u00b9'], 'DC040',
      'is not HOST:PORT with a port in 1-65535', {}),
+    # typer's own refusals of a command line (a fresh-user trial: the usage text and a boxed message, five lines, most
+    # without a code): one line, DC040, the command's --help named
+    ('usage-bad-value', ['serve', PLAIN, '--keepalive', '-3'], 'DC040',
+     "Invalid value for '--keepalive': Input should be greater than or equal to 0 (see `", {}),
+    ('usage-not-a-number', ['ui', '--port', 'abc'], 'DC040', "Invalid value for '--port'", {}),
+    ('usage-engine-choice', ['run', PLAIN, 'hi', '--engine', 'nope'], 'DC040',
+     "Invalid value for '--engine' / '-e': 'nope' is not one of", {}),  # the parser's DC040 moved to the front
+    ('usage-missing-option', ['deny', 'r1', 'c1'], 'DC040', "Missing option '--reason'. (see `", {}),
+    ('usage-missing-argument', ['approve'], 'DC040', "Missing argument 'run_id'.", {}),
+    ('usage-unknown-option', ['savings', PLAIN, '--wat'], 'DC040', 'No such option: --wat', {}),
+    ('usage-unknown-command', ['runs', 'bogus'], 'DC040', "No such command 'bogus'. (see `", {}),
+    ('usage-unknown-top-option', ['--bogus'], 'DC040', 'No such option: --bogus (see `', {}),
+    # an empty queue or executor name: a worker started on task queue '' (or DBOS executor ''), and a Temporal run on
+    # it failed after it started with an uncoded "RPCError: missing task queue name" (exit 1)
+    ('run-empty-task-queue', ['run', PLAIN, 'hi', '--engine', 'temporal', '--task-queue', ''], 'DC040',
+     "--task-queue '': expected a queue name, got an empty one", {}),
+    ('run-empty-dbos-queue', ['run', PLAIN, 'hi', '--engine', 'dbos', '--queue', ' '], 'DC040',
+     "--queue ' ': expected a queue name, got an empty one", {}),
+    ('worker-temporal-empty-task-queue', ['worker', 'temporal', PLAIN, '--task-queue', ''], 'DC040',
+     "--task-queue '': expected a name, got an empty one", {}),
+    ('worker-dbos-empty-executor-id', ['worker', 'dbos', PLAIN, '--executor-id', ''], 'DC040',
+     "--executor-id '': expected a name, got an empty one", {}),
+    # a negative drain time reached the Temporal SDK (a TypeError traceback, exit 1)
+    ('worker-graceful-shutdown-negative', ['worker', 'temporal', PLAIN, '--graceful-shutdown', '-1'], 'DC040',
+     "Invalid value for '--graceful-shutdown': Input should be greater than or equal to 0", {}),
     # a more specific code than DC040: an id that names nothing
     ('runs-show-unknown', ['runs', 'show', 'nope', '--engine', 'dbos', '--db', 'sqlite:///{tmp}/dbos.sqlite'], 'DC044',
      "no DBOS workflow 'nope'", {}),
@@ -82,6 +107,21 @@ def test_every_error_line_leads_with_one_code(tmp_path: Path, argv: list[str], c
     assert lines[0].startswith(f'durcap: error: {code} ') and fragment in lines[0], lines[0]
     assert len(re.findall(r'\bDC\d{3}\b', lines[0])) == 1, lines[0]  # never two codes in one line
     assert done.stdout == '' and 'Traceback' not in done.stderr
+
+
+def test_a_usage_error_names_the_commands_help() -> None:
+    """In process (typer's `CliRunner`, prog name `durcap`): typer's refusal of a sub-subcommand's flag is one coded
+    line naming that command's `--help`; a group given nothing still prints its help (no model, no server)."""
+    from typer.testing import CliRunner
+
+    from durable_capabilities.cli import app
+
+    result = CliRunner().invoke(app, ['runs', 'watch', 'r1', '--format', 'xml'], prog_name='durcap')
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == ("durcap: error: DC040 Invalid value for '--format': Value error, 'xml' is not one "
+                                     "of 'text', 'jsonl'. (see `durcap runs watch --help`)"), result.stderr
+    helped = CliRunner().invoke(app, ['runs'], prog_name='durcap')
+    assert 'Usage: durcap runs' in helped.output and 'durcap: error' not in helped.output, helped.output
 
 
 @pytest.mark.parametrize(('message', 'line'), [

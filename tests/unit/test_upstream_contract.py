@@ -590,6 +590,33 @@ def test_telemetry_url_derived_id_semantics() -> None:
     assert _upstream.capability_url_derived_id(Capability(id='x')) is None
 
 
+def test_typer_usage_errors_are_what_typer_raises_for_a_bad_command_line() -> None:
+    """`typer._click.exceptions.UsageError` / `NoArgsIsHelpError` (`_upstream.typer_usage_errors`): what a typer
+    command raises for a value it cannot parse and for a group given nothing, both exit code 2 and `TyperException`s
+    (no model, no process)."""
+    import typer
+    from typer.core import TyperGroup
+
+    usage, no_args = _upstream.typer_usage_errors()
+    assert issubclass(no_args, usage) and issubclass(usage, typer.TyperException)
+    group = typer.Typer(no_args_is_help=True)
+
+    @group.command()
+    def one(port: int) -> None: ...  # pragma: no cover - never runs
+
+    @group.command()
+    def two() -> None: ...  # pragma: no cover - never runs
+
+    command = typer.main.get_command(group)
+    assert isinstance(command, TyperGroup)
+    with pytest.raises(usage) as bad:
+        command.main(['one', 'abc'], standalone_mode=False)
+    assert bad.value.exit_code == 2 and not isinstance(bad.value, no_args) and "Invalid value for 'port'" in (
+        bad.value.format_message())  # pyright: ignore[reportAttributeAccessIssue]
+    with pytest.raises(no_args):
+        command.main([], standalone_mode=False)
+
+
 def test_upstream_module_exports_are_all_covered() -> None:
     """A new private dependency in `_upstream.py` needs a contract test here."""
     covered = {
@@ -613,6 +640,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
         'temporal_workflow_name',
         'temporal_worker_registrations',
         'toolset_with_id',
+        'typer_usage_errors',  # test_typer_usage_errors_are_what_typer_raises_for_a_bad_command_line
     }
     assert set(_upstream.__all__) == covered
     tree = ast.parse(inspect.getsource(_upstream))
@@ -630,6 +658,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
     assert sorted(private) == [
         '_Definition',
         '_active_workflows_set',
+        '_click',
         '_client',
         '_dbos',
         '_deadlock_timeout_seconds',

@@ -25,8 +25,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperGroup
 
-from .. import telemetry
+from .. import _upstream, telemetry
 from .._limits import INPUT_CODE, one_line, postgres_connect_fix, postgres_database_missing, printable, redact_database_url
 from ..agent import DurableAgent
 from ..engines import ALL_ENGINES, DURABLE_ENGINES, specs
@@ -37,8 +38,46 @@ from ..store import on_create as on_store_create
 from ..targets import TARGET_HELP, UnusableTarget, apply_lock, check_lock, load, load_checked
 from ..validation import DurableConfigError, Report
 
+
+class _OneLineUsageGroup(TyperGroup):
+    """The `durcap` command group: a flag or argument typer refuses (an unknown option or command, a value of the wrong
+    type or out of range, a missing argument or option) is one `durcap: error: DC040 ...` line and exit 2, as every
+    other unusable input, instead of the usage text and a boxed message (a fresh-user trial: `durcap serve
+    --keepalive -3` printed five lines and no code). `durcap` or a command group given nothing still prints its help."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        """The context for `args`; a usage error while parsing them is one coded line, exit 2."""
+        usage, no_args = _upstream.typer_usage_errors()
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except usage as exc:
+            if isinstance(exc, no_args):
+                raise
+            _usage_error(exc)
+
+    def invoke(self, ctx: Any) -> Any:
+        """Run the subcommand; a usage error in its arguments (parsed here) is one coded line, exit 2."""
+        usage, no_args = _upstream.typer_usage_errors()
+        try:
+            return super().invoke(ctx)
+        except usage as exc:
+            if isinstance(exc, no_args):
+                raise
+            _usage_error(exc)
+
+
+def _usage_error(exc: Exception) -> NoReturn:
+    """Print typer's refusal as `durcap: error: DC040 <message> (see `COMMAND --help`)` and exit 2; a code the message
+    carries (a DC040 an option's parser wrote) leads instead of a second one."""
+    ctx = getattr(exc, 'ctx', None)
+    where = f' (see `{ctx.command_path} --help`)' if ctx is not None else ''
+    message = exc.format_message() if hasattr(exc, 'format_message') else str(exc)  # pyright: ignore[reportAttributeAccessIssue]
+    _unusable(f'{message}{where}')
+
+
 app = typer.Typer(
     name='durcap',
+    cls=_OneLineUsageGroup,
     help='Durable on-demand capabilities: check and lock definitions, run them on Temporal, DBOS and Prefect, '
     'resume conversations, replay histories.',
     add_completion=False,

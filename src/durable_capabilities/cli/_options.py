@@ -128,7 +128,8 @@ def queue_setting(conn: Mapping[str, Any], engine: str) -> dict[str, Any]:
     """`conn` with the queue flags read for `engine`: Temporal's task queue is `--task-queue`, a DBOS queue `--queue`,
     and `--task-queue` is taken as the DBOS queue when `--queue` is not given (the spelling `durcap worker dbos` had
     first). Exit 2 (DC040) on a spelling that names nothing on `engine` (`--queue` with Temporal), on two spellings
-    of one DBOS queue that disagree, or on a name that is a flag (`--queue --db URL` took `--db` as the queue); a flag
+    of one DBOS queue that disagree, on an empty name, or on a name that is a flag (`--queue --db URL` took `--db` as
+    the queue); a flag
     left `None` stays `None`."""
     from . import _unusable
 
@@ -138,6 +139,9 @@ def queue_setting(conn: Mapping[str, Any], engine: str) -> dict[str, Any]:
         if isinstance(name, str) and name.startswith('-'):  # `--queue --db URL`: the next flag taken as the name
             _unusable(f'{INPUT_CODE} {flag} {name!r}: expected a queue name, got a flag (a queue name never starts '
                       f'with "-"); write {flag} NAME, e.g. {flag} durcap')
+        if isinstance(name, str) and not name.strip():  # `--task-queue ''`: Temporal's RPCError after the run started
+            _unusable(f'{INPUT_CODE} {flag} {name!r}: expected a queue name, got an empty one; write {flag} NAME, e.g. '
+                      f'{flag} durcap')
     if engine == 'dbos' and task_queue is not None:
         if queue is not None and queue != task_queue:
             _unusable(f'{INPUT_CODE} --queue {queue!r} and --task-queue {task_queue!r}: a DBOS run is handed to one '

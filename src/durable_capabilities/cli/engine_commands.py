@@ -740,7 +740,7 @@ def _worker_command(engine: str) -> Any:
         # A default, not `Annotated`: the flags depend on `engine` (annotations are read as strings, without it).
         task_queue: str = typer.Option('durcap', *QUEUE_FLAGS.get(engine, ('--task-queue',)),
                                        help=QUEUE_HELP.get(engine, 'Task queue to poll.')),
-        graceful_shutdown: Annotated[float, typer.Option(help='Seconds in-flight activities get to finish after SIGTERM.')] = 30.0,
+        graceful_shutdown: Annotated[float, typer.Option(min=0, help='Seconds in-flight activities get to finish after SIGTERM.')] = 30.0,
         lock: Annotated[Path | None, typer.Option('--lock', help="Lockfile to check against (default: durable.lock beside TARGET's module file).")] = None,
         allow_drift: Annotated[bool, typer.Option('--allow-drift', help='Start even when durable unit names differ from the lockfile.')] = False,
         store: Annotated[str | None, typer.Option('--store', help='Conversation store URL for runs with a conversation id '
@@ -781,6 +781,9 @@ def _worker_command(engine: str) -> Any:
 
         Exit 0 once drained; 1 when the drain time (--graceful-shutdown) ended with runs still going (one line names
         them and who finishes them)."""
+        for flag, name in ((QUEUE_FLAGS.get(engine, ('--task-queue',))[0], task_queue), ('--executor-id', executor_id)):
+            if name is not None and not name.strip():  # a worker on task queue '' / DBOS executor '' started before
+                _unusable(f'{flag} {name!r}: expected a name, got an empty one (write {flag} NAME or leave it out)')
         schedule = _gc_schedule(engine, gc_every, gc_apply, gc_retention, gc_grace, store, conn or {},
                                 gc_abandoned_after)
         _err.print(f'{engine} worker: loading {printable(target)} and checking it (every engine; its names in '

@@ -34,9 +34,15 @@ from prefect.client.schemas.sorting import FlowRunSort
 from prefect.exceptions import NotPausedError, ObjectNotFound, PrefectHTTPStatusError
 from prefect.flow_runs import aresume_flow_run
 from prefect.input import acreate_flow_run_input, aread_flow_run_input
-from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, PREFECT_CLIENT_RETRY_EXTRA_CODES, temporary_settings
+from prefect.settings import (
+    PREFECT_CLIENT_MAX_RETRIES,
+    PREFECT_CLIENT_RETRY_EXTRA_CODES,
+    get_current_settings,
+    temporary_settings,
+)
 from prefect.states import Cancelled, Scheduled
 
+from ..._limits import printable
 from ...approvals import (
     DECISION_WAIT_ENV,
     ApprovalError,
@@ -51,6 +57,7 @@ from ...approvals import (
 from ...conversations import resolve_payload, store_url
 from ...report import RunReport
 from .._adapter import (
+    EngineUnreachableError,
     RunInfo,
     RunNotFoundError,
     RunOptions,
@@ -350,6 +357,40 @@ def _unit(task_run: Any) -> RunUnit:
 
 
 async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
+    """The calls waiting for a decision (`_pending_approvals` says which).
+
+    Raises:
+        EngineUnreachableError: the Prefect API does not answer (a refused or dropped connection, a timeout): one line
+            naming it (a fresh-user trial: `durcap approvals list --engine prefect` with PREFECT_API_URL on a port
+            nobody listens at printed httpx's traceback, exit 1).
+    """
+    try:
+        return await _pending_approvals(settings, run_id)
+    except httpx.TransportError as exc:
+        raise _api_unreachable(exc) from exc
+
+
+async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
+    """Store `decision` and resume the run (`_decide` says how, and its errors).
+
+    Raises:
+        EngineUnreachableError: the Prefect API did not answer a read before the writes (nothing was stored) or a
+            connection error escaped the writes' retries: one line naming the API, no traceback.
+    """
+    try:
+        return await _decide(run_id, decision, settings)
+    except httpx.TransportError as exc:
+        raise _api_unreachable(exc) from exc
+
+
+def _api_unreachable(exc: httpx.TransportError) -> EngineUnreachableError:
+    """The one-line error for a Prefect API that does not answer: its URL, httpx's reason and the fix."""
+    url = get_current_settings().api.url or "this command's temporary local server"
+    return EngineUnreachableError(f'cannot reach the Prefect API at {printable(url)} ({_what(exc)}): start the server '
+                                  '(`prefect server start`) or fix PREFECT_API_URL')
+
+
+async def _pending_approvals(settings: Mapping[str, Any], run_id: str | None = None) -> list[PendingCall]:
     """Pending calls of Paused, Suspended or Crashed `durcap-*` flow runs (or of flow run `run_id`), from flow run input
     `PENDING_INPUT`. Flow runs of other flows are filtered out on the server (by flow name), never read.
 
@@ -395,7 +436,7 @@ async def pending_approvals(settings: Mapping[str, Any], run_id: str | None = No
     return calls
 
 
-async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
+async def _decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -> PendingCall:
     """Check `decision` against the flow run's pending calls and against a decision already stored for the call,
     store it as flow run input and resume the run.
 
@@ -424,7 +465,7 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
             await client.read_flow_run(flow_run_id)
         except ObjectNotFound:
             raise ApprovalError('unknown-run', f'no Prefect flow run {run_id!r}') from None
-    pending = await pending_approvals(settings, run_id)
+    pending = await _pending_approvals(settings, run_id)
     key = DECISION_INPUT_PREFIX + _input_key(decision.call_id)
 
     async def refuse_if_decided() -> None:
@@ -472,7 +513,7 @@ async def decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) -
                 except (NotPausedError, RuntimeError):  # resumed meanwhile
                     pass
             elif flow_run.state is None or flow_run.state.is_final() or all(
-                    c.call_id != call.call_id for c in await pending_approvals(settings, run_id)):
+                    c.call_id != call.call_id for c in await _pending_approvals(settings, run_id)):
                 break  # the run read the decision without pausing again
             refused_resume = None
         except _Refused as refused:
