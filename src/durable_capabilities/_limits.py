@@ -245,6 +245,13 @@ def printable(value: object, *, keep_newlines: bool = False) -> str:
     return _UNSAFE.sub(_escape, str(value))
 
 
+def is_digits(text: str) -> bool:
+    """Whether `text` is a whole number `int()` reads: ASCII digits 0-9 only, at least one. Not `str.isdigit`, which
+    is true of `'¹'` and other Unicode digits `int()` refuses (a ValueError where a coded refusal was meant: a
+    hypothesis case in `replay`'s event ids; `--address`'s port, `Content-Length` and `?after` had the same gap)."""
+    return text.isascii() and text.isdecimal()
+
+
 def one_line(text: str) -> str:
     """`text` on one line: its first non-empty line, made `printable`."""
     lines = [line for line in str(text).splitlines() if line.strip()]

@@ -18,7 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._limits import MAX_HISTORY_BYTES, InputError, load_json, one_line, printable, read_bytes, replay_timeout
+from ._limits import (
+    MAX_HISTORY_BYTES,
+    InputError,
+    is_digits,
+    load_json,
+    one_line,
+    printable,
+    read_bytes,
+    replay_timeout,
+)
 from .agent import DurableAgent
 from .engines import ENGINES
 
@@ -53,8 +62,7 @@ _TASK_STARTED = 'EVENT_TYPE_WORKFLOW_TASK_STARTED'
 
 def _event_id(event: Any, index: int, where: str) -> int:
     raw = event.get('eventId') if isinstance(event, dict) else None
-    # `isdecimal` and ASCII: `'¹'.isdigit()` is true but `int('¹')` raises (a case hypothesis found)
-    if isinstance(raw, bool) or not isinstance(raw, (int, str)) or not (str(raw).isascii() and str(raw).isdecimal()):
+    if isinstance(raw, bool) or not isinstance(raw, (int, str)) or not is_digits(str(raw)):
         raise InputError(where, f'event {index + 1} has eventId {printable(repr(raw))[:40]}, not a number. '
                          'Export the history again with `durcap history export`.')
     return int(raw)

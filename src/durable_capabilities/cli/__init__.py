@@ -28,7 +28,15 @@ from rich.text import Text
 from typer.core import TyperGroup
 
 from .. import _upstream, telemetry
-from .._limits import INPUT_CODE, one_line, postgres_connect_fix, postgres_database_missing, printable, redact_database_url
+from .._limits import (
+    INPUT_CODE,
+    is_digits,
+    one_line,
+    postgres_connect_fix,
+    postgres_database_missing,
+    printable,
+    redact_database_url,
+)
 from ..agent import DurableAgent
 from ..engines import ALL_ENGINES, DURABLE_ENGINES, specs
 from ..errors import DurcapError, one_code
@@ -165,7 +173,7 @@ def temporal_address(value: str | None, option: str = '--address') -> str | None
     if '://' in value:
         _unusable(f'{INPUT_CODE} {option} {shown} has a scheme: {fix}')
     host, sep, port = value.rpartition(':')
-    if not sep or not host.strip('[]') or not (port.isascii() and port.isdecimal()) or not 1 <= int(port) <= 65535:
+    if not sep or not host.strip('[]') or not is_digits(port) or not 1 <= int(port) <= 65535:
         _unusable(f'{INPUT_CODE} {option} {shown} is not HOST:PORT with a port in 1-65535: {fix}')
     return value
 

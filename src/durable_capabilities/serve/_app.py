@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from .._limits import MAX_DEPTH, InputError, load_json, one_line, printable
+from .._limits import MAX_DEPTH, InputError, is_digits, load_json, one_line, printable
 from ..agent import DurableAgent
 from ..approvals import (
     AlreadyDecidedError,
@@ -351,7 +351,7 @@ class ServeApp:
         """`(JSON value, raw bytes)` of the request's body (see `body`)."""
         declared = request.headers.get('content-length')
         limit = self.max_body_bytes
-        if declared is not None and declared.isascii() and declared.isdecimal() and int(declared) > limit:
+        if declared is not None and is_digits(declared) and int(declared) > limit:
             raise RequestTooLargeError.over(what, limit, int(declared))
         chunks, size = [], 0
         async for chunk in request.stream():
@@ -532,7 +532,7 @@ class ServeApp:
         header = request.headers.get('last-event-id')
         source = 'Last-Event-ID' if header else '?after'  # the header wins; `?after=N` for clients that set no headers
         raw = header or request.query_params.get('after') or '0'
-        if not (raw.isascii() and raw.isdecimal()) or len(raw) > 18:  # not isdigit: '¹' is a digit int() refuses
+        if not is_digits(raw) or len(raw) > 18:
             raise BadRequestError(f'{source} {printable(raw[:40])!r}: expected the offset of the last event seen '
                                   '(an integer, 0 or more)', field=source)
         after = int(raw)

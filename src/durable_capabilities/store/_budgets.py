@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from .._limits import is_digits
 from ._schema import _WRITER
 
 if TYPE_CHECKING:
@@ -349,7 +350,7 @@ SEED_RUN = 'fork:'
 def _requests_of(run_id: str) -> int:
     if run_id.startswith(SEED_RUN):
         tail = run_id[len(SEED_RUN):]
-        return int(tail) if tail.isascii() and tail.isdecimal() else 1
+        return int(tail) if is_digits(tail) else 1
     return 1
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from dbos import DBOS
 
 from ... import _upstream
-from ..._limits import private_file
+from ..._limits import is_digits, private_file
 from ...lockfile import enforce_lock
 from ._spec import APP_NAME, DB_ENV, DEFAULT_SQLITE_PATH, ENGINE, RUN_EXECUTOR_PREFIX
 from ._workflow import _PREVIOUS_NAME_WORKFLOWS, BoundAgent
@@ -72,7 +72,7 @@ def executor_process_gone(executor_id: str | None) -> bool:
     if not executor_id or not executor_id.startswith(prefix):
         return False
     pid_text = executor_id[len(prefix):].split('-', 1)[0]
-    if not (pid_text.isascii() and pid_text.isdecimal()):
+    if not is_digits(pid_text):
         return False
     try:
         os.kill(int(pid_text), 0)

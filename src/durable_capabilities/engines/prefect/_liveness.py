@@ -81,6 +81,7 @@ from prefect.exceptions import PrefectHTTPStatusError
 from prefect.input import acreate_flow_run_input, aread_flow_run_input
 from prefect.states import Crashed
 
+from ..._limits import is_digits
 from .._process import pid_alive
 
 BEAT_LABEL = 'durcap.beat'
@@ -146,7 +147,7 @@ def beating(flow_run_id: str) -> Iterator[None]:
         return
     every = beat_seconds()
     held = os.environ.get(HELD_ENV, '')
-    held_by = int(held) if held.isascii() and held.isdecimal() else None
+    held_by = int(held) if is_digits(held) else None
     stop = threading.Event()
     wake = threading.Event()  # set to beat now (a nested block), or with `stop`
 
