@@ -628,7 +628,10 @@ def test_temporal_run_survives_a_server_restart_and_records_capabilities(tmp_pat
     assert listed == [run_id], listed
     assert run_id in cli.stdout, cli.stdout + cli.stderr
     # Temporal runs an activity at least once: a completion the stopped server never received is retried. The
-    # side effect ran once per attempt the server recorded for the charge activity, and no model request repeated.
-    assert len((ledger / 'charges').read_text().splitlines()) == charge_attempts, charge_attempts
+    # side effect ran at most once per attempt the server recorded for the charge activity (an attempt the server
+    # handed out while it was going down, or one that timed out before a loaded worker took it, never reaches the
+    # tool: CI saw 3 attempts and 2 charges at load 27), at least once, and no model request repeated.
+    charges = (ledger / 'charges').read_text().splitlines()
+    assert charges and set(charges) == {'E-5'} and len(charges) <= charge_attempts, (charges, charge_attempts)
     requests = (ledger / 'model-requests').read_text().splitlines()
     assert requests == ['E-5:0', 'E-5:1', 'E-5:2'], requests
