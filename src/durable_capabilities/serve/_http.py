@@ -52,7 +52,7 @@ class HeadJoinedTransport:
 
     def _flush(self) -> None:
         held, self._held = self._held, None
-        if held is not None:
+        if held is not None and not self._transport.is_closing():  # gone meanwhile (the client left): nothing to send
             self._transport.write(held)
 
     def close(self) -> None:
