@@ -74,6 +74,11 @@ def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[st
 def test_a_turns_answer_and_a_stored_runs_stream_are_one_write_each(served: tuple[str, list[bytes], str]) -> None:
     import httpx
 
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    # the serve extra's httptools (uvicorn's h11 protocol ends a chunked body in a write of its own; heads join there too)
+    assert issubclass(AutoHTTPProtocol, HttpToolsProtocol)
     url, writes, _ = served
     with httpx.Client(base_url=url, timeout=60) as client:
         posted = client.post(f'/v1/conversations/c-{uuid.uuid4().hex}/turns', json={'prompt': 'where is ABC-123?'},

@@ -35,7 +35,10 @@ class HeadJoinedTransport:
         self._held: bytes | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        """Send `data`, with the head held before it; a head itself is held (see the class)."""
+        """Send `data`, with the head held before it; a head itself is held (see the class). Empty data is nothing
+        to send (as the loop's own transports take it; h11 ends a message with one): a held head stays held."""
+        if not data:
+            return
         held = self._held
         if held is not None:
             self._held = None
