@@ -73,7 +73,6 @@ def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[st
 
 def test_a_turns_answer_and_a_stored_runs_stream_are_one_write_each(served: tuple[str, list[bytes], str]) -> None:
     import httpx
-
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
