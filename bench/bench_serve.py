@@ -17,7 +17,11 @@ Sides, interleaved round by round (their order alternating) so that they share t
 - `direct`: `runner.run(agent, prompt, engine=..., conversation_id=...)` in this process (DBOS: with `queue=`, handed
   to the worker as `durcap run --queue` does; Temporal: a workflow on the worker's task queue);
 - `serve`: one `durcap serve` subprocess; each turn is `POST /v1/conversations/{id}/turns` (an Idempotency-Key) and
-  `GET /v1/runs/{id}/events` read to its `run_completed` (httpx, this process): what an application pays.
+  `GET /v1/runs/{id}/events` read to the body's end, which the server sends with `run_completed` (httpx, this
+  process, one client keeping its connections alive): what an application pays. The API's own clients read a stream
+  to its end too (the `--chat` page, the docs' example); a client that stopped at `run_completed` would leave its
+  connection unreusable (httpx drops it), opening a new one every turn (measured 2026-12-06, bench/README
+  "h/localserve3").
 
 Each turn is a new conversation of the scripted `streamer` agent (tests/engines/stream_agent.py: a tool call, then
 the answer streamed in 31 deltas, `DURCAP_STREAM_DELAY=0`). Printed: turns per second per side (median over rounds),
@@ -115,15 +119,19 @@ async def _serve(url: str, turns: int, concurrency: int, firsts: list[float], de
                                        headers={**auth, 'Idempotency-Key': uuid.uuid4().hex})
             assert posted.status_code == 202, posted.text
             first = delta = None
+            completed = False
+            # Read to the body's end, as the API's own clients do (the chat page's fetch reader, the docs' example,
+            # the ai SDK's and @ag-ui/client's readers of the protocol endpoints): the server ends the body in the
+            # write carrying `run_completed`, so this waits for nothing more, and the connection goes back to the pool
+            # (a client that stops reading there leaves it unreusable: one new connection a turn).
             async with client.stream('GET', posted.json()['events_url'], headers=auth) as response:
                 async for line in response.aiter_lines():
                     if line.startswith('id: ') and first is None:
                         first = time.perf_counter() - sent
                     if line == 'event: text_delta' and delta is None:
                         delta = time.perf_counter() - sent
-                    if line == 'event: run_completed':
-                        break
-            assert first is not None and delta is not None
+                    completed = completed or line == 'event: run_completed'
+            assert first is not None and delta is not None and completed
             firsts.append(first)
             deltas.append(delta)
 

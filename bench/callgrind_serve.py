@@ -7,8 +7,8 @@ load-proof figure behind `bench_serve.py`'s serve/direct ratio.
 Each side runs under `valgrind --tool=callgrind --instr-atstart=no`: `--warm` turns first (imports, first
 connections, caches), then instrumentation is switched on (`callgrind_control -i on`), `--turns` turns run
 `--concurrency` at once, and the counters are dumped (`callgrind_control -d`). Serve: one `durcap serve` process
-under valgrind, each turn a POST with an Idempotency-Key and its SSE events read to `run_completed` by httpx in this
-process (not counted); direct: a process under valgrind running `runner.run` the same way. Printed: M instructions
+under valgrind, each turn a POST with an Idempotency-Key and its SSE events read to the body's end (`run_completed`
+last) by httpx in this process (not counted); direct: a process under valgrind running `runner.run` the same way. Printed: M instructions
 a turn per side (every thread of the process), and direct / serve (what `bench_serve.py`'s ratio comes to when the
 serve process's CPU bounds it). `--keep DIR` keeps the callgrind files for `callgrind_annotate`. The agent is
 `tests/engines/stream_agent.py` (a scripted `FunctionModel`, no delay). Valgrind runs the process ~50x slower.
@@ -102,11 +102,11 @@ async def _turns(url: str, turns: int, concurrency: int) -> None:
             posted = await client.post(f'/v1/conversations/s-{uuid.uuid4().hex}/turns', json={'prompt': 'where is ABC-123?'},
                                        headers={**auth, 'Idempotency-Key': uuid.uuid4().hex})
             assert posted.status_code == 202, posted.text
+            completed = False
             async with client.stream('GET', posted.json()['events_url'], headers=auth) as response:
-                async for line in response.aiter_lines():
-                    if line == 'event: run_completed':
-                        return
-            raise AssertionError('the stream ended without run_completed')
+                async for line in response.aiter_lines():  # to the body's end, as bench_serve.py's client
+                    completed = completed or line == 'event: run_completed'
+            assert completed, 'the stream ended without run_completed'
 
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await asyncio.gather(*[one(client) for _ in range(turns)])

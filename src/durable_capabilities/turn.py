@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import sys
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -79,6 +79,24 @@ class TurnState:
 
 
 _current: ContextVar[TurnState | None] = ContextVar('durcap_turn', default=None)
+
+_claimed: ContextVar[str | None] = ContextVar('durcap_turn_claimed', default=None)
+"""The run id whose conversation claim the caller already took (`claimed_by_caller`)."""
+
+
+@contextmanager
+def claimed_by_caller(run_id: str) -> Iterator[None]:
+    """Within the block (and the tasks it starts), the in-process load of run `run_id`'s turn (`run_turn` with the
+    default units, `run_id` its claim's holder) does not claim the conversation again: the caller took the claim for
+    `run_id` itself (`durcap serve`'s local turn: in the transaction recording the run, before its 202), and holds it
+    from there until the turn's append releases it, as the load's own claim would be held. Saves the load's write
+    transaction and its trip to a worker thread; a turn of any other run id claims as before."""
+    token = _claimed.set(run_id)
+    try:
+        yield
+    finally:
+        _claimed.reset(token)
+
 
 
 def _streams() -> Any:
@@ -447,7 +465,8 @@ def deps_from_json(agent: DurableAgent[Any, Any], deps: Any) -> Any:
 def _local_load(agent: DurableAgent[Any, Any], store: str | None, holder: str) -> LoadUnit:
     async def load(conversation_id: str, busy: str | None = None) -> LoadedConversation:
         with telemetry.unit_span('store.load', agent=agent.name, conversation_id=conversation_id):
-            await claim_turn(agent, conversation_id, holder, busy or agent.busy, store=store)
+            if _claimed.get() != holder:  # not already claimed for this run by its caller (`claimed_by_caller`)
+                await claim_turn(agent, conversation_id, holder, busy or agent.busy, store=store)
             try:
                 return await load_conversation(agent, conversation_id, store=store)
             except BaseException:

@@ -123,5 +123,9 @@ def serve(
                + (f'; chat page http://{shown}:{port}/chat' if chat else ''), markup=False)
     _err.print(f'durcap serve: bearer token from ${TOKEN_ENV}' if raw else f'durcap serve: bearer token: {token}',
                markup=False)
-    config = uvicorn.Config(application, host=host, port=port, log_level='warning', access_log=False)
+    from ..serve._http import protocol_class
+
+    # each response's head in one socket write with its body (`serve._http`): one write less a response
+    config = uvicorn.Config(application, host=host, port=port, log_level='warning', access_log=False,
+                            http=protocol_class())
     uvicorn.Server(config).run()

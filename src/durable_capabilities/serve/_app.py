@@ -432,7 +432,8 @@ class ServeApp:
         if started is None:
             started = await self.rows.call(self.rows.start_turn_sync, **record, flush=self.engine != 'local')
         if started.created:
-            task = asyncio.get_running_loop().create_task(self._run(started.run, agent, prompt, deps, strategy))
+            task = asyncio.get_running_loop().create_task(self._run(started.run, agent, prompt, deps, strategy,
+                                                                    claimed=started.claimed))
             self.tasks.add(task)
             # While its task runs, the run's row is known here (`own_run`: the client's stream request, which
             # follows at once, reads no row); a conversation is never deleted while a turn runs on it.
@@ -444,8 +445,12 @@ class ServeApp:
         self.tasks.discard(task)
         self.known_runs.pop(run_id, None)
 
-    async def _run(self, row: RunRow, agent: DurableAgent[Any, Any], prompt: str, deps: Any, busy: str) -> None:
+    async def _run(self, row: RunRow, agent: DurableAgent[Any, Any], prompt: str, deps: Any, busy: str,
+                   claimed: bool = False) -> None:
+        """Run the turn `start_turn` recorded; `claimed`: that transaction also took the conversation's claim for it,
+        so a local run's load does not claim it again (`turn.claimed_by_caller`)."""
         from .. import runner
+        from ..turn import claimed_by_caller
 
         settings = {**self.settings, 'busy': busy}
         if self.engine == 'dbos':
@@ -459,9 +464,10 @@ class ServeApp:
             settings['inline_worker'] = False
         started: list[str] = []
         try:
-            await runner.run(agent, prompt, engine=self.engine, deps=deps, conversation_id=row.conversation_id,
-                             run_id=row.run_id, notify=lambda line: logger.info('%s', line), on_start=started.append,
-                             **settings)
+            with claimed_by_caller(row.run_id) if claimed and self.engine == 'local' else contextlib.nullcontext():
+                await runner.run(agent, prompt, engine=self.engine, deps=deps, conversation_id=row.conversation_id,
+                                 run_id=row.run_id, notify=lambda line: logger.info('%s', line), on_start=started.append,
+                                 **settings)
         except asyncio.CancelledError:
             await self._release_claim(row, started)
             if self.engine == 'local':  # the app stops while its in-process turn runs: the turn is gone, say so

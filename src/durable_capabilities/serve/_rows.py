@@ -69,6 +69,9 @@ class Started:
 
     run: RunRow
     created: bool
+    claimed: bool = False
+    """Whether this call also took the conversation's turn claim for the run (it was free): the run's own load then
+    need not claim it again (`turn.claimed_by_caller`)."""
 
 
 class ServeRows:
@@ -176,7 +179,7 @@ class ServeRows:
             if key is not None:
                 cur.execute('INSERT INTO durcap_serve_requests (principal, idempotency_key, digest, run_id, created_at) '
                             'VALUES (:p, :k, :d, :r, :at)', {'p': principal, 'k': key, 'd': digest, 'r': run_id, 'at': now})
-            return Started(RunRow(run_id, principal, conversation_id, agent, engine, now), True)
+            return Started(RunRow(run_id, principal, conversation_id, agent, engine, now), True, claimed=holder is None)
 
     def release_claim_sync(self, conversation_id: str, run_id: str) -> bool:
         """Release the turn claim `start_turn_sync` took for run `run_id` (when the run could not be handed to its
