@@ -565,7 +565,7 @@ def test_runs_list_keeps_the_id_and_the_short_columns_whole_at_80_columns() -> N
     info = RunInfo('temporal', 'durcap-run-9f2c4e1b7a30', 'support', 'completed', 'COMPLETED',
                    datetime(2026, 12, 1, tzinfo=UTC), ['orders', 'account-security'], 'conv-1234', 10)
     for width in (80, 160):
-        console = Console(width=width, record=True, highlight=False)
+        console = Console(width=width, record=True, highlight=False, force_terminal=True)
         saved, runs._out = runs._out, console
         try:
             runs._print_runs([info], runs.RunsFormat.text)
@@ -575,6 +575,42 @@ def test_runs_list_keeps_the_id_and_the_short_columns_whole_at_80_columns() -> N
         header = text.split('durcap-run')[0]
         assert 'durcap-run-9f2c4e1b7a30  temporal  support  completed' in text, text
         assert 'engine' in header and 'status' in header and 'engi…' not in header, text
+
+
+def test_runs_list_piped_keeps_each_row_on_one_line() -> None:
+    """Piped (`durcap runs list | grep ...`), the table is printed at its own width: each run on one line, no cell
+    cut (before: at the piped console's 160 columns a long conversation id came out as `conversation-w…` and the
+    start time and the executor folded onto a second line). The console is the one `durcap` makes for a pipe
+    (160 columns, not a terminal), writing to a buffer."""
+    import io
+    from datetime import UTC, datetime
+
+    from rich.console import Console
+
+    from durable_capabilities.cli import runs
+    from durable_capabilities.engines import RunInfo
+
+    conversation = 'conversation-with-a-rather-long-name-for-testing-0123456789'
+    infos = [RunInfo('dbos', f'input-plain-b0eca810-9947-4194-8890-2f3878cdd8d{n}', 'input-plain', 'completed',
+                     'SUCCESS', datetime(2026, 12, 6, 17, 31, 10, tzinfo=UTC), ['orders', 'account-security'],
+                     conversation, 3, detail={'executor_id': 'durcap-run-vm-11988-151560'}) for n in range(3)]
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=160, highlight=False, soft_wrap=True)
+    assert not console.is_terminal
+    saved, runs._out = runs._out, console
+    try:
+        runs._print_runs(infos, runs.RunsFormat.text)
+    finally:
+        runs._out = saved
+    lines = buffer.getvalue().splitlines()
+    assert len(lines) == 1 + len(infos), lines
+    assert lines[0].split() == ['id', 'engine', 'agent', 'status', 'started', '(UTC)', 'capabilities', 'loaded',
+                                'conversation', 'units', 'done', 'held', 'by'], lines[0]
+    for n, line in enumerate(lines[1:]):
+        assert line.split() == [infos[n].run_id, 'dbos', 'input-plain', 'completed', '2026-12-06', '17:31:10',
+                                'orders,', 'account-security', conversation, '3', 'executor',
+                                'durcap-run-vm-11988-151560'], line
+    assert console.width == 160  # the console's width is back for what it prints next
 
 
 def test_listing_prefect_without_an_api_says_it_reads_the_temporary_server(tmp_path: Path) -> None:
