@@ -66,6 +66,10 @@ balancer with an idle timeout (often 30-60 s) does not cut the stream of a run t
 a worker (`create_app(keepalive_seconds=...)`, `durcap serve --keepalive`; 0: none). EventSource and the SSE parsers of
 the AG-UI and ai SDK clients skip comment lines (the SSE standard: a line starting with a colon)."""
 
+SSE_RETRY = 'retry: 1000\n\n'
+"""The SSE `retry:` field of every event stream (1 s: an EventSource that lost the stream reconnects after 1 s,
+with `Last-Event-ID`, not the browser's default 3-5 s), in the stream's first write (`_EventStream`)."""
+
 ID_PATTERN = re.compile(r'[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}')
 """Conversation ids (and Idempotency-Keys) the API accepts: 1-200 characters of letters, digits and `._:@-`."""
 
@@ -227,6 +231,10 @@ class _EventStream(Response):
         self.status_code, self.background = 200, None
         self.raw_headers = list(_SSE_HEADERS)
         self.writes = 0  # the stream's writes so far: the keepalive timer comments when it saw none since its last look
+        # The reconnect delay EventSource uses after a drop (its default is the browser's, ~3-5 s), sent with the
+        # stream's first write, events or keepalive comment, whichever comes first: no write of its own (a run waiting
+        # for a worker or a queue sends no event for a while, and used to get its first `retry:` only then).
+        self.prefix = SSE_RETRY
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -249,8 +257,9 @@ class _EventStream(Response):
             if not state['done']:
                 # the response may end (or the client leave) while this write waits for the socket to drain: uvicorn
                 # then refuses it, and there is nothing left to keep alive
+                body, self.prefix = (self.prefix + ': keepalive\n\n').encode(), ''
                 with contextlib.suppress(RuntimeError, OSError):
-                    await send({'type': 'http.response.body', 'body': b': keepalive\n\n', 'more_body': True})
+                    await send({'type': 'http.response.body', 'body': body, 'more_body': True})
 
         def look(seen: int) -> None:  # every `keepalive` seconds: a comment when the stream wrote nothing meanwhile
             if state['done']:
@@ -284,23 +293,23 @@ class _EventStream(Response):
     async def _stream(self, send: Send) -> bool:
         """Send the events; whether the response was ended with them (the run's last event, or the error event, in
         the response's last write: the chunk and the end of the body in one write, one write less a turn)."""
-        run_id, prefix = self.run_id, 'retry: 1000\n\n'  # sent with the first events: one write less a turn
+        run_id = self.run_id
         try:
             async for batch in self.rows:
-                text = prefix + ''.join([f'id: {event.offset}\nevent: {event.kind}\ndata: {event_json(run_id, event)}\n\n'
-                                         for event in batch])
-                prefix = ''
+                text = self.prefix + ''.join([f'id: {event.offset}\nevent: {event.kind}\ndata: '
+                                              f'{event_json(run_id, event)}\n\n' for event in batch])
+                self.prefix = ''
                 self.writes += 1
                 last = batch[-1].kind in TERMINAL_KINDS  # `watch_rows` ends with it: nothing follows
                 await send({'type': 'http.response.body', 'body': text.encode(), 'more_body': not last})
                 if last:
                     return True
         except StreamNotFoundError as exc:
-            text = prefix + f'event: error\ndata: {json.dumps({"code": exc.code, "message": str(exc)})}\n\n'
+            text = self.prefix + f'event: error\ndata: {json.dumps({"code": exc.code, "message": str(exc)})}\n\n'
             await send({'type': 'http.response.body', 'body': text.encode(), 'more_body': False})
             return True
-        if prefix:
-            await send({'type': 'http.response.body', 'body': prefix.encode(), 'more_body': True})
+        if self.prefix:
+            await send({'type': 'http.response.body', 'body': self.prefix.encode(), 'more_body': True})
         return False
 
 
