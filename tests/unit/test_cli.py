@@ -458,22 +458,27 @@ def test_a_two_slash_sqlite_url_is_refused_with_the_url_meant() -> None:
 
 
 @pytest.mark.parametrize('command', [('runs', 'list', '--engine', 'temporal'),
-                                     ('run', 'tests/engines/ledger_agent.py:agent', 'x', '--engine', 'temporal')])
+                                     ('run', 'tests/engines/ledger_agent.py:agent', 'x', '--engine', 'temporal'),
+                                     ('serve', 'tests/engines/ledger_agent.py:agent', '--engine', 'temporal')])
 def test_an_unreachable_temporal_server_is_one_line_and_exit_2(command: tuple[str, ...]) -> None:
     """Nothing listens on the address (a port this test holds closed): one line naming the address, the reason
-    and the fix, exit 2, instead of temporalio's Rust transport error (exit 1 for `run` before)."""
+    and the fix, exit 2, instead of temporalio's Rust transport error (exit 1 for `run` before; `serve` started
+    and answered 202 to turns no engine could start)."""
     with socket.socket() as held:  # bound, never listening: connections to it are refused
         held.bind(('127.0.0.1', 0))
         address = f'127.0.0.1:{held.getsockname()[1]}'
-        result = durcap(*command, '--address', address)
+        result = durcap(*command, '--address', address, env={'DURCAP_SERVE_TOKEN': 't'})
     assert result.returncode == 2, result.stdout + result.stderr
     assert f'cannot reach the Temporal server at {address} (Connection refused)' in result.stderr, result.stderr
+    if command[0] == 'serve':  # one line, and no token printed: it refused before starting
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert 'tonic' not in result.stderr and 'Traceback' not in result.stderr
 
 
 @pytest.mark.parametrize('command', [('runs', 'list', '--engine', 'temporal'),
                                      ('run', 'tests/engines/ledger_agent.py:agent', 'x', '--engine', 'temporal'),
-                                     ('worker', 'temporal', 'tests/engines/ledger_agent.py:agent')])
+                                     ('worker', 'temporal', 'tests/engines/ledger_agent.py:agent'),
+                                     ('serve', 'tests/engines/ledger_agent.py:agent', '--engine', 'temporal')])
 def test_an_address_that_accepts_and_never_answers_times_out_saying_what_it_waits_for(command: tuple[str, ...]) -> None:
     """Something listens on the address but never answers (this test's socket: the kernel completes the handshake,
     nobody reads): the command gives up after `$DURCAP_TEMPORAL_CONNECT_TIMEOUT` (1 s here; 10 s by default) with one
@@ -483,7 +488,8 @@ def test_an_address_that_accepts_and_never_answers_times_out_saying_what_it_wait
         listening.bind(('127.0.0.1', 0))
         listening.listen(16)
         address = f'127.0.0.1:{listening.getsockname()[1]}'
-        result = durcap(*command, '--address', address, env={'DURCAP_TEMPORAL_CONNECT_TIMEOUT': '1'})
+        result = durcap(*command, '--address', address, env={'DURCAP_TEMPORAL_CONNECT_TIMEOUT': '1',
+                                                             'DURCAP_SERVE_TOKEN': 't'})
     assert result.returncode == 2, result.stdout + result.stderr
     assert f'no answer from a Temporal server at {address} within 1 s' in result.stderr, result.stderr
     assert '$DURCAP_TEMPORAL_CONNECT_TIMEOUT' in result.stderr and 'Traceback' not in result.stderr

@@ -124,6 +124,14 @@ class TemporalAdapter(EngineAdapter, spec=SPEC):
         """
         serve_dev_server(port, state_dir, notify, ui_port)
 
+    async def check_serving(self, settings: Mapping[str, Any]) -> list[str]:
+        """Connect to the Temporal server `settings['address']` names (default 127.0.0.1:7233) as `durcap worker
+        temporal` does (`_client.connect`: at most `$DURCAP_TEMPORAL_CONNECT_TIMEOUT` seconds, default 10); raises
+        `EngineUnreachableError` when it does not answer."""
+        await connect(settings.get('address') or DEFAULT_ADDRESS, settings.get('namespace') or DEFAULT_NAMESPACE,
+                      store=settings.get('store'))
+        return []
+
     async def export_history(self, run_id: str, output: Any, settings: Mapping[str, Any]) -> Any:
         """The workflow's history as JSON (`_history.export_history`); settings `address`, `namespace`."""
         client = await connect(settings.get('address') or DEFAULT_ADDRESS, settings.get('namespace') or DEFAULT_NAMESPACE,
