@@ -516,6 +516,12 @@ def _option_cases() -> list[Case]:
              '/missing does not exist, so nothing has run there'),
         Case('ui-store-env-missing-folder', ['ui', '--engine', 'dbos'], 2, 'folder missing does not exist',
              env={'DURCAP_STORE': 'sqlite:///missing/x.db'}),  # relative: the case runs in {tmp}
+        # `durcap serve --engine dbos` on a system database it cannot reach: one line at start, exit 2 (it started and
+        # every turn failed), the password never printed.
+        Case('serve-dbos-db-unreachable', ['serve', PLAIN, '--engine', 'dbos', '--db',
+                                           'postgresql://x:secret@127.0.0.1:1/nope'], 2,
+             'DC040 cannot serve dbos: cannot connect to the DBOS system database postgresql://x:***@127.0.0.1:1/nope',
+             env={'DURCAP_SERVE_TOKEN': 't'}),
         Case('serve-deps-not-json', ['serve', DEPS, '--deps-json', '{'], 2, 'not valid JSON'),
         Case('serve-deps-for-no-deps', ['serve', PLAIN, '--deps-json', '{}'], 2, 'takes no deps'),
         Case('serve-port-zero', ['serve', PLAIN, '--port', '0'], 2, "'--port'"),
