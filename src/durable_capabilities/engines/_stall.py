@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
+from typing import Self
 
 from .._limits import env_seconds
 
@@ -46,7 +47,7 @@ class WaitingForWorker(str):
 
     api: str
 
-    def __new__(cls, line: str, api: str | None = None) -> WaitingForWorker:
+    def __new__(cls, line: str, api: str | None = None) -> Self:
         made = super().__new__(cls, line)
         made.api = api or line
         return made
