@@ -333,7 +333,7 @@ async def _run(agent: DurableAgent[Any, Any], run: Callable[..., Awaitable[Any]]
         usage = result.usage
         limit = _request_limit(run_kwargs)
         while gate is not None and _approval_requests(result) is not None:
-            if limit is not None and usage.requests >= limit:  # before a person is asked: the turn could not go on
+            if limit is not None and usage.requests >= limit and gate.bounds_rounds():  # before anyone is asked
                 raise TurnRequestLimitError(usage.requests, limit, [c.tool_name for c in result.output.approvals])
             result, more = await _await_decisions(agent, gate, run, result, conversation_id, deps, run_kwargs)
             added += more
