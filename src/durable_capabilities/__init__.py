@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     )
     from .streams import RunEvent, watch
     from .targets import UnusableTarget
+    from .turn import TurnRequestLimitError
 
 _LAZY = {
     **dict.fromkeys(('ConversationConflictError', 'ConversationNotFoundError', 'SQLConversationStore', 'StoreError',
@@ -66,6 +67,7 @@ _LAZY = {
     'LockfileError': 'lockfile',
     **dict.fromkeys(('watch', 'RunEvent'), 'streams'),
     'UnusableTarget': 'targets',
+    'TurnRequestLimitError': 'turn',
 }
 """Names imported on first use, with their module: the store brings SQLAlchemy (about 0.4 s and 300 modules), which an
 agent without a conversation never needs (issue 14, item 5); the lockfile and TARGET loader are for tools."""
@@ -104,6 +106,7 @@ __all__ = [
     'StoreError',
     'StoreURLError',
     'StoreUnavailableError',
+    'TurnRequestLimitError',
     'UnusableTarget',
     'WorkerSecret',
     'drift',

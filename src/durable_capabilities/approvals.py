@@ -462,6 +462,13 @@ class ApprovalGate(ABC):
     async def now(self) -> datetime:
         """The current UTC time as the engine records it (the same value when the run recovers)."""
 
+    def bounds_rounds(self) -> bool:
+        """Whether the turn stops at its request limit, counted across approval rounds (`turn.TurnRequestLimitError`,
+        DC061), before it asks for decisions again. Asked only when the limit is reached, in the durable container:
+        an engine whose replays must not change (Temporal) answers through a patch marker, so a history recorded
+        before the limit existed replays as it ran. Default: yes."""
+        return True
+
     @abstractmethod
     async def wait(self, pending: list[PendingCall], timeout: float) -> dict[str, Decision]:
         """Publish `pending`, wait up to `timeout` seconds (a durable timer) for a decision on each, and return

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter
+from pydantic_ai.exceptions import UsageLimitExceeded
 from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
 from pydantic_core import to_json, to_jsonable_python
 
@@ -37,11 +38,37 @@ from .conversations import (  # noqa: F401 - _DECODED and DECODED_CACHE_SIZE re-
     release_turn,
     store_url,
 )
+from .errors import DurcapError
 
 if TYPE_CHECKING:
     from .agent import DurableAgent
     from .approvals import ApprovalGate
     from .conversations import LoadedConversation
+
+class TurnRequestLimitError(UsageLimitExceeded, DurcapError, code='DC061'):
+    """A turn made its request limit of model requests across its approval rounds and its model asked for approval
+    again (problem DC061): each round is a new `Agent.run`, whose own limit starts at 0, so a model that keeps calling
+    a tool needing approval (on a local run each call is denied at once) looped without end. Raised before the calls
+    are put to a person; a pydantic-ai `UsageLimitExceeded` (an `AgentRunError`: Temporal fails the workflow, no
+    engine retries it).
+
+    Attributes:
+        requests: The turn's model requests so far.
+        limit: The request limit: the `usage_limits` the turn's runs were given (none of durcap's engines passes
+            one), else pydantic-ai's default `UsageLimits().request_limit`, 50.
+        tools: The tools the model asked for again.
+    """
+
+    def __init__(self, requests: int, limit: int, tools: Sequence[str]):
+        self.requests, self.limit, self.tools = requests, limit, list(tools)
+        super().__init__(f'DC061 the turn made {requests} model requests, its request limit ({limit}), and its model '
+                         f'asked again for approval of {", ".join(sorted(set(self.tools)))} (a local run denies each call '
+                         'at once; the model kept asking): stopped before another round; tell the model what to do '
+                         'when a call is denied, or run on a durable engine, where a person decides each call')
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.requests, self.limit, self.tools))
+
 
 LoadUnit = Callable[..., Awaitable['LoadedConversation']]
 """`load(conversation_id, busy) -> LoadedConversation`: the engine's durable unit that claims the conversation for
@@ -322,7 +349,10 @@ async def _run(agent: DurableAgent[Any, Any], run: Callable[..., Awaitable[Any]]
             placed, pending = state.log.split()
             added, logged = ModelMessagesTypeAdapter.dump_python(placed, mode='json'), []
         usage = result.usage
+        limit = _request_limit(run_kwargs)
         while gate is not None and _approval_requests(result) is not None:
+            if limit is not None and usage.requests >= limit and gate.bounds_rounds():  # before anyone is asked
+                raise TurnRequestLimitError(usage.requests, limit, [c.tool_name for c in result.output.approvals])
             result, more = await _await_decisions(agent, gate, run, result, conversation_id, deps, run_kwargs)
             added += more
             usage = usage + result.usage
@@ -421,6 +451,16 @@ def _approval_requests(result: Any) -> Any:
 
     output = result.output
     return output if isinstance(output, DeferredToolRequests) and output.approvals else None
+
+
+def _request_limit(run_kwargs: dict[str, Any]) -> int | None:
+    """The request limit of the whole turn: `usage_limits.request_limit` of the run's keyword arguments (a caller of
+    `run_turn` that passes them), else pydantic-ai's default (`UsageLimits().request_limit`, 50, what every engine's
+    runs get); `None`: no limit."""
+    from pydantic_ai.usage import UsageLimits
+
+    limits = run_kwargs.get('usage_limits') or UsageLimits()
+    return limits.request_limit
 
 
 async def _await_decisions(

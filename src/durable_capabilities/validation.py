@@ -300,6 +300,12 @@ CODES: dict[str, Code] = {
         'error',
         written_by='budget',
     ),
+    'DC061': Code(
+        'A turn made its request limit of model requests across its approval rounds, and its model asked for '
+        'approval again.',
+        'error',
+        written_by='turn',
+    ),
     'DC070': Code(
         'An evals dataset was asked for, but pydantic-evals does not import here.',
         'error',

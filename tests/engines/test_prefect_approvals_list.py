@@ -53,3 +53,43 @@ def test_approvals_list_reads_only_durcap_flow_runs(prefect_api_url: str) -> Non
     assert ours in done.stdout and f'ours-{tag}' in done.stdout, done.stdout
     assert theirs not in done.stdout and f'theirs-{tag}' not in done.stdout, done.stdout
     assert 'Traceback' not in done.stderr
+
+
+async def _flow_run(api: str, flow_name: str, state: str) -> str:
+    """A flow run of flow `flow_name` left in `state` (`Paused` or `Running`), made with Prefect's own client as a
+    user's own flow would be, with no durcap input; returns its id."""
+    from prefect import flow
+    from prefect.client.orchestration import PrefectClient
+    from prefect.states import Paused, Running
+
+    @flow(name=flow_name)
+    def user_flow() -> None:  # never run: only its name is registered
+        return None
+
+    async with PrefectClient(api) as client:
+        run = await client.create_flow_run(user_flow, state=Paused() if state == 'Paused' else Running())
+        return str(run.id)
+
+
+@pytest.mark.parametrize('verb', [('approve',), ('deny', '--reason', 'no')])
+def test_deciding_a_flow_run_durcap_did_not_start_names_what_it_found(prefect_api_url: str, verb: tuple[str, ...]) -> None:
+    """`durcap approve|deny` of a flow run that durcap did not start, or that waits for no durcap call: one DC044 line
+    naming the flow, its state and what to do (before: "is not waiting for approval" for all three, exit 2)."""
+    tag = uuid.uuid4().hex[:8]
+    user_flow = f'user-flow-lo6-{tag}'
+    paused = asyncio.run(_flow_run(prefect_api_url, user_flow, 'Paused'))
+    running = asyncio.run(_flow_run(prefect_api_url, user_flow, 'Running'))
+    ours_paused = asyncio.run(_flow_run(prefect_api_url, f'{FLOW_NAME_PREFIX}lo6-{tag}', 'Paused'))
+    expected = {
+        paused: f"Prefect flow run {paused!r} (flow {user_flow!r}, state Paused) was not started by durcap (its flows are "
+                f'named {FLOW_NAME_PREFIX}AGENT): it has no durcap call waiting for approval; resume it the way its own '
+                'flow expects',
+        running: f"Prefect flow run {running!r} (flow {user_flow!r}, state Running) was not started by durcap",
+        ours_paused: f"Prefect flow run {ours_paused!r} (flow '{FLOW_NAME_PREFIX}lo6-{tag}', state Paused) is paused but "
+                     f'publishes no call waiting for approval (its {PENDING_INPUT!r} input is empty or missing)',
+    }
+    for run_id, said in expected.items():
+        done = durcap(verb[0], run_id, 'call-1', *verb[1:], '--engine', 'prefect', env={'PREFECT_API_URL': prefect_api_url})
+        assert done.returncode == 2, done.stdout + done.stderr
+        [line] = done.stderr.strip().splitlines()
+        assert line.startswith(f'durcap: error: DC044 {said}'), line

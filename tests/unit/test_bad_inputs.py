@@ -508,6 +508,20 @@ def _option_cases() -> list[Case]:
         # runs that stayed `queued` with no events): refused before anything starts.
         Case('serve-engine-prefect', ['serve', PLAIN, '--engine', 'prefect'], 2,
              f'{ENGINE_REFUSED}durcap serve does not run turns'),
+        # `durcap ui` on a SQLite database in a folder that does not exist started and showed empty pages for a
+        # mistyped path: refused at start (a missing file in an existing folder still starts).
+        Case('ui-db-missing-folder', ['ui', '--engine', 'dbos', '--db', 'sqlite:///{tmp}/missing/folder/x.db'], 2,
+             "DC040 --db 'sqlite:///"),
+        Case('ui-store-missing-folder', ['ui', '--engine', 'dbos', '--store', 'sqlite:///{tmp}/missing/x.db'], 2,
+             '/missing does not exist, so nothing has run there'),
+        Case('ui-store-env-missing-folder', ['ui', '--engine', 'dbos'], 2, 'folder missing does not exist',
+             env={'DURCAP_STORE': 'sqlite:///missing/x.db'}),  # relative: the case runs in {tmp}
+        # `durcap serve --engine dbos` on a system database it cannot reach: one line at start, exit 2 (it started and
+        # every turn failed), the password never printed.
+        Case('serve-dbos-db-unreachable', ['serve', PLAIN, '--engine', 'dbos', '--db',
+                                           'postgresql://x:secret@127.0.0.1:1/nope'], 2,
+             'DC040 cannot serve dbos: cannot connect to the DBOS system database postgresql://x:***@127.0.0.1:1/nope',
+             env={'DURCAP_SERVE_TOKEN': 't'}),
         Case('serve-deps-not-json', ['serve', DEPS, '--deps-json', '{'], 2, 'not valid JSON'),
         Case('serve-deps-for-no-deps', ['serve', PLAIN, '--deps-json', '{}'], 2, 'takes no deps'),
         Case('serve-port-zero', ['serve', PLAIN, '--port', '0'], 2, "'--port'"),

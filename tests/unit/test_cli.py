@@ -458,22 +458,27 @@ def test_a_two_slash_sqlite_url_is_refused_with_the_url_meant() -> None:
 
 
 @pytest.mark.parametrize('command', [('runs', 'list', '--engine', 'temporal'),
-                                     ('run', 'tests/engines/ledger_agent.py:agent', 'x', '--engine', 'temporal')])
+                                     ('run', 'tests/engines/ledger_agent.py:agent', 'x', '--engine', 'temporal'),
+                                     ('serve', 'tests/engines/ledger_agent.py:agent', '--engine', 'temporal')])
 def test_an_unreachable_temporal_server_is_one_line_and_exit_2(command: tuple[str, ...]) -> None:
     """Nothing listens on the address (a port this test holds closed): one line naming the address, the reason
-    and the fix, exit 2, instead of temporalio's Rust transport error (exit 1 for `run` before)."""
+    and the fix, exit 2, instead of temporalio's Rust transport error (exit 1 for `run` before; `serve` started
+    and answered 202 to turns no engine could start)."""
     with socket.socket() as held:  # bound, never listening: connections to it are refused
         held.bind(('127.0.0.1', 0))
         address = f'127.0.0.1:{held.getsockname()[1]}'
-        result = durcap(*command, '--address', address)
+        result = durcap(*command, '--address', address, env={'DURCAP_SERVE_TOKEN': 't'})
     assert result.returncode == 2, result.stdout + result.stderr
     assert f'cannot reach the Temporal server at {address} (Connection refused)' in result.stderr, result.stderr
+    if command[0] == 'serve':  # one line, and no token printed: it refused before starting
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert 'tonic' not in result.stderr and 'Traceback' not in result.stderr
 
 
 @pytest.mark.parametrize('command', [('runs', 'list', '--engine', 'temporal'),
                                      ('run', 'tests/engines/ledger_agent.py:agent', 'x', '--engine', 'temporal'),
-                                     ('worker', 'temporal', 'tests/engines/ledger_agent.py:agent')])
+                                     ('worker', 'temporal', 'tests/engines/ledger_agent.py:agent'),
+                                     ('serve', 'tests/engines/ledger_agent.py:agent', '--engine', 'temporal')])
 def test_an_address_that_accepts_and_never_answers_times_out_saying_what_it_waits_for(command: tuple[str, ...]) -> None:
     """Something listens on the address but never answers (this test's socket: the kernel completes the handshake,
     nobody reads): the command gives up after `$DURCAP_TEMPORAL_CONNECT_TIMEOUT` (1 s here; 10 s by default) with one
@@ -483,7 +488,8 @@ def test_an_address_that_accepts_and_never_answers_times_out_saying_what_it_wait
         listening.bind(('127.0.0.1', 0))
         listening.listen(16)
         address = f'127.0.0.1:{listening.getsockname()[1]}'
-        result = durcap(*command, '--address', address, env={'DURCAP_TEMPORAL_CONNECT_TIMEOUT': '1'})
+        result = durcap(*command, '--address', address, env={'DURCAP_TEMPORAL_CONNECT_TIMEOUT': '1',
+                                                             'DURCAP_SERVE_TOKEN': 't'})
     assert result.returncode == 2, result.stdout + result.stderr
     assert f'no answer from a Temporal server at {address} within 1 s' in result.stderr, result.stderr
     assert '$DURCAP_TEMPORAL_CONNECT_TIMEOUT' in result.stderr and 'Traceback' not in result.stderr
@@ -565,7 +571,7 @@ def test_runs_list_keeps_the_id_and_the_short_columns_whole_at_80_columns() -> N
     info = RunInfo('temporal', 'durcap-run-9f2c4e1b7a30', 'support', 'completed', 'COMPLETED',
                    datetime(2026, 12, 1, tzinfo=UTC), ['orders', 'account-security'], 'conv-1234', 10)
     for width in (80, 160):
-        console = Console(width=width, record=True, highlight=False)
+        console = Console(width=width, record=True, highlight=False, force_terminal=True)
         saved, runs._out = runs._out, console
         try:
             runs._print_runs([info], runs.RunsFormat.text)
@@ -575,6 +581,42 @@ def test_runs_list_keeps_the_id_and_the_short_columns_whole_at_80_columns() -> N
         header = text.split('durcap-run')[0]
         assert 'durcap-run-9f2c4e1b7a30  temporal  support  completed' in text, text
         assert 'engine' in header and 'status' in header and 'engi…' not in header, text
+
+
+def test_runs_list_piped_keeps_each_row_on_one_line() -> None:
+    """Piped (`durcap runs list | grep ...`), the table is printed at its own width: each run on one line, no cell
+    cut (before: at the piped console's 160 columns a long conversation id came out as `conversation-w…` and the
+    start time and the executor folded onto a second line). The console is the one `durcap` makes for a pipe
+    (160 columns, not a terminal), writing to a buffer."""
+    import io
+    from datetime import UTC, datetime
+
+    from rich.console import Console
+
+    from durable_capabilities.cli import runs
+    from durable_capabilities.engines import RunInfo
+
+    conversation = 'conversation-with-a-rather-long-name-for-testing-0123456789'
+    infos = [RunInfo('dbos', f'input-plain-b0eca810-9947-4194-8890-2f3878cdd8d{n}', 'input-plain', 'completed',
+                     'SUCCESS', datetime(2026, 12, 6, 17, 31, 10, tzinfo=UTC), ['orders', 'account-security'],
+                     conversation, 3, detail={'executor_id': 'durcap-run-vm-11988-151560'}) for n in range(3)]
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=160, highlight=False, soft_wrap=True)
+    assert not console.is_terminal
+    saved, runs._out = runs._out, console
+    try:
+        runs._print_runs(infos, runs.RunsFormat.text)
+    finally:
+        runs._out = saved
+    lines = buffer.getvalue().splitlines()
+    assert len(lines) == 1 + len(infos), lines
+    assert lines[0].split() == ['id', 'engine', 'agent', 'status', 'started', '(UTC)', 'capabilities', 'loaded',
+                                'conversation', 'units', 'done', 'held', 'by'], lines[0]
+    for n, line in enumerate(lines[1:]):
+        assert line.split() == [infos[n].run_id, 'dbos', 'input-plain', 'completed', '2026-12-06', '17:31:10',
+                                'orders,', 'account-security', conversation, '3', 'executor',
+                                'durcap-run-vm-11988-151560'], line
+    assert console.width == 160  # the console's width is back for what it prints next
 
 
 def test_listing_prefect_without_an_api_says_it_reads_the_temporary_server(tmp_path: Path) -> None:

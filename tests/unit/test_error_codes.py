@@ -146,3 +146,20 @@ def test_a_failed_run_line_leads_with_its_own_code_only() -> None:
     assert one_code(failed, None) == ("DC060 agent 'a' failed on dbos: BudgetExceededError: key 'k' spent; cause: "
                                       'BudgetExceededError: key')
     assert one_code("agent 'a' failed on dbos: ModelHTTPError: 500", None) == "agent 'a' failed on dbos: ModelHTTPError: 500"
+
+
+def test_a_local_run_whose_model_keeps_asking_for_a_denied_call_stops_at_the_request_limit(tmp_path: Path) -> None:
+    """`durcap run` (local engine, a real subprocess) of a scripted `FunctionModel` that calls a tool needing approval
+    after every denial: it looped without end (each approval round a new `Agent.run` with its own request limit);
+    now the turn stops once its model requests reach pydantic-ai's default request limit (50, the same on every
+    engine), exit 1, the failure line led by DC061 naming the tool, and the model was asked exactly 50 times."""
+    target = f'{ROOT / "tests" / "fixtures" / "stubborn_agent.py"}:agent'
+    done = _helpers.durcap('run', target, 'revoke bob', cwd=tmp_path, env={'DURCAP_CRASH_DIR': str(tmp_path)},
+                           unset=['DURCAP_STORE'], timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    [line] = [x for x in done.stderr.splitlines() if x.startswith('durcap: error:')]
+    assert line.startswith("durcap: error: DC061 agent 'stubborn' failed on local: TurnRequestLimitError: the turn "
+                           'made 50 model requests, its request limit (50), and its model asked again for approval of '
+                           'revoke_sessions'), line
+    assert (tmp_path / 'requests').read_text().count('request') == 50
+    assert done.stderr.count('revoke_sessions needs approval') == 49 and 'Traceback' not in done.stderr

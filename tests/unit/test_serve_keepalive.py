@@ -61,9 +61,12 @@ def test_an_idle_stream_gets_keepalive_comments_then_its_events() -> None:
     sent = asyncio.run(_drive(rows(), 0.05, until))
     bodies = _bodies(sent)
     assert sent[0]['type'] == 'http.response.start' and sent[0]['status'] == 200
-    assert bodies[:2] == [b': keepalive\n\n', b': keepalive\n\n']
+    # The reconnect delay comes with the first write, here the first comment (a run waiting for a worker sends no
+    # event for a while: an EventSource that lost the stream then would reconnect after the browser's 3-5 s).
+    assert bodies[:2] == [b'retry: 1000\n\n: keepalive\n\n', b': keepalive\n\n']
     last = bodies[-1].decode()
-    assert last.startswith('retry: 1000\n\nid: 1\nevent: run_started\n') and 'event: run_completed' in last
+    assert last.startswith('id: 1\nevent: run_started\n') and 'event: run_completed' in last
+    assert sum(body.count(b'retry:') for body in bodies) == 1
     assert sent[-1]['more_body'] is False  # the events' write ended the response: nothing written after it
 
 
@@ -85,6 +88,8 @@ def test_a_stream_that_writes_gets_no_comment_and_none_is_written_after_its_end(
     sent = asyncio.run(_drive(rows(), 10.0, until))
     assert not any(b'keepalive' in body for body in _bodies(sent))
     assert len(_bodies(sent)) == 4 and sent[-1]['more_body'] is False
+    assert _bodies(sent)[0].startswith(b'retry: 1000\n\nid: 1\n')  # with the first events: no write of its own
+    assert sum(body.count(b'retry:') for body in _bodies(sent)) == 1
 
 
 def test_keepalive_off_and_bad_values() -> None:

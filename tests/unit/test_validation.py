@@ -728,6 +728,9 @@ def test_zz_every_code_is_exercised(request: pytest.FixtureRequest) -> None:
     # A spent budget: produced by budget.py, exercised in tests/unit/test_budgets.py, tests/engines/test_budgets.py and
     # by the examples of docs/errors.md.
     elsewhere |= {'DC060'}
+    # A turn that made its request limit across approval rounds: produced by turn.py, exercised in
+    # tests/unit/test_error_codes.py (a local `durcap run`) and by the examples of docs/errors.md.
+    elsewhere |= {'DC061'}
     # pydantic-evals missing for `durcap history evals`: produced by evals.py, exercised in tests/unit/test_evals.py and by
     # the examples of docs/errors.md.
     elsewhere |= {'DC070'}

@@ -100,7 +100,20 @@ def _print_runs(infos: list[Any], fmt: RunsFormat) -> None:
                     for label in _LABELS), box=None, pad_edge=False)
     for info in infos:
         table.add_row(*map(Text, _row(info)))
-    _out.print(table)
+    if _out.is_terminal:
+        _out.print(table)
+        return
+    # Piped (grep, awk, a file): one row a line, no cell cut or folded, at the table's own width (at the console's
+    # 160 columns a long conversation id or executor name was cut to `conversation-w…` and the row folded in two).
+    from rich.measure import Measurement
+
+    natural = Measurement.get(_out, _out.options.update_width(1 << 20), table).maximum
+    saved = _out.width
+    _out.width = max(saved, natural)
+    try:
+        _out.print(table)
+    finally:
+        _out.width = saved
 
 
 @runs_app.command('list')

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .._limits import INPUT_CODE
+from .._limits import INPUT_CODE, InputError
 from . import _err, _unusable, _valid_agents, app
 from ._options import StoreOption, check_stream_env, connection_options, connection_settings, queue_setting
 from .ui import LOOPBACK
@@ -28,6 +28,23 @@ def _serve_engine(value: str) -> str:
         raise typer.BadParameter(f'DC040 {value!r} is not one of {", ".join(map(repr, SERVE_ENGINES))} (the engines '
                                  'whose runs publish event streams the API can name).')
     return value
+
+
+def _check_engine(engine: str, settings: dict[str, Any]) -> None:
+    """Exit 2 (DC040) when the engine's server cannot be reached (`EngineAdapter.check_serving`: Temporal within its
+    connect timeout, as `durcap worker temporal` refuses to start); print its warnings (serve starts anyway)."""
+    import asyncio
+
+    from ..engines import EngineUnreachableError, get
+
+    try:
+        warnings = asyncio.run(get(engine).check_serving(settings))
+    except EngineUnreachableError as exc:
+        _unusable(f'{INPUT_CODE} cannot serve {engine}: {exc}')
+    except InputError as exc:  # e.g. a bad $DURCAP_TEMPORAL_CONNECT_TIMEOUT
+        _unusable(str(exc))
+    for line in warnings:
+        _err.print(f'durcap serve: warning: {line}', markup=False)
 
 
 @app.command()
@@ -102,6 +119,7 @@ def serve(
         queue = run_settings['queue'] = queues['queue'] or 'durcap'
     elif engine == 'temporal':
         task_queue = run_settings['task_queue'] = queues['task_queue'] or 'durcap'
+    _check_engine(engine, run_settings)
     from ..serve import bearer_auth
 
     application = create_app(agents, engine=engine, settings=run_settings, auth=bearer_auth(tokens),

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .._limits import INPUT_CODE
+from .._limits import INPUT_CODE, printable
 from . import _err, _unusable, app, engine_metavar, engine_name
 from ._options import StoreOption, connection_options, connection_settings
 
@@ -18,6 +18,33 @@ TOKEN_ENV = 'DURCAP_UI_TOKEN'  # noqa: S105 - the variable's name, not a token
 """The environment variable holding the decision token (otherwise one is generated and printed at start)."""
 
 LOOPBACK = ('127.0.0.1', '::1', 'localhost')
+
+
+def _refuse_missing_folders(settings: Any, engines: list[str], store: str | None) -> None:
+    """Exit 2 (DC040) when a SQLite database the pages would read, an engine's (`--db`) or the conversation store
+    (`--store`), lies in a folder that does not exist: nothing ever ran there (a run or a worker creates its file), so
+    the pages could only ever be empty; a mistyped path is said at start, as `durcap run --queue` says it. A missing
+    file in an existing folder passes (the first run or worker may come after the pages are up), and so do the
+    defaults (`.durcap/...`, before anything ran here): only a URL given (flag or environment) is checked."""
+    from pathlib import Path
+
+    import sqlalchemy as sa
+
+    from ..engines import get
+
+    named = [(s.option, settings.engine().get(s.field)) for name in engines for s in get(name).spec.settings
+             if s.kind == 'database']
+    for option, value in [*named, ('--store', store and settings.store)]:
+        if not isinstance(value, str):
+            continue
+        url = sa.make_url(value)
+        if url.get_backend_name() != 'sqlite' or not url.database:
+            continue
+        folder = Path(url.database).parent
+        if not folder.exists():
+            _unusable(f'{INPUT_CODE} {option} {printable(value)!r}: folder {printable(str(folder))} does not exist, so '
+                      'nothing has run there: give the URL your runs and workers use (their '
+                      f'{option}), or create the folder')
 
 
 @app.command()
@@ -52,6 +79,7 @@ def ui(
         application = create_app(settings, token, engines=engine, limit=limit)
     except EngineNotInstalled as exc:
         _unusable(str(exc))
+    _refuse_missing_folders(settings, application.state.engines, store or os.environ.get('DURCAP_STORE') or None)
     try:
         with socket.create_server((host, port)):
             pass  # free: uvicorn binds it next (its own error on a taken port is a log line and exit 1)

@@ -407,6 +407,21 @@ class EngineAdapter(ABC):
         `durcap run` and `durcap demo` once the flags are checked. Default: nothing."""
         return None
 
+    async def check_serving(self, settings: Mapping[str, Any]) -> list[str]:
+        """What `durcap serve --engine NAME` checks once before it takes turns (`settings`: the run settings it hands
+        every turn: `address`, `db`, `queue`, `task_queue`, `store`, ...).
+
+        Returns:
+            Warning lines for what makes turns wait or fail until something else is started (no worker serves the
+            queue yet; a system database no worker has created): serve starts anyway, as a worker may come later.
+            Default: none.
+
+        Raises:
+            EngineUnreachableError: the engine's server cannot be reached within a bounded wait (Temporal: the
+                connect timeout, 10 s): no turn could be started; `durcap serve` exits 2 with the line.
+        """
+        return []
+
     def run_notes(self, options: RunOptions) -> list[str]:
         """Lines `durcap run` prints before the run (e.g. which store a remote worker uses)."""
         return []

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
+from typing import Self
 
 from .._limits import env_seconds
 
@@ -33,6 +34,23 @@ def wait_notice() -> float:
         InputError: DC040, the variable is not a number of seconds above 0 (checked before the run starts).
     """
     return env_seconds(WAIT_NOTICE_ENV, DEFAULT_WAIT_NOTICE, 60)
+
+
+class WaitingForWorker(str):
+    """A `notify` line saying that a run waits for a worker: none serves its queue, or none has taken it for a while.
+    `durcap run` prints it as any line; `durcap serve` also publishes it in the run's stream (a `run_waiting` event,
+    `data['notice']`: `api`), where an application sees it (the run is not refused: a worker may come later).
+
+    Attributes:
+        api: The line for an API client, when the printed one names a flag of `durcap run` (default: the same text).
+    """
+
+    api: str
+
+    def __new__(cls, line: str, api: str | None = None) -> Self:
+        made = super().__new__(cls, line)
+        made.api = api or line
+        return made
 
 
 @dataclass(frozen=True)
@@ -79,6 +97,6 @@ async def notice_stalls(probe: Callable[[], Awaitable[Progress]], line: Callable
             if now != last:
                 last, since, said = now, loop.time(), False
             elif now is not None and not said and loop.time() - since >= seconds:
-                notify(await line(now[1], seconds))
+                notify(WaitingForWorker(await line(now[1], seconds)))
                 said = True
         await asyncio.sleep(poll)

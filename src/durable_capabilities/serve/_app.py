@@ -33,6 +33,7 @@ from ..approvals import (
     stale_fingerprint,
 )
 from ..conversations import check_busy
+from ..engines._stall import WaitingForWorker
 from ..store import ConversationBusyError, ConversationNotFoundError, StoreError
 from ..store._sql import _WouldWait
 from ..streams import StreamNotFoundError
@@ -65,6 +66,10 @@ DEFAULT_KEEPALIVE_SECONDS = 15.0
 balancer with an idle timeout (often 30-60 s) does not cut the stream of a run that waits for an approval, a queue or
 a worker (`create_app(keepalive_seconds=...)`, `durcap serve --keepalive`; 0: none). EventSource and the SSE parsers of
 the AG-UI and ai SDK clients skip comment lines (the SSE standard: a line starting with a colon)."""
+
+SSE_RETRY = 'retry: 1000\n\n'
+"""The SSE `retry:` field of every event stream (1 s: an EventSource that lost the stream reconnects after 1 s,
+with `Last-Event-ID`, not the browser's default 3-5 s), in the stream's first write (`_EventStream`)."""
 
 ID_PATTERN = re.compile(r'[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}')
 """Conversation ids (and Idempotency-Keys) the API accepts: 1-200 characters of letters, digits and `._:@-`."""
@@ -227,6 +232,10 @@ class _EventStream(Response):
         self.status_code, self.background = 200, None
         self.raw_headers = list(_SSE_HEADERS)
         self.writes = 0  # the stream's writes so far: the keepalive timer comments when it saw none since its last look
+        # The reconnect delay EventSource uses after a drop (its default is the browser's, ~3-5 s), sent with the
+        # stream's first write, events or keepalive comment, whichever comes first: no write of its own (a run waiting
+        # for a worker or a queue sends no event for a while, and used to get its first `retry:` only then).
+        self.prefix = SSE_RETRY
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -249,8 +258,9 @@ class _EventStream(Response):
             if not state['done']:
                 # the response may end (or the client leave) while this write waits for the socket to drain: uvicorn
                 # then refuses it, and there is nothing left to keep alive
+                body, self.prefix = (self.prefix + ': keepalive\n\n').encode(), ''
                 with contextlib.suppress(RuntimeError, OSError):
-                    await send({'type': 'http.response.body', 'body': b': keepalive\n\n', 'more_body': True})
+                    await send({'type': 'http.response.body', 'body': body, 'more_body': True})
 
         def look(seen: int) -> None:  # every `keepalive` seconds: a comment when the stream wrote nothing meanwhile
             if state['done']:
@@ -284,24 +294,35 @@ class _EventStream(Response):
     async def _stream(self, send: Send) -> bool:
         """Send the events; whether the response was ended with them (the run's last event, or the error event, in
         the response's last write: the chunk and the end of the body in one write, one write less a turn)."""
-        run_id, prefix = self.run_id, 'retry: 1000\n\n'  # sent with the first events: one write less a turn
+        run_id = self.run_id
         try:
             async for batch in self.rows:
-                text = prefix + ''.join([f'id: {event.offset}\nevent: {event.kind}\ndata: {event_json(run_id, event)}\n\n'
-                                         for event in batch])
-                prefix = ''
+                text = self.prefix + ''.join([f'id: {event.offset}\nevent: {event.kind}\ndata: '
+                                              f'{event_json(run_id, event)}\n\n' for event in batch])
+                self.prefix = ''
                 self.writes += 1
                 last = batch[-1].kind in TERMINAL_KINDS  # `watch_rows` ends with it: nothing follows
                 await send({'type': 'http.response.body', 'body': text.encode(), 'more_body': not last})
                 if last:
                     return True
         except StreamNotFoundError as exc:
-            text = prefix + f'event: error\ndata: {json.dumps({"code": exc.code, "message": str(exc)})}\n\n'
+            text = self.prefix + f'event: error\ndata: {json.dumps({"code": exc.code, "message": str(exc)})}\n\n'
             await send({'type': 'http.response.body', 'body': text.encode(), 'more_body': False})
             return True
-        if prefix:
-            await send({'type': 'http.response.body', 'body': prefix.encode(), 'more_body': True})
+        if self.prefix:
+            await send({'type': 'http.response.body', 'body': self.prefix.encode(), 'more_body': True})
         return False
+
+
+def failure_data(error: BaseException) -> dict[str, Any]:
+    """The `run_failed` data of a turn that failed in the serve process before its engine ran it: `{'error', 'code'?}`.
+    An error with a DC code (a system database no worker has created: DC040; a busy conversation: DC050) is its own
+    one line, led by the code and naming the fix; any other is `Type: message` (what failed is then part of what to
+    know)."""
+    code = getattr(error, 'code', None)
+    if isinstance(code, str) and code.startswith('DC'):
+        return {'error': lead_with_code(code, one_line(str(error))), 'code': code}
+    return {'error': f'{type(error).__name__}: {one_line(str(error))}', **({'code': code} if code else {})}
 
 
 class _Refused(Exception):
@@ -333,6 +354,8 @@ class ServeApp:
         self.rows = ServeRows(self.store)
         self.tasks: set[asyncio.Task[Any]] = set()
         self.known_runs: dict[str, RunRow] = {}
+        self.waiting_notices: dict[str, int] = {}  # run id -> `run_waiting` events this process published for it
+        self.notices: set[asyncio.Task[None]] = set()
 
     # ---- the request's parts ------------------------------------------------------------------------
 
@@ -444,6 +467,7 @@ class ServeApp:
     def _finished(self, task: asyncio.Task[Any], run_id: str) -> None:
         self.tasks.discard(task)
         self.known_runs.pop(run_id, None)
+        self.waiting_notices.pop(run_id, None)
 
     async def _run(self, row: RunRow, agent: DurableAgent[Any, Any], prompt: str, deps: Any, busy: str,
                    claimed: bool = False) -> None:
@@ -463,11 +487,17 @@ class ServeApp:
             settings.setdefault('task_queue', DEFAULT_TASK_QUEUE)
             settings['inline_worker'] = False
         started: list[str] = []
+        loop = asyncio.get_running_loop()
+
+        def notify(line: str) -> None:
+            logger.info('%s', line)
+            if isinstance(line, WaitingForWorker):  # the application sees it too: a `run_waiting` event
+                loop.call_soon_threadsafe(self._publish_waiting, row, line.api)
+
         try:
             with claimed_by_caller(row.run_id) if claimed and self.engine == 'local' else contextlib.nullcontext():
                 await runner.run(agent, prompt, engine=self.engine, deps=deps, conversation_id=row.conversation_id,
-                                 run_id=row.run_id, notify=lambda line: logger.info('%s', line), on_start=started.append,
-                                 **settings)
+                                 run_id=row.run_id, notify=notify, on_start=started.append, **settings)
         except asyncio.CancelledError:
             await self._release_claim(row, started)
             if self.engine == 'local':  # the app stops while its in-process turn runs: the turn is gone, say so
@@ -477,6 +507,23 @@ class ServeApp:
             logger.warning('run %s failed: %s: %s', row.run_id, type(error).__name__, one_line(str(error)))
             await self._release_claim(row, started)
             await self._close_failed(row, error)
+
+    def _publish_waiting(self, row: RunRow, notice: str) -> None:
+        """Publish `notice` (the run waits for a worker) in the run's stream as a `run_waiting` event, in a task of
+        its own (a notice never holds the run up; the set keeps the task referenced until it is done)."""
+        seq = self.waiting_notices[row.run_id] = self.waiting_notices.get(row.run_id, 0) + 1
+        task = asyncio.get_running_loop().create_task(self._append_waiting(row, notice, seq))
+        self.notices.add(task)
+        task.add_done_callback(self.notices.discard)
+
+    async def _append_waiting(self, row: RunRow, notice: str, seq: int) -> None:
+        from ..streams._log import EventLog, Item
+
+        try:  # unit `serve`, attempt 0; seq 1, 2, ...: the serve process's `run_failed` is seq 0
+            await EventLog(self.store).append(row.run_id, self.engine, [Item('serve', 0, seq, 'run_waiting', {
+                'data': {'notice': one_line(notice)}})])
+        except Exception:  # the store is down: the run's status says what the engine knows
+            logger.exception('run %s: could not publish that it waits for a worker', row.run_id)
 
     async def _release_claim(self, row: RunRow, started: list[str]) -> None:
         """Give back the turn claim `start_turn` took for `row`'s run when the run ended here without its engine running
@@ -500,10 +547,8 @@ class ServeApp:
             info = await self.rows.call(log.info_sync, row.run_id)
             if info is not None and info.closed_at is not None:
                 return
-            code = getattr(error, 'code', None)
-            await log.append(row.run_id, self.engine, [Item('serve', 0, 0, 'run_failed', {'data': {
-                'error': f'{type(error).__name__}: {one_line(str(error))}', **({'code': code} if code else {})}})],
-                close=True)
+            await log.append(row.run_id, self.engine, [Item('serve', 0, 0, 'run_failed', {'data': failure_data(error)})],
+                             close=True)
         except Exception:  # the store is down: the run's status says what the engine knows
             logger.exception('run %s: could not record its failure in the stream', row.run_id)
 
@@ -554,9 +599,11 @@ class ServeApp:
         principal = await self.principal(request)
         row = await self.own_run(request.path_params['run_id'], principal)
         milestones = await self.rows.call(self.rows.milestones_sync, row.run_id)
-        status, report, error, waiting = ('queued' if not milestones else 'running'), None, None, False
+        started = any(kind != 'run_waiting' for _offset, kind, _body in milestones)
+        status, report, error, waiting, notice = ('running' if started else 'queued'), None, None, False, None
         for _offset, kind, body in milestones:
             data = json.loads(body).get('data') or {}
+            notice = data.get('notice') if kind == 'run_waiting' else None  # said until the run moves on
             if kind == 'approval_waiting':
                 waiting = True
             elif kind == 'approval_decided':
@@ -569,7 +616,8 @@ class ServeApp:
             status = 'waiting'
         return JSONResponse({'run_id': row.run_id, 'conversation_id': row.conversation_id, 'agent': row.agent,
                              'engine': row.engine, 'created_at': row.created_at, 'status': status,
-                             'events': milestones[-1][0] if milestones else 0, 'report': report, 'error': error})
+                             'events': milestones[-1][0] if milestones else 0, 'report': report, 'error': error,
+                             'notice': notice if status in ('queued', 'running') else None})
 
     async def conversation(self, request: Request) -> Response:
         from ..reading import read_conversation, summarize

@@ -103,6 +103,7 @@ function handle(kind, ev) {
   else if (kind === 'approval_waiting') { state.calls = ev.data.calls; showCalls(state.calls); setStatus('waiting for approval'); }
   else if (kind === 'approval_decided') { state.calls = []; $('approvals').replaceChildren(); setStatus('running'); }
   else if (kind === 'run_completed') { state.done = 'completed'; setStatus('completed'); }
+  else if (kind === 'run_waiting') { setStatus('waiting: ' + (ev.data.notice || 'for a worker')); }
   else if (kind === 'run_failed') { state.done = 'failed'; setStatus('failed: ' + (ev.data.error || '')); }
 }
 async function follow() {

@@ -253,11 +253,12 @@ class ServeRows:
 
     def milestones_sync(self, run_id: str) -> list[tuple[int, str, str]]:
         """`(offset, kind, body JSON)` of the run's stream events that say where it is (started, approvals, stored,
-        completed, failed), in offset order."""
+        completed, failed, waiting for a worker), in offset order."""
         with self._backend._txn(write=False) as conn:
             rows = conn.execute(sa.text(
                 'SELECT event_offset, kind, body FROM durcap_run_events WHERE run_id = :r AND kind IN '
-                "('run_started', 'approval_waiting', 'approval_decided', 'turn_stored', 'run_completed', 'run_failed') "
+                "('run_started', 'approval_waiting', 'approval_decided', 'turn_stored', 'run_completed', 'run_failed', "
+                "'run_waiting') "
                 'ORDER BY event_offset'), {'r': run_id}).all()
         return [(int(o), str(k), str(b)) for o, k, b in rows]
 

@@ -23,6 +23,7 @@ from pydantic_ai.messages import (
 EventKind = Literal[
     'run_started', 'capability_catalog', 'text_delta', 'thinking_delta', 'model_event', 'tool_call', 'tool_result',
     'capability_loaded', 'approval_waiting', 'approval_decided', 'turn_stored', 'run_completed', 'run_failed', 'retry',
+    'run_waiting',
 ]
 """What a `RunEvent` says:
 - `run_started` (`data`: agent, engine, conversation_id), `capability_catalog` (`data['capabilities']`: the ids the
@@ -38,7 +39,10 @@ EventKind = Literal[
 - `run_completed` (`data`: output, usage, new_messages count: what the run's `RunReport` holds) / `run_failed`
   (`data['error']`): the last event of the stream;
 - `retry`: unit `unit` runs again as attempt `attempt`: discard the events of that unit with
-  `data['discard_attempts']` (the failed attempts' partial deltas).
+  `data['discard_attempts']` (the failed attempts' partial deltas);
+- `run_waiting` (`data['notice']`): published by `durcap serve` when the durable run it handed over waits for a worker
+  (none polls its Temporal task queue or serves its DBOS queue, or none has taken it for `$DURCAP_WAIT_NOTICE`
+  seconds); the run goes on once one does.
 """
 
 TERMINAL_KINDS: frozenset[str] = frozenset({'run_completed', 'run_failed'})

@@ -22,7 +22,7 @@ from ._durability import ToolStepDurability, durability_parts, durable_names
 from ._runs import _missing_sqlite_file
 from ._server import launch, system_database_url
 from ._spec import APP_NAME, ENGINE, conversation_step_names
-from ._worker import enqueue_and_wait, serve_worker
+from ._worker import check_serving, enqueue_and_wait, serve_worker
 from ._workflow import agent_workflow
 
 if TYPE_CHECKING:
@@ -44,6 +44,11 @@ class DBOSAdapter(EngineAdapter, spec=SPEC):
         if not settings.get('db') or (missing := _missing_sqlite_file(settings)) is None:
             return None
         return f'dbos: no system database at {missing}: nothing has run there (check the path: pass the --db the runs used)'
+
+    async def check_serving(self, settings: Mapping[str, Any]) -> list[str]:
+        """A DC040 line when no DBOS worker has ever run on the system database (`_worker.check_serving`); raises
+        `EngineUnreachableError` when it cannot be reached."""
+        return await check_serving(settings)
 
     def durability_class(self) -> Any:
         return ToolStepDurability

@@ -18,10 +18,10 @@ from ..._limits import InputError, postgres_database_missing, redact_database_ur
 from ...conversations import resolve_payload, store_url
 from ...report import RunReport
 from .._adapter import DrainCutShortError, RunOptions
-from .._stall import Progress, notice_stalls, wait_notice
+from .._stall import Progress, WaitingForWorker, notice_stalls, wait_notice
 from ._approvals import parked_workflow_ids
 from ._client import client as dbos_client
-from ._client import quiet_dbos_log
+from ._client import database_error_line, quiet_dbos_log
 from ._peers import DEFAULT_PEER_TIMEOUT, HEARTBEAT_SECONDS, Peers
 from ._server import launch, system_database_url, version_serving
 from ._spec import APP_NAME, DEFAULT_WORKER_CONCURRENCY, ENGINE, WORKER_EXECUTOR, WORKER_QUEUE
@@ -248,6 +248,63 @@ def _pending_ids(url: str, executor: str) -> list[str] | None:
         client.destroy()
 
 
+def no_worker_seen(queue: str) -> str:
+    """The line for a queue no live `durcap worker dbos` serves (no heartbeat row of one in `DEFAULT_PEER_TIMEOUT`)."""
+    return (f'no `durcap worker dbos` serving queue {queue!r} was seen in the last {DEFAULT_PEER_TIMEOUT:g} s: the run '
+            f'waits on the queue until one does (start `durcap worker dbos TARGET --queue {queue}`)')
+
+
+def never_served(url: str, queue: str) -> str:
+    """The line (DC040, naming `--db` and the fix) for a system database no DBOS worker has ever run on: runs handed to
+    `queue` there cannot be enqueued (DBOS's tables are missing) until a worker has created them."""
+    return (f'no DBOS worker has ever run on {redact_database_url(url)}: start `durcap worker dbos TARGET --db URL '
+            f'--queue {queue}` first (it creates the system database), then hand runs to its queue')
+
+
+async def check_serving(settings: Any) -> list[str]:
+    """`durcap serve --engine dbos`'s start check of the system database `settings['db']` (default SQLite at
+    `.durcap/dbos.sqlite`): a line (DC040 `--db`, naming the fix) when no DBOS worker has ever run there (a SQLite
+    file that does not exist, or a database without DBOS's tables; PostgreSQL: a database the server does not have
+    yet): every turn fails until one has. Nothing is created or written.
+
+    Returns:
+        The warning lines (`[]`: a worker has run there).
+
+    Raises:
+        EngineUnreachableError: the system database cannot be reached (the server is down, the URL refused).
+    """
+    from .._adapter import EngineUnreachableError
+    from ._runs import _missing_sqlite_file, _no_dbos_tables
+
+    url = system_database_url(settings.get('db'), create=False)
+    queue = settings.get('queue') or WORKER_QUEUE
+    never = [str(InputError('--db', f'no DBOS worker has ever run on {redact_database_url(url)}: every turn fails '
+                            f'until one has; start `durcap worker dbos TARGET --db URL --queue {queue}` (it creates '
+                            'the system database)'))]
+    if _missing_sqlite_file({'db': url}) is not None:
+        return never
+    if await asyncio.to_thread(postgres_database_missing, url) is not None:
+        return never
+    try:
+        client = await asyncio.to_thread(dbos_client, {'db': url})
+    except RuntimeError as exc:  # one line naming the database and the driver's reason
+        raise EngineUnreachableError(str(exc)) from None
+    try:
+        await asyncio.to_thread(client.list_application_versions)
+    except (OperationalError, ProgrammingError) as exc:
+        if _no_dbos_tables(exc):
+            return never
+        raise EngineUnreachableError(f'the DBOS system database {redact_database_url(url)} cannot be read: '
+                                     f'{database_error_line(exc)}') from None
+    finally:
+        client.destroy()
+    from ._peers import live_executors
+
+    serving = [e for e in await asyncio.to_thread(live_executors, url) if e['queue'] == queue
+               and e['age'] < DEFAULT_PEER_TIMEOUT]
+    return [] if serving else [no_worker_seen(queue).replace('the run waits', 'turns wait')]
+
+
 async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, workflow_id: str,
                            args: tuple[Any, ...], options: RunOptions) -> RunReport:
     """`durcap run --engine dbos --queue QUEUE`: hand one run of `agent` to the workers serving `queue` and wait.
@@ -285,8 +342,7 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
     from ._spec import workflow_names
 
     seconds = wait_notice()  # DC040 on a bad $DURCAP_WAIT_NOTICE, before the run is enqueued
-    no_worker_yet = (f'no DBOS worker has ever run on {redact_database_url(url)}: start `durcap worker dbos TARGET '
-                     f'--db URL --queue {queue}` first (it creates the system database), then hand runs to its queue')
+    no_worker_yet = never_served(url, queue)
     if _missing_sqlite_file({'db': url}) is not None:
         raise InputError('--db', no_worker_yet)
     client = dbos_client({'db': url})
@@ -310,9 +366,7 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
                         '`durcap worker dbos` serving it runs it)')
         serving = [e for e in live_executors(url) if e['queue'] == queue and e['age'] < DEFAULT_PEER_TIMEOUT]
         if not serving:
-            options.notify(f'no `durcap worker dbos` serving queue {queue!r} was seen in the last '
-                           f'{DEFAULT_PEER_TIMEOUT:g} s: the run waits on the queue until one does (start '
-                           f'`durcap worker dbos TARGET --queue {queue}`)')
+            options.notify(WaitingForWorker(no_worker_seen(queue)))
         notice = asyncio.create_task(_notice_no_progress(client, url, queue, workflow_id, options.notify, seconds))
         try:
             payload = await handle.get_result()

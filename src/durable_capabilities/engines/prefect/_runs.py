@@ -462,9 +462,13 @@ async def _decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) 
     ensure_api()
     async with get_client() as client:
         try:
-            await client.read_flow_run(flow_run_id)
+            flow_run = await client.read_flow_run(flow_run_id)
         except ObjectNotFound:
             raise ApprovalError('unknown-run', f'no Prefect flow run {run_id!r}') from None
+        try:
+            flow_name = (await client.read_flow(flow_run.flow_id)).name
+        except ObjectNotFound:
+            flow_name = None
     pending = await _pending_approvals(settings, run_id)
     key = DECISION_INPUT_PREFIX + _input_key(decision.call_id)
 
@@ -480,7 +484,7 @@ async def _decide(run_id: str, decision: Decision, settings: Mapping[str, Any]) 
 
     await refuse_if_decided()
     if not pending:
-        raise ApprovalError('unknown-run', f'Prefect flow run {run_id!r} is not waiting for approval')
+        raise ApprovalError('unknown-run', _not_waiting(run_id, flow_run, flow_name))
     call = check_decision(pending, decision, run_id)
     deadline = asyncio.get_running_loop().time() + wait  # the bound on the writes (the checks above are reads)
     try:
@@ -581,6 +585,25 @@ async def _until(deadline: float, write: Callable[[], Awaitable[T]]) -> T:
         await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
         pause = min(2.0, pause * 2)
     raise _Refused(last)
+
+
+def _not_waiting(run_id: str, flow_run: Any, flow_name: str | None) -> str:
+    """Why flow run `run_id` has no call to decide, naming what was found: a flow run of a flow durcap did not start
+    (its flows are `durcap-AGENT`), paused by that flow's own code; a durcap flow run paused with no call published;
+    or a flow run in another state."""
+    state = flow_run.state.name if flow_run.state is not None else 'without a state'
+    paused = flow_run.state is not None and flow_run.state.is_paused()
+    shown = f'Prefect flow run {run_id!r} (flow {flow_name!r}, state {state})'
+    if flow_name is None or not flow_name.startswith(FLOW_NAME_PREFIX):
+        fix = ('resume it the way its own flow expects (the Prefect UI, or `prefect.flow_runs.resume_flow_run`)' if paused
+               else 'durcap approves only the calls of its own runs')
+        return (f'{shown} was not started by durcap (its flows are named {FLOW_NAME_PREFIX}AGENT): it has no durcap '
+                f'call waiting for approval; {fix}')
+    if paused:
+        return (f'{shown} is paused but publishes no call waiting for approval (its {PENDING_INPUT!r} input is empty '
+                'or missing): it was not paused by a durcap approval; `durcap runs show` tells its state')
+    return (f'{shown} is not waiting for approval: nothing to decide (`durcap approvals list --engine prefect` lists '
+            'the calls that wait)')
 
 
 async def _resume_if_paused(flow_run_id: Any) -> None:

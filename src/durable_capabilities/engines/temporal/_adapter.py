@@ -11,14 +11,15 @@ from typing import TYPE_CHECKING, Any
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, TemporalError
+from temporalio.service import RPCError
 
 from ...report import RunReport
 from .. import _mcp
-from .._adapter import EngineAdapter, RunOptions
+from .._adapter import EngineAdapter, EngineUnreachableError, RunOptions
 from .._specs import TEMPORAL as SPEC
 from .._stall import wait_notice
 from . import _patches, _runs
-from ._client import await_result, connect, notice_no_poller, notice_no_progress, start_run
+from ._client import await_result, connect, notice_no_poller, notice_no_progress, start_run, task_queue_pollers
 from ._conversation import conversation_activity_names
 from ._durability import GuardedTemporalDurability, durability_parts, durable_names, sandbox_runner
 from ._history import HistoryReplayer, export_history, units_recorded
@@ -123,6 +124,24 @@ class TemporalAdapter(EngineAdapter, spec=SPEC):
             OSError: `port` or `ui_port` is held by another process.
         """
         serve_dev_server(port, state_dir, notify, ui_port)
+
+    async def check_serving(self, settings: Mapping[str, Any]) -> list[str]:
+        """Connect to the Temporal server `settings['address']` names (default 127.0.0.1:7233) as `durcap worker
+        temporal` does (`_client.connect`: at most `$DURCAP_TEMPORAL_CONNECT_TIMEOUT` seconds, default 10); raises
+        `EngineUnreachableError` when it does not answer, or refuses to describe the task queue (no such namespace);
+        a warning line when no worker polls `settings['task_queue']` (default `durcap`) yet."""
+        address, namespace = settings.get('address') or DEFAULT_ADDRESS, settings.get('namespace') or DEFAULT_NAMESPACE
+        client = await connect(address, namespace, store=settings.get('store'))
+        task_queue = settings.get('task_queue') or DEFAULT_TASK_QUEUE
+        try:
+            pollers = await task_queue_pollers(client, namespace, task_queue)
+        except RPCError as exc:  # e.g. no such namespace: every turn would fail to start
+            raise EngineUnreachableError(f'the Temporal server at {address} refused to describe task queue '
+                                         f'{task_queue!r} in namespace {namespace!r}: {exc.message}') from None
+        if pollers:
+            return []
+        return [f'no worker polls task queue {task_queue!r} at {address} yet: turns wait until one does (start '
+                f'`durcap worker temporal TARGET --address {address} --task-queue {task_queue}`)']
 
     async def export_history(self, run_id: str, output: Any, settings: Mapping[str, Any]) -> Any:
         """The workflow's history as JSON (`_history.export_history`); settings `address`, `namespace`."""

@@ -13,7 +13,8 @@ from typing import Any
 from temporalio import workflow
 
 from ...approvals import ApprovalGate, Decision, PendingCall, check_decision, check_not_expired
-from ._spec import DECIDE_UPDATE, PENDING_MEMO, PENDING_QUERY
+from ._patches import patched
+from ._spec import DECIDE_UPDATE, PENDING_MEMO, PENDING_QUERY, TURN_REQUEST_LIMIT_PATCH_ID
 
 
 def _pending_of(instance: Any) -> list[PendingCall]:
@@ -35,6 +36,11 @@ class TemporalApprovalGate(ApprovalGate):
 
     async def now(self) -> Any:
         return workflow.now()
+
+    def bounds_rounds(self) -> bool:
+        """Behind the patch marker `TURN_REQUEST_LIMIT_PATCH_ID`: a history recorded before the turn-wide request
+        limit went on past it, and replays so."""
+        return patched(TURN_REQUEST_LIMIT_PATCH_ID)
 
     async def wait(self, pending: list[PendingCall], timeout: float) -> dict[str, Decision]:
         instance = self.instance

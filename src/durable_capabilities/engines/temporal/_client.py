@@ -27,7 +27,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from ..._limits import InputError
 from .._adapter import EngineUnreachableError
-from .._stall import Progress, notice_stalls
+from .._stall import Progress, WaitingForWorker, notice_stalls
 from ._payloads import default_data_converter
 from ._spec import (
     AGENT_MEMO,
@@ -184,8 +184,10 @@ async def notice_no_poller(client: Client, namespace: str, task_queue: str, noti
         if asyncio.get_running_loop().time() >= deadline:
             break
         await asyncio.sleep(0.5)
-    notify(f'no worker polls task queue {task_queue!r}: the run waits until one does (start '
-           f'`durcap worker temporal TARGET --task-queue {task_queue}`, or run with --inline-worker)')
+    said = f'no worker polls task queue {task_queue!r}: the run waits until one does (start `durcap worker temporal ' \
+           f'TARGET --task-queue {task_queue}`'
+    notify(WaitingForWorker(f'{said}, or run with --inline-worker)', api=f'{said}; the run is durable: a worker started '
+                            'now runs it)'))
 
 
 async def notice_no_progress(client: Client, workflow_id: str, task_queue: str, notify: Callable[[str], None],

@@ -58,6 +58,11 @@ IMPLIED_PATCH_IDS = ('durcap-capabilities-memo', 'durcap-run-streams', 'durcap-s
 Not the two that also record a run's configuration, asked only where the configuration chose the new commands:
 `LOCAL_TOOLS_PATCH_ID` (a leaf marked local: a history recorded before the mark replays with the mark set, as
 regular tool activities) and the MCP guard's (`_mcp.TEMPORAL_PATCH_ID`, asked only with the guard on)."""
+TURN_REQUEST_LIMIT_PATCH_ID = 'durcap-turn-request-limit'
+"""The patch marker of the turn-wide request limit (`turn.TurnRequestLimitError`, DC061), asked only where a turn
+reached it with calls waiting for approval: a new run records it there and fails; a history recorded before it went on
+to ask for decisions, and replays so (not in `IMPLIED_PATCH_IDS`: asked where the run's course, not its start, chose
+the new commands)."""
 SEARCH_ATTRIBUTE_MEMO = 'durcap_search_attribute'
 
 CAPABILITIES_MEMO = 'durcap_capabilities'
