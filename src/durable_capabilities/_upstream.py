@@ -368,12 +368,12 @@ class _SharedVerifiedContexts:
     def __init__(self, real: Any) -> None:
         import threading
 
-        self._real = real
-        self._contexts: dict[tuple[str, int, int, int], Any] = {}
-        self._lock = threading.Lock()
+        self.real = real
+        self.contexts: dict[tuple[str, int, int, int], Any] = {}
+        self.lock = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
+        return getattr(self.real, name)
 
     def create_default_context(self, purpose: Any = None, *, cafile: Any = None, capath: Any = None,
                                cadata: Any = None) -> Any:
@@ -381,15 +381,15 @@ class _SharedVerifiedContexts:
         import os
 
         if purpose is None:
-            purpose = self._real.Purpose.SERVER_AUTH
-        if cafile is None or capath is not None or cadata is not None or purpose != self._real.Purpose.SERVER_AUTH:
-            return self._real.create_default_context(purpose, cafile=cafile, capath=capath, cadata=cadata)
+            purpose = self.real.Purpose.SERVER_AUTH
+        if cafile is None or capath is not None or cadata is not None or purpose != self.real.Purpose.SERVER_AUTH:
+            return self.real.create_default_context(purpose, cafile=cafile, capath=capath, cadata=cadata)
         stat = os.stat(cafile)  # a missing file raises here as it would in `load_verify_locations`
         key = (os.fspath(cafile), stat.st_size, stat.st_mtime_ns, stat.st_ino)
-        with self._lock:
-            context = self._contexts.get(key)
+        with self.lock:
+            context = self.contexts.get(key)
             if context is None:
-                context = self._contexts[key] = self._real.create_default_context(purpose, cafile=cafile)
+                context = self.contexts[key] = self.real.create_default_context(purpose, cafile=cafile)
         return context
 
 

@@ -73,7 +73,7 @@ async def read_server_facts() -> dict[str, str]:
     is not older (the check would pass without a word: an older server gets a warning in each run's log, so it is
     left on), `PREFECT_CLIENT_CSRF_SUPPORT_ENABLED=false` when the server's CSRF protection is off (the client's token
     fetch would be answered "disabled"). Empty, or partial, when the server did not say (any error: logged at debug):
-    the flow runs then ask themselves, as Prefect does."""
+    the flow runs then ask themselves, as Prefect does. Asks the API of this process's Prefect settings."""
     from packaging.version import Version
     from prefect import get_client
 
@@ -96,21 +96,31 @@ class ServerFacts:
 
     def __init__(self) -> None:
         self._facts: dict[str, str] = {}
+        self._url: str | None = None
         self._read_at: float | None = None
 
     def read_now(self) -> None:
         """Read them (no event loop may run in this thread: `asyncio.run`)."""
         self._read_at = time.monotonic()
-        self._facts = asyncio.run(read_server_facts())
+        self._url, self._facts = _api_url(), asyncio.run(read_server_facts())
 
     async def env_for(self, env: dict[str, Any]) -> dict[str, Any]:
         """`env` (a flow-run process's environment, as Prefect's starter built it) with the facts added where it
-        does not set them already (a user's own setting wins). Reads them first when they are stale (one run at a
-        time reads; the others meanwhile take the facts as they were)."""
+        does not set them already (a user's own setting wins), if its `PREFECT_API_URL` is the API they were read
+        from (Prefect's starter writes this process's). Reads them first when they are stale (one run at a time
+        reads; the others meanwhile take the facts as they were)."""
         if self._read_at is None or time.monotonic() - self._read_at > FACTS_SECONDS:
             self._read_at = time.monotonic()
-            self._facts = await read_server_facts()
+            self._url, self._facts = _api_url(), await read_server_facts()
+        if not self._facts or env.get('PREFECT_API_URL') != self._url:
+            return env
         return {**self._facts, **env}
+
+
+def _api_url() -> str | None:
+    from prefect.settings import get_current_settings
+
+    return get_current_settings().api.url
 
 
 FACTS = ServerFacts()
