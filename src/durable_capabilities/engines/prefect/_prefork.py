@@ -66,27 +66,32 @@ FACTS_SECONDS = 30.0
 """How old `ServerFacts` may be when a flow run starts before they are read again (a server restarted with CSRF
 protection on, or replaced by another version, is seen within this)."""
 
+FACTS_TIMEOUT = 5.0
+"""Seconds `read_server_facts` may take (a flow run waits for it before its process starts, unbeaten): past it, no
+facts, and the flow runs ask the server themselves."""
+
 
 async def read_server_facts() -> dict[str, str]:
     """Prefect settings a flow-run process of this serving process can take instead of asking the server itself:
     `PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED=false` when the server's version has this client's major version and
     is not older (the check would pass without a word: an older server gets a warning in each run's log, so it is
     left on), `PREFECT_CLIENT_CSRF_SUPPORT_ENABLED=false` when the server's CSRF protection is off (the client's token
-    fetch would be answered "disabled"). Empty, or partial, when the server did not say (any error: logged at debug):
-    the flow runs then ask themselves, as Prefect does. Asks the API of this process's Prefect settings."""
+    fetch would be answered "disabled"). Empty, or partial, when the server did not say within `FACTS_TIMEOUT` (any
+    error: logged at debug): the flow runs then ask themselves, as Prefect does. Asks the API of this process's Prefect settings."""
     from packaging.version import Version
     from prefect import get_client
 
     facts: dict[str, str] = {}
     try:
-        async with get_client() as client:
-            server, ours = Version(await client.api_version()), Version(client.client_version())
-            if server.major == ours.major and server >= ours:
-                facts[VERSION_CHECK_ENV] = 'false'
-            settings = await _upstream.prefect_server_settings(client)
-            if settings['server']['api']['csrf_protection_enabled'] is False:
-                facts[CSRF_SUPPORT_ENV] = 'false'
-    except Exception:  # any failure leaves the checks to the flow runs
+        with anyio.fail_after(FACTS_TIMEOUT):
+            async with get_client() as client:
+                server, ours = Version(await client.api_version()), Version(client.client_version())
+                if server.major == ours.major and server >= ours:
+                    facts[VERSION_CHECK_ENV] = 'false'
+                settings = await _upstream.prefect_server_settings(client)
+                if settings['server']['api']['csrf_protection_enabled'] is False:
+                    facts[CSRF_SUPPORT_ENV] = 'false'
+    except Exception:  # any failure (past `FACTS_TIMEOUT` too) leaves the rest to the flow runs
         logging.getLogger(__name__).debug('prefect server facts not read', exc_info=True)
     return facts
 
