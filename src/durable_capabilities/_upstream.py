@@ -35,6 +35,7 @@ __all__ = [
     'is_mcp_toolset',
     'prefect_engine_run_process',
     'prefect_server_settings',
+    'prefect_share_tls_contexts',
     'runtime_rejected_kinds',
     'temporal_activity_name',
     'temporal_set_deadlock_timeout',
@@ -354,3 +355,69 @@ async def prefect_server_settings(client: Any) -> Any:
     """
     response = await client._client.get('/admin/settings')  # pyright: ignore[reportPrivateUsage]
     return response.json()
+
+
+class _SharedVerifiedContexts:
+    """What `prefect.client.orchestration` sees as its `ssl` module once `prefect_share_tls_contexts` installed it:
+    the real `ssl` (every other name is looked up there), but `create_default_context(cafile=FILE)`, the one call of
+    Prefect's clients that verifies TLS, returns one context per CA file (its path, size, change time, inode) and
+    process instead of building a new one per client (loading certifi's bundle: ~20 ms of CPU each). Every other
+    call, the insecure one included (Prefect turns its verification off on the context it gets), builds a new one.
+    """
+
+    def __init__(self, real: Any) -> None:
+        import threading
+
+        self.real = real
+        self.contexts: dict[tuple[str, int, int, int], Any] = {}
+        self.lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def create_default_context(self, purpose: Any = None, *, cafile: Any = None, capath: Any = None,
+                               cadata: Any = None) -> Any:
+        """`ssl.create_default_context`, shared for a CA file (see the class); raises what it raises."""
+        import os
+
+        if purpose is None:
+            purpose = self.real.Purpose.SERVER_AUTH
+        if cafile is None or capath is not None or cadata is not None or purpose != self.real.Purpose.SERVER_AUTH:
+            return self.real.create_default_context(purpose, cafile=cafile, capath=capath, cadata=cadata)
+        stat = os.stat(cafile)  # a missing file raises here as it would in `load_verify_locations`
+        key = (os.fspath(cafile), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+        with self.lock:
+            context = self.contexts.get(key)
+            if context is None:
+                context = self.contexts[key] = self.real.create_default_context(purpose, cafile=cafile)
+        return context
+
+
+def prefect_share_tls_contexts() -> Any:
+    """Make Prefect's API clients (`PrefectClient`, `SyncPrefectClient`) in this process share one verifying TLS
+    context per CA file instead of each building its own (issue 29: a flow run's process built 7, ~20 ms of CPU each,
+    most of them for an http:// API that never uses it). Idempotent; returns the shim installed.
+
+    Prefect builds the context in the clients' `__init__` with `ssl.create_default_context(cafile=...)` (the CA
+    file: `PREFECT_API_SSL_CERT_FILE`, else certifi's) unless `httpx_settings` gives one, through its module's `ssl`
+    name, which is replaced here (`_SharedVerifiedContexts`). The context is the same one Prefect would build;
+    nothing changes it afterwards but httpcore's ALPN list, which every client of a process sets alike
+    (`PREFECT_API_ENABLE_HTTP2`).
+
+    Raises:
+        RuntimeError: Prefect no longer builds the context there (tests/unit/test_upstream_contract.py says which).
+    """
+    import ssl
+
+    from prefect.client import orchestration
+
+    current = getattr(orchestration, 'ssl', None)
+    if isinstance(current, _SharedVerifiedContexts):
+        return current
+    if current is not ssl or not all('create_default_context' in cls.__init__.__code__.co_names
+                                     for cls in (orchestration.PrefectClient, orchestration.SyncPrefectClient)):
+        raise RuntimeError('prefect changed: its clients no longer build their TLS context with '
+                           'ssl.create_default_context; see durable_capabilities/_upstream.py')
+    shim = _SharedVerifiedContexts(ssl)
+    setattr(orchestration, 'ssl', shim)  # noqa: B010 - the module's name for `ssl`, read at each client's creation
+    return shim

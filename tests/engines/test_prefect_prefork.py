@@ -71,7 +71,7 @@ def test_the_preload_starts_no_thread_and_no_event_loop(tmp_path: Path) -> None:
     """What the fork server imports (`_preload`), in a fresh interpreter (not the suite's own fork server): Prefect's
     flow engine, pydantic-ai and the target's flows are loaded, and so is what every flow run used to load or build on
     its own (`_warm`: Prefect's task engine and the rest of `WARM_MODULES`, the SQL dialect of the agent's store,
-    pydantic-ai's message adapter); the main thread is the only thread, with no event loop made: forking it is
+    pydantic-ai's message adapter, the TLS context its Prefect clients share); the main thread is the only thread, with no event loop made: forking it is
     safe."""
     env = {**subprocess_env(), 'DURCAP_TEST_ZYGOTE': '0', 'DURCAP_TARGET': 'examples.support.agent:support',
            'PREFECT_HOME': str(tmp_path / 'prefect-home')}
@@ -81,7 +81,7 @@ def test_the_preload_starts_no_thread_and_no_event_loop(tmp_path: Path) -> None:
     seen = json.loads(out.stdout.splitlines()[-1])
     assert seen['threads'] == ['MainThread'] and seen['loops'] == [], seen
     assert seen['flows'] == ['flow__support'], seen
-    assert seen['warmed'] == [*seen['warm_modules'], 'store dialect sqlite', 'ModelMessagesTypeAdapter'], seen
+    assert seen['warmed'] == [*seen['warm_modules'], 'TLS context', 'store dialect sqlite', 'ModelMessagesTypeAdapter'], seen
     assert seen['loaded'] == ['examples.support.agent', 'prefect.flow_engine', 'pydantic_ai'], seen
 
 
@@ -148,3 +148,30 @@ def test_beating_is_reentrant_so_a_forked_flow_run_beats_once() -> None:
                 assert beats() == 1
             assert run_id in _liveness._BEATING  # the inner block leaves the outer beat running
         assert run_id not in _liveness._BEATING
+
+
+def test_the_serving_process_tells_its_flow_runs_what_the_server_answered(prefect_api_url: str) -> None:
+    """`_prefork.ServerFacts` against the real Prefect server (this client's version, CSRF protection off, as
+    `start_prefect_server` and the shared test server run): a flow run's environment gets
+    `PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED=false` and `PREFECT_CLIENT_CSRF_SUPPORT_ENABLED=false` (its clients
+    then skip the version check and the CSRF token fetch), a setting the environment has already wins, an environment
+    naming another API gets nothing, and an API that does not answer gives nothing (the flow runs ask themselves)."""
+    from durable_capabilities.engines.prefect._prefork import (
+        CSRF_SUPPORT_ENV,
+        VERSION_CHECK_ENV,
+        ServerFacts,
+        read_server_facts,
+    )
+
+    with prefect_api_here(prefect_api_url):
+        facts = ServerFacts()
+        facts.read_now()
+        env = asyncio.run(facts.env_for({'PREFECT_API_URL': prefect_api_url, 'PREFECT__FLOW_RUN_ID': 'x'}))
+        assert env == {'PREFECT_API_URL': prefect_api_url, 'PREFECT__FLOW_RUN_ID': 'x', VERSION_CHECK_ENV: 'false',
+                       CSRF_SUPPORT_ENV: 'false'}
+        own = asyncio.run(facts.env_for({'PREFECT_API_URL': prefect_api_url, CSRF_SUPPORT_ENV: 'true'}))
+        assert own == {'PREFECT_API_URL': prefect_api_url, CSRF_SUPPORT_ENV: 'true', VERSION_CHECK_ENV: 'false'}
+        other = {'PREFECT_API_URL': 'http://127.0.0.1:9/api'}
+        assert asyncio.run(facts.env_for(dict(other))) == other
+    with prefect_api_here('http://127.0.0.1:9/api'):
+        assert asyncio.run(read_server_facts()) == {}

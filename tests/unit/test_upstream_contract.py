@@ -633,6 +633,7 @@ def test_upstream_module_exports_are_all_covered() -> None:
         'is_mcp_toolset',  # tests/unit/test_lazy_imports.py
         'prefect_engine_run_process',  # test_prefect_runner_starts_flow_run_processes_through_the_engine_run_process
         'prefect_server_settings',  # test_prefect_client_reads_the_server_settings_through_its_own_session
+        'prefect_share_tls_contexts',  # test_prefect_clients_share_one_verifying_tls_context_per_ca_file
         'runtime_rejected_kinds',  # test_runtime_rejected_kinds_are_read_from_upstreams_durability_classes
         'interchangeable_leaves',
         'temporal_activity_name',
@@ -752,3 +753,55 @@ def test_prefect_client_reads_the_server_settings_through_its_own_session() -> N
     assert asyncio.iscoroutinefunction(session.get)
     assert any(getattr(route, 'path', '') == '/admin/settings' and 'GET' in getattr(route, 'methods', ())
                for route in router.routes)
+
+
+def test_prefect_clients_share_one_verifying_tls_context_per_ca_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_upstream.prefect_share_tls_contexts` (the fork server and the serving process of `durcap schedule prefect`,
+    engines/prefect/_prefork.py): Prefect's `PrefectClient` and `SyncPrefectClient` build their TLS context in
+    `__init__` with `ssl.create_default_context(cafile=...)` through `prefect.client.orchestration`'s `ssl` name
+    (counted here on the real `ssl`); once shared, clients of one CA file get one context (the one their httpx
+    transport is given), a CA file changed on disk or another one gets a new one, and the insecure setting still
+    gets a context of its own per client with verification off."""
+    import ssl
+
+    import certifi
+    from prefect.client import orchestration
+    from prefect.settings import PREFECT_API_SSL_CERT_FILE, PREFECT_API_TLS_INSECURE_SKIP_VERIFY, temporary_settings
+
+    monkeypatch.setattr(orchestration, 'ssl', ssl)  # put back after the test
+    built: list[ssl.SSLContext] = []
+    real = ssl.create_default_context
+
+    def counting(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(ssl, 'create_default_context', counting)
+    orchestration.PrefectClient('http://127.0.0.1:9/api')
+    assert len(built) == 1, 'PrefectClient no longer builds its TLS context with ssl.create_default_context'
+    shim = _upstream.prefect_share_tls_contexts()
+    assert _upstream.prefect_share_tls_contexts() is shim
+    built.clear()
+
+    clients = [orchestration.PrefectClient('https://127.0.0.1:9/api'),
+               orchestration.SyncPrefectClient('https://127.0.0.1:9/api'),
+               orchestration.PrefectClient('https://127.0.0.1:9/api')]
+    assert len(built) == 1
+    assert shim.create_default_context(cafile=PREFECT_API_SSL_CERT_FILE.value() or certifi.where()) is built[0]
+    # What httpx connects with (read here only: its pool's attribute).
+    assert all(c._client._transport._pool._ssl_context is built[0] for c in clients)  # pyright: ignore[reportPrivateUsage,reportAttributeAccessIssue]
+    bundle = tmp_path / 'ca.pem'
+    bundle.write_bytes(Path(certifi.where()).read_bytes())
+    with temporary_settings({PREFECT_API_SSL_CERT_FILE: str(bundle)}):
+        orchestration.PrefectClient('http://127.0.0.1:9/api')
+        orchestration.PrefectClient('http://127.0.0.1:9/api')
+        assert len(built) == 2, 'another CA file: one more context'
+        bundle.write_bytes(bundle.read_bytes() + b'\n')
+        orchestration.SyncPrefectClient('http://127.0.0.1:9/api')
+        assert len(built) == 3, 'the CA file changed: a new context'
+    with temporary_settings({PREFECT_API_TLS_INSECURE_SKIP_VERIFY: True}):
+        orchestration.PrefectClient('http://127.0.0.1:9/api')
+        orchestration.PrefectClient('http://127.0.0.1:9/api')
+    assert len(built) == 5 and built[3] is not built[4], 'the insecure setting builds its own context per client'
+    assert built[4].verify_mode == ssl.CERT_NONE and built[0].verify_mode == ssl.CERT_REQUIRED

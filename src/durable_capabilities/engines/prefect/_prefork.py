@@ -20,6 +20,13 @@ kill by pid, and the liveness beats `_worker.watch_crashed` watches (the serving
 fork until its process exits, the process itself only once the serving process is gone: `run_process`,
 `flow_run_main`). Every other command Prefect starts goes to Prefect's own function unchanged.
 
+Prefect's clients in the flow-run process would each check the server's version and fetch a CSRF token (2 clients:
+4 requests a run) and each build a TLS context (~20 ms of CPU each, 7 a run): the serving process learns the answers
+once (`ServerFacts`: re-read every `FACTS_SECONDS`) and gives them to each run's environment as Prefect's own
+settings, only where the child's requests could not have changed anything (a server of this client's version or newer,
+CSRF protection off) and the user has not set them; the fork server and the serving process share one TLS context per
+CA file among their clients (`_upstream.prefect_share_tls_contexts`).
+
 What differs: a flow-run process is a child of the fork server (itself a child of the serving process) rather than of
 the serving process, and it runs TARGET's code as the serving process loaded it at start (as a Temporal or DBOS
 worker does): restart the serving process to run new code. If the fork server dies, multiprocessing starts a new one
@@ -28,7 +35,9 @@ at the next flow run. `durcap schedule prefect --spawn` keeps Prefect's new proc
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import multiprocessing
 import os
 import runpy
@@ -49,6 +58,78 @@ PRELOAD_MODULES = ('__main__', 'durable_capabilities.engines.prefect._preload')
 again, as multiprocessing does for each child otherwise) and `_preload` (Prefect, pydantic-ai, durcap, TARGET)."""
 
 _ENGINE_COMMAND_TAIL = ['-m', _upstream.PREFECT_ENGINE_MODULE]
+
+VERSION_CHECK_ENV = 'PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED'
+CSRF_SUPPORT_ENV = 'PREFECT_CLIENT_CSRF_SUPPORT_ENABLED'
+
+FACTS_SECONDS = 30.0
+"""How old `ServerFacts` may be when a flow run starts before they are read again (a server restarted with CSRF
+protection on, or replaced by another version, is seen within this)."""
+
+FACTS_TIMEOUT = 5.0
+"""Seconds `read_server_facts` may take (a flow run waits for it before its process starts, unbeaten): past it, no
+facts, and the flow runs ask the server themselves."""
+
+
+async def read_server_facts() -> dict[str, str]:
+    """Prefect settings a flow-run process of this serving process can take instead of asking the server itself:
+    `PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED=false` when the server's version has this client's major version and
+    is not older (the check would pass without a word: an older server gets a warning in each run's log, so it is
+    left on), `PREFECT_CLIENT_CSRF_SUPPORT_ENABLED=false` when the server's CSRF protection is off (the client's token
+    fetch would be answered "disabled"). Empty, or partial, when the server did not say within `FACTS_TIMEOUT` (any
+    error: logged at debug): the flow runs then ask themselves, as Prefect does. Asks the API of this process's Prefect settings."""
+    from packaging.version import Version
+    from prefect import get_client
+
+    facts: dict[str, str] = {}
+    try:
+        with anyio.fail_after(FACTS_TIMEOUT):
+            async with get_client() as client:
+                server, ours = Version(await client.api_version()), Version(client.client_version())
+                if server.major == ours.major and server >= ours:
+                    facts[VERSION_CHECK_ENV] = 'false'
+                settings = await _upstream.prefect_server_settings(client)
+                if settings['server']['api']['csrf_protection_enabled'] is False:
+                    facts[CSRF_SUPPORT_ENV] = 'false'
+    except Exception:  # any failure (past `FACTS_TIMEOUT` too) leaves the rest to the flow runs
+        logging.getLogger(__name__).debug('prefect server facts not read', exc_info=True)
+    return facts
+
+
+class ServerFacts:
+    """`read_server_facts` of this serving process, read again when older than `FACTS_SECONDS`."""
+
+    def __init__(self) -> None:
+        self._facts: dict[str, str] = {}
+        self._url: str | None = None
+        self._read_at: float | None = None
+
+    def read_now(self) -> None:
+        """Read them (no event loop may run in this thread: `asyncio.run`)."""
+        self._read_at = time.monotonic()
+        self._url, self._facts = _api_url(), asyncio.run(read_server_facts())
+
+    async def env_for(self, env: dict[str, Any]) -> dict[str, Any]:
+        """`env` (a flow-run process's environment, as Prefect's starter built it) with the facts added where it
+        does not set them already (a user's own setting wins), if its `PREFECT_API_URL` is the API they were read
+        from (Prefect's starter writes this process's). Reads them first when they are stale (one run at a time
+        reads; the others meanwhile take the facts as they were)."""
+        if self._read_at is None or time.monotonic() - self._read_at > FACTS_SECONDS:
+            self._read_at = time.monotonic()
+            self._url, self._facts = _api_url(), await read_server_facts()
+        if not self._facts or env.get('PREFECT_API_URL') != self._url:
+            return env
+        return {**self._facts, **env}
+
+
+def _api_url() -> str | None:
+    from prefect.settings import get_current_settings
+
+    return get_current_settings().api.url
+
+
+FACTS = ServerFacts()
+"""This process's `ServerFacts` (a serving process's runner asks it for each flow run it starts)."""
 
 
 class ForkedProcess:
@@ -128,7 +209,7 @@ class ForkServer:
             prefect_run_process = self._prefect_run_process or _upstream.prefect_engine_run_process()
             return await prefect_run_process(command, stream_output=stream_output, task_status=task_status,
                                              task_status_handler=task_status_handler, **kwargs)
-        env = {key: value for key, value in kwargs['env'].items() if value is not None}
+        env = {key: value for key, value in (await FACTS.env_for(kwargs['env'])).items() if value is not None}
         cwd = kwargs.get('cwd')
         flow_run_id = env.get('PREFECT__FLOW_RUN_ID')
         if flow_run_id:
@@ -212,12 +293,22 @@ def beat_spawned() -> None:
         flow_run_id = (env.get('PREFECT__FLOW_RUN_ID') if isinstance(env, dict)
                        and list(command[1:]) == _ENGINE_COMMAND_TAIL else None)
         if flow_run_id and isinstance(env, dict):
+            env = await FACTS.env_for(env)  # no version check or CSRF fetch where the answers are known
             kwargs['env'] = {**env, HELD_ENV: str(os.getpid())}  # its flow beats once this process is gone
         with beating(flow_run_id) if flow_run_id else contextlib.nullcontext():
             return await prefect_run_process(command, stream_output=stream_output, task_status=task_status,
                                              task_status_handler=task_status_handler, **kwargs)
 
     _upstream.prefect_engine_run_process(run_process)
+
+
+def share_tls_contexts() -> None:
+    """Prefect's clients in this process share one TLS context per CA file (`_upstream.prefect_share_tls_contexts`);
+    when this Prefect no longer allows it, each builds its own as before (logged at debug)."""
+    try:
+        _upstream.prefect_share_tls_contexts()
+    except RuntimeError:
+        logging.getLogger(__name__).debug('prefect clients build their own TLS contexts', exc_info=True)
 
 
 def start_fork_server(notify: Callable[[str], None], target: str) -> ForkServer | None:

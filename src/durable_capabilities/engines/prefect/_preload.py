@@ -17,7 +17,9 @@ import threading
 
 import prefect.engine  # what `python -m prefect.engine` imports before it loads the flow
 import prefect.flow_engine  # noqa: F401
+from prefect.settings import PREFECT_API_SSL_CERT_FILE, PREFECT_API_TLS_INSECURE_SKIP_VERIFY
 
+from ... import _upstream
 from . import _entry
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,15 @@ def _warm() -> None:
             WARMED.append(name)
         except Exception:  # moved or gone in this version: the flow runs import what they use
             logger.debug('fork server: %s not preloaded', name, exc_info=True)
+    try:  # every Prefect client of a flow run then shares the fork server's TLS context (~20 ms of CPU each)
+        import certifi  # Prefect's default CA file
+
+        shim = _upstream.prefect_share_tls_contexts()
+        if not PREFECT_API_TLS_INSECURE_SKIP_VERIFY.value():  # Prefect's own choice of CA file
+            shim.create_default_context(cafile=PREFECT_API_SSL_CERT_FILE.value() or certifi.where())
+        WARMED.append('TLS context')
+    except Exception:  # each client builds its own
+        logger.debug('fork server: TLS context not shared', exc_info=True)
     from pydantic_ai.messages import ModelMessagesTypeAdapter
 
     from ...conversations import store_url

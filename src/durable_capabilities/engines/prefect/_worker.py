@@ -39,7 +39,7 @@ from ._approvals import watch_deadlines
 from ._entry import entrypoint
 from ._flow import agent_flow
 from ._liveness import DeadRunWatch, claim, settle, stale_seconds
-from ._prefork import beat_spawned, start_fork_server
+from ._prefork import FACTS, beat_spawned, share_tls_contexts, start_fork_server
 from ._spec import TARGET_ENV, flow_name
 
 if TYPE_CHECKING:
@@ -84,6 +84,8 @@ def serve(
         raise ValueError('give exactly one of cron or interval_seconds')
     os.environ[TARGET_ENV] = target  # inherited by the processes that run each flow run (and the fork server)
     notify = notify or logging.getLogger(__name__).warning
+    share_tls_contexts()
+    FACTS.read_now()  # what each flow run's process need not ask the server (`_prefork.ServerFacts`)
     # The fork server preloads while nothing else runs; flow runs fork from it. Without one, the serving process
     # beats each run while its new Python process loads (a silent PENDING run is declared dead: `_liveness`).
     if spawn or start_fork_server(notify, target) is None:
