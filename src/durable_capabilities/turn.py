@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from .approvals import ApprovalGate
     from .conversations import LoadedConversation
 
+
 class TurnRequestLimitError(UsageLimitExceeded, DurcapError, code='DC061'):
     """A turn made its request limit of model requests across its approval rounds and its model asked for approval
     again (problem DC061): each round is a new `Agent.run`, whose own limit starts at 0, so a model that keeps calling
@@ -62,9 +63,10 @@ class TurnRequestLimitError(UsageLimitExceeded, DurcapError, code='DC061'):
     def __init__(self, requests: int, limit: int, tools: Sequence[str]):
         self.requests, self.limit, self.tools = requests, limit, list(tools)
         super().__init__(f'DC061 the turn made {requests} model requests, its request limit ({limit}), and its model '
-                         f'asked again for approval of {", ".join(sorted(set(self.tools)))} (a local run denies each call '
-                         'at once; the model kept asking): stopped before another round; tell the model what to do '
-                         'when a call is denied, or run on a durable engine, where a person decides each call')
+                         f'asked again for approval of {", ".join(sorted(set(self.tools)))}: stopped before another '
+                         'round (the limit counts every approval round of the turn); tell the model what to do when a '
+                         'call is denied (a local run denies each call at once; on a durable engine a person decides '
+                         'each)')
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.requests, self.limit, self.tools))
@@ -123,7 +125,6 @@ def claimed_by_caller(run_id: str) -> Iterator[None]:
         yield
     finally:
         _claimed.reset(token)
-
 
 
 def _streams() -> Any:
