@@ -248,10 +248,20 @@ def _pending_ids(url: str, executor: str) -> list[str] | None:
         client.destroy()
 
 
-def no_worker_seen(queue: str) -> str:
-    """The line for a queue no live `durcap worker dbos` serves (no heartbeat row of one in `DEFAULT_PEER_TIMEOUT`)."""
+def worker_command(queue: str, db: str | None = None, store: str | None = None) -> str:
+    """The `durcap worker dbos` command line that serves `queue`: `--db` (the system database the run was handed to)
+    and `--store` named when given, each shown without its password, since a worker on another system database never
+    sees the run and one on another conversation store writes its events where `durcap serve` never reads them."""
+    where = f' --db {redact_database_url(db)}' if db else ''
+    stored = f' --store {redact_database_url(store)}' if store else ''
+    return f'durcap worker dbos TARGET{where} --queue {queue}{stored}'
+
+
+def no_worker_seen(queue: str, db: str | None = None, store: str | None = None) -> str:
+    """The line for a queue no live `durcap worker dbos` serves (no heartbeat row of one in `DEFAULT_PEER_TIMEOUT`);
+    `db`, `store`: as `worker_command`."""
     return (f'no `durcap worker dbos` serving queue {queue!r} was seen in the last {DEFAULT_PEER_TIMEOUT:g} s: the run '
-            f'waits on the queue until one does (start `durcap worker dbos TARGET --queue {queue}`)')
+            f'waits on the queue until one does (start `{worker_command(queue, db, store)}`)')
 
 
 def never_served(url: str, queue: str) -> str:
@@ -302,7 +312,7 @@ async def check_serving(settings: Any) -> list[str]:
 
     serving = [e for e in await asyncio.to_thread(live_executors, url) if e['queue'] == queue
                and e['age'] < DEFAULT_PEER_TIMEOUT]
-    return [] if serving else [no_worker_seen(queue).replace('the run waits', 'turns wait')]
+    return [] if serving else [no_worker_seen(queue, url, settings.get('store')).replace('the run waits', 'turns wait')]
 
 
 async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, workflow_id: str,
@@ -366,8 +376,9 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
                         '`durcap worker dbos` serving it runs it)')
         serving = [e for e in live_executors(url) if e['queue'] == queue and e['age'] < DEFAULT_PEER_TIMEOUT]
         if not serving:
-            options.notify(WaitingForWorker(no_worker_seen(queue)))
-        notice = asyncio.create_task(_notice_no_progress(client, url, queue, workflow_id, options.notify, seconds))
+            options.notify(WaitingForWorker(no_worker_seen(queue, url, options.setting('store'))))
+        notice = asyncio.create_task(_notice_no_progress(client, url, queue, workflow_id, options.notify, seconds,
+                                                        options.setting('store')))
         try:
             payload = await handle.get_result()
         finally:
@@ -380,7 +391,7 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
 
 
 async def _notice_no_progress(client: Any, url: str, queue: str, workflow_id: str, notify: Callable[[str], None],
-                              seconds: float) -> None:
+                              seconds: float, store: str | None = None) -> None:
     """Say once per stall, on `notify`, when run `workflow_id` has waited `seconds` for a worker without progress
     (`_stall.notice_stalls`), until it ends or this task is cancelled.
 
@@ -408,8 +419,8 @@ async def _notice_no_progress(client: Any, url: str, queue: str, workflow_id: st
 
     async def line(waiting: str, waited: float) -> str:
         return (f'still waiting: no worker has picked up run {workflow_id} on queue {queue!r} for {waited:g} s '
-                f'({waiting}; no step recorded meanwhile): is a worker running? `durcap worker dbos TARGET '
-                f'--queue {queue}` (the run is durable: a worker launched as its executor id, or a live peer after '
+                f'({waiting}; no step recorded meanwhile): is a worker running? '
+                f'`{worker_command(queue, url, store)}` (the run is durable: a worker launched as its executor id, or a live peer after '
                 'its --peer-timeout, finishes it)')
 
     await notice_stalls(probe, line, notify, seconds)
