@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests._helpers import ROOT
+from tests._helpers import ROOT, pg_url, sql
 from tests.engines._serve import Proc, free_port, read_sse, start
 
 pytestmark = [pytest.mark.slow]
@@ -144,3 +144,24 @@ def test_temporal_task_queue_without_worker_is_said_at_start_and_in_the_run_then
     assert rest[-1].data['data']['output'] == 'ok'
     status = _status(url, run['run_id'])
     assert status['status'] == 'completed' and status['notice'] is None, status
+
+
+def test_dbos_postgresql_database_no_worker_created_fails_each_turn_with_the_coded_line(
+        procs: list[Proc], tmp_path: Path) -> None:
+    """As the SQLite case above, on PostgreSQL (the shared server): a system database the server does not have yet is
+    one DC040 --db warning at start, and a turn fails at once with that coded line as its error (before: the client's
+    `RuntimeError: cannot connect to the DBOS system database ...`, class name and all). Nothing is created."""
+    name = f'durcap_missing_{uuid.uuid4().hex[:8]}'
+    db = pg_url(name)
+    env = {'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}'}
+    queue = f'q-{uuid.uuid4().hex[:6]}'
+    url, lines = _serve(procs, tmp_path, env, '--engine', 'dbos', '--db', db, '--queue', queue)
+    assert f'durcap serve: warning: DC040 --db: no DBOS worker has ever run on {db}: every turn fails' in lines, lines
+    failed = _turn(url, 'c-never-pg')
+    events = read_sse(url + failed['events_url'], TOKEN, timeout=60)
+    assert [e.kind for e in events] == ['run_failed'], events
+    status = _status(url, failed['run_id'])
+    assert status['status'] == 'failed', status
+    assert status['error'].startswith(f'DC040 --db: no DBOS worker has ever run on {db}: start `durcap worker dbos'), status
+    assert status['error'] == events[0].data['data']['error'] and 'Error' not in status['error'], status
+    assert not sql(pg_url('postgres'), 'SELECT 1 FROM pg_database WHERE datname = :name', {'name': name})

@@ -341,7 +341,8 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
     Raises:
         RuntimeError: the system database cannot be reached (one line).
         InputError: DC040 naming `--db`, when no DBOS application has ever run on the system database (a SQLite file
-            that does not exist, or a database without DBOS's tables): no worker can be serving the queue, and the
+            that does not exist, a PostgreSQL database the server does not have, or a database without DBOS's
+            tables): no worker can be serving the queue, and the
             tables a worker creates are missing; checked before anything is written (the file is not created).
         Exception: the workflow's own error, as DBOS re-raises it.
     """
@@ -355,7 +356,12 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
     no_worker_yet = never_served(url, queue)
     if _missing_sqlite_file({'db': url}) is not None:
         raise InputError('--db', no_worker_yet)
-    client = dbos_client({'db': url})
+    try:
+        client = dbos_client({'db': url})
+    except RuntimeError as exc:  # a PostgreSQL database no worker has created yet: the same coded line
+        if await asyncio.to_thread(postgres_database_missing, url, str(exc)) is not None:
+            raise InputError('--db', no_worker_yet) from None
+        raise
     try:
         enqueue: EnqueueOptions = {'queue_name': queue, 'workflow_name': workflow_names(agent)[0],
                                    'workflow_id': workflow_id}
