@@ -25,6 +25,7 @@ from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
 from pydantic_core import to_json, to_jsonable_python
 
 from . import interrupts, telemetry
+from ._limits import one_line
 from ._turn_log import TurnLog, recording
 from .aliases import rewrite_history
 from .conversations import (  # noqa: F401 - _DECODED and DECODED_CACHE_SIZE re-exported (tests, bench)
@@ -361,7 +362,7 @@ async def _run(agent: DurableAgent[Any, Any], run: Callable[..., Awaitable[Any]]
                 added += ModelMessagesTypeAdapter.dump_python(pending, mode='json')
     except BaseException as error:
         if stream is not None and isinstance(error, Exception):
-            await _publish('run_failed', {'error': f'{type(error).__name__}: {error}'}, close=True)
+            await _publish('run_failed', _failed_data(error), close=True)
         raise
     finally:
         _current.reset(token)
@@ -400,6 +401,17 @@ async def _run(agent: DurableAgent[Any, Any], run: Callable[..., Awaitable[Any]]
         await _publish('run_completed', {'output': _jsonable(result.output), 'usage': turn.usage,
                                                     'new_messages': len(turn.new_messages)}, close=True)
     return turn
+
+
+def _failed_data(error: BaseException) -> dict[str, Any]:
+    """The `run_failed` data of a run's own error: `{'error', 'code'?}`. An error with a DC code (e.g. DC061) is its
+    one line led by that code, as `durcap serve` documents a failed run's `error`, with `code`; any other is
+    `'Type: message'`."""
+    code = getattr(error, 'code', None)
+    if isinstance(code, str) and code.startswith('DC'):
+        text = one_line(str(error))
+        return {'error': text if text.startswith(code) else f'{code} {text}', 'code': code}
+    return {'error': f'{type(error).__name__}: {error}'}
 
 
 def _failure_text(error: BaseException) -> str:

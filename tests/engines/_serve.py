@@ -53,9 +53,9 @@ class Proc:
         self.popen.wait(timeout=30)
 
 
-def start(args: list[str], log: Path, env: dict[str, str]) -> Proc:
+def start(args: list[str], log: Path, env: dict[str, str], cwd: Path = ROOT) -> Proc:
     with open(log, 'wb') as out:
-        popen = subprocess.Popen([*DURCAP, *args], cwd=ROOT, env=subprocess_env(env), stdout=out,
+        popen = subprocess.Popen([*DURCAP, *args], cwd=cwd, env=subprocess_env(env), stdout=out,
                                  stderr=subprocess.STDOUT, start_new_session=True)
     return Proc(popen, log)
 

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests._helpers import ROOT
+from tests._helpers import ROOT, pg_url, sql
 from tests.engines._serve import Proc, free_port, read_sse, start
 
 pytestmark = [pytest.mark.slow]
@@ -96,6 +96,9 @@ def test_dbos_database_no_worker_created_is_one_coded_line_then_a_queue_without_
     [said] = read_sse(url + waiting['events_url'], TOKEN, stop_after=1, timeout=60)
     assert said.kind == 'run_waiting', said
     assert said.data['data']['notice'].startswith(f'no `durcap worker dbos` serving queue {queue!r} was seen'), said
+    # The worker command named is the one to run: its system database and its store too.
+    assert (f'(start `durcap worker dbos TARGET --db {db} --queue {queue} --store {env["DURCAP_STORE"]}`)'
+            in said.data['data']['notice']), said
     status = _status(url, waiting['run_id'])
     assert status['status'] == 'queued' and status['notice'] == said.data['data']['notice'], status
     worker = start(['worker', 'dbos', TARGET, '--db', db, '--queue', queue, '--executor-id', 'w-queue', '--allow-drift'],
@@ -109,12 +112,15 @@ def test_dbos_database_no_worker_created_is_one_coded_line_then_a_queue_without_
 
 def test_temporal_task_queue_without_worker_is_said_at_start_and_in_the_run_then_a_worker_started_later_runs_it(
         procs: list[Proc], tmp_path: Path, temporal_address: str) -> None:
-    env = {'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}'}
+    store = f'sqlite:///{tmp_path / "conversations.db"}'
     queue = f'waiting-{uuid.uuid4().hex[:8]}'
-    url, lines = _serve(procs, tmp_path, env, '--engine', 'temporal', '--address', temporal_address, '--task-queue', queue,
-                        '--keepalive', '1')
+    url, lines = _serve(procs, tmp_path, {'DURCAP_STORE': store}, '--engine', 'temporal', '--address', temporal_address,
+                        '--task-queue', queue, '--keepalive', '1')
+    # The worker command named is the one to run: its store too (a worker on another store runs the turn, but its
+    # events and messages go where serve never reads them: the run would show `queued` forever).
+    command = f'durcap worker temporal TARGET --address {temporal_address} --task-queue {queue} --store {store}'
     assert (f'durcap serve: warning: no worker polls task queue {queue!r} at {temporal_address} yet: turns wait until '
-            f'one does (start `durcap worker temporal TARGET --address {temporal_address} --task-queue {queue}`)') in lines
+            f'one does (start `{command}`)') in lines, lines
     run = _turn(url, 'c-temporal')
     with httpx.stream('GET', url + run['events_url'], headers=TOKEN, timeout=60) as response:
         first = next(response.iter_raw())
@@ -125,13 +131,37 @@ def test_temporal_task_queue_without_worker_is_said_at_start_and_in_the_run_then
     notice = said.data['data']['notice']
     assert notice.startswith(f'no worker polls task queue {queue!r}: the run waits until one does'), notice
     assert '--inline-worker' not in notice  # a flag of `durcap run`, not of the API
+    assert f'(start `{command}`; ' in notice, notice
     status = _status(url, run['run_id'])
     assert status['status'] == 'queued' and status['notice'] == notice, status
-    worker = start(['worker', 'temporal', TARGET, '--address', temporal_address, '--task-queue', queue, '--allow-drift'],
-                   tmp_path / 'worker.log', env)
+    # The worker as the notice says, in a folder of its own and without $DURCAP_STORE.
+    (tmp_path / 'elsewhere').mkdir()
+    worker = start(['worker', 'temporal', TARGET, '--address', temporal_address, '--task-queue', queue, '--store', store,
+                    '--allow-drift'], tmp_path / 'worker.log', {}, cwd=tmp_path / 'elsewhere')
     procs.append(worker)
     rest = read_sse(url + run['events_url'], TOKEN, last_event_id=said.id, timeout=180)
     assert rest[0].kind == 'run_started' and rest[-1].kind == 'run_completed', [e.kind for e in rest]
     assert rest[-1].data['data']['output'] == 'ok'
     status = _status(url, run['run_id'])
     assert status['status'] == 'completed' and status['notice'] is None, status
+
+
+def test_dbos_postgresql_database_no_worker_created_fails_each_turn_with_the_coded_line(
+        procs: list[Proc], tmp_path: Path) -> None:
+    """As the SQLite case above, on PostgreSQL (the shared server): a system database the server does not have yet is
+    one DC040 --db warning at start, and a turn fails at once with that coded line as its error (before: the client's
+    `RuntimeError: cannot connect to the DBOS system database ...`, class name and all). Nothing is created."""
+    name = f'durcap_missing_{uuid.uuid4().hex[:8]}'
+    db = pg_url(name)
+    env = {'DURCAP_STORE': f'sqlite:///{tmp_path / "conversations.db"}'}
+    queue = f'q-{uuid.uuid4().hex[:6]}'
+    url, lines = _serve(procs, tmp_path, env, '--engine', 'dbos', '--db', db, '--queue', queue)
+    assert f'durcap serve: warning: DC040 --db: no DBOS worker has ever run on {db}: every turn fails' in lines, lines
+    failed = _turn(url, 'c-never-pg')
+    events = read_sse(url + failed['events_url'], TOKEN, timeout=60)
+    assert [e.kind for e in events] == ['run_failed'], events
+    status = _status(url, failed['run_id'])
+    assert status['status'] == 'failed', status
+    assert status['error'].startswith(f'DC040 --db: no DBOS worker has ever run on {db}: start `durcap worker dbos'), status
+    assert status['error'] == events[0].data['data']['error'] and 'Error' not in status['error'], status
+    assert not sql(pg_url('postgres'), 'SELECT 1 FROM pg_database WHERE datname = :name', {'name': name})

@@ -69,7 +69,7 @@ def test_temporal_client_says_no_worker_picked_up_the_run_then_prints_the_answer
         assert took >= NOTICE, (took, line)
         assert line.startswith('still waiting: no worker has picked up run ') and f"task queue '{queue}'" in line, line
         assert 'activity ' in line and '(attempt 2) scheduled, the history not growing' in line, line
-        assert f'`durcap worker temporal TARGET --task-queue {queue}`' in line, line
+        assert f'`durcap worker temporal TARGET --address {temporal_address} --task-queue {queue}' in line, line
         second = spawn(*worker_args, env=env)
         second.wait_for('WORKER READY', 90)
         assert client.wait(timeout=120) == 0, log.read_text()
@@ -105,7 +105,7 @@ def test_dbos_queue_client_says_no_worker_picked_up_the_run_then_prints_the_answ
         line = wait_text(log, 'still waiting:', client, NOTICE + SLACK)
         took = time.monotonic() - killed
         assert line.startswith('still waiting: no worker has picked up run ') and f"on queue '{queue}'" in line, line
-        assert f'`durcap worker dbos TARGET --queue {queue}`' in line, line
+        assert f'`durcap worker dbos TARGET --db {db} --queue {queue}' in line, line
         assert "its worker, executor 'w1', sends no heartbeat; no step recorded meanwhile" in line, (took, line)
         second = start(worker_args, tmp_path / 'w1-again.log', env)  # launched as w1: recovers the run
         assert client.wait(timeout=120) == 0, log.read_text()

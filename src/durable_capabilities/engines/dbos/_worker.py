@@ -248,10 +248,20 @@ def _pending_ids(url: str, executor: str) -> list[str] | None:
         client.destroy()
 
 
-def no_worker_seen(queue: str) -> str:
-    """The line for a queue no live `durcap worker dbos` serves (no heartbeat row of one in `DEFAULT_PEER_TIMEOUT`)."""
+def worker_command(queue: str, db: str | None = None, store: str | None = None) -> str:
+    """The `durcap worker dbos` command line that serves `queue`: `--db` (the system database the run was handed to)
+    and `--store` named when given, each shown without its password, since a worker on another system database never
+    sees the run and one on another conversation store writes its events where `durcap serve` never reads them."""
+    where = f' --db {redact_database_url(db)}' if db else ''
+    stored = f' --store {redact_database_url(store)}' if store else ''
+    return f'durcap worker dbos TARGET{where} --queue {queue}{stored}'
+
+
+def no_worker_seen(queue: str, db: str | None = None, store: str | None = None) -> str:
+    """The line for a queue no live `durcap worker dbos` serves (no heartbeat row of one in `DEFAULT_PEER_TIMEOUT`);
+    `db`, `store`: as `worker_command`."""
     return (f'no `durcap worker dbos` serving queue {queue!r} was seen in the last {DEFAULT_PEER_TIMEOUT:g} s: the run '
-            f'waits on the queue until one does (start `durcap worker dbos TARGET --queue {queue}`)')
+            f'waits on the queue until one does (start `{worker_command(queue, db, store)}`)')
 
 
 def never_served(url: str, queue: str) -> str:
@@ -302,7 +312,7 @@ async def check_serving(settings: Any) -> list[str]:
 
     serving = [e for e in await asyncio.to_thread(live_executors, url) if e['queue'] == queue
                and e['age'] < DEFAULT_PEER_TIMEOUT]
-    return [] if serving else [no_worker_seen(queue).replace('the run waits', 'turns wait')]
+    return [] if serving else [no_worker_seen(queue, url, settings.get('store')).replace('the run waits', 'turns wait')]
 
 
 async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, workflow_id: str,
@@ -331,7 +341,8 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
     Raises:
         RuntimeError: the system database cannot be reached (one line).
         InputError: DC040 naming `--db`, when no DBOS application has ever run on the system database (a SQLite file
-            that does not exist, or a database without DBOS's tables): no worker can be serving the queue, and the
+            that does not exist, a PostgreSQL database the server does not have, or a database without DBOS's
+            tables): no worker can be serving the queue, and the
             tables a worker creates are missing; checked before anything is written (the file is not created).
         Exception: the workflow's own error, as DBOS re-raises it.
     """
@@ -345,7 +356,12 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
     no_worker_yet = never_served(url, queue)
     if _missing_sqlite_file({'db': url}) is not None:
         raise InputError('--db', no_worker_yet)
-    client = dbos_client({'db': url})
+    try:
+        client = dbos_client({'db': url})
+    except RuntimeError as exc:  # a PostgreSQL database no worker has created yet: the same coded line
+        if await asyncio.to_thread(postgres_database_missing, url, str(exc)) is not None:
+            raise InputError('--db', no_worker_yet) from None
+        raise
     try:
         enqueue: EnqueueOptions = {'queue_name': queue, 'workflow_name': workflow_names(agent)[0],
                                    'workflow_id': workflow_id}
@@ -366,8 +382,9 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
                         '`durcap worker dbos` serving it runs it)')
         serving = [e for e in live_executors(url) if e['queue'] == queue and e['age'] < DEFAULT_PEER_TIMEOUT]
         if not serving:
-            options.notify(WaitingForWorker(no_worker_seen(queue)))
-        notice = asyncio.create_task(_notice_no_progress(client, url, queue, workflow_id, options.notify, seconds))
+            options.notify(WaitingForWorker(no_worker_seen(queue, url, options.setting('store'))))
+        notice = asyncio.create_task(_notice_no_progress(client, url, queue, workflow_id, options.notify, seconds,
+                                                        options.setting('store')))
         try:
             payload = await handle.get_result()
         finally:
@@ -380,7 +397,7 @@ async def enqueue_and_wait(agent: DurableAgent[Any, Any], url: str, queue: str, 
 
 
 async def _notice_no_progress(client: Any, url: str, queue: str, workflow_id: str, notify: Callable[[str], None],
-                              seconds: float) -> None:
+                              seconds: float, store: str | None = None) -> None:
     """Say once per stall, on `notify`, when run `workflow_id` has waited `seconds` for a worker without progress
     (`_stall.notice_stalls`), until it ends or this task is cancelled.
 
@@ -408,8 +425,8 @@ async def _notice_no_progress(client: Any, url: str, queue: str, workflow_id: st
 
     async def line(waiting: str, waited: float) -> str:
         return (f'still waiting: no worker has picked up run {workflow_id} on queue {queue!r} for {waited:g} s '
-                f'({waiting}; no step recorded meanwhile): is a worker running? `durcap worker dbos TARGET '
-                f'--queue {queue}` (the run is durable: a worker launched as its executor id, or a live peer after '
+                f'({waiting}; no step recorded meanwhile): is a worker running? '
+                f'`{worker_command(queue, url, store)}` (the run is durable: a worker launched as its executor id, or a live peer after '
                 'its --peer-timeout, finishes it)')
 
     await notice_stalls(probe, line, notify, seconds)

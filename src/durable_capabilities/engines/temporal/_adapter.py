@@ -19,7 +19,15 @@ from .._adapter import EngineAdapter, EngineUnreachableError, RunOptions
 from .._specs import TEMPORAL as SPEC
 from .._stall import wait_notice
 from . import _patches, _runs
-from ._client import await_result, connect, notice_no_poller, notice_no_progress, start_run, task_queue_pollers
+from ._client import (
+    await_result,
+    connect,
+    notice_no_poller,
+    notice_no_progress,
+    start_run,
+    task_queue_pollers,
+    worker_command,
+)
 from ._conversation import conversation_activity_names
 from ._durability import GuardedTemporalDurability, durability_parts, durable_names, sandbox_runner
 from ._history import HistoryReplayer, export_history, units_recorded
@@ -102,9 +110,10 @@ class TemporalAdapter(EngineAdapter, spec=SPEC):
                 busy=options.setting('busy'),
             )
             options.started(workflow_id, f'temporal workflow id: {workflow_id} (task queue {task_queue!r} at {address})')
+            command = worker_command(task_queue, address, store)
             watches = [] if inline_worker else [
-                asyncio.create_task(notice_no_poller(client, namespace, task_queue, options.notify)),
-                asyncio.create_task(notice_no_progress(client, workflow_id, task_queue, options.notify, notice))]
+                asyncio.create_task(notice_no_poller(client, namespace, task_queue, options.notify, command)),
+                asyncio.create_task(notice_no_progress(client, workflow_id, task_queue, options.notify, notice, command))]
             try:
                 client, result = await await_result(client, address, namespace, workflow_id, options.notify)
                 units = await units_recorded(client, workflow_id, None)
@@ -141,7 +150,7 @@ class TemporalAdapter(EngineAdapter, spec=SPEC):
         if pollers:
             return []
         return [f'no worker polls task queue {task_queue!r} at {address} yet: turns wait until one does (start '
-                f'`durcap worker temporal TARGET --address {address} --task-queue {task_queue}`)']
+                f'`{worker_command(task_queue, address, settings.get("store"))}`)']
 
     async def export_history(self, run_id: str, output: Any, settings: Mapping[str, Any]) -> Any:
         """The workflow's history as JSON (`_history.export_history`); settings `address`, `namespace`."""

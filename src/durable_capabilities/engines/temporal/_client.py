@@ -25,7 +25,7 @@ from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
-from ..._limits import InputError
+from ..._limits import InputError, redact_database_url
 from .._adapter import EngineUnreachableError
 from .._stall import Progress, WaitingForWorker, notice_stalls
 from ._payloads import default_data_converter
@@ -172,8 +172,19 @@ async def task_queue_pollers(client: Client, namespace: str, task_queue: str) ->
     return len(response.pollers)
 
 
-async def notice_no_poller(client: Client, namespace: str, task_queue: str, notify: Callable[[str], None]) -> None:
-    """Say, within `NO_POLLER_NOTICE_SECONDS`, when no worker polls `task_queue` (the run waits for one)."""
+def worker_command(task_queue: str, address: str | None = None, store: str | None = None) -> str:
+    """The `durcap worker temporal` command line that serves this run: `--address` and `--store` named when given
+    (`store` shown without its password), since a worker on another conversation store runs the turn but writes its
+    events and messages where `durcap serve` never reads them."""
+    where = f' --address {address}' if address else ''
+    stored = f' --store {redact_database_url(store)}' if store else ''
+    return f'durcap worker temporal TARGET{where} --task-queue {task_queue}{stored}'
+
+
+async def notice_no_poller(client: Client, namespace: str, task_queue: str, notify: Callable[[str], None],
+                           command: str | None = None) -> None:
+    """Say, within `NO_POLLER_NOTICE_SECONDS`, when no worker polls `task_queue` (the run waits for one); `command`:
+    the worker command the line names (default `worker_command(task_queue)`)."""
     deadline = asyncio.get_running_loop().time() + NO_POLLER_NOTICE_SECONDS
     while True:
         try:
@@ -184,14 +195,14 @@ async def notice_no_poller(client: Client, namespace: str, task_queue: str, noti
         if asyncio.get_running_loop().time() >= deadline:
             break
         await asyncio.sleep(0.5)
-    said = f'no worker polls task queue {task_queue!r}: the run waits until one does (start `durcap worker temporal ' \
-           f'TARGET --task-queue {task_queue}`'
+    said = (f'no worker polls task queue {task_queue!r}: the run waits until one does (start '
+            f'`{command or worker_command(task_queue)}`')
     notify(WaitingForWorker(f'{said}, or run with --inline-worker)', api=f'{said}; the run is durable: a worker started '
                             'now runs it)'))
 
 
 async def notice_no_progress(client: Client, workflow_id: str, task_queue: str, notify: Callable[[str], None],
-                             seconds: float) -> None:
+                             seconds: float, command: str | None = None) -> None:
     """Say once, on `notify`, when the run has waited `seconds` for a worker without progress (`_stall`), and keep
     watching until it ends or this task is cancelled.
 
@@ -231,7 +242,7 @@ async def notice_no_progress(client: Client, workflow_id: str, task_queue: str, 
             listed = 'pollers unknown'
         return (f'still waiting: no worker has picked up run {workflow_id} on task queue {task_queue!r} for '
                 f'{waited:g} s ({waiting} scheduled, the history not growing; {listed}): is a worker running? '
-                f'`durcap worker temporal TARGET --task-queue {task_queue}` (the run is durable: a worker started now '
+                f'`{command or worker_command(task_queue)}` (the run is durable: a worker started now '
                 'finishes it)')
 
     await notice_stalls(probe, line, notify, seconds)
