@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter
-from pydantic_ai.exceptions import UsageLimitExceeded
+from pydantic_ai.exceptions import AgentRunError, UsageLimitExceeded
 from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
 from pydantic_core import to_json, to_jsonable_python
 
@@ -63,11 +63,13 @@ class TurnRequestLimitError(UsageLimitExceeded, DurcapError, code='DC061'):
 
     def __init__(self, requests: int, limit: int, tools: Sequence[str]):
         self.requests, self.limit, self.tools = requests, limit, list(tools)
-        super().__init__(f'DC061 the turn made {requests} model requests, its request limit ({limit}), and its model '
-                         f'asked again for approval of {", ".join(sorted(set(self.tools)))}: stopped before another '
-                         'round (the limit counts every approval round of the turn); tell the model what to do when a '
-                         'call is denied (a local run denies each call at once; on a durable engine a person decides '
-                         'each)')
+        # `AgentRunError`'s own init: `UsageLimitExceeded`'s appends pydantic-ai's "Consider raising the limit" hint,
+        # and durcap passes no limit a user could raise
+        message = (f'DC061 the turn made {requests} model requests, its request limit ({limit}), and its model asked '
+                   f'again for approval of {", ".join(sorted(set(self.tools)))}: stopped before another round (the '
+                   'limit counts every approval round of the turn); tell the model what to do when a call is denied '
+                   '(a local run denies each call at once; on a durable engine a person decides each)')
+        AgentRunError.__init__(self, message)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.requests, self.limit, self.tools))

@@ -616,6 +616,7 @@ def test_runs_list_piped_keeps_each_row_on_one_line() -> None:
         assert line.split() == [infos[n].run_id, 'dbos', 'input-plain', 'completed', '2026-12-06', '17:31:10',
                                 'orders,', 'account-security', conversation, '3', 'executor',
                                 'durcap-run-vm-11988-151560'], line
+    assert all(line == line.rstrip() for line in lines), lines  # no padding after the last cell
     assert console.width == 160  # the console's width is back for what it prints next
 
 

@@ -111,9 +111,12 @@ def _print_runs(infos: list[Any], fmt: RunsFormat) -> None:
     saved = _out.width
     _out.width = max(saved, natural)
     try:
-        _out.print(table)
+        with _out.capture() as captured:
+            _out.print(table)
     finally:
         _out.width = saved
+    # each line without the padding rich puts after its last cell (spaces a `cut` or `awk '{print $NF}'` would see)
+    _out.out('\n'.join(line.rstrip() for line in captured.get().splitlines()), highlight=False)
 
 
 @runs_app.command('list')
