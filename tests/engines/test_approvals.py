@@ -38,6 +38,18 @@ def env_for(tmp_path: Path, timeout: float | None = None) -> tuple[dict[str, str
     return env, crash_dir
 
 
+def start_gated_temporal(address: str, run_id: str, queue: str, prompt: str = 'revoke dave') -> None:
+    """Start a `durcap.gated` workflow (tests/engines/approval_agent.py) with `prompt` as `run_id` on task queue
+    `queue` of the Temporal server at `address`, from this process, and return once the server took it."""
+    from durable_capabilities.engines.temporal import AgentRunInput, connect
+
+    async def start() -> None:
+        client = await connect(address)
+        await client.start_workflow('durcap.gated', AgentRunInput(prompt=prompt), id=run_id, task_queue=queue)
+
+    asyncio.run(start())
+
+
 def pending(engine_args: list[str], run_id: str | None = None, timeout: float = 90) -> list[dict]:
     """Poll `durcap approvals list --format json` until a call of `run_id` (or any) waits."""
     deadline = time.monotonic() + timeout
@@ -219,7 +231,6 @@ def test_dbos_workflow_drops_a_stale_decision_sent_straight_to_it(spawn, tmp_pat
 
 def test_temporal_approve_after_worker_killed_while_waiting(temporal_address: str, spawn, tmp_path: Path) -> None:
     from durable_capabilities.engines.temporal import (
-        AgentRunInput,
         AgentRunOutput,
         connect,
     )
@@ -231,12 +242,7 @@ def test_temporal_approve_after_worker_killed_while_waiting(temporal_address: st
     first = spawn(*worker_args, env=env)
     first.wait_for('WORKER READY', 90)
     run_id = f'gate-{uuid.uuid4().hex[:8]}'
-
-    async def start() -> None:
-        client = await connect(temporal_address)
-        await client.start_workflow('durcap.gated', AgentRunInput(prompt='revoke dave'), id=run_id, task_queue=queue)
-
-    asyncio.run(start())
+    start_gated_temporal(temporal_address, run_id, queue)
     [call] = pending(engine_args, run_id)
     assert call['args'] == {'user': 'dave'} and call['engine'] == 'temporal'
     check_refusals(engine_args, run_id, call, crash_dir)
@@ -287,7 +293,7 @@ def test_temporal_decision_no_worker_accepted_is_refused_and_never_delivered_lat
     and its validator refuses it as expired, so the call still waits: a second approval with other arguments is the one
     that runs, once. Without the `not_after` check the first decision would run the tool with `dave2` and the second
     approval would be refused."""
-    from durable_capabilities.engines.temporal import AgentRunInput, AgentRunOutput, connect
+    from durable_capabilities.engines.temporal import AgentRunOutput, connect
 
     env, crash_dir = env_for(tmp_path)
     queue = f'gate-{uuid.uuid4().hex[:8]}'
@@ -296,12 +302,7 @@ def test_temporal_decision_no_worker_accepted_is_refused_and_never_delivered_lat
     first = spawn(*worker_args, env=env)
     first.wait_for('WORKER READY', 90)
     run_id = f'late-decision-{uuid.uuid4().hex[:8]}'
-
-    async def start() -> None:
-        client = await connect(temporal_address)
-        await client.start_workflow('durcap.gated', AgentRunInput(prompt='revoke dave'), id=run_id, task_queue=queue)
-
-    asyncio.run(start())
+    start_gated_temporal(temporal_address, run_id, queue)
     [call] = pending(engine_args, run_id)
     first.kill9()
     gave_up = durcap('approve', run_id, call['call_id'], '--args', '{"user": "dave2"}', *engine_args,

@@ -22,7 +22,7 @@ import pytest
 
 from durable_capabilities import runner
 from durable_capabilities.approvals import DecisionNotDeliveredError
-from tests.engines.test_approvals import TARGET, env_for, pending, revocations
+from tests.engines.test_approvals import TARGET, env_for, pending, revocations, start_gated_temporal
 
 WAIT = 6.0
 
@@ -32,19 +32,12 @@ def test_a_decision_no_worker_takes_gives_up_within_the_decision_wait(temporal_a
     """The run's only worker stopped with SIGTERM: `runner.decide` raises DC052 `not-delivered` within the wait (plus
     a second for the answer's cancellation), and the decision expires before the wait ends, so a worker that takes it
     later refuses it; nothing ran."""
-    from durable_capabilities.engines.temporal import AgentRunInput, connect
-
     env, crash_dir = env_for(tmp_path)
     queue = f'wait-{uuid.uuid4().hex[:8]}'
     worker = spawn('temporal', 'worker', '--target', TARGET, '--address', temporal_address, '--task-queue', queue, env=env)
     worker.wait_for('WORKER READY', 90)
     run_id = f'decision-wait-{uuid.uuid4().hex[:8]}'
-
-    async def start() -> None:
-        client = await connect(temporal_address)
-        await client.start_workflow('durcap.gated', AgentRunInput(prompt='revoke erin'), id=run_id, task_queue=queue)
-
-    asyncio.run(start())
+    start_gated_temporal(temporal_address, run_id, queue, 'revoke erin')
     [call] = pending(['--engine', 'temporal', '--address', temporal_address], run_id)
     worker.stop()  # SIGTERM: the worker drains and exits
     assert worker.popen.poll() is not None

@@ -32,7 +32,7 @@ import pytest
 from durable_capabilities import telemetry
 from durable_capabilities._servers import free_port
 from tests._helpers import ROOT, subprocess_env
-from tests.engines.test_approvals import TARGET, env_for, pending, revocations
+from tests.engines.test_approvals import TARGET, env_for, pending, revocations, start_gated_temporal
 
 # One worker runs this module's tests (pytest-xdist `loadgroup`): they share a module-scoped fixture.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('ui')]
@@ -283,18 +283,13 @@ def test_temporal_call_approved_from_the_page_runs_once(ui: UI, browser, spawn, 
 
     from selenium.webdriver.common.by import By
 
-    from durable_capabilities.engines.temporal import AgentRunInput, AgentRunOutput, connect
+    from durable_capabilities.engines.temporal import AgentRunOutput, connect
 
     env, crash_dir = env_for(tmp_path)
     queue, run_id = f'ui-gate-{uuid.uuid4().hex[:8]}', f'ui-gate-{uuid.uuid4().hex[:8]}'
     worker = spawn('temporal', 'worker', '--target', TARGET, '--address', ui.address, '--task-queue', queue, env=env)
     worker.wait_for('WORKER READY', 90)
-
-    async def start() -> None:
-        client = await connect(ui.address)
-        await client.start_workflow('durcap.gated', AgentRunInput(prompt='revoke dave'), id=run_id, task_queue=queue)
-
-    asyncio.run(start())
+    start_gated_temporal(ui.address, run_id, queue)
     [call] = pending(['--engine', 'temporal', '--address', ui.address], run_id)
     browser.get(ui.url + '/approvals')
     box = call_box(browser, run_id)
