@@ -405,15 +405,20 @@ async def _run(agent: DurableAgent[Any, Any], run: Callable[..., Awaitable[Any]]
     return turn
 
 
-def _failed_data(error: BaseException) -> dict[str, Any]:
-    """The `run_failed` data of a run's own error: `{'error', 'code'?}`. An error with a DC code (e.g. DC061) is its
-    one line led by that code, as `durcap serve` documents a failed run's `error`, with `code`; any other is
-    `'Type: message'`."""
+def coded_failure_data(error: BaseException) -> dict[str, Any] | None:
+    """The `run_failed` data `{'error', 'code'}` of an error with a DC code (e.g. DC061): its one line led by that code,
+    as `durcap serve` documents a failed run's `error`; `None` for an error without one (each caller words those:
+    `_failed_data` here, `serve._app.failure_data` for a turn that failed in the serve process)."""
     code = getattr(error, 'code', None)
     if isinstance(code, str) and code.startswith('DC'):
         text = one_line(str(error))
         return {'error': text if text.startswith(code) else f'{code} {text}', 'code': code}
-    return {'error': f'{type(error).__name__}: {error}'}
+    return None
+
+
+def _failed_data(error: BaseException) -> dict[str, Any]:
+    """The `run_failed` data of a run's own error: `coded_failure_data`, else `{'error': 'Type: message'}`."""
+    return coded_failure_data(error) or {'error': f'{type(error).__name__}: {error}'}
 
 
 def _failure_text(error: BaseException) -> str:

@@ -319,10 +319,11 @@ def failure_data(error: BaseException) -> dict[str, Any]:
     An error with a DC code (a system database no worker has created: DC040; a busy conversation: DC050) is its own
     one line, led by the code and naming the fix; any other is `Type: message` (what failed is then part of what to
     know)."""
+    from ..turn import coded_failure_data
+
     code = getattr(error, 'code', None)
-    if isinstance(code, str) and code.startswith('DC'):
-        return {'error': lead_with_code(code, one_line(str(error))), 'code': code}
-    return {'error': f'{type(error).__name__}: {one_line(str(error))}', **({'code': code} if code else {})}
+    return coded_failure_data(error) or {'error': f'{type(error).__name__}: {one_line(str(error))}',
+                                         **({'code': code} if code else {})}
 
 
 class _Refused(Exception):
